@@ -1,0 +1,165 @@
+"""Shared benchmark harness: timing, the copy-bandwidth ceiling, memory, tables, JSON, plots.
+
+Each family's script (``bench/<family>.py``) builds a list of cases; every case times
+lmfuse and its peers in the same process, so the ratios compare like with like.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import platform
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Result:
+    case: str
+    impl: str
+    ms: float | None  # median; None when the implementation could not run the case
+    tbps: float | None = None  # achieved TB/s over the case's minimal bytes
+    ratio: float | None = None  # impl time / lmfuse time (> 1: lmfuse is faster)
+    peak_extra_mib: float | None = None
+    note: str = ""
+
+
+@dataclass
+class Case:
+    """One benchmark case: a name, the minimal bytes it must move, and impl -> thunk."""
+
+    name: str
+    nbytes: int
+    impls: dict[str, Callable[[], object]] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+
+
+def bench_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Median milliseconds of ``fn`` (CUDA events via triton's do_bench on GPU)."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=50, rep=200, return_mode="median"))
+    import time
+
+    fn()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def peak_extra_mib(fn: Callable[[], object], device: torch.device) -> float | None:
+    """Peak memory allocated during ``fn`` beyond what was allocated before it, in MiB."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    out = fn()
+    torch.cuda.synchronize(device)
+    del out
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+
+
+def copy_tbps(nbytes: int, device: torch.device) -> tuple[float, float]:
+    """A device-to-device copy of ``nbytes``: (ms, TB/s counting bytes read and written)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src), device)
+    del src, dst
+    return ms, 2 * nbytes / ms / 1e9
+
+
+def run_cases(cases: list[Case], device: torch.device, reference_impl: str = "lmfuse"
+              ) -> list[Result]:
+    results = []
+    for case in cases:
+        rows = []
+        for impl, fn in case.impls.items():
+            try:
+                ms = bench_ms(fn, device)
+                mem = peak_extra_mib(fn, device)
+                note = case.notes.get(impl, "")
+            except Exception as exc:  # a peer that cannot run a case is reported, not fatal
+                ms, mem, note = None, None, f"failed: {type(exc).__name__}: {exc}"[:160]
+            tbps = case.nbytes / ms / 1e9 if ms else None
+            rows.append(Result(case.name, impl, ms, tbps, None, mem, note))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        base = next((r.ms for r in rows if r.impl == reference_impl), None)
+        for r in rows:
+            r.ratio = r.ms / base if (r.ms and base) else None
+        results.extend(rows)
+        print_table(rows, header=case is cases[0])
+    return results
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def print_table(rows: list[Result], header: bool = True) -> None:
+    if header:
+        print(f"{'case':<44} {'impl':<20} {'ms':>9} {'TB/s':>6} {'x lmfuse':>8} "
+              f"{'peak MiB':>9}  note")
+    for r in rows:
+        print(f"{r.case:<44} {r.impl:<20} {_fmt(r.ms, '9.4f')} {_fmt(r.tbps, '6.2f')} "
+              f"{_fmt(r.ratio, '8.2f')} {_fmt(r.peak_extra_mib, '9.1f')}  {r.note}", flush=True)
+
+
+def environment(device: torch.device) -> dict:
+    env = {
+        "date": _dt.date.today().isoformat(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "command": " ".join(["lmfuse", "bench"] + sys.argv[1:]) if sys.argv else "",
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    import lmfuse
+
+    env["lmfuse"] = lmfuse.__version__
+    return env
+
+
+def write_json(path: str, env: dict, copy: dict, results: list[Result]) -> None:
+    payload = {"environment": env, "copy": copy, "results": [asdict(r) for r in results]}
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+    print(f"wrote {path}")
+
+
+def plot(path: str, results: list[Result], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys(r.case for r in results))
+    impls = list(dict.fromkeys(r.impl for r in results))
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(cases)), 5))
+    width = 0.8 / max(len(impls), 1)
+    for i, impl in enumerate(impls):
+        vals = [next((r.tbps or 0 for r in results if r.case == c and r.impl == impl), 0)
+                for c in cases]
+        ax.bar([k + i * width for k in range(len(cases))], vals, width, label=impl)
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(cases))])
+    ax.set_xticklabels(cases, rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("achieved TB/s (minimal bytes)")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")

@@ -1,0 +1,171 @@
+"""Implementation selection, ``explain()``, interpreter detection and shared input checks.
+
+Every public op takes ``impl="auto" | "triton" | "torch"`` and decides once, here, which
+path runs:
+
+* ``"torch"`` — the plain-PyTorch reference (float32 math), on any device.
+* ``"triton"`` — the Triton kernels; on CUDA tensors, or on CPU tensors when Triton's
+  interpreter is on (``TRITON_INTERPRET=1`` set before the first kernel is compiled).
+  Asking for it where it cannot run raises; it never falls back silently.
+* ``"auto"`` — Triton where it can run, the reference elsewhere.
+
+Each op registers a *planner* (validation + selection, no tensor work) with
+:func:`register_planner`; the op calls its planner before running and
+:func:`explain` calls the same one, so what ``explain`` says is what runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+IMPLS = ("auto", "triton", "torch")
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """True when the ``triton`` package can be imported."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreter_active() -> bool:
+    """True when Triton kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def triton_support(device: torch.device) -> tuple[bool, str]:
+    """Whether the Triton path can run on ``device``, and why (or why not)."""
+    if not triton_available():
+        return False, "the triton package is not installed"
+    if device.type == "cuda":
+        return True, "CUDA tensor and triton is installed"
+    if device.type == "cpu" and interpreter_active():
+        return True, "CPU tensor and TRITON_INTERPRET=1 (Triton interpreter)"
+    if device.type == "cpu":
+        return False, "CPU tensor and Triton's interpreter is off (set TRITON_INTERPRET=1)"
+    return False, f"device type {device.type!r} has no Triton backend in lmfuse"
+
+
+@dataclass
+class Plan:
+    """What an op will do for a given call: the path, the reason, and op-specific facts."""
+
+    op: str
+    impl: str
+    reason: str
+    details: dict[str, Any] = field(default_factory=dict)
+    args: dict[str, Any] = field(default_factory=dict, repr=False)  # resolved arguments
+
+    def __str__(self) -> str:
+        extra = "".join(f"\n  {k}: {v}" for k, v in self.details.items())
+        return f"{self.op}: {self.impl} ({self.reason}){extra}"
+
+
+def select_impl(op: str, impl: str, device: torch.device) -> tuple[str, str]:
+    """Resolve ``impl`` for a call on ``device`` into ``("triton" | "torch", reason)``."""
+    if not isinstance(impl, str) or impl not in IMPLS:
+        raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
+    ok, why = triton_support(device)
+    if impl == "torch":
+        return "torch", "impl='torch' requested: plain-PyTorch reference"
+    if impl == "triton":
+        if not ok:
+            raise RuntimeError(f"{op}: impl='triton' cannot run here: {why}")
+        return "triton", f"impl='triton' requested; {why}"
+    if ok:
+        return "triton", f"auto: {why}"
+    return "torch", f"auto: reference path because {why}"
+
+
+_PLANNERS: dict[str, Callable[..., Plan]] = {}
+
+
+def register_planner(name: str) -> Callable[[Callable[..., Plan]], Callable[..., Plan]]:
+    """Register ``fn(*args, **kwargs) -> Plan`` as the planner of public op ``name``."""
+
+    def wrap(fn: Callable[..., Plan]) -> Callable[..., Plan]:
+        _PLANNERS[name] = fn
+        return fn
+
+    return wrap
+
+
+def registered_ops() -> list[str]:
+    return sorted(_PLANNERS)
+
+
+def explain(op: str | Callable, *args: Any, **kwargs: Any) -> Plan:
+    """Say which implementation ``op(*args, **kwargs)`` would run, and why, without running it.
+
+    ``op`` is a public lmfuse function (``lmfuse.fused_softmax``) or its name. Inputs are
+    validated exactly as the op itself would, so bad input raises here too.
+
+    >>> print(lmfuse.explain(lmfuse.fused_softmax, scores, causal=True))
+    fused_softmax: triton (auto: CUDA tensor and triton is installed) ...
+    """
+    name = op if isinstance(op, str) else getattr(op, "__name__", repr(op))
+    if name not in _PLANNERS:
+        raise ValueError(f"explain: unknown op {name!r}; known ops: {registered_ops()}")
+    return _PLANNERS[name](*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------
+# Input checks shared by every op. Each raises TypeError / ValueError naming the argument,
+# what was given and what is expected.
+
+
+def check_tensor(
+    op: str,
+    name: str,
+    t: Any,
+    *,
+    ndim: int | Sequence[int] | None = None,
+    dtypes: Sequence[torch.dtype] | None = FLOAT_DTYPES,
+) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if t.dim() not in allowed:
+            want = " or ".join(f"{n}-D" for n in allowed)
+            raise ValueError(
+                f"{op}: {name} must be {want}, got {t.dim()}-D with shape {tuple(t.shape)}"
+            )
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{op}: {name} must have dtype in ({names}), got {t.dtype}")
+    return t
+
+
+def check_same_device(op: str, ref_name: str, ref: torch.Tensor, **others: Any) -> None:
+    for name, t in others.items():
+        if isinstance(t, torch.Tensor) and t.device != ref.device:
+            raise ValueError(
+                f"{op}: {name} is on {t.device} but {ref_name} is on {ref.device}; "
+                "move them to one device"
+            )
+
+
+def check_number(op: str, name: str, value: Any, *, allow_none: bool = True) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{op}: {name} must be a float, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{op}: {name} must be finite, got {value}")
+    return value
+
+
+def check_int(op: str, name: str, value: Any, *, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__} {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{op}: {name} must be >= {minimum}, got {value}")
+    return value

@@ -1,0 +1,120 @@
+"""The ``lmfuse`` command: ``info``, ``check`` and ``bench``.
+
+    lmfuse info              versions, devices, and which path each op takes here
+    lmfuse check             every op against its reference, forward and gradients
+    lmfuse bench softmax     time lmfuse against its peers (see bench/softmax.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("softmax",)
+
+
+def _best_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _use_interpreter_on_cpu() -> None:
+    """On a machine without CUDA, run the Triton kernels in Triton's interpreter.
+
+    Must happen before any lmfuse kernel is defined: Triton reads the variable then.
+    """
+    if not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import lmfuse
+    from lmfuse._dispatch import interpreter_active, triton_available
+
+    device = _best_device()
+    print(f"lmfuse {lmfuse.__version__}")
+    print(f"python {platform.python_version()} | torch {torch.__version__}", end="")
+    if triton_available():
+        import triton
+
+        print(f" | triton {triton.__version__}")
+    else:
+        print(" | triton not installed")
+    if device.type == "cuda":
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            print(f"cuda:{i} {p.name}, {p.total_memory / 2**30:.0f} GiB, "
+                  f"{p.multi_processor_count} SMs, capability {p.major}.{p.minor}")
+    else:
+        print("no CUDA device")
+    print(f"Triton interpreter (TRITON_INTERPRET=1): {'on' if interpreter_active() else 'off'}")
+    print()
+    x = torch.randn(1, 2, 4, 8, device=device)
+    print("paths for a sample input on the best device:")
+    print(lmfuse.explain(lmfuse.fused_softmax, x, causal=True))
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    _use_interpreter_on_cpu()
+    from lmfuse._check import run_all
+    from lmfuse._dispatch import interpreter_active
+    from lmfuse.softmax import ops as softmax_ops
+
+    device = _best_device()
+    names = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    dtypes = [names[d] for d in args.dtypes.split(",")]
+    where = device.type if device.type == "cuda" else (
+        "cpu, Triton kernels in the interpreter" if interpreter_active() else "cpu, reference only")
+    print(f"lmfuse check on {where}: each op against its float64 reference")
+    torch.manual_seed(args.seed)
+    cases = softmax_ops.checks(device, dtypes)
+    ok = run_all(cases)
+    print("all checks passed" if ok else "SOME CHECKS FAILED")
+    return 0 if ok else 1
+
+
+def _bench_script(family: str) -> Path:
+    import lmfuse
+
+    root = Path(lmfuse.__file__).resolve().parents[2]
+    return root / "bench" / f"{family}.py"
+
+
+def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    path = _bench_script(args.family)
+    if not path.exists():
+        print(f"lmfuse bench: {path} not found; benchmarks live in the source checkout's "
+              "bench/ folder (install it with `pip install -e .`)", file=sys.stderr)
+        return 2
+    spec = importlib.util.spec_from_file_location(f"lmfuse_bench_{args.family}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return int(module.main(rest) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lmfuse", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="versions, devices and the path each op takes")
+    check = sub.add_parser("check", help="every op against its reference, on the best device")
+    check.add_argument("--dtypes", default="fp32,fp16,bf16", help="comma-separated: fp32,fp16,bf16")
+    check.add_argument("--seed", type=int, default=0)
+    bench = sub.add_parser("bench", help="benchmark an op family against its peers")
+    bench.add_argument("family", choices=FAMILIES)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        return cmd_bench(args, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return {"info": cmd_info, "check": cmd_check}[args.command](args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,192 @@
+"""Triton kernels of fused scale → mask → softmax (forward and backward).
+
+Read against ``reference.py``. One program owns ``BLOCK_M`` rows of the flattened
+``[b * np * sq, sk]`` problem. Variants are constexpr switches of one kernel:
+
+* ``SINGLE_BLOCK``: the whole row fits one ``BLOCK_N`` register tile: one read, one
+  write. Otherwise the row is streamed in ``BLOCK_N`` chunks with an online max/sum
+  (two reads of the visible keys, one write), so ``sk`` has no upper limit.
+* ``BANDED``: a causal / sliding-window band ``[lo, hi)`` per row. Loads outside it are
+  predicated off, so a causal row reads only the keys it can see; the invisible part of
+  the output is written as zeros without being read.
+* ``MASK_KIND``: 0 none, 1 boolean (True = masked), 2 additive float; the mask is read
+  through its own strides, so a broadcast ``[b, 1, 1, sk]`` mask is never materialised.
+* ``HAS_OFFSET``: a per-head sink logit joins every denominator.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _row_setup(pid, n_rows, np_, sq, sk, left, right, BLOCK_M: tl.constexpr, BANDED: tl.constexpr):
+    """Row ids of this program, their (batch, head, query) coordinates and key band [lo, hi)."""
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    rows = tl.minimum(rows, n_rows - 1)  # keep index math in range for the tail tile
+    q = rows % sq
+    bh = rows // sq
+    h = bh % np_
+    b = bh // np_
+    if BANDED:
+        p = q + (sk - sq)  # the row's position among the keys (bottom-right aligned)
+        lo = tl.maximum(p - left, 0)
+        hi = tl.minimum(p + right + 1, sk)
+    else:
+        lo = q * 0
+        hi = q * 0 + sk
+    hi = tl.where(row_ok, hi, 0)  # tail rows see nothing and store nothing
+    return rows, row_ok, b.to(tl.int64), h, q.to(tl.int64), lo, hi
+
+
+@triton.jit
+def _scaled_scores(
+    x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, cols, visible, scale,
+    MASK_KIND: tl.constexpr, COMPUTE: tl.constexpr,
+):
+    """z = scale * x (+ additive mask) on visible keys, -inf elsewhere; [BLOCK_M, BLOCK_N]."""
+    x = tl.load(x_ptr + x_row[:, None] + cols[None, :] * stride_xk, mask=visible, other=0.0)
+    z = x.to(COMPUTE) * scale
+    if MASK_KIND == 1:
+        hidden = tl.load(m_ptr + m_row[:, None] + cols[None, :] * stride_mk, mask=visible, other=1)
+        visible = visible & (hidden == 0)
+    if MASK_KIND == 2:
+        add = tl.load(m_ptr + m_row[:, None] + cols[None, :] * stride_mk, mask=visible, other=0.0)
+        z += add.to(COMPUTE)
+    return tl.where(visible, z, float("-inf"))
+
+
+@triton.jit
+def softmax_fwd_kernel(
+    x_ptr, y_ptr, m_ptr, offset_ptr, lse_ptr,
+    n_rows, np_, sq, sk,
+    stride_xb, stride_xh, stride_xq, stride_xk,
+    stride_mb, stride_mh, stride_mq, stride_mk,
+    scale, left, right,
+    BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_OFFSET: tl.constexpr,
+    STORE_LSE: tl.constexpr, COMPUTE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows, row_ok, b, h, q, lo, hi = _row_setup(
+        pid, n_rows, np_, sq, sk, left, right, BLOCK_M, BANDED
+    )
+    x_row = b * stride_xb + h.to(tl.int64) * stride_xh + q * stride_xq
+    m_row = b * stride_mb + h.to(tl.int64) * stride_mh + q * stride_mq
+    y_row = rows.to(tl.int64) * sk
+    cols = tl.arange(0, BLOCK_N)
+    out_ok = row_ok[:, None] & (cols[None, :] < sk)
+
+    if SINGLE_BLOCK:
+        visible = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
+        z = _scaled_scores(x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, cols, visible,
+                           scale, MASK_KIND, COMPUTE)
+        row_max = tl.max(z, 1)
+    else:
+        # Pass 1: online max and sum over the chunks that hold visible keys.
+        row_max = tl.full([BLOCK_M], float("-inf"), COMPUTE)
+        denom = tl.zeros([BLOCK_M], COMPUTE)
+        start = (tl.min(lo, 0) // BLOCK_N) * BLOCK_N
+        for c0 in range(start, tl.max(hi, 0), BLOCK_N):
+            c = c0 + cols
+            visible = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])
+            z = _scaled_scores(x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, c, visible,
+                               scale, MASK_KIND, COMPUTE)
+            new_max = tl.maximum(row_max, tl.max(z, 1))
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            denom = denom * tl.exp(row_max - shift) + tl.sum(tl.exp(z - shift[:, None]), 1)
+            row_max = new_max
+
+    if HAS_OFFSET:
+        sink = tl.load(offset_ptr + h).to(COMPUTE)
+        shift = tl.maximum(row_max, sink)
+    else:
+        shift = row_max
+    # A row with no visible key has max -inf: shift by 0 so exp() gives 0, not NaN.
+    shift = tl.where(shift == float("-inf"), 0.0, shift)
+
+    if SINGLE_BLOCK:
+        e = tl.exp(z - shift[:, None])
+        denom = tl.sum(e, 1)
+    else:
+        denom = denom * tl.exp(row_max - shift)
+    if HAS_OFFSET:
+        denom += tl.exp(sink - shift)
+    inv = 1.0 / tl.where(denom > 0, denom, 1.0)  # denom == 0: every e is 0 already
+
+    if SINGLE_BLOCK:
+        y = e * inv[:, None]
+        tl.store(y_ptr + y_row[:, None] + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=out_ok)
+    else:
+        # Pass 2: every chunk is written; invisible keys load nothing and store zeros.
+        for c0 in range(0, sk, BLOCK_N):
+            c = c0 + cols
+            visible = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])
+            z = _scaled_scores(x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, c, visible,
+                               scale, MASK_KIND, COMPUTE)
+            y = tl.exp(z - shift[:, None]) * inv[:, None]
+            c_ok = row_ok[:, None] & (c[None, :] < sk)
+            tl.store(y_ptr + y_row[:, None] + c[None, :], y.to(y_ptr.dtype.element_ty), mask=c_ok)
+
+    if STORE_LSE:
+        lse = shift + tl.log(denom)
+        tl.store(lse_ptr + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def softmax_bwd_kernel(
+    dy_ptr, y_ptr, dx_ptr, offset_ptr, lse_ptr, doffset_ptr,
+    n_rows, np_, sq, sk,
+    stride_db, stride_dh, stride_dq, stride_dk,
+    scale, left, right,
+    BANDED: tl.constexpr, HAS_OFFSET: tl.constexpr, COMPUTE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+):
+    """dx = scale * y * (dy - sum(dy * y)) from the saved output y; one pass when the row fits."""
+    pid = tl.program_id(0)
+    rows, row_ok, b, h, q, lo, hi = _row_setup(
+        pid, n_rows, np_, sq, sk, left, right, BLOCK_M, BANDED
+    )
+    dy_row = b * stride_db + h.to(tl.int64) * stride_dh + q * stride_dq
+    y_row = rows.to(tl.int64) * sk
+    cols = tl.arange(0, BLOCK_N)
+
+    # y is 0 outside the band, so only the band is read; the rest of dx is stored as 0.
+    if SINGLE_BLOCK:
+        visible = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
+        y = tl.load(y_ptr + y_row[:, None] + cols[None, :], mask=visible, other=0.0).to(COMPUTE)
+        dy = tl.load(dy_ptr + dy_row[:, None] + cols[None, :] * stride_dk, mask=visible,
+                     other=0.0).to(COMPUTE)
+        dot = tl.sum(y * dy, 1)
+        dx = scale * y * (dy - dot[:, None])
+        out_ok = row_ok[:, None] & (cols[None, :] < sk)
+        tl.store(dx_ptr + y_row[:, None] + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
+                 mask=out_ok)
+    else:
+        dot = tl.zeros([BLOCK_M], COMPUTE)
+        start = (tl.min(lo, 0) // BLOCK_N) * BLOCK_N
+        for c0 in range(start, tl.max(hi, 0), BLOCK_N):
+            c = c0 + cols
+            visible = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])
+            y = tl.load(y_ptr + y_row[:, None] + c[None, :], mask=visible, other=0.0).to(COMPUTE)
+            dy = tl.load(dy_ptr + dy_row[:, None] + c[None, :] * stride_dk, mask=visible,
+                         other=0.0).to(COMPUTE)
+            dot += tl.sum(y * dy, 1)
+        for c0 in range(0, sk, BLOCK_N):
+            c = c0 + cols
+            visible = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])
+            y = tl.load(y_ptr + y_row[:, None] + c[None, :], mask=visible, other=0.0).to(COMPUTE)
+            dy = tl.load(dy_ptr + dy_row[:, None] + c[None, :] * stride_dk, mask=visible,
+                         other=0.0).to(COMPUTE)
+            dx = scale * y * (dy - dot[:, None])
+            c_ok = row_ok[:, None] & (c[None, :] < sk)
+            tl.store(dx_ptr + y_row[:, None] + c[None, :], dx.to(dx_ptr.dtype.element_ty),
+                     mask=c_ok)
+
+    if HAS_OFFSET:
+        # d loss / d offset_h = -p_sink * sum(dy * y), with p_sink = exp(offset_h - lse).
+        sink = tl.load(offset_ptr + h).to(COMPUTE)
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        tl.store(doffset_ptr + rows, -tl.exp(sink - lse) * dot, mask=row_ok)

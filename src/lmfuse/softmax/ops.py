@@ -1,0 +1,405 @@
+"""``fused_softmax``: validation, dispatch, launch configuration and autograd.
+
+The Triton path is two ``torch.library`` custom ops (``lmfuse::softmax_fwd`` and
+``lmfuse::softmax_bwd``) joined by ``register_autograd``, so ``torch.compile`` treats the
+kernels as opaque nodes instead of breaking the graph, and nothing syncs with the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .. import tuning
+from .._dispatch import (
+    Plan,
+    check_int,
+    check_number,
+    check_same_device,
+    check_tensor,
+    register_planner,
+    select_impl,
+)
+from .reference import UNBOUNDED, fused_softmax_reference
+
+_OP = "fused_softmax"
+_MASK_KINDS = {None: 0, "bool": 1, "additive": 2}
+
+
+def _kernels():
+    # Imported on first use: Triton reads TRITON_INTERPRET when a kernel is defined, and
+    # ``import lmfuse`` must work where triton is absent (the reference path still runs).
+    from . import kernels
+
+    return kernels
+
+
+def _config(sk: int, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+    """Block sizes and warps for rows of ``sk`` keys, from the device's tuning table."""
+    t = tuning.table("softmax", device)
+    width = max(16, 1 << max(sk - 1, 0).bit_length())  # next power of two >= sk
+    if width <= t["max_single_block"]:
+        warps = next((w for limit, w in t["warps_by_block"] if width <= limit),
+                     t["warps_by_block"][-1][1])
+        return dict(BLOCK_M=max(1, t["tile_elems"] // width), BLOCK_N=width,
+                    SINGLE_BLOCK=True, num_warps=warps)
+    return dict(BLOCK_M=1, BLOCK_N=t["chunk_block"], SINGLE_BLOCK=False,
+                num_warps=t["chunk_warps"])
+
+
+def _compute_dtype(dtype: torch.dtype):
+    import triton.language as tl
+
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _launch_fwd(scores, mask, softmax_offset, scale, left, right):
+    b, np_, sq, sk = scores.shape
+    y = torch.empty((b, np_, sq, sk), dtype=scores.dtype, device=scores.device)
+    n_rows = b * np_ * sq
+    lse_dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
+    lse = torch.empty(n_rows if softmax_offset is not None else 0, dtype=lse_dtype,
+                      device=scores.device)
+    if n_rows == 0 or sk == 0:
+        return y, lse
+    if mask is None:
+        kind, m, m_strides = 0, scores, (0, 0, 0, 0)
+    else:
+        m = mask.expand(b, np_, sq, sk)  # stride 0 on broadcast dims: nothing is copied
+        kind = 1 if mask.dtype == torch.bool else 2
+        if kind == 1:
+            m = m.view(torch.uint8)
+        m_strides = m.stride()
+    cfg = _config(sk, scores.dtype, scores.device)
+    grid = (_cdiv(n_rows, cfg["BLOCK_M"]),)
+    _kernels().softmax_fwd_kernel[grid](
+        scores, y, m, softmax_offset if softmax_offset is not None else scores, lse,
+        n_rows, np_, sq, sk,
+        *scores.stride(), *m_strides,
+        scale, left, right,
+        BANDED=left < UNBOUNDED or right < UNBOUNDED, MASK_KIND=kind,
+        HAS_OFFSET=softmax_offset is not None, STORE_LSE=softmax_offset is not None,
+        COMPUTE=_compute_dtype(scores.dtype), **cfg,
+    )
+    return y, lse
+
+
+def _launch_bwd(dy, y, lse, softmax_offset, scale, left, right, unscaled_fp32):
+    b, np_, sq, sk = y.shape
+    n_rows = b * np_ * sq
+    dx = torch.empty_like(y, dtype=torch.float32 if unscaled_fp32 else y.dtype,
+                          memory_format=torch.contiguous_format)
+    drow = torch.empty(n_rows if softmax_offset is not None else 0, dtype=lse.dtype,
+                       device=y.device)
+    if n_rows == 0 or sk == 0:
+        return dx, drow
+    cfg = _config(sk, y.dtype, y.device)
+    grid = (_cdiv(n_rows, cfg["BLOCK_M"]),)
+    off = softmax_offset if softmax_offset is not None else y
+    _kernels().softmax_bwd_kernel[grid](
+        dy, y, dx, off, lse if lse.numel() else y, drow if drow.numel() else y,
+        n_rows, np_, sq, sk,
+        *dy.stride(),
+        1.0 if unscaled_fp32 else scale, left, right,
+        BANDED=left < UNBOUNDED or right < UNBOUNDED, HAS_OFFSET=softmax_offset is not None,
+        COMPUTE=_compute_dtype(y.dtype), **cfg,
+    )
+    return dx, drow
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --- torch.library custom ops -----------------------------------------------------------
+
+
+@torch.library.custom_op("lmfuse::softmax_fwd", mutates_args=())
+def _softmax_fwd(
+    scores: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    softmax_offset: Optional[torch.Tensor],
+    scale: float,
+    left: int,
+    right: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch_fwd(scores, mask, softmax_offset, scale, left, right)
+
+
+@_softmax_fwd.register_fake
+def _(scores, mask, softmax_offset, scale, left, right):
+    b, np_, sq, sk = scores.shape
+    y = scores.new_empty((b, np_, sq, sk))
+    n = b * np_ * sq if softmax_offset is not None else 0
+    lse = scores.new_empty((n,), dtype=torch.float64 if scores.dtype == torch.float64
+                           else torch.float32)
+    return y, lse
+
+
+@torch.library.custom_op("lmfuse::softmax_bwd", mutates_args=())
+def _softmax_bwd(
+    dy: torch.Tensor,
+    y: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_offset: Optional[torch.Tensor],
+    scale: float,
+    left: int,
+    right: int,
+    unscaled_fp32: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch_bwd(dy, y, lse, softmax_offset, scale, left, right, unscaled_fp32)
+
+
+@_softmax_bwd.register_fake
+def _(dy, y, lse, softmax_offset, scale, left, right, unscaled_fp32):
+    dx = y.new_empty(y.shape, dtype=torch.float32 if unscaled_fp32 else y.dtype)
+    n = y.shape[0] * y.shape[1] * y.shape[2] if softmax_offset is not None else 0
+    return dx, lse.new_empty((n,))
+
+
+def _setup_context(ctx, inputs, output):
+    scores, mask, softmax_offset, scale, left, right = inputs
+    y, lse = output
+    ctx.save_for_backward(y, lse, softmax_offset)
+    ctx.scale, ctx.left, ctx.right = scale, left, right
+    # An additive float mask (ALiBi, relative-position bias) may be learnable.
+    ctx.mask_shape = mask.shape if mask is not None and mask.requires_grad else None
+    ctx.mask_dtype = mask.dtype if mask is not None else None
+
+
+def _backward(ctx, dy, _dlse):
+    y, lse, softmax_offset = ctx.saved_tensors
+    mask_grad = ctx.mask_shape is not None
+    dx, drow = torch.ops.lmfuse.softmax_bwd(
+        dy, y, lse, softmax_offset, ctx.scale, ctx.left, ctx.right, mask_grad
+    )
+    dmask = doffset = None
+    if mask_grad:
+        # The kernel wrote g = d loss / d (scale * x + mask), in float32.
+        dmask = dx.sum_to_size(ctx.mask_shape).to(ctx.mask_dtype)
+        dx = (dx * ctx.scale).to(y.dtype)
+    if softmax_offset is not None and softmax_offset.requires_grad:
+        b, np_, sq, _ = y.shape
+        doffset = drow.view(b, np_, sq).sum(dim=(0, 2)).to(softmax_offset.dtype)
+    return dx, dmask, doffset, None, None, None
+
+
+torch.library.register_autograd(
+    "lmfuse::softmax_fwd", _backward, setup_context=_setup_context
+)
+
+
+# --- validation and planning -------------------------------------------------------------
+
+
+def _resolve_band(window_size, causal: bool, sq: int, sk: int) -> tuple[int, int]:
+    if not isinstance(causal, bool):
+        raise TypeError(f"{_OP}: causal must be a bool, got {type(causal).__name__}")
+    if causal and sq > sk:
+        raise ValueError(
+            f"{_OP}: causal=True needs sq <= sk (queries are the last sq of the sk keys), "
+            f"got sq={sq}, sk={sk}"
+        )
+    if window_size is None:
+        left, right = UNBOUNDED, UNBOUNDED
+    elif isinstance(window_size, int) and not isinstance(window_size, bool):
+        left, right = check_int(_OP, "window_size", window_size, minimum=0), 0
+    elif isinstance(window_size, (tuple, list)) and len(window_size) == 2:
+        bounds = []
+        for side, v in zip(("left", "right"), window_size):
+            v = check_int(_OP, f"window_size[{side}]", v, minimum=-1)
+            bounds.append(UNBOUNDED if v == -1 else v)
+        left, right = bounds
+    else:
+        raise TypeError(
+            f"{_OP}: window_size must be None, an int >= 0 or a (left, right) pair of ints "
+            f">= -1 (-1 = unbounded), got {window_size!r}"
+        )
+    if causal:
+        right = min(right, 0)
+    return left, right
+
+
+def _check_mask(mask, scores) -> Optional[str]:
+    if mask is None:
+        return None
+    check_tensor(_OP, "mask", mask, dtypes=None)
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(
+            f"{_OP}: mask must be bool (True = masked out) or a floating additive mask, "
+            f"got {mask.dtype}"
+        )
+    check_same_device(_OP, "scores", scores, mask=mask)
+    try:
+        torch.broadcast_shapes(mask.shape, scores.shape)
+        ok = mask.dim() <= 4 and all(
+            m in (1, s) for m, s in zip(mask.shape[::-1], scores.shape[::-1])
+        )
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"{_OP}: mask of shape {tuple(mask.shape)} is not broadcastable to scores "
+            f"{tuple(scores.shape)}; expected [b|1, np|1, sq|1, sk|1]"
+        )
+    return "bool" if mask.dtype == torch.bool else "additive"
+
+
+@register_planner(_OP)
+def plan_fused_softmax(
+    scores: torch.Tensor,
+    *,
+    scale: float | None = None,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    window_size: int | tuple[int, int] | None = None,
+    softmax_offset: torch.Tensor | None = None,
+    softmax_in_fp32: bool = True,
+    impl: str = "auto",
+) -> Plan:
+    """Validate the arguments of :func:`fused_softmax` and choose its path."""
+    check_tensor(_OP, "scores", scores, ndim=4)
+    b, np_, sq, sk = scores.shape
+    scale = check_number(_OP, "scale", scale)
+    scale = 1.0 if scale is None else scale
+    mask_kind = _check_mask(mask, scores)
+    left, right = _resolve_band(window_size, causal, sq, sk)
+    if softmax_offset is not None:
+        check_tensor(_OP, "softmax_offset", softmax_offset)
+        if softmax_offset.shape != (np_,):
+            raise ValueError(
+                f"{_OP}: softmax_offset must have shape [np] = [{np_}], got "
+                f"{tuple(softmax_offset.shape)}"
+            )
+        check_same_device(_OP, "scores", scores, softmax_offset=softmax_offset)
+    if not isinstance(softmax_in_fp32, bool):
+        raise TypeError(f"{_OP}: softmax_in_fp32 must be a bool, got {softmax_in_fp32!r}")
+    path, reason = select_impl(_OP, impl, scores.device)
+    details = {
+        "scores": f"{list(scores.shape)} {str(scores.dtype).replace('torch.', '')}",
+        "mask": mask_kind or "none",
+        "band": "none" if (left, right) == (UNBOUNDED, UNBOUNDED) else
+                f"keys p-{left if left < UNBOUNDED else 'inf'} .. "
+                f"p+{right if right < UNBOUNDED else 'inf'}",
+        "softmax_offset": softmax_offset is not None,
+    }
+    if path == "triton" and sk > 0:
+        cfg = _config(sk, scores.dtype, scores.device)
+        details["kernel"] = (
+            f"one pass, {cfg['BLOCK_M']} row(s) x {cfg['BLOCK_N']} keys per program"
+            if cfg["SINGLE_BLOCK"]
+            else f"chunked online softmax, {cfg['BLOCK_N']}-key chunks"
+        )
+    args = dict(scale=scale, mask=mask, left=left, right=right, softmax_offset=softmax_offset)
+    return Plan(_OP, path, reason, details, args)
+
+
+def fused_softmax(
+    scores: torch.Tensor,
+    *,
+    scale: float | None = None,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    window_size: int | tuple[int, int] | None = None,
+    softmax_offset: torch.Tensor | None = None,
+    softmax_in_fp32: bool = True,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Fused scale → mask → softmax over the last dim of attention scores.
+
+    Args:
+        scores: ``[b, np, sq, sk]`` attention scores, fp32/fp16/bf16 (fp64 too), any strides.
+        scale: multiplies ``scores`` before masking (``None`` = 1).
+        mask: bool (True = masked out, Megatron's convention) or an additive float mask,
+            broadcastable to ``[b, np, sq, sk]`` (``[b, 1, sq, sk]``, ``[b, 1, 1, sk]``, ...);
+            never expanded in memory. A float mask that requires grad gets its gradient.
+        causal: query row ``i`` sees keys ``j <= i + (sk - sq)`` (bottom-right aligned, so
+            ``sq < sk`` works for chunked prefill); no mask tensor is built. Needs
+            ``sq <= sk``.
+        window_size: ``w`` — a causal sliding window, keys ``p - w .. p`` with
+            ``p = i + (sk - sq)``; or ``(left, right)`` — keys ``p - left .. p + right``,
+            ``-1`` for an unbounded side (Megatron's / flash-attention's convention).
+        softmax_offset: ``[np]`` learnable sink logits: each denominator gains
+            ``exp(offset_h)`` ("softmax off by one"); it receives a gradient.
+        softmax_in_fp32: accepted for Megatron compatibility; the math is always float32
+            (float64 for float64 input), whatever the flag.
+        impl: ``"auto"`` (Triton on CUDA or under the interpreter, else the reference),
+            ``"triton"`` or ``"torch"``; see :func:`lmfuse.explain`.
+
+    Returns:
+        ``[b, np, sq, sk]`` probabilities in ``scores.dtype`` (contiguous). Masked keys are
+        excluded exactly (as ``-inf``); rows with every key masked are zeros, not NaN.
+    """
+    plan = plan_fused_softmax(
+        scores, scale=scale, mask=mask, causal=causal, window_size=window_size,
+        softmax_offset=softmax_offset, softmax_in_fp32=softmax_in_fp32, impl=impl,
+    )
+    a = plan.args
+    if plan.impl == "torch":
+        return fused_softmax_reference(
+            scores, scale=a["scale"], mask=a["mask"], left=a["left"], right=a["right"],
+            softmax_offset=a["softmax_offset"],
+        )
+    y, _ = torch.ops.lmfuse.softmax_fwd(
+        scores, a["mask"], a["softmax_offset"], a["scale"], a["left"], a["right"]
+    )
+    return y
+
+
+# --- self-check cases for ``lmfuse check`` -----------------------------------------------
+
+
+def checks(device: torch.device, dtypes) -> list:
+    """Fresh random cases covering every mask kind, for :mod:`lmfuse._check`."""
+    from .._check import CheckCase
+
+    small = device.type != "cuda"
+    shapes = {"plain": (2, 3, 17, 45) if small else (2, 8, 256, 1000),
+              "long row (chunked)": (1, 1, 2, 20000) if small else (1, 4, 8, 70000)}
+
+    def case(label, shape, dtype, **kw):
+        b, np_, sq, sk = shape
+        with_offset = kw.pop("offset", False)
+        with_mask = kw.pop("mask", None)
+
+        def inputs():
+            t = [torch.randn(shape, dtype=dtype, device=device, requires_grad=True)]
+            if with_offset:
+                t.append(torch.randn(np_, dtype=dtype, device=device, requires_grad=True))
+            return t
+
+        mask = None
+        if with_mask == "bool":
+            mask = torch.rand(b, 1, sq, sk, device=device) < 0.3
+        elif with_mask == "padding":
+            mask = torch.rand(b, 1, 1, sk, device=device) < 0.3
+
+        def kwargs(rest):
+            extra = dict(kw, mask=mask, scale=0.125)
+            if with_offset:
+                extra["softmax_offset"] = rest[0]
+            return extra
+
+        def call(impl, x, *rest):
+            return fused_softmax(x, impl=impl, **kwargs(rest))
+
+        def plan(x, *rest):
+            return plan_fused_softmax(x, **kwargs(rest))
+
+        return CheckCase(_OP, label, dtype, shape, inputs, call, plan)
+
+    cases = []
+    for dtype in dtypes:
+        p = shapes["plain"]
+        cases += [
+            case("plain", p, dtype),
+            case("causal", p, dtype, causal=True),
+            case("causal sq<sk", (p[0], p[1], p[2] // 2, p[3]), dtype, causal=True),
+            case("window 7", p, dtype, window_size=7),
+            case("bool mask", p, dtype, mask="bool"),
+            case("padding mask", p, dtype, mask="padding"),
+            case("causal + sink", p, dtype, causal=True, offset=True),
+            case("long row (chunked)", shapes["long row (chunked)"], dtype, causal=True),
+        ]
+    return cases
