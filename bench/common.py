@@ -10,6 +10,7 @@ import datetime as _dt
 import json
 import platform
 import sys
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -114,13 +115,21 @@ def print_table(rows: list[Result], header: bool = True) -> None:
               f"{_fmt(r.ratio, '8.2f')} {_fmt(r.peak_extra_mib, '9.1f')}  {r.note}", flush=True)
 
 
+def _command() -> str:
+    """The command line that ran this benchmark, as the user typed it."""
+    prog = Path(sys.argv[0]).name if sys.argv else ""
+    if prog in ("lmfuse", "cli.py", "__main__.py"):
+        return " ".join(["lmfuse"] + sys.argv[1:])
+    return " ".join(["python"] + sys.argv)
+
+
 def environment(device: torch.device) -> dict:
     env = {
         "date": _dt.date.today().isoformat(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "command": " ".join(["lmfuse", "bench"] + sys.argv[1:]) if sys.argv else "",
+        "command": _command(),
     }
     try:
         import triton

@@ -36,6 +36,11 @@ def eager_softmax(x, scale, causal=False, mask=None, offset=None):
     return torch.softmax(z, dim=-1).to(x.dtype)
 
 
+# Every case is a new specialisation of the same function: let dynamo keep them all rather
+# than fall back to eager after its default of 8.
+for _name in ("recompile_limit", "cache_size_limit"):
+    if hasattr(torch._dynamo.config, _name):
+        setattr(torch._dynamo.config, _name, 256)
 _compiled = torch.compile(eager_softmax, dynamic=False)
 
 

@@ -16,7 +16,6 @@ Each op registers a *planner* (validation + selection, no tensor work) with
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 from dataclasses import dataclass, field
@@ -28,10 +27,13 @@ IMPLS = ("auto", "triton", "torch")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-@functools.lru_cache(maxsize=None)
+# Decided once at import: a plain constant is also what torch.compile can trace through.
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
 def triton_available() -> bool:
     """True when the ``triton`` package can be imported."""
-    return importlib.util.find_spec("triton") is not None
+    return _HAS_TRITON
 
 
 def interpreter_active() -> bool:

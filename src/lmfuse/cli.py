@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("softmax",)
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _best_device() -> torch.device:
@@ -67,8 +68,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from lmfuse.softmax import ops as softmax_ops
 
     device = _best_device()
-    names = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-    dtypes = [names[d] for d in args.dtypes.split(",")]
+    dtypes = args.dtypes
     where = device.type if device.type == "cuda" else (
         "cpu, Triton kernels in the interpreter" if interpreter_active() else "cpu, reference only")
     print(f"lmfuse check on {where}: each op against its float64 reference")
@@ -77,6 +77,16 @@ def cmd_check(args: argparse.Namespace) -> int:
     ok = run_all(cases)
     print("all checks passed" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1
+
+
+def _dtype_list(text: str) -> list[torch.dtype]:
+    """``--dtypes fp32,bf16`` -> dtypes; an unknown name is a usage error, not a KeyError."""
+    names = text.split(",")
+    unknown = [n for n in names if n not in DTYPES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown dtype(s) {', '.join(map(repr, unknown))}; choose from {', '.join(DTYPES)}")
+    return [DTYPES[n] for n in names]
 
 
 def _bench_script(family: str) -> Path:
@@ -104,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, devices and the path each op takes")
     check = sub.add_parser("check", help="every op against its reference, on the best device")
-    check.add_argument("--dtypes", default="fp32,fp16,bf16", help="comma-separated: fp32,fp16,bf16")
+    check.add_argument("--dtypes", type=_dtype_list, default="fp32,fp16,bf16",
+                       help="comma-separated: fp32,fp16,bf16")
     check.add_argument("--seed", type=int, default=0)
     bench = sub.add_parser("bench", help="benchmark an op family against its peers")
     bench.add_argument("family", choices=FAMILIES)

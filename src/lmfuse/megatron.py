@@ -23,8 +23,10 @@ __all__ = [
 
 
 def _as_4d(name: str, x: torch.Tensor) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor) or x.dim() not in (3, 4):
-        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: inputs must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() not in (3, 4):
+        shape = tuple(x.shape)
         raise ValueError(f"{name}: inputs must be [b, np, sq, sk] or [attn_batches, sq, sk], "
                          f"got {shape}")
     return x.unsqueeze(0) if x.dim() == 3 else x
@@ -35,8 +37,11 @@ def scaled_upper_triang_masked_softmax(inputs: torch.Tensor, scale: float) -> to
 
     Megatron requires ``sq == sk``; here ``sq <= sk`` works (bottom-right aligned).
     """
-    if not isinstance(inputs, torch.Tensor) or inputs.dim() != 3:
-        shape = tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else type(inputs).__name__
+    if not isinstance(inputs, torch.Tensor):
+        raise TypeError("scaled_upper_triang_masked_softmax: inputs must be a torch.Tensor, "
+                        f"got {type(inputs).__name__}")
+    if inputs.dim() != 3:
+        shape = tuple(inputs.shape)
         raise ValueError(
             f"scaled_upper_triang_masked_softmax: inputs must be [attn_batches, sq, sk], got {shape}"
         )

@@ -22,7 +22,12 @@ import triton.language as tl
 
 @triton.jit
 def _row_setup(pid, n_rows, np_, sq, sk, left, right, BLOCK_M: tl.constexpr, BANDED: tl.constexpr):
-    """Row ids of this program, their (batch, head, query) coordinates and key band [lo, hi)."""
+    """Row ids of this program, their (batch, head, query) coordinates and key band [lo, hi).
+
+    Also returns the band widened to multiples of 16 keys for the loads: a load mask whose
+    bounds Triton can prove 16-aligned keeps 16-byte vector loads; the exact band is then
+    applied in registers.
+    """
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_rows
     rows = tl.minimum(rows, n_rows - 1)  # keep index math in range for the tail tile
@@ -38,22 +43,33 @@ def _row_setup(pid, n_rows, np_, sq, sk, left, right, BLOCK_M: tl.constexpr, BAN
         lo = q * 0
         hi = q * 0 + sk
     hi = tl.where(row_ok, hi, 0)  # tail rows see nothing and store nothing
-    return rows, row_ok, b.to(tl.int64), h, q.to(tl.int64), lo, hi
+    lo_ld = (lo // 16) * 16
+    hi_ld = tl.minimum(((hi + 15) // 16) * 16, sk)
+    return rows, row_ok, b.to(tl.int64), h, q.to(tl.int64), lo, hi, lo_ld, hi_ld
+
+
+@triton.jit
+def _in(c, lo, hi):
+    """[BLOCK_M, BLOCK_N] mask of keys c inside each row's [lo, hi)."""
+    return (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])
 
 
 @triton.jit
 def _scaled_scores(
-    x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, cols, visible, scale,
+    x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, cols, visible, load_ok, scale,
     MASK_KIND: tl.constexpr, COMPUTE: tl.constexpr,
 ):
-    """z = scale * x (+ additive mask) on visible keys, -inf elsewhere; [BLOCK_M, BLOCK_N]."""
-    x = tl.load(x_ptr + x_row[:, None] + cols[None, :] * stride_xk, mask=visible, other=0.0)
+    """z = scale * x (+ additive mask) on visible keys, -inf elsewhere; [BLOCK_M, BLOCK_N].
+
+    ``load_ok`` (the 16-aligned widening of ``visible``) bounds what is read.
+    """
+    x = tl.load(x_ptr + x_row[:, None] + cols[None, :] * stride_xk, mask=load_ok, other=0.0)
     z = x.to(COMPUTE) * scale
     if MASK_KIND == 1:
-        hidden = tl.load(m_ptr + m_row[:, None] + cols[None, :] * stride_mk, mask=visible, other=1)
+        hidden = tl.load(m_ptr + m_row[:, None] + cols[None, :] * stride_mk, mask=load_ok, other=1)
         visible = visible & (hidden == 0)
     if MASK_KIND == 2:
-        add = tl.load(m_ptr + m_row[:, None] + cols[None, :] * stride_mk, mask=visible, other=0.0)
+        add = tl.load(m_ptr + m_row[:, None] + cols[None, :] * stride_mk, mask=load_ok, other=0.0)
         z += add.to(COMPUTE)
     return tl.where(visible, z, float("-inf"))
 
@@ -70,7 +86,7 @@ def softmax_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    rows, row_ok, b, h, q, lo, hi = _row_setup(
+    rows, row_ok, b, h, q, lo, hi, lo_ld, hi_ld = _row_setup(
         pid, n_rows, np_, sq, sk, left, right, BLOCK_M, BANDED
     )
     x_row = b * stride_xb + h.to(tl.int64) * stride_xh + q * stride_xq
@@ -80,9 +96,8 @@ def softmax_fwd_kernel(
     out_ok = row_ok[:, None] & (cols[None, :] < sk)
 
     if SINGLE_BLOCK:
-        visible = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
-        z = _scaled_scores(x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, cols, visible,
-                           scale, MASK_KIND, COMPUTE)
+        z = _scaled_scores(x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, cols,
+                           _in(cols, lo, hi), _in(cols, lo_ld, hi_ld), scale, MASK_KIND, COMPUTE)
         row_max = tl.max(z, 1)
     else:
         # Pass 1: online max and sum over the chunks that hold visible keys.
@@ -91,9 +106,8 @@ def softmax_fwd_kernel(
         start = (tl.min(lo, 0) // BLOCK_N) * BLOCK_N
         for c0 in range(start, tl.max(hi, 0), BLOCK_N):
             c = c0 + cols
-            visible = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])
-            z = _scaled_scores(x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, c, visible,
-                               scale, MASK_KIND, COMPUTE)
+            z = _scaled_scores(x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, c,
+                               _in(c, lo, hi), _in(c, lo_ld, hi_ld), scale, MASK_KIND, COMPUTE)
             new_max = tl.maximum(row_max, tl.max(z, 1))
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)
             denom = denom * tl.exp(row_max - shift) + tl.sum(tl.exp(z - shift[:, None]), 1)
@@ -123,9 +137,8 @@ def softmax_fwd_kernel(
         # Pass 2: every chunk is written; invisible keys load nothing and store zeros.
         for c0 in range(0, sk, BLOCK_N):
             c = c0 + cols
-            visible = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])
-            z = _scaled_scores(x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, c, visible,
-                               scale, MASK_KIND, COMPUTE)
+            z = _scaled_scores(x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, c,
+                               _in(c, lo, hi), _in(c, lo_ld, hi_ld), scale, MASK_KIND, COMPUTE)
             y = tl.exp(z - shift[:, None]) * inv[:, None]
             c_ok = row_ok[:, None] & (c[None, :] < sk)
             tl.store(y_ptr + y_row[:, None] + c[None, :], y.to(y_ptr.dtype.element_ty), mask=c_ok)
@@ -146,18 +159,19 @@ def softmax_bwd_kernel(
 ):
     """dx = scale * y * (dy - sum(dy * y)) from the saved output y; one pass when the row fits."""
     pid = tl.program_id(0)
-    rows, row_ok, b, h, q, lo, hi = _row_setup(
+    rows, row_ok, b, h, q, lo, hi, lo_ld, hi_ld = _row_setup(
         pid, n_rows, np_, sq, sk, left, right, BLOCK_M, BANDED
     )
     dy_row = b * stride_db + h.to(tl.int64) * stride_dh + q * stride_dq
     y_row = rows.to(tl.int64) * sk
     cols = tl.arange(0, BLOCK_N)
 
-    # y is 0 outside the band, so only the band is read; the rest of dx is stored as 0.
+    # y is exactly 0 outside the band (the forward wrote it so), so only the (16-aligned)
+    # band is read and the rest of dx is stored as 0.
     if SINGLE_BLOCK:
-        visible = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
-        y = tl.load(y_ptr + y_row[:, None] + cols[None, :], mask=visible, other=0.0).to(COMPUTE)
-        dy = tl.load(dy_ptr + dy_row[:, None] + cols[None, :] * stride_dk, mask=visible,
+        ld = _in(cols, lo_ld, hi_ld)
+        y = tl.load(y_ptr + y_row[:, None] + cols[None, :], mask=ld, other=0.0).to(COMPUTE)
+        dy = tl.load(dy_ptr + dy_row[:, None] + cols[None, :] * stride_dk, mask=ld,
                      other=0.0).to(COMPUTE)
         dot = tl.sum(y * dy, 1)
         dx = scale * y * (dy - dot[:, None])
@@ -169,16 +183,16 @@ def softmax_bwd_kernel(
         start = (tl.min(lo, 0) // BLOCK_N) * BLOCK_N
         for c0 in range(start, tl.max(hi, 0), BLOCK_N):
             c = c0 + cols
-            visible = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])
-            y = tl.load(y_ptr + y_row[:, None] + c[None, :], mask=visible, other=0.0).to(COMPUTE)
-            dy = tl.load(dy_ptr + dy_row[:, None] + c[None, :] * stride_dk, mask=visible,
+            ld = _in(c, lo_ld, hi_ld)
+            y = tl.load(y_ptr + y_row[:, None] + c[None, :], mask=ld, other=0.0).to(COMPUTE)
+            dy = tl.load(dy_ptr + dy_row[:, None] + c[None, :] * stride_dk, mask=ld,
                          other=0.0).to(COMPUTE)
             dot += tl.sum(y * dy, 1)
         for c0 in range(0, sk, BLOCK_N):
             c = c0 + cols
-            visible = (c[None, :] >= lo[:, None]) & (c[None, :] < hi[:, None])
-            y = tl.load(y_ptr + y_row[:, None] + c[None, :], mask=visible, other=0.0).to(COMPUTE)
-            dy = tl.load(dy_ptr + dy_row[:, None] + c[None, :] * stride_dk, mask=visible,
+            ld = _in(c, lo_ld, hi_ld)
+            y = tl.load(y_ptr + y_row[:, None] + c[None, :], mask=ld, other=0.0).to(COMPUTE)
+            dy = tl.load(dy_ptr + dy_row[:, None] + c[None, :] * stride_dk, mask=ld,
                          other=0.0).to(COMPUTE)
             dx = scale * y * (dy - dot[:, None])
             c_ok = row_ok[:, None] & (c[None, :] < sk)

@@ -24,7 +24,6 @@ from .._dispatch import (
 from .reference import UNBOUNDED, fused_softmax_reference
 
 _OP = "fused_softmax"
-_MASK_KINDS = {None: 0, "bool": 1, "additive": 2}
 
 
 def _kernels():
@@ -246,23 +245,12 @@ def _check_mask(mask, scores) -> Optional[str]:
     return "bool" if mask.dtype == torch.bool else "additive"
 
 
-@register_planner(_OP)
-def plan_fused_softmax(
-    scores: torch.Tensor,
-    *,
-    scale: float | None = None,
-    mask: torch.Tensor | None = None,
-    causal: bool = False,
-    window_size: int | tuple[int, int] | None = None,
-    softmax_offset: torch.Tensor | None = None,
-    softmax_in_fp32: bool = True,
-    impl: str = "auto",
-) -> Plan:
-    """Validate the arguments of :func:`fused_softmax` and choose its path."""
+def _resolve(scores, scale, mask, causal, window_size, softmax_offset, softmax_in_fp32,
+             impl) -> tuple[str, str, dict[str, Any]]:
+    """Validate the arguments and choose the path; cheap and traceable by torch.compile."""
     check_tensor(_OP, "scores", scores, ndim=4)
     b, np_, sq, sk = scores.shape
     scale = check_number(_OP, "scale", scale)
-    scale = 1.0 if scale is None else scale
     mask_kind = _check_mask(mask, scores)
     left, right = _resolve_band(window_size, causal, sq, sk)
     if softmax_offset is not None:
@@ -276,9 +264,30 @@ def plan_fused_softmax(
     if not isinstance(softmax_in_fp32, bool):
         raise TypeError(f"{_OP}: softmax_in_fp32 must be a bool, got {softmax_in_fp32!r}")
     path, reason = select_impl(_OP, impl, scores.device)
+    args = dict(scale=1.0 if scale is None else scale, mask=mask, mask_kind=mask_kind,
+                left=left, right=right, softmax_offset=softmax_offset)
+    return path, reason, args
+
+
+@register_planner(_OP)
+def plan_fused_softmax(
+    scores: torch.Tensor,
+    *,
+    scale: float | None = None,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    window_size: int | tuple[int, int] | None = None,
+    softmax_offset: torch.Tensor | None = None,
+    softmax_in_fp32: bool = True,
+    impl: str = "auto",
+) -> Plan:
+    """What :func:`fused_softmax` would do with these arguments (validated the same way)."""
+    path, reason, a = _resolve(scores, scale, mask, causal, window_size, softmax_offset,
+                               softmax_in_fp32, impl)
+    left, right, sk = a["left"], a["right"], scores.shape[-1]
     details = {
         "scores": f"{list(scores.shape)} {str(scores.dtype).replace('torch.', '')}",
-        "mask": mask_kind or "none",
+        "mask": a["mask_kind"] or "none",
         "band": "none" if (left, right) == (UNBOUNDED, UNBOUNDED) else
                 f"keys p-{left if left < UNBOUNDED else 'inf'} .. "
                 f"p+{right if right < UNBOUNDED else 'inf'}",
@@ -291,8 +300,7 @@ def plan_fused_softmax(
             if cfg["SINGLE_BLOCK"]
             else f"chunked online softmax, {cfg['BLOCK_N']}-key chunks"
         )
-    args = dict(scale=scale, mask=mask, left=left, right=right, softmax_offset=softmax_offset)
-    return Plan(_OP, path, reason, details, args)
+    return Plan(_OP, path, reason, details, a)
 
 
 def fused_softmax(
@@ -331,12 +339,9 @@ def fused_softmax(
         ``[b, np, sq, sk]`` probabilities in ``scores.dtype`` (contiguous). Masked keys are
         excluded exactly (as ``-inf``); rows with every key masked are zeros, not NaN.
     """
-    plan = plan_fused_softmax(
-        scores, scale=scale, mask=mask, causal=causal, window_size=window_size,
-        softmax_offset=softmax_offset, softmax_in_fp32=softmax_in_fp32, impl=impl,
-    )
-    a = plan.args
-    if plan.impl == "torch":
+    path, _, a = _resolve(scores, scale, mask, causal, window_size, softmax_offset,
+                          softmax_in_fp32, impl)
+    if path == "torch":
         return fused_softmax_reference(
             scores, scale=a["scale"], mask=a["mask"], left=a["left"], right=a["right"],
             softmax_offset=a["softmax_offset"],

@@ -73,3 +73,18 @@ def fused_softmax_reference(
     # denom == 0 only where every e is 0: the row is all zeros, and so is its gradient.
     y = e / torch.where(denom > 0, denom, torch.ones_like(denom))
     return y.to(scores.dtype)
+
+
+def fused_softmax_backward_reference(y: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The backward of :func:`fused_softmax_reference` as the fused path computes it.
+
+    Returns ``g = d loss / d z = y * (grad - sum(grad * y))`` for ``z = scale * scores +
+    mask`` in float32 (float64 for float64), computed from the *saved output* ``y`` as
+    stored, in its own dtype: that is what a fused backward reads (it never keeps the
+    scores), so for bfloat16/float16 it differs from exact autograd by the rounding of
+    ``y``. ``d scores = scale * g``, a learnable additive mask gets ``g`` summed to its
+    shape, and ``d offset_h = -sum over rows of p_sink * sum(grad * y)``.
+    """
+    compute = torch.float64 if y.dtype == torch.float64 else torch.float32
+    y_c, g_c = y.to(compute), grad.to(compute)
+    return y_c * (g_c - (y_c * g_c).sum(dim=-1, keepdim=True))

@@ -1,0 +1,55 @@
+"""Test set-up shared by the whole suite.
+
+``TRITON_INTERPRET=1`` must be in the environment before anything imports ``triton`` or
+``lmfuse`` (Triton decides between its compiler and its CPU interpreter when a kernel is
+defined), so it is set on the very first lines, before any other import.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import sys  # noqa: E402
+import zlib  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+# ``import helpers`` from any test folder, without an ``__init__.py`` in each of them.
+_TESTS_DIR = str(Path(__file__).resolve().parent)
+if _TESTS_DIR not in sys.path:
+    sys.path.insert(0, _TESTS_DIR)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# "ci" (the default): few examples, the same ones every run, no example database written
+# into the work tree. "dev": more examples, random ones, for hunting bugs by hand
+# (HYPOTHESIS_PROFILE=dev). The interpreter is slow, so no deadline in either.
+settings.register_profile(
+    "ci",
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    # The autouse seeding fixture below is function-scoped; property tests reseed from a
+    # drawn seed themselves, so running the fixture once per test (not per example) is fine.
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+settings.register_profile(
+    "dev",
+    parent=settings.get_profile("ci"),
+    max_examples=300,
+    derandomize=False,
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def _seed_torch(request: pytest.FixtureRequest) -> int:
+    """Seed torch per test from its node id: reproducible, and different for every case."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    torch.manual_seed(seed)
+    return seed

@@ -1,0 +1,157 @@
+"""Shared test helpers: tolerances by dtype, relative error, random inputs, gloo ranks.
+
+Tolerances are for comparing an implementation against the reference *in the same
+dtype*: both compute in float32 (float64 for float64) and round once to the output
+dtype, so the difference is a few roundings of that dtype. Two metrics must both hold:
+
+* ``rel_err(a, b) = ||a - b|| / ||b||`` (whole-tensor, in float64);
+* ``max|a - b| / max|b|`` (so one wrong element in a large tensor is not averaged away).
+
+Values: about 4 ulps of the dtype for the half types (where the Triton backward reads
+the output rounded to that dtype), and float32 / float64 well above their rounding noise
+but far below any real error. Never widen one to make a test pass: find out why.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+TOL: dict[torch.dtype, float] = {
+    torch.float64: 1e-10,
+    torch.float32: 1e-5,
+    torch.float16: 2e-3,
+    torch.bfloat16: 1.6e-2,
+}
+
+_TINY = 1e-30
+
+
+def tol(dtype: torch.dtype) -> float:
+    """The comparison tolerance for results in ``dtype``."""
+    return TOL[dtype]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / max(||b||, tiny)``, in float64."""
+    a64, b64 = a.detach().to(torch.float64), b.detach().to(torch.float64)
+    return (torch.linalg.vector_norm(a64 - b64) /
+            max(torch.linalg.vector_norm(b64).item(), _TINY)).item()
+
+
+def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max|a - b| / max(max|b|, tiny)``, in float64."""
+    a64, b64 = a.detach().to(torch.float64), b.detach().to(torch.float64)
+    if a64.numel() == 0:
+        return 0.0
+    return ((a64 - b64).abs().max() / max(b64.abs().max().item(), _TINY)).item()
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype,
+                 what: str) -> None:
+    """Assert ``actual`` matches ``expected`` within ``TOL[dtype]``; ``what`` names the case."""
+    assert isinstance(actual, torch.Tensor), f"{what}: got {type(actual).__name__}, not a tensor"
+    assert actual.shape == expected.shape, (
+        f"{what}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}"
+    )
+    assert not torch.isnan(actual).any(), f"{what}: result has NaN"
+    assert torch.equal(torch.isfinite(actual), torch.isfinite(expected)), (
+        f"{what}: finite/non-finite pattern differs from the expected one"
+    )
+    limit = tol(dtype)
+    fin = torch.isfinite(expected)
+    err = rel_err(actual[fin], expected[fin])
+    assert err <= limit, f"{what}: relative error {err:.3e} > {limit:.1e} ({dtype})"
+    err_max = max_rel_err(actual[fin], expected[fin])
+    assert err_max <= limit, (
+        f"{what}: max abs error / max |expected| = {err_max:.3e} > {limit:.1e} ({dtype})"
+    )
+
+
+def randn(shape: tuple[int, ...] | list[int], dtype: torch.dtype = torch.float32, *,
+          scale: float = 1.0, requires_grad: bool = False) -> torch.Tensor:
+    """Standard-normal values times ``scale``, drawn in float32 then cast (never zeros)."""
+    t = torch.randn(tuple(shape), dtype=torch.float32) * scale
+    # An exact 0 has no sign and no relative error; it would hide scaling bugs.
+    t = torch.where(t == 0, torch.full_like(t, 1e-3), t).to(dtype)
+    return t.requires_grad_(requires_grad)
+
+
+def rand_bool(shape: tuple[int, ...] | list[int], p_true: float = 0.3) -> torch.Tensor:
+    """A bool tensor, True with probability ``p_true``."""
+    return torch.rand(tuple(shape)) < p_true
+
+
+# --- gloo ranks -----------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_rank(rank: int, world_size: int, port: int, fn: Callable[..., Any],
+               args: tuple[Any, ...], errors: Any) -> None:
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        try:
+            fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # report every failure, assertion errors included, to the parent
+        errors.put((rank, traceback.format_exc()))
+        raise SystemExit(1)
+
+
+def spawn_gloo(world_size: int, fn: Callable[..., Any], *args: Any,
+               timeout: float = 60.0) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks on localhost.
+
+    ``fn`` must be importable by name (a module-level function) since ranks are spawned
+    processes. Raises ``RuntimeError`` with each failed rank's traceback, or
+    ``TimeoutError`` (after killing the ranks) when they are not all done in ``timeout``
+    seconds.
+    """
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_gloo_rank, args=(rank, world_size, port, fn, args, errors),
+                    daemon=True)
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    failures: dict[int, str] = {}
+    while not errors.empty():
+        rank, tb = errors.get()
+        failures[rank] = tb
+    for rank, p in enumerate(procs):
+        if rank not in hung and p.exitcode != 0 and rank not in failures:
+            failures[rank] = f"exit code {p.exitcode}"
+    if failures:
+        report = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+        raise RuntimeError(f"spawn_gloo: {len(failures)} of {world_size} rank(s) failed:\n"
+                           f"{report}")
+    if hung:
+        raise TimeoutError(f"spawn_gloo: rank(s) {hung} still running after {timeout}s; killed")

@@ -1,0 +1,108 @@
+"""Implementation selection and ``explain`` (``lmfuse._dispatch``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import randn
+
+import lmfuse
+from lmfuse._dispatch import interpreter_active, registered_ops, select_impl
+
+CPU = torch.device("cpu")
+
+
+def test_interpreter_is_on_in_the_test_suite() -> None:
+    assert interpreter_active()
+
+
+@pytest.mark.parametrize("impl, expected", [("torch", "torch"), ("triton", "triton"),
+                                            ("auto", "triton")], ids=["torch", "triton", "auto"])
+def test_select_impl_on_cpu_under_interpreter(impl: str, expected: str) -> None:
+    path, reason = select_impl("op_x", impl, CPU)
+    assert path == expected
+    assert isinstance(reason, str) and reason
+
+
+def test_select_impl_reasons_name_the_cause() -> None:
+    assert "interpreter" in select_impl("op_x", "triton", CPU)[1].lower()
+    assert "reference" in select_impl("op_x", "torch", CPU)[1].lower()
+
+
+@pytest.mark.parametrize("impl", ["cuda", "TRITON", "", None, 1], ids=repr)
+def test_select_impl_bad_impl_raises_naming_it(impl: object) -> None:
+    with pytest.raises(ValueError, match=r"op_x: impl must be one of") as exc:
+        select_impl("op_x", impl, CPU)  # type: ignore[arg-type]
+    assert repr(impl) in str(exc.value)
+
+
+@pytest.mark.parametrize("value", ["0", "", "false"])
+def test_interpreter_off_auto_picks_torch_and_triton_raises(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert not interpreter_active()
+    path, reason = select_impl("op_x", "auto", CPU)
+    assert path == "torch"
+    assert "TRITON_INTERPRET" in reason
+    assert select_impl("op_x", "torch", CPU)[0] == "torch"
+    with pytest.raises(RuntimeError, match=r"op_x: impl='triton' cannot run here"):
+        select_impl("op_x", "triton", CPU)
+
+
+def test_interpreter_off_fused_softmax_runs_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = randn((1, 2, 3, 5))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    plan = lmfuse.explain(lmfuse.fused_softmax, x)
+    assert plan.impl == "torch"
+    y = lmfuse.fused_softmax(x)
+    assert torch.allclose(y, torch.softmax(x, -1), atol=1e-6, rtol=1e-6)
+    with pytest.raises(RuntimeError, match="impl='triton'"):
+        lmfuse.fused_softmax(x, impl="triton")
+
+
+def test_explain_by_function_causal() -> None:
+    x = randn((1, 2, 3, 5))
+    plan = lmfuse.explain(lmfuse.fused_softmax, x, causal=True)
+    assert isinstance(plan, lmfuse.Plan)
+    assert plan.op == "fused_softmax"
+    assert plan.impl == "triton"
+    text = str(plan)
+    assert text.startswith("fused_softmax: triton")
+    assert "band" in text and "p+0" in text
+    assert "kernel" in plan.details
+
+
+def test_explain_by_name_matches_function() -> None:
+    x = randn((2, 1, 4, 4))
+    by_name = lmfuse.explain("fused_softmax", x, window_size=(2, -1), impl="torch")
+    by_fn = lmfuse.explain(lmfuse.fused_softmax, x, window_size=(2, -1), impl="torch")
+    assert by_name.impl == by_fn.impl == "torch"
+    assert by_name.details == by_fn.details
+    assert by_name.details["band"] == "keys p-2 .. p+inf"
+
+
+def test_explain_without_band_says_none() -> None:
+    plan = lmfuse.explain("fused_softmax", randn((1, 1, 2, 3)), mask=torch.zeros(2, 3))
+    assert plan.details["band"] == "none"
+    assert plan.details["mask"] == "additive"
+
+
+def test_explain_validates_like_the_op() -> None:
+    with pytest.raises(ValueError, match="scores"):
+        lmfuse.explain(lmfuse.fused_softmax, randn((2, 3, 4)))
+
+
+@pytest.mark.parametrize("op", ["no_such_op", "fused_softmax_v2"])
+def test_explain_unknown_op_raises(op: str) -> None:
+    with pytest.raises(ValueError, match=rf"unknown op '{op}'"):
+        lmfuse.explain(op, randn((1, 1, 1, 1)))
+
+
+def test_explain_unknown_callable_raises() -> None:
+    with pytest.raises(ValueError, match="unknown op 'softmax'"):
+        lmfuse.explain(torch.softmax, randn((1, 1, 1, 1)))
+
+
+def test_fused_softmax_is_registered() -> None:
+    assert "fused_softmax" in registered_ops()
