@@ -179,7 +179,8 @@ def test_runs_the_fused_kernel(monkeypatch: pytest.MonkeyPatch, name: str) -> No
 def test_exports() -> None:
     assert set(megatron.__all__) == {
         "AttnMaskType", "FusedScaleMaskSoftmax", "scaled_masked_softmax", "scaled_softmax",
-        "scaled_upper_triang_masked_softmax"}
+        "scaled_upper_triang_masked_softmax", "fused_vocab_parallel_cross_entropy",
+        "vocab_parallel_cross_entropy"}
     for name in megatron.__all__:
         assert callable(getattr(megatron, name)), name
     assert megatron.FusedScaleMaskSoftmax is lmfuse.FusedScaleMaskSoftmax

@@ -9,6 +9,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from ._dispatch import Plan, explain
+from .cross_entropy import cross_entropy
 from .softmax import AttnMaskType, FusedScaleMaskSoftmax, fused_softmax
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "FusedScaleMaskSoftmax",
     "Plan",
     "__version__",
+    "cross_entropy",
     "explain",
     "fused_softmax",
 ]

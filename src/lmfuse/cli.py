@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("softmax",)
+FAMILIES = ("softmax", "cross_entropy")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -58,6 +58,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     x = torch.randn(1, 2, 4, 8, device=device)
     print("paths for a sample input on the best device:")
     print(lmfuse.explain(lmfuse.fused_softmax, x, causal=True))
+    logits = torch.randn(4, 1000, device=device, requires_grad=True)
+    target = torch.randint(0, 1000, (4,), device=device)
+    print(lmfuse.explain(lmfuse.cross_entropy, logits, target))
     return 0
 
 
@@ -65,6 +68,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     _use_interpreter_on_cpu()
     from lmfuse._check import run_all
     from lmfuse._dispatch import interpreter_active
+    from lmfuse.cross_entropy import ops as cross_entropy_ops
     from lmfuse.softmax import ops as softmax_ops
 
     device = _best_device()
@@ -73,7 +77,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         "cpu, Triton kernels in the interpreter" if interpreter_active() else "cpu, reference only")
     print(f"lmfuse check on {where}: each op against its float64 reference")
     torch.manual_seed(args.seed)
-    cases = softmax_ops.checks(device, dtypes)
+    cases = softmax_ops.checks(device, dtypes) + cross_entropy_ops.checks(device, dtypes)
     ok = run_all(cases)
     print("all checks passed" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1

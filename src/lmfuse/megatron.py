@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import torch
 
+from .cross_entropy import cross_entropy
 from .softmax import AttnMaskType, FusedScaleMaskSoftmax, fused_softmax
 
 __all__ = [
     "AttnMaskType",
     "FusedScaleMaskSoftmax",
+    "fused_vocab_parallel_cross_entropy",
     "scaled_masked_softmax",
     "scaled_softmax",
     "scaled_upper_triang_masked_softmax",
+    "vocab_parallel_cross_entropy",
 ]
 
 
@@ -59,3 +62,45 @@ def scaled_softmax(inputs: torch.Tensor, scale: float) -> torch.Tensor:
     """Softmax of ``scale * inputs`` over the last dim, ``inputs [b, np, sq, sk]`` (or 3-D)."""
     x = _as_4d("scaled_softmax", inputs)
     return fused_softmax(x, scale=scale).view(inputs.shape)
+
+
+# --- cross-entropy -------------------------------------------------------------------------
+
+
+def fused_vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor,
+                                       target: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """Per-token loss ``[s, b]`` of ``logits [s, b, V_local]`` split over ``tp_group``.
+
+    Megatron-Core's ``fused_vocab_parallel_cross_entropy``; one collective where it has two.
+    ``tp_group=None`` means one rank holding the whole vocabulary.
+    """
+    return cross_entropy(vocab_parallel_logits, target, reduction="none", tp_group=tp_group)
+
+
+def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
+                                 label_smoothing: float = 0.0, tp_group=None) -> torch.Tensor:
+    """Megatron-Core's ``vocab_parallel_cross_entropy``: per-token loss ``[s, b]``.
+
+    Label smoothing follows Megatron's formula, ``smoothing = label_smoothing * V / (V - 1)``
+    and ``loss = (1 - smoothing) * nll - smoothing * mean(log_probs)`` over the whole
+    vocabulary ``V``, which is ``cross_entropy``'s (``F.cross_entropy``'s) smoothing with
+    ``smoothing`` in place of ``label_smoothing``. ``tp_group=None`` means one rank.
+    """
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
+        raise TypeError("vocab_parallel_cross_entropy: label_smoothing must be a float, got "
+                        f"{type(label_smoothing).__name__}")
+    smoothing = float(label_smoothing)
+    if smoothing > 0:
+        world = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
+        V = vocab_parallel_logits.shape[-1] * world
+        if V < 2:
+            raise ValueError("vocab_parallel_cross_entropy: label smoothing needs a vocabulary "
+                             f"of at least 2, got V = {V}")
+        smoothing = smoothing * V / (V - 1)
+        if smoothing > 1:
+            raise ValueError(
+                f"vocab_parallel_cross_entropy: label_smoothing={label_smoothing} gives "
+                f"Megatron's smoothing = ls * V / (V - 1) = {smoothing:.4f} > 1 at V = {V}"
+            )
+    return cross_entropy(vocab_parallel_logits, target, label_smoothing=smoothing,
+                         reduction="none", tp_group=tp_group)

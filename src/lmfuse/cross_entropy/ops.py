@@ -1,0 +1,458 @@
+"""``cross_entropy``: validation, dispatch, pass structure, autograd.
+
+Two pass structures, chosen per call (``lmfuse.explain`` says which):
+
+* **fused** (Triton, one rank, ``reduction`` "mean"/"sum", gradient needed): the forward
+  kernel writes the loss stats *and* the gradient of the logits, assuming an upstream
+  gradient of 1; backward multiplies by the real upstream gradient, a kernel that returns
+  at once, with no host sync, when that is 1 (the usual ``loss.backward()``). HBM traffic:
+  one read of the logits (the second streaming pass over a long row hits L2 where it
+  can) and one write of the gradient.
+* **deferred** (``reduction="none"``, a ``tp_group``, no gradient needed, or the torch
+  path): the forward reads the logits once for the stats; backward reads them again and
+  writes the gradient, scaled by each token's upstream gradient.
+
+With ``inplace_backward=True`` the gradient is written over the logits.
+
+The kernels are ``torch.library`` custom ops, so ``torch.compile`` sees opaque nodes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .. import tuning
+from .._dispatch import Plan, check_int, check_number, check_tensor, register_planner, select_impl
+from ..distributed.collectives import group_rank, group_size
+from . import reference as ref
+from .vocab_parallel import gather_token_stats
+
+_OP = "cross_entropy"
+_REDUCTIONS = ("mean", "sum", "none")
+_TARGET_DTYPES = (torch.int32, torch.int64)
+
+
+def _kernels():
+    # Imported on first use: Triton reads TRITON_INTERPRET when a kernel is defined.
+    from . import kernels
+
+    return kernels
+
+
+def _config(V: int, device: torch.device) -> dict[str, Any]:
+    """Block sizes and warps for rows of ``V`` logits, from the device's tuning table."""
+    t = tuning.table("cross_entropy", device)
+    width = max(16, 1 << max(V - 1, 0).bit_length())
+    if width <= t["max_single_block"]:
+        warps = next((w for limit, w in t["warps_by_block"] if width <= limit),
+                     t["warps_by_block"][-1][1])
+        return dict(BLOCK_M=max(1, t["tile_elems"] // width), BLOCK_V=width,
+                    SINGLE_BLOCK=True, num_warps=warps)
+    return dict(BLOCK_M=1, BLOCK_V=t["chunk_block"], SINGLE_BLOCK=False,
+                num_warps=t["chunk_warps"])
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _scalars(vocab_size: int, label_smoothing: float, z_loss: float,
+             softcap: Optional[float]) -> tuple:
+    return (label_smoothing / vocab_size, 1.0 - label_smoothing, 2.0 * z_loss,
+            1.0 if softcap is None else softcap)
+
+
+# --- kernel launches, as custom ops ------------------------------------------------------
+
+
+def _launch_fwd(logits, target, w, grad, vocab_start, vocab_size, ignore_index,
+                label_smoothing, z_loss, softcap):
+    n, V = logits.shape
+    stats = torch.empty((3, n), dtype=torch.float32, device=logits.device)
+    if n == 0:
+        return stats
+    cfg = _config(V, logits.device)
+    write = grad is not None
+    _kernels().ce_fwd_kernel[(_cdiv(n, cfg["BLOCK_M"]),)](
+        logits, logits.stride(0), target, stats, grad if write else logits,
+        grad.stride(0) if write else 0, w if write else stats,
+        n, V, vocab_start, vocab_size, ignore_index,
+        *_scalars(vocab_size, label_smoothing, z_loss, softcap),
+        HAS_SOFTCAP=softcap is not None, WRITE_GRAD=write,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_V=cfg["BLOCK_V"], SINGLE_BLOCK=cfg["SINGLE_BLOCK"],
+        num_warps=cfg["num_warps"],
+    )
+    return stats
+
+
+def _launch_grad(logits, target, lse, w, grad, vocab_start, vocab_size, ignore_index,
+                 label_smoothing, z_loss, softcap):
+    n, V = logits.shape
+    if n == 0:
+        return
+    cfg = _config(V, logits.device)
+    block_v = min(cfg["BLOCK_V"], tuning.table("cross_entropy", logits.device)["chunk_block"])
+    block_m = cfg["BLOCK_M"] if cfg["SINGLE_BLOCK"] else 1
+    _kernels().ce_grad_kernel[(_cdiv(n, block_m),)](
+        logits, logits.stride(0), target, lse, w, w.stride(0), grad, grad.stride(0),
+        n, V, vocab_start, vocab_size, ignore_index,
+        *_scalars(vocab_size, label_smoothing, z_loss, softcap),
+        HAS_SOFTCAP=softcap is not None, BLOCK_M=block_m, BLOCK_V=block_v,
+        num_warps=cfg["num_warps"] if cfg["SINGLE_BLOCK"] else
+        tuning.table("cross_entropy", logits.device)["chunk_warps"],
+    )
+
+
+@torch.library.custom_op("lmfuse::ce_stats", mutates_args=())
+def _ce_stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, vocab_size: int,
+              softcap: Optional[float]) -> torch.Tensor:
+    return _launch_fwd(logits, target, None, None, vocab_start, vocab_size, 0, 0.0, 0.0,
+                       softcap)
+
+
+@_ce_stats.register_fake
+def _(logits, target, vocab_start, vocab_size, softcap):
+    return logits.new_empty((3, logits.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("lmfuse::ce_fwd_grad", mutates_args=())
+def _ce_fwd_grad(logits: torch.Tensor, target: torch.Tensor, w: torch.Tensor,
+                 ignore_index: int, label_smoothing: float, z_loss: float,
+                 softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    V = logits.shape[1]
+    stats = _launch_fwd(logits, target, w, grad, 0, V, ignore_index, label_smoothing, z_loss,
+                        softcap)
+    return stats, grad
+
+
+@_ce_fwd_grad.register_fake
+def _(logits, target, w, ignore_index, label_smoothing, z_loss, softcap):
+    return (logits.new_empty((3, logits.shape[0]), dtype=torch.float32),
+            torch.empty_like(logits, memory_format=torch.contiguous_format))
+
+
+@torch.library.custom_op("lmfuse::ce_fwd_grad_", mutates_args=("logits",))
+def _ce_fwd_grad_(logits: torch.Tensor, target: torch.Tensor, w: torch.Tensor,
+                  ignore_index: int, label_smoothing: float, z_loss: float,
+                  softcap: Optional[float]) -> torch.Tensor:
+    # Each program reads a row (all of it, in its stats pass) before it writes any of its
+    # gradient, and no program touches another's rows: the gradient can overwrite logits.
+    V = logits.shape[1]
+    return _launch_fwd(logits, target, w, logits, 0, V, ignore_index, label_smoothing,
+                       z_loss, softcap)
+
+
+@_ce_fwd_grad_.register_fake
+def _(logits, target, w, ignore_index, label_smoothing, z_loss, softcap):
+    return logits.new_empty((3, logits.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("lmfuse::ce_grad", mutates_args=())
+def _ce_grad(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, w: torch.Tensor,
+             vocab_start: int, vocab_size: int, ignore_index: int, label_smoothing: float,
+             z_loss: float, softcap: Optional[float]) -> torch.Tensor:
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    _launch_grad(logits, target, lse, w, grad, vocab_start, vocab_size, ignore_index,
+                 label_smoothing, z_loss, softcap)
+    return grad
+
+
+@_ce_grad.register_fake
+def _(logits, target, lse, w, vocab_start, vocab_size, ignore_index, label_smoothing, z_loss,
+      softcap):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("lmfuse::ce_grad_", mutates_args=("logits",))
+def _ce_grad_(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, w: torch.Tensor,
+              vocab_start: int, vocab_size: int, ignore_index: int, label_smoothing: float,
+              z_loss: float, softcap: Optional[float]) -> None:
+    _launch_grad(logits, target, lse, w, logits, vocab_start, vocab_size, ignore_index,
+                 label_smoothing, z_loss, softcap)
+
+
+@_ce_grad_.register_fake
+def _(logits, target, lse, w, vocab_start, vocab_size, ignore_index, label_smoothing, z_loss,
+      softcap):
+    return None
+
+
+@torch.library.custom_op("lmfuse::ce_scale_", mutates_args=("grad",))
+def _ce_scale_(grad: torch.Tensor, scale: torch.Tensor) -> None:
+    n = grad.numel()
+    if n:
+        block = 4096
+        _kernels().ce_scale_kernel[(_cdiv(n, block),)](grad, scale, n, BLOCK=block,
+                                                       num_warps=8)
+
+
+@_ce_scale_.register_fake
+def _(grad, scale):
+    return None
+
+
+# --- autograd ---------------------------------------------------------------------------
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """Per-token loss of ``logits [N, V_local]``; see the module docstring for the passes."""
+
+    @staticmethod
+    def forward(ctx, logits, target, o: dict[str, Any]):
+        triton_path = o["path"] == "triton"
+        ls, z, cap, ignore = o["label_smoothing"], o["z_loss"], o["softcap"], o["ignore_index"]
+        valid = target != ignore
+        n_valid = valid.sum()
+        ctx.o, ctx.fused = o, o["fused"]
+        if o["fused"]:
+            w = (1.0 / n_valid.clamp(min=1).float() if o["reduction"] == "mean"
+                 else torch.ones((), device=logits.device)).reshape(1)
+            if o["inplace"]:
+                stats = torch.ops.lmfuse.ce_fwd_grad_(logits, target, w, ignore, ls, z, cap)
+                grad = logits
+            else:
+                stats, grad = torch.ops.lmfuse.ce_fwd_grad(logits, target, w, ignore, ls, z,
+                                                           cap)
+            ctx.save_for_backward(grad)
+        else:
+            if triton_path:
+                stats = torch.ops.lmfuse.ce_stats(logits, target, o["vocab_start"],
+                                                  o["vocab_size"], cap)
+            else:
+                stats = ref.local_token_stats(logits, target, o["vocab_start"], cap)
+            if o["tp_group"] is not None:
+                stats = gather_token_stats(stats, o["tp_group"])
+            ctx.save_for_backward(logits, target, stats[0].contiguous(), n_valid)
+        loss = ref.token_loss(stats, target, vocab_size=o["vocab_size"], ignore_index=ignore,
+                              label_smoothing=ls, z_loss=z)
+        if o["reduction"] == "none":
+            return loss
+        total = loss.sum()
+        return total / n_valid.clamp(min=1) if o["reduction"] == "mean" else total
+
+    @staticmethod
+    def backward(ctx, dout):
+        o = ctx.o
+        if ctx.fused:
+            (grad,) = ctx.saved_tensors
+            torch.ops.lmfuse.ce_scale_(grad, dout.float().reshape(1))
+            return grad, None, None
+        logits, target, lse, n_valid = ctx.saved_tensors
+        if o["reduction"] == "none":
+            w = dout.float().contiguous()
+        elif o["reduction"] == "mean":
+            w = (dout.float() / n_valid.clamp(min=1)).reshape(1).expand(logits.shape[0])
+        else:
+            w = dout.float().reshape(1).expand(logits.shape[0])
+        args = (o["vocab_start"], o["vocab_size"], o["ignore_index"], o["label_smoothing"],
+                o["z_loss"], o["softcap"])
+        if o["path"] == "triton":
+            if o["inplace"]:
+                torch.ops.lmfuse.ce_grad_(logits, target, lse, w, *args)
+                return logits, None, None
+            return torch.ops.lmfuse.ce_grad(logits, target, lse, w, *args), None, None
+        grad = ref.logits_grad(logits, target, lse, w, vocab_start=args[0], vocab_size=args[1],
+                               ignore_index=args[2], label_smoothing=args[3], z_loss=args[4],
+                               softcap=args[5])
+        if o["inplace"]:
+            logits.copy_(grad)
+            return logits, None, None
+        return grad, None, None
+
+
+# --- validation and planning -------------------------------------------------------------
+
+
+def _resolve(logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction,
+             tp_group, inplace_backward, impl) -> tuple[str, str, dict[str, Any]]:
+    """Validate the arguments and choose path and pass structure (no host sync on CUDA)."""
+    check_tensor(_OP, "logits", logits)
+    if logits.dim() < 1:
+        raise ValueError(f"{_OP}: logits must be [..., V], got a 0-D tensor")
+    check_tensor(_OP, "target", target, dtypes=_TARGET_DTYPES)
+    if tuple(target.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"{_OP}: target must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, "
+            f"got {tuple(target.shape)}"
+        )
+    if target.device != logits.device:
+        raise ValueError(f"{_OP}: target is on {target.device} but logits is on "
+                         f"{logits.device}; move them to one device")
+    V_local = logits.shape[-1]
+    if V_local < 1:
+        raise ValueError(f"{_OP}: logits must have at least one class, got V = 0")
+    ignore_index = check_int(_OP, "ignore_index", ignore_index)
+    ls = check_number(_OP, "label_smoothing", label_smoothing, allow_none=False)
+    if not 0.0 <= ls <= 1.0:
+        raise ValueError(f"{_OP}: label_smoothing must be in [0, 1], got {ls}")
+    z = check_number(_OP, "z_loss", z_loss, allow_none=False)
+    if z < 0:
+        raise ValueError(f"{_OP}: z_loss must be >= 0, got {z}")
+    cap = check_number(_OP, "softcap", softcap)
+    if cap is not None and cap <= 0:
+        raise ValueError(f"{_OP}: softcap must be None or > 0, got {cap}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{_OP}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if not isinstance(inplace_backward, bool):
+        raise TypeError(f"{_OP}: inplace_backward must be a bool, got {inplace_backward!r}")
+    if tp_group is not None and not isinstance(tp_group, torch.distributed.ProcessGroup):
+        raise TypeError(f"{_OP}: tp_group must be a torch.distributed.ProcessGroup or None, "
+                        f"got {type(tp_group).__name__}")
+    world = group_size(tp_group)
+    vocab_start = group_rank(tp_group) * V_local
+    vocab_size = V_local * world
+    path, reason = select_impl(_OP, impl, logits.device)
+    grad_needed = torch.is_grad_enabled() and logits.requires_grad
+    fused = (path == "triton" and world == 1 and reduction != "none" and grad_needed)
+    args = dict(path=path, ignore_index=ignore_index, label_smoothing=ls, z_loss=z,
+                softcap=cap, reduction=reduction, inplace=inplace_backward,
+                tp_group=tp_group if world > 1 else None, vocab_start=vocab_start,
+                vocab_size=vocab_size, fused=fused, grad_needed=grad_needed)
+    return path, reason, args
+
+
+def _check_targets(target: torch.Tensor, o: dict[str, Any]) -> None:
+    """Out-of-range targets raise on the CPU (on CUDA a check would sync with the host)."""
+    if target.device.type != "cpu" or target.numel() == 0:
+        return
+    t = target[target != o["ignore_index"]]
+    bad = (t < 0) | (t >= o["vocab_size"])
+    if bool(bad.any()):
+        raise ValueError(
+            f"{_OP}: target holds {int(t[bad][0])}, which is neither ignore_index "
+            f"({o['ignore_index']}) nor a class in [0, {o['vocab_size']})"
+        )
+
+
+@register_planner(_OP)
+def plan_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: Optional[float] = None,
+    reduction: str = "mean",
+    tp_group: Optional[Any] = None,
+    inplace_backward: bool = False,
+    impl: str = "auto",
+) -> Plan:
+    """What :func:`cross_entropy` would do with these arguments (validated the same way)."""
+    path, reason, o = _resolve(logits, target, ignore_index, label_smoothing, z_loss,
+                               softcap, reduction, tp_group, inplace_backward, impl)
+    V = logits.shape[-1]
+    details = {
+        "logits": f"{list(logits.shape)} {str(logits.dtype).replace('torch.', '')}",
+        "vocabulary": (f"{V} of {o['vocab_size']} (rank {group_rank(tp_group)}, one "
+                       "all-gather of [3, N] stats)" if o["tp_group"] is not None else str(V)),
+        "passes": ("fused: stats + gradient in the forward kernel, backward only rescales"
+                   if o["fused"] else
+                   "deferred: stats in forward, gradient in backward" if o["grad_needed"]
+                   else "stats only (no gradient needed)"),
+    }
+    if path == "triton":
+        cfg = _config(V, logits.device)
+        details["kernel"] = (f"{cfg['BLOCK_M']} row(s) x {cfg['BLOCK_V']} per program, row in "
+                             "registers" if cfg["SINGLE_BLOCK"] else
+                             f"streamed in {cfg['BLOCK_V']}-column chunks, online log-sum-exp")
+    return Plan(_OP, path, reason, details, o)
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: Optional[float] = None,
+    reduction: str = "mean",
+    tp_group: Optional[Any] = None,
+    inplace_backward: bool = False,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Cross-entropy of ``logits [..., V]`` against class ids ``target [...]``.
+
+    Same loss as ``torch.nn.functional.cross_entropy(logits.view(-1, V), target.view(-1),
+    ignore_index=..., label_smoothing=..., reduction=...)``, with float32 math for every
+    input dtype, plus:
+
+    Args:
+        z_loss: adds ``z_loss * lse**2`` per token (``lse`` = log-sum-exp of the logits).
+        softcap: ``c`` applies ``c * tanh(logits / c)`` before everything else.
+        tp_group: vocabulary parallelism: rank ``r`` of the group holds columns
+            ``[r * V_local, (r + 1) * V_local)`` and ``target`` holds global ids. The
+            forward issues one all-gather of ``[3, N]`` float32 token stats; the backward
+            none. Every rank gets the full loss.
+        inplace_backward: write the gradient over ``logits`` (which must not be needed
+            again, by you or by autograd); the op then allocates nothing of size N x V.
+        reduction: ``"mean"`` over non-ignored tokens (0 when all are ignored), ``"sum"``,
+            or ``"none"`` (float32 per-token losses of ``target``'s shape, 0 where ignored).
+        impl: ``"auto"``, ``"triton"`` or ``"torch"``; see :func:`lmfuse.explain`.
+
+    Targets must be ``ignore_index`` or in ``[0, V)``. On CPU tensors anything else raises
+    ``ValueError``; on CUDA the check would stall the GPU, so it is not made: such a token
+    gets loss ``+inf`` (loud in any loss curve) and a zero gradient, and nothing is read
+    out of bounds.
+
+    Returns:
+        float32 loss: a scalar, or per-token ``[...]`` for ``reduction="none"``.
+    """
+    path, _, o = _resolve(logits, target, ignore_index, label_smoothing, z_loss, softcap,
+                          reduction, tp_group, inplace_backward, impl)
+    _check_targets(target, o)
+    V = logits.shape[-1]
+    lead = target.shape
+    logits2d = logits.reshape(-1, V)
+    if logits2d.stride(-1) != 1:
+        logits2d = logits2d.contiguous()
+    if o["inplace"] and (logits2d.data_ptr() != logits.data_ptr() or
+                         not logits2d.is_contiguous()):
+        # The gradient can only overwrite the logits if the kernels see them as they are.
+        logits2d = logits2d.contiguous()
+    target1d = target.reshape(-1)
+    if not target1d.is_contiguous():
+        target1d = target1d.contiguous()
+    loss = _CrossEntropy.apply(logits2d, target1d, o)
+    return loss.view(lead) if reduction == "none" else loss
+
+
+# --- self-check cases for ``lmfuse check`` -----------------------------------------------
+
+
+def checks(device: torch.device, dtypes) -> list:
+    """Fresh random cases covering every option, for :mod:`lmfuse._check`."""
+    from .._check import CheckCase
+
+    small = device.type != "cuda"
+    n, vs = (37, (45, 5000)) if small else (1024, (32000, 128256))
+
+    def case(label, V, dtype, **kw):
+        target = torch.randint(0, V, (n,), device=device)
+        target[::7] = -100
+
+        def inputs():
+            return [(torch.randn(n, V, device=device) * 3).to(dtype).requires_grad_(True)]
+
+        def call(impl, x):
+            return cross_entropy(x, target, impl=impl, **kw)
+
+        def plan(x):
+            return plan_cross_entropy(x, target, **kw)
+
+        return CheckCase(_OP, label, dtype, (n, V), inputs, call, plan)
+
+    cases = []
+    for dtype in dtypes:
+        for V in vs:
+            cases += [
+                case("mean", V, dtype),
+                case("smoothing+z+softcap", V, dtype, label_smoothing=0.1, z_loss=1e-3,
+                     softcap=30.0),
+                case("none", V, dtype, reduction="none"),
+            ]
+    return cases

@@ -1,0 +1,1 @@
+"""Process-group plumbing shared by the parallel ops (``torch.distributed`` only)."""

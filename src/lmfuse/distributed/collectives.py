@@ -1,0 +1,33 @@
+"""The few collectives lmfuse issues, each a single ``torch.distributed`` call.
+
+Every parallel op goes through these, so a test can count the collectives an op issues by
+counting calls here (or to ``torch.distributed`` underneath).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def group_size(group: Optional[Any]) -> int:
+    """World size of ``group``; 1 for ``None``."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Optional[Any]) -> int:
+    """This process's rank in ``group``; 0 for ``None``."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+def all_gather_stacked(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """``[world, *t.shape]``: every rank's ``t``, in rank order, from one all-gather."""
+    world = dist.get_world_size(group)
+    t = t.contiguous()
+    out = torch.empty((world * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+    # torch >= 2.12 names the single-tensor all-gather all_gather_single.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, t, group=group)
+    return out.view(world, *t.shape)
