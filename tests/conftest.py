@@ -2,7 +2,8 @@
 
 ``TRITON_INTERPRET=1`` must be in the environment before anything imports ``triton`` or
 ``lmfuse`` (Triton decides between its compiler and its CPU interpreter when a kernel is
-defined), so it is set on the very first lines, before any other import.
+defined), so it is set on the very first lines, before any other import. Gloo ranks
+spawned by ``tests/distributed/spawn.py`` get it in their environment as well.
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ import sys  # noqa: E402
 import zlib  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-# ``import helpers`` from any test folder, without an ``__init__.py`` in each of them.
-_TESTS_DIR = str(Path(__file__).resolve().parent)
-if _TESTS_DIR not in sys.path:
-    sys.path.insert(0, _TESTS_DIR)
+# ``import helpers`` (and ``import spawn``, the gloo spawner in tests/distributed/) from
+# any test folder, without an ``__init__.py`` in each of them. Spawned gloo ranks start
+# with this process's sys.path, so they find the same modules.
+_TESTS_DIR = Path(__file__).resolve().parent
+for _dir in (str(_TESTS_DIR / "distributed"), str(_TESTS_DIR)):
+    if _dir not in sys.path:
+        sys.path.insert(0, _dir)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

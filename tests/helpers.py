@@ -1,4 +1,6 @@
-"""Shared test helpers: tolerances by dtype, relative error, random inputs, gloo ranks.
+"""Shared test helpers: tolerances by dtype, relative error, random inputs.
+
+The gloo spawn helper for parallel ops is in ``tests/distributed/spawn.py``.
 
 Tolerances are for comparing an implementation against the reference *in the same
 dtype*: both compute in float32 (float64 for float64) and round once to the output
@@ -14,14 +16,7 @@ but far below any real error. Never widen one to make a test pass: find out why.
 
 from __future__ import annotations
 
-import os
-import socket
-import time
-import traceback
-from typing import Any, Callable
-
 import torch
-import torch.multiprocessing as mp
 
 TOL: dict[torch.dtype, float] = {
     torch.float64: 1e-10,
@@ -86,72 +81,3 @@ def randn(shape: tuple[int, ...] | list[int], dtype: torch.dtype = torch.float32
 def rand_bool(shape: tuple[int, ...] | list[int], p_true: float = 0.3) -> torch.Tensor:
     """A bool tensor, True with probability ``p_true``."""
     return torch.rand(tuple(shape)) < p_true
-
-
-# --- gloo ranks -----------------------------------------------------------------------
-
-
-def free_port() -> int:
-    """A TCP port on localhost that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _gloo_rank(rank: int, world_size: int, port: int, fn: Callable[..., Any],
-               args: tuple[Any, ...], errors: Any) -> None:
-    import torch.distributed as dist
-
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        try:
-            fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # report every failure, assertion errors included, to the parent
-        errors.put((rank, traceback.format_exc()))
-        raise SystemExit(1)
-
-
-def spawn_gloo(world_size: int, fn: Callable[..., Any], *args: Any,
-               timeout: float = 60.0) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks on localhost.
-
-    ``fn`` must be importable by name (a module-level function) since ranks are spawned
-    processes. Raises ``RuntimeError`` with each failed rank's traceback, or
-    ``TimeoutError`` (after killing the ranks) when they are not all done in ``timeout``
-    seconds.
-    """
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_gloo_rank, args=(rank, world_size, port, fn, args, errors),
-                    daemon=True)
-        for rank in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    failures: dict[int, str] = {}
-    while not errors.empty():
-        rank, tb = errors.get()
-        failures[rank] = tb
-    for rank, p in enumerate(procs):
-        if rank not in hung and p.exitcode != 0 and rank not in failures:
-            failures[rank] = f"exit code {p.exitcode}"
-    if failures:
-        report = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
-        raise RuntimeError(f"spawn_gloo: {len(failures)} of {world_size} rank(s) failed:\n"
-                           f"{report}")
-    if hung:
-        raise TimeoutError(f"spawn_gloo: rank(s) {hung} still running after {timeout}s; killed")

@@ -1,13 +1,13 @@
-"""The shared helpers themselves: tolerance checks, input makers, the gloo spawner."""
+"""The shared helpers themselves: tolerance checks, input makers.
+
+The gloo spawner's tests are in ``tests/distributed/test_spawn.py``.
+"""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
-import torch.distributed as dist
-from helpers import TOL, assert_close, rand_bool, randn, rel_err, spawn_gloo
+from helpers import TOL, assert_close, rand_bool, randn, rel_err
 
 
 def test_rel_err_is_relative_and_float64() -> None:
@@ -45,38 +45,3 @@ def test_randn_makes_nonzero_values_of_dtype(dtype: torch.dtype) -> None:
     assert t.float().std() > 0.5
     m = rand_bool((1000,))
     assert m.dtype == torch.bool and 0 < int(m.sum()) < 1000
-
-
-def _all_reduce_rank(rank: int, world_size: int, expected: float) -> None:
-    t = torch.full((3,), float(rank + 1))
-    dist.all_reduce(t)
-    assert torch.equal(t, torch.full((3,), expected)), f"rank {rank}: got {t.tolist()}"
-
-
-def _failing_rank(rank: int, world_size: int) -> None:
-    if rank == 1:
-        raise ValueError("rank one fails on purpose")
-
-
-def _hanging_rank(rank: int, world_size: int) -> None:
-    if rank == 0:
-        time.sleep(60)
-
-
-@pytest.mark.timeout(120)
-def test_spawn_gloo_all_reduce_two_ranks() -> None:
-    spawn_gloo(2, _all_reduce_rank, 3.0, timeout=60)
-
-
-@pytest.mark.timeout(120)
-def test_spawn_gloo_reports_failed_rank() -> None:
-    with pytest.raises(RuntimeError, match=r"(?s)rank 1.*rank one fails on purpose"):
-        spawn_gloo(2, _failing_rank, timeout=60)
-
-
-@pytest.mark.timeout(120)
-def test_spawn_gloo_times_out() -> None:
-    start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"rank\(s\) \[0"):
-        spawn_gloo(2, _hanging_rank, timeout=5)
-    assert time.monotonic() - start < 30  # the hung rank was killed, not waited for

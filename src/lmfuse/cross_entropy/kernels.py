@@ -1,21 +1,29 @@
 """Triton kernels of cross-entropy on logits (read against ``reference.py``).
 
-One program owns ``BLOCK_M`` rows (tokens) of ``logits [N, V]`` (this rank's columns
-``[vocab_start, vocab_start + V)`` of a ``vocab_size`` vocabulary).
+``logits [N, V]`` holds this rank's columns ``[vocab_start, vocab_start + V)`` of a
+``vocab_size`` vocabulary. Every kernel produces the token stats ``lse``, ``x_t``,
+``sum x`` (``[3, N]``, float32) and/or the gradient of the logits:
 
-* ``ce_fwd_kernel``: the token stats ``lse``, ``x_t``, ``sum x`` (``[3, N]``), and, with
-  ``WRITE_GRAD``, the gradient too, from that lse, before the program moves on. When
-  the row fits one ``BLOCK_V`` tile (``SINGLE_BLOCK``) it is read once and held in
-  registers; a longer row is streamed with an online max/sum and then streamed again,
-  backwards, to write the gradient, so the chunks read last (the ones most likely still
-  in L2) are read first.
-* ``ce_grad_kernel``: the gradient alone from given stats (the vocabulary-parallel path
-  and ``reduction="none"``, whose upstream gradient is known only in backward).
+* ``ce_fwd_kernel``: rows of at most ``max_single_block`` columns, ``BLOCK_M`` rows per
+  tile; a row is read once, held in registers, and (``WRITE_GRAD``) its gradient is
+  written from them.
+* ``ce_stream_kernel``: longer rows, one per program of a persistent grid, streamed in
+  ``BLOCK_V`` chunks with an online max; with ``WRITE_GRAD`` the row is streamed again,
+  last chunk first, to write its gradient.
+* ``ce_slices_kernel``: the fused path for the longest rows: rows cut in slices, phase A
+  (stats of a slice) and phase B (gradient of a slice read a few tiles ago, still in L2)
+  interleaved through a ticket counter; see its docstring.
+* ``ce_grad_kernel`` / ``ce_stream_grad_kernel``: the gradient alone from given stats and
+  per-token upstream gradients (vocabulary parallel, ``reduction="none"``).
 * ``ce_scale_kernel``: multiplies a gradient written in forward by the upstream gradient,
-  and does nothing, without a host sync, when that is exactly 1.
+  and returns at once, with no host sync, when that is exactly 1.
 
-Targets are never used as addresses: a token's target column is found by comparing
-column indices, so an out-of-range target cannot read or write out of bounds.
+The streamed loops are lean (per element: load, convert, max, FMA, exp2, add; the
+gradient: load, convert, FMA, exp2, FMA, convert, store): full chunks load unmasked, and
+the target column's ``- (1 - s)`` is written once per row instead of a compare-and-select
+per element. A target is used as an address only through a load or store masked by its
+check against this rank's column range, so an out-of-range target reads and writes
+nothing out of bounds.
 """
 
 from __future__ import annotations
@@ -51,78 +59,99 @@ def _grad_tile(x, c, t_local, lse, w, ls_over_v, one_minus_ls, two_z, softcap,
 
 
 @triton.jit
-def _rows(pid, n_rows, t_ptr, vocab_start, vocab_size, ignore_index, BLOCK_M: tl.constexpr):
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+def _rows(tile, n_rows, V, t_ptr, vocab_start, vocab_size, ignore_index,
+          BLOCK_M: tl.constexpr):
+    """Rows of this tile, which are real, each target's local column (-1 when the target
+    is not among this rank's columns) and which rows carry a gradient."""
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_rows
     rows = tl.minimum(rows, n_rows - 1)  # keep index math in range on the tail tile
     t = tl.load(t_ptr + rows).to(tl.int64)
     # Only tokens with a real target carry a gradient (ignored / out of range: zero row).
     grad_ok = row_ok & (t != ignore_index) & (t >= 0) & (t < vocab_size)
-    return rows, row_ok, t - vocab_start, grad_ok
+    t_local = t - vocab_start
+    mine = grad_ok & (t_local >= 0) & (t_local < V)
+    return rows, row_ok, tl.where(mine, t_local, -1).to(tl.int32), grad_ok, t
+
+
+@triton.jit
+def _target_logit(x_ptr, x_off, t_local, row_ok, softcap, HAS_SOFTCAP: tl.constexpr):
+    """x at each row's target column (validated, so in bounds); 0 where not owned."""
+    mine = row_ok & (t_local >= 0)
+    x_t = tl.load(x_ptr + x_off + t_local, mask=mine, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        x_t = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x_t / softcap) + 1.0))
+    return tl.where(mine, x_t, 0.0)
+
+
+@triton.jit
+def _weight(count_ptr, MEAN: tl.constexpr):
+    """The upstream gradient the forward assumes for each token: 1 / max(count, 1) for
+    a mean over ``count`` valid tokens, else 1."""
+    if MEAN:
+        return 1.0 / tl.maximum(tl.load(count_ptr).to(tl.float32), 1.0)
+    else:
+        return 1.0
+
+
+@triton.jit
+def _token_loss(lse, x_t, sum_x, t, w, ignore_index, vocab_size, ls_over_v, one_minus_ls,
+                two_z, HAS_SMOOTHING: tl.constexpr):
+    """w * [(1 - s)(lse - x_t) + s (lse - sum x / V) + z lse^2]; 0 if ignored, +inf for
+    a target outside [0, vocab_size) (see ``reference.token_loss``)."""
+    loss = one_minus_ls * (lse - x_t)
+    if HAS_SMOOTHING:
+        loss += (1.0 - one_minus_ls) * lse - ls_over_v * sum_x
+    loss += tl.where(two_z != 0.0, 0.5 * two_z * lse * lse, 0.0)
+    valid = t != ignore_index
+    bad = valid & ((t < 0) | (t >= vocab_size))
+    loss = tl.where(bad, float("inf"), loss * w)
+    return tl.where(valid, loss, 0.0)
 
 
 @triton.jit
 def ce_fwd_kernel(
-    x_ptr, stride_x, t_ptr, stats_ptr, g_ptr, stride_g, w_ptr,
+    x_ptr, stride_x, t_ptr, stats_ptr, g_ptr, stride_g, count_ptr,
     n_rows, V, vocab_start, vocab_size, ignore_index,
     ls_over_v, one_minus_ls, two_z, softcap,
-    HAS_SOFTCAP: tl.constexpr, WRITE_GRAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, WRITE_GRAD: tl.constexpr,
+    MEAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    rows, row_ok, t_local, grad_ok = _rows(pid, n_rows, t_ptr, vocab_start, vocab_size,
-                                           ignore_index, BLOCK_M)
-    x_off = rows.to(tl.int64) * stride_x
+    """Rows that fit one BLOCK_V tile, BLOCK_M rows per tile: each row is read once and
+    held in registers from the stats to the gradient."""
     cols = tl.arange(0, BLOCK_V)
-
-    if SINGLE_BLOCK:
+    for tile in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
+        rows, row_ok, t_local, grad_ok, t = _rows(tile, n_rows, V, t_ptr, vocab_start,
+                                                  vocab_size, ignore_index, BLOCK_M)
+        x_off = rows.to(tl.int64) * stride_x
+        x_t = _target_logit(x_ptr, x_off, t_local, row_ok, softcap, HAS_SOFTCAP)
         ok = row_ok[:, None] & (cols[None, :] < V)
         x = _load_x(x_ptr, x_off, cols, ok, softcap, HAS_SOFTCAP)
         row_max = tl.max(x, 1)
         shift = tl.where(row_max == float("-inf"), 0.0, row_max)
         denom = tl.sum(tl.exp(x - shift[:, None]), 1)
-        x_t = tl.sum(tl.where(ok & (cols[None, :] == t_local[:, None]), x, 0.0), 1)
-        sum_x = tl.sum(tl.where(ok, x, 0.0), 1)
-    else:
-        row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        denom = tl.zeros([BLOCK_M], tl.float32)
-        x_t = tl.zeros([BLOCK_M], tl.float32)
-        sum_x = tl.zeros([BLOCK_M], tl.float32)
-        for c0 in range(0, V, BLOCK_V):
-            c = c0 + cols
-            ok = row_ok[:, None] & (c[None, :] < V)
-            x = _load_x(x_ptr, x_off, c, ok, softcap, HAS_SOFTCAP)
-            new_max = tl.maximum(row_max, tl.max(x, 1))
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-            denom = denom * tl.exp(row_max - shift) + tl.sum(tl.exp(x - shift[:, None]), 1)
-            row_max = new_max
-            x_t += tl.sum(tl.where(ok & (c[None, :] == t_local[:, None]), x, 0.0), 1)
-            sum_x += tl.sum(tl.where(ok, x, 0.0), 1)
-        shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+        if HAS_SMOOTHING:
+            sum_x = tl.sum(tl.where(ok, x, 0.0), 1)
+        else:
+            sum_x = denom * 0.0
 
-    lse = tl.where(denom > 0, shift + tl.log(tl.where(denom > 0, denom, 1.0)), float("-inf"))
-    tl.store(stats_ptr + rows, lse, mask=row_ok)
-    tl.store(stats_ptr + n_rows + rows, x_t, mask=row_ok)
-    tl.store(stats_ptr + 2 * n_rows + rows, sum_x, mask=row_ok)
+        lse = tl.where(denom > 0, shift + tl.log(tl.where(denom > 0, denom, 1.0)),
+                       float("-inf"))
+        tl.store(stats_ptr + rows, lse, mask=row_ok)
+        tl.store(stats_ptr + n_rows + rows, x_t, mask=row_ok)
+        tl.store(stats_ptr + 2 * n_rows + rows, sum_x, mask=row_ok)
+        w = _weight(count_ptr, MEAN)
+        tl.store(stats_ptr + 3 * n_rows + rows,
+                 _token_loss(lse, x_t, sum_x, t, w, ignore_index, vocab_size, ls_over_v,
+                             one_minus_ls, two_z, HAS_SMOOTHING), mask=row_ok)
 
-    if WRITE_GRAD:
-        w = tl.where(grad_ok, tl.load(w_ptr).to(tl.float32), 0.0)
-        g_off = rows.to(tl.int64) * stride_g
-        if SINGLE_BLOCK:
-            g = _grad_tile(x, cols, t_local, lse, w, ls_over_v, one_minus_ls, two_z, softcap,
-                           HAS_SOFTCAP)
+        if WRITE_GRAD:
+            w = tl.where(grad_ok, w, 0.0)
+            g_off = rows.to(tl.int64) * stride_g
+            g = _grad_tile(x, cols, t_local, lse, w, ls_over_v, one_minus_ls, two_z,
+                           softcap, HAS_SOFTCAP)
             tl.store(g_ptr + g_off[:, None] + cols[None, :], g.to(g_ptr.dtype.element_ty),
                      mask=ok)
-        else:
-            n_chunks = tl.cdiv(V, BLOCK_V)
-            for i in range(0, n_chunks):
-                c = (n_chunks - 1 - i) * BLOCK_V + cols  # last chunk first: warm in L2
-                ok = row_ok[:, None] & (c[None, :] < V)
-                x = _load_x(x_ptr, x_off, c, ok, softcap, HAS_SOFTCAP)
-                g = _grad_tile(x, c, t_local, lse, w, ls_over_v, one_minus_ls, two_z,
-                               softcap, HAS_SOFTCAP)
-                tl.store(g_ptr + g_off[:, None] + c[None, :], g.to(g_ptr.dtype.element_ty),
-                         mask=ok)
 
 
 @triton.jit
@@ -133,8 +162,8 @@ def ce_grad_kernel(
     HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    rows, row_ok, t_local, grad_ok = _rows(pid, n_rows, t_ptr, vocab_start, vocab_size,
-                                           ignore_index, BLOCK_M)
+    rows, row_ok, t_local, grad_ok, _t = _rows(pid, n_rows, V, t_ptr, vocab_start,
+                                               vocab_size, ignore_index, BLOCK_M)
     lse = tl.load(lse_ptr + rows)
     w = tl.where(grad_ok, tl.load(w_ptr + rows * stride_w).to(tl.float32), 0.0)
     x_off = rows.to(tl.int64) * stride_x
@@ -151,10 +180,268 @@ def ce_grad_kernel(
 
 @triton.jit
 def ce_scale_kernel(g_ptr, s_ptr, n, BLOCK: tl.constexpr):
-    """g *= s in place, skipped entirely (no load, no store) when s == 1."""
+    """g *= s in place; when s == 1 (the usual ``loss.backward()``) it returns at once, so
+    the launch (a small persistent grid) costs microseconds and no host sync."""
     s = tl.load(s_ptr).to(tl.float32)
     if s != 1.0:
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < n
-        g = tl.load(g_ptr + offs, mask=ok)
-        tl.store(g_ptr + offs, (g.to(tl.float32) * s).to(g_ptr.dtype.element_ty), mask=ok)
+        for b in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
+            offs = tl.full([BLOCK], b, tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            ok = offs < n
+            g = tl.load(g_ptr + offs, mask=ok)
+            tl.store(g_ptr + offs, (g.to(tl.float32) * s).to(g_ptr.dtype.element_ty), mask=ok)
+
+
+
+# --- streamed rows (V above the single-block limit): lean inner loops ----------------------
+#
+# Per element the stats loop does load, convert, max, one FMA, one exp2 and one add; the
+# gradient loop load, convert, FMA, exp2, FMA, convert, store. Full chunks are loaded
+# without masks; only the tail chunk is masked. The target column's "- (1 - s)" is written
+# once per row after the chunks, instead of a compare-and-select on every element.
+
+
+@triton.jit
+def _cap(x, softcap):
+    """softcap * tanh(x / softcap), exact at +-inf."""
+    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * x / softcap) + 1.0))
+
+
+@triton.jit
+def _range_stats(x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP: tl.constexpr,
+                 HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr):
+    """(max, sum exp(x - max), sum x) over columns [lo, hi) of one row: BLOCK_V chunks
+    with an online max, full chunks unmasked, the tail masked."""
+    cols = tl.arange(0, BLOCK_V)
+    acc = tl.zeros([BLOCK_V], tl.float32)
+    m = tl.max(acc, 0) - float("inf")  # a float32 scalar, -inf
+    sx = tl.zeros([BLOCK_V], tl.float32)
+    n_full = (hi - lo) // BLOCK_V
+    for k in range(0, n_full):
+        x = tl.load(x_ptr + x_off + lo + k * BLOCK_V + cols).to(tl.float32)
+        if HAS_SOFTCAP:
+            x = _cap(x, softcap)
+        m_new = tl.maximum(m, tl.max(x, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        acc = acc * tl.exp2((m - m_safe) * 1.4426950408889634) + tl.exp2(
+            x * 1.4426950408889634 - m_safe * 1.4426950408889634)
+        m = m_new
+        if HAS_SMOOTHING:
+            sx += x
+    c = lo + n_full * BLOCK_V + cols
+    ok = c < hi
+    x = tl.load(x_ptr + x_off + c, mask=ok, other=float("-inf")).to(tl.float32)
+    if HAS_SOFTCAP:
+        x = tl.where(ok, _cap(x, softcap), float("-inf"))
+    m_new = tl.maximum(m, tl.max(x, 0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    acc = acc * tl.exp2((m - m_safe) * 1.4426950408889634) + tl.exp2(
+        x * 1.4426950408889634 - m_safe * 1.4426950408889634)
+    if HAS_SMOOTHING:
+        sx += tl.where(ok, x, 0.0)
+    return m_new, tl.sum(acc, 0), tl.sum(sx, 0)
+
+
+@triton.jit
+def _lse(m, denom):
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    return tl.where(denom > 0, m_safe + tl.log(tl.where(denom > 0, denom, 1.0)),
+                    float("-inf"))
+
+
+@triton.jit
+def _range_grad(x_ptr, x_off, g_ptr, g_off, lo, hi, lse, x_t, t_local, w, ls_over_v,
+                one_minus_ls, two_z, softcap, HAS_SOFTCAP: tl.constexpr,
+                BLOCK_V: tl.constexpr):
+    """Write the gradient of columns [lo, hi) of one row,
+    w * (p (1 + 2 z lse) - s / V - (1 - s) [j == t]).
+
+    Chunks go last to first (the stats pass read the last ones most recently). The target
+    column (``t_local``, when in range) is rewritten at the end from ``x_t``, so it is
+    right even when the gradient overwrites the logits.
+    """
+    cols = tl.arange(0, BLOCK_V)
+    lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
+    a = w * (1.0 + two_z * lse_safe)
+    b = -ls_over_v * w
+    shift = lse_safe * 1.4426950408889634
+    n_full = (hi - lo) // BLOCK_V
+    c = lo + n_full * BLOCK_V + cols
+    ok = c < hi
+    x = tl.load(x_ptr + x_off + c, mask=ok, other=0.0).to(tl.float32)
+    g = _grad_values(x, shift, a, b, 0.0, softcap, HAS_SOFTCAP, True)
+    tl.store(g_ptr + g_off + c, g.to(g_ptr.dtype.element_ty), mask=ok)
+    for i in range(0, n_full):
+        c = lo + (n_full - 1 - i) * BLOCK_V + cols
+        x = tl.load(x_ptr + x_off + c).to(tl.float32)
+        g = _grad_values(x, shift, a, b, 0.0, softcap, HAS_SOFTCAP, True)
+        tl.store(g_ptr + g_off + c, g.to(g_ptr.dtype.element_ty))
+    tl.debug_barrier()  # the chunk store of the target column happens before this one
+    if (t_local >= lo) & (t_local < hi):
+        g_t = _grad_values(x_t, shift, a, b, one_minus_ls * w, softcap, HAS_SOFTCAP, False)
+        tl.store(g_ptr + g_off + t_local, g_t.to(g_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _grad_values(x, shift, a, b, minus, softcap, HAS_SOFTCAP: tl.constexpr,
+                 CAP_INPUT: tl.constexpr):
+    """a * p + b - minus (times the softcap's derivative), p = exp(x - lse) = 2^(x log2 e -
+    shift); ``x`` raw logits (capped here when CAP_INPUT) or already capped."""
+    if HAS_SOFTCAP and CAP_INPUT:
+        x = _cap(x, softcap)
+    g = tl.exp2(x * 1.4426950408889634 - shift) * a + b - minus
+    if HAS_SOFTCAP:
+        u = x / softcap
+        g = g * (1.0 - u * u)
+    return g
+
+
+@triton.jit
+def _target_x(x_ptr, x_off, t_local, lo, hi, softcap, HAS_SOFTCAP: tl.constexpr):
+    """The (softcapped) logit of a target column in [lo, hi); 0 otherwise."""
+    mine = (t_local >= lo) & (t_local < hi)
+    x_t = tl.load(x_ptr + x_off + tl.where(mine, t_local, lo), mask=mine, other=0.0)
+    x_t = x_t.to(tl.float32)
+    if HAS_SOFTCAP:
+        x_t = _cap(x_t, softcap)
+    return tl.where(mine, x_t, 0.0)
+
+
+@triton.jit
+def _row_target(t_ptr, row, V, vocab_start, vocab_size, ignore_index):
+    t = tl.load(t_ptr + row).to(tl.int64)
+    grad_ok = (t != ignore_index) & (t >= 0) & (t < vocab_size)
+    t_local = t - vocab_start
+    mine = grad_ok & (t_local >= 0) & (t_local < V)
+    return tl.where(mine, t_local, -1).to(tl.int32), grad_ok, t
+
+
+@triton.jit
+def ce_stream_kernel(
+    x_ptr, stride_x, t_ptr, stats_ptr, g_ptr, stride_g, count_ptr,
+    n_rows, V, vocab_start, vocab_size, ignore_index,
+    ls_over_v, one_minus_ls, two_z, softcap,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, WRITE_GRAD: tl.constexpr,
+    MEAN: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Stats (and with WRITE_GRAD the gradient) of long rows, one row at a time per
+    program, persistent over rows."""
+    for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
+        t_local, grad_ok, t = _row_target(t_ptr, row, V, vocab_start, vocab_size,
+                                          ignore_index)
+        x_off = row * stride_x
+        x_t = _target_x(x_ptr, x_off, t_local, 0, V, softcap, HAS_SOFTCAP)
+        m, denom, sum_x = _range_stats(x_ptr, x_off, 0, V, softcap, HAS_SOFTCAP,
+                                       HAS_SMOOTHING, BLOCK_V)
+        lse = _lse(m, denom)
+        tl.store(stats_ptr + row, lse)
+        tl.store(stats_ptr + n_rows + row, x_t)
+        tl.store(stats_ptr + 2 * n_rows + row, sum_x)
+        w = _weight(count_ptr, MEAN)
+        tl.store(stats_ptr + 3 * n_rows + row,
+                 _token_loss(lse, x_t, sum_x, t, w, ignore_index, vocab_size, ls_over_v,
+                             one_minus_ls, two_z, HAS_SMOOTHING))
+        if WRITE_GRAD:
+            w = tl.where(grad_ok, w, 0.0)
+            _range_grad(x_ptr, x_off, g_ptr, row * stride_g, 0, V, lse, x_t, t_local, w,
+                        ls_over_v, one_minus_ls, two_z, softcap, HAS_SOFTCAP, BLOCK_V)
+
+
+@triton.jit
+def ce_stream_grad_kernel(
+    x_ptr, stride_x, t_ptr, stats_ptr, w_ptr, stride_w, g_ptr, stride_g,
+    n_rows, V, vocab_start, vocab_size, ignore_index,
+    ls_over_v, one_minus_ls, two_z, softcap,
+    HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """The gradient of long rows from given stats and per-row upstream gradients."""
+    for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
+        t_local, grad_ok, _t = _row_target(t_ptr, row, V, vocab_start, vocab_size,
+                                           ignore_index)
+        lse = tl.load(stats_ptr + row)
+        x_t = tl.load(stats_ptr + n_rows + row)
+        w = tl.where(grad_ok, tl.load(w_ptr + row * stride_w).to(tl.float32), 0.0)
+        _range_grad(x_ptr, row * stride_x, g_ptr, row * stride_g, 0, V, lse, x_t, t_local, w,
+                    ls_over_v, one_minus_ls, two_z, softcap, HAS_SOFTCAP, BLOCK_V)
+
+
+@triton.jit
+def ce_slices_kernel(
+    x_ptr, stride_x, t_ptr, part_ptr, arrived_ptr, ticket_ptr, stats_ptr, g_ptr, stride_g,
+    count_ptr, n_rows, V, ignore_index, ls_over_v, one_minus_ls, two_z, softcap,
+    SLICES, SLICE, LAG,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, MEAN: tl.constexpr,
+    SLICES_P2: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Loss, stats and gradient of long rows in one launch, rows cut in SLICES slices.
+
+    Tile ``i`` is slice ``i % SLICES`` of row ``i // SLICES``. Programs (a persistent
+    grid) take tile numbers from a ticket counter, so tile numbers follow the order in
+    which work really started, and for each ticket ``i``:
+
+    * phase A: reduce tile ``i``'s slice to (max, sum exp, sum x, target logit),
+      publish them and count them in for the row;
+    * phase B: write the gradient of tile ``i - LAG`` (``LAG >= SLICES``): wait until
+      its row's slices, all numbered below ``i``, are counted in, merge them into the
+      row's lse and re-read that slice, read only ``LAG`` tiles ago: an L2 hit.
+
+    Only smaller tile numbers are ever waited for, and those were taken by running
+    programs that finish phase A without waiting, so nothing can deadlock, whatever the
+    number of resident programs (the argument of decoupled look-back scans). The
+    interpreter, running programs one by one, runs it too. HBM sees one read of the logits
+    and one write of the gradient; the grid size bounds what is read between a slice's
+    two reads.
+    """
+    n_tiles = n_rows * SLICES
+    tile = tl.atomic_add(ticket_ptr, 1)
+    while tile < n_tiles + LAG:
+        if tile < n_tiles:  # phase A
+            row = (tile // SLICES).to(tl.int64)
+            lo = (tile % SLICES) * SLICE
+            hi = tl.minimum(lo + SLICE, V)
+            x_off = row * stride_x
+            t_local, grad_ok, t = _row_target(t_ptr, row, V, 0, V, ignore_index)
+            p_max, p_sum, p_sx = _range_stats(x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP,
+                                              HAS_SMOOTHING, BLOCK_V)
+            x_t = _target_x(x_ptr, x_off, t_local, lo, hi, softcap, HAS_SOFTCAP)
+            base = tile.to(tl.int64) * 4
+            tl.store(part_ptr + base, p_max)
+            tl.store(part_ptr + base + 1, p_sum)
+            tl.store(part_ptr + base + 2, p_sx)
+            tl.store(part_ptr + base + 3, x_t)
+            tl.debug_barrier()  # all of this program's stores happen before the release
+            tl.atomic_add(arrived_ptr + row, 1, sem="release")
+        j = tile - LAG
+        if j >= 0:  # phase B, for tile j
+            row = (j // SLICES).to(tl.int64)
+            done = tl.atomic_add(arrived_ptr + row, 0, sem="acquire")
+            while done < SLICES:
+                done = tl.atomic_add(arrived_ptr + row, 0, sem="acquire")
+            k = tl.arange(0, SLICES_P2)
+            have = k < SLICES
+            slots = row * SLICES * 4 + k * 4
+            maxes = tl.load(part_ptr + slots, mask=have, other=float("-inf"),
+                            cache_modifier=".cg")
+            sums = tl.load(part_ptr + slots + 1, mask=have, other=0.0, cache_modifier=".cg")
+            x_ts = tl.load(part_ptr + slots + 3, mask=have, other=0.0, cache_modifier=".cg")
+            row_max = tl.max(maxes, 0)
+            shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+            lse = _lse(row_max, tl.sum(sums * tl.exp(maxes - shift), 0))
+            x_t = tl.sum(x_ts, 0)
+            t_local, grad_ok, t = _row_target(t_ptr, row, V, 0, V, ignore_index)
+            w = _weight(count_ptr, MEAN)
+            if j % SLICES == 0:  # one tile per row reports the row's stats and loss
+                sxs = tl.load(part_ptr + slots + 2, mask=have, other=0.0, cache_modifier=".cg")
+                sum_x = tl.sum(sxs, 0)
+                tl.store(stats_ptr + row, lse)
+                tl.store(stats_ptr + n_rows + row, x_t)
+                tl.store(stats_ptr + 2 * n_rows + row, sum_x)
+                tl.store(stats_ptr + 3 * n_rows + row,
+                         _token_loss(lse, x_t, sum_x, t, w, ignore_index, V, ls_over_v,
+                                     one_minus_ls, two_z, HAS_SMOOTHING))
+            w = tl.where(grad_ok, w, 0.0)
+            lo = (j % SLICES) * SLICE
+            hi = tl.minimum(lo + SLICE, V)
+            _range_grad(x_ptr, row * stride_x, g_ptr, row * stride_g, lo, hi, lse, x_t,
+                        t_local, w, ls_over_v, one_minus_ls, two_z, softcap, HAS_SOFTCAP,
+                        BLOCK_V)
+        tile = tl.atomic_add(ticket_ptr, 1)

@@ -5,9 +5,9 @@ Two pass structures, chosen per call (``lmfuse.explain`` says which):
 * **fused** (Triton, one rank, ``reduction`` "mean"/"sum", gradient needed): the forward
   kernel writes the loss stats *and* the gradient of the logits, assuming an upstream
   gradient of 1; backward multiplies by the real upstream gradient, a kernel that returns
-  at once, with no host sync, when that is 1 (the usual ``loss.backward()``). HBM traffic:
-  one read of the logits (the second streaming pass over a long row hits L2 where it
-  can) and one write of the gradient.
+  at once, with no host sync, when that is 1 (the usual ``loss.backward()``). Rows that
+  fit in registers are read once; longer rows are read twice, the second time mostly
+  from L2 (``ce_slices_kernel``).
 * **deferred** (``reduction="none"``, a ``tp_group``, no gradient needed, or the torch
   path): the forward reads the logits once for the stats; backward reads them again and
   writes the gradient, scaled by each token's upstream gradient.
@@ -19,6 +19,7 @@ The kernels are ``torch.library`` custom ops, so ``torch.compile`` sees opaque n
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -50,8 +51,25 @@ def _config(V: int, device: torch.device) -> dict[str, Any]:
                      t["warps_by_block"][-1][1])
         return dict(BLOCK_M=max(1, t["tile_elems"] // width), BLOCK_V=width,
                     SINGLE_BLOCK=True, num_warps=warps)
+    # Streamed rows: the stats-only pass wants many programs in flight; the fused pass
+    # (which reads each row twice) wants few enough rows in flight for L2 to keep them.
     return dict(BLOCK_M=1, BLOCK_V=t["chunk_block"], SINGLE_BLOCK=False,
-                num_warps=t["chunk_warps"])
+                num_warps=t["chunk_warps"], programs_per_sm=t["programs_per_sm"],
+                fused=next(dict(f) for limit, f in t["fused"] if V <= limit))
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; 4 for the CPU interpreter (so the
+    persistent loop runs several tiles per program in tests)."""
+    if device.type != "cuda":
+        return 4
+    return _cuda_sm_count(device.index if device.index is not None else
+                          torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -67,126 +85,182 @@ def _scalars(vocab_size: int, label_smoothing: float, z_loss: float,
 # --- kernel launches, as custom ops ------------------------------------------------------
 
 
-def _launch_fwd(logits, target, w, grad, vocab_start, vocab_size, ignore_index,
-                label_smoothing, z_loss, softcap):
+def _persistent_grid(n: int, cfg: dict[str, Any], device: torch.device) -> int:
+    per_sm = cfg.get("programs_per_sm") or tuning.table("cross_entropy", device)[
+        "programs_per_sm"]
+    return min(n, max(1, int(per_sm * _sm_count(device))))
+
+
+def _launch_fwd(logits, target, count, grad, vocab_start, vocab_size, ignore_index,
+                label_smoothing, z_loss, softcap, mean):
+    """Stats ``[4, N]`` (lse, x_t, sum x, loss), and the gradient into ``grad`` if given.
+
+    The loss row (0 where ignored) is the whole loss only on one rank; it is scaled by
+    ``1 / max(count, 1)`` when ``mean``, and so is the gradient.
+    """
     n, V = logits.shape
-    stats = torch.empty((3, n), dtype=torch.float32, device=logits.device)
+    stats = torch.empty((4, n), dtype=torch.float32, device=logits.device)
     if n == 0:
         return stats
     cfg = _config(V, logits.device)
     write = grad is not None
-    _kernels().ce_fwd_kernel[(_cdiv(n, cfg["BLOCK_M"]),)](
-        logits, logits.stride(0), target, stats, grad if write else logits,
-        grad.stride(0) if write else 0, w if write else stats,
-        n, V, vocab_start, vocab_size, ignore_index,
-        *_scalars(vocab_size, label_smoothing, z_loss, softcap),
-        HAS_SOFTCAP=softcap is not None, WRITE_GRAD=write,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_V=cfg["BLOCK_V"], SINGLE_BLOCK=cfg["SINGLE_BLOCK"],
-        num_warps=cfg["num_warps"],
-    )
+    common = dict(HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0,
+                  WRITE_GRAD=write, MEAN=mean)
+    args = (logits, logits.stride(0), target, stats, grad if write else logits,
+            grad.stride(0) if write else 0, count, n, V, vocab_start, vocab_size,
+            ignore_index, *_scalars(vocab_size, label_smoothing, z_loss, softcap))
+    if cfg["SINGLE_BLOCK"]:
+        _kernels().ce_fwd_kernel[(_cdiv(n, cfg["BLOCK_M"]),)](
+            *args, **common, BLOCK_M=cfg["BLOCK_M"], BLOCK_V=cfg["BLOCK_V"],
+            num_warps=cfg["num_warps"])
+    elif write and cfg.get("fused", {}).get("slice"):
+        _launch_slices(logits, target, count, grad, stats, ignore_index, label_smoothing,
+                       z_loss, softcap, mean, cfg["fused"])
+    else:  # persistent: a few programs per SM loop over the rows
+        if write and "fused" in cfg:
+            cfg = dict(cfg, **cfg["fused"])
+        _kernels().ce_stream_kernel[(_persistent_grid(n, cfg, logits.device),)](
+            *args, **common, BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"])
     return stats
 
 
-def _launch_grad(logits, target, lse, w, grad, vocab_start, vocab_size, ignore_index,
+def _launch_slices(logits, target, count, grad, stats, ignore_index, label_smoothing, z_loss,
+                   softcap, mean, f):
+    """Stats and gradient of long rows in one launch, rows in slices (``ce_slices_kernel``)."""
+    n, V = logits.shape
+    block = f["BLOCK_V"]
+    width = _cdiv(min(f["slice"], V), block) * block
+    slices = _cdiv(V, width)
+    lag = f["lag"] * slices  # phase B trails phase A by this many tiles (>= slices)
+    parts = torch.empty((n * slices * 4,), dtype=torch.float32, device=logits.device)
+    counters = torch.zeros((n + 1,), dtype=torch.int32, device=logits.device)
+    grid = min(n * slices + lag, max(1, int(f["programs_per_sm"] * _sm_count(logits.device))))
+    _kernels().ce_slices_kernel[(grid,)](
+        logits, logits.stride(0), target, parts, counters[1:], counters[:1], stats, grad,
+        grad.stride(0), count, n, V, ignore_index,
+        *_scalars(V, label_smoothing, z_loss, softcap), slices, width, lag,
+        HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0, MEAN=mean,
+        SLICES_P2=max(2, 1 << (slices - 1).bit_length()), BLOCK_V=block,
+        num_warps=f["num_warps"],
+    )
+
+
+def _launch_grad(logits, target, stats, w, grad, vocab_start, vocab_size, ignore_index,
                  label_smoothing, z_loss, softcap):
+    """The gradient from whole-vocabulary ``stats`` and per-token upstream gradients ``w``."""
     n, V = logits.shape
     if n == 0:
         return
     cfg = _config(V, logits.device)
-    block_v = min(cfg["BLOCK_V"], tuning.table("cross_entropy", logits.device)["chunk_block"])
-    block_m = cfg["BLOCK_M"] if cfg["SINGLE_BLOCK"] else 1
-    _kernels().ce_grad_kernel[(_cdiv(n, block_m),)](
-        logits, logits.stride(0), target, lse, w, w.stride(0), grad, grad.stride(0),
-        n, V, vocab_start, vocab_size, ignore_index,
-        *_scalars(vocab_size, label_smoothing, z_loss, softcap),
-        HAS_SOFTCAP=softcap is not None, BLOCK_M=block_m, BLOCK_V=block_v,
-        num_warps=cfg["num_warps"] if cfg["SINGLE_BLOCK"] else
-        tuning.table("cross_entropy", logits.device)["chunk_warps"],
-    )
+    args = (logits, logits.stride(0), target, stats, w, w.stride(0), grad, grad.stride(0),
+            n, V, vocab_start, vocab_size, ignore_index,
+            *_scalars(vocab_size, label_smoothing, z_loss, softcap))
+    if cfg["SINGLE_BLOCK"]:
+        _kernels().ce_grad_kernel[(_cdiv(n, cfg["BLOCK_M"]),)](
+            *args, HAS_SOFTCAP=softcap is not None, BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"])
+    else:
+        _kernels().ce_stream_grad_kernel[(_persistent_grid(n, cfg, logits.device),)](
+            *args, HAS_SOFTCAP=softcap is not None, BLOCK_V=cfg["BLOCK_V"],
+            num_warps=cfg["num_warps"])
+
+
+def _launch_scale(grad, scale):
+    n = grad.numel()
+    if n:
+        block = 4096
+        grid = min(_cdiv(n, block), 4 * _sm_count(grad.device))
+        _kernels().ce_scale_kernel[(grid,)](grad, scale, n, BLOCK=block, num_warps=8)
+
+
+# The launches as torch.library custom ops, so torch.compile sees opaque nodes. Eager
+# calls skip the dispatcher (tens of microseconds a call) and launch directly.
 
 
 @torch.library.custom_op("lmfuse::ce_stats", mutates_args=())
-def _ce_stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, vocab_size: int,
-              softcap: Optional[float]) -> torch.Tensor:
-    return _launch_fwd(logits, target, None, None, vocab_start, vocab_size, 0, 0.0, 0.0,
-                       softcap)
+def _ce_stats(logits: torch.Tensor, target: torch.Tensor, count: torch.Tensor,
+              vocab_start: int, vocab_size: int, ignore_index: int, label_smoothing: float,
+              z_loss: float, softcap: Optional[float], mean: bool) -> torch.Tensor:
+    return _launch_fwd(logits, target, count, None, vocab_start, vocab_size, ignore_index,
+                       label_smoothing, z_loss, softcap, mean)
 
 
 @_ce_stats.register_fake
-def _(logits, target, vocab_start, vocab_size, softcap):
-    return logits.new_empty((3, logits.shape[0]), dtype=torch.float32)
+def _(logits, target, count, vocab_start, vocab_size, ignore_index, label_smoothing, z_loss,
+      softcap, mean):
+    return logits.new_empty((4, logits.shape[0]), dtype=torch.float32)
 
 
-@torch.library.custom_op("lmfuse::ce_fwd_grad", mutates_args=())
-def _ce_fwd_grad(logits: torch.Tensor, target: torch.Tensor, w: torch.Tensor,
-                 ignore_index: int, label_smoothing: float, z_loss: float,
-                 softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+def _fwd_grad(logits, target, count, ignore_index, label_smoothing, z_loss, softcap, mean):
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-    V = logits.shape[1]
-    stats = _launch_fwd(logits, target, w, grad, 0, V, ignore_index, label_smoothing, z_loss,
-                        softcap)
+    stats = _launch_fwd(logits, target, count, grad, 0, logits.shape[1], ignore_index,
+                        label_smoothing, z_loss, softcap, mean)
     return stats, grad
 
 
+@torch.library.custom_op("lmfuse::ce_fwd_grad", mutates_args=())
+def _ce_fwd_grad(logits: torch.Tensor, target: torch.Tensor, count: torch.Tensor,
+                 ignore_index: int, label_smoothing: float, z_loss: float,
+                 softcap: Optional[float], mean: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fwd_grad(logits, target, count, ignore_index, label_smoothing, z_loss, softcap,
+                     mean)
+
+
 @_ce_fwd_grad.register_fake
-def _(logits, target, w, ignore_index, label_smoothing, z_loss, softcap):
-    return (logits.new_empty((3, logits.shape[0]), dtype=torch.float32),
+def _(logits, target, count, ignore_index, label_smoothing, z_loss, softcap, mean):
+    return (logits.new_empty((4, logits.shape[0]), dtype=torch.float32),
             torch.empty_like(logits, memory_format=torch.contiguous_format))
 
 
 @torch.library.custom_op("lmfuse::ce_fwd_grad_", mutates_args=("logits",))
-def _ce_fwd_grad_(logits: torch.Tensor, target: torch.Tensor, w: torch.Tensor,
+def _ce_fwd_grad_(logits: torch.Tensor, target: torch.Tensor, count: torch.Tensor,
                   ignore_index: int, label_smoothing: float, z_loss: float,
-                  softcap: Optional[float]) -> torch.Tensor:
-    # Each program reads a row (all of it, in its stats pass) before it writes any of its
-    # gradient, and no program touches another's rows: the gradient can overwrite logits.
-    V = logits.shape[1]
-    return _launch_fwd(logits, target, w, logits, 0, V, ignore_index, label_smoothing,
-                       z_loss, softcap)
+                  softcap: Optional[float], mean: bool) -> torch.Tensor:
+    # Every kernel reads a row (or, sliced, a slice) in full before it writes any of its
+    # gradient and the target's column is rewritten from the saved x_t: the gradient can
+    # overwrite the logits.
+    return _launch_fwd(logits, target, count, logits, 0, logits.shape[1], ignore_index,
+                       label_smoothing, z_loss, softcap, mean)
 
 
 @_ce_fwd_grad_.register_fake
-def _(logits, target, w, ignore_index, label_smoothing, z_loss, softcap):
-    return logits.new_empty((3, logits.shape[0]), dtype=torch.float32)
+def _(logits, target, count, ignore_index, label_smoothing, z_loss, softcap, mean):
+    return logits.new_empty((4, logits.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("lmfuse::ce_grad", mutates_args=())
-def _ce_grad(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, w: torch.Tensor,
+def _ce_grad(logits: torch.Tensor, target: torch.Tensor, stats: torch.Tensor, w: torch.Tensor,
              vocab_start: int, vocab_size: int, ignore_index: int, label_smoothing: float,
              z_loss: float, softcap: Optional[float]) -> torch.Tensor:
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-    _launch_grad(logits, target, lse, w, grad, vocab_start, vocab_size, ignore_index,
+    _launch_grad(logits, target, stats, w, grad, vocab_start, vocab_size, ignore_index,
                  label_smoothing, z_loss, softcap)
     return grad
 
 
 @_ce_grad.register_fake
-def _(logits, target, lse, w, vocab_start, vocab_size, ignore_index, label_smoothing, z_loss,
+def _(logits, target, stats, w, vocab_start, vocab_size, ignore_index, label_smoothing, z_loss,
       softcap):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("lmfuse::ce_grad_", mutates_args=("logits",))
-def _ce_grad_(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, w: torch.Tensor,
+def _ce_grad_(logits: torch.Tensor, target: torch.Tensor, stats: torch.Tensor, w: torch.Tensor,
               vocab_start: int, vocab_size: int, ignore_index: int, label_smoothing: float,
               z_loss: float, softcap: Optional[float]) -> None:
-    _launch_grad(logits, target, lse, w, logits, vocab_start, vocab_size, ignore_index,
+    _launch_grad(logits, target, stats, w, logits, vocab_start, vocab_size, ignore_index,
                  label_smoothing, z_loss, softcap)
 
 
 @_ce_grad_.register_fake
-def _(logits, target, lse, w, vocab_start, vocab_size, ignore_index, label_smoothing, z_loss,
+def _(logits, target, stats, w, vocab_start, vocab_size, ignore_index, label_smoothing, z_loss,
       softcap):
     return None
 
 
 @torch.library.custom_op("lmfuse::ce_scale_", mutates_args=("grad",))
 def _ce_scale_(grad: torch.Tensor, scale: torch.Tensor) -> None:
-    n = grad.numel()
-    if n:
-        block = 4096
-        _kernels().ce_scale_kernel[(_cdiv(n, block),)](grad, scale, n, BLOCK=block,
-                                                       num_warps=8)
+    _launch_scale(grad, scale)
 
 
 @_ce_scale_.register_fake
@@ -194,67 +268,90 @@ def _(grad, scale):
     return None
 
 
+def _eager() -> bool:
+    return not torch.compiler.is_compiling()
+
+
 # --- autograd ---------------------------------------------------------------------------
 
 
 class _CrossEntropy(torch.autograd.Function):
-    """Per-token loss of ``logits [N, V_local]``; see the module docstring for the passes."""
+    """Loss of ``logits [N, V_local]``; see the module docstring for the passes."""
 
     @staticmethod
     def forward(ctx, logits, target, o: dict[str, Any]):
-        triton_path = o["path"] == "triton"
         ls, z, cap, ignore = o["label_smoothing"], o["z_loss"], o["softcap"], o["ignore_index"]
-        valid = target != ignore
-        n_valid = valid.sum()
+        count = torch.sum(target != ignore, dtype=torch.float32)
         ctx.o, ctx.fused = o, o["fused"]
+        one_rank = o["tp_group"] is None
+        mean = o["reduction"] == "mean" and one_rank
         if o["fused"]:
-            w = (1.0 / n_valid.clamp(min=1).float() if o["reduction"] == "mean"
-                 else torch.ones((), device=logits.device)).reshape(1)
             if o["inplace"]:
-                stats = torch.ops.lmfuse.ce_fwd_grad_(logits, target, w, ignore, ls, z, cap)
+                stats = (_launch_fwd(logits, target, count, logits, 0, logits.shape[1], ignore,
+                                     ls, z, cap, mean) if _eager() else
+                         torch.ops.lmfuse.ce_fwd_grad_(logits, target, count, ignore, ls, z,
+                                                       cap, mean))
                 grad = logits
             else:
-                stats, grad = torch.ops.lmfuse.ce_fwd_grad(logits, target, w, ignore, ls, z,
-                                                           cap)
+                stats, grad = (_fwd_grad(logits, target, count, ignore, ls, z, cap, mean)
+                               if _eager() else
+                               torch.ops.lmfuse.ce_fwd_grad(logits, target, count, ignore, ls,
+                                                            z, cap, mean))
             ctx.save_for_backward(grad)
         else:
-            if triton_path:
-                stats = torch.ops.lmfuse.ce_stats(logits, target, o["vocab_start"],
-                                                  o["vocab_size"], cap)
+            if o["path"] == "triton":
+                args = (logits, target, count, o["vocab_start"], o["vocab_size"], ignore, ls, z,
+                        cap, mean)
+                stats = (_launch_fwd(logits, target, count, None, *args[3:]) if _eager()
+                         else torch.ops.lmfuse.ce_stats(*args))
             else:
                 stats = ref.local_token_stats(logits, target, o["vocab_start"], cap)
-            if o["tp_group"] is not None:
-                stats = gather_token_stats(stats, o["tp_group"])
-            ctx.save_for_backward(logits, target, stats[0].contiguous(), n_valid)
+            if not one_rank:
+                stats = gather_token_stats(stats[:3], o["tp_group"])
+            ctx.save_for_backward(logits, target, stats.contiguous(), count)
+        if o["path"] == "triton" and one_rank:
+            loss = stats[3]  # the kernel's per-token loss, already / count for "mean"
+            return loss if o["reduction"] == "none" else loss.sum()
         loss = ref.token_loss(stats, target, vocab_size=o["vocab_size"], ignore_index=ignore,
                               label_smoothing=ls, z_loss=z)
         if o["reduction"] == "none":
             return loss
         total = loss.sum()
-        return total / n_valid.clamp(min=1) if o["reduction"] == "mean" else total
+        return total / count.clamp(min=1) if o["reduction"] == "mean" else total
 
     @staticmethod
     def backward(ctx, dout):
         o = ctx.o
         if ctx.fused:
             (grad,) = ctx.saved_tensors
-            torch.ops.lmfuse.ce_scale_(grad, dout.float().reshape(1))
+            scale = dout.float().reshape(1)
+            if _eager():
+                _launch_scale(grad, scale)
+            else:
+                torch.ops.lmfuse.ce_scale_(grad, scale)
             return grad, None, None
-        logits, target, lse, n_valid = ctx.saved_tensors
+        logits, target, stats, count = ctx.saved_tensors
         if o["reduction"] == "none":
             w = dout.float().contiguous()
         elif o["reduction"] == "mean":
-            w = (dout.float() / n_valid.clamp(min=1)).reshape(1).expand(logits.shape[0])
+            w = (dout.float() / count.clamp(min=1)).reshape(1).expand(logits.shape[0])
         else:
             w = dout.float().reshape(1).expand(logits.shape[0])
         args = (o["vocab_start"], o["vocab_size"], o["ignore_index"], o["label_smoothing"],
                 o["z_loss"], o["softcap"])
         if o["path"] == "triton":
             if o["inplace"]:
-                torch.ops.lmfuse.ce_grad_(logits, target, lse, w, *args)
+                if _eager():
+                    _launch_grad(logits, target, stats, w, logits, *args)
+                else:
+                    torch.ops.lmfuse.ce_grad_(logits, target, stats, w, *args)
                 return logits, None, None
-            return torch.ops.lmfuse.ce_grad(logits, target, lse, w, *args), None, None
-        grad = ref.logits_grad(logits, target, lse, w, vocab_start=args[0], vocab_size=args[1],
+            if _eager():
+                grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+                _launch_grad(logits, target, stats, w, grad, *args)
+                return grad, None, None
+            return torch.ops.lmfuse.ce_grad(logits, target, stats, w, *args), None, None
+        grad = ref.logits_grad(logits, target, stats[0], w, vocab_start=args[0], vocab_size=args[1],
                                ignore_index=args[2], label_smoothing=args[3], z_loss=args[4],
                                softcap=args[5])
         if o["inplace"]:
@@ -315,8 +412,12 @@ def _resolve(logits, target, ignore_index, label_smoothing, z_loss, softcap, red
 
 
 def _check_targets(target: torch.Tensor, o: dict[str, Any]) -> None:
-    """Out-of-range targets raise on the CPU (on CUDA a check would sync with the host)."""
-    if target.device.type != "cpu" or target.numel() == 0:
+    """Out-of-range targets raise on the CPU (on CUDA a check would sync with the host).
+
+    Not under ``torch.compile`` either: the check branches on tensor data, which a full
+    graph cannot; there a bad target gets the CUDA behaviour (loss +inf, zero gradient).
+    """
+    if target.device.type != "cpu" or target.numel() == 0 or torch.compiler.is_compiling():
         return
     t = target[target != o["ignore_index"]]
     bad = (t < 0) | (t >= o["vocab_size"])
@@ -410,9 +511,10 @@ def cross_entropy(
     logits2d = logits.reshape(-1, V)
     if logits2d.stride(-1) != 1:
         logits2d = logits2d.contiguous()
-    if o["inplace"] and (logits2d.data_ptr() != logits.data_ptr() or
-                         not logits2d.is_contiguous()):
+    if o["inplace"] and not logits2d.is_contiguous():
         # The gradient can only overwrite the logits if the kernels see them as they are.
+        # (A reshape that copied is contiguous already; no data_ptr test: torch.compile
+        # cannot trace one.)
         logits2d = logits2d.contiguous()
     target1d = target.reshape(-1)
     if not target1d.is_contiguous():
@@ -429,7 +531,7 @@ def checks(device: torch.device, dtypes) -> list:
     from .._check import CheckCase
 
     small = device.type != "cuda"
-    n, vs = (37, (45, 5000)) if small else (1024, (32000, 128256))
+    n, vs = (37, (45, 5000, 20000)) if small else (1024, (32000, 128256))
 
     def case(label, V, dtype, **kw):
         target = torch.randint(0, V, (n,), device=device)

@@ -1,0 +1,122 @@
+"""cross_entropy under torch.compile (fullgraph) and the custom ops' fake/autograd contracts.
+
+The ops' arguments are not written out here: they are recorded, with a dispatch mode, from
+real ``lmfuse.cross_entropy`` calls on small inputs (forward and backward), so each op is
+checked with exactly what the autograd function passes it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from helpers import randn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import lmfuse
+from lmfuse.cross_entropy import ops as ce_ops
+
+OPS = ("ce_stats", "ce_fwd_grad", "ce_fwd_grad_", "ce_grad", "ce_grad_", "ce_scale_")
+
+# (reduction, inplace_backward) -> the lmfuse ops that call must run, forward then backward.
+PASSES = {
+    ("mean", False): ["ce_fwd_grad", "ce_scale_"],
+    ("sum", True): ["ce_fwd_grad_", "ce_scale_"],
+    ("none", False): ["ce_stats", "ce_grad"],
+    ("none", True): ["ce_stats", "ce_grad_"],
+}
+CASES = [pytest.param(red, inplace, id=f"{red}" + ("-inplace" if inplace else ""))
+         for red, inplace in PASSES]
+
+
+class RecordLmfuseOps(TorchDispatchMode):
+    """Records each ``torch.ops.lmfuse.*`` call with a copy of its arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Any, tuple[Any, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "lmfuse":
+            copy = tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args)
+            self.calls.append((func, copy))
+        return func(*args, **(kwargs or {}))
+
+
+def inputs(reduction: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    leaf = randn((2, 3, 37), scale=2.0, requires_grad=True)
+    target = torch.randint(0, 37, (2, 3))
+    target[0, 1] = -100
+    grad_out = randn(target.shape) if reduction == "none" else torch.tensor(2.5)
+    return leaf, target, grad_out
+
+
+def loss_fn(reduction: str, inplace: bool):
+    def f(leaf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # inplace_backward overwrites the logits it gets: give it a non-leaf.
+        x = leaf * 1.0 if inplace else leaf
+        return lmfuse.cross_entropy(x, target, reduction=reduction, label_smoothing=0.1,
+                                    z_loss=1e-3, softcap=8.0, inplace_backward=inplace)
+
+    return f
+
+
+@pytest.mark.parametrize("reduction, inplace", CASES)
+def test_compile_fullgraph_matches_eager(reduction: str, inplace: bool) -> None:
+    leaf, target, grad_out = inputs(reduction)
+    f = loss_fn(reduction, inplace)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    leaf_c = leaf.detach().clone().requires_grad_(True)
+    loss = f(leaf, target)
+    loss.backward(grad_out)
+    loss_c = compiled(leaf_c, target)
+    loss_c.backward(grad_out)
+    what = f"reduction={reduction} inplace={inplace}"
+    assert torch.equal(loss, loss_c), what
+    assert torch.equal(leaf.grad, leaf_c.grad), what
+
+
+@pytest.fixture
+def through_custom_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eager calls launch the kernels directly (no dispatcher); make them take the custom
+    ops, as compiled code does, so a dispatch mode can see them."""
+    monkeypatch.setattr(ce_ops, "_eager", lambda: False)
+
+
+@pytest.mark.parametrize("reduction, inplace", CASES)
+def test_custom_op_path_equals_direct_launches(reduction: str, inplace: bool,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    leaf, target, grad_out = inputs(reduction)
+    f = loss_fn(reduction, inplace)
+    loss = f(leaf, target)
+    loss.backward(grad_out)
+    monkeypatch.setattr(ce_ops, "_eager", lambda: False)
+    leaf_op = leaf.detach().clone().requires_grad_(True)
+    loss_op = f(leaf_op, target)
+    loss_op.backward(grad_out)
+    assert torch.equal(loss, loss_op) and torch.equal(leaf.grad, leaf_op.grad)
+
+
+@pytest.mark.parametrize("reduction, inplace", CASES)
+def test_pass_runs_the_expected_ops(reduction: str, inplace: bool,
+                                    through_custom_ops: None) -> None:
+    leaf, target, grad_out = inputs(reduction)
+    with RecordLmfuseOps() as rec:
+        loss_fn(reduction, inplace)(leaf, target).backward(grad_out)
+    assert [func._schema.name.split("::")[1] for func, _ in rec.calls] == PASSES[
+        (reduction, inplace)]
+
+
+def test_custom_ops_pass_opcheck(through_custom_ops: None) -> None:
+    recorded: dict[str, tuple[Any, tuple[Any, ...]]] = {}
+    for reduction, inplace in PASSES:
+        leaf, target, grad_out = inputs(reduction)
+        with RecordLmfuseOps() as rec:
+            loss_fn(reduction, inplace)(leaf, target).backward(grad_out)
+        for func, args in rec.calls:
+            recorded.setdefault(func._schema.name.split("::")[1], (func, args))
+    assert sorted(recorded) == sorted(OPS)
+    for name in OPS:
+        func, args = recorded[name]
+        torch.library.opcheck(func, args)

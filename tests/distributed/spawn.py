@@ -1,0 +1,221 @@
+"""Gloo ranks for the parallel ops' tests: a spawner and a collective counter.
+
+``spawn_gloo(world_size, fn, *args)`` runs ``fn(rank, world_size, *args)`` in
+``world_size`` fresh processes joined in a gloo process group on localhost. The ranks are
+*spawned* (not forked: a forked child would inherit the parent's threads and Triton
+state), so each finds ``fn`` by importing its module by name (a spawned child starts with
+the parent's ``sys.path``, which ``multiprocessing`` sends over and ``conftest.py`` has
+put the test folders on), or, where that name is not importable, from the module's file.
+
+The children's environment is the parent's ``os.environ`` at start plus ``_CHILD_ENV``:
+``TRITON_INTERPRET=1`` so the Triton path runs in the interpreter (it has to be in the
+environment before the child imports ``lmfuse``, which unpickling ``fn`` does), and one
+OpenMP thread per rank, since several ranks share a few cores.
+
+``count_collectives()`` records every ``torch.distributed`` collective issued inside a
+``with`` block, so a test can check how many collectives an op needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import os
+import socket
+import sys
+import time
+import traceback
+from typing import Any, Callable, Iterator
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+_CHILD_ENV = {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+
+
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_rank(rank: int, world_size: int, port: int, fn_ref: tuple[str, str, str],
+               args: tuple[Any, ...], errors: Any) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    try:
+        fn = _load_function(*fn_ref)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        try:
+            fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # report every failure, assertion errors included, to the parent
+        errors.put((rank, traceback.format_exc()))
+        raise SystemExit(1)
+
+
+def _function_ref(fn: Callable[..., Any]) -> tuple[str, str, str]:
+    """``(module name, module file, qualified name)`` of a module-level function."""
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    name = getattr(fn, "__qualname__", "")
+    path = getattr(module, "__file__", None)
+    if path is None or "<" in name or getattr(module, name, None) is not fn:
+        raise TypeError("spawn_gloo: fn must be a module-level function of a module with a "
+                        f"file, got {getattr(fn, '__module__', None)}.{name}")
+    return module.__name__, path, name
+
+
+def _load_function(module_name: str, path: str, name: str) -> Callable[..., Any]:
+    """The function, imported by module name, or from the module's file where that name
+    is not importable here or names another file (pytest's ``--import-mode=importlib``
+    names test modules after their path from the root folder, which is only importable
+    when it is the working directory)."""
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        module = None
+    found = getattr(module, "__file__", None)
+    if found is None or os.path.realpath(found) != os.path.realpath(path):
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``values`` set for the duration of the block, then restored."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def spawn_gloo(world_size: int, fn: Callable[..., Any], *args: Any,
+               timeout: float = 60.0) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks on localhost.
+
+    ``fn`` must be a module-level function, which each rank imports by its module's name
+    (or loads from its module's file); ``args`` must pickle. Raises ``RuntimeError`` with
+    each failed rank's traceback, or ``TimeoutError`` (after killing the ranks) when they
+    are not all done in ``timeout`` seconds.
+    """
+    fn_ref = _function_ref(fn)
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_gloo_rank, args=(rank, world_size, port, fn_ref, args, errors),
+                    daemon=True)
+        for rank in range(world_size)
+    ]
+    with _environ(_CHILD_ENV):  # a spawned child's environment is os.environ at start
+        for p in procs:
+            p.start()
+    failures: dict[int, str] = {}
+
+    def collect() -> None:
+        while not errors.empty():
+            rank, tb = errors.get()
+            failures[rank] = tb
+
+    # Read reports while the ranks run: one larger than the pipe's buffer would otherwise
+    # block its rank in put() until the deadline, and the failure would read as a hang.
+    deadline = time.monotonic() + timeout
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        collect()
+        time.sleep(0.05)
+    collect()
+    hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(5)
+    for rank, p in enumerate(procs):
+        if rank not in hung and p.exitcode != 0 and rank not in failures:
+            failures[rank] = f"exit code {p.exitcode}"
+    if failures:
+        report = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+        killed = f" (rank(s) {hung} hung and were killed after {timeout}s)" if hung else ""
+        raise RuntimeError(f"spawn_gloo: {len(failures)} of {world_size} rank(s) failed"
+                           f"{killed}:\n{report}")
+    if hung:
+        raise TimeoutError(f"spawn_gloo: rank(s) {hung} still running after {timeout}s; killed")
+
+
+# --- counting collectives ----------------------------------------------------------------
+
+# Every collective entry point of torch.distributed (each in both namespaces it lives in)
+# and of ProcessGroup, which the functions call and an op could call directly.
+_DIST_FUNCTIONS = (
+    "all_reduce", "all_reduce_coalesced", "reduce",
+    "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_coalesced",
+    "all_gather_object", "_all_gather_base", "gather", "gather_object",
+    "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base",
+    "scatter", "scatter_object_list",
+    "broadcast", "broadcast_object_list", "_broadcast_coalesced",
+    "all_to_all", "all_to_all_single",
+    "send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list",
+    "recv_object_list",
+    "barrier", "monitored_barrier",
+)
+_GROUP_METHODS = (
+    "allreduce", "allreduce_coalesced", "reduce",
+    "allgather", "allgather_coalesced", "allgather_into_tensor_coalesced", "_allgather_base",
+    "all_gather_single", "all_gather_single_coalesced", "gather",
+    "reduce_scatter", "reduce_scatter_single", "reduce_scatter_single_coalesced",
+    "reduce_scatter_tensor_coalesced", "_reduce_scatter_base", "scatter",
+    "broadcast", "alltoall", "alltoall_base", "all_to_all_single",
+    "send", "recv", "recv_anysource", "barrier", "monitored_barrier",
+)
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[list[str]]:
+    """Yield a list that collects the name of every collective issued in the block.
+
+    A collective that calls another (``all_gather_single`` calls
+    ``ProcessGroup.all_gather_single``) is counted once, by its outermost name.
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    calls: list[str] = []
+    depth = [0]
+
+    def wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if depth[0] == 0:
+                calls.append(name)
+            depth[0] += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        return counted
+
+    saved: list[tuple[Any, str, Any]] = []
+    targets = [(ns, n) for ns in (dist, c10d) for n in _DIST_FUNCTIONS]
+    targets += [(dist.ProcessGroup, n) for n in _GROUP_METHODS]
+    for owner, name in targets:
+        original = owner.__dict__.get(name) if isinstance(owner, type) else getattr(
+            owner, name, None)
+        if original is None:
+            continue
+        saved.append((owner, name, original))
+        setattr(owner, name, wrap(name, original))
+    try:
+        yield calls
+    finally:
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)
