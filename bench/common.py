@@ -30,20 +30,27 @@ class Result:
 
 @dataclass
 class Case:
-    """One benchmark case: a name, the minimal bytes it must move, and impl -> thunk."""
+    """One benchmark case: a name, the minimal bytes it must move, and impl -> thunk.
+
+    ``overhead`` maps an impl to a thunk that its own thunk runs first and that is timed
+    alone and subtracted: the copy restoring an input that an in-place op overwrites.
+    """
 
     name: str
     nbytes: int
     impls: dict[str, Callable[[], object]] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
+    overhead: dict[str, Callable[[], object]] = field(default_factory=dict)
 
 
-def bench_ms(fn: Callable[[], object], device: torch.device) -> float:
-    """Median milliseconds of ``fn`` (CUDA events via triton's do_bench on GPU)."""
+def bench_ms(fn: Callable[[], object], device: torch.device, warmup: int = 50,
+             rep: int = 200) -> float:
+    """Median milliseconds of ``fn`` (CUDA events via triton's do_bench on GPU, which runs
+    it for about ``warmup`` then ``rep`` milliseconds)."""
     if device.type == "cuda":
         from triton.testing import do_bench
 
-        return float(do_bench(fn, warmup=50, rep=200, return_mode="median"))
+        return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
     import time
 
     fn()
@@ -88,8 +95,13 @@ def run_cases(cases: list[Case], device: torch.device, reference_impl: str = "lm
                 ms = bench_ms(fn, device)
                 mem = peak_extra_mib(fn, device)
                 note = case.notes.get(impl, "")
+                if impl in case.overhead:
+                    extra = bench_ms(case.overhead[impl], device)
+                    note = f"{note}; {extra:.3f} ms overhead subtracted".lstrip("; ")
+                    ms = ms - extra if ms > extra else None  # None: lost in the noise
             except Exception as exc:  # a peer that cannot run a case is reported, not fatal
-                ms, mem, note = None, None, f"failed: {type(exc).__name__}: {exc}"[:160]
+                why = " ".join(str(exc).split())  # one line, whatever the exception's text
+                ms, mem, note = None, None, f"failed: {type(exc).__name__}: {why}"[:160]
             tbps = case.nbytes / ms / 1e9 if ms else None
             rows.append(Result(case.name, impl, ms, tbps, None, mem, note))
             if device.type == "cuda":
