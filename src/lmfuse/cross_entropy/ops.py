@@ -45,12 +45,10 @@ def _kernels():
 def _config(V: int, device: torch.device) -> dict[str, Any]:
     """Block sizes and warps for rows of ``V`` logits, from the device's tuning table."""
     t = tuning.table("cross_entropy", device)
-    width = max(16, 1 << max(V - 1, 0).bit_length())
-    if width <= t["max_single_block"]:
-        warps = next((w for limit, w in t["warps_by_block"] if width <= limit),
-                     t["warps_by_block"][-1][1])
-        return dict(BLOCK_M=max(1, t["tile_elems"] // width), BLOCK_V=width,
-                    SINGLE_BLOCK=True, num_warps=warps)
+    tile = tuning.single_block_tile(t, V)
+    if tile is not None:
+        rows, width, warps = tile
+        return dict(BLOCK_M=rows, BLOCK_V=width, SINGLE_BLOCK=True, num_warps=warps)
     # Streamed rows: the stats-only pass wants many programs in flight; the fused pass
     # (which reads each row twice) wants few enough rows in flight for L2 to keep them.
     return dict(BLOCK_M=1, BLOCK_V=t["chunk_block"], SINGLE_BLOCK=False,

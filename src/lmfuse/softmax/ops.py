@@ -37,12 +37,10 @@ def _kernels():
 def _config(sk: int, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
     """Block sizes and warps for rows of ``sk`` keys, from the device's tuning table."""
     t = tuning.table("softmax", device)
-    width = max(16, 1 << max(sk - 1, 0).bit_length())  # next power of two >= sk
-    if width <= t["max_single_block"]:
-        warps = next((w for limit, w in t["warps_by_block"] if width <= limit),
-                     t["warps_by_block"][-1][1])
-        return dict(BLOCK_M=max(1, t["tile_elems"] // width), BLOCK_N=width,
-                    SINGLE_BLOCK=True, num_warps=warps)
+    tile = tuning.single_block_tile(t, sk)
+    if tile is not None:
+        rows, width, warps = tile
+        return dict(BLOCK_M=rows, BLOCK_N=width, SINGLE_BLOCK=True, num_warps=warps)
     return dict(BLOCK_M=1, BLOCK_N=t["chunk_block"], SINGLE_BLOCK=False,
                 num_warps=t["chunk_warps"])
 

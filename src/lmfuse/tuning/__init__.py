@@ -45,3 +45,18 @@ def table(family: str, device: torch.device) -> dict[str, Any]:
 @functools.lru_cache(maxsize=None)
 def _cached_key(device: torch.device) -> str:
     return device_key(device)
+
+
+def single_block_tile(t: dict[str, Any], length: int) -> tuple[int, int, int] | None:
+    """``(rows per tile, width, warps)`` for rows of ``length`` held in one register tile.
+
+    ``width`` is the next power of two >= ``length`` (at least 16). ``None`` when that is
+    above the table's ``max_single_block``: such rows are streamed in chunks instead.
+    Reads ``max_single_block``, ``tile_elems`` and ``warps_by_block`` of section ``t``.
+    """
+    width = max(16, 1 << max(length - 1, 0).bit_length())
+    if width > t["max_single_block"]:
+        return None
+    warps = next((w for limit, w in t["warps_by_block"] if width <= limit),
+                 t["warps_by_block"][-1][1])
+    return max(1, t["tile_elems"] // width), width, warps
