@@ -191,9 +191,10 @@ class CECase(Case):
     (A plain subclass: ``lmfuse bench`` loads this file outside ``sys.modules``, where
     ``@dataclass`` cannot resolve its annotations.)"""
 
-    def __init__(self, *args, target_mib: float = 0.0, **kwargs):
+    def __init__(self, *args, target_mib: float = 0.0, state_mib: float = 0.0, **kwargs):
         super().__init__(*args, **kwargs)
         self.target_mib = target_mib
+        self.state_mib = state_mib  # O(N) per-token state the op may keep besides
 
 
 def make_case(data: Inputs, peers: dict, *, kind: str, backward: bool) -> CECase:
@@ -260,7 +261,11 @@ def make_case(data: Inputs, peers: dict, *, kind: str, backward: bool) -> CECase
     elt = data.logits.element_size()
     nbytes = n * V * elt * (2 if backward else 1)
     target_mib = n * V * elt / 2**20 if backward and kind != "inplace" else 0.0
-    return CECase(name, nbytes, impls, notes, overhead, target_mib=target_mib)
+    # The issue allows O(N) per-token state ([4, N] float32 and counters); allocations that
+    # small come from the caching allocator's 2 MiB segments.
+    state_mib = max(2.0, 64 * n / 2**20)
+    return CECase(name, nbytes, impls, notes, overhead, target_mib=target_mib,
+                  state_mib=state_mib)
 
 
 def build_cases(device: torch.device, quick: bool, peers: dict) -> list[CECase]:
@@ -281,7 +286,7 @@ def print_targets(cases: list[CECase], results: list[Result], copy_bw: float) ->
     """lmfuse per case: share of the copy ceiling, its fastest peer, memory against target."""
     print("\n# lmfuse against its targets: TB/s as a share of the copy's; the fastest peer's "
           "time as a multiple of lmfuse's (> 1: lmfuse is faster); peak extra memory against "
-          "the gradient buffer (0 in place or forward only)")
+          "the gradient buffer (0 in place or forward only) plus O(N) per-token state")
     print(f"{'case':<44} {'TB/s':>6} {'% copy':>6}  {'fastest peer':<20} {'x lmfuse':>8} "
           f"{'peak MiB':>9} {'target':>9}")
     for case in cases:
@@ -295,7 +300,8 @@ def print_targets(cases: list[CECase], results: list[Result], copy_bw: float) ->
         best = min(others, key=lambda r: r.ms, default=None)
         peer = f"{best.impl:<20} {best.ratio:8.2f}" if best else f"{'-':<20} {'-':>8}"
         mem, target = ours.peak_extra_mib, case.target_mib
-        verdict = "" if mem is None else ("  ok" if mem <= target + 1.0 else "  OVER")
+        verdict = ("" if mem is None else
+                   "  ok" if mem <= target + case.state_mib else "  OVER")
         mem_s = "-" if mem is None else f"{mem:9.1f}"
         print(f"{case.name:<44} {ours.tbps:6.2f} {share:>6}  {peer} {mem_s:>9} "
               f"{target:9.1f}{verdict}")
