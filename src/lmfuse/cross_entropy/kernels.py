@@ -2,7 +2,7 @@
 
 ``logits [N, V]`` holds this rank's columns ``[vocab_start, vocab_start + V)`` of a
 ``vocab_size`` vocabulary. Every kernel produces the token stats ``lse``, ``x_t``,
-``sum x`` (``[3, N]``, float32) and/or the gradient of the logits:
+``sum x`` and the token's loss (``[4, N]``, float32) and/or the gradient of the logits:
 
 * ``ce_fwd_kernel``: rows of at most ``max_single_block`` columns, ``BLOCK_M`` rows per
   tile; a row is read once, held in registers, and (``WRITE_GRAD``) its gradient is
@@ -33,14 +33,18 @@ import triton.language as tl
 
 
 @triton.jit
+def _cap(x, softcap):
+    """softcap * tanh(x / softcap), exact at +-inf."""
+    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * x / softcap) + 1.0))
+
+
+@triton.jit
 def _load_x(x_ptr, row_off, c, load_ok, softcap, HAS_SOFTCAP: tl.constexpr):
     """Logits of a [BLOCK_M, BLOCK_V] tile in float32, softcapped; -inf outside the row."""
     x = tl.load(x_ptr + row_off[:, None] + c[None, :], mask=load_ok, other=float("-inf"))
     x = x.to(tl.float32)
     if HAS_SOFTCAP:
-        # c * tanh(x / c), with tanh(u) = 1 - 2 / (exp(2u) + 1) (exact at +-inf).
-        x = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x / softcap) + 1.0))
-        x = tl.where(load_ok, x, float("-inf"))
+        x = tl.where(load_ok, _cap(x, softcap), float("-inf"))
     return x
 
 
@@ -61,27 +65,13 @@ def _grad_tile(x, c, t_local, lse, w, ls_over_v, one_minus_ls, two_z, softcap,
 @triton.jit
 def _rows(tile, n_rows, V, t_ptr, vocab_start, vocab_size, ignore_index,
           BLOCK_M: tl.constexpr):
-    """Rows of this tile, which are real, each target's local column (-1 when the target
-    is not among this rank's columns) and which rows carry a gradient."""
+    """Rows of this tile, which are real, and ``_row_target`` of each (tail rows: no
+    target column, no gradient)."""
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_rows
     rows = tl.minimum(rows, n_rows - 1)  # keep index math in range on the tail tile
-    t = tl.load(t_ptr + rows).to(tl.int64)
-    # Only tokens with a real target carry a gradient (ignored / out of range: zero row).
-    grad_ok = row_ok & (t != ignore_index) & (t >= 0) & (t < vocab_size)
-    t_local = t - vocab_start
-    mine = grad_ok & (t_local >= 0) & (t_local < V)
-    return rows, row_ok, tl.where(mine, t_local, -1).to(tl.int32), grad_ok, t
-
-
-@triton.jit
-def _target_logit(x_ptr, x_off, t_local, row_ok, softcap, HAS_SOFTCAP: tl.constexpr):
-    """x at each row's target column (validated, so in bounds); 0 where not owned."""
-    mine = row_ok & (t_local >= 0)
-    x_t = tl.load(x_ptr + x_off + t_local, mask=mine, other=0.0).to(tl.float32)
-    if HAS_SOFTCAP:
-        x_t = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x_t / softcap) + 1.0))
-    return tl.where(mine, x_t, 0.0)
+    t_local, grad_ok, t = _row_target(t_ptr, rows, V, vocab_start, vocab_size, ignore_index)
+    return rows, row_ok, tl.where(row_ok, t_local, -1), grad_ok & row_ok, t
 
 
 @triton.jit
@@ -110,6 +100,18 @@ def _token_loss(lse, x_t, sum_x, t, w, ignore_index, vocab_size, ls_over_v, one_
 
 
 @triton.jit
+def _store_stats(stats_ptr, n_rows, rows, row_ok, lse, x_t, sum_x, t, w, ignore_index,
+                 vocab_size, ls_over_v, one_minus_ls, two_z, HAS_SMOOTHING: tl.constexpr):
+    """Rows ``rows`` of the ``[4, N]`` stats: lse, x_t, sum x and the (weighted) loss."""
+    tl.store(stats_ptr + rows, lse, mask=row_ok)
+    tl.store(stats_ptr + n_rows + rows, x_t, mask=row_ok)
+    tl.store(stats_ptr + 2 * n_rows + rows, sum_x, mask=row_ok)
+    tl.store(stats_ptr + 3 * n_rows + rows,
+             _token_loss(lse, x_t, sum_x, t, w, ignore_index, vocab_size, ls_over_v,
+                         one_minus_ls, two_z, HAS_SMOOTHING), mask=row_ok)
+
+
+@triton.jit
 def ce_fwd_kernel(
     x_ptr, stride_x, t_ptr, stats_ptr, g_ptr, stride_g, count_ptr,
     n_rows, V, vocab_start, vocab_size, ignore_index,
@@ -124,7 +126,7 @@ def ce_fwd_kernel(
         rows, row_ok, t_local, grad_ok, t = _rows(tile, n_rows, V, t_ptr, vocab_start,
                                                   vocab_size, ignore_index, BLOCK_M)
         x_off = rows.to(tl.int64) * stride_x
-        x_t = _target_logit(x_ptr, x_off, t_local, row_ok, softcap, HAS_SOFTCAP)
+        x_t = _target_x(x_ptr, x_off, t_local, 0, V, softcap, HAS_SOFTCAP)
         ok = row_ok[:, None] & (cols[None, :] < V)
         x = _load_x(x_ptr, x_off, cols, ok, softcap, HAS_SOFTCAP)
         row_max = tl.max(x, 1)
@@ -134,16 +136,10 @@ def ce_fwd_kernel(
             sum_x = tl.sum(tl.where(ok, x, 0.0), 1)
         else:
             sum_x = denom * 0.0
-
-        lse = tl.where(denom > 0, shift + tl.log(tl.where(denom > 0, denom, 1.0)),
-                       float("-inf"))
-        tl.store(stats_ptr + rows, lse, mask=row_ok)
-        tl.store(stats_ptr + n_rows + rows, x_t, mask=row_ok)
-        tl.store(stats_ptr + 2 * n_rows + rows, sum_x, mask=row_ok)
+        lse = _lse(row_max, denom)
         w = _weight(count_ptr, MEAN)
-        tl.store(stats_ptr + 3 * n_rows + rows,
-                 _token_loss(lse, x_t, sum_x, t, w, ignore_index, vocab_size, ls_over_v,
-                             one_minus_ls, two_z, HAS_SMOOTHING), mask=row_ok)
+        _store_stats(stats_ptr, n_rows, rows, row_ok, lse, x_t, sum_x, t, w, ignore_index,
+                     vocab_size, ls_over_v, one_minus_ls, two_z, HAS_SMOOTHING)
 
         if WRITE_GRAD:
             w = tl.where(grad_ok, w, 0.0)
@@ -161,21 +157,19 @@ def ce_grad_kernel(
     ls_over_v, one_minus_ls, two_z, softcap,
     HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    rows, row_ok, t_local, grad_ok, _t = _rows(pid, n_rows, V, t_ptr, vocab_start,
-                                               vocab_size, ignore_index, BLOCK_M)
+    """The gradient of rows that fit one BLOCK_V tile, from given stats (``lse_ptr``: their
+    first row) and per-row upstream gradients."""
+    rows, row_ok, t_local, grad_ok, _t = _rows(tl.program_id(0), n_rows, V, t_ptr,
+                                               vocab_start, vocab_size, ignore_index, BLOCK_M)
     lse = tl.load(lse_ptr + rows)
     w = tl.where(grad_ok, tl.load(w_ptr + rows * stride_w).to(tl.float32), 0.0)
-    x_off = rows.to(tl.int64) * stride_x
-    g_off = rows.to(tl.int64) * stride_g
     cols = tl.arange(0, BLOCK_V)
-    for c0 in range(0, V, BLOCK_V):
-        c = c0 + cols
-        ok = row_ok[:, None] & (c[None, :] < V)
-        x = _load_x(x_ptr, x_off, c, ok, softcap, HAS_SOFTCAP)
-        g = _grad_tile(x, c, t_local, lse, w, ls_over_v, one_minus_ls, two_z, softcap,
-                       HAS_SOFTCAP)
-        tl.store(g_ptr + g_off[:, None] + c[None, :], g.to(g_ptr.dtype.element_ty), mask=ok)
+    ok = row_ok[:, None] & (cols[None, :] < V)
+    x = _load_x(x_ptr, rows.to(tl.int64) * stride_x, cols, ok, softcap, HAS_SOFTCAP)
+    g = _grad_tile(x, cols, t_local, lse, w, ls_over_v, one_minus_ls, two_z, softcap,
+                   HAS_SOFTCAP)
+    g_off = rows.to(tl.int64) * stride_g
+    tl.store(g_ptr + g_off[:, None] + cols[None, :], g.to(g_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -198,12 +192,6 @@ def ce_scale_kernel(g_ptr, s_ptr, n, BLOCK: tl.constexpr):
 # gradient loop load, convert, FMA, exp2, FMA, convert, store. Full chunks are loaded
 # without masks; only the tail chunk is masked. The target column's "- (1 - s)" is written
 # once per row after the chunks, instead of a compare-and-select on every element.
-
-
-@triton.jit
-def _cap(x, softcap):
-    """softcap * tanh(x / softcap), exact at +-inf."""
-    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * x / softcap) + 1.0))
 
 
 @triton.jit
@@ -308,6 +296,8 @@ def _target_x(x_ptr, x_off, t_local, lo, hi, softcap, HAS_SOFTCAP: tl.constexpr)
 
 @triton.jit
 def _row_target(t_ptr, row, V, vocab_start, vocab_size, ignore_index):
+    """A row's target column among this rank's (-1 when not here), whether the row carries
+    a gradient (not ignored, target in range), and the target itself."""
     t = tl.load(t_ptr + row).to(tl.int64)
     grad_ok = (t != ignore_index) & (t >= 0) & (t < vocab_size)
     t_local = t - vocab_start
@@ -333,13 +323,9 @@ def ce_stream_kernel(
         m, denom, sum_x = _range_stats(x_ptr, x_off, 0, V, softcap, HAS_SOFTCAP,
                                        HAS_SMOOTHING, BLOCK_V)
         lse = _lse(m, denom)
-        tl.store(stats_ptr + row, lse)
-        tl.store(stats_ptr + n_rows + row, x_t)
-        tl.store(stats_ptr + 2 * n_rows + row, sum_x)
         w = _weight(count_ptr, MEAN)
-        tl.store(stats_ptr + 3 * n_rows + row,
-                 _token_loss(lse, x_t, sum_x, t, w, ignore_index, vocab_size, ls_over_v,
-                             one_minus_ls, two_z, HAS_SMOOTHING))
+        _store_stats(stats_ptr, n_rows, row, True, lse, x_t, sum_x, t, w, ignore_index,
+                     vocab_size, ls_over_v, one_minus_ls, two_z, HAS_SMOOTHING)
         if WRITE_GRAD:
             w = tl.where(grad_ok, w, 0.0)
             _range_grad(x_ptr, x_off, g_ptr, row * stride_g, 0, V, lse, x_t, t_local, w,
@@ -431,13 +417,8 @@ def ce_slices_kernel(
             w = _weight(count_ptr, MEAN)
             if j % SLICES == 0:  # one tile per row reports the row's stats and loss
                 sxs = tl.load(part_ptr + slots + 2, mask=have, other=0.0, cache_modifier=".cg")
-                sum_x = tl.sum(sxs, 0)
-                tl.store(stats_ptr + row, lse)
-                tl.store(stats_ptr + n_rows + row, x_t)
-                tl.store(stats_ptr + 2 * n_rows + row, sum_x)
-                tl.store(stats_ptr + 3 * n_rows + row,
-                         _token_loss(lse, x_t, sum_x, t, w, ignore_index, V, ls_over_v,
-                                     one_minus_ls, two_z, HAS_SMOOTHING))
+                _store_stats(stats_ptr, n_rows, row, True, lse, x_t, tl.sum(sxs, 0), t, w,
+                             ignore_index, V, ls_over_v, one_minus_ls, two_z, HAS_SMOOTHING)
             w = tl.where(grad_ok, w, 0.0)
             lo = (j % SLICES) * SLICE
             hi = tl.minimum(lo + SLICE, V)

@@ -14,7 +14,8 @@ Two pass structures, chosen per call (``lmfuse.explain`` says which):
 
 With ``inplace_backward=True`` the gradient is written over the logits.
 
-The kernels are ``torch.library`` custom ops, so ``torch.compile`` sees opaque nodes.
+The launches are also ``torch.library`` custom ops, which is what ``torch.compile`` sees
+(opaque nodes); eager calls launch directly and skip the dispatcher's overhead.
 """
 
 from __future__ import annotations
@@ -455,9 +456,13 @@ def plan_cross_entropy(
     }
     if path == "triton":
         cfg = _config(V, logits.device)
-        details["kernel"] = (f"{cfg['BLOCK_M']} row(s) x {cfg['BLOCK_V']} per program, row in "
-                             "registers" if cfg["SINGLE_BLOCK"] else
-                             f"streamed in {cfg['BLOCK_V']}-column chunks, online log-sum-exp")
+        sliced = o["fused"] and not cfg["SINGLE_BLOCK"] and cfg["fused"].get("slice")
+        details["kernel"] = (
+            f"{cfg['BLOCK_M']} row(s) x {cfg['BLOCK_V']} per program, row in registers"
+            if cfg["SINGLE_BLOCK"] else
+            f"rows in {cfg['fused']['slice']}-column slices, stats and gradient in one launch"
+            if sliced else
+            f"streamed in {cfg['BLOCK_V']}-column chunks, online log-sum-exp")
     return Plan(_OP, path, reason, details, o)
 
 
@@ -507,12 +512,10 @@ def cross_entropy(
     V = logits.shape[-1]
     lead = target.shape
     logits2d = logits.reshape(-1, V)
-    if logits2d.stride(-1) != 1:
-        logits2d = logits2d.contiguous()
-    if o["inplace"] and not logits2d.is_contiguous():
-        # The gradient can only overwrite the logits if the kernels see them as they are.
-        # (A reshape that copied is contiguous already; no data_ptr test: torch.compile
-        # cannot trace one.)
+    # Rows may be strided; columns must not be. In place, the gradient is written with the
+    # layout of a fresh tensor, so those logits must be contiguous. (A reshape that copied
+    # is contiguous already; no data_ptr test: torch.compile cannot trace one.)
+    if logits2d.stride(-1) != 1 or (o["inplace"] and not logits2d.is_contiguous()):
         logits2d = logits2d.contiguous()
     target1d = target.reshape(-1)
     if not target1d.is_contiguous():

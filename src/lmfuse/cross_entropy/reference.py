@@ -54,22 +54,15 @@ def cross_entropy_reference(
     ``target``'s shape for ``reduction="none"``.
     """
     V = logits.shape[-1]
-    x = softcapped(logits, softcap).reshape(-1, V)
-    t = target.reshape(-1).long()
-    valid = t != ignore_index
-    lse = torch.logsumexp(x, dim=-1)
-    x_t = x.gather(1, torch.where(valid, t, 0)[:, None])[:, 0]
-    loss = (1.0 - label_smoothing) * (lse - x_t)
-    if label_smoothing:
-        loss = loss + label_smoothing * (lse - x.mean(dim=-1))
-    if z_loss:
-        loss = loss + z_loss * lse * lse
-    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    t = target.reshape(-1)
+    stats = local_token_stats(logits.reshape(-1, V), t, 0, softcap)
+    loss = token_loss(stats, t, vocab_size=V, ignore_index=ignore_index,
+                      label_smoothing=label_smoothing, z_loss=z_loss)
     if reduction == "none":
         return loss.view(target.shape)
     if reduction == "sum":
         return loss.sum()
-    return loss.sum() / valid.sum().clamp(min=1)
+    return loss.sum() / (t != ignore_index).sum().clamp(min=1)
 
 
 # --- the pieces the fused and vocabulary-parallel paths are built from ------------------
