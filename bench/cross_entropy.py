@@ -261,9 +261,11 @@ def make_case(data: Inputs, peers: dict, *, kind: str, backward: bool) -> CECase
     elt = data.logits.element_size()
     nbytes = n * V * elt * (2 if backward else 1)
     target_mib = n * V * elt / 2**20 if backward and kind != "inplace" else 0.0
-    # The issue allows O(N) per-token state ([4, N] float32 and counters); allocations that
-    # small come from the caching allocator's 2 MiB segments.
-    state_mib = max(2.0, 64 * n / 2**20)
+    # The issue allows O(N) per-token state: [4, N] float32 stats and, for rows cut in
+    # slices, 16 bytes per token and slice (a slice is at least 16384 columns: under 0.05%
+    # of bf16 logits), rounded up to the caching allocator's 2 MiB segments.
+    state_bytes = 16 * n * (1 + -(-V // 16384))
+    state_mib = 2.0 * -(-state_bytes // 2**21)
     return CECase(name, nbytes, impls, notes, overhead, target_mib=target_mib,
                   state_mib=state_mib)
 
