@@ -9,7 +9,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from ._dispatch import Plan, explain
-from .cross_entropy import cross_entropy
+from .cross_entropy import cross_entropy, linear_cross_entropy
 from .softmax import AttnMaskType, FusedScaleMaskSoftmax, fused_softmax
 
 __all__ = [
@@ -20,4 +20,5 @@ __all__ = [
     "cross_entropy",
     "explain",
     "fused_softmax",
+    "linear_cross_entropy",
 ]

@@ -77,7 +77,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         "cpu, Triton kernels in the interpreter" if interpreter_active() else "cpu, reference only")
     print(f"lmfuse check on {where}: each op against its float64 reference")
     torch.manual_seed(args.seed)
-    cases = softmax_ops.checks(device, dtypes) + cross_entropy_ops.checks(device, dtypes)
+    from lmfuse.cross_entropy import linear as linear_ce
+
+    cases = (softmax_ops.checks(device, dtypes) + cross_entropy_ops.checks(device, dtypes)
+             + linear_ce.checks(device, dtypes))
     ok = run_all(cases)
     print("all checks passed" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1

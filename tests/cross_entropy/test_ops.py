@@ -780,3 +780,20 @@ def test_property_triton_matches_reference(problem: dict[str, Any]) -> None:
         if config is not None:
             mp.setattr(ops, "_config", lambda V, device: dict(config))
         check(f"{problem}", "triton", logits, target, grad_out, **p)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_second_backward_through_fused_path_refused(impl: str) -> None:
+    """The fused path rescales its kept gradient in place: a second backward through the
+    same graph raises instead of scaling it twice (the deferred path allows it)."""
+    logits = randn((5, 11), requires_grad=True)
+    target = make_target((5,), 11)
+    loss = lmfuse.cross_entropy(logits, target, impl=impl)
+    loss.backward(torch.tensor(0.5), retain_graph=True)
+    if impl == "triton":
+        with pytest.raises(RuntimeError, match="second backward"):
+            loss.backward(torch.tensor(0.5))
+    else:  # the torch path keeps the logits and recomputes: twice is twice
+        first = logits.grad.clone()
+        loss.backward(torch.tensor(0.5))
+        torch.testing.assert_close(logits.grad, 2 * first)

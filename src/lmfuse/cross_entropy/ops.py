@@ -322,6 +322,7 @@ class _CrossEntropy(torch.autograd.Function):
     def backward(ctx, dout):
         o = ctx.o
         if ctx.fused:
+            _once(ctx, _OP)
             (grad,) = ctx.saved_tensors
             scale = dout.float().reshape(1)
             if _eager():
@@ -357,6 +358,18 @@ class _CrossEntropy(torch.autograd.Function):
             logits.copy_(grad)
             return logits, None, None
         return grad, None, None
+
+
+def _once(ctx, op: str) -> None:
+    """The fused path rescales the gradient it kept from the forward in place, so a second
+    backward through the same graph (``retain_graph=True``) would scale it twice: refuse."""
+    if getattr(ctx, "backward_done", False):
+        raise RuntimeError(
+            f"{op}: a second backward through the same loss is not supported: its gradient "
+            "is computed in the forward and rescaled in place by the first backward. "
+            "Compute the loss again, or call backward once with the summed upstream "
+            "gradient.")
+    ctx.backward_done = True
 
 
 # --- validation and planning -------------------------------------------------------------

@@ -1,0 +1,395 @@
+"""``linear_cross_entropy``: the loss of ``hidden @ weight.T (+ bias)`` without the logits.
+
+Tokens go through in chunks of ``rows`` (as many as fit the chunk budget, never more, so
+the extra memory does not grow with N). For each chunk:
+
+1. ``logits = h @ W.T (+ b)``, a ``[rows, V_local]`` GEMM into a buffer reused by every chunk;
+2. the cross-entropy kernels (or, on the torch path, the reference) reduce it to the token
+   stats and, when gradients are needed, overwrite it with ``d loss / d logits``;
+   with ``tp_group`` the ``[3, rows]`` stats are all-gathered first (one collective);
+3. ``dh = G @ W`` and ``dW += G.T @ h`` (and ``db += sum G``), GEMMs in the inputs' dtype
+   with float32 accumulation inside each.
+
+So the three GEMMs every implementation needs run once each, and the logits are written
+once and read twice by memory-bound passes between them. As in :func:`lmfuse.cross_entropy`,
+the gradients are computed in the forward, for an upstream gradient of 1; backward only
+rescales them (nothing to do when it is 1). With ``reduction="none"`` each token's upstream
+gradient is known only in backward, which then recomputes the logits chunk by chunk (a
+fourth GEMM).
+
+The weight gradient is summed over chunks in the weight's dtype (each chunk's GEMM adds to
+it in float32 and rounds once): for bf16 weights that is one bf16 rounding per chunk,
+which is why chunks are as large as the budget allows. Everything is deterministic: no
+atomics, fixed chunking.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .. import tuning
+from .._dispatch import Plan, check_tensor, register_planner
+from ..distributed.collectives import group_rank, group_size
+from . import ops
+from . import reference as ref
+from .vocab_parallel import gather_token_stats
+
+_OP = "linear_cross_entropy"
+
+
+def linear_cross_entropy_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: Optional[float] = None,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """The specification: :func:`~lmfuse.cross_entropy.reference.cross_entropy_reference`
+    of the float32 (float64 for float64) logits ``hidden @ weight.T + bias``, all at once.
+    Differentiable in ``hidden``, ``weight`` and ``bias``."""
+    compute = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    logits = hidden.to(compute) @ weight.to(compute).T
+    if bias is not None:
+        logits = logits + bias.to(compute)
+    return ref.cross_entropy_reference(logits, target, ignore_index=ignore_index,
+                                       label_smoothing=label_smoothing, z_loss=z_loss,
+                                       softcap=softcap, reduction=reduction)
+
+
+def chunk_rows(n: int, v_local: int, itemsize: int, device: torch.device,
+               max_chunk_bytes: Optional[int] = None) -> int:
+    """Tokens per chunk: as many as ``max_chunk_bytes`` (default: the device's tuning table)
+    holds of ``[rows, v_local]`` logits, at least 1 and at most ``n``."""
+    budget = max_chunk_bytes
+    if budget is None:
+        budget = tuning.table(_OP, device)["chunk_bytes"]
+    return max(1, min(n, budget // max(1, v_local * itemsize)))
+
+
+def _resolve(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap,
+             reduction, tp_group, impl, max_chunk_bytes) -> tuple[str, str, dict[str, Any]]:
+    check_tensor(_OP, "hidden", hidden)
+    if hidden.dim() < 1:
+        raise ValueError(f"{_OP}: hidden must be [..., H], got a 0-D tensor")
+    check_tensor(_OP, "weight", weight, ndim=2)
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"{_OP}: weight must have hidden's dtype {hidden.dtype}, "
+                        f"got {weight.dtype}")
+    H = hidden.shape[-1]
+    if weight.shape[1] != H:
+        raise ValueError(f"{_OP}: weight must be [V, H] with H = hidden.shape[-1] = {H}, "
+                         f"got {tuple(weight.shape)}")
+    if weight.shape[0] < 1:
+        raise ValueError(f"{_OP}: weight must have at least one row (class), got V = 0")
+    if bias is not None:
+        check_tensor(_OP, "bias", bias, ndim=1)
+        if bias.dtype != hidden.dtype:
+            raise TypeError(f"{_OP}: bias must have hidden's dtype {hidden.dtype}, "
+                            f"got {bias.dtype}")
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"{_OP}: bias must be [V] with V = weight.shape[0] = "
+                             f"{weight.shape[0]}, got {tuple(bias.shape)}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.device != hidden.device:
+            raise ValueError(f"{_OP}: {name} is on {t.device} but hidden is on "
+                             f"{hidden.device}; move them to one device")
+    if max_chunk_bytes is not None and (isinstance(max_chunk_bytes, bool) or not isinstance(
+            max_chunk_bytes, int) or max_chunk_bytes < 1):
+        raise ValueError(f"{_OP}: max_chunk_bytes must be a positive int or None, "
+                         f"got {max_chunk_bytes!r}")
+    # The loss options and target checks are those of cross_entropy, on a stand-in for
+    # the logits of the right shape (no memory: a zero-stride expand).
+    stand_in = hidden.new_empty(()).expand(*hidden.shape[:-1], weight.shape[0])
+    path, reason, o = ops._resolve(stand_in, target, ignore_index, label_smoothing, z_loss,
+                                   softcap, reduction, tp_group, False, impl)
+    needs = (hidden.requires_grad, weight.requires_grad,
+             bias is not None and bias.requires_grad)
+    grad_needed = torch.is_grad_enabled() and any(needs)
+    o.update(needs=needs, grad_needed=grad_needed, max_chunk_bytes=max_chunk_bytes,
+             fused=grad_needed and reduction != "none")
+    return path, reason, o
+
+
+def _chunk_stats(logits, target, count, o, grad: bool, mean: bool):
+    """Whole-vocabulary ``[3, rows]`` stats of one logits chunk and, with ``grad`` (for an
+    upstream gradient of 1, or ``1 / count`` when ``mean``), its gradient in place."""
+    ignore, ls, z, cap = o["ignore_index"], o["label_smoothing"], o["z_loss"], o["softcap"]
+    one_rank = o["tp_group"] is None
+    if o["path"] == "triton" and one_rank:
+        return ops._launch_fwd(logits, target, count, logits if grad else None, 0,
+                               logits.shape[1], ignore, ls, z, cap, mean)[:3]
+    if o["path"] == "triton":
+        stats = ops._launch_fwd(logits, target, count, None, o["vocab_start"], o["vocab_size"],
+                                ignore, ls, z, cap, False)[:3]
+    else:
+        stats = ref.local_token_stats(logits, target, o["vocab_start"], cap)
+    if not one_rank:
+        stats = gather_token_stats(stats, o["tp_group"]).contiguous()
+    if grad:
+        w = (1.0 / count.clamp(min=1) if mean else torch.ones((), device=logits.device))
+        _chunk_grad(logits, target, stats, w.reshape(1).expand(logits.shape[0]), o)
+    return stats
+
+
+def _chunk_grad(logits, target, stats, w, o) -> None:
+    """Overwrite a logits chunk with its gradient, from whole-vocabulary stats and the
+    tokens' upstream gradients ``w [rows]`` (float32)."""
+    args = (o["vocab_start"], o["vocab_size"], o["ignore_index"], o["label_smoothing"],
+            o["z_loss"], o["softcap"])
+    if o["path"] == "triton":
+        ops._launch_grad(logits, target, stats, w, logits, *args)
+    else:
+        logits.copy_(ref.logits_grad(logits, target, stats[0], w, vocab_start=args[0],
+                                     vocab_size=args[1], ignore_index=args[2],
+                                     label_smoothing=args[3], z_loss=args[4],
+                                     softcap=args[5]))
+
+
+class _Grads:
+    """Accumulates the gradients of hidden, weight and bias over chunks."""
+
+    def __init__(self, hidden, weight, bias, needs) -> None:
+        self.hidden, self.weight, self.bias = hidden, weight, bias
+        self.dh = torch.empty_like(hidden) if needs[0] else None
+        self.dw = torch.empty_like(weight) if needs[1] else None
+        self.db = (torch.zeros(bias.shape, dtype=_stats_dtype(bias), device=bias.device)
+                   if needs[2] else None)
+        self.first = True
+
+    def add(self, g: torch.Tensor, r0: int, r1: int) -> None:
+        """Add chunk ``[r0, r1)``'s contribution, from its logits gradient ``g``."""
+        if self.dh is not None:
+            torch.mm(g, self.weight, out=self.dh[r0:r1])
+        if self.dw is not None:
+            if self.first:
+                torch.mm(g.T, self.hidden[r0:r1], out=self.dw)
+            else:
+                self.dw.addmm_(g.T, self.hidden[r0:r1])
+        if self.db is not None:
+            self.db += g.sum(dim=0, dtype=self.db.dtype)
+        self.first = False
+
+    def finish(self, tp_group, rows_total: int) -> tuple:
+        if self.dh is not None and tp_group is not None:
+            torch.distributed.all_reduce(self.dh, group=tp_group)
+        if self.dw is not None and self.first:  # no tokens
+            self.dw.zero_()
+        db = self.db.to(self.bias.dtype) if self.db is not None else None
+        return self.dh, self.dw, db
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Loss of ``hidden [N, H] @ weight [V_local, H].T (+ bias)``; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, o: dict[str, Any]):
+        n = hidden.shape[0]
+        rows = chunk_rows(n, weight.shape[0], hidden.element_size(), hidden.device,
+                          o["max_chunk_bytes"])
+        count = torch.sum(target != o["ignore_index"], dtype=torch.float32)
+        mean = o["reduction"] == "mean"
+        ctx.o, ctx.rows = o, rows
+        buf = hidden.new_empty((min(rows, n), weight.shape[0]))
+        grads = _Grads(hidden, weight, bias, o["needs"]) if o["fused"] else None
+        stats = torch.empty((3, n), dtype=_stats_dtype(hidden), device=hidden.device)
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            logits = buf[: r1 - r0]
+            _logits(hidden[r0:r1], weight, bias, out=logits)
+            stats[:, r0:r1] = _chunk_stats(logits, target[r0:r1], count, o, grads is not None,
+                                           mean)
+            if grads is not None:
+                grads.add(logits, r0, r1)
+        del buf
+        loss = ref.token_loss(stats, target, vocab_size=o["vocab_size"],
+                              ignore_index=o["ignore_index"],
+                              label_smoothing=o["label_smoothing"], z_loss=o["z_loss"])
+        if grads is not None:
+            ctx.save_for_backward(*(g for g in grads.finish(o["tp_group"], n)
+                                    if g is not None))
+        elif o["grad_needed"]:
+            ctx.save_for_backward(hidden, weight, bias, target, stats)
+        ctx.has = tuple(o["needs"])
+        if o["reduction"] == "none":
+            return loss
+        total = loss.sum()
+        return total / count.clamp(min=1) if mean else total
+
+    @staticmethod
+    def backward(ctx, dout):
+        o = ctx.o
+        if o["fused"]:
+            ops._once(ctx, _OP)
+            saved = list(ctx.saved_tensors)
+            out = []
+            for need in ctx.has:
+                g = saved.pop(0) if need else None
+                if g is not None:
+                    _scale(g, dout, o["path"])
+                out.append(g)
+            return out[0], out[1], out[2], None, None
+        hidden, weight, bias, target, stats = ctx.saved_tensors
+        n, rows = hidden.shape[0], ctx.rows
+        w = dout.float().contiguous()
+        grads = _Grads(hidden, weight, bias, ctx.has)
+        buf = hidden.new_empty((min(rows, n), weight.shape[0]))
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            logits = buf[: r1 - r0]
+            _logits(hidden[r0:r1], weight, bias, out=logits)
+            _chunk_grad(logits, target[r0:r1], stats[:, r0:r1].contiguous(), w[r0:r1], o)
+            grads.add(logits, r0, r1)
+        dh, dw, db = grads.finish(o["tp_group"], n)
+        return dh, dw, db, None, None
+
+
+def _stats_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+            out: torch.Tensor) -> None:
+    if bias is None:
+        torch.mm(h, weight.T, out=out)
+    else:
+        torch.addmm(bias, h, weight.T, out=out)
+
+
+def _scale(g: torch.Tensor, dout: torch.Tensor, path: str) -> None:
+    """``g *= dout`` (a scalar tensor), without a host sync; a no-op kernel when it is 1."""
+    if path == "triton" and g.is_contiguous():
+        ops._launch_scale(g, dout.float().reshape(1))
+    else:
+        g.mul_(dout.to(g.dtype))
+
+
+@register_planner(_OP)
+def plan_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: Optional[float] = None,
+    reduction: str = "mean",
+    tp_group: Optional[Any] = None,
+    impl: str = "auto",
+    max_chunk_bytes: Optional[int] = None,
+) -> Plan:
+    """What :func:`linear_cross_entropy` would do with these arguments."""
+    path, reason, o = _resolve(hidden, weight, target, bias, ignore_index, label_smoothing,
+                               z_loss, softcap, reduction, tp_group, impl, max_chunk_bytes)
+    n = target.numel()
+    rows = chunk_rows(max(n, 1), weight.shape[0], hidden.element_size(), hidden.device,
+                      max_chunk_bytes)
+    chunks = -(-n // rows)
+    details = {
+        "hidden": f"{list(hidden.shape)} {str(hidden.dtype).replace('torch.', '')}",
+        "vocabulary": (f"{weight.shape[0]} of {o['vocab_size']} (rank {group_rank(tp_group)}, "
+                       f"one all-gather of [3, rows] stats per chunk)"
+                       if o["tp_group"] is not None else str(weight.shape[0])),
+        "chunks": (f"{chunks} x {rows} tokens; logits buffer "
+                   f"{rows * weight.shape[0] * hidden.element_size() / 2**20:.1f} MiB"),
+        "passes": ("fused: gradients in the forward, backward only rescales" if o["fused"]
+                   else "deferred: stats in forward, logits recomputed in backward"
+                   if o["grad_needed"] else "stats only (no gradient needed)"),
+    }
+    return Plan(_OP, path, reason, details, o)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: Optional[float] = None,
+    reduction: str = "mean",
+    tp_group: Optional[Any] = None,
+    impl: str = "auto",
+    max_chunk_bytes: Optional[int] = None,
+) -> torch.Tensor:
+    """Cross-entropy of the logits ``hidden @ weight.T (+ bias)``, never materialised.
+
+    Same loss and options as :func:`lmfuse.cross_entropy` on those logits (which are
+    formed chunk by chunk in ``hidden``'s dtype, as ``F.linear`` would), with gradients for
+    ``hidden``, ``weight`` and ``bias``.
+
+    Args:
+        hidden: ``[..., H]`` float32/float16/bfloat16.
+        weight: ``[V_local, H]``, hidden's dtype; with ``tp_group``, rank ``r``'s shard of
+            vocabulary rows ``[r * V_local, (r + 1) * V_local)``.
+        target: ``[...]`` (hidden's leading shape) int32/int64 global class ids.
+        bias: optional ``[V_local]``, hidden's dtype.
+        tp_group: vocabulary parallelism (``hidden`` replicated on the ranks): one
+            all-gather of ``[3, rows]`` token stats per chunk, and ``hidden``'s gradient
+            all-reduced over the group. ``None`` or a one-rank group: no collective.
+        max_chunk_bytes: the budget of the one logits chunk held at a time (default: the
+            device's tuning table, 256 MiB); the op's extra memory beyond the gradients is
+            this plus O(N) per-token state, whatever N.
+        ignore_index, label_smoothing, z_loss, softcap, reduction, impl: as for
+            :func:`lmfuse.cross_entropy`.
+
+    Returns:
+        float32 loss: a scalar, or per-token ``[...]`` for ``reduction="none"``.
+    """
+    path, _, o = _resolve(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss,
+                          softcap, reduction, tp_group, impl, max_chunk_bytes)
+    ops._check_targets(target, o)
+    lead = target.shape
+    h2d = hidden.reshape(-1, hidden.shape[-1])
+    if not h2d.is_contiguous():
+        h2d = h2d.contiguous()
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    t1d = target.reshape(-1)
+    if not t1d.is_contiguous():
+        t1d = t1d.contiguous()
+    loss = _LinearCrossEntropy.apply(h2d, w, bias, t1d, o)
+    return loss.view(lead) if reduction == "none" else loss
+
+
+def checks(device: torch.device, dtypes) -> list:
+    """Fresh random cases covering the options, for :mod:`lmfuse._check`."""
+    from .._check import CheckCase
+
+    small = device.type != "cuda"
+    n, H, vs = (37, 16, (45, 3000)) if small else (1024, 512, (32000, 128256))
+
+    def case(label, V, dtype, **kw):
+        target = torch.randint(0, V, (n,), device=device)
+        target[::7] = -100
+
+        def inputs():
+            return [torch.randn(n, H, device=device).to(dtype).requires_grad_(True),
+                    (torch.randn(V, H, device=device) / H ** 0.5).to(dtype)
+                    .requires_grad_(True)]
+
+        def call(impl, h, w):
+            return linear_cross_entropy(h, w, target, impl=impl, max_chunk_bytes=V * 256, **kw)
+
+        def plan(h, w):
+            return plan_linear_cross_entropy(h, w, target, **kw)
+
+        return CheckCase(_OP, label, dtype, (n, H, V), inputs, call, plan)
+
+    cases = []
+    for dtype in dtypes:
+        for V in vs:
+            cases += [case("mean", V, dtype),
+                      case("smoothing+z+softcap", V, dtype, label_smoothing=0.1, z_loss=1e-3,
+                           softcap=30.0),
+                      case("none", V, dtype, reduction="none")]
+    return cases

@@ -1,0 +1,273 @@
+"""lmfuse.linear_cross_entropy against the float64 reference (F.cross_entropy of the
+logits), on the torch path and on the Triton path (cross-entropy kernels in the
+interpreter, GEMMs by torch)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lmfuse
+from lmfuse.cross_entropy import linear
+from lmfuse.cross_entropy.linear import linear_cross_entropy_reference
+
+F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
+IMPLS = ["torch", "triton"]
+IGNORE = -100
+TOL = {F32: 2e-5, F16: 2e-2, BF16: 5e-2}  # relative to the largest reference value
+
+
+def inputs(N: int, H: int, V: int, *, bias: bool, scale: float = 1.0, seed: int = 0,
+           every: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, H, generator=g, dtype=F64) * scale
+    w = torch.randn(V, H, generator=g, dtype=F64) / H ** 0.5
+    b = torch.randn(V, generator=g, dtype=F64) if bias else None
+    t = torch.randint(0, V, (N,), generator=g)
+    if every:
+        t[1::every] = IGNORE
+    return h, w, b, t
+
+
+def run(impl: str, h, w, b, t, dtype: torch.dtype, grad_out=None, **kw):
+    """Loss and gradients (hidden, weight, bias) of the op on ``dtype`` copies."""
+    args = [x.detach().to(dtype).requires_grad_(True) if x is not None else None
+            for x in (h, w, b)]
+    loss = lmfuse.linear_cross_entropy(args[0], args[1], t, bias=args[2], impl=impl, **kw)
+    return loss, _grads(loss, args, grad_out)
+
+
+def reference(h, w, b, t, grad_out=None, **kw):
+    args = [x.detach().clone().requires_grad_(True) if x is not None else None
+            for x in (h, w, b)]
+    loss = linear_cross_entropy_reference(args[0], args[1], t, bias=args[2], **kw)
+    return loss, _grads(loss, args, grad_out)
+
+
+def _grads(loss, args, grad_out):
+    need = [a for a in args if a is not None]
+    g = torch.ones_like(loss) if grad_out is None else grad_out.to(loss.dtype)
+    return list(torch.autograd.grad(loss, need, g))
+
+
+def assert_close(what: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    err = (got.double() - want.double()).abs().max().item() if want.numel() else 0.0
+    scale = max(want.double().abs().max().item() if want.numel() else 0.0, 1e-3)
+    assert torch.isfinite(got).all(), what
+    assert err <= TOL[dtype] * scale, f"{what}: max err {err:.3e} (scale {scale:.3e})"
+
+
+def check(impl, h, w, b, t, dtype, grad_out=None, **kw) -> None:
+    ref_kw = {k: v for k, v in kw.items() if k != "max_chunk_bytes"}
+    loss, grads = run(impl, h, w, b, t, dtype, grad_out, **kw)
+    rloss, rgrads = reference(h, w, b, t, grad_out, **ref_kw)
+    assert loss.dtype == F32 and loss.shape == rloss.shape
+    assert_close(f"{impl} loss {kw}", loss, rloss, dtype)
+    for name, g, r in zip(("hidden", "weight", "bias"), grads, rgrads):
+        assert g.dtype == dtype and g.shape == r.shape, name
+        assert_close(f"{impl} grad {name} {kw}", g, r, dtype)
+
+
+OPTIONS = [
+    pytest.param(dict(), id="plain"),
+    pytest.param(dict(label_smoothing=0.1), id="ls"),
+    pytest.param(dict(z_loss=1e-2), id="z"),
+    pytest.param(dict(softcap=3.0), id="cap"),
+    pytest.param(dict(label_smoothing=0.2, z_loss=1e-2, softcap=3.0), id="ls-z-cap"),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("options", OPTIONS)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_matches_reference_every_option(impl: str, reduction: str, options: dict[str, Any],
+                                        bias: bool) -> None:
+    """N = 13 in chunks of 5 rows (a short last chunk), V = 37, every option combination,
+    with a non-trivial upstream gradient."""
+    h, w, b, t = inputs(13, 8, 37, bias=bias, scale=2.0)
+    grad_out = torch.randn(13, dtype=F64) if reduction == "none" else torch.tensor(2.5)
+    check(impl, h, w, b, t, F32, grad_out, reduction=reduction, max_chunk_bytes=37 * 4 * 5,
+          **options)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_half_precision(impl: str, dtype: torch.dtype, reduction: str) -> None:
+    h, w, b, t = inputs(19, 16, 45, bias=True)
+    grad_out = torch.randn(19, dtype=F64) if reduction == "none" else None
+    check(impl, h, w, b, t, dtype, grad_out, reduction=reduction, label_smoothing=0.1,
+          z_loss=1e-3, softcap=10.0, max_chunk_bytes=45 * 2 * 4)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_long_rows_streamed_kernels(impl: str) -> None:
+    """V past the single-block limit of the cross-entropy kernels (V = 20000)."""
+    h, w, b, t = inputs(5, 8, 20000, bias=True, scale=3.0)
+    check(impl, h, w, b, t, F32, label_smoothing=0.1, z_loss=1e-3, max_chunk_bytes=20000 * 4 * 2)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_leading_shape_and_f_cross_entropy(impl: str) -> None:
+    """hidden ``[2, 3, H]``; the plain loss equals F.cross_entropy of F.linear's logits."""
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(2, 3, 8, generator=g, dtype=F64)
+    w = torch.randn(11, 8, generator=g, dtype=F64)
+    b = torch.randn(11, generator=g, dtype=F64)
+    t = torch.randint(0, 11, (2, 3), generator=g)
+    t[0, 1] = IGNORE
+    for reduction in ("mean", "none"):
+        got = lmfuse.linear_cross_entropy(h.float(), w.float(), t, bias=b.float(), impl=impl,
+                                          reduction=reduction, max_chunk_bytes=11 * 4 * 4)
+        want = F.cross_entropy(F.linear(h, w, b).view(-1, 11), t.view(-1),
+                               reduction=reduction).float()
+        assert got.shape == (t.shape if reduction == "none" else ())
+        torch.testing.assert_close(got, want.view(got.shape), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_all_ignored_and_empty(impl: str) -> None:
+    h, w, b, t = inputs(6, 8, 9, bias=True)
+    t[:] = IGNORE
+    loss, grads = run(impl, h, w, b, t, F32)
+    assert loss.item() == 0.0
+    for g in grads:
+        assert torch.count_nonzero(g) == 0
+    h0 = torch.zeros(0, 8, requires_grad=True)
+    w0 = torch.randn(9, 8, requires_grad=True)
+    loss = lmfuse.linear_cross_entropy(h0, w0, torch.zeros(0, dtype=torch.long), impl=impl)
+    gh, gw = torch.autograd.grad(loss, [h0, w0])
+    assert loss.item() == 0.0 and gh.shape == (0, 8) and torch.count_nonzero(gw) == 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_huge_logits_stay_finite(impl: str) -> None:
+    """Logits of order 1e4: no inf or NaN in the loss or any gradient."""
+    h, w, b, t = inputs(7, 8, 21, bias=False, scale=3e4, every=3)
+    check(impl, h, w, b, t, F32, z_loss=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_deterministic(impl: str) -> None:
+    """Same inputs, bitwise the same loss and gradients."""
+    h, w, b, t = inputs(23, 8, 30, bias=True)
+    first = run(impl, h, w, b, t, F32, max_chunk_bytes=30 * 4 * 6, label_smoothing=0.1)
+    again = run(impl, h, w, b, t, F32, max_chunk_bytes=30 * 4 * 6, label_smoothing=0.1)
+    assert torch.equal(first[0], again[0])
+    for x, y in zip(first[1], again[1]):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_partial_requires_grad_and_no_grad(impl: str) -> None:
+    """Only the weight trainable (a frozen trunk), and inference under no_grad."""
+    h, w, b, t = inputs(9, 8, 17, bias=True)
+    _, (rgh, rgw, rgb) = reference(h, w, b, t)
+    wt = w.float().requires_grad_(True)
+    loss = lmfuse.linear_cross_entropy(h.float(), wt, t, bias=b.float(), impl=impl)
+    (gw,) = torch.autograd.grad(loss, [wt])
+    assert_close("weight only", gw, rgw, F32)
+    with torch.no_grad():
+        loss = lmfuse.linear_cross_entropy(h.float(), w.float(), t, bias=b.float(), impl=impl)
+    rloss, _ = reference(h, w, b, t)
+    assert not loss.requires_grad
+    assert_close("no_grad loss", loss, rloss, F32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("N, budget_rows", [(29, 4), (29, 29), (29, 100), (8, 1)])
+def test_chunk_bound(monkeypatch: pytest.MonkeyPatch, impl: str, N: int,
+                     budget_rows: int) -> None:
+    """Every logits chunk formed, forward and backward, fits the budget, and they cover
+    the N tokens exactly once each way."""
+    V = 13
+    formed: list[tuple[int, int]] = []
+    real = linear._logits
+
+    def spy(h, weight, bias, out):
+        formed.append(tuple(out.shape))
+        return real(h, weight, bias, out)
+
+    monkeypatch.setattr(linear, "_logits", spy)
+    h, w, b, t = inputs(N, 8, V, bias=False)
+    budget = V * 4 * budget_rows
+    grad_out = torch.randn(N, dtype=F64)
+    check(impl, h, w, b, t, F32, grad_out, reduction="none", max_chunk_bytes=budget)
+    rows = min(N, budget_rows)
+    assert all(r <= rows and v == V and r * v * 4 <= budget for r, v in formed), formed
+    # reduction="none": stats in forward, logits recomputed in backward
+    assert sum(r for r, _ in formed) == 2 * N, formed
+    assert formed[0][0] == rows
+
+
+def test_default_chunk_budget_from_tuning_table() -> None:
+    """The default budget is the tuning table's ``chunk_bytes``, independent of N."""
+    budget = lmfuse.tuning.table("linear_cross_entropy", torch.device("cpu"))["chunk_bytes"]
+    assert budget == 256 * 2**20
+    V = 128256
+    for n in (1, 1000, 10**6, 10**8):
+        rows = linear.chunk_rows(n, V, 2, torch.device("cpu"))
+        assert rows == min(n, budget // (V * 2))
+    assert linear.chunk_rows(10, 10**9, 4, torch.device("cpu")) == 1
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_out_of_range_target_raises_on_cpu(impl: str) -> None:
+    h, w, b, t = inputs(4, 8, 9, bias=False)
+    t[2] = 9
+    with pytest.raises(ValueError, match="target holds 9"):
+        lmfuse.linear_cross_entropy(h.float(), w.float(), t, impl=impl)
+
+
+@pytest.mark.parametrize("bad, kw, exc, match", [
+    ("weight dtype", dict(weight=torch.randn(9, 8, dtype=F64)), TypeError, "weight must have"),
+    ("weight shape", dict(weight=torch.randn(9, 7)), ValueError, r"weight must be \[V, H\]"),
+    ("weight 1-D", dict(weight=torch.randn(9)), ValueError, "weight must be 2-D"),
+    ("bias shape", dict(bias=torch.randn(8)), ValueError, r"bias must be \[V\]"),
+    ("bias dtype", dict(bias=torch.randn(9, dtype=F16)), TypeError, "bias must have"),
+    ("target shape", dict(target=torch.zeros(5, dtype=torch.long)), ValueError, "target must"),
+    ("target dtype", dict(target=torch.zeros(4)), TypeError, "target must have dtype"),
+    ("hidden int", dict(hidden=torch.zeros(4, 8, dtype=torch.long)), TypeError, "hidden"),
+    ("chunk budget", dict(max_chunk_bytes=0), ValueError, "max_chunk_bytes"),
+    ("reduction", dict(reduction="avg"), ValueError, "reduction"),
+    ("softcap", dict(softcap=-1.0), ValueError, "softcap"),
+])
+def test_bad_inputs(bad: str, kw: dict[str, Any], exc: type, match: str) -> None:
+    args = dict(hidden=torch.randn(4, 8), weight=torch.randn(9, 8),
+                target=torch.zeros(4, dtype=torch.long))
+    args.update({k: v for k, v in kw.items() if k in args})
+    options = {k: v for k, v in kw.items() if k not in args}
+    with pytest.raises(exc, match=match):
+        lmfuse.linear_cross_entropy(args["hidden"], args["weight"], args["target"], **options)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_explain(impl: str) -> None:
+    h = torch.randn(10, 8, requires_grad=True)
+    w = torch.randn(7, 8, requires_grad=True)
+    t = torch.zeros(10, dtype=torch.long)
+    plan = lmfuse.explain(lmfuse.linear_cross_entropy, h, w, t, impl=impl,
+                          max_chunk_bytes=7 * 4 * 3)
+    assert plan.impl == impl
+    assert plan.details["chunks"].startswith("4 x 3 tokens"), plan.details
+    assert plan.details["passes"].startswith("fused")
+    plan = lmfuse.explain(lmfuse.linear_cross_entropy, h, w, t, impl=impl, reduction="none")
+    assert plan.details["passes"].startswith("deferred")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_second_backward_refused(impl: str) -> None:
+    """The gradients kept from the forward are rescaled in place by backward: a second
+    backward through the same graph raises instead of scaling them twice."""
+    h, w, b, t = inputs(6, 8, 9, bias=False)
+    hh = h.float().requires_grad_(True)
+    loss = lmfuse.linear_cross_entropy(hh, w.float(), t, impl=impl)
+    loss.backward(torch.tensor(0.5), retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward(torch.tensor(0.5))
+    _, rgrads = reference(h, w, b, t, torch.tensor(0.5, dtype=F64))
+    assert_close("the first backward's gradient", hh.grad, rgrads[0], F32)
