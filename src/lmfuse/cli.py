@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("softmax", "cross_entropy")
+FAMILIES = ("softmax", "cross_entropy", "linear_cross_entropy")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 

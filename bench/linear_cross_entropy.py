@@ -1,0 +1,392 @@
+"""Benchmark ``lmfuse.linear_cross_entropy`` against the three GEMMs it cannot avoid, torch
+eager, torch.compile, Liger-Kernel and Apple's Cut Cross-Entropy.
+
+Run it as ``lmfuse bench linear_cross_entropy [--json PATH] [--plot PATH] [--quick]`` or
+``python bench/linear_cross_entropy.py ...``. Each case is bf16 hidden states
+``[N, H]``, H = 4096, a classifier ``weight [V, H]``, targets random with about 5% ignored
+(-100), ``reduction="mean"``, timed forward+backward: ``torch.autograd.grad(loss, [hidden,
+weight])`` (the upstream gradient 1 of ``loss.backward()``). Shapes: N = 8192 with
+V = 32000, 128256 and 262144, and N = 65536 with V = 128256. ``--quick`` (the default
+without CUDA) runs tiny float32 shapes, N = 64, H = 32, V = 1000 and 5000: a smoke test,
+whose figures are not GPU performance.
+
+Rows, one per implementation:
+
+* ``lmfuse``: ``lmfuse.linear_cross_entropy`` with its default chunk budget;
+* ``floor (3 GEMMs)``: the three cuBLAS GEMMs every implementation must do, back to back,
+  ``L = x @ W.T`` ``[N, V]``, ``dX = G @ W`` and ``dW = G.T @ x``, where ``G`` is an
+  ``[N, V]`` tensor in the inputs' dtype allocated before timing (so its allocation is not
+  timed). This is the time ceiling: the target is lmfuse <= 1.05 x floor. Its peak memory
+  is L, dX and dW but not G (N V x 2 B), so it is *not* what a usable op would need;
+* ``torch``: ``F.cross_entropy((x @ W.T).float(), target)``, the expression users write;
+* ``torch.compile``: that function compiled with ``fullgraph=True``;
+* ``liger``: ``liger_kernel.transformers.functional.liger_fused_linear_cross_entropy``
+  (its defaults: logits chunks of about N x H elements, the weight gradient summed over
+  chunks in the weight's dtype, a host sync per call);
+* ``cut-cross-entropy``: ``cut_cross_entropy.linear_cross_entropy(hidden, weight, target)``
+  with its default ``filter_eps`` (``"auto"`` in its current sources, ``"high"`` in the
+  25.1.1 release; the note says which: it skips gradient blocks it judges negligible), and
+  ``cce(filter_eps=None)``: the same with no filtering (exact gradient).
+
+A peer that is not installed is a row noted "unavailable", and one that cannot run a case
+(on CPU, say, or out of GPU memory: torch's ``[N, V]`` float32 logits at N = 65536 are
+32 GiB, and autograd keeps more) a row noted "failed" with the exception, not a crash.
+``common.run_cases`` catches it, ``torch.OutOfMemoryError`` included, and empties the CUDA
+cache after every row.
+
+Reported per row: the median time; the ``TB/s`` column (and ``tbps`` in the JSON) holds
+**TFLOP/s** over the three GEMMs' 6 N V H flops, the work every row does at least, since
+this op is compute-bound; the time as a multiple of lmfuse's (> 1: lmfuse is faster); and
+the peak memory allocated beyond the inputs, gradients included. Only one case's tensors
+are alive at a time (made on the case's first, untimed, call), and ``G`` only while the
+floor row runs, so no case or row pays for another's memory.
+
+Correctness, once per case: lmfuse's loss against the torch row's loss, computed apart in
+chunks of tokens without autograd (so also where the torch row runs out of memory), is in
+lmfuse's note; every other row's loss is checked against lmfuse's and a relative
+difference over 1e-4 is noted. A summary then gives lmfuse against its targets: its time
+as a multiple of the floor's (target <= 1.05), and its peak memory against Cut
+Cross-Entropy's and against its own budget, ``dhidden + dweight + one logits chunk``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import Case, Result, environment, plot, run_cases, write_json  # noqa: E402
+
+import lmfuse  # noqa: E402
+from lmfuse.cross_entropy.linear import chunk_rows  # noqa: E402
+
+IGNORE = -100
+FLOOR = "floor (3 GEMMs)"
+CCE = "cut-cross-entropy"
+TIME_TARGET = 1.05  # lmfuse time / floor time
+
+# (hidden [N, H], weight [V, H], target [N]) -> scalar loss
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def eager_linear_cross_entropy(hidden, weight, target):
+    """The unfused expression a user writes (float32 softmax), also the torch.compile input."""
+    return F.cross_entropy((hidden @ weight.T).float(), target, ignore_index=IGNORE)
+
+
+# Every case is a new specialisation of the same function: let dynamo keep them all rather
+# than fall back to eager after its default of 8.
+for _name in ("recompile_limit", "cache_size_limit"):
+    if hasattr(torch._dynamo.config, _name):
+        setattr(torch._dynamo.config, _name, 256)
+_compiled = torch.compile(eager_linear_cross_entropy, fullgraph=True, dynamic=False)
+
+
+class PeerUnavailable(RuntimeError):
+    pass
+
+
+def _unavailable(exc: Exception) -> LossFn:
+    """A peer that cannot run here: every call raises, and ``run_cases`` notes why."""
+
+    def fail(h, w, t):
+        raise PeerUnavailable(f"{type(exc).__name__}: {exc}")
+
+    return fail
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "(version unknown)"
+
+
+def _liger() -> tuple[LossFn, str]:
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except Exception as exc:  # not installed, or its import needs what is missing here
+        return _unavailable(exc), f"unavailable ({type(exc).__name__})"
+
+    def loss(h, w, t):
+        return liger_fused_linear_cross_entropy(h, w, t, ignore_index=IGNORE, reduction="mean")
+
+    return loss, _version("liger-kernel")
+
+
+def _cut_cross_entropy() -> tuple[LossFn, LossFn, str, str]:
+    """Cut Cross-Entropy with its default ``filter_eps`` and without gradient filtering, its
+    version, and that default (``"auto"`` in recent sources, ``"high"`` in 25.1.1)."""
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce
+    except Exception as exc:  # not installed, or its import needs what is missing here
+        fail = _unavailable(exc)
+        return fail, fail, f"unavailable ({type(exc).__name__})", "?"
+    param = inspect.signature(cce).parameters.get("filter_eps")
+    default_eps = repr(param.default) if param is not None else "?"
+
+    def default(h, w, t):
+        return cce(h, w, t, ignore_index=IGNORE, reduction="mean")
+
+    def exact(h, w, t):
+        return cce(h, w, t, ignore_index=IGNORE, reduction="mean", filter_eps=None)
+
+    return default, exact, _version("cut-cross-entropy"), default_eps
+
+
+def load_peers() -> tuple[dict[str, LossFn], dict[str, str], dict[str, str]]:
+    """(row name -> loss function, distribution -> version, row name -> note)."""
+    liger, liger_version = _liger()
+    cce, cce_exact, cce_version, cce_eps = _cut_cross_entropy()
+    return ({"liger": liger, CCE: cce, "cce(filter_eps=None)": cce_exact},
+            {"liger": liger_version, CCE: cce_version},
+            {"liger": "dW summed over chunks in the weight dtype; host sync per call",
+             CCE: f"filter_eps={cce_eps} (its default)",
+             "cce(filter_eps=None)": "no gradient filtering"})
+
+
+class Inputs:
+    """One case's hidden ``[n, H]`` and weight ``[V, H]`` (both requiring grad) and targets
+    ``[n]`` (~5% ignored), from a generator seeded by the shape (reproducible in any order).
+    The weight is scaled by ``H ** -0.5`` so that the logits are about unit variance."""
+
+    def __init__(self, n: int, H: int, V: int, dtype: torch.dtype, device: torch.device):
+        gen = torch.Generator(device=device)
+        gen.manual_seed(1_000_003 * n + 1009 * H + V)
+        self.n, self.H, self.V = n, H, V
+        self.hidden = torch.randn(n, H, generator=gen, dtype=dtype, device=device)
+        self.hidden.requires_grad_(True)
+        self.weight = torch.randn(V, H, generator=gen, dtype=dtype, device=device)
+        self.weight.mul_(H ** -0.5).requires_grad_(True)
+        self.target = torch.randint(0, V, (n,), generator=gen, device=device)
+        ignored = torch.rand(n, generator=gen, device=device) < 0.05
+        self.target[ignored] = IGNORE
+
+
+class Workspace:
+    """The tensors of one case at a time: a case's first call (untimed: ``bench_ms`` warms up
+    first) makes its inputs and frees the previous case's; the floor's ``G`` lives only
+    until another row asks for the inputs."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device):
+        self.dtype, self.device = dtype, device
+        self.key: tuple[int, int, int] | None = None
+        self.data: Inputs | None = None
+        self._grad: torch.Tensor | None = None
+
+    def inputs(self, n: int, H: int, V: int, keep_grad: bool = False) -> Inputs:
+        if not keep_grad:
+            self._grad = None
+        if self.key != (n, H, V):
+            self.data = self._grad = None  # free the previous case's before allocating
+            self.data = Inputs(n, H, V, self.dtype, self.device)
+            self.key = (n, H, V)
+        return self.data
+
+    def logits_grad(self) -> torch.Tensor:
+        """The floor's stand-in ``G [n, V]`` for the current case, made once: values of a
+        real gradient's magnitude (about 1 / V), so the GEMMs see no trivial bits."""
+        if self._grad is None:
+            d = self.data
+            self._grad = torch.empty(d.n, d.V, dtype=self.dtype, device=self.device)
+            self._grad.normal_(0.0, 1.0 / d.V)
+        return self._grad
+
+
+def torch_loss(d: Inputs, max_chunk_bytes: int = 2**30) -> float:
+    """The torch row's loss, ``F.cross_entropy((x @ W.T).float(), t)``, by chunks of tokens
+    whose float32 logits fit ``max_chunk_bytes``, without autograd: it fits any N."""
+    rows = max(1, max_chunk_bytes // (4 * d.V))
+    x, w = d.hidden.detach(), d.weight.detach()
+    with torch.no_grad():
+        total = torch.zeros((), dtype=torch.float64, device=x.device)
+        for r0 in range(0, d.n, rows):
+            logits = (x[r0:r0 + rows] @ w.T).float()
+            total += F.cross_entropy(logits, d.target[r0:r0 + rows], ignore_index=IGNORE,
+                                     reduction="sum").double()
+        count = (d.target != IGNORE).sum().clamp(min=1)
+        return float(total / count)
+
+
+class LossCheck:
+    """On each row's first call: lmfuse's loss against the torch expression's (always in
+    lmfuse's note), every other row's against lmfuse's (noted over 1e-4). lmfuse runs
+    first, and ``run_cases`` reads a row's note after timing it, so the note is printed."""
+
+    def __init__(self, notes: dict[str, str], reference: Callable[[], float]):
+        self.notes, self.reference = notes, reference
+        self.lmfuse: float | None = None
+        self.seen: set[str] = set()
+
+    def __call__(self, impl: str, loss: torch.Tensor) -> None:
+        if impl in self.seen:
+            return
+        self.seen.add(impl)
+        value = float(loss.detach())
+        if impl == "lmfuse":
+            self.lmfuse = value
+            rel = _rel(value, self.reference())
+            self.notes[impl] = _join(self.notes.get(impl, ""),
+                                     f"loss vs torch: rel. diff {rel:.0e}")
+        elif self.lmfuse is not None:
+            rel = _rel(value, self.lmfuse)
+            if rel > 1e-4:
+                self.notes[impl] = _join(self.notes.get(impl, ""), f"loss rel. diff {rel:.0e}")
+
+
+def _rel(value: float, reference: float) -> float:
+    return abs(value - reference) / max(abs(reference), 1e-30)
+
+
+def _join(*parts: str) -> str:
+    return "; ".join(p for p in parts if p)
+
+
+class LCECase(Case):
+    """A case with what the summary needs: the shape, the floor's ``G`` size and lmfuse's
+    memory budget (the gradients of hidden and weight plus one logits chunk).
+
+    (A plain subclass: ``lmfuse bench`` loads this file outside ``sys.modules``, where
+    ``@dataclass`` cannot resolve its annotations.)"""
+
+    def __init__(self, *args, n: int, H: int, V: int, g_mib: float, budget_mib: float,
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        self.n, self.H, self.V = n, H, V
+        self.g_mib = g_mib
+        self.budget_mib = budget_mib
+
+
+def make_case(ws: Workspace, peers: dict[str, LossFn], peer_notes: dict[str, str], n: int,
+              H: int, V: int) -> LCECase:
+    dtype, device = ws.dtype, ws.device
+    impls: dict[str, Callable[[], object]] = {}
+    notes: dict[str, str] = {}
+    check = LossCheck(notes, lambda: torch_loss(ws.inputs(n, H, V)))
+
+    def add(impl: str, loss_fn: LossFn, note: str = "") -> None:
+        """Time ``loss_fn`` forward+backward as ``impl``: the gradients of hidden and weight."""
+
+        def run():
+            d = ws.inputs(n, H, V)
+            loss = loss_fn(d.hidden, d.weight, d.target)
+            grads = torch.autograd.grad(loss, [d.hidden, d.weight])
+            check(impl, loss)
+            return grads
+
+        impls[impl] = run
+        if note:
+            notes[impl] = note
+
+    def floor():
+        d = ws.inputs(n, H, V, keep_grad=True)
+        g = ws.logits_grad()
+        x, w = d.hidden.detach(), d.weight.detach()
+        logits = x @ w.T
+        dx, dw = g @ w, g.T @ x
+        del logits  # a fused op consumes its logits: only the gradients are returned
+        return dx, dw
+
+    elt = torch.empty((), dtype=dtype).element_size()
+    g_mib = n * V * elt / 2**20
+    rows = chunk_rows(n, V, elt, device)
+    add("lmfuse", lambda h, w, t: lmfuse.linear_cross_entropy(h, w, t, ignore_index=IGNORE),
+        f"{-(-n // rows)} chunk(s) of {rows} tokens")
+    impls[FLOOR] = floor
+    notes[FLOOR] = f"peak excludes G [N, V] ({g_mib:.1f} MiB, preallocated)"
+    add("torch", eager_linear_cross_entropy, "F.cross_entropy((x @ W.T).float())")
+    add("torch.compile", _compiled, "fullgraph, of the torch row")
+    for peer, loss_fn in peers.items():
+        add(peer, loss_fn, peer_notes[peer])
+
+    name = f"fwd+bwd N={n} H={H} V={V} {str(dtype).replace('torch.', '')}"
+    flops = 6 * n * V * H  # three [N, V, H] GEMMs, 2 flops per multiply-add
+    budget_mib = ((n + V) * H + rows * V) * elt / 2**20
+    return LCECase(name, flops, impls, notes, n=n, H=H, V=V, g_mib=g_mib,
+                   budget_mib=budget_mib)
+
+
+def build_cases(device: torch.device, quick: bool, peers: dict[str, LossFn],
+                peer_notes: dict[str, str]) -> list[LCECase]:
+    if quick:
+        dtype, H, shapes = torch.float32, 32, [(64, 1000), (64, 5000)]
+    else:
+        dtype, H = torch.bfloat16, 4096
+        shapes = [(8192, 32000), (8192, 128256), (8192, 262144), (65536, 128256)]
+    ws = Workspace(dtype, device)
+    return [make_case(ws, peers, peer_notes, n, H, V) for n, V in shapes]
+
+
+def _cell(v: float | None, spec: str, width: int) -> str:
+    return f"{'-':>{width}}" if v is None else format(v, f"{width}{spec}")
+
+
+def print_targets(cases: list[LCECase], results: list[Result]) -> None:
+    """lmfuse per case: time against the floor's, peak memory against its budget and CCE's."""
+    print(f"\n# lmfuse against its targets: time as a multiple of the floor's (the three "
+          f"GEMMs; target <= {TIME_TARGET}); peak extra memory against its budget (dhidden + "
+          f"dweight + one logits chunk, plus O(N) per-token state) and against "
+          f"{CCE}'s (default filter_eps)")
+    print(f"{'case':<44} {'ms':>9} {'floor ms':>9} {'x floor':>7} {'':<4} {'peak MiB':>9} "
+          f"{'budget':>9} {'cce MiB':>9} {'x cce':>6}")
+    for case in cases:
+        rows = {r.impl: r for r in results if r.case == case.name}
+        ours, floor, cce = rows.get("lmfuse"), rows.get(FLOOR), rows.get(CCE)
+        if ours is None or ours.ms is None:
+            print(f"{case.name:<44} lmfuse did not run")
+            continue
+        floor_ms = floor.ms if floor else None
+        x_floor = ours.ms / floor_ms if floor_ms else None
+        verdict = "" if x_floor is None else "ok" if x_floor <= TIME_TARGET else "OVER"
+        mem = ours.peak_extra_mib
+        cce_mem = cce.peak_extra_mib if cce and cce.ms else None
+        x_cce = mem / cce_mem if (mem is not None and cce_mem) else None
+        print(f"{case.name:<44} {ours.ms:9.4f} {_cell(floor_ms, '.4f', 9)} "
+              f"{_cell(x_floor, '.3f', 7)} {verdict:<4} {_cell(mem, '.1f', 9)} "
+              f"{case.budget_mib:9.1f} {_cell(cce_mem, '.1f', 9)} {_cell(x_cce, '.2f', 6)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="lmfuse bench linear_cross_entropy", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", help="write the results as JSON here")
+    p.add_argument("--plot", help="write a PNG bar chart of achieved TFLOP/s here")
+    p.add_argument("--quick", action="store_true", help="small shapes (the default on CPU)")
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    quick = args.quick or device.type != "cuda"
+    if device.type != "cuda":
+        print("no CUDA device: running small CPU shapes in float32; lmfuse runs its reference "
+              "path or Triton's interpreter (figures are not GPU performance)")
+    torch.manual_seed(0)
+    env = environment(device)
+    peers, versions, peer_notes = load_peers()
+    env.update(versions)
+    env["tbps"] = "TFLOP/s over the three GEMMs' 6 N V H flops (this op is compute-bound)"
+    print(f"# {env['device']} | torch {env['torch']} | triton {env['triton']} | {env['date']}")
+    print("# peers: " + ", ".join(f"{name} {v}" for name, v in versions.items()))
+    print("# forward+backward (grads of hidden and weight); the TB/s column is TFLOP/s over "
+          "6 N V H flops; x lmfuse = ms / lmfuse ms (> 1: lmfuse is faster); peak MiB: "
+          "allocated beyond the inputs, gradients included")
+    cases = build_cases(device, quick, peers, peer_notes)
+    results = run_cases(cases, device)
+    print_targets(cases, results)
+    if args.json:
+        # No copy ceiling for this compute-bound op: the floor row is its ceiling.
+        write_json(args.json, env, {}, results)
+    if args.plot:
+        plot(args.plot, results, f"linear_cross_entropy fwd+bwd on {env['device']}: "
+                                 "bars are TFLOP/s over 6 N V H flops (axis label says TB/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
