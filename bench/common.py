@@ -184,3 +184,27 @@ def plot(path: str, results: list[Result], title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
+
+
+class PeerUnavailable(RuntimeError):
+    """A peer library that cannot run here (not installed, or its import fails)."""
+
+
+def unavailable(exc: Exception) -> Callable[..., object]:
+    """A stand-in for a peer that cannot run here: every call raises (before any collective,
+    on every rank alike), and the result row notes why."""
+
+    def fail(*args, **kwargs):
+        raise PeerUnavailable(f"{type(exc).__name__}: {exc}")
+
+    return fail
+
+
+def dist_version(dist: str) -> str:
+    """The installed version of distribution ``dist``, or "(version unknown)"."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "(version unknown)"

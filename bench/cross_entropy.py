@@ -48,7 +48,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Case, Result, copy_tbps, environment, plot, run_cases, write_json  # noqa: E402
+from common import (Case, Result, copy_tbps, dist_version, environment, plot, run_cases,
+    unavailable, write_json)  # noqa: E402
 
 import lmfuse  # noqa: E402
 
@@ -80,40 +81,18 @@ for _name in ("recompile_limit", "cache_size_limit"):
 _compiled = torch.compile(eager_cross_entropy, fullgraph=True, dynamic=False)
 
 
-class PeerUnavailable(RuntimeError):
-    pass
-
-
-def _unavailable(exc: Exception) -> LossFn:
-    """A peer that cannot run here: every call raises, and ``run_cases`` notes why."""
-
-    def fail(x, t, opts):
-        raise PeerUnavailable(f"{type(exc).__name__}: {exc}")
-
-    return fail
-
-
-def _version(dist: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return "(version unknown)"
-
-
 def _liger() -> tuple[LossFn, str]:
     try:
         from liger_kernel.transformers.functional import liger_cross_entropy
     except Exception as exc:  # not installed, or its import needs what is missing here
-        return _unavailable(exc), f"unavailable ({type(exc).__name__})"
+        return unavailable(exc), f"unavailable ({type(exc).__name__})"
 
     def loss(x, t, opts):
         return liger_cross_entropy(
             x, t, ignore_index=IGNORE, label_smoothing=opts.get("label_smoothing", 0.0),
             lse_square_scale=opts.get("z_loss", 0.0), softcap=opts.get("softcap"))
 
-    return loss, _version("liger-kernel")
+    return loss, dist_version("liger-kernel")
 
 
 def _megatron(device: torch.device) -> tuple[LossFn, str]:
@@ -128,7 +107,7 @@ def _megatron(device: torch.device) -> tuple[LossFn, str]:
             raise RuntimeError("the benchmark runs in one process; found a larger world")
         group = dist.group.WORLD
     except Exception as exc:  # not installed, or no process group can be made here
-        return _unavailable(exc), f"unavailable ({type(exc).__name__})"
+        return unavailable(exc), f"unavailable ({type(exc).__name__})"
 
     def loss(x, t, opts):
         n, V = x.shape
@@ -136,7 +115,7 @@ def _megatron(device: torch.device) -> tuple[LossFn, str]:
         per_token = fused_vocab_parallel_cross_entropy(x.view(n, 1, V), t.view(n, 1), group)
         return (per_token.view(n) * valid).sum() / valid.sum().clamp(min=1)
 
-    return loss, _version("megatron-core")
+    return loss, dist_version("megatron-core")
 
 
 def load_peers(device: torch.device) -> dict[str, tuple[LossFn, str]]:

@@ -74,7 +74,8 @@ import torch.multiprocessing as mp  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-from common import Result, copy_tbps, environment, peak_extra_mib  # noqa: E402
+from common import (PeerUnavailable, Result, copy_tbps, dist_version, environment,
+    peak_extra_mib, unavailable)  # noqa: E402
 
 IGNORE = -100
 GRAD_ROWS = 256  # rows of each gradient compared with lmfuse's
@@ -84,29 +85,6 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, dist.ProcessGroup], torch.Tensor]
 
 
 # --- implementations -----------------------------------------------------------------------
-
-
-class PeerUnavailable(RuntimeError):
-    pass
-
-
-def _unavailable(exc: Exception) -> LossFn:
-    """A peer that cannot run here: every call raises (on every rank alike, before any
-    collective), and the row notes why."""
-
-    def fail(x, t, group):
-        raise PeerUnavailable(f"{type(exc).__name__}: {exc}")
-
-    return fail
-
-
-def _version(dist_name: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist_name)
-    except PackageNotFoundError:
-        return "(version unknown)"
 
 
 def _valid_mean(per_token: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -145,9 +123,9 @@ def load_impls() -> dict[str, tuple[LossFn, str]]:
             return _valid_mean(fused_vocab_parallel_cross_entropy(x.view(n, 1, v), t.view(n, 1),
                                                                   group), t)
 
-        impls["megatron-core fused"] = (fused, _version("megatron-core"))
+        impls["megatron-core fused"] = (fused, dist_version("megatron-core"))
     except Exception as exc:  # not installed, or its import needs what is missing here
-        impls["megatron-core fused"] = (_unavailable(exc), f"unavailable ({type(exc).__name__})")
+        impls["megatron-core fused"] = (unavailable(exc), f"unavailable ({type(exc).__name__})")
 
     try:
         from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -158,9 +136,9 @@ def load_impls() -> dict[str, tuple[LossFn, str]]:
                                                      label_smoothing=0.0, tp_group=group)
             return _valid_mean(per_token, t)
 
-        impls["megatron-core"] = (unfused, _version("megatron-core"))
+        impls["megatron-core"] = (unfused, dist_version("megatron-core"))
     except Exception as exc:
-        impls["megatron-core"] = (_unavailable(exc), f"unavailable ({type(exc).__name__})")
+        impls["megatron-core"] = (unavailable(exc), f"unavailable ({type(exc).__name__})")
     return impls
 
 

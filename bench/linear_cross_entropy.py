@@ -61,7 +61,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Case, Result, environment, plot, run_cases, write_json  # noqa: E402
+from common import (Case, Result, dist_version, environment, plot, run_cases, unavailable,
+    write_json)  # noqa: E402
 
 import lmfuse  # noqa: E402
 from lmfuse.cross_entropy.linear import chunk_rows  # noqa: E402
@@ -88,38 +89,16 @@ for _name in ("recompile_limit", "cache_size_limit"):
 _compiled = torch.compile(eager_linear_cross_entropy, fullgraph=True, dynamic=False)
 
 
-class PeerUnavailable(RuntimeError):
-    pass
-
-
-def _unavailable(exc: Exception) -> LossFn:
-    """A peer that cannot run here: every call raises, and ``run_cases`` notes why."""
-
-    def fail(h, w, t):
-        raise PeerUnavailable(f"{type(exc).__name__}: {exc}")
-
-    return fail
-
-
-def _version(dist: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return "(version unknown)"
-
-
 def _liger() -> tuple[LossFn, str]:
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
     except Exception as exc:  # not installed, or its import needs what is missing here
-        return _unavailable(exc), f"unavailable ({type(exc).__name__})"
+        return unavailable(exc), f"unavailable ({type(exc).__name__})"
 
     def loss(h, w, t):
         return liger_fused_linear_cross_entropy(h, w, t, ignore_index=IGNORE, reduction="mean")
 
-    return loss, _version("liger-kernel")
+    return loss, dist_version("liger-kernel")
 
 
 def _cut_cross_entropy() -> tuple[LossFn, LossFn, str, str]:
@@ -128,7 +107,7 @@ def _cut_cross_entropy() -> tuple[LossFn, LossFn, str, str]:
     try:
         from cut_cross_entropy import linear_cross_entropy as cce
     except Exception as exc:  # not installed, or its import needs what is missing here
-        fail = _unavailable(exc)
+        fail = unavailable(exc)
         return fail, fail, f"unavailable ({type(exc).__name__})", "?"
     param = inspect.signature(cce).parameters.get("filter_eps")
     default_eps = repr(param.default) if param is not None else "?"
@@ -139,7 +118,7 @@ def _cut_cross_entropy() -> tuple[LossFn, LossFn, str, str]:
     def exact(h, w, t):
         return cce(h, w, t, ignore_index=IGNORE, reduction="mean", filter_eps=None)
 
-    return default, exact, _version("cut-cross-entropy"), default_eps
+    return default, exact, dist_version("cut-cross-entropy"), default_eps
 
 
 def load_peers() -> tuple[dict[str, LossFn], dict[str, str], dict[str, str]]:

@@ -219,3 +219,26 @@ def count_collectives() -> Iterator[list[str]]:
     finally:
         for owner, name, original in reversed(saved):
             setattr(owner, name, original)
+
+
+class Failures:
+    """Runs checks, keeps going past failed ones, and raises once with all of them."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.messages, self.count = rank, [], 0
+
+    def check(self, what: str, fn: Callable[[], None]) -> None:
+        # Only comparisons fail here; every rank issues the same collectives either way.
+        self.count += 1
+        try:
+            fn()
+        except Exception:
+            self.messages.append(f"[{what}]\n{traceback.format_exc(limit=-3)}")
+
+    def raise_if_any(self, shown: int = 12) -> None:
+        if self.messages:
+            rest = [m.split("\n", 1)[0] for m in self.messages[shown:]]
+            raise AssertionError(
+                f"rank {self.rank}: {len(self.messages)} of {self.count} case(s) failed:\n"
+                + "\n".join(self.messages[:shown])
+                + (f"\n... and {len(rest)} more: " + ", ".join(rest) if rest else ""))

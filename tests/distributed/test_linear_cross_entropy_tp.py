@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import traceback
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from helpers import assert_close
-from spawn import count_collectives, spawn_gloo
+from spawn import Failures, count_collectives, spawn_gloo
 
 import lmfuse
 from lmfuse.cross_entropy import plan_linear_cross_entropy
@@ -52,29 +51,6 @@ OPTIONS: list[tuple[str, dict[str, Any], bool]] = [
     ("all+ignore", ALL_OPTIONS, True),
     ("plain", {}, False),
 ]
-
-
-class Failures:
-    """Runs checks, keeps going past failed ones, and raises once with all of them."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank, self.messages, self.count = rank, [], 0
-
-    def check(self, what: str, fn: Callable[[], None]) -> None:
-        # Only comparisons fail here; every rank issues the same collectives either way.
-        self.count += 1
-        try:
-            fn()
-        except Exception:
-            self.messages.append(f"[{what}]\n{traceback.format_exc(limit=-3)}")
-
-    def raise_if_any(self, shown: int = 12) -> None:
-        if self.messages:
-            rest = [m.split("\n", 1)[0] for m in self.messages[shown:]]
-            raise AssertionError(
-                f"rank {self.rank}: {len(self.messages)} of {self.count} case(s) failed:\n"
-                + "\n".join(self.messages[:shown])
-                + (f"\n... and {len(rest)} more: " + ", ".join(rest) if rest else ""))
 
 
 def make_inputs(seed: int, V_local: int, world: int, with_ignore: bool

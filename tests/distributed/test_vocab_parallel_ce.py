@@ -16,14 +16,13 @@ in the logits' dtype and held to that dtype's.
 from __future__ import annotations
 
 import itertools
-import traceback
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from helpers import assert_close
-from spawn import count_collectives, spawn_gloo
+from spawn import Failures, count_collectives, spawn_gloo
 
 import lmfuse
 from lmfuse import megatron, tuning
@@ -43,29 +42,6 @@ OPTIONS: list[tuple[str, dict[str, Any], bool]] = [
     ("softcap", {"softcap": 3.0}, True),
     ("all", {"label_smoothing": 0.2, "z_loss": 1e-2, "softcap": 4.0, "ignore_index": -1}, True),
 ]
-
-
-class Failures:
-    """Runs checks, keeps going past failed ones, and raises once with all of them."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank, self.messages, self.count = rank, [], 0
-
-    def check(self, what: str, fn: Callable[[], None]) -> None:
-        # Only comparisons fail here; every rank issues the same collectives either way.
-        self.count += 1
-        try:
-            fn()
-        except Exception:
-            self.messages.append(f"[{what}]\n{traceback.format_exc(limit=-3)}")
-
-    def raise_if_any(self, shown: int = 12) -> None:
-        if self.messages:
-            rest = [m.split("\n", 1)[0] for m in self.messages[shown:]]
-            raise AssertionError(
-                f"rank {self.rank}: {len(self.messages)} of {self.count} case(s) failed:\n"
-                + "\n".join(self.messages[:shown])
-                + (f"\n... and {len(rest)} more: " + ", ".join(rest) if rest else ""))
 
 
 def make_inputs(seed: int, V: int, dtype: torch.dtype, ignore_index: int | None,
