@@ -176,7 +176,8 @@ class _Grads:
             self.db += g.sum(dim=0, dtype=self.db.dtype)
         self.first = False
 
-    def finish(self, tp_group, rows_total: int) -> tuple:
+    def finish(self, tp_group) -> tuple:
+        """(dh, dW, db); dh summed over the vocabulary-parallel group."""
         if self.dh is not None and tp_group is not None:
             torch.distributed.all_reduce(self.dh, group=tp_group)
         if self.dw is not None and self.first:  # no tokens
@@ -212,7 +213,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                               ignore_index=o["ignore_index"],
                               label_smoothing=o["label_smoothing"], z_loss=o["z_loss"])
         if grads is not None:
-            ctx.save_for_backward(*(g for g in grads.finish(o["tp_group"], n)
+            ctx.save_for_backward(*(g for g in grads.finish(o["tp_group"])
                                     if g is not None))
         elif o["grad_needed"]:
             ctx.save_for_backward(hidden, weight, bias, target, stats)
@@ -246,7 +247,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             _logits(hidden[r0:r1], weight, bias, out=logits)
             _chunk_grad(logits, target[r0:r1], stats[:, r0:r1].contiguous(), w[r0:r1], o)
             grads.add(logits, r0, r1)
-        dh, dw, db = grads.finish(o["tp_group"], n)
+        dh, dw, db = grads.finish(o["tp_group"])
         return dh, dw, db, None, None
 
 
