@@ -3,7 +3,9 @@
 ``TRITON_INTERPRET=1`` must be in the environment before anything imports ``triton`` or
 ``lmfuse`` (Triton decides between its compiler and its CPU interpreter when a kernel is
 defined), so it is set on the very first lines, before any other import. Gloo ranks
-spawned by ``tests/distributed/spawn.py`` get it in their environment as well.
+spawned by ``tests/distributed/spawn.py`` get it in their environment as well. So does
+``LMFUSE_TUNING_CACHE``, pointed at a file that does not exist, so a user cache written by
+``lmfuse tune`` on the machine cannot change what the tests see.
 """
 
 from __future__ import annotations
@@ -11,6 +13,10 @@ from __future__ import annotations
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"
+# Never read the user's own ``lmfuse tune`` cache: a path no test writes (tests that record
+# point the variable at their tmp_path).
+os.environ["LMFUSE_TUNING_CACHE"] = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                 "no-such-dir", "tuning.json")
 
 import sys  # noqa: E402
 import zlib  # noqa: E402
@@ -57,3 +63,15 @@ def _seed_torch(request: pytest.FixtureRequest) -> int:
     seed = zlib.crc32(request.node.nodeid.encode())
     torch.manual_seed(seed)
     return seed
+
+
+@pytest.fixture
+def tuning_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A fresh, empty ``lmfuse tune`` user cache file for one test (its path)."""
+    from lmfuse import tuning
+
+    path = tmp_path / "tuning.json"
+    monkeypatch.setenv(tuning.CACHE_ENV, str(path))
+    tuning.reload()
+    yield path
+    tuning.reload()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -34,3 +37,83 @@ def test_cpu_tables_have_every_family_key() -> None:
         t = tuning.table(family, cpu)
         for key in ("max_single_block", "tile_elems", "warps_by_block"):
             assert key in t, (family, key)
+
+
+# --- shape buckets and the user cache ----------------------------------------------------
+
+FAMILY = "linear_cross_entropy"
+CPU = torch.device("cpu")
+
+
+
+def test_user_cache_path_from_environment(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv(tuning.CACHE_ENV, str(tmp_path / "x.json"))
+    assert tuning.user_cache_path() == tmp_path / "x.json"
+    monkeypatch.delenv(tuning.CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert tuning.user_cache_path() == tmp_path / "lmfuse" / "tuning.json"
+
+
+@pytest.mark.parametrize("size, limit", [(1, 16384), (16384, 16384), (16385, 65536),
+                                         (128256, 196608), (262144, 2**40), (2**40, 2**40),
+                                         (2**50, 2**40)])
+def test_bucket_of(size: int, limit: int) -> None:
+    assert tuning.bucket_of(FAMILY, size) == limit
+
+
+def test_bucket_config_defaults(tuning_cache) -> None:
+    cfg, source = tuning.bucket_config(FAMILY, CPU, 128256)
+    assert cfg == {"chunk_bytes": 256 * 2**20, "row_multiple": 128, "kernel": None}
+    assert source == "default.json, bucket <= 196608"
+
+
+def test_bucket_config_layers(tuning_cache, monkeypatch) -> None:
+    """default.json < <device>.json < user cache, per bucket; other buckets untouched."""
+    tables = {
+        "default": {FAMILY: {"chunk_bytes": 100, "row_multiple": 1, "kernel": None,
+                             "buckets": [[10, {}], [100, {"row_multiple": 4}]]}},
+        "h100": {FAMILY: {"chunk_bytes": 200, "buckets": [[100, {"chunk_bytes": 300}]]}},
+    }
+    monkeypatch.setattr(tuning, "_load", lambda key: tables.get(key, {}))
+    monkeypatch.setattr(tuning, "_cached_key", lambda device: "h100")
+    assert tuning.bucket_config(FAMILY, CPU, 5)[0] == {
+        "chunk_bytes": 200, "row_multiple": 1, "kernel": None}
+    cfg, source = tuning.bucket_config(FAMILY, CPU, 50)
+    assert cfg == {"chunk_bytes": 300, "row_multiple": 4, "kernel": None}
+    assert source == "default.json + h100.json, bucket <= 100"
+    tuning.record(FAMILY, CPU, 60, {"chunk_bytes": 400, "kernel": {"BLOCK_V": 16}},
+                  {"ms": 1.5})
+    cfg, source = tuning.bucket_config(FAMILY, CPU, 50)
+    assert cfg == {"chunk_bytes": 400, "row_multiple": 4, "kernel": {"BLOCK_V": 16}}
+    assert source.startswith("default.json + h100.json + user cache ")
+    assert tuning.bucket_config(FAMILY, CPU, 5)[0]["chunk_bytes"] == 200
+
+
+def test_record_keeps_measurements_and_replaces_the_bucket(tuning_cache) -> None:
+    tuning.record(FAMILY, CPU, 128256, {"chunk_bytes": 1}, {"ms": 2.0, "shape": [1, 2, 3]})
+    tuning.record(FAMILY, CPU, 32000, {"chunk_bytes": 2}, {"ms": 3.0})
+    tuning.record(FAMILY, CPU, 150000, {"chunk_bytes": 3}, {"ms": 1.0})  # same bucket as 128256
+    data = json.loads(tuning_cache.read_text())
+    buckets = data["devices"]["cpu"][FAMILY]["buckets"]
+    assert [b[0] for b in buckets] == [65536, 196608]
+    assert buckets[1][1]["chunk_bytes"] == 3
+    assert buckets[1][1]["measured"]["ms"] == 1.0 and "date" in buckets[1][1]["measured"]
+    assert tuning.bucket_config(FAMILY, CPU, 128256)[0]["chunk_bytes"] == 3
+
+
+def test_broken_cache_is_ignored_with_a_warning(tuning_cache) -> None:
+    tuning_cache.write_text("{not json")
+    with pytest.warns(UserWarning, match="ignoring the tuning cache"):
+        cfg, _ = tuning.bucket_config(FAMILY, CPU, 1000)
+    assert cfg["chunk_bytes"] == 256 * 2**20
+
+
+def test_device_tables_use_the_default_limits() -> None:
+    """A device table's buckets must be default.json's, or they would never be found."""
+    here = Path(tuning.__file__).parent
+    default = json.loads((here / "default.json").read_text())
+    for path in here.glob("*.json"):
+        for family, section in json.loads(path.read_text()).items():
+            if "buckets" in section:
+                limits = [b[0] for b in default[family]["buckets"]]
+                assert all(b[0] in limits for b in section["buckets"]), (path.name, family)

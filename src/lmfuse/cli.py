@@ -1,8 +1,11 @@
-"""The ``lmfuse`` command: ``info``, ``check`` and ``bench``.
+"""The ``lmfuse`` command: ``info``, ``check``, ``bench`` and ``tune``.
 
     lmfuse info              versions, devices, and which path each op takes here
     lmfuse check             every op against its reference, forward and gradients
     lmfuse bench softmax     time lmfuse against its peers (see bench/softmax.py)
+    lmfuse tune linear_cross_entropy
+                             sweep launch configs on this GPU; record the fastest in the
+                             user cache (lmfuse.tuning.user_cache_path()) that ops read
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("softmax", "cross_entropy", "linear_cross_entropy")
+TUNABLE = ("linear_cross_entropy",)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -115,6 +119,37 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     return int(module.main(rest) or 0)
 
 
+def _shape(text: str) -> tuple[int, int, int]:
+    """``--shape 8192,4096,128256`` -> (N, H, V)."""
+    try:
+        n, h, v = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N,H,V (three ints), got {text!r}") from None
+    if min(n, h, v) < 1:
+        raise argparse.ArgumentTypeError(f"N, H and V must be positive, got {text!r}")
+    return n, h, v
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("lmfuse tune: no CUDA device here; tuning times kernels on the GPU it tunes "
+              "for", file=sys.stderr)
+        return 2
+    import json
+
+    from lmfuse import tuning
+    from lmfuse.cross_entropy import linear
+
+    shapes = args.shape or list(linear.TUNE_SHAPES)
+    results = linear.tune(shapes, args.dtype[0], torch.device("cuda"),
+                          max_chunk_bytes=args.max_chunk_mib * 2**20, record=not args.dry_run)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(
+            device=torch.cuda.get_device_name(), torch=torch.__version__,
+            cache=str(tuning.user_cache_path()), results=results), indent=1) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lmfuse", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -126,12 +161,23 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--seed", type=int, default=0)
     bench = sub.add_parser("bench", help="benchmark an op family against its peers")
     bench.add_argument("family", choices=FAMILIES)
+    tune = sub.add_parser("tune", help="sweep launch configs on this GPU, record the best")
+    tune.add_argument("family", choices=TUNABLE)
+    tune.add_argument("--shape", type=_shape, action="append",
+                      help="N,H,V to tune (repeatable; default: N=8192, H=4096, "
+                           "V=32000/128256/262144); the result serves V's bucket")
+    tune.add_argument("--dtype", type=_dtype_list, default="bf16")
+    tune.add_argument("--max-chunk-mib", type=int, default=512,
+                      help="largest logits chunk budget to try, in MiB (default 512: "
+                           "larger chunks are faster at large V but cost that much memory)")
+    tune.add_argument("--dry-run", action="store_true", help="time, but record nothing")
+    tune.add_argument("--json", help="write every trial to this file")
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         return cmd_bench(args, rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return {"info": cmd_info, "check": cmd_check}[args.command](args)
+    return {"info": cmd_info, "check": cmd_check, "tune": cmd_tune}[args.command](args)
 
 
 if __name__ == "__main__":

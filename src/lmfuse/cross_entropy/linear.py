@@ -63,18 +63,95 @@ def linear_cross_entropy_reference(
                                        softcap=softcap, reduction=reduction)
 
 
+_KERNEL_KEYS = ("BLOCK_V", "num_warps", "programs_per_sm")
+_MAX_VALUES_PER_THREAD = 64  # fp32 row values a thread holds per tile; more spill registers
+
+
+def config(v_local: int, device: torch.device) -> tuple[dict[str, Any], str]:
+    """``(config, source)`` of the chunked op for ``v_local`` vocabulary rows on ``device``:
+    the shape bucket's entry from the tuning tables and the ``lmfuse tune`` user cache
+    (see :func:`lmfuse.tuning.bucket_config`), checked by :func:`check_config`.
+
+    Keys: ``chunk_bytes`` (the logits chunk budget), ``row_multiple`` (chunk rows are
+    rounded down to a multiple of it, for GEMM tiles) and ``kernel`` (``None``, or the
+    launch config of the cross-entropy kernel's stats-and-gradient pass over rows longer
+    than ``cross_entropy.max_single_block``: ``BLOCK_V``, ``num_warps``,
+    ``programs_per_sm``, and optionally ``slice`` and ``lag``).
+    """
+    cfg, source = tuning.bucket_config(_OP, device, v_local)
+    return check_config(cfg, source), source
+
+
+def check_config(cfg: dict[str, Any], source: str = "config") -> dict[str, Any]:
+    """``cfg`` with defaults filled in, or a ``ValueError`` naming ``source`` if it could
+    not launch (register budget, thread limit) or is malformed: the guard every table
+    entry, cache entry and tuning candidate passes before anything runs."""
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{_OP}: tuning config from {source}: {what}")
+
+    cfg = dict(cfg)
+    for key in ("chunk_bytes", "row_multiple"):
+        v = cfg.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise bad(f"{key} must be a positive int, got {v!r}")
+    k = cfg.get("kernel")
+    if k is None:
+        return cfg
+    if not isinstance(k, dict):
+        raise bad(f"kernel must be null or an object, got {k!r}")
+    missing = [key for key in _KERNEL_KEYS if key not in k]
+    unknown = sorted(set(k) - set(_KERNEL_KEYS) - {"slice", "lag"})
+    if missing or unknown:
+        raise bad(f"kernel needs {', '.join(_KERNEL_KEYS)}"
+                  f" (+ optional slice, lag); missing {missing}, unknown {unknown}")
+    block, warps, per_sm = k["BLOCK_V"], k["num_warps"], k["programs_per_sm"]
+    if not _pow2(block) or not 16 <= block <= 65536:
+        raise bad(f"kernel BLOCK_V must be a power of two in [16, 65536], got {block!r}")
+    if not _pow2(warps) or warps > 32:
+        raise bad(f"kernel num_warps must be 1, 2, 4, 8, 16 or 32 (at most 1024 threads "
+                  f"a program), got {warps!r}")
+    per_thread = block // (32 * warps)
+    if per_thread > _MAX_VALUES_PER_THREAD:
+        raise bad(f"kernel BLOCK_V={block} over num_warps={warps} puts {per_thread} fp32 "
+                  f"values in each thread's registers; at most {_MAX_VALUES_PER_THREAD} fit "
+                  f"the 255-register budget without spilling (raise num_warps or lower "
+                  f"BLOCK_V)")
+    if isinstance(per_sm, bool) or not isinstance(per_sm, (int, float)) or \
+            not 0 < per_sm <= 32:
+        raise bad(f"kernel programs_per_sm must be in (0, 32], got {per_sm!r}")
+    if "slice" in k:
+        sl, lag = k["slice"], k.setdefault("lag", 1)
+        if isinstance(sl, bool) or not isinstance(sl, int) or sl < block or sl % block:
+            raise bad(f"kernel slice must be a multiple of BLOCK_V={block}, got {sl!r}")
+        if isinstance(lag, bool) or not isinstance(lag, int) or lag < 1:
+            raise bad(f"kernel lag must be a positive int, got {lag!r}")
+    elif "lag" in k:
+        raise bad("kernel lag is only meaningful with slice")
+    cfg["kernel"] = k
+    return cfg
+
+
+def _pow2(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0 and v & (v - 1) == 0
+
+
 def chunk_rows(n: int, v_local: int, itemsize: int, device: torch.device,
-               max_chunk_bytes: Optional[int] = None) -> int:
-    """Tokens per chunk: as many as ``max_chunk_bytes`` (default: the device's tuning table)
-    holds of ``[rows, v_local]`` logits, at least 1 and at most ``n``."""
-    budget = max_chunk_bytes
-    if budget is None:
-        budget = tuning.table(_OP, device)["chunk_bytes"]
-    return max(1, min(n, budget // max(1, v_local * itemsize)))
+               max_chunk_bytes: Optional[int] = None, cfg: Optional[dict] = None) -> int:
+    """Tokens per chunk: as many as the budget (``max_chunk_bytes``, else ``cfg``'s or the
+    device's tuning table's ``chunk_bytes``) holds of ``[rows, v_local]`` logits, rounded
+    down to the config's ``row_multiple`` when that leaves any, at least 1, at most ``n``."""
+    if cfg is None:
+        cfg = config(v_local, device)[0]
+    budget = cfg["chunk_bytes"] if max_chunk_bytes is None else max_chunk_bytes
+    rows = budget // max(1, v_local * itemsize)
+    if rows >= cfg["row_multiple"]:
+        rows -= rows % cfg["row_multiple"]
+    return max(1, min(n, rows))
 
 
 def _resolve(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap,
-             reduction, tp_group, impl, max_chunk_bytes) -> tuple[str, str, dict[str, Any]]:
+             reduction, tp_group, impl, max_chunk_bytes,
+             cfg=None) -> tuple[str, str, dict[str, Any]]:
     check_tensor(_OP, "hidden", hidden)
     if hidden.dim() < 1:
         raise ValueError(f"{_OP}: hidden must be [..., H], got a 0-D tensor")
@@ -112,8 +189,12 @@ def _resolve(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss
     needs = (hidden.requires_grad, weight.requires_grad,
              bias is not None and bias.requires_grad)
     grad_needed = torch.is_grad_enabled() and any(needs)
+    if cfg is None:
+        cfg, source = config(weight.shape[0], hidden.device)
+    else:
+        cfg, source = check_config(cfg, "the caller"), "the caller"
     o.update(needs=needs, grad_needed=grad_needed, max_chunk_bytes=max_chunk_bytes,
-             fused=grad_needed and reduction != "none")
+             fused=grad_needed and reduction != "none", config=cfg, config_source=source)
     return path, reason, o
 
 
@@ -124,7 +205,8 @@ def _chunk_stats(logits, target, count, o, grad: bool, mean: bool):
     one_rank = o["tp_group"] is None
     if o["path"] == "triton" and one_rank:
         return ops._launch_fwd(logits, target, count, logits if grad else None, 0,
-                               logits.shape[1], ignore, ls, z, cap, mean)[:3]
+                               logits.shape[1], ignore, ls, z, cap, mean,
+                               fused=o["config"]["kernel"])[:3]
     if o["path"] == "triton":
         stats = ops._launch_fwd(logits, target, count, None, o["vocab_start"], o["vocab_size"],
                                 ignore, ls, z, cap, False)[:3]
@@ -193,7 +275,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, target, o: dict[str, Any]):
         n = hidden.shape[0]
         rows = chunk_rows(n, weight.shape[0], hidden.element_size(), hidden.device,
-                          o["max_chunk_bytes"])
+                          o["max_chunk_bytes"], o["config"])
         count = torch.sum(target != o["ignore_index"], dtype=torch.float32)
         mean = o["reduction"] == "mean"
         ctx.o, ctx.rows = o, rows
@@ -292,7 +374,7 @@ def plan_linear_cross_entropy(
                                z_loss, softcap, reduction, tp_group, impl, max_chunk_bytes)
     n = target.numel()
     rows = chunk_rows(max(n, 1), weight.shape[0], hidden.element_size(), hidden.device,
-                      max_chunk_bytes)
+                      max_chunk_bytes, o["config"])
     chunks = -(-n // rows)
     details = {
         "hidden": f"{list(hidden.shape)} {str(hidden.dtype).replace('torch.', '')}",
@@ -301,6 +383,7 @@ def plan_linear_cross_entropy(
                        if o["tp_group"] is not None else str(weight.shape[0])),
         "chunks": (f"{chunks} x {rows} tokens; logits buffer "
                    f"{rows * weight.shape[0] * hidden.element_size() / 2**20:.1f} MiB"),
+        "config": _describe(o["config"], o["config_source"], max_chunk_bytes),
         "passes": ("fused: gradients in the forward, backward only rescales" if o["fused"]
                    else "deferred: stats in forward, logits recomputed in backward"
                    if o["grad_needed"] else "stats only (no gradient needed)"),
@@ -347,8 +430,16 @@ def linear_cross_entropy(
     Returns:
         float32 loss: a scalar, or per-token ``[...]`` for ``reduction="none"``.
     """
+    return _apply(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap,
+                  reduction, tp_group, impl, max_chunk_bytes, None)
+
+
+def _apply(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap,
+           reduction, tp_group, impl, max_chunk_bytes, cfg) -> torch.Tensor:
+    """:func:`linear_cross_entropy`, with ``cfg`` (if not ``None``) in place of the tuning
+    tables' config (how ``lmfuse tune`` times its candidates)."""
     path, _, o = _resolve(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss,
-                          softcap, reduction, tp_group, impl, max_chunk_bytes)
+                          softcap, reduction, tp_group, impl, max_chunk_bytes, cfg)
     ops._check_targets(target, o)
     lead = target.shape
     h2d = hidden.reshape(-1, hidden.shape[-1])
@@ -360,6 +451,16 @@ def linear_cross_entropy(
         t1d = t1d.contiguous()
     loss = _LinearCrossEntropy.apply(h2d, w, bias, t1d, o)
     return loss.view(lead) if reduction == "none" else loss
+
+
+def _describe(cfg: dict[str, Any], source: str, max_chunk_bytes: Optional[int]) -> str:
+    budget = (f"chunk budget {max_chunk_bytes / 2**20:.1f} MiB (max_chunk_bytes)"
+              if max_chunk_bytes is not None else
+              f"chunk budget {cfg['chunk_bytes'] / 2**20:.1f} MiB")
+    kernel = ("table default" if cfg["kernel"] is None else
+              ", ".join(f"{k}={v}" for k, v in cfg["kernel"].items()))
+    return (f"{budget}, rows a multiple of {cfg['row_multiple']}, CE kernel {kernel} "
+            f"(from {source})")
 
 
 def checks(device: torch.device, dtypes) -> list:
@@ -394,3 +495,101 @@ def checks(device: torch.device, dtypes) -> list:
                            softcap=30.0),
                       case("none", V, dtype, reduction="none")]
     return cases
+
+
+# --- lmfuse tune linear_cross_entropy ----------------------------------------------------
+
+TUNE_SHAPES = ((8192, 4096, 32000), (8192, 4096, 128256), (8192, 4096, 262144))
+TUNE_TOLERANCE = 0.01  # a smaller chunk budget wins if within 1% of the fastest time
+_MIB = 2**20
+_KERNEL_CANDIDATES = (
+    None,  # the cross_entropy table's own choice
+    {"BLOCK_V": 8192, "num_warps": 16, "programs_per_sm": 8},
+    {"BLOCK_V": 4096, "num_warps": 8, "programs_per_sm": 8},
+    {"BLOCK_V": 8192, "num_warps": 8, "programs_per_sm": 4},
+    {"BLOCK_V": 2048, "num_warps": 4, "programs_per_sm": 16},
+    {"BLOCK_V": 4096, "num_warps": 8, "programs_per_sm": 4, "slice": 16384, "lag": 1},
+    {"BLOCK_V": 8192, "num_warps": 16, "programs_per_sm": 2, "slice": 32768, "lag": 1},
+    {"BLOCK_V": 4096, "num_warps": 8, "programs_per_sm": 8, "slice": 8192, "lag": 2},
+)
+
+
+def tune_stages(v_local: int, device: torch.device, max_chunk_bytes: int) -> list:
+    """The ``(key, values)`` stages ``lmfuse tune`` sweeps for ``v_local`` vocabulary rows:
+    the chunk budget (powers of two from 64 MiB up to ``max_chunk_bytes``), the row
+    multiple, and, when the rows are streamed, the cross-entropy kernel's launch."""
+    budgets, b = [], 64 * _MIB
+    while b <= max_chunk_bytes:
+        budgets.append(b)
+        b *= 2
+    stages = [("chunk_bytes", budgets or [max_chunk_bytes]), ("row_multiple", [1, 64, 128, 256])]
+    streamed = tuning.single_block_tile(tuning.table("cross_entropy", device), v_local) is None
+    if streamed:
+        stages.append(("kernel", list(_KERNEL_CANDIDATES)))
+    return stages
+
+
+def tune(shapes=TUNE_SHAPES, dtype: torch.dtype = torch.bfloat16,
+         device: Optional[torch.device] = None, *, max_chunk_bytes: int = 512 * _MIB,
+         timer=None, impl: str = "auto", record: bool = True, log=print) -> list[dict]:
+    """Sweep configs of the chunked op for each ``(N, H, V)`` in ``shapes`` (forward and
+    backward, ``dtype``) and, with ``record``, write the best into the user cache for V's
+    bucket (:func:`lmfuse.tuning.record`), with its measured time. The best is the fastest,
+    or the one with the smallest chunk budget among those within ``TUNE_TOLERANCE`` of it
+    (memory is the op's other cost). Returns one dict per shape: shape, bucket, best
+    config, its time, and every trial.
+
+    ``timer(fn) -> ms`` defaults to CUDA events (:func:`lmfuse.tuning.sweep.cuda_timer`);
+    candidates over ``max_chunk_bytes`` are not tried, and every candidate passes
+    :func:`check_config` first.
+    """
+    from ..tuning import sweep
+
+    device = torch.device("cuda") if device is None else device
+    if timer is None:
+        if device.type != "cuda":
+            raise ValueError(f"{_OP} tune: timing needs a CUDA device, got {device}; pass a "
+                             f"timer to sweep elsewhere")
+        timer = sweep.cuda_timer()
+    results = []
+    for N, H, V in shapes:
+        gen = torch.Generator(device=device).manual_seed(0)
+        h = torch.randn(N, H, device=device, generator=gen).to(dtype).requires_grad_(True)
+        w = (torch.randn(V, H, device=device, generator=gen) / H ** 0.5).to(dtype)
+        w.requires_grad_(True)
+        t = torch.randint(0, V, (N,), device=device, generator=gen)
+
+        def run(cfg):
+            h.grad = w.grad = None
+            _apply(h, w, t, None, -100, 0.0, 0.0, None, "mean", None, impl, None,
+                   cfg).backward()
+
+        start, source = config(V, device)
+        start = dict(start, chunk_bytes=min(start["chunk_bytes"], max_chunk_bytes))
+        log(f"{_OP} N={N} H={H} V={V} {str(dtype).replace('torch.', '')} "
+            f"(start: {source})")
+        out = sweep.coordinate_sweep(start, tune_stages(V, device, max_chunk_bytes), run,
+                                     lambda c: check_config(c, "a tuning candidate"), timer,
+                                     log, prefer=lambda c: c["chunk_bytes"],
+                                     tolerance=TUNE_TOLERANCE, confirm=3)
+        best = {k: out.best[k] for k in ("chunk_bytes", "row_multiple", "kernel")}
+        result = dict(shape=[N, H, V], dtype=str(dtype).replace("torch.", ""),
+                      bucket=tuning.bucket_of(_OP, V), best=best, ms=out.ms,
+                      trials=[vars(tr) for tr in out.trials])
+        log(f"  best {out.ms:.3f} ms: {sweep._brief(best)}")
+        if record:
+            path = tuning.record(_OP, device, V, best, dict(
+                ms=round(out.ms, 4), shape=[N, H, V], dtype=result["dtype"],
+                torch=torch.__version__, triton=_triton_version()))
+            log(f"  recorded in {path}")
+        results.append(result)
+        del h, w, t
+    return results
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "not installed"
+    return triton.__version__

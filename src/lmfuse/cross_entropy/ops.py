@@ -91,17 +91,22 @@ def _persistent_grid(n: int, cfg: dict[str, Any], device: torch.device) -> int:
 
 
 def _launch_fwd(logits, target, count, grad, vocab_start, vocab_size, ignore_index,
-                label_smoothing, z_loss, softcap, mean):
+                label_smoothing, z_loss, softcap, mean, fused=None):
     """Stats ``[4, N]`` (lse, x_t, sum x, loss), and the gradient into ``grad`` if given.
 
     The loss row (0 where ignored) is the whole loss only on one rank; it is scaled by
-    ``1 / max(count, 1)`` when ``mean``, and so is the gradient.
+    ``1 / max(count, 1)`` when ``mean``, and so is the gradient. ``fused`` replaces the
+    table's launch config of the stats-and-gradient pass over streamed rows (rows longer
+    than ``max_single_block``): ``BLOCK_V``, ``num_warps``, ``programs_per_sm`` and, for
+    the slices kernel, ``slice`` and ``lag``.
     """
     n, V = logits.shape
     stats = torch.empty((4, n), dtype=torch.float32, device=logits.device)
     if n == 0:
         return stats
     cfg = _config(V, logits.device)
+    if fused is not None and not cfg["SINGLE_BLOCK"]:
+        cfg = dict(cfg, fused=dict(fused))
     write = grad is not None
     common = dict(HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0,
                   WRITE_GRAD=write, MEAN=mean)

@@ -1,15 +1,25 @@
-"""Launch parameters per device, read from JSON tables beside this file.
+"""Launch parameters per device, read from JSON tables beside this file and a user cache.
 
 ``<device>.json`` (for example ``h100.json``) holds the tuned values for one GPU model;
 ``default.json`` is the safe fallback every key must exist in. A kernel's ``_config``
 function asks :func:`table` for its family's section and derives block sizes from it, so
 no tuning constant lives inside a kernel file.
+
+A family may also split its problems into shape buckets: ``"buckets": [[limit, {...}],
+...]`` in ``default.json`` (limits ascending, the last one covering everything), each
+entry's keys overriding the family's flat keys for problems of size <= limit.
+:func:`bucket_config` resolves one, layering ``default.json``, ``<device>.json`` and the
+user cache (:func:`user_cache_path`) that ``lmfuse tune`` writes with what it measured on
+the GPU at hand; device tables and the cache use ``default.json``'s limits.
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
+import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -60,3 +70,111 @@ def single_block_tile(t: dict[str, Any], length: int) -> tuple[int, int, int] | 
     warps = next((w for limit, w in t["warps_by_block"] if width <= limit),
                  t["warps_by_block"][-1][1])
     return max(1, t["tile_elems"] // width), width, warps
+
+
+# --- shape buckets and the user cache ----------------------------------------------------
+
+CACHE_ENV = "LMFUSE_TUNING_CACHE"
+CACHE_VERSION = 1
+
+
+def user_cache_path() -> Path:
+    """The JSON file ``lmfuse tune`` records into: ``$LMFUSE_TUNING_CACHE`` if set, else
+    ``$XDG_CACHE_HOME/lmfuse/tuning.json``, else ``~/.cache/lmfuse/tuning.json``."""
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "lmfuse" / "tuning.json"
+
+
+def device_name(device: torch.device) -> str:
+    """The name the user cache files a device under: the CUDA device name, or its type."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {"version": CACHE_VERSION, "devices": {}}
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or \
+                not isinstance(data.get("devices"), dict):
+            raise ValueError(f"not a version-{CACHE_VERSION} lmfuse tuning cache")
+        return data
+    except (OSError, ValueError) as e:
+        warnings.warn(f"lmfuse: ignoring the tuning cache {path}: {e}", stacklevel=3)
+        return {"version": CACHE_VERSION, "devices": {}}
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_user(path: str) -> dict[str, Any]:
+    return _read_cache(Path(path))
+
+
+def _user_section(family: str, device: torch.device) -> dict[str, Any]:
+    devices = _cached_user(str(user_cache_path()))["devices"]
+    return devices.get(device_name(device), {}).get(family, {})
+
+
+def reload() -> None:
+    """Read the user cache again on next use (after ``lmfuse tune`` or a hand edit)."""
+    _cached_user.cache_clear()
+
+
+def bucket_limits(family: str) -> list[int]:
+    """The ascending bucket limits of ``family`` (from ``default.json``)."""
+    return [int(limit) for limit, _ in _load("default")[family]["buckets"]]
+
+
+def bucket_of(family: str, size: int) -> int:
+    """The limit of the bucket holding problems of ``size``."""
+    limits = bucket_limits(family)
+    return next((limit for limit in limits if size <= limit), limits[-1])
+
+
+def bucket_config(family: str, device: torch.device, size: int) -> tuple[dict[str, Any], str]:
+    """``(config, source)`` for a problem of ``size`` in ``family``'s buckets.
+
+    The config is the family's flat keys with the bucket's entry laid over them, from
+    ``default.json``, then ``<device>.json``, then the user cache: the last that has the
+    bucket wins. ``source`` names the layers that contributed (for messages and plans).
+    The ``"measured"`` record the cache keeps beside a tuned entry is left out.
+    """
+    limit = bucket_of(family, size)
+    key = _cached_key(device)
+    layers = [("default.json", _load("default").get(family, {}))]
+    if key not in ("default", "cpu"):
+        layers.append((f"{key}.json", _load(key).get(family, {})))
+    layers.append((f"user cache {user_cache_path()}", _user_section(family, device)))
+    config: dict[str, Any] = {}
+    sources = []
+    for name, section in layers:
+        flat = {k: v for k, v in section.items() if k != "buckets"}
+        entry = next((e for lim, e in section.get("buckets", []) if int(lim) == limit), None)
+        if flat or entry:
+            sources.append(name)
+        config.update(flat)
+        if entry:
+            config.update({k: v for k, v in entry.items() if k != "measured"})
+    return config, f"{' + '.join(sources)}, bucket <= {limit}"
+
+
+def record(family: str, device: torch.device, size: int, config: dict[str, Any],
+           measured: dict[str, Any], path: Path | None = None) -> Path:
+    """Write ``config`` as the user cache's entry for ``size``'s bucket on ``device``, with
+    ``measured`` (time, shape, versions) kept beside it; returns the file written."""
+    path = user_cache_path() if path is None else path
+    data = _read_cache(path)
+    section = data["devices"].setdefault(device_name(device), {}).setdefault(family, {})
+    limit = bucket_of(family, size)
+    buckets = [b for b in section.get("buckets", []) if int(b[0]) != limit]
+    measured = dict(measured, date=datetime.date.today().isoformat())
+    buckets.append([limit, dict(config, measured=measured)])
+    section["buckets"] = sorted(buckets, key=lambda b: int(b[0]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+    reload()
+    return path
