@@ -39,7 +39,7 @@ class Case:
     name: str
     nbytes: int
     impls: dict[str, Callable[[], object]] = field(default_factory=dict)
-    notes: dict[str, str] = field(default_factory=dict)
+    notes: dict[str, str | Callable[[], str]] = field(default_factory=dict)  # callable: after the run
     overhead: dict[str, Callable[[], object]] = field(default_factory=dict)
 
 
@@ -95,6 +95,7 @@ def run_cases(cases: list[Case], device: torch.device, reference_impl: str = "lm
                 ms = bench_ms(fn, device)
                 mem = peak_extra_mib(fn, device)
                 note = case.notes.get(impl, "")
+                note = note() if callable(note) else note  # a note known after the run
                 if impl in case.overhead:
                     extra = bench_ms(case.overhead[impl], device)
                     note = f"{note}; {extra:.3f} ms overhead subtracted".lstrip("; ")
