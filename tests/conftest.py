@@ -75,3 +75,22 @@ def tuning_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     tuning.reload()
     yield path
     tuning.reload()
+
+
+@pytest.fixture
+def streamed_short_rows(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Cross-entropy rows longer than 16 are streamed (the table's ``max_single_block``
+    lowered), so the streamed kernels run at small V; returns the list that receives the
+    launch config (``fused`` dict) of every slices-kernel launch."""
+    from lmfuse import tuning
+    from lmfuse.cross_entropy import ops
+
+    small = dict(tuning.table("cross_entropy", torch.device("cpu")), max_single_block=16)
+    real_table = tuning.table
+    monkeypatch.setattr(tuning, "table", lambda family, device: small
+                        if family == "cross_entropy" else real_table(family, device))
+    launched: list = []
+    real_slices = ops._launch_slices
+    monkeypatch.setattr(ops, "_launch_slices",
+                        lambda *a: (launched.append(a[-1]), real_slices(*a))[1])
+    return launched

@@ -104,8 +104,12 @@ def test_record_keeps_measurements_and_replaces_the_bucket(tuning_cache) -> None
 def test_broken_cache_is_ignored_with_a_warning(tuning_cache) -> None:
     tuning_cache.write_text("{not json")
     with pytest.warns(UserWarning, match="ignoring the tuning cache"):
-        cfg, _ = tuning.bucket_config(FAMILY, CPU, 1000)
+        tuning.reload()
+    cfg, _ = tuning.bucket_config(FAMILY, CPU, 1000)
     assert cfg["chunk_bytes"] == 256 * 2**20
+    tuning_cache.write_text('{"version": 99, "devices": {}}')
+    with pytest.warns(UserWarning, match="not a version-1 lmfuse tuning cache"):
+        tuning.reload()
 
 
 def test_device_tables_use_the_default_limits() -> None:

@@ -109,17 +109,10 @@ def test_cache_entry_drives_the_chunking(tuning_cache, monkeypatch) -> None:
     assert "user cache" not in plan.details["config"]
 
 
-def test_kernel_override_reaches_the_streamed_kernel(monkeypatch) -> None:
+def test_kernel_override_reaches_the_streamed_kernel(streamed_short_rows) -> None:
     """The config's ``kernel`` replaces the CE table's launch of streamed rows (shrunk
     here so short rows stream), and the result still matches the reference."""
-    small = dict(tuning.table("cross_entropy", CPU), max_single_block=16)
-    real_table = tuning.table
-    monkeypatch.setattr(tuning, "table", lambda family, device: small
-                        if family == "cross_entropy" else real_table(family, device))
-    launched = []
-    real_slices = ops._launch_slices
-    monkeypatch.setattr(ops, "_launch_slices",
-                        lambda *a: (launched.append(a[-1]), real_slices(*a))[1])
+    launched = streamed_short_rows
     kernel = {"BLOCK_V": 16, "num_warps": 1, "programs_per_sm": 2, "slice": 32, "lag": 1}
     V, H, n = 70, 16, 9
     h = torch.randn(n, H, dtype=torch.float64).float().requires_grad_(True)

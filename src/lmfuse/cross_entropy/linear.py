@@ -25,6 +25,7 @@ atomics, fixed chunking.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Optional
 
 import torch
@@ -203,13 +204,22 @@ def _chunk_stats(logits, target, count, o, grad: bool, mean: bool):
     upstream gradient of 1, or ``1 / count`` when ``mean``), its gradient in place."""
     ignore, ls, z, cap = o["ignore_index"], o["label_smoothing"], o["z_loss"], o["softcap"]
     one_rank = o["tp_group"] is None
-    if o["path"] == "triton" and one_rank:
-        return ops._launch_fwd(logits, target, count, logits if grad else None, 0,
-                               logits.shape[1], ignore, ls, z, cap, mean,
-                               fused=o["config"]["kernel"])[:3]
+    eager = ops._eager()  # else through the custom ops, opaque to torch.compile
+    if o["path"] == "triton" and one_rank and grad:
+        kernel = o["config"]["kernel"]
+        if eager:
+            return ops._launch_fwd(logits, target, count, logits, 0, logits.shape[1], ignore,
+                                   ls, z, cap, mean, fused=kernel)[:3]
+        return torch.ops.lmfuse.ce_fwd_grad_(logits, target, count, ignore, ls, z, cap, mean,
+                                             json.dumps(kernel) if kernel else "")[:3]
     if o["path"] == "triton":
-        stats = ops._launch_fwd(logits, target, count, None, o["vocab_start"], o["vocab_size"],
-                                ignore, ls, z, cap, False)[:3]
+        start, size = o["vocab_start"], o["vocab_size"]  # (the loss row, scaled by mean,
+        stats = (ops._launch_fwd(logits, target, count, None, start, size, ignore, ls, z, cap,
+                                 False) if eager else  # is not used: [:3])
+                 torch.ops.lmfuse.ce_stats(logits, target, count, start, size, ignore, ls, z,
+                                           cap, False))[:3]
+        if one_rank:
+            return stats
     else:
         stats = ref.local_token_stats(logits, target, o["vocab_start"], cap)
     if not one_rank:
@@ -225,8 +235,10 @@ def _chunk_grad(logits, target, stats, w, o) -> None:
     tokens' upstream gradients ``w [rows]`` (float32)."""
     args = (o["vocab_start"], o["vocab_size"], o["ignore_index"], o["label_smoothing"],
             o["z_loss"], o["softcap"])
-    if o["path"] == "triton":
+    if o["path"] == "triton" and ops._eager():
         ops._launch_grad(logits, target, stats, w, logits, *args)
+    elif o["path"] == "triton":
+        torch.ops.lmfuse.ce_grad_(logits, target, stats, w, *args)
     else:
         logits.copy_(ref.logits_grad(logits, target, stats[0], w, vocab_start=args[0],
                                      vocab_size=args[1], ignore_index=args[2],
@@ -347,8 +359,10 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
 
 def _scale(g: torch.Tensor, dout: torch.Tensor, path: str) -> None:
     """``g *= dout`` (a scalar tensor), without a host sync; a no-op kernel when it is 1."""
-    if path == "triton" and g.is_contiguous():
+    if path == "triton" and g.is_contiguous() and ops._eager():
         ops._launch_scale(g, dout.float().reshape(1))
+    elif path == "triton" and g.is_contiguous():
+        torch.ops.lmfuse.ce_scale_(g, dout.float().reshape(1))
     else:
         g.mul_(dout.to(g.dtype))
 

@@ -21,6 +21,7 @@ The launches are also ``torch.library`` custom ops, which is what ``torch.compil
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any, Optional
 
 import torch
@@ -219,16 +220,18 @@ def _(logits, target, count, ignore_index, label_smoothing, z_loss, softcap, mea
 @torch.library.custom_op("lmfuse::ce_fwd_grad_", mutates_args=("logits",))
 def _ce_fwd_grad_(logits: torch.Tensor, target: torch.Tensor, count: torch.Tensor,
                   ignore_index: int, label_smoothing: float, z_loss: float,
-                  softcap: Optional[float], mean: bool) -> torch.Tensor:
+                  softcap: Optional[float], mean: bool, launch: str = "") -> torch.Tensor:
+    """``launch``: ``_launch_fwd``'s ``fused`` override as a JSON object, or empty."""
     # Every kernel reads a row (or, sliced, a slice) in full before it writes any of its
     # gradient and the target's column is rewritten from the saved x_t: the gradient can
     # overwrite the logits.
     return _launch_fwd(logits, target, count, logits, 0, logits.shape[1], ignore_index,
-                       label_smoothing, z_loss, softcap, mean)
+                       label_smoothing, z_loss, softcap, mean,
+                       fused=json.loads(launch) if launch else None)
 
 
 @_ce_fwd_grad_.register_fake
-def _(logits, target, count, ignore_index, label_smoothing, z_loss, softcap, mean):
+def _(logits, target, count, ignore_index, label_smoothing, z_loss, softcap, mean, launch=""):
     return logits.new_empty((4, logits.shape[0]), dtype=torch.float32)
 
 

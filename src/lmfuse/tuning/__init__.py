@@ -39,10 +39,13 @@ def device_key(device: torch.device) -> str:
     return "default"
 
 
-@functools.lru_cache(maxsize=None)
+# Every table is read once, at import: lookups do no I/O, so torch.compile can trace them.
+_TABLES: dict[str, dict[str, Any]] = {
+    path.stem: json.loads(path.read_text()) for path in sorted(_HERE.glob("*.json"))}
+
+
 def _load(key: str) -> dict[str, Any]:
-    path = _HERE / f"{key}.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    return _TABLES.get(key, {})
 
 
 def table(family: str, device: torch.device) -> dict[str, Any]:
@@ -103,23 +106,24 @@ def _read_cache(path: Path) -> dict[str, Any]:
             raise ValueError(f"not a version-{CACHE_VERSION} lmfuse tuning cache")
         return data
     except (OSError, ValueError) as e:
-        warnings.warn(f"lmfuse: ignoring the tuning cache {path}: {e}", stacklevel=3)
+        warnings.warn(f"lmfuse: ignoring the tuning cache {path}: {e}", stacklevel=2)
         return {"version": CACHE_VERSION, "devices": {}}
 
 
-@functools.lru_cache(maxsize=None)
-def _cached_user(path: str) -> dict[str, Any]:
-    return _read_cache(Path(path))
+_USER: dict[str, Any] = {}  # the user cache as read: {"path": Path, "data": dict}
 
 
 def _user_section(family: str, device: torch.device) -> dict[str, Any]:
-    devices = _cached_user(str(user_cache_path()))["devices"]
+    devices = _USER["data"]["devices"]
     return devices.get(device_name(device), {}).get(family, {})
 
 
 def reload() -> None:
-    """Read the user cache again on next use (after ``lmfuse tune`` or a hand edit)."""
-    _cached_user.cache_clear()
+    """Read the user cache again, from the path the environment gives now (after
+    ``lmfuse tune``, a hand edit, or a change of ``$LMFUSE_TUNING_CACHE``). It is read at
+    import and by this only, so that lookups do no I/O."""
+    path = user_cache_path()
+    _USER.update(path=path, data=_read_cache(path))
 
 
 def bucket_limits(family: str) -> list[int]:
@@ -146,7 +150,7 @@ def bucket_config(family: str, device: torch.device, size: int) -> tuple[dict[st
     layers = [("default.json", _load("default").get(family, {}))]
     if key not in ("default", "cpu"):
         layers.append((f"{key}.json", _load(key).get(family, {})))
-    layers.append((f"user cache {user_cache_path()}", _user_section(family, device)))
+    layers.append((f"user cache {_USER['path']}", _user_section(family, device)))
     config: dict[str, Any] = {}
     sources = []
     for name, section in layers:
@@ -178,3 +182,6 @@ def record(family: str, device: torch.device, size: int, config: dict[str, Any],
     os.replace(tmp, path)
     reload()
     return path
+
+
+reload()
