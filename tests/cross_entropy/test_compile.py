@@ -178,3 +178,30 @@ def test_linear_custom_ops_carry_the_kernel_override(monkeypatch: pytest.MonkeyP
     assert launched == [kernel] * 6  # 3 chunks, eagerly and through lmfuse::ce_fwd_grad_
     for direct, via_ops in zip(*results):
         assert torch.equal(direct, via_ops)
+
+
+def test_linear_compile_with_a_cached_kernel_override(tuning_cache, streamed_short_rows) -> None:
+    """A tuned CE launch from the user cache is traced into the graph (as the custom op's
+    string argument) and used by the compiled code."""
+    from lmfuse import tuning
+
+    kernel = {"BLOCK_V": 16, "num_warps": 1, "programs_per_sm": 2.5, "slice": 32, "lag": 1}
+    tuning.record("linear_cross_entropy", torch.device("cpu"), 45, {
+        "chunk_bytes": 45 * 4 * 8, "row_multiple": 1, "kernel": kernel}, {"ms": 1.0})
+    h, w, b, t = linear_inputs(bias=False)
+    f = linear_loss("mean")
+    results = []
+    for fn in (f, torch.compile(f, fullgraph=True, backend="aot_eager")):
+        leaves = [x.detach().clone().requires_grad_(True) for x in (h, w)]
+        loss = fn(*leaves, None, t)
+        results.append((loss, *torch.autograd.grad(loss, leaves)))
+    assert streamed_short_rows and all(k == kernel for k in streamed_short_rows)
+    for eager, comp in zip(*results):
+        assert torch.equal(eager, comp)
+
+
+@pytest.mark.parametrize("fused", [None, {"BLOCK_V": 4096, "num_warps": 8, "programs_per_sm": 4},
+                                   {"BLOCK_V": 16, "num_warps": 1, "programs_per_sm": 0.5,
+                                    "slice": 32, "lag": 2}])
+def test_launch_encoding_round_trips(fused) -> None:
+    assert ce_ops.decode_launch(ce_ops.encode_launch(fused)) == fused

@@ -25,7 +25,6 @@ atomics, fixed chunking.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Optional
 
 import torch
@@ -211,7 +210,7 @@ def _chunk_stats(logits, target, count, o, grad: bool, mean: bool):
             return ops._launch_fwd(logits, target, count, logits, 0, logits.shape[1], ignore,
                                    ls, z, cap, mean, fused=kernel)[:3]
         return torch.ops.lmfuse.ce_fwd_grad_(logits, target, count, ignore, ls, z, cap, mean,
-                                             json.dumps(kernel) if kernel else "")[:3]
+                                             ops.encode_launch(kernel))[:3]
     if o["path"] == "triton":
         start, size = o["vocab_start"], o["vocab_size"]  # (the loss row, scaled by mean,
         stats = (ops._launch_fwd(logits, target, count, None, start, size, ignore, ls, z, cap,

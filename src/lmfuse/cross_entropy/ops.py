@@ -21,7 +21,6 @@ The launches are also ``torch.library`` custom ops, which is what ``torch.compil
 from __future__ import annotations
 
 import functools
-import json
 from typing import Any, Optional
 
 import torch
@@ -221,13 +220,25 @@ def _(logits, target, count, ignore_index, label_smoothing, z_loss, softcap, mea
 def _ce_fwd_grad_(logits: torch.Tensor, target: torch.Tensor, count: torch.Tensor,
                   ignore_index: int, label_smoothing: float, z_loss: float,
                   softcap: Optional[float], mean: bool, launch: str = "") -> torch.Tensor:
-    """``launch``: ``_launch_fwd``'s ``fused`` override as a JSON object, or empty."""
+    """``launch``: ``_launch_fwd``'s ``fused`` override, encoded by :func:`encode_launch`."""
     # Every kernel reads a row (or, sliced, a slice) in full before it writes any of its
     # gradient and the target's column is rewritten from the saved x_t: the gradient can
     # overwrite the logits.
     return _launch_fwd(logits, target, count, logits, 0, logits.shape[1], ignore_index,
-                       label_smoothing, z_loss, softcap, mean,
-                       fused=json.loads(launch) if launch else None)
+                       label_smoothing, z_loss, softcap, mean, fused=decode_launch(launch))
+
+
+def encode_launch(fused: Optional[dict[str, Any]]) -> str:
+    """A launch override as a custom op's string argument: ``"BLOCK_V=4096,num_warps=8"``
+    (``""`` for none). Plain string formatting, so torch.compile traces it."""
+    return ",".join(f"{k}={v}" for k, v in fused.items()) if fused else ""
+
+
+def decode_launch(text: str) -> Optional[dict[str, Any]]:
+    if not text:
+        return None
+    pairs = (item.split("=") for item in text.split(","))
+    return {k: float(v) if "." in v else int(v) for k, v in pairs}
 
 
 @_ce_fwd_grad_.register_fake

@@ -32,7 +32,7 @@ def device_key(device: torch.device) -> str:
     """A short key for the GPU model of ``device`` (``"h100"``, ``"h200"``, ...) or ``"cpu"``."""
     if device.type != "cuda":
         return device.type
-    name = torch.cuda.get_device_name(device).lower()
+    name = _cuda_name(device).lower()
     for key in ("h200", "h100", "h800", "h20", "a100", "l40s", "b200", "gb200"):
         if key in name:
             return key
@@ -93,7 +93,13 @@ def user_cache_path() -> Path:
 
 def device_name(device: torch.device) -> str:
     """The name the user cache files a device under: the CUDA device name, or its type."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return _cuda_name(device) if device.type == "cuda" else device.type
+
+
+def _cuda_name(device: torch.device) -> str:
+    # get_device_properties, not get_device_name: torch.compile folds the former to a
+    # constant and cannot trace the latter.
+    return torch.cuda.get_device_properties(device).name
 
 
 def _read_cache(path: Path) -> dict[str, Any]:
@@ -123,7 +129,7 @@ def reload() -> None:
     ``lmfuse tune``, a hand edit, or a change of ``$LMFUSE_TUNING_CACHE``). It is read at
     import and by this only, so that lookups do no I/O."""
     path = user_cache_path()
-    _USER.update(path=path, data=_read_cache(path))
+    _USER.update(path=path, name=str(path), data=_read_cache(path))
 
 
 def bucket_limits(family: str) -> list[int]:
@@ -150,7 +156,7 @@ def bucket_config(family: str, device: torch.device, size: int) -> tuple[dict[st
     layers = [("default.json", _load("default").get(family, {}))]
     if key not in ("default", "cpu"):
         layers.append((f"{key}.json", _load(key).get(family, {})))
-    layers.append((f"user cache {_USER['path']}", _user_section(family, device)))
+    layers.append(("user cache " + _USER["name"], _user_section(family, device)))
     config: dict[str, Any] = {}
     sources = []
     for name, section in layers:
