@@ -180,7 +180,9 @@ def test_exports() -> None:
     assert set(megatron.__all__) == {
         "AttnMaskType", "FusedScaleMaskSoftmax", "scaled_masked_softmax", "scaled_softmax",
         "scaled_upper_triang_masked_softmax", "fused_vocab_parallel_cross_entropy",
-        "vocab_parallel_cross_entropy"}
+        "vocab_parallel_cross_entropy", "bias_gelu_impl", "bias_swiglu_impl", "bias_geglu_impl",
+        "weighted_bias_swiglu_impl", "weighted_bias_quick_geglu_impl",
+        "weighted_squared_relu_impl"}
     for name in megatron.__all__:
         assert callable(getattr(megatron, name)), name
     assert megatron.FusedScaleMaskSoftmax is lmfuse.FusedScaleMaskSoftmax

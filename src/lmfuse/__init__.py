@@ -9,6 +9,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from ._dispatch import Plan, explain
+from .activations import (bias_gelu, geglu, quick_geglu, squared_relu, swiglu,
+                          weighted_quick_geglu, weighted_squared_relu, weighted_swiglu)
 from .cross_entropy import cross_entropy, linear_cross_entropy
 from .softmax import AttnMaskType, FusedScaleMaskSoftmax, fused_softmax
 
@@ -17,8 +19,16 @@ __all__ = [
     "FusedScaleMaskSoftmax",
     "Plan",
     "__version__",
+    "bias_gelu",
     "cross_entropy",
     "explain",
     "fused_softmax",
+    "geglu",
     "linear_cross_entropy",
+    "quick_geglu",
+    "squared_relu",
+    "swiglu",
+    "weighted_quick_geglu",
+    "weighted_squared_relu",
+    "weighted_swiglu",
 ]

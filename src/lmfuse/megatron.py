@@ -11,17 +11,24 @@ from __future__ import annotations
 
 import torch
 
+from . import activations as act
 from .cross_entropy import cross_entropy
 from .softmax import AttnMaskType, FusedScaleMaskSoftmax, fused_softmax
 
 __all__ = [
     "AttnMaskType",
     "FusedScaleMaskSoftmax",
+    "bias_geglu_impl",
+    "bias_gelu_impl",
+    "bias_swiglu_impl",
     "fused_vocab_parallel_cross_entropy",
     "scaled_masked_softmax",
     "scaled_softmax",
     "scaled_upper_triang_masked_softmax",
     "vocab_parallel_cross_entropy",
+    "weighted_bias_quick_geglu_impl",
+    "weighted_bias_swiglu_impl",
+    "weighted_squared_relu_impl",
 ]
 
 
@@ -104,3 +111,55 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
             )
     return cross_entropy(vocab_parallel_logits, target, label_smoothing=smoothing,
                          reduction="none", tp_group=tp_group)
+
+
+# --- activations (megatron/core/fusions/fused_bias_*.py, fused_weighted_squared_relu.py) ---
+
+
+def _tokens_2d_or_3d(name: str, x: torch.Tensor) -> None:
+    if isinstance(x, torch.Tensor) and x.dim() not in (2, 3):
+        raise ValueError(f"{name}: input must be [tokens, h] or [s, b, h], got "
+                         f"{tuple(x.shape)}")
+
+
+def bias_gelu_impl(input: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(input + bias)`` (Megatron-Core's ``bias_gelu_impl``)."""
+    _tokens_2d_or_3d("bias_gelu_impl", input)
+    return act.bias_gelu(input, bias)
+
+
+def bias_swiglu_impl(input: torch.Tensor, bias, fp8_input_store: bool = False,
+                     cpu_offload_input: bool = False) -> torch.Tensor:
+    """SwiGLU of ``input + bias`` (bias may be None), ``[.., 2f] -> [.., f]``."""
+    _tokens_2d_or_3d("bias_swiglu_impl", input)
+    return act.swiglu(input, bias, fp8_input_store=fp8_input_store,
+                      cpu_offload_input=cpu_offload_input)
+
+
+def bias_geglu_impl(input: torch.Tensor, bias) -> torch.Tensor:
+    """GEGLU (tanh GELU) of ``input + bias`` (bias may be None)."""
+    _tokens_2d_or_3d("bias_geglu_impl", input)
+    return act.geglu(input, bias)
+
+
+def weighted_bias_swiglu_impl(input: torch.Tensor, bias, weights: torch.Tensor,
+                              fp8_input_store: bool = False) -> torch.Tensor:
+    """``swiglu(input + bias) * weights``, ``weights [tokens, 1]``. Megatron-Core raises on
+    a bias here; lmfuse supports one."""
+    _tokens_2d_or_3d("weighted_bias_swiglu_impl", input)
+    return act.weighted_swiglu(input, weights, bias, fp8_input_store=fp8_input_store)
+
+
+def weighted_bias_quick_geglu_impl(input: torch.Tensor, bias, weights: torch.Tensor,
+                                   fp8_input_store: bool = False, linear_offset: float = 0.0,
+                                   clamp_value=None) -> torch.Tensor:
+    """``quick_geglu(clamp(input) + bias, linear_offset) * weights``."""
+    _tokens_2d_or_3d("weighted_bias_quick_geglu_impl", input)
+    return act.weighted_quick_geglu(input, weights, bias, linear_offset=linear_offset,
+                                    clamp_value=clamp_value, fp8_input_store=fp8_input_store)
+
+
+def weighted_squared_relu_impl(input: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``relu(input) ** 2 * weights``, ``weights [tokens, 1]``."""
+    _tokens_2d_or_3d("weighted_squared_relu_impl", input)
+    return act.weighted_squared_relu(input, weights)

@@ -1,0 +1,321 @@
+"""Benchmark lmfuse's activations against torch eager, torch.compile and Megatron-Core.
+
+Run it as ``lmfuse bench activations [--json PATH] [--plot PATH] [--quick]``. The cases
+are bf16, 16384 tokens: bias-SwiGLU and bias-GEGLU on ``x [16384, 2 * 14336]`` with a bias
+``[2 * 14336]``; weighted SwiGLU (no bias) on the same ``x`` with float32 per-token weights
+``[16384, 1]``; bias-GELU, squared ReLU and weighted squared ReLU on ``x [16384, 14336]``.
+Each is timed forward only (no grad) and forward+backward (``torch.autograd.grad`` of the
+output, with a fixed random upstream gradient, w.r.t. x and the bias / weights).
+
+Every case reports the median time, the achieved TB/s over the *minimal* bytes (forward:
+read x, the bias and the weights, write the output; forward+backward: that, and read x
+and the output's gradient again, write x's gradient (and the bias' / weights' gradients,
+reading those once more)), each peer's time as a multiple of lmfuse's, and the peak memory
+allocated beyond the inputs. A device-to-device copy moving the bias-SwiGLU forward's bytes,
+timed in the same run, is the bandwidth ceiling.
+
+Peers: ``torch`` is the formula with plain torch ops in float32 math (as lmfuse computes),
+``torch.compile`` that function compiled with ``fullgraph=True``, ``megatron-core`` its
+fused functions (``bias_swiglu_impl``, ``weighted_bias_swiglu_impl``, ``bias_geglu_impl``,
+``bias_gelu_impl``, ``weighted_squared_relu_impl``; for plain squared ReLU, which has no
+fusion, ``megatron.core.activations.squared_relu``), which its ``jit_fuser`` compiles with
+torch.compile. A peer that is not installed or cannot run a case is a row with a note, not
+a crash. Each row's result (output forward; gradients forward+backward) is checked once
+against lmfuse's: the note gives the relative difference ``||a - b|| / ||b||`` (the largest
+over the gradients) and flags one over 1e-2 (bf16/fp16; 1e-5 float32).
+
+The targets, checked at the end for SwiGLU, GEGLU and weighted SwiGLU: forward at least
+0.97x the copy's TB/s; forward+backward at least 1.3x faster than Megatron-Core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (Case, Result, copy_tbps, dist_version, environment, plot, run_cases,
+    unavailable, write_json)  # noqa: E402
+
+import lmfuse  # noqa: E402
+
+ActFn = Callable[..., torch.Tensor]  # (x, bias or None, weights or None) -> output
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": lambda a: F.gelu(a, approximate="tanh"),
+    "squared_relu": lambda a: F.relu(a).square(),
+}
+
+
+def eager_activation(x, bias=None, weights=None, *, activation: str, gated: bool):
+    """The unfused expression a user writes (float32 math), also the torch.compile input.
+
+    Gated: ``act(x1) * x2`` with ``x1, x2`` the two halves of ``x + bias``'s last dim."""
+    y = x.float()
+    if bias is not None:
+        y = y + bias.float()
+    if gated:
+        gate, linear = y.chunk(2, dim=-1)
+        out = ACTIVATIONS[activation](gate) * linear
+    else:
+        out = ACTIVATIONS[activation](y)
+    if weights is not None:
+        out = out * weights.float()
+    return out.to(x.dtype)
+
+
+# Every case is a new specialisation of the same function: let dynamo keep them all rather
+# than fall back to eager after its default of 8.
+for _name in ("recompile_limit", "cache_size_limit"):
+    if hasattr(torch._dynamo.config, _name):
+        setattr(torch._dynamo.config, _name, 256)
+_compiled = torch.compile(eager_activation, fullgraph=True, dynamic=False)
+
+
+class Op(NamedTuple):
+    """One benchmarked activation: lmfuse's call and the eager formula's switches.
+
+    (A NamedTuple: ``lmfuse bench`` loads this file outside ``sys.modules``, where
+    ``@dataclass`` cannot resolve its annotations.)"""
+
+    lmfuse: ActFn
+    activation: str
+    gated: bool
+    bias: bool
+    weighted: bool
+
+
+OPS: dict[str, Op] = {
+    "bias_swiglu": Op(lambda x, b, w: lmfuse.swiglu(x, b), "silu", True, True, False),
+    "bias_geglu": Op(lambda x, b, w: lmfuse.geglu(x, b), "gelu", True, True, False),
+    "weighted_swiglu": Op(lambda x, b, w: lmfuse.weighted_swiglu(x, w), "silu", True, False,
+                          True),
+    "bias_gelu": Op(lambda x, b, w: lmfuse.bias_gelu(x, b), "gelu", False, True, False),
+    "squared_relu": Op(lambda x, b, w: lmfuse.squared_relu(x), "squared_relu", False, False,
+                       False),
+    "weighted_sqrelu": Op(lambda x, b, w: lmfuse.weighted_squared_relu(x, w), "squared_relu",
+                          False, False, True),
+}
+TARGET_OPS = ("bias_swiglu", "bias_geglu", "weighted_swiglu")
+FWD_SHARE_OF_COPY = 0.97  # forward TB/s at least this share of the copy's
+FWD_BWD_SPEEDUP = 1.3  # forward+backward at least this much faster than Megatron-Core
+
+
+def load_megatron() -> tuple[dict[str, tuple[ActFn, str]], str]:
+    """Op name -> (Megatron-Core's function as ``(x, bias, weights) -> out``, note), and
+    Megatron-Core's version. A function whose import fails becomes a stand-in that raises,
+    so its row notes why."""
+
+    def load(module: str, name: str, call: Callable[..., torch.Tensor]) -> tuple[ActFn, str]:
+        try:
+            fn = getattr(importlib.import_module(f"megatron.core.{module}"), name)
+        except Exception as exc:  # not installed, or its import needs what is missing here
+            return unavailable(exc), f"unavailable ({type(exc).__name__})"
+        return (lambda x, b, w: call(fn, x, b, w)), f"{name}, torch.compile'd"
+
+    fns = {
+        "bias_swiglu": load("fusions.fused_bias_swiglu", "bias_swiglu_impl",
+                            lambda f, x, b, w: f(x, b)),
+        "bias_geglu": load("fusions.fused_bias_geglu", "bias_geglu_impl",
+                           lambda f, x, b, w: f(x, b)),
+        "weighted_swiglu": load("fusions.fused_bias_swiglu", "weighted_bias_swiglu_impl",
+                                lambda f, x, b, w: f(x, None, w)),
+        "bias_gelu": load("fusions.fused_bias_gelu", "bias_gelu_impl",
+                          lambda f, x, b, w: f(x, b)),
+        "squared_relu": load("activations", "squared_relu", lambda f, x, b, w: f(x)),
+        "weighted_sqrelu": load("fusions.fused_weighted_squared_relu",
+                                "weighted_squared_relu_impl", lambda f, x, b, w: f(x, w)),
+    }
+    return fns, dist_version("megatron-core")
+
+
+class Inputs:
+    """An op's inputs, shared by its forward and forward+backward cases: ``x [n, K]``,
+    ``bias [K]`` (x's dtype), float32 ``weights [n, 1]`` (all requiring grad), and the
+    upstream gradient ``g`` of the output."""
+
+    def __init__(self, op: Op, n: int, K: int, dtype: torch.dtype, device: torch.device):
+        self.op, self.n, self.K = op, n, K
+        self.x = torch.randn(n, K, dtype=dtype, device=device).requires_grad_(True)
+        self.bias = (torch.randn(K, dtype=dtype, device=device).requires_grad_(True)
+                     if op.bias else None)
+        self.weights = (torch.rand(n, 1, dtype=torch.float32, device=device)
+                        .requires_grad_(True) if op.weighted else None)
+        self.out_cols = K // 2 if op.gated else K
+        self.g = torch.randn(n, self.out_cols, dtype=dtype, device=device)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.x, self.bias, self.weights) if t is not None]
+
+    def minimal_bytes(self, backward: bool) -> int:
+        """Forward: read x, bias, weights; write the output. Backward besides: read x, the
+        output's gradient, bias and weights; write their gradients."""
+        elt = self.x.element_size()
+        x_bytes, out_bytes = self.n * self.K * elt, self.n * self.out_cols * elt
+        extra = sum(t.numel() * t.element_size() for t in self.tensors()[1:])
+        fwd = x_bytes + extra + out_bytes
+        return fwd + (x_bytes + out_bytes + x_bytes + 2 * extra if backward else 0)
+
+
+def relative_differences(impls: dict[str, Callable[[], object]], dtype: torch.dtype,
+                         reference: str = "lmfuse") -> dict[str, str]:
+    """Runs each impl once and notes ``||a - b|| / ||b||`` against ``reference``'s result
+    (over several tensors, the largest); flags one above the dtype's tolerance. An impl
+    that fails here gets no note: its timing fails the same way and notes why."""
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+
+    def as_list(result) -> list[torch.Tensor]:
+        return list(result) if isinstance(result, (tuple, list)) else [result]
+
+    try:
+        expected = as_list(impls[reference]())
+    except Exception:
+        return {}
+    notes = {}
+    for impl, fn in impls.items():
+        if impl == reference:
+            continue
+        try:
+            got = as_list(fn())
+        except Exception:
+            continue
+        rel = max(float(torch.linalg.vector_norm(a.float() - b.float()) /
+                        torch.linalg.vector_norm(b.float()).clamp(min=1e-30))
+                  for a, b in zip(got, expected, strict=True))
+        notes[impl] = f"rel. diff {rel:.1e}" + (f" > {tol:.0e}, CHECK" if rel > tol else "")
+        del got
+    return notes
+
+
+def make_case(data: Inputs, name: str, megatron: tuple[ActFn, str], *, backward: bool
+              ) -> Case:
+    op = data.op
+    inputs = data.tensors()
+    if backward:
+        x, bias, weights = data.x, data.bias, data.weights
+    else:
+        x, bias, weights = (t.detach() if t is not None else None
+                            for t in (data.x, data.bias, data.weights))
+
+    def timed(fn: ActFn) -> Callable[[], object]:
+        if backward:
+            return lambda: torch.autograd.grad(fn(x, bias, weights), inputs, data.g)
+
+        def forward():
+            with torch.no_grad():
+                return fn(x, bias, weights)
+
+        return forward
+
+    formula = {"activation": op.activation, "gated": op.gated}
+    megatron_fn, megatron_note = megatron
+    impls = {
+        "lmfuse": timed(op.lmfuse),
+        "torch": timed(lambda x, b, w: eager_activation(x, b, w, **formula)),
+        "torch.compile": timed(lambda x, b, w: _compiled(x, b, w, **formula)),
+        "megatron-core": timed(megatron_fn),
+    }
+    notes = {"torch": "float32 math", "torch.compile": "fullgraph, of the torch row",
+             "megatron-core": megatron_note}
+    for impl, diff in relative_differences(impls, x.dtype).items():
+        notes[impl] = f"{notes[impl]}; {diff}"
+    mode = "fwd+bwd" if backward else "fwd"
+    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(x.dtype, "fp32")
+    return Case(f"{name} {mode} [{data.n}, {data.K}] {dtype}", data.minimal_bytes(backward),
+                impls, notes)
+
+
+def build_cases(device: torch.device, quick: bool, megatron: dict) -> tuple[list[Case], int]:
+    """The cases, and the bytes of the bias-SwiGLU forward (the copy moves as many)."""
+    dtype = torch.float32 if quick else torch.bfloat16
+    n, ffn = (64, 128) if quick else (16384, 14336)
+    cases, swiglu_fwd_bytes = [], 0
+    for name, op in OPS.items():
+        data = Inputs(op, n, 2 * ffn if op.gated else ffn, dtype, device)
+        cases += [make_case(data, name, megatron[name], backward=bw) for bw in (False, True)]
+        if name == "bias_swiglu":
+            swiglu_fwd_bytes = data.minimal_bytes(backward=False)
+    return cases, swiglu_fwd_bytes
+
+
+def check_targets(results: list[Result], copy_bw: float, judge: bool) -> None:
+    """Prints lmfuse's TB/s as a share of the copy's and Megatron-Core's time as a multiple
+    of lmfuse's, per case; for SwiGLU, GEGLU and weighted SwiGLU also the target and, when
+    ``judge`` (on a GPU), whether it is met, which is added to lmfuse's note (and so to the
+    JSON)."""
+    print(f"\n# lmfuse against its targets ({', '.join(TARGET_OPS)}): forward TB/s >= "
+          f"{FWD_SHARE_OF_COPY:.2f}x the copy's; forward+backward >= {FWD_BWD_SPEEDUP}x "
+          "faster than megatron-core (x lmfuse = its ms / lmfuse ms)")
+    print(f"{'case':<44} {'TB/s':>6} {'x copy':>6} {'megatron x lmfuse':>17}  target")
+    for ours in (r for r in results if r.impl == "lmfuse"):
+        if ours.ms is None:
+            print(f"{ours.case:<44} lmfuse did not run")
+            continue
+        name, mode = ours.case.split()[:2]
+        megatron = next((r for r in results if r.case == ours.case and r.impl ==
+                         "megatron-core"), None)
+        speedup = megatron.ratio if megatron is not None else None
+        share = ours.tbps / copy_bw if copy_bw else None
+        verdict = ""
+        if name in TARGET_OPS and mode == "fwd":
+            ok = share is not None and share >= FWD_SHARE_OF_COPY
+            verdict = f"fwd >= {FWD_SHARE_OF_COPY:.2f}x copy: {'met' if ok else 'MISSED'}"
+        elif name in TARGET_OPS:
+            ok = speedup is not None and speedup >= FWD_BWD_SPEEDUP
+            verdict = (f"fwd+bwd >= {FWD_BWD_SPEEDUP}x megatron-core: "
+                       + ("met" if ok else "MISSED" if speedup else "no megatron-core time"))
+        if verdict and not judge:
+            verdict = verdict.split(":")[0] + ": not judged off the GPU"
+        elif verdict:
+            ours.note = f"{ours.note}; target {verdict}".lstrip("; ")
+        share_s = "-" if share is None else f"{share:6.2f}"
+        speedup_s = "-" if speedup is None else f"{speedup:17.2f}"
+        print(f"{ours.case:<44} {ours.tbps:6.2f} {share_s:>6} {speedup_s:>17}  {verdict}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="lmfuse bench activations", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", help="write the results as JSON here")
+    p.add_argument("--plot", help="write a PNG bar chart of achieved TB/s here")
+    p.add_argument("--quick", action="store_true", help="small shapes (the default on CPU)")
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    quick = args.quick or device.type != "cuda"
+    if device.type != "cuda":
+        print("no CUDA device: running small CPU shapes in float32; lmfuse runs its reference "
+              "path or Triton's interpreter (figures are not GPU performance)")
+    torch.manual_seed(0)
+    env = environment(device)
+    megatron, megatron_version = load_megatron()
+    env["megatron-core"] = megatron_version
+    print(f"# {env['device']} | torch {env['torch']} | triton {env['triton']} | {env['date']}")
+    print(f"# peers: megatron-core {megatron_version}")
+    cases, swiglu_fwd_bytes = build_cases(device, quick, megatron)
+    copy_bytes = swiglu_fwd_bytes // 2  # read and written: the bias-SwiGLU forward's bytes
+    copy_ms, copy_bw = copy_tbps(copy_bytes, device)
+    print(f"# device-to-device copy of {copy_bytes / 2**20:.1f} MiB: {copy_ms:.4f} ms, "
+          f"{copy_bw:.2f} TB/s (read + write)")
+    print("# TB/s over minimal bytes (fwd: read x, bias, weights, write the output; fwd+bwd "
+          "also: read x, the output's gradient, write the gradients); x lmfuse = ms / lmfuse "
+          "ms (> 1: lmfuse is faster); peak MiB: allocated beyond the inputs")
+    results = run_cases(cases, device)
+    check_targets(results, copy_bw, judge=device.type == "cuda")
+    copy = {"bytes": copy_bytes, "ms": copy_ms, "tbps": copy_bw}
+    if args.json:
+        write_json(args.json, env, copy, results)
+    if args.plot:
+        plot(args.plot, results, f"activations on {env['device']} (copy: {copy_bw:.2f} TB/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

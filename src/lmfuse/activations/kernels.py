@@ -1,0 +1,179 @@
+"""Triton kernels of the activation family: one forward and one backward for all of it.
+
+Both work on ``x [M, K]`` row-major (rows ``sx`` apart, columns contiguous), gated (``K =
+2 N``: the activated half ``x[:, :N]`` and the linear half ``x[:, N:]``) or not (``K = N``),
+with the activation, bias, clamp, linear offset and per-token weights chosen by constexpr
+flags, so each variant compiles to straight-line code. Math is float32.
+
+* ``act_fwd_kernel``: tiles ``[BLOCK_M, BLOCK_N]`` of the output; reads x (and bias,
+  weights) once, writes ``y [M, N]`` once.
+* ``act_bwd_kernel``: a program owns a column block and a group of rows, walking the rows
+  tile by tile: it reads x (recomputing the activation) and the output gradient once and
+  writes ``dx`` once. The bias gradient (a sum over rows) is accumulated in registers and
+  written as one float32 partial row per program (``db_part [groups, K]``); the weights'
+  gradient (a sum over columns) as one float32 partial per tile and row (``dw_part
+  [column blocks, M]``). Summing those small partials afterwards keeps the result
+  deterministic (no atomics). With a clamp (applied before the bias, as Megatron-Core
+  does) x's gradient is zero where the clamp is active; the bias's is not.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+GELU, SILU, QUICK_GELU, SQUARED_RELU = 0, 1, 2, 3
+
+GELU_A: tl.constexpr = 0.79788456
+GELU_B: tl.constexpr = 0.044715
+GELU_DA: tl.constexpr = 0.1070322243
+QUICK_K: tl.constexpr = 1.702
+
+
+@triton.jit
+def _sigmoid(z):
+    return 1.0 / (1.0 + tl.exp(-z))
+
+
+@triton.jit
+def _tanh(z):
+    # 1 - 2 / (e^2z + 1): saturates to +-1 without overflow to NaN.
+    return 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
+
+
+@triton.jit
+def _act(a, ACT: tl.constexpr):
+    if ACT == 0:
+        t = _tanh(GELU_A * a * (1.0 + GELU_B * a * a))
+        return 0.5 * a * (1.0 + t)
+    elif ACT == 1:
+        return a * _sigmoid(a)
+    elif ACT == 2:
+        return a * _sigmoid(QUICK_K * a)
+    else:
+        r = tl.maximum(a, 0.0)
+        return r * r
+
+
+@triton.jit
+def _act_and_grad(a, ACT: tl.constexpr):
+    """(act(a), act'(a))."""
+    if ACT == 0:
+        t = _tanh(GELU_A * a * (1.0 + GELU_B * a * a))
+        d = 0.5 * a * ((1.0 - t * t) * (GELU_A + GELU_DA * a * a)) + 0.5 * (1.0 + t)
+        return 0.5 * a * (1.0 + t), d
+    elif ACT == 1:
+        s = _sigmoid(a)
+        return a * s, s * (1.0 + a * (1.0 - s))
+    elif ACT == 2:
+        s = _sigmoid(QUICK_K * a)
+        return a * s, s * (1.0 + QUICK_K * a * (1.0 - s))
+    else:
+        r = tl.maximum(a, 0.0)
+        return r * r, 2.0 * r
+
+
+@triton.jit
+def act_fwd_kernel(
+    x_ptr, sx, b_ptr, w_ptr, y_ptr, sy, M, N, offset, clamp,
+    ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_W: tl.constexpr,
+    HAS_CLAMP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask, cmask = rows < M, cols < N
+    mask = rmask[:, None] & cmask[None, :]
+    xp = x_ptr + rows[:, None] * sx + cols[None, :]
+    a = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        b = tl.load(xp + N, mask=mask, other=0.0).to(tl.float32)
+        if HAS_CLAMP:
+            a = tl.minimum(a, clamp)
+            b = tl.minimum(tl.maximum(b, -clamp), clamp)
+        if HAS_BIAS:
+            a += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+            b += tl.load(b_ptr + N + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        y = _act(a, ACT) * (b + offset)
+    else:
+        if HAS_BIAS:
+            a += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        y = _act(a, ACT)
+    if HAS_W:
+        y *= tl.load(w_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+    tl.store(y_ptr + rows[:, None] * sy + cols[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def act_bwd_kernel(
+    x_ptr, sx, g_ptr, sg, b_ptr, w_ptr, dx_ptr, sdx, db_ptr, dw_ptr, M, N, rows_per_group,
+    offset, clamp,
+    ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_W: tl.constexpr,
+    HAS_CLAMP: tl.constexpr, BIAS_GRAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_n, group = tl.program_id(0), tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    if HAS_BIAS:
+        bias_a = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            bias_b = tl.load(b_ptr + N + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    db_a = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    db_b = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    first = group.to(tl.int64) * rows_per_group
+    for r0 in range(0, rows_per_group, BLOCK_M):
+        rows = first + r0 + tl.arange(0, BLOCK_M)
+        rmask = (rows < M) & (r0 + tl.arange(0, BLOCK_M) < rows_per_group)
+        mask = rmask[:, None] & cmask[None, :]
+        xp = x_ptr + rows[:, None] * sx + cols[None, :]
+        g = tl.load(g_ptr + rows[:, None] * sg + cols[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        if HAS_W:
+            w = tl.load(w_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+            gw = g * w
+        else:
+            gw = g
+        a = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+        dxp = dx_ptr + rows[:, None] * sdx + cols[None, :]
+        if GATED:
+            b = tl.load(xp + N, mask=mask, other=0.0).to(tl.float32)
+            if HAS_CLAMP:
+                keep_a = a <= clamp
+                keep_b = (b >= -clamp) & (b <= clamp)
+                a = tl.minimum(a, clamp)
+                b = tl.minimum(tl.maximum(b, -clamp), clamp)
+            if HAS_BIAS:
+                a += bias_a
+                b += bias_b
+            act, dact = _act_and_grad(a, ACT)
+            lin = b + offset
+            da = gw * lin * dact
+            dlin = gw * act
+            if BIAS_GRAD:  # the bias is added after the clamp: its gradient is not clamped
+                db_a += tl.sum(tl.where(mask, da, 0.0), axis=0)
+                db_b += tl.sum(tl.where(mask, dlin, 0.0), axis=0)
+            if HAS_CLAMP:
+                da = tl.where(keep_a, da, 0.0)
+                dlin = tl.where(keep_b, dlin, 0.0)
+            tl.store(dxp, da.to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dxp + N, dlin.to(dx_ptr.dtype.element_ty), mask=mask)
+            if HAS_W:
+                part = tl.sum(tl.where(mask, act * lin * g, 0.0), axis=1)
+                tl.store(dw_ptr + pid_n.to(tl.int64) * M + rows, part, mask=rmask)
+        else:
+            if HAS_BIAS:
+                a += bias_a
+            act, dact = _act_and_grad(a, ACT)
+            da = gw * dact
+            tl.store(dxp, da.to(dx_ptr.dtype.element_ty), mask=mask)
+            if HAS_W:
+                part = tl.sum(tl.where(mask, act * g, 0.0), axis=1)
+                tl.store(dw_ptr + pid_n.to(tl.int64) * M + rows, part, mask=rmask)
+            if BIAS_GRAD:
+                db_a += tl.sum(tl.where(mask, da, 0.0), axis=0)
+    if BIAS_GRAD:
+        dbp = db_ptr + group.to(tl.int64) * (2 * N if GATED else N) + cols
+        tl.store(dbp, db_a, mask=cmask)
+        if GATED:
+            tl.store(dbp + N, db_b, mask=cmask)

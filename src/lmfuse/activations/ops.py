@@ -1,0 +1,430 @@
+"""The fused activations: validation, dispatch, autograd.
+
+Every public function goes through :func:`_run`: inputs checked and flattened to ``[tokens,
+K]``, the path chosen (``impl``), then one autograd function for the whole family. Its
+forward saves only ``x`` (optionally as float8, or in pinned CPU memory) plus bias and
+weights; its backward recomputes the activation from ``x``. On the Triton path that is one
+kernel each way (see ``kernels.py``); on the torch path the reference, differentiated by
+autograd in the backward.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import torch
+
+from .._dispatch import Plan, check_number, check_tensor, register_planner, select_impl
+from . import reference as ref
+
+_ACT_IDS = {"gelu": 0, "silu": 1, "quick_gelu": 2, "squared_relu": 3}
+_FP8 = torch.float8_e4m3fn
+
+
+def _kernels():
+    # Imported on first use: Triton reads TRITON_INTERPRET when a kernel is defined.
+    from . import kernels
+
+    return kernels
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _programs(device: torch.device) -> int:
+    """Programs the backward aims for: enough to fill the GPU a few times over."""
+    if device.type != "cuda":
+        return 4
+    return 8 * _sm_count(device.index if device.index is not None else
+                         torch.cuda.current_device())
+
+
+# --- launches ------------------------------------------------------------------------------
+
+
+def _flags(s: dict[str, Any], bias, weights) -> dict[str, Any]:
+    return dict(ACT=_ACT_IDS[s["activation"]], GATED=s["gated"], HAS_BIAS=bias is not None,
+                HAS_W=weights is not None, HAS_CLAMP=s["clamp_value"] is not None)
+
+
+def _launch_fwd(x, bias, weights, s) -> torch.Tensor:
+    M, K = x.shape
+    N = K // 2 if s["gated"] else K
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    block_n = min(_pow2(N), 1024)
+    block_m = max(1, 4096 // block_n)
+    grid = (_cdiv(M, block_m), _cdiv(N, block_n))
+    _kernels().act_fwd_kernel[grid](
+        x, x.stride(0), bias if bias is not None else x, weights if weights is not None else x,
+        y, y.stride(0), M, N, float(s["linear_offset"]), float(s["clamp_value"] or 0.0),
+        **_flags(s, bias, weights), BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=4 if block_m * block_n <= 2048 else 8)
+    return y
+
+
+def _launch_bwd(x, g, bias, weights, s, dtype, bias_grad: bool):
+    """``(dx [M, K] in dtype, db_part [groups, K] float32 or None, dw_part [blocks, M]
+    float32 or None)``."""
+    M, K = x.shape
+    N = K // 2 if s["gated"] else K
+    dx = torch.empty((M, K), dtype=dtype, device=x.device)
+    block_n = min(_pow2(N), 512)
+    block_m = max(1, 2048 // block_n)
+    col_blocks = _cdiv(N, block_n)
+    groups = max(1, min(_cdiv(M, block_m), _cdiv(_programs(x.device), col_blocks)))
+    rows_per_group = _cdiv(_cdiv(M, groups), block_m) * block_m
+    groups = _cdiv(M, rows_per_group) if M else 1
+    db = (torch.empty((groups, K), dtype=torch.float32, device=x.device) if bias_grad
+          else None)
+    dw = (torch.empty((col_blocks, M), dtype=torch.float32, device=x.device)
+          if weights is not None else None)
+    if M == 0 or N == 0:
+        return dx, (db.zero_() if db is not None else None), dw
+    _kernels().act_bwd_kernel[(col_blocks, groups)](
+        x, x.stride(0), g, g.stride(0), bias if bias is not None else x,
+        weights if weights is not None else x, dx, dx.stride(0),
+        db if db is not None else dx, dw if dw is not None else dx, M, N, rows_per_group,
+        float(s["linear_offset"]), float(s["clamp_value"] or 0.0),
+        **_flags(s, bias, weights), BIAS_GRAD=bias_grad, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=4 if block_m * block_n <= 2048 else 8)
+    return dx, db, dw
+
+
+# --- saving the input ----------------------------------------------------------------------
+
+
+class _Saved:
+    """The input kept for backward: as is, as float8 (``fp8_input_store``), and/or in pinned
+    CPU memory copied on a side stream (``cpu_offload_input``, CUDA tensors only)."""
+
+    def __init__(self, x: torch.Tensor, fp8: bool, offload: bool) -> None:
+        self.dtype, self.device, self.event = x.dtype, x.device, None
+        keep = x.to(_FP8) if fp8 else x
+        if offload and x.is_cuda:
+            side = _side_stream(x.device)
+            side.wait_stream(torch.cuda.current_stream(x.device))
+            host = torch.empty(keep.shape, dtype=keep.dtype, pin_memory=True)
+            with torch.cuda.stream(side):
+                host.copy_(keep, non_blocking=True)
+                self.event = torch.cuda.Event()
+                self.event.record(side)
+            keep.record_stream(side)  # not reused by the allocator before the copy is done
+            keep = host
+        self.tensor = keep
+
+    def restore(self, for_kernel: bool) -> torch.Tensor:
+        """The input on its device: float8 kept as float8 for a CUDA kernel (which converts
+        on load), converted to the original dtype otherwise."""
+        t = self.tensor
+        if self.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.event)
+            t = t.to(self.device, non_blocking=True)
+        if t.dtype == _FP8 and not (for_kernel and t.is_cuda):
+            t = t.to(self.dtype)
+        return t
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+# --- autograd --------------------------------------------------------------------------------
+
+
+class _Activation(torch.autograd.Function):
+    """``y = act(x ...)`` for ``x [M, K]``; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, x, bias, weights, s: dict[str, Any]):
+        if s["path"] == "triton":
+            y = _launch_fwd(x, bias, weights, s)
+        else:
+            y = ref.activation_reference(x, bias, weights, activation=s["activation"],
+                                         gated=s["gated"], linear_offset=s["linear_offset"],
+                                         clamp_value=s["clamp_value"])
+        ctx.s = s
+        if any(ctx.needs_input_grad[:3]):
+            ctx.saved = _Saved(x, s["fp8_input_store"], s["cpu_offload_input"])
+            ctx.save_for_backward(bias, weights)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        s = ctx.s
+        bias, weights = ctx.saved_tensors
+        need_x, need_b, need_w = ctx.needs_input_grad[:3]
+        x = ctx.saved.restore(for_kernel=s["path"] == "triton")
+        if s["path"] == "triton":
+            dx, db, dw = _launch_bwd(x, g.contiguous(), bias, weights, s, ctx.saved.dtype,
+                                     need_b)
+            db = db.sum(0).to(bias.dtype) if need_b else None
+            dw = dw.sum(0).to(weights.dtype).view(weights.shape) if need_w else None
+            return (dx if need_x else None), db, dw, None
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_(True),
+                      bias.detach().requires_grad_(True) if need_b else bias,
+                      weights.detach().requires_grad_(True) if need_w else weights]
+            y = ref.activation_reference(*leaves, activation=s["activation"],
+                                         gated=s["gated"], linear_offset=s["linear_offset"],
+                                         clamp_value=s["clamp_value"])
+            wanted = [t for t, n in zip(leaves, (True, need_b, need_w)) if n]
+            got = list(torch.autograd.grad(y, wanted, g))
+        dx = got.pop(0)
+        return ((dx if need_x else None), got.pop(0) if need_b else None,
+                got.pop(0) if need_w else None, None)
+
+
+# --- validation and planning -----------------------------------------------------------------
+
+
+def _resolve(op: str, x, bias, weights, activation: str, gated: bool, linear_offset,
+             clamp_value, fp8_input_store, cpu_offload_input, impl) -> tuple[str, str, dict]:
+    check_tensor(op, "x", x)
+    if x.dim() < 1:
+        raise ValueError(f"{op}: x must have a last (hidden) dimension, got a 0-D tensor")
+    K = x.shape[-1]
+    if gated and K % 2:
+        raise ValueError(f"{op}: x's last dim must be even (the gated and linear halves), "
+                         f"got {K} (shape {tuple(x.shape)})")
+    if bias is not None:
+        check_tensor(op, "bias", bias, ndim=1)
+        if bias.dtype != x.dtype:
+            raise TypeError(f"{op}: bias must have x's dtype {x.dtype}, got {bias.dtype}")
+        if bias.shape[0] != K:
+            raise ValueError(f"{op}: bias must be [{K}] (x's last dim), got "
+                             f"{tuple(bias.shape)}")
+    tokens = x.numel() // K if K else 0
+    if weights is not None:
+        check_tensor(op, "weights", weights)
+        ok = (tuple(weights.shape) in ((tokens, 1), tuple(x.shape[:-1]) + (1,)))
+        if not ok:
+            raise ValueError(f"{op}: weights must be [tokens, 1] = [{tokens}, 1] (one per "
+                             f"token of x {tuple(x.shape)}), got {tuple(weights.shape)}")
+    for name, t in (("bias", bias), ("weights", weights)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but x is on {x.device}")
+    check_number(op, "linear_offset", linear_offset, allow_none=False)
+    if check_number(op, "clamp_value", clamp_value) is not None:
+        if not clamp_value > 0:
+            raise ValueError(f"{op}: clamp_value must be positive (x1 <= c, -c <= x2 <= c), "
+                             f"got {clamp_value!r}")
+    for name, flag in (("fp8_input_store", fp8_input_store),
+                       ("cpu_offload_input", cpu_offload_input)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{op}: {name} must be a bool, got {flag!r}")
+    path, reason = select_impl(op, impl, x.device)
+    if path == "triton" and x.dtype == torch.float64:
+        if impl == "triton":
+            raise TypeError(f"{op}: the Triton path takes float32/float16/bfloat16 x, got "
+                            f"float64; use impl='torch'")
+        path, reason = "torch", "float64 input: the reference (the kernels are for fp32/16)"
+    s = dict(path=path, activation=activation, gated=gated, linear_offset=float(linear_offset),
+             clamp_value=None if clamp_value is None else float(clamp_value),
+             fp8_input_store=fp8_input_store, cpu_offload_input=cpu_offload_input,
+             tokens=tokens)
+    return path, reason, s
+
+
+def _run(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp_value=None,
+         fp8_input_store=False, cpu_offload_input=False, impl="auto") -> torch.Tensor:
+    _, _, s = _resolve(op, x, bias, weights, activation, gated, linear_offset, clamp_value,
+                       fp8_input_store, cpu_offload_input, impl)
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < K):
+        x2 = x2.contiguous()
+    w2 = weights.reshape(-1, 1).contiguous() if weights is not None else None
+    y = _Activation.apply(x2, bias, w2, s)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _plan(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp_value=None,
+          fp8_input_store=False, cpu_offload_input=False, impl="auto") -> Plan:
+    path, reason, s = _resolve(op, x, bias, weights, activation, gated, linear_offset,
+                               clamp_value, fp8_input_store, cpu_offload_input, impl)
+    K = x.shape[-1]
+    details = {
+        "x": f"{list(x.shape)} {str(x.dtype).replace('torch.', '')}: {s['tokens']} tokens",
+        "activation": (f"{activation}(x1{' + b1' if bias is not None else ''}) * (x2"
+                       f"{' + b2' if bias is not None else ''}"
+                       f"{f' + {linear_offset}' if linear_offset else ''}), f = {K // 2}"
+                       if gated else f"{activation}(x{' + bias' if bias is not None else ''})"),
+        "saved for backward": ("x as float8_e4m3fn" if fp8_input_store else "x") + (
+            " in pinned CPU memory" if cpu_offload_input and x.is_cuda else ""),
+    }
+    if clamp_value is not None:
+        details["clamp"] = f"x1 <= {clamp_value}, |x2| <= {clamp_value} (before the bias)"
+    if weights is not None:
+        details["weights"] = f"{list(weights.shape)} {str(weights.dtype).replace('torch.', '')}"
+    return Plan(op, path, reason, details, s)
+
+
+# --- the public functions --------------------------------------------------------------------
+
+
+def bias_gelu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+              impl: str = "auto") -> torch.Tensor:
+    """``gelu(x + bias)`` with the tanh approximation (Megatron-Core's constants).
+
+    Args:
+        x: ``[..., K]`` float32/float16/bfloat16. bias: optional ``[K]``, x's dtype.
+    Returns:
+        ``[..., K]`` in x's dtype; gradients for x and bias.
+    """
+    return _run("bias_gelu", x, bias, None, "gelu", False, impl=impl)
+
+
+def swiglu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+           fp8_input_store: bool = False, cpu_offload_input: bool = False,
+           impl: str = "auto") -> torch.Tensor:
+    """``silu(x1) * x2`` for ``x = [x1 | x2]`` (after ``+ bias``), the halves of the last dim.
+
+    Args:
+        x: ``[..., 2f]``. bias: optional ``[2f]``.
+        fp8_input_store: keep the input for backward as float8_e4m3fn (half of bf16's
+            bytes; the gradient is then that of the rounded input).
+        cpu_offload_input: keep the input for backward in pinned CPU memory (CUDA tensors;
+            copied on a side stream, brought back in backward).
+    Returns:
+        ``[..., f]`` in x's dtype.
+    """
+    return _run("swiglu", x, bias, None, "silu", True, fp8_input_store=fp8_input_store,
+                cpu_offload_input=cpu_offload_input, impl=impl)
+
+
+def geglu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+          fp8_input_store: bool = False, cpu_offload_input: bool = False,
+          impl: str = "auto") -> torch.Tensor:
+    """``gelu_tanh(x1) * x2``; arguments as :func:`swiglu`."""
+    return _run("geglu", x, bias, None, "gelu", True, fp8_input_store=fp8_input_store,
+                cpu_offload_input=cpu_offload_input, impl=impl)
+
+
+def quick_geglu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                linear_offset: float = 0.0, clamp_value: Optional[float] = None,
+                fp8_input_store: bool = False, cpu_offload_input: bool = False,
+                impl: str = "auto") -> torch.Tensor:
+    """``quick_gelu(x1) * (x2 + linear_offset)``, ``quick_gelu(a) = a * sigmoid(1.702 a)``.
+
+    ``clamp_value=c`` first clamps ``x1 <= c`` and ``-c <= x2 <= c`` (before the bias, as
+    Megatron-Core does; no gradient where a clamp is active). Other arguments as
+    :func:`swiglu`.
+    """
+    return _run("quick_geglu", x, bias, None, "quick_gelu", True, linear_offset, clamp_value,
+                fp8_input_store, cpu_offload_input, impl)
+
+
+def weighted_swiglu(x: torch.Tensor, weights: torch.Tensor,
+                    bias: Optional[torch.Tensor] = None, *, fp8_input_store: bool = False,
+                    cpu_offload_input: bool = False, impl: str = "auto") -> torch.Tensor:
+    """``swiglu(x) * weights`` with per-token ``weights [tokens, 1]`` (MoE routing
+    probabilities, any float dtype), whose gradient is summed over the hidden dim and
+    returned in their dtype. Other arguments as :func:`swiglu`."""
+    return _run("weighted_swiglu", x, bias, weights, "silu", True,
+                fp8_input_store=fp8_input_store, cpu_offload_input=cpu_offload_input,
+                impl=impl)
+
+
+def weighted_quick_geglu(x: torch.Tensor, weights: torch.Tensor,
+                         bias: Optional[torch.Tensor] = None, *, linear_offset: float = 0.0,
+                         clamp_value: Optional[float] = None, fp8_input_store: bool = False,
+                         cpu_offload_input: bool = False, impl: str = "auto") -> torch.Tensor:
+    """``quick_geglu(x) * weights``; see :func:`quick_geglu` and :func:`weighted_swiglu`."""
+    return _run("weighted_quick_geglu", x, bias, weights, "quick_gelu", True, linear_offset,
+                clamp_value, fp8_input_store, cpu_offload_input, impl)
+
+
+def squared_relu(x: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
+    """``relu(x) ** 2``, ``[..., K]`` -> ``[..., K]``."""
+    return _run("squared_relu", x, None, None, "squared_relu", False, impl=impl)
+
+
+def weighted_squared_relu(x: torch.Tensor, weights: torch.Tensor, *,
+                          impl: str = "auto") -> torch.Tensor:
+    """``relu(x) ** 2 * weights``, per-token ``weights [tokens, 1]``."""
+    return _run("weighted_squared_relu", x, None, weights, "squared_relu", False, impl=impl)
+
+
+def _planner(op: str, activation: str, gated: bool, weighted: bool, has_bias: bool = True):
+    def plan(x, *args, **kw) -> Plan:
+        args = list(args)
+        weights = (args.pop(0) if args else kw.pop("weights")) if weighted else None
+        bias = (args.pop(0) if args else kw.pop("bias", None)) if has_bias else None
+        return _plan(op, x, bias, weights, activation, gated, **kw)
+
+    plan.__name__ = f"plan_{op}"
+    register_planner(op)(plan)
+    return plan
+
+
+plan_bias_gelu = _planner("bias_gelu", "gelu", False, False)
+plan_swiglu = _planner("swiglu", "silu", True, False)
+plan_geglu = _planner("geglu", "gelu", True, False)
+plan_quick_geglu = _planner("quick_geglu", "quick_gelu", True, False)
+plan_weighted_swiglu = _planner("weighted_swiglu", "silu", True, True)
+plan_weighted_quick_geglu = _planner("weighted_quick_geglu", "quick_gelu", True, True)
+plan_squared_relu = _planner("squared_relu", "squared_relu", False, False, has_bias=False)
+plan_weighted_squared_relu = _planner("weighted_squared_relu", "squared_relu", False, True,
+                                      has_bias=False)
+
+
+def checks(device: torch.device, dtypes) -> list:
+    """Fresh random cases of every activation, for :mod:`lmfuse._check`."""
+    from .._check import CheckCase
+
+    small = device.type != "cuda"
+    M, f = (9, 100) if small else (1000, 3000)
+
+    def case(op, fn, planner, label, dtype, gated, weighted, bias, **kw):
+        K = 2 * f if gated else f
+
+        def inputs():
+            xs = [torch.randn(M, K, device=device).to(dtype).requires_grad_(True)]
+            if weighted:
+                xs.append(torch.rand(M, 1, device=device).requires_grad_(True))
+            if bias:
+                xs.append(torch.randn(K, device=device).to(dtype).requires_grad_(True))
+            return xs
+
+        def call(impl, *xs):
+            return fn(*xs, impl=impl, **kw)
+
+        def plan(*xs):
+            return planner(*xs, **kw)
+
+        return CheckCase(op, label, dtype, (M, K), inputs, call, plan)
+
+    cases = []
+    for dtype in dtypes:
+        cases += [
+            case("bias_gelu", bias_gelu, plan_bias_gelu, "bias", dtype, False, False, True),
+            case("swiglu", swiglu, plan_swiglu, "bias", dtype, True, False, True),
+            case("swiglu", swiglu, plan_swiglu, "fp8 store", dtype, True, False, False,
+                 fp8_input_store=True),
+            case("geglu", geglu, plan_geglu, "bias", dtype, True, False, True),
+            case("quick_geglu", quick_geglu, plan_quick_geglu, "offset+clamp", dtype, True,
+                 False, True, linear_offset=1.0, clamp_value=1.5),
+            case("weighted_swiglu", weighted_swiglu, plan_weighted_swiglu, "fp32 weights",
+                 dtype, True, True, False),
+            case("weighted_quick_geglu", weighted_quick_geglu, plan_weighted_quick_geglu,
+                 "clamp", dtype, True, True, False, clamp_value=2.0),
+            case("squared_relu", squared_relu, plan_squared_relu, "plain", dtype, False, False,
+                 False),
+            case("weighted_squared_relu", weighted_squared_relu, plan_weighted_squared_relu,
+                 "fp32 weights", dtype, False, True, False),
+        ]
+    return cases
