@@ -272,3 +272,22 @@ def test_second_backward_refused(impl: str) -> None:
         loss.backward(torch.tensor(0.5))
     _, rgrads = reference(h, w, b, t, torch.tensor(0.5, dtype=F64))
     assert_close("the first backward's gradient", hh.grad, rgrads[0], F32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_float16_gradient_scaled_before_rounding(impl: str) -> None:
+    """As for cross_entropy: under a loss scale (fp16 training) the logits' gradient is
+    formed with it, in backward, so dW does not lose the (p - y) / count that underflow
+    float16 when formed for an upstream gradient of 1."""
+    V, H, n = 4000, 8, 64
+    h = torch.ones(n, H, dtype=F16, requires_grad=True)
+    w = torch.zeros(V, H, dtype=F16, requires_grad=True)  # p = 1 / V
+    t = torch.zeros(n, dtype=torch.long)
+    scale = 2.0 ** 16
+    plan = lmfuse.explain(lmfuse.linear_cross_entropy, h, w, t, impl=impl)
+    assert plan.details["passes"].startswith("deferred")
+    loss = lmfuse.linear_cross_entropy(h, w, t, impl=impl, max_chunk_bytes=V * 2 * 16)
+    dw = torch.autograd.grad(loss * scale, w)[0]
+    # row v != target: sum over tokens of scale * p / n * h = scale / V = 16.4
+    want = scale / V
+    assert abs(dw[1, 0].item() - want) <= 2e-3 * want, dw[1, 0].item()

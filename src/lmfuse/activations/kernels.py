@@ -9,8 +9,9 @@ flags, so each variant compiles to straight-line code. Math is float32.
   weights) once, writes ``y [M, N]`` once.
 * ``act_bwd_kernel``: a program owns a column block and a group of rows, walking the rows
   tile by tile: it reads x (recomputing the activation) and the output gradient once and
-  writes ``dx`` once. The bias gradient (a sum over rows) is accumulated in registers and
-  written as one float32 partial row per program (``db_part [groups, K]``); the weights'
+  writes ``dx`` once. The bias gradient (a sum over rows) is accumulated in registers
+  (elementwise over the tiles, reduced over rows once) and written as one float32 partial
+  row per program (``db_part [groups, K]``); the weights'
   gradient (a sum over columns) as one float32 partial per tile and row (``dw_part
   [column blocks, M]``). Summing those small partials afterwards keeps the result
   deterministic (no atomics). With a clamp (applied before the bias, as Megatron-Core
@@ -24,10 +25,11 @@ import triton.language as tl
 
 GELU, SILU, QUICK_GELU, SQUARED_RELU = 0, 1, 2, 3
 
-GELU_A: tl.constexpr = 0.79788456
-GELU_B: tl.constexpr = 0.044715
-GELU_DA: tl.constexpr = 0.1070322243
-QUICK_K: tl.constexpr = 1.702
+# The constants are written out in the functions below (a kernel can read a global only as a
+# tl.constexpr, which Triton's interpreter cannot multiply by a tensor): tanh-GELU's
+# sqrt(2 / pi) = 0.79788456, cubic coefficient 0.044715 and derivative constant
+# 3 * 0.79788456 * 0.044715 = 0.1070322243; Quick-GELU's 1.702 (Megatron-Core's values,
+# the same as reference.py's).
 
 
 @triton.jit
@@ -44,12 +46,12 @@ def _tanh(z):
 @triton.jit
 def _act(a, ACT: tl.constexpr):
     if ACT == 0:
-        t = _tanh(GELU_A * a * (1.0 + GELU_B * a * a))
+        t = _tanh(0.79788456 * a * (1.0 + 0.044715 * a * a))
         return 0.5 * a * (1.0 + t)
     elif ACT == 1:
         return a * _sigmoid(a)
     elif ACT == 2:
-        return a * _sigmoid(QUICK_K * a)
+        return a * _sigmoid(1.702 * a)
     else:
         r = tl.maximum(a, 0.0)
         return r * r
@@ -59,15 +61,15 @@ def _act(a, ACT: tl.constexpr):
 def _act_and_grad(a, ACT: tl.constexpr):
     """(act(a), act'(a))."""
     if ACT == 0:
-        t = _tanh(GELU_A * a * (1.0 + GELU_B * a * a))
-        d = 0.5 * a * ((1.0 - t * t) * (GELU_A + GELU_DA * a * a)) + 0.5 * (1.0 + t)
+        t = _tanh(0.79788456 * a * (1.0 + 0.044715 * a * a))
+        d = 0.5 * a * ((1.0 - t * t) * (0.79788456 + 0.1070322243 * a * a)) + 0.5 * (1.0 + t)
         return 0.5 * a * (1.0 + t), d
     elif ACT == 1:
         s = _sigmoid(a)
         return a * s, s * (1.0 + a * (1.0 - s))
     elif ACT == 2:
-        s = _sigmoid(QUICK_K * a)
-        return a * s, s * (1.0 + QUICK_K * a * (1.0 - s))
+        s = _sigmoid(1.702 * a)
+        return a * s, s * (1.0 + 1.702 * a * (1.0 - s))
     else:
         r = tl.maximum(a, 0.0)
         return r * r, 2.0 * r
@@ -119,8 +121,9 @@ def act_bwd_kernel(
         bias_a = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         if GATED:
             bias_b = tl.load(b_ptr + N + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    db_a = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    db_b = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # Bias-gradient sums kept per tile element and reduced over rows once, at the end.
+    db_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    db_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first = group.to(tl.int64) * rows_per_group
     for r0 in range(0, rows_per_group, BLOCK_M):
         rows = first + r0 + tl.arange(0, BLOCK_M)
@@ -151,8 +154,8 @@ def act_bwd_kernel(
             da = gw * lin * dact
             dlin = gw * act
             if BIAS_GRAD:  # the bias is added after the clamp: its gradient is not clamped
-                db_a += tl.sum(tl.where(mask, da, 0.0), axis=0)
-                db_b += tl.sum(tl.where(mask, dlin, 0.0), axis=0)
+                db_a += tl.where(mask, da, 0.0)
+                db_b += tl.where(mask, dlin, 0.0)
             if HAS_CLAMP:
                 da = tl.where(keep_a, da, 0.0)
                 dlin = tl.where(keep_b, dlin, 0.0)
@@ -171,9 +174,9 @@ def act_bwd_kernel(
                 part = tl.sum(tl.where(mask, act * g, 0.0), axis=1)
                 tl.store(dw_ptr + pid_n.to(tl.int64) * M + rows, part, mask=rmask)
             if BIAS_GRAD:
-                db_a += tl.sum(tl.where(mask, da, 0.0), axis=0)
+                db_a += tl.where(mask, da, 0.0)
     if BIAS_GRAD:
         dbp = db_ptr + group.to(tl.int64) * (2 * N if GATED else N) + cols
-        tl.store(dbp, db_a, mask=cmask)
+        tl.store(dbp, tl.sum(db_a, axis=0), mask=cmask)
         if GATED:
-            tl.store(dbp + N, db_b, mask=cmask)
+            tl.store(dbp + N, tl.sum(db_b, axis=0), mask=cmask)

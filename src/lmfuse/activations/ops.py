@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 
+from .. import tuning
 from .._dispatch import Plan, check_number, check_tensor, register_planner, select_impl
 from . import reference as ref
 
@@ -42,12 +43,12 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _programs(device: torch.device) -> int:
-    """Programs the backward aims for: enough to fill the GPU a few times over."""
+def _programs(device: torch.device, per_sm: int) -> int:
+    """Programs the backward aims for: ``per_sm`` per SM (4 for the CPU interpreter)."""
     if device.type != "cuda":
         return 4
-    return 8 * _sm_count(device.index if device.index is not None else
-                         torch.cuda.current_device())
+    return per_sm * _sm_count(device.index if device.index is not None else
+                              torch.cuda.current_device())
 
 
 # --- launches ------------------------------------------------------------------------------
@@ -64,14 +65,15 @@ def _launch_fwd(x, bias, weights, s) -> torch.Tensor:
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
-    block_n = min(_pow2(N), 1024)
-    block_m = max(1, 4096 // block_n)
+    t = tuning.table("activations", x.device)
+    block_n = min(_pow2(N), t["fwd_max_block_n"])
+    block_m = max(1, t["fwd_tile"] // block_n)
     grid = (_cdiv(M, block_m), _cdiv(N, block_n))
     _kernels().act_fwd_kernel[grid](
         x, x.stride(0), bias if bias is not None else x, weights if weights is not None else x,
         y, y.stride(0), M, N, float(s["linear_offset"]), float(s["clamp_value"] or 0.0),
         **_flags(s, bias, weights), BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=4 if block_m * block_n <= 2048 else 8)
+        num_warps=t["fwd_warps"])
     return y
 
 
@@ -81,10 +83,12 @@ def _launch_bwd(x, g, bias, weights, s, dtype, bias_grad: bool):
     M, K = x.shape
     N = K // 2 if s["gated"] else K
     dx = torch.empty((M, K), dtype=dtype, device=x.device)
-    block_n = min(_pow2(N), 512)
-    block_m = max(1, 2048 // block_n)
+    t = tuning.table("activations", x.device)
+    block_n = min(_pow2(N), t["bwd_max_block_n"])
+    block_m = max(1, t["bwd_tile"] // block_n)
     col_blocks = _cdiv(N, block_n)
-    groups = max(1, min(_cdiv(M, block_m), _cdiv(_programs(x.device), col_blocks)))
+    programs = _programs(x.device, t["bwd_programs_per_sm"])
+    groups = max(1, min(_cdiv(M, block_m), _cdiv(programs, col_blocks)))
     rows_per_group = _cdiv(_cdiv(M, groups), block_m) * block_m
     groups = _cdiv(M, rows_per_group) if M else 1
     db = (torch.empty((groups, K), dtype=torch.float32, device=x.device) if bias_grad
@@ -99,7 +103,7 @@ def _launch_bwd(x, g, bias, weights, s, dtype, bias_grad: bool):
         db if db is not None else dx, dw if dw is not None else dx, M, N, rows_per_group,
         float(s["linear_offset"]), float(s["clamp_value"] or 0.0),
         **_flags(s, bias, weights), BIAS_GRAD=bias_grad, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=4 if block_m * block_n <= 2048 else 8)
+        num_warps=t["bwd_warps"])
     return dx, db, dw
 
 
@@ -197,6 +201,9 @@ def _resolve(op: str, x, bias, weights, activation: str, gated: bool, linear_off
     if x.dim() < 1:
         raise ValueError(f"{op}: x must have a last (hidden) dimension, got a 0-D tensor")
     K = x.shape[-1]
+    if K == 0:
+        raise ValueError(f"{op}: x's last (hidden) dim must be at least 1, got shape "
+                         f"{tuple(x.shape)}")
     if gated and K % 2:
         raise ValueError(f"{op}: x's last dim must be even (the gated and linear halves), "
                          f"got {K} (shape {tuple(x.shape)})")
@@ -248,7 +255,8 @@ def _run(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp_
     if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < K):
         x2 = x2.contiguous()
     w2 = weights.reshape(-1, 1).contiguous() if weights is not None else None
-    y = _Activation.apply(x2, bias, w2, s)
+    b = bias.contiguous() if bias is not None else None  # the kernels read it at stride 1
+    y = _Activation.apply(x2, b, w2, s)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 

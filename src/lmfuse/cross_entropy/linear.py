@@ -15,7 +15,9 @@ once and read twice by memory-bound passes between them. As in :func:`lmfuse.cro
 the gradients are computed in the forward, for an upstream gradient of 1; backward only
 rescales them (nothing to do when it is 1). With ``reduction="none"`` each token's upstream
 gradient is known only in backward, which then recomputes the logits chunk by chunk (a
-fourth GEMM).
+fourth GEMM). So does float16, for every reduction: its logits gradient, ``(p - y) / count``
+for an upstream gradient of 1, would underflow float16's range at large V and N, where the
+upstream gradient of fp16 training (a loss scale of 2**16, say) keeps it representable.
 
 The weight gradient is summed over chunks in the weight's dtype (each chunk's GEMM adds to
 it in float32 and rounds once): for bf16 weights that is one bf16 rounding per chunk,
@@ -193,8 +195,11 @@ def _resolve(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss
         cfg, source = config(weight.shape[0], hidden.device)
     else:
         cfg, source = check_config(cfg, "the caller"), "the caller"
+    # float16: gradients in backward, scaled by the upstream gradient (a loss scale) before
+    # they are rounded; computed in the forward for a gradient of 1, they would underflow.
+    fused = grad_needed and reduction != "none" and hidden.dtype != torch.float16
     o.update(needs=needs, grad_needed=grad_needed, max_chunk_bytes=max_chunk_bytes,
-             fused=grad_needed and reduction != "none", config=cfg, config_source=source)
+             fused=fused, config=cfg, config_source=source)
     return path, reason, o
 
 
@@ -309,7 +314,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ctx.save_for_backward(*(g for g in grads.finish(o["tp_group"])
                                     if g is not None))
         elif o["grad_needed"]:
-            ctx.save_for_backward(hidden, weight, bias, target, stats)
+            ctx.save_for_backward(hidden, weight, bias, target, stats, count)
         ctx.has = tuple(o["needs"])
         if o["reduction"] == "none":
             return loss
@@ -329,9 +334,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     _scale(g, dout, o["path"])
                 out.append(g)
             return out[0], out[1], out[2], None, None
-        hidden, weight, bias, target, stats = ctx.saved_tensors
+        hidden, weight, bias, target, stats, count = ctx.saved_tensors
         n, rows = hidden.shape[0], ctx.rows
         w = dout.float().contiguous()
+        if o["reduction"] != "none":
+            w = (w / count.clamp(min=1) if o["reduction"] == "mean" else w).reshape(1).expand(n)
         grads = _Grads(hidden, weight, bias, ctx.has)
         buf = hidden.new_empty((min(rows, n), weight.shape[0]))
         for r0 in range(0, n, rows):
@@ -502,10 +509,14 @@ def checks(device: torch.device, dtypes) -> list:
 
     cases = []
     for dtype in dtypes:
+        # float16 at an upstream gradient of ~1 (no loss scale): "mean"'s (p - y) / count is
+        # below float16's normal range at these V and N, for eager PyTorch as for lmfuse;
+        # "sum" checks the same passes at a representable scale.
+        red = "sum" if dtype == torch.float16 else "mean"
         for V in vs:
-            cases += [case("mean", V, dtype),
+            cases += [case(red, V, dtype, reduction=red),
                       case("smoothing+z+softcap", V, dtype, label_smoothing=0.1, z_loss=1e-3,
-                           softcap=30.0),
+                           softcap=30.0, reduction=red),
                       case("none", V, dtype, reduction="none")]
     return cases
 

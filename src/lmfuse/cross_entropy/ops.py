@@ -8,9 +8,11 @@ Two pass structures, chosen per call (``lmfuse.explain`` says which):
   at once, with no host sync, when that is 1 (the usual ``loss.backward()``). Rows that
   fit in registers are read once; longer rows are read twice, the second time mostly
   from L2 (``ce_slices_kernel``).
-* **deferred** (``reduction="none"``, a ``tp_group``, no gradient needed, or the torch
-  path): the forward reads the logits once for the stats; backward reads them again and
-  writes the gradient, scaled by each token's upstream gradient.
+* **deferred** (``reduction="none"``, a ``tp_group``, float16 logits, no gradient needed,
+  or the torch path): the forward reads the logits once for the stats; backward reads them
+  again and writes the gradient, scaled by each token's upstream gradient. float16 needs
+  that scale before rounding: ``(p - y) / count`` alone underflows its range at large V
+  and N, where fp16 training's loss scale keeps the gradient representable.
 
 With ``inplace_backward=True`` the gradient is written over the logits.
 
@@ -434,7 +436,11 @@ def _resolve(logits, target, ignore_index, label_smoothing, z_loss, softcap, red
     vocab_size = V_local * world
     path, reason = select_impl(_OP, impl, logits.device)
     grad_needed = torch.is_grad_enabled() and logits.requires_grad
-    fused = (path == "triton" and world == 1 and reduction != "none" and grad_needed)
+    # float16 takes the deferred path: its gradient, scaled by the upstream gradient (the
+    # loss scale of fp16 training) before rounding, must not be formed for a gradient of 1,
+    # where (p - y) / count underflows float16 at large V and N.
+    fused = (path == "triton" and world == 1 and reduction != "none" and grad_needed
+             and logits.dtype != torch.float16)
     args = dict(path=path, ignore_index=ignore_index, label_smoothing=ls, z_loss=z,
                 softcap=cap, reduction=reduction, inplace=inplace_backward,
                 tp_group=tp_group if world > 1 else None, vocab_start=vocab_start,

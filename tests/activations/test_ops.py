@@ -1,0 +1,573 @@
+"""The public activations on both paths (``impl="torch"`` and ``impl="triton"`` in the
+interpreter) against ``activation_reference`` evaluated in float64.
+
+Every case runs forward and backward from the same inputs (rounded to the dtype under
+test) and compares the output and the gradients of x, bias and weights with the float64
+reference, within the tolerance of each result's dtype (``helpers.TOL``, relative to the
+largest reference magnitude and in norm). Cases: fp32/fp16/bf16, 2-D and 3-D, f not a
+power of two (1, 7, 100, 333), non-contiguous x and upstream gradient, fp32 weights with
+half-precision x, the clamp's edges, linear offsets, 0 tokens, fp8 storage of the saved
+input, CPU offload, bad input, ``explain``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import pytest
+import torch
+from helpers import assert_close, randn, rel_err
+from hypothesis import given
+from hypothesis import strategies as st
+
+import lmfuse
+from lmfuse.activations.reference import activation_reference
+
+F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
+FP8 = torch.float8_e4m3fn
+IMPLS = ["torch", "triton"]
+DTYPES = [pytest.param(d, id=str(d).replace("torch.", "")) for d in (F32, F16, BF16)]
+HALF_DTYPES = [pytest.param(F16, id="float16"), pytest.param(BF16, id="bfloat16")]
+
+
+@dataclass(frozen=True)
+class Op:
+    """One public function and the reference arguments that define it."""
+
+    name: str
+    activation: str
+    gated: bool
+    has_bias: bool = True
+    weighted: bool = False
+    fp8: bool = False  # takes fp8_input_store and cpu_offload_input
+    clamp: bool = False  # takes linear_offset and clamp_value
+
+    @property
+    def fn(self) -> Callable[..., torch.Tensor]:
+        return getattr(lmfuse, self.name)
+
+    def width(self, f: int) -> int:
+        """x's last dim K for output width f."""
+        return 2 * f if self.gated else f
+
+
+OPS = [
+    Op("bias_gelu", "gelu", gated=False),
+    Op("swiglu", "silu", gated=True, fp8=True),
+    Op("geglu", "gelu", gated=True, fp8=True),
+    Op("quick_geglu", "quick_gelu", gated=True, fp8=True, clamp=True),
+    Op("weighted_swiglu", "silu", gated=True, weighted=True, fp8=True),
+    Op("weighted_quick_geglu", "quick_gelu", gated=True, weighted=True, fp8=True, clamp=True),
+    Op("squared_relu", "squared_relu", gated=False, has_bias=False),
+    Op("weighted_squared_relu", "squared_relu", gated=False, has_bias=False, weighted=True),
+]
+BY_NAME = {op.name: op for op in OPS}
+
+
+def ops_where(pred: Callable[[Op], bool]) -> list[Any]:
+    return [pytest.param(op, id=op.name) for op in OPS if pred(op)]
+
+
+ALL_OPS = ops_where(lambda op: True)
+FP8_OPS = ops_where(lambda op: op.fp8)
+CLAMP_OPS = ops_where(lambda op: op.clamp)
+WEIGHTED_OPS = ops_where(lambda op: op.weighted)
+BIAS_OPS = ops_where(lambda op: op.has_bias)
+
+
+@dataclass
+class Inputs:
+    x: torch.Tensor
+    bias: torch.Tensor | None
+    weights: torch.Tensor | None
+    grad_out: torch.Tensor
+
+
+def make_inputs(op: Op, lead: tuple[int, ...], f: int, dtype: torch.dtype, *, bias: bool = True,
+                weights_dtype: torch.dtype | None = None, scale: float = 2.0) -> Inputs:
+    K = op.width(f)
+    tokens = math.prod(lead)
+    return Inputs(
+        x=randn(lead + (K,), dtype, scale=scale),
+        bias=randn((K,), dtype) if bias and op.has_bias else None,
+        weights=randn((tokens, 1), weights_dtype or dtype) if op.weighted else None,
+        grad_out=randn(lead + (f,), dtype),
+    )
+
+
+def call(op: Op, x, bias=None, weights=None, **kwargs) -> torch.Tensor:
+    args = (x, weights) if op.weighted else (x,)
+    if op.has_bias:
+        kwargs["bias"] = bias
+    return op.fn(*args, **kwargs)
+
+
+def leaves(inp: Inputs, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Fresh leaves requiring grad: ``inp``'s tensors as they are (strides kept: a detached
+    view stays a view), or cast to ``dtype``."""
+    out = {}
+    for name in ("x", "bias", "weights"):
+        t = getattr(inp, name)
+        if t is not None:
+            t = t.detach() if dtype is None else t.detach().to(dtype)
+            out[name] = t.requires_grad_(True)
+    return out
+
+
+def run(op: Op, inp: Inputs, impl: str, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Output and gradients of the op on leaves with ``inp``'s values, dtypes and strides."""
+    lv = leaves(inp)
+    out = call(op, lv["x"], lv.get("bias"), lv.get("weights"), impl=impl, **kwargs)
+    grads = torch.autograd.grad(out, list(lv.values()), inp.grad_out)
+    return out, dict(zip(lv, grads))
+
+
+def reference(op: Op, inp: Inputs, *, x: torch.Tensor | None = None, linear_offset: float = 0.0,
+              clamp_value: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The float64 reference's output and autograd gradients (at ``x`` when given)."""
+    lv = leaves(Inputs(inp.x if x is None else x, inp.bias, inp.weights, inp.grad_out), F64)
+    out = activation_reference(lv["x"], lv.get("bias"), lv.get("weights"),
+                               activation=op.activation, gated=op.gated,
+                               linear_offset=linear_offset, clamp_value=clamp_value)
+    grads = torch.autograd.grad(out, list(lv.values()), inp.grad_out.to(F64))
+    return out, dict(zip(lv, grads))
+
+
+def ref_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in kwargs.items() if k in ("linear_offset", "clamp_value")}
+
+
+def check(what: str, op: Op, inp: Inputs, impl: str,
+          **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Run the op and compare output and gradients with the float64 reference (the
+    gradients at the fp8-rounded x under ``fp8_input_store=True``)."""
+    out, grads = run(op, inp, impl, **kwargs)
+    ref_out, ref_grads = reference(op, inp, **ref_kwargs(kwargs))
+    if kwargs.get("fp8_input_store"):
+        x8 = inp.x.to(FP8).to(inp.x.dtype)
+        _, ref_grads = reference(op, inp, x=x8, **ref_kwargs(kwargs))
+    dtype = inp.x.dtype
+    assert out.dtype == dtype, f"{what}: output dtype {out.dtype} != {dtype}"
+    assert out.shape == ref_out.shape, f"{what}: output shape {tuple(out.shape)}"
+    assert_close(out, ref_out, dtype, f"{what}: forward")
+    assert grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        leaf_dtype = getattr(inp, name).dtype
+        assert g.dtype == leaf_dtype, f"{what}: d {name} dtype {g.dtype} != {leaf_dtype}"
+        assert_close(g, ref_grads[name], leaf_dtype, f"{what}: d {name}")
+    return out, grads
+
+
+# --- forward and backward against the reference --------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    lead: tuple[int, ...]
+    f: int
+    bias: bool = True
+    linear_offset: float = 0.0
+    clamp_value: float | None = None
+    dtypes: tuple[torch.dtype, ...] = (F32, F16, BF16)
+
+    def kwargs(self, op: Op) -> dict[str, Any]:
+        if not op.clamp:
+            return {}
+        return dict(linear_offset=self.linear_offset, clamp_value=self.clamp_value)
+
+
+CASES = [
+    Case("2d-f7-bias", (5,), 7),
+    Case("3d-f100-nobias", (2, 3), 100, bias=False),
+    Case("2d-f1-16tokens-bias", (16,), 1),
+    Case("3d-f333-bias-offset0.5-clamp1.5", (2, 2), 333, linear_offset=0.5, clamp_value=1.5),
+    # Enough rows for the backward to split them into groups of several row tiles (the last
+    # group and tile partial), and columns past one block; the blocking does not depend on
+    # the dtype, so two of them.
+    Case("2d-f333-19tokens-bias-clamp2", (19,), 333, clamp_value=2.0, dtypes=(F32, BF16)),
+    Case("3d-f1100-bias-offset-1", (1, 3), 1100, linear_offset=-1.0, dtypes=(F32, BF16)),
+]
+CASE_DTYPES = [pytest.param(case, dtype, id=f"{case.id}-{str(dtype).replace('torch.', '')}")
+               for case in CASES for dtype in case.dtypes]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case, dtype", CASE_DTYPES)
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_matches_reference(op: Op, case: Case, dtype: torch.dtype, impl: str) -> None:
+    inp = make_inputs(op, case.lead, case.f, dtype, bias=case.bias)
+    out, _ = check(f"{op.name} {case.id} {impl} {dtype}", op, inp, impl, **case.kwargs(op))
+    assert out.shape == case.lead + (case.f,)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", WEIGHTED_OPS)
+def test_float32_weights_with_half_x(op: Op, impl: str, dtype: torch.dtype) -> None:
+    """MoE routing weights kept in fp32: output and d x in x's dtype, d weights in fp32
+    (to float32 accuracy)."""
+    inp = make_inputs(op, (6,), 13, dtype, weights_dtype=F32)
+    kwargs = dict(linear_offset=0.25, clamp_value=2.0) if op.clamp else {}
+    _, grads = check(f"{op.name} fp32 weights {dtype} {impl}", op, inp, impl, **kwargs)
+    assert grads["weights"].dtype == F32 and grads["x"].dtype == dtype
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", WEIGHTED_OPS)
+def test_weights_with_leading_shape(op: Op, impl: str) -> None:
+    """weights x.shape[:-1] + (1,) (here [2, 3, 1]) as well as [tokens, 1]."""
+    inp = make_inputs(op, (2, 3), 5, F32)
+    inp.weights = inp.weights.view(2, 3, 1)
+    _, grads = check(f"{op.name} weights [2, 3, 1] {impl}", op, inp, impl)
+    assert grads["weights"].shape == (2, 3, 1)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_output_shape_follows_leading_dims(op: Op, impl: str) -> None:
+    """1-D and 4-D x (lmfuse takes any number of leading dims)."""
+    for lead in [(), (2, 1, 3)]:
+        inp = make_inputs(op, lead, 3, F32)
+        out, _ = check(f"{op.name} lead={lead} {impl}", op, inp, impl)
+        assert out.shape == lead + (3,)
+
+
+# --- layouts --------------------------------------------------------------------------------
+
+
+def strided_x(layout: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A non-contiguous x of ``shape`` [T, K]."""
+    T, K = shape
+    if layout == "transposed":  # [K, T].t(): the last dim has stride T
+        return randn((K, T), dtype, scale=2.0).t()
+    if layout == "row-slice":  # rows of a wider tensor: the last dim is contiguous
+        return randn((T, K + 5), dtype, scale=2.0)[:, 2:K + 2]
+    assert layout == "every-other-column"
+    return randn((T, 2 * K), dtype, scale=2.0)[:, ::2]
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(F32, id="float32"),
+                                   pytest.param(BF16, id="bfloat16")])
+@pytest.mark.parametrize("layout", ["transposed", "row-slice", "every-other-column"])
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_non_contiguous_x_and_grad(op: Op, impl: str, layout: str, dtype: torch.dtype) -> None:
+    inp = make_inputs(op, (6,), 5, dtype)
+    inp.x = strided_x(layout, tuple(inp.x.shape), dtype)
+    assert not inp.x.is_contiguous()
+    inp.grad_out = randn((5, 6), dtype).t()  # a transposed upstream gradient
+    kwargs = dict(linear_offset=-0.5, clamp_value=1.5) if op.clamp else {}
+    check(f"{op.name} {layout} {impl} {dtype}", op, inp, impl, **kwargs)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op, which", [
+    *[pytest.param(op, "bias", id=f"{op.name}-bias") for op in OPS if op.has_bias],
+    *[pytest.param(op, "weights", id=f"{op.name}-weights") for op in OPS if op.weighted],
+])
+def test_non_contiguous_bias_or_weights(op: Op, which: str, impl: str) -> None:
+    """bias: every other element of a longer vector; weights: a column of a [T, 2] tensor."""
+    inp = make_inputs(op, (5,), 6, F32)
+    if which == "bias":
+        inp.bias = randn((2 * op.width(6),), F32)[::2]
+    else:
+        inp.weights = randn((5, 2), F32)[:, 1:]
+    assert not getattr(inp, which).is_contiguous()
+    kwargs = dict(linear_offset=0.5, clamp_value=2.0) if op.clamp else {}
+    check(f"{op.name} strided {which} {impl}", op, inp, impl, **kwargs)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_non_contiguous_3d(impl: str) -> None:
+    """x [s, b, K] as a permuted [b, s, K] tensor (Megatron's sequence-first layout)."""
+    op = BY_NAME["weighted_quick_geglu"]
+    inp = make_inputs(op, (3, 2), 7, F32)
+    inp.x = randn((2, 3, 14), F32, scale=2.0).transpose(0, 1)
+    assert not inp.x.is_contiguous()
+    check(f"permuted 3-D {impl}", op, inp, impl, linear_offset=1.0, clamp_value=2.5)
+
+
+# --- clamp, linear offset ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", CLAMP_OPS)
+def test_clamp_edges(op: Op, impl: str, dtype: torch.dtype) -> None:
+    """x1 clamped from above at c, x2 to [-c, c], before the bias. Values exactly at +-c
+    (gradient passes, as torch.clamp's), strictly outside (gradient exactly 0), inside."""
+    c = 1.5
+    v1 = torch.tensor([c, c + 0.5, -c, -c - 0.5, 0.25, 3 * c, -3 * c])
+    v2 = torch.tensor([-c, c + 0.5, c, -c - 0.5, 0.5, -3 * c, 3 * c])
+    inp = make_inputs(op, (4,), 7, dtype)
+    rows = [torch.cat([v1, v2]), torch.cat([v2, v1]), torch.cat([v1.flip(0), v2]),
+            torch.cat([v2, v2.flip(0)])]
+    inp.x = torch.stack(rows).to(dtype)
+    inp.bias = randn((14,), dtype, scale=0.25)
+    what = f"{op.name} clamp edges {impl} {dtype}"
+    _, grads = check(what, op, inp, impl, linear_offset=0.5, clamp_value=c)
+    x = inp.x.to(F64)
+    outside = torch.cat([x[:, :7] > c, x[:, 7:].abs() > c], dim=-1)
+    dx = grads["x"]
+    assert torch.all(dx[outside] == 0), f"{what}: d x != 0 strictly outside the clamp"
+    assert torch.all(dx[~outside] != 0), f"{what}: d x == 0 inside or at the clamp's edge"
+    assert torch.all(grads["bias"] != 0), f"{what}: d bias must not be masked by the clamp"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", CLAMP_OPS)
+@pytest.mark.parametrize("linear_offset", [-1.25, 2.0])
+def test_linear_offset(op: Op, impl: str, linear_offset: float) -> None:
+    inp = make_inputs(op, (2, 3), 9, F32)
+    check(f"{op.name} linear_offset={linear_offset} {impl}", op, inp, impl,
+          linear_offset=linear_offset)
+    with_offset, _ = run(op, inp, impl, linear_offset=linear_offset)
+    without, _ = run(op, inp, impl)
+    assert not torch.allclose(with_offset, without), "linear_offset changed nothing"
+
+
+# --- empty, fp8 storage, offload ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("lead", [(0,), (2, 0)], ids=["0x", "2x0x"])
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_empty(op: Op, impl: str, lead: tuple[int, ...]) -> None:
+    """0 tokens: an empty output; gradients are zeros of the inputs' shapes."""
+    inp = make_inputs(op, lead, 5, BF16)
+    out, grads = run(op, inp, impl)
+    assert out.shape == lead + (5,) and out.dtype == BF16
+    for name, g in grads.items():
+        leaf = getattr(inp, name)
+        assert g is not None and g.shape == leaf.shape and g.dtype == leaf.dtype, name
+        assert torch.count_nonzero(g) == 0, f"d {name} of an empty input is not zero"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_zero_width_x(op: Op, impl: str) -> None:
+    """x [4, 0]: an empty [4, 0] result with empty gradients, or a ValueError naming x;
+    never an internal error."""
+    inp = make_inputs(op, (4,), 0, F32)
+    try:
+        out, grads = run(op, inp, impl)
+    except ValueError as e:
+        assert re.match(rf"{op.name}: .*\bx\b", str(e)), str(e)
+        return
+    assert out.shape == (4, 0)
+    assert grads["x"].shape == (4, 0)
+    if "weights" in grads:
+        assert torch.count_nonzero(grads["weights"]) == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", FP8_OPS)
+def test_fp8_input_store(op: Op, impl: str, dtype: torch.dtype) -> None:
+    """The forward is unchanged; the gradients are the reference's at the fp8-rounded x."""
+    inp = make_inputs(op, (3, 2), 11, dtype)
+    kwargs = dict(linear_offset=0.5, clamp_value=1.5) if op.clamp else {}
+    what = f"{op.name} fp8_input_store {impl} {dtype}"
+    out8, grads8 = check(what, op, inp, impl, fp8_input_store=True, **kwargs)
+    out, _ = run(op, inp, impl, **kwargs)
+    assert torch.equal(out8, out), f"{what}: forward differs from fp8_input_store=False"
+    x8 = inp.x.to(FP8).to(dtype)
+    assert not torch.equal(x8, inp.x)
+    _, ref8 = reference(op, inp, x=x8, **kwargs)
+    _, ref = reference(op, inp, **kwargs)
+    assert rel_err(grads8["x"], ref8["x"]) < rel_err(grads8["x"], ref["x"]), (
+        f"{what}: d x is closer to the full-precision gradient than to the fp8 one"
+    )
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8"])
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", FP8_OPS)
+def test_cpu_offload_input_identical(op: Op, impl: str, fp8: bool) -> None:
+    inp = make_inputs(op, (4,), 6, BF16)
+    kwargs = dict(linear_offset=0.5, clamp_value=1.5) if op.clamp else {}
+    out_off, grads_off = run(op, inp, impl, cpu_offload_input=True, fp8_input_store=fp8, **kwargs)
+    out, grads = run(op, inp, impl, fp8_input_store=fp8, **kwargs)
+    assert torch.equal(out_off, out)
+    assert grads_off.keys() == grads.keys()
+    for name in grads:
+        assert torch.equal(grads_off[name], grads[name]), name
+
+
+# --- requires_grad combinations, float64, auto ------------------------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", ops_where(lambda op: op.has_bias or op.weighted))
+def test_partial_requires_grad_and_no_grad(op: Op, impl: str) -> None:
+    """Frozen x with a trainable bias / weights, trainable x with frozen ones, no_grad."""
+    inp = make_inputs(op, (4,), 6, F32)
+    ref_out, ref = reference(op, inp)
+    names = ["x", "bias", "weights"]
+    trainables = ["x"] + ["bias"] * op.has_bias + ["weights"] * op.weighted
+    for trainable in trainables:
+        args = {n: getattr(inp, n) for n in names}
+        args = {n: (t.detach().clone().requires_grad_(n == trainable) if t is not None else None)
+                for n, t in args.items()}
+        out = call(op, args["x"], args["bias"], args["weights"], impl=impl)
+        (g,) = torch.autograd.grad(out, [args[trainable]], inp.grad_out)
+        assert_close(g, ref[trainable], F32, f"{op.name} only {trainable} trainable {impl}")
+    with torch.no_grad():
+        out = call(op, inp.x, inp.bias, inp.weights, impl=impl)
+    assert not out.requires_grad
+    assert_close(out, ref_out, F32, f"{op.name} no_grad {impl}")
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_float64_on_torch_path(op: Op) -> None:
+    """float64 runs on impl="torch" (to float64 accuracy); the Triton path refuses it."""
+    inp = make_inputs(op, (3,), 4, F64)
+    kwargs = dict(linear_offset=0.5, clamp_value=1.5) if op.clamp else {}
+    check(f"{op.name} float64 torch", op, inp, "torch", **kwargs)
+    with pytest.raises((TypeError, ValueError), match=r"float64"):
+        call(op, inp.x, inp.bias, inp.weights, impl="triton")
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_auto_is_triton_under_the_interpreter(op: Op) -> None:
+    inp = make_inputs(op, (3,), 5, F32)
+    auto = call(op, inp.x, inp.bias, inp.weights, impl="auto")
+    triton = call(op, inp.x, inp.bias, inp.weights, impl="triton")
+    assert torch.equal(auto, triton)
+    assert call(op, inp.x, inp.bias, inp.weights).shape == auto.shape  # impl defaults to auto
+
+
+# --- properties -------------------------------------------------------------------------------
+
+
+@st.composite
+def problems(draw: st.DrawFn) -> dict[str, Any]:
+    op = draw(st.sampled_from(OPS))
+    return dict(
+        op=op, tokens=draw(st.integers(0, 24)), f=draw(st.integers(1, 200)),
+        three_d=draw(st.booleans()), bias=draw(st.booleans()),
+        dtype=draw(st.sampled_from([F32, BF16])),
+        layout=draw(st.sampled_from(["contiguous", "transposed", "row-slice",
+                                     "every-other-column"])),
+        kwargs=dict(
+            **(dict(linear_offset=draw(st.sampled_from([0.0, 0.75, -2.0])),
+                    clamp_value=draw(st.sampled_from([None, 0.5, 2.0]))) if op.clamp else {}),
+            **(dict(fp8_input_store=draw(st.booleans())) if op.fp8 else {})),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+@given(problem=problems())
+def test_property_triton_matches_reference(problem: dict[str, Any]) -> None:
+    torch.manual_seed(problem["seed"])
+    op, tokens, f, dtype = problem["op"], problem["tokens"], problem["f"], problem["dtype"]
+    lead = (tokens // 3, 3) if problem["three_d"] else (tokens,)
+    inp = make_inputs(op, lead, f, dtype, bias=problem["bias"])
+    if problem["layout"] != "contiguous" and not problem["three_d"]:
+        inp.x = strided_x(problem["layout"], tuple(inp.x.shape), dtype)
+    check(f"{problem}", op, inp, "triton", **problem["kwargs"])
+
+
+# --- explain, signatures --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch", "auto"])
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_explain(op: Op, impl: str) -> None:
+    inp = make_inputs(op, (2, 3), 4, BF16)
+    args = (inp.x, inp.weights) if op.weighted else (inp.x,)
+    plan = lmfuse.explain(op.fn, *args, impl=impl)
+    assert isinstance(plan, lmfuse.Plan)
+    assert plan.impl == ("triton" if impl == "auto" else impl), str(plan)
+    assert lmfuse.explain(op.name, *args, impl=impl).impl == plan.impl
+
+
+SIGNATURES = {
+    "bias_gelu": "(x, bias=None, *, impl='auto')",
+    "swiglu": "(x, bias=None, *, fp8_input_store=False, cpu_offload_input=False, impl='auto')",
+    "geglu": "(x, bias=None, *, fp8_input_store=False, cpu_offload_input=False, impl='auto')",
+    "quick_geglu": "(x, bias=None, *, linear_offset=0.0, clamp_value=None, "
+                   "fp8_input_store=False, cpu_offload_input=False, impl='auto')",
+    "weighted_swiglu": "(x, weights, bias=None, *, fp8_input_store=False, "
+                       "cpu_offload_input=False, impl='auto')",
+    "weighted_quick_geglu": "(x, weights, bias=None, *, linear_offset=0.0, clamp_value=None, "
+                            "fp8_input_store=False, cpu_offload_input=False, impl='auto')",
+    "squared_relu": "(x, *, impl='auto')",
+    "weighted_squared_relu": "(x, weights, *, impl='auto')",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SIGNATURES))
+def test_signature_and_exports(name: str) -> None:
+    import lmfuse.activations
+
+    fn = getattr(lmfuse, name)
+    assert getattr(lmfuse.activations, name) is fn
+    assert name in lmfuse.__all__
+    sig = inspect.signature(fn).replace(return_annotation=inspect.Signature.empty)
+    plain = sig.replace(parameters=[p.replace(annotation=inspect.Parameter.empty)
+                                    for p in sig.parameters.values()])
+    assert str(plain) == SIGNATURES[name]
+    assert fn.__doc__, f"{name} has no docstring"
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+
+def _bad(op_filter: Callable[[Op], bool], id: str, change: Callable[[Op], dict[str, Any]],
+         error: Any, message: str) -> list[Any]:
+    return [pytest.param(op, change, error, message, id=f"{op.name}-{id}")
+            for op in OPS if op_filter(op)]
+
+
+T, F = 4, 3  # the good inputs: x [4, K], weights [4, 1]
+BAD_INPUTS = [
+    *_bad(lambda op: op.gated, "odd-K", lambda op: dict(x=randn((T, 7))), ValueError,
+          r"\bx\b \beven\b"),
+    *_bad(lambda op: op.has_bias, "bias-length",
+          lambda op: dict(bias=randn((op.width(F) + 2,))), ValueError, r"\bbias\b"),
+    *_bad(lambda op: op.has_bias, "bias-2d", lambda op: dict(bias=randn((1, op.width(F)))),
+          ValueError, r"\bbias\b"),
+    *_bad(lambda op: op.has_bias, "bias-dtype",
+          lambda op: dict(bias=randn((op.width(F),), F16)), (TypeError, ValueError), r"\bbias\b"),
+    *_bad(lambda op: op.weighted, "weights-1d", lambda op: dict(weights=randn((T,))),
+          ValueError, r"\bweights\b"),
+    *_bad(lambda op: op.weighted, "weights-tokens", lambda op: dict(weights=randn((T + 1, 1))),
+          ValueError, r"\bweights\b"),
+    *_bad(lambda op: op.weighted, "weights-2cols", lambda op: dict(weights=randn((T, 2))),
+          ValueError, r"\bweights\b"),
+    *_bad(lambda op: op.weighted, "weights-int",
+          lambda op: dict(weights=torch.ones(T, 1, dtype=torch.int64)), (TypeError, ValueError),
+          r"\bweights\b"),
+    *_bad(lambda op: True, "x-int",
+          lambda op: dict(x=torch.ones(T, op.width(F), dtype=torch.int32)), TypeError, r"\bx\b"),
+    *_bad(lambda op: True, "x-list", lambda op: dict(x=[[1.0, 2.0]]), TypeError, r"\bx\b"),
+    *_bad(lambda op: op.clamp, "clamp-0", lambda op: dict(clamp_value=0.0), ValueError,
+          r"\bclamp_value\b"),
+    *_bad(lambda op: op.clamp, "clamp-neg", lambda op: dict(clamp_value=-1.0), ValueError,
+          r"\bclamp_value\b"),
+    *_bad(lambda op: True, "impl", lambda op: dict(impl="cuda"), ValueError, r"\bimpl\b"),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op, change, error, message", BAD_INPUTS)
+def test_bad_input_raises(op: Op, change, error, message: str, impl: str) -> None:
+    args: dict[str, Any] = dict(x=randn((T, op.width(F))), impl=impl)
+    if op.has_bias:
+        args["bias"] = randn((op.width(F),))
+    if op.weighted:
+        args["weights"] = randn((T, 1))
+    args.update(change(op))
+    x, weights = args.pop("x"), args.pop("weights", None)
+    pos = (x, weights) if op.weighted else (x,)
+    pattern = rf"(?s)^{op.name}: " + "".join(f"(?=.*{word})" for word in message.split())
+    with pytest.raises(error, match=pattern):
+        op.fn(*pos, **args)
+    with pytest.raises(error, match=pattern):
+        lmfuse.explain(op.fn, *pos, **args)
