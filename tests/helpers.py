@@ -81,3 +81,33 @@ def randn(shape: tuple[int, ...] | list[int], dtype: torch.dtype = torch.float32
 def rand_bool(shape: tuple[int, ...] | list[int], p_true: float = 0.3) -> torch.Tensor:
     """A bool tensor, True with probability ``p_true``."""
     return torch.rand(tuple(shape)) < p_true
+
+
+# --- Megatron-Core's activation formulas (tests of lmfuse.activations) ----------------
+
+
+def megatron_act(name: str, a: torch.Tensor) -> torch.Tensor:
+    """Megatron-Core's activation formulas, written out (its constants)."""
+    if name == "gelu":
+        return a * 0.5 * (1.0 + torch.tanh(0.79788456 * a * (1.0 + 0.044715 * a * a)))
+    if name == "silu":
+        return a * torch.sigmoid(a)
+    if name == "quick_gelu":
+        return a * torch.sigmoid(1.702 * a)
+    assert name == "squared_relu"
+    return torch.relu(a) ** 2
+
+
+def megatron_act_grad(name: str, a: torch.Tensor) -> torch.Tensor:
+    """Megatron's hand-written derivatives (not autograd)."""
+    if name == "gelu":
+        t = torch.tanh(0.79788456 * a * (1.0 + 0.044715 * a * a))
+        return 0.5 * a * ((1.0 - t * t) * (0.79788456 + 0.1070322243 * a * a)) + 0.5 * (1.0 + t)
+    if name == "silu":
+        s = torch.sigmoid(a)
+        return s * (1.0 + a * (1.0 - s))
+    if name == "quick_gelu":
+        s = torch.sigmoid(1.702 * a)
+        return s * (1.0 + 1.702 * a * (1.0 - s))
+    assert name == "squared_relu"
+    return 2.0 * torch.relu(a)

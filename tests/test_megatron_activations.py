@@ -17,7 +17,7 @@ from typing import Callable
 
 import pytest
 import torch
-from helpers import assert_close, randn
+from helpers import assert_close, megatron_act, megatron_act_grad, randn
 
 from lmfuse import megatron
 
@@ -25,29 +25,6 @@ F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
 FP8 = torch.float8_e4m3fn
 DTYPES = [pytest.param(F32, id="float32"), pytest.param(BF16, id="bfloat16")]
 SHAPES = [pytest.param((6,), id="2d"), pytest.param((3, 2), id="3d")]  # leading dims
-
-
-def act(name: str, a: torch.Tensor) -> torch.Tensor:
-    if name == "gelu":
-        return a * 0.5 * (1.0 + torch.tanh(0.79788456 * a * (1.0 + 0.044715 * a * a)))
-    if name == "silu":
-        return a * torch.sigmoid(a)
-    if name == "quick_gelu":
-        return a * torch.sigmoid(1.702 * a)
-    return torch.relu(a) ** 2
-
-
-def act_grad(name: str, a: torch.Tensor) -> torch.Tensor:
-    if name == "gelu":
-        t = torch.tanh(0.79788456 * a * (1.0 + 0.044715 * a * a))
-        return 0.5 * a * ((1.0 - t * t) * (0.79788456 + 0.1070322243 * a * a)) + 0.5 * (1.0 + t)
-    if name == "silu":
-        s = torch.sigmoid(a)
-        return s * (1.0 + a * (1.0 - s))
-    if name == "quick_gelu":
-        s = torch.sigmoid(1.702 * a)
-        return s * (1.0 + 1.702 * a * (1.0 - s))
-    return 2.0 * torch.relu(a)
 
 
 def megatron_formulas(activation: str, gated: bool, x, bias, weights, g, *, fp8: bool = False,
@@ -66,20 +43,20 @@ def megatron_formulas(activation: str, gated: bool, x, bias, weights, g, *, fp8:
     w = torch.ones(x2.shape[0], 1, dtype=F64) if weights is None else weights.detach().to(F64)
     gw = g.reshape(x2.shape[0], -1).to(F64)
 
-    def forward(v: torch.Tensor) -> torch.Tensor:  # act(v), unweighted
+    def forward(v: torch.Tensor) -> torch.Tensor:  # megatron_act(v), unweighted
         if not gated:
-            return act(activation, v)
+            return megatron_act(activation, v)
         f = K // 2
-        return act(activation, v[:, :f]) * (v[:, f:] + linear_offset)
+        return megatron_act(activation, v[:, :f]) * (v[:, f:] + linear_offset)
 
     out = forward(x2.to(F64) + b) * w
     v = saved.to(F64) + b
     if gated:
         f = K // 2
         v1, v2 = v[:, :f], v[:, f:] + linear_offset
-        dv = torch.cat([gw * w * act_grad(activation, v1) * v2, gw * w * act(activation, v1)], -1)
+        dv = torch.cat([gw * w * megatron_act_grad(activation, v1) * v2, gw * w * megatron_act(activation, v1)], -1)
     else:
-        dv = gw * w * act_grad(activation, v)
+        dv = gw * w * megatron_act_grad(activation, v)
     dw = (forward(v) * gw).sum(dim=-1, keepdim=True)
     out_shape = x.shape[:-1] + (out.shape[-1],)
     return out.reshape(out_shape), (dv * mask).reshape(x.shape), dv.sum(dim=0), dw

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close, randn
+from helpers import assert_close, megatron_act, megatron_act_grad, randn
 
 from lmfuse.activations.reference import activation_reference
 
@@ -23,32 +23,6 @@ F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat1
 
 
 # --- Megatron-Core's formulas, float64 ---------------------------------------------------
-
-
-def mc_act(name: str, a: torch.Tensor) -> torch.Tensor:
-    if name == "gelu":
-        return a * 0.5 * (1.0 + torch.tanh(0.79788456 * a * (1.0 + 0.044715 * a * a)))
-    if name == "silu":
-        return a * torch.sigmoid(a)
-    if name == "quick_gelu":
-        return a * torch.sigmoid(1.702 * a)
-    assert name == "squared_relu"
-    return torch.relu(a) ** 2
-
-
-def mc_act_grad(name: str, a: torch.Tensor) -> torch.Tensor:
-    """Megatron's hand-written derivatives (not autograd)."""
-    if name == "gelu":
-        t = torch.tanh(0.79788456 * a * (1.0 + 0.044715 * a * a))
-        return 0.5 * a * ((1.0 - t * t) * (0.79788456 + 0.1070322243 * a * a)) + 0.5 * (1.0 + t)
-    if name == "silu":
-        s = torch.sigmoid(a)
-        return s * (1.0 + a * (1.0 - s))
-    if name == "quick_gelu":
-        s = torch.sigmoid(1.702 * a)
-        return s * (1.0 + 1.702 * a * (1.0 - s))
-    assert name == "squared_relu"
-    return 2.0 * torch.relu(a)
 
 
 @dataclass
@@ -83,16 +57,16 @@ def mc_forward_backward(spec: Spec, x, bias, weights, g):
             v1, v2 = v1.clamp(max=c), v2.clamp(min=-c, max=c)
         a1 = v1 + b[:f]
         a2 = v2 + b[f:] + spec.linear_offset
-        act = mc_act(spec.activation, a1) * a2
+        act = megatron_act(spec.activation, a1) * a2
         gw = g2d * w
-        da1 = gw * mc_act_grad(spec.activation, a1) * a2
-        da2 = gw * mc_act(spec.activation, a1)
+        da1 = gw * megatron_act_grad(spec.activation, a1) * a2
+        da2 = gw * megatron_act(spec.activation, a1)
         d_pre_clamp = torch.cat([da1, da2], dim=-1)  # gradient of (clamped x + bias)
         dx = torch.cat([da1 * m1, da2 * m2], dim=-1)
     else:
         a = x2d + b
-        act = mc_act(spec.activation, a)
-        d_pre_clamp = dx = g2d * w * mc_act_grad(spec.activation, a)
+        act = megatron_act(spec.activation, a)
+        d_pre_clamp = dx = g2d * w * megatron_act_grad(spec.activation, a)
     out = act * w
     dw = (act * g2d).sum(dim=-1, keepdim=True)
     out_shape = x.shape[:-1] + (out.shape[-1],)
@@ -155,7 +129,7 @@ def test_constants_are_megatrons() -> None:
     x = torch.linspace(-4.0, 4.0, 401, dtype=F64)
     spec = Spec("gelu", False)
     y = activation_reference(x, activation="gelu", gated=False)
-    expected = mc_act("gelu", x)
+    expected = megatron_act("gelu", x)
     assert (y - expected).abs().max().item() <= 1e-14
     assert (F.gelu(x, approximate="tanh") - expected).abs().max().item() > 1e-12
     y_q = activation_reference(x, activation="quick_gelu", gated=False)
@@ -164,7 +138,7 @@ def test_constants_are_megatrons() -> None:
     xg = x.clone().requires_grad_(True)
     (d,) = torch.autograd.grad(activation_reference(xg, activation=spec.activation,
                                                     gated=False).sum(), xg)
-    assert (d - mc_act_grad("gelu", x)).abs().max().item() <= 1e-10
+    assert (d - megatron_act_grad("gelu", x)).abs().max().item() <= 1e-10
 
 
 def test_gated_split_first_half_is_activated() -> None:
