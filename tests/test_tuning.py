@@ -121,3 +121,40 @@ def test_device_tables_use_the_default_limits() -> None:
             if "buckets" in section:
                 limits = [b[0] for b in default[family]["buckets"]]
                 assert all(b[0] in limits for b in section["buckets"]), (path.name, family)
+
+
+@pytest.mark.parametrize("text", [
+    '{"version": 1, "devices": {"cpu": []}}',
+    '{"version": 1, "devices": {"cpu": {"linear_cross_entropy": {"buckets": [[65536]]}}}}',
+    '{"version": 1, "devices": {"cpu": {"linear_cross_entropy": []}}}',
+])
+def test_malformed_cache_is_ignored_with_a_warning(tuning_cache, text: str) -> None:
+    tuning_cache.write_text(text)
+    with pytest.warns(UserWarning, match="ignoring the tuning cache"):
+        tuning.reload()
+    assert tuning.bucket_config(FAMILY, CPU, 1000)[0]["chunk_bytes"] == 256 * 2**20
+
+
+def test_concurrent_records_keep_every_bucket(tuning_cache) -> None:
+    """Threads recording different buckets at once: none is lost, none fails."""
+    import threading
+
+    errors = []
+
+    def write(size):
+        try:
+            for _ in range(5):
+                tuning.record(FAMILY, CPU, size, {"chunk_bytes": size}, {"ms": 1.0})
+        except Exception as e:  # noqa: BLE001 - collected for the assert
+            errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(s,)) for s in (100, 20000, 100000, 300000)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    data = json.loads(tuning_cache.read_text())
+    limits = [b[0] for b in data["devices"]["cpu"][FAMILY]["buckets"]]
+    assert limits == [16384, 65536, 196608, 2**40]
+    assert not list(tuning_cache.parent.glob("*.tmp"))

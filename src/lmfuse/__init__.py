@@ -9,13 +9,14 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from ._dispatch import Plan, explain
-from .activations import (bias_gelu, geglu, quick_geglu, squared_relu, swiglu,
+from .activations import (FusedMLP, bias_gelu, geglu, quick_geglu, squared_relu, swiglu,
                           weighted_quick_geglu, weighted_squared_relu, weighted_swiglu)
 from .cross_entropy import cross_entropy, linear_cross_entropy
 from .softmax import AttnMaskType, FusedScaleMaskSoftmax, fused_softmax
 
 __all__ = [
     "AttnMaskType",
+    "FusedMLP",
     "FusedScaleMaskSoftmax",
     "Plan",
     "__version__",

@@ -571,3 +571,37 @@ def test_bad_input_raises(op: Op, change, error, message: str, impl: str) -> Non
         op.fn(*pos, **args)
     with pytest.raises(error, match=pattern):
         lmfuse.explain(op.fn, *pos, **args)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_saved_input_goes_through_autograd(impl: str) -> None:
+    """The input kept for backward is saved with save_for_backward: an in-place change after
+    the forward raises (instead of a silently wrong gradient), saved-tensor hooks (offload,
+    checkpointing) see it, and a double backward is refused."""
+    x = torch.randn(4, 8, requires_grad=True)
+    h = x * 1.0
+    y = lmfuse.swiglu(h, impl=impl)
+    h.mul_(0.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    seen = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (seen.append(t.dtype), t)[1],
+                                                  lambda t: t):
+        y = lmfuse.swiglu(torch.randn(4, 8, requires_grad=True), impl=impl,
+                          fp8_input_store=True)
+    assert torch.float8_e4m3fn in seen
+    x = torch.randn(4, 8, requires_grad=True)
+    (gx,) = torch.autograd.grad(lmfuse.swiglu(x, impl=impl).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        gx.sum().backward()
+
+
+def test_explain_refuses_what_the_op_refuses() -> None:
+    x = torch.randn(4, 8)
+    with pytest.raises(TypeError, match="bias_gelu: .*clamp_value"):
+        lmfuse.explain(lmfuse.bias_gelu, x, clamp_value=1.0)
+    with pytest.raises(TypeError, match="squared_relu: too many positional"):
+        lmfuse.explain(lmfuse.squared_relu, x, torch.randn(8))
+    plan = lmfuse.explain(lmfuse.weighted_quick_geglu, x, torch.rand(4, 1), None,
+                          clamp_value=2.0)
+    assert "clamp" in plan.details and "weights" in plan.details

@@ -11,6 +11,7 @@ autograd in the backward.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Optional
 
 import torch
@@ -112,11 +113,17 @@ def _launch_bwd(x, g, bias, weights, s, dtype, bias_grad: bool):
 
 class _Saved:
     """The input kept for backward: as is, as float8 (``fp8_input_store``), and/or in pinned
-    CPU memory copied on a side stream (``cpu_offload_input``, CUDA tensors only)."""
+    CPU memory copied on a side stream (``cpu_offload_input``, CUDA tensors only).
+
+    ``device_copy`` is what goes through ``ctx.save_for_backward`` (so autograd checks it
+    for in-place changes and saved-tensor hooks see it); ``None`` once offloaded, when the
+    pinned host copy lives here instead.
+    """
 
     def __init__(self, x: torch.Tensor, fp8: bool, offload: bool) -> None:
-        self.dtype, self.device, self.event = x.dtype, x.device, None
+        self.dtype, self.device, self.event, self.host = x.dtype, x.device, None, None
         keep = x.to(_FP8) if fp8 else x
+        self.device_copy = keep
         if offload and x.is_cuda:
             side = _side_stream(x.device)
             side.wait_stream(torch.cuda.current_stream(x.device))
@@ -126,19 +133,24 @@ class _Saved:
                 self.event = torch.cuda.Event()
                 self.event.record(side)
             keep.record_stream(side)  # not reused by the allocator before the copy is done
-            keep = host
-        self.tensor = keep
+            self.host, self.device_copy = host, None
 
-    def restore(self, for_kernel: bool) -> torch.Tensor:
-        """The input on its device: float8 kept as float8 for a CUDA kernel (which converts
-        on load), converted to the original dtype otherwise."""
-        t = self.tensor
-        if self.event is not None:
+    def restore(self, device_copy: Optional[torch.Tensor], for_kernel: bool) -> torch.Tensor:
+        """The input on its device (``device_copy``: from ``ctx.saved_tensors``): float8 kept
+        as float8 for a CUDA kernel on a GPU that loads it (compute capability >= 8.9),
+        converted to the original dtype otherwise."""
+        t = device_copy
+        if self.host is not None:
             torch.cuda.current_stream(self.device).wait_event(self.event)
-            t = t.to(self.device, non_blocking=True)
-        if t.dtype == _FP8 and not (for_kernel and t.is_cuda):
+            t = self.host.to(self.device, non_blocking=True)
+        if t.dtype == _FP8 and not (for_kernel and t.is_cuda and _loads_fp8(t.device)):
             t = t.to(self.dtype)
         return t
+
+
+def _loads_fp8(device: torch.device) -> bool:
+    """Triton compiles float8_e4m3fn loads for compute capability 8.9 and later only."""
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,15 +175,16 @@ class _Activation(torch.autograd.Function):
         ctx.s = s
         if any(ctx.needs_input_grad[:3]):
             ctx.saved = _Saved(x, s["fp8_input_store"], s["cpu_offload_input"])
-            ctx.save_for_backward(bias, weights)
+            ctx.save_for_backward(ctx.saved.device_copy, bias, weights)
         return y
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, g):
         s = ctx.s
-        bias, weights = ctx.saved_tensors
+        kept, bias, weights = ctx.saved_tensors
         need_x, need_b, need_w = ctx.needs_input_grad[:3]
-        x = ctx.saved.restore(for_kernel=s["path"] == "triton")
+        x = ctx.saved.restore(kept, for_kernel=s["path"] == "triton")
         if s["path"] == "triton":
             dx, db, dw = _launch_bwd(x, g.contiguous(), bias, weights, s, ctx.saved.dtype,
                                      need_b)
@@ -367,27 +380,34 @@ def weighted_squared_relu(x: torch.Tensor, weights: torch.Tensor, *,
     return _run("weighted_squared_relu", x, None, weights, "squared_relu", False, impl=impl)
 
 
-def _planner(op: str, activation: str, gated: bool, weighted: bool, has_bias: bool = True):
-    def plan(x, *args, **kw) -> Plan:
-        args = list(args)
-        weights = (args.pop(0) if args else kw.pop("weights")) if weighted else None
-        bias = (args.pop(0) if args else kw.pop("bias", None)) if has_bias else None
-        return _plan(op, x, bias, weights, activation, gated, **kw)
+def _planner(fn, activation: str, gated: bool):
+    """Register the planner of public function ``fn``: its arguments bound by ``fn``'s own
+    signature (so ``explain`` refuses what the op refuses), then :func:`_plan`."""
+    sig = inspect.signature(fn)
 
-    plan.__name__ = f"plan_{op}"
-    register_planner(op)(plan)
+    def plan(*args, **kwargs) -> Plan:
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{fn.__name__}: {e}") from None
+        bound.apply_defaults()
+        a = dict(bound.arguments)
+        return _plan(fn.__name__, a.pop("x"), a.pop("bias", None), a.pop("weights", None),
+                     activation, gated, **a)
+
+    plan.__name__ = f"plan_{fn.__name__}"
+    register_planner(fn.__name__)(plan)
     return plan
 
 
-plan_bias_gelu = _planner("bias_gelu", "gelu", False, False)
-plan_swiglu = _planner("swiglu", "silu", True, False)
-plan_geglu = _planner("geglu", "gelu", True, False)
-plan_quick_geglu = _planner("quick_geglu", "quick_gelu", True, False)
-plan_weighted_swiglu = _planner("weighted_swiglu", "silu", True, True)
-plan_weighted_quick_geglu = _planner("weighted_quick_geglu", "quick_gelu", True, True)
-plan_squared_relu = _planner("squared_relu", "squared_relu", False, False, has_bias=False)
-plan_weighted_squared_relu = _planner("weighted_squared_relu", "squared_relu", False, True,
-                                      has_bias=False)
+plan_bias_gelu = _planner(bias_gelu, "gelu", False)
+plan_swiglu = _planner(swiglu, "silu", True)
+plan_geglu = _planner(geglu, "gelu", True)
+plan_quick_geglu = _planner(quick_geglu, "quick_gelu", True)
+plan_weighted_swiglu = _planner(weighted_swiglu, "silu", True)
+plan_weighted_quick_geglu = _planner(weighted_quick_geglu, "quick_gelu", True)
+plan_squared_relu = _planner(squared_relu, "squared_relu", False)
+plan_weighted_squared_relu = _planner(weighted_squared_relu, "squared_relu", False)
 
 
 def checks(device: torch.device, dtypes) -> list:

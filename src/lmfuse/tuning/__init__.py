@@ -15,15 +15,23 @@ the GPU at hand; device tables and the cache use ``default.json``'s limits.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import json
 import os
+import tempfile
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: the in-process lock still orders threads
+    fcntl = None
 
 _HERE = Path(__file__).resolve().parent
 
@@ -110,10 +118,26 @@ def _read_cache(path: Path) -> dict[str, Any]:
         if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or \
                 not isinstance(data.get("devices"), dict):
             raise ValueError(f"not a version-{CACHE_VERSION} lmfuse tuning cache")
+        _check_layout(data["devices"])
         return data
     except (OSError, ValueError) as e:
         warnings.warn(f"lmfuse: ignoring the tuning cache {path}: {e}", stacklevel=2)
         return {"version": CACHE_VERSION, "devices": {}}
+
+
+def _check_layout(devices: dict) -> None:
+    """``{device name: {family: {"buckets": [[limit, {config}], ...], ...}}}`` or ValueError."""
+    for name, families in devices.items():
+        if not isinstance(families, dict):
+            raise ValueError(f"device {name!r}: expected an object of families")
+        for family, section in families.items():
+            if not isinstance(section, dict):
+                raise ValueError(f"{name!r} / {family!r}: expected an object")
+            for b in section.get("buckets", []):
+                if not (isinstance(b, list) and len(b) == 2 and isinstance(b[0], int)
+                        and isinstance(b[1], dict)):
+                    raise ValueError(f"{name!r} / {family!r}: bucket {b!r} is not "
+                                     f"[limit, {{config}}]")
 
 
 _USER: dict[str, Any] = {}  # the user cache as read: {"path": Path, "data": dict}
@@ -173,21 +197,42 @@ def bucket_config(family: str, device: torch.device, size: int) -> tuple[dict[st
 def record(family: str, device: torch.device, size: int, config: dict[str, Any],
            measured: dict[str, Any], path: Path | None = None) -> Path:
     """Write ``config`` as the user cache's entry for ``size``'s bucket on ``device``, with
-    ``measured`` (time, shape, versions) kept beside it; returns the file written."""
+    ``measured`` (time, shape, versions) kept beside it; returns the file written.
+
+    Safe against concurrent writers (threads or processes): the read-modify-write holds an
+    exclusive lock on ``<cache>.lock``, and the new file replaces the old one atomically.
+    """
     path = user_cache_path() if path is None else path
-    data = _read_cache(path)
-    section = data["devices"].setdefault(device_name(device), {}).setdefault(family, {})
-    limit = bucket_of(family, size)
-    buckets = [b for b in section.get("buckets", []) if int(b[0]) != limit]
-    measured = dict(measured, date=datetime.date.today().isoformat())
-    buckets.append([limit, dict(config, measured=measured)])
-    section["buckets"] = sorted(buckets, key=lambda b: int(b[0]))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    with _locked(path.with_name(path.name + ".lock")):
+        data = _read_cache(path)
+        section = data["devices"].setdefault(device_name(device), {}).setdefault(family, {})
+        limit = bucket_of(family, size)
+        buckets = [b for b in section.get("buckets", []) if int(b[0]) != limit]
+        measured = dict(measured, date=datetime.date.today().isoformat())
+        buckets.append([limit, dict(config, measured=measured)])
+        section["buckets"] = sorted(buckets, key=lambda b: int(b[0]))
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, path)
     reload()
     return path
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path):
+    with _THREAD_LOCK, open(lock_path, "a") as fh:
+        if fcntl is not None:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            if fcntl is not None:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+_THREAD_LOCK = threading.Lock()
 
 
 reload()

@@ -1,0 +1,108 @@
+"""``FusedMLP``: fc1 -> fused activation (its bias folded in) -> fc2, as one ``nn.Module``."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import ops
+from .reference import activation_reference
+
+# name -> (reference activation, gated, takes a bias, weighted op or None)
+_KINDS = {
+    "gelu": ("gelu", False, True, None),
+    "swiglu": ("silu", True, True, ops.weighted_swiglu),
+    "geglu": ("gelu", True, True, None),
+    "quick_geglu": ("quick_gelu", True, True, ops.weighted_quick_geglu),
+    "squared_relu": ("squared_relu", False, False, ops.weighted_squared_relu),
+}
+
+
+class FusedMLP(nn.Module):
+    """The transformer MLP ``fc2(act(fc1(x)))`` with the activation (and fc1's bias) fused.
+
+    Args:
+        hidden_size: model width (fc1's input, fc2's output).
+        ffn_hidden_size: the activation's output width ``f``; gated activations make fc1
+            ``2 f`` wide (the activated half first, as Megatron-Core lays it out).
+        activation: ``"swiglu"``, ``"geglu"``, ``"quick_geglu"``, ``"gelu"`` (tanh) or
+            ``"squared_relu"``.
+        bias: biases on fc1 (added inside the fused activation; for squared ReLU, which takes
+            none, by fc1 itself) and fc2.
+        linear_offset, clamp_value: Quick-GEGLU's options (see :func:`lmfuse.quick_geglu`).
+        fp8_input_store: keep the activation's saved input as float8.
+        impl: the activation's path (``"auto"``, ``"triton"``, ``"torch"``).
+
+    ``forward(x, weights=None)``: ``x [..., hidden_size]``; ``weights [tokens, 1]`` are MoE
+    per-token routing weights, applied inside the activation (swiglu, quick_geglu and
+    squared_relu have weighted kernels; the others refuse weights).
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu",
+                 bias: bool = True, *, linear_offset: float = 0.0,
+                 clamp_value: Optional[float] = None, fp8_input_store: bool = False,
+                 impl: str = "auto", device=None, dtype=None) -> None:
+        super().__init__()
+        if activation not in _KINDS:
+            raise ValueError(f"FusedMLP: activation must be one of {sorted(_KINDS)}, "
+                             f"got {activation!r}")
+        for name, v in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"FusedMLP: {name} must be a positive int, got {v!r}")
+        if activation != "quick_geglu" and (linear_offset or clamp_value is not None):
+            raise ValueError(f"FusedMLP: linear_offset and clamp_value are Quick-GEGLU's "
+                             f"options, got them with activation={activation!r}")
+        if fp8_input_store and activation not in ("swiglu", "geglu", "quick_geglu"):
+            raise ValueError(f"FusedMLP: fp8_input_store is for the gated activations, got "
+                             f"activation={activation!r}")
+        self.activation, self.impl = activation, impl
+        self.linear_offset, self.clamp_value = linear_offset, clamp_value
+        self.fp8_input_store = fp8_input_store
+        act, gated, fused_bias, _ = _KINDS[activation]
+        width = 2 * ffn_hidden_size if gated else ffn_hidden_size
+        kw = dict(device=device, dtype=dtype)
+        self.fc1 = nn.Linear(hidden_size, width, bias=bias and not fused_bias, **kw)
+        self.bias1 = nn.Parameter(torch.zeros(width, **kw)) if bias and fused_bias else None
+        self.fc2 = nn.Linear(ffn_hidden_size, hidden_size, bias=bias, **kw)
+
+    def _activate(self, h: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
+        name, opts = self.activation, {}
+        if name == "quick_geglu":
+            opts = dict(linear_offset=self.linear_offset, clamp_value=self.clamp_value)
+        if name in ("swiglu", "geglu", "quick_geglu"):
+            opts["fp8_input_store"] = self.fp8_input_store
+        weighted = _KINDS[name][3]
+        if weights is not None:
+            if weighted is None:
+                raise ValueError(f"FusedMLP: per-token weights need a weighted activation "
+                                 f"(swiglu, quick_geglu, squared_relu), got {name!r}")
+            if name == "squared_relu":
+                return weighted(h, weights, impl=self.impl)
+            return weighted(h, weights, self.bias1, impl=self.impl, **opts)
+        fn = {"gelu": ops.bias_gelu, "swiglu": ops.swiglu, "geglu": ops.geglu,
+              "quick_geglu": ops.quick_geglu}.get(name)
+        if fn is None:
+            return ops.squared_relu(h, impl=self.impl)
+        return fn(h, self.bias1, impl=self.impl, **opts)
+
+    def forward(self, x: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.fc2(self._activate(self.fc1(x), weights))
+
+    def reference_forward(self, x: torch.Tensor,
+                          weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The same module unfused (plain torch, the activation's reference): what
+        ``forward`` must equal, outputs and gradients."""
+        act, gated, _, _ = _KINDS[self.activation]
+        h = F.linear(x, self.fc1.weight, self.fc1.bias)
+        w = None if weights is None else weights.reshape(-1, 1)
+        y = activation_reference(h, self.bias1, w, activation=act, gated=gated,
+                                 linear_offset=self.linear_offset,
+                                 clamp_value=self.clamp_value)
+        return self.fc2(y)
+
+    def extra_repr(self) -> str:
+        return (f"activation={self.activation!r}, fused bias={self.bias1 is not None}, "
+                f"impl={self.impl!r}")

@@ -1,0 +1,79 @@
+"""lmfuse.FusedMLP against the same module unfused (plain torch): outputs and gradients of
+the input, every parameter and the MoE weights, on the torch and Triton paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lmfuse
+
+F32 = torch.float32
+CASES = [
+    pytest.param("swiglu", True, {}, id="swiglu"),
+    pytest.param("geglu", True, {}, id="geglu"),
+    pytest.param("gelu", True, {}, id="gelu"),
+    pytest.param("quick_geglu", True, dict(linear_offset=1.0, clamp_value=1.5), id="quick"),
+    pytest.param("squared_relu", True, {}, id="sqrelu"),
+    pytest.param("swiglu", False, {}, id="swiglu-nobias"),
+]
+
+
+def grads(module, out, x, w, g):
+    leaves = [x] + ([w] if w is not None else []) + list(module.parameters())
+    return torch.autograd.grad(out, leaves, g)
+
+
+# MoE weights only where a weighted kernel exists (test_weights_need_a_weighted_activation).
+WEIGHTED = [pytest.param(c.values[0], c.values[1], c.values[2], True, id=f"{c.id}-moe")
+            for c in CASES if c.values[0] not in ("gelu", "geglu")]
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("activation, bias, opts, weighted",
+                         [pytest.param(*c.values, False, id=c.id) for c in CASES] + WEIGHTED)
+def test_equals_unfused(activation: str, bias: bool, opts: dict, weighted: bool,
+                        impl: str) -> None:
+    torch.manual_seed(0)
+    mlp = lmfuse.FusedMLP(12, 7, activation, bias, impl=impl, **opts)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.normal_(0.0, 0.5)
+    x = torch.randn(3, 2, 12, requires_grad=True)
+    w = torch.rand(6, 1, requires_grad=True) if weighted else None
+    out = mlp(x, w)
+    ref = mlp.reference_forward(x, w)
+    assert out.shape == (3, 2, 12)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(out)
+    for a, b in zip(grads(mlp, out, x, w, g), grads(mlp, ref, x, w, g)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_layout_and_fused_bias() -> None:
+    mlp = lmfuse.FusedMLP(16, 10, "swiglu")
+    assert mlp.fc1.weight.shape == (20, 16) and mlp.fc1.bias is None
+    assert mlp.bias1.shape == (20,) and mlp.fc2.weight.shape == (16, 10)
+    sq = lmfuse.FusedMLP(16, 10, "squared_relu")
+    assert sq.fc1.weight.shape == (10, 16) and sq.fc1.bias is not None and sq.bias1 is None
+    plain = lmfuse.FusedMLP(16, 10, "gelu", bias=False)
+    assert plain.bias1 is None and plain.fc2.bias is None
+
+
+def test_weights_need_a_weighted_activation() -> None:
+    mlp = lmfuse.FusedMLP(8, 4, "geglu")
+    with pytest.raises(ValueError, match="per-token weights need a weighted activation"):
+        mlp(torch.randn(5, 8), torch.rand(5, 1))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(activation="relu"), "activation must be one of"),
+    (dict(ffn_hidden_size=0), "ffn_hidden_size must be a positive int"),
+    (dict(activation="swiglu", clamp_value=1.0), "Quick-GEGLU's options"),
+    (dict(activation="gelu", fp8_input_store=True), "fp8_input_store is for the gated"),
+])
+def test_bad_config(kw: dict, match: str) -> None:
+    args = dict(hidden_size=8, ffn_hidden_size=4)
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        lmfuse.FusedMLP(**args)
