@@ -65,6 +65,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     logits = torch.randn(4, 1000, device=device, requires_grad=True)
     target = torch.randint(0, 1000, (4,), device=device)
     print(lmfuse.explain(lmfuse.cross_entropy, logits, target))
+    h = torch.randn(4, 2 * 300, device=device, requires_grad=True)
+    print(lmfuse.explain(lmfuse.swiglu, h, torch.zeros(600, device=device)))
     return 0
 
 
