@@ -1,0 +1,116 @@
+"""Reference decode attention: the specification of ``lmfuse.decode_attention`` and
+``lmfuse.merge_attention_states``, in plain PyTorch (float32 math, float64 for float64).
+
+Decode attention reads a KV cache: contiguous ``[B, S_max, Hkv, D]``, or paged ``[num_blocks,
+block_len, Hkv, D]`` with ``block_table [B, max_blocks]`` (int32, padded with -1, which is
+never read). Sequence ``b`` holds ``cache_seqlens[b]`` tokens; its ``s_active`` query tokens
+are the last ones of the cache (positions ``L - s_active + i``) and token ``i`` sees the keys
+at positions ``<= L - s_active + i`` (and ``>= that - w`` with ``window_size=w``). Query head
+``h`` reads KV head ``h // (Hq // Hkv)`` (GQA).
+
+The log-sum-exp returned is the log of the output's softmax denominator, sink included:
+``out = sum_j exp(s_j - lse) v_j``. That makes partial results over disjoint key sets
+mergeable exactly (:func:`merge_attention_states_reference`), with the sink counted in one
+of them. A token that sees no key (and has no sink) gets zeros and ``lse = -inf``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+
+def gather_cache(cache: torch.Tensor, block_table: Optional[torch.Tensor],
+                 length: int, b: int) -> torch.Tensor:
+    """Sequence ``b``'s first ``length`` cache rows, ``[length, Hkv, D]``, from a contiguous or
+    a paged cache (only the blocks those rows lie in are read)."""
+    if block_table is None:
+        return cache[b, :length]
+    block_len = cache.shape[1]
+    blocks = -(-length // block_len)
+    ids = block_table[b, :blocks].long()
+    if blocks and int(ids.min()) < 0:
+        raise ValueError(f"block_table[{b}] has -1 among its first {blocks} blocks, which "
+                         f"hold its {length} tokens")
+    return cache[ids].reshape(blocks * block_len, *cache.shape[2:])[:length]
+
+
+def decode_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    block_table: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    window_size: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
+):
+    """Attention of ``q [B, s_active, Hq, D]`` over the cached keys and values.
+
+    Args:
+        k_cache, v_cache: ``[B, S_max, Hkv, D]``, or ``[num_blocks, block_len, Hkv, D]`` with
+            ``block_table``; float, or ``float8_e4m3fn`` with ``k_scale``/``v_scale [Hkv]``
+            (value = stored * scale).
+        cache_seqlens: ``[B]`` tokens in each sequence's cache, the active ones included.
+        scale: of ``q . k``; default ``1 / sqrt(D)``.
+        window_size: ``w``: a token at position ``p`` sees keys ``p - w .. p``.
+        sinks: ``[Hq]`` sink logits, added to the softmax denominator.
+    Returns:
+        ``out [B, s_active, Hq, D]`` in q's dtype, and with ``return_lse`` the float32
+        (float64) ``lse [B, s_active, Hq]``.
+    """
+    B, s_active, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    group = Hq // Hkv
+    out = torch.zeros((B, s_active, Hq, D), dtype=compute, device=q.device)
+    lse = torch.full((B, s_active, Hq), -math.inf, dtype=compute, device=q.device)
+    for b in range(B):
+        L = int(cache_seqlens[b])
+        k = gather_cache(k_cache, block_table, L, b).to(compute)  # [L, Hkv, D]
+        v = gather_cache(v_cache, block_table, L, b).to(compute)
+        if k_scale is not None:
+            k = k * k_scale.to(compute)[None, :, None]
+        if v_scale is not None:
+            v = v * v_scale.to(compute)[None, :, None]
+        k = k.repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = v.repeat_interleave(group, dim=1)
+        pos = torch.arange(L, device=q.device)
+        for i in range(s_active):
+            p = L - s_active + i
+            seen = pos <= p
+            if window_size is not None:
+                seen &= pos >= p - window_size
+            s = torch.einsum("hd,lhd->hl", q[b, i].to(compute), k) * scale  # [Hq, L]
+            s = s.masked_fill(~seen[None, :], -math.inf)
+            if sinks is not None:
+                s = torch.cat([s, sinks.to(compute)[:, None]], dim=1)
+            row_lse = torch.logsumexp(s, dim=1) if s.shape[1] else lse[b, i]
+            finite = torch.isfinite(row_lse)
+            prob = torch.exp(s - torch.where(finite, row_lse, 0.0)[:, None])
+            prob = torch.where(finite[:, None], prob, 0.0)[:, :L]
+            out[b, i] = torch.einsum("hl,lhd->hd", prob, v)
+            lse[b, i] = row_lse
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def merge_attention_states_reference(outs: torch.Tensor, lses: torch.Tensor):
+    """Merge ``P`` partial results over disjoint key sets: ``outs [P, ..., D]``, ``lses [P,
+    ...]`` -> ``(out [..., D] in outs' dtype, lse [...])``. Partials with ``lse = -inf``
+    contribute nothing; if all do, the result is zeros and ``-inf``."""
+    compute = torch.float64 if outs.dtype == torch.float64 else torch.float32
+    lses = lses.to(compute)
+    lse = torch.logsumexp(lses, dim=0)
+    finite = torch.isfinite(lse)
+    w = torch.exp(lses - torch.where(finite, lse, 0.0)[None])
+    w = torch.where(finite[None], w, 0.0)
+    out = (w[..., None] * outs.to(compute)).sum(dim=0)
+    return out.to(outs.dtype), lse
