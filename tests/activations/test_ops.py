@@ -605,3 +605,40 @@ def test_explain_refuses_what_the_op_refuses() -> None:
     plan = lmfuse.explain(lmfuse.weighted_quick_geglu, x, torch.rand(4, 1), None,
                           clamp_value=2.0)
     assert "clamp" in plan.details and "weights" in plan.details
+
+
+def test_backward_row_groups_loop_over_several_tiles(monkeypatch) -> None:
+    """Small tiles and few programs: each backward program walks several row tiles of its
+    group (bias sums carried across them) and several groups' partials are summed."""
+    from lmfuse import tuning
+    from lmfuse.activations import ops as act_ops
+
+    small = dict(tuning.table("activations", torch.device("cpu")), bwd_tile=32,
+                 bwd_max_block_n=16, bwd_programs_per_sm=1)
+    real = tuning.table
+    monkeypatch.setattr(tuning, "table", lambda family, device: small
+                        if family == "activations" else real(family, device))
+    launches = []
+    real_bwd = act_ops._launch_bwd
+
+    def spy(x, g, bias, weights, s, dtype, bias_grad):
+        dx, db, dw = real_bwd(x, g, bias, weights, s, dtype, bias_grad)
+        launches.append((db.shape[0], dw.shape[0]))
+        return dx, db, dw
+
+    monkeypatch.setattr(act_ops, "_launch_bwd", spy)
+    M, f = 19, 20  # tiles of 2 rows x 16 columns: 10 row tiles, 2 column blocks
+    x = torch.randn(M, 2 * f, dtype=torch.float64)
+    b = torch.randn(2 * f, dtype=torch.float64)
+    w = torch.rand(M, 1, dtype=torch.float64)
+    g = torch.randn(M, f, dtype=torch.float64)
+    leaves = [t.float().requires_grad_(True) for t in (x, w, b)]
+    got = torch.autograd.grad(lmfuse.weighted_swiglu(*leaves, impl="triton"), leaves, g.float())
+    ref_leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    want = torch.autograd.grad(activation_reference(ref_leaves[0], ref_leaves[2], ref_leaves[1],
+                                                    activation="silu", gated=True),
+                               ref_leaves, g)
+    # 4 programs over 2 column blocks: 2 row groups of 10 rows, 5 tiles each
+    assert launches == [(2, 2)]
+    for a, r in zip(got, want):
+        torch.testing.assert_close(a.double(), r, rtol=1e-5, atol=1e-5)

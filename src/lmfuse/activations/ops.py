@@ -39,19 +39,6 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _programs(device: torch.device, per_sm: int) -> int:
-    """Programs the backward aims for: ``per_sm`` per SM (4 for the CPU interpreter)."""
-    if device.type != "cuda":
-        return 4
-    return per_sm * _sm_count(device.index if device.index is not None else
-                              torch.cuda.current_device())
-
-
 # --- launches ------------------------------------------------------------------------------
 
 
@@ -88,7 +75,7 @@ def _launch_bwd(x, g, bias, weights, s, dtype, bias_grad: bool):
     block_n = min(_pow2(N), t["bwd_max_block_n"])
     block_m = max(1, t["bwd_tile"] // block_n)
     col_blocks = _cdiv(N, block_n)
-    programs = _programs(x.device, t["bwd_programs_per_sm"])
+    programs = t["bwd_programs_per_sm"] * tuning.sm_count(x.device)
     groups = max(1, min(_cdiv(M, block_m), _cdiv(programs, col_blocks)))
     rows_per_group = _cdiv(_cdiv(M, groups), block_m) * block_m
     groups = _cdiv(M, rows_per_group) if M else 1

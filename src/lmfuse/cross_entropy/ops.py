@@ -22,7 +22,6 @@ The launches are also ``torch.library`` custom ops, which is what ``torch.compil
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional
 
 import torch
@@ -59,20 +58,6 @@ def _config(V: int, device: torch.device) -> dict[str, Any]:
                 fused=next(dict(f) for limit, f in t["fused"] if V <= limit))
 
 
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device``; 4 for the CPU interpreter (so the
-    persistent loop runs several tiles per program in tests)."""
-    if device.type != "cuda":
-        return 4
-    return _cuda_sm_count(device.index if device.index is not None else
-                          torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -89,7 +74,7 @@ def _scalars(vocab_size: int, label_smoothing: float, z_loss: float,
 def _persistent_grid(n: int, cfg: dict[str, Any], device: torch.device) -> int:
     per_sm = cfg.get("programs_per_sm") or tuning.table("cross_entropy", device)[
         "programs_per_sm"]
-    return min(n, max(1, int(per_sm * _sm_count(device))))
+    return min(n, max(1, int(per_sm * tuning.sm_count(device))))
 
 
 def _launch_fwd(logits, target, count, grad, vocab_start, vocab_size, ignore_index,
@@ -140,7 +125,7 @@ def _launch_slices(logits, target, count, grad, stats, ignore_index, label_smoot
     lag = f["lag"] * slices  # phase B trails phase A by this many tiles (>= slices)
     parts = torch.empty((n * slices * 4,), dtype=torch.float32, device=logits.device)
     counters = torch.zeros((n + 1,), dtype=torch.int32, device=logits.device)
-    grid = min(n * slices + lag, max(1, int(f["programs_per_sm"] * _sm_count(logits.device))))
+    grid = min(n * slices + lag, max(1, int(f["programs_per_sm"] * tuning.sm_count(logits.device))))
     _kernels().ce_slices_kernel[(grid,)](
         logits, logits.stride(0), target, parts, counters[1:], counters[:1], stats, grad,
         grad.stride(0), count, n, V, ignore_index,
@@ -175,7 +160,7 @@ def _launch_scale(grad, scale):
     n = grad.numel()
     if n:
         block = 4096
-        grid = min(_cdiv(n, block), 4 * _sm_count(grad.device))
+        grid = min(_cdiv(n, block), 4 * tuning.sm_count(grad.device))
         _kernels().ce_scale_kernel[(grid,)](grad, scale, n, BLOCK=block, num_warps=8)
 
 

@@ -68,6 +68,20 @@ def _cached_key(device: torch.device) -> str:
     return device_key(device)
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``, which persistent grids are sized by; 4 for
+    the CPU interpreter (so persistent loops run several tiles per program in tests)."""
+    if device.type != "cuda":
+        return 4
+    return _cuda_sm_count(device.index if device.index is not None else
+                          torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def single_block_tile(t: dict[str, Any], length: int) -> tuple[int, int, int] | None:
     """``(rows per tile, width, warps)`` for rows of ``length`` held in one register tile.
 
