@@ -30,7 +30,6 @@ The targets, checked at the end for SwiGLU, GEGLU and weighted SwiGLU: forward a
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 from collections.abc import Callable
@@ -41,8 +40,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (Case, Result, copy_tbps, dist_version, environment, plot, run_cases,
-    unavailable, write_json)  # noqa: E402
+from common import (Case, Result, dist_version, finish, measure_copy,  # noqa: E402
+                    run_cases, start, unavailable)
 
 import lmfuse  # noqa: E402
 
@@ -282,39 +281,20 @@ def check_targets(results: list[Result], copy_bw: float, judge: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="lmfuse bench activations", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", help="write the results as JSON here")
-    p.add_argument("--plot", help="write a PNG bar chart of achieved TB/s here")
-    p.add_argument("--quick", action="store_true", help="small shapes (the default on CPU)")
-    args = p.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    quick = args.quick or device.type != "cuda"
-    if device.type != "cuda":
-        print("no CUDA device: running small CPU shapes in float32; lmfuse runs its reference "
-              "path or Triton's interpreter (figures are not GPU performance)")
-    torch.manual_seed(0)
-    env = environment(device)
+    args, device, quick, env = start("lmfuse bench activations", __doc__, argv)
     megatron, megatron_version = load_megatron()
     env["megatron-core"] = megatron_version
-    print(f"# {env['device']} | torch {env['torch']} | triton {env['triton']} | {env['date']}")
     print(f"# peers: megatron-core {megatron_version}")
     cases, swiglu_fwd_bytes = build_cases(device, quick, megatron)
-    copy_bytes = swiglu_fwd_bytes // 2  # read and written: the bias-SwiGLU forward's bytes
-    copy_ms, copy_bw = copy_tbps(copy_bytes, device)
-    print(f"# device-to-device copy of {copy_bytes / 2**20:.1f} MiB: {copy_ms:.4f} ms, "
-          f"{copy_bw:.2f} TB/s (read + write)")
+    # read and written: the bias-SwiGLU forward's bytes
+    copy = measure_copy(swiglu_fwd_bytes // 2, device)
     print("# TB/s over minimal bytes (fwd: read x, bias, weights, write the output; fwd+bwd "
           "also: read x, the output's gradient, write the gradients); x lmfuse = ms / lmfuse "
           "ms (> 1: lmfuse is faster); peak MiB: allocated beyond the inputs")
     results = run_cases(cases, device)
-    check_targets(results, copy_bw, judge=device.type == "cuda")
-    copy = {"bytes": copy_bytes, "ms": copy_ms, "tbps": copy_bw}
-    if args.json:
-        write_json(args.json, env, copy, results)
-    if args.plot:
-        plot(args.plot, results, f"activations on {env['device']} (copy: {copy_bw:.2f} TB/s)")
-    return 0
+    check_targets(results, copy["tbps"], judge=device.type == "cuda")
+    return finish(args, env, copy, results,
+                  f"activations on {env['device']} (copy: {copy['tbps']:.2f} TB/s)")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ lmfuse and its peers in the same process, so the ratios compare like with like.
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import platform
@@ -209,3 +210,44 @@ def dist_version(dist: str) -> str:
         return version(dist)
     except PackageNotFoundError:
         return "(version unknown)"
+
+
+def start(prog: str, doc: str, argv: list[str] | None, plot_what: str = "achieved TB/s"
+          ) -> tuple[argparse.Namespace, torch.device, bool, dict]:
+    """The start every benchmark shares: ``--json``, ``--plot``, ``--quick`` parsed; the best
+    device (small shapes on CPU, said so); torch seeded; the environment header printed.
+    Returns ``(args, device, quick, environment)``."""
+    p = argparse.ArgumentParser(prog=prog, description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", help="write the results as JSON here")
+    p.add_argument("--plot", help=f"write a PNG bar chart of {plot_what} here")
+    p.add_argument("--quick", action="store_true", help="small shapes (the default on CPU)")
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    quick = args.quick or device.type != "cuda"
+    if device.type != "cuda":
+        print("no CUDA device: running small CPU shapes in float32; lmfuse runs its reference "
+              "path or Triton's interpreter (figures are not GPU performance)")
+    torch.manual_seed(0)
+    env = environment(device)
+    print(f"# {env['device']} | torch {env['torch']} | triton {env['triton']} | {env['date']}")
+    return args, device, quick, env
+
+
+def measure_copy(nbytes: int, device: torch.device) -> dict:
+    """The device-to-device copy of ``nbytes`` a bandwidth-bound benchmark compares with,
+    printed; ``{"bytes", "ms", "tbps"}`` for :func:`finish`."""
+    ms, tbps = copy_tbps(nbytes, device)
+    print(f"# device-to-device copy of {nbytes / 2**20:.1f} MiB: {ms:.4f} ms, "
+          f"{tbps:.2f} TB/s (read + write)")
+    return {"bytes": nbytes, "ms": ms, "tbps": tbps}
+
+
+def finish(args: argparse.Namespace, env: dict, copy: dict, results: list[Result],
+           title: str) -> int:
+    """Write the ``--json`` and ``--plot`` outputs asked for; the exit code."""
+    if args.json:
+        write_json(args.json, env, copy, results)
+    if args.plot:
+        plot(args.plot, results, title)
+    return 0

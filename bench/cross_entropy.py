@@ -38,7 +38,6 @@ against lmfuse's; a relative difference over 1e-4 is noted.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 from collections.abc import Callable
@@ -48,8 +47,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (Case, Result, copy_tbps, dist_version, environment, plot, run_cases,
-    unavailable, write_json)  # noqa: E402
+from common import (Case, Result, dist_version, finish, measure_copy,  # noqa: E402
+                    run_cases, start, unavailable)
 
 import lmfuse  # noqa: E402
 
@@ -289,46 +288,25 @@ def print_targets(cases: list[CECase], results: list[Result], copy_bw: float) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="lmfuse bench cross_entropy", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", help="write the results as JSON here")
-    p.add_argument("--plot", help="write a PNG bar chart of achieved TB/s here")
-    p.add_argument("--quick", action="store_true", help="small shapes (the default on CPU)")
-    args = p.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    quick = args.quick or device.type != "cuda"
-    if device.type != "cuda":
-        print("no CUDA device: running small CPU shapes in float32; lmfuse runs its reference "
-              "path or Triton's interpreter (figures are not GPU performance)")
-    torch.manual_seed(0)
-    env = environment(device)
+    args, device, quick, env = start("lmfuse bench cross_entropy", __doc__, argv)
     owns_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     peers = load_peers(device)
     versions = {name: v for name, (_, v) in peers.items()}
     env.update(versions)
-    print(f"# {env['device']} | torch {env['torch']} | triton {env['triton']} | {env['date']}")
     print("# peers: " + ", ".join(f"{name} {v}" for name, v in versions.items()))
-    copy_bytes = 8192 * 128256 * 2 if not quick else 32 * 5000 * 4
-    copy_ms, copy_bw = copy_tbps(copy_bytes, device)
-    print(f"# device-to-device copy of {copy_bytes / 2**20:.0f} MiB: {copy_ms:.4f} ms, "
-          f"{copy_bw:.2f} TB/s (read + write)")
+    copy = measure_copy(8192 * 128256 * 2 if not quick else 32 * 5000 * 4, device)
     print("# TB/s over minimal bytes (fwd+bwd: read logits + write gradient; fwd: read "
           "logits); x lmfuse = ms / lmfuse ms (> 1: lmfuse is faster); peak MiB: allocated "
           "beyond the inputs")
     try:
         cases = build_cases(device, quick, peers)
         results = run_cases(cases, device)
-        print_targets(cases, results, copy_bw)
+        print_targets(cases, results, copy["tbps"])
     finally:
         if owns_group and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    copy = {"bytes": copy_bytes, "ms": copy_ms, "tbps": copy_bw}
-    if args.json:
-        write_json(args.json, env, copy, results)
-    if args.plot:
-        plot(args.plot, results,
-             f"cross_entropy on {env['device']} (copy: {copy_bw:.2f} TB/s)")
-    return 0
+    return finish(args, env, copy, results,
+                  f"cross_entropy on {env['device']} (copy: {copy['tbps']:.2f} TB/s)")
 
 
 if __name__ == "__main__":

@@ -52,7 +52,6 @@ Cross-Entropy's and against its own budget, ``dhidden + dweight + one logits chu
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import sys
 from collections.abc import Callable
@@ -62,8 +61,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (Case, Result, bench_ms, dist_version, environment, plot,  # noqa: E402
-                    run_cases, unavailable, write_json)
+from common import (Case, Result, bench_ms, dist_version, finish,  # noqa: E402
+                    run_cases, start, unavailable)
 
 import lmfuse  # noqa: E402
 from lmfuse.cross_entropy.linear import chunk_rows  # noqa: E402
@@ -349,23 +348,11 @@ def print_targets(cases: list[LCECase], results: list[Result]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="lmfuse bench linear_cross_entropy", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", help="write the results as JSON here")
-    p.add_argument("--plot", help="write a PNG bar chart of achieved TFLOP/s here")
-    p.add_argument("--quick", action="store_true", help="small shapes (the default on CPU)")
-    args = p.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    quick = args.quick or device.type != "cuda"
-    if device.type != "cuda":
-        print("no CUDA device: running small CPU shapes in float32; lmfuse runs its reference "
-              "path or Triton's interpreter (figures are not GPU performance)")
-    torch.manual_seed(0)
-    env = environment(device)
+    args, device, quick, env = start("lmfuse bench linear_cross_entropy", __doc__, argv,
+                                     plot_what="achieved TFLOP/s")
     peers, versions, peer_notes = load_peers()
     env.update(versions)
     env["tbps"] = "TFLOP/s over the three GEMMs' 6 N V H flops (this op is compute-bound)"
-    print(f"# {env['device']} | torch {env['torch']} | triton {env['triton']} | {env['date']}")
     print("# peers: " + ", ".join(f"{name} {v}" for name, v in versions.items()))
     print("# forward+backward (grads of hidden and weight); the TB/s column is TFLOP/s over "
           "6 N V H flops; x lmfuse = ms / lmfuse ms (> 1: lmfuse is faster); peak MiB: "
@@ -373,13 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     cases = build_cases(device, quick, peers, peer_notes)
     results = run_cases(cases, device)
     print_targets(cases, results)
-    if args.json:
-        # No copy ceiling for this compute-bound op: the floor row is its ceiling.
-        write_json(args.json, env, {}, results)
-    if args.plot:
-        plot(args.plot, results, f"linear_cross_entropy fwd+bwd on {env['device']}: "
-                                 "bars are TFLOP/s over 6 N V H flops (axis label says TB/s)")
-    return 0
+    # No copy ceiling for this compute-bound op: the floor row is its ceiling.
+    return finish(args, env, {}, results,
+                  f"linear_cross_entropy fwd+bwd on {env['device']}: bars are TFLOP/s over "
+                  "6 N V H flops (axis label says TB/s)")
 
 
 if __name__ == "__main__":

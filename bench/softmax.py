@@ -9,14 +9,13 @@ of the same size, timed in the same run, is the bandwidth ceiling.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Case, copy_tbps, environment, plot, run_cases, write_json  # noqa: E402
+from common import Case, finish, measure_copy, run_cases, start  # noqa: E402
 
 import lmfuse  # noqa: E402
 
@@ -126,29 +125,12 @@ def build_cases(device: torch.device, quick: bool) -> list[Case]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="lmfuse bench softmax", description=__doc__)
-    p.add_argument("--json", help="write the results as JSON here")
-    p.add_argument("--plot", help="write a PNG bar chart of achieved TB/s here")
-    p.add_argument("--quick", action="store_true", help="small shapes (the default on CPU)")
-    args = p.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    quick = args.quick or device.type != "cuda"
-    if device.type != "cuda":
-        print("no CUDA device: running small CPU shapes; lmfuse runs its reference path "
-              "(figures are not GPU performance)")
-    env = environment(device)
-    print(f"# {env['device']} | torch {env['torch']} | triton {env['triton']} | {env['date']}")
-    copy_bytes = 4 * 32 * 2048 * 2048 * 2 if not quick else 2 * 4 * 128 * 128 * 4
-    copy_ms, copy_bw = copy_tbps(copy_bytes, device)
-    print(f"# device-to-device copy of {copy_bytes / 2**20:.0f} MiB: {copy_ms:.4f} ms, "
-          f"{copy_bw:.2f} TB/s (read + write)")
+    args, device, quick, env = start("lmfuse bench softmax", __doc__, argv)
+    copy = measure_copy(4 * 32 * 2048 * 2048 * 2 if not quick else 2 * 4 * 128 * 128 * 4,
+                        device)
     results = run_cases(build_cases(device, quick), device)
-    copy = {"bytes": copy_bytes, "ms": copy_ms, "tbps": copy_bw}
-    if args.json:
-        write_json(args.json, env, copy, results)
-    if args.plot:
-        plot(args.plot, results, f"fused_softmax on {env['device']} (copy: {copy_bw:.2f} TB/s)")
-    return 0
+    return finish(args, env, copy, results,
+                  f"fused_softmax on {env['device']} (copy: {copy['tbps']:.2f} TB/s)")
 
 
 if __name__ == "__main__":
