@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 from ._dispatch import Plan, explain
 from .activations import (FusedMLP, bias_gelu, geglu, quick_geglu, squared_relu, swiglu,
                           weighted_quick_geglu, weighted_squared_relu, weighted_swiglu)
+from .attention import decode_attention, kv_cache_append, merge_attention_states
 from .cross_entropy import cross_entropy, linear_cross_entropy
 from .softmax import AttnMaskType, FusedScaleMaskSoftmax, fused_softmax
 
@@ -22,10 +23,13 @@ __all__ = [
     "__version__",
     "bias_gelu",
     "cross_entropy",
+    "decode_attention",
     "explain",
     "fused_softmax",
     "geglu",
+    "kv_cache_append",
     "linear_cross_entropy",
+    "merge_attention_states",
     "quick_geglu",
     "squared_relu",
     "swiglu",

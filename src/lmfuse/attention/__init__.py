@@ -1,4 +1,6 @@
-"""Decode attention over contiguous and paged KV caches (issue in progress: so far the
-reference, ``reference.py``, which specifies ``decode_attention`` and
-``merge_attention_states``; the kernels, the public functions, the cache allocator and the
-attention block follow)."""
+"""Decode attention over contiguous and paged KV caches: ``reference.py`` (the spec),
+``decode_kernels.py`` (Triton), ``ops.py`` (validation, dispatch, launches)."""
+
+from .ops import decode_attention, kv_cache_append, merge_attention_states
+
+__all__ = ["decode_attention", "kv_cache_append", "merge_attention_states"]

@@ -114,3 +114,40 @@ def merge_attention_states_reference(outs: torch.Tensor, lses: torch.Tensor):
     w = torch.where(finite[None], w, 0.0)
     out = (w[..., None] * outs.to(compute)).sum(dim=0)
     return out.to(outs.dtype), lse
+
+
+def kv_cache_append_reference(k_cache, v_cache, k_new, v_new, cache_seqlens, *,
+                              block_table=None, k_scale=None, v_scale=None) -> None:
+    """Write ``k_new``/``v_new [B, s_new, Hkv, D]`` at positions ``cache_seqlens[b] + i`` of a
+    contiguous or paged cache, in place. A float8 cache stores ``clamp(x / scale, +-448)``
+    rounded to e4m3 (scale 1 when none is given). Raises if a position is past the capacity
+    or falls in a block whose id is -1."""
+    B, s_new = k_new.shape[:2]
+    if B * s_new == 0:
+        return
+    pos = cache_seqlens.long()[:, None] + torch.arange(s_new, device=k_new.device)[None, :]
+    if block_table is None:
+        capacity = k_cache.shape[1]
+        if int(pos.max()) >= capacity:
+            raise ValueError(f"kv_cache_append: positions up to {int(pos.max())} do not fit a "
+                             f"cache of {capacity} rows per sequence")
+        index = (torch.arange(B, device=k_new.device)[:, None].expand(B, s_new), pos)
+    else:
+        block_len = k_cache.shape[1]
+        capacity = block_table.shape[1] * block_len
+        if int(pos.max()) >= capacity:
+            raise ValueError(f"kv_cache_append: positions up to {int(pos.max())} do not fit "
+                             f"{block_table.shape[1]} blocks of {block_len} per sequence")
+        blk = block_table.long().gather(1, pos // block_len)
+        if int(blk.min()) < 0 or int(blk.max()) >= k_cache.shape[0]:
+            raise ValueError("kv_cache_append: a new token falls in a block whose id is -1 "
+                             f"or outside the pool of {k_cache.shape[0]} blocks")
+        index = (blk, pos % block_len)
+    for cache, new, s in ((k_cache, k_new, k_scale), (v_cache, v_new, v_scale)):
+        x = new.to(torch.float32)
+        if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            if s is not None:
+                x = x / s.to(torch.float32)[:, None]
+            limit = torch.finfo(cache.dtype).max
+            x = x.clamp(-limit, limit)
+        cache[index] = x.to(cache.dtype)

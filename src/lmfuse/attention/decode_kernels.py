@@ -1,0 +1,241 @@
+"""Triton kernels of decode attention: the split-KV attention pass, the log-sum-exp merge,
+and the cache append.
+
+* ``decode_kernel``: one program per ``(sequence b, KV head, split)``. Its rows are the
+  ``GROUP * S_ACT`` query rows that read that KV head (row ``r``: active token ``r // GROUP``,
+  query head ``kv_head * GROUP + r % GROUP``), so each K/V tile is loaded once for the whole
+  group and all active tokens and fed to two ``tl.dot``s. The keys are walked in tiles of
+  ``BLOCK_N`` with the online softmax in base 2 (``scale * log2(e)`` folded into one
+  multiply of the scores). A paged cache is read through ``block_table``: each key's row
+  address is its block's id times the block stride plus its offset in the block, so any
+  block length works and blocks may lie anywhere in the pool; ids of blocks past the
+  sequence's length (the -1 padding) are never loaded. fp8 caches are widened to the
+  query's dtype in registers; their per-head scales multiply the scores (``k_scale``) and
+  the output (``v_scale``) instead of every element. With one split the program writes the
+  output (and the LSE); with several each writes a float32 partial output normalised by
+  its own denominator plus its LSE, and ``merge_kernel`` combines them.
+* ``merge_kernel``: one program per output row: ``lse = log(sum_p exp(lse_p))``, ``out =
+  sum_p exp(lse_p - lse) out_p``; partials with ``lse_p = -inf`` add nothing, and a row
+  with no finite partial gives zeros and ``-inf``. Strided over the partial index so it
+  serves the split-KV pass and ``merge_attention_states`` alike.
+* ``append_kernel``: one program per ``(sequence, new token)``, writing its K and V rows
+  for all KV heads at position ``cache_seqlens[b] + i`` (contiguous or paged; quantised
+  to fp8 as ``x / scale`` when the cache is fp8).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# log2(e) = 1.4426950408889634 and ln(2) = 0.6931471805599453 are written inline below (see
+# activations/kernels.py on why kernels do not read float globals).
+
+
+@triton.jit
+def _kv_rows(TABLE, b, stride_tb, offs, valid, stride_blk, stride_row, num_blocks,
+             PAGED: tl.constexpr, BLOCK_LEN: tl.constexpr):
+    """Element offsets of keys ``offs`` of sequence ``b`` in the cache, and which may be read:
+    ``valid`` and, paged, a block id in ``[0, num_blocks)`` (so a wrong table entry can never
+    make the kernel read outside the pool)."""
+    if PAGED:
+        blk = tl.load(TABLE + b.to(tl.int64) * stride_tb + offs // BLOCK_LEN, mask=valid,
+                      other=-1)
+        ok = valid & (blk >= 0) & (blk < num_blocks)
+        rows = blk.to(tl.int64) * stride_blk + (offs % BLOCK_LEN).to(tl.int64) * stride_row
+        return rows, ok
+    else:
+        rows = b.to(tl.int64) * stride_blk + offs.to(tl.int64) * stride_row
+        return rows, valid
+
+
+@triton.jit
+def decode_kernel(
+    Q, K, V, SEQLENS, TABLE, SINKS, K_SCALE, V_SCALE, OUT, LSE,
+    stride_qb, stride_qs, stride_qh,
+    stride_kblk, stride_krow, stride_kh,
+    stride_vblk, stride_vrow, stride_vh,
+    stride_tb,
+    stride_ob, stride_os, stride_oh, stride_osplit,
+    stride_lb, stride_ls, stride_lh, stride_lsplit,
+    num_kv_heads, keys_per_split, qk_scale, window, capacity, num_blocks,
+    S_ACT: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGED: tl.constexpr, BLOCK_LEN: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr,
+    PARTIAL: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_F32: tl.constexpr,
+    IEEE: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // num_kv_heads
+    kvh = pid % num_kv_heads
+    L = tl.load(SEQLENS + b).to(tl.int32)
+
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = rows // GROUP
+    qh = kvh * GROUP + rows % GROUP
+    row_ok = rows < S_ACT * GROUP
+    pos = L - S_ACT + tok  # each row's own position: it sees keys <= pos
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + tok[:, None] * stride_qs
+                + qh[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    # The keys any row sees: [lo, L). Splits cut [lo rounded down to a tile, L) into
+    # keys_per_split pieces (a multiple of BLOCK_N, so tiles stay aligned to the cache).
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(L - S_ACT - window, 0)
+    start = (lo // BLOCK_N) * BLOCK_N + split * keys_per_split
+    end = tl.minimum(start + keys_per_split, L)
+
+    scale = qk_scale
+    if HAS_K_SCALE:
+        scale = scale * tl.load(K_SCALE + kvh).to(tl.float32)
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:
+        # A sink is a key with logit sinks[h] and a zero value: counted once, in split 0.
+        sink = tl.load(SINKS + qh, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        first = (tl.zeros([BLOCK_M], tl.int32) + split) == 0
+        m = tl.where(first & row_ok, sink, m)
+        l_sum = tl.where(first & row_ok, 1.0, l_sum)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    k_base = K + kvh.to(tl.int64) * stride_kh
+    v_base = V + kvh.to(tl.int64) * stride_vh
+    for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        in_range = (offs < end) & (offs < capacity)
+        k_rows, k_ok = _kv_rows(TABLE, b, stride_tb, offs, in_range, stride_kblk,
+                                stride_krow, num_blocks, PAGED, BLOCK_LEN)
+        k = tl.load(k_base + k_rows[:, None] + d[None, :],
+                    mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+        else:
+            k = k.to(q.dtype)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale
+        seen = (offs[None, :] <= pos[:, None]) & k_ok[None, :]
+        if HAS_WINDOW:
+            seen = seen & (offs[None, :] >= pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        # A row that has seen nothing yet keeps m = -inf; subtracting 0 then keeps exp2 at 0
+        # instead of exp2(-inf - -inf) = NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m - m_ref)
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+
+        v_rows, v_ok = _kv_rows(TABLE, b, stride_tb, offs, in_range, stride_vblk,
+                                stride_vrow, num_blocks, PAGED, BLOCK_LEN)
+        v = tl.load(v_base + v_rows[:, None] + d[None, :],
+                    mask=v_ok[:, None] & d_ok[None, :], other=0.0)
+        if DOT_F32:
+            v = v.to(tl.float32)
+        else:
+            v = v.to(q.dtype)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+
+    has = l_sum > 0.0
+    out = acc / tl.where(has, l_sum, 1.0)[:, None]
+    if HAS_V_SCALE:
+        out = out * tl.load(V_SCALE + kvh).to(tl.float32)
+    lse = tl.where(has, (m + tl.log2(tl.where(has, l_sum, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+
+    o_ptr = (OUT + b.to(tl.int64) * stride_ob + tok[:, None] * stride_os
+             + qh[:, None] * stride_oh + split * stride_osplit + d[None, :])
+    tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if WRITE_LSE:
+        l_ptr = (LSE + b.to(tl.int64) * stride_lb + tok * stride_ls + qh * stride_lh
+                 + split * stride_lsplit)
+        tl.store(l_ptr, lse, mask=row_ok)
+
+
+@triton.jit
+def merge_kernel(
+    OUTS, LSES, OUT, LSE, num_parts, rows_per_b,
+    stride_op, stride_or, stride_lp, stride_lr, stride_ob, stride_orow,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    """``OUTS`` partial ``p`` of row ``r`` at ``p * stride_op + r * stride_or``; the merged row
+    ``r`` goes to ``(r // rows_per_b) * stride_ob + (r % rows_per_b) * stride_orow`` (so the
+    output may be a strided view, as ``[B, s_active, Hq, D]`` with heads innermost)."""
+    r = tl.program_id(0).to(tl.int64)
+    parts = tl.arange(0, BLOCK_P)
+    lses = tl.load(LSES + parts * stride_lp + r * stride_lr, mask=parts < num_parts,
+                   other=float("-inf")).to(tl.float32)
+    top = tl.max(lses, 0)
+    top_ref = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.sum(tl.exp(lses - top_ref), 0)
+    d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for p in range(num_parts):
+        lse_p = tl.load(LSES + p * stride_lp + r * stride_lr).to(tl.float32)
+        w = tl.exp(lse_p - top_ref)  # 0 for an empty partial
+        w = w / tl.where(total > 0.0, total, 1.0)
+        o = tl.load(OUTS + p * stride_op + r * stride_or + d, mask=d < D, other=0.0)
+        acc += tl.where(w > 0.0, w * o.to(tl.float32), 0.0)
+    o_ptr = OUT + (r // rows_per_b) * stride_ob + (r % rows_per_b) * stride_orow + d
+    tl.store(o_ptr, acc.to(OUT.dtype.element_ty), mask=d < D)
+    if WRITE_LSE:
+        lse = tl.where(total > 0.0, top_ref + tl.log(tl.where(total > 0.0, total, 1.0)),
+                       float("-inf"))
+        tl.store(LSE + r, lse)
+
+
+@triton.jit
+def append_kernel(
+    K_NEW, V_NEW, K, V, SEQLENS, TABLE, K_SCALE, V_SCALE,
+    stride_nb, stride_ns, stride_vnb, stride_vns,
+    stride_kblk, stride_krow, stride_vblk, stride_vrow, stride_tb,
+    s_new, capacity, num_blocks,
+    HD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+    PAGED: tl.constexpr, BLOCK_LEN: tl.constexpr, FP8: tl.constexpr,
+):
+    """New rows ``[Hkv * D]`` (heads and dims contiguous in the new tensors and the cache)."""
+    pid = tl.program_id(0)
+    b = (pid // s_new).to(tl.int64)
+    i = pid % s_new
+    p = tl.load(SEQLENS + b).to(tl.int64) + i
+    if PAGED:
+        blk = tl.load(TABLE + b * stride_tb + p // BLOCK_LEN,
+                      mask=p < capacity, other=-1).to(tl.int64)
+        ok = (p < capacity) & (blk >= 0) & (blk < num_blocks)
+        k_row = blk * stride_kblk + (p % BLOCK_LEN) * stride_krow
+        v_row = blk * stride_vblk + (p % BLOCK_LEN) * stride_vrow
+    else:
+        ok = p < capacity
+        k_row = b * stride_kblk + p * stride_krow
+        v_row = b * stride_vblk + p * stride_vrow
+    for c0 in range(0, HD, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        m = (c < HD) & ok
+        k = tl.load(K_NEW + b * stride_nb + i * stride_ns + c, mask=m, other=0.0).to(tl.float32)
+        v = tl.load(V_NEW + b * stride_vnb + i * stride_vns + c, mask=m, other=0.0)
+        v = v.to(tl.float32)
+        if FP8:
+            ks = tl.load(K_SCALE + c // D, mask=m, other=1.0).to(tl.float32)
+            vs = tl.load(V_SCALE + c // D, mask=m, other=1.0).to(tl.float32)
+            # Saturate at e4m3's largest finite value instead of rounding to NaN.
+            k = tl.minimum(tl.maximum(k / ks, -448.0), 448.0)
+            v = tl.minimum(tl.maximum(v / vs, -448.0), 448.0)
+        tl.store(K + k_row + c, k.to(K.dtype.element_ty), mask=m)
+        tl.store(V + v_row + c, v.to(V.dtype.element_ty), mask=m)

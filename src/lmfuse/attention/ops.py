@@ -1,0 +1,550 @@
+"""Decode attention, the exact merge of partial attention states, and the KV-cache append:
+validation, dispatch and launches.
+
+Decode attention is an inference op: it has no backward (ask for ``impl="torch"`` to
+differentiate through the reference). The Triton path never synchronises with the host:
+the split count comes from the shapes (the cache's capacity, not the lengths in
+``cache_seqlens``), so a call can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from .. import tuning
+from .._dispatch import (Plan, check_int, check_number, check_same_device, check_tensor,
+                         register_planner, select_impl)
+from . import reference as ref
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _kernels():
+    # Imported on first use: Triton reads TRITON_INTERPRET when a kernel is defined.
+    from . import decode_kernels
+
+    return decode_kernels
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int, least: int = 1) -> int:
+    return max(least, 1 << max(n - 1, 0).bit_length())
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _eager() -> bool:
+    return not torch.compiler.is_compiling()
+
+
+# --- validation ------------------------------------------------------------------------------
+
+
+def _check_cache(op: str, q_dtype, k_cache, v_cache, block_table, B: int, Hq: int, D: int):
+    """Shared by decode_attention and kv_cache_append: the two caches, their layout and the
+    block table. Returns ``(Hkv, capacity per sequence)``."""
+    check_tensor(op, "k_cache", k_cache, ndim=4, dtypes=None)
+    check_tensor(op, "v_cache", v_cache, ndim=4, dtypes=None)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dtype not in _FP8 and c.dtype != q_dtype:
+            raise TypeError(f"{op}: {name} must have the queries' dtype {_dt(q_dtype)} or be "
+                            f"float8 (e4m3fn/e5m2), got {_dt(c.dtype)}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"{op}: k_cache {tuple(k_cache.shape)} and v_cache "
+                         f"{tuple(v_cache.shape)} must have one shape")
+    n0, rows, Hkv, Dk = k_cache.shape
+    if Dk != D:
+        raise ValueError(f"{op}: the caches' head dim is {Dk} but the new/query rows' is {D}")
+    if Hkv == 0 or (Hq is not None and Hq % Hkv):
+        raise ValueError(f"{op}: the query heads ({Hq}) must be a multiple of the caches' KV "
+                         f"heads ({Hkv}) (GQA)")
+    if block_table is None:
+        if n0 != B:
+            raise ValueError(f"{op}: a contiguous cache [B, S_max, Hkv, D] must have B = {B} "
+                             f"rows (the queries' batch), got {tuple(k_cache.shape)}; pass "
+                             f"block_table for a paged cache [num_blocks, block_len, Hkv, D]")
+        return Hkv, rows
+    check_tensor(op, "block_table", block_table, ndim=2, dtypes=_INDEX_DTYPES)
+    if block_table.shape[0] != B:
+        raise ValueError(f"{op}: block_table must be [B={B}, max_blocks], got "
+                         f"{tuple(block_table.shape)}")
+    if rows == 0:
+        raise ValueError(f"{op}: a paged cache's block_len (dim 1) must be >= 1, got 0")
+    return Hkv, block_table.shape[1] * rows
+
+
+def _check_seqlens(op: str, cache_seqlens, B: int) -> None:
+    check_tensor(op, "cache_seqlens", cache_seqlens, ndim=1, dtypes=_INDEX_DTYPES)
+    if cache_seqlens.shape[0] != B:
+        raise ValueError(f"{op}: cache_seqlens must be [B={B}], got "
+                         f"{tuple(cache_seqlens.shape)}")
+
+
+def _check_scales(op: str, k_scale, v_scale, Hkv: int) -> None:
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is not None:
+            check_tensor(op, name, s, ndim=1)
+            if s.shape[0] != Hkv:
+                raise ValueError(f"{op}: {name} must be [Hkv={Hkv}] (one scale per KV head), "
+                                 f"got {tuple(s.shape)}")
+
+
+def _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_size, sinks,
+             k_scale, v_scale, return_lse, num_splits, impl) -> dict[str, Any]:
+    op = "decode_attention"
+    check_tensor(op, "q", q, ndim=4)
+    B, s_active, Hq, D = q.shape
+    if s_active < 1:
+        raise ValueError(f"{op}: q must be [B, s_active, Hq, D] with s_active >= 1, got "
+                         f"{tuple(q.shape)}")
+    if D == 0:
+        raise ValueError(f"{op}: q's head dim D must be >= 1, got {tuple(q.shape)}")
+    Hkv, capacity = _check_cache(op, q.dtype, k_cache, v_cache, block_table, B, Hq, D)
+    _check_seqlens(op, cache_seqlens, B)
+    scale = check_number(op, "scale", scale)
+    if window_size is not None:
+        check_int(op, "window_size", window_size, minimum=0)
+    if sinks is not None:
+        check_tensor(op, "sinks", sinks, ndim=1)
+        if sinks.shape[0] != Hq:
+            raise ValueError(f"{op}: sinks must be [Hq={Hq}], got {tuple(sinks.shape)}")
+    _check_scales(op, k_scale, v_scale, Hkv)
+    if num_splits is not None:
+        check_int(op, "num_splits", num_splits, minimum=1)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"{op}: return_lse must be a bool, got {type(return_lse).__name__}")
+    check_same_device(op, "q", q, k_cache=k_cache, v_cache=v_cache,
+                      cache_seqlens=cache_seqlens, block_table=block_table, sinks=sinks,
+                      k_scale=k_scale, v_scale=v_scale)
+    path, reason = select_impl(op, impl, q.device)
+    if path == "triton" and q.dtype not in _KERNEL_DTYPES:
+        if impl == "triton":
+            raise TypeError(f"{op}: impl='triton' runs float32/float16/bfloat16 queries, got "
+                            f"{_dt(q.dtype)}; use impl='torch'")
+        path, reason = "torch", f"{_dt(q.dtype)} queries: the reference"
+    if path == "triton" and torch.is_grad_enabled() and q.requires_grad:
+        raise ValueError(f"{op}: the Triton path has no backward (decode attention is an "
+                         "inference op); run it under torch.no_grad() or use impl='torch'")
+    s = dict(path=path, reason=reason, B=B, s_active=s_active, Hq=Hq, Hkv=Hkv, D=D,
+             capacity=capacity, paged=block_table is not None,
+             scale=1.0 / math.sqrt(D) if scale is None else scale, window=window_size,
+             return_lse=return_lse)
+    if path == "triton":
+        s.update(_config(q, k_cache, s, num_splits))
+    return s
+
+
+def _config(q, k_cache, s: dict[str, Any], num_splits: Optional[int]) -> dict[str, Any]:
+    """Tile sizes and the split count for a call (see ``tuning/*.json``,
+    ``decode_attention``)."""
+    t = tuning.table("decode_attention", q.device)
+    D, group = s["D"], s["Hq"] // s["Hkv"]
+    block_d = _pow2(D, 16)
+    block_n = next(n for limit, n in t["block_n_by_head_dim"] if block_d <= limit)
+    rows = group * s["s_active"]
+    block_m = min(_pow2(rows, 16), t["max_block_m"])
+    row_blocks = _cdiv(rows, block_m)
+    # Keys a program may have to walk: the cache's capacity, or less with a window (plus
+    # the tile the window's start is rounded down to).
+    span = s["capacity"]
+    if s["window"] is not None:
+        span = min(span, s["window"] + s["s_active"] + block_n)
+    programs = s["B"] * s["Hkv"] * row_blocks
+    if num_splits is None:
+        want = _cdiv(t["programs_per_sm"] * tuning.sm_count(q.device), max(programs, 1))
+        splits = max(1, min(want, span // t["min_keys_per_split"], t["max_splits"]))
+        keys = _cdiv(_cdiv(max(span, 1), splits), block_n) * block_n
+        splits = max(1, _cdiv(span, keys))
+        forced = False
+    else:
+        splits = num_splits
+        keys = max(1, _cdiv(span, splits))
+        forced = True
+    interp = q.device.type != "cuda"
+    dot_f32 = interp and (q.dtype == torch.bfloat16)  # the interpreter cannot dot bf16
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, row_blocks=row_blocks,
+                splits=splits, keys_per_split=keys, forced_splits=forced, DOT_F32=dot_f32,
+                IEEE=q.dtype == torch.float32, num_warps=t["num_warps"],
+                num_stages=t["num_stages"], merge_warps=t["merge_warps"],
+                block_len=k_cache.shape[1] if s["paged"] else 1)
+
+
+# --- launches --------------------------------------------------------------------------------
+
+
+def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale,
+                   s: dict[str, Any]):
+    B, S, Hq, D = q.shape
+    Hkv, splits = s["Hkv"], s["splits"]
+    out = torch.empty((B, S, Hq, D), dtype=q.dtype, device=q.device)
+    lse = (torch.empty((B, S, Hq), dtype=torch.float32, device=q.device)
+           if s["return_lse"] else None)
+    if B == 0:
+        return out, lse
+    if splits > 1:
+        part_o = torch.empty((B, S, Hq, splits, D), dtype=torch.float32, device=q.device)
+        part_l = torch.empty((B, S, Hq, splits), dtype=torch.float32, device=q.device)
+        o_t, l_t = part_o, part_l
+        o_strides = (part_o.stride(0), part_o.stride(1), part_o.stride(2), part_o.stride(3))
+        l_strides = (part_l.stride(0), part_l.stride(1), part_l.stride(2), part_l.stride(3))
+    else:
+        o_t, l_t = out, (lse if lse is not None else out)
+        o_strides = (out.stride(0), out.stride(1), out.stride(2), 0)
+        l_strides = ((lse.stride(0), lse.stride(1), lse.stride(2), 0) if lse is not None
+                     else (0, 0, 0, 0))
+    paged = block_table is not None
+    # A contiguous cache is addressed per sequence (its stride 0) and row (stride 1); a paged
+    # one per block (stride 0) and row in the block (stride 1): the same two strides.
+    grid = (B * Hkv, splits, s["row_blocks"])
+    _kernels().decode_kernel[grid](
+        q, k_cache, v_cache, cache_seqlens, block_table if paged else cache_seqlens,
+        sinks if sinks is not None else q, k_scale if k_scale is not None else q,
+        v_scale if v_scale is not None else q, o_t, l_t,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0) if paged else 0,
+        *o_strides, *l_strides,
+        Hkv, s["keys_per_split"], s["scale"] * 1.4426950408889634,
+        s["window"] if s["window"] is not None else 0, s["capacity"],
+        k_cache.shape[0] if paged else 0,
+        S_ACT=S, GROUP=Hq // Hkv, D=D, BLOCK_M=s["BLOCK_M"], BLOCK_N=s["BLOCK_N"],
+        BLOCK_D=s["BLOCK_D"], PAGED=paged, BLOCK_LEN=s["block_len"],
+        HAS_WINDOW=s["window"] is not None, HAS_SINKS=sinks is not None,
+        HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None,
+        PARTIAL=splits > 1, WRITE_LSE=splits > 1 or lse is not None, DOT_F32=s["DOT_F32"],
+        IEEE=s["IEEE"], NUM_STAGES=s["num_stages"], num_warps=s["num_warps"])
+    if splits > 1:
+        rows = B * S * Hq
+        _launch_merge(part_o.view(rows, splits, D).transpose(0, 1),
+                      part_l.view(rows, splits).transpose(0, 1),
+                      out.view(rows, D), lse.view(rows) if lse is not None else None,
+                      s["merge_warps"])
+    return out, lse
+
+
+def _launch_merge(outs, lses, out, lse, num_warps: int = 4) -> None:
+    """``outs [P, R, D]`` and ``lses [P, R]`` (any strides but D's = 1) into ``out [R, D]``
+    (D's stride 1) and, if given, ``lse [R]`` (contiguous)."""
+    P, R, D = outs.shape
+    if R == 0 or D == 0:
+        if lse is not None and R:
+            lse.copy_(torch.logsumexp(lses.float(), 0))
+        return
+    _kernels().merge_kernel[(R,)](
+        outs, lses, out, lse if lse is not None else out, P, R,
+        outs.stride(0), outs.stride(1), lses.stride(0), lses.stride(1), 0, out.stride(0),
+        D=D, BLOCK_D=_pow2(D, 16), BLOCK_P=_pow2(P, 2), WRITE_LSE=lse is not None,
+        num_warps=num_warps)
+
+
+def _launch_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale,
+                   v_scale, capacity: int) -> None:
+    B, s_new, Hkv, D = k_new.shape
+    if B * s_new == 0 or Hkv * D == 0:
+        return
+    paged = block_table is not None
+    fp8 = k_cache.dtype in _FP8
+    one = torch.ones(Hkv, dtype=torch.float32, device=k_new.device) if fp8 else None
+    block = min(_pow2(Hkv * D, 16), tuning.table("decode_attention", k_new.device)
+                ["append_block"])
+    _kernels().append_kernel[(B * s_new,)](
+        k_new, v_new, k_cache, v_cache, cache_seqlens,
+        block_table if paged else cache_seqlens,
+        k_scale if k_scale is not None else (one if fp8 else k_new),
+        v_scale if v_scale is not None else (one if fp8 else k_new),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        block_table.stride(0) if paged else 0,
+        s_new, capacity, k_cache.shape[0],
+        HD=Hkv * D, D=D, BLOCK=block, PAGED=paged,
+        BLOCK_LEN=k_cache.shape[1] if paged else 1, FP8=fp8, num_warps=4)
+
+
+# torch.library custom ops, so torch.compile sees opaque nodes; eager calls launch directly.
+
+
+@torch.library.custom_op("lmfuse::decode_attention", mutates_args=())
+def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
+               sinks: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
+               v_scale: Optional[torch.Tensor], scale: float, window: int,
+               num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    s = _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale,
+                 None if window < 0 else window, sinks, k_scale, v_scale, True,
+                 num_splits or None, "triton")
+    return _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale,
+                          v_scale, s)
+
+
+@_decode_op.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale, scale, window,
+      num_splits):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("lmfuse::kv_cache_append_", mutates_args=("k_cache", "v_cache"))
+def _append_op(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
+               v_new: torch.Tensor, cache_seqlens: torch.Tensor,
+               block_table: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
+               v_scale: Optional[torch.Tensor], capacity: int) -> None:
+    _launch_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale,
+                   v_scale, capacity)
+
+
+@_append_op.register_fake
+def _(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale, v_scale, capacity):
+    return None
+
+
+@torch.library.custom_op("lmfuse::merge_attention_states", mutates_args=())
+def _merge_op(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    P, R, D = outs.shape
+    out = outs.new_empty((R, D))
+    lse = lses.new_empty((R,), dtype=torch.float32)
+    _launch_merge(outs, lses, out, lse)
+    return out, lse
+
+
+@_merge_op.register_fake
+def _(outs, lses):
+    return outs.new_empty(outs.shape[1:]), lses.new_empty(lses.shape[1:], dtype=torch.float32)
+
+
+# --- public functions -------------------------------------------------------------------------
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    block_table: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    window_size: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
+    num_splits: Optional[int] = None,
+    impl: str = "auto",
+):
+    """Attention of the ``s_active`` newest tokens of each sequence over its KV cache.
+
+    Args:
+        q: ``[B, s_active, Hq, D]`` float32/float16/bfloat16 (float64 on the reference). The
+            active tokens are already in the cache, at positions ``cache_seqlens[b] -
+            s_active + i``; token ``i`` sees the keys up to its own position.
+        k_cache, v_cache: contiguous ``[B, S_max, Hkv, D]``, or paged ``[num_blocks,
+            block_len, Hkv, D]`` with ``block_table``; q's dtype or ``float8_e4m3fn`` (value =
+            stored * scale). ``Hq`` must be a multiple of ``Hkv`` (GQA: query head ``h``
+            reads KV head ``h // (Hq // Hkv)``; each KV head is read once for its group).
+        cache_seqlens: ``[B]`` int32/int64, tokens in each cache (active ones included); 0
+            gives zeros (and ``lse = -inf``). Must not exceed the capacity (``S_max``, or
+            ``max_blocks * block_len``): keys past it are never read.
+        block_table: ``[B, max_blocks]`` int32 block ids, padded with -1 (never read).
+        scale: of ``q . k``; default ``1 / sqrt(D)``.
+        window_size: ``w``: a token at position ``p`` sees keys ``p - w .. p``.
+        sinks: ``[Hq]`` per-head sink logits, added to the softmax denominator.
+        k_scale, v_scale: ``[Hkv]`` dequantisation scales of an fp8 cache.
+        return_lse: also return the natural-log LSE ``[B, s_active, Hq]`` float32 (sink
+            included), mergeable by :func:`merge_attention_states`.
+        num_splits: force the number of key splits (flash-decoding); default: chosen from
+            B, Hkv, the capacity and the SM count.
+    Returns:
+        ``out [B, s_active, Hq, D]`` in q's dtype, and ``lse`` with ``return_lse``.
+    """
+    s = _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_size, sinks,
+                 k_scale, v_scale, return_lse, num_splits, impl)
+    if s["path"] == "torch":
+        return ref.decode_attention_reference(
+            q, k_cache, v_cache, cache_seqlens, block_table=block_table, scale=s["scale"],
+            window_size=window_size, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+            return_lse=return_lse)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k_cache.stride(-1) != 1:
+        k_cache = k_cache.contiguous()
+    if v_cache.stride(-1) != 1:
+        v_cache = v_cache.contiguous()
+    if block_table is not None and block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
+    sinks = sinks.contiguous() if sinks is not None else None
+    if _eager():
+        out, lse = _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks,
+                                  k_scale, v_scale, s)
+    else:
+        s["return_lse"] = True
+        out, lse = _decode_op(q, k_cache, v_cache, cache_seqlens, block_table, sinks,
+                              k_scale, v_scale, s["scale"],
+                              -1 if window_size is None else window_size, num_splits or 0)
+    return (out, lse) if return_lse else out
+
+
+def _resolve_merge(outs, lses, impl) -> tuple[str, str]:
+    op = "merge_attention_states"
+    check_tensor(op, "outs", outs, ndim=range(2, 16))
+    check_tensor(op, "lses", lses, ndim=range(1, 15))
+    if tuple(lses.shape) != tuple(outs.shape[:-1]):
+        raise ValueError(f"{op}: lses must be outs' shape without its last dim: outs "
+                         f"{tuple(outs.shape)} needs lses {tuple(outs.shape[:-1])}, got "
+                         f"{tuple(lses.shape)}")
+    if outs.shape[0] == 0:
+        raise ValueError(f"{op}: need at least one partial state (outs [P, ..., D], P >= 1), "
+                         f"got P = 0")
+    check_same_device(op, "outs", outs, lses=lses)
+    path, reason = select_impl(op, impl, outs.device)
+    if path == "triton" and (outs.dtype not in _KERNEL_DTYPES or lses.dtype == torch.float64):
+        if impl == "triton":
+            raise TypeError(f"{op}: impl='triton' merges float32/float16/bfloat16 states, got "
+                            f"outs {_dt(outs.dtype)}, lses {_dt(lses.dtype)}; use impl='torch'")
+        path, reason = "torch", "float64 states: the reference"
+    return path, reason
+
+
+def merge_attention_states(outs: torch.Tensor, lses: torch.Tensor, *, impl: str = "auto"):
+    """Merge ``P`` attention results over disjoint key sets, exactly.
+
+    Args:
+        outs: ``[P, ..., D]`` partial outputs, each normalised by its own softmax
+            denominator (as :func:`decode_attention` returns them).
+        lses: ``[P, ...]`` their natural-log LSEs; ``-inf`` marks a partial that saw no key
+            (it adds nothing).
+    Returns:
+        ``(out [..., D]`` in outs' dtype, ``lse [...]`` float32 (float64 for float64 lses)),
+        with ``out = sum_p exp(lse_p - lse) out_p`` and ``lse = log(sum_p exp(lse_p))``; rows
+        where every partial is empty give zeros and ``-inf``.
+    """
+    path, _ = _resolve_merge(outs, lses, impl)
+    if path == "torch":
+        out, lse = ref.merge_attention_states_reference(outs, lses)
+        return out, lse if lses.dtype == torch.float64 else lse.float()
+    P, D = outs.shape[0], outs.shape[-1]
+    lead = outs.shape[1:-1]
+    outs3 = outs.reshape(P, -1, D)
+    if outs3.stride(-1) != 1:
+        outs3 = outs3.contiguous()
+    lses2 = lses.reshape(P, -1)
+    if _eager():
+        out = outs.new_empty((outs3.shape[1], D))
+        lse = lses.new_empty((outs3.shape[1],), dtype=torch.float32)
+        _launch_merge(outs3, lses2, out, lse)
+    else:
+        out, lse = _merge_op(outs3, lses2)
+    return out.view(*lead, D), lse.view(lead)
+
+
+def kv_cache_append(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    block_table: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+    impl: str = "auto",
+) -> None:
+    """Write new keys and values into a contiguous or paged cache, in place.
+
+    Args:
+        k_cache, v_cache: ``[B, S_max, Hkv, D]``, or ``[num_blocks, block_len, Hkv, D]`` with
+            ``block_table [B, max_blocks]``; the new rows' dtype, or float8 (then quantised:
+            stored = clamp(value / scale, +-448) rounded to e4m3, with ``k_scale``/``v_scale
+            [Hkv]``, default 1).
+        k_new, v_new: ``[B, s_new, Hkv, D]``; token ``i`` goes to position
+            ``cache_seqlens[b] + i``.
+        cache_seqlens: ``[B]`` the lengths *before* the append (not updated here).
+    Positions past the capacity, or in a block whose id is -1, are not written on the
+    Triton path (the reference raises for them): reserve space first (``PagedKVCache``
+    does, and raises when the pool is exhausted).
+    """
+    op = "kv_cache_append"
+    check_tensor(op, "k_new", k_new, ndim=4)
+    check_tensor(op, "v_new", v_new, ndim=4)
+    if k_new.shape != v_new.shape:
+        raise ValueError(f"{op}: k_new {tuple(k_new.shape)} and v_new {tuple(v_new.shape)} "
+                         f"must have one shape")
+    B, s_new, Hkv_new, D = k_new.shape
+    if v_new.dtype != k_new.dtype:
+        raise TypeError(f"{op}: k_new is {_dt(k_new.dtype)} but v_new is {_dt(v_new.dtype)}")
+    Hkv, capacity = _check_cache(op, k_new.dtype, k_cache, v_cache, block_table, B, None, D)
+    if Hkv != Hkv_new:
+        raise ValueError(f"{op}: k_new has {Hkv_new} KV heads but the caches have {Hkv}")
+    _check_seqlens(op, cache_seqlens, B)
+    _check_scales(op, k_scale, v_scale, Hkv)
+    check_same_device(op, "k_cache", k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new,
+                      cache_seqlens=cache_seqlens, block_table=block_table, k_scale=k_scale,
+                      v_scale=v_scale)
+    path, _ = select_impl(op, impl, k_cache.device)
+    if path == "triton" and k_new.dtype not in _KERNEL_DTYPES:
+        if impl == "triton":
+            raise TypeError(f"{op}: impl='triton' appends float32/float16/bfloat16 rows, got "
+                            f"{_dt(k_new.dtype)}; use impl='torch'")
+        path = "torch"
+    if path == "torch":
+        ref.kv_cache_append_reference(k_cache, v_cache, k_new, v_new, cache_seqlens,
+                                      block_table=block_table, k_scale=k_scale,
+                                      v_scale=v_scale)
+        return None
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.stride(3) != 1 or c.stride(2) != D:
+            raise ValueError(f"{op}: {name}'s heads and head dims must be contiguous (strides "
+                             f"[.., {D}, 1]), got strides {tuple(c.stride())}")
+    k_new = k_new if k_new.stride(3) == 1 and k_new.stride(2) == D else k_new.contiguous()
+    v_new = v_new if v_new.stride(3) == 1 and v_new.stride(2) == D else v_new.contiguous()
+    if block_table is not None and block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
+    if _eager():
+        _launch_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale,
+                       v_scale, capacity)
+    else:
+        _append_op(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale,
+                   v_scale, capacity)
+    return None
+
+
+# --- explain ----------------------------------------------------------------------------------
+
+
+@register_planner("decode_attention")
+def plan_decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, scale=None,
+                          window_size=None, sinks=None, k_scale=None, v_scale=None,
+                          return_lse=False, num_splits=None, impl="auto") -> Plan:
+    s = _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_size, sinks,
+                 k_scale, v_scale, return_lse, num_splits, impl)
+    B, S, Hq, Hkv, D = s["B"], s["s_active"], s["Hq"], s["Hkv"], s["D"]
+    cache = (f"paged [{k_cache.shape[0]} blocks x {k_cache.shape[1]}] x {block_table.shape[1]}"
+             f" blocks per sequence" if s["paged"] else f"contiguous, S_max {k_cache.shape[1]}")
+    details = {
+        "q": f"{list(q.shape)} {_dt(q.dtype)}: {S} active token(s), {Hq} heads, D {D}",
+        "cache": f"{cache}, {Hkv} KV heads ({Hq // Hkv} query heads each), {_dt(k_cache.dtype)}",
+    }
+    if s["path"] == "triton":
+        how = "forced" if s["forced_splits"] else "heuristic"
+        details["grid"] = (f"{B * Hkv} (sequence, KV head) x {s['splits']} split(s) ({how}, "
+                           f"<= {s['keys_per_split']} keys each) x {s['row_blocks']} row "
+                           f"block(s) of {s['BLOCK_M']}; key tiles of {s['BLOCK_N']}")
+        if s["splits"] > 1:
+            details["merge"] = "partials (float32) merged by their LSEs in a second kernel"
+    return Plan("decode_attention", s["path"], s["reason"], details, s)
+
+
+@register_planner("merge_attention_states")
+def plan_merge_attention_states(outs, lses, *, impl="auto") -> Plan:
+    path, reason = _resolve_merge(outs, lses, impl)
+    return Plan("merge_attention_states", path, reason,
+                {"states": f"{outs.shape[0]} partial(s) of {list(outs.shape[1:])} "
+                           f"{_dt(outs.dtype)}"})
