@@ -9,6 +9,7 @@ the split count comes from the shapes (the cache's capacity, not the lengths in
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Optional
 
@@ -19,7 +20,7 @@ from .._dispatch import (Plan, check_int, check_number, check_same_device, check
                          register_planner, select_impl)
 from . import reference as ref
 
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_FP8 = (torch.float8_e4m3fn,)
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -58,7 +59,7 @@ def _check_cache(op: str, q_dtype, k_cache, v_cache, block_table, B: int, Hq: in
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if c.dtype not in _FP8 and c.dtype != q_dtype:
             raise TypeError(f"{op}: {name} must have the queries' dtype {_dt(q_dtype)} or be "
-                            f"float8 (e4m3fn/e5m2), got {_dt(c.dtype)}")
+                            f"float8_e4m3fn, got {_dt(c.dtype)}")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"{op}: k_cache {tuple(k_cache.shape)} and v_cache "
                          f"{tuple(v_cache.shape)} must have one shape")
@@ -90,9 +91,12 @@ def _check_seqlens(op: str, cache_seqlens, B: int) -> None:
                          f"{tuple(cache_seqlens.shape)}")
 
 
-def _check_scales(op: str, k_scale, v_scale, Hkv: int) -> None:
+def _check_scales(op: str, k_scale, v_scale, Hkv: int, cache_dtype) -> None:
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         if s is not None:
+            if cache_dtype not in _FP8:
+                raise ValueError(f"{op}: {name} is for float8_e4m3fn caches; the caches are "
+                                 f"{_dt(cache_dtype)}")
             check_tensor(op, name, s, ndim=1)
             if s.shape[0] != Hkv:
                 raise ValueError(f"{op}: {name} must be [Hkv={Hkv}] (one scale per KV head), "
@@ -118,7 +122,7 @@ def _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_size
         check_tensor(op, "sinks", sinks, ndim=1)
         if sinks.shape[0] != Hq:
             raise ValueError(f"{op}: sinks must be [Hq={Hq}], got {tuple(sinks.shape)}")
-    _check_scales(op, k_scale, v_scale, Hkv)
+    _check_scales(op, k_scale, v_scale, Hkv, k_cache.dtype)
     if num_splits is not None:
         check_int(op, "num_splits", num_splits, minimum=1)
     if not isinstance(return_lse, bool):
@@ -132,7 +136,8 @@ def _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_size
             raise TypeError(f"{op}: impl='triton' runs float32/float16/bfloat16 queries, got "
                             f"{_dt(q.dtype)}; use impl='torch'")
         path, reason = "torch", f"{_dt(q.dtype)} queries: the reference"
-    if path == "triton" and torch.is_grad_enabled() and q.requires_grad:
+    if path == "triton" and torch.is_grad_enabled() and (
+            q.requires_grad or (sinks is not None and sinks.requires_grad)):
         raise ValueError(f"{op}: the Triton path has no backward (decode attention is an "
                          "inference op); run it under torch.no_grad() or use impl='torch'")
     s = dict(path=path, reason=reason, B=B, s_active=s_active, Hq=Hq, Hkv=Hkv, D=D,
@@ -148,6 +153,10 @@ def _config(q, k_cache, s: dict[str, Any], num_splits: Optional[int]) -> dict[st
     """Tile sizes and the split count for a call (see ``tuning/*.json``,
     ``decode_attention``)."""
     t = tuning.table("decode_attention", q.device)
+    fp8 = k_cache.dtype in _FP8
+    for key, on in (("paged", s["paged"]), ("fp8", fp8)):
+        if on:
+            t.update(t.get(key, {}))
     D, group = s["D"], s["Hq"] // s["Hkv"]
     block_d = _pow2(D, 16)
     block_n = next(n for limit, n in t["block_n_by_head_dim"] if block_d <= limit)
@@ -161,8 +170,9 @@ def _config(q, k_cache, s: dict[str, Any], num_splits: Optional[int]) -> dict[st
         span = min(span, s["window"] + s["s_active"] + block_n)
     programs = s["B"] * s["Hkv"] * row_blocks
     if num_splits is None:
-        want = _cdiv(t["programs_per_sm"] * tuning.sm_count(q.device), max(programs, 1))
-        splits = max(1, min(want, span // t["min_keys_per_split"], t["max_splits"]))
+        splits = _choose_splits(programs, span, block_n,
+                                t["programs_per_sm"] * tuning.sm_count(q.device),
+                                t["min_keys_per_split"], t["split_cost_keys"], t["max_splits"])
         keys = _cdiv(_cdiv(max(span, 1), splits), block_n) * block_n
         splits = max(1, _cdiv(span, keys))
         forced = False
@@ -171,12 +181,34 @@ def _config(q, k_cache, s: dict[str, Any], num_splits: Optional[int]) -> dict[st
         keys = max(1, _cdiv(span, splits))
         forced = True
     interp = q.device.type != "cuda"
-    dot_f32 = interp and (q.dtype == torch.bfloat16)  # the interpreter cannot dot bf16
+    f16_dot = fp8 and q.dtype == torch.bfloat16
+    dot_f32 = interp and q.dtype == torch.bfloat16 and not f16_dot  # no bf16 dots there
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, row_blocks=row_blocks,
                 splits=splits, keys_per_split=keys, forced_splits=forced, DOT_F32=dot_f32,
+                F16_DOT=f16_dot,
                 IEEE=q.dtype == torch.float32, num_warps=t["num_warps"],
+                qk_scale=s["scale"] * 1.4426950408889634,  # exp2 in the kernel
+                window_arg=s["window"] if s["window"] is not None else 0,
+                num_blocks=k_cache.shape[0] if s["paged"] else 0,
                 num_stages=t["num_stages"], merge_warps=t["merge_warps"],
                 block_len=k_cache.shape[1] if s["paged"] else 1)
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose_splits(programs: int, span: int, block_n: int, slots: int, min_keys: int,
+                   split_cost: int, max_splits: int) -> int:
+    """Split count minimising a wave model of the run time: ``ceil(programs * s / slots)``
+    rounds (``slots`` programs run at once) of ``span / s`` keys plus a fixed cost per
+    program (``split_cost_keys``, in keys), over ``s`` with at least ``min_keys_per_split``
+    keys per split. Ties go to fewer splits (less merging)."""
+    most = max(1, min(max_splits, span // min_keys))
+    best, best_cost = 1, None
+    for s in range(1, most + 1):
+        keys = _cdiv(_cdiv(max(span, 1), s), block_n) * block_n
+        cost = _cdiv(programs * s, slots) * (keys + split_cost)
+        if best_cost is None or cost < best_cost * 0.99:
+            best, best_cost = s, cost
+    return best
 
 
 # --- launches --------------------------------------------------------------------------------
@@ -184,6 +216,8 @@ def _config(q, k_cache, s: dict[str, Any], num_splits: Optional[int]) -> dict[st
 
 def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale,
                    s: dict[str, Any]):
+    """The kernels on contiguous ``q``, ``cache_seqlens``, ``block_table``, ``sinks`` and
+    scales, and caches whose last dim is contiguous and whose strides are equal."""
     B, S, Hq, D = q.shape
     Hkv, splits = s["Hkv"], s["splits"]
     out = torch.empty((B, S, Hq, D), dtype=q.dtype, device=q.device)
@@ -191,59 +225,46 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_sca
            if s["return_lse"] else None)
     if B == 0:
         return out, lse
+    rows = B * S * Hq
     if splits > 1:
-        part_o = torch.empty((B, S, Hq, splits, D), dtype=torch.float32, device=q.device)
-        part_l = torch.empty((B, S, Hq, splits), dtype=torch.float32, device=q.device)
-        o_t, l_t = part_o, part_l
-        o_strides = (part_o.stride(0), part_o.stride(1), part_o.stride(2), part_o.stride(3))
-        l_strides = (part_l.stride(0), part_l.stride(1), part_l.stride(2), part_l.stride(3))
+        # One buffer for the float32 partials: outputs [rows, splits, D], then LSEs.
+        part = torch.empty(rows * splits * (D + 1), dtype=torch.float32, device=q.device)
+        o_t, l_t = part, part[rows * splits * D:]
     else:
         o_t, l_t = out, (lse if lse is not None else out)
-        o_strides = (out.stride(0), out.stride(1), out.stride(2), 0)
-        l_strides = ((lse.stride(0), lse.stride(1), lse.stride(2), 0) if lse is not None
-                     else (0, 0, 0, 0))
     paged = block_table is not None
-    # A contiguous cache is addressed per sequence (its stride 0) and row (stride 1); a paged
-    # one per block (stride 0) and row in the block (stride 1): the same two strides.
-    grid = (B * Hkv, splits, s["row_blocks"])
-    _kernels().decode_kernel[grid](
+    _kernels().decode_kernel[(B * Hkv, splits, s["row_blocks"])](
         q, k_cache, v_cache, cache_seqlens, block_table if paged else cache_seqlens,
         sinks if sinks is not None else q, k_scale if k_scale is not None else q,
         v_scale if v_scale is not None else q, o_t, l_t,
-        q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0) if paged else 0,
-        *o_strides, *l_strides,
-        Hkv, s["keys_per_split"], s["scale"] * 1.4426950408889634,
-        s["window"] if s["window"] is not None else 0, s["capacity"],
-        k_cache.shape[0] if paged else 0,
+        block_table.shape[1] if paged else 0, Hkv, splits, s["keys_per_split"], s["qk_scale"], s["window_arg"], s["capacity"],
+        s["num_blocks"],
         S_ACT=S, GROUP=Hq // Hkv, D=D, BLOCK_M=s["BLOCK_M"], BLOCK_N=s["BLOCK_N"],
         BLOCK_D=s["BLOCK_D"], PAGED=paged, BLOCK_LEN=s["block_len"],
         HAS_WINDOW=s["window"] is not None, HAS_SINKS=sinks is not None,
         HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None,
-        PARTIAL=splits > 1, WRITE_LSE=splits > 1 or lse is not None, DOT_F32=s["DOT_F32"],
+        WRITE_LSE=splits > 1 or lse is not None, DOT_F32=s["DOT_F32"], F16_DOT=s["F16_DOT"],
         IEEE=s["IEEE"], NUM_STAGES=s["num_stages"], num_warps=s["num_warps"])
     if splits > 1:
-        rows = B * S * Hq
-        _launch_merge(part_o.view(rows, splits, D).transpose(0, 1),
-                      part_l.view(rows, splits).transpose(0, 1),
-                      out.view(rows, D), lse.view(rows) if lse is not None else None,
-                      s["merge_warps"])
+        _kernels().merge_kernel[(rows,)](
+            o_t, l_t, out, lse if lse is not None else out, splits, D, splits * D, 1, splits,
+            D=D, BLOCK_D=s["BLOCK_D"], BLOCK_P=_pow2(splits, 2), WRITE_LSE=lse is not None,
+            num_warps=s["merge_warps"])
     return out, lse
 
 
 def _launch_merge(outs, lses, out, lse, num_warps: int = 4) -> None:
-    """``outs [P, R, D]`` and ``lses [P, R]`` (any strides but D's = 1) into ``out [R, D]``
-    (D's stride 1) and, if given, ``lse [R]`` (contiguous)."""
+    """``outs [P, R, D]`` and ``lses [P, R]`` (any strides but D's = 1) into contiguous
+    ``out [R, D]`` and ``lse [R]``."""
     P, R, D = outs.shape
     if R == 0 or D == 0:
         if lse is not None and R:
             lse.copy_(torch.logsumexp(lses.float(), 0))
         return
     _kernels().merge_kernel[(R,)](
-        outs, lses, out, lse if lse is not None else out, P, R,
-        outs.stride(0), outs.stride(1), lses.stride(0), lses.stride(1), 0, out.stride(0),
+        outs, lses, out, lse if lse is not None else out, P,
+        outs.stride(0), outs.stride(1), lses.stride(0), lses.stride(1),
         D=D, BLOCK_D=_pow2(D, 16), BLOCK_P=_pow2(P, 2), WRITE_LSE=lse is not None,
         num_warps=num_warps)
 
@@ -255,20 +276,19 @@ def _launch_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k
         return
     paged = block_table is not None
     fp8 = k_cache.dtype in _FP8
-    one = torch.ones(Hkv, dtype=torch.float32, device=k_new.device) if fp8 else None
     block = min(_pow2(Hkv * D, 16), tuning.table("decode_attention", k_new.device)
                 ["append_block"])
     _kernels().append_kernel[(B * s_new,)](
         k_new, v_new, k_cache, v_cache, cache_seqlens,
         block_table if paged else cache_seqlens,
-        k_scale if k_scale is not None else (one if fp8 else k_new),
-        v_scale if v_scale is not None else (one if fp8 else k_new),
+        k_scale if k_scale is not None else k_new, v_scale if v_scale is not None else k_new,
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_table.stride(0) if paged else 0,
         s_new, capacity, k_cache.shape[0],
         HD=Hkv * D, D=D, BLOCK=block, PAGED=paged,
-        BLOCK_LEN=k_cache.shape[1] if paged else 1, FP8=fp8, num_warps=4)
+        BLOCK_LEN=k_cache.shape[1] if paged else 1, FP8=fp8,
+        HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None, num_warps=4)
 
 
 # torch.library custom ops, so torch.compile sees opaque nodes; eager calls launch directly.
@@ -372,15 +392,24 @@ def decode_attention(
             q, k_cache, v_cache, cache_seqlens, block_table=block_table, scale=s["scale"],
             window_size=window_size, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
             return_lse=return_lse)
-    if q.stride(-1) != 1:
+    # The launch reads q, the 1-D inputs and the block table contiguous, and both caches
+    # through one set of strides (copies only for unusual layouts).
+    if not q.is_contiguous():
         q = q.contiguous()
     if k_cache.stride(-1) != 1:
         k_cache = k_cache.contiguous()
-    if v_cache.stride(-1) != 1:
-        v_cache = v_cache.contiguous()
-    if block_table is not None and block_table.stride(-1) != 1:
+    if v_cache.stride() != k_cache.stride():
+        k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+    if block_table is not None and not block_table.is_contiguous():
         block_table = block_table.contiguous()
-    sinks = sinks.contiguous() if sinks is not None else None
+    if cache_seqlens.stride(0) != 1:
+        cache_seqlens = cache_seqlens.contiguous()
+    if sinks is not None and sinks.stride(0) != 1:
+        sinks = sinks.contiguous()
+    if k_scale is not None and k_scale.stride(0) != 1:
+        k_scale = k_scale.contiguous()
+    if v_scale is not None and v_scale.stride(0) != 1:
+        v_scale = v_scale.contiguous()
     if _eager():
         out, lse = _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks,
                                   k_scale, v_scale, s)
@@ -484,7 +513,7 @@ def kv_cache_append(
     if Hkv != Hkv_new:
         raise ValueError(f"{op}: k_new has {Hkv_new} KV heads but the caches have {Hkv}")
     _check_seqlens(op, cache_seqlens, B)
-    _check_scales(op, k_scale, v_scale, Hkv)
+    _check_scales(op, k_scale, v_scale, Hkv, k_cache.dtype)
     check_same_device(op, "k_cache", k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new,
                       cache_seqlens=cache_seqlens, block_table=block_table, k_scale=k_scale,
                       v_scale=v_scale)
@@ -507,6 +536,9 @@ def kv_cache_append(
     v_new = v_new if v_new.stride(3) == 1 and v_new.stride(2) == D else v_new.contiguous()
     if block_table is not None and block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
+    cache_seqlens = cache_seqlens.contiguous()
+    k_scale = k_scale.contiguous() if k_scale is not None else None
+    v_scale = v_scale.contiguous() if v_scale is not None else None
     if _eager():
         _launch_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale,
                        v_scale, capacity)
@@ -548,3 +580,89 @@ def plan_merge_attention_states(outs, lses, *, impl="auto") -> Plan:
     return Plan("merge_attention_states", path, reason,
                 {"states": f"{outs.shape[0]} partial(s) of {list(outs.shape[1:])} "
                            f"{_dt(outs.dtype)}"})
+
+
+def checks(device: torch.device, dtypes) -> list:
+    """Fresh random cases of decode attention and the merge, for :mod:`lmfuse._check`."""
+    from .._check import CheckCase
+
+    small = device.type != "cuda"
+    B, S, Hq, Hkv, D = (3, 70, 8, 2, 32) if small else (4, 3000, 32, 8, 128)
+
+    def lengths():
+        lens = torch.randint(1, S + 1, (B,), device=device, dtype=torch.int32)
+        lens[-1] = S
+        return lens
+
+    def case(label, dtype, s_active, *, block_len=None, fp8=False, **kw):
+        def inputs():
+            q = torch.randn(B, s_active, Hq, D, device=device).to(dtype)
+            cdt = _FP8[0] if fp8 else dtype
+            k = torch.randn(B, S, Hkv, D, device=device).to(cdt)
+            v = torch.randn(B, S, Hkv, D, device=device).to(cdt)
+            if block_len:
+                blocks = _cdiv(S, block_len)
+                table = torch.randperm(B * blocks, device=device).view(B, blocks).int()
+                xs = [q, _reshuffle(k, table, block_len, S), _reshuffle(v, table, block_len, S),
+                      lengths(), table]
+            else:
+                xs = [q, k, v, lengths()]
+            if fp8:
+                xs += [torch.rand(Hkv, device=device) + 0.5, torch.rand(Hkv, device=device) + 0.5]
+            return xs
+
+        def call(impl, q, k, v, lens, *rest):
+            table = rest[0] if block_len else None
+            scales = rest[1:] if block_len else rest
+            if fp8:  # the harness widens inputs for the reference; the cache stays float8
+                k, v = k.to(_FP8[0]), v.to(_FP8[0])
+            ks, vs = (scales[0], scales[1]) if fp8 else (None, None)
+            return decode_attention(q, k, v, lens, block_table=table, k_scale=ks, v_scale=vs,
+                                    impl=impl, **kw)
+
+        def plan(q, k, v, lens, *rest):
+            table = rest[0] if block_len else None
+            scales = rest[1:] if block_len else rest
+            ks, vs = (scales[0], scales[1]) if fp8 else (None, None)
+            return plan_decode_attention(q, k, v, lens, block_table=table, k_scale=ks,
+                                         v_scale=vs, **kw)
+
+        return CheckCase("decode_attention", label, dtype, (B, s_active, Hq, D), inputs, call,
+                         plan)
+
+    def merge_case(dtype):
+        P, R = 4, 3 * Hq
+
+        def inputs():
+            lses = torch.randn(P, B, R, device=device) * 3
+            lses[0, 0] = float("-inf")
+            return [torch.randn(P, B, R, D, device=device).to(dtype), lses]
+
+        def call(impl, outs, lses):
+            return merge_attention_states(outs, lses, impl=impl)[0]
+
+        return CheckCase("merge_attn_states", "4 partials", dtype, (P, B, R, D), inputs,
+                         call, plan_merge_attention_states)
+
+    cases = []
+    for dtype in dtypes:
+        cases += [
+            case("contiguous GQA", dtype, 1),
+            case("paged16 s4 win+sinks", dtype, 4, block_len=16, window_size=S // 3,
+                 sinks=torch.randn(Hq, device=device)),
+            case("paged7 s2 4 splits", dtype, 2, block_len=7, num_splits=4),
+            case("fp8 cache", dtype, 1, fp8=True),
+            merge_case(dtype),
+        ]
+    return cases
+
+
+def _reshuffle(cache, table, block_len: int, S: int):
+    """``cache [B, S, Hkv, D]`` laid out in a pool by ``table`` (block ``j`` of sequence
+    ``b`` at ``table[b, j]``)."""
+    B, _, Hkv, D = cache.shape
+    blocks = table.shape[1]
+    rows = torch.nn.functional.pad(cache, (0, 0, 0, 0, 0, blocks * block_len - S))
+    pool = torch.empty((B * blocks, block_len, Hkv, D), dtype=cache.dtype, device=cache.device)
+    pool[table.reshape(-1).long()] = rows.reshape(B * blocks, block_len, Hkv, D)
+    return pool

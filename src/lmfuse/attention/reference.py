@@ -106,7 +106,7 @@ def merge_attention_states_reference(outs: torch.Tensor, lses: torch.Tensor):
     """Merge ``P`` partial results over disjoint key sets: ``outs [P, ..., D]``, ``lses [P,
     ...]`` -> ``(out [..., D] in outs' dtype, lse [...])``. Partials with ``lse = -inf``
     contribute nothing; if all do, the result is zeros and ``-inf``."""
-    compute = torch.float64 if outs.dtype == torch.float64 else torch.float32
+    compute = (torch.float64 if torch.float64 in (outs.dtype, lses.dtype) else torch.float32)
     lses = lses.to(compute)
     lse = torch.logsumexp(lses, dim=0)
     finite = torch.isfinite(lse)
