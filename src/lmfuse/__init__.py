@@ -11,14 +11,18 @@ __version__ = "0.1.0"
 from ._dispatch import Plan, explain
 from .activations import (FusedMLP, bias_gelu, geglu, quick_geglu, squared_relu, swiglu,
                           weighted_quick_geglu, weighted_squared_relu, weighted_swiglu)
-from .attention import decode_attention, kv_cache_append, merge_attention_states
+from .attention import (DecodeAttentionBlock, KVCacheFullError, PagedKVCache, decode_attention,
+                        kv_cache_append, merge_attention_states)
 from .cross_entropy import cross_entropy, linear_cross_entropy
 from .softmax import AttnMaskType, FusedScaleMaskSoftmax, fused_softmax
 
 __all__ = [
     "AttnMaskType",
+    "DecodeAttentionBlock",
     "FusedMLP",
     "FusedScaleMaskSoftmax",
+    "KVCacheFullError",
+    "PagedKVCache",
     "Plan",
     "__version__",
     "bias_gelu",

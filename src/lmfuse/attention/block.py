@@ -1,0 +1,667 @@
+"""``DecodeAttentionBlock``: the attention block of one decoding step, as one ``nn.Module``:
+
+    x [B, s_active, hidden]
+      -> RMSNorm (optional, learnable weight)
+      -> fused QKV projection  [B, s_active, (Hq + 2 Hkv) * D]
+      -> RMSNorm of each q and k head over D (optional, learnable weights [D])
+      -> rotary embedding of q and k at each token's position (optional)
+      -> append k, v to the KV cache (contiguous or paged, fp8 or not)
+      -> decode attention over the cache (GQA, window, sinks)
+      -> output projection     y [B, s_active, hidden]
+
+On the Triton path the qk-norm, the rotary embedding and the cache append are one kernel
+(``block_kernels.qk_norm_rope_append_kernel``) reading the projection's output once; the
+projections are ``F.linear`` and the attention is :func:`lmfuse.decode_attention`.
+
+This file also holds the specification: :func:`decode_attention_block_reference` (the
+whole block, plain PyTorch, float32 math; the ``impl="torch"`` path) and
+:func:`qk_norm_rope_append_reference` (the fused stage alone), both built on the decode
+reference's :func:`~lmfuse.attention.reference.decode_attention_reference` and
+:func:`~lmfuse.attention.reference.kv_cache_append_reference`.
+
+Rounding points (both paths): the input norm's output, the QKV projection's output, q
+after norm and rotation, the attention output and the block's output are each rounded
+once to the model's dtype; k is computed in float32 and rounded once into the cache's
+dtype (quantised straight from float32 for an fp8 cache), v is stored from the
+projection's output.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._dispatch import (IMPLS, check_int, check_number, check_same_device, check_tensor,
+                         select_impl)
+from . import ops
+from .reference import decode_attention_reference, kv_cache_append_reference
+
+# fp8 caches are float8_e4m3fn (as decode_attention reads them); the kernel's exact rounding
+# needs the format's (mantissa bits, smallest normal exponent).
+_FP8 = (torch.float8_e4m3fn,)
+_FP8_BITS = {torch.float8_e4m3fn: (3, -6)}
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _kernels():
+    # Imported on first use: Triton reads TRITON_INTERPRET when a kernel is defined.
+    from . import block_kernels
+
+    return block_kernels
+
+
+def _pow2(n: int, least: int = 1) -> int:
+    return max(least, 1 << max(n - 1, 0).bit_length())
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+# --- the specification ----------------------------------------------------------------------
+
+
+def rope_inv_freq(rotary_dim: int, theta: float = 10000.0,
+                  device: Optional[torch.device] = None) -> torch.Tensor:
+    """The rotary embedding's frequencies ``inv_freq[j] = theta ** (-2j / rotary_dim)``,
+    ``[rotary_dim // 2]`` float32, formed as Hugging Face's Llama forms them (in float32, on
+    the CPU, so every device gets the same bits)."""
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    inv_freq = 1.0 / (theta ** exponent)
+    return inv_freq if device is None else inv_freq.to(device)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: Optional[torch.Tensor],
+                       eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x**2 over the last dim) + eps) * weight`` in float32 (float64 for
+    float64), returned in that compute dtype (the caller rounds)."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    x = x.to(compute)
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y if weight is None else y * weight.to(compute)
+
+
+def rope_reference(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                   interleaved: bool = False) -> torch.Tensor:
+    """Rotary embedding of ``x [B, s, H, D]`` at ``positions [B, s]``, in x's dtype.
+
+    The angle of pair ``j`` is the float32 product ``float(position) * inv_freq[j]``; its
+    cosine and sine are taken in x's dtype. Pair ``j`` is ``(j, j + R/2)`` ("rotate half",
+    GPT-NeoX / Llama) or ``(2j, 2j + 1)`` (``interleaved``, GPT-J), for ``R = 2 *
+    len(inv_freq)`` rotary dims; ``(a, b) -> (a cos - b sin, b cos + a sin)``; dims past
+    ``R`` pass through."""
+    R = 2 * inv_freq.numel()
+    angle = positions.to(torch.float32)[:, :, None, None] * inv_freq.float()  # [B,s,1,R/2]
+    c, s = angle.to(x.dtype).cos(), angle.to(x.dtype).sin()
+    if interleaved:
+        x1, x2 = x[..., 0:R:2], x[..., 1:R:2]
+    else:
+        x1, x2 = x[..., :R // 2], x[..., R // 2:R]
+    y1, y2 = x1 * c - x2 * s, x2 * c + x1 * s
+    rot = torch.stack((y1, y2), -1).flatten(-2) if interleaved else torch.cat((y1, y2), -1)
+    return torch.cat((rot, x[..., R:]), -1)
+
+
+def default_positions(cache_seqlens: torch.Tensor, s_active: int) -> torch.Tensor:
+    """``[B, s_active]``: token ``i`` of sequence ``b`` is at ``cache_seqlens[b] + i``."""
+    return (cache_seqlens.long()[:, None]
+            + torch.arange(s_active, device=cache_seqlens.device)[None, :])
+
+
+def qk_norm_rope_append_reference(
+    qkv: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    q_norm_weight: Optional[torch.Tensor] = None,
+    k_norm_weight: Optional[torch.Tensor] = None,
+    eps: float = 1e-6,
+    inv_freq: Optional[torch.Tensor] = None,
+    rope_interleaved: bool = False,
+    positions: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The fused stage's specification (see :func:`qk_norm_rope_append`): returns ``q [B,
+    s_active, Hq, D]`` in qkv's dtype and writes k (float32, rounded once into the cache)
+    and v at positions ``cache_seqlens[b] + i``. Raises where the cache has no room (the
+    Triton path skips such rows instead)."""
+    B, s_active, width = qkv.shape
+    Hq, Hkv = num_heads, num_kv_heads
+    D = width // (Hq + 2 * Hkv)
+    compute = torch.float64 if qkv.dtype == torch.float64 else torch.float32
+    x = qkv.to(compute).view(B, s_active, Hq + 2 * Hkv, D)
+    q, k, v = x[:, :, :Hq], x[:, :, Hq:Hq + Hkv], x[:, :, Hq + Hkv:]
+    if q_norm_weight is not None:
+        q = rms_norm_reference(q, q_norm_weight, eps)
+    if k_norm_weight is not None:
+        k = rms_norm_reference(k, k_norm_weight, eps)
+    if inv_freq is not None:
+        pos = default_positions(cache_seqlens, s_active) if positions is None else positions
+        q = rope_reference(q, pos, inv_freq, rope_interleaved)
+        k = rope_reference(k, pos, inv_freq, rope_interleaved)
+    kv_cache_append_reference(k_cache, v_cache, k, v, cache_seqlens, block_table=block_table,
+                              k_scale=k_scale, v_scale=v_scale)
+    return q.to(qkv.dtype)
+
+
+def decode_attention_block_reference(
+    x: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    qkv_weight: torch.Tensor,
+    out_weight: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    qkv_bias: Optional[torch.Tensor] = None,
+    out_bias: Optional[torch.Tensor] = None,
+    input_norm_weight: Optional[torch.Tensor] = None,
+    q_norm_weight: Optional[torch.Tensor] = None,
+    k_norm_weight: Optional[torch.Tensor] = None,
+    norm_eps: float = 1e-6,
+    rope: bool = True,
+    rotary_dim: Optional[int] = None,
+    rope_theta: float = 10000.0,
+    rope_interleaved: bool = False,
+    scale: Optional[float] = None,
+    window_size: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
+    positions: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The decode-attention block in plain PyTorch (float32 math): the specification of
+    :class:`DecodeAttentionBlock` and its ``impl="torch"`` path.
+
+    ``x [B, s_active, hidden]``; ``qkv_weight [(Hq + 2 Hkv) * D, hidden]`` (q heads, then k
+    heads, then v heads); ``out_weight [hidden, Hq * D]``; a norm weight of ``None`` leaves
+    that norm out. The caches hold ``cache_seqlens[b]`` tokens *before* the step; the
+    ``s_active`` new keys and values are written at ``cache_seqlens[b] + i`` (in place) and
+    the attention runs over ``cache_seqlens + s_active`` tokens. ``positions [B, s_active]``
+    are the rotary positions (default ``cache_seqlens[b] + i``). Returns ``y [B, s_active,
+    hidden]`` in x's dtype.
+    """
+    B, s_active, _ = x.shape
+    Hq, Hkv = num_heads, num_kv_heads
+    D = qkv_weight.shape[0] // (Hq + 2 * Hkv)
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+
+    def linear(t, w, b):
+        return F.linear(t.to(compute), w.to(compute),
+                        None if b is None else b.to(compute)).to(x.dtype)
+
+    h = x
+    if input_norm_weight is not None:
+        h = rms_norm_reference(x, input_norm_weight, norm_eps).to(x.dtype)
+    qkv = linear(h, qkv_weight, qkv_bias)
+    inv_freq = rope_inv_freq(D if rotary_dim is None else rotary_dim, rope_theta,
+                             x.device) if rope else None
+    q = qk_norm_rope_append_reference(
+        qkv, k_cache, v_cache, cache_seqlens, num_heads=Hq, num_kv_heads=Hkv,
+        q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, eps=norm_eps,
+        inv_freq=inv_freq, rope_interleaved=rope_interleaved, positions=positions,
+        block_table=block_table, k_scale=k_scale, v_scale=v_scale)
+    attn = decode_attention_reference(q, k_cache, v_cache, cache_seqlens + s_active,
+                                      block_table=block_table, scale=scale,
+                                      window_size=window_size, sinks=sinks, k_scale=k_scale,
+                                      v_scale=v_scale)
+    return linear(attn.reshape(B, s_active, Hq * D), out_weight, out_bias)
+
+
+# --- validation -------------------------------------------------------------------------------
+
+
+def _check_step(op: str, dtype: torch.dtype, B: int, s_active: int, Hq: int, Hkv: int, D: int,
+                ref_name: str, ref: torch.Tensor, k_cache, v_cache, cache_seqlens, block_table,
+                positions, k_scale, v_scale, tensors: dict[str, Any]) -> int:
+    """The caches, lengths, block table, positions and scales of one step (shared by the
+    block and the fused stage). Returns the capacity per sequence."""
+    Hkv_cache, capacity = ops._check_cache(op, dtype, k_cache, v_cache, block_table, B, Hq, D)
+    if Hkv_cache != Hkv:
+        raise ValueError(f"{op}: the caches have {Hkv_cache} KV heads but num_kv_heads is "
+                         f"{Hkv}: k_cache {tuple(k_cache.shape)}")
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"{op}: k_cache is {_dt(k_cache.dtype)} but v_cache is "
+                        f"{_dt(v_cache.dtype)}; they must have one dtype")
+    ops._check_seqlens(op, cache_seqlens, B)
+    ops._check_scales(op, k_scale, v_scale, Hkv, k_cache.dtype)
+    if positions is not None:
+        check_tensor(op, "positions", positions, ndim=2, dtypes=_INDEX_DTYPES)
+        if tuple(positions.shape) != (B, s_active):
+            raise ValueError(f"{op}: positions must be [B={B}, s_active={s_active}], got "
+                             f"{tuple(positions.shape)}")
+    check_same_device(op, ref_name, ref, k_cache=k_cache,
+                      v_cache=v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
+                      positions=positions, k_scale=k_scale, v_scale=v_scale, **tensors)
+    return capacity
+
+
+def _select(op: str, impl: str, device: torch.device, dtype: torch.dtype, k_cache,
+            v_cache) -> str:
+    path, _ = select_impl(op, impl, device)
+    if path == "triton" and dtype not in _KERNEL_DTYPES:
+        if impl == "triton":
+            raise TypeError(f"{op}: impl='triton' runs float32/float16/bfloat16 tensors, got "
+                            f"{_dt(dtype)}; use impl='torch'")
+        path = "torch"
+    if path == "triton":
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if c.stride(-1) != 1:
+                raise ValueError(f"{op}: {name}'s head dim must be contiguous (stride 1), got "
+                                 f"strides {tuple(c.stride())}")
+    return path
+
+
+# --- the fused stage: launch and public function ---------------------------------------------
+
+
+def _config(D: int, half_r: int, device: torch.device) -> dict[str, Any]:
+    """Block sizes of the fused stage (one head row per program: no tuning table entry; a
+    warp per 128 elements of the row)."""
+    block_d = _pow2(D, 16)
+    return dict(BLOCK_R=_pow2(half_r, 2), BLOCK_T=_pow2(D - 2 * half_r, 2), BLOCK_D=block_d,
+                num_warps=max(1, min(4, block_d // 128)))
+
+
+def _launch_prologue(qkv, k_cache, v_cache, cache_seqlens, q_norm_weight, k_norm_weight,
+                     inv_freq, positions, block_table, k_scale, v_scale, Hq: int, Hkv: int,
+                     eps: float, interleaved: bool, capacity: int) -> torch.Tensor:
+    B, s_active, width = qkv.shape
+    D = width // (Hq + 2 * Hkv)
+    q = torch.empty((B, s_active, Hq, D), dtype=qkv.dtype, device=qkv.device)
+    if B * s_active == 0 or D == 0:
+        return q
+    half_r = 0 if inv_freq is None else inv_freq.numel()
+    cfg = _config(D, half_r, qkv.device)
+    paged = block_table is not None
+    fp8 = k_cache.dtype in _FP8
+    qk_norm = q_norm_weight is not None
+    _kernels().qk_norm_rope_append_kernel[(B * s_active, Hq + Hkv)](
+        qkv, q, k_cache, v_cache, cache_seqlens,
+        positions if positions is not None else cache_seqlens,
+        block_table if paged else cache_seqlens,
+        q_norm_weight if qk_norm else qkv, k_norm_weight if qk_norm else qkv,
+        inv_freq if inv_freq is not None else qkv,
+        k_scale if k_scale is not None else qkv, v_scale if v_scale is not None else qkv,
+        qkv.stride(0), qkv.stride(1),
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0) if paged else 0,
+        positions.stride(0) if positions is not None else 0,
+        positions.stride(1) if positions is not None else 0,
+        s_active, Hq, Hkv, capacity, k_cache.shape[0] if paged else 0, float(eps),
+        float(torch.finfo(k_cache.dtype).max) if fp8 else 0.0,
+        D=D, HALF_R=half_r, BLOCK_R=cfg["BLOCK_R"], BLOCK_T=cfg["BLOCK_T"],
+        BLOCK_D=cfg["BLOCK_D"], QK_NORM=qk_norm, ROPE=inv_freq is not None,
+        INTERLEAVED=bool(interleaved), HAS_POS=positions is not None, PAGED=paged,
+        BLOCK_LEN=k_cache.shape[1] if paged else 1, FP8=fp8,
+        FP8_MANT=_FP8_BITS[k_cache.dtype][0] if fp8 else 0,
+        FP8_MIN_EXP=_FP8_BITS[k_cache.dtype][1] if fp8 else 0,
+        HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None,
+        num_warps=cfg["num_warps"])
+    return q
+
+
+# A torch.library custom op, so torch.compile sees one opaque node; eager calls launch
+# directly.
+@torch.library.custom_op("lmfuse::qk_norm_rope_append_", mutates_args=("k_cache", "v_cache"))
+def _prologue_op(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 cache_seqlens: torch.Tensor, q_norm_weight: Optional[torch.Tensor],
+                 k_norm_weight: Optional[torch.Tensor], inv_freq: Optional[torch.Tensor],
+                 positions: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
+                 k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor], Hq: int,
+                 Hkv: int, eps: float, interleaved: bool, capacity: int) -> torch.Tensor:
+    return _launch_prologue(qkv, k_cache, v_cache, cache_seqlens, q_norm_weight,
+                            k_norm_weight, inv_freq, positions, block_table, k_scale, v_scale,
+                            Hq, Hkv, eps, interleaved, capacity)
+
+
+@_prologue_op.register_fake
+def _(qkv, k_cache, v_cache, cache_seqlens, q_norm_weight, k_norm_weight, inv_freq, positions,
+      block_table, k_scale, v_scale, Hq, Hkv, eps, interleaved, capacity):
+    B, s_active, width = qkv.shape
+    return qkv.new_empty((B, s_active, Hq, width // (Hq + 2 * Hkv)))
+
+
+def _run_prologue(qkv, k_cache, v_cache, cache_seqlens, q_norm_weight, k_norm_weight,
+                  inv_freq, positions, block_table, k_scale, v_scale, Hq, Hkv, eps,
+                  interleaved, capacity) -> torch.Tensor:
+    """Triton path after validation: the layouts the kernel assumes, then the launch."""
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    # 1-D tensors the kernel indexes as ``base + i``.
+    cache_seqlens = cache_seqlens.contiguous()
+    q_norm_weight, k_norm_weight, inv_freq, k_scale, v_scale = (
+        None if t is None else t.contiguous()
+        for t in (q_norm_weight, k_norm_weight, inv_freq, k_scale, v_scale))
+    if block_table is not None and block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
+    args = (qkv, k_cache, v_cache, cache_seqlens, q_norm_weight, k_norm_weight, inv_freq,
+            positions, block_table, k_scale, v_scale, Hq, Hkv, float(eps), bool(interleaved),
+            capacity)
+    if torch.compiler.is_compiling():
+        return _prologue_op(*args)
+    return _launch_prologue(*args)
+
+
+def qk_norm_rope_append(
+    qkv: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    q_norm_weight: Optional[torch.Tensor] = None,
+    k_norm_weight: Optional[torch.Tensor] = None,
+    eps: float = 1e-6,
+    inv_freq: Optional[torch.Tensor] = None,
+    rope_interleaved: bool = False,
+    positions: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """The block's fused elementwise stage: per-head RMSNorm of q and k, rotary embedding,
+    and the append of k and v to the cache, in one kernel. Inference only (no backward on
+    the Triton path; ``impl="torch"`` is plain autograd).
+
+    Args:
+        qkv: ``[B, s_active, (Hq + 2 Hkv) * D]``, the fused projection's output: q heads,
+            then k heads, then v heads, each ``D`` wide.
+        k_cache, v_cache: ``[B, S_max, Hkv, D]``, or ``[num_blocks, block_len, Hkv, D]`` with
+            ``block_table [B, max_blocks]``; qkv's dtype or float8 (``float8_e4m3fn``; stored
+            = clamp(x / scale, +-max) with ``k_scale``/``v_scale [Hkv]``, default 1).
+        cache_seqlens: ``[B]`` tokens in each cache *before* this step (not updated); token
+            ``i``'s k and v go to position ``cache_seqlens[b] + i``.
+        q_norm_weight, k_norm_weight: ``[D]`` RMSNorm weights of q and k (both or neither).
+        eps: the RMSNorm's epsilon.
+        inv_freq: ``[R / 2]`` float32 rotary frequencies (:func:`rope_inv_freq`), rotating
+            the first ``R`` dims of each head; ``None``: no rotary embedding.
+        rope_interleaved: pairs ``(2j, 2j + 1)`` (GPT-J) instead of ``(j, j + R/2)``.
+        positions: ``[B, s_active]`` int rotary positions; default ``cache_seqlens[b] + i``.
+    Returns:
+        ``q [B, s_active, Hq, D]`` in qkv's dtype. Rows past a cache's capacity, or in a
+        block whose id is -1, are not written on the Triton path (the reference raises).
+    """
+    op = "qk_norm_rope_append"
+    check_tensor(op, "qkv", qkv, ndim=3)
+    Hq = check_int(op, "num_heads", num_heads, minimum=1)
+    Hkv = check_int(op, "num_kv_heads", num_kv_heads, minimum=1)
+    B, s_active, width = qkv.shape
+    if width % (Hq + 2 * Hkv) or width == 0:
+        raise ValueError(f"{op}: qkv's last dim must be (num_heads + 2 * num_kv_heads) * D = "
+                         f"{Hq + 2 * Hkv} * D, got {tuple(qkv.shape)}")
+    D = width // (Hq + 2 * Hkv)
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError(f"{op}: pass both q_norm_weight and k_norm_weight, or neither")
+    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if w is not None:
+            check_tensor(op, name, w, ndim=1)
+            if w.shape[0] != D:
+                raise ValueError(f"{op}: {name} must be [D={D}], got {tuple(w.shape)}")
+    eps = check_number(op, "eps", eps, allow_none=False)
+    if inv_freq is not None:
+        check_tensor(op, "inv_freq", inv_freq, ndim=1, dtypes=(torch.float32,))
+        if not 1 <= inv_freq.shape[0] <= D // 2:
+            raise ValueError(f"{op}: inv_freq must be [R/2] with 1 <= R/2 <= D/2 = {D // 2}, "
+                             f"got {tuple(inv_freq.shape)}")
+    if not isinstance(rope_interleaved, bool):
+        raise TypeError(f"{op}: rope_interleaved must be a bool, got "
+                        f"{type(rope_interleaved).__name__}")
+    capacity = _check_step(op, qkv.dtype, B, s_active, Hq, Hkv, D, "qkv", qkv, k_cache,
+                           v_cache, cache_seqlens, block_table, positions, k_scale, v_scale,
+                           dict(q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
+                                inv_freq=inv_freq))
+    path = _select(op, impl, qkv.device, qkv.dtype, k_cache, v_cache)
+    if path == "torch":
+        return qk_norm_rope_append_reference(
+            qkv, k_cache, v_cache, cache_seqlens, num_heads=Hq, num_kv_heads=Hkv,
+            q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, eps=eps,
+            inv_freq=inv_freq, rope_interleaved=rope_interleaved, positions=positions,
+            block_table=block_table, k_scale=k_scale, v_scale=v_scale)
+    if torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (qkv, q_norm_weight, k_norm_weight)):
+        raise ValueError(f"{op}: the Triton path has no backward (an inference op); run it "
+                         "under torch.no_grad() or use impl='torch'")
+    return _run_prologue(qkv, k_cache, v_cache, cache_seqlens, q_norm_weight, k_norm_weight,
+                         inv_freq, positions, block_table, k_scale, v_scale, Hq, Hkv, eps,
+                         rope_interleaved, capacity)
+
+
+# --- the module -------------------------------------------------------------------------------
+
+
+def _positive_int(op: str, name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{op}: {name} must be >= 1, got {value}")
+    return value
+
+
+class DecodeAttentionBlock(nn.Module):
+    """The attention block of a decoding step: RMSNorm -> fused QKV projection -> per-head
+    q/k RMSNorm -> rotary embedding -> KV-cache append -> decode attention -> output
+    projection. Equal to :func:`decode_attention_block_reference` built from its weights.
+
+    **Inference only on the Triton path**: decode attention and the fused stage have no
+    backward, so with ``impl`` resolving to Triton the forward must run under
+    ``torch.no_grad()`` / ``torch.inference_mode()`` (it raises otherwise);
+    ``impl="torch"`` is the reference, differentiable by plain autograd.
+
+    Args:
+        hidden_size: the model width (x's and y's last dim).
+        num_heads, num_kv_heads: query heads ``Hq`` and KV heads ``Hkv`` (``Hq % Hkv == 0``;
+            GQA: query head ``h`` reads KV head ``h // (Hq // Hkv)``).
+        head_dim: ``D``; default ``hidden_size // num_heads`` (which must divide).
+        input_norm: RMSNorm of x (learnable ``input_norm_weight [hidden]``, ones at start).
+        qk_norm: RMSNorm of every q and k head over D (``q_norm_weight``,
+            ``k_norm_weight [D]``), before the rotary embedding (Qwen3, OLMo-2 style).
+        rope: rotary embedding of q and k. ``inv_freq[j] = rope_theta ** (-2j /
+            rotary_dim)`` in float32 (:func:`rope_inv_freq`); the angle of pair ``j`` at
+            position ``p`` is the float32 product ``p * inv_freq[j]``. Pairs ``(j, j +
+            rotary_dim/2)`` ("rotate half", GPT-NeoX / Llama), or ``(2j, 2j + 1)`` with
+            ``rope_interleaved=True`` (GPT-J); ``(a, b) -> (a cos - b sin, b cos + a sin)``.
+        rotary_dim: the rotated leading dims of each head (even, <= D; default D); the rest
+            pass through (partial rotary, as GPT-NeoX's ``rotary_pct``).
+        norm_eps: every RMSNorm's epsilon.
+        qkv_bias, out_bias: biases of the projections.
+        window_size: ``w``: the token at position ``p`` attends to cache rows ``p - w .. p``.
+        sinks: learnable per-head sink logits ``sinks [Hq]`` (zeros at start) in the softmax
+            denominator.
+        scale: the attention's ``q . k`` scale; default ``1 / sqrt(D)``.
+        impl: ``"auto"`` (Triton on CUDA, or on the CPU under Triton's interpreter; the
+            reference elsewhere), ``"triton"`` or ``"torch"``.
+
+    Parameters: ``input_norm_weight``, ``qkv`` (``nn.Linear(hidden, (Hq + 2 Hkv) * D)``, its
+    output q heads, then k heads, then v heads), ``q_norm_weight``, ``k_norm_weight``,
+    ``out`` (``nn.Linear(Hq * D, hidden)``), ``sinks``; absent ones are ``None``.
+
+    ``forward(x, k_cache, v_cache, cache_seqlens, *, block_table=None, k_scale=None,
+    v_scale=None, positions=None, num_splits=None) -> y``:
+
+    * ``x [B, s_active, hidden]`` in the parameters' dtype; ``y`` likewise.
+    * ``k_cache, v_cache``: contiguous ``[B, S_max, Hkv, D]`` or paged ``[num_blocks,
+      block_len, Hkv, D]`` with ``block_table [B, max_blocks]`` (int32, -1 padded); x's
+      dtype or ``float8_e4m3fn`` with optional ``k_scale``/``v_scale [Hkv]`` (value = stored
+      * scale; new rows are stored as clamp(value / scale, +-448)).
+    * ``cache_seqlens [B]``: tokens in each cache *before* this step. The step writes its
+      keys and values at ``cache_seqlens[b] + i`` (in place) and attends over
+      ``cache_seqlens + s_active`` tokens; it does not update ``cache_seqlens`` (add
+      ``s_active`` after the call). Reserve the room first: rows past the capacity, or in
+      a block whose id is -1, are not written on the Triton path (the reference raises).
+    * ``positions [B, s_active]``: rotary positions; default ``cache_seqlens[b] + i``.
+    * ``num_splits``: forwarded to :func:`lmfuse.decode_attention`.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int,
+                 head_dim: Optional[int] = None, *, input_norm: bool = True,
+                 qk_norm: bool = False, rope: bool = True, rope_theta: float = 10000.0,
+                 rotary_dim: Optional[int] = None, rope_interleaved: bool = False,
+                 norm_eps: float = 1e-6, qkv_bias: bool = False, out_bias: bool = False,
+                 window_size: Optional[int] = None, sinks: bool = False,
+                 scale: Optional[float] = None, device=None, dtype=None,
+                 impl: str = "auto") -> None:
+        super().__init__()
+        op = "DecodeAttentionBlock"
+        hidden_size = _positive_int(op, "hidden_size", hidden_size)
+        num_heads = _positive_int(op, "num_heads", num_heads)
+        num_kv_heads = _positive_int(op, "num_kv_heads", num_kv_heads)
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{op}: num_heads ({num_heads}) must be a multiple of "
+                             f"num_kv_heads ({num_kv_heads}) (GQA)")
+        if head_dim is None:
+            if hidden_size % num_heads:
+                raise ValueError(f"{op}: hidden_size ({hidden_size}) is not a multiple of "
+                                 f"num_heads ({num_heads}); pass head_dim")
+            head_dim = hidden_size // num_heads
+        head_dim = _positive_int(op, "head_dim", head_dim)
+        for name, flag in (("input_norm", input_norm), ("qk_norm", qk_norm), ("rope", rope),
+                           ("rope_interleaved", rope_interleaved), ("qkv_bias", qkv_bias),
+                           ("out_bias", out_bias), ("sinks", sinks)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{op}: {name} must be a bool, got {type(flag).__name__}")
+        if rope:
+            rotary_dim = head_dim if rotary_dim is None else _positive_int(
+                op, "rotary_dim", rotary_dim)
+            if rotary_dim % 2 or rotary_dim > head_dim:
+                raise ValueError(f"{op}: rotary_dim must be even and <= head_dim "
+                                 f"({head_dim}), got {rotary_dim}")
+            rope_theta = check_number(op, "rope_theta", rope_theta, allow_none=False)
+            if rope_theta <= 0:
+                raise ValueError(f"{op}: rope_theta must be > 0, got {rope_theta}")
+        elif rotary_dim is not None or rope_interleaved:
+            raise ValueError(f"{op}: rotary_dim and rope_interleaved need rope=True")
+        norm_eps = check_number(op, "norm_eps", norm_eps, allow_none=False)
+        if norm_eps < 0:
+            raise ValueError(f"{op}: norm_eps must be >= 0, got {norm_eps}")
+        if window_size is not None:
+            check_int(op, "window_size", window_size, minimum=0)
+        scale = check_number(op, "scale", scale)
+        if not isinstance(impl, str) or impl not in IMPLS:
+            raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
+
+        self.hidden_size, self.num_heads, self.num_kv_heads = hidden_size, num_heads, num_kv_heads
+        self.head_dim = head_dim
+        self.rope, self.rotary_dim = rope, rotary_dim if rope else 0
+        self.rope_theta, self.rope_interleaved = float(rope_theta), rope_interleaved
+        self.norm_eps, self.window_size, self.scale, self.impl = norm_eps, window_size, scale, impl
+        kw = dict(device=device, dtype=dtype)
+        D, Hq, Hkv = head_dim, num_heads, num_kv_heads
+        self.input_norm_weight = (nn.Parameter(torch.ones(hidden_size, **kw)) if input_norm
+                                  else None)
+        self.qkv = nn.Linear(hidden_size, (Hq + 2 * Hkv) * D, bias=qkv_bias, **kw)
+        self.q_norm_weight = nn.Parameter(torch.ones(D, **kw)) if qk_norm else None
+        self.k_norm_weight = nn.Parameter(torch.ones(D, **kw)) if qk_norm else None
+        self.out = nn.Linear(Hq * D, hidden_size, bias=out_bias, **kw)
+        self.sinks = nn.Parameter(torch.zeros(Hq, **kw)) if sinks else None
+        # Not a buffer: ``module.to(torch.float16)`` would round the frequencies.
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """The rotary frequencies ``[rotary_dim / 2]`` float32 on ``device``, made on the
+        first call for that device (a warm-up step before capturing a CUDA graph makes them)."""
+        if device not in self._inv_freq:
+            self._inv_freq[device] = rope_inv_freq(self.rotary_dim, self.rope_theta, device)
+        return self._inv_freq[device]
+
+    def reference_kwargs(self) -> dict[str, Any]:
+        """The weights and options of :func:`decode_attention_block_reference` for this
+        module."""
+        return dict(qkv_weight=self.qkv.weight, out_weight=self.out.weight,
+                    num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                    qkv_bias=self.qkv.bias, out_bias=self.out.bias,
+                    input_norm_weight=self.input_norm_weight, q_norm_weight=self.q_norm_weight,
+                    k_norm_weight=self.k_norm_weight, norm_eps=self.norm_eps, rope=self.rope,
+                    rotary_dim=self.rotary_dim if self.rope else None,
+                    rope_theta=self.rope_theta, rope_interleaved=self.rope_interleaved,
+                    scale=self.scale, window_size=self.window_size, sinks=self.sinks)
+
+    def _check(self, x, k_cache, v_cache, cache_seqlens, block_table, positions, k_scale,
+               v_scale, num_splits) -> tuple[str, int]:
+        op = "DecodeAttentionBlock"
+        check_tensor(op, "x", x, ndim=3)
+        B, s_active, hidden = x.shape
+        if hidden != self.hidden_size or s_active < 1:
+            raise ValueError(f"{op}: x must be [B, s_active >= 1, hidden_size="
+                             f"{self.hidden_size}], got {tuple(x.shape)}")
+        if x.dtype != self.qkv.weight.dtype:
+            raise TypeError(f"{op}: x is {_dt(x.dtype)} but the parameters are "
+                            f"{_dt(self.qkv.weight.dtype)}")
+        if num_splits is not None:
+            check_int(op, "num_splits", num_splits, minimum=1)
+        capacity = _check_step(op, x.dtype, B, s_active, self.num_heads, self.num_kv_heads,
+                               self.head_dim, "x", x, k_cache, v_cache, cache_seqlens,
+                               block_table, positions, k_scale, v_scale,
+                               dict(weight=self.qkv.weight))
+        path = _select(op, self.impl, x.device, x.dtype, k_cache, v_cache)
+        if path == "triton" and torch.is_grad_enabled() and (
+                x.requires_grad or any(p.requires_grad for p in self.parameters())):
+            raise ValueError(f"{op}: the Triton path is inference-only (decode attention has "
+                             "no backward); run it under torch.no_grad() or "
+                             "torch.inference_mode(), or use impl='torch'")
+        return path, capacity
+
+    def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                cache_seqlens: torch.Tensor, *, block_table: Optional[torch.Tensor] = None,
+                k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
+                positions: Optional[torch.Tensor] = None,
+                num_splits: Optional[int] = None) -> torch.Tensor:
+        # Everything is validated before the cache is written, so a bad call leaves it as it
+        # was.
+        path, capacity = self._check(x, k_cache, v_cache, cache_seqlens, block_table,
+                                     positions, k_scale, v_scale, num_splits)
+        if path == "torch":
+            return decode_attention_block_reference(
+                x, k_cache, v_cache, cache_seqlens, positions=positions,
+                block_table=block_table, k_scale=k_scale, v_scale=v_scale,
+                **self.reference_kwargs())
+        B, s_active, _ = x.shape
+        h = x
+        if self.input_norm_weight is not None:
+            h = rms_norm_reference(x, self.input_norm_weight, self.norm_eps).to(x.dtype)
+        qkv = F.linear(h, self.qkv.weight, self.qkv.bias)
+        q = _run_prologue(qkv, k_cache, v_cache, cache_seqlens, self.q_norm_weight,
+                          self.k_norm_weight, self.inv_freq(x.device) if self.rope else None,
+                          positions, block_table, k_scale, v_scale, self.num_heads,
+                          self.num_kv_heads, self.norm_eps, self.rope_interleaved, capacity)
+        attn = ops.decode_attention(q, k_cache, v_cache, cache_seqlens + s_active,
+                                    block_table=block_table, scale=self.scale,
+                                    window_size=self.window_size, sinks=self.sinks,
+                                    k_scale=k_scale, v_scale=v_scale, num_splits=num_splits,
+                                    impl="triton")
+        return self.out(attn.reshape(B, s_active, self.num_heads * self.head_dim))
+
+    def extra_repr(self) -> str:
+        parts = [f"hidden_size={self.hidden_size}", f"num_heads={self.num_heads}",
+                 f"num_kv_heads={self.num_kv_heads}", f"head_dim={self.head_dim}",
+                 f"input_norm={self.input_norm_weight is not None}",
+                 f"qk_norm={self.q_norm_weight is not None}"]
+        if self.rope:
+            parts.append(f"rope(theta={self.rope_theta:g}, rotary_dim={self.rotary_dim}"
+                         f"{', interleaved' if self.rope_interleaved else ''})")
+        if self.window_size is not None:
+            parts.append(f"window_size={self.window_size}")
+        if self.sinks is not None:
+            parts.append("sinks")
+        parts.append(f"impl={self.impl!r}")
+        return ", ".join(parts)
+
+
+__all__ = ["DecodeAttentionBlock", "decode_attention_block_reference", "qk_norm_rope_append",
+           "qk_norm_rope_append_reference", "rope_inv_freq", "rope_reference",
+           "rms_norm_reference"]
