@@ -996,3 +996,30 @@ def test_append_bad_input_raises(paged: bool, make, error: type[Exception], mess
         lmfuse.kv_cache_append(*args, **kw)
     if args[0].shape == before.shape and args[0].dtype == before.dtype:
         assert torch.equal(args[0], before), "a refused append wrote into the cache"
+
+
+def test_compile_fullgraph_decode_and_append() -> None:
+    """torch.compile traces decode_attention and kv_cache_append as opaque custom ops (no
+    graph break) and gives the eager results."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 2, 8, 32), torch.randn(2, 40, 2, 32), torch.randn(2, 40, 2, 32)
+    lens = torch.tensor([40, 7], dtype=torch.int32)
+
+    def attend(q, k, v, lens):
+        out, lse = lmfuse.decode_attention(q, k, v, lens, return_lse=True, window_size=10,
+                                           impl="triton")
+        return out * 2, lse
+
+    with torch.no_grad():
+        got = torch.compile(attend, fullgraph=True)(q, k, v, lens)
+        want = attend(q, k, v, lens)
+    assert torch.allclose(got[0], want[0]) and torch.allclose(got[1], want[1])
+
+    def append(kc, vc, kn, vn, lens):
+        lmfuse.kv_cache_append(kc, vc, kn, vn, lens, impl="triton")
+        return kc.sum()
+
+    kc, vc, kn = torch.zeros(2, 8, 2, 32), torch.zeros(2, 8, 2, 32), torch.randn(2, 1, 2, 32)
+    torch.compile(append, fullgraph=True)(kc, vc, kn, -kn, torch.tensor([1, 3]))
+    assert torch.equal(kc[0, 1], kn[0, 0]) and torch.equal(vc[1, 3], -kn[1, 0])
+    assert kc[0, 0].abs().sum() == 0 and kc[1, 2].abs().sum() == 0
