@@ -14,6 +14,7 @@ from .activations import (FusedMLP, bias_gelu, geglu, quick_geglu, squared_relu,
 from .attention import (DecodeAttentionBlock, KVCacheFullError, PagedKVCache, decode_attention,
                         kv_cache_append, merge_attention_states)
 from .cross_entropy import cross_entropy, linear_cross_entropy
+from .distributed.planner import plan_sharding
 from .softmax import AttnMaskType, FusedScaleMaskSoftmax, fused_softmax
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "kv_cache_append",
     "linear_cross_entropy",
     "merge_attention_states",
+    "plan_sharding",
     "quick_geglu",
     "squared_relu",
     "swiglu",

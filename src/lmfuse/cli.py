@@ -1,8 +1,9 @@
-"""The ``lmfuse`` command: ``info``, ``check``, ``bench`` and ``tune``.
+"""The ``lmfuse`` command: ``info``, ``check``, ``bench``, ``plan`` and ``tune``.
 
     lmfuse info              versions, devices, and which path each op takes here
     lmfuse check             every op against its reference, forward and gradients
     lmfuse bench softmax     time lmfuse against its peers (see bench/softmax.py)
+    lmfuse plan              how to shard a decode KV cache: TP, KVDP, CP or a mix
     lmfuse tune linear_cross_entropy
                              sweep launch configs on this GPU; record the fastest in the
                              user cache (lmfuse.tuning.user_cache_path()) that ops read
@@ -156,6 +157,22 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from lmfuse.distributed.planner import plan_sharding
+
+    try:
+        plan = plan_sharding(args.batch, args.q_heads, args.kv_heads, args.ranks, args.context,
+                             args.head_dim, args.layers, args.dtype, args.hbm_gib,
+                             s_active=args.s_active)
+    except (TypeError, ValueError) as exc:
+        print(f"lmfuse plan: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_dict(), indent=1) if args.json else plan)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lmfuse", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -167,6 +184,20 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--seed", type=int, default=0)
     bench = sub.add_parser("bench", help="benchmark an op family against its peers")
     bench.add_argument("family", choices=FAMILIES)
+    plan = sub.add_parser("plan", help="how to shard a decode KV cache over ranks "
+                          "(defaults: a GPT-OSS-120B-like model at 128K context)")
+    for flag, default, text in (("--batch", 16, "sequences decoded together"),
+                                ("--q-heads", 64, "query heads"), ("--kv-heads", 8, "KV heads"),
+                                ("--ranks", 64, "ranks (GPUs)"),
+                                ("--context", 131072, "cached tokens per sequence"),
+                                ("--head-dim", 64, "head dim"), ("--layers", 80, "layers"),
+                                ("--s-active", 1, "tokens decoded per step (1..8)")):
+        plan.add_argument(flag, type=int, default=default, help=f"{text} (default {default})")
+    plan.add_argument("--dtype", default="bf16", help="KV cache dtype: bf16, fp16, fp32, fp8 "
+                      "(default bf16)")
+    plan.add_argument("--hbm-gib", type=float, default=141.0,
+                      help="GiB per rank the KV cache may use (default 141)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     tune = sub.add_parser("tune", help="sweep launch configs on this GPU, record the best")
     tune.add_argument("family", choices=TUNABLE)
     tune.add_argument("--shape", type=_shape, action="append",
@@ -183,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_bench(args, rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return {"info": cmd_info, "check": cmd_check, "tune": cmd_tune}[args.command](args)
+    return {"info": cmd_info, "check": cmd_check, "plan": cmd_plan,
+            "tune": cmd_tune}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,403 @@
+"""How to shard a decode KV cache over ranks: vanilla TP, KV data parallelism, context
+parallelism, or a mix of the last two (``lmfuse.plan_sharding``, ``lmfuse plan``).
+
+A pure model, no tensors and no process groups: it counts bytes.
+
+Notation: ``B`` sequences, ``Hq`` query and ``Hkv`` KV heads, ``N`` ranks, ``S`` cached
+tokens per sequence (``context_len``), head dim ``D``, ``L`` layers, ``s`` active tokens
+per step, ``e`` bytes per cache element (``dtype``), ``a`` bytes per activation element
+(``act_dtype``: the cache dtype, or bfloat16 for an fp8 cache).
+
+Every option keeps the projections tensor-parallel over all ``N`` ranks: each rank
+computes ``q_local = Hq / N`` query heads for all ``B`` sequences, and the out-projection
+is row-parallel over the same split. Its all-reduce is the same for every option and is
+left out; only the collectives *inside* attention are counted.
+
+KV bytes per rank (the busiest rank, for an uneven split)::
+
+    2 (K and V) * L * tokens_held * kv_heads_held * D * e * sequences_held
+
+* **vanilla TP** (``TP = N``): ``kv_heads_held = max(1, Hkv / N)``, all ``B`` sequences,
+  all ``S`` tokens. When ``N > Hkv`` the ``N / Hkv`` ranks whose query heads share a KV
+  head each hold a full copy of it: ``replication = N / Hkv``. No collective in attention.
+* **TP x KVDP x CP** (``TP = min(Hkv, N)``, ``KVDP * CP = r = N / TP``): the ``r`` ranks
+  that share KV head(s) ``Hkv / TP`` split the batch ``KVDP`` ways and each sequence's
+  context ``CP`` ways: ``sequences_held = ceil(B / KVDP)``, ``tokens_held = ceil(S / CP)``,
+  no replica (``replication = 1``). Attention on a rank runs over the whole query group of
+  its KV head(s), ``h_attn = Hq / TP = r * q_local`` heads. Per layer and decode step, with
+  ``b = ceil(B / KVDP)`` (all-gathers pad the batch to ``KVDP * b``):
+
+  ================================  =========  ==============================================
+  collective                        group      bytes received per rank
+  ================================  =========  ==============================================
+  all-gather q (if ``r > 1``)       r ranks    ``(r - 1) * B * s * q_local * D * a``
+  all-gather out + lse (``CP > 1``) CP ranks   ``(CP - 1) * b * s * h_attn * (D + 1) * 4``
+  all-gather out (``KVDP > 1``)     KVDP ranks ``(KVDP - 1) * b * s * h_attn * D * a``
+  ================================  =========  ==============================================
+
+  The q all-gather brings each rank the query heads of its whole group for every sequence
+  (the rank then keeps its ``b`` sequences, or all of them under CP); gathering over CP
+  first and then inside ``kvdp_decode_attention`` over KVDP moves the same bytes in two
+  calls (``(CP - 1) + CP * (KVDP - 1) = r - 1`` shards). CP's partial outputs
+  and their log-sum-exps travel in float32 for the exact merge, modelled as the all-gather
+  ``cp_decode_attention`` issues (an all-to-all that sent each rank only its own heads'
+  partials would move up to ``CP`` times fewer bytes). KVDP's merged outputs are
+  all-gathered over the batch and each rank keeps its own ``q_local`` heads.
+  "Bytes received" is ``(g - 1) / g`` of the gathered tensor, what a ring all-gather moves
+  into each rank. Per step = per layer * ``L``.
+
+The recommendation (``TP = min(Hkv, N)``, ``r = N / TP``): if ``B >= r``, ``KVDP = r``
+and ``CP = 1``; else ``KVDP`` = the largest divisor of ``r`` not above ``B`` and
+``CP = r / KVDP``. When ``B`` does not split evenly over that ``KVDP``, the busiest rank
+holds more than its share, so among the divisors ``k <= B`` of ``r`` the plan takes the
+one whose busiest rank holds the fewest ``sequences * tokens`` (the larger ``KVDP`` on a
+tie, since its output all-gather is cheaper than CP's float32 partials); when ``B`` and
+``S`` split evenly this is exactly the rule above, and the reason says when it departs.
+
+``fits`` compares the KV cache alone with ``hbm_gib`` GiB (2**30 bytes): pass the HBM
+left per rank after weights and activations. Sizes are those of a contiguous cache; a
+paged cache rounds each sequence up to whole blocks, and fp8 per-head scales are ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .._dispatch import check_int, check_number
+
+OP = "plan_sharding"
+MAX_ACTIVE = 8  # decode_attention's s_active range is 1..8
+LSE_BYTES = 4  # partial outputs and log-sum-exps are merged in float32
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp8": torch.float8_e4m3fn, "e4m3": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "e5m2": torch.float8_e5m2, "fp8_e5m2": torch.float8_e5m2, "float8_e5m2": torch.float8_e5m2,
+}
+_SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+          torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective inside attention, per layer and decode step."""
+
+    name: str  # "all-gather q", "all-gather out+lse", "all-gather out"
+    group: str  # which ranks: "KVDP", "CP" or "KVDP x CP"
+    group_size: int
+    count: int  # calls per layer per decode step
+    bytes_per_rank: int  # received by each rank, per call
+
+
+@dataclass(frozen=True)
+class ShardingOption:
+    """One way to shard the KV cache, and what it costs each rank."""
+
+    name: str  # "vanilla TP", "KVDP", "CP", "recommended"
+    split: str  # "TP8 x KVDP2 x CP4"
+    tp: int
+    kvdp: int
+    cp: int
+    kv_heads_held: int
+    sequences_held: int  # on the busiest rank
+    tokens_held: int  # per held sequence
+    kv_bytes_per_rank: int
+    fits: bool
+    replication: int  # ranks holding a copy of each cached (token, KV head)
+    collectives: tuple[Collective, ...]  # per layer per decode step
+    collectives_per_step: int  # calls per decode step, all layers
+    collective_bytes_per_step: int  # received per rank per decode step, all layers
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """The recommended split (its fields repeated at the top), every option compared,
+    the inputs, and why. ``str(plan)`` is the table ``lmfuse plan`` prints."""
+
+    tp: int
+    kvdp: int
+    cp: int
+    kv_bytes_per_rank: int
+    fits: bool
+    replication: int
+    collectives: tuple[Collective, ...]
+    collective_bytes_per_step: int
+    options: tuple[ShardingOption, ...]  # vanilla TP, KVDP, CP, recommended
+    reason: str
+    inputs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def recommended(self) -> ShardingOption:
+        return self.options[-1]
+
+    @property
+    def split(self) -> str:
+        return self.recommended.split
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: every field, options and collectives as nested dicts."""
+        out = asdict(self)
+        out["split"] = self.split
+        return out
+
+    def __str__(self) -> str:
+        p = self.inputs
+        head = (f"KV-cache sharding plan: batch {p['batch']}, {p['q_heads']} q / "
+                f"{p['kv_heads']} kv heads, head_dim {p['head_dim']}, {p['n_layers']} layers, "
+                f"context {p['context_len']}, {p['dtype']} cache, s_active {p['s_active']}, "
+                f"{p['ranks']} ranks of {p['hbm_gib']:g} GiB")
+        cols = ("option", "split", "KV/rank", "fits", "replicas", "coll/layer",
+                "bytes/rank/layer", "coll/step", "bytes/rank/step")
+        rows = [cols]
+        for o in self.options:
+            per_layer = sum(c.count * c.bytes_per_rank for c in o.collectives)
+            rows.append((o.name, o.split, format_bytes(o.kv_bytes_per_rank),
+                         "yes" if o.fits else "NO", f"{o.replication}x",
+                         str(sum(c.count for c in o.collectives)), format_bytes(per_layer),
+                         str(o.collectives_per_step), format_bytes(o.collective_bytes_per_step)))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+        lines = [head, ""]
+        lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+        lines += ["", (f"recommended {self.split}: collectives per layer per decode step, "
+                       "bytes received per rank")]
+        if not self.collectives:
+            lines.append("  none inside attention")
+        for c in self.collectives:
+            lines.append(f"  {c.name} over {c.group} ({c.group_size} ranks): "
+                         f"{c.count} x {format_bytes(c.bytes_per_rank)}")
+        lines += ["", "why: " + self.reason]
+        return "\n".join(lines)
+
+
+def format_bytes(n: int) -> str:
+    """``1536`` -> ``"1.50 KiB"``; binary units."""
+    if n < 1024:
+        return f"{n} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            return f"{n:.2f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def resolve_dtype(dtype: Any, name: str = "dtype") -> torch.dtype:
+    """A floating torch dtype, or one of its names (``"bf16"``, ``"fp8"``, ``"float16"``,
+    ``"torch.bfloat16"``, ...; ``"fp8"`` is ``float8_e4m3fn``)."""
+    if isinstance(dtype, str):
+        key = dtype.strip().lower().removeprefix("torch.")
+        if key not in _DTYPE_NAMES:
+            raise ValueError(f"{OP}: unknown {name} {dtype!r}; choose a torch floating dtype "
+                             f"or one of {', '.join(_DTYPE_NAMES)}")
+        return _DTYPE_NAMES[key]
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{OP}: {name} must be a torch.dtype or a string such as 'bf16', "
+                        f"got {type(dtype).__name__} {dtype!r}")
+    if not dtype.is_floating_point:
+        raise TypeError(f"{OP}: {name} must be a floating dtype, got {dtype}")
+    return dtype
+
+
+def plan_sharding(batch: int, q_heads: int, kv_heads: int, ranks: int, context_len: int,
+                  head_dim: int, n_layers: int, dtype: torch.dtype | str, hbm_gib: float, *,
+                  s_active: int = 1,
+                  act_dtype: torch.dtype | str | None = None) -> ShardingPlan:
+    """Recommend how ``ranks`` ranks should shard a decode KV cache, and compare options.
+
+    Args:
+        batch: sequences decoded together (``B``).
+        q_heads, kv_heads: query and KV heads (``q_heads % kv_heads == 0``).
+        ranks: ranks in the tensor-parallel group (``N``). ``ranks`` and ``kv_heads`` must
+            divide one another, and ``ranks`` must divide ``q_heads`` (the projections are
+            split by heads over all ranks).
+        context_len: cached tokens per sequence (``S``).
+        head_dim: ``D``. n_layers: attention layers (``L``).
+        dtype: the KV cache's dtype (a torch dtype or ``"bf16"``, ``"fp16"``, ``"fp8"``...).
+        hbm_gib: GiB per rank the cache may use.
+        s_active: tokens decoded per step (1..8).
+        act_dtype: dtype of q and outputs on the wire; default the cache dtype, bfloat16
+            for a 1-byte cache.
+
+    Returns a :class:`ShardingPlan`; the module docstring gives every formula.
+    Raises TypeError / ValueError naming the argument.
+    """
+    batch = check_int(OP, "batch", batch, minimum=1)
+    q_heads = check_int(OP, "q_heads", q_heads, minimum=1)
+    kv_heads = check_int(OP, "kv_heads", kv_heads, minimum=1)
+    ranks = check_int(OP, "ranks", ranks, minimum=1)
+    context_len = check_int(OP, "context_len", context_len, minimum=1)
+    head_dim = check_int(OP, "head_dim", head_dim, minimum=1)
+    n_layers = check_int(OP, "n_layers", n_layers, minimum=1)
+    s_active = check_int(OP, "s_active", s_active, minimum=1)
+    if s_active > MAX_ACTIVE:
+        raise ValueError(f"{OP}: s_active must be 1..{MAX_ACTIVE} (decode_attention's "
+                         f"range), got {s_active}")
+    hbm = check_number(OP, "hbm_gib", hbm_gib, allow_none=False)
+    if hbm <= 0:
+        raise ValueError(f"{OP}: hbm_gib must be > 0, got {hbm_gib}")
+    cache_dtype = resolve_dtype(dtype)
+    wire_dtype = (resolve_dtype(act_dtype, "act_dtype") if act_dtype is not None
+                  else torch.bfloat16 if cache_dtype.itemsize == 1 else cache_dtype)
+    if q_heads % kv_heads:
+        raise ValueError(f"{OP}: q_heads ({q_heads}) must be a multiple of kv_heads "
+                         f"({kv_heads}) (grouped-query attention)")
+    if ranks % kv_heads and kv_heads % ranks:
+        raise ValueError(
+            f"{OP}: ranks ({ranks}) and kv_heads ({kv_heads}) must divide one another: "
+            f"ranks a multiple of kv_heads (ranks/kv_heads ranks per KV head) or a divisor "
+            f"of it (kv_heads/ranks KV heads per rank)")
+    if q_heads % ranks:
+        raise ValueError(f"{OP}: q_heads ({q_heads}) must be a multiple of ranks ({ranks}): "
+                         f"the projections are tensor-parallel over all ranks, q_heads/ranks "
+                         f"query heads each")
+
+    m = _Model(batch, q_heads, kv_heads, ranks, context_len, head_dim, n_layers, s_active,
+               cache_dtype.itemsize, wire_dtype.itemsize, int(hbm * 2**30))
+    tp = min(kv_heads, ranks)
+    r = ranks // tp
+    rule_kvdp = r if batch >= r else max(k for k in _divisors(r) if k <= batch)
+    # The busiest rank decides memory and step time: an uneven batch split costs more.
+    kvdp = min((k for k in _divisors(r) if k <= batch),
+               key=lambda k: (m.cells(k, r // k), -k))
+    cp = r // kvdp
+
+    options = (m.vanilla(), m.split("KVDP", r, 1), m.split("CP", 1, r),
+               m.split("recommended", kvdp, cp))
+    best = options[-1]
+    reason = _reason(m, options, tp, r, rule_kvdp, hbm)
+    inputs = {"batch": batch, "q_heads": q_heads, "kv_heads": kv_heads, "ranks": ranks,
+              "context_len": context_len, "head_dim": head_dim, "n_layers": n_layers,
+              "dtype": _dtype_name(cache_dtype), "hbm_gib": hbm, "s_active": s_active,
+              "act_dtype": _dtype_name(wire_dtype)}
+    return ShardingPlan(tp=best.tp, kvdp=best.kvdp, cp=best.cp,
+                        kv_bytes_per_rank=best.kv_bytes_per_rank, fits=best.fits,
+                        replication=best.replication, collectives=best.collectives,
+                        collective_bytes_per_step=best.collective_bytes_per_step,
+                        options=options, reason=reason, inputs=inputs)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return _SHORT.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+@dataclass(frozen=True)
+class _Model:
+    B: int
+    Hq: int
+    Hkv: int
+    N: int
+    S: int
+    D: int
+    L: int
+    s: int
+    e: int  # bytes per cache element
+    a: int  # bytes per activation element on the wire
+    hbm_bytes: int
+
+    def cells(self, kvdp: int, cp: int) -> int:
+        """Sequences x tokens on the busiest rank of a KVDP x CP split."""
+        return math.ceil(self.B / kvdp) * math.ceil(self.S / cp)
+
+    def kv_bytes(self, heads: int, seqs: int, tokens: int) -> int:
+        return 2 * self.L * tokens * heads * self.D * self.e * seqs
+
+    def _option(self, name: str, split: str, tp: int, kvdp: int, cp: int, heads: int,
+                seqs: int, tokens: int, replication: int,
+                collectives: tuple[Collective, ...]) -> ShardingOption:
+        kv = self.kv_bytes(heads, seqs, tokens)
+        return ShardingOption(
+            name=name, split=split, tp=tp, kvdp=kvdp, cp=cp, kv_heads_held=heads,
+            sequences_held=seqs, tokens_held=tokens, kv_bytes_per_rank=kv,
+            fits=kv <= self.hbm_bytes, replication=replication, collectives=collectives,
+            collectives_per_step=self.L * sum(c.count for c in collectives),
+            collective_bytes_per_step=self.L * sum(c.count * c.bytes_per_rank
+                                                   for c in collectives))
+
+    def vanilla(self) -> ShardingOption:
+        heads = max(1, self.Hkv // self.N)
+        return self._option("vanilla TP", f"TP{self.N}", self.N, 1, 1, heads, self.B, self.S,
+                            max(1, self.N // self.Hkv), ())
+
+    def split(self, name: str, kvdp: int, cp: int) -> ShardingOption:
+        tp = min(self.Hkv, self.N)
+        r = kvdp * cp
+        q_local = self.Hq // self.N
+        h_attn = self.Hq // tp
+        b = math.ceil(self.B / kvdp)
+        group = "KVDP" if cp == 1 else "CP" if kvdp == 1 else "KVDP x CP"
+        collectives: list[Collective] = []
+        if r > 1:
+            collectives.append(Collective(
+                "all-gather q", group, r, 1, (r - 1) * self.B * self.s * q_local * self.D * self.a))
+        if cp > 1:
+            collectives.append(Collective(
+                "all-gather out+lse", "CP", cp, 1,
+                (cp - 1) * b * self.s * h_attn * (self.D + 1) * LSE_BYTES))
+        if kvdp > 1:
+            collectives.append(Collective(
+                "all-gather out", "KVDP", kvdp, 1,
+                (kvdp - 1) * b * self.s * h_attn * self.D * self.a))
+        text = " x ".join([f"TP{tp}"] + [f"{n}{k}" for n, k in (("KVDP", kvdp), ("CP", cp))
+                                         if k > 1])
+        return self._option(name, text, tp, kvdp, cp, self.Hkv // tp, b,
+                            math.ceil(self.S / cp), 1, tuple(collectives))
+
+
+def _reason(m: _Model, options: tuple[ShardingOption, ...], tp: int, r: int, rule_kvdp: int,
+            hbm: float) -> str:
+    vanilla, kvdp_only, cp_only, best = options
+    gib = format_bytes
+    if r == 1:
+        why = (f"ranks={m.N} <= kv_heads={m.Hkv}: TP={tp} gives every rank "
+               f"{m.Hkv // tp} whole KV head(s), no KV head is replicated and nothing is left "
+               f"to split, so KVDP and CP do not apply.")
+    else:
+        if m.B >= r:
+            why = (f"B={m.B} >= ranks/kv_heads={r}: with TP=kv_heads={tp}, the {r} ranks "
+                   f"sharing a KV head can split the batch (KVDP={r}).")
+        else:
+            why = (f"B={m.B} < ranks/kv_heads={r}: with TP=kv_heads={tp}, too few sequences "
+                   f"for KVDP={r} alone (its busiest rank would hold a whole {m.S}-token "
+                   f"sequence, {gib(kvdp_only.kv_bytes_per_rank)}, while others of its group "
+                   f"sit idle).")
+        if best.kvdp != rule_kvdp:
+            ruled = m.split("rule", rule_kvdp, r // rule_kvdp)
+            why += (f" The plain rule would take {ruled.split}, but B={m.B} does not split "
+                    f"evenly over KVDP={rule_kvdp}: its busiest rank would hold "
+                    f"{ruled.sequences_held} sequence(s) x {ruled.tokens_held} tokens "
+                    f"({gib(ruled.kv_bytes_per_rank)}), against {best.sequences_held} x "
+                    f"{best.tokens_held} ({gib(best.kv_bytes_per_rank)}) with {best.split}.")
+        if best.cp == 1:
+            why += (f" {best.split}: each rank holds {best.sequences_held} whole sequence(s) "
+                    f"of its KV head; 2 all-gathers per layer (q in, outputs back), "
+                    f"{gib(best.collective_bytes_per_step)} per rank per step, against "
+                    f"{gib(cp_only.collective_bytes_per_step)} for CP={r} (float32 partials).")
+        else:
+            held = (f"{best.sequences_held} sequence(s), each" if best.kvdp > 1
+                    else "every sequence,")
+            why += (f" {best.split}: each rank holds {held} as a {best.tokens_held}-token "
+                    f"slice of its KV head; {len(best.collectives)} all-gathers per layer, "
+                    f"{gib(best.collective_bytes_per_step)} per rank per step.")
+        why += (f" Vanilla TP over {m.N} ranks would replicate every KV head "
+                f"{vanilla.replication}x: {gib(vanilla.kv_bytes_per_rank)} per rank against "
+                f"{gib(best.kv_bytes_per_rank)}.")
+    if best.fits:
+        fit = f" It fits: {gib(best.kv_bytes_per_rank)} of KV cache per rank of {hbm:g} GiB."
+    else:
+        total = m.kv_bytes(m.Hkv, m.B, m.S)
+        fp8 = " or an fp8 cache" if m.e > 1 else ""
+        fit = (f" Nothing fits: even {best.split} needs {gib(best.kv_bytes_per_rank)} of KV "
+               f"cache per rank, more than hbm_gib={hbm:g} (the whole cache is {gib(total)}, "
+               f"{gib(math.ceil(total / m.N))} per rank at best); use more ranks, a shorter "
+               f"context, a smaller batch{fp8}.")
+    return why + fit
