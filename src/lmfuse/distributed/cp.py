@@ -1,0 +1,445 @@
+"""Context parallelism (CP) for decode attention: every rank of a group holds a slice of
+every sequence's context, and one all-gather merges the ranks' partial results exactly.
+
+Layout: round-robin blocks of ``cp_block`` tokens. Global position ``p`` of a sequence
+lives on rank ``(p // cp_block) % W`` at local position ``(p // (cp_block * W)) * cp_block
++ p % cp_block``. A rank's local positions are dense and in global order, so its shard is
+an ordinary cache (contiguous ``[B, S_local, Hkv, D]``, or its own block pool with its own
+``[B, max_blocks]`` table) holding :func:`cp_shard_seqlens` tokens of each sequence. Round
+robin (rather than one contiguous range per rank) keeps the ranks' memory and work even
+whatever the sequences' lengths, and spreads the appends.
+
+Exactness. Active token ``i`` of a sequence of ``L`` tokens sits at global position ``P_i
+= L - s_active + i`` and sees the keys at positions ``<= P_i``. On a rank, the local keys
+of global position ``<= P_0`` (the first active token's) form a prefix ``[0, len0)`` that
+every active token sees: one ``decode_attention`` call with ``s_active = 1`` covers it for
+all active tokens at once (they are folded into the head dim, so each KV tile is still read
+once for all of them). The rank's other local keys are its share of the positions ``P_0 +
+1 .. L - 1`` -- at most ``s_active - 1`` of them, which are visible to some active tokens
+and not others (the active tokens may straddle ranks in any way); they are attended to
+exactly, with a per-token causal mask, in a tiny float32 step (``s_active - 1`` keys). The
+two partials are merged locally, then the ranks' partials (output and LSE, packed in one
+float32 tensor) with one all-gather and :func:`~lmfuse.merge_attention_states`. Sinks are
+counted on rank 0 only. Sliding windows are not supported with more than one rank (a
+window's start maps to no fixed local window under round robin; a sliding-window layer's
+context is bounded and needs no CP).
+
+Neither op has a backward (the collectives are not differentiable).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .._dispatch import check_int, check_tensor, select_impl
+from ..attention.ops import (decode_attention, kv_cache_append, merge_attention_states,
+                             plan_decode_attention)
+from .collectives import all_gather_stacked, group_rank, group_size
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_DTYPE_CODES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_MESSAGE_BYTES = 240
+_KINDS = (ValueError, TypeError, RuntimeError, Exception)  # error codes 1.. of a rank check
+
+
+# --- shared by the parallel decode ops -----------------------------------------------------
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A small int naming a query dtype, for comparing dtypes across ranks."""
+    return _DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else len(_DTYPE_CODES)
+
+
+def check_on_all_ranks(op: str, group: Any, check_ranks: bool, device: torch.device,
+                       fields: Sequence[str], validate: Callable[[], Sequence[int]]) -> None:
+    """Run ``validate()`` (which raises for bad local input, and returns one int per name in
+    ``fields``: facts every rank must agree on).
+
+    Without ``check_ranks`` a local error raises on its rank at once (before any collective
+    of the op). With it, every rank joins one small all-gather of ``[error code, *facts,
+    message bytes]`` first, so that a rank's bad input, or facts that differ between ranks,
+    raise on every rank of the group (the failing rank's own message is shown everywhere)
+    instead of leaving the other ranks waiting in the op's collectives. That costs the
+    all-gather and a host synchronisation: for first steps and debugging.
+    """
+    if not check_ranks or group_size(group) == 1:
+        validate()
+        return
+    error: Optional[Exception] = None
+    try:
+        facts = [int(x) for x in validate()]
+    except Exception as e:  # re-raised below, after the other ranks have heard of it
+        error, facts = e, [0] * len(fields)
+    code = 0 if error is None else 1 + next(i for i, kind in enumerate(_KINDS)
+                                            if isinstance(error, kind))
+    message = list(str(error).encode()[:_MESSAGE_BYTES]) if error is not None else []
+    row = torch.tensor([code, *facts, *message, *[0] * (_MESSAGE_BYTES - len(message))],
+                       dtype=torch.int64, device=device)
+    rows = all_gather_stacked(row, group).tolist()
+    failed = [w for w, r in enumerate(rows) if r[0]]
+    if error is not None:
+        raise error
+    if failed:
+        w = failed[0]
+        text = bytes(b for b in rows[w][1 + len(fields):] if b).decode(errors="replace")
+        raise _KINDS[rows[w][0] - 1](f"{op}: rank {w} of the group rejected its inputs "
+                                     f"(rank(s) {failed} failed): {text}")
+    for i, name in enumerate(fields):
+        seen = [r[1 + i] for r in rows]
+        if len(set(seen)) > 1:
+            if name == "query dtype":
+                seen = [str(_DTYPE_CODES[c])[6:] if c < len(_DTYPE_CODES) else "other"
+                        for c in seen]
+            raise ValueError(f"{op}: the ranks of the group disagree on {name}: {seen} in rank "
+                             f"order; every rank must pass the same {name}")
+
+
+def meta_device(group: Any, t: Any) -> torch.device:
+    """Where the metadata of :func:`check_on_all_ranks` lives for ``group``'s backend."""
+    if "nccl" not in str(dist.get_backend(group)):
+        return torch.device("cpu")
+    if isinstance(t, torch.Tensor) and t.is_cuda:
+        return t.device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def check_no_grad(op: str, q: Any, sinks: Any) -> None:
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                       for t in (q, sinks)):
+        raise ValueError(f"{op}: there is no backward through the collectives (decode "
+                         "attention is an inference op); run it under torch.no_grad()")
+
+
+def wrap_errors(prefix: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``, with ``prefix`` put before the message of a ValueError/TypeError."""
+    try:
+        return fn()
+    except ValueError as e:
+        raise ValueError(f"{prefix}: {e}") from None
+    except TypeError as e:
+        raise TypeError(f"{prefix}: {e}") from None
+
+
+# --- layout ---------------------------------------------------------------------------------
+
+
+def _local_count(positions: torch.Tensor, rank: int, world: int, cp_block: int) -> torch.Tensor:
+    """How many of the global positions ``0 .. x - 1`` rank ``rank`` holds, for each ``x`` of
+    ``positions`` (int64, clamped at 0)."""
+    x = positions.clamp(min=0)
+    cycle = cp_block * world
+    return (x // cycle) * cp_block + (x % cycle - rank * cp_block).clamp(0, cp_block)
+
+
+def _global_position(local: torch.Tensor, rank: int, world: int, cp_block: int) -> torch.Tensor:
+    """The global position of rank ``rank``'s local position ``local``."""
+    return (local // cp_block) * (cp_block * world) + rank * cp_block + local % cp_block
+
+
+def cp_shard_seqlens(cache_seqlens: torch.Tensor, *, group: Any,
+                     cp_block: int = 1) -> torch.Tensor:
+    """``[B]`` int64: how many tokens of each sequence this rank's shard holds, for global
+    lengths ``cache_seqlens [B]`` (what a rank reserves in its own pool)."""
+    op = "cp_shard_seqlens"
+    check_tensor(op, "cache_seqlens", cache_seqlens, ndim=1, dtypes=(torch.int32, torch.int64))
+    check_int(op, "cp_block", cp_block, minimum=1)
+    return _local_count(cache_seqlens.long(), group_rank(group), group_size(group), cp_block)
+
+
+# --- append ---------------------------------------------------------------------------------
+
+
+def cp_cache_append(
+    k_cache_shard: torch.Tensor,
+    v_cache_shard: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    group: Any,
+    block_table_shard: Optional[torch.Tensor] = None,
+    cp_block: int = 1,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+    impl: str = "auto",
+) -> None:
+    """Write the new tokens that this rank owns into its shard, in place (no collective).
+
+    Args:
+        k_cache_shard, v_cache_shard: this rank's shard: ``[B, S_local, Hkv, D]``, or its pool
+            ``[num_blocks, block_len, Hkv, D]`` with ``block_table_shard [B, max_blocks]``
+            (its own block ids); the new rows' dtype or float8 (quantised as by
+            :func:`~lmfuse.kv_cache_append`, with ``k_scale``/``v_scale [Hkv]``).
+        k_new, v_new: ``[B, s_new, Hkv, D]``, the same on every rank of the group; token ``i``
+            of sequence ``b`` takes global position ``cache_seqlens[b] + i``.
+        cache_seqlens: ``[B]`` global lengths *before* the append (not updated here).
+        group: the CP process group (``None``: one rank holding everything).
+        cp_block: tokens per round-robin block; the value given to
+            :func:`cp_decode_attention`.
+    The owned tokens land at local positions ``cp_shard_seqlens(cache_seqlens)`` onwards,
+    in order. As with ``kv_cache_append``, a position past the shard's capacity (or in a
+    block whose id is -1) is not written on the Triton path and raises on the reference.
+    """
+    op = "cp_cache_append"
+    check_tensor(op, "k_new", k_new, ndim=4)
+    check_tensor(op, "v_new", v_new, ndim=4)
+    if k_new.shape != v_new.shape:
+        raise ValueError(f"{op}: k_new {tuple(k_new.shape)} and v_new {tuple(v_new.shape)} "
+                         "must have one shape")
+    B, s_new, Hkv, D = k_new.shape
+    check_tensor(op, "cache_seqlens", cache_seqlens, ndim=1, dtypes=(torch.int32, torch.int64))
+    if cache_seqlens.shape[0] != B:
+        raise ValueError(f"{op}: cache_seqlens must be [B={B}], got "
+                         f"{tuple(cache_seqlens.shape)}")
+    check_int(op, "cp_block", cp_block, minimum=1)
+    check_tensor(op, "k_cache_shard", k_cache_shard, ndim=4, dtypes=None)
+    check_tensor(op, "v_cache_shard", v_cache_shard, ndim=4, dtypes=None)
+    if k_cache_shard.shape != v_cache_shard.shape:
+        raise ValueError(f"{op}: k_cache_shard {tuple(k_cache_shard.shape)} and v_cache_shard "
+                         f"{tuple(v_cache_shard.shape)} must have one shape")
+    if tuple(k_cache_shard.shape[2:]) != (Hkv, D):
+        raise ValueError(f"{op}: the shard's [Hkv, D] is {list(k_cache_shard.shape[2:])} but "
+                         f"k_new's is {[Hkv, D]}")
+    world, rank = group_size(group), group_rank(group)
+    if block_table_shard is None:
+        if k_cache_shard.shape[0] != B:
+            raise ValueError(f"{op}: a contiguous shard [B, S_local, Hkv, D] must have B = {B} "
+                             f"rows, got {tuple(k_cache_shard.shape)}; pass block_table_shard "
+                             "for a paged shard")
+    else:
+        check_tensor(op, "block_table_shard", block_table_shard, ndim=2,
+                     dtypes=(torch.int32, torch.int64))
+        if block_table_shard.shape[0] != B:
+            raise ValueError(f"{op}: block_table_shard must be [B={B}, max_blocks], got "
+                             f"{tuple(block_table_shard.shape)}")
+    if world == 1:
+        kv_cache_append(k_cache_shard, v_cache_shard, k_new, v_new, cache_seqlens,
+                        block_table=block_table_shard, k_scale=k_scale, v_scale=v_scale,
+                        impl=impl)
+        return None
+    if B * s_new == 0:
+        return None
+
+    # Each new token is appended as a sequence of its own, one token long, through a
+    # one-column block table: its block (the sequence's row of a contiguous shard, which is
+    # then a pool of B blocks of S_local rows) and its offset in it. A token another rank
+    # owns gets block -1, which the Triton append skips; the reference drops those rows.
+    device = k_new.device
+    pos = cache_seqlens.long()[:, None] + torch.arange(s_new, device=device)  # [B, s_new]
+    mine = (pos // cp_block) % world == rank
+    dest = (pos // (cp_block * world)) * cp_block + pos % cp_block
+    if block_table_shard is None:
+        block_len = k_cache_shard.shape[1]
+        capacity = block_len
+        blocks = torch.arange(B, device=device)[:, None].expand(B, s_new)
+    else:
+        block_len, cols = k_cache_shard.shape[1], block_table_shard.shape[1]
+        capacity = cols * block_len
+        col = (dest // max(block_len, 1)).clamp(max=max(cols - 1, 0))
+        blocks = (block_table_shard.long().gather(1, col) if cols
+                  else torch.full_like(dest, -1))
+    fits = dest < capacity
+    table = torch.where(mine & fits, blocks, -1).reshape(B * s_new, 1).to(torch.int32)
+    offset = (dest % max(block_len, 1)).reshape(B * s_new).to(torch.int32)
+    rows = (B * s_new, 1, Hkv, D)
+    k_rows, v_rows = k_new.reshape(rows), v_new.reshape(rows)
+    path, _ = select_impl(op, impl, device)
+    if path == "triton" and k_new.dtype not in _KERNEL_DTYPES and impl != "triton":
+        path = "torch"
+    if path == "torch":
+        late = mine & ~fits
+        if bool(late.any()):
+            b, i = (int(x) for x in late.nonzero()[0])
+            raise ValueError(f"{op}: new token {i} of sequence {b} goes to this rank (rank "
+                             f"{rank}) at local position {int(dest[b, i])}, past the shard's "
+                             f"capacity of {capacity}; reserve space first")
+        keep = mine.reshape(-1).nonzero()[:, 0]
+        k_rows, v_rows, table, offset = k_rows[keep], v_rows[keep], table[keep], offset[keep]
+    kv_cache_append(k_cache_shard, v_cache_shard, k_rows, v_rows, offset,
+                    block_table=table, k_scale=k_scale, v_scale=v_scale, impl=path)
+    return None
+
+
+# --- attention ------------------------------------------------------------------------------
+
+
+def _tail_partial(q, k_cache, v_cache, cache_seqlens, len0, count, block_table, scale,
+                  k_scale, v_scale, rank: int, world: int, cp_block: int, compute):
+    """Attention of every active token over the rank's local keys ``[len0, count)`` (at most
+    ``s_active - 1`` of them, the rank's share of positions ``P_0 + 1 .. L - 1``), each token
+    seeing those at global positions ``<=`` its own. ``(out, lse)`` in ``compute``."""
+    B, S, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    G = Hq // Hkv
+    device = q.device
+    T = S - 1
+    local = len0[:, None] + torch.arange(T, device=device)  # [B, T]
+    valid = local < count[:, None]
+    token_pos = cache_seqlens.long()[:, None] - S + torch.arange(S, device=device)  # [B, S]
+    key_pos = _global_position(local, rank, world, cp_block)
+    seen = valid[:, None, :] & (key_pos[:, None, :] <= token_pos[:, :, None])  # [B, S, T]
+    rows = k_cache.shape[1]
+    if rows == 0 or (block_table is not None and 0 in (block_table.shape[1], k_cache.shape[0])):
+        out = torch.zeros((B, S, Hq, D), dtype=compute, device=device)
+        return out, torch.full((B, S, Hq), -math.inf, dtype=compute, device=device)
+    if block_table is None:
+        at = (torch.arange(B, device=device)[:, None], local.clamp(max=rows - 1))
+    else:
+        col = (local // rows).clamp(max=block_table.shape[1] - 1)
+        block = block_table.long().gather(1, col).clamp(0, k_cache.shape[0] - 1)
+        at = (block, local % rows)
+    k = k_cache[at].to(compute)  # [B, T, Hkv, D]; rows not seen are masked below
+    v = v_cache[at].to(compute)
+    if k_scale is not None:
+        k = k * k_scale.to(compute)[:, None]
+    if v_scale is not None:
+        v = v * v_scale.to(compute)[:, None]
+    v = torch.where(valid[:, :, None, None], v, 0.0)  # unwritten rows may hold anything
+    scores = torch.einsum("bshgd,bthd->bshgt", q.to(compute).view(B, S, Hkv, G, D), k) * scale
+    scores = scores.masked_fill(~seen[:, :, None, None, :], -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)  # -inf where a token sees none of these keys
+    prob = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    out = torch.einsum("bshgt,bthd->bshgd", prob, v)
+    return out.reshape(B, S, Hq, D), lse.reshape(B, S, Hq)
+
+
+def _partial(q, k_cache, v_cache, cache_seqlens, block_table, scale, sinks, k_scale, v_scale,
+             num_splits, impl, rank: int, world: int, cp_block: int, compute):
+    """This rank's exact partial ``(out, lse)`` over its local keys, in ``compute``."""
+    B, S, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    G = Hq // Hkv
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    lengths = cache_seqlens.long()
+    len0 = _local_count(lengths - S + 1, rank, world, cp_block)
+    kw = dict(block_table=block_table, scale=scale, k_scale=k_scale, v_scale=v_scale,
+              return_lse=True, num_splits=num_splits, impl=impl)
+    if S == 1:
+        out, lse = decode_attention(q, k_cache, v_cache, len0, sinks=sinks, **kw)
+        return out.to(compute), lse.to(compute)
+    # The keys every active token sees, in one s_active = 1 call: the tokens go into the
+    # head dim ordered [Hkv, s_active, G], so head h' still reads KV head h' // (s_active * G).
+    folded = q.view(B, S, Hkv, G, D).transpose(1, 2).reshape(B, 1, Hkv * S * G, D)
+    if sinks is not None:
+        sinks = sinks.view(Hkv, 1, G).expand(Hkv, S, G).reshape(-1)
+    out, lse = decode_attention(folded, k_cache, v_cache, len0, sinks=sinks, **kw)
+    out = out.view(B, Hkv, S, G, D).transpose(1, 2).reshape(B, S, Hq, D)
+    lse = lse.view(B, Hkv, S, G).transpose(1, 2).reshape(B, S, Hq)
+    count = _local_count(lengths, rank, world, cp_block)
+    out_t, lse_t = _tail_partial(q, k_cache, v_cache, cache_seqlens, len0, count, block_table,
+                                 scale, k_scale, v_scale, rank, world, cp_block, compute)
+    merge_impl = impl if compute != torch.float64 else "torch"
+    out, lse = merge_attention_states(torch.stack([out.to(compute), out_t]),
+                                      torch.stack([lse.to(compute), lse_t]), impl=merge_impl)
+    return out.to(compute), lse.to(compute)
+
+
+def validate_cp(op: str, q, k_cache_shard, v_cache_shard, cache_seqlens, block_table_shard,
+                cp_block, scale, window_size, sinks, k_scale, v_scale, return_lse, num_splits,
+                impl, world: int) -> list[int]:
+    """Every local check of :func:`cp_decode_attention` (raises); returns the facts the ranks
+    must agree on (see :data:`CP_FIELDS`)."""
+    check_tensor(op, "q", q, ndim=4)
+    check_int(op, "cp_block", cp_block, minimum=1)
+    if world > 1 and window_size is not None:
+        raise ValueError(f"{op}: window_size is not supported over {world} CP ranks (round-"
+                         "robin shards have no fixed local window); a sliding-window layer's "
+                         "context is bounded: run it with decode_attention or KVDP")
+    check_no_grad(op, q, sinks)
+    wrap_errors(op, lambda: plan_decode_attention(
+        q, k_cache_shard, v_cache_shard, cache_seqlens, block_table=block_table_shard,
+        scale=scale, window_size=window_size, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+        return_lse=return_lse, num_splits=num_splits, impl=impl))
+    B, S, Hq, D = q.shape
+    return [world, B, S, Hq, D, k_cache_shard.shape[2], dtype_code(q.dtype), cp_block,
+            sinks is not None, return_lse]
+
+
+CP_FIELDS = ("group size", "batch B", "s_active", "query heads Hq", "head dim D",
+             "KV heads of the shard", "query dtype", "cp_block", "sinks (given or not)",
+             "return_lse")
+
+
+def cp_decode_attention(
+    q: torch.Tensor,
+    k_cache_shard: torch.Tensor,
+    v_cache_shard: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    group: Any,
+    block_table_shard: Optional[torch.Tensor] = None,
+    cp_block: int = 1,
+    scale: Optional[float] = None,
+    window_size: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
+    num_splits: Optional[int] = None,
+    impl: str = "auto",
+    check_ranks: bool = False,
+):
+    """Decode attention over a context split across the ranks of ``group`` (see the module
+    docstring for the layout); every rank returns the whole result, equal to
+    ``decode_attention`` on the unsharded cache.
+
+    Args:
+        q: ``[B, s_active, Hq, D]``, the same on every rank.
+        k_cache_shard, v_cache_shard: this rank's shard, ``[B, S_local, Hkv, D]`` or a paged
+            pool ``[num_blocks, block_len, Hkv, D]`` with ``block_table_shard [B,
+            max_blocks]`` (this rank's own block ids); q's dtype or ``float8_e4m3fn`` with
+            ``k_scale``/``v_scale [Hkv]``. Filled by :func:`cp_cache_append`.
+        cache_seqlens: ``[B]`` *global* lengths (active tokens included), the same on every
+            rank: with ``decode_attention``'s meaning, so a call reads like the unsharded
+            one. The shard's own lengths are :func:`cp_shard_seqlens` of these (they alone
+            cannot say where the active tokens are).
+        group: the CP process group; ``None`` (or one rank): plain ``decode_attention``.
+        cp_block: tokens per round-robin block (the value given to ``cp_cache_append``).
+        scale, sinks, k_scale, v_scale, return_lse, num_splits, impl: as for
+            ``decode_attention`` (``impl`` picks the path of the local attention and merges).
+            ``sinks [Hq]`` are counted once (on rank 0).
+        window_size: only with one rank (raises otherwise).
+        check_ranks: first check that every rank's inputs are valid and agree (one small
+            extra all-gather and a host sync): bad input on any rank then raises on all of
+            them. Without it, local checks raise before any collective on the rank that
+            fails, and inputs that differ across ranks are not detected.
+    Returns:
+        ``out [B, s_active, Hq, D]`` in q's dtype (and ``lse [B, s_active, Hq]`` float32
+        with ``return_lse``). One all-gather of ``[B, s_active, Hq, D + 1]`` float32.
+    """
+    op = "cp_decode_attention"
+    world = group_size(group)
+    if world == 1:
+        check_int(op, "cp_block", cp_block, minimum=1)
+        return decode_attention(q, k_cache_shard, v_cache_shard, cache_seqlens,
+                                block_table=block_table_shard, scale=scale,
+                                window_size=window_size, sinks=sinks, k_scale=k_scale,
+                                v_scale=v_scale, return_lse=return_lse, num_splits=num_splits,
+                                impl=impl)
+    check_on_all_ranks(op, group, check_ranks, meta_device(group, q), CP_FIELDS, lambda: (
+        validate_cp(op, q, k_cache_shard, v_cache_shard, cache_seqlens, block_table_shard,
+                    cp_block, scale, window_size, sinks, k_scale, v_scale, return_lse,
+                    num_splits, impl, world)))
+    return _cp_attention(q, k_cache_shard, v_cache_shard, cache_seqlens, block_table_shard,
+                         cp_block, scale, sinks, k_scale, v_scale, return_lse, num_splits,
+                         impl, group)
+
+
+def _cp_attention(q, k_cache_shard, v_cache_shard, cache_seqlens, block_table_shard, cp_block,
+                  scale, sinks, k_scale, v_scale, return_lse, num_splits, impl, group):
+    """:func:`cp_decode_attention` on validated inputs, over a group of several ranks."""
+    world, rank = group_size(group), group_rank(group)
+    D = q.shape[-1]
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out, lse = _partial(q, k_cache_shard, v_cache_shard, cache_seqlens, block_table_shard,
+                        scale, sinks if rank == 0 else None, k_scale, v_scale, num_splits,
+                        impl, rank, world, cp_block, compute)
+    states = all_gather_stacked(torch.cat([out, lse[..., None]], dim=-1), group)
+    merge_impl = impl if compute != torch.float64 else "torch"
+    out, lse = merge_attention_states(states[..., :D], states[..., D], impl=merge_impl)
+    out = out.to(q.dtype)
+    return (out, lse if compute == torch.float64 else lse.float()) if return_lse else out

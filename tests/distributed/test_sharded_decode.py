@@ -1,0 +1,528 @@
+"""KV-data-parallel and context-parallel decode attention (``lmfuse.distributed``) on gloo
+ranks.
+
+Every rank builds the same full problem from one seed: queries ``[B, s_active, Hq, D]``,
+contiguous caches ``[B, S_max, Hkv, D]`` (NaN past each sequence's length, so a read past
+it shows), lengths, sinks, fp8 scales; and the single-rank answer,
+``decode_attention(..., impl="torch")`` on the unsharded caches (the oracle). Then it cuts
+its own share out of the full problem with the layouts written out here independently of
+the ops (KVDP: ``torch.tensor_split`` of the batch and rank-major heads; CP: global position
+``p`` on rank ``(p // cp_block) % W``, in order), contiguous or as a paged pool (shuffled
+block ids, NaN spare blocks, -1 padding), and checks the parallel op's result against the
+oracle's, and the number of collectives it issued.
+
+Covered: ragged lengths (active tokens straddling CP ranks in every way), s_active 1, 3,
+8, GQA and MQA, fp8 caches with scales, sinks, LSEs, uneven batches (a KVDP rank with no
+sequence), the Triton path (interpreter) and the reference path, a 2 x 2 KVDP x CP grid,
+appends (each token on the right rank and position, equal to the single-rank append), and
+bad inputs raising on every rank without hanging.
+
+Each spawn costs seconds, so one spawn runs a whole sweep and reports every failing case.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import assert_close
+from spawn import Failures, count_collectives, spawn_gloo
+
+import lmfuse
+from lmfuse.distributed import (cp_cache_append, cp_decode_attention, cp_shard_seqlens,
+                                kvdp_batch_range, kvdp_cache_append, kvdp_decode_attention)
+
+F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
+FP8 = torch.float8_e4m3fn
+I32 = torch.int32
+NAN = float("nan")
+ALL_GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single", "allgather",
+               "_allgather_base")
+D = 16
+
+
+# --- the full problem and its oracle ---------------------------------------------------------
+
+
+def full_problem(seed: int, lens: list[int], s_active: int, hq: int, hkv: int, s_max: int,
+                 dtype: torch.dtype, fp8: bool = False, sinks: bool = False) -> dict[str, Any]:
+    """Identical on every rank for one seed."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(lens)
+    q = torch.randn((B, s_active, hq, D), generator=g).to(dtype)
+    caches = []
+    for _ in range(2):
+        x = torch.randn((B, s_max, hkv, D), generator=g) * (2.0 if fp8 else 1.0)
+        for b, length in enumerate(lens):
+            x[b, length:] = NAN
+        caches.append(x.to(FP8 if fp8 else dtype))
+    p = dict(q=q, k=caches[0], v=caches[1], lens=torch.tensor(lens, dtype=I32),
+             sinks=torch.randn((hq,), generator=g) * 2.0 if sinks else None,
+             k_scale=torch.rand((hkv,), generator=g) * 1.5 + 0.25 if fp8 else None,
+             v_scale=torch.rand((hkv,), generator=g) * 1.5 + 0.25 if fp8 else None)
+    p["want"], p["want_lse"] = lmfuse.decode_attention(
+        q, p["k"], p["v"], p["lens"], sinks=p["sinks"], k_scale=p["k_scale"],
+        v_scale=p["v_scale"], return_lse=True, impl="torch")
+    return p
+
+
+def cp_positions(rank: int, world: int, cp_block: int, s_max: int) -> list[int]:
+    """The global positions rank ``rank`` holds, in local order."""
+    return [p for p in range(s_max) if (p // cp_block) % world == rank]
+
+
+def cp_local_lens(lens: list[int], rank: int, world: int, cp_block: int) -> list[int]:
+    return [sum(1 for p in range(n) if (p // cp_block) % world == rank) for n in lens]
+
+
+def to_paged(cache: torch.Tensor, lens: list[int], block_len: int, g: torch.Generator
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cache [B, S, Hkv, D]`` as a pool with shuffled block ids, two spare NaN blocks and a
+    table padded with -1 past each sequence's blocks (plus one spare column). ``g`` must be
+    in the same state for K and V (same ids)."""
+    B, S, Hkv, _ = cache.shape
+    per_seq = max(1, -(-S // block_len))
+    num_blocks = B * per_seq + 2
+    order = torch.randperm(num_blocks, generator=g)
+    pool = torch.full((num_blocks, block_len, Hkv, D), NAN).to(cache.dtype)
+    table = torch.full((B, per_seq + 1), -1, dtype=I32)
+    for b, length in enumerate(lens):
+        for n in range(-(-length // block_len)):
+            blk = int(order[b * per_seq + n])
+            table[b, n] = blk
+            rows = cache[b, n * block_len:(n + 1) * block_len]
+            pool[blk, :rows.shape[0]] = rows
+    return pool, table
+
+
+def layout(k: torch.Tensor, v: torch.Tensor, lens: list[int], block_len: Optional[int],
+           seed: int) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    if block_len is None:
+        return k, v, None
+    pk, table = to_paged(k, lens, block_len, torch.Generator().manual_seed(seed))
+    pv, _ = to_paged(v, lens, block_len, torch.Generator().manual_seed(seed))
+    return pk, pv, table
+
+
+def cp_shard(p: dict[str, Any], rank: int, world: int, cp_block: int,
+             block_len: Optional[int], seed: int):
+    """This rank's CP shard of the full caches: ``(k, v, table)``."""
+    own = cp_positions(rank, world, cp_block, p["k"].shape[1])
+    local = cp_local_lens(p["lens"].tolist(), rank, world, cp_block)
+    return layout(p["k"][:, own], p["v"][:, own], local, block_len, seed + rank)
+
+
+def check_result(f: Failures, what: str, got: Any, want: torch.Tensor, want_lse: torch.Tensor,
+                 calls: list[str], n_gathers: int, dtype: torch.dtype) -> None:
+    def compare() -> None:
+        assert calls == ["all_gather_single"] * n_gathers or (
+            len(calls) == n_gathers and all(c in ALL_GATHERS for c in calls)), (
+            f"issued {calls}, expected {n_gathers} all-gather(s)")
+        out, lse = got
+        assert out.dtype == dtype and lse.dtype == want_lse.dtype, (out.dtype, lse.dtype)
+        assert_close(out, want, dtype, f"{what}: out")
+        assert_close(lse, want_lse, want_lse.dtype, f"{what}: lse")
+
+    f.check(what, compare)
+
+
+# --- context parallelism ---------------------------------------------------------------------
+
+# (lens, s_active, hq, hkv, cp_block, block_len, dtype, fp8, sinks, impl)
+CP_CASES = [
+    ([9, 14, 3], 1, 4, 2, 1, None, F32, False, True, "triton"),
+    ([8, 13, 21], 3, 4, 2, 1, 4, F32, False, False, "triton"),
+    ([8, 17, 23], 8, 4, 2, 3, None, F32, True, True, "triton"),
+    ([8, 10, 22], 8, 4, 1, 1, 3, F16, False, True, "torch"),
+    ([5, 12, 19], 3, 4, 2, 4, 4, F16, True, False, "torch"),
+    ([3, 16, 11], 3, 8, 2, 2, None, F32, False, True, "torch"),
+    ([24, 9, 8], 8, 4, 2, 5, 5, F32, True, True, "torch"),
+    ([1, 2, 7], 1, 4, 4, 1, 2, F32, False, False, "torch"),
+    ([10, 4, 15], 3, 4, 2, 2, None, BF16, False, True, "torch"),
+    ([6, 18, 9], 3, 4, 2, 1, 4, F64, False, True, "auto"),
+]
+
+
+def _cp_rank(rank: int, world_size: int) -> None:
+    f = Failures(rank)
+    group = dist.group.WORLD
+    for i, (lens, s, hq, hkv, blk, bl, dtype, fp8, sinks, impl) in enumerate(CP_CASES):
+        if world_size == 4 and impl == "triton" and i > 0:
+            impl = "torch"  # four ranks share two cores: the interpreter once is enough
+        what = (f"cp{world_size} lens={lens} s={s} hq={hq} hkv={hkv} cp_block={blk} "
+                f"{'contig' if bl is None else f'paged{bl}'} {str(dtype)[6:]} "
+                f"{'fp8 ' if fp8 else ''}{'sinks ' if sinks else ''}{impl}")
+        seed = 100 + i
+        p = full_problem(seed, lens, s, hq, hkv, 24, dtype, fp8, sinks)
+        k, v, table = cp_shard(p, rank, world_size, blk, bl, seed)
+        with count_collectives() as calls:
+            got = cp_decode_attention(p["q"], k, v, p["lens"], group=group,
+                                      block_table_shard=table, cp_block=blk, sinks=p["sinks"],
+                                      k_scale=p["k_scale"], v_scale=p["v_scale"],
+                                      return_lse=True, impl=impl)
+        check_result(f, what, got, p["want"], p["want_lse"], calls, 1, dtype)
+        counts = cp_shard_seqlens(p["lens"], group=group, cp_block=blk)
+        f.check(f"{what}: cp_shard_seqlens", lambda counts=counts, lens=lens, blk=blk: (
+            assert_equal(counts.tolist(), cp_local_lens(lens, rank, world_size, blk))))
+
+    # Without return_lse: the output alone; and split keys.
+    p = full_problem(7, [11, 6], 3, 4, 2, 16, F32)
+    k, v, table = cp_shard(p, rank, world_size, 2, None, 7)
+    out = cp_decode_attention(p["q"], k, v, p["lens"], group=group, cp_block=2, num_splits=2,
+                              impl="torch")
+    f.check(f"cp{world_size} out only", lambda: assert_close(out, p["want"], F32, "out only"))
+
+    check_cp_appends(f, group, rank, world_size)
+    f.raise_if_any()
+
+
+def assert_equal(a: Any, b: Any) -> None:
+    assert a == b, f"{a} != {b}"
+
+
+def check_cp_appends(f: Failures, group: Any, rank: int, world: int) -> None:
+    """Decoding steps: each appends ``s`` tokens (cp_cache_append) then attends
+    (cp_decode_attention), against the same on the unsharded cache; the shards must equal
+    the full cache's positions cut by the layout, bit for bit."""
+    cases = [(3, 1, None, F32, False, "triton"), (3, 3, 4, F32, True, "triton"),
+             (1, 2, 3, F16, True, "torch"), (8, 3, None, F32, False, "torch")]
+    for i, (s, blk, bl, dtype, fp8, impl) in enumerate(cases):
+        if world == 4 and impl == "triton" and i > 0:
+            impl = "torch"
+        what = (f"cp{world} append+decode s={s} cp_block={blk} "
+                f"{'contig' if bl is None else f'paged{bl}'} {str(dtype)[6:]} "
+                f"{'fp8 ' if fp8 else ''}{impl}")
+        start = [5, 9, 12]
+        steps = 2
+        s_max = max(start) + s * steps + 3
+        p = full_problem(300 + i, start, s, 4, 2, s_max, dtype, fp8)
+        g = torch.Generator().manual_seed(400 + i)
+        new_k = torch.randn((steps, len(start), s, 2, D), generator=g).to(dtype)
+        new_v = torch.randn((steps, len(start), s, 2, D), generator=g).to(dtype)
+        full_k, full_v = p["k"].clone(), p["v"].clone()
+        own = cp_positions(rank, world, blk, s_max)
+        final = [n + s * steps for n in start]
+        # The shard's capacity covers the final lengths; paged: blocks reserved for them.
+        k, v = full_k[:, own].clone(), full_v[:, own].clone()
+        table = None
+        if bl is not None:
+            (k, v, table) = layout(k, v, cp_local_lens(final, rank, world, blk), bl, 500 + i)
+        lens = p["lens"].clone()
+        for step in range(steps):
+            kw = dict(k_scale=p["k_scale"], v_scale=p["v_scale"])
+            lmfuse.kv_cache_append(full_k, full_v, new_k[step], new_v[step], lens, impl=impl,
+                                   **kw)
+            with count_collectives() as calls:
+                cp_cache_append(k, v, new_k[step], new_v[step], lens, group=group,
+                                block_table_shard=table, cp_block=blk, impl=impl, **kw)
+            lens = lens + s
+            want, want_lse = lmfuse.decode_attention(p["q"], full_k, full_v, lens,
+                                                     return_lse=True, impl="torch", **kw)
+            with count_collectives() as dcalls:
+                got = cp_decode_attention(p["q"], k, v, lens, group=group,
+                                          block_table_shard=table, cp_block=blk,
+                                          return_lse=True, impl=impl, **kw)
+            check_result(f, f"{what} step {step}", got, want, want_lse, dcalls, 1, dtype)
+
+            def placed(k=k, v=v, table=table, calls=calls, lens=lens, full_k=full_k.clone(),
+                       full_v=full_v.clone()) -> None:
+                assert calls == [], f"the append issued {calls}"
+                local = cp_local_lens(lens.tolist(), rank, world, blk)
+                for b, n in enumerate(local):
+                    for got_c, full in ((k, full_k), (v, full_v)):
+                        if table is None:
+                            rows = got_c[b, :n]
+                        else:
+                            ids = table[b, :-(-n // bl)].long()
+                            rows = got_c[ids].reshape(-1, 2, D)[:n]
+                        want_rows = full[b, own[:n]]
+                        assert torch.equal(rows.view(torch.uint8), want_rows.view(torch.uint8)), (
+                            f"sequence {b}: the shard's first {n} rows differ")
+
+            f.check(f"{what} step {step}: placement", placed)
+
+
+# --- KV data parallelism -----------------------------------------------------------------
+
+# (B, lens seed, s_active, hq_local, hkv, block_len, dtype, fp8, sinks, impl)
+KVDP_CASES = [
+    (3, 1, 2, 2, None, F32, False, True, "triton"),
+    (5, 3, 2, 2, 4, F32, True, False, "triton"),
+    (4, 8, 1, 1, 3, F16, False, True, "torch"),
+    (6, 3, 2, 4, None, F16, True, True, "torch"),
+    (3, 8, 2, 2, 5, F32, False, False, "torch"),
+    (5, 3, 2, 2, None, BF16, False, True, "torch"),
+]
+
+
+def kvdp_share(p: dict[str, Any], B: int, rank: int, world: int, hq_local: int,
+               block_len: Optional[int], seed: int):
+    """This rank's q heads, its sequences' caches and lengths, and its slice of the oracle."""
+    rows = torch.tensor_split(torch.arange(B), world)[rank].tolist()
+    lens = p["lens"][rows]
+    k, v, table = layout(p["k"][rows], p["v"][rows], lens.tolist(), block_len, seed + rank)
+    heads = slice(rank * hq_local, (rank + 1) * hq_local)
+    return p["q"][:, :, heads], k, v, lens, table, heads, rows
+
+
+def _kvdp_rank(rank: int, world_size: int) -> None:
+    f = Failures(rank)
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(11)
+    for i, (B, s, hq_local, hkv, bl, dtype, fp8, sinks, impl) in enumerate(KVDP_CASES):
+        if world_size == 4 and impl == "triton" and i > 0:
+            impl = "torch"
+        hq = hq_local * world_size
+        lens = torch.randint(s, 20, (B,), generator=g).tolist()
+        what = (f"kvdp{world_size} B={B} lens={lens} s={s} hq={hq_local}x{world_size} "
+                f"hkv={hkv} {'contig' if bl is None else f'paged{bl}'} {str(dtype)[6:]} "
+                f"{'fp8 ' if fp8 else ''}{'sinks ' if sinks else ''}{impl}")
+        seed = 200 + i
+        p = full_problem(seed, lens, s, hq, hkv, 20, dtype, fp8, sinks)
+        q, k, v, local_lens, table, heads, rows = kvdp_share(p, B, rank, world_size, hq_local,
+                                                             bl, seed)
+        f.check(f"{what}: kvdp_batch_range", lambda rows=rows, B=B: assert_equal(
+            list(range(*kvdp_batch_range(B, group))), rows))
+        with count_collectives() as calls:
+            got = kvdp_decode_attention(q, k, v, local_lens, group=group, block_table_local=table,
+                                        sinks=p["sinks"], k_scale=p["k_scale"],
+                                        v_scale=p["v_scale"], return_lse=True, impl=impl)
+        check_result(f, what, got, p["want"][:, :, heads], p["want_lse"][:, :, heads], calls, 2,
+                     dtype)
+        with count_collectives() as calls:
+            out = kvdp_decode_attention(q, k, v, local_lens, group=group, block_table_local=table,
+                                        sinks=p["sinks"], k_scale=p["k_scale"],
+                                        v_scale=p["v_scale"], impl="torch")
+        f.check(f"{what}: out only", lambda out=out, p=p, heads=heads, dtype=dtype, calls=calls: (
+            assert_equal(len(calls), 2), assert_close(out, p["want"][:, :, heads], dtype, "out")))
+
+    # Appends: each rank gives its KV heads for every sequence; its own sequences' caches
+    # must come out as the single-rank append's rows, bit for bit.
+    for i, (B, s, bl, fp8) in enumerate([(3, 3, None, False), (5, 2, 4, True)]):
+        what = f"kvdp{world_size} append B={B} s={s} {'paged' if bl else 'contig'} fp8={fp8}"
+        hkv_local, hkv = 1, world_size
+        lens = torch.randint(1, 9, (B,), generator=g)
+        p = full_problem(600 + i, lens.tolist(), 1, hkv, hkv, 12, F32, fp8)
+        new_k = torch.randn((B, s, hkv, D), generator=g)
+        new_v = torch.randn((B, s, hkv, D), generator=g)
+        full_k, full_v = p["k"].clone(), p["v"].clone()
+        kw = dict(k_scale=p["k_scale"], v_scale=p["v_scale"], impl="torch")
+        lmfuse.kv_cache_append(full_k, full_v, new_k, new_v, p["lens"], **kw)
+        rows = torch.tensor_split(torch.arange(B), world_size)[rank].tolist()
+        after = (p["lens"][rows] + s).tolist()
+        k, v, table = layout(p["k"][rows], p["v"][rows], after, bl, 700 + rank)
+        mine = slice(rank * hkv_local, (rank + 1) * hkv_local)
+        with count_collectives() as calls:
+            kvdp_cache_append(k, v, new_k[:, :, mine], new_v[:, :, mine], p["lens"][rows],
+                              group=group, block_table_local=table, **kw)
+        want_k, want_v, _ = layout(full_k[rows], full_v[rows], after, bl, 700 + rank)
+
+        def same(k=k, v=v, want_k=want_k, want_v=want_v, calls=calls) -> None:
+            assert len(calls) == 1 and calls[0] in ALL_GATHERS, calls
+            for a, b in ((k, want_k), (v, want_v)):
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), "caches differ"
+
+        f.check(what, same)
+    f.raise_if_any()
+
+
+# --- KVDP x CP grid ----------------------------------------------------------------------
+
+
+def _grid_rank(rank: int, world_size: int) -> None:
+    """Ranks ``2 * i + j``: KVDP rank ``i`` (groups {0, 2} and {1, 3}), CP rank ``j`` (groups
+    {0, 1} and {2, 3}). Heads split over KVDP, sequences over KVDP, context over CP."""
+    f = Failures(rank)
+    # new_group is collective over the world: every rank creates every group, in one order.
+    kvdp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    cp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    i, j = rank // 2, rank % 2
+    kvdp, cp = kvdp_groups[j], cp_groups[i]
+    cases = [(3, 3, 2, 2, None, F32, False, True, "triton"),
+             (5, 8, 2, 2, 4, F32, True, True, "torch"),
+             (4, 1, 1, 2, 3, F16, False, False, "torch")]
+    g = torch.Generator().manual_seed(5)
+    for n, (B, s, hq_local, blk, bl, dtype, fp8, sinks, impl) in enumerate(cases):
+        lens = torch.randint(s, 22, (B,), generator=g).tolist()
+        what = (f"grid B={B} lens={lens} s={s} cp_block={blk} "
+                f"{'contig' if bl is None else f'paged{bl}'} {str(dtype)[6:]} "
+                f"{'fp8 ' if fp8 else ''}{impl}")
+        p = full_problem(800 + n, lens, s, hq_local * 2, 2, 22, dtype, fp8, sinks)
+        rows = torch.tensor_split(torch.arange(B), 2)[i].tolist()
+        sub = dict(k=p["k"][rows], v=p["v"][rows], lens=p["lens"][rows])
+        k, v, table = cp_shard(sub, j, 2, blk, bl, 900 + n + 10 * i)
+        heads = slice(i * hq_local, (i + 1) * hq_local)
+        with count_collectives() as calls:
+            got = kvdp_decode_attention(p["q"][:, :, heads], k, v, sub["lens"], group=kvdp,
+                                        block_table_local=table, cp_group=cp, cp_block=blk,
+                                        sinks=p["sinks"], k_scale=p["k_scale"],
+                                        v_scale=p["v_scale"], return_lse=True, impl=impl)
+        check_result(f, what, got, p["want"][:, :, heads], p["want_lse"][:, :, heads], calls, 3,
+                     dtype)
+
+    # One decoding step on the grid: append (kvdp_cache_append with cp_group), then attend.
+    B, s, blk = 3, 3, 2
+    lens = torch.tensor([6, 9, 4], dtype=I32)
+    p = full_problem(950, lens.tolist(), s, 4, 2, 16, F32)
+    new_k = torch.randn((B, s, 2, D), generator=g)
+    new_v = torch.randn((B, s, 2, D), generator=g)
+    full_k, full_v = p["k"].clone(), p["v"].clone()
+    lmfuse.kv_cache_append(full_k, full_v, new_k, new_v, lens, impl="torch")
+    want, want_lse = lmfuse.decode_attention(p["q"], full_k, full_v, lens + s, return_lse=True,
+                                             impl="torch")
+    rows = torch.tensor_split(torch.arange(B), 2)[i].tolist()
+    k, v, _ = cp_shard(dict(k=p["k"][rows], v=p["v"][rows], lens=lens[rows]), j, 2, blk, None, 0)
+    kv_heads = slice(i, i + 1)
+    kvdp_cache_append(k, v, new_k[:, :, kv_heads], new_v[:, :, kv_heads], lens[rows],
+                      group=kvdp, cp_group=cp, cp_block=blk, impl="torch")
+    heads = slice(2 * i, 2 * i + 2)
+    with count_collectives() as calls:
+        got = kvdp_decode_attention(p["q"][:, :, heads], k, v, lens[rows] + s, group=kvdp,
+                                    cp_group=cp, cp_block=blk, return_lse=True, impl="torch")
+    check_result(f, "grid append+decode", got, want[:, :, heads], want_lse[:, :, heads], calls,
+                 3, F32)
+    f.raise_if_any()
+
+
+# --- bad inputs ----------------------------------------------------------------------------
+
+
+def raises(f: Failures, what: str, fn, kind: type, match: str, n_calls: int) -> None:
+    def check() -> None:
+        with count_collectives() as calls:
+            with pytest.raises(kind, match=match):
+                fn()
+        assert len(calls) == n_calls, f"issued {calls}, expected {n_calls} collective(s)"
+
+    f.check(what, check)
+
+
+def _errors_rank(rank: int, world_size: int) -> None:
+    """Every rank must raise (and none hang): the same bad input everywhere raises before
+    any collective; input bad on one rank, or differing across ranks, raises on all of them
+    with ``check_ranks=True`` (after one small all-gather)."""
+    f = Failures(rank)
+    group = dist.group.WORLD
+    p = full_problem(1, [9, 12], 3, 4, 2, 16, F32)
+    k, v, table = cp_shard(p, rank, world_size, 1, None, 1)
+    q, lens = p["q"], p["lens"]
+
+    # The same bad input on every rank: raises at once, no collective.
+    raises(f, "cp window", lambda: cp_decode_attention(q, k, v, lens, group=group,
+                                                       window_size=4),
+           ValueError, "window_size is not supported", 0)
+    raises(f, "cp short lens", lambda: cp_decode_attention(q, k, v, lens[:1], group=group),
+           ValueError, "cache_seqlens must be", 0)
+    raises(f, "cp cp_block 0", lambda: cp_decode_attention(q, k, v, lens, group=group,
+                                                           cp_block=0),
+           ValueError, "cp_block must be >= 1", 0)
+    raises(f, "cp sinks shape", lambda: cp_decode_attention(q, k, v, lens, group=group,
+                                                            sinks=torch.zeros(3)),
+           ValueError, r"sinks must be \[Hq=4\]", 0)
+    with torch.enable_grad():
+        qg = q.clone().requires_grad_(True)
+        raises(f, "cp grad", lambda: cp_decode_attention(qg, k, v, lens, group=group),
+               ValueError, "no backward", 0)
+    raises(f, "cp append heads", lambda: cp_cache_append(
+        k, v, torch.zeros(2, 1, 3, D), torch.zeros(2, 1, 3, D), lens, group=group),
+        ValueError, r"\[Hkv, D\]", 0)
+
+    kq = q[:, :, 2 * rank:2 * rank + 2]
+    rows = torch.tensor_split(torch.arange(2), world_size)[rank].tolist()
+    lk, lv = p["k"][rows], p["v"][rows]
+    raises(f, "kvdp whole cache", lambda: kvdp_decode_attention(kq, p["k"], p["v"], lens,
+                                                                group=group),
+           ValueError, r"holds sequences \[\d, \d\) of B=2", 0)
+    lk3, lv3 = torch.cat([lk, lk[:, :, :1]], dim=2), torch.cat([lv, lv[:, :, :1]], dim=2)
+    raises(f, "kvdp GQA", lambda: kvdp_decode_attention(kq, lk3, lv3, lens[rows], group=group),
+           ValueError, "multiple of the caches' KV heads", 0)
+    raises(f, "kvdp sinks of own heads only", lambda: kvdp_decode_attention(
+        kq, lk, lv, lens[rows], group=group, sinks=torch.zeros(2)),
+        ValueError, r"sinks must be \[Hq=4\]", 0)
+    raises(f, "kvdp append heads", lambda: kvdp_cache_append(
+        lk, lv, torch.zeros(2, 1, 2, D), torch.zeros(2, 1, 2, D), lens[rows], group=group),
+        ValueError, "KV heads", 0)
+
+    # Bad on rank 1 only, or disagreeing: every rank raises after one small all-gather.
+    bad_lens = lens[:1] if rank == 1 else lens
+    raises(f, "cp lens bad on rank 1", lambda: cp_decode_attention(
+        q, k, v, bad_lens, group=group, check_ranks=True),
+        ValueError, "cache_seqlens must be" if rank == 1 else
+        "rank 1 of the group rejected its inputs.*cache_seqlens must be", 1)
+    q16 = q.half() if rank == 1 else q
+    raises(f, "cp dtype bad on rank 1", lambda: cp_decode_attention(
+        q16, k, v, lens, group=group, check_ranks=True), TypeError, "dtype", 1)
+    q_s = q[:, 1:] if rank == 0 else q
+    raises(f, "cp s_active differs", lambda: cp_decode_attention(
+        q_s, k, v, lens, group=group, check_ranks=True),
+        ValueError, r"disagree on s_active: \[2, 3\]", 1)
+    half = (q.half(), k.half(), v.half()) if rank == 1 else (q, k, v)
+    raises(f, "cp dtype differs", lambda: cp_decode_attention(
+        *half, lens, group=group, check_ranks=True),
+        ValueError, r"disagree on query dtype: \['float32', 'float16'\]", 1)
+    sinks = torch.zeros(4) if rank == 0 else None
+    raises(f, "cp sinks on one rank", lambda: cp_decode_attention(
+        q, k, v, lens, group=group, sinks=sinks, check_ranks=True),
+        ValueError, "disagree on sinks", 1)
+    kq_wide = q if rank == 1 else kq  # rank 1 passes every head: a different Hq_local
+    lk_w = torch.cat([lk] * 2, dim=2) if rank == 1 else lk
+    lv_w = torch.cat([lv] * 2, dim=2) if rank == 1 else lv
+    raises(f, "kvdp heads differ", lambda: kvdp_decode_attention(
+        kq_wide, lk_w, lv_w, lens[rows], group=group, check_ranks=True),
+        ValueError, r"disagree on local query heads Hq_local: \[2, 4\]", 1)
+    bad_rows = lens[rows][:0] if rank == 0 else lens[rows]
+    raises(f, "kvdp lens bad on rank 0", lambda: kvdp_decode_attention(
+        kq, lk, lv, bad_rows, group=group, check_ranks=True),
+        ValueError, "cache_seqlens must be" if rank == 0 else "rank 0 of the group rejected", 1)
+
+    # And good input with check_ranks=True still gives the right answer.
+    with count_collectives() as calls:
+        out = cp_decode_attention(q, k, v, lens, group=group, check_ranks=True, impl="torch")
+    f.check("cp check_ranks ok", lambda: (assert_equal(len(calls), 2),
+                                          assert_close(out, p["want"], F32, "out")))
+    f.raise_if_any()
+
+
+# --- tests ---------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_cp_decode_and_append_match_single_rank(world_size: int) -> None:
+    spawn_gloo(world_size, _cp_rank, timeout=120)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_kvdp_decode_and_append_match_single_rank(world_size: int) -> None:
+    spawn_gloo(world_size, _kvdp_rank, timeout=120)
+
+
+@pytest.mark.timeout(150)
+def test_kvdp_by_cp_grid_matches_single_rank() -> None:
+    spawn_gloo(4, _grid_rank, timeout=120)
+
+
+@pytest.mark.timeout(120)
+def test_bad_inputs_raise_on_every_rank_without_hanging() -> None:
+    spawn_gloo(2, _errors_rank, timeout=60)
+
+
+@pytest.mark.parametrize("op", ["cp", "kvdp"])
+def test_group_none_is_decode_attention(op: str) -> None:
+    """``group=None``: one rank holding everything, plain decode_attention (windows too)."""
+    p = full_problem(3, [7, 12], 3, 4, 2, 14, F32, sinks=True)
+    kw = dict(sinks=p["sinks"], window_size=4, return_lse=True, impl="torch")
+    want = lmfuse.decode_attention(p["q"], p["k"], p["v"], p["lens"], **kw)
+    with count_collectives() as calls:
+        if op == "cp":
+            got = cp_decode_attention(p["q"], p["k"], p["v"], p["lens"], group=None, **kw)
+        else:
+            got = kvdp_decode_attention(p["q"], p["k"], p["v"], p["lens"], group=None, **kw)
+    assert calls == []
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert cp_shard_seqlens(p["lens"], group=None).tolist() == [7, 12]
+    assert kvdp_batch_range(5, None) == (0, 5)
+
