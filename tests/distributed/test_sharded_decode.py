@@ -11,11 +11,17 @@ the ops (KVDP: ``torch.tensor_split`` of the batch and rank-major heads; CP: glo
 block ids, NaN spare blocks, -1 padding), and checks the parallel op's result against the
 oracle's, and the number of collectives it issued.
 
+Lengths: a CP rank passes its own token counts (``seqlens_shard``; for KVDP x CP,
+``seqlens_local``), counted here from the layout, and in some cases the global lengths as
+``cache_seqlens=`` too: without them the op issues exactly one all-reduce more (the counts'
+sum), with them none.
+
 Covered: ragged lengths (active tokens straddling CP ranks in every way), s_active 1, 3,
 8, GQA and MQA, fp8 caches with scales, sinks, LSEs, uneven batches (a KVDP rank with no
 sequence), the Triton path (interpreter) and the reference path, a 2 x 2 KVDP x CP grid,
 appends (each token on the right rank and position, equal to the single-rank append), and
-bad inputs raising on every rank without hanging.
+bad inputs (wrong-shaped or inconsistent lengths among them) raising on every rank without
+hanging, on a 2 x 2 grid too.
 
 Each spawn costs seconds, so one spawn runs a whole sweep and reports every failing case.
 """
@@ -40,6 +46,7 @@ I32 = torch.int32
 NAN = float("nan")
 ALL_GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single", "allgather",
                "_allgather_base")
+ALL_REDUCES = ("all_reduce", "allreduce")
 D = 16
 
 
@@ -74,7 +81,15 @@ def cp_positions(rank: int, world: int, cp_block: int, s_max: int) -> list[int]:
 
 
 def cp_local_lens(lens: list[int], rank: int, world: int, cp_block: int) -> list[int]:
+    """How many tokens of each sequence rank ``rank`` holds (counted position by position)."""
     return [sum(1 for p in range(n) if (p // cp_block) % world == rank) for n in lens]
+
+
+def cp_counts(lens: Any, rank: int, world: int, cp_block: int,
+              dtype: torch.dtype = I32) -> torch.Tensor:
+    """:func:`cp_local_lens` as the ``[B]`` tensor a rank passes as ``seqlens_shard``."""
+    lens = lens.tolist() if isinstance(lens, torch.Tensor) else lens
+    return torch.tensor(cp_local_lens(lens, rank, world, cp_block), dtype=dtype)
 
 
 def to_paged(cache: torch.Tensor, lens: list[int], block_len: int, g: torch.Generator
@@ -114,12 +129,18 @@ def cp_shard(p: dict[str, Any], rank: int, world: int, cp_block: int,
     return layout(p["k"][:, own], p["v"][:, own], local, block_len, seed + rank)
 
 
+def assert_collectives(calls: list[str], n_gathers: int, n_reduces: int = 0) -> None:
+    gathers = sum(c in ALL_GATHERS for c in calls)
+    reduces = sum(c in ALL_REDUCES for c in calls)
+    assert (gathers, reduces, len(calls)) == (n_gathers, n_reduces, n_gathers + n_reduces), (
+        f"issued {calls}, expected {n_gathers} all-gather(s) and {n_reduces} all-reduce(s)")
+
+
 def check_result(f: Failures, what: str, got: Any, want: torch.Tensor, want_lse: torch.Tensor,
-                 calls: list[str], n_gathers: int, dtype: torch.dtype) -> None:
+                 calls: list[str], n_gathers: int, dtype: torch.dtype,
+                 n_reduces: int = 0) -> None:
     def compare() -> None:
-        assert calls == ["all_gather_single"] * n_gathers or (
-            len(calls) == n_gathers and all(c in ALL_GATHERS for c in calls)), (
-            f"issued {calls}, expected {n_gathers} all-gather(s)")
+        assert_collectives(calls, n_gathers, n_reduces)
         out, lse = got
         assert out.dtype == dtype and lse.dtype == want_lse.dtype, (out.dtype, lse.dtype)
         assert_close(out, want, dtype, f"{what}: out")
@@ -157,12 +178,17 @@ def _cp_rank(rank: int, world_size: int) -> None:
         seed = 100 + i
         p = full_problem(seed, lens, s, hq, hkv, 24, dtype, fp8, sinks)
         k, v, table = cp_shard(p, rank, world_size, blk, bl, seed)
+        local = cp_counts(lens, rank, world_size, blk, I32 if i % 3 else torch.int64)
+        # Every other case passes the global lengths: no all-reduce of the counts then.
+        given = dict(cache_seqlens=p["lens"]) if i % 2 == 0 else {}
+        what += " cache_seqlens" if given else " counts only"
         with count_collectives() as calls:
-            got = cp_decode_attention(p["q"], k, v, p["lens"], group=group,
+            got = cp_decode_attention(p["q"], k, v, local, group=group,
                                       block_table_shard=table, cp_block=blk, sinks=p["sinks"],
                                       k_scale=p["k_scale"], v_scale=p["v_scale"],
-                                      return_lse=True, impl=impl)
-        check_result(f, what, got, p["want"], p["want_lse"], calls, 1, dtype)
+                                      return_lse=True, impl=impl, **given)
+        check_result(f, what, got, p["want"], p["want_lse"], calls, 1, dtype,
+                     n_reduces=0 if given else 1)
         counts = cp_shard_seqlens(p["lens"], group=group, cp_block=blk)
         f.check(f"{what}: cp_shard_seqlens", lambda counts=counts, lens=lens, blk=blk: (
             assert_equal(counts.tolist(), cp_local_lens(lens, rank, world_size, blk))))
@@ -170,8 +196,8 @@ def _cp_rank(rank: int, world_size: int) -> None:
     # Without return_lse: the output alone; and split keys.
     p = full_problem(7, [11, 6], 3, 4, 2, 16, F32)
     k, v, table = cp_shard(p, rank, world_size, 2, None, 7)
-    out = cp_decode_attention(p["q"], k, v, p["lens"], group=group, cp_block=2, num_splits=2,
-                              impl="torch")
+    out = cp_decode_attention(p["q"], k, v, cp_counts(p["lens"], rank, world_size, 2),
+                              group=group, cp_block=2, num_splits=2, impl="torch")
     f.check(f"cp{world_size} out only", lambda: assert_close(out, p["want"], F32, "out only"))
 
     check_cp_appends(f, group, rank, world_size)
@@ -220,11 +246,13 @@ def check_cp_appends(f: Failures, group: Any, rank: int, world: int) -> None:
             lens = lens + s
             want, want_lse = lmfuse.decode_attention(p["q"], full_k, full_v, lens,
                                                      return_lse=True, impl="torch", **kw)
+            given = dict(cache_seqlens=lens) if step == 1 else {}
             with count_collectives() as dcalls:
-                got = cp_decode_attention(p["q"], k, v, lens, group=group,
-                                          block_table_shard=table, cp_block=blk,
-                                          return_lse=True, impl=impl, **kw)
-            check_result(f, f"{what} step {step}", got, want, want_lse, dcalls, 1, dtype)
+                got = cp_decode_attention(p["q"], k, v, cp_counts(lens, rank, world, blk),
+                                          group=group, block_table_shard=table, cp_block=blk,
+                                          return_lse=True, impl=impl, **given, **kw)
+            check_result(f, f"{what} step {step}", got, want, want_lse, dcalls, 1, dtype,
+                         n_reduces=0 if given else 1)
 
             def placed(k=k, v=v, table=table, calls=calls, lens=lens, full_k=full_k.clone(),
                        full_v=full_v.clone()) -> None:
@@ -291,10 +319,11 @@ def _kvdp_rank(rank: int, world_size: int) -> None:
                                         v_scale=p["v_scale"], return_lse=True, impl=impl)
         check_result(f, what, got, p["want"][:, :, heads], p["want_lse"][:, :, heads], calls, 2,
                      dtype)
-        with count_collectives() as calls:
+        with count_collectives() as calls:  # cache_seqlens: unused without cp_group
             out = kvdp_decode_attention(q, k, v, local_lens, group=group, block_table_local=table,
                                         sinks=p["sinks"], k_scale=p["k_scale"],
-                                        v_scale=p["v_scale"], impl="torch")
+                                        v_scale=p["v_scale"], impl="torch",
+                                        cache_seqlens=local_lens)
         f.check(f"{what}: out only", lambda out=out, p=p, heads=heads, dtype=dtype, calls=calls: (
             assert_equal(len(calls), 2), assert_close(out, p["want"][:, :, heads], dtype, "out")))
 
@@ -354,35 +383,64 @@ def _grid_rank(rank: int, world_size: int) -> None:
         sub = dict(k=p["k"][rows], v=p["v"][rows], lens=p["lens"][rows])
         k, v, table = cp_shard(sub, j, 2, blk, bl, 900 + n + 10 * i)
         heads = slice(i * hq_local, (i + 1) * hq_local)
+        # seqlens_local: this rank's CP-shard counts of its sequences; the global lengths
+        # of its sequences as cache_seqlens in every other case.
+        local = cp_counts(sub["lens"], j, 2, blk)
+        given = dict(cache_seqlens=sub["lens"]) if n % 2 == 0 else {}
         with count_collectives() as calls:
-            got = kvdp_decode_attention(p["q"][:, :, heads], k, v, sub["lens"], group=kvdp,
+            got = kvdp_decode_attention(p["q"][:, :, heads], k, v, local, group=kvdp,
                                         block_table_local=table, cp_group=cp, cp_block=blk,
                                         sinks=p["sinks"], k_scale=p["k_scale"],
-                                        v_scale=p["v_scale"], return_lse=True, impl=impl)
-        check_result(f, what, got, p["want"][:, :, heads], p["want_lse"][:, :, heads], calls, 3,
-                     dtype)
+                                        v_scale=p["v_scale"], return_lse=True, impl=impl,
+                                        **given)
+        check_result(f, f"{what}{' cache_seqlens' if given else ''}", got, p["want"][:, :, heads],
+                     p["want_lse"][:, :, heads], calls, 3, dtype, n_reduces=0 if given else 1)
 
-    # One decoding step on the grid: append (kvdp_cache_append with cp_group), then attend.
+    # Two decoding steps on the grid: append (kvdp_cache_append with cp_group), then attend;
+    # the global lengths given to the append in step 1, to the attention in step 0.
     B, s, blk = 3, 3, 2
     lens = torch.tensor([6, 9, 4], dtype=I32)
     p = full_problem(950, lens.tolist(), s, 4, 2, 16, F32)
-    new_k = torch.randn((B, s, 2, D), generator=g)
-    new_v = torch.randn((B, s, 2, D), generator=g)
     full_k, full_v = p["k"].clone(), p["v"].clone()
-    lmfuse.kv_cache_append(full_k, full_v, new_k, new_v, lens, impl="torch")
-    want, want_lse = lmfuse.decode_attention(p["q"], full_k, full_v, lens + s, return_lse=True,
-                                             impl="torch")
     rows = torch.tensor_split(torch.arange(B), 2)[i].tolist()
     k, v, _ = cp_shard(dict(k=p["k"][rows], v=p["v"][rows], lens=lens[rows]), j, 2, blk, None, 0)
-    kv_heads = slice(i, i + 1)
-    kvdp_cache_append(k, v, new_k[:, :, kv_heads], new_v[:, :, kv_heads], lens[rows],
-                      group=kvdp, cp_group=cp, cp_block=blk, impl="torch")
-    heads = slice(2 * i, 2 * i + 2)
-    with count_collectives() as calls:
-        got = kvdp_decode_attention(p["q"][:, :, heads], k, v, lens[rows] + s, group=kvdp,
-                                    cp_group=cp, cp_block=blk, return_lse=True, impl="torch")
-    check_result(f, "grid append+decode", got, want[:, :, heads], want_lse[:, :, heads], calls,
-                 3, F32)
+    kv_heads, heads = slice(i, i + 1), slice(2 * i, 2 * i + 2)
+    for step in range(2):
+        new_k = torch.randn((B, s, 2, D), generator=g)
+        new_v = torch.randn((B, s, 2, D), generator=g)
+        lmfuse.kv_cache_append(full_k, full_v, new_k, new_v, lens, impl="torch")
+        given = dict(cache_seqlens=lens[rows]) if step == 1 else {}
+        with count_collectives() as acalls:
+            kvdp_cache_append(k, v, new_k[:, :, kv_heads], new_v[:, :, kv_heads],
+                              cp_counts(lens[rows], j, 2, blk), group=kvdp, cp_group=cp,
+                              cp_block=blk, impl="torch", **given)
+        f.check(f"grid append step {step}", lambda acalls=acalls, step=step: (
+            assert_collectives(acalls, 1, 1 - step)))
+        lens = lens + s
+        want, want_lse = lmfuse.decode_attention(p["q"], full_k, full_v, lens, return_lse=True,
+                                                 impl="torch")
+        given = dict(cache_seqlens=lens[rows]) if step == 0 else {}
+        with count_collectives() as calls:
+            got = kvdp_decode_attention(p["q"][:, :, heads], k, v,
+                                        cp_counts(lens[rows], j, 2, blk), group=kvdp,
+                                        cp_group=cp, cp_block=blk, return_lse=True,
+                                        impl="torch", **given)
+        check_result(f, f"grid append+decode step {step}", got, want[:, :, heads],
+                     want_lse[:, :, heads], calls, 3, F32, n_reduces=step)
+
+    # Bad input on one rank of the grid, with check_ranks: all four ranks raise (the bad
+    # rank's KVDP column over KVDP, then every row over CP), none waits.
+    q, good = p["q"][:, :, heads], cp_counts(lens[rows], j, 2, blk)
+    bad = good[:0] if rank == 0 else good
+    raises(f, "grid seqlens_local bad on rank 0", lambda: kvdp_decode_attention(
+        q, k, v, bad, group=kvdp, cp_group=cp, cp_block=blk, check_ranks=True),
+        ValueError, r"seqlens_local must be \[B_r=2\]" if rank == 0 else
+        r"rank 0 of the group rejected its inputs.*seqlens_local must be", 2)
+    # The global lengths passed as seqlens_local (not this rank's share): caught by the
+    # value checks of check_ranks when cache_seqlens is given.
+    raises(f, "grid global lengths as seqlens_local", lambda: kvdp_decode_attention(
+        q, k, v, lens[rows], group=kvdp, cp_group=cp, cp_block=blk, cache_seqlens=lens[rows],
+        check_ranks=True), ValueError, rf"seqlens_local\[0\] = \d+ is not rank {j}'s share", 2)
     f.raise_if_any()
 
 
@@ -408,22 +466,33 @@ def _errors_rank(rank: int, world_size: int) -> None:
     p = full_problem(1, [9, 12], 3, 4, 2, 16, F32)
     k, v, table = cp_shard(p, rank, world_size, 1, None, 1)
     q, lens = p["q"], p["lens"]
+    local = cp_counts(lens, rank, world_size, 1)
 
     # The same bad input on every rank: raises at once, no collective.
-    raises(f, "cp window", lambda: cp_decode_attention(q, k, v, lens, group=group,
+    raises(f, "cp window", lambda: cp_decode_attention(q, k, v, local, group=group,
                                                        window_size=4),
            ValueError, "window_size is not supported", 0)
-    raises(f, "cp short lens", lambda: cp_decode_attention(q, k, v, lens[:1], group=group),
-           ValueError, "cache_seqlens must be", 0)
-    raises(f, "cp cp_block 0", lambda: cp_decode_attention(q, k, v, lens, group=group,
+    raises(f, "cp short seqlens_shard", lambda: cp_decode_attention(q, k, v, local[:1],
+                                                                    group=group),
+           ValueError, r"cp_decode_attention: seqlens_shard must be \[B=2\], got \(1,\)", 0)
+    raises(f, "cp 2-D seqlens_shard", lambda: cp_decode_attention(q, k, v, local[None],
+                                                                  group=group),
+           ValueError, "seqlens_shard must be 1-D", 0)
+    raises(f, "cp float seqlens_shard", lambda: cp_decode_attention(q, k, v, local.float(),
+                                                                    group=group),
+           TypeError, "seqlens_shard must have dtype", 0)
+    raises(f, "cp short cache_seqlens", lambda: cp_decode_attention(
+        q, k, v, local, group=group, cache_seqlens=lens[:1]),
+        ValueError, r"cp_decode_attention: cache_seqlens must be \[B=2\], got \(1,\)", 0)
+    raises(f, "cp cp_block 0", lambda: cp_decode_attention(q, k, v, local, group=group,
                                                            cp_block=0),
            ValueError, "cp_block must be >= 1", 0)
-    raises(f, "cp sinks shape", lambda: cp_decode_attention(q, k, v, lens, group=group,
+    raises(f, "cp sinks shape", lambda: cp_decode_attention(q, k, v, local, group=group,
                                                             sinks=torch.zeros(3)),
            ValueError, r"sinks must be \[Hq=4\]", 0)
     with torch.enable_grad():
         qg = q.clone().requires_grad_(True)
-        raises(f, "cp grad", lambda: cp_decode_attention(qg, k, v, lens, group=group),
+        raises(f, "cp grad", lambda: cp_decode_attention(qg, k, v, local, group=group),
                ValueError, "no backward", 0)
     raises(f, "cp append heads", lambda: cp_cache_append(
         k, v, torch.zeros(2, 1, 3, D), torch.zeros(2, 1, 3, D), lens, group=group),
@@ -441,16 +510,42 @@ def _errors_rank(rank: int, world_size: int) -> None:
     raises(f, "kvdp sinks of own heads only", lambda: kvdp_decode_attention(
         kq, lk, lv, lens[rows], group=group, sinks=torch.zeros(2)),
         ValueError, r"sinks must be \[Hq=4\]", 0)
+    raises(f, "kvdp whole-batch cache_seqlens", lambda: kvdp_decode_attention(
+        kq, lk, lv, lens[rows], group=group, cache_seqlens=lens),
+        ValueError, r"cache_seqlens must be \[B_r=1\] \(this rank holds sequences", 0)
     raises(f, "kvdp append heads", lambda: kvdp_cache_append(
         lk, lv, torch.zeros(2, 1, 2, D), torch.zeros(2, 1, 2, D), lens[rows], group=group),
         ValueError, "KV heads", 0)
+    raises(f, "kvdp append short cache_seqlens", lambda: kvdp_cache_append(
+        lk, lv, torch.zeros(2, 1, 1, D), torch.zeros(2, 1, 1, D), lens[rows], group=group,
+        cp_group=group, cache_seqlens=lens[:0]),
+        ValueError, r"cache_seqlens must be \[B_r=1\]", 0)
 
     # Bad on rank 1 only, or disagreeing: every rank raises after one small all-gather.
-    bad_lens = lens[:1] if rank == 1 else lens
-    raises(f, "cp lens bad on rank 1", lambda: cp_decode_attention(
-        q, k, v, bad_lens, group=group, check_ranks=True),
-        ValueError, "cache_seqlens must be" if rank == 1 else
-        "rank 1 of the group rejected its inputs.*cache_seqlens must be", 1)
+    bad_local = local[:1] if rank == 1 else local
+    raises(f, "cp seqlens_shard bad on rank 1", lambda: cp_decode_attention(
+        q, k, v, bad_local, group=group, check_ranks=True),
+        ValueError, "seqlens_shard must be" if rank == 1 else
+        "rank 1 of the group rejected its inputs.*seqlens_shard must be", 1)
+    bad_lens = lens[:1] if rank == 0 else lens
+    raises(f, "cp cache_seqlens bad on rank 0", lambda: cp_decode_attention(
+        q, k, v, local, group=group, cache_seqlens=bad_lens, check_ranks=True),
+        ValueError, "cache_seqlens must be" if rank == 0 else
+        "rank 0 of the group rejected its inputs.*cache_seqlens must be", 1)
+    only_0 = dict(cache_seqlens=lens) if rank == 0 else {}
+    raises(f, "cp cache_seqlens on one rank", lambda: cp_decode_attention(
+        q, k, v, local, group=group, check_ranks=True, **only_0),
+        ValueError, r"disagree on cache_seqlens \(given or not\): \[1, 0\]", 1)
+    # The global lengths where the rank's counts belong: every rank rejects its own.
+    raises(f, "cp global lengths as seqlens_shard", lambda: cp_decode_attention(
+        q, k, v, lens, group=group, cache_seqlens=lens, check_ranks=True),
+        ValueError, rf"seqlens_shard\[0\] = 9 is not rank {rank}'s share of "
+        r"cache_seqlens\[0\] = 9", 1)
+    # KVDP over one rank composed with CP over the group: the CP check still reaches all.
+    raises(f, "kvdp x cp seqlens_local bad on rank 1", lambda: kvdp_decode_attention(
+        q, k, v, bad_local, group=None, cp_group=group, check_ranks=True),
+        ValueError, r"seqlens_local must be \[B_r=2\]" if rank == 1 else
+        "over cp_group: rank 1 of the group rejected its inputs.*seqlens_local must be", 1)
     q16 = q.half() if rank == 1 else q
     raises(f, "cp dtype bad on rank 1", lambda: cp_decode_attention(
         q16, k, v, lens, group=group, check_ranks=True), TypeError, "dtype", 1)
@@ -475,13 +570,18 @@ def _errors_rank(rank: int, world_size: int) -> None:
     bad_rows = lens[rows][:0] if rank == 0 else lens[rows]
     raises(f, "kvdp lens bad on rank 0", lambda: kvdp_decode_attention(
         kq, lk, lv, bad_rows, group=group, check_ranks=True),
-        ValueError, "cache_seqlens must be" if rank == 0 else "rank 0 of the group rejected", 1)
+        ValueError, r"seqlens_local must be \[B_r=1\]" if rank == 0 else
+        "rank 0 of the group rejected.*seqlens_local must be", 1)
 
-    # And good input with check_ranks=True still gives the right answer.
-    with count_collectives() as calls:
-        out = cp_decode_attention(q, k, v, lens, group=group, check_ranks=True, impl="torch")
-    f.check("cp check_ranks ok", lambda: (assert_equal(len(calls), 2),
-                                          assert_close(out, p["want"], F32, "out")))
+    # And good input with check_ranks=True still gives the right answer: the check's
+    # all-gather, then the op's (and the counts' all-reduce without cache_seqlens).
+    for given in ({}, dict(cache_seqlens=lens)):
+        with count_collectives() as calls:
+            out = cp_decode_attention(q, k, v, local, group=group, check_ranks=True,
+                                      impl="torch", **given)
+        f.check(f"cp check_ranks ok {list(given)}", lambda calls=calls, out=out, given=given: (
+            assert_collectives(calls, 2, 0 if given else 1),
+            assert_close(out, p["want"], F32, "out")))
     f.raise_if_any()
 
 
@@ -517,12 +617,24 @@ def test_group_none_is_decode_attention(op: str) -> None:
     kw = dict(sinks=p["sinks"], window_size=4, return_lse=True, impl="torch")
     want = lmfuse.decode_attention(p["q"], p["k"], p["v"], p["lens"], **kw)
     with count_collectives() as calls:
+        # One rank: the counts are the global lengths, and cache_seqlens changes nothing.
         if op == "cp":
             got = cp_decode_attention(p["q"], p["k"], p["v"], p["lens"], group=None, **kw)
+            also = cp_decode_attention(p["q"], p["k"], p["v"], p["lens"], group=None,
+                                       cache_seqlens=p["lens"], **kw)
         else:
             got = kvdp_decode_attention(p["q"], p["k"], p["v"], p["lens"], group=None, **kw)
+            also = kvdp_decode_attention(p["q"], p["k"], p["v"], p["lens"], group=None,
+                                         cache_seqlens=p["lens"], **kw)
     assert calls == []
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for res in (got, also):
+        assert torch.equal(res[0], want[0]) and torch.equal(res[1], want[1])
+    name = "seqlens_shard" if op == "cp" else "seqlens_local"
+    fn = cp_decode_attention if op == "cp" else kvdp_decode_attention
+    with pytest.raises(ValueError, match=rf"{name} must be \[B(_r)?=2\]"):
+        fn(p["q"], p["k"], p["v"], p["lens"][:1], group=None, **kw)
+    with pytest.raises(ValueError, match=r"cache_seqlens must be \[B(_r)?=2\]"):
+        fn(p["q"], p["k"], p["v"], p["lens"], group=None, cache_seqlens=p["lens"][:1], **kw)
     assert cp_shard_seqlens(p["lens"], group=None).tolist() == [7, 12]
     assert kvdp_batch_range(5, None) == (0, 5)
 

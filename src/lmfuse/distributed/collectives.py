@@ -31,3 +31,11 @@ def all_gather_stacked(t: torch.Tensor, group: Any) -> torch.Tensor:
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, t, group=group)
     return out.view(world, *t.shape)
+
+
+def all_reduce_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """The elementwise sum of every rank's ``t`` over ``group``, from one all-reduce, in a new
+    tensor (``t`` is left as it is)."""
+    out = t.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out

@@ -24,6 +24,14 @@ counted on rank 0 only. Sliding windows are not supported with more than one ran
 window's start maps to no fixed local window under round robin; a sliding-window layer's
 context is bounded and needs no CP).
 
+Lengths. :func:`cp_decode_attention` takes, like ``decode_attention`` on the shard, the
+shard's own token counts ``seqlens_shard [B]`` (:func:`cp_shard_seqlens` of the global
+lengths). Those alone cannot say where the active tokens are: that needs the global
+lengths, which the caller passes as ``cache_seqlens=`` (the same on every rank; a scheduler
+knows them) or the op derives with one all-reduce (sum) of the counts over the group, every
+token being held by exactly one rank. :func:`cp_cache_append` places new tokens by their
+global positions, so it takes the global lengths and issues no collective.
+
 Neither op has a backward (the collectives are not differentiable).
 """
 
@@ -35,12 +43,13 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .._dispatch import check_int, check_tensor, select_impl
+from .._dispatch import check_int, check_same_device, check_tensor, select_impl
 from ..attention.ops import (decode_attention, kv_cache_append, merge_attention_states,
                              plan_decode_attention)
-from .collectives import all_gather_stacked, group_rank, group_size
+from .collectives import all_gather_stacked, all_reduce_sum, group_rank, group_size
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
 _DTYPE_CODES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _MESSAGE_BYTES = 240
 _KINDS = (ValueError, TypeError, RuntimeError, Exception)  # error codes 1.. of a rank check
@@ -143,9 +152,10 @@ def _global_position(local: torch.Tensor, rank: int, world: int, cp_block: int) 
 def cp_shard_seqlens(cache_seqlens: torch.Tensor, *, group: Any,
                      cp_block: int = 1) -> torch.Tensor:
     """``[B]`` int64: how many tokens of each sequence this rank's shard holds, for global
-    lengths ``cache_seqlens [B]`` (what a rank reserves in its own pool)."""
+    lengths ``cache_seqlens [B]`` (what a rank reserves in its own pool, and the
+    ``seqlens_shard`` that :func:`cp_decode_attention` takes)."""
     op = "cp_shard_seqlens"
-    check_tensor(op, "cache_seqlens", cache_seqlens, ndim=1, dtypes=(torch.int32, torch.int64))
+    check_tensor(op, "cache_seqlens", cache_seqlens, ndim=1, dtypes=_INDEX_DTYPES)
     check_int(op, "cp_block", cp_block, minimum=1)
     return _local_count(cache_seqlens.long(), group_rank(group), group_size(group), cp_block)
 
@@ -191,7 +201,7 @@ def cp_cache_append(
         raise ValueError(f"{op}: k_new {tuple(k_new.shape)} and v_new {tuple(v_new.shape)} "
                          "must have one shape")
     B, s_new, Hkv, D = k_new.shape
-    check_tensor(op, "cache_seqlens", cache_seqlens, ndim=1, dtypes=(torch.int32, torch.int64))
+    check_tensor(op, "cache_seqlens", cache_seqlens, ndim=1, dtypes=_INDEX_DTYPES)
     if cache_seqlens.shape[0] != B:
         raise ValueError(f"{op}: cache_seqlens must be [B={B}], got "
                          f"{tuple(cache_seqlens.shape)}")
@@ -212,7 +222,7 @@ def cp_cache_append(
                              "for a paged shard")
     else:
         check_tensor(op, "block_table_shard", block_table_shard, ndim=2,
-                     dtypes=(torch.int32, torch.int64))
+                     dtypes=_INDEX_DTYPES)
         if block_table_shard.shape[0] != B:
             raise ValueError(f"{op}: block_table_shard must be [B={B}, max_blocks], got "
                              f"{tuple(block_table_shard.shape)}")
@@ -338,41 +348,81 @@ def _partial(q, k_cache, v_cache, cache_seqlens, block_table, scale, sinks, k_sc
     return out.to(compute), lse.to(compute)
 
 
-def validate_cp(op: str, q, k_cache_shard, v_cache_shard, cache_seqlens, block_table_shard,
-                cp_block, scale, window_size, sinks, k_scale, v_scale, return_lse, num_splits,
-                impl, world: int) -> list[int]:
+def check_lengths(op: str, name: str, t: Any, batch: int, ref: torch.Tensor, *,
+                  ref_name: str = "q", label: str = "B", note: str = "") -> None:
+    """``t`` must be ``[batch]`` int32/int64 on ``ref``'s device (``label`` names the batch
+    in the message, ``note`` follows the shape)."""
+    check_tensor(op, name, t, ndim=1, dtypes=_INDEX_DTYPES)
+    if t.shape[0] != batch:
+        raise ValueError(f"{op}: {name} must be [{label}={batch}]{note}, got {tuple(t.shape)}")
+    check_same_device(op, ref_name, ref, **{name: t})
+
+
+def _check_share(op: str, name: str, seqlens_shard: torch.Tensor,
+                 cache_seqlens: Optional[torch.Tensor], rank: int, world: int,
+                 cp_block: int) -> None:
+    """The value checks of ``check_ranks`` (host syncs): counts ``>= 0``, and with
+    ``cache_seqlens`` exactly this rank's share of them."""
+    counts = seqlens_shard.long()
+    if bool((counts < 0).any()):
+        b = int((counts < 0).nonzero()[0, 0])
+        raise ValueError(f"{op}: {name} must be >= 0, got {name}[{b}] = {int(counts[b])}")
+    if cache_seqlens is None:
+        return
+    want = _local_count(cache_seqlens.long(), rank, world, cp_block)
+    bad = (counts != want).nonzero()
+    if bad.numel():
+        b = int(bad[0, 0])
+        raise ValueError(f"{op}: {name}[{b}] = {int(counts[b])} is not rank {rank}'s share of "
+                         f"cache_seqlens[{b}] = {int(cache_seqlens[b])} ({int(want[b])} over "
+                         f"{world} ranks, cp_block={cp_block}); pass "
+                         "cp_shard_seqlens(cache_seqlens)")
+
+
+def validate_cp(op: str, q, k_cache_shard, v_cache_shard, seqlens_shard, cache_seqlens,
+                block_table_shard, cp_block, scale, window_size, sinks, k_scale, v_scale,
+                return_lse, num_splits, impl, group: Any, check_values: bool,
+                seqlens_name: str = "seqlens_shard") -> list[int]:
     """Every local check of :func:`cp_decode_attention` (raises); returns the facts the ranks
-    must agree on (see :data:`CP_FIELDS`)."""
+    must agree on (see :data:`CP_FIELDS`). ``check_values`` adds the checks that read the
+    lengths' values (a host sync). ``seqlens_name`` names ``seqlens_shard`` in messages."""
     check_tensor(op, "q", q, ndim=4)
     check_int(op, "cp_block", cp_block, minimum=1)
+    world, rank = group_size(group), group_rank(group)
     if world > 1 and window_size is not None:
         raise ValueError(f"{op}: window_size is not supported over {world} CP ranks (round-"
                          "robin shards have no fixed local window); a sliding-window layer's "
                          "context is bounded: run it with decode_attention or KVDP")
     check_no_grad(op, q, sinks)
+    B, S, Hq, D = q.shape
+    check_lengths(op, seqlens_name, seqlens_shard, B, q)
+    if cache_seqlens is not None:
+        check_lengths(op, "cache_seqlens", cache_seqlens, B, q)
     wrap_errors(op, lambda: plan_decode_attention(
-        q, k_cache_shard, v_cache_shard, cache_seqlens, block_table=block_table_shard,
+        q, k_cache_shard, v_cache_shard, seqlens_shard, block_table=block_table_shard,
         scale=scale, window_size=window_size, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
         return_lse=return_lse, num_splits=num_splits, impl=impl))
-    B, S, Hq, D = q.shape
+    if check_values:
+        _check_share(op, seqlens_name, seqlens_shard, cache_seqlens, rank, world, cp_block)
     return [world, B, S, Hq, D, k_cache_shard.shape[2], dtype_code(q.dtype), cp_block,
-            sinks is not None, return_lse]
+            sinks is not None, cache_seqlens is not None, return_lse]
 
 
 CP_FIELDS = ("group size", "batch B", "s_active", "query heads Hq", "head dim D",
              "KV heads of the shard", "query dtype", "cp_block", "sinks (given or not)",
-             "return_lse")
+             "cache_seqlens (given or not)", "return_lse")
 
 
 def cp_decode_attention(
     q: torch.Tensor,
     k_cache_shard: torch.Tensor,
     v_cache_shard: torch.Tensor,
-    cache_seqlens: torch.Tensor,
+    seqlens_shard: torch.Tensor,
     *,
     group: Any,
     block_table_shard: Optional[torch.Tensor] = None,
     cp_block: int = 1,
+    cache_seqlens: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     window_size: Optional[int] = None,
     sinks: Optional[torch.Tensor] = None,
@@ -393,46 +443,63 @@ def cp_decode_attention(
             pool ``[num_blocks, block_len, Hkv, D]`` with ``block_table_shard [B,
             max_blocks]`` (this rank's own block ids); q's dtype or ``float8_e4m3fn`` with
             ``k_scale``/``v_scale [Hkv]``. Filled by :func:`cp_cache_append`.
-        cache_seqlens: ``[B]`` *global* lengths (active tokens included), the same on every
-            rank: with ``decode_attention``'s meaning, so a call reads like the unsharded
-            one. The shard's own lengths are :func:`cp_shard_seqlens` of these (they alone
-            cannot say where the active tokens are).
+        seqlens_shard: ``[B]`` int32/int64, this rank's own token counts: how many tokens
+            of each sequence (active ones included) its shard holds, i.e.
+            ``cp_shard_seqlens(global_lengths, group=group, cp_block=cp_block)``. With
+            ``group=None`` (or one rank) these are the global lengths.
         group: the CP process group; ``None`` (or one rank): plain ``decode_attention``.
         cp_block: tokens per round-robin block (the value given to ``cp_cache_append``).
+        cache_seqlens: optional ``[B]`` *global* lengths (active tokens included), the same
+            on every rank. Given, they place the active tokens and no collective is spent
+            on lengths; ``seqlens_shard`` must then be exactly this rank's share of them
+            (checked only with ``check_ranks``). Not given, the op sums ``seqlens_shard``
+            over the group (one all-reduce of ``[B]`` int64). Every rank must pass them or
+            none (``check_ranks`` checks that too).
         scale, sinks, k_scale, v_scale, return_lse, num_splits, impl: as for
             ``decode_attention`` (``impl`` picks the path of the local attention and merges).
             ``sinks [Hq]`` are counted once (on rank 0).
         window_size: only with one rank (raises otherwise).
         check_ranks: first check that every rank's inputs are valid and agree (one small
-            extra all-gather and a host sync): bad input on any rank then raises on all of
-            them. Without it, local checks raise before any collective on the rank that
-            fails, and inputs that differ across ranks are not detected.
+            extra all-gather and a host sync; the lengths' values are checked too): bad
+            input on any rank then raises on all of them. Without it, local checks (shapes,
+            dtypes, devices) raise before any collective on the rank that fails, and inputs
+            that differ across ranks are not detected.
     Returns:
         ``out [B, s_active, Hq, D]`` in q's dtype (and ``lse [B, s_active, Hq]`` float32
-        with ``return_lse``). One all-gather of ``[B, s_active, Hq, D + 1]`` float32.
+        with ``return_lse``). Collectives over ``group``: one all-gather of ``[B, s_active,
+        Hq, D + 1]`` float32, plus one all-reduce of ``[B]`` int64 unless ``cache_seqlens``
+        is given (plus the all-gather of ``check_ranks``); none with one rank.
     """
     op = "cp_decode_attention"
     world = group_size(group)
     if world == 1:
         check_int(op, "cp_block", cp_block, minimum=1)
-        return decode_attention(q, k_cache_shard, v_cache_shard, cache_seqlens,
+        check_tensor(op, "q", q, ndim=4)
+        check_lengths(op, "seqlens_shard", seqlens_shard, q.shape[0], q)
+        if cache_seqlens is not None:
+            check_lengths(op, "cache_seqlens", cache_seqlens, q.shape[0], q)
+        return decode_attention(q, k_cache_shard, v_cache_shard, seqlens_shard,
                                 block_table=block_table_shard, scale=scale,
                                 window_size=window_size, sinks=sinks, k_scale=k_scale,
                                 v_scale=v_scale, return_lse=return_lse, num_splits=num_splits,
                                 impl=impl)
     check_on_all_ranks(op, group, check_ranks, meta_device(group, q), CP_FIELDS, lambda: (
-        validate_cp(op, q, k_cache_shard, v_cache_shard, cache_seqlens, block_table_shard,
-                    cp_block, scale, window_size, sinks, k_scale, v_scale, return_lse,
-                    num_splits, impl, world)))
-    return _cp_attention(q, k_cache_shard, v_cache_shard, cache_seqlens, block_table_shard,
-                         cp_block, scale, sinks, k_scale, v_scale, return_lse, num_splits,
-                         impl, group)
+        validate_cp(op, q, k_cache_shard, v_cache_shard, seqlens_shard, cache_seqlens,
+                    block_table_shard, cp_block, scale, window_size, sinks, k_scale, v_scale,
+                    return_lse, num_splits, impl, group, check_values=check_ranks)))
+    return _cp_attention(q, k_cache_shard, v_cache_shard, seqlens_shard, cache_seqlens,
+                         block_table_shard, cp_block, scale, sinks, k_scale, v_scale,
+                         return_lse, num_splits, impl, group)
 
 
-def _cp_attention(q, k_cache_shard, v_cache_shard, cache_seqlens, block_table_shard, cp_block,
-                  scale, sinks, k_scale, v_scale, return_lse, num_splits, impl, group):
+def _cp_attention(q, k_cache_shard, v_cache_shard, seqlens_shard, cache_seqlens,
+                  block_table_shard, cp_block, scale, sinks, k_scale, v_scale, return_lse,
+                  num_splits, impl, group):
     """:func:`cp_decode_attention` on validated inputs, over a group of several ranks."""
     world, rank = group_size(group), group_rank(group)
+    if cache_seqlens is None:
+        # Every token is held by exactly one rank, so the shards' counts sum to the lengths.
+        cache_seqlens = all_reduce_sum(seqlens_shard.long(), group)
     D = q.shape[-1]
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     out, lse = _partial(q, k_cache_shard, v_cache_shard, cache_seqlens, block_table_shard,

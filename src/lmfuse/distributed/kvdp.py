@@ -21,11 +21,16 @@ hold none when ``B < W``). The output all-gather pads every rank's rows to ``cei
 
 With ``cp_group`` the local attention is itself context parallel
 (:func:`~lmfuse.distributed.cp_decode_attention` over ``cp_group``): a KVDP x CP grid, the
-local cache then being this rank's CP shard of its sequences.
+local cache then being this rank's CP shard of its sequences. ``seqlens_local`` always
+counts the tokens the local cache holds: the sequences' lengths, or with ``cp_group`` their
+CP-shard counts (``cp_shard_seqlens`` over ``cp_group``), CP's ``seqlens_shard``. The
+global lengths of the rank's sequences, which CP needs to place the active (or new) tokens,
+come as ``cache_seqlens=`` or from one all-reduce of the counts over ``cp_group``.
 
-Two all-gathers per call (one more inside the CP step); no backward. (Each all-gather
-moves ``W`` times the bytes a rank keeps; an all-to-all exchange would move only those, and
-needs an all-to-all helper in ``collectives.py``.)
+Two all-gathers per call over ``group``; with ``cp_group``, the CP step's all-gather over
+it, and its all-reduce of the ``[B_r]`` counts unless ``cache_seqlens`` is given. No
+backward. (Each all-gather moves ``W`` times the bytes a rank keeps; an all-to-all
+exchange would move only those, and needs an all-to-all helper in ``collectives.py``.)
 """
 
 from __future__ import annotations
@@ -36,13 +41,13 @@ import torch
 
 from .._dispatch import check_int, check_tensor
 from ..attention.ops import decode_attention, kv_cache_append, plan_decode_attention
-from .collectives import all_gather_stacked, group_rank, group_size
-from .cp import (CP_FIELDS, _cp_attention, check_no_grad, check_on_all_ranks, cp_cache_append,
-                 cp_decode_attention, dtype_code, meta_device, validate_cp, wrap_errors)
+from .collectives import all_gather_stacked, all_reduce_sum, group_rank, group_size
+from .cp import (CP_FIELDS, _cp_attention, check_lengths, check_no_grad, check_on_all_ranks,
+                 cp_cache_append, dtype_code, meta_device, validate_cp, wrap_errors)
 
 _FIELDS = ("group size", "batch B", "s_active", "local query heads Hq_local", "head dim D",
            "KV heads of the local cache", "query dtype", "sinks (given or not)", "return_lse",
-           "cp_group (given or not)")
+           "cp_group (given or not)", "cache_seqlens (given or not)")
 
 
 def kvdp_batch_range(batch: int, group: Any) -> tuple[int, int]:
@@ -78,6 +83,18 @@ def _gather_batch(local: torch.Tensor, batch: int, group: Any) -> torch.Tensor:
     return torch.cat([gathered[w, :base + (w < extra)] for w in range(world)])
 
 
+def _check_local_lengths(op: str, seqlens_local: Any, cache_seqlens: Any, batch: int,
+                         group: Any, ref: torch.Tensor, ref_name: str) -> None:
+    """``seqlens_local`` (and ``cache_seqlens`` when given) must be ``[B_r]``, the rank's
+    share of a batch of ``batch``."""
+    start, stop = kvdp_batch_range(batch, group)
+    note = f" (this rank holds sequences [{start}, {stop}) of B={batch})"
+    for name, t in (("seqlens_local", seqlens_local), ("cache_seqlens", cache_seqlens)):
+        if t is not None:
+            check_lengths(op, name, t, stop - start, ref, ref_name=ref_name, label="B_r",
+                          note=note)
+
+
 def kvdp_decode_attention(
     q: torch.Tensor,
     k_cache_local: torch.Tensor,
@@ -96,6 +113,7 @@ def kvdp_decode_attention(
     impl: str = "auto",
     cp_group: Any = None,
     cp_block: int = 1,
+    cache_seqlens: Optional[torch.Tensor] = None,
     check_ranks: bool = False,
 ):
     """Decode attention with the batch's caches split over ``group`` (see the module
@@ -111,41 +129,53 @@ def kvdp_decode_attention(
             rank's pool); ``W * Hq_local`` must be a multiple of ``Hkv`` (GQA over the
             gathered heads). q's dtype or ``float8_e4m3fn`` with ``k_scale``/``v_scale
             [Hkv]``.
-        seqlens_local: ``[B_r]`` lengths of this rank's sequences (active tokens included);
-            with ``cp_group``, their global lengths (as for ``cp_decode_attention``).
+        seqlens_local: ``[B_r]`` int32/int64, the tokens the local cache holds of each of
+            this rank's sequences (active ones included): their lengths; with ``cp_group``,
+            this rank's CP-shard counts of them (``cp_shard_seqlens(lengths,
+            group=cp_group, cp_block=cp_block)``, ``cp_decode_attention``'s
+            ``seqlens_shard``).
         group: the KVDP process group; ``None`` (or one rank): no KVDP.
         sinks: ``[W * Hq_local]``, the sinks of the *gathered* heads (rank-major; with the
             Megatron layout the global ``[Hq]`` sinks), the same on every rank.
         scale, window_size, return_lse, num_splits, impl: as for ``decode_attention``
-            (``window_size`` only without ``cp_group``).
+            (``window_size`` only without ``cp_group``, or with a one-rank one).
         cp_group, cp_block: a CP group over which the local caches are further sharded
             (see :func:`~lmfuse.distributed.cp_decode_attention`).
+        cache_seqlens: optional ``[B_r]`` *global* lengths of this rank's sequences (the
+            same on the ranks of ``cp_group``): with ``cp_group`` they save the all-reduce
+            of ``seqlens_local`` over it (``seqlens_local`` must then be this rank's share
+            of them, checked only with ``check_ranks``). Without ``cp_group`` the lengths
+            are ``seqlens_local`` and these go unused. Every rank passes them or none.
         check_ranks: first check that every rank's inputs are valid and agree (one small
-            extra all-gather and a host sync), so that bad input on any rank raises on all
-            of them. Without it, local checks still raise before any collective on the rank
-            that fails; inputs that differ across ranks are not detected.
+            extra all-gather and a host sync; with ``cp_group``, one more over it), so that
+            bad input on any rank raises on all of them. Without it, local checks still
+            raise before any collective on the rank that fails; inputs that differ across
+            ranks are not detected.
     Returns:
         ``out [B, s_active, Hq_local, D]`` in q's dtype (and ``lse [B, s_active, Hq_local]``
-        float32 with ``return_lse``).
+        float32 with ``return_lse``). Collectives: two all-gathers over ``group`` (none
+        with one rank); with a ``cp_group`` of several ranks, one all-gather over it and,
+        unless ``cache_seqlens`` is given, one all-reduce of ``[B_r]`` int64 over it.
     """
     op = "kvdp_decode_attention"
     world = group_size(group)
     kw = dict(scale=scale, window_size=window_size, sinks=sinks, k_scale=k_scale,
               v_scale=v_scale, return_lse=return_lse, num_splits=num_splits, impl=impl)
-    if world == 1:
-        if cp_group is None:
-            return decode_attention(q, k_cache_local, v_cache_local, seqlens_local,
-                                    block_table=block_table_local, **kw)
-        return cp_decode_attention(q, k_cache_local, v_cache_local, seqlens_local,
-                                   group=cp_group, block_table_shard=block_table_local,
-                                   cp_block=cp_block, check_ranks=check_ranks, **kw)
+    if world == 1 and cp_group is None:
+        check_tensor(op, "q", q, ndim=4)
+        _check_local_lengths(op, seqlens_local, cache_seqlens, q.shape[0], group, q, "q")
+        return decode_attention(q, k_cache_local, v_cache_local, seqlens_local,
+                                block_table=block_table_local, **kw)
     rank = group_rank(group)
+    cp_world = group_size(cp_group)
+    cp_facts: list[list[int]] = []  # validate_cp's, for the check over cp_group
 
     def validate() -> list[int]:
         check_tensor(op, "q", q, ndim=4)
         check_no_grad(op, q, sinks)
         B, S, Hq_local, D = q.shape
         start, stop = kvdp_batch_range(B, group)
+        _check_local_lengths(op, seqlens_local, cache_seqlens, B, group, q, "q")
         # What the local attention will see: this rank's sequences, all gathered heads.
         q_local = q.new_empty((1, 1, 1, 1)).expand(stop - start, S, world * Hq_local, D)
         where = (f"{op} (rank {rank} of {world} holds sequences [{start}, {stop}) of B={B}, "
@@ -155,34 +185,46 @@ def kvdp_decode_attention(
                 q_local, k_cache_local, v_cache_local, seqlens_local,
                 block_table=block_table_local, **kw))
         else:
-            wrap_errors(where, lambda: validate_cp(
+            cp_facts.append(wrap_errors(where, lambda: validate_cp(
                 "cp_decode_attention", q_local, k_cache_local, v_cache_local, seqlens_local,
-                block_table_local, cp_block, scale, window_size, sinks, k_scale, v_scale,
-                return_lse, num_splits, impl, group_size(cp_group)))
+                cache_seqlens, block_table_local, cp_block, scale, window_size, sinks, k_scale,
+                v_scale, return_lse, num_splits, impl, cp_group, check_values=check_ranks,
+                seqlens_name="seqlens_local")))
         return [world, B, S, Hq_local, D, k_cache_local.shape[2], dtype_code(q.dtype),
-                sinks is not None, return_lse, cp_group is not None]
+                sinks is not None, return_lse, cp_group is not None, cache_seqlens is not None]
 
-    check_on_all_ranks(op, group, check_ranks, meta_device(group, q), _FIELDS, validate)
+    device = meta_device(group, q) if world > 1 else torch.device("cpu")
+    if not (check_ranks and cp_world > 1):
+        check_on_all_ranks(op, group, check_ranks, device, _FIELDS, validate)
+    else:
+        # On a KVDP x CP grid, a rank whose KVDP check failed still joins the check over
+        # cp_group (as a failure): the column of the bad rank hears of it over KVDP, then
+        # every row over CP, so every rank raises and none waits in a collective.
+        failed: Optional[Exception] = None
+        try:
+            check_on_all_ranks(op, group, True, device, _FIELDS, validate)
+        except Exception as e:  # re-raised by the check over cp_group
+            failed = e
+
+        def validate_over_cp() -> list[int]:
+            if failed is not None:
+                raise failed
+            return cp_facts[0]
+
+        check_on_all_ranks(f"{op} over cp_group", cp_group, True, meta_device(cp_group, q),
+                           CP_FIELDS, validate_over_cp)
     B, S, Hq_local, D = q.shape
     start, stop = kvdp_batch_range(B, group)
-    q_local = _own_rows(all_gather_stacked(q, group), start, stop)
-    if cp_group is None:
+    q_local = _own_rows(all_gather_stacked(q, group), start, stop) if world > 1 else q
+    if cp_world == 1:  # no cp_group, or a one-rank one: the local cache holds everything
         res = decode_attention(q_local, k_cache_local, v_cache_local, seqlens_local,
                                block_table=block_table_local, **kw)
     else:
-        if check_ranks and group_size(cp_group) > 1:
-            check_on_all_ranks("cp_decode_attention", cp_group, True,
-                               meta_device(cp_group, q), CP_FIELDS, lambda: validate_cp(
-                                   "cp_decode_attention", q_local, k_cache_local,
-                                   v_cache_local, seqlens_local, block_table_local, cp_block,
-                                   scale, window_size, sinks, k_scale, v_scale, return_lse,
-                                   num_splits, impl, group_size(cp_group)))
-        res = (_cp_attention(q_local, k_cache_local, v_cache_local, seqlens_local,
-                             block_table_local, cp_block, scale, sinks, k_scale, v_scale,
-                             return_lse, num_splits, impl, cp_group)
-               if group_size(cp_group) > 1 else
-               decode_attention(q_local, k_cache_local, v_cache_local, seqlens_local,
-                                block_table=block_table_local, **kw))
+        res = _cp_attention(q_local, k_cache_local, v_cache_local, seqlens_local, cache_seqlens,
+                            block_table_local, cp_block, scale, sinks, k_scale, v_scale,
+                            return_lse, num_splits, impl, cp_group)
+    if world == 1:
+        return res
     heads = slice(rank * Hq_local, (rank + 1) * Hq_local)
     if not return_lse:
         return _gather_batch(res, B, group)[:, :, heads]
@@ -208,6 +250,7 @@ def kvdp_cache_append(
     impl: str = "auto",
     cp_group: Any = None,
     cp_block: int = 1,
+    cache_seqlens: Optional[torch.Tensor] = None,
 ) -> None:
     """Append this step's keys and values to the local caches, in place: one all-gather of
     the ranks' KV heads, then each rank writes its own sequences.
@@ -218,13 +261,22 @@ def kvdp_cache_append(
             rank-major).
         k_new, v_new: ``[B, s_new, Hkv_local, D]``: this rank's KV heads for all ``B``
             sequences (``B``, ``s_new``, ``Hkv_local``, ``D`` equal on every rank).
-        seqlens_local: ``[B_r]`` lengths of this rank's sequences before the append (with
-            ``cp_group``: their global lengths, the new tokens going to the CP rank that owns
-            each position, as by :func:`~lmfuse.distributed.cp_cache_append`).
+        seqlens_local: ``[B_r]`` tokens the local cache holds of each of this rank's
+            sequences before the append: their lengths, or with ``cp_group`` this rank's
+            CP-shard counts of them (as for :func:`kvdp_decode_attention`).
+        cp_group, cp_block: the CP group over which the local caches are sharded; each new
+            token goes to the CP rank that owns its global position, as by
+            :func:`~lmfuse.distributed.cp_cache_append`.
+        cache_seqlens: optional ``[B_r]`` global lengths of this rank's sequences before the
+            append (the same on the ranks of ``cp_group``): with ``cp_group`` they save the
+            all-reduce of ``seqlens_local`` over it; unused without it.
         k_scale, v_scale, impl: as for ``kv_cache_append``.
-    When every rank already has all KV heads of its sequences (KV heads replicated over the
-    group, as with fewer KV heads than ranks), no collective is needed: call
-    ``kv_cache_append`` with the rows ``kvdp_batch_range(B, group)`` of ``k_new``/``v_new``.
+    Collectives: one all-gather over ``group`` (none with one rank), and with a
+    ``cp_group`` of several ranks and no ``cache_seqlens``, one all-reduce of ``[B_r]``
+    int64 over ``cp_group``. When every rank already has all KV heads of its sequences (KV
+    heads replicated over the group, as with fewer KV heads than ranks), no all-gather is
+    needed: call ``kv_cache_append`` (or ``cp_cache_append``) with the rows
+    ``kvdp_batch_range(B, group)`` of ``k_new``/``v_new``.
     """
     op = "kvdp_cache_append"
     check_tensor(op, "k_new", k_new, ndim=4)
@@ -235,11 +287,7 @@ def kvdp_cache_append(
     world = group_size(group)
     B, s_new, Hkv_local, D = k_new.shape
     start, stop = kvdp_batch_range(B, group)
-    check_tensor(op, "seqlens_local", seqlens_local, ndim=1, dtypes=(torch.int32, torch.int64))
-    if seqlens_local.shape[0] != stop - start:
-        raise ValueError(f"{op}: seqlens_local must be [B_r={stop - start}] (this rank holds "
-                         f"sequences [{start}, {stop}) of B={B}), got "
-                         f"{tuple(seqlens_local.shape)}")
+    _check_local_lengths(op, seqlens_local, cache_seqlens, B, group, k_new, "k_new")
     kw = dict(k_scale=k_scale, v_scale=v_scale, impl=impl)
     # Every check of the local append, before the all-gather: the same append with no new
     # token (it validates and writes nothing).
@@ -254,11 +302,14 @@ def kvdp_cache_append(
         both = all_gather_stacked(torch.stack([k_new, v_new]), group)  # [W, 2, B, s, H, D]
         both = both.transpose(0, 1)
         k_new, v_new = _own_rows(both[0], start, stop), _own_rows(both[1], start, stop)
-    if cp_group is None:
+    if group_size(cp_group) == 1:  # no cp_group, or a one-rank one: whole sequences here
         kv_cache_append(k_cache_local, v_cache_local, k_new, v_new, seqlens_local,
                         block_table=block_table_local, **kw)
-    else:
-        cp_cache_append(k_cache_local, v_cache_local, k_new, v_new, seqlens_local,
-                        group=cp_group, block_table_shard=block_table_local,
-                        cp_block=cp_block, **kw)
+        return None
+    if cache_seqlens is None:
+        # Every token is held by exactly one CP rank: the counts sum to the lengths.
+        cache_seqlens = all_reduce_sum(seqlens_local.long(), cp_group)
+    cp_cache_append(k_cache_local, v_cache_local, k_new, v_new, cache_seqlens,
+                    group=cp_group, block_table_shard=block_table_local, cp_block=cp_block,
+                    **kw)
     return None

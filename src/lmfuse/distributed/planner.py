@@ -41,7 +41,9 @@ KV bytes per rank (the busiest rank, for an uneven split)::
   calls (``(CP - 1) + CP * (KVDP - 1) = r - 1`` shards). CP's partial outputs
   and their log-sum-exps travel in float32 for the exact merge, modelled as the all-gather
   ``cp_decode_attention`` issues (an all-to-all that sent each rank only its own heads'
-  partials would move up to ``CP`` times fewer bytes). KVDP's merged outputs are
+  partials would move up to ``CP`` times fewer bytes), given the global lengths as
+  ``cache_seqlens`` (a scheduler knows them; without them the op adds an all-reduce of
+  ``b`` int64 lengths over CP, left out here). KVDP's merged outputs are
   all-gathered over the batch and each rank keeps its own ``q_local`` heads.
   "Bytes received" is ``(g - 1) / g`` of the gathered tensor, what a ring all-gather moves
   into each rank. Per step = per layer * ``L``.
