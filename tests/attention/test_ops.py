@@ -1023,3 +1023,48 @@ def test_compile_fullgraph_decode_and_append() -> None:
     torch.compile(append, fullgraph=True)(kc, vc, kn, -kn, torch.tensor([1, 3]))
     assert torch.equal(kc[0, 1], kn[0, 0]) and torch.equal(vc[1, 3], -kn[1, 0])
     assert kc[0, 0].abs().sum() == 0 and kc[1, 2].abs().sum() == 0
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_append_negative_length_never_writes(paged: bool) -> None:
+    """A negative cache_seqlens puts the new tokens before the cache: the kernel writes
+    nothing (no neighbouring sequence's rows), the reference raises."""
+    k = torch.zeros(2, 4, 1, 16)
+    table = torch.tensor([[1], [0]], dtype=torch.int32) if paged else None
+    new = torch.ones(2, 1, 1, 16)
+    lens = torch.tensor([0, -1], dtype=torch.int32)
+    kc, vc = k.clone(), k.clone()
+    lmfuse.kv_cache_append(kc, vc, new, new, lens, block_table=table, impl="triton")
+    written = (kc != 0).any(dim=(2, 3))
+    row0 = (1, 0) if paged else (0, 0)  # sequence 0's position 0
+    assert written[row0] and int(written.sum()) == 1
+    with pytest.raises(ValueError, match="cache_seqlens must be >= 0"):
+        lmfuse.kv_cache_append(k.clone(), k.clone(), new, new, lens, block_table=table,
+                               impl="torch")
+
+
+def test_mixed_kv_cache_dtypes_are_refused() -> None:
+    q = torch.randn(1, 1, 2, 16, dtype=torch.float16)
+    k = torch.randn(1, 8, 1, 16, dtype=torch.float16)
+    v8 = torch.randn(1, 8, 1, 16).to(torch.float8_e4m3fn)
+    lens = torch.tensor([8])
+    with pytest.raises(TypeError, match="k_cache is float16 but v_cache is float8_e4m3fn"):
+        lmfuse.decode_attention(q, k, v8, lens)
+    with pytest.raises(TypeError, match="k_cache is float16 but v_cache is float8_e4m3fn"):
+        lmfuse.kv_cache_append(k, v8, q[:, :, :1], q[:, :, :1], lens)
+
+
+def test_huge_window_and_forced_splits_are_harmless() -> None:
+    """A window near 2**31 (longer than the cache) and more forced splits than keys give the
+    plain result (no int32 wrap, no empty-grid or oversized launches)."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 3, 4, 16)
+    k, v = torch.randn(2, 6, 2, 16), torch.randn(2, 6, 2, 16)
+    lens = torch.tensor([1, 2], dtype=torch.int32)  # shorter than s_active
+    want = decode_attention_reference(q.double(), k.double(), v.double(), lens)
+    got = lmfuse.decode_attention(q, k, v, lens, window_size=2**31 - 1, impl="triton")
+    assert_close(got, want, torch.float32, "window 2**31-1")
+    got = lmfuse.decode_attention(q, k, v, lens, num_splits=10**6, impl="triton")
+    assert_close(got, want, torch.float32, "num_splits 10**6")
+    plan = lmfuse.explain(lmfuse.decode_attention, q, k, v, lens, num_splits=10**6)
+    assert plan.args["splits"] == 6

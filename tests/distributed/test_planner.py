@@ -113,17 +113,28 @@ def test_batch_below_r_explains_cp() -> None:
     assert "TP2 x CP4" in plan.reason
 
 
-def test_uneven_batch_departs_from_the_plain_rule_and_says_why() -> None:
-    # B=3, r=4: the rule's KVDP=2 leaves one rank 2 sequences x 8 tokens = 16 rows,
-    # CP=4 gives every rank 3 x 4 = 12.
+def test_uneven_batch_follows_the_rule_when_it_fits() -> None:
+    # B=3, r=4: DESIGN's rule (KVDP=2 x CP=2) holds whenever it fits, even though CP=4 would
+    # spread the rows more evenly.
     plan = plan_sharding(3, **SMALL)
-    assert plan.split == "TP2 x CP4"
-    assert plan.kv_bytes_per_rank == 3 * 4 * 2 * 2 * 4 * 2
-    assert "plain rule would take TP2 x KVDP2 x CP2" in plan.reason
-    # B=6 >= r=4 but not a multiple: KVDP=4 leaves a rank 2 sequences (32 rows); KVDP=2 x
-    # CP=2 gives 3 x 8 = 24, the balanced share.
-    plan = plan_sharding(6, **SMALL)
     assert plan.split == "TP2 x KVDP2 x CP2"
+    assert "plain rule" not in plan.reason
+    plan = plan_sharding(6, **SMALL)
+    assert plan.split == "TP2 x KVDP4"
+
+
+def test_uneven_batch_departs_from_the_rule_only_when_it_does_not_fit_and_says_why() -> None:
+    # B=3, r=4: the rule's KVDP=2 leaves one rank 2 sequences x 8 tokens = 16 rows (512
+    # bytes), CP=4 gives every rank 3 x 4 = 12 (384 bytes); with 400 bytes of HBM only the
+    # balanced split fits.
+    plan = plan_sharding(3, **{**SMALL, "hbm_gib": 400 / 2**30})
+    assert plan.split == "TP2 x CP4" and plan.fits
+    assert plan.kv_bytes_per_rank == 3 * 4 * 2 * 2 * 4 * 2
+    assert "plain rule would take TP2 x KVDP2 x CP2, which does not fit" in plan.reason
+    # B=6 >= r=4 but not a multiple: KVDP=4 leaves a rank 2 sequences (32 rows, 1024
+    # bytes); KVDP=2 x CP=2 gives 3 x 8 = 24 (768 bytes).
+    plan = plan_sharding(6, **{**SMALL, "hbm_gib": 800 / 2**30})
+    assert plan.split == "TP2 x KVDP2 x CP2" and plan.fits
     assert plan.reason.startswith("B=6 >= ranks/kv_heads=4")
     assert "plain rule would take TP2 x KVDP4" in plan.reason
 

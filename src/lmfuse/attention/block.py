@@ -414,6 +414,8 @@ def qk_norm_rope_append(
             if w.shape[0] != D:
                 raise ValueError(f"{op}: {name} must be [D={D}], got {tuple(w.shape)}")
     eps = check_number(op, "eps", eps, allow_none=False)
+    if eps < 0:
+        raise ValueError(f"{op}: eps must be >= 0, got {eps}")
     if inv_freq is not None:
         check_tensor(op, "inv_freq", inv_freq, ndim=1, dtypes=(torch.float32,))
         if not 1 <= inv_freq.shape[0] <= D // 2:

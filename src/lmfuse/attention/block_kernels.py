@@ -111,12 +111,12 @@ def qk_norm_rope_append_kernel(
         p = L + i
         if PAGED:
             blk = tl.load(TABLE + b * stride_tb + p // BLOCK_LEN,
-                          mask=p < capacity, other=-1).to(tl.int64)
-            ok = (p < capacity) & (blk >= 0) & (blk < num_blocks)
+                          mask=(p >= 0) & (p < capacity), other=-1).to(tl.int64)
+            ok = (p >= 0) & (p < capacity) & (blk >= 0) & (blk < num_blocks)
             k_row = blk * stride_kblk + (p % BLOCK_LEN) * stride_krow
             v_row = blk * stride_vblk + (p % BLOCK_LEN) * stride_vrow
         else:
-            ok = p < capacity
+            ok = (p >= 0) & (p < capacity)
             k_row = b * stride_kblk + p * stride_krow
             v_row = b * stride_vblk + p * stride_vrow
         k_ptr = K + k_row + kvh * stride_kh

@@ -87,7 +87,7 @@ def decode_kernel(
     elif F16_DOT:
         # bf16 queries over an fp8 cache: float16 dots (fp8 widens to float16 cheaply, and
         # float16 holds e4m3 exactly). Each query row is scaled by a power of two to a
-        # largest magnitude in [0.5, 1), which float16 holds without overflow and which
+        # largest magnitude in (0.5, 1], which float16 holds without overflow and which
         # undoes exactly on the scores.
         qf = q.to(tl.float32)
         top = tl.max(tl.abs(qf), 1)
@@ -96,7 +96,8 @@ def decode_kernel(
         q = (qf / q_row_scale[:, None]).to(tl.float16)
 
     # The keys any row sees: [lo, L). Splits cut [lo rounded down to a tile, L) into
-    # keys_per_split pieces (a multiple of BLOCK_N, so tiles stay aligned to the cache).
+    # keys_per_split pieces (a multiple of BLOCK_N unless the split count is forced, so
+    # tiles stay aligned to the cache).
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(L - S_ACT - window, 0)
@@ -186,7 +187,7 @@ def merge_kernel(
     ``LSES``'s at ``p * stride_lp + r * stride_lr``; ``OUT [R, D]`` and ``LSE [R]``
     contiguous."""
     r = tl.program_id(0).to(tl.int64)
-    parts = tl.arange(0, BLOCK_P)
+    parts = tl.arange(0, BLOCK_P).to(tl.int64)
     lses = tl.load(LSES + parts * stride_lp + r * stride_lr, mask=parts < num_parts,
                    other=float("-inf")).to(tl.float32)
     top = tl.max(lses, 0)
@@ -194,12 +195,17 @@ def merge_kernel(
     total = tl.sum(tl.exp(lses - top_ref), 0)
     d = tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for p in range(num_parts):
-        lse_p = tl.load(LSES + p * stride_lp + r * stride_lr).to(tl.float32)
+    # Running pointers (64-bit) instead of p * stride, which can pass 2**31 elements.
+    lse_ptr = LSES + r * stride_lr
+    part_ptr = OUTS + r * stride_or
+    for _ in range(num_parts):
+        lse_p = tl.load(lse_ptr).to(tl.float32)
         w = tl.exp(lse_p - top_ref)  # 0 for an empty partial
         w = w / tl.where(total > 0.0, total, 1.0)
-        o = tl.load(OUTS + p * stride_op + r * stride_or + d, mask=d < D, other=0.0)
+        o = tl.load(part_ptr + d, mask=d < D, other=0.0)
         acc += tl.where(w > 0.0, w * o.to(tl.float32), 0.0)
+        lse_ptr += stride_lp
+        part_ptr += stride_op
     o_ptr = OUT + r * D + d
     tl.store(o_ptr, acc.to(OUT.dtype.element_ty), mask=d < D)
     if WRITE_LSE:
@@ -244,13 +250,14 @@ def append_kernel(
     # rejects a vector mask combined with a scalar condition).
     p = tl.zeros([BLOCK], tl.int64) + tl.load(SEQLENS + b).to(tl.int64) + i
     if PAGED:
-        blk = tl.load(TABLE + b * stride_tb + p // BLOCK_LEN, mask=p < capacity,
+        inside = (p >= 0) & (p < capacity)
+        blk = tl.load(TABLE + b * stride_tb + p // BLOCK_LEN, mask=inside,
                       other=-1).to(tl.int64)
-        ok = (p < capacity) & (blk >= 0) & (blk < num_blocks)
+        ok = inside & (blk >= 0) & (blk < num_blocks)
         k_row = blk * stride_kblk + (p % BLOCK_LEN) * stride_krow
         v_row = blk * stride_vblk + (p % BLOCK_LEN) * stride_vrow
     else:
-        ok = p < capacity
+        ok = (p >= 0) & (p < capacity)
         k_row = b * stride_kblk + p * stride_krow
         v_row = b * stride_vblk + p * stride_vrow
     for c0 in range(0, HD, BLOCK):

@@ -60,6 +60,9 @@ def _check_cache(op: str, q_dtype, k_cache, v_cache, block_table, B: int, Hq: in
         if c.dtype not in _FP8 and c.dtype != q_dtype:
             raise TypeError(f"{op}: {name} must have the queries' dtype {_dt(q_dtype)} or be "
                             f"float8_e4m3fn, got {_dt(c.dtype)}")
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"{op}: k_cache is {_dt(k_cache.dtype)} but v_cache is "
+                        f"{_dt(v_cache.dtype)}; they must have one dtype")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"{op}: k_cache {tuple(k_cache.shape)} and v_cache "
                          f"{tuple(v_cache.shape)} must have one shape")
@@ -140,9 +143,12 @@ def _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_size
             q.requires_grad or (sinks is not None and sinks.requires_grad)):
         raise ValueError(f"{op}: the Triton path has no backward (decode attention is an "
                          "inference op); run it under torch.no_grad() or use impl='torch'")
+    # A window as long as the cache hides nothing: dropping it keeps the kernel's int32
+    # position arithmetic away from windows near 2**31.
+    window = window_size if window_size is not None and window_size < capacity else None
     s = dict(path=path, reason=reason, B=B, s_active=s_active, Hq=Hq, Hkv=Hkv, D=D,
              capacity=capacity, paged=block_table is not None,
-             scale=1.0 / math.sqrt(D) if scale is None else scale, window=window_size,
+             scale=1.0 / math.sqrt(D) if scale is None else scale, window=window,
              return_lse=return_lse)
     if path == "triton":
         s.update(_config(q, k_cache, s, num_splits))
@@ -177,7 +183,8 @@ def _config(q, k_cache, s: dict[str, Any], num_splits: Optional[int]) -> dict[st
         splits = max(1, _cdiv(span, keys))
         forced = False
     else:
-        splits = num_splits
+        # More splits than keys (or than a grid dimension holds) would only add empty ones.
+        splits = max(1, min(num_splits, span, 65535))
         keys = max(1, _cdiv(span, splits))
         forced = True
     interp = q.device.type != "cuda"
@@ -238,7 +245,8 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_sca
         sinks if sinks is not None else q, k_scale if k_scale is not None else q,
         v_scale if v_scale is not None else q, o_t, l_t,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_table.shape[1] if paged else 0, Hkv, splits, s["keys_per_split"], s["qk_scale"], s["window_arg"], s["capacity"],
+        block_table.shape[1] if paged else 0, Hkv, splits, s["keys_per_split"], s["qk_scale"],
+        s["window_arg"], s["capacity"],
         s["num_blocks"],
         S_ACT=S, GROUP=Hq // Hkv, D=D, BLOCK_M=s["BLOCK_M"], BLOCK_N=s["BLOCK_N"],
         BLOCK_D=s["BLOCK_D"], PAGED=paged, BLOCK_LEN=s["block_len"],
@@ -371,7 +379,8 @@ def decode_attention(
             stored * scale). ``Hq`` must be a multiple of ``Hkv`` (GQA: query head ``h``
             reads KV head ``h // (Hq // Hkv)``; each KV head is read once for its group).
         cache_seqlens: ``[B]`` int32/int64, tokens in each cache (active ones included); 0
-            gives zeros (and ``lse = -inf``). Must not exceed the capacity (``S_max``, or
+            gives zeros (and ``lse = -inf``, or the sink's logit with ``sinks``).
+            Must not exceed the capacity (``S_max``, or
             ``max_blocks * block_len``): keys past it are never read.
         block_table: ``[B, max_blocks]`` int32 block ids, padded with -1 (never read).
         scale: of ``q . k``; default ``1 / sqrt(D)``.

@@ -126,6 +126,9 @@ def kv_cache_append_reference(k_cache, v_cache, k_new, v_new, cache_seqlens, *,
     if B * s_new == 0:
         return
     pos = cache_seqlens.long()[:, None] + torch.arange(s_new, device=k_new.device)[None, :]
+    if int(pos.min()) < 0:
+        raise ValueError(f"kv_cache_append: cache_seqlens must be >= 0, got "
+                         f"{int(cache_seqlens.min())}")
     if block_table is None:
         capacity = k_cache.shape[1]
         if int(pos.max()) >= capacity:

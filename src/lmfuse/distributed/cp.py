@@ -249,10 +249,10 @@ def cp_cache_append(
     else:
         block_len, cols = k_cache_shard.shape[1], block_table_shard.shape[1]
         capacity = cols * block_len
-        col = (dest // max(block_len, 1)).clamp(max=max(cols - 1, 0))
+        col = (dest // max(block_len, 1)).clamp(min=0, max=max(cols - 1, 0))
         blocks = (block_table_shard.long().gather(1, col) if cols
                   else torch.full_like(dest, -1))
-    fits = dest < capacity
+    fits = (dest >= 0) & (dest < capacity)  # a negative length puts tokens nowhere
     table = torch.where(mine & fits, blocks, -1).reshape(B * s_new, 1).to(torch.int32)
     offset = (dest % max(block_len, 1)).reshape(B * s_new).to(torch.int32)
     rows = (B * s_new, 1, Hkv, D)
@@ -261,6 +261,9 @@ def cp_cache_append(
     if path == "triton" and k_new.dtype not in _KERNEL_DTYPES and impl != "triton":
         path = "torch"
     if path == "torch":
+        if int(pos.min()) < 0:
+            raise ValueError(f"{op}: cache_seqlens must be >= 0, got "
+                             f"{int(cache_seqlens.min())}")
         late = mine & ~fits
         if bool(late.any()):
             b, i = (int(x) for x in late.nonzero()[0])

@@ -51,10 +51,10 @@ KV bytes per rank (the busiest rank, for an uneven split)::
 The recommendation (``TP = min(Hkv, N)``, ``r = N / TP``): if ``B >= r``, ``KVDP = r``
 and ``CP = 1``; else ``KVDP`` = the largest divisor of ``r`` not above ``B`` and
 ``CP = r / KVDP``. When ``B`` does not split evenly over that ``KVDP``, the busiest rank
-holds more than its share, so among the divisors ``k <= B`` of ``r`` the plan takes the
-one whose busiest rank holds the fewest ``sequences * tokens`` (the larger ``KVDP`` on a
-tie, since its output all-gather is cheaper than CP's float32 partials); when ``B`` and
-``S`` split evenly this is exactly the rule above, and the reason says when it departs.
+holds more than its share; only if that split then does not fit in ``hbm_gib`` does the
+plan take, among the divisors ``k <= B`` of ``r``, the one whose busiest rank holds the
+fewest ``sequences * tokens`` (the larger ``KVDP`` on a tie, since its output all-gather
+is cheaper than CP's float32 partials), and the reason says so.
 
 ``fits`` compares the KV cache alone with ``hbm_gib`` GiB (2**30 bytes): pass the HBM
 left per rank after weights and activations. Sizes are those of a contiguous cache; a
@@ -264,9 +264,14 @@ def plan_sharding(batch: int, q_heads: int, kv_heads: int, ranks: int, context_l
     tp = min(kv_heads, ranks)
     r = ranks // tp
     rule_kvdp = r if batch >= r else max(k for k in _divisors(r) if k <= batch)
-    # The busiest rank decides memory and step time: an uneven batch split costs more.
-    kvdp = min((k for k in _divisors(r) if k <= batch),
-               key=lambda k: (m.cells(k, r // k), -k))
+    # DESIGN's rule, unless its split does not fit in HBM while the most balanced one does
+    # (an uneven batch split leaves its busiest rank holding more).
+    balanced = min((k for k in _divisors(r) if k <= batch),
+                   key=lambda k: (m.cells(k, r // k), -k))
+    kvdp = rule_kvdp
+    if (not m.split("rule", rule_kvdp, r // rule_kvdp).fits
+            and m.split("balanced", balanced, r // balanced).fits):
+        kvdp = balanced
     cp = r // kvdp
 
     options = (m.vanilla(), m.split("KVDP", r, 1), m.split("CP", 1, r),
@@ -374,8 +379,8 @@ def _reason(m: _Model, options: tuple[ShardingOption, ...], tp: int, r: int, rul
                    f"sit idle).")
         if best.kvdp != rule_kvdp:
             ruled = m.split("rule", rule_kvdp, r // rule_kvdp)
-            why += (f" The plain rule would take {ruled.split}, but B={m.B} does not split "
-                    f"evenly over KVDP={rule_kvdp}: its busiest rank would hold "
+            why += (f" The plain rule would take {ruled.split}, which does not fit: B={m.B} "
+                    f"does not split evenly over KVDP={rule_kvdp}, so its busiest rank would hold "
                     f"{ruled.sequences_held} sequence(s) x {ruled.tokens_held} tokens "
                     f"({gib(ruled.kv_bytes_per_rank)}), against {best.sequences_held} x "
                     f"{best.tokens_held} ({gib(best.kv_bytes_per_rank)}) with {best.split}.")
