@@ -18,6 +18,7 @@ import torch
 
 from .. import tuning
 from .._dispatch import Plan, check_number, check_tensor, register_planner, select_impl
+from .._nvtx import nvtx_range
 from . import reference as ref
 
 _ACT_IDS = {"gelu": 0, "silu": 1, "quick_gelu": 2, "squared_relu": 3}
@@ -95,6 +96,55 @@ def _launch_bwd(x, g, bias, weights, s, dtype, bias_grad: bool):
     return dx, db, dw
 
 
+# The launches as torch.library custom ops, so torch.compile sees opaque nodes (eager calls
+# launch directly). The backward op returns the bias and weight gradients already summed
+# over their partials (float32; empty when not asked for), so its outputs' shapes follow
+# from the inputs'.
+
+
+def _settings(activation: str, gated: bool, linear_offset: float,
+              clamp_value: Optional[float]) -> dict[str, Any]:
+    return dict(activation=activation, gated=gated, linear_offset=linear_offset,
+                clamp_value=clamp_value)
+
+
+@torch.library.custom_op("lmfuse::act_fwd", mutates_args=())
+def _act_fwd_op(x: torch.Tensor, bias: Optional[torch.Tensor], weights: Optional[torch.Tensor],
+                activation: str, gated: bool, linear_offset: float,
+                clamp_value: Optional[float]) -> torch.Tensor:
+    return _launch_fwd(x, bias, weights, _settings(activation, gated, linear_offset,
+                                                   clamp_value))
+
+
+@_act_fwd_op.register_fake
+def _(x, bias, weights, activation, gated, linear_offset, clamp_value):
+    return x.new_empty((x.shape[0], x.shape[1] // 2 if gated else x.shape[1]))
+
+
+@torch.library.custom_op("lmfuse::act_bwd", mutates_args=())
+def _act_bwd_op(x: torch.Tensor, g: torch.Tensor, bias: Optional[torch.Tensor],
+                weights: Optional[torch.Tensor], activation: str, gated: bool,
+                linear_offset: float, clamp_value: Optional[float], dtype: torch.dtype,
+                bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, db, dw = _launch_bwd(x, g, bias, weights,
+                             _settings(activation, gated, linear_offset, clamp_value), dtype,
+                             bias_grad)
+    return (dx, db.sum(0) if db is not None else x.new_empty((0,), dtype=torch.float32),
+            dw.sum(0) if dw is not None else x.new_empty((0,), dtype=torch.float32))
+
+
+@_act_bwd_op.register_fake
+def _(x, g, bias, weights, activation, gated, linear_offset, clamp_value, dtype, bias_grad):
+    M, K = x.shape
+    return (x.new_empty((M, K), dtype=dtype),
+            x.new_empty((K if bias_grad else 0,), dtype=torch.float32),
+            x.new_empty((M if weights is not None else 0,), dtype=torch.float32))
+
+
+def _eager() -> bool:
+    return not torch.compiler.is_compiling()
+
+
 # --- saving the input ----------------------------------------------------------------------
 
 
@@ -153,43 +203,54 @@ class _Activation(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, bias, weights, s: dict[str, Any]):
-        if s["path"] == "triton":
-            y = _launch_fwd(x, bias, weights, s)
-        else:
-            y = ref.activation_reference(x, bias, weights, activation=s["activation"],
-                                         gated=s["gated"], linear_offset=s["linear_offset"],
-                                         clamp_value=s["clamp_value"])
-        ctx.s = s
-        if any(ctx.needs_input_grad[:3]):
-            ctx.saved = _Saved(x, s["fp8_input_store"], s["cpu_offload_input"])
-            ctx.save_for_backward(ctx.saved.device_copy, bias, weights)
-        return y
+        with nvtx_range(s["op"], "fwd"):
+            if s["path"] == "triton":
+                y = (_launch_fwd(x, bias, weights, s) if _eager() else
+                     _act_fwd_op(x, bias, weights, s["activation"], s["gated"],
+                                 s["linear_offset"], s["clamp_value"]))
+            else:
+                y = ref.activation_reference(x, bias, weights, activation=s["activation"],
+                                             gated=s["gated"], linear_offset=s["linear_offset"],
+                                             clamp_value=s["clamp_value"])
+            ctx.s = s
+            if any(ctx.needs_input_grad[:3]):
+                ctx.saved = _Saved(x, s["fp8_input_store"], s["cpu_offload_input"])
+                ctx.save_for_backward(ctx.saved.device_copy, bias, weights)
+            return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
-        s = ctx.s
-        kept, bias, weights = ctx.saved_tensors
-        need_x, need_b, need_w = ctx.needs_input_grad[:3]
-        x = ctx.saved.restore(kept, for_kernel=s["path"] == "triton")
-        if s["path"] == "triton":
-            dx, db, dw = _launch_bwd(x, g.contiguous(), bias, weights, s, ctx.saved.dtype,
-                                     need_b)
-            db = db.sum(0).to(bias.dtype) if need_b else None
-            dw = dw.sum(0).to(weights.dtype).view(weights.shape) if need_w else None
-            return (dx if need_x else None), db, dw, None
-        with torch.enable_grad():
-            leaves = [x.detach().requires_grad_(True),
-                      bias.detach().requires_grad_(True) if need_b else bias,
-                      weights.detach().requires_grad_(True) if need_w else weights]
-            y = ref.activation_reference(*leaves, activation=s["activation"],
-                                         gated=s["gated"], linear_offset=s["linear_offset"],
-                                         clamp_value=s["clamp_value"])
-            wanted = [t for t, n in zip(leaves, (True, need_b, need_w)) if n]
-            got = list(torch.autograd.grad(y, wanted, g))
-        dx = got.pop(0)
-        return ((dx if need_x else None), got.pop(0) if need_b else None,
-                got.pop(0) if need_w else None, None)
+        with nvtx_range(ctx.s["op"], "bwd"):
+            s = ctx.s
+            kept, bias, weights = ctx.saved_tensors
+            need_x, need_b, need_w = ctx.needs_input_grad[:3]
+            x = ctx.saved.restore(kept, for_kernel=s["path"] == "triton")
+            if s["path"] == "triton":
+                if _eager():
+                    dx, db, dw = _launch_bwd(x, g.contiguous(), bias, weights, s,
+                                             ctx.saved.dtype, need_b)
+                    db = db.sum(0) if need_b else None
+                    dw = dw.sum(0) if need_w else None
+                else:
+                    dx, db, dw = _act_bwd_op(x, g.contiguous(), bias, weights, s["activation"],
+                                             s["gated"], s["linear_offset"], s["clamp_value"],
+                                             ctx.saved.dtype, need_b)
+                db = db.to(bias.dtype) if need_b else None
+                dw = dw.to(weights.dtype).view(weights.shape) if need_w else None
+                return (dx if need_x else None), db, dw, None
+            with torch.enable_grad():
+                leaves = [x.detach().requires_grad_(True),
+                          bias.detach().requires_grad_(True) if need_b else bias,
+                          weights.detach().requires_grad_(True) if need_w else weights]
+                y = ref.activation_reference(*leaves, activation=s["activation"],
+                                             gated=s["gated"], linear_offset=s["linear_offset"],
+                                             clamp_value=s["clamp_value"])
+                wanted = [t for t, n in zip(leaves, (True, need_b, need_w)) if n]
+                got = list(torch.autograd.grad(y, wanted, g))
+            dx = got.pop(0)
+            return ((dx if need_x else None), got.pop(0) if need_b else None,
+                    got.pop(0) if need_w else None, None)
 
 
 # --- validation and planning -----------------------------------------------------------------
@@ -239,7 +300,8 @@ def _resolve(op: str, x, bias, weights, activation: str, gated: bool, linear_off
             raise TypeError(f"{op}: the Triton path takes float32/float16/bfloat16 x, got "
                             f"float64; use impl='torch'")
         path, reason = "torch", "float64 input: the reference (the kernels are for fp32/16)"
-    s = dict(path=path, activation=activation, gated=gated, linear_offset=float(linear_offset),
+    s = dict(op=op, path=path, activation=activation, gated=gated,
+             linear_offset=float(linear_offset),
              clamp_value=None if clamp_value is None else float(clamp_value),
              fp8_input_store=fp8_input_store, cpu_offload_input=cpu_offload_input,
              tokens=tokens)

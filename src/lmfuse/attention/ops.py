@@ -18,6 +18,7 @@ import torch
 from .. import tuning
 from .._dispatch import (Plan, check_int, check_number, check_same_device, check_tensor,
                          register_planner, select_impl)
+from .._nvtx import nvtx_range
 from . import reference as ref
 
 _FP8 = (torch.float8_e4m3fn,)
@@ -396,38 +397,39 @@ def decode_attention(
     """
     s = _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_size, sinks,
                  k_scale, v_scale, return_lse, num_splits, impl)
-    if s["path"] == "torch":
-        return ref.decode_attention_reference(
-            q, k_cache, v_cache, cache_seqlens, block_table=block_table, scale=s["scale"],
-            window_size=window_size, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-            return_lse=return_lse)
-    # The launch reads q, the 1-D inputs and the block table contiguous, and both caches
-    # through one set of strides (copies only for unusual layouts).
-    if not q.is_contiguous():
-        q = q.contiguous()
-    if k_cache.stride(-1) != 1:
-        k_cache = k_cache.contiguous()
-    if v_cache.stride() != k_cache.stride():
-        k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
-    if block_table is not None and not block_table.is_contiguous():
-        block_table = block_table.contiguous()
-    if cache_seqlens.stride(0) != 1:
-        cache_seqlens = cache_seqlens.contiguous()
-    if sinks is not None and sinks.stride(0) != 1:
-        sinks = sinks.contiguous()
-    if k_scale is not None and k_scale.stride(0) != 1:
-        k_scale = k_scale.contiguous()
-    if v_scale is not None and v_scale.stride(0) != 1:
-        v_scale = v_scale.contiguous()
-    if _eager():
-        out, lse = _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks,
-                                  k_scale, v_scale, s)
-    else:
-        s["return_lse"] = True
-        out, lse = _decode_op(q, k_cache, v_cache, cache_seqlens, block_table, sinks,
-                              k_scale, v_scale, s["scale"],
-                              -1 if window_size is None else window_size, num_splits or 0)
-    return (out, lse) if return_lse else out
+    with nvtx_range("decode_attention", "fwd"):
+        if s["path"] == "torch":
+            return ref.decode_attention_reference(
+                q, k_cache, v_cache, cache_seqlens, block_table=block_table, scale=s["scale"],
+                window_size=window_size, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+                return_lse=return_lse)
+        # The launch reads q, the 1-D inputs and the block table contiguous, and both caches
+        # through one set of strides (copies only for unusual layouts).
+        if not q.is_contiguous():
+            q = q.contiguous()
+        if k_cache.stride(-1) != 1:
+            k_cache = k_cache.contiguous()
+        if v_cache.stride() != k_cache.stride():
+            k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+        if block_table is not None and not block_table.is_contiguous():
+            block_table = block_table.contiguous()
+        if cache_seqlens.stride(0) != 1:
+            cache_seqlens = cache_seqlens.contiguous()
+        if sinks is not None and sinks.stride(0) != 1:
+            sinks = sinks.contiguous()
+        if k_scale is not None and k_scale.stride(0) != 1:
+            k_scale = k_scale.contiguous()
+        if v_scale is not None and v_scale.stride(0) != 1:
+            v_scale = v_scale.contiguous()
+        if _eager():
+            out, lse = _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks,
+                                      k_scale, v_scale, s)
+        else:
+            s["return_lse"] = True
+            out, lse = _decode_op(q, k_cache, v_cache, cache_seqlens, block_table, sinks,
+                                  k_scale, v_scale, s["scale"],
+                                  -1 if window_size is None else window_size, num_splits or 0)
+        return (out, lse) if return_lse else out
 
 
 def _resolve_merge(outs, lses, impl) -> tuple[str, str]:
@@ -465,22 +467,23 @@ def merge_attention_states(outs: torch.Tensor, lses: torch.Tensor, *, impl: str 
         where every partial is empty give zeros and ``-inf``.
     """
     path, _ = _resolve_merge(outs, lses, impl)
-    if path == "torch":
-        out, lse = ref.merge_attention_states_reference(outs, lses)
-        return out, lse if lses.dtype == torch.float64 else lse.float()
-    P, D = outs.shape[0], outs.shape[-1]
-    lead = outs.shape[1:-1]
-    outs3 = outs.reshape(P, -1, D)
-    if outs3.stride(-1) != 1:
-        outs3 = outs3.contiguous()
-    lses2 = lses.reshape(P, -1)
-    if _eager():
-        out = outs.new_empty((outs3.shape[1], D))
-        lse = lses.new_empty((outs3.shape[1],), dtype=torch.float32)
-        _launch_merge(outs3, lses2, out, lse)
-    else:
-        out, lse = _merge_op(outs3, lses2)
-    return out.view(*lead, D), lse.view(lead)
+    with nvtx_range("merge_attention_states", "fwd"):
+        if path == "torch":
+            out, lse = ref.merge_attention_states_reference(outs, lses)
+            return out, lse if lses.dtype == torch.float64 else lse.float()
+        P, D = outs.shape[0], outs.shape[-1]
+        lead = outs.shape[1:-1]
+        outs3 = outs.reshape(P, -1, D)
+        if outs3.stride(-1) != 1:
+            outs3 = outs3.contiguous()
+        lses2 = lses.reshape(P, -1)
+        if _eager():
+            out = outs.new_empty((outs3.shape[1], D))
+            lse = lses.new_empty((outs3.shape[1],), dtype=torch.float32)
+            _launch_merge(outs3, lses2, out, lse)
+        else:
+            out, lse = _merge_op(outs3, lses2)
+        return out.view(*lead, D), lse.view(lead)
 
 
 def kv_cache_append(
@@ -532,29 +535,30 @@ def kv_cache_append(
             raise TypeError(f"{op}: impl='triton' appends float32/float16/bfloat16 rows, got "
                             f"{_dt(k_new.dtype)}; use impl='torch'")
         path = "torch"
-    if path == "torch":
-        ref.kv_cache_append_reference(k_cache, v_cache, k_new, v_new, cache_seqlens,
-                                      block_table=block_table, k_scale=k_scale,
-                                      v_scale=v_scale)
-        return None
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.stride(3) != 1 or c.stride(2) != D:
-            raise ValueError(f"{op}: {name}'s heads and head dims must be contiguous (strides "
-                             f"[.., {D}, 1]), got strides {tuple(c.stride())}")
-    k_new = k_new if k_new.stride(3) == 1 and k_new.stride(2) == D else k_new.contiguous()
-    v_new = v_new if v_new.stride(3) == 1 and v_new.stride(2) == D else v_new.contiguous()
-    if block_table is not None and block_table.stride(-1) != 1:
-        block_table = block_table.contiguous()
-    cache_seqlens = cache_seqlens.contiguous()
-    k_scale = k_scale.contiguous() if k_scale is not None else None
-    v_scale = v_scale.contiguous() if v_scale is not None else None
-    if _eager():
-        _launch_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale,
+    with nvtx_range("kv_cache_append", "fwd"):
+        if path == "torch":
+            ref.kv_cache_append_reference(k_cache, v_cache, k_new, v_new, cache_seqlens,
+                                          block_table=block_table, k_scale=k_scale,
+                                          v_scale=v_scale)
+            return None
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if c.stride(3) != 1 or c.stride(2) != D:
+                raise ValueError(f"{op}: {name}'s heads and head dims must be contiguous (strides "
+                                 f"[.., {D}, 1]), got strides {tuple(c.stride())}")
+        k_new = k_new if k_new.stride(3) == 1 and k_new.stride(2) == D else k_new.contiguous()
+        v_new = v_new if v_new.stride(3) == 1 and v_new.stride(2) == D else v_new.contiguous()
+        if block_table is not None and block_table.stride(-1) != 1:
+            block_table = block_table.contiguous()
+        cache_seqlens = cache_seqlens.contiguous()
+        k_scale = k_scale.contiguous() if k_scale is not None else None
+        v_scale = v_scale.contiguous() if v_scale is not None else None
+        if _eager():
+            _launch_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale,
+                           v_scale, capacity)
+        else:
+            _append_op(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale,
                        v_scale, capacity)
-    else:
-        _append_op(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale,
-                   v_scale, capacity)
-    return None
+        return None
 
 
 # --- explain ----------------------------------------------------------------------------------

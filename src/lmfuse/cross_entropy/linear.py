@@ -33,6 +33,7 @@ import torch
 
 from .. import tuning
 from .._dispatch import Plan, check_tensor, register_planner
+from .._nvtx import nvtx_range
 from ..distributed.collectives import group_rank, group_size
 from . import ops
 from . import reference as ref
@@ -289,66 +290,68 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, o: dict[str, Any]):
-        n = hidden.shape[0]
-        rows = chunk_rows(n, weight.shape[0], hidden.element_size(), hidden.device,
-                          o["max_chunk_bytes"], o["config"])
-        count = torch.sum(target != o["ignore_index"], dtype=torch.float32)
-        mean = o["reduction"] == "mean"
-        ctx.o, ctx.rows = o, rows
-        buf = hidden.new_empty((min(rows, n), weight.shape[0]))
-        grads = _Grads(hidden, weight, bias, o["needs"]) if o["fused"] else None
-        stats = torch.empty((3, n), dtype=_stats_dtype(hidden), device=hidden.device)
-        for r0 in range(0, n, rows):
-            r1 = min(n, r0 + rows)
-            logits = buf[: r1 - r0]
-            _logits(hidden[r0:r1], weight, bias, out=logits)
-            stats[:, r0:r1] = _chunk_stats(logits, target[r0:r1], count, o, grads is not None,
-                                           mean)
+        with nvtx_range(_OP, "fwd"):
+            n = hidden.shape[0]
+            rows = chunk_rows(n, weight.shape[0], hidden.element_size(), hidden.device,
+                              o["max_chunk_bytes"], o["config"])
+            count = torch.sum(target != o["ignore_index"], dtype=torch.float32)
+            mean = o["reduction"] == "mean"
+            ctx.o, ctx.rows = o, rows
+            buf = hidden.new_empty((min(rows, n), weight.shape[0]))
+            grads = _Grads(hidden, weight, bias, o["needs"]) if o["fused"] else None
+            stats = torch.empty((3, n), dtype=_stats_dtype(hidden), device=hidden.device)
+            for r0 in range(0, n, rows):
+                r1 = min(n, r0 + rows)
+                logits = buf[: r1 - r0]
+                _logits(hidden[r0:r1], weight, bias, out=logits)
+                stats[:, r0:r1] = _chunk_stats(logits, target[r0:r1], count, o, grads is not None,
+                                               mean)
+                if grads is not None:
+                    grads.add(logits, r0, r1)
+            del buf
+            loss = ref.token_loss(stats, target, vocab_size=o["vocab_size"],
+                                  ignore_index=o["ignore_index"],
+                                  label_smoothing=o["label_smoothing"], z_loss=o["z_loss"])
             if grads is not None:
-                grads.add(logits, r0, r1)
-        del buf
-        loss = ref.token_loss(stats, target, vocab_size=o["vocab_size"],
-                              ignore_index=o["ignore_index"],
-                              label_smoothing=o["label_smoothing"], z_loss=o["z_loss"])
-        if grads is not None:
-            ctx.save_for_backward(*(g for g in grads.finish(o["tp_group"])
-                                    if g is not None))
-        elif o["grad_needed"]:
-            ctx.save_for_backward(hidden, weight, bias, target, stats, count)
-        ctx.has = tuple(o["needs"])
-        if o["reduction"] == "none":
-            return loss
-        total = loss.sum()
-        return total / count.clamp(min=1) if mean else total
+                ctx.save_for_backward(*(g for g in grads.finish(o["tp_group"])
+                                        if g is not None))
+            elif o["grad_needed"]:
+                ctx.save_for_backward(hidden, weight, bias, target, stats, count)
+            ctx.has = tuple(o["needs"])
+            if o["reduction"] == "none":
+                return loss
+            total = loss.sum()
+            return total / count.clamp(min=1) if mean else total
 
     @staticmethod
     def backward(ctx, dout):
-        o = ctx.o
-        if o["fused"]:
-            ops._once(ctx, _OP)
-            saved = list(ctx.saved_tensors)
-            out = []
-            for need in ctx.has:
-                g = saved.pop(0) if need else None
-                if g is not None:
-                    _scale(g, dout, o["path"])
-                out.append(g)
-            return out[0], out[1], out[2], None, None
-        hidden, weight, bias, target, stats, count = ctx.saved_tensors
-        n, rows = hidden.shape[0], ctx.rows
-        w = dout.float().contiguous()
-        if o["reduction"] != "none":
-            w = (w / count.clamp(min=1) if o["reduction"] == "mean" else w).reshape(1).expand(n)
-        grads = _Grads(hidden, weight, bias, ctx.has)
-        buf = hidden.new_empty((min(rows, n), weight.shape[0]))
-        for r0 in range(0, n, rows):
-            r1 = min(n, r0 + rows)
-            logits = buf[: r1 - r0]
-            _logits(hidden[r0:r1], weight, bias, out=logits)
-            _chunk_grad(logits, target[r0:r1], stats[:, r0:r1].contiguous(), w[r0:r1], o)
-            grads.add(logits, r0, r1)
-        dh, dw, db = grads.finish(o["tp_group"])
-        return dh, dw, db, None, None
+        with nvtx_range(_OP, "bwd"):
+            o = ctx.o
+            if o["fused"]:
+                ops._once(ctx, _OP)
+                saved = list(ctx.saved_tensors)
+                out = []
+                for need in ctx.has:
+                    g = saved.pop(0) if need else None
+                    if g is not None:
+                        _scale(g, dout, o["path"])
+                    out.append(g)
+                return out[0], out[1], out[2], None, None
+            hidden, weight, bias, target, stats, count = ctx.saved_tensors
+            n, rows = hidden.shape[0], ctx.rows
+            w = dout.float().contiguous()
+            if o["reduction"] != "none":
+                w = (w / count.clamp(min=1) if o["reduction"] == "mean" else w).reshape(1).expand(n)
+            grads = _Grads(hidden, weight, bias, ctx.has)
+            buf = hidden.new_empty((min(rows, n), weight.shape[0]))
+            for r0 in range(0, n, rows):
+                r1 = min(n, r0 + rows)
+                logits = buf[: r1 - r0]
+                _logits(hidden[r0:r1], weight, bias, out=logits)
+                _chunk_grad(logits, target[r0:r1], stats[:, r0:r1].contiguous(), w[r0:r1], o)
+                grads.add(logits, r0, r1)
+            dh, dw, db = grads.finish(o["tp_group"])
+            return dh, dw, db, None, None
 
 
 def _stats_dtype(t: torch.Tensor) -> torch.dtype:

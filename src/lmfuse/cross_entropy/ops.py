@@ -28,6 +28,7 @@ import torch
 
 from .. import tuning
 from .._dispatch import Plan, check_int, check_number, check_tensor, register_planner, select_impl
+from .._nvtx import nvtx_range
 from ..distributed.collectives import group_rank, group_size
 from . import reference as ref
 from .vocab_parallel import gather_token_stats
@@ -285,85 +286,87 @@ class _CrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, o: dict[str, Any]):
-        ls, z, cap, ignore = o["label_smoothing"], o["z_loss"], o["softcap"], o["ignore_index"]
-        count = torch.sum(target != ignore, dtype=torch.float32)
-        ctx.o, ctx.fused = o, o["fused"]
-        one_rank = o["tp_group"] is None
-        mean = o["reduction"] == "mean" and one_rank
-        if o["fused"]:
-            if o["inplace"]:
-                stats = (_launch_fwd(logits, target, count, logits, 0, logits.shape[1], ignore,
-                                     ls, z, cap, mean) if _eager() else
-                         torch.ops.lmfuse.ce_fwd_grad_(logits, target, count, ignore, ls, z,
-                                                       cap, mean))
-                grad = logits
+        with nvtx_range(_OP, "fwd"):
+            ls, z, cap, ignore = o["label_smoothing"], o["z_loss"], o["softcap"], o["ignore_index"]
+            count = torch.sum(target != ignore, dtype=torch.float32)
+            ctx.o, ctx.fused = o, o["fused"]
+            one_rank = o["tp_group"] is None
+            mean = o["reduction"] == "mean" and one_rank
+            if o["fused"]:
+                if o["inplace"]:
+                    stats = (_launch_fwd(logits, target, count, logits, 0, logits.shape[1], ignore,
+                                         ls, z, cap, mean) if _eager() else
+                             torch.ops.lmfuse.ce_fwd_grad_(logits, target, count, ignore, ls, z,
+                                                           cap, mean))
+                    grad = logits
+                else:
+                    stats, grad = (_fwd_grad(logits, target, count, ignore, ls, z, cap, mean)
+                                   if _eager() else
+                                   torch.ops.lmfuse.ce_fwd_grad(logits, target, count, ignore, ls,
+                                                                z, cap, mean))
+                ctx.save_for_backward(grad)
             else:
-                stats, grad = (_fwd_grad(logits, target, count, ignore, ls, z, cap, mean)
-                               if _eager() else
-                               torch.ops.lmfuse.ce_fwd_grad(logits, target, count, ignore, ls,
-                                                            z, cap, mean))
-            ctx.save_for_backward(grad)
-        else:
-            if o["path"] == "triton":
-                args = (logits, target, count, o["vocab_start"], o["vocab_size"], ignore, ls, z,
-                        cap, mean)
-                stats = (_launch_fwd(logits, target, count, None, *args[3:]) if _eager()
-                         else torch.ops.lmfuse.ce_stats(*args))
-            else:
-                stats = ref.local_token_stats(logits, target, o["vocab_start"], cap)
-            if not one_rank:
-                stats = gather_token_stats(stats[:3], o["tp_group"])
-            ctx.save_for_backward(logits, target, stats.contiguous(), count)
-        if o["path"] == "triton" and one_rank:
-            loss = stats[3]  # the kernel's per-token loss, already / count for "mean"
-            return loss if o["reduction"] == "none" else loss.sum()
-        loss = ref.token_loss(stats, target, vocab_size=o["vocab_size"], ignore_index=ignore,
-                              label_smoothing=ls, z_loss=z)
-        if o["reduction"] == "none":
-            return loss
-        total = loss.sum()
-        return total / count.clamp(min=1) if o["reduction"] == "mean" else total
+                if o["path"] == "triton":
+                    args = (logits, target, count, o["vocab_start"], o["vocab_size"], ignore, ls, z,
+                            cap, mean)
+                    stats = (_launch_fwd(logits, target, count, None, *args[3:]) if _eager()
+                             else torch.ops.lmfuse.ce_stats(*args))
+                else:
+                    stats = ref.local_token_stats(logits, target, o["vocab_start"], cap)
+                if not one_rank:
+                    stats = gather_token_stats(stats[:3], o["tp_group"])
+                ctx.save_for_backward(logits, target, stats.contiguous(), count)
+            if o["path"] == "triton" and one_rank:
+                loss = stats[3]  # the kernel's per-token loss, already / count for "mean"
+                return loss if o["reduction"] == "none" else loss.sum()
+            loss = ref.token_loss(stats, target, vocab_size=o["vocab_size"], ignore_index=ignore,
+                                  label_smoothing=ls, z_loss=z)
+            if o["reduction"] == "none":
+                return loss
+            total = loss.sum()
+            return total / count.clamp(min=1) if o["reduction"] == "mean" else total
 
     @staticmethod
     def backward(ctx, dout):
-        o = ctx.o
-        if ctx.fused:
-            _once(ctx, _OP)
-            (grad,) = ctx.saved_tensors
-            scale = dout.float().reshape(1)
-            if _eager():
-                _launch_scale(grad, scale)
-            else:
-                torch.ops.lmfuse.ce_scale_(grad, scale)
-            return grad, None, None
-        logits, target, stats, count = ctx.saved_tensors
-        if o["reduction"] == "none":
-            w = dout.float().contiguous()
-        elif o["reduction"] == "mean":
-            w = (dout.float() / count.clamp(min=1)).reshape(1).expand(logits.shape[0])
-        else:
-            w = dout.float().reshape(1).expand(logits.shape[0])
-        args = (o["vocab_start"], o["vocab_size"], o["ignore_index"], o["label_smoothing"],
-                o["z_loss"], o["softcap"])
-        if o["path"] == "triton":
-            if o["inplace"]:
+        with nvtx_range(_OP, "bwd"):
+            o = ctx.o
+            if ctx.fused:
+                _once(ctx, _OP)
+                (grad,) = ctx.saved_tensors
+                scale = dout.float().reshape(1)
                 if _eager():
-                    _launch_grad(logits, target, stats, w, logits, *args)
+                    _launch_scale(grad, scale)
                 else:
-                    torch.ops.lmfuse.ce_grad_(logits, target, stats, w, *args)
-                return logits, None, None
-            if _eager():
-                grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-                _launch_grad(logits, target, stats, w, grad, *args)
+                    torch.ops.lmfuse.ce_scale_(grad, scale)
                 return grad, None, None
-            return torch.ops.lmfuse.ce_grad(logits, target, stats, w, *args), None, None
-        grad = ref.logits_grad(logits, target, stats[0], w, vocab_start=args[0], vocab_size=args[1],
-                               ignore_index=args[2], label_smoothing=args[3], z_loss=args[4],
-                               softcap=args[5])
-        if o["inplace"]:
-            logits.copy_(grad)
-            return logits, None, None
-        return grad, None, None
+            logits, target, stats, count = ctx.saved_tensors
+            if o["reduction"] == "none":
+                w = dout.float().contiguous()
+            elif o["reduction"] == "mean":
+                w = (dout.float() / count.clamp(min=1)).reshape(1).expand(logits.shape[0])
+            else:
+                w = dout.float().reshape(1).expand(logits.shape[0])
+            args = (o["vocab_start"], o["vocab_size"], o["ignore_index"], o["label_smoothing"],
+                    o["z_loss"], o["softcap"])
+            if o["path"] == "triton":
+                if o["inplace"]:
+                    if _eager():
+                        _launch_grad(logits, target, stats, w, logits, *args)
+                    else:
+                        torch.ops.lmfuse.ce_grad_(logits, target, stats, w, *args)
+                    return logits, None, None
+                if _eager():
+                    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+                    _launch_grad(logits, target, stats, w, grad, *args)
+                    return grad, None, None
+                return torch.ops.lmfuse.ce_grad(logits, target, stats, w, *args), None, None
+            grad = ref.logits_grad(logits, target, stats[0], w, vocab_start=args[0],
+                                   vocab_size=args[1], ignore_index=args[2],
+                                   label_smoothing=args[3], z_loss=args[4], softcap=args[5])
+            if o["inplace"]:
+                logits.copy_(grad)
+                return logits, None, None
+            return grad, None, None
 
 
 def _once(ctx, op: str) -> None:

@@ -21,6 +21,7 @@ from .._dispatch import (
     register_planner,
     select_impl,
 )
+from .._nvtx import nvtx_range
 from .reference import UNBOUNDED, fused_softmax_reference
 
 _OP = "fused_softmax"
@@ -166,20 +167,21 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dy, _dlse):
-    y, lse, softmax_offset = ctx.saved_tensors
-    mask_grad = ctx.mask_shape is not None
-    dx, drow = torch.ops.lmfuse.softmax_bwd(
-        dy, y, lse, softmax_offset, ctx.scale, ctx.left, ctx.right, mask_grad
-    )
-    dmask = doffset = None
-    if mask_grad:
-        # The kernel wrote g = d loss / d (scale * x + mask), in float32.
-        dmask = dx.sum_to_size(ctx.mask_shape).to(ctx.mask_dtype)
-        dx = (dx * ctx.scale).to(y.dtype)
-    if softmax_offset is not None and softmax_offset.requires_grad:
-        b, np_, sq, _ = y.shape
-        doffset = drow.view(b, np_, sq).sum(dim=(0, 2)).to(softmax_offset.dtype)
-    return dx, dmask, doffset, None, None, None
+    with nvtx_range(_OP, "bwd"):
+        y, lse, softmax_offset = ctx.saved_tensors
+        mask_grad = ctx.mask_shape is not None
+        dx, drow = torch.ops.lmfuse.softmax_bwd(
+            dy, y, lse, softmax_offset, ctx.scale, ctx.left, ctx.right, mask_grad
+        )
+        dmask = doffset = None
+        if mask_grad:
+            # The kernel wrote g = d loss / d (scale * x + mask), in float32.
+            dmask = dx.sum_to_size(ctx.mask_shape).to(ctx.mask_dtype)
+            dx = (dx * ctx.scale).to(y.dtype)
+        if softmax_offset is not None and softmax_offset.requires_grad:
+            b, np_, sq, _ = y.shape
+            doffset = drow.view(b, np_, sq).sum(dim=(0, 2)).to(softmax_offset.dtype)
+        return dx, dmask, doffset, None, None, None
 
 
 torch.library.register_autograd(
@@ -339,14 +341,15 @@ def fused_softmax(
     """
     path, _, a = _resolve(scores, scale, mask, causal, window_size, softmax_offset,
                           softmax_in_fp32, impl)
-    if path == "torch":
-        return fused_softmax_reference(
-            scores, scale=a["scale"], mask=a["mask"], left=a["left"], right=a["right"],
-            softmax_offset=a["softmax_offset"],
+    with nvtx_range(_OP, "fwd"):
+        if path == "torch":
+            return fused_softmax_reference(
+                scores, scale=a["scale"], mask=a["mask"], left=a["left"], right=a["right"],
+                softmax_offset=a["softmax_offset"],
+            )
+        y, _ = torch.ops.lmfuse.softmax_fwd(
+            scores, a["mask"], a["softmax_offset"], a["scale"], a["left"], a["right"]
         )
-    y, _ = torch.ops.lmfuse.softmax_fwd(
-        scores, a["mask"], a["softmax_offset"], a["scale"], a["left"], a["right"]
-    )
     return y
 
 
