@@ -16,9 +16,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $@
 
+# Train a tiny GPT with lmfuse and in plain PyTorch, decode over a paged KV cache
+# (about 30 s on a 2-core CPU); `make check` runs every op against its reference.
 demo: $(STAMP)
-	$(BIN)/lmfuse check
+	$(BIN)/lmfuse demo
 	$(BIN)/lmfuse info
+
+check: $(STAMP)
+	$(BIN)/lmfuse check
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 tests

@@ -1,7 +1,9 @@
-"""The ``lmfuse`` command: ``info``, ``check``, ``bench``, ``plan`` and ``tune``.
+"""The ``lmfuse`` command: ``info``, ``check``, ``demo``, ``bench``, ``plan`` and ``tune``.
 
     lmfuse info              versions, devices, and which path each op takes here
     lmfuse check             every op against its reference, forward and gradients
+    lmfuse demo              train a tiny GPT with lmfuse's ops and in plain PyTorch, then
+                             decode over a paged KV cache (``lmfuse demo --help``)
     lmfuse bench softmax     time lmfuse against its peers (see bench/softmax.py)
     lmfuse plan              how to shard a decode KV cache: TP, KVDP, CP or a mix
     lmfuse tune linear_cross_entropy
@@ -97,6 +99,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def cmd_demo(rest: list[str]) -> int:
+    from lmfuse.demo import main as demo_main
+
+    return demo_main(rest)
+
+
 def _dtype_list(text: str) -> list[torch.dtype]:
     """``--dtypes fp32,bf16`` -> dtypes; an unknown name is a usage error, not a KeyError."""
     names = text.split(",")
@@ -182,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--dtypes", type=_dtype_list, default="fp32,fp16,bf16",
                        help="comma-separated: fp32,fp16,bf16")
     check.add_argument("--seed", type=int, default=0)
+    # Its options are parsed by lmfuse.demo.main (``lmfuse demo --help``).
+    sub.add_parser("demo", add_help=False,
+                   help="train a tiny GPT with lmfuse and plain PyTorch, then decode")
     bench = sub.add_parser("bench", help="benchmark an op family against its peers")
     bench.add_argument("family", choices=FAMILIES)
     plan = sub.add_parser("plan", help="how to shard a decode KV cache over ranks "
@@ -212,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         return cmd_bench(args, rest)
+    if args.command == "demo":
+        return cmd_demo(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return {"info": cmd_info, "check": cmd_check, "plan": cmd_plan,
