@@ -111,3 +111,26 @@ def megatron_act_grad(name: str, a: torch.Tensor) -> torch.Tensor:
         return s * (1.0 + 1.702 * a * (1.0 - s))
     assert name == "squared_relu"
     return 2.0 * torch.relu(a)
+
+
+def to_paged(caches, lens, block_len: int, *, extra_columns: int = 1, spare_blocks: int = 2,
+             fill: float = float("nan"), index_dtype: torch.dtype = torch.int32,
+             generator=None):
+    """The same sequences of each ``[B, S, Hkv, D]`` cache as pools ``[num_blocks, block_len,
+    Hkv, D]`` sharing one block table ``[B, blocks + extra_columns]``: block ids a random
+    permutation of the pool (``spare_blocks`` of them unused), rows no sequence holds set to
+    ``fill`` (NaN: a kernel that reads them shows it), -1 after each sequence's blocks."""
+    B, S, Hkv, D = caches[0].shape
+    per_seq = max(1, -(-S // block_len))
+    num_blocks = B * per_seq + spare_blocks
+    order = torch.randperm(num_blocks, generator=generator)
+    pools = [torch.full((num_blocks, block_len, Hkv, D), fill).to(c.dtype) for c in caches]
+    table = torch.full((B, per_seq + extra_columns), -1, dtype=index_dtype)
+    for b, length in enumerate(lens):
+        for n in range(-(-int(length) // block_len)):
+            blk = int(order[b * per_seq + n])
+            table[b, n] = blk
+            for pool, cache in zip(pools, caches):
+                rows = cache[b, n * block_len:(n + 1) * block_len]
+                pool[blk, :rows.shape[0]] = rows
+    return pools, table

@@ -41,6 +41,13 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
+def eager() -> bool:
+    """False while ``torch.compile`` traces: ops then call their launches through their
+    ``torch.library`` custom ops (opaque graph nodes) instead of launching directly (which
+    skips the dispatcher's tens of microseconds per call)."""
+    return not torch.compiler.is_compiling()
+
+
 def triton_support(device: torch.device) -> tuple[bool, str]:
     """Whether the Triton path can run on ``device``, and why (or why not)."""
     if not triton_available():

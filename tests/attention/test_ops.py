@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 import pytest
 import torch
-from helpers import assert_close, max_rel_err, randn
+from helpers import assert_close, max_rel_err, randn, to_paged
 
 import lmfuse
 from lmfuse.attention import ops
@@ -41,10 +41,6 @@ DTYPES = [pytest.param(d, id=str(d).replace("torch.", "")) for d in (F32, F16, B
 # fp16, the probabilities fed to the PV dot rounded to fp16 against different maxima.
 SPLIT_TOL = {F32: 2e-6, F16: 1.5e-3, BF16: 8e-3}
 LSE_SPLIT_TOL = 2e-6  # the LSE is float32 on every path
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # --- decode cases -----------------------------------------------------------------------------
@@ -120,35 +116,15 @@ def contiguous_caches(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     return caches[0], caches[1]
 
 
-def to_paged(caches: tuple[torch.Tensor, ...], lens: tuple[int, ...], block_len: int,
-             extra_blocks: int, index_dtype: torch.dtype = I32):
-    """The same sequences as pools ``[num_blocks, block_len, Hkv, D]`` sharing one block table:
-    block ids a random permutation of the pool, two spare NaN blocks, -1 after each
-    sequence's own blocks."""
-    B, S, Hkv, D = caches[0].shape
-    per_seq = _cdiv(S, block_len)
-    num_blocks = B * per_seq + 2
-    order = torch.randperm(num_blocks)
-    pools = [torch.full((num_blocks, block_len, Hkv, D), NAN).to(c.dtype) for c in caches]
-    table = torch.full((B, per_seq + extra_blocks), -1, dtype=index_dtype)
-    for b, length in enumerate(lens):
-        for n in range(_cdiv(length, block_len)):
-            blk = int(order[b * per_seq + n])
-            table[b, n] = blk
-            for pool, cache in zip(pools, caches):
-                rows = cache[b, n * block_len:(n + 1) * block_len]
-                pool[blk, :rows.shape[0]] = rows
-    return pools, table
-
-
 def build(case: Case) -> Inputs:
     B = len(case.lens)
     q = randn((B, case.s_active, case.hq, case.d), case.dtype)
     k, v = contiguous_caches(case)
     table = None
     if case.block_len is not None:
-        (k, v), table = to_paged((k, v), case.lens, case.block_len, case.extra_blocks,
-                                 case.index_dtype)
+        (k, v), table = to_paged((k, v), case.lens, case.block_len,
+                                 extra_columns=case.extra_blocks,
+                                 index_dtype=case.index_dtype)
     sinks = randn((case.hq,), F32, scale=2.0) if case.sinks else None
     k_scale = v_scale = None
     if case.fp8 and "k" in case.scales:
@@ -645,7 +621,7 @@ def append_setup(layout: str, s_new: int, dtype: torch.dtype, *, fp8: bool = Fal
     table = None
     if layout.startswith("paged"):
         block_len = int(layout[5:])
-        (k, v), table = to_paged((k, v), (s_max,) * B, block_len, extra_blocks=1)
+        (k, v), table = to_paged((k, v), (s_max,) * B, block_len)
         k, v = (torch.where(torch.isnan(c.float()), 0.0, c.float()).to(cache_dtype)
                 for c in (k, v))
     k_new = randn((B, s_new, hkv, d), dtype, scale=2.0)

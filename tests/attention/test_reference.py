@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from helpers import to_paged
 
 from lmfuse.attention.reference import (decode_attention_reference, gather_cache,
                                         merge_attention_states_reference)
@@ -40,24 +41,6 @@ def naive(q, k, v, lens, *, scale, window=None, sinks=None):
     return out, lse
 
 
-def paged(caches, lens, block_len, generator):
-    """The same rows of each ``[B, S, Hkv, D]`` cache as paged pools sharing one block table:
-    blocks shuffled, spare blocks, -1 padding."""
-    B, S, Hkv, D = caches[0].shape
-    per_seq = -(-S // block_len)
-    order = torch.randperm(B * per_seq, generator=generator)
-    pools = [torch.zeros(B * per_seq + 3, block_len, Hkv, D, dtype=c.dtype) for c in caches]
-    table = torch.full((B, per_seq + 2), -1, dtype=torch.int32)
-    for b in range(B):
-        for n in range(-(-int(lens[b]) // block_len)):
-            blk = int(order[b * per_seq + n])
-            table[b, n] = blk
-            for pool, cache in zip(pools, caches):
-                rows = cache[b, n * block_len:(n + 1) * block_len]
-                pool[blk, :rows.shape[0]] = rows
-    return pools, table
-
-
 @pytest.mark.parametrize("s_active", [1, 3, 8])
 @pytest.mark.parametrize("Hq, Hkv", [(2, 2), (4, 1), (8, 2)])
 @pytest.mark.parametrize("window, use_sinks", [(None, False), (3, False), (None, True),
@@ -88,7 +71,8 @@ def test_paged_equals_contiguous(block_len: int) -> None:
     q = torch.randn(B, s_active, 4, D, generator=g)
     k = torch.randn(B, S, Hkv, D, generator=g)
     v = torch.randn(B, S, Hkv, D, generator=g)
-    (kp, vp), table = paged((k, v), lens, block_len, g)
+    (kp, vp), table = to_paged((k, v), lens, block_len, extra_columns=2, spare_blocks=3,
+                               fill=0.0, generator=g)
     want = decode_attention_reference(q, k, v, lens)
     got = decode_attention_reference(q, kp, vp, lens, block_table=table)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

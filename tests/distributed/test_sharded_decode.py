@@ -33,7 +33,7 @@ from typing import Any, Optional
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import assert_close
+from helpers import assert_close, to_paged
 from spawn import Failures, count_collectives, spawn_gloo
 
 import lmfuse
@@ -92,32 +92,12 @@ def cp_counts(lens: Any, rank: int, world: int, cp_block: int,
     return torch.tensor(cp_local_lens(lens, rank, world, cp_block), dtype=dtype)
 
 
-def to_paged(cache: torch.Tensor, lens: list[int], block_len: int, g: torch.Generator
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cache [B, S, Hkv, D]`` as a pool with shuffled block ids, two spare NaN blocks and a
-    table padded with -1 past each sequence's blocks (plus one spare column). ``g`` must be
-    in the same state for K and V (same ids)."""
-    B, S, Hkv, _ = cache.shape
-    per_seq = max(1, -(-S // block_len))
-    num_blocks = B * per_seq + 2
-    order = torch.randperm(num_blocks, generator=g)
-    pool = torch.full((num_blocks, block_len, Hkv, D), NAN).to(cache.dtype)
-    table = torch.full((B, per_seq + 1), -1, dtype=I32)
-    for b, length in enumerate(lens):
-        for n in range(-(-length // block_len)):
-            blk = int(order[b * per_seq + n])
-            table[b, n] = blk
-            rows = cache[b, n * block_len:(n + 1) * block_len]
-            pool[blk, :rows.shape[0]] = rows
-    return pool, table
-
-
 def layout(k: torch.Tensor, v: torch.Tensor, lens: list[int], block_len: Optional[int],
            seed: int) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     if block_len is None:
         return k, v, None
-    pk, table = to_paged(k, lens, block_len, torch.Generator().manual_seed(seed))
-    pv, _ = to_paged(v, lens, block_len, torch.Generator().manual_seed(seed))
+    (pk, pv), table = to_paged((k, v), lens, block_len,
+                               generator=torch.Generator().manual_seed(seed))
     return pk, pv, table
 
 

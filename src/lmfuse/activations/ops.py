@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 
 from .. import tuning
+from .._dispatch import eager as _eager
 from .._dispatch import Plan, check_number, check_tensor, register_planner, select_impl
 from .._nvtx import nvtx_range
 from . import reference as ref
@@ -139,10 +140,6 @@ def _(x, g, bias, weights, activation, gated, linear_offset, clamp_value, dtype,
     return (x.new_empty((M, K), dtype=dtype),
             x.new_empty((K if bias_grad else 0,), dtype=torch.float32),
             x.new_empty((M if weights is not None else 0,), dtype=torch.float32))
-
-
-def _eager() -> bool:
-    return not torch.compiler.is_compiling()
 
 
 # --- saving the input ----------------------------------------------------------------------

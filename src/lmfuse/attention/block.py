@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._dispatch import (IMPLS, check_int, check_number, check_same_device, check_tensor,
+from .._dispatch import (IMPLS, eager, check_int, check_number, check_same_device, check_tensor,
                          select_impl)
 from . import ops
 from .reference import decode_attention_reference, kv_cache_append_reference
@@ -351,7 +351,7 @@ def _run_prologue(qkv, k_cache, v_cache, cache_seqlens, q_norm_weight, k_norm_we
     args = (qkv, k_cache, v_cache, cache_seqlens, q_norm_weight, k_norm_weight, inv_freq,
             positions, block_table, k_scale, v_scale, Hq, Hkv, float(eps), bool(interleaved),
             capacity)
-    if torch.compiler.is_compiling():
+    if not eager():
         return _prologue_op(*args)
     return _launch_prologue(*args)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode_kernels import _round_fp8
+from .decode_kernels import _kv_rows, _round_fp8
 
 
 @triton.jit
@@ -109,16 +109,11 @@ def qk_norm_rope_append_kernel(
         v = tl.load(row + num_kv_heads * D + d, mask=d < D, other=0.0).to(tl.float32)
 
         p = L + i
-        if PAGED:
-            blk = tl.load(TABLE + b * stride_tb + p // BLOCK_LEN,
-                          mask=(p >= 0) & (p < capacity), other=-1).to(tl.int64)
-            ok = (p >= 0) & (p < capacity) & (blk >= 0) & (blk < num_blocks)
-            k_row = blk * stride_kblk + (p % BLOCK_LEN) * stride_krow
-            v_row = blk * stride_vblk + (p % BLOCK_LEN) * stride_vrow
-        else:
-            ok = (p >= 0) & (p < capacity)
-            k_row = b * stride_kblk + p * stride_krow
-            v_row = b * stride_vblk + p * stride_vrow
+        inside = (p >= 0) & (p < capacity)
+        k_row, ok = _kv_rows(TABLE, b, stride_tb, p, inside, stride_kblk, stride_krow,
+                             num_blocks, PAGED, BLOCK_LEN)
+        v_row, _ = _kv_rows(TABLE, b, stride_tb, p, inside, stride_vblk, stride_vrow,
+                            num_blocks, PAGED, BLOCK_LEN)
         k_ptr = K + k_row + kvh * stride_kh
         v_ptr = V + v_row + kvh * stride_vh
 

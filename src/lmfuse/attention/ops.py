@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 
 from .. import tuning
+from .._dispatch import eager as _eager
 from .._dispatch import (Plan, check_int, check_number, check_same_device, check_tensor,
                          register_planner, select_impl)
 from .._nvtx import nvtx_range
@@ -43,10 +44,6 @@ def _pow2(n: int, least: int = 1) -> int:
 
 def _dt(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
-
-
-def _eager() -> bool:
-    return not torch.compiler.is_compiling()
 
 
 # --- validation ------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 
 from .. import tuning
+from .._dispatch import eager as _eager
 from .._dispatch import Plan, check_int, check_number, check_tensor, register_planner, select_impl
 from .._nvtx import nvtx_range
 from ..distributed.collectives import group_rank, group_size
@@ -272,10 +273,6 @@ def _ce_scale_(grad: torch.Tensor, scale: torch.Tensor) -> None:
 @_ce_scale_.register_fake
 def _(grad, scale):
     return None
-
-
-def _eager() -> bool:
-    return not torch.compiler.is_compiling()
 
 
 # --- autograd ---------------------------------------------------------------------------
