@@ -248,25 +248,26 @@ def _one_line(exc: Exception) -> str:
     return f"failed: {type(exc).__name__}: {why}"[:160]
 
 
-def run_case(data: Inputs, backward: bool, impls: dict[str, tuple[LossFn, str]],
-             device: torch.device, warmup: int, rep: int, counter) -> list[tuple[Result, dict]]:
-    """Every implementation on one case, in the same order on every rank: one counted and
-    checked call, one for peak memory, then the timed calls. Rows as (Result, extras)."""
+def run_case(name: str, nbytes: int | None, inputs: tuple[torch.Tensor, ...],
+             target: torch.Tensor, backward: bool, impls: dict[str, tuple[Callable, str]],
+             device: torch.device, warmup: int, rep: int, counter, extras: dict
+             ) -> list[tuple[Result, dict]]:
+    """Every implementation ``loss_fn(*inputs, target, group)`` on one case, in the same
+    order on every rank: one counted and checked call, one for peak memory, then the timed
+    calls (forward+backward: ``torch.autograd.grad(loss, inputs)``). TB/s counts
+    ``nbytes``; ``extras`` go into every row's JSON. Rows as (Result, extras)."""
     group = dist.group.WORLD
-    x = data.logits if backward else data.logits.detach()
+    xs = inputs if backward else tuple(x.detach() for x in inputs)
     world = dist.get_world_size()
-    mode = "fwd+bwd" if backward else "fwd"
-    name = f"{mode} [{data.n}, {data.V_local}] x{world} bf16"
-    nbytes = data.n * data.V_local * 2 * (2 if backward else 1)
     reference: dict[str, object] = {}
     rows = []
     for impl, (loss_fn, _) in impls.items():
         def call(loss_fn=loss_fn):
             if backward:
-                loss = loss_fn(x, data.target, group)
-                return loss, torch.autograd.grad(loss, x)[0]
+                loss = loss_fn(*xs, target, group)
+                return loss, torch.autograd.grad(loss, xs)[0]
             with torch.no_grad():
-                return loss_fn(x, data.target, group), None
+                return loss_fn(*xs, target, group), None
 
         ms = mem = None
         notes, calls = [], None
@@ -305,11 +306,11 @@ def run_case(data: Inputs, backward: bool, impls: dict[str, tuple[LossFn, str]],
         if device.type == "cuda":
             torch.cuda.empty_cache()
         per_rank = every_rank(ms, device)
-        tbps = nbytes / ms / 1e9 if ms else None
-        extras = {"collectives": _summary(calls) if ok else "-",
-                  "collectives_count": len(calls) if (ok and calls is not None) else None,
-                  "ms_per_rank": per_rank, "world_size": world, "V": data.V}
-        rows.append((Result(name, impl, ms, tbps, None, mem, "; ".join(notes)), extras))
+        tbps = nbytes / ms / 1e9 if (ms and nbytes) else None
+        row = {"collectives": _summary(calls) if ok else "-",
+               "collectives_count": len(calls) if (ok and calls is not None) else None,
+               "ms_per_rank": per_rank, "world_size": world, **extras}
+        rows.append((Result(name, impl, ms, tbps, None, mem, "; ".join(notes)), row))
     base = next((r.ms for r, _ in rows if r.impl == "lmfuse"), None)
     for r, _ in rows:
         r.ratio = r.ms / base if (r.ms and base) else None
@@ -364,8 +365,9 @@ def print_rows(rows: list[tuple[Result, dict]], header: bool) -> None:
 
 
 def write_json(path: str, env: dict, copy: dict, comm: dict,
-               rows: list[tuple[Result, dict]]) -> None:
-    payload = {"environment": env, "copy": copy, "collectives_alone_ms": comm,
+               rows: list[tuple[Result, dict]], comm_key: str = "collectives_alone_ms"
+               ) -> None:
+    payload = {"environment": env, "copy": copy, comm_key: comm,
                "results": [{**asdict(r), **extra} for r, extra in rows]}
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
@@ -409,7 +411,11 @@ def bench_rank(rank: int, world: int, device: torch.device, opts: dict) -> None:
             raise ValueError(f"V = {V} does not split evenly over {world} ranks")
         data = Inputs(n, V, rank, world, device)
         for backward in (False, True):
-            rows = run_case(data, backward, impls, device, warmup, rep, counter)
+            mode = "fwd+bwd" if backward else "fwd"
+            rows = run_case(f"{mode} [{n}, {data.V_local}] x{world} bf16",
+                            n * data.V_local * 2 * (2 if backward else 1), (data.logits,),
+                            data.target, backward, impls, device, warmup, rep, counter,
+                            {"V": V})
             if rank == 0:
                 print_rows(rows, header=not results)
             results += rows
@@ -420,7 +426,7 @@ def bench_rank(rank: int, world: int, device: torch.device, opts: dict) -> None:
         write_json(opts["json"], env, copy, comm, results)
 
 
-def _rank_main(rank: int, world: int, port: int, opts: dict) -> None:
+def _rank_main(rank: int, bench: Callable, world: int, port: int, opts: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if opts["cpu"]:
         torch.set_num_threads(1)  # several ranks share a few cores
@@ -431,7 +437,7 @@ def _rank_main(rank: int, world: int, port: int, opts: dict) -> None:
         device = torch.device("cuda", rank)
         dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
     try:
-        bench_rank(rank, world, device, opts)
+        bench(rank, world, device, opts)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -443,15 +449,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench/cross_entropy_tp.py", description=__doc__,
+def main(argv: list[str] | None = None, bench: Callable = bench_rank,
+         prog: str = "bench/cross_entropy_tp.py", doc: str | None = __doc__,
+         rep: int = 100) -> int:
+    """Parse the options and run ``bench(rank, world, device, opts)`` on every rank."""
+    p = argparse.ArgumentParser(prog=prog, description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=2, help="ranks (GPUs), 2 or 4 (default 2)")
     p.add_argument("--cpu", action="store_true",
                    help="gloo ranks on the CPU, tiny shapes, Triton's interpreter (a smoke test)")
     p.add_argument("--json", help="write the results as JSON here (from rank 0)")
     p.add_argument("--warmup", type=int, default=10, help="untimed calls per row (GPU)")
-    p.add_argument("--rep", type=int, default=100, help="timed calls per row (GPU)")
+    p.add_argument("--rep", type=int, default=rep, help="timed calls per row (GPU)")
     p.add_argument("--timeout", type=float, default=480.0,
                    help="seconds before hung ranks are killed (default 480)")
     args = p.parse_args(argv)
@@ -465,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--world {args.world} needs {args.world} GPUs, found "
                 f"{torch.cuda.device_count()} (use --cpu for the gloo smoke test)")
     opts = {"cpu": args.cpu, "json": args.json, "warmup": args.warmup, "rep": args.rep}
-    ctx = mp.start_processes(_rank_main, args=(args.world, _free_port(), opts),
+    ctx = mp.start_processes(_rank_main, args=(bench, args.world, _free_port(), opts),
                              nprocs=args.world, join=False, start_method="spawn")
     deadline = time.monotonic() + args.timeout
     while not ctx.join(timeout=1.0):  # raises, after stopping the others, if a rank fails
