@@ -47,6 +47,10 @@ TILE4 = dict(BLOCK_M=4, BLOCK_V=64, SINGLE_BLOCK=True, num_warps=4)  # V <= 64 o
 # The fused pass of streamed rows cut in 32-column slices (ce_slices_kernel), where the
 # source has it; elsewhere the "fused" entry is not read and this is CHUNKED.
 SLICED = dict(CHUNKED, fused=dict(BLOCK_V=16, num_warps=4, programs_per_sm=2, slice=32, lag=1))
+# Both fused passes with the L2 eviction hints on (no-ops in the interpreter, but traced).
+SLICED_HINTS = dict(CHUNKED, fused=dict(BLOCK_V=16, num_warps=4, programs_per_sm=2, slice=32,
+                                        lag=2, hints=1))
+STREAM_HINTS = dict(CHUNKED, fused=dict(BLOCK_V=16, num_warps=4, programs_per_sm=2, hints=1))
 
 
 def make_target(shape: tuple[int, ...], V: int, dtype: torch.dtype = torch.int64,
@@ -249,7 +253,9 @@ FORCED_OPTIONS = [
 CONFIGS = [pytest.param(CHUNKED, id="chunked-M1"),
            pytest.param(CHUNKED_TILE4, id="chunked-M4"),
            pytest.param(TILE4, id="tile-M4"),
-           pytest.param(SLICED, id="sliced")]
+           pytest.param(SLICED, id="sliced"),
+           pytest.param(SLICED_HINTS, id="sliced-hints"),
+           pytest.param(STREAM_HINTS, id="stream-hints")]
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -261,7 +267,7 @@ def test_forced_launch_configs(monkeypatch: pytest.MonkeyPatch, N: int, V: int,
     forced configuration is the one launched: one row kernel then ``ce_scale_kernel`` on
     the fused path, two row kernels (stats, gradient) on the deferred one, each with the
     forced column block (and row block, for single-block tiles)."""
-    monkeypatch.setattr(ops, "_config", lambda V, device: dict(config))
+    monkeypatch.setattr(ops, "_config", lambda V, device, softcap=False: dict(config))
     spy = KernelSpy(ops._kernels())
     monkeypatch.setattr(ops, "_kernels", lambda: spy)
     if V == 1:  # one class: the exact gradient is 2 z lse, identically 0 without z-loss,
@@ -296,7 +302,7 @@ def test_forced_launch_configs(monkeypatch: pytest.MonkeyPatch, N: int, V: int,
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_forced_configs_half_precision(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
                                        config: dict[str, Any], reduction: str) -> None:
-    monkeypatch.setattr(ops, "_config", lambda V, device: dict(config))
+    monkeypatch.setattr(ops, "_config", lambda V, device, softcap=False: dict(config))
     logits = randn((7, 50), dtype, scale=3.0)
     target = make_target((7,), 50)
     grad_out = upstream(reduction, target)
@@ -779,7 +785,7 @@ def test_property_triton_matches_reference(problem: dict[str, Any]) -> None:
     grad_out = upstream(p["reduction"], target)
     with pytest.MonkeyPatch.context() as mp:
         if config is not None:
-            mp.setattr(ops, "_config", lambda V, device: dict(config))
+            mp.setattr(ops, "_config", lambda V, device, softcap=False: dict(config))
         check(f"{problem}", "triton", logits, target, grad_out, **p)
 
 

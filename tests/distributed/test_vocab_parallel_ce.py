@@ -306,3 +306,38 @@ def test_vocab_parallel_matches_single_rank_with_one_collective(world_size: int)
 @pytest.mark.timeout(120)
 def test_megatron_names_groups_of_one_and_edge_cases() -> None:
     spawn_gloo(2, _megatron_and_edges_rank, timeout=90)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("mean", [False, True])
+@pytest.mark.parametrize("opts", [{}, {"label_smoothing": 0.1, "z_loss": 1e-2}])
+def test_merge_kernel_matches_the_reference_merge(world: int, mean: bool,
+                                                  opts: dict[str, Any]) -> None:
+    """``ce_merge_kernel`` (in the interpreter) against the reference merge and token loss,
+    with ranks that hold no finite logit of a row (lse -inf), rows with no finite logit
+    anywhere, ignored, bad and edge targets, and more rows than one program's block."""
+    from lmfuse.cross_entropy import reference as ref
+    from lmfuse.cross_entropy.vocab_parallel import _launch_merge
+
+    n, V = 1500, 50 * world
+    g = torch.Generator().manual_seed(world)
+    gathered = torch.randn(world, 3, n, generator=g) * 4.0
+    gathered[0, 0, ::5] = float("-inf")
+    gathered[:, 0, 7] = float("-inf")
+    target = torch.randint(0, V, (n,), generator=g)
+    target[::11] = -100
+    target[1:4] = torch.tensor([V, -3, V - 1])
+    count = torch.sum(target != -100, dtype=torch.float32)
+    stats = _launch_merge(gathered, target, count, V, -100, opts.get("label_smoothing", 0.0),
+                          opts.get("z_loss", 0.0), mean)
+    want = ref.merge_token_stats(gathered)
+    loss = ref.token_loss(want, target, vocab_size=V, ignore_index=-100,
+                          label_smoothing=opts.get("label_smoothing", 0.0),
+                          z_loss=opts.get("z_loss", 0.0))
+    if mean:
+        loss = loss / count
+    assert_close(stats[:3], want, F32, "merged stats")
+    assert torch.equal(stats[3].isinf(), loss.isinf())
+    assert stats[0, 7] == float("-inf") and stats[3, 2] == float("inf")
+    finite = loss.isfinite()
+    assert_close(stats[3][finite], loss[finite], F32, "token loss")

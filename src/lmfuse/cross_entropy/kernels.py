@@ -15,6 +15,8 @@
   interleaved through a ticket counter; see its docstring.
 * ``ce_grad_kernel`` / ``ce_stream_grad_kernel``: the gradient alone from given stats and
   per-token upstream gradients (vocabulary parallel, ``reduction="none"``).
+* ``ce_merge_kernel``: vocabulary parallel, every rank's gathered stats to the
+  whole-vocabulary stats and loss.
 * ``ce_scale_kernel``: multiplies a gradient written in forward by the upstream gradient,
   and returns at once, with no host sync, when that is exactly 1.
 
@@ -173,6 +175,37 @@ def ce_grad_kernel(
 
 
 @triton.jit
+def ce_merge_kernel(parts_ptr, t_ptr, stats_ptr, count_ptr, n_rows, world, vocab_size,
+                    ignore_index, ls_over_v, one_minus_ls, two_z,
+                    HAS_SMOOTHING: tl.constexpr, MEAN: tl.constexpr, BLOCK: tl.constexpr):
+    """Vocabulary parallel: every rank's ``[world, 3, N]`` stats (all-gathered) to the
+    whole-vocabulary ``[4, N]`` stats and loss of the forward kernels, in one launch: the
+    lse by a log-sum-exp merge, ``x_t`` (0 on every rank but the target's owner) and
+    ``sum x`` by sums."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < n_rows
+    p = parts_ptr + rows
+    m = tl.full((BLOCK,), float("-inf"), tl.float32)
+    for _ in range(world):
+        m = tl.maximum(m, tl.load(p, mask=ok, other=float("-inf")))
+        p += 3 * n_rows
+    shift = tl.where(m == float("-inf"), 0.0, m)
+    denom = tl.zeros((BLOCK,), tl.float32)
+    x_t = tl.zeros((BLOCK,), tl.float32)
+    sum_x = tl.zeros((BLOCK,), tl.float32)
+    p = parts_ptr + rows
+    for _ in range(world):
+        denom += tl.exp(tl.load(p, mask=ok, other=float("-inf")) - shift)
+        x_t += tl.load(p + n_rows, mask=ok, other=0.0)
+        sum_x += tl.load(p + 2 * n_rows, mask=ok, other=0.0)
+        p += 3 * n_rows
+    t = tl.load(t_ptr + rows, mask=ok, other=ignore_index).to(tl.int64)
+    _store_stats(stats_ptr, n_rows, rows, ok, _lse(m, denom), x_t, sum_x, t,
+                 _weight(count_ptr, MEAN), ignore_index, vocab_size, ls_over_v, one_minus_ls,
+                 two_z, HAS_SMOOTHING)
+
+
+@triton.jit
 def ce_scale_kernel(g_ptr, s_ptr, n, BLOCK: tl.constexpr):
     """g *= s in place; when s == 1 (the usual ``loss.backward()``) it returns at once, so
     the launch (a small persistent grid) costs microseconds and no host sync."""
@@ -196,16 +229,18 @@ def ce_scale_kernel(g_ptr, s_ptr, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def _range_stats(x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP: tl.constexpr,
-                 HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr):
+                 HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, KEEP: tl.constexpr):
     """(max, sum exp(x - max), sum x) over columns [lo, hi) of one row: BLOCK_V chunks
-    with an online max, full chunks unmasked, the tail masked."""
+    with an online max, full chunks unmasked, the tail masked. ``KEEP``: the loads'
+    eviction policy ("evict_last" for logits read again soon)."""
     cols = tl.arange(0, BLOCK_V)
     acc = tl.zeros([BLOCK_V], tl.float32)
     m = tl.max(acc, 0) - float("inf")  # a float32 scalar, -inf
     sx = tl.zeros([BLOCK_V], tl.float32)
     n_full = (hi - lo) // BLOCK_V
     for k in range(0, n_full):
-        x = tl.load(x_ptr + x_off + lo + k * BLOCK_V + cols).to(tl.float32)
+        x = tl.load(x_ptr + x_off + lo + k * BLOCK_V + cols, eviction_policy=KEEP)
+        x = x.to(tl.float32)
         if HAS_SOFTCAP:
             x = _cap(x, softcap)
         m_new = tl.maximum(m, tl.max(x, 0))
@@ -217,7 +252,8 @@ def _range_stats(x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP: tl.constexpr,
             sx += x
     c = lo + n_full * BLOCK_V + cols
     ok = c < hi
-    x = tl.load(x_ptr + x_off + c, mask=ok, other=float("-inf")).to(tl.float32)
+    x = tl.load(x_ptr + x_off + c, mask=ok, other=float("-inf"), eviction_policy=KEEP)
+    x = x.to(tl.float32)
     if HAS_SOFTCAP:
         x = tl.where(ok, _cap(x, softcap), float("-inf"))
     m_new = tl.maximum(m, tl.max(x, 0))
@@ -239,9 +275,12 @@ def _lse(m, denom):
 @triton.jit
 def _range_grad(x_ptr, x_off, g_ptr, g_off, lo, hi, lse, x_t, t_local, w, ls_over_v,
                 one_minus_ls, two_z, softcap, HAS_SOFTCAP: tl.constexpr,
-                BLOCK_V: tl.constexpr):
+                BLOCK_V: tl.constexpr, STREAM: tl.constexpr):
     """Write the gradient of columns [lo, hi) of one row,
     w * (p (1 + 2 z lse) - s / V - (1 - s) [j == t]).
+
+    ``STREAM``: the logits are read for the last time (evict first) and the gradient is
+    stored streaming (``.cs``), so neither displaces logits that wait in L2 for this read.
 
     Chunks go last to first (the stats pass read the last ones most recently). The target
     column (``t_local``, when in range) is rewritten at the end from ``x_t``, so it is
@@ -255,14 +294,18 @@ def _range_grad(x_ptr, x_off, g_ptr, g_off, lo, hi, lse, x_t, t_local, w, ls_ove
     n_full = (hi - lo) // BLOCK_V
     c = lo + n_full * BLOCK_V + cols
     ok = c < hi
-    x = tl.load(x_ptr + x_off + c, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + x_off + c, mask=ok, other=0.0,
+                eviction_policy="evict_first" if STREAM else "").to(tl.float32)
     g = _grad_values(x, shift, a, b, 0.0, softcap, HAS_SOFTCAP, True)
-    tl.store(g_ptr + g_off + c, g.to(g_ptr.dtype.element_ty), mask=ok)
+    tl.store(g_ptr + g_off + c, g.to(g_ptr.dtype.element_ty), mask=ok,
+             cache_modifier=".cs" if STREAM else "")
     for i in range(0, n_full):
         c = lo + (n_full - 1 - i) * BLOCK_V + cols
-        x = tl.load(x_ptr + x_off + c).to(tl.float32)
+        x = tl.load(x_ptr + x_off + c,
+                    eviction_policy="evict_first" if STREAM else "").to(tl.float32)
         g = _grad_values(x, shift, a, b, 0.0, softcap, HAS_SOFTCAP, True)
-        tl.store(g_ptr + g_off + c, g.to(g_ptr.dtype.element_ty))
+        tl.store(g_ptr + g_off + c, g.to(g_ptr.dtype.element_ty),
+                 cache_modifier=".cs" if STREAM else "")
     tl.debug_barrier()  # the chunk store of the target column happens before this one
     if (t_local >= lo) & (t_local < hi):
         g_t = _grad_values(x_t, shift, a, b, one_minus_ls * w, softcap, HAS_SOFTCAP, False)
@@ -311,17 +354,19 @@ def ce_stream_kernel(
     n_rows, V, vocab_start, vocab_size, ignore_index,
     ls_over_v, one_minus_ls, two_z, softcap,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, WRITE_GRAD: tl.constexpr,
-    MEAN: tl.constexpr, BLOCK_V: tl.constexpr,
+    MEAN: tl.constexpr, BLOCK_V: tl.constexpr, HINTS: tl.constexpr,
 ):
     """Stats (and with WRITE_GRAD the gradient) of long rows, one row at a time per
-    program, persistent over rows."""
+    program, persistent over rows. ``HINTS`` (with WRITE_GRAD): the first read of a row
+    asks L2 to keep it, the second evicts it, the gradient is stored streaming."""
     for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
         t_local, grad_ok, t = _row_target(t_ptr, row, V, vocab_start, vocab_size,
                                           ignore_index)
         x_off = row * stride_x
         x_t = _target_x(x_ptr, x_off, t_local, 0, V, softcap, HAS_SOFTCAP)
         m, denom, sum_x = _range_stats(x_ptr, x_off, 0, V, softcap, HAS_SOFTCAP,
-                                       HAS_SMOOTHING, BLOCK_V)
+                                       HAS_SMOOTHING, BLOCK_V,
+                                       "evict_last" if HINTS else "")
         lse = _lse(m, denom)
         w = _weight(count_ptr, MEAN)
         _store_stats(stats_ptr, n_rows, row, True, lse, x_t, sum_x, t, w, ignore_index,
@@ -329,7 +374,7 @@ def ce_stream_kernel(
         if WRITE_GRAD:
             w = tl.where(grad_ok, w, 0.0)
             _range_grad(x_ptr, x_off, g_ptr, row * stride_g, 0, V, lse, x_t, t_local, w,
-                        ls_over_v, one_minus_ls, two_z, softcap, HAS_SOFTCAP, BLOCK_V)
+                        ls_over_v, one_minus_ls, two_z, softcap, HAS_SOFTCAP, BLOCK_V, HINTS)
 
 
 @triton.jit
@@ -347,7 +392,7 @@ def ce_stream_grad_kernel(
         x_t = tl.load(stats_ptr + n_rows + row)
         w = tl.where(grad_ok, tl.load(w_ptr + row * stride_w).to(tl.float32), 0.0)
         _range_grad(x_ptr, row * stride_x, g_ptr, row * stride_g, 0, V, lse, x_t, t_local, w,
-                    ls_over_v, one_minus_ls, two_z, softcap, HAS_SOFTCAP, BLOCK_V)
+                    ls_over_v, one_minus_ls, two_z, softcap, HAS_SOFTCAP, BLOCK_V, False)
 
 
 @triton.jit
@@ -356,7 +401,7 @@ def ce_slices_kernel(
     count_ptr, n_rows, V, ignore_index, ls_over_v, one_minus_ls, two_z, softcap,
     SLICES, SLICE, LAG,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, MEAN: tl.constexpr,
-    SLICES_P2: tl.constexpr, BLOCK_V: tl.constexpr,
+    SLICES_P2: tl.constexpr, BLOCK_V: tl.constexpr, HINTS: tl.constexpr = False,
 ):
     """Loss, stats and gradient of long rows in one launch, rows cut in SLICES slices.
 
@@ -387,7 +432,8 @@ def ce_slices_kernel(
             x_off = row * stride_x
             t_local, grad_ok, t = _row_target(t_ptr, row, V, 0, V, ignore_index)
             p_max, p_sum, p_sx = _range_stats(x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP,
-                                              HAS_SMOOTHING, BLOCK_V)
+                                              HAS_SMOOTHING, BLOCK_V,
+                                              "evict_last" if HINTS else "")
             x_t = _target_x(x_ptr, x_off, t_local, lo, hi, softcap, HAS_SOFTCAP)
             base = tile.to(tl.int64) * 4
             tl.store(part_ptr + base, p_max)
@@ -424,5 +470,5 @@ def ce_slices_kernel(
             hi = tl.minimum(lo + SLICE, V)
             _range_grad(x_ptr, row * stride_x, g_ptr, row * stride_g, lo, hi, lse, x_t,
                         t_local, w, ls_over_v, one_minus_ls, two_z, softcap, HAS_SOFTCAP,
-                        BLOCK_V)
+                        BLOCK_V, HINTS)
         tile = tl.atomic_add(ticket_ptr, 1)

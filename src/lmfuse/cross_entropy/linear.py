@@ -37,7 +37,7 @@ from .._nvtx import nvtx_range
 from ..distributed.collectives import group_rank, group_size
 from . import ops
 from . import reference as ref
-from .vocab_parallel import gather_token_stats
+from .vocab_parallel import gather_stats
 
 _OP = "linear_cross_entropy"
 
@@ -79,7 +79,8 @@ def config(v_local: int, device: torch.device) -> tuple[dict[str, Any], str]:
     rounded down to a multiple of it, for GEMM tiles) and ``kernel`` (``None``, or the
     launch config of the cross-entropy kernel's stats-and-gradient pass over rows longer
     than ``cross_entropy.max_single_block``: ``BLOCK_V``, ``num_warps``,
-    ``programs_per_sm``, and optionally ``slice`` and ``lag``).
+    ``programs_per_sm``, and optionally ``slice``, ``lag`` and ``hints``: 1 for L2 eviction
+    hints on the logits and a streaming store of the gradient).
     """
     cfg, source = tuning.bucket_config(_OP, device, v_local)
     return check_config(cfg, source), source
@@ -103,10 +104,12 @@ def check_config(cfg: dict[str, Any], source: str = "config") -> dict[str, Any]:
     if not isinstance(k, dict):
         raise bad(f"kernel must be null or an object, got {k!r}")
     missing = [key for key in _KERNEL_KEYS if key not in k]
-    unknown = sorted(set(k) - set(_KERNEL_KEYS) - {"slice", "lag"})
+    unknown = sorted(set(k) - set(_KERNEL_KEYS) - {"slice", "lag", "hints"})
     if missing or unknown:
         raise bad(f"kernel needs {', '.join(_KERNEL_KEYS)}"
-                  f" (+ optional slice, lag); missing {missing}, unknown {unknown}")
+                  f" (+ optional slice, lag, hints); missing {missing}, unknown {unknown}")
+    if k.get("hints", 0) not in (0, 1):
+        raise bad(f"kernel hints must be 0 or 1, got {k['hints']!r}")
     block, warps, per_sm = k["BLOCK_V"], k["num_warps"], k["programs_per_sm"]
     if not _pow2(block) or not 16 <= block <= 65536:
         raise bad(f"kernel BLOCK_V must be a power of two in [16, 65536], got {block!r}")
@@ -228,7 +231,7 @@ def _chunk_stats(logits, target, count, o, grad: bool, mean: bool):
     else:
         stats = ref.local_token_stats(logits, target, o["vocab_start"], cap)
     if not one_rank:
-        stats = gather_token_stats(stats, o["tp_group"]).contiguous()
+        stats = gather_stats(stats, target, count, o, False)[:3].contiguous()
     if grad:
         w = (1.0 / count.clamp(min=1) if mean else torch.ones((), device=logits.device))
         _chunk_grad(logits, target, stats, w.reshape(1).expand(logits.shape[0]), o)
@@ -538,6 +541,9 @@ _KERNEL_CANDIDATES = (
     {"BLOCK_V": 4096, "num_warps": 8, "programs_per_sm": 4, "slice": 16384, "lag": 1},
     {"BLOCK_V": 8192, "num_warps": 16, "programs_per_sm": 2, "slice": 32768, "lag": 1},
     {"BLOCK_V": 4096, "num_warps": 8, "programs_per_sm": 8, "slice": 8192, "lag": 2},
+    {"BLOCK_V": 4096, "num_warps": 8, "programs_per_sm": 4, "slice": 32768, "lag": 2,
+     "hints": 1},
+    {"BLOCK_V": 8192, "num_warps": 16, "programs_per_sm": 8, "hints": 1},
 )
 
 

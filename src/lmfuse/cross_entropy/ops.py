@@ -32,7 +32,7 @@ from .._dispatch import Plan, check_int, check_number, check_tensor, register_pl
 from .._nvtx import nvtx_range
 from ..distributed.collectives import group_rank, group_size
 from . import reference as ref
-from .vocab_parallel import gather_token_stats
+from .vocab_parallel import gather_stats
 
 _OP = "cross_entropy"
 _REDUCTIONS = ("mean", "sum", "none")
@@ -46,8 +46,10 @@ def _kernels():
     return kernels
 
 
-def _config(V: int, device: torch.device) -> dict[str, Any]:
-    """Block sizes and warps for rows of ``V`` logits, from the device's tuning table."""
+def _config(V: int, device: torch.device, softcap: bool = False) -> dict[str, Any]:
+    """Block sizes and warps for rows of ``V`` logits, from the device's tuning table. With
+    ``softcap`` the stats-and-gradient pass (compute-bound then: a tanh and its derivative
+    per element) takes the table's ``fused_softcap`` launches where it has them."""
     t = tuning.table("cross_entropy", device)
     tile = tuning.single_block_tile(t, V)
     if tile is not None:
@@ -57,7 +59,8 @@ def _config(V: int, device: torch.device) -> dict[str, Any]:
     # (which reads each row twice) wants few enough rows in flight for L2 to keep them.
     return dict(BLOCK_M=1, BLOCK_V=t["chunk_block"], SINGLE_BLOCK=False,
                 num_warps=t["chunk_warps"], programs_per_sm=t["programs_per_sm"],
-                fused=next(dict(f) for limit, f in t["fused"] if V <= limit))
+                fused=next(dict(f) for limit, f in t.get("fused_softcap" if softcap else "fused",
+                                                         t["fused"]) if V <= limit))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -93,7 +96,7 @@ def _launch_fwd(logits, target, count, grad, vocab_start, vocab_size, ignore_ind
     stats = torch.empty((4, n), dtype=torch.float32, device=logits.device)
     if n == 0:
         return stats
-    cfg = _config(V, logits.device)
+    cfg = _config(V, logits.device, softcap is not None)
     if fused is not None and not cfg["SINGLE_BLOCK"]:
         cfg = dict(cfg, fused=dict(fused))
     write = grad is not None
@@ -113,7 +116,8 @@ def _launch_fwd(logits, target, count, grad, vocab_start, vocab_size, ignore_ind
         if write and "fused" in cfg:
             cfg = dict(cfg, **cfg["fused"])
         _kernels().ce_stream_kernel[(_persistent_grid(n, cfg, logits.device),)](
-            *args, **common, BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"])
+            *args, **common, BLOCK_V=cfg["BLOCK_V"], HINTS=write and bool(cfg.get("hints", 0)),
+            num_warps=cfg["num_warps"])
     return stats
 
 
@@ -134,7 +138,7 @@ def _launch_slices(logits, target, count, grad, stats, ignore_index, label_smoot
         *_scalars(V, label_smoothing, z_loss, softcap), slices, width, lag,
         HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0, MEAN=mean,
         SLICES_P2=max(2, 1 << (slices - 1).bit_length()), BLOCK_V=block,
-        num_warps=f["num_warps"],
+        HINTS=bool(f.get("hints", 0)), num_warps=f["num_warps"],
     )
 
 
@@ -311,10 +315,10 @@ class _CrossEntropy(torch.autograd.Function):
                 else:
                     stats = ref.local_token_stats(logits, target, o["vocab_start"], cap)
                 if not one_rank:
-                    stats = gather_token_stats(stats[:3], o["tp_group"])
+                    stats = gather_stats(stats, target, count, o, o["reduction"] == "mean")
                 ctx.save_for_backward(logits, target, stats.contiguous(), count)
-            if o["path"] == "triton" and one_rank:
-                loss = stats[3]  # the kernel's per-token loss, already / count for "mean"
+            if o["path"] == "triton":
+                loss = stats[3]  # the kernels' per-token loss, already / count for "mean"
                 return loss if o["reduction"] == "none" else loss.sum()
             loss = ref.token_loss(stats, target, vocab_size=o["vocab_size"], ignore_index=ignore,
                                   label_smoothing=ls, z_loss=z)
@@ -478,7 +482,7 @@ def plan_cross_entropy(
                    else "stats only (no gradient needed)"),
     }
     if path == "triton":
-        cfg = _config(V, logits.device)
+        cfg = _config(V, logits.device, o["softcap"] is not None)
         sliced = o["fused"] and not cfg["SINGLE_BLOCK"] and cfg["fused"].get("slice")
         details["kernel"] = (
             f"{cfg['BLOCK_M']} row(s) x {cfg['BLOCK_V']} per program, row in registers"
