@@ -34,6 +34,7 @@ def test_demo_lmfuse_matches_plain_pytorch(result):
 
 def test_demo_paged_decode_matches_full_forward(result):
     assert result.decoded == result.full_forward
+    assert result.decode_logits_ok and result.decode_logit_err < 1e-4, result.decode_logit_err
     assert [len(c) for c in result.decoded] == [SMALL["new_tokens"]] * len(result.prompts)
     assert len({len(p) for p in result.prompts}) > 1  # prompts of different lengths
 
