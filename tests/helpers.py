@@ -134,3 +134,16 @@ def to_paged(caches, lens, block_len: int, *, extra_columns: int = 1, spare_bloc
                 rows = cache[b, n * block_len:(n + 1) * block_len]
                 pool[blk, :rows.shape[0]] = rows
     return pools, table
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """``lmfuse.cli.main(argv)`` -> (exit code, stdout, stderr), ``capsys`` a pytest capture
+    fixture; argparse exits become exit codes."""
+    from lmfuse import cli
+
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import triton
-from helpers import randn
+from helpers import randn, run_cli
 
 import lmfuse
 from lmfuse import _check, cli
@@ -26,16 +26,6 @@ from lmfuse.softmax import ops as softmax_ops
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 ON_CUDA = torch.cuda.is_available()
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    """``main(argv)`` -> (exit code, stdout, stderr); argparse exits become exit codes."""
-    try:
-        code = cli.main(list(argv))
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 # --- info ------------------------------------------------------------------------------

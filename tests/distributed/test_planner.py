@@ -12,9 +12,9 @@ import json
 
 import pytest
 import torch
+from helpers import run_cli
 
 import lmfuse
-from lmfuse import cli
 from lmfuse.distributed import ShardingPlan
 from lmfuse.distributed.planner import format_bytes, plan_sharding, resolve_dtype
 
@@ -241,15 +241,6 @@ def test_bad_inputs_raise_naming_the_argument(change: dict, error: type, match: 
 
 
 # --- the CLI ---------------------------------------------------------------------------
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        code = cli.main(list(argv))
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_cli_plan_defaults_print_the_recommendation(capsys: pytest.CaptureFixture[str]) -> None:

@@ -22,15 +22,15 @@ from . import reference as ref
 def _launch_merge(gathered, target, count, vocab_size, ignore_index, label_smoothing, z_loss,
                   mean):
     """``[4, N]`` whole-vocabulary stats and token loss from every rank's ``[world, 3, N]``."""
-    from . import kernels  # on first use: Triton reads TRITON_INTERPRET when it defines one
+    from . import ops  # (which imports this module) its kernels and scalars, on first use
 
     world, _, n = gathered.shape
     stats = torch.empty((4, n), dtype=torch.float32, device=gathered.device)
     if n:
         block = 1024
-        kernels.ce_merge_kernel[(-(-n // block),)](
+        ops._kernels().ce_merge_kernel[(ops._cdiv(n, block),)](
             gathered, target, stats, count, n, world, vocab_size, ignore_index,
-            label_smoothing / vocab_size, 1.0 - label_smoothing, 2.0 * z_loss,
+            *ops._scalars(vocab_size, label_smoothing, z_loss, None)[:3],
             HAS_SMOOTHING=label_smoothing > 0, MEAN=mean, BLOCK=block, num_warps=4)
     return stats
 
