@@ -1044,3 +1044,32 @@ def test_huge_window_and_forced_splits_are_harmless() -> None:
     assert_close(got, want, torch.float32, "num_splits 10**6")
     plan = lmfuse.explain(lmfuse.decode_attention, q, k, v, lens, num_splits=10**6)
     assert plan.args["splits"] == 6
+
+
+def test_few_programs_take_their_own_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fewer (sequence, KV head) programs than SMs (4 under the interpreter) take the table's
+    ``few_programs`` tiles; a paged cache's own section (no ``few_programs``) keeps its tiles;
+    the result is the same either way."""
+    from lmfuse import tuning
+
+    table = dict(tuning.table("decode_attention", torch.device("cpu")),
+                 block_n_by_head_dim=[[1048576, 16]],
+                 few_programs={"block_n_by_head_dim": [[1048576, 32]], "programs_per_sm": 1},
+                 paged={"block_n_by_head_dim": [[1048576, 64]], "few_programs": {}})
+    real = tuning.table
+    monkeypatch.setattr(tuning, "table", lambda family, device: dict(table)
+                        if family == "decode_attention" else real(family, device))
+    torch.manual_seed(0)
+    for B, want_n in ((1, 32), (2, 16)):
+        q = torch.randn(B, 1, 4, 16)
+        k, v = torch.randn(B, 40, 2, 16), torch.randn(B, 40, 2, 16)
+        lens = torch.full((B,), 40, dtype=torch.int32)
+        plan = lmfuse.explain(lmfuse.decode_attention, q, k, v, lens)
+        assert plan.args["BLOCK_N"] == want_n, (B, plan.args["BLOCK_N"])
+        got = lmfuse.decode_attention(q, k, v, lens, impl="triton")
+        want = decode_attention_reference(q.double(), k.double(), v.double(), lens)
+        assert_close(got, want, torch.float32, f"B{B} BLOCK_N {want_n}")
+    (kp, vp), block_table = to_paged((k, v), [40, 40], 8)
+    plan = lmfuse.explain(lmfuse.decode_attention, q[:1], kp, vp, lens[:1],
+                          block_table=block_table[:1])
+    assert plan.args["BLOCK_N"] == 64

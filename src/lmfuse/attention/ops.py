@@ -163,10 +163,15 @@ def _config(q, k_cache, s: dict[str, Any], num_splits: Optional[int]) -> dict[st
             t.update(t.get(key, {}))
     D, group = s["D"], s["Hq"] // s["Hkv"]
     block_d = _pow2(D, 16)
-    block_n = next(n for limit, n in t["block_n_by_head_dim"] if block_d <= limit)
     rows = group * s["s_active"]
     block_m = min(_pow2(rows, 16), t["max_block_m"])
     row_blocks = _cdiv(rows, block_m)
+    # Fewer (sequence, KV head) programs than SMs: each SM runs one or two programs of a
+    # split context, so a program must keep more bytes in flight by itself (longer key tiles,
+    # deeper pipelines) and extra splits cost more than they gain (measured on an H100).
+    if s["B"] * s["Hkv"] * row_blocks < tuning.sm_count(q.device):
+        t.update(t.get("few_programs", {}))
+    block_n = next(n for limit, n in t["block_n_by_head_dim"] if block_d <= limit)
     # Keys a program may have to walk: the cache's capacity, or less with a window (plus
     # the tile the window's start is rounded down to).
     span = s["capacity"]
