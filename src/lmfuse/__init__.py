@@ -15,6 +15,7 @@ from .attention import (DecodeAttentionBlock, KVCacheFullError, PagedKVCache, de
                         kv_cache_append, merge_attention_states)
 from .cross_entropy import cross_entropy, linear_cross_entropy
 from .distributed.planner import plan_sharding
+from .norm import RMSNorm, rms_norm
 from .softmax import AttnMaskType, FusedScaleMaskSoftmax, fused_softmax
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "KVCacheFullError",
     "PagedKVCache",
     "Plan",
+    "RMSNorm",
     "__version__",
     "bias_gelu",
     "cross_entropy",
@@ -37,6 +39,7 @@ __all__ = [
     "merge_attention_states",
     "plan_sharding",
     "quick_geglu",
+    "rms_norm",
     "squared_relu",
     "swiglu",
     "weighted_quick_geglu",

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("softmax", "cross_entropy", "linear_cross_entropy", "activations", "decode_attention")
+FAMILIES = ("softmax", "cross_entropy", "linear_cross_entropy", "activations", "decode_attention",
+            "rms_norm")
 TUNABLE = ("linear_cross_entropy",)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -90,10 +91,11 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     from lmfuse.activations import ops as activation_ops
     from lmfuse.attention import ops as attention_ops
+    from lmfuse.norm import ops as norm_ops
 
     cases = (softmax_ops.checks(device, dtypes) + cross_entropy_ops.checks(device, dtypes)
              + linear_ce.checks(device, dtypes) + activation_ops.checks(device, dtypes)
-             + attention_ops.checks(device, dtypes))
+             + attention_ops.checks(device, dtypes) + norm_ops.checks(device, dtypes))
     ok = run_all(cases)
     print("all checks passed" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1

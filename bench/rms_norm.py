@@ -1,0 +1,185 @@
+"""Benchmark lmfuse's RMSNorm against torch eager, torch.compile and Liger-Kernel.
+
+Run it as ``lmfuse bench rms_norm [--json PATH] [--plot PATH] [--quick]``. The cases are
+bf16 ``x [16384, 4096]`` and ``x [16384, 8192]`` with a bf16 ``weight [H]``, each timed
+forward only (no grad) and forward+backward (``torch.autograd.grad`` of the output, with a
+fixed random upstream gradient, w.r.t. x and the weight).
+
+Every row reports the median time, the achieved TB/s over the case's *minimal* bytes
+(forward: read x and the weight, write the output; forward+backward: that, and read x, the
+output's gradient and the weight again, write x's and the weight's gradients), its time as
+a multiple of lmfuse's, and the peak memory allocated beyond the inputs.
+
+Rows: ``lmfuse`` (``lmfuse.rms_norm``), ``torch`` (Hugging Face Llama's formula in eager
+PyTorch: float32 statistics, the normalised x rounded to x's dtype, then times the
+weight), ``torch.compile`` (that function, ``fullgraph=True``), ``liger-kernel``
+(``LigerRMSNormFunction``, Llama casting mode, not in place; a row with a note when it is
+not installed or cannot run), and ``copy`` (a device-to-device copy reading and writing as
+many bytes as the case's minimum: the bandwidth ceiling). Each peer's result is checked
+once against lmfuse's: the note gives ``||a - b|| / ||b||`` (the largest over the
+gradients) and flags one over 1e-2 (1e-5 in float32). Hugging Face's formula rounds twice
+(before the weight), lmfuse once, so the bf16 rows differ by a few bf16 roundings.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (Case, Result, dist_version, finish, measure_copy,  # noqa: E402
+                    run_cases, start, unavailable)
+
+import lmfuse  # noqa: E402
+
+EPS = 1e-6
+NormFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, weight) -> y
+
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Hugging Face Llama's RMSNorm forward, as its users run it unfused."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)
+    return weight * h.to(x.dtype)
+
+
+# Every shape is a new specialisation of the same function: let dynamo keep them all.
+for _name in ("recompile_limit", "cache_size_limit"):
+    if hasattr(torch._dynamo.config, _name):
+        setattr(torch._dynamo.config, _name, 64)
+_compiled = torch.compile(hf_rms_norm, fullgraph=True, dynamic=False)
+
+
+def load_liger() -> tuple[NormFn, str, str]:
+    """Liger-Kernel's RMSNorm as ``(x, weight) -> y``, its row's note, and its version; a
+    stand-in that raises (so the row notes why) when it cannot be imported."""
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    except Exception as exc:  # not installed, or its import needs what is missing here
+        return unavailable(exc), f"unavailable ({type(exc).__name__})", "not installed"
+
+    def liger(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # (X, W, eps, offset, casting_mode, in_place): in place would overwrite the
+        # benchmark's upstream gradient with dx.
+        return LigerRMSNormFunction.apply(x, weight, EPS, 0.0, "llama", False)
+
+    return liger, "LigerRMSNormFunction, llama casting, not in place", \
+        dist_version("liger-kernel")
+
+
+def minimal_bytes(n: int, H: int, elt: int, backward: bool) -> int:
+    """Forward: read x and the weight, write y. Backward besides: read x, dy and the
+    weight, write dx and the weight's gradient."""
+    fwd = (2 * n * H + H) * elt
+    return fwd + ((3 * n * H + 2 * H) * elt if backward else 0)
+
+
+def relative_differences(impls: dict[str, Callable[[], object]], dtype: torch.dtype,
+                         reference: str = "lmfuse") -> dict[str, str]:
+    """Runs each impl once and notes ``||a - b|| / ||b||`` against ``reference``'s result
+    (over several tensors, the largest), flagged above the dtype's tolerance. An impl that
+    fails here gets no note: its timing fails the same way and says why."""
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+
+    def as_list(result) -> list[torch.Tensor]:
+        return list(result) if isinstance(result, (tuple, list)) else [result]
+
+    try:
+        expected = as_list(impls[reference]())
+    except Exception:
+        return {}
+    notes = {}
+    for impl, fn in impls.items():
+        if impl == reference:
+            continue
+        try:
+            got = as_list(fn())
+        except Exception:
+            continue
+        rel = max(float(torch.linalg.vector_norm(a.float() - b.float()) /
+                        torch.linalg.vector_norm(b.float()).clamp(min=1e-30))
+                  for a, b in zip(got, expected, strict=True))
+        notes[impl] = f"rel. diff {rel:.1e}" + (f" > {tol:.0e}, CHECK" if rel > tol else "")
+    return notes
+
+
+def copy_of(nbytes: int, device: torch.device) -> Callable[[], object]:
+    """A device-to-device copy reading ``nbytes / 2`` and writing as many."""
+    src = torch.empty(nbytes // 4, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+def make_case(n: int, H: int, dtype: torch.dtype, device: torch.device, liger: NormFn,
+              liger_note: str, *, backward: bool) -> Case:
+    x = torch.randn(n, H, dtype=dtype, device=device)
+    w = (1.0 + 0.1 * torch.randn(H, device=device)).to(dtype)
+    g = torch.randn(n, H, dtype=dtype, device=device)
+    if backward:
+        x.requires_grad_(True)
+        w.requires_grad_(True)
+
+    def timed(fn: NormFn) -> Callable[[], object]:
+        if backward:
+            return lambda: torch.autograd.grad(fn(x, w), [x, w], g)
+
+        def forward():
+            with torch.no_grad():
+                return fn(x, w)
+
+        return forward
+
+    nbytes = minimal_bytes(n, H, x.element_size(), backward)
+    impls = {
+        "lmfuse": timed(lambda x, w: lmfuse.rms_norm(x, w, eps=EPS)),
+        "torch": timed(hf_rms_norm),
+        "torch.compile": timed(_compiled),
+        "liger-kernel": timed(liger),
+    }
+    notes = {"torch": "HF Llama formula", "torch.compile": "fullgraph, of the torch row",
+             "liger-kernel": liger_note}
+    for impl, diff in relative_differences(impls, dtype).items():
+        notes[impl] = f"{notes[impl]}; {diff}"
+    impls["copy"] = copy_of(nbytes, device)
+    notes["copy"] = "device-to-device copy of the minimal bytes"
+    mode = "fwd+bwd" if backward else "fwd"
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    return Case(f"rms_norm {mode} [{n}, {H}] {name}", nbytes, impls, notes)
+
+
+def report(results: list[Result]) -> None:
+    """lmfuse's TB/s as a share of the copy's, per case."""
+    print("\n# lmfuse against the copy of the same bytes (x copy = lmfuse TB/s / copy TB/s)")
+    for ours in (r for r in results if r.impl == "lmfuse"):
+        copy = next((r for r in results if r.case == ours.case and r.impl == "copy"), None)
+        if ours.tbps and copy is not None and copy.tbps:
+            print(f"{ours.case:<44} {ours.tbps:6.2f} TB/s  {ours.tbps / copy.tbps:5.2f}x copy")
+        else:
+            print(f"{ours.case:<44} not measured")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, device, quick, env = start("lmfuse bench rms_norm", __doc__, argv)
+    liger, liger_note, liger_version = load_liger()
+    env["liger-kernel"] = liger_version
+    print(f"# peers: liger-kernel {liger_version}")
+    dtype = torch.float32 if quick else torch.bfloat16
+    shapes = [(64, 512), (64, 1000)] if quick else [(16384, 4096), (16384, 8192)]
+    cases = [make_case(n, H, dtype, device, liger, liger_note, backward=bw)
+             for n, H in shapes for bw in (False, True)]
+    n, H = shapes[0]
+    copy = measure_copy(minimal_bytes(n, H, torch.finfo(dtype).bits // 8, False) // 2, device)
+    print("# TB/s over minimal bytes (fwd: read x and the weight, write y; fwd+bwd also: read "
+          "x, dy and the weight, write dx and dweight); x lmfuse = ms / lmfuse ms (> 1: "
+          "lmfuse is faster); peak MiB: allocated beyond the inputs")
+    results = run_cases(cases, device)
+    report(results)
+    return finish(args, env, copy, results,
+                  f"rms_norm on {env['device']} (copy: {copy['tbps']:.2f} TB/s)")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

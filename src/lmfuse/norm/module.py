@@ -1,0 +1,67 @@
+"""``RMSNorm``: the module form of :func:`lmfuse.rms_norm`, with a learnable ``weight [H]``."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .._dispatch import IMPLS, check_int, check_number
+from .ops import rms_norm
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim, ``x / sqrt(mean(x ** 2) + eps) * (weight + weight_offset)``.
+
+    Args:
+        hidden_size: H, the size of the normalised last dim.
+        eps: added to the mean square (finite, >= 0).
+        weight_offset: added to ``weight`` before it scales; 1.0 is Gemma's ``(1 + weight)``.
+        elementwise_affine: learn ``weight [H]``; ``False``: no weight (no affine step).
+        impl: ``"auto"``, ``"triton"`` or ``"torch"``, as :func:`lmfuse.rms_norm` takes.
+        device, dtype: of ``weight``.
+
+    ``weight`` starts at ``1 - weight_offset`` (ones for Llama's convention, zeros for
+    Gemma's), so a fresh module scales by exactly 1.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, weight_offset: float = 0.0,
+                 elementwise_affine: bool = True, impl: str = "auto",
+                 device: Optional[torch.device | str] = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        op = "RMSNorm"
+        self.hidden_size = check_int(op, "hidden_size", hidden_size, minimum=1)
+        self.eps = check_number(op, "eps", eps, allow_none=False)
+        if self.eps < 0:
+            raise ValueError(f"{op}: eps must be >= 0, got {self.eps}")
+        self.weight_offset = check_number(op, "weight_offset", weight_offset, allow_none=False)
+        if not isinstance(elementwise_affine, bool):
+            raise TypeError(f"{op}: elementwise_affine must be a bool, got "
+                            f"{elementwise_affine!r}")
+        if not isinstance(impl, str) or impl not in IMPLS:
+            raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
+        self.elementwise_affine = elementwise_affine
+        self.impl = impl
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``weight`` back to ``1 - weight_offset`` (an effective scale of 1)."""
+        if self.weight is not None:
+            with torch.no_grad():
+                self.weight.fill_(1.0 - self.weight_offset)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., H]`` -> ``[..., H]`` in x's dtype."""
+        return rms_norm(x, self.weight, eps=self.eps, weight_offset=self.weight_offset,
+                        impl=self.impl)
+
+    def extra_repr(self) -> str:
+        extra = f", weight_offset={self.weight_offset}" if self.weight_offset else ""
+        affine = "" if self.elementwise_affine else ", elementwise_affine=False"
+        return f"{self.hidden_size}, eps={self.eps}{extra}{affine}, impl={self.impl!r}"

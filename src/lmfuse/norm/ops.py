@@ -1,0 +1,331 @@
+"""``rms_norm``: validation, dispatch, launch configuration and autograd.
+
+The public function checks its inputs once (:func:`_resolve`, shared with the planner that
+``lmfuse.explain`` calls), then runs the reference (``impl="torch"``, differentiated by
+autograd) or one autograd function around the two Triton kernels: the forward saves ``x``,
+``weight`` and the float32 ``rstd [rows]`` it computed; the backward reads them and ``dy``
+once and returns ``dx`` and the weight gradient (float32 per-program partials summed once:
+deterministic). A call with nothing to differentiate launches the forward kernel alone,
+with no autograd node. Eager calls launch the kernels directly; under ``torch.compile`` they go
+through the ``torch.library`` custom ops ``lmfuse::rms_norm_fwd`` / ``lmfuse::rms_norm_bwd``
+(opaque graph nodes with fake implementations), so the graph does not break. Nothing syncs
+with the host.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from .. import tuning
+from .._dispatch import (
+    Plan,
+    check_number,
+    check_same_device,
+    check_tensor,
+    register_planner,
+    select_impl,
+)
+from .._dispatch import eager as _eager
+from .._nvtx import nvtx_range
+from .reference import rms_norm_reference
+
+_OP = "rms_norm"
+
+
+def _kernels():
+    # Imported on first use: Triton reads TRITON_INTERPRET when a kernel is defined, and
+    # ``import lmfuse`` must work where triton is absent (the reference path still runs).
+    from . import kernels
+
+    return kernels
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _config(H: int, device: torch.device, backward: bool) -> dict[str, Any]:
+    """Launch parameters for rows of ``H`` values, from the ``rms_norm`` tuning section.
+
+    A row up to ``max_single_block`` wide is one register tile, ``tile_elems // width``
+    rows per program, with ``warps_by_block`` warps; a wider one is streamed in
+    ``chunk_block``-column tiles, ``chunk_rows`` rows at a time, with ``chunk_warps``. The
+    backward also takes its number of programs per SM (``bwd_programs_per_sm``, or
+    ``chunk_bwd_programs_per_sm`` when streamed). (On an H100, bf16: a single tile beats
+    streaming up to 16384 columns, forward and backward; 2 backward programs per SM are
+    best at H = 4096 and within 2% of the best at 8192 to 16384.)
+    """
+    t = tuning.table("rms_norm", device)
+    tile = tuning.single_block_tile(t, H)
+    if tile is not None:
+        rows, width, warps = tile
+        cfg = dict(BLOCK_M=rows, BLOCK_N=width, SINGLE_BLOCK=True, num_warps=warps)
+        per_sm = t["bwd_programs_per_sm"]
+    else:
+        cfg = dict(BLOCK_M=t["chunk_rows"], BLOCK_N=t["chunk_block"], SINGLE_BLOCK=False,
+                   num_warps=t["chunk_warps"])
+        per_sm = t["chunk_bwd_programs_per_sm"]
+    if backward:
+        cfg["programs_per_sm"] = per_sm
+    return cfg
+
+
+def _bwd_grid(M: int, block_m: int, programs_per_sm: int, device: torch.device
+              ) -> tuple[int, int]:
+    """``(programs, rows_per_program)``: a few programs per SM, each owning a contiguous
+    group of rows (a multiple of ``block_m``). Depends on the shape and device only, so the
+    weight gradient's summation order, and its value, are the same on every run."""
+    programs = max(1, min(_cdiv(M, block_m), programs_per_sm * tuning.sm_count(device)))
+    rows_per_program = _cdiv(_cdiv(M, programs), block_m) * block_m
+    return (_cdiv(M, rows_per_program) if M else 1), rows_per_program
+
+
+# --- launches --------------------------------------------------------------------------------
+
+
+def _launch_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
+                weight_offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, H]`` (unit column stride) -> ``(y [M, H] in x's dtype, rstd [M] float32)``."""
+    M, H = x.shape
+    y = torch.empty((M, H), dtype=x.dtype, device=x.device)
+    rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
+    if M == 0 or H == 0:
+        return y, rstd
+    cfg = _config(H, x.device, backward=False)
+    _kernels().rms_norm_fwd_kernel[(_cdiv(M, cfg["BLOCK_M"]),)](
+        x, x.stride(0), weight if weight is not None else x, y, y.stride(0), rstd, M, H,
+        eps, weight_offset, HAS_WEIGHT=weight is not None, **cfg)
+    return y, rstd
+
+
+def _launch_bwd(x: torch.Tensor, dy: torch.Tensor, rstd: torch.Tensor,
+                weight: Optional[torch.Tensor], weight_offset: float,
+                weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx [M, H] in x's dtype, dw_part [programs, H] float32)``; ``dw_part`` is ``[0]``
+    unless ``weight_grad``. The weight gradient is ``dw_part.sum(0)``."""
+    M, H = x.shape
+    dx = torch.empty((M, H), dtype=x.dtype, device=x.device)
+    cfg = _config(H, x.device, backward=True)
+    programs, rows_per_program = _bwd_grid(M, cfg["BLOCK_M"], cfg.pop("programs_per_sm"),
+                                           x.device)
+    # Streamed rows add into their program's partial row in place: it starts at zero.
+    alloc = torch.empty if cfg["SINGLE_BLOCK"] else torch.zeros
+    dw = alloc((programs, H) if weight_grad else (0,), dtype=torch.float32, device=x.device)
+    if M == 0 or H == 0:
+        return dx, dw.zero_()
+    _kernels().rms_norm_bwd_kernel[(programs,)](
+        x, x.stride(0), dy, dy.stride(0), weight if weight is not None else x, rstd,
+        dx, dx.stride(0), dw if weight_grad else dx, M, H, rows_per_program, weight_offset,
+        HAS_WEIGHT=weight is not None, WEIGHT_GRAD=weight_grad, **cfg)
+    return dx, dw
+
+
+# The launches as torch.library custom ops, for torch.compile (eager calls launch directly,
+# skipping the dispatcher). The backward op returns the weight gradient already summed
+# over the programs' partials, so its outputs' shapes follow from the inputs'.
+
+
+@torch.library.custom_op("lmfuse::rms_norm_fwd", mutates_args=())
+def _rms_norm_fwd_op(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
+                     weight_offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch_fwd(x, weight, eps, weight_offset)
+
+
+@_rms_norm_fwd_op.register_fake
+def _(x, weight, eps, weight_offset):
+    return x.new_empty(x.shape), x.new_empty((x.shape[0],), dtype=torch.float32)
+
+
+@torch.library.custom_op("lmfuse::rms_norm_bwd", mutates_args=())
+def _rms_norm_bwd_op(x: torch.Tensor, dy: torch.Tensor, rstd: torch.Tensor,
+                     weight: Optional[torch.Tensor], weight_offset: float,
+                     weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    dx, dw = _launch_bwd(x, dy, rstd, weight, weight_offset, weight_grad)
+    return dx, (dw.sum(0) if weight_grad else dw)
+
+
+@_rms_norm_bwd_op.register_fake
+def _(x, dy, rstd, weight, weight_offset, weight_grad):
+    return (x.new_empty(x.shape),
+            x.new_empty((x.shape[1] if weight_grad else 0,), dtype=torch.float32))
+
+
+# --- autograd ----------------------------------------------------------------------------------
+
+
+class _RMSNorm(torch.autograd.Function):
+    """``y = rms_norm(x, weight)`` for ``x [M, H]`` on the Triton path."""
+
+    @staticmethod
+    def forward(ctx, x, weight, s: dict[str, Any]):
+        with nvtx_range(_OP, "fwd"):
+            if _eager():
+                y, rstd = _launch_fwd(x, weight, s["eps"], s["weight_offset"])
+            else:
+                y, rstd = _rms_norm_fwd_op(x, weight, s["eps"], s["weight_offset"])
+            ctx.s = s
+            if any(ctx.needs_input_grad[:2]):
+                ctx.save_for_backward(x, weight, rstd)
+            return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        with nvtx_range(_OP, "bwd"):
+            x, weight, rstd = ctx.saved_tensors
+            need_x, need_w = ctx.needs_input_grad[:2]
+            if dy.stride(-1) != 1:  # any row stride is read as is, even 0 (expanded)
+                dy = dy.contiguous()
+            offset = ctx.s["weight_offset"]
+            if _eager():
+                dx, dw = _launch_bwd(x, dy, rstd, weight, offset, need_w)
+                dw = dw.sum(0) if need_w else None
+            else:
+                dx, dw = _rms_norm_bwd_op(x, dy, rstd, weight, offset, need_w)
+            dw = dw.to(weight.dtype) if need_w else None
+            return (dx if need_x else None), dw, None
+
+
+# --- validation, planning, the public function ---------------------------------------------------
+
+
+def _resolve(x, weight, eps, weight_offset, impl) -> tuple[str, str, dict[str, Any]]:
+    """Validate the arguments and choose the path; cheap and traceable by torch.compile."""
+    check_tensor(_OP, "x", x)
+    if x.dim() < 1:
+        raise ValueError(f"{_OP}: x must have a last (hidden) dimension, got a 0-D tensor")
+    H = x.shape[-1]
+    if weight is not None:
+        check_tensor(_OP, "weight", weight, ndim=1)
+        if weight.shape[0] != H:
+            raise ValueError(f"{_OP}: weight must be [H] = [{H}] (x's last dim, x of shape "
+                             f"{tuple(x.shape)}), got {tuple(weight.shape)}")
+        check_same_device(_OP, "x", x, weight=weight)
+    eps = check_number(_OP, "eps", eps, allow_none=False)
+    if eps < 0:
+        raise ValueError(f"{_OP}: eps must be >= 0 (it is added to the mean square), got {eps}")
+    weight_offset = check_number(_OP, "weight_offset", weight_offset, allow_none=False)
+    path, reason = select_impl(_OP, impl, x.device)
+    if path == "triton" and x.dtype == torch.float64:
+        if impl == "triton":
+            raise TypeError(f"{_OP}: the Triton path takes float32/float16/bfloat16 x, got "
+                            f"float64; use impl='torch'")
+        path, reason = "torch", "float64 input: the reference (the kernels are for fp32/16)"
+    rows = math.prod(x.shape[:-1])
+    return path, reason, dict(eps=eps, weight_offset=weight_offset, rows=rows, H=H)
+
+
+@register_planner(_OP)
+def plan_rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps: float = 1e-6,
+                  weight_offset: float = 0.0, impl: str = "auto") -> Plan:
+    """What :func:`rms_norm` would do with these arguments (validated the same way)."""
+    path, reason, a = _resolve(x, weight, eps, weight_offset, impl)
+    H = a["H"]
+    scale = ("none (no weight)" if weight is None else
+             f"weight + {a['weight_offset']:g}" if a["weight_offset"] else "weight")
+    details = {
+        "x": f"{list(x.shape)} {str(x.dtype).replace('torch.', '')}: {a['rows']} rows of {H}",
+        "scale": scale,
+        "eps": a["eps"],
+    }
+    if weight is not None:
+        details["weight"] = f"[{H}] {str(weight.dtype).replace('torch.', '')}"
+    if path == "triton" and H > 0:
+        fwd, bwd = _config(H, x.device, False), _config(H, x.device, True)
+        details["forward"] = (
+            f"one pass, {fwd['BLOCK_M']} row(s) x {fwd['BLOCK_N']} columns per program"
+            if fwd["SINGLE_BLOCK"] else
+            f"streamed in {fwd['BLOCK_N']}-column tiles, {fwd['BLOCK_M']} row(s) per program")
+        programs, per = _bwd_grid(a["rows"], bwd["BLOCK_M"], bwd["programs_per_sm"], x.device)
+        details["backward"] = (
+            f"{programs} program(s) of {per} rows, "
+            + (f"{bwd['BLOCK_M']} x {bwd['BLOCK_N']} tiles" if bwd["SINGLE_BLOCK"] else
+               f"streamed in {bwd['BLOCK_N']}-column tiles")
+            + ("; weight gradient: float32 partial per program, summed" if weight is not None
+               else ""))
+        details["saved for backward"] = "x, weight, rstd [rows] float32"
+    return Plan(_OP, path, reason, details, a)
+
+
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps: float = 1e-6,
+             weight_offset: float = 0.0, impl: str = "auto") -> torch.Tensor:
+    """RMSNorm over the last dim: ``x / sqrt(mean(x ** 2) + eps) * (weight + weight_offset)``.
+
+    Float32 math (float64 for float64 x on the reference path), rounded once to x's dtype.
+
+    Args:
+        x: ``[..., H]`` float32/float16/bfloat16 (float64 on the torch path), any leading
+            shape and strides, any H (rows wider than one register tile are streamed).
+        weight: optional ``[H]`` scale, any float dtype, on x's device; ``None``: no affine
+            step (``weight_offset`` then has no effect). Its gradient comes in its dtype.
+        eps: added to the mean square; finite and >= 0.
+        weight_offset: added to ``weight`` before it scales: 1.0 is Gemma's ``(1 + weight)``,
+            0.0 (Llama, Mistral, Qwen) scales by ``weight`` itself.
+        impl: ``"auto"`` (Triton on CUDA or under the interpreter, else the reference),
+            ``"triton"`` or ``"torch"``; see :func:`lmfuse.explain`.
+
+    Returns:
+        ``[..., H]`` in x's dtype (contiguous on the Triton path); gradients for x and
+        weight.
+    """
+    path, _, a = _resolve(x, weight, eps, weight_offset, impl)
+    if path == "torch":
+        with nvtx_range(_OP, "fwd"):
+            return rms_norm_reference(x, weight, eps=a["eps"], weight_offset=a["weight_offset"])
+    H = x.shape[-1]
+    x2 = x.reshape(a["rows"], H)
+    if x2.stride(-1) != 1:  # the kernels read any row stride, but columns at stride 1
+        x2 = x2.contiguous()
+    w = weight.contiguous() if weight is not None else None
+    if _eager() and not (torch.is_grad_enabled() and (x.requires_grad or (
+            weight is not None and weight.requires_grad))):
+        # Nothing to differentiate (inference): the launch alone, no autograd node.
+        with nvtx_range(_OP, "fwd"):
+            return _launch_fwd(x2, w, a["eps"], a["weight_offset"])[0].view(x.shape)
+    return _RMSNorm.apply(x2, w, a).view(x.shape)
+
+
+# --- self-check cases for ``lmfuse check`` -------------------------------------------------------
+
+
+def checks(device: torch.device, dtypes) -> list:
+    """Fresh random cases of every variant (weight or not, Gemma's offset, streamed rows),
+    for :mod:`lmfuse._check`."""
+    from .._check import CheckCase
+
+    small = device.type != "cuda"
+    shapes = {"plain": (9, 100) if small else (1000, 4096),
+              "3-D": (2, 5, 96) if small else (4, 512, 5120),
+              "streamed row": (2, 16411) if small else (64, 70000)}
+
+    def case(label, shape, dtype, weight="same", **kw):
+        H = shape[-1]
+
+        def inputs():
+            t = [torch.randn(shape, device=device).to(dtype).requires_grad_(True)]
+            if weight is not None:
+                w = 1.0 + 0.1 * torch.randn(H, device=device)
+                t.append(w.to(dtype if weight == "same" else weight).requires_grad_(True))
+            return t
+
+        def call(impl, *t):
+            return rms_norm(*t, impl=impl, **kw)
+
+        def plan(*t):
+            return plan_rms_norm(*t, **kw)
+
+        return CheckCase(_OP, label, dtype, shape, inputs, call, plan)
+
+    cases = []
+    for dtype in dtypes:
+        cases += [
+            case("weight", shapes["plain"], dtype),
+            case("fp32 weight", shapes["plain"], dtype, weight=torch.float32),
+            case("gemma 1+weight", shapes["plain"], dtype, weight_offset=1.0),
+            case("no weight", shapes["3-D"], dtype, weight=None),
+            case("streamed row", shapes["streamed row"], dtype, eps=1e-5),
+        ]
+    return cases

@@ -1,0 +1,55 @@
+"""Reference RMSNorm: the specification of ``lmfuse.rms_norm``, in plain PyTorch.
+
+For each row ``x`` of the last dimension (``H`` values)::
+
+    y = x / sqrt(mean(x ** 2) + eps) * (weight + weight_offset)
+
+The math runs in float32 (float64 for float64 input) and the result is rounded once, to
+x's dtype. ``weight_offset=1.0`` is Gemma's ``(1 + weight)`` convention; Llama, Mistral and
+Qwen use 0. Without a weight there is no affine step (the normalised x is the output,
+whatever ``weight_offset``). The function is plain differentiable torch code: autograd
+gives the reference gradients of x and weight.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 for float64 input, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def rms_norm_reference(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor] = None,
+    *,
+    eps: float = 1e-6,
+    weight_offset: float = 0.0,
+) -> torch.Tensor:
+    """RMSNorm over the last dim, rounded once to x's dtype.
+
+    Args:
+        x: ``[..., H]`` floating-point input.
+        weight: optional ``[H]`` scale (any float dtype); ``None``: no affine step.
+        eps: added to the mean square before the square root.
+        weight_offset: added to ``weight`` before it scales (Gemma: 1.0).
+    Returns:
+        ``[..., H]`` in x's dtype.
+    """
+    compute = compute_dtype(x.dtype)
+    xf = x.to(compute)
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * (weight.to(compute) + weight_offset)
+    return y.to(x.dtype)
+
+
+def rms_norm_rstd_reference(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``1 / sqrt(mean(x ** 2, -1) + eps)`` per row, ``[...]`` in the compute dtype: what the
+    Triton forward saves for its backward."""
+    xf = x.to(compute_dtype(x.dtype))
+    return torch.rsqrt(xf.square().mean(-1) + eps)
