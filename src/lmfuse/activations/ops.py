@@ -315,7 +315,14 @@ def _run(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp_
         x2 = x2.contiguous()
     w2 = weights.reshape(-1, 1).contiguous() if weights is not None else None
     b = bias.contiguous() if bias is not None else None  # the kernels read it at stride 1
-    y = _Activation.apply(x2, b, w2, s)
+    if s["path"] == "triton" and _eager() and not (torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (x, bias, weights))):
+        # Nothing to differentiate (inference): the launch alone, no autograd node and no
+        # saved input, which halves the host time of a small call.
+        with nvtx_range(op, "fwd"):
+            y = _launch_fwd(x2, b, w2, s)
+    else:
+        y = _Activation.apply(x2, b, w2, s)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
