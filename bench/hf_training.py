@@ -1,0 +1,159 @@
+"""A Hugging Face causal LM's training step with and without ``apply_lmfuse``.
+
+    python bench/hf_training.py [--json PATH] [--model llama|qwen3|gemma] [--quick]
+
+Builds a random-weight model from a config (no download; Llama-3-like by default: hidden
+2048, 8 layers, FFN 8192, vocabulary 128256, bf16, SDPA attention), and times one training
+step (forward with labels, backward) on ``[batch, seq]`` tokens for:
+
+* ``transformers``: the model as Hugging Face builds it (its loss materialises the
+  ``[batch * seq, V]`` logits in float32);
+* ``lmfuse``: the same weights after ``lmfuse.integrations.transformers.apply_lmfuse``
+  (RMSNorm, SwiGLU / GEGLU and the loss through ``linear_cross_entropy``);
+* ``liger-kernel``: Liger-Kernel's own patch of the same model, where it is installed.
+
+Each row gives the median step time, tokens/s, the peak memory allocated during the step
+beyond the model, its parameters' gradients and the optimizer-free state (the activations
+and the loss' temporaries), and the loss and gradient agreement with the unpatched model
+(relative difference of the loss, and the largest over the parameters' gradients of
+``||a - b|| / ||b||``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import Result, bench_ms, dist_version, environment, print_table  # noqa: E402
+
+
+def build(kind: str, quick: bool, device: torch.device):
+    import transformers
+
+    small = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=2,
+                 num_attention_heads=8, num_key_value_heads=2, vocab_size=32000)
+    big = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=8,
+               num_attention_heads=16, num_key_value_heads=4, vocab_size=128256)
+    dims = small if quick else big
+    common = dict(max_position_embeddings=8192, attn_implementation="sdpa",
+                  tie_word_embeddings=False, **dims)
+    if kind == "llama":
+        config = transformers.LlamaConfig(**common)
+        cls = transformers.LlamaForCausalLM
+    elif kind == "qwen3":
+        config = transformers.Qwen3Config(head_dim=dims["hidden_size"] // 16, **common)
+        cls = transformers.Qwen3ForCausalLM
+    elif kind == "gemma":
+        config = transformers.GemmaConfig(head_dim=dims["hidden_size"] // 16, **common)
+        cls = transformers.GemmaForCausalLM
+    else:
+        raise ValueError(f"--model must be llama, qwen3 or gemma, got {kind!r}")
+    torch.manual_seed(0)
+    model = cls(config).to(device=device, dtype=torch.bfloat16)
+    return model
+
+
+def liger_patch(kind: str, model):
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    _apply_liger_kernel_to_instance(model=model)
+    return model
+
+
+def step_fn(model, ids, labels):
+    def step():
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=labels)
+        out.loss.backward()
+        return out.loss.detach()
+    return step
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().float().clone() for n, p in model.named_parameters()
+            if p.grad is not None}
+
+
+def compare(loss, g, ref_loss, ref_g) -> str:
+    dl = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+    worst = 0.0
+    for n, r in ref_g.items():
+        a = g.get(n)
+        if a is None:
+            return f"loss rel {dl:.1e}; gradient of {n} missing"
+        worst = max(worst, ((a - r).norm() / r.norm().clamp_min(1e-30)).item())
+    return f"loss rel {dl:.1e}; worst grad rel {worst:.1e}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="llama")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda")
+    from lmfuse.integrations.transformers import apply_lmfuse
+
+    base = build(args.model, args.quick, device)
+    V = base.config.vocab_size
+    g = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.randint(0, V, (args.batch, args.seq), generator=g).to(device)
+    labels = ids.clone()
+    labels[:, : args.seq // 16] = -100  # a prompt that carries no loss
+
+    variants = {"transformers": lambda: base,
+                "lmfuse": lambda: apply_lmfuse(copy.deepcopy(base)),
+                "liger-kernel": lambda: liger_patch(args.model, copy.deepcopy(base))}
+    name = f"{args.model} train step [{args.batch}x{args.seq}] V={V}"
+    rows, ref = [], None
+    for impl, make in variants.items():
+        try:
+            model = make()
+            step = step_fn(model, ids, labels)
+            loss = step()
+            note = "" if ref is None else compare(loss, grads(model), *ref)
+            if ref is None:
+                ref = (loss, grads(model))
+            ms = bench_ms(step, device, warmup=200, rep=1000)
+            model.zero_grad(set_to_none=False)  # gradients kept allocated: not counted
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            out = model(input_ids=ids, labels=labels)
+            out.loss.backward()
+            torch.cuda.synchronize()
+            mem = (torch.cuda.max_memory_allocated() - before) / 2**20
+            del out
+            rows.append(Result(name, impl, ms, None, None, mem,
+                               f"{args.batch * args.seq / ms * 1e3:,.0f} tokens/s; {note}"))
+            if model is not base:
+                del model
+            torch.cuda.empty_cache()
+        except Exception as exc:  # a peer missing or failing is a row with a note
+            rows.append(Result(name, impl, None, None, None, None,
+                               f"failed: {type(exc).__name__}: {exc}"[:200]))
+    lm = next(r.ms for r in rows if r.impl == "lmfuse")
+    for r in rows:
+        r.ratio = r.ms / lm if (r.ms and lm) else None
+    print_table(rows)
+    if args.json:
+        import json
+        from dataclasses import asdict
+
+        env = environment(device)
+        env["transformers"] = dist_version("transformers")
+        env["liger-kernel"] = dist_version("liger-kernel")
+        Path(args.json).write_text(json.dumps({"env": env, "results": [asdict(r) for r in rows]},
+                                              indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""``lmfuse.integrations.transformers.apply_lmfuse`` on tiny random-config models.
+
+Each case builds model A (no weights downloaded), deep-copies it to B and patches B; in
+float32 the patched model's loss and every parameter's gradient must equal the unpatched
+model's (tolerances from ``helpers.py``), its logits and greedy generations without labels
+too. The lmfuse ops run their Triton kernels in the CPU interpreter (``impl="auto"`` under
+the suite's ``TRITON_INTERPRET=1``), so the sizes are tiny.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import inspect
+import math
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_close
+
+import lmfuse
+from lmfuse import geglu
+from lmfuse.activations import reference as act_ref
+from lmfuse.integrations.transformers import SUPPORTED_MODEL_TYPES, apply_lmfuse
+
+transformers = pytest.importorskip("transformers")
+
+F32 = torch.float32
+VOCAB = 160
+
+# Per family: what its config sets beyond the tiny common sizes. Llama's MLP has biases
+# (the bias path), Qwen2 ties lm_head to the embedding (Gemma does by default), Gemma2/3 cap
+# the logits at a value small enough for tanh to bend them.
+FAMILIES = {
+    "llama": {"mlp_bias": True},
+    "mistral": {},
+    "qwen2": {"tie_word_embeddings": True},
+    "qwen3": {},
+    "gemma": {},
+    "gemma2": {"final_logit_softcapping": 0.5},
+    "gemma3_text": {"final_logit_softcapping": 0.5},
+}
+GELU_FAMILIES = ("gemma", "gemma2", "gemma3_text")
+
+
+def make_model(model_type: str, **overrides):
+    """A two-layer random model of ``model_type``, norm weights moved off their init (so
+    Gemma's ``1 + weight`` offset matters), in float32 and train mode."""
+    kw = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": VOCAB,
+          "max_position_embeddings": 64, "initializer_range": 0.1,
+          "attn_implementation": "eager", "pad_token_id": 0, "bos_token_id": 1,
+          "eos_token_id": 2}
+    kw.update(FAMILIES.get(model_type, {}))
+    kw.update(overrides)
+    config = transformers.AutoConfig.for_model(model_type, **kw)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(F32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return model.train()
+
+
+def make_pair(model_type: str, **overrides):
+    a = make_model(model_type, **overrides)
+    # Every call fused, no-grad ones too, so the comparisons below exercise the fused ops.
+    b = apply_lmfuse(copy.deepcopy(a), inference_fallback_tokens=0)
+    return a, b
+
+
+def batch(b: int = 2, s: int = 7):
+    ids = torch.randint(3, VOCAB, (b, s))
+    labels = ids.clone()
+    labels[0, :3] = -100  # a prompt not scored
+    labels[-1, -2] = -100
+    return ids, labels
+
+
+def assert_same_grads(a, b, what: str) -> None:
+    grads_b = dict(b.named_parameters())
+    for name, p in a.named_parameters():
+        q = grads_b[name]
+        assert (p.grad is None) == (q.grad is None), f"{what}: {name} grad presence differs"
+        if p.grad is not None:
+            assert_close(q.grad, p.grad, F32, f"{what}: grad of {name}")
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_loss_and_gradients_match_unpatched(model_type):
+    a, b = make_pair(model_type)
+    ids, labels = batch()
+    out_a = a(input_ids=ids, labels=labels)
+    out_b = b(input_ids=ids, labels=labels)
+    assert out_b.logits is None, "the fused loss must not form logits"
+    assert type(out_b) is type(out_a)
+    assert_close(out_b.loss, out_a.loss, F32, f"{model_type}: loss")
+    out_a.loss.backward()
+    out_b.loss.backward()
+    assert_same_grads(a, b, model_type)
+
+    # What is patched: every norm of the family (Qwen3's/Gemma3's q/k norms included) and
+    # every MLP, with the activation the config names.
+    s = b.lmfuse_patches
+    norms = [n for n, m in b.named_modules() if type(m).__name__.endswith("RMSNorm")]
+    mlps = [n for n, m in b.named_modules() if type(m).__name__.endswith("MLP")]
+    assert sorted(s["rms_norm"]) == sorted(norms) and len(norms) >= 5
+    if model_type in ("qwen3", "gemma3_text"):
+        assert "model.layers.0.self_attn.q_norm" in s["rms_norm"]
+    act = "geglu" if model_type in GELU_FAMILIES else "swiglu"
+    assert sorted(s[act]) == sorted(mlps) and len(mlps) == 2
+    assert s["fused_linear_cross_entropy"] and not s["mlp_unsupported_activation"]
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_logits_and_generation_unchanged_without_labels(model_type):
+    a, b = make_pair(model_type)
+    a.eval()
+    b.eval()
+    ids, _ = batch()
+    with torch.no_grad():
+        logits_a = a(input_ids=ids).logits
+        logits_b = b(input_ids=ids).logits
+    assert_close(logits_b, logits_a, F32, f"{model_type}: logits without labels")
+    prompt = ids[:1, :4]
+    gen = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(b.generate(prompt, **gen), a.generate(prompt, **gen))
+
+
+@pytest.mark.parametrize("model_type", ["gemma2"])
+def test_gradient_accumulation_with_num_items_in_batch(model_type):
+    """Two micro-batches, each loss summed and divided by the tokens of both (transformers'
+    ``num_items_in_batch``): the same loss values and accumulated gradients."""
+    a, b = make_pair(model_type)
+    micro = [batch(), batch(b=1, s=5)]
+    total = torch.tensor(sum(int((lab[..., 1:] != -100).sum()) for _, lab in micro))
+    for ids, labels in micro:
+        loss_a = a(input_ids=ids, labels=labels, num_items_in_batch=total).loss
+        loss_b = b(input_ids=ids, labels=labels, num_items_in_batch=total).loss
+        assert_close(loss_b, loss_a, F32, f"{model_type}: micro-batch loss")
+        loss_a.backward()
+        loss_b.backward()
+    assert_same_grads(a, b, f"{model_type} accumulated")
+
+
+def test_shift_labels_and_tuple_output():
+    """Labels already shifted by the caller (``shift_labels``, as for sequence parallelism)
+    are used as given, and ``return_dict=False`` gives transformers' tuple, loss first."""
+    a, b = make_pair("qwen3")
+    ids, labels = batch()
+    shift = torch.randint(3, VOCAB, ids.shape)
+    shift[:, 0] = -100
+    loss_a = a(input_ids=ids, labels=labels, shift_labels=shift).loss
+    out_b = b(input_ids=ids, labels=labels, shift_labels=shift, return_dict=False)
+    assert isinstance(out_b, tuple) and out_b[0].dim() == 0
+    assert_close(out_b[0], loss_a, F32, "shift_labels loss")
+    loss_a.backward()
+    out_b[0].backward()
+    assert_same_grads(a, b, "shift_labels")
+
+
+def test_state_dict_signature_and_idempotency():
+    a, b = make_pair("qwen3")
+    assert list(b.state_dict()) == list(a.state_dict())
+    b.load_state_dict(a.state_dict())  # a checkpoint of the unpatched model loads strictly
+    # transformers reads the forward's signature (generation, the Trainer's column filter).
+    assert inspect.signature(b.forward) == inspect.signature(a.forward)
+
+    ids, labels = batch()
+    first = b(input_ids=ids, labels=labels).loss.detach()
+    forwards = {n: m.forward.fn for n, m in b.named_modules() if "forward" in m.__dict__}
+    assert apply_lmfuse(b, impl="torch") is b
+    again = {n: m.forward.fn for n, m in b.named_modules() if "forward" in m.__dict__}
+    assert again == forwards, "applying twice must not wrap twice"
+    assert b.lmfuse_patches["impl"] == "torch"
+    assert_close(b(input_ids=ids, labels=labels).loss.detach(), first, F32, "re-applied")
+    # A deep copy (and a pickled whole model) carries the patch, bound to its own modules.
+    for c in (copy.deepcopy(b), pickle.loads(pickle.dumps(b))):
+        assert c.model.layers[0].mlp.forward.module is c.model.layers[0].mlp
+        assert c.forward.module is c and c.lmfuse_patches == b.lmfuse_patches
+        assert_close(c(input_ids=ids, labels=labels).loss.detach(), first, F32, "copied")
+
+
+def test_unsupported_activation_leaves_mlp_with_a_warning():
+    a = make_model("llama", hidden_act="relu")
+    b = copy.deepcopy(a)
+    with pytest.warns(UserWarning, match="relu|ReLU"):
+        apply_lmfuse(b)
+    s = b.lmfuse_patches
+    assert not s["swiglu"] and len(s["mlp_unsupported_activation"]) == 2
+    assert len(s["rms_norm"]) == 5 and s["fused_linear_cross_entropy"]
+    ids, labels = batch()
+    assert_close(b(input_ids=ids, labels=labels).loss, a(input_ids=ids, labels=labels).loss,
+                 F32, "relu llama loss")
+
+
+def test_bad_arguments_raise():
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=16, n_layer=1, n_head=2, vocab_size=32, n_positions=16))
+    with pytest.raises(ValueError, match=r"gpt2.*llama, mistral, qwen2, qwen3, gemma"):
+        apply_lmfuse(gpt2)
+    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module"):
+        apply_lmfuse("llama")
+    model = make_model("llama", num_hidden_layers=1)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        apply_lmfuse(model, impl="cuda")
+    with pytest.raises(TypeError, match="swiglu must be a bool"):
+        apply_lmfuse(model, swiglu="yes")
+    assert "forward" not in model.__dict__, "a refused call must patch nothing"
+    assert set(SUPPORTED_MODEL_TYPES) == set(FAMILIES)
+
+
+def test_mlp_with_wrapped_projection_and_under_autocast():
+    """A projection that is not a plain ``nn.Linear`` (LoRA-like) is called as a module;
+    under autocast the projections run in the autocast dtype as ``F.linear`` would."""
+
+    class Adapted(torch.nn.Linear):
+        def forward(self, x):
+            y = super().forward(x)
+            return y + 0.1 * y * y
+
+    a = make_model("llama", num_hidden_layers=1)
+    mlp_a = a.model.layers[0].mlp
+    old = mlp_a.gate_proj
+    mlp_a.gate_proj = Adapted(old.in_features, old.out_features, bias=True)
+    b = apply_lmfuse(copy.deepcopy(a))
+    mlp_b = b.model.layers[0].mlp
+    x = torch.randn(2, 5, 32)
+    assert_close(mlp_b(x), mlp_a(x), F32, "wrapped gate_proj")
+
+    b = apply_lmfuse(make_model("mistral", num_hidden_layers=1))
+    mlp_b = b.model.layers[0].mlp
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_b = mlp_b(x)
+        y_a = type(mlp_b).forward(mlp_b, x)  # the class's own forward
+    assert y_b.dtype == y_a.dtype == torch.bfloat16
+    assert_close(y_b, y_a, torch.bfloat16, "autocast bf16 MLP")
+
+
+def test_geglu_is_transformers_tanh_gelu():
+    """lmfuse's GELU constants are the tanh approximation's, so Gemma's
+    ``gelu_pytorch_tanh`` gated MLP and lmfuse's GEGLU agree."""
+    assert math.isclose(act_ref.GELU_A, math.sqrt(2.0 / math.pi), rel_tol=1e-8)
+    x = torch.randn(6, 2 * 40) * 3
+    expected = F.gelu(x[:, :40], approximate="tanh") * x[:, 40:]
+    assert_close(geglu(x), expected, F32, "geglu vs F.gelu(approximate='tanh')")
+    hf_act = transformers.activations.ACT2FN["gelu_pytorch_tanh"]
+    assert_close(geglu(x), hf_act(x[:, :40]) * x[:, 40:], F32, "geglu vs gelu_pytorch_tanh")
+
+
+def test_importing_lmfuse_does_not_import_transformers():
+    """No module of lmfuse imports transformers at import time (the integration imports it
+    inside apply_lmfuse), and ``import lmfuse`` does not load the integrations. Checked on
+    the source (a fresh interpreter to look at ``sys.modules`` costs seconds of start-up)."""
+    root = Path(lmfuse.__file__).parent
+    for path in root.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:  # module-level statements only
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                     else [])
+            assert not any(n.split(".")[0] == "transformers" for n in names), (
+                f"{path.relative_to(root)} imports transformers at module level")
+    init = ast.parse((root / "__init__.py").read_text())
+    assert not any(isinstance(n, ast.ImportFrom) and (n.module or "").startswith("integrations")
+                   for n in ast.walk(init)), "import lmfuse must not load lmfuse.integrations"
+
+
+def test_small_no_grad_calls_run_the_module_forward(monkeypatch):
+    """With autograd off, norm and MLP calls on at most ``inference_fallback_tokens`` tokens
+    run the modules' own forward (no lmfuse launch); larger ones and training calls fuse."""
+    import lmfuse.integrations.transformers as integration
+
+    calls = []
+    real_norm, real_swiglu = integration._rms_norm, integration._swiglu
+    monkeypatch.setattr(integration, "_rms_norm",
+                        lambda *a, **k: (calls.append("norm"), real_norm(*a, **k))[1])
+    monkeypatch.setattr(integration, "_swiglu",
+                        lambda *a, **k: (calls.append("swiglu"), real_swiglu(*a, **k))[1])
+    a = make_model("llama").eval()
+    b = apply_lmfuse(copy.deepcopy(a), inference_fallback_tokens=4)
+    ids, _ = batch(b=1, s=4)
+    with torch.no_grad():
+        assert_close(b(input_ids=ids).logits, a(input_ids=ids).logits, F32, "4 tokens")
+        assert calls == []
+        ids, _ = batch(b=1, s=5)
+        assert_close(b(input_ids=ids).logits, a(input_ids=ids).logits, F32, "5 tokens")
+        assert "norm" in calls and "swiglu" in calls
+    calls.clear()
+    b(input_ids=ids[:, :2]).logits.sum().backward()  # training: always fused
+    assert "norm" in calls and "swiglu" in calls
+    with pytest.raises(ValueError, match="inference_fallback_tokens must be an int >= 0"):
+        apply_lmfuse(b, inference_fallback_tokens=-1)
