@@ -6,13 +6,18 @@ defined), so it is set on the very first lines, before any other import. Gloo ra
 spawned by ``tests/distributed/spawn.py`` get it in their environment as well. So does
 ``LMFUSE_TUNING_CACHE``, pointed at a file that does not exist, so a user cache written by
 ``lmfuse tune`` on the machine cannot change what the tests see.
+
+``LMFUSE_GPU_TESTS=1`` leaves ``TRITON_INTERPRET`` alone, so the Triton kernels are
+compiled for the GPU: for ``tests/gpu/`` on a CUDA machine (``LMFUSE_GPU_TESTS=1 python -m
+pytest tests/gpu``), whose tests skip while the interpreter is on. CI never sets it.
 """
 
 from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+if os.environ.get("LMFUSE_GPU_TESTS") != "1":
+    os.environ["TRITON_INTERPRET"] = "1"
 # Never read the user's own ``lmfuse tune`` cache: a path no test writes (tests that record
 # point the variable at their tmp_path).
 os.environ["LMFUSE_TUNING_CACHE"] = os.path.join(os.path.dirname(os.path.abspath(__file__)),
