@@ -24,6 +24,8 @@ bad inputs (wrong-shaped or inconsistent lengths among them) raising on every ra
 hanging, on a 2 x 2 grid too.
 
 Each spawn costs seconds, so one spawn runs a whole sweep and reports every failing case.
+``tests/gpu/sharded_decode_nccl.py`` runs these checks on NCCL ranks (GPU tensors, realistic
+head dims), importing the helpers here (``device=`` / ``head_dim=`` arguments).
 """
 
 from __future__ import annotations
@@ -54,14 +56,16 @@ D = 16
 
 
 def full_problem(seed: int, lens: list[int], s_active: int, hq: int, hkv: int, s_max: int,
-                 dtype: torch.dtype, fp8: bool = False, sinks: bool = False) -> dict[str, Any]:
-    """Identical on every rank for one seed."""
+                 dtype: torch.dtype, fp8: bool = False, sinks: bool = False, *,
+                 head_dim: int = D, device: Any = "cpu") -> dict[str, Any]:
+    """Identical on every rank for one seed (drawn on the CPU, then moved to ``device``,
+    where the oracle is computed)."""
     g = torch.Generator().manual_seed(seed)
     B = len(lens)
-    q = torch.randn((B, s_active, hq, D), generator=g).to(dtype)
+    q = torch.randn((B, s_active, hq, head_dim), generator=g).to(dtype)
     caches = []
     for _ in range(2):
-        x = torch.randn((B, s_max, hkv, D), generator=g) * (2.0 if fp8 else 1.0)
+        x = torch.randn((B, s_max, hkv, head_dim), generator=g) * (2.0 if fp8 else 1.0)
         for b, length in enumerate(lens):
             x[b, length:] = NAN
         caches.append(x.to(FP8 if fp8 else dtype))
@@ -69,6 +73,7 @@ def full_problem(seed: int, lens: list[int], s_active: int, hq: int, hkv: int, s
              sinks=torch.randn((hq,), generator=g) * 2.0 if sinks else None,
              k_scale=torch.rand((hkv,), generator=g) * 1.5 + 0.25 if fp8 else None,
              v_scale=torch.rand((hkv,), generator=g) * 1.5 + 0.25 if fp8 else None)
+    p = {name: None if t is None else t.to(device) for name, t in p.items()}
     p["want"], p["want_lse"] = lmfuse.decode_attention(
         q, p["k"], p["v"], p["lens"], sinks=p["sinks"], k_scale=p["k_scale"],
         v_scale=p["v_scale"], return_lse=True, impl="torch")
@@ -87,18 +92,20 @@ def cp_local_lens(lens: list[int], rank: int, world: int, cp_block: int) -> list
 
 def cp_counts(lens: Any, rank: int, world: int, cp_block: int,
               dtype: torch.dtype = I32) -> torch.Tensor:
-    """:func:`cp_local_lens` as the ``[B]`` tensor a rank passes as ``seqlens_shard``."""
+    """:func:`cp_local_lens` as the ``[B]`` tensor a rank passes as ``seqlens_shard`` (on
+    ``lens``' device when it is a tensor)."""
+    device = lens.device if isinstance(lens, torch.Tensor) else None
     lens = lens.tolist() if isinstance(lens, torch.Tensor) else lens
-    return torch.tensor(cp_local_lens(lens, rank, world, cp_block), dtype=dtype)
+    return torch.tensor(cp_local_lens(lens, rank, world, cp_block), dtype=dtype, device=device)
 
 
 def layout(k: torch.Tensor, v: torch.Tensor, lens: list[int], block_len: Optional[int],
            seed: int) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     if block_len is None:
         return k, v, None
-    (pk, pv), table = to_paged((k, v), lens, block_len,
+    (pk, pv), table = to_paged((k.cpu(), v.cpu()), lens, block_len,
                                generator=torch.Generator().manual_seed(seed))
-    return pk, pv, table
+    return pk.to(k.device), pv.to(k.device), table.to(k.device)
 
 
 def cp_shard(p: dict[str, Any], rank: int, world: int, cp_block: int,
@@ -438,12 +445,18 @@ def raises(f: Failures, what: str, fn, kind: type, match: str, n_calls: int) -> 
 
 
 def _errors_rank(rank: int, world_size: int) -> None:
-    """Every rank must raise (and none hang): the same bad input everywhere raises before
-    any collective; input bad on one rank, or differing across ranks, raises on all of them
-    with ``check_ranks=True`` (after one small all-gather)."""
     f = Failures(rank)
-    group = dist.group.WORLD
-    p = full_problem(1, [9, 12], 3, 4, 2, 16, F32)
+    check_bad_inputs(f, dist.group.WORLD)
+    f.raise_if_any()
+
+
+def check_bad_inputs(f: Any, group: Any, device: Any = "cpu") -> None:
+    """Every rank of ``group`` (two ranks) must raise (and none hang): the same bad input
+    everywhere raises before any collective; input bad on one rank, or differing across
+    ranks, raises on all of them with ``check_ranks=True`` (after one small all-gather).
+    ``f.check(what, fn)`` runs each case (a :class:`Failures`)."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    p = full_problem(1, [9, 12], 3, 4, 2, 16, F32, device=device)
     k, v, table = cp_shard(p, rank, world_size, 1, None, 1)
     q, lens = p["q"], p["lens"]
     local = cp_counts(lens, rank, world_size, 1)
@@ -468,14 +481,14 @@ def _errors_rank(rank: int, world_size: int) -> None:
                                                            cp_block=0),
            ValueError, "cp_block must be >= 1", 0)
     raises(f, "cp sinks shape", lambda: cp_decode_attention(q, k, v, local, group=group,
-                                                            sinks=torch.zeros(3)),
+                                                            sinks=q.new_zeros(3)),
            ValueError, r"sinks must be \[Hq=4\]", 0)
     with torch.enable_grad():
         qg = q.clone().requires_grad_(True)
         raises(f, "cp grad", lambda: cp_decode_attention(qg, k, v, local, group=group),
                ValueError, "no backward", 0)
     raises(f, "cp append heads", lambda: cp_cache_append(
-        k, v, torch.zeros(2, 1, 3, D), torch.zeros(2, 1, 3, D), lens, group=group),
+        k, v, q.new_zeros(2, 1, 3, D), q.new_zeros(2, 1, 3, D), lens, group=group),
         ValueError, r"\[Hkv, D\]", 0)
 
     kq = q[:, :, 2 * rank:2 * rank + 2]
@@ -488,16 +501,16 @@ def _errors_rank(rank: int, world_size: int) -> None:
     raises(f, "kvdp GQA", lambda: kvdp_decode_attention(kq, lk3, lv3, lens[rows], group=group),
            ValueError, "multiple of the caches' KV heads", 0)
     raises(f, "kvdp sinks of own heads only", lambda: kvdp_decode_attention(
-        kq, lk, lv, lens[rows], group=group, sinks=torch.zeros(2)),
+        kq, lk, lv, lens[rows], group=group, sinks=q.new_zeros(2)),
         ValueError, r"sinks must be \[Hq=4\]", 0)
     raises(f, "kvdp whole-batch cache_seqlens", lambda: kvdp_decode_attention(
         kq, lk, lv, lens[rows], group=group, cache_seqlens=lens),
         ValueError, r"cache_seqlens must be \[B_r=1\] \(this rank holds sequences", 0)
     raises(f, "kvdp append heads", lambda: kvdp_cache_append(
-        lk, lv, torch.zeros(2, 1, 2, D), torch.zeros(2, 1, 2, D), lens[rows], group=group),
+        lk, lv, q.new_zeros(2, 1, 2, D), q.new_zeros(2, 1, 2, D), lens[rows], group=group),
         ValueError, "KV heads", 0)
     raises(f, "kvdp append short cache_seqlens", lambda: kvdp_cache_append(
-        lk, lv, torch.zeros(2, 1, 1, D), torch.zeros(2, 1, 1, D), lens[rows], group=group,
+        lk, lv, q.new_zeros(2, 1, 1, D), q.new_zeros(2, 1, 1, D), lens[rows], group=group,
         cp_group=group, cache_seqlens=lens[:0]),
         ValueError, r"cache_seqlens must be \[B_r=1\]", 0)
 
@@ -537,7 +550,7 @@ def _errors_rank(rank: int, world_size: int) -> None:
     raises(f, "cp dtype differs", lambda: cp_decode_attention(
         *half, lens, group=group, check_ranks=True),
         ValueError, r"disagree on query dtype: \['float32', 'float16'\]", 1)
-    sinks = torch.zeros(4) if rank == 0 else None
+    sinks = q.new_zeros(4) if rank == 0 else None
     raises(f, "cp sinks on one rank", lambda: cp_decode_attention(
         q, k, v, lens, group=group, sinks=sinks, check_ranks=True),
         ValueError, "disagree on sinks", 1)
@@ -562,7 +575,6 @@ def _errors_rank(rank: int, world_size: int) -> None:
         f.check(f"cp check_ranks ok {list(given)}", lambda calls=calls, out=out, given=given: (
             assert_collectives(calls, 2, 0 if given else 1),
             assert_close(out, p["want"], F32, "out")))
-    f.raise_if_any()
 
 
 # --- tests ---------------------------------------------------------------------------------
