@@ -42,9 +42,9 @@ CASES = [("B64 Hq32 S4096 D128", 64, 32, 8, 4096, 128, False, None),
          ("B64 Hq32 S4096 D256", 64, 32, 8, 4096, 256, False, None),
          ("B1 Hq32 S131072 D128 paged16", 1, 32, 8, 131072, 128, False, 16),
          ("B16 Hq32 S8192 D128 paged16", 16, 32, 8, 8192, 128, False, 16),
-         ("B64 Hq32 S4096 D128 paged16", 64, 32, 8, 4096, 128, False, 16)]
-BLOCK_N = (32, 64, 128)
-STAGES = (2, 3, 4)
+         ("B64 Hq32 S4096 D128 paged16", 64, 32, 8, 4096, 128, False, 16),
+         ("B32 Hq32 S<=8192 D128 paged16 ragged", 32, 32, 8, 8192, 128, False, 16),
+         ("B8 Hq32 Hkv32 S8192 D128", 8, 32, 32, 8192, 128, False, None)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,9 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json")
     parser.add_argument("--cases", default="", help="comma-separated substrings of case names")
     parser.add_argument("--warps", default="4,8")
+    parser.add_argument("--block-n", default="32,64,128")
+    parser.add_argument("--stages", default="2,3,4")
     parser.add_argument("--ppsm", default="1,2,4")
     args = parser.parse_args(argv)
     warps = [int(w) for w in args.warps.split(",")]
+    block_ns = [int(n) for n in args.block_n.split(",")]
+    stages = [int(n) for n in args.stages.split(",")]
     ppsms = [int(p) for p in args.ppsm.split(",")]
     wanted = [w for w in args.cases.split(",") if w]
     if not torch.cuda.is_available():
@@ -74,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         q = torch.randn(B, 1, Hq, D, device=dev, dtype=torch.bfloat16, generator=g)
         k = torch.randn(B, S, Hkv, D, device=dev, dtype=torch.bfloat16, generator=g)
         v = torch.randn(B, S, Hkv, D, device=dev, dtype=torch.bfloat16, generator=g)
-        lens = torch.full((B,), S, dtype=torch.int32, device=dev)
+        # Ragged: lengths uniform in [1, S] (seeded), as the benchmark's ragged case.
+        lengths = (torch.randint(1, S + 1, (B,), generator=torch.Generator().manual_seed(0))
+                   .tolist() if "ragged" in name else [S] * B)
+        lens = torch.tensor(lengths, dtype=torch.int32, device=dev)
         kw: dict = {}
         if fp8:
             k, ks = to_fp8(k)
@@ -83,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = 2 * k.numel() * k.element_size()
         if block_len:
             sdpa_k, sdpa_v = k, v
-            k, v, table = to_paged(k, v, [S] * B, block_len)
+            k, v, table = to_paged(k, v, lengths, block_len)
             kw["block_table"] = table
         current = dict(base)
         want = lmfuse.decode_attention(q, k, v, lens, **kw)
@@ -105,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: table {table_ms:.4f} ms ({nbytes / table_ms / 1e9:.2f} TB/s)"
               + (f", SDPA {row['sdpa_ms']:.4f} ms" if "sdpa_ms" in row else ""), flush=True)
         section = "fp8" if fp8 else "paged" if block_len else None
-        for bn, w, st, pp in itertools.product(BLOCK_N, warps, STAGES, ppsms):
+        for bn, w, st, pp in itertools.product(block_ns, warps, stages, ppsms):
             # Every section that could apply to this case is overridden, so that the
             # candidate's values are the ones that run, whichever program regime it is in.
             cand = dict(block_n_by_head_dim=[[1048576, bn]], num_warps=w, num_stages=st,
