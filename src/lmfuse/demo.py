@@ -10,6 +10,7 @@ The two models start from one set of weights and see the same batches; they diff
 in the ops:
 
     lmfuse                                   plain PyTorch
+    lmfuse.rms_norm(x, w)                    x * rsqrt(mean(x ** 2) + eps) * w
     lmfuse.fused_softmax(causal=True)        torch.softmax of masked scores
     lmfuse.FusedMLP(activation="swiglu")     F.silu(a) * g
     lmfuse.linear_cross_entropy(h, W, y)     F.cross_entropy(h @ W.T, y)
@@ -137,11 +138,16 @@ def rope(x: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, d: int) -> None:
+    """``lmfuse.rms_norm`` in the fused model, the plain formula in the other."""
+
+    def __init__(self, d: int, fused: bool, impl: str) -> None:
         super().__init__()
+        self.fused, self.impl = fused, impl
         self.weight = nn.Parameter(torch.ones(d))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return lmfuse.rms_norm(x, self.weight, eps=NORM_EPS, impl=self.impl)
         return rms_norm(x, self.weight)
 
 
@@ -161,7 +167,9 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, d = x.shape
         H, D = self.n_heads, self.head_dim
-        q, k, v = self.qkv(rms_norm(x, self.input_norm_weight)).view(B, T, 3, H, D).unbind(2)
+        h = (lmfuse.rms_norm(x, self.input_norm_weight, eps=NORM_EPS, impl=self.impl)
+             if self.fused else rms_norm(x, self.input_norm_weight))
+        q, k, v = self.qkv(h).view(B, T, 3, H, D).unbind(2)
         q, k = rope(q, self.inv_freq), rope(k, self.inv_freq)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         scores = q @ k.transpose(-1, -2)  # [B, H, T, T]
@@ -191,7 +199,7 @@ class Layer(nn.Module):
     def __init__(self, cfg: DemoConfig, fused: bool, impl: str) -> None:
         super().__init__()
         self.attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, fused, impl)
-        self.mlp_norm = RMSNorm(cfg.d_model)
+        self.mlp_norm = RMSNorm(cfg.d_model, fused, impl)
         self.mlp = (lmfuse.FusedMLP(cfg.d_model, cfg.ffn, "swiglu", bias=False, impl=impl)
                     if fused else PlainSwiGLU(cfg.d_model, cfg.ffn))
 
@@ -206,7 +214,7 @@ class TinyGPT(nn.Module):
         self.fused, self.impl = fused, impl
         self.embed = nn.Embedding(VOCAB, cfg.d_model)
         self.layers = nn.ModuleList(Layer(cfg, fused, impl) for _ in range(cfg.n_layers))
-        self.final_norm = RMSNorm(cfg.d_model)
+        self.final_norm = RMSNorm(cfg.d_model, fused, impl)
         self.head = nn.Linear(cfg.d_model, VOCAB, bias=False)
 
     def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
