@@ -1048,13 +1048,13 @@ def test_huge_window_and_forced_splits_are_harmless() -> None:
 
 def test_few_programs_take_their_own_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fewer (sequence, KV head) programs than SMs (4 under the interpreter) take the table's
-    ``few_programs`` tiles; a paged cache's own section (no ``few_programs``) keeps its tiles;
+    ``few_programs`` tiles (and stages, from an entry's third element); a paged cache's own section (no ``few_programs``) keeps its tiles;
     the result is the same either way."""
     from lmfuse import tuning
 
     table = dict(tuning.table("decode_attention", torch.device("cpu")),
                  block_n_by_head_dim=[[1048576, 16]],
-                 few_programs={"block_n_by_head_dim": [[1048576, 32]], "programs_per_sm": 1},
+                 few_programs={"block_n_by_head_dim": [[1048576, 32, 4]], "programs_per_sm": 1},
                  paged={"block_n_by_head_dim": [[1048576, 64]], "few_programs": {}})
     real = tuning.table
     monkeypatch.setattr(tuning, "table", lambda family, device: dict(table)
@@ -1066,6 +1066,8 @@ def test_few_programs_take_their_own_tiles(monkeypatch: pytest.MonkeyPatch) -> N
         lens = torch.full((B,), 40, dtype=torch.int32)
         plan = lmfuse.explain(lmfuse.decode_attention, q, k, v, lens)
         assert plan.args["BLOCK_N"] == want_n, (B, plan.args["BLOCK_N"])
+        # A third entry element sets the pipeline stages; else the table's num_stages.
+        assert plan.args["num_stages"] == (4 if B == 1 else table["num_stages"])
         got = lmfuse.decode_attention(q, k, v, lens, impl="triton")
         want = decode_attention_reference(q.double(), k.double(), v.double(), lens)
         assert_close(got, want, torch.float32, f"B{B} BLOCK_N {want_n}")

@@ -171,7 +171,9 @@ def _config(q, k_cache, s: dict[str, Any], num_splits: Optional[int]) -> dict[st
     # deeper pipelines) and extra splits cost more than they gain (measured on an H100).
     if s["B"] * s["Hkv"] * row_blocks < tuning.sm_count(q.device):
         t.update(t.get("few_programs", {}))
-    block_n = next(n for limit, n in t["block_n_by_head_dim"] if block_d <= limit)
+    # Entries [head-dim limit, key tile] or [limit, key tile, pipeline stages].
+    tile = next(e for e in t["block_n_by_head_dim"] if block_d <= e[0])
+    block_n, num_stages = tile[1], (tile[2] if len(tile) > 2 else t["num_stages"])
     # Keys a program may have to walk: the cache's capacity, or less with a window (plus
     # the tile the window's start is rounded down to).
     span = s["capacity"]
@@ -200,7 +202,7 @@ def _config(q, k_cache, s: dict[str, Any], num_splits: Optional[int]) -> dict[st
                 qk_scale=s["scale"] * 1.4426950408889634,  # exp2 in the kernel
                 window_arg=s["window"] if s["window"] is not None else 0,
                 num_blocks=k_cache.shape[0] if s["paged"] else 0,
-                num_stages=t["num_stages"], merge_warps=t["merge_warps"],
+                num_stages=num_stages, merge_warps=t["merge_warps"],
                 block_len=k_cache.shape[1] if s["paged"] else 1)
 
 
