@@ -1,6 +1,7 @@
 """A Hugging Face causal LM's training step with and without ``apply_lmfuse``.
 
     python bench/hf_training.py [--json PATH] [--model llama|qwen3|gemma] [--quick]
+                                [--generate N]
 
 Builds a random-weight model from a config (no download; Llama-3-like by default: hidden
 2048, 8 layers, FFN 8192, vocabulary 128256, bf16, SDPA attention), and times one training
@@ -90,12 +91,51 @@ def compare(loss, g, ref_loss, ref_g) -> str:
     return f"loss rel {dl:.1e}; worst grad rel {worst:.1e}"
 
 
+def time_generation(base, prompt, n: int, name: str) -> list[Result]:
+    """Greedy ``generate`` of ``n`` tokens (eager, wall clock, median of 3) for the model as
+    built, ``apply_lmfuse`` with its default small-call fallback, and with every call fused
+    (``inference_fallback_tokens=0``); the generated tokens compared with the first's."""
+    import time
+
+    from lmfuse.integrations.transformers import apply_lmfuse
+
+    base.eval()
+    variants = {"transformers": base,
+                "lmfuse": apply_lmfuse(copy.deepcopy(base)),
+                "lmfuse (every call fused)": apply_lmfuse(copy.deepcopy(base),
+                                                          inference_fallback_tokens=0)}
+    rows, want = [], None
+    gen = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    for impl, model in variants.items():
+        out = model.generate(prompt, **gen)
+        times = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model.generate(prompt, **gen)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        same = "" if want is None else ("same tokens" if torch.equal(out, want)
+                                        else "tokens differ (bf16 near-ties)")
+        want = out if want is None else want
+        ms = sorted(times)[1]
+        rows.append(Result(f"{name} generate {n}", impl, ms, None, None, None,
+                           f"{n / ms * 1e3:,.0f} tokens/s; {same}"))
+    lm = rows[1].ms
+    for r in rows:
+        r.ratio = r.ms / lm
+    print_table(rows)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="llama")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--generate", type=int, default=0, metavar="N",
+                    help="also time greedy generation of N tokens (eager, batch 1)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     device = torch.device("cuda")
@@ -108,10 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     labels = ids.clone()
     labels[:, : args.seq // 16] = -100  # a prompt that carries no loss
 
+    name = f"{args.model} train step [{args.batch}x{args.seq}] V={V}"
+    # Generation first: Liger's patch (below) replaces the causal-LM class's forward.
+    gen_rows = (time_generation(base, ids[:1, :32], args.generate, args.model)
+                if args.generate else [])
+    base.train()
     variants = {"transformers": lambda: base,
                 "lmfuse": lambda: apply_lmfuse(copy.deepcopy(base)),
                 "liger-kernel": lambda: liger_patch(args.model, copy.deepcopy(base))}
-    name = f"{args.model} train step [{args.batch}x{args.seq}] V={V}"
     rows, ref = [], None
     for impl, make in variants.items():
         try:
@@ -143,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         r.ratio = r.ms / lm if (r.ms and lm) else None
     print_table(rows)
+    rows += gen_rows
     if args.json:
         import json
         from dataclasses import asdict
