@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (Case, Result, dist_version, finish, measure_copy,  # noqa: E402
-                    run_cases, start, unavailable)
+                    relative_differences, run_cases, start, unavailable)
 
 import lmfuse  # noqa: E402
 
@@ -162,36 +162,6 @@ class Inputs:
         extra = sum(t.numel() * t.element_size() for t in self.tensors()[1:])
         fwd = x_bytes + extra + out_bytes
         return fwd + (x_bytes + out_bytes + x_bytes + 2 * extra if backward else 0)
-
-
-def relative_differences(impls: dict[str, Callable[[], object]], dtype: torch.dtype,
-                         reference: str = "lmfuse") -> dict[str, str]:
-    """Runs each impl once and notes ``||a - b|| / ||b||`` against ``reference``'s result
-    (over several tensors, the largest); flags one above the dtype's tolerance. An impl
-    that fails here gets no note: its timing fails the same way and notes why."""
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-
-    def as_list(result) -> list[torch.Tensor]:
-        return list(result) if isinstance(result, (tuple, list)) else [result]
-
-    try:
-        expected = as_list(impls[reference]())
-    except Exception:
-        return {}
-    notes = {}
-    for impl, fn in impls.items():
-        if impl == reference:
-            continue
-        try:
-            got = as_list(fn())
-        except Exception:
-            continue
-        rel = max(float(torch.linalg.vector_norm(a.float() - b.float()) /
-                        torch.linalg.vector_norm(b.float()).clamp(min=1e-30))
-                  for a, b in zip(got, expected, strict=True))
-        notes[impl] = f"rel. diff {rel:.1e}" + (f" > {tol:.0e}, CHECK" if rel > tol else "")
-        del got
-    return notes
 
 
 def make_case(data: Inputs, name: str, megatron: tuple[ActFn, str], *, backward: bool

@@ -40,7 +40,8 @@ class Case:
     name: str
     nbytes: int
     impls: dict[str, Callable[[], object]] = field(default_factory=dict)
-    notes: dict[str, str | Callable[[], str]] = field(default_factory=dict)  # callable: after the run
+    # A callable note is called after the run.
+    notes: dict[str, str | Callable[[], str]] = field(default_factory=dict)
     overhead: dict[str, Callable[[], object]] = field(default_factory=dict)
 
 
@@ -82,7 +83,7 @@ def copy_tbps(nbytes: int, device: torch.device) -> tuple[float, float]:
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
     ms = bench_ms(lambda: dst.copy_(src), device)
-    del src, dst
+    src = dst = None  # free them before the caller's own tensors are made
     return ms, 2 * nbytes / ms / 1e9
 
 
@@ -251,3 +252,33 @@ def finish(args: argparse.Namespace, env: dict, copy: dict, results: list[Result
     if args.plot:
         plot(args.plot, results, title)
     return 0
+
+
+def relative_differences(impls: dict[str, Callable[[], object]], dtype: torch.dtype,
+                         reference: str = "lmfuse") -> dict[str, str]:
+    """Runs each impl once and notes ``||a - b|| / ||b||`` against ``reference``'s result
+    (over several tensors, the largest); flags one above the dtype's tolerance. An impl
+    that fails here gets no note: its timing fails the same way and notes why."""
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+
+    def as_list(result) -> list[torch.Tensor]:
+        return list(result) if isinstance(result, (tuple, list)) else [result]
+
+    try:
+        expected = as_list(impls[reference]())
+    except Exception:
+        return {}
+    notes = {}
+    for impl, fn in impls.items():
+        if impl == reference:
+            continue
+        try:
+            got = as_list(fn())
+        except Exception:
+            continue
+        rel = max(float(torch.linalg.vector_norm(a.float() - b.float()) /
+                        torch.linalg.vector_norm(b.float()).clamp(min=1e-30))
+                  for a, b in zip(got, expected, strict=True))
+        notes[impl] = f"rel. diff {rel:.1e}" + (f" > {tol:.0e}, CHECK" if rel > tol else "")
+        del got
+    return notes

@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             if c["note"]:
                 print(f"   {c}")
         out["cases"].append(row)
-        del q, k, v
+        q = k = v = None  # free the case's tensors before the next one's
         kw.clear()
         sdpa_k = sdpa_v = None
         torch.cuda.empty_cache()

@@ -54,7 +54,8 @@ def megatron_formulas(activation: str, gated: bool, x, bias, weights, g, *, fp8:
     if gated:
         f = K // 2
         v1, v2 = v[:, :f], v[:, f:] + linear_offset
-        dv = torch.cat([gw * w * megatron_act_grad(activation, v1) * v2, gw * w * megatron_act(activation, v1)], -1)
+        dv = torch.cat([gw * w * megatron_act_grad(activation, v1) * v2,
+                        gw * w * megatron_act(activation, v1)], -1)
     else:
         dv = gw * w * megatron_act_grad(activation, v)
     dw = (forward(v) * gw).sum(dim=-1, keepdim=True)

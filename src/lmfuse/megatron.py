@@ -53,14 +53,16 @@ def scaled_upper_triang_masked_softmax(inputs: torch.Tensor, scale: float) -> to
     if inputs.dim() != 3:
         shape = tuple(inputs.shape)
         raise ValueError(
-            f"scaled_upper_triang_masked_softmax: inputs must be [attn_batches, sq, sk], got {shape}"
+            f"scaled_upper_triang_masked_softmax: inputs must be [attn_batches, sq, sk], "
+            f"got {shape}"
         )
     return fused_softmax(inputs.unsqueeze(0), scale=scale, causal=True).squeeze(0)
 
 
 def scaled_masked_softmax(inputs: torch.Tensor, mask: torch.Tensor | None,
                           scale: float) -> torch.Tensor:
-    """Softmax of ``scale * inputs`` with ``mask`` (bool, True = masked), ``inputs [b, np, sq, sk]``."""
+    """Softmax of ``scale * inputs`` with ``mask`` (bool, True = masked),
+    ``inputs [b, np, sq, sk]``."""
     x = _as_4d("scaled_masked_softmax", inputs)
     return fused_softmax(x, scale=scale, mask=mask).view(inputs.shape)
 

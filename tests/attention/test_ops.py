@@ -1048,8 +1048,8 @@ def test_huge_window_and_forced_splits_are_harmless() -> None:
 
 def test_few_programs_take_their_own_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fewer (sequence, KV head) programs than SMs (4 under the interpreter) take the table's
-    ``few_programs`` tiles (and stages, from an entry's third element); a paged cache's own section (no ``few_programs``) keeps its tiles;
-    the result is the same either way."""
+    ``few_programs`` tiles (and stages, from an entry's third element); a paged cache's own
+    section (no ``few_programs``) keeps its tiles; the result is the same either way."""
     from lmfuse import tuning
 
     table = dict(tuning.table("decode_attention", torch.device("cpu")),

@@ -120,11 +120,12 @@ def test_split_keys_merge_exactly(parts: int) -> None:
     outs, lses = [], []
     for n, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
         # the part's keys, all visible to the (last-position) token: a cache of hi - lo rows
-        o, l = decode_attention_reference(q, k[:, lo:hi], v[:, lo:hi],
-                                          torch.tensor([hi - lo] * B),
-                                          sinks=sinks if n == 0 else None, return_lse=True)
+        o, lse_part = decode_attention_reference(q, k[:, lo:hi], v[:, lo:hi],
+                                                 torch.tensor([hi - lo] * B),
+                                                 sinks=sinks if n == 0 else None,
+                                                 return_lse=True)
         outs.append(o)
-        lses.append(l)
+        lses.append(lse_part)
     out, lse = merge_attention_states_reference(torch.stack(outs), torch.stack(lses))
     torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(lse, want_lse, rtol=1e-10, atol=1e-12)

@@ -586,7 +586,8 @@ def test_paged_decode_loop_replays_like_eager(cache_dtype: torch.dtype) -> None:
         for name, a, b in zip(("output", "k pool", "v pool"), got, want):
             assert torch.equal(bits(a), bits(b)), (
                 f"step {t}: {name} after replay differs from eager")
-        assert not torch.equal(bits(k_cache), bits(k0)), f"step {t}: the step wrote nothing into the pool"
+        assert not torch.equal(bits(k_cache), bits(k0)), \
+            f"step {t}: the step wrote nothing into the pool"
         outputs.append(got[0])
     assert not torch.equal(outputs[0], outputs[1])
     print(f"CUDA graph PagedKVCache+DecodeAttentionBlock decode loop ({cache_dtype}): "

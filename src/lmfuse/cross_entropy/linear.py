@@ -34,7 +34,7 @@ import torch
 from .. import tuning
 from .._dispatch import Plan, check_tensor, register_planner
 from .._nvtx import nvtx_range
-from ..distributed.collectives import group_rank, group_size
+from ..distributed.collectives import group_rank
 from . import ops
 from . import reference as ref
 from .vocab_parallel import gather_stats
@@ -616,7 +616,7 @@ def tune(shapes=TUNE_SHAPES, dtype: torch.dtype = torch.bfloat16,
                 torch=torch.__version__, triton=_triton_version()))
             log(f"  recorded in {path}")
         results.append(result)
-        del h, w, t
+        h = w = t = None  # free the sweep's tensors
     return results
 
 

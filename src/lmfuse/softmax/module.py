@@ -1,4 +1,5 @@
-"""``FusedScaleMaskSoftmax``: Megatron-Core's module, constructor and forward, on ``fused_softmax``."""
+"""``FusedScaleMaskSoftmax``: Megatron-Core's module, constructor and forward, on
+``fused_softmax``."""
 
 from __future__ import annotations
 
