@@ -71,6 +71,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(lmfuse.explain(lmfuse.cross_entropy, logits, target))
     h = torch.randn(4, 2 * 300, device=device, requires_grad=True)
     print(lmfuse.explain(lmfuse.swiglu, h, torch.zeros(600, device=device)))
+    print(lmfuse.explain(lmfuse.rms_norm, h, torch.ones(600, device=device)))
     return 0
 
 
