@@ -3,7 +3,8 @@
 Launch it with torchrun, one process a GPU, NVLink multicast off::
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 8 bench/decode_sharded.py \\
-        [--sizes 2,4,8] [--mode kvdp|cp|both] [--graphs] [--json PATH] [--quick]
+        [--sizes 2,4,8] [--mode kvdp|cp|both] [--exchange all_gather,all_to_all] [--graphs]
+        [--json PATH] [--quick]
 
 NCCL on CUDA; gloo on the CPU when there is no GPU, where ``--quick`` (then the default)
 runs tiny float32 shapes, through Triton's interpreter with ``TRITON_INTERPRET=1``::
@@ -21,7 +22,10 @@ Cases (bf16, every sequence full: length = capacity = S, one active token):
         projecting its Hq/N query heads for all B sequences (Megatron's tensor-parallel
         head layout: rank w has heads [w Hq/N, (w+1) Hq/N)); one step is
         ``kvdp_decode_attention``: all-gather of q, attention of the rank's sequences with
-        all Hq heads, all-gather of the outputs over the batch.
+        all Hq heads, all-gather of the outputs over the batch. With ``--exchange`` (default
+        both, one row each) also (or only) ``exchange="all_to_all"``: the two all-gathers
+        replaced by two all-to-alls that move only what each rank keeps (row
+        ``kvdp_decode_attention a2a xN``).
   cp B1 Hq64 Hkv8 S131072 D128    one sequence's context split over the N ranks of the CP
   cp B1 Hq64 Hkv8 S262144 D128    group (round-robin blocks of ``CP_BLOCK`` = 64 tokens,
         filled by ``cp_cache_append``); one step is ``cp_decode_attention`` given the
@@ -46,7 +50,8 @@ ranks 0 .. N-1 form the group, the others wait), the rows:
   speed-up    1-GPU ms / ms
   local ms    the rank's local ``decode_attention`` alone (same shapes, no collective),
               timed the same way
-  coll ms     the op's all-gathers alone, on buffers of the same shapes and dtypes, timed
+  coll ms     the op's all-gathers (all-to-alls for the a2a rows) alone, on buffers of the
+              same shapes and dtypes, timed
               the same way ("collective time (isolated)"); coll % = coll ms / ms. The rest
               (ms - local - coll) is the glue: head reshuffles, the merge, host time
   collectives the ``torch.distributed`` calls one step issues (counted with
@@ -92,11 +97,12 @@ from lmfuse.distributed import (
     kvdp_batch_range,
     kvdp_decode_attention,
 )
-from lmfuse.distributed.collectives import all_gather_stacked
+from lmfuse.distributed.collectives import all_gather_stacked, all_to_all_stacked
 
 CP_BLOCK = 64  # tokens per round-robin block of the CP layout (a paged pool's block length)
 QUICK_CP_BLOCK = 16
 FLUSH_BYTES = 256 * 2**20  # written before every timed step: more than any L2
+EXCHANGES = ("all_gather", "all_to_all")  # kvdp_decode_attention's exchange= values
 
 
 class Shape(NamedTuple):
@@ -188,11 +194,12 @@ class Sharded(NamedTuple):
     local: Callable[[], object]
     collectives: Callable[[], object]
     what: str  # the collectives timed alone, in words
+    exchange: str | None = None  # kvdp_decode_attention's exchange= (None for CP)
 
 
-def kvdp_part(q, k, v, lengths, ref, group) -> Sharded:
+def kvdp_part(q, k, v, lengths, ref, group, exchange: str = "all_gather") -> Sharded:
     """This rank's KVDP shard of the whole-batch ``q``/``k``/``v``: its query heads for all
-    sequences, the caches of its sequences (all KV heads)."""
+    sequences, the caches of its sequences (all KV heads); steps 1 and 3 by ``exchange``."""
     B, _, Hq, D = q.shape
     n, w = dist.get_world_size(group), dist.get_rank(group)
     start, stop = kvdp_batch_range(B, group)
@@ -203,20 +210,27 @@ def kvdp_part(q, k, v, lengths, ref, group) -> Sharded:
     # What the local attention sees after the q all-gather: its sequences, every head (the
     # gathered rank-major order is the global head order).
     q_gathered = q[start:stop].contiguous()
-    q_buf = torch.empty_like(q_mine)
-    out_buf = q.new_empty((-(-B // n), 1, Hq, D))
+    most = -(-B // n)
+    if exchange == "all_gather":
+        bufs = [torch.empty_like(q_mine), q.new_empty((most, 1, Hq, D))]
+        exchange_fn, impl, what = all_gather_stacked, "kvdp_decode_attention", "all-gather"
+    else:  # each rank's rows of q for every rank's sequences; its heads of the outputs
+        bufs = [q.new_empty((n, most, 1, Hq // n, D)) for _ in range(2)]
+        exchange_fn, impl, what = all_to_all_stacked, "kvdp_decode_attention a2a", "all-to-all"
 
     def collectives():
-        all_gather_stacked(q_buf, group)
-        all_gather_stacked(out_buf, group)
+        for buf in bufs:
+            exchange_fn(buf, group)
 
     return Sharded(
-        "kvdp_decode_attention",
-        lambda: kvdp_decode_attention(q_mine, k_mine, v_mine, lens_mine, group=group),
+        impl,
+        lambda: kvdp_decode_attention(q_mine, k_mine, v_mine, lens_mine, group=group,
+                                      exchange=exchange),
         ref[:, :, heads],
         lambda: lmfuse.decode_attention(q_gathered, k_mine, v_mine, lens_mine),
         collectives,
-        f"all-gather {list(q_mine.shape)} + all-gather {list(out_buf.shape)} {_dt(q)}")
+        f"{what} {list(bufs[0].shape)} + {what} {list(bufs[1].shape)} {_dt(q)}",
+        exchange)
 
 
 def cp_part(q, k, v, lengths, ref, group, cp_block: int) -> Sharded:
@@ -269,6 +283,7 @@ def run_sharded(shape: Shape, part: Sharded, group: Any, device: torch.device, o
         note += f" > {tol:.0e}, CHECK"
     extras = {
         "mode": shape.mode, "n": n, "speedup": single_ms / ms if single_ms else None,
+        "exchange": part.exchange,
         "x_copy": tbps / (n * copy_tbps) if copy_tbps else None,
         "local_ms": local_ms, "collective_ms": coll_ms, "collective_share": coll_ms / ms,
         "collectives_isolated": part.what, "collectives": _summary(calls),
@@ -302,7 +317,9 @@ def run_shape(shape: Shape, groups: dict[int, Any], device: torch.device, opts: 
     rows: list[tuple[Result, dict]] = []
     single_ms = None
     if rank == 0:
-        call = lambda: lmfuse.decode_attention(q, k, v, lengths)
+        def call():
+            return lmfuse.decode_attention(q, k, v, lengths)
+
         ref.copy_(call())
         fn = as_graph(call) if opts["graphs"] else call
         mem = peak_extra_mib(fn, device)
@@ -319,19 +336,21 @@ def run_shape(shape: Shape, groups: dict[int, Any], device: torch.device, opts: 
             if rank == 0:
                 print(f"{shape.name():<38} x{n}: skipped (needs Hq and B divisible by N)")
             continue
-        row = None
-        if rank < n:
-            part = (kvdp_part(q, k, v, lengths, ref, group) if shape.mode == "kvdp"
-                    else cp_part(q, k, v, lengths, ref, group, opts["cp_block"]))
-            row = run_sharded(shape, part, group, device, opts, counter, kv_bytes, single_ms,
-                              copy_tbps)
-            del part
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        dist.barrier()
-        if rank == 0:
-            rows.append(row)
-            print_rows([row])
+        for exchange in (opts["exchanges"] if shape.mode == "kvdp" else [None]):
+            row = None
+            if rank < n:
+                part = (kvdp_part(q, k, v, lengths, ref, group, exchange)
+                        if shape.mode == "kvdp"
+                        else cp_part(q, k, v, lengths, ref, group, opts["cp_block"]))
+                row = run_sharded(shape, part, group, device, opts, counter, kv_bytes,
+                                  single_ms, copy_tbps)
+                del part
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            dist.barrier()
+            if rank == 0:
+                rows.append(row)
+                print_rows([row])
     return rows
 
 
@@ -340,11 +359,11 @@ def run_shape(shape: Shape, groups: dict[int, Any], device: torch.device, opts: 
 
 def print_rows(rows: list[tuple[Result, dict]], header: bool = False) -> None:
     if header:
-        print(f"{'case':<38} {'impl':<24} {'ms':>8} {'TB/s':>6} {'x copy':>6} {'speed-up':>8} "
+        print(f"{'case':<38} {'impl':<28} {'ms':>8} {'TB/s':>6} {'x copy':>6} {'speed-up':>8} "
               f"{'local ms':>8} {'coll ms':>8} {'coll %':>6}  {'collectives / step':<24} note")
     for r, x in rows:
         share = x.get("collective_share")
-        print(f"{r.case:<38} {r.impl:<24} {_fmt(r.ms, '8.4f')} {_fmt(r.tbps, '6.2f')} "
+        print(f"{r.case:<38} {r.impl:<28} {_fmt(r.ms, '8.4f')} {_fmt(r.tbps, '6.2f')} "
               f"{_fmt(x.get('x_copy'), '6.2f')} {_fmt(x.get('speedup'), '8.2f')} "
               f"{_fmt(x.get('local_ms'), '8.4f')} {_fmt(x.get('collective_ms'), '8.4f')} "
               f"{_fmt(None if share is None else 100 * share, '6.1f')}  "
@@ -364,12 +383,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=("kvdp", "cp", "both"), default="both")
     p.add_argument("--sizes", help="group sizes N to run, comma-separated, each 2 .. world "
                    "size (default: the world size)")
+    p.add_argument("--exchange", default=",".join(EXCHANGES),
+                   help="the KVDP rows' exchange(s), comma-separated, one row each: "
+                   "all_gather, all_to_all (default: both)")
     p.add_argument("--quick", action="store_true", help="tiny shapes (the default on CPU)")
     p.add_argument("--graphs", action="store_true", help="time CUDA-graph replays (CUDA only)")
     p.add_argument("--json", help="write the results as JSON here (from rank 0)")
     p.add_argument("--warmup", type=int, help="untimed calls per row (default 10; quick 1)")
     p.add_argument("--steps", type=int, help="timed steps per row (default 50; quick 3)")
     args = p.parse_args(argv)
+    args.exchange = [e.strip() for e in args.exchange.split(",") if e.strip()]
+    if not args.exchange or any(e not in EXCHANGES for e in args.exchange):
+        p.error(f"--exchange: comma-separated values of {', '.join(EXCHANGES)}")
     if "RANK" not in os.environ:
         p.error("launch it with torchrun: NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node N "
                 "bench/decode_sharded.py ...")
@@ -402,7 +427,8 @@ def bench(args: argparse.Namespace, device: torch.device) -> int:
     opts = {"dtype": torch.float32 if quick else torch.bfloat16, "graphs": graphs,
             "warmup": args.warmup if args.warmup is not None else (1 if quick else 10),
             "steps": args.steps if args.steps is not None else (3 if quick else 50),
-            "cp_block": QUICK_CP_BLOCK if quick else CP_BLOCK}
+            "cp_block": QUICK_CP_BLOCK if quick else CP_BLOCK,
+            "exchanges": list(dict.fromkeys(args.exchange))}
     shapes = [s for s in (QUICK if quick else FULL) if args.mode in ("both", s.mode)]
     counter = _collective_counter()
     env: dict = {}
@@ -412,6 +438,7 @@ def bench(args: argparse.Namespace, device: torch.device) -> int:
         env.update(world_size=world, backend=dist.get_backend(), sizes=sizes,
                    command=_command(world), dtype=_dt(torch.empty((), dtype=opts["dtype"])),
                    cp_block=opts["cp_block"], warmup=opts["warmup"], steps=opts["steps"],
+                   exchanges=opts["exchanges"],
                    nccl=(".".join(map(str, torch.cuda.nccl.version()))
                          if device.type == "cuda" else None),
                    timing=("CUDA-graph replay of each call" if graphs else "eager calls"))
@@ -423,7 +450,7 @@ def bench(args: argparse.Namespace, device: torch.device) -> int:
         copy = measure_copy((2**20 if quick else 512 * 2**20), device)
         print(f"# per step: median over {opts['steps']} steps (after {opts['warmup']}) of the "
               f"slowest rank's time, {env['timing']}; TB/s: K and V bytes of all ranks / ms; "
-              "x copy: TB/s / (N x the copy's); coll ms: the op's all-gathers alone",
+              "x copy: TB/s / (N x the copy's); coll ms: the op's collectives alone",
               flush=True)
         print_rows([], header=True)
     dist.barrier()

@@ -49,6 +49,7 @@ NAN = float("nan")
 ALL_GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single", "allgather",
                "_allgather_base")
 ALL_REDUCES = ("all_reduce", "allreduce")
+ALL_TO_ALLS = ("all_to_all", "all_to_all_single", "alltoall", "alltoall_base")
 D = 16
 
 
@@ -116,11 +117,15 @@ def cp_shard(p: dict[str, Any], rank: int, world: int, cp_block: int,
     return layout(p["k"][:, own], p["v"][:, own], local, block_len, seed + rank)
 
 
-def assert_collectives(calls: list[str], n_gathers: int, n_reduces: int = 0) -> None:
+def assert_collectives(calls: list[str], n_gathers: int, n_reduces: int = 0,
+                       n_all_to_alls: int = 0) -> None:
     gathers = sum(c in ALL_GATHERS for c in calls)
     reduces = sum(c in ALL_REDUCES for c in calls)
-    assert (gathers, reduces, len(calls)) == (n_gathers, n_reduces, n_gathers + n_reduces), (
-        f"issued {calls}, expected {n_gathers} all-gather(s) and {n_reduces} all-reduce(s)")
+    a2as = sum(c in ALL_TO_ALLS for c in calls)
+    want = (n_gathers, n_reduces, n_all_to_alls, n_gathers + n_reduces + n_all_to_alls)
+    assert (gathers, reduces, a2as, len(calls)) == want, (
+        f"issued {calls}, expected {n_gathers} all-gather(s), {n_reduces} all-reduce(s)"
+        + (f" and {n_all_to_alls} all-to-all(s)" if n_all_to_alls else ""))
 
 
 def check_result(f: Failures, what: str, got: Any, want: torch.Tensor, want_lse: torch.Tensor,

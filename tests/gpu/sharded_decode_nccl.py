@@ -14,6 +14,9 @@ Triton path and on the reference path) and checks out and LSE against both answe
 ``tests/helpers.py``'s tolerance for the output dtype (float32's for the LSE), and the
 collectives each call issues against the counts the gloo tests assert.
 
+Every KVDP decode (and KVDP append) runs with ``exchange="all_to_all"`` too, whose results
+must equal the all-gather ones bit for bit, from all-to-alls only over the KVDP group.
+
 Sections: ``cp``: CP over all ranks, the gloo ``CP_CASES`` plus longer and empty (0- and
 1-token) sequences; ``kvdp``: KVDP over all ranks, ``KVDP_CASES`` plus the same (a rank
 with no sequence when B < N); ``append``: CP and KVDP appends over two decoding steps, the
@@ -412,6 +415,24 @@ def kvdp_decode_case(c: Checks, *, rank: int, world: int, group: Any, device: to
         out = kvdp_decode_attention(q, k, v, local_lens, group=group, num_splits=3,
                                     cache_seqlens=local_lens, **kw)
     compare(c, out, want, heads, dtype, calls, 2, 0, lse=False)
+    # exchange="all_to_all": two all-to-alls instead, the same results bit for bit.
+    with count_collectives() as calls:
+        got_a2a = kvdp_decode_attention(q, k, v, local_lens, group=group, return_lse=True,
+                                        exchange="all_to_all", **kw)
+        out_a2a = kvdp_decode_attention(q, k, v, local_lens, group=group, num_splits=3,
+                                        cache_seqlens=local_lens, exchange="all_to_all", **kw)
+    same_as_all_gather(c, calls, 4, [*got_a2a, out_a2a], [*got, out])
+
+
+def same_as_all_gather(c: Checks, calls: list[str], n_all_to_alls: int,
+                       got: list[torch.Tensor], want: list[torch.Tensor], n_gathers: int = 0,
+                       n_reduces: int = 0) -> None:
+    """The ``exchange="all_to_all"`` results ``got`` equal the all-gather ones ``want`` bit
+    for bit, from ``n_all_to_alls`` all-to-alls (and the given others)."""
+    c.check("all_to_all collectives", lambda: sd.assert_collectives(
+        calls, n_gathers, n_reduces, n_all_to_alls=n_all_to_alls))
+    for n, (a, b) in enumerate(zip(got, want)):
+        c.same_bits(f"all_to_all result {n} == all_gather's", a.contiguous(), b.contiguous())
 
 
 def kvdp_section(run: Runner, rank: int, world: int, group: Any, device: torch.device,
@@ -503,6 +524,15 @@ def kvdp_append_case(c: Checks, *, rank: int, world: int, group: Any, device: to
     want_k, want_v, _ = sd.layout(full_k[rows], full_v[rows], after.tolist(), bl, seed + rank)
     c.same_bits("k cache", k, want_k)
     c.same_bits("v cache", v, want_v)
+    # exchange="all_to_all": the same caches from one all-to-all.
+    k2, v2, _ = sd.layout(p["k"][rows], p["v"][rows], after.tolist(), bl, seed + rank)
+    with count_collectives() as calls:
+        kvdp_cache_append(k2, v2, new_k[:, :, mine], new_v[:, :, mine], p["lens"][rows],
+                          group=group, block_table_local=table, exchange="all_to_all", **kw)
+    c.check("append all_to_all collectives", lambda: sd.assert_collectives(
+        calls, 0, n_all_to_alls=1))
+    c.same_bits("k cache (all_to_all)", k2, want_k)
+    c.same_bits("v cache (all_to_all)", v2, want_v)
     heads = slice(2 * rank, 2 * rank + 2)
     with count_collectives() as calls:
         got = kvdp_decode_attention(p["q"][:, :, heads], k, v, after, group=group,
@@ -558,6 +588,13 @@ def grid_decode_case(c: Checks, *, rank: int, kvdp: Any, cp: Any, device: torch.
                                     sinks=p["sinks"], k_scale=p["k_scale"],
                                     v_scale=p["v_scale"], return_lse=True, impl=impl, **extra)
     compare(c, got, want, heads, dtype, calls, 3, 0 if given else 1)
+    with count_collectives() as calls:
+        got_a2a = kvdp_decode_attention(p["q"][:, :, heads], k, v, local, group=kvdp,
+                                        block_table_local=table, cp_group=cp, cp_block=blk,
+                                        sinks=p["sinks"], k_scale=p["k_scale"],
+                                        v_scale=p["v_scale"], return_lse=True, impl=impl,
+                                        exchange="all_to_all", **extra)
+    same_as_all_gather(c, calls, 2, list(got_a2a), list(got), 1, 0 if given else 1)
 
 
 def grid_append_case(c: Checks, *, rank: int, kvdp: Any, cp: Any, device: torch.device,

@@ -33,6 +33,20 @@ def all_gather_stacked(t: torch.Tensor, group: Any) -> torch.Tensor:
     return out.view(world, *t.shape)
 
 
+def all_to_all_stacked(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """``t [world, ...]`` -> ``[world, ...]``: row ``w`` of ``t`` goes to rank ``w``, row
+    ``w`` of the result came from rank ``w``, from one all-to-all (every rank's rows of one
+    shape and dtype)."""
+    world = dist.get_world_size(group)
+    if t.dim() == 0 or t.shape[0] != world:
+        raise ValueError(f"all_to_all_stacked: t must be [world={world}, ...], one row per "
+                         f"rank, got {tuple(t.shape)}")
+    t = t.contiguous()
+    out = torch.empty_like(t, memory_format=torch.contiguous_format)
+    dist.all_to_all_single(out, t, group=group)
+    return out
+
+
 def all_reduce_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
     """The elementwise sum of every rank's ``t`` over ``group``, from one all-reduce, in a new
     tensor (``t`` is left as it is)."""

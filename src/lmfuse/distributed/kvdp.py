@@ -17,7 +17,8 @@ for all ``B`` sequences, but holds the cache of only its share of the sequences.
 
 Uneven batches: rank ``r`` holds the contiguous sequences :func:`kvdp_batch_range` gives,
 ``torch.tensor_split``'s split (the first ``B % W`` ranks hold one sequence more; a rank may
-hold none when ``B < W``). The output all-gather pads every rank's rows to ``ceil(B / W)``.
+hold none when ``B < W``). Step 3 pads every rank's rows to ``ceil(B / W)`` (and step 1
+too with ``exchange="all_to_all"``, below).
 
 With ``cp_group`` the local attention is itself context parallel
 (:func:`~lmfuse.distributed.cp_decode_attention` over ``cp_group``): a KVDP x CP grid, the
@@ -27,10 +28,16 @@ CP-shard counts (``cp_shard_seqlens`` over ``cp_group``), CP's ``seqlens_shard``
 global lengths of the rank's sequences, which CP needs to place the active (or new) tokens,
 come as ``cache_seqlens=`` or from one all-reduce of the counts over ``cp_group``.
 
-Two all-gathers per call over ``group``; with ``cp_group``, the CP step's all-gather over
+Two collectives per call over ``group``; with ``cp_group``, the CP step's all-gather over
 it, and its all-reduce of the ``[B_r]`` counts unless ``cache_seqlens`` is given. No
-backward. (Each all-gather moves ``W`` times the bytes a rank keeps; an all-to-all
-exchange would move only those, and needs an all-to-all helper in ``collectives.py``.)
+backward. ``exchange`` picks the two over ``group``: ``"all_gather"`` (the default) as
+above, each moving ``W`` times the bytes a rank keeps; or ``"all_to_all"``
+(:func:`~lmfuse.distributed.collectives.all_to_all_stacked`), each moving only those: step 1
+sends rank ``r`` the rows of ``q`` for ``r``'s sequences (padded to ``ceil(B / W)`` rows),
+step 3 sends rank ``w`` its heads of this rank's output rows (and the LSE column). The
+attention sees the same inputs either way, so the results are equal bit for bit; which is
+faster depends on the sizes and the interconnect (``bench/decode_sharded.py --exchange``
+times both).
 """
 
 from __future__ import annotations
@@ -41,13 +48,24 @@ import torch
 
 from .._dispatch import check_int, check_tensor
 from ..attention.ops import decode_attention, kv_cache_append, plan_decode_attention
-from .collectives import all_gather_stacked, all_reduce_sum, group_rank, group_size
+from .collectives import (all_gather_stacked, all_reduce_sum, all_to_all_stacked, group_rank,
+                          group_size)
 from .cp import (CP_FIELDS, _cp_attention, check_lengths, check_no_grad, check_on_all_ranks,
                  cp_cache_append, dtype_code, meta_device, validate_cp, wrap_errors)
 
 _FIELDS = ("group size", "batch B", "s_active", "local query heads Hq_local", "head dim D",
            "KV heads of the local cache", "query dtype", "sinks (given or not)", "return_lse",
-           "cp_group (given or not)", "cache_seqlens (given or not)")
+           "cp_group (given or not)", "cache_seqlens (given or not)", "exchange")
+
+EXCHANGES = ("all_gather", "all_to_all")
+
+
+def _check_exchange(op: str, exchange: Any) -> int:
+    """``exchange``'s index in :data:`EXCHANGES`, or a ValueError naming the accepted values."""
+    if not isinstance(exchange, str) or exchange not in EXCHANGES:
+        raise ValueError(f"{op}: exchange must be one of {', '.join(map(repr, EXCHANGES))}, "
+                         f"got {exchange!r}")
+    return EXCHANGES.index(exchange)
 
 
 def kvdp_batch_range(batch: int, group: Any) -> tuple[int, int]:
@@ -68,19 +86,70 @@ def _own_rows(gathered: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     return gathered[:, start:stop].permute(1, 2, 0, 3, 4).reshape(stop - start, S, W * H, D)
 
 
+def _rows_by_rank(x: torch.Tensor, world: int) -> torch.Tensor:
+    """``x [batch, ...]`` -> ``[W, ceil(batch / W), ...]``: row ``w`` holds the sequences
+    rank ``w`` holds (:func:`kvdp_batch_range`), zero-padded at the end."""
+    batch, rest = x.shape[0], x.shape[1:]
+    most = -(-batch // world)
+    base, extra = divmod(batch, world)
+    if extra == 0:
+        return x.reshape(world, most, *rest)
+    out = x.new_zeros((world, most, *rest))
+    out[:extra] = x[:extra * most].reshape(extra, most, *rest)
+    out[extra:, :base] = x[extra * most:].reshape(world - extra, base, *rest)
+    return out
+
+
+def _batch_from_ranks(y: torch.Tensor, batch: int) -> torch.Tensor:
+    """The inverse of :func:`_rows_by_rank`: ``y [W, ceil(batch / W), ...]`` -> ``[batch,
+    ...]``, the padding dropped."""
+    world, most, rest = y.shape[0], y.shape[1], y.shape[2:]
+    base, extra = divmod(batch, world)
+    if extra == 0:
+        return y.reshape(batch, *rest)
+    return torch.cat([y[:extra].reshape(extra * most, *rest),
+                      y[extra:, :base].reshape((world - extra) * base, *rest)])
+
+
+def _pad_rows(local: torch.Tensor, most: int) -> torch.Tensor:
+    """``local [B_r, ...]`` zero-padded to ``[most, ...]``."""
+    if local.shape[0] == most:
+        return local
+    return torch.cat([local, local.new_zeros((most - local.shape[0], *local.shape[1:]))])
+
+
 def _gather_batch(local: torch.Tensor, batch: int, group: Any) -> torch.Tensor:
     """Every rank's ``local [B_w, ...]`` rows (the split of :func:`kvdp_batch_range`), in
     sequence order: ``[batch, ...]``, from one all-gather of rows padded to ``ceil(B/W)``."""
-    world = group_size(group)
+    most = -(-batch // group_size(group))
+    return _batch_from_ranks(all_gather_stacked(_pad_rows(local, most), group), batch)
+
+
+def _exchange_queries(q: torch.Tensor, group: Any, exchange: str) -> torch.Tensor:
+    """Step 1: ``q [B, s, H, D]`` (this rank's heads, every sequence) -> ``[B_r, s, W * H,
+    D]`` (this rank's sequences, every rank's heads, rank-major)."""
+    start, stop = kvdp_batch_range(q.shape[0], group)
+    if exchange == "all_gather":
+        return _own_rows(all_gather_stacked(q, group), start, stop)
+    # Row r of the send buffer: rank r's sequences; row w received: rank w's heads of ours.
+    received = all_to_all_stacked(_rows_by_rank(q, group_size(group)), group)
+    return _own_rows(received, 0, stop - start)
+
+
+def _exchange_outputs(local: torch.Tensor, batch: int, group: Any,
+                      exchange: str) -> torch.Tensor:
+    """Step 3: ``local [B_r, s, W * H, E]`` (this rank's sequences, every rank's heads) ->
+    ``[batch, s, H, E]`` (every sequence, this rank's heads)."""
+    world, rank = group_size(group), group_rank(group)
+    _, S, WH, E = local.shape
+    H = WH // world
     most = -(-batch // world)
-    if local.shape[0] < most:
-        pad = local.new_zeros((most - local.shape[0], *local.shape[1:]))
-        local = torch.cat([local, pad])
-    gathered = all_gather_stacked(local, group)  # [W, most, ...]
-    base, extra = divmod(batch, world)
-    if extra == 0:
-        return gathered.reshape(batch, *local.shape[1:])
-    return torch.cat([gathered[w, :base + (w < extra)] for w in range(world)])
+    if exchange == "all_gather":
+        return _gather_batch(local, batch, group)[:, :, rank * H:(rank + 1) * H]
+    # Row w of the send buffer: rank w's heads of our (padded) rows; row w received: our
+    # heads of rank w's rows.
+    send = _pad_rows(local, most).reshape(most, S, world, H, E).permute(2, 0, 1, 3, 4)
+    return _batch_from_ranks(all_to_all_stacked(send, group), batch)
 
 
 def _check_local_lengths(op: str, seqlens_local: Any, cache_seqlens: Any, batch: int,
@@ -115,6 +184,7 @@ def kvdp_decode_attention(
     cp_block: int = 1,
     cache_seqlens: Optional[torch.Tensor] = None,
     check_ranks: bool = False,
+    exchange: str = "all_gather",
 ):
     """Decode attention with the batch's caches split over ``group`` (see the module
     docstring); each rank gets its own heads for the whole batch, equal to
@@ -150,18 +220,26 @@ def kvdp_decode_attention(
             extra all-gather and a host sync; with ``cp_group``, one more over it), so that
             bad input on any rank raises on all of them. Without it, local checks still
             raise before any collective on the rank that fails; inputs that differ across
-            ranks are not detected.
+            ranks (``exchange`` among them) are not detected.
+        exchange: how steps 1 and 3 move data over ``group``, the same on every rank:
+            ``"all_gather"`` (the default): all-gather, then keep this rank's part (each
+            moves ``W`` times what a rank keeps); ``"all_to_all"``: one all-to-all that
+            sends each rank only its part (``q``'s rows of its sequences, padded to
+            ``ceil(B / W)``; its heads of this rank's output rows, with the LSE column when
+            ``return_lse``). The results are equal bit for bit.
     Returns:
         ``out [B, s_active, Hq_local, D]`` in q's dtype (and ``lse [B, s_active, Hq_local]``
-        float32 with ``return_lse``). Collectives: two all-gathers over ``group`` (none
-        with one rank); with a ``cp_group`` of several ranks, one all-gather over it and,
-        unless ``cache_seqlens`` is given, one all-reduce of ``[B_r]`` int64 over it.
+        float32 with ``return_lse``). Collectives: two all-gathers (or with
+        ``exchange="all_to_all"`` two all-to-alls) over ``group`` (none with one rank);
+        with a ``cp_group`` of several ranks, one all-gather over it and, unless
+        ``cache_seqlens`` is given, one all-reduce of ``[B_r]`` int64 over it.
     """
     op = "kvdp_decode_attention"
     world = group_size(group)
     kw = dict(scale=scale, window_size=window_size, sinks=sinks, k_scale=k_scale,
               v_scale=v_scale, return_lse=return_lse, num_splits=num_splits, impl=impl)
     if world == 1 and cp_group is None:
+        _check_exchange(op, exchange)
         check_tensor(op, "q", q, ndim=4)
         _check_local_lengths(op, seqlens_local, cache_seqlens, q.shape[0], group, q, "q")
         return decode_attention(q, k_cache_local, v_cache_local, seqlens_local,
@@ -171,6 +249,7 @@ def kvdp_decode_attention(
     cp_facts: list[list[int]] = []  # validate_cp's, for the check over cp_group
 
     def validate() -> list[int]:
+        exchange_code = _check_exchange(op, exchange)
         check_tensor(op, "q", q, ndim=4)
         check_no_grad(op, q, sinks)
         B, S, Hq_local, D = q.shape
@@ -191,7 +270,8 @@ def kvdp_decode_attention(
                 v_scale, return_lse, num_splits, impl, cp_group, check_values=check_ranks,
                 seqlens_name="seqlens_local")))
         return [world, B, S, Hq_local, D, k_cache_local.shape[2], dtype_code(q.dtype),
-                sinks is not None, return_lse, cp_group is not None, cache_seqlens is not None]
+                sinks is not None, return_lse, cp_group is not None, cache_seqlens is not None,
+                exchange_code]
 
     device = meta_device(group, q) if world > 1 else torch.device("cpu")
     if not (check_ranks and cp_world > 1):
@@ -214,8 +294,7 @@ def kvdp_decode_attention(
         check_on_all_ranks(f"{op} over cp_group", cp_group, True, meta_device(cp_group, q),
                            CP_FIELDS, validate_over_cp)
     B, S, Hq_local, D = q.shape
-    start, stop = kvdp_batch_range(B, group)
-    q_local = _own_rows(all_gather_stacked(q, group), start, stop) if world > 1 else q
+    q_local = _exchange_queries(q, group, exchange) if world > 1 else q
     if cp_world == 1:  # no cp_group, or a one-rank one: the local cache holds everything
         res = decode_attention(q_local, k_cache_local, v_cache_local, seqlens_local,
                                block_table=block_table_local, **kw)
@@ -225,14 +304,13 @@ def kvdp_decode_attention(
                             return_lse, num_splits, impl, cp_group)
     if world == 1:
         return res
-    heads = slice(rank * Hq_local, (rank + 1) * Hq_local)
     if not return_lse:
-        return _gather_batch(res, B, group)[:, :, heads]
-    # The LSE rides along in the output's all-gather, as one more float32 column.
+        return _exchange_outputs(res, B, group, exchange)
+    # The LSE rides along in the output's exchange, as one more float32 column.
     out, lse = res
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    both = _gather_batch(torch.cat([out.to(compute), lse.to(compute)[..., None]], dim=-1), B,
-                         group)[:, :, heads]
+    both = _exchange_outputs(torch.cat([out.to(compute), lse.to(compute)[..., None]], dim=-1),
+                             B, group, exchange)
     return both[..., :D].to(q.dtype), both[..., D].to(lse.dtype)
 
 
@@ -251,9 +329,11 @@ def kvdp_cache_append(
     cp_group: Any = None,
     cp_block: int = 1,
     cache_seqlens: Optional[torch.Tensor] = None,
+    exchange: str = "all_gather",
 ) -> None:
     """Append this step's keys and values to the local caches, in place: one all-gather of
-    the ranks' KV heads, then each rank writes its own sequences.
+    the ranks' KV heads (or one all-to-all, sending each rank its sequences' rows only),
+    then each rank writes its own sequences.
 
     Args:
         k_cache_local, v_cache_local, block_table_local: as for
@@ -271,7 +351,11 @@ def kvdp_cache_append(
             append (the same on the ranks of ``cp_group``): with ``cp_group`` they save the
             all-reduce of ``seqlens_local`` over it; unused without it.
         k_scale, v_scale, impl: as for ``kv_cache_append``.
-    Collectives: one all-gather over ``group`` (none with one rank), and with a
+        exchange: ``"all_gather"`` (the default) or ``"all_to_all"``, as for
+            :func:`kvdp_decode_attention`: all-gather every rank's ``k_new``/``v_new`` and
+            keep this rank's sequences, or receive only those (rows padded to ``ceil(B /
+            W)``). The caches come out the same bit for bit.
+    Collectives: one all-gather (or all-to-all) over ``group`` (none with one rank), and with a
     ``cp_group`` of several ranks and no ``cache_seqlens``, one all-reduce of ``[B_r]``
     int64 over ``cp_group``. When every rank already has all KV heads of its sequences (KV
     heads replicated over the group, as with fewer KV heads than ranks), no all-gather is
@@ -279,6 +363,7 @@ def kvdp_cache_append(
     ``kvdp_batch_range(B, group)`` of ``k_new``/``v_new``.
     """
     op = "kvdp_cache_append"
+    _check_exchange(op, exchange)
     check_tensor(op, "k_new", k_new, ndim=4)
     check_tensor(op, "v_new", v_new, ndim=4)
     if k_new.shape != v_new.shape or k_new.dtype != v_new.dtype:
@@ -298,10 +383,16 @@ def kvdp_cache_append(
                                         seqlens_local, block_table=block_table_local, **kw))
     if cp_group is not None:
         check_int(op, "cp_block", cp_block, minimum=1)
-    if world > 1:
+    if world > 1 and exchange == "all_gather":
         both = all_gather_stacked(torch.stack([k_new, v_new]), group)  # [W, 2, B, s, H, D]
         both = both.transpose(0, 1)
         k_new, v_new = _own_rows(both[0], start, stop), _own_rows(both[1], start, stop)
+    elif world > 1:
+        # Row r sent: rank r's sequences; row w received: rank w's KV heads of ours.
+        both = _rows_by_rank(torch.stack([k_new, v_new], dim=1), world)  # [W, most, 2, ...]
+        both = all_to_all_stacked(both, group)[:, :stop - start]  # [W, B_r, 2, s, H, D]
+        k_new = _own_rows(both[:, :, 0], 0, stop - start)
+        v_new = _own_rows(both[:, :, 1], 0, stop - start)
     if group_size(cp_group) == 1:  # no cp_group, or a one-rank one: whole sequences here
         kv_cache_append(k_cache_local, v_cache_local, k_new, v_new, seqlens_local,
                         block_table=block_table_local, **kw)
