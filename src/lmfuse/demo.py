@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -258,6 +259,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _progress_bar(steps: int, name: str, enabled: bool):
+    """A tqdm bar (step, loss, tokens/s) when printing to a terminal; None otherwise (no
+    tqdm, quiet, or output to a file or pipe, where the periodic step lines are the log)."""
+    if not (enabled and sys.stdout.isatty()):
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=steps, desc=f"  {name}", unit="step", leave=False, file=sys.stdout,
+                dynamic_ncols=True)
+
+
 def train(model: TinyGPT, batches, cfg: DemoConfig, device: torch.device, name: str,
           log) -> TrainStats:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -271,6 +285,8 @@ def train(model: TinyGPT, batches, cfg: DemoConfig, device: torch.device, name: 
     tokens_per_step = cfg.batch * cfg.seq_len
     timed, t_start = 0.0, time.perf_counter()
     window_t, window_n = time.perf_counter(), 0
+    bar = _progress_bar(cfg.steps, name, not cfg.quiet)
+    rate = 0.0
     for step, (x, y) in enumerate(batches):
         if step == skip:
             _sync(device)
@@ -285,9 +301,20 @@ def train(model: TinyGPT, batches, cfg: DemoConfig, device: torch.device, name: 
         window_n += 1
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
             now = time.perf_counter()
-            log(f"  {name:6s} step {step + 1:4d}/{cfg.steps}  loss {stats.losses[-1]:.4f}  "
-                f"{window_n * tokens_per_step / (now - window_t):9.0f} tok/s")
+            rate = window_n * tokens_per_step / (now - window_t)
+            line = (f"  {name:6s} step {step + 1:4d}/{cfg.steps}  loss {stats.losses[-1]:.4f}  "
+                    f"{rate:9.0f} tok/s")
+            if bar is not None:
+                bar.write(line)
+            else:
+                log(line)
             window_t, window_n = now, 0
+        if bar is not None:
+            speed = f", {rate:,.0f} tok/s" if rate else ""  # known from the first log line on
+            bar.set_postfix_str(f"loss {stats.losses[-1]:.4f}{speed}", refresh=False)
+            bar.update(1)
+    if bar is not None:
+        bar.close()
     _sync(device)
     timed = time.perf_counter() - t_start
     stats.tokens_per_s = (cfg.steps - skip) * tokens_per_step / max(timed, 1e-9)
