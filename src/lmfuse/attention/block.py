@@ -11,13 +11,15 @@
 
 On the Triton path the qk-norm, the rotary embedding and the cache append are one kernel
 (``block_kernels.qk_norm_rope_append_kernel``) reading the projection's output once; the
-projections are ``F.linear`` and the attention is :func:`lmfuse.decode_attention`.
+input norm is :func:`lmfuse.rms_norm`, the projections are ``F.linear`` and the attention is
+:func:`lmfuse.decode_attention`.
 
 This file also holds the specification: :func:`decode_attention_block_reference` (the
 whole block, plain PyTorch, float32 math; the ``impl="torch"`` path) and
 :func:`qk_norm_rope_append_reference` (the fused stage alone), both built on the decode
 reference's :func:`~lmfuse.attention.reference.decode_attention_reference` and
-:func:`~lmfuse.attention.reference.kv_cache_append_reference`.
+:func:`~lmfuse.attention.reference.kv_cache_append_reference`, and on the RMSNorm family's
+reference (:mod:`lmfuse.norm.reference`).
 
 Rounding points (both paths): the input norm's output, the QKV projection's output, q
 after norm and rotation, the attention output and the block's output are each rounded
@@ -37,6 +39,8 @@ from torch import nn
 from .._dispatch import (IMPLS, eager, check_int, check_number, check_same_device, check_tensor,
                          select_impl)
 from . import ops
+from ..norm.ops import rms_norm
+from ..norm.reference import rms_norm_reference, rms_norm_unrounded
 from .reference import decode_attention_reference, kv_cache_append_reference
 
 # fp8 caches are float8_e4m3fn (as decode_attention reads them); the kernel's exact rounding
@@ -73,16 +77,6 @@ def rope_inv_freq(rotary_dim: int, theta: float = 10000.0,
     exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
     inv_freq = 1.0 / (theta ** exponent)
     return inv_freq if device is None else inv_freq.to(device)
-
-
-def rms_norm_reference(x: torch.Tensor, weight: Optional[torch.Tensor],
-                       eps: float) -> torch.Tensor:
-    """``x * rsqrt(mean(x**2 over the last dim) + eps) * weight`` in float32 (float64 for
-    float64), returned in that compute dtype (the caller rounds)."""
-    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    x = x.to(compute)
-    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return y if weight is None else y * weight.to(compute)
 
 
 def rope_reference(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
@@ -141,9 +135,9 @@ def qk_norm_rope_append_reference(
     x = qkv.to(compute).view(B, s_active, Hq + 2 * Hkv, D)
     q, k, v = x[:, :, :Hq], x[:, :, Hq:Hq + Hkv], x[:, :, Hq + Hkv:]
     if q_norm_weight is not None:
-        q = rms_norm_reference(q, q_norm_weight, eps)
+        q = rms_norm_unrounded(q, q_norm_weight, eps=eps)
     if k_norm_weight is not None:
-        k = rms_norm_reference(k, k_norm_weight, eps)
+        k = rms_norm_unrounded(k, k_norm_weight, eps=eps)
     if inv_freq is not None:
         pos = default_positions(cache_seqlens, s_active) if positions is None else positions
         q = rope_reference(q, pos, inv_freq, rope_interleaved)
@@ -203,7 +197,7 @@ def decode_attention_block_reference(
 
     h = x
     if input_norm_weight is not None:
-        h = rms_norm_reference(x, input_norm_weight, norm_eps).to(x.dtype)
+        h = rms_norm_reference(x, input_norm_weight, eps=norm_eps)
     qkv = linear(h, qkv_weight, qkv_bias)
     inv_freq = rope_inv_freq(D if rotary_dim is None else rotary_dim, rope_theta,
                              x.device) if rope else None
@@ -635,7 +629,7 @@ class DecodeAttentionBlock(nn.Module):
         B, s_active, _ = x.shape
         h = x
         if self.input_norm_weight is not None:
-            h = rms_norm_reference(x, self.input_norm_weight, self.norm_eps).to(x.dtype)
+            h = rms_norm(x, self.input_norm_weight, eps=self.norm_eps, impl="triton")
         qkv = F.linear(h, self.qkv.weight, self.qkv.bias)
         q = _run_prologue(qkv, k_cache, v_cache, cache_seqlens, self.q_norm_weight,
                           self.k_norm_weight, self.inv_freq(x.device) if self.rope else None,
@@ -665,5 +659,4 @@ class DecodeAttentionBlock(nn.Module):
 
 
 __all__ = ["DecodeAttentionBlock", "decode_attention_block_reference", "qk_norm_rope_append",
-           "qk_norm_rope_append_reference", "rope_inv_freq", "rope_reference",
-           "rms_norm_reference"]
+           "qk_norm_rope_append_reference", "rope_inv_freq", "rope_reference"]

@@ -23,6 +23,24 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def rms_norm_unrounded(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor] = None,
+    *,
+    eps: float = 1e-6,
+    weight_offset: float = 0.0,
+) -> torch.Tensor:
+    """RMSNorm over the last dim, left in the compute dtype (float32, float64 for float64):
+    for callers that go on computing before they round (the attention block's q/k norm
+    feeds the rotary embedding in float32)."""
+    compute = compute_dtype(x.dtype)
+    xf = x.to(compute)
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * (weight.to(compute) + weight_offset)
+    return y
+
+
 def rms_norm_reference(
     x: torch.Tensor,
     weight: Optional[torch.Tensor] = None,
@@ -40,12 +58,7 @@ def rms_norm_reference(
     Returns:
         ``[..., H]`` in x's dtype.
     """
-    compute = compute_dtype(x.dtype)
-    xf = x.to(compute)
-    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        y = y * (weight.to(compute) + weight_offset)
-    return y.to(x.dtype)
+    return rms_norm_unrounded(x, weight, eps=eps, weight_offset=weight_offset).to(x.dtype)
 
 
 def rms_norm_rstd_reference(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
