@@ -370,8 +370,9 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
         inference_fallback_tokens: with autograd off (``torch.no_grad()``, ``generate``), a
             norm or MLP call on at most this many tokens runs the module's own forward:
             token-by-token decoding in eager mode is bound by the host's time per launch,
-            which a fused op does not shorten (on an H100 host, 64 greedy tokens of a 4-layer
-            2048-wide Llama took 294 ms unpatched and 463 ms with every norm and MLP fused).
+            which a fused op does not shorten (on an H100 host, 64 greedy tokens of an
+            8-layer 2048-wide Llama took 517 ms unpatched and 567 ms with every call fused;
+            ``bench/hf_training.py --generate 64``).
             Prefill, training and compiled code always take the fused ops. 0 fuses every
             call.
 
