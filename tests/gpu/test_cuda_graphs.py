@@ -32,6 +32,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -136,6 +137,20 @@ def _refresh_params(module: torch.nn.Module | None) -> None:
             p.copy_(new.to(p.dtype))
 
 
+def capture(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``fn`` run three times on a side stream (warm-up: compilation, allocator pools), then
+    captured in a CUDA graph: ``(graph, the captured call's result)``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
 def check_graph(case: Case) -> str:
     """Capture ``case``'s step, replay it on new data and compare with eager; returns the
     summary line."""
@@ -163,17 +178,9 @@ def check_graph(case: Case) -> str:
         with torch.no_grad():
             upstream.extend(torch.randn_like(o) for o in call())
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        # Detached: the captured autograd graph (its AccumulateGrad nodes, made on the
-        # capture stream) must not outlive the capture into the eager calls below.
-        static_out = tuple(t.detach() for t in step())
+    # Detached: the captured autograd graph (its AccumulateGrad nodes, made on the capture
+    # stream) must not outlive the capture into the eager calls below.
+    graph, static_out = capture(lambda: tuple(t.detach() for t in step()))
 
     names = [f"output {k}" for k in range(len(static_out) - len(leaves))]
     names += [f"grad of input {i}" for i in case.wrt] + [f"grad of {n}" for n, _ in named]
@@ -563,15 +570,7 @@ def test_paged_decode_loop_replays_like_eager(cache_dtype: torch.dtype) -> None:
                        v_scale=v_scale)
 
     load(pool.reserve(seqs, 1, max_blocks=width))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            decode()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = decode()
+    graph, y = capture(decode)
     outputs = []
     for t in range(steps):
         if t:
