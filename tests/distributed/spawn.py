@@ -55,6 +55,13 @@ def _gloo_rank(rank: int, world_size: int, port: int, fn_ref: tuple[str, str, st
     except BaseException:  # report every failure, assertion errors included, to the parent
         errors.put((rank, traceback.format_exc()))
         raise SystemExit(1)
+    # Done and checked: leave without the interpreter's teardown. Destroying torch's and
+    # gloo's C++ state at exit sometimes aborted a rank that had passed every check
+    # ("terminate called without an active exception", no Python frame left; seen in about
+    # 1 of 10 runs of a sweep that ends in validation errors), which no test should report.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _function_ref(fn: Callable[..., Any]) -> tuple[str, str, str]:
