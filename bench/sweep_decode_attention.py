@@ -55,11 +55,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-n", default="32,64,128")
     parser.add_argument("--stages", default="2,3,4")
     parser.add_argument("--ppsm", default="1,2,4")
-    parser.add_argument("--variants", default="table",
-                        help="kernel variants, comma-separated: table (the table's own "
-                             "flags), base (none), full (unmasked full tiles), tma (full "
-                             "tiles by TMA loads), km (keys-major scores), or +-joined "
-                             "combinations such as full+km")
     args = parser.parse_args(argv)
     warps = [int(w) for w in args.warps.split(",")]
     block_ns = [int(n) for n in args.block_n.split(",")]
@@ -117,16 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: table {table_ms:.4f} ms ({nbytes / table_ms / 1e9:.2f} TB/s)"
               + (f", SDPA {row['sdpa_ms']:.4f} ms" if "sdpa_ms" in row else ""), flush=True)
         section = "fp8" if fp8 else "paged" if block_len else None
-        variants = args.variants.split(",")
-        for var, bn, w, st, pp in itertools.product(variants, block_ns, warps, stages, ppsms):
+        for bn, w, st, pp in itertools.product(block_ns, warps, stages, ppsms):
             # Every section that could apply to this case is overridden, so that the
             # candidate's values are the ones that run, whichever program regime it is in.
             cand = dict(block_n_by_head_dim=[[1048576, bn]], num_warps=w, num_stages=st,
                         programs_per_sm=pp, few_programs={})
-            if var != "table":
-                flags = set(var.split("+"))
-                cand.update(full_tiles="full" in flags or "tma" in flags,
-                            tma="tma" in flags, keys_major="km" in flags)
             current = dict(base, **cand)
             if section:
                 current[section] = dict(current.get(section, {}), **cand)
@@ -139,12 +129,12 @@ def main(argv: list[str] | None = None) -> int:
                 note = "" if err < 2e-2 else f"MISMATCH {err:.2e}"
             except Exception as exc:  # a config that cannot launch is a row, not a crash
                 ms, err, note = None, None, f"failed: {type(exc).__name__}: {exc}"[:120]
-            row["configs"].append(dict(variant=var, block_n=bn, warps=w, stages=st, ppsm=pp,
-                                       ms=ms, err=err, note=note))
+            row["configs"].append(dict(block_n=bn, warps=w, stages=st, ppsm=pp, ms=ms,
+                                       err=err, note=note))
         done = [c for c in row["configs"] if c["ms"] and not c["note"]]
         done.sort(key=lambda c: c["ms"])
         for c in done[:5]:
-            print(f"   {c['variant']:>11} block_n {c['block_n']:>3} warps {c['warps']} stages {c['stages']} "
+            print(f"   block_n {c['block_n']:>3} warps {c['warps']} stages {c['stages']} "
                   f"ppsm {c['ppsm']}: {c['ms']:.4f} ms ({nbytes / c['ms'] / 1e9:.2f} TB/s)")
         for c in row["configs"]:
             if c["note"]:

@@ -50,46 +50,6 @@ def _kv_rows(TABLE, b, stride_tb, offs, valid, stride_blk, stride_row, num_block
 
 
 @triton.jit
-def _attend(q, k, v, row_scale, m, l_sum, acc, offs, pos, kv_ok, window,
-            MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
-            KEYS_MAJOR: tl.constexpr):
-    """One key tile of the online softmax: scores of ``q`` against ``k`` (times
-    ``row_scale``, base 2), and ``acc`` updated with their weights times ``v``. ``MASKED``:
-    keys outside ``kv_ok`` or past a row's position (or before its window) weigh nothing.
-    ``KEYS_MAJOR``: the scores are computed as ``k @ q^T`` (keys along the dot's M)."""
-    k = k.to(q.dtype)
-    v = v.to(q.dtype)
-    if KEYS_MAJOR:
-        if IEEE:
-            s = tl.trans(tl.dot(k, tl.trans(q), input_precision="ieee"))
-        else:
-            s = tl.trans(tl.dot(k, tl.trans(q)))
-    else:
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-    s = s * row_scale[:, None]
-    if MASKED:
-        seen = (offs[None, :] <= pos[:, None]) & kv_ok[None, :]
-        if HAS_WINDOW:
-            seen = seen & (offs[None, :] >= pos[:, None] - window)
-        s = tl.where(seen, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    # A row that has seen nothing yet keeps m = -inf; subtracting 0 then keeps exp2 at 0
-    # instead of exp2(-inf - -inf) = NaN.
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_ref[:, None])
-    alpha = tl.exp2(m - m_ref)
-    l_sum = l_sum * alpha + tl.sum(p, 1)
-    if IEEE:
-        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    return m_new, l_sum, acc * alpha[:, None] + pv
-
-
-@triton.jit
 def decode_kernel(
     Q, K, V, SEQLENS, TABLE, SINKS, K_SCALE, V_SCALE, OUT, LSE,
     stride_blk, stride_row, stride_h, stride_tb,
@@ -100,8 +60,6 @@ def decode_kernel(
     HAS_SINKS: tl.constexpr, HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr,
     WRITE_LSE: tl.constexpr, DOT_F32: tl.constexpr,
     F16_DOT: tl.constexpr, IEEE: tl.constexpr, NUM_STAGES: tl.constexpr,
-    FULL_TILES: tl.constexpr = False, KEYS_MAJOR: tl.constexpr = False,
-    TMA: tl.constexpr = False, K_DESC=None, V_DESC=None,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -163,41 +121,43 @@ def decode_kernel(
     # K and V share their strides: per sequence (contiguous) or block (paged), row, head.
     k_base = K + kvh.to(tl.int64) * stride_h
     v_base = V + kvh.to(tl.int64) * stride_h
-    row_scale = scale * q_row_scale
-    tail = start
-    if FULL_TILES:  # contiguous caches without a window only (the launch sees to it)
-        # Tiles every row sees whole (below the first active token's position, inside the
-        # cache): no masks, no visibility test. The rest, at most a few tiles, below.
-        full_end = tl.minimum(tl.minimum(end, capacity), L - S_ACT + 1)
-        tail = tl.maximum(start + ((full_end - start) // BLOCK_N) * BLOCK_N, start)
-        for n0 in tl.range(start, tail, BLOCK_N, num_stages=NUM_STAGES):
-            offs = n0 + tl.arange(0, BLOCK_N)
-            if TMA:
-                k = K_DESC.load([b.to(tl.int32) * capacity + n0, kvh * D])
-                v = V_DESC.load([b.to(tl.int32) * capacity + n0, kvh * D])
-            else:
-                kv_rows = b.to(tl.int64) * stride_blk + offs.to(tl.int64) * stride_row
-                if BLOCK_D == D:
-                    k = tl.load(k_base + kv_rows[:, None] + d[None, :])
-                    v = tl.load(v_base + kv_rows[:, None] + d[None, :])
-                else:
-                    k = tl.load(k_base + kv_rows[:, None] + d[None, :], mask=d_ok[None, :],
-                                other=0.0)
-                    v = tl.load(v_base + kv_rows[:, None] + d[None, :], mask=d_ok[None, :],
-                                other=0.0)
-            m, l_sum, acc = _attend(q, k, v, row_scale, m, l_sum, acc, offs, pos, offs >= 0,
-                                    window, False, HAS_WINDOW, IEEE, KEYS_MAJOR)
-    for n0 in tl.range(tail, end, BLOCK_N, num_stages=NUM_STAGES):
+    for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
         offs = n0 + tl.arange(0, BLOCK_N)
         in_range = (offs < end) & (offs < capacity)
         kv_rows, kv_ok = _kv_rows(TABLE, b, stride_tb, offs, in_range, stride_blk,
                                   stride_row, num_blocks, PAGED, BLOCK_LEN)
         k = tl.load(k_base + kv_rows[:, None] + d[None, :],
                     mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+        k = k.to(q.dtype)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        if F16_DOT:
+            s = s * (scale * q_row_scale)[:, None]
+        else:
+            s = s * scale
+        seen = (offs[None, :] <= pos[:, None]) & kv_ok[None, :]
+        if HAS_WINDOW:
+            seen = seen & (offs[None, :] >= pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        # A row that has seen nothing yet keeps m = -inf; subtracting 0 then keeps exp2 at 0
+        # instead of exp2(-inf - -inf) = NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m - m_ref)
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+
         v = tl.load(v_base + kv_rows[:, None] + d[None, :],
                     mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-        m, l_sum, acc = _attend(q, k, v, row_scale, m, l_sum, acc, offs, pos, kv_ok, window,
-                                True, HAS_WINDOW, IEEE, KEYS_MAJOR)
+        v = v.to(q.dtype)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
 
     has = l_sum > 0.0
     out = acc / tl.where(has, l_sum, 1.0)[:, None]

@@ -195,15 +195,9 @@ def _config(q, k_cache, s: dict[str, Any], num_splits: Optional[int]) -> dict[st
     interp = q.device.type != "cuda"
     f16_dot = fp8 and q.dtype == torch.bfloat16
     dot_f32 = interp and q.dtype == torch.bfloat16 and not f16_dot  # no bf16 dots there
-    # Unmasked loads for the key tiles every row sees whole: contiguous caches, no window.
-    full = bool(t.get("full_tiles", False)) and not s["paged"] and s["window"] is None
-    # Tensor-memory-accelerator loads of those tiles (Hopper): whole head rows only.
-    tma = (full and bool(t.get("tma", False)) and not interp and block_d == D
-           and k_cache.is_contiguous())
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, row_blocks=row_blocks,
                 splits=splits, keys_per_split=keys, forced_splits=forced, DOT_F32=dot_f32,
-                F16_DOT=f16_dot, FULL_TILES=full, TMA=tma,
-                KEYS_MAJOR=bool(t.get("keys_major", False)),
+                F16_DOT=f16_dot,
                 IEEE=q.dtype == torch.float32, num_warps=t["num_warps"],
                 qk_scale=s["scale"] * 1.4426950408889634,  # exp2 in the kernel
                 window_arg=s["window"] if s["window"] is not None else 0,
@@ -251,15 +245,6 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_sca
     else:
         o_t, l_t = out, (lse if lse is not None else out)
     paged = block_table is not None
-    k_desc = v_desc = None
-    if s["TMA"] and v_cache.is_contiguous():
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        rows_2d = k_cache.shape[0] * k_cache.shape[1]
-        k_desc = TensorDescriptor.from_tensor(k_cache.view(rows_2d, Hkv * D),
-                                              [s["BLOCK_N"], D])
-        v_desc = TensorDescriptor.from_tensor(v_cache.view(rows_2d, Hkv * D),
-                                              [s["BLOCK_N"], D])
     _kernels().decode_kernel[(B * Hkv, splits, s["row_blocks"])](
         q, k_cache, v_cache, cache_seqlens, block_table if paged else cache_seqlens,
         sinks if sinks is not None else q, k_scale if k_scale is not None else q,
@@ -273,9 +258,7 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_sca
         HAS_WINDOW=s["window"] is not None, HAS_SINKS=sinks is not None,
         HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None,
         WRITE_LSE=splits > 1 or lse is not None, DOT_F32=s["DOT_F32"], F16_DOT=s["F16_DOT"],
-        IEEE=s["IEEE"], NUM_STAGES=s["num_stages"], FULL_TILES=s["FULL_TILES"],
-        KEYS_MAJOR=s["KEYS_MAJOR"], TMA=k_desc is not None, K_DESC=k_desc, V_DESC=v_desc,
-        num_warps=s["num_warps"])
+        IEEE=s["IEEE"], NUM_STAGES=s["num_stages"], num_warps=s["num_warps"])
     if splits > 1:
         _kernels().merge_kernel[(rows,)](
             o_t, l_t, out, lse if lse is not None else out, splits, D, splits * D, 1, splits,
