@@ -9,8 +9,9 @@ host's launch overhead, as a server that captures its decode step sees it. The c
 bf16, D = 128,
 Hkv = 8, every sequence full (length = capacity = S) unless said otherwise:
 
-  B64 Hq32 S4096 s1      contiguous, paged (block_len 16 and 64)
-  B1 Hq32 S131072 s1     contiguous, paged 16 and 64 (one sequence: split-KV)
+  B64 Hq32 S4096 s1      contiguous, contiguous fp8, paged (block_len 16 and 64)
+  B1 Hq32 S131072 s1     contiguous, contiguous fp8, paged 16 and 64 (one sequence:
+                         split-KV)
   B4 Hq64 S32768 s4      contiguous, paged 16 (4 active tokens, causal among themselves)
   B16 Hq32 S8192 s1      contiguous, and contiguous fp8 (float8_e4m3fn, k_scale/v_scale [Hkv])
   B8 Hq32 Hkv32 S8192    GQA group 1; B16 Hq32 S8192 with D = 64 and D = 256
@@ -42,8 +43,9 @@ lmfuse row fails every target, so a wrong kernel cannot post a fast time.
 The targets, checked at the end (on a GPU): paged at least 0.90x the copy's TB/s at
 B64 S4096 and B1 S131072; at least 2.5 TB/s at B4 s4; lmfuse no slower than the faster
 SDPA row on every contiguous case; fp8 at least 1.8x the bf16 tokens/s (``B * s_active /
-time``) at B16 S8192. ``--quick`` (the default on CPU) runs the same cases at tiny shapes in
-float32, through Triton's interpreter when ``TRITON_INTERPRET=1`` (else the reference).
+time``) of the same shape's contiguous bf16 case (B64 S4096, B1 S131072, B16 S8192).
+``--quick`` (the default on CPU) runs the same cases at tiny shapes in float32, through
+Triton's interpreter when ``TRITON_INTERPRET=1`` (else the reference).
 """
 
 from __future__ import annotations
@@ -95,8 +97,10 @@ class Shape(NamedTuple):
 
 
 FULL = [
-    Shape("batch", B=64, Hq=32, S=4096, layouts=("contiguous", "paged16", "paged64")),
-    Shape("long", B=1, Hq=32, S=131072, layouts=("contiguous", "paged16", "paged64")),
+    Shape("batch", B=64, Hq=32, S=4096,
+          layouts=("contiguous", "contiguous fp8", "paged16", "paged64")),
+    Shape("long", B=1, Hq=32, S=131072,
+          layouts=("contiguous", "contiguous fp8", "paged16", "paged64")),
     Shape("multi", B=4, Hq=64, S=32768, s_active=4, layouts=("contiguous", "paged16")),
     Shape("fp8", B=16, Hq=32, S=8192, layouts=("contiguous", "contiguous fp8")),
     Shape("gqa1", B=8, Hq=32, Hkv=32, S=8192),
