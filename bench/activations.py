@@ -6,6 +6,9 @@ are bf16, 16384 tokens: bias-SwiGLU and bias-GEGLU on ``x [16384, 2 * 14336]`` w
 ``[16384, 1]``; bias-GELU, squared ReLU and weighted squared ReLU on ``x [16384, 14336]``.
 Each is timed forward only (no grad) and forward+backward (``torch.autograd.grad`` of the
 output, with a fixed random upstream gradient, w.r.t. x and the bias / weights).
+bias-SwiGLU is also timed with ``fp8_input_store=True`` (x saved for backward as float8):
+its forward as a training step runs it (x requiring grad) and its forward+backward, against
+the same call without the fp8 store and Megatron-Core's ``fp8_input_store=True``.
 
 Every case reports the median time, the achieved TB/s over the *minimal* bytes (forward:
 read x, the bias and the weights, write the output; forward+backward: that, and read x
@@ -132,6 +135,8 @@ def load_megatron() -> tuple[dict[str, tuple[ActFn, str]], str]:
         "squared_relu": load("activations", "squared_relu", lambda f, x, b, w: f(x)),
         "weighted_sqrelu": load("fusions.fused_weighted_squared_relu",
                                 "weighted_squared_relu_impl", lambda f, x, b, w: f(x, w)),
+        "bias_swiglu_fp8": load("fusions.fused_bias_swiglu", "bias_swiglu_impl",
+                                lambda f, x, b, w: f(x, b, True)),
     }
     return fns, dist_version("megatron-core")
 
@@ -202,6 +207,41 @@ def make_case(data: Inputs, name: str, megatron: tuple[ActFn, str], *, backward:
                 impls, notes)
 
 
+def make_fp8_store_cases(data: Inputs, megatron: tuple[ActFn, str]) -> list[Case]:
+    """bias-SwiGLU with ``fp8_input_store=True``: the forward that saves x for backward (x
+    requires grad; the output and what it saves are dropped after each call) and
+    forward+backward. Minimal bytes: the forward's, plus x written as float8 (1 byte an
+    element); forward+backward reads that float8 copy instead of x."""
+    x, bias, g = data.x, data.bias, data.g
+    n, K, elt = data.n, data.K, data.x.element_size()
+    fwd = n * K * elt + K * elt + n * data.out_cols * elt + n * K
+    fwd_bwd = fwd + n * K + n * data.out_cols * elt + n * K * elt + 2 * K * elt
+    megatron_fn, megatron_note = megatron
+    calls = {
+        "lmfuse": lambda x, b: lmfuse.swiglu(x, b, fp8_input_store=True),
+        "lmfuse (bf16 store)": lambda x, b: lmfuse.swiglu(x, b),
+        "megatron-core": lambda x, b: megatron_fn(x, b, None),
+    }
+    notes = {"lmfuse (bf16 store)": "fp8_input_store=False",
+             "megatron-core": f"{megatron_note}, fp8_input_store=True"}
+    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(x.dtype, "fp32")
+    cases = []
+    for mode, nbytes in (("fwd-saving", fwd), ("fwd+bwd", fwd_bwd)):
+        if mode == "fwd-saving":
+            impls = {k: (lambda f=f: f(x, bias)) for k, f in calls.items()}
+        else:
+            impls = {k: (lambda f=f: torch.autograd.grad(f(x, bias), [x, bias], g))
+                     for k, f in calls.items()}
+        case_notes = dict(notes)
+        for impl, diff in relative_differences(impls, x.dtype).items():
+            if impl == "lmfuse (bf16 store)":  # its gradients are not rounded through fp8
+                diff = diff.replace(", CHECK", ", the fp8 store's rounding")
+            case_notes[impl] = f"{case_notes.get(impl, '')}; {diff}".lstrip("; ")
+        cases.append(Case(f"bias_swiglu-fp8-store {mode} [{n}, {K}] {dtype}", nbytes, impls,
+                          case_notes))
+    return cases
+
+
 def build_cases(device: torch.device, quick: bool, megatron: dict) -> tuple[list[Case], int]:
     """The cases, and the bytes of the bias-SwiGLU forward (the copy moves as many)."""
     dtype = torch.float32 if quick else torch.bfloat16
@@ -212,6 +252,7 @@ def build_cases(device: torch.device, quick: bool, megatron: dict) -> tuple[list
         cases += [make_case(data, name, megatron[name], backward=bw) for bw in (False, True)]
         if name == "bias_swiglu":
             swiglu_fwd_bytes = data.minimal_bytes(backward=False)
+            cases += make_fp8_store_cases(data, megatron["bias_swiglu_fp8"])
     return cases, swiglu_fwd_bytes
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import pytest
@@ -383,6 +383,40 @@ def test_fp8_input_store(op: Op, impl: str, dtype: torch.dtype) -> None:
     assert rel_err(grads8["x"], ref8["x"]) < rel_err(grads8["x"], ref["x"]), (
         f"{what}: d x is closer to the full-precision gradient than to the fp8 one"
     )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+def test_forward_kernel_writes_torchs_fp8_copy(gated: bool, dtype: torch.dtype) -> None:
+    """The float8 copy the forward kernel writes for ``fp8_input_store`` is bit for bit
+    ``x.to(float8_e4m3fn)``: saturated at +-448, ties rounded to even, subnormals kept."""
+    from lmfuse.activations.ops import _launch_fwd, _settings
+
+    x = (randn((37, 48), F32) * torch.logspace(-4, 3, 48)).to(dtype)
+    # Saturation, ties between neighbours (3.375: 3.25 | 3.5; 0.06640625: two fp8
+    # neighbours apart by 2**-7 in the subnormal-adjacent range), an exact value, -0.
+    x[0, :6] = torch.tensor([500.0, -1e4, 3.375, 0.06640625, 448.0, -0.0]).to(dtype)
+    x8 = torch.empty(x.shape, dtype=FP8)
+    _launch_fwd(x, None, None, _settings("silu" if gated else "gelu", gated, 0.0, None), x8)
+    want = x.to(FP8)
+    assert torch.equal(x8.view(torch.uint8), want.view(torch.uint8)), (
+        f"{dtype}: {(x8.float() - want.float()).abs().max()}")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", FP8_OPS)
+def test_fp8_input_store_backward_sees_the_saturated_copy(op: Op, impl: str) -> None:
+    """With ``fp8_input_store`` the backward works on x rounded to float8 and saturated at
+    +-448 (torch's CUDA cast would make magnitudes above 464 NaN, and the gradients with
+    them): its gradients equal, bit for bit, those of a run on that rounded x itself."""
+    inp = make_inputs(op, (5,), 12, F16)
+    inp.x[0, :3] = torch.tensor([1000.0, -600.0, 470.0])
+    kwargs = dict(linear_offset=0.5, clamp_value=1.5) if op.clamp else {}
+    _, grads8 = run(op, inp, impl, fp8_input_store=True, **kwargs)
+    rounded = replace(inp, x=inp.x.clamp(-448.0, 448.0).to(FP8).to(F16))
+    _, grads = run(op, rounded, impl, **kwargs)
+    for name in grads:
+        assert torch.equal(grads8[name], grads[name]), name
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8"])

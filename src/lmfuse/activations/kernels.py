@@ -23,6 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..attention.decode_kernels import _round_fp8
+
 GELU, SILU, QUICK_GELU, SQUARED_RELU = 0, 1, 2, 3
 
 # The constants are written out in the functions below (a kernel can read a global only as a
@@ -76,19 +78,36 @@ def _act_and_grad(a, ACT: tl.constexpr):
 
 
 @triton.jit
+def _store_fp8(ptr, v, mask):
+    """float32 ``v`` stored as float8_e4m3fn as ``torch``'s conversion does it: saturated at
+    +-448 and rounded to nearest even (exactly, before the store's own conversion; see
+    ``_round_fp8``)."""
+    v = _round_fp8(tl.minimum(tl.maximum(v, -448.0), 448.0), 3, -6)
+    tl.store(ptr, v.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def act_fwd_kernel(
-    x_ptr, sx, b_ptr, w_ptr, y_ptr, sy, M, N, offset, clamp,
+    x_ptr, sx, b_ptr, w_ptr, y_ptr, sy, x8_ptr, M, N, offset, clamp,
     ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_W: tl.constexpr,
     HAS_CLAMP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    STORE_X8: tl.constexpr = False,
 ):
+    """``STORE_X8``: also write x as float8_e4m3fn to ``x8_ptr`` (``[M, K]`` contiguous),
+    the copy ``fp8_input_store`` keeps for backward, from the values loaded here."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask, cmask = rows < M, cols < N
     mask = rmask[:, None] & cmask[None, :]
     xp = x_ptr + rows[:, None] * sx + cols[None, :]
     a = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+    K = 2 * N if GATED else N
+    if STORE_X8:
+        _store_fp8(x8_ptr + rows[:, None] * K + cols[None, :], a, mask)
     if GATED:
         b = tl.load(xp + N, mask=mask, other=0.0).to(tl.float32)
+        if STORE_X8:
+            _store_fp8(x8_ptr + rows[:, None] * K + N + cols[None, :], b, mask)
         if HAS_CLAMP:
             a = tl.minimum(a, clamp)
             b = tl.minimum(tl.maximum(b, -clamp), clamp)

@@ -49,7 +49,9 @@ def _flags(s: dict[str, Any], bias, weights) -> dict[str, Any]:
                 HAS_W=weights is not None, HAS_CLAMP=s["clamp_value"] is not None)
 
 
-def _launch_fwd(x, bias, weights, s) -> torch.Tensor:
+def _launch_fwd(x, bias, weights, s, x8: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``y``; with ``x8`` (float8_e4m3fn ``[M, K]``, contiguous) the kernel also writes x's
+    float8 copy there."""
     M, K = x.shape
     N = K // 2 if s["gated"] else K
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -61,9 +63,9 @@ def _launch_fwd(x, bias, weights, s) -> torch.Tensor:
     grid = (_cdiv(M, block_m), _cdiv(N, block_n))
     _kernels().act_fwd_kernel[grid](
         x, x.stride(0), bias if bias is not None else x, weights if weights is not None else x,
-        y, y.stride(0), M, N, float(s["linear_offset"]), float(s["clamp_value"] or 0.0),
-        **_flags(s, bias, weights), BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=t["fwd_warps"])
+        y, y.stride(0), x8 if x8 is not None else y, M, N, float(s["linear_offset"]),
+        float(s["clamp_value"] or 0.0), **_flags(s, bias, weights), BLOCK_M=block_m,
+        BLOCK_N=block_n, STORE_X8=x8 is not None, num_warps=t["fwd_warps"])
     return y
 
 
@@ -154,9 +156,13 @@ class _Saved:
     pinned host copy lives here instead.
     """
 
-    def __init__(self, x: torch.Tensor, fp8: bool, offload: bool) -> None:
+    def __init__(self, x: torch.Tensor, fp8: bool, offload: bool,
+                 x8: Optional[torch.Tensor] = None) -> None:
+        """``x8``: x's float8 copy when the forward kernel already wrote it."""
         self.dtype, self.device, self.event, self.host = x.dtype, x.device, None, None
-        keep = x.to(_FP8) if fp8 else x
+        # Saturated at e4m3's largest finite value, as the forward kernel's own copy is
+        # (torch's CUDA cast turns magnitudes above 464 into NaN).
+        keep = (x8 if x8 is not None else x.clamp(-448.0, 448.0).to(_FP8)) if fp8 else x
         self.device_copy = keep
         if offload and x.is_cuda:
             side = _side_stream(x.device)
@@ -201,17 +207,25 @@ class _Activation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, weights, s: dict[str, Any]):
         with nvtx_range(s["op"], "fwd"):
-            if s["path"] == "triton":
-                y = (_launch_fwd(x, bias, weights, s) if _eager() else
-                     _act_fwd_op(x, bias, weights, s["activation"], s["gated"],
-                                 s["linear_offset"], s["clamp_value"]))
+            saving = any(ctx.needs_input_grad[:3])
+            x8 = None
+            if s["path"] == "triton" and _eager():
+                # The float8 copy for backward comes out of the forward kernel itself where
+                # the kernel can store float8 (the interpreter, or compute capability 8.9+).
+                if saving and s["fp8_input_store"] and (not x.is_cuda
+                                                         or _loads_fp8(x.device)):
+                    x8 = torch.empty(x.shape, dtype=_FP8, device=x.device)
+                y = _launch_fwd(x, bias, weights, s, x8)
+            elif s["path"] == "triton":
+                y = _act_fwd_op(x, bias, weights, s["activation"], s["gated"],
+                                s["linear_offset"], s["clamp_value"])
             else:
                 y = ref.activation_reference(x, bias, weights, activation=s["activation"],
                                              gated=s["gated"], linear_offset=s["linear_offset"],
                                              clamp_value=s["clamp_value"])
             ctx.s = s
-            if any(ctx.needs_input_grad[:3]):
-                ctx.saved = _Saved(x, s["fp8_input_store"], s["cpu_offload_input"])
+            if saving:
+                ctx.saved = _Saved(x, s["fp8_input_store"], s["cpu_offload_input"], x8)
                 ctx.save_for_backward(ctx.saved.device_copy, bias, weights)
             return y
 
