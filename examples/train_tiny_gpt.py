@@ -1,0 +1,297 @@
+"""Train a tiny byte-level GPT whose every hot op is an lmfuse op.
+
+    tokens -> embedding -> L x [x + attention(x); x + mlp(rmsnorm(x))] -> rmsnorm -> loss
+
+    attention   lmfuse.rms_norm -> fused QKV projection -> rotary embedding
+                -> q @ k.T -> lmfuse.fused_softmax(causal=True) -> @ v -> output projection
+    mlp         lmfuse.RMSNorm, then lmfuse.FusedMLP (SwiGLU by default: fc1, the fused
+                activation, fc2)
+    loss        lmfuse.linear_cross_entropy(hidden, head.weight, targets): the [tokens, 256]
+                logits are never materialised; --materialise-logits computes them and calls
+                lmfuse.cross_entropy instead. --z-loss and --label-smoothing go to either.
+
+The attention's parameters are named and laid out as lmfuse.DecodeAttentionBlock's
+(``input_norm_weight``, ``qkv`` with q heads then k heads then v heads, ``out``; no biases;
+rotate-half rotary embedding over the whole head), so decode_tiny_gpt.py loads the trained
+weights into that block with a plain ``load_state_dict``.
+
+The text is lmfuse's own source code (or --text FILE), one token per byte: a model that
+has learnt nothing scores ln 256 = 5.55 nats per byte.
+
+    python examples/train_tiny_gpt.py --steps 300 --save tiny_gpt.pt
+    python examples/train_tiny_gpt.py --steps 3 --d-model 32 --layers 1 --seq 32 --batch 2
+
+On CUDA tensors the ops run their Triton kernels; on the CPU their PyTorch references
+(``--impl`` forces either).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import lmfuse
+
+VOCAB = 256  # one token per byte
+NORM_EPS = 1e-6
+ROPE_THETA = 10000.0
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# AdamW on float16 weights underflows (eps, squared gradients) and turns them to NaN.
+FP16_TRAINING = ("--dtype fp16 cannot train here: float16 needs float32 master weights and "
+                 "loss scaling, which this example leaves out; train in bf16 or fp32")
+
+
+@dataclass
+class GPTConfig:
+    d_model: int = 64
+    layers: int = 2
+    heads: int = 4
+    ffn: int = 192
+    activation: str = "swiglu"  # any lmfuse.FusedMLP activation
+
+
+# --- the model --------------------------------------------------------------------------------
+
+
+def rope_inv_freq(head_dim: int) -> torch.Tensor:
+    """``[head_dim / 2]`` float32 rotary frequencies, made on the CPU as
+    DecodeAttentionBlock makes them, so training and decoding rotate by the same angles."""
+    return 1.0 / ROPE_THETA ** (torch.arange(0, head_dim, 2).float() / head_dim)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding of ``x [B, T, H, D]`` by ``cos, sin [T, 1, D/2]``."""
+    x1, x2 = x.chunk(2, -1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
+
+
+class CausalSelfAttention(nn.Module):
+    """Training-time attention with DecodeAttentionBlock's parameters."""
+
+    def __init__(self, cfg: GPTConfig, impl: str) -> None:
+        super().__init__()
+        self.heads, self.head_dim, self.impl = cfg.heads, cfg.d_model // cfg.heads, impl
+        self.input_norm_weight = nn.Parameter(torch.ones(cfg.d_model))
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, d = x.shape
+        h = lmfuse.rms_norm(x, self.input_norm_weight, eps=NORM_EPS, impl=self.impl)
+        q, k, v = self.qkv(h).view(B, T, 3, self.heads, self.head_dim).unbind(2)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        # Scale, causal mask and softmax in one kernel; no [T, T] mask tensor is built.
+        probs = lmfuse.fused_softmax(q @ k.transpose(-1, -2), scale=self.head_dim ** -0.5,
+                                     causal=True, impl=self.impl)
+        return self.out((probs @ v).transpose(1, 2).reshape(B, T, d))
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: GPTConfig, impl: str) -> None:
+        super().__init__()
+        self.attn = CausalSelfAttention(cfg, impl)
+        self.mlp_norm = lmfuse.RMSNorm(cfg.d_model, NORM_EPS, impl=impl)
+        self.mlp = lmfuse.FusedMLP(cfg.d_model, cfg.ffn, cfg.activation, bias=False, impl=impl)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x, cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, cfg: GPTConfig, impl: str = "auto") -> None:
+        super().__init__()
+        if cfg.d_model % cfg.heads or (cfg.d_model // cfg.heads) % 2:
+            raise ValueError(f"TinyGPT: d_model ({cfg.d_model}) must be heads ({cfg.heads}) "
+                             f"times an even head_dim")
+        self.cfg, self.impl = cfg, impl
+        self.embed = nn.Embedding(VOCAB, cfg.d_model)
+        self.layers = nn.ModuleList(Layer(cfg, impl) for _ in range(cfg.layers))
+        self.final_norm = lmfuse.RMSNorm(cfg.d_model, NORM_EPS, impl=impl)
+        self.head = nn.Linear(cfg.d_model, VOCAB, bias=False)
+        # Not a buffer: model.to(bfloat16) would round the frequencies.
+        self._inv_freq = rope_inv_freq(cfg.d_model // cfg.heads)
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens [B, T]`` -> final hidden states ``[B, T, d_model]``."""
+        x = self.embed(tokens)
+        positions = torch.arange(tokens.shape[1], device=x.device, dtype=torch.float32)
+        angle = (positions[:, None] * self._inv_freq.to(x.device))[:, None, :]  # [T, 1, D/2]
+        cos, sin = angle.to(x.dtype).cos(), angle.to(x.dtype).sin()
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.final_norm(x)
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.hidden(tokens))
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor, *,
+             materialise_logits: bool = False, z_loss: float = 0.0,
+             label_smoothing: float = 0.0) -> torch.Tensor:
+        """Mean next-byte loss of ``tokens [B, T]`` against ``targets [B, T]``."""
+        h = self.hidden(tokens).flatten(0, 1)
+        if materialise_logits:
+            return lmfuse.cross_entropy(self.head(h), targets.flatten(), z_loss=z_loss,
+                                        label_smoothing=label_smoothing, impl=self.impl)
+        # hidden @ head.weight.T chunk by chunk; its gradients come back for both.
+        return lmfuse.linear_cross_entropy(h, self.head.weight, targets.flatten(),
+                                           z_loss=z_loss, label_smoothing=label_smoothing,
+                                           impl=self.impl)
+
+
+# --- data, training, checkpoints ---------------------------------------------------------------
+
+
+def load_bytes(path: str | None = None) -> torch.Tensor:
+    """The corpus as a 1-D int64 tensor of byte values: ``path``, or lmfuse's sources."""
+    if path is not None:
+        raw = Path(path).read_bytes()
+    else:
+        files = sorted(Path(lmfuse.__file__).resolve().parent.rglob("*.py"))
+        raw = b"\n".join(f.read_bytes() for f in files)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
+
+
+def random_batch(data: torch.Tensor, batch: int, seq: int,
+                 gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` random windows of ``seq + 1`` bytes, as (inputs, next-byte targets)."""
+    starts = torch.randint(0, len(data) - seq, (batch,), generator=gen)
+    windows = data[starts[:, None] + torch.arange(seq + 1)]
+    return windows[:, :-1], windows[:, 1:]
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    return DTYPES[name or ("bf16" if device.type == "cuda" else "fp32")]
+
+
+def train(model: TinyGPT, data: torch.Tensor, *, steps: int, batch: int, seq: int,
+          lr: float = 1e-2, seed: int = 0, materialise_logits: bool = False,
+          z_loss: float = 0.0, label_smoothing: float = 0.0, log_every: int = 0,
+          log=print) -> list[float]:
+    """AdamW with a cosine schedule for ``steps`` steps on random windows of ``data``;
+    returns every step's loss. Logs the first, the last and every ``log_every``-th."""
+    if len(data) <= seq:
+        raise ValueError(f"train: the corpus has {len(data)} bytes; need more than seq = {seq}")
+    device = next(model.parameters()).device
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    t_log, step_log = time.perf_counter(), 0
+    for step in range(1, steps + 1):
+        x, y = (t.to(device) for t in random_batch(data, batch, seq, gen))
+        loss = model.loss(x, y, materialise_logits=materialise_logits, z_loss=z_loss,
+                          label_smoothing=label_smoothing)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        schedule.step()
+        losses.append(loss.detach())  # no host sync per step: read back when logging
+        if step in (1, steps) or (log_every and step % log_every == 0):
+            value = losses[-1].item()
+            now = time.perf_counter()
+            rate = (step - step_log) * batch * seq / (now - t_log)  # since the last line
+            t_log, step_log = now, step
+            log(f"step {step:5d}/{steps}  loss {value:.4f}  {rate:9,.0f} tok/s")
+    return torch.stack(losses).float().tolist()
+
+
+def save_checkpoint(model: TinyGPT, path: str) -> None:
+    """The model's config and state dict (on the CPU), loadable with ``weights_only=True``."""
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    torch.save({"config": asdict(model.cfg), "model": state}, path)
+
+
+def load_checkpoint(path: str, impl: str = "auto") -> TinyGPT:
+    """A :class:`TinyGPT` with the weights :func:`save_checkpoint` wrote (on the CPU, in the
+    dtype they were saved in)."""
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    model = TinyGPT(GPTConfig(**ckpt["config"]), impl=impl)
+    model.to(next(iter(ckpt["model"].values())).dtype)
+    model.load_state_dict(ckpt["model"])
+    return model
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """Model-size and training flags (shared with decode_tiny_gpt.py)."""
+    d = GPTConfig()
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
+    parser.add_argument("--dtype", choices=tuple(DTYPES),
+                        help="default bf16 on CUDA, fp32 on the CPU (fp16: decoding only)")
+    parser.add_argument("--impl", choices=("auto", "triton", "torch"), default="auto")
+    parser.add_argument("--d-model", type=int, default=d.d_model)
+    parser.add_argument("--layers", type=int, default=d.layers)
+    parser.add_argument("--heads", type=int, default=d.heads)
+    parser.add_argument("--ffn", type=int, help="MLP width (default 3 * d_model)")
+    parser.add_argument("--activation", default=d.activation,
+                        choices=("swiglu", "geglu", "quick_geglu", "gelu", "squared_relu"))
+    parser.add_argument("--seq", type=int, default=64, help="tokens per training sequence")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--text", help="train on this file (default: lmfuse's own source)")
+
+
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    return GPTConfig(args.d_model, args.layers, args.heads, args.ffn or 3 * args.d_model,
+                     args.activation)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=300)
+    add_model_args(parser)
+    parser.add_argument("--materialise-logits", action="store_true",
+                        help="head(hidden) then lmfuse.cross_entropy, instead of "
+                             "lmfuse.linear_cross_entropy")
+    parser.add_argument("--z-loss", type=float, default=0.0,
+                        help="add z_loss * logsumexp(logits) ** 2 per token (e.g. 1e-4)")
+    parser.add_argument("--label-smoothing", type=float, default=0.0)
+    parser.add_argument("--log-every", type=int, help="default steps / 10")
+    parser.add_argument("--save", metavar="PATH", help="write the config and state dict here")
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    if args.dtype == "fp16":
+        parser.error(FP16_TRAINING)
+
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    torch.manual_seed(args.seed)
+    model = TinyGPT(model_config(args), impl=args.impl).to(device=device, dtype=dtype)
+    data = load_bytes(args.text)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"tiny GPT: {model.cfg}, {n_params:,} parameters, on {device} ({dtype})")
+    print(f"corpus: {len(data):,} bytes; loss of a uniform guess: ln 256 = {math.log(256):.3f}")
+    plan = lmfuse.explain(lmfuse.fused_softmax, torch.zeros(1, 1, 2, 2, device=device),
+                          causal=True, impl=args.impl)
+    print(str(plan).splitlines()[0])
+
+    losses = train(model, data, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr,
+                   seed=args.seed, materialise_logits=args.materialise_logits,
+                   z_loss=args.z_loss, label_smoothing=args.label_smoothing,
+                   log_every=args.log_every or max(1, args.steps // 10))
+    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {args.steps} steps")
+    if args.save:
+        save_checkpoint(model, args.save)
+        print(f"saved to {args.save}")
+    return 0 if all(math.isfinite(v) for v in losses) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
