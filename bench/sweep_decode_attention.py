@@ -4,10 +4,10 @@
     python bench/sweep_decode_attention.py [--json PATH]
 
 Cases: bf16 shapes where lmfuse is closest to SDPA (B64 S4096, B1 S131072, B16 S8192 at
-D = 64, 128 and 256), the fp8 cache at B16 S8192 and B64 S4096, and paged caches
-(block_len 16) of the first three (``--cases`` picks some by name). Each candidate (key
-tile ``block_n``, ``num_warps``, ``num_stages``, ``programs_per_sm`` for the split count) is set
-by patching ``lmfuse.tuning.table`` as a JSON file would, and timed as the replay of a CUDA
+D = 64, 128 and 256), the fp8 cache at B16 S8192 and B64 S4096 (D 64 and 128, and paged),
+and paged caches (block_len 16) of the first three (``--cases`` picks some by name). Each
+candidate (key tile ``block_n``, ``num_warps``, ``num_stages``, ``programs_per_sm`` for
+the split count) is set by patching ``lmfuse.tuning.table`` as a JSON file would, and timed as the replay of a CUDA
 graph holding the call (GPU time, no launch overhead, as ``lmfuse bench decode_attention
 --graphs``). Every candidate's output must match the table config's within 2e-2 (bf16).
 """
@@ -38,6 +38,8 @@ CASES = [("B64 Hq32 S4096 D128", 64, 32, 8, 4096, 128, False, None),
          ("B16 Hq64 S8192 D64", 16, 64, 8, 8192, 64, False, None),
          ("B16 Hq32 S8192 D128 fp8", 16, 32, 8, 8192, 128, True, None),
          ("B64 Hq32 S4096 D128 fp8", 64, 32, 8, 4096, 128, True, None),
+         ("B64 Hq32 S4096 D64 fp8", 64, 32, 8, 4096, 64, True, None),
+         ("B64 Hq32 S4096 D128 fp8 paged16", 64, 32, 8, 4096, 128, True, 16),
          ("B64 Hq32 S4096 D64", 64, 32, 8, 4096, 64, False, None),
          ("B16 Hq32 S8192 D256", 16, 32, 8, 8192, 256, False, None),
          ("B64 Hq32 S4096 D256", 64, 32, 8, 4096, 256, False, None),

@@ -124,7 +124,9 @@ class TinyGPT(nn.Module):
         x = self.embed(tokens)
         positions = torch.arange(tokens.shape[1], device=x.device, dtype=torch.float32)
         angle = (positions[:, None] * self._inv_freq.to(x.device))[:, None, :]  # [T, 1, D/2]
-        cos, sin = angle.to(x.dtype).cos(), angle.to(x.dtype).sin()
+        # cos / sin of the float32 angles, then rounded (as DecodeAttentionBlock's kernel
+        # takes them; rounding the angles first would move them by up to half a radian).
+        cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.final_norm(x)

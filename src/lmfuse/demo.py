@@ -129,11 +129,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def rope(x: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary embedding of ``x [B, T, H, D]`` at positions ``0..T-1`` (float32
-    angles, cos/sin in x's dtype: DecodeAttentionBlock's convention)."""
+    """Rotate-half rotary embedding of ``x [B, T, H, D]`` at positions ``0..T-1``: the cosine
+    and sine of float32 angles (as DecodeAttentionBlock takes them), rounded to x's dtype."""
     T = x.shape[1]
     angle = torch.arange(T, device=x.device, dtype=torch.float32)[None, :, None, None] * inv_freq
-    c, s = angle.to(x.dtype).cos(), angle.to(x.dtype).sin()
+    c, s = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
     x1, x2 = x.chunk(2, -1)
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
 

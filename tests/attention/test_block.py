@@ -16,7 +16,8 @@ from helpers import assert_close, randn
 
 import lmfuse
 from lmfuse.attention.block import (DecodeAttentionBlock, qk_norm_rope_append,
-                                    qk_norm_rope_append_reference, rope_inv_freq)
+                                    qk_norm_rope_append_reference, rope_inv_freq,
+                                    rope_reference)
 
 F64 = torch.float64
 FP8 = torch.float8_e4m3fn
@@ -470,3 +471,21 @@ def test_fused_stage_rejects() -> None:
                             inv_freq=torch.ones(4, dtype=F64), **kw)
     with pytest.raises(ValueError, match="inv_freq must be"):
         qk_norm_rope_append(good, k_cache, v_cache, lens, inv_freq=torch.ones(D), **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rope_reference_takes_cos_and_sin_of_the_float32_angle(dtype: torch.dtype) -> None:
+    """At large positions a half-precision x still rotates by its float32 angle: the result
+    is the float64 rotation rounded once to x's dtype, not a rotation by an angle rounded
+    to x's dtype first (off by up to 16 rad at position 4000 in bfloat16)."""
+    x = randn((1, 3, 2, 16), torch.float32).to(dtype)
+    positions = torch.tensor([[5, 1000, 4000]])
+    inv_freq = rope_inv_freq(16)
+    got = rope_reference(x, positions, inv_freq)
+    angle = positions.to(torch.float32)[:, :, None, None] * inv_freq.float()
+    c, s = angle.double().cos(), angle.double().sin()
+    x1, x2 = x.double().chunk(2, -1)
+    want = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
+    assert got.dtype == dtype
+    assert torch.equal(got, want.to(dtype)) or (got.double() - want).abs().max() <= (
+        2 * torch.finfo(dtype).eps * want.abs().max())

@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..attention.decode_kernels import _round_fp8
+from ..attention.decode_kernels import _saturate_e4m3
 
 GELU, SILU, QUICK_GELU, SQUARED_RELU = 0, 1, 2, 3
 
@@ -79,11 +79,10 @@ def _act_and_grad(a, ACT: tl.constexpr):
 
 @triton.jit
 def _store_fp8(ptr, v, mask):
-    """float32 ``v`` stored as float8_e4m3fn as ``torch``'s conversion does it: saturated at
-    +-448 and rounded to nearest even (exactly, before the store's own conversion; see
-    ``_round_fp8``)."""
-    v = _round_fp8(tl.minimum(tl.maximum(v, -448.0), 448.0), 3, -6)
-    tl.store(ptr, v.to(ptr.dtype.element_ty), mask=mask)
+    """float32 ``v`` stored as float8_e4m3fn: saturated at +-448 (as torch's CPU cast does;
+    its CUDA cast gives NaN above 464), rounded to nearest even, NaN kept (see
+    ``_saturate_e4m3``)."""
+    tl.store(ptr, _saturate_e4m3(v).to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

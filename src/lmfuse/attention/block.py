@@ -81,23 +81,27 @@ def rope_inv_freq(rotary_dim: int, theta: float = 10000.0,
 
 def rope_reference(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                    interleaved: bool = False) -> torch.Tensor:
-    """Rotary embedding of ``x [B, s, H, D]`` at ``positions [B, s]``, in x's dtype.
+    """Rotary embedding of ``x [B, s, H, D]`` at ``positions [B, s]``, returned in x's
+    dtype, computed in float32 (float64 for float64 x).
 
     The angle of pair ``j`` is the float32 product ``float(position) * inv_freq[j]``; its
-    cosine and sine are taken in x's dtype. Pair ``j`` is ``(j, j + R/2)`` ("rotate half",
-    GPT-NeoX / Llama) or ``(2j, 2j + 1)`` (``interleaved``, GPT-J), for ``R = 2 *
-    len(inv_freq)`` rotary dims; ``(a, b) -> (a cos - b sin, b cos + a sin)``; dims past
-    ``R`` pass through."""
+    cosine and sine are taken of that float32 angle (rounding the angle to a half dtype
+    first would move it by up to half a radian at position 256). Pair ``j`` is ``(j, j +
+    R/2)`` ("rotate half", GPT-NeoX / Llama) or ``(2j, 2j + 1)`` (``interleaved``, GPT-J),
+    for ``R = 2 * len(inv_freq)`` rotary dims; ``(a, b) -> (a cos - b sin, b cos + a
+    sin)``; dims past ``R`` pass through."""
     R = 2 * inv_freq.numel()
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     angle = positions.to(torch.float32)[:, :, None, None] * inv_freq.float()  # [B,s,1,R/2]
-    c, s = angle.to(x.dtype).cos(), angle.to(x.dtype).sin()
+    c, s = angle.to(compute).cos(), angle.to(compute).sin()
+    xc = x.to(compute)
     if interleaved:
-        x1, x2 = x[..., 0:R:2], x[..., 1:R:2]
+        x1, x2 = xc[..., 0:R:2], xc[..., 1:R:2]
     else:
-        x1, x2 = x[..., :R // 2], x[..., R // 2:R]
+        x1, x2 = xc[..., :R // 2], xc[..., R // 2:R]
     y1, y2 = x1 * c - x2 * s, x2 * c + x1 * s
     rot = torch.stack((y1, y2), -1).flatten(-2) if interleaved else torch.cat((y1, y2), -1)
-    return torch.cat((rot, x[..., R:]), -1)
+    return torch.cat((rot, xc[..., R:]), -1).to(x.dtype)
 
 
 def default_positions(cache_seqlens: torch.Tensor, s_active: int) -> torch.Tensor:

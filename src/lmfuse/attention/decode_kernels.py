@@ -227,6 +227,15 @@ def _round_fp8(x, FP8_MANT: tl.constexpr, FP8_MIN_EXP: tl.constexpr):
 
 
 @triton.jit
+def _saturate_e4m3(x):
+    """float32 ``x`` as an e4m3 value (still float32): saturated at e4m3's largest finite
+    value, +-448, instead of rounding to NaN, and rounded to e4m3 (3 mantissa bits,
+    smallest normal exponent -6) exactly, ties to even; NaN stays NaN."""
+    r = _round_fp8(tl.minimum(tl.maximum(x, -448.0), 448.0), 3, -6)
+    return tl.where(x != x, x, r)
+
+
+@triton.jit
 def append_kernel(
     K_NEW, V_NEW, K, V, SEQLENS, TABLE, K_SCALE, V_SCALE,
     stride_nb, stride_ns, stride_vnb, stride_vns,
@@ -261,9 +270,7 @@ def append_kernel(
                 k = tl.div_rn(k, tl.load(K_SCALE + cc // D, mask=m, other=1.0).to(tl.float32))
             if HAS_V_SCALE:
                 v = tl.div_rn(v, tl.load(V_SCALE + cc // D, mask=m, other=1.0).to(tl.float32))
-            # Saturate at e4m3's largest finite value instead of rounding to NaN, and round
-            # to e4m3 (3 mantissa bits, smallest normal exponent -6) exactly, ties to even.
-            k = _round_fp8(tl.minimum(tl.maximum(k, -448.0), 448.0), 3, -6)
-            v = _round_fp8(tl.minimum(tl.maximum(v, -448.0), 448.0), 3, -6)
+            k = _saturate_e4m3(k)
+            v = _saturate_e4m3(v)
         tl.store(K + k_row + cc, k.to(K.dtype.element_ty), mask=m)
         tl.store(V + v_row + cc, v.to(V.dtype.element_ty), mask=m)
