@@ -12,9 +12,11 @@ input, CPU offload, bad input, ``explain``.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import math
 import re
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -438,6 +440,35 @@ def test_fp8_input_store_backward_sees_the_saturated_copy(op: Op, impl: str) -> 
     _, grads = run(op, rounded, impl, **kwargs)
     for name in grads:
         assert torch.equal(grads8[name], grads[name]), name
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", FP8_OPS[:1])
+def test_fp8_copy_is_held_by_autograd_alone(op: Op, impl: str) -> None:
+    """A saved-tensor hook that moves what autograd saves elsewhere frees the float8 copy:
+    the op keeps no reference of its own (the gradients still come out right)."""
+    inp = make_inputs(op, (4,), 6, BF16)
+    refs = []
+
+    def pack(t: torch.Tensor):
+        if t.dtype == FP8:
+            refs.append(weakref.ref(t))
+            return ("moved", t.clone())
+        return t
+
+    def unpack(packed):
+        return packed[1] if isinstance(packed, tuple) else packed
+
+    lv = leaves(inp)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        out = call(op, lv["x"], lv.get("bias"), lv.get("weights"), impl=impl,
+                   fp8_input_store=True)
+    gc.collect()
+    assert refs and all(r() is None for r in refs), "the float8 copy outlived its packing"
+    grads = torch.autograd.grad(out, list(lv.values()), inp.grad_out)
+    _, want = run(op, inp, impl, fp8_input_store=True)
+    for name, g in zip(lv, grads):
+        assert torch.equal(g, want[name]), name
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8"])

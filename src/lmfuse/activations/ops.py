@@ -152,7 +152,8 @@ class _Saved:
     CPU memory copied on a side stream (``cpu_offload_input``, CUDA tensors only).
 
     ``device_copy`` is what goes through ``ctx.save_for_backward`` (so autograd checks it
-    for in-place changes and saved-tensor hooks see it); ``None`` once offloaded, when the
+    for in-place changes and saved-tensor hooks see it; the forward drops it here once
+    saved, so that autograd's is the only reference); ``None`` once offloaded, when the
     pinned host copy lives here instead.
     """
 
@@ -227,6 +228,9 @@ class _Activation(torch.autograd.Function):
             if saving:
                 ctx.saved = _Saved(x, s["fp8_input_store"], s["cpu_offload_input"], x8)
                 ctx.save_for_backward(ctx.saved.device_copy, bias, weights)
+                # Autograd holds it now: no second reference here, so saved-tensor hooks
+                # (torch.autograd.graph.save_on_cpu, ...) can free the device copy.
+                ctx.saved.device_copy = None
             return y
 
     @staticmethod
