@@ -396,73 +396,12 @@ def ce_stream_grad_kernel(
 
 
 @triton.jit
-def _slice_stats(tile, x_ptr, stride_x, t_ptr, part_ptr, arrived_ptr, V, ignore_index, softcap,
-                 SLICES, SLICE, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-                 BLOCK_V: tl.constexpr, HINTS: tl.constexpr):
-    """Phase A of ``ce_slices_kernel`` for ``tile``: reduce its slice to (max, sum exp,
-    sum x, target logit), publish them and count them in for the row."""
-    row = (tile // SLICES).to(tl.int64)
-    lo = (tile % SLICES) * SLICE
-    hi = tl.minimum(lo + SLICE, V)
-    x_off = row * stride_x
-    t_local, grad_ok, t = _row_target(t_ptr, row, V, 0, V, ignore_index)
-    p_max, p_sum, p_sx = _range_stats(x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP,
-                                      HAS_SMOOTHING, BLOCK_V, "evict_last" if HINTS else "")
-    x_t = _target_x(x_ptr, x_off, t_local, lo, hi, softcap, HAS_SOFTCAP)
-    base = tile.to(tl.int64) * 4
-    tl.store(part_ptr + base, p_max)
-    tl.store(part_ptr + base + 1, p_sum)
-    tl.store(part_ptr + base + 2, p_sx)
-    tl.store(part_ptr + base + 3, x_t)
-    tl.debug_barrier()  # all of this program's stores happen before the release
-    tl.atomic_add(arrived_ptr + row, 1, sem="release")
-
-
-@triton.jit
-def _slice_grad(j, x_ptr, stride_x, t_ptr, part_ptr, arrived_ptr, stats_ptr, g_ptr, stride_g,
-                count_ptr, n_rows, V, ignore_index, ls_over_v, one_minus_ls, two_z, softcap,
-                SLICES, SLICE, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-                MEAN: tl.constexpr, SLICES_P2: tl.constexpr, BLOCK_V: tl.constexpr,
-                HINTS: tl.constexpr):
-    """Phase B of ``ce_slices_kernel`` for tile ``j``: wait until its row's slices are
-    counted in, merge them into the row's lse and write the slice's gradient (one tile per
-    row also writes the row's stats and loss)."""
-    row = (j // SLICES).to(tl.int64)
-    done = tl.atomic_add(arrived_ptr + row, 0, sem="acquire")
-    while done < SLICES:
-        done = tl.atomic_add(arrived_ptr + row, 0, sem="acquire")
-    k = tl.arange(0, SLICES_P2)
-    have = k < SLICES
-    slots = row * SLICES * 4 + k * 4
-    maxes = tl.load(part_ptr + slots, mask=have, other=float("-inf"), cache_modifier=".cg")
-    sums = tl.load(part_ptr + slots + 1, mask=have, other=0.0, cache_modifier=".cg")
-    x_ts = tl.load(part_ptr + slots + 3, mask=have, other=0.0, cache_modifier=".cg")
-    row_max = tl.max(maxes, 0)
-    shift = tl.where(row_max == float("-inf"), 0.0, row_max)
-    lse = _lse(row_max, tl.sum(sums * tl.exp(maxes - shift), 0))
-    x_t = tl.sum(x_ts, 0)
-    t_local, grad_ok, t = _row_target(t_ptr, row, V, 0, V, ignore_index)
-    w = _weight(count_ptr, MEAN)
-    if j % SLICES == 0:  # one tile per row reports the row's stats and loss
-        sxs = tl.load(part_ptr + slots + 2, mask=have, other=0.0, cache_modifier=".cg")
-        _store_stats(stats_ptr, n_rows, row, True, lse, x_t, tl.sum(sxs, 0), t, w,
-                     ignore_index, V, ls_over_v, one_minus_ls, two_z, HAS_SMOOTHING)
-    w = tl.where(grad_ok, w, 0.0)
-    lo = (j % SLICES) * SLICE
-    hi = tl.minimum(lo + SLICE, V)
-    _range_grad(x_ptr, row * stride_x, g_ptr, row * stride_g, lo, hi, lse, x_t,
-                t_local, w, ls_over_v, one_minus_ls, two_z, softcap, HAS_SOFTCAP,
-                BLOCK_V, HINTS)
-
-
-@triton.jit
 def ce_slices_kernel(
     x_ptr, stride_x, t_ptr, part_ptr, arrived_ptr, ticket_ptr, stats_ptr, g_ptr, stride_g,
     count_ptr, n_rows, V, ignore_index, ls_over_v, one_minus_ls, two_z, softcap,
     SLICES, SLICE, LAG,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, MEAN: tl.constexpr,
     SLICES_P2: tl.constexpr, BLOCK_V: tl.constexpr, HINTS: tl.constexpr = False,
-    OWN: tl.constexpr = False,
 ):
     """Loss, stats and gradient of long rows in one launch, rows cut in SLICES slices.
 
@@ -482,39 +421,54 @@ def ce_slices_kernel(
     interpreter, running programs one by one, runs it too. HBM sees one read of the logits
     and one write of the gradient; the grid size bounds what is read between a slice's
     two reads.
-
-    ``OWN`` (GPU only, a grid of at least SLICES programs): phase B is for the program's
-    own previous ticket, so the second read of a slice comes from the SM that read it
-    first (its L1 may still hold it). A program then waits for tiles that may not be taken
-    yet; they are taken by programs not waiting (fewer than SLICES can wait on one row),
-    which a one-program-at-a-time interpreter does not have.
     """
     n_tiles = n_rows * SLICES
     tile = tl.atomic_add(ticket_ptr, 1)
-    if OWN:
-        prev = tile * 0 - 1
-        while (tile < n_tiles) | (prev >= 0):
-            if tile < n_tiles:
-                _slice_stats(tile, x_ptr, stride_x, t_ptr, part_ptr, arrived_ptr, V,
-                             ignore_index, softcap, SLICES, SLICE, HAS_SOFTCAP, HAS_SMOOTHING,
-                             BLOCK_V, HINTS)
-            if prev >= 0:
-                _slice_grad(prev, x_ptr, stride_x, t_ptr, part_ptr, arrived_ptr, stats_ptr,
-                            g_ptr, stride_g, count_ptr, n_rows, V, ignore_index, ls_over_v,
-                            one_minus_ls, two_z, softcap, SLICES, SLICE, HAS_SOFTCAP,
-                            HAS_SMOOTHING, MEAN, SLICES_P2, BLOCK_V, HINTS)
-            prev = tl.where(tile < n_tiles, tile, -1)
-            tile = tl.atomic_add(ticket_ptr, 1)
-    else:
-        while tile < n_tiles + LAG:
-            if tile < n_tiles:  # phase A
-                _slice_stats(tile, x_ptr, stride_x, t_ptr, part_ptr, arrived_ptr, V,
-                             ignore_index, softcap, SLICES, SLICE, HAS_SOFTCAP, HAS_SMOOTHING,
-                             BLOCK_V, HINTS)
-            j = tile - LAG
-            if j >= 0:  # phase B, for tile j
-                _slice_grad(j, x_ptr, stride_x, t_ptr, part_ptr, arrived_ptr, stats_ptr,
-                            g_ptr, stride_g, count_ptr, n_rows, V, ignore_index, ls_over_v,
-                            one_minus_ls, two_z, softcap, SLICES, SLICE, HAS_SOFTCAP,
-                            HAS_SMOOTHING, MEAN, SLICES_P2, BLOCK_V, HINTS)
-            tile = tl.atomic_add(ticket_ptr, 1)
+    while tile < n_tiles + LAG:
+        if tile < n_tiles:  # phase A
+            row = (tile // SLICES).to(tl.int64)
+            lo = (tile % SLICES) * SLICE
+            hi = tl.minimum(lo + SLICE, V)
+            x_off = row * stride_x
+            t_local, grad_ok, t = _row_target(t_ptr, row, V, 0, V, ignore_index)
+            p_max, p_sum, p_sx = _range_stats(x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP,
+                                              HAS_SMOOTHING, BLOCK_V,
+                                              "evict_last" if HINTS else "")
+            x_t = _target_x(x_ptr, x_off, t_local, lo, hi, softcap, HAS_SOFTCAP)
+            base = tile.to(tl.int64) * 4
+            tl.store(part_ptr + base, p_max)
+            tl.store(part_ptr + base + 1, p_sum)
+            tl.store(part_ptr + base + 2, p_sx)
+            tl.store(part_ptr + base + 3, x_t)
+            tl.debug_barrier()  # all of this program's stores happen before the release
+            tl.atomic_add(arrived_ptr + row, 1, sem="release")
+        j = tile - LAG
+        if j >= 0:  # phase B, for tile j
+            row = (j // SLICES).to(tl.int64)
+            done = tl.atomic_add(arrived_ptr + row, 0, sem="acquire")
+            while done < SLICES:
+                done = tl.atomic_add(arrived_ptr + row, 0, sem="acquire")
+            k = tl.arange(0, SLICES_P2)
+            have = k < SLICES
+            slots = row * SLICES * 4 + k * 4
+            maxes = tl.load(part_ptr + slots, mask=have, other=float("-inf"),
+                            cache_modifier=".cg")
+            sums = tl.load(part_ptr + slots + 1, mask=have, other=0.0, cache_modifier=".cg")
+            x_ts = tl.load(part_ptr + slots + 3, mask=have, other=0.0, cache_modifier=".cg")
+            row_max = tl.max(maxes, 0)
+            shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+            lse = _lse(row_max, tl.sum(sums * tl.exp(maxes - shift), 0))
+            x_t = tl.sum(x_ts, 0)
+            t_local, grad_ok, t = _row_target(t_ptr, row, V, 0, V, ignore_index)
+            w = _weight(count_ptr, MEAN)
+            if j % SLICES == 0:  # one tile per row reports the row's stats and loss
+                sxs = tl.load(part_ptr + slots + 2, mask=have, other=0.0, cache_modifier=".cg")
+                _store_stats(stats_ptr, n_rows, row, True, lse, x_t, tl.sum(sxs, 0), t, w,
+                             ignore_index, V, ls_over_v, one_minus_ls, two_z, HAS_SMOOTHING)
+            w = tl.where(grad_ok, w, 0.0)
+            lo = (j % SLICES) * SLICE
+            hi = tl.minimum(lo + SLICE, V)
+            _range_grad(x_ptr, row * stride_x, g_ptr, row * stride_g, lo, hi, lse, x_t,
+                        t_local, w, ls_over_v, one_minus_ls, two_z, softcap, HAS_SOFTCAP,
+                        BLOCK_V, HINTS)
+        tile = tl.atomic_add(ticket_ptr, 1)

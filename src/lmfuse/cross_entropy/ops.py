@@ -138,8 +138,7 @@ def _launch_slices(logits, target, count, grad, stats, ignore_index, label_smoot
         *_scalars(V, label_smoothing, z_loss, softcap), slices, width, lag,
         HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0, MEAN=mean,
         SLICES_P2=max(2, 1 << (slices - 1).bit_length()), BLOCK_V=block,
-        HINTS=bool(f.get("hints", 0)), OWN=bool(f.get("own", 0)) and logits.is_cuda,
-        num_warps=f["num_warps"],
+        HINTS=bool(f.get("hints", 0)), num_warps=f["num_warps"],
     )
 
 
