@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 import lmfuse
+from lmfuse.attention.block import rope_inv_freq
 
 VOCAB = 256  # one token per byte
 NORM_EPS = 1e-6
@@ -57,12 +58,6 @@ class GPTConfig:
 
 
 # --- the model --------------------------------------------------------------------------------
-
-
-def rope_inv_freq(head_dim: int) -> torch.Tensor:
-    """``[head_dim / 2]`` float32 rotary frequencies, made on the CPU as
-    DecodeAttentionBlock makes them, so training and decoding rotate by the same angles."""
-    return 1.0 / ROPE_THETA ** (torch.arange(0, head_dim, 2).float() / head_dim)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -117,7 +112,8 @@ class TinyGPT(nn.Module):
         self.final_norm = lmfuse.RMSNorm(cfg.d_model, NORM_EPS, impl=impl)
         self.head = nn.Linear(cfg.d_model, VOCAB, bias=False)
         # Not a buffer: model.to(bfloat16) would round the frequencies.
-        self._inv_freq = rope_inv_freq(cfg.d_model // cfg.heads)
+        # DecodeAttentionBlock's own frequencies, so training and decoding rotate alike.
+        self._inv_freq = rope_inv_freq(cfg.d_model // cfg.heads, ROPE_THETA)
 
     def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens [B, T]`` -> final hidden states ``[B, T, d_model]``."""

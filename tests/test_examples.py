@@ -121,15 +121,20 @@ def test_materialised_and_linear_losses_agree(ex):
         assert model.loss(x, y, z_loss=1e-2) > model.loss(x, y)  # the options are applied
 
 
+def _decode(decode, capsys, *argv: str) -> str:
+    """``decode_tiny_gpt.main(argv)``'s output, once it has exited 0 with no check failed."""
+    rc = decode.main(list(argv))
+    stdout = capsys.readouterr().out
+    assert rc == 0 and "FAILED" not in stdout, stdout
+    return stdout
+
+
 def test_decode_matches_full_forward(ex, trained, capsys):
     train, decode = ex
     _, _, path = trained
-    rc = decode.main(["--checkpoint", str(path), "--device", "cpu", "--dtype", "fp32",
-                      "--impl", "torch", "--new-tokens", "12"])
-    stdout = capsys.readouterr().out
-    assert rc == 0, stdout
+    stdout = _decode(decode, capsys, "--checkpoint", str(path), "--device", "cpu", "--dtype",
+                     "fp32", "--impl", "torch", "--new-tokens", "12")
     assert "agree with the full re-forward: yes" in stdout
-    assert "FAILED" not in stdout
 
     # The same path called directly: prompts of 3, 8 and 21 bytes (one, one full and three
     # prefill chunks), cache blocks of 4 tokens.
@@ -151,21 +156,17 @@ def test_decode_triton_kernels(ex, trained, capsys):
     _, decode = ex
     _, _, path = trained
     # impl auto: DecodeAttentionBlock's and decode attention's Triton kernels (interpreter).
-    rc = decode.main(["--checkpoint", str(path), "--device", "cpu", "--dtype", "fp32",
-                      "--new-tokens", "4", "--prompt", "ab", "--prompt", "import torch\n"])
-    stdout = capsys.readouterr().out
-    assert rc == 0, stdout
-    assert "agree with the full re-forward: yes" in stdout and "FAILED" not in stdout
+    stdout = _decode(decode, capsys, "--checkpoint", str(path), "--device", "cpu", "--dtype",
+                     "fp32", "--new-tokens", "4", "--prompt", "ab", "--prompt", "import torch\n")
+    assert "agree with the full re-forward: yes" in stdout
 
 
 def test_decode_trains_itself_and_samples(ex, capsys):
     _, decode = ex
-    rc = decode.main([*TINY, "--impl", "torch", "--train-steps", "4", "--sample",
-                      "--temperature", "1.0", "--new-tokens", "6", "--prompt", "x",
-                      "--prompt", "a prompt of more than eight bytes"])
-    stdout = capsys.readouterr().out
-    assert rc == 0, stdout
-    assert "training" in stdout and "sampled at T=1" in stdout and "FAILED" not in stdout
+    stdout = _decode(decode, capsys, *TINY, "--impl", "torch", "--train-steps", "4", "--sample",
+                     "--temperature", "1.0", "--new-tokens", "6", "--prompt", "x",
+                     "--prompt", "a prompt of more than eight bytes")
+    assert "training" in stdout and "sampled at T=1" in stdout
 
 
 def test_decode_half_precision_held_to_a_float32_forward(ex, trained, capsys):
@@ -173,8 +174,6 @@ def test_decode_half_precision_held_to_a_float32_forward(ex, trained, capsys):
     _, _, path = trained
     # bf16: the decode path's logits are judged against a float32 re-forward, next to the
     # plain bf16 re-forward's own error.
-    rc = decode.main(["--checkpoint", str(path), "--device", "cpu", "--dtype", "bf16",
-                      "--impl", "torch", "--new-tokens", "6"])
-    stdout = capsys.readouterr().out
-    assert rc == 0, stdout
-    assert "against a float32 re-forward" in stdout and "FAILED" not in stdout
+    stdout = _decode(decode, capsys, "--checkpoint", str(path), "--device", "cpu", "--dtype",
+                     "bf16", "--impl", "torch", "--new-tokens", "6")
+    assert "against a float32 re-forward" in stdout
