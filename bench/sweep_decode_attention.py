@@ -38,6 +38,7 @@ CASES = [("B64 Hq32 S4096 D128", 64, 32, 8, 4096, 128, False, None),
          ("B16 Hq64 S8192 D64", 16, 64, 8, 8192, 64, False, None),
          ("B16 Hq32 S8192 D128 fp8", 16, 32, 8, 8192, 128, True, None),
          ("B64 Hq32 S4096 D128 fp8", 64, 32, 8, 4096, 128, True, None),
+         ("B1 Hq32 S131072 D128 fp8", 1, 32, 8, 131072, 128, True, None),
          ("B64 Hq32 S4096 D64 fp8", 64, 32, 8, 4096, 64, True, None),
          ("B64 Hq32 S4096 D128 fp8 paged16", 64, 32, 8, 4096, 128, True, 16),
          ("B64 Hq32 S4096 D64", 64, 32, 8, 4096, 64, False, None),
@@ -58,11 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-n", default="32,64,128")
     parser.add_argument("--stages", default="2,3,4")
     parser.add_argument("--ppsm", default="1,2,4")
+    parser.add_argument("--widen-v-first", default="1",
+                        help="fp8 caches: widen V before staging it for the second dot (1), "
+                             "or let Triton place the widening (0); e.g. 1,0 for both")
     args = parser.parse_args(argv)
     warps = [int(w) for w in args.warps.split(",")]
     block_ns = [int(n) for n in args.block_n.split(",")]
     stages = [int(n) for n in args.stages.split(",")]
     ppsms = [int(p) for p in args.ppsm.split(",")]
+    widens = [w == "1" for w in args.widen_v_first.split(",")]
     wanted = [w for w in args.cases.split(",") if w]
     if not torch.cuda.is_available():
         print("sweep_decode_attention: needs a CUDA device", file=sys.stderr)
@@ -115,11 +120,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: table {table_ms:.4f} ms ({nbytes / table_ms / 1e9:.2f} TB/s)"
               + (f", SDPA {row['sdpa_ms']:.4f} ms" if "sdpa_ms" in row else ""), flush=True)
         section = "fp8" if fp8 else "paged" if block_len else None
-        for bn, w, st, pp in itertools.product(block_ns, warps, stages, ppsms):
+        for bn, w, st, pp, wv in itertools.product(block_ns, warps, stages, ppsms,
+                                                   widens if fp8 else [True]):
             # Every section that could apply to this case is overridden, so that the
             # candidate's values are the ones that run, whichever program regime it is in.
             cand = dict(block_n_by_head_dim=[[1048576, bn]], num_warps=w, num_stages=st,
-                        programs_per_sm=pp, few_programs={})
+                        programs_per_sm=pp, few_programs={}, widen_v_first=wv)
             current = dict(base, **cand)
             if section:
                 current[section] = dict(current.get(section, {}), **cand)
@@ -132,13 +138,14 @@ def main(argv: list[str] | None = None) -> int:
                 note = "" if err < 2e-2 else f"MISMATCH {err:.2e}"
             except Exception as exc:  # a config that cannot launch is a row, not a crash
                 ms, err, note = None, None, f"failed: {type(exc).__name__}: {exc}"[:120]
-            row["configs"].append(dict(block_n=bn, warps=w, stages=st, ppsm=pp, ms=ms,
-                                       err=err, note=note))
+            row["configs"].append(dict(block_n=bn, warps=w, stages=st, ppsm=pp,
+                                       widen_v_first=wv, ms=ms, err=err, note=note))
         done = [c for c in row["configs"] if c["ms"] and not c["note"]]
         done.sort(key=lambda c: c["ms"])
         for c in done[:5]:
             print(f"   block_n {c['block_n']:>3} warps {c['warps']} stages {c['stages']} "
-                  f"ppsm {c['ppsm']}: {c['ms']:.4f} ms ({nbytes / c['ms'] / 1e9:.2f} TB/s)")
+                  f"ppsm {c['ppsm']} widen_v_first {int(c['widen_v_first'])}: "
+                  f"{c['ms']:.4f} ms ({nbytes / c['ms'] / 1e9:.2f} TB/s)")
         for c in row["configs"]:
             if c["note"]:
                 print(f"   {c}")

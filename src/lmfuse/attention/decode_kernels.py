@@ -10,7 +10,8 @@ and the cache append.
   address is its block's id times the block stride plus its offset in the block, so any
   block length works and blocks may lie anywhere in the pool; ids of blocks past the
   sequence's length (the -1 padding) are never loaded. fp8 caches are widened to the
-  query's dtype in registers; their per-head scales multiply the scores (``k_scale``) and
+  query's dtype in registers (V before it is staged for the second dot, see
+  ``_widened_here``); their per-head scales multiply the scores (``k_scale``) and
   the output (``v_scale``) instead of every element. With one split the program writes the
   output (and the LSE); with several each writes a float32 partial output normalised by
   its own denominator plus its LSE, and ``merge_kernel`` combines them.
@@ -50,6 +51,19 @@ def _kv_rows(TABLE, b, stride_tb, offs, valid, stride_blk, stride_row, num_block
 
 
 @triton.jit
+def _widened_here(x):
+    """``x`` unchanged, through an identity the layout passes cannot move a conversion
+    across (an instruction they must treat as having effects). Triton 3.6 otherwise moves
+    the fp8 V tile's widening past its conversion to the second dot's operand layout: the
+    bytes are then read from shared memory one at a time along the keys (``LDS.U8``, ~40%
+    of the loop's instructions) where, widened first, the tile is stored as 16-bit values
+    and read back with transposing ``ldmatrix``. 16-bit values only, GPU only (the
+    interpreter runs no PTX)."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype,
+                                     is_pure=False, pack=2)
+
+
+@triton.jit
 def decode_kernel(
     Q, K, V, SEQLENS, TABLE, SINKS, K_SCALE, V_SCALE, OUT, LSE,
     stride_blk, stride_row, stride_h, stride_tb,
@@ -60,6 +74,7 @@ def decode_kernel(
     HAS_SINKS: tl.constexpr, HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr,
     WRITE_LSE: tl.constexpr, DOT_F32: tl.constexpr,
     F16_DOT: tl.constexpr, IEEE: tl.constexpr, NUM_STAGES: tl.constexpr,
+    WIDEN_V_FIRST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -152,6 +167,8 @@ def decode_kernel(
         v = tl.load(v_base + kv_rows[:, None] + d[None, :],
                     mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
         v = v.to(q.dtype)
+        if WIDEN_V_FIRST:
+            v = _widened_here(v)
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:

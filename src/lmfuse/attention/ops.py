@@ -158,7 +158,7 @@ def _config(q, k_cache, s: dict[str, Any], num_splits: Optional[int]) -> dict[st
     ``decode_attention``)."""
     t = tuning.table("decode_attention", q.device)
     fp8 = k_cache.dtype in _FP8
-    for key, on in (("paged", s["paged"]), ("fp8", fp8)):
+    for key, on in (("paged", s["paged"]), ("fp8", fp8), ("fp8_paged", fp8 and s["paged"])):
         if on:
             t.update(t.get(key, {}))
     D, group = s["D"], s["Hq"] // s["Hkv"]
@@ -171,9 +171,12 @@ def _config(q, k_cache, s: dict[str, Any], num_splits: Optional[int]) -> dict[st
     # deeper pipelines) and extra splits cost more than they gain (measured on an H100).
     if s["B"] * s["Hkv"] * row_blocks < tuning.sm_count(q.device):
         t.update(t.get("few_programs", {}))
-    # Entries [head-dim limit, key tile] or [limit, key tile, pipeline stages].
+    # Entries [head-dim limit, key tile], optionally followed by pipeline stages and warps.
     tile = next(e for e in t["block_n_by_head_dim"] if block_d <= e[0])
     block_n, num_stages = tile[1], (tile[2] if len(tile) > 2 else t["num_stages"])
+    # At least a warp per 16 query rows: a one-warp tile suits 16 rows (its scores never
+    # leave the warp), not 64 (four warps' registers in one).
+    num_warps = max(tile[3] if len(tile) > 3 else t["num_warps"], block_m // 16)
     # Keys a program may have to walk: the cache's capacity, or less with a window (plus
     # the tile the window's start is rounded down to).
     span = s["capacity"]
@@ -198,7 +201,9 @@ def _config(q, k_cache, s: dict[str, Any], num_splits: Optional[int]) -> dict[st
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, row_blocks=row_blocks,
                 splits=splits, keys_per_split=keys, forced_splits=forced, DOT_F32=dot_f32,
                 F16_DOT=f16_dot,
-                IEEE=q.dtype == torch.float32, num_warps=t["num_warps"],
+                WIDEN_V_FIRST=fp8 and not interp and q.dtype != torch.float32
+                and t.get("widen_v_first", True),
+                IEEE=q.dtype == torch.float32, num_warps=num_warps,
                 qk_scale=s["scale"] * 1.4426950408889634,  # exp2 in the kernel
                 window_arg=s["window"] if s["window"] is not None else 0,
                 num_blocks=k_cache.shape[0] if s["paged"] else 0,
@@ -258,7 +263,8 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_sca
         HAS_WINDOW=s["window"] is not None, HAS_SINKS=sinks is not None,
         HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None,
         WRITE_LSE=splits > 1 or lse is not None, DOT_F32=s["DOT_F32"], F16_DOT=s["F16_DOT"],
-        IEEE=s["IEEE"], NUM_STAGES=s["num_stages"], num_warps=s["num_warps"])
+        IEEE=s["IEEE"], NUM_STAGES=s["num_stages"], WIDEN_V_FIRST=s["WIDEN_V_FIRST"],
+        num_warps=s["num_warps"])
     if splits > 1:
         _kernels().merge_kernel[(rows,)](
             o_t, l_t, out, lse if lse is not None else out, splits, D, splits * D, 1, splits,
