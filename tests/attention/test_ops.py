@@ -524,7 +524,9 @@ def merge_inputs(shape: tuple[int, ...], dtype: torch.dtype):
 
 MERGE_CASES = [((1, 2, 3, 4, 16), F32), ((2, 2, 1, 4, 16), F32), ((5, 1, 3, 2, 80), F32),
                ((3, 3, 2, 2, 48), F32), ((2, 2, 1, 4, 16), F16), ((5, 1, 3, 2, 80), F16),
-               ((3, 3, 2, 2, 48), BF16), ((4, 2, 2, 2, 16), BF16)]
+               ((3, 3, 2, 2, 48), BF16), ((4, 2, 2, 2, 16), BF16),
+               # more partials than the kernel reads in one step (16 at D 256, 64 at D 64)
+               ((37, 2, 1, 2, 256), F32), ((70, 1, 1, 3, 64), BF16)]
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])

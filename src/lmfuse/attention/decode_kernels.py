@@ -193,11 +193,14 @@ def decode_kernel(
 @triton.jit
 def merge_kernel(
     OUTS, LSES, OUT, LSE, num_parts, stride_op, stride_or, stride_lp, stride_lr,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, WRITE_LSE: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK_P: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
     """``OUTS`` partial ``p`` of row ``r`` at ``p * stride_op + r * stride_or`` (D contiguous);
     ``LSES``'s at ``p * stride_lp + r * stride_lr``; ``OUT [R, D]`` and ``LSE [R]``
-    contiguous."""
+    contiguous. The partials are read ``CHUNK_P`` at a time as one ``[CHUNK_P, BLOCK_D]``
+    tile, so their loads are in flight together (one partial after the other left a program
+    waiting out a memory round trip per partial: 14 us for 66 partials on an H100)."""
     r = tl.program_id(0).to(tl.int64)
     parts = tl.arange(0, BLOCK_P).to(tl.int64)
     lses = tl.load(LSES + parts * stride_lp + r * stride_lr, mask=parts < num_parts,
@@ -205,19 +208,19 @@ def merge_kernel(
     top = tl.max(lses, 0)
     top_ref = tl.where(top == float("-inf"), 0.0, top)
     total = tl.sum(tl.exp(lses - top_ref), 0)
+    inv_total = 1.0 / tl.where(total > 0.0, total, 1.0)
     d = tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    # Running pointers (64-bit) instead of p * stride, which can pass 2**31 elements.
-    lse_ptr = LSES + r * stride_lr
-    part_ptr = OUTS + r * stride_or
-    for _ in range(num_parts):
-        lse_p = tl.load(lse_ptr).to(tl.float32)
-        w = tl.exp(lse_p - top_ref)  # 0 for an empty partial
-        w = w / tl.where(total > 0.0, total, 1.0)
-        o = tl.load(part_ptr + d, mask=d < D, other=0.0)
-        acc += tl.where(w > 0.0, w * o.to(tl.float32), 0.0)
-        lse_ptr += stride_lp
-        part_ptr += stride_op
+    for p0 in range(0, num_parts, CHUNK_P):
+        # 64-bit offsets: p * stride can pass 2**31 elements.
+        pp = p0 + tl.arange(0, CHUNK_P).to(tl.int64)
+        ok = pp < num_parts
+        lse_p = tl.load(LSES + pp * stride_lp + r * stride_lr, mask=ok,
+                        other=float("-inf")).to(tl.float32)
+        w = tl.exp(lse_p - top_ref) * inv_total  # 0 for an empty partial
+        o = tl.load(OUTS + pp[:, None] * stride_op + r * stride_or + d[None, :],
+                    mask=ok[:, None] & (d < D)[None, :], other=0.0)
+        acc += tl.sum(tl.where(w[:, None] > 0.0, w[:, None] * o.to(tl.float32), 0.0), 0)
     o_ptr = OUT + r * D + d
     tl.store(o_ptr, acc.to(OUT.dtype.element_ty), mask=d < D)
     if WRITE_LSE:

@@ -268,9 +268,16 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_sca
     if splits > 1:
         _kernels().merge_kernel[(rows,)](
             o_t, l_t, out, lse if lse is not None else out, splits, D, splits * D, 1, splits,
-            D=D, BLOCK_D=s["BLOCK_D"], BLOCK_P=_pow2(splits, 2), WRITE_LSE=lse is not None,
+            D=D, BLOCK_D=s["BLOCK_D"], BLOCK_P=_pow2(splits, 2),
+            CHUNK_P=_merge_chunk(splits, s["BLOCK_D"]), WRITE_LSE=lse is not None,
             num_warps=s["merge_warps"])
     return out, lse
+
+
+def _merge_chunk(parts: int, block_d: int) -> int:
+    """Partials the merge reads per step: all of them while the tile stays within 4096
+    float32 values (32 a thread at 4 warps), else as many as fit."""
+    return min(_pow2(parts, 2), max(2, 4096 // block_d))
 
 
 def _launch_merge(outs, lses, out, lse, num_warps: int = 4) -> None:
@@ -284,7 +291,8 @@ def _launch_merge(outs, lses, out, lse, num_warps: int = 4) -> None:
     _kernels().merge_kernel[(R,)](
         outs, lses, out, lse if lse is not None else out, P,
         outs.stride(0), outs.stride(1), lses.stride(0), lses.stride(1),
-        D=D, BLOCK_D=_pow2(D, 16), BLOCK_P=_pow2(P, 2), WRITE_LSE=lse is not None,
+        D=D, BLOCK_D=_pow2(D, 16), BLOCK_P=_pow2(P, 2),
+        CHUNK_P=_merge_chunk(P, _pow2(D, 16)), WRITE_LSE=lse is not None,
         num_warps=num_warps)
 
 
