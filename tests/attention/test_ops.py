@@ -525,8 +525,9 @@ def merge_inputs(shape: tuple[int, ...], dtype: torch.dtype):
 MERGE_CASES = [((1, 2, 3, 4, 16), F32), ((2, 2, 1, 4, 16), F32), ((5, 1, 3, 2, 80), F32),
                ((3, 3, 2, 2, 48), F32), ((2, 2, 1, 4, 16), F16), ((5, 1, 3, 2, 80), F16),
                ((3, 3, 2, 2, 48), BF16), ((4, 2, 2, 2, 16), BF16),
-               # more partials than the kernel reads in one step (16 at D 256, 64 at D 64)
-               ((37, 2, 1, 2, 256), F32), ((70, 1, 1, 3, 64), BF16)]
+               # several column blocks (32 columns each), and more partials than the kernel
+               # reads in one step (128 at 32 columns)
+               ((37, 2, 1, 2, 256), F32), ((130, 1, 1, 3, 64), BF16)]
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])
@@ -545,6 +546,19 @@ def test_merge_matches_direct(impl: str, shape: tuple[int, ...], dtype: torch.dt
     assert empty.any() and torch.equal(lse == -INF, empty)
     assert torch.equal(out[empty], torch.zeros_like(out[empty]))
     assert_close(lse, want_lse, F32, f"merge {impl}: lse")
+
+
+@pytest.mark.parametrize("P", [1, 130])
+def test_merge_every_partial_counts(P: int) -> None:
+    """Each partial alone (the others empty) gives exactly its own output: the merge reads
+    all of them, the last of several steps and every 32-column block included."""
+    outs = randn((P, 2, 3, 80), F32)
+    for only in sorted({0, P // 2, P - 1}):
+        lses = torch.full((P, 2, 3), -INF)
+        lses[only] = randn((2, 3), F32)
+        out, lse = lmfuse.merge_attention_states(outs, lses, impl="triton")
+        assert torch.allclose(out, outs[only], rtol=1e-6, atol=0), only
+        assert torch.allclose(lse, lses[only], rtol=1e-6, atol=1e-6), only
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])

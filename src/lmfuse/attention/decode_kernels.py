@@ -198,10 +198,12 @@ def merge_kernel(
 ):
     """``OUTS`` partial ``p`` of row ``r`` at ``p * stride_op + r * stride_or`` (D contiguous);
     ``LSES``'s at ``p * stride_lp + r * stride_lr``; ``OUT [R, D]`` and ``LSE [R]``
-    contiguous. The partials are read ``CHUNK_P`` at a time as one ``[CHUNK_P, BLOCK_D]``
-    tile, so their loads are in flight together (one partial after the other left a program
-    waiting out a memory round trip per partial: 14 us for 66 partials on an H100)."""
+    contiguous. Program ``(r, c)`` merges columns ``[c * BLOCK_D, (c + 1) * BLOCK_D)`` of
+    row ``r``, reading the partials ``CHUNK_P`` at a time as one ``[CHUNK_P, BLOCK_D]`` tile
+    so that their loads are in flight together (one partial after the other, a program
+    waited out a memory round trip per partial: 14 us for 66 partials on an H100)."""
     r = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1)
     parts = tl.arange(0, BLOCK_P).to(tl.int64)
     lses = tl.load(LSES + parts * stride_lp + r * stride_lr, mask=parts < num_parts,
                    other=float("-inf")).to(tl.float32)
@@ -209,7 +211,7 @@ def merge_kernel(
     top_ref = tl.where(top == float("-inf"), 0.0, top)
     total = tl.sum(tl.exp(lses - top_ref), 0)
     inv_total = 1.0 / tl.where(total > 0.0, total, 1.0)
-    d = tl.arange(0, BLOCK_D)
+    d = col * BLOCK_D + tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_D], tl.float32)
     for p0 in range(0, num_parts, CHUNK_P):
         # 64-bit offsets: p * stride can pass 2**31 elements.
@@ -226,7 +228,8 @@ def merge_kernel(
     if WRITE_LSE:
         lse = tl.where(total > 0.0, top_ref + tl.log(tl.where(total > 0.0, total, 1.0)),
                        float("-inf"))
-        tl.store(LSE + r, lse)
+        if col == 0:
+            tl.store(LSE + r, lse)
 
 
 @triton.jit

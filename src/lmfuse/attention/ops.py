@@ -266,12 +266,17 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_sca
         IEEE=s["IEEE"], NUM_STAGES=s["num_stages"], WIDEN_V_FIRST=s["WIDEN_V_FIRST"],
         num_warps=s["num_warps"])
     if splits > 1:
-        _kernels().merge_kernel[(rows,)](
+        cols = min(s["BLOCK_D"], _MERGE_COLUMNS)
+        _kernels().merge_kernel[(rows, _cdiv(D, cols))](
             o_t, l_t, out, lse if lse is not None else out, splits, D, splits * D, 1, splits,
-            D=D, BLOCK_D=s["BLOCK_D"], BLOCK_P=_pow2(splits, 2),
-            CHUNK_P=_merge_chunk(splits, s["BLOCK_D"]), WRITE_LSE=lse is not None,
-            num_warps=s["merge_warps"])
+            D=D, BLOCK_D=cols, BLOCK_P=_pow2(splits, 2), CHUNK_P=_merge_chunk(splits, cols),
+            WRITE_LSE=lse is not None, num_warps=s["merge_warps"])
     return out, lse
+
+
+# Columns of a row one merge program takes: more programs for the few rows of a small
+# batch (B = 1: Hq rows, each with up to 128 partials).
+_MERGE_COLUMNS = 32
 
 
 def _merge_chunk(parts: int, block_d: int) -> int:
@@ -288,12 +293,12 @@ def _launch_merge(outs, lses, out, lse, num_warps: int = 4) -> None:
         if lse is not None and R:
             lse.copy_(torch.logsumexp(lses.float(), 0))
         return
-    _kernels().merge_kernel[(R,)](
+    cols = min(_pow2(D, 16), _MERGE_COLUMNS)
+    _kernels().merge_kernel[(R, _cdiv(D, cols))](
         outs, lses, out, lse if lse is not None else out, P,
         outs.stride(0), outs.stride(1), lses.stride(0), lses.stride(1),
-        D=D, BLOCK_D=_pow2(D, 16), BLOCK_P=_pow2(P, 2),
-        CHUNK_P=_merge_chunk(P, _pow2(D, 16)), WRITE_LSE=lse is not None,
-        num_warps=num_warps)
+        D=D, BLOCK_D=cols, BLOCK_P=_pow2(P, 2), CHUNK_P=_merge_chunk(P, cols),
+        WRITE_LSE=lse is not None, num_warps=num_warps)
 
 
 def _launch_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale,
