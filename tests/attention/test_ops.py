@@ -1091,3 +1091,41 @@ def test_few_programs_take_their_own_tiles(monkeypatch: pytest.MonkeyPatch) -> N
     plan = lmfuse.explain(lmfuse.decode_attention, q[:1], kp, vp, lens[:1],
                           block_table=block_table[:1])
     assert plan.args["BLOCK_N"] == 64
+
+
+def test_table_entries_set_warps_and_fp8_paged_section(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tile entry's fourth element sets the warps (raised to one per 16 query rows); fp8
+    caches take the ``fp8`` section, paged fp8 caches the ``fp8_paged`` one after it; each
+    launch equal to the reference."""
+    from lmfuse import tuning
+
+    table = dict(tuning.table("decode_attention", torch.device("cpu")),
+                 block_n_by_head_dim=[[1048576, 16]], num_warps=4, few_programs={},
+                 fp8={"block_n_by_head_dim": [[1048576, 32, 3, 1]], "few_programs": {}},
+                 fp8_paged={"block_n_by_head_dim": [[1048576, 64, 2, 2]], "few_programs": {}})
+    real = tuning.table
+    monkeypatch.setattr(tuning, "table", lambda family, device: dict(table)
+                        if family == "decode_attention" else real(family, device))
+    torch.manual_seed(0)
+    B, S, Hkv, D = 2, 70, 2, 16
+    lens = torch.tensor([70, 33], dtype=torch.int32)
+    k, v = torch.randn(B, S, Hkv, D), torch.randn(B, S, Hkv, D)
+    ks, vs = k.abs().amax(dim=(0, 1, 3)) / 448.0, v.abs().amax(dim=(0, 1, 3)) / 448.0
+    k8, v8 = (k / ks[:, None]).to(FP8), (v / vs[:, None]).to(FP8)
+    (kp, vp), table_ = to_paged((k8, v8), [70, 33], 8)
+    for name, s_active, caches, kw, want_n, want_stages, want_warps in (
+            ("float32", 1, (k, v), {}, 16, table["num_stages"], 4),
+            ("fp8, 4 rows", 1, (k8, v8), {}, 32, 3, 1),
+            ("fp8, 32 rows", 8, (k8, v8), {}, 32, 3, 2),
+            ("fp8 paged", 1, (kp, vp), {"block_table": table_}, 64, 2, 2)):
+        q = torch.randn(B, s_active, 4 * Hkv, D)
+        if caches[0].dtype == FP8:
+            kw = dict(kw, k_scale=ks, v_scale=vs)
+        plan = lmfuse.explain(lmfuse.decode_attention, q, *caches, lens, **kw)
+        got_cfg = (plan.args["BLOCK_N"], plan.args["num_stages"], plan.args["num_warps"])
+        assert got_cfg == (want_n, want_stages, want_warps), (name, got_cfg)
+        got = lmfuse.decode_attention(q, *caches, lens, impl="triton", **kw)
+        ref_kw = {key: (val.double() if key.endswith("scale") else val)
+                  for key, val in kw.items()}
+        want = decode_attention_reference(q.double(), caches[0], caches[1], lens, **ref_kw)
+        assert_close(got, want, torch.float32, name)
