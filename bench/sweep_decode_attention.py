@@ -7,9 +7,11 @@ Cases: bf16 shapes where lmfuse is closest to SDPA (B64 S4096, B1 S131072, B16 S
 D = 64, 128 and 256), the fp8 cache at B16 S8192 and B64 S4096 (D 64 and 128, and paged),
 and paged caches (block_len 16) of the first three (``--cases`` picks some by name). Each
 candidate (key tile ``block_n``, ``num_warps``, ``num_stages``, ``programs_per_sm`` for
-the split count) is set by patching ``lmfuse.tuning.table`` as a JSON file would, and timed as the replay of a CUDA
-graph holding the call (GPU time, no launch overhead, as ``lmfuse bench decode_attention
---graphs``). Every candidate's output must match the table config's within 2e-2 (bf16).
+the split count, and for fp8 caches ``widen_v_first``) is set by patching
+``lmfuse.tuning.table`` as a JSON file would, in every section the case's lookup applies,
+and timed as the replay of a CUDA graph holding the call (GPU time, no launch overhead, as
+``lmfuse bench decode_attention --graphs``). Every candidate's output must match the table
+config's within 2e-2 (bf16).
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     block_ns = [int(n) for n in args.block_n.split(",")]
     stages = [int(n) for n in args.stages.split(",")]
     ppsms = [int(p) for p in args.ppsm.split(",")]
+    if any(w not in ("0", "1") for w in args.widen_v_first.split(",")):
+        parser.error(f"--widen-v-first takes 0, 1 or 0,1; got {args.widen_v_first!r}")
     widens = [w == "1" for w in args.widen_v_first.split(",")]
     wanted = [w for w in args.cases.split(",") if w]
     if not torch.cuda.is_available():
@@ -119,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         row["table_ms"] = table_ms
         print(f"{name}: table {table_ms:.4f} ms ({nbytes / table_ms / 1e9:.2f} TB/s)"
               + (f", SDPA {row['sdpa_ms']:.4f} ms" if "sdpa_ms" in row else ""), flush=True)
-        section = "fp8" if fp8 else "paged" if block_len else None
+        # The sections the case's lookup applies, each overridden below.
+        sections = (["paged"] if block_len else []) + (["fp8"] if fp8 else []) + (
+            ["fp8_paged"] if fp8 and block_len else [])
         for bn, w, st, pp, wv in itertools.product(block_ns, warps, stages, ppsms,
                                                    widens if fp8 else [True]):
             # Every section that could apply to this case is overridden, so that the
@@ -127,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             cand = dict(block_n_by_head_dim=[[1048576, bn]], num_warps=w, num_stages=st,
                         programs_per_sm=pp, few_programs={}, widen_v_first=wv)
             current = dict(base, **cand)
-            if section:
+            for section in sections:
                 current[section] = dict(current.get(section, {}), **cand)
             try:
                 got = lmfuse.decode_attention(q, k, v, lens, **kw)

@@ -71,13 +71,17 @@ CASES = [  # D, group, s_active, paged block_len, window, sinks, forced splits, 
 ]
 
 
+@pytest.mark.parametrize("regime", ["few programs", "programs fill the GPU"])
 @pytest.mark.parametrize("D,group,s_active,block_len,window,sinks,splits,qdt", CASES)
-def test_fp8_cache_matches_reference(monkeypatch: pytest.MonkeyPatch, D, group, s_active,
-                                     block_len, window, sinks, splits, qdt) -> None:
+def test_fp8_cache_matches_reference(monkeypatch: pytest.MonkeyPatch, regime, D, group,
+                                     s_active, block_len, window, sinks, splits, qdt) -> None:
     """Ragged lengths (0 and 1 included), both program regimes (B * Hkv = 12 programs fill
-    no GPU: split-KV; one-split cases too), the table's launch with and without the pinned
-    widening: within bf16/fp16 rounding of a float64 reference on the dequantised cache,
-    and the two launches within rounding of each other."""
+    no real GPU; a GPU of one SM is pretended for the other: the tables' main entries), forced
+    splits and not, the table's launch with and without the pinned widening: within
+    bf16/fp16 rounding of a float64 reference on the dequantised cache, and the two launches
+    within rounding of each other."""
+    if regime == "programs fill the GPU":
+        monkeypatch.setattr(tuning, "sm_count", lambda device: 1)
     g = torch.Generator(device=DEV).manual_seed(0)
     B, Hkv, S = 6, 2, 2560
     Hq = Hkv * group
@@ -104,6 +108,8 @@ def test_fp8_cache_matches_reference(monkeypatch: pytest.MonkeyPatch, D, group, 
         monkeypatch.setattr(tuning, "table", lambda family, device, pinned=pinned: (
             dict(real(family, device), widen_v_first=pinned) if family == "decode_attention"
             else real(family, device)))
+        plan = lmfuse.explain(lmfuse.decode_attention, q, k8, v8, lens, **kw)
+        assert plan.args["WIDEN_V_FIRST"] is pinned
         outs[pinned] = lmfuse.decode_attention(q, k8, v8, lens, impl="triton", **kw)
     monkeypatch.setattr(tuning, "table", real)
     scale = want.abs().max().item()

@@ -18,7 +18,7 @@ import torch
 from .. import tuning
 from .._dispatch import eager as _eager
 from .._dispatch import (Plan, check_int, check_number, check_same_device, check_tensor,
-                         register_planner, select_impl)
+                         interpreter_active, register_planner, select_impl)
 from .._nvtx import nvtx_range
 from . import reference as ref
 
@@ -195,7 +195,8 @@ def _config(q, k_cache, s: dict[str, Any], num_splits: Optional[int]) -> dict[st
         splits = max(1, min(num_splits, span, 65535))
         keys = max(1, _cdiv(span, splits))
         forced = True
-    interp = q.device.type != "cuda"
+    # The interpreter runs CPU tensors, and CUDA ones too when TRITON_INTERPRET=1.
+    interp = q.device.type != "cuda" or interpreter_active()
     f16_dot = fp8 and q.dtype == torch.bfloat16
     dot_f32 = interp and q.dtype == torch.bfloat16 and not f16_dot  # no bf16 dots there
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, row_blocks=row_blocks,
