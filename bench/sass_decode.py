@@ -31,7 +31,9 @@ from triton.compiler import ASTSource
 
 KERNELS = (Path(__file__).resolve().parents[1] / "src" / "lmfuse" / "attention"
            / "decode_kernels.py")
-INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P[0-9T]+\s+)?([A-Z][A-Z0-9]*(\.[A-Z0-9_.]+)?)")
+# "/*0f60*/  @!P0 OPCODE.MODIFIERS ...": address, optional predicate, opcode
+INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P[0-9T]+\s+)?"
+                   r"([A-Z][A-Z0-9]*(\.[A-Z0-9_.]+)?)")
 BRANCH = re.compile(r"BRA\s+(0x[0-9a-f]+)")
 
 
