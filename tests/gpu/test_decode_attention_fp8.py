@@ -17,6 +17,7 @@ import os
 
 import pytest
 import torch
+from helpers import to_paged
 
 import lmfuse
 from lmfuse import tuning
@@ -33,29 +34,6 @@ FP8 = torch.float8_e4m3fn
 def _fp8(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = cache.abs().amax(dim=(0, 1, 3)).float().clamp(min=1e-12) / 448.0
     return (cache.float() / scale[:, None]).to(FP8), scale
-
-
-def _paged(k: torch.Tensor, v: torch.Tensor, lengths: list[int], block_len: int):
-    """The blocks holding each sequence, in a shuffled pool; table padded with -1."""
-    B, S, Hkv, D = k.shape
-    per_seq = -(-S // block_len)
-    pad = per_seq * block_len - S
-    k = torch.nn.functional.pad(k.float(), (0, 0, 0, 0, 0, pad)).to(k.dtype)
-    v = torch.nn.functional.pad(v.float(), (0, 0, 0, 0, 0, pad)).to(v.dtype)
-    used = [-(-L // block_len) for L in lengths]
-    perm = torch.randperm(sum(used), generator=torch.Generator().manual_seed(1)).tolist()
-    kp = torch.empty(sum(used), block_len, Hkv, D, dtype=k.dtype, device=DEV)
-    vp = torch.empty_like(kp)
-    table = torch.full((B, per_seq), -1, dtype=torch.int32)
-    i = 0
-    for b in range(B):
-        for j in range(used[b]):
-            slot = perm[i]
-            kp[slot] = k[b, j * block_len:(j + 1) * block_len]
-            vp[slot] = v[b, j * block_len:(j + 1) * block_len]
-            table[b, j] = slot
-            i += 1
-    return kp, vp, table.to(DEV)
 
 
 CASES = [  # D, group, s_active, paged block_len, window, sinks, forced splits, query dtype
@@ -100,8 +78,8 @@ def test_fp8_cache_matches_reference(monkeypatch: pytest.MonkeyPatch, regime, D,
     want = decode_attention_reference(q.double(), kd, vd, lens, window_size=window,
                                       sinks=kw.get("sinks"))
     if block_len:
-        k8, v8, table = _paged(k8, v8, lengths, block_len)
-        kw["block_table"] = table
+        (k8, v8), table = to_paged((k8.cpu(), v8.cpu()), lengths, block_len)
+        k8, v8, kw["block_table"] = k8.to(DEV), v8.to(DEV), table.to(DEV)
     real = tuning.table
     outs = {}
     for pinned in (True, False):
