@@ -41,10 +41,19 @@ KERNEL = {"BLOCK_V": 4096, "num_warps": 8, "programs_per_sm": 4}
     (dict(kernel=dict(KERNEL, slice=6000)), "slice must be a multiple of BLOCK_V=4096"),
     (dict(kernel=dict(KERNEL, slice=8192, lag=0)), "lag must be a positive int"),
     (dict(kernel=dict(KERNEL, lag=2)), "lag is only meaningful with slice"),
+    (dict(kernel=dict(KERNEL, vec=3)), "vec must be 0 or a power of two <= BLOCK_V"),
+    (dict(kernel=dict(KERNEL, vec=8, slice=8192)), "vec must be .* without slice"),
+    (dict(kernel=dict(KERNEL, prefetch=1)), "prefetch is only meaningful with vec"),
+    (dict(kernel=dict(KERNEL, vec=8, prefetch=2)), "prefetch must be 0 or 1"),
 ])
 def test_guard_rejects(change: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=f"tuning config from here: .*{match}"):
         check_config(dict(GOOD, **change), "here")
+
+
+def test_guard_accepts_a_whole_row_kernel() -> None:
+    kernel = dict(KERNEL, vec=8, prefetch=1, hints=1)
+    assert check_config(dict(GOOD, kernel=kernel))["kernel"] == kernel
 
 
 def test_guard_accepts_and_fills_lag() -> None:

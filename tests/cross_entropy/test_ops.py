@@ -51,6 +51,17 @@ SLICED = dict(CHUNKED, fused=dict(BLOCK_V=16, num_warps=4, programs_per_sm=2, sl
 SLICED_HINTS = dict(CHUNKED, fused=dict(BLOCK_V=16, num_warps=4, programs_per_sm=2, slice=32,
                                         lag=2, hints=1))
 STREAM_HINTS = dict(CHUNKED, fused=dict(BLOCK_V=16, num_warps=4, programs_per_sm=2, hints=1))
+# The barrier-free stats loop over [BLOCK_V // vec, vec] tiles, with and without the
+# next chunk's prefetch (the big-row fused launch of the GPU tables).
+STREAM_VEC = dict(CHUNKED, fused=dict(BLOCK_V=16, num_warps=4, programs_per_sm=1, hints=1,
+                                      vec=8, prefetch=1))
+STREAM_VEC_NO_PREFETCH = dict(CHUNKED, fused=dict(BLOCK_V=32, num_warps=2, programs_per_sm=2,
+                                                  vec=4))
+
+
+def forced(config: dict[str, Any]) -> Any:
+    """An ``ops._config`` stand-in that returns ``config`` whatever the row."""
+    return lambda V, device, softcap=False, itemsize=2, aligned=True: dict(config)
 
 
 def make_target(shape: tuple[int, ...], V: int, dtype: torch.dtype = torch.int64,
@@ -255,7 +266,9 @@ CONFIGS = [pytest.param(CHUNKED, id="chunked-M1"),
            pytest.param(TILE4, id="tile-M4"),
            pytest.param(SLICED, id="sliced"),
            pytest.param(SLICED_HINTS, id="sliced-hints"),
-           pytest.param(STREAM_HINTS, id="stream-hints")]
+           pytest.param(STREAM_HINTS, id="stream-hints"),
+           pytest.param(STREAM_VEC, id="stream-vec-prefetch"),
+           pytest.param(STREAM_VEC_NO_PREFETCH, id="stream-vec")]
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -267,7 +280,7 @@ def test_forced_launch_configs(monkeypatch: pytest.MonkeyPatch, N: int, V: int,
     forced configuration is the one launched: one row kernel then ``ce_scale_kernel`` on
     the fused path, two row kernels (stats, gradient) on the deferred one, each with the
     forced column block (and row block, for single-block tiles)."""
-    monkeypatch.setattr(ops, "_config", lambda V, device, softcap=False: dict(config))
+    monkeypatch.setattr(ops, "_config", forced(config))
     spy = KernelSpy(ops._kernels())
     monkeypatch.setattr(ops, "_kernels", lambda: spy)
     if V == 1:  # one class: the exact gradient is 2 z lse, identically 0 without z-loss,
@@ -290,6 +303,11 @@ def test_forced_launch_configs(monkeypatch: pytest.MonkeyPatch, N: int, V: int,
         if i == 0:
             assert meta["num_warps"] == cfg["num_warps"], (name, meta, config)
             assert meta.get("WRITE_GRAD", fused) is fused, (name, meta)
+    if fused and "vec" in config.get("fused", {}):  # the tile shape and prefetch asked for
+        f = config["fused"]
+        assert rows[0][0] == "ce_stream_kernel", names
+        assert (rows[0][1]["VEC"], rows[0][1]["PREFETCH"]) == (f["vec"], bool(
+            f.get("prefetch", 0))), rows[0]
     if fused and "slice" in config.get("fused", {}) and hasattr(ops._kernels(),
                                                                 "ce_slices_kernel"):
         assert rows[0][0] == "ce_slices_kernel", names
@@ -297,12 +315,55 @@ def test_forced_launch_configs(monkeypatch: pytest.MonkeyPatch, N: int, V: int,
     assert plan.details["kernel"].startswith("streamed" if not config["SINGLE_BLOCK"] else "4 row")
 
 
+# A table whose fused list has a whole-row (vec) entry, its fallback for unaligned rows of
+# the same bucket, and slices for longer rows.
+VEC_TABLE = dict(max_single_block=16, tile_elems=64, warps_by_block=[[16, 1]], chunk_block=16,
+                 chunk_warps=1, programs_per_sm=2, fused=[
+                     [64, dict(BLOCK_V=32, num_warps=1, programs_per_sm=1, vec=8, prefetch=1)],
+                     [64, dict(BLOCK_V=16, num_warps=2, programs_per_sm=4)],
+                     [1 << 40, dict(BLOCK_V=16, num_warps=4, programs_per_sm=2, slice=32,
+                                    lag=1)]])
+
+
+def test_fused_launch_by_row_bytes_and_alignment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fused buckets count a row in 2-byte elements; a vec entry applies to aligned rows
+    only (else the next entry that fits) and halves its BLOCK_V for float32."""
+    monkeypatch.setattr(ops.tuning, "table", lambda family, device: VEC_TABLE)
+    cpu = torch.device("cpu")
+
+    def fused(V: int, itemsize: int, aligned: bool) -> dict[str, Any]:
+        return ops._config(V, cpu, False, itemsize, aligned)["fused"]
+
+    assert fused(48, 2, True) == dict(VEC_TABLE["fused"][0][1])
+    assert fused(48, 2, False) == VEC_TABLE["fused"][1][1]
+    assert fused(32, 4, True) == dict(VEC_TABLE["fused"][0][1], BLOCK_V=16)  # 64 bytes / 2
+    assert fused(48, 4, True) == VEC_TABLE["fused"][2][1]  # 96 "2-byte columns": slices
+    assert VEC_TABLE["fused"][0][1]["BLOCK_V"] == 32  # the table itself is not modified
+
+
+@pytest.mark.parametrize("V, vec", [pytest.param(48, 8, id="aligned-V48"),
+                                    pytest.param(40, 0, id="unaligned-V40")])
+def test_fused_launch_alignment_end_to_end(monkeypatch: pytest.MonkeyPatch, V: int,
+                                           vec: int) -> None:
+    """Through ``cross_entropy``: 16-column-multiple rows get the whole-row launch with
+    its barrier-free stats loop, other rows the table's fallback; both exact."""
+    monkeypatch.setattr(ops.tuning, "table", lambda family, device: VEC_TABLE)
+    spy = KernelSpy(ops._kernels())
+    monkeypatch.setattr(ops, "_kernels", lambda: spy)
+    logits = randn((6, V), BF16, scale=3.0)
+    target = make_target((6,), V, every=3)
+    check(f"V={V}", "triton", logits, target, torch.tensor(2.0), reduction="mean")
+    (name, _, meta), = [launch for launch in spy.launches if launch[0] != "ce_scale_kernel"]
+    assert name == "ce_stream_kernel" and meta["VEC"] == vec, (name, meta)
+    assert meta["BLOCK_V"] == (32 if vec else 16) and meta["PREFETCH"] is bool(vec), meta
+
+
 @pytest.mark.parametrize("dtype", [pytest.param(F16, id="fp16"), pytest.param(BF16, id="bf16")])
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_forced_configs_half_precision(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
                                        config: dict[str, Any], reduction: str) -> None:
-    monkeypatch.setattr(ops, "_config", lambda V, device, softcap=False: dict(config))
+    monkeypatch.setattr(ops, "_config", forced(config))
     logits = randn((7, 50), dtype, scale=3.0)
     target = make_target((7,), 50)
     grad_out = upstream(reduction, target)
@@ -785,7 +846,7 @@ def test_property_triton_matches_reference(problem: dict[str, Any]) -> None:
     grad_out = upstream(p["reduction"], target)
     with pytest.MonkeyPatch.context() as mp:
         if config is not None:
-            mp.setattr(ops, "_config", lambda V, device, softcap=False: dict(config))
+            mp.setattr(ops, "_config", forced(config))
         check(f"{problem}", "triton", logits, target, grad_out, **p)
 
 

@@ -266,6 +266,49 @@ def _range_stats(x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP: tl.constexpr,
 
 
 @triton.jit
+def _range_stats_2d(x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP: tl.constexpr,
+                    HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr,
+                    PREFETCH: tl.constexpr, KEEP: tl.constexpr):
+    """``_range_stats`` with no barrier in the loop: a chunk is a ``[BLOCK_V // VEC, VEC]``
+    tile whose rows a thread holds whole (VEC = one or two 16-byte loads), so the running
+    max and sum are kept per tile row and reduced across the program once, at the end.
+    ``PREFETCH``: chunk ``k + 1`` is loaded before chunk ``k`` is reduced. For programs
+    that run alone on an SM (one 32-warp program streaming a row), where a block-wide max
+    per chunk would stall every warp at a barrier."""
+    R: tl.constexpr = BLOCK_V // VEC
+    offs = tl.arange(0, R)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    m = tl.full([R], float("-inf"), tl.float32)
+    acc = tl.zeros([R], tl.float32)
+    sx = tl.zeros([R], tl.float32)
+    n = tl.cdiv(hi - lo, BLOCK_V)
+    if PREFETCH:
+        x_next = tl.load(x_ptr + x_off + lo + offs, mask=lo + offs < hi, other=float("-inf"),
+                         eviction_policy=KEEP)
+    for k in range(0, n):
+        c = lo + k * BLOCK_V + offs
+        if PREFETCH:
+            x = x_next.to(tl.float32)
+            x_next = tl.load(x_ptr + x_off + c + BLOCK_V, mask=c + BLOCK_V < hi,
+                             other=float("-inf"), eviction_policy=KEEP)
+        else:
+            x = tl.load(x_ptr + x_off + c, mask=c < hi, other=float("-inf"),
+                        eviction_policy=KEEP).to(tl.float32)
+        if HAS_SOFTCAP:
+            x = tl.where(c < hi, _cap(x, softcap), float("-inf"))
+        m_new = tl.maximum(m, tl.max(x, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        acc = acc * tl.exp2((m - m_safe) * 1.4426950408889634) + tl.sum(
+            tl.exp2(x * 1.4426950408889634 - (m_safe * 1.4426950408889634)[:, None]), 1)
+        m = m_new
+        if HAS_SMOOTHING:
+            sx += tl.sum(tl.where(c < hi, x, 0.0), 1)
+    row_max = tl.max(m, 0)
+    shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+    denom = tl.sum(acc * tl.exp2((m - shift) * 1.4426950408889634), 0)
+    return row_max, denom, tl.sum(sx, 0)
+
+
+@triton.jit
 def _lse(m, denom):
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     return tl.where(denom > 0, m_safe + tl.log(tl.where(denom > 0, denom, 1.0)),
@@ -354,19 +397,30 @@ def ce_stream_kernel(
     n_rows, V, vocab_start, vocab_size, ignore_index,
     ls_over_v, one_minus_ls, two_z, softcap,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, WRITE_GRAD: tl.constexpr,
-    MEAN: tl.constexpr, BLOCK_V: tl.constexpr, HINTS: tl.constexpr,
+    MEAN: tl.constexpr, BLOCK_V: tl.constexpr, HINTS: tl.constexpr, VEC: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = False,
 ):
     """Stats (and with WRITE_GRAD the gradient) of long rows, one row at a time per
     program, persistent over rows. ``HINTS`` (with WRITE_GRAD): the first read of a row
-    asks L2 to keep it, the second evicts it, the gradient is stored streaming."""
+    asks L2 to keep it, the second evicts it, the gradient is stored streaming. ``VEC``
+    > 0: the stats loop of ``_range_stats_2d`` (no barrier per chunk; ``PREFETCH``).
+
+    With one 32-warp program per SM and rows that fit L1 (bf16 rows up to about 128K
+    columns on an H100), the second read, last chunk first, is mostly L1 hits: the first
+    read left the row's end there."""
     for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
         t_local, grad_ok, t = _row_target(t_ptr, row, V, vocab_start, vocab_size,
                                           ignore_index)
         x_off = row * stride_x
         x_t = _target_x(x_ptr, x_off, t_local, 0, V, softcap, HAS_SOFTCAP)
-        m, denom, sum_x = _range_stats(x_ptr, x_off, 0, V, softcap, HAS_SOFTCAP,
-                                       HAS_SMOOTHING, BLOCK_V,
-                                       "evict_last" if HINTS else "")
+        if VEC > 0:
+            m, denom, sum_x = _range_stats_2d(x_ptr, x_off, 0, V, softcap, HAS_SOFTCAP,
+                                              HAS_SMOOTHING, BLOCK_V, VEC, PREFETCH,
+                                              "evict_last" if HINTS else "")
+        else:
+            m, denom, sum_x = _range_stats(x_ptr, x_off, 0, V, softcap, HAS_SOFTCAP,
+                                           HAS_SMOOTHING, BLOCK_V,
+                                           "evict_last" if HINTS else "")
         lse = _lse(m, denom)
         w = _weight(count_ptr, MEAN)
         _store_stats(stats_ptr, n_rows, row, True, lse, x_t, sum_x, t, w, ignore_index,

@@ -80,7 +80,8 @@ def config(v_local: int, device: torch.device) -> tuple[dict[str, Any], str]:
     launch config of the cross-entropy kernel's stats-and-gradient pass over rows longer
     than ``cross_entropy.max_single_block``: ``BLOCK_V``, ``num_warps``,
     ``programs_per_sm``, and optionally ``slice``, ``lag`` and ``hints``: 1 for L2 eviction
-    hints on the logits and a streaming store of the gradient).
+    hints on the logits and a streaming store of the gradient; or, for whole rows a
+    program, ``vec`` and ``prefetch``: the barrier-free stats loop of ``ce_stream_kernel``).
     """
     cfg, source = tuning.bucket_config(_OP, device, v_local)
     return check_config(cfg, source), source
@@ -104,12 +105,14 @@ def check_config(cfg: dict[str, Any], source: str = "config") -> dict[str, Any]:
     if not isinstance(k, dict):
         raise bad(f"kernel must be null or an object, got {k!r}")
     missing = [key for key in _KERNEL_KEYS if key not in k]
-    unknown = sorted(set(k) - set(_KERNEL_KEYS) - {"slice", "lag", "hints"})
+    unknown = sorted(set(k) - set(_KERNEL_KEYS) - {"slice", "lag", "hints", "vec", "prefetch"})
     if missing or unknown:
         raise bad(f"kernel needs {', '.join(_KERNEL_KEYS)}"
-                  f" (+ optional slice, lag, hints); missing {missing}, unknown {unknown}")
-    if k.get("hints", 0) not in (0, 1):
-        raise bad(f"kernel hints must be 0 or 1, got {k['hints']!r}")
+                  f" (+ optional slice, lag, hints, vec, prefetch); missing {missing}, "
+                  f"unknown {unknown}")
+    for flag in ("hints", "prefetch"):
+        if k.get(flag, 0) not in (0, 1):
+            raise bad(f"kernel {flag} must be 0 or 1, got {k[flag]!r}")
     block, warps, per_sm = k["BLOCK_V"], k["num_warps"], k["programs_per_sm"]
     if not _pow2(block) or not 16 <= block <= 65536:
         raise bad(f"kernel BLOCK_V must be a power of two in [16, 65536], got {block!r}")
@@ -133,6 +136,12 @@ def check_config(cfg: dict[str, Any], source: str = "config") -> dict[str, Any]:
             raise bad(f"kernel lag must be a positive int, got {lag!r}")
     elif "lag" in k:
         raise bad("kernel lag is only meaningful with slice")
+    vec = k.get("vec", 0)
+    if vec and (not _pow2(vec) or vec > block or "slice" in k):
+        raise bad(f"kernel vec must be 0 or a power of two <= BLOCK_V={block}, and without "
+                  f"slice, got {vec!r}")
+    if k.get("prefetch", 0) and not vec:
+        raise bad("kernel prefetch is only meaningful with vec")
     cfg["kernel"] = k
     return cfg
 
@@ -544,6 +553,10 @@ _KERNEL_CANDIDATES = (
     {"BLOCK_V": 4096, "num_warps": 8, "programs_per_sm": 4, "slice": 32768, "lag": 2,
      "hints": 1},
     {"BLOCK_V": 8192, "num_warps": 16, "programs_per_sm": 8, "hints": 1},
+    {"BLOCK_V": 8192, "num_warps": 16, "programs_per_sm": 2, "hints": 1, "vec": 8,
+     "prefetch": 1},
+    {"BLOCK_V": 32768, "num_warps": 32, "programs_per_sm": 1, "hints": 1, "vec": 16,
+     "prefetch": 1},
 )
 
 

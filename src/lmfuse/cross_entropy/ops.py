@@ -46,10 +46,18 @@ def _kernels():
     return kernels
 
 
-def _config(V: int, device: torch.device, softcap: bool = False) -> dict[str, Any]:
+def _config(V: int, device: torch.device, softcap: bool = False, itemsize: int = 2,
+            aligned: bool = True) -> dict[str, Any]:
     """Block sizes and warps for rows of ``V`` logits, from the device's tuning table. With
     ``softcap`` the stats-and-gradient pass (compute-bound then: a tanh and its derivative
-    per element) takes the table's ``fused_softcap`` launches where it has them."""
+    per element) takes the table's ``fused_softcap`` launches where it has them.
+
+    The fused pass's launches depend on what a row's bytes fit (L1, L2), so its buckets
+    count a row in 2-byte elements: ``V * itemsize / 2`` (float32 rows count double). Its
+    entries with ``vec`` (whole rows a program, the barrier-free stats loop) are sized for
+    2-byte logits (``BLOCK_V`` halves for float32) and apply to ``aligned`` rows only:
+    their masked loads are scalar otherwise, many times slower; the next entry of the list
+    that fits is taken instead."""
     t = tuning.table("cross_entropy", device)
     tile = tuning.single_block_tile(t, V)
     if tile is not None:
@@ -57,10 +65,20 @@ def _config(V: int, device: torch.device, softcap: bool = False) -> dict[str, An
         return dict(BLOCK_M=rows, BLOCK_V=width, SINGLE_BLOCK=True, num_warps=warps)
     # Streamed rows: the stats-only pass wants many programs in flight; the fused pass
     # (which reads each row twice) wants few enough rows in flight for L2 to keep them.
+    fused = next(dict(f) for limit, f in t.get("fused_softcap" if softcap else "fused",
+                                               t["fused"])
+                 if V * itemsize // 2 <= limit and (aligned or not f.get("vec")))
+    if fused.get("vec"):
+        fused["BLOCK_V"] = max(fused["vec"], fused["BLOCK_V"] * 2 // itemsize)
     return dict(BLOCK_M=1, BLOCK_V=t["chunk_block"], SINGLE_BLOCK=False,
                 num_warps=t["chunk_warps"], programs_per_sm=t["programs_per_sm"],
-                fused=next(dict(f) for limit, f in t.get("fused_softcap" if softcap else "fused",
-                                                         t["fused"]) if V <= limit))
+                fused=fused)
+
+
+def _aligned(x: torch.Tensor) -> bool:
+    """Rows of 16-element multiples at 16-byte aligned addresses: Triton specializes on
+    such sizes, which lets the whole-row launches' masked loads use 16-byte accesses."""
+    return x.shape[-1] % 16 == 0 and x.stride(-2) % 16 == 0 and x.data_ptr() % 16 == 0
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -96,7 +114,8 @@ def _launch_fwd(logits, target, count, grad, vocab_start, vocab_size, ignore_ind
     stats = torch.empty((4, n), dtype=torch.float32, device=logits.device)
     if n == 0:
         return stats
-    cfg = _config(V, logits.device, softcap is not None)
+    cfg = _config(V, logits.device, softcap is not None, logits.element_size(),
+                  _aligned(logits) and (grad is None or _aligned(grad)))
     if fused is not None and not cfg["SINGLE_BLOCK"]:
         cfg = dict(cfg, fused=dict(fused))
     write = grad is not None
@@ -115,9 +134,10 @@ def _launch_fwd(logits, target, count, grad, vocab_start, vocab_size, ignore_ind
     else:  # persistent: a few programs per SM loop over the rows
         if write and "fused" in cfg:
             cfg = dict(cfg, **cfg["fused"])
+        vec = cfg.get("vec", 0) if write else 0
         _kernels().ce_stream_kernel[(_persistent_grid(n, cfg, logits.device),)](
             *args, **common, BLOCK_V=cfg["BLOCK_V"], HINTS=write and bool(cfg.get("hints", 0)),
-            num_warps=cfg["num_warps"])
+            VEC=vec, PREFETCH=bool(vec and cfg.get("prefetch", 0)), num_warps=cfg["num_warps"])
     return stats
 
 
@@ -482,13 +502,17 @@ def plan_cross_entropy(
                    else "stats only (no gradient needed)"),
     }
     if path == "triton":
-        cfg = _config(V, logits.device, o["softcap"] is not None)
-        sliced = o["fused"] and not cfg["SINGLE_BLOCK"] and cfg["fused"].get("slice")
+        cfg = _config(V, logits.device, o["softcap"] is not None, logits.element_size(),
+                      logits.dim() < 2 or _aligned(logits))
+        fused = cfg.get("fused", {}) if o["fused"] and not cfg["SINGLE_BLOCK"] else {}
         details["kernel"] = (
             f"{cfg['BLOCK_M']} row(s) x {cfg['BLOCK_V']} per program, row in registers"
             if cfg["SINGLE_BLOCK"] else
-            f"rows in {cfg['fused']['slice']}-column slices, stats and gradient in one launch"
-            if sliced else
+            f"rows in {fused['slice']}-column slices, stats and gradient in one launch"
+            if fused.get("slice") else
+            f"streamed, a row per program in {fused['BLOCK_V']}-column chunks, stats and "
+            "gradient in one launch (the second read, last chunk first, mostly from L1)"
+            if fused.get("vec") else
             f"streamed in {cfg['BLOCK_V']}-column chunks, online log-sum-exp")
     return Plan(_OP, path, reason, details, o)
 
