@@ -9,7 +9,8 @@
   written from them.
 * ``ce_stream_kernel``: longer rows, one per program of a persistent grid, streamed in
   ``BLOCK_V`` chunks with an online max; with ``WRITE_GRAD`` the row is streamed again,
-  last chunk first, to write its gradient.
+  last chunk first, to write its gradient (from L1, for the GPU tables' whole-row
+  launches: one 32-warp program per SM, ``VEC`` > 0).
 * ``ce_slices_kernel``: the fused path for the longest rows: rows cut in slices, phase A
   (stats of a slice) and phase B (gradient of a slice read a few tiles ago, still in L2)
   interleaved through a ticket counter; see its docstring.

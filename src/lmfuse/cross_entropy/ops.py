@@ -7,7 +7,8 @@ Two pass structures, chosen per call (``lmfuse.explain`` says which):
   gradient of 1; backward multiplies by the real upstream gradient, a kernel that returns
   at once, with no host sync, when that is 1 (the usual ``loss.backward()``). Rows that
   fit in registers are read once; longer rows are read twice, the second time mostly
-  from L2 (``ce_slices_kernel``).
+  from L1 where a row fits it (``ce_stream_kernel``, one program per SM streaming whole
+  rows) and from L2 otherwise (``ce_slices_kernel``).
 * **deferred** (``reduction="none"``, a ``tp_group``, float16 logits, no gradient needed,
   or the torch path): the forward reads the logits once for the stats; backward reads them
   again and writes the gradient, scaled by each token's upstream gradient. float16 needs
