@@ -356,6 +356,59 @@ def test_fused_launch_alignment_end_to_end(monkeypatch: pytest.MonkeyPatch, V: i
     (name, _, meta), = [launch for launch in spy.launches if launch[0] != "ce_scale_kernel"]
     assert name == "ce_stream_kernel" and meta["VEC"] == vec, (name, meta)
     assert meta["BLOCK_V"] == (32 if vec else 16) and meta["PREFETCH"] is bool(vec), meta
+    text = lmfuse.explain(lmfuse.cross_entropy, logits.requires_grad_(), target).details[
+        "kernel"]
+    assert ("a row per program" in text) is bool(vec), text
+
+
+@pytest.mark.parametrize("view", [
+    pytest.param(lambda x: x[:, :48], id="prefix-of-64-column-rows"),
+    pytest.param(lambda x: x[:, 16:], id="aligned-offset"),
+    pytest.param(lambda x: x[:, 1:49], id="misaligned-address"),
+    pytest.param(lambda x: x.reshape(-1)[:6 * 56].view(6, 56)[:, :48], id="stride-56"),
+])
+def test_fused_launch_alignment_of_views(monkeypatch: pytest.MonkeyPatch, view: Any) -> None:
+    """48-column rows that are views into wider storage: 16-element strides and a 16-byte
+    aligned start get the whole-row launch, others not (exact either way, and ``explain``
+    says what is launched)."""
+    monkeypatch.setattr(ops.tuning, "table", lambda family, device: VEC_TABLE)
+    spy = KernelSpy(ops._kernels())
+    monkeypatch.setattr(ops, "_kernels", lambda: spy)
+    base = randn((6, 64), BF16, scale=3.0).requires_grad_(True)
+    logits = view(base)
+    aligned = logits.data_ptr() % 16 == 0 and logits.stride(0) % 16 == 0
+    target = make_target((6,), 48, every=3)
+    text = lmfuse.explain(lmfuse.cross_entropy, logits, target).details["kernel"]
+    lmfuse.cross_entropy(logits, target).backward()
+    (name, _, meta), = [launch for launch in spy.launches if launch[0] != "ce_scale_kernel"]
+    assert meta["VEC"] == (8 if aligned else 0), (logits.stride(), logits.data_ptr(), meta)
+    assert ("a row per program" in text) is aligned, text
+    x = logits.detach().double().requires_grad_(True)
+    F.cross_entropy(x, target, ignore_index=IGNORE).backward()
+    (dx,) = [g for g in [base.grad] if g is not None]
+    assert_close(view(dx), x.grad.to(BF16), BF16, "gradient through the view")
+    assert torch.count_nonzero(dx) == torch.count_nonzero(view(dx)), "outside the view"
+
+
+def test_fused_override_with_vec_on_unaligned_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller's ``vec`` launch (``linear_cross_entropy``'s kernel config) on rows it does
+    not suit runs the plain stats loop at the same geometry; on float32 rows its chunk
+    halves, as a table entry's does."""
+    monkeypatch.setattr(ops.tuning, "table", lambda family, device: VEC_TABLE)
+    spy = KernelSpy(ops._kernels())
+    monkeypatch.setattr(ops, "_kernels", lambda: spy)
+    f = dict(BLOCK_V=32, num_warps=1, programs_per_sm=1, vec=8, prefetch=1)
+    for V, dtype, expect in ((40, BF16, (0, False, 32)), (48, F32, (8, True, 16))):
+        spy.launches.clear()
+        x = randn((5, V), dtype, scale=3.0)
+        t = make_target((5,), V, every=3)
+        g = torch.empty_like(x)
+        stats = ops._launch_fwd(x, t, (t != IGNORE).sum().float(), g, 0, V, IGNORE, 0.0, 0.0,
+                                None, True, fused=f)
+        (_, _, meta), = spy.launches
+        assert (meta["VEC"], meta["PREFETCH"], meta["BLOCK_V"]) == expect, meta
+        ref = F.cross_entropy(x.double(), t, ignore_index=IGNORE, reduction="none")
+        assert_close(stats[3] * (t != IGNORE).sum(), ref.float(), F32, f"loss V={V}")
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(F16, id="fp16"), pytest.param(BF16, id="bf16")])
@@ -606,10 +659,16 @@ def test_float32_gradient_with_saturated_softcap(impl: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl, config", [
+    pytest.param("triton", None, id="triton"),
+    pytest.param("triton", STREAM_VEC, id="triton-stream-vec"),
+    pytest.param("torch", None, id="torch"),
+])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1], ids=lambda s: f"ls{s}")
-def test_neg_inf_logits_in_non_target_columns(impl: str, dtype: torch.dtype, reduction: str,
+def test_neg_inf_logits_in_non_target_columns(monkeypatch: pytest.MonkeyPatch, impl: str,
+                                              config: dict[str, Any] | None,
+                                              dtype: torch.dtype, reduction: str,
                                               label_smoothing: float) -> None:
     """-inf logits (masked-out vocabulary) outside the targets.
 
@@ -617,7 +676,10 @@ def test_neg_inf_logits_in_non_target_columns(impl: str, dtype: torch.dtype, red
     -inf columns). With label smoothing the smoothing term averages log-probabilities that
     include -inf, so the loss is +inf, exactly as ``F.cross_entropy`` gives; the gradient
     stays finite (``-label_smoothing / V`` in the -inf columns), again as torch's.
+    ``config``: a forced launch (the whole-row stats loop of the GPU tables).
     """
+    if config is not None:
+        monkeypatch.setattr(ops, "_config", forced(config))
     V = 37
     logits = randn((6, V), dtype, scale=2.0)
     target = make_target((6,), V)
@@ -832,7 +894,8 @@ def problems(draw: st.DrawFn) -> dict[str, Any]:
                 softcap=draw(st.sampled_from([None, 3.0, 15.0])),
                 inplace_backward=draw(st.booleans()),
                 scale=draw(st.sampled_from([0.5, 3.0])),
-                config=draw(st.sampled_from([None, CHUNKED, CHUNKED_TILE4, TILE4, SLICED])),
+                config=draw(st.sampled_from([None, CHUNKED, CHUNKED_TILE4, TILE4, SLICED,
+                                             STREAM_VEC])),
                 seed=draw(st.integers(0, 2**31 - 1)))
 
 

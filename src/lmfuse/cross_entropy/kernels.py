@@ -271,8 +271,9 @@ def _range_stats_2d(x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP: tl.constexpr,
                     HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr,
                     PREFETCH: tl.constexpr, KEEP: tl.constexpr):
     """``_range_stats`` with no barrier in the loop: a chunk is a ``[BLOCK_V // VEC, VEC]``
-    tile whose rows a thread holds whole (VEC = one or two 16-byte loads), so the running
-    max and sum are kept per tile row and reduced across the program once, at the end.
+    tile whose rows a thread holds whole (VEC 8 or 16: one to four 16-byte loads), so the
+    running max and sum are kept per tile row and reduced across the program once, at the
+    end.
     ``PREFETCH``: chunk ``k + 1`` is loaded before chunk ``k`` is reduced. For programs
     that run alone on an SM (one 32-warp program streaming a row), where a block-wide max
     per chunk would stall every warp at a barrier."""

@@ -28,8 +28,8 @@ from typing import Any, Optional
 import torch
 
 from .. import tuning
-from .._dispatch import eager as _eager
 from .._dispatch import Plan, check_int, check_number, check_tensor, register_planner, select_impl
+from .._dispatch import eager as _eager
 from .._nvtx import nvtx_range
 from ..distributed.collectives import group_rank, group_size
 from . import reference as ref
@@ -66,18 +66,29 @@ def _config(V: int, device: torch.device, softcap: bool = False, itemsize: int =
         return dict(BLOCK_M=rows, BLOCK_V=width, SINGLE_BLOCK=True, num_warps=warps)
     # Streamed rows: the stats-only pass wants many programs in flight; the fused pass
     # (which reads each row twice) wants few enough rows in flight for L2 to keep them.
-    fused = next(dict(f) for limit, f in t.get("fused_softcap" if softcap else "fused",
-                                               t["fused"])
+    fused = next(f for limit, f in t.get("fused_softcap" if softcap else "fused", t["fused"])
                  if V * itemsize // 2 <= limit and (aligned or not f.get("vec")))
-    if fused.get("vec"):
-        fused["BLOCK_V"] = max(fused["vec"], fused["BLOCK_V"] * 2 // itemsize)
     return dict(BLOCK_M=1, BLOCK_V=t["chunk_block"], SINGLE_BLOCK=False,
                 num_warps=t["chunk_warps"], programs_per_sm=t["programs_per_sm"],
-                fused=fused)
+                fused=_fit_fused(fused, itemsize, aligned))
+
+
+def _fit_fused(f: dict[str, Any], itemsize: int, aligned: bool) -> dict[str, Any]:
+    """A fused launch (a table's entry or a caller's override) for these rows: a ``vec``
+    launch's ``BLOCK_V`` counts 2-byte logits (halved for float32), and unaligned rows get
+    the plain stats loop at the same geometry (``vec`` is fast only on aligned rows)."""
+    f = dict(f)
+    if f.get("vec"):
+        if aligned:
+            f["BLOCK_V"] = max(f["vec"], f["BLOCK_V"] * 2 // itemsize)
+        else:
+            f.pop("vec")
+            f.pop("prefetch", None)
+    return f
 
 
 def _aligned(x: torch.Tensor) -> bool:
-    """Rows of 16-element multiples at 16-byte aligned addresses: Triton specializes on
+    """2-D rows of 16-element multiples at 16-byte aligned addresses: Triton specializes on
     such sizes, which lets the whole-row launches' masked loads use 16-byte accesses."""
     return x.shape[-1] % 16 == 0 and x.stride(-2) % 16 == 0 and x.data_ptr() % 16 == 0
 
@@ -108,17 +119,18 @@ def _launch_fwd(logits, target, count, grad, vocab_start, vocab_size, ignore_ind
     The loss row (0 where ignored) is the whole loss only on one rank; it is scaled by
     ``1 / max(count, 1)`` when ``mean``, and so is the gradient. ``fused`` replaces the
     table's launch config of the stats-and-gradient pass over streamed rows (rows longer
-    than ``max_single_block``): ``BLOCK_V``, ``num_warps``, ``programs_per_sm`` and, for
-    the slices kernel, ``slice`` and ``lag``.
+    than ``max_single_block``): ``BLOCK_V``, ``num_warps``, ``programs_per_sm``, ``hints``
+    and, for the slices kernel, ``slice`` and ``lag``, or, for whole rows a program,
+    ``vec`` and ``prefetch`` (see :func:`_fit_fused`).
     """
     n, V = logits.shape
     stats = torch.empty((4, n), dtype=torch.float32, device=logits.device)
     if n == 0:
         return stats
-    cfg = _config(V, logits.device, softcap is not None, logits.element_size(),
-                  _aligned(logits) and (grad is None or _aligned(grad)))
+    aligned = _aligned(logits) and (grad is None or _aligned(grad))
+    cfg = _config(V, logits.device, softcap is not None, logits.element_size(), aligned)
     if fused is not None and not cfg["SINGLE_BLOCK"]:
-        cfg = dict(cfg, fused=dict(fused))
+        cfg = dict(cfg, fused=_fit_fused(fused, logits.element_size(), aligned))
     write = grad is not None
     common = dict(HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0,
                   WRITE_GRAD=write, MEAN=mean)
@@ -503,8 +515,9 @@ def plan_cross_entropy(
                    else "stats only (no gradient needed)"),
     }
     if path == "triton":
+        rows = logits.reshape(-1, V)  # what cross_entropy launches on
         cfg = _config(V, logits.device, o["softcap"] is not None, logits.element_size(),
-                      logits.dim() < 2 or _aligned(logits))
+                      _aligned(rows if rows.stride(-1) == 1 else rows.contiguous()))
         fused = cfg.get("fused", {}) if o["fused"] and not cfg["SINGLE_BLOCK"] else {}
         details["kernel"] = (
             f"{cfg['BLOCK_M']} row(s) x {cfg['BLOCK_V']} per program, row in registers"
