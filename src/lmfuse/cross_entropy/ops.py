@@ -515,9 +515,10 @@ def plan_cross_entropy(
                    else "stats only (no gradient needed)"),
     }
     if path == "triton":
-        rows = logits.reshape(-1, V)  # what cross_entropy launches on
+        rows = logits.reshape(-1, V)  # what cross_entropy launches on, or a fresh copy
+        copied = rows.stride(-1) != 1 or (o["inplace"] and not rows.is_contiguous())
         cfg = _config(V, logits.device, o["softcap"] is not None, logits.element_size(),
-                      _aligned(rows if rows.stride(-1) == 1 else rows.contiguous()))
+                      V % 16 == 0 if copied else _aligned(rows))
         fused = cfg.get("fused", {}) if o["fused"] and not cfg["SINGLE_BLOCK"] else {}
         details["kernel"] = (
             f"{cfg['BLOCK_M']} row(s) x {cfg['BLOCK_V']} per program, row in registers"
