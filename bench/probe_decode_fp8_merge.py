@@ -10,12 +10,17 @@ that costs nothing.
 """
 import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 from triton.testing import do_bench
 
-import lmfuse
-from lmfuse.attention import ops
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_attention import as_graph  # noqa: E402
+
+import lmfuse  # noqa: E402
+from lmfuse.attention import ops  # noqa: E402
 
 REAL = ops._kernels
 
@@ -38,16 +43,7 @@ class _NoMerge:
 
 
 def graph_ms(fn) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, warmup=50, rep=300, return_mode="median")
+    return do_bench(as_graph(fn), warmup=50, rep=300, return_mode="median")
 
 
 def probe(B: int, S: int, Hq: int = 32, Hkv: int = 8, D: int = 128) -> dict:
