@@ -585,6 +585,50 @@ def test_merge_empty_rows_tensor(impl: str) -> None:
     assert out.shape == (0, 3, 16) and lse.shape == (0, 3) and lse.dtype == F32
 
 
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("out_dtype", [F16, BF16, F32])
+def test_merge_out_dtype_is_written_directly(impl: str, out_dtype: torch.dtype) -> None:
+    """``out_dtype``: float32 partials merged into another dtype: the float32 merge rounded
+    to it (the kernel stores the dtype; Triton's interpreter may round bf16 differently from
+    torch, so within the dtype's tolerance), the LSE unchanged."""
+    outs, lses = merge_inputs((3, 2, 3, 2, 48), F32)
+    out, lse = lmfuse.merge_attention_states(outs, lses, out_dtype=out_dtype, impl=impl)
+    full, full_lse = lmfuse.merge_attention_states(outs, lses, impl=impl)
+    assert out.dtype == out_dtype and lse.dtype == F32
+    assert_close(out, full, out_dtype, f"merge {impl} into {out_dtype}")
+    assert torch.equal(lse, full_lse)
+
+
+def test_merge_out_dtype_must_be_a_float_dtype() -> None:
+    outs, lses = merge_inputs((2, 3, 16), F32)
+    with pytest.raises(TypeError, match="out_dtype must be a floating torch.dtype"):
+        lmfuse.merge_attention_states(outs, lses, out_dtype=torch.int32)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_decode_attention_partials_pack_out_and_lse(impl: str, splits: int,
+                                                   dtype: torch.dtype) -> None:
+    """``ops.decode_attention_partials``: the flat float32 [outputs | LSEs] of
+    ``decode_attention(return_lse=True)`` (with and without split keys, a paged cache and
+    sinks), written by the kernels themselves on the Triton path; every value written."""
+    case = Case(lens=(0, 9, 30), s_max=30, s_active=1, hq=4, hkv=2, d=48, dtype=dtype,
+                block_len=8, sinks=True)
+    inp = build(case)
+    kw = dict(block_table=inp.block_table, sinks=inp.sinks, num_splits=splits, impl=impl)
+    states = ops.decode_attention_partials(inp.q, inp.k_cache, inp.v_cache,
+                                           inp.cache_seqlens, **kw)
+    R, D = 3 * case.hq, case.d
+    assert states.shape == (R * (D + 1),) and states.dtype == F32
+    want, want_lse = decode_attention_reference(
+        inp.q, inp.k_cache, inp.v_cache, inp.cache_seqlens, block_table=inp.block_table,
+        sinks=inp.sinks, return_lse=True)
+    out = states[:R * D].view(3, 1, case.hq, D)
+    assert_close(out, want.float(), dtype, f"partials {impl}: out")
+    assert_close(states[R * D:].view(3, 1, case.hq), want_lse, F32, f"partials {impl}: lse")
+
+
 def test_merge_float64_lses_give_float64_lse() -> None:
     """The docstring: lse float32, float64 for float64 lses."""
     outs = randn((2, 3, 16), F32)

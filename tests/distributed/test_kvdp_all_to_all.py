@@ -21,6 +21,7 @@ import torch.distributed as dist
 from helpers import assert_close
 from spawn import Failures, count_collectives, spawn_gloo
 from test_sharded_decode import (D, F16, F32, I32, assert_collectives, cp_counts, cp_shard,
+                                 lens_reduces,
                                  full_problem, kvdp_share, layout, raises)
 
 import lmfuse
@@ -204,7 +205,7 @@ def _grid_rank(rank: int, world: int) -> None:
             exchange=exchange, **extra))
         # Over cp_group: the CP merge's all-gather, and the counts' all-reduce unless given.
         check_exchanges(f, what, res, p["want"][:, :, heads], p["want_lse"][:, :, heads],
-                        dtype, n_gathers=1, n_reduces=0 if given else 1)
+                        dtype, n_gathers=1, n_reduces=lens_reduces(given, p["q"]))
     f.raise_if_any()
 
 

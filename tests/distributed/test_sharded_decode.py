@@ -76,7 +76,7 @@ def full_problem(seed: int, lens: list[int], s_active: int, hq: int, hkv: int, s
              v_scale=torch.rand((hkv,), generator=g) * 1.5 + 0.25 if fp8 else None)
     p = {name: None if t is None else t.to(device) for name, t in p.items()}
     p["want"], p["want_lse"] = lmfuse.decode_attention(
-        q, p["k"], p["v"], p["lens"], sinks=p["sinks"], k_scale=p["k_scale"],
+        p["q"], p["k"], p["v"], p["lens"], sinks=p["sinks"], k_scale=p["k_scale"],
         v_scale=p["v_scale"], return_lse=True, impl="torch")
     return p
 
@@ -115,6 +115,12 @@ def cp_shard(p: dict[str, Any], rank: int, world: int, cp_block: int,
     own = cp_positions(rank, world, cp_block, p["k"].shape[1])
     local = cp_local_lens(p["lens"].tolist(), rank, world, cp_block)
     return layout(p["k"][:, own], p["v"][:, own], local, block_len, seed + rank)
+
+
+def lens_reduces(given: Any, q: torch.Tensor) -> int:
+    """All-reduces of the lengths a CP decode issues: one when the global lengths are not
+    ``given`` and ``q`` has several active tokens (one token needs only the counts)."""
+    return 0 if given or q.shape[1] == 1 else 1
 
 
 def assert_collectives(calls: list[str], n_gathers: int, n_reduces: int = 0,
@@ -180,7 +186,7 @@ def _cp_rank(rank: int, world_size: int) -> None:
                                       k_scale=p["k_scale"], v_scale=p["v_scale"],
                                       return_lse=True, impl=impl, **given)
         check_result(f, what, got, p["want"], p["want_lse"], calls, 1, dtype,
-                     n_reduces=0 if given else 1)
+                     n_reduces=lens_reduces(given, p["q"]))
         counts = cp_shard_seqlens(p["lens"], group=group, cp_block=blk)
         f.check(f"{what}: cp_shard_seqlens", lambda counts=counts, lens=lens, blk=blk: (
             assert_equal(counts.tolist(), cp_local_lens(lens, rank, world_size, blk))))
@@ -244,7 +250,7 @@ def check_cp_appends(f: Failures, group: Any, rank: int, world: int) -> None:
                                           group=group, block_table_shard=table, cp_block=blk,
                                           return_lse=True, impl=impl, **given, **kw)
             check_result(f, f"{what} step {step}", got, want, want_lse, dcalls, 1, dtype,
-                         n_reduces=0 if given else 1)
+                         n_reduces=lens_reduces(given, p["q"]))
 
             def placed(k=k, v=v, table=table, calls=calls, lens=lens, full_k=full_k.clone(),
                        full_v=full_v.clone()) -> None:
@@ -386,7 +392,8 @@ def _grid_rank(rank: int, world_size: int) -> None:
                                         v_scale=p["v_scale"], return_lse=True, impl=impl,
                                         **given)
         check_result(f, f"{what}{' cache_seqlens' if given else ''}", got, p["want"][:, :, heads],
-                     p["want_lse"][:, :, heads], calls, 3, dtype, n_reduces=0 if given else 1)
+                     p["want_lse"][:, :, heads], calls, 3, dtype,
+                     n_reduces=lens_reduces(given, p["q"]))
 
     # Two decoding steps on the grid: append (kvdp_cache_append with cp_group), then attend;
     # the global lengths given to the append in step 1, to the attention in step 0.
@@ -578,7 +585,7 @@ def check_bad_inputs(f: Any, group: Any, device: Any = "cpu") -> None:
             out = cp_decode_attention(q, k, v, local, group=group, check_ranks=True,
                                       impl="torch", **given)
         f.check(f"cp check_ranks ok {list(given)}", lambda calls=calls, out=out, given=given: (
-            assert_collectives(calls, 2, 0 if given else 1),
+            assert_collectives(calls, 2, lens_reduces(given, q)),
             assert_close(out, p["want"], F32, "out")))
 
 

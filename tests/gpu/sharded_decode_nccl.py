@@ -359,7 +359,7 @@ def cp_decode_case(c: Checks, *, rank: int, world: int, group: Any, device: torc
         got = cp_decode_attention(p["q"], k, v, local, group=group, block_table_shard=table,
                                   cp_block=blk, sinks=p["sinks"], k_scale=p["k_scale"],
                                   v_scale=p["v_scale"], return_lse=True, impl=impl, **extra)
-    compare(c, got, want, slice(None), dtype, calls, 1, 0 if given else 1)
+    compare(c, got, want, slice(None), dtype, calls, 1, sd.lens_reduces(given, p["q"]))
     counts = cp_shard_seqlens(p["lens"], group=group, cp_block=blk)
     c.check("cp_shard_seqlens", lambda: sd.assert_equal(
         counts.tolist(), sd.cp_local_lens(lens, rank, world, blk)))
@@ -368,7 +368,8 @@ def cp_decode_case(c: Checks, *, rank: int, world: int, group: Any, device: torc
         out = cp_decode_attention(p["q"], k, v, local, group=group, block_table_shard=table,
                                   cp_block=blk, sinks=p["sinks"], k_scale=p["k_scale"],
                                   v_scale=p["v_scale"], num_splits=2, impl=impl, **extra)
-    compare(c, out, want, slice(None), dtype, calls, 1, 0 if given else 1, lse=False)
+    compare(c, out, want, slice(None), dtype, calls, 1, sd.lens_reduces(given, p["q"]),
+            lse=False)
 
 
 def cp_section(run: Runner, rank: int, world: int, group: Any, device: torch.device,
@@ -494,7 +495,7 @@ def cp_append_case(c: Checks, *, rank: int, world: int, group: Any, device: torc
                                       group=group, block_table_shard=table, cp_block=blk,
                                       return_lse=True, impl=impl, **given, **kw)
         compare(c, got, answers(p["q"], full_k, full_v, lens, **kw), slice(None), dtype, calls,
-                1, 0 if given else 1)
+                1, sd.lens_reduces(given, p["q"]))
 
 
 def kvdp_append_case(c: Checks, *, rank: int, world: int, group: Any, device: torch.device,
@@ -587,14 +588,15 @@ def grid_decode_case(c: Checks, *, rank: int, kvdp: Any, cp: Any, device: torch.
                                     block_table_local=table, cp_group=cp, cp_block=blk,
                                     sinks=p["sinks"], k_scale=p["k_scale"],
                                     v_scale=p["v_scale"], return_lse=True, impl=impl, **extra)
-    compare(c, got, want, heads, dtype, calls, 3, 0 if given else 1)
+    compare(c, got, want, heads, dtype, calls, 3, sd.lens_reduces(given, p["q"]))
     with count_collectives() as calls:
         got_a2a = kvdp_decode_attention(p["q"][:, :, heads], k, v, local, group=kvdp,
                                         block_table_local=table, cp_group=cp, cp_block=blk,
                                         sinks=p["sinks"], k_scale=p["k_scale"],
                                         v_scale=p["v_scale"], return_lse=True, impl=impl,
                                         exchange="all_to_all", **extra)
-    same_as_all_gather(c, calls, 2, list(got_a2a), list(got), 1, 0 if given else 1)
+    same_as_all_gather(c, calls, 2, list(got_a2a), list(got), 1,
+                       sd.lens_reduces(given, p["q"]))
 
 
 def grid_append_case(c: Checks, *, rank: int, kvdp: Any, cp: Any, device: torch.device,
@@ -640,7 +642,8 @@ def grid_append_case(c: Checks, *, rank: int, kvdp: Any, cp: Any, device: torch.
                                         block_table_local=table, cp_group=cp, cp_block=blk,
                                         return_lse=True, **kw, **given)
         compare(c, got, answers(p["q"], full_k, full_v, lens, k_scale=p["k_scale"],
-                                v_scale=p["v_scale"]), heads, dtype, calls, 3, step)
+                                v_scale=p["v_scale"]), heads, dtype, calls, 3,
+                step if s > 1 else 0)
     return p["q"][:, :, heads], k, v, table, lens[rows], blk
 
 

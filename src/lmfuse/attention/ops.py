@@ -233,14 +233,17 @@ def _choose_splits(programs: int, span: int, block_n: int, slots: int, min_keys:
 
 
 def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale,
-                   s: dict[str, Any]):
+                   s: dict[str, Any], out=None, lse=None):
     """The kernels on contiguous ``q``, ``cache_seqlens``, ``block_table``, ``sinks`` and
-    scales, and caches whose last dim is contiguous and whose strides are equal."""
+    scales, and caches whose last dim is contiguous and whose strides are equal; into
+    contiguous ``out [B, S, Hq, D]`` (any float dtype) and ``lse [B, S, Hq]`` float32 when
+    given."""
     B, S, Hq, D = q.shape
     Hkv, splits = s["Hkv"], s["splits"]
-    out = torch.empty((B, S, Hq, D), dtype=q.dtype, device=q.device)
-    lse = (torch.empty((B, S, Hq), dtype=torch.float32, device=q.device)
-           if s["return_lse"] else None)
+    if out is None:
+        out = torch.empty((B, S, Hq, D), dtype=q.dtype, device=q.device)
+    if lse is None and s["return_lse"]:
+        lse = torch.empty((B, S, Hq), dtype=torch.float32, device=q.device)
     if B == 0:
         return out, lse
     rows = B * S * Hq
@@ -427,24 +430,8 @@ def decode_attention(
                 q, k_cache, v_cache, cache_seqlens, block_table=block_table, scale=s["scale"],
                 window_size=window_size, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
                 return_lse=return_lse)
-        # The launch reads q, the 1-D inputs and the block table contiguous, and both caches
-        # through one set of strides (copies only for unusual layouts).
-        if not q.is_contiguous():
-            q = q.contiguous()
-        if k_cache.stride(-1) != 1:
-            k_cache = k_cache.contiguous()
-        if v_cache.stride() != k_cache.stride():
-            k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
-        if block_table is not None and not block_table.is_contiguous():
-            block_table = block_table.contiguous()
-        if cache_seqlens.stride(0) != 1:
-            cache_seqlens = cache_seqlens.contiguous()
-        if sinks is not None and sinks.stride(0) != 1:
-            sinks = sinks.contiguous()
-        if k_scale is not None and k_scale.stride(0) != 1:
-            k_scale = k_scale.contiguous()
-        if v_scale is not None and v_scale.stride(0) != 1:
-            v_scale = v_scale.contiguous()
+        q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale = _laid_out(
+            q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale)
         if _eager():
             out, lse = _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks,
                                       k_scale, v_scale, s)
@@ -454,6 +441,62 @@ def decode_attention(
                                   k_scale, v_scale, s["scale"],
                                   -1 if window_size is None else window_size, num_splits or 0)
         return (out, lse) if return_lse else out
+
+
+def _laid_out(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale):
+    """The inputs as the launch reads them: q, the 1-D inputs and the block table
+    contiguous, both caches through one set of strides (copies only for unusual layouts)."""
+    if not q.is_contiguous():
+        q = q.contiguous()
+    if k_cache.stride(-1) != 1:
+        k_cache = k_cache.contiguous()
+    if v_cache.stride() != k_cache.stride():
+        k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+    if block_table is not None and not block_table.is_contiguous():
+        block_table = block_table.contiguous()
+    if cache_seqlens.stride(0) != 1:
+        cache_seqlens = cache_seqlens.contiguous()
+    if sinks is not None and sinks.stride(0) != 1:
+        sinks = sinks.contiguous()
+    if k_scale is not None and k_scale.stride(0) != 1:
+        k_scale = k_scale.contiguous()
+    if v_scale is not None and v_scale.stride(0) != 1:
+        v_scale = v_scale.contiguous()
+    return q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale
+
+
+def decode_attention_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              cache_seqlens: torch.Tensor, *,
+                              block_table: Optional[torch.Tensor] = None,
+                              scale: Optional[float] = None,
+                              sinks: Optional[torch.Tensor] = None,
+                              k_scale: Optional[torch.Tensor] = None,
+                              v_scale: Optional[torch.Tensor] = None,
+                              num_splits: Optional[int] = None,
+                              impl: str = "auto") -> torch.Tensor:
+    """:func:`decode_attention`'s output and LSE packed for an exchange and a merge (the
+    parallel ops' form of a partial): one flat tensor of ``R * (D + 1)`` values, the
+    outputs ``[R, D]`` then the LSEs ``[R]`` (``R = B * s_active * Hq`` rows in
+    ``[B, s_active, Hq]`` order), float32 (float64 for float64 ``q``). On the Triton path
+    the kernels write it directly: no copy of the output, no cast, no concatenation."""
+    s = _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, None, sinks,
+                 k_scale, v_scale, True, num_splits, impl)
+    B, S, Hq, D = q.shape
+    R = B * S * Hq
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if s["path"] == "torch" or not _eager():
+        out, lse = decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
+                                    scale=scale, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+                                    return_lse=True, num_splits=num_splits, impl=s["path"])
+        return torch.cat([out.to(compute).reshape(-1), lse.to(compute).reshape(-1)])
+    q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale = _laid_out(
+        q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale)
+    states = torch.empty(R * (D + 1), dtype=compute, device=q.device)
+    with nvtx_range("decode_attention", "fwd"):
+        _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale,
+                       s, out=states[:R * D].view(B, S, Hq, D),
+                       lse=states[R * D:].view(B, S, Hq))
+    return states
 
 
 def _resolve_merge(outs, lses, impl) -> tuple[str, str]:
@@ -477,7 +520,8 @@ def _resolve_merge(outs, lses, impl) -> tuple[str, str]:
     return path, reason
 
 
-def merge_attention_states(outs: torch.Tensor, lses: torch.Tensor, *, impl: str = "auto"):
+def merge_attention_states(outs: torch.Tensor, lses: torch.Tensor, *,
+                           out_dtype: Optional[torch.dtype] = None, impl: str = "auto"):
     """Merge ``P`` attention results over disjoint key sets, exactly.
 
     Args:
@@ -485,28 +529,36 @@ def merge_attention_states(outs: torch.Tensor, lses: torch.Tensor, *, impl: str 
             denominator (as :func:`decode_attention` returns them).
         lses: ``[P, ...]`` their natural-log LSEs; ``-inf`` marks a partial that saw no key
             (it adds nothing).
+        out_dtype: the output's dtype (default outs'): the merge writes it directly (the
+            parallel ops merge float32 partials into the query's dtype).
     Returns:
-        ``(out [..., D]`` in outs' dtype, ``lse [...]`` float32 (float64 for float64 lses)),
-        with ``out = sum_p exp(lse_p - lse) out_p`` and ``lse = log(sum_p exp(lse_p))``; rows
-        where every partial is empty give zeros and ``-inf``.
+        ``(out [..., D]`` in ``out_dtype``, ``lse [...]`` float32 (float64 for float64
+        lses)), with ``out = sum_p exp(lse_p - lse) out_p`` and ``lse = log(sum_p
+        exp(lse_p))``; rows where every partial is empty give zeros and ``-inf``.
     """
     path, _ = _resolve_merge(outs, lses, impl)
+    if out_dtype is not None and (not isinstance(out_dtype, torch.dtype)
+                                  or not out_dtype.is_floating_point):
+        raise TypeError(f"merge_attention_states: out_dtype must be a floating torch.dtype or "
+                        f"None, got {out_dtype!r}")
+    dtype = outs.dtype if out_dtype is None else out_dtype
     with nvtx_range("merge_attention_states", "fwd"):
         if path == "torch":
             out, lse = ref.merge_attention_states_reference(outs, lses)
-            return out, lse if lses.dtype == torch.float64 else lse.float()
+            return out.to(dtype), lse if lses.dtype == torch.float64 else lse.float()
         P, D = outs.shape[0], outs.shape[-1]
         lead = outs.shape[1:-1]
         outs3 = outs.reshape(P, -1, D)
         if outs3.stride(-1) != 1:
             outs3 = outs3.contiguous()
         lses2 = lses.reshape(P, -1)
-        if _eager():
-            out = outs.new_empty((outs3.shape[1], D))
+        if _eager() and dtype in _KERNEL_DTYPES:
+            out = outs.new_empty((outs3.shape[1], D), dtype=dtype)
             lse = lses.new_empty((outs3.shape[1],), dtype=torch.float32)
             _launch_merge(outs3, lses2, out, lse)
         else:
             out, lse = _merge_op(outs3, lses2)
+            out = out.to(dtype)
         return out.view(*lead, D), lse.view(lead)
 
 

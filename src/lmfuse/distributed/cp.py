@@ -29,7 +29,9 @@ shard's own token counts ``seqlens_shard [B]`` (:func:`cp_shard_seqlens` of the 
 lengths). Those alone cannot say where the active tokens are: that needs the global
 lengths, which the caller passes as ``cache_seqlens=`` (the same on every rank; a scheduler
 knows them) or the op derives with one all-reduce (sum) of the counts over the group, every
-token being held by exactly one rank. :func:`cp_cache_append` places new tokens by their
+token being held by exactly one rank. With one active token the counts are enough (the
+token sees every key its rank holds): no all-reduce, and ``cache_seqlens`` goes unused
+beyond ``check_ranks``' checks. :func:`cp_cache_append` places new tokens by their
 global positions, so it takes the global lengths and issues no collective.
 
 Neither op has a backward (the collectives are not differentiable).
@@ -44,7 +46,8 @@ import torch
 import torch.distributed as dist
 
 from .._dispatch import check_int, check_same_device, check_tensor, select_impl
-from ..attention.ops import (decode_attention, kv_cache_append, merge_attention_states,
+from ..attention.ops import (decode_attention, decode_attention_partials, kv_cache_append,
+                             merge_attention_states,
                              plan_decode_attention)
 from .collectives import all_gather_stacked, all_reduce_sum, group_rank, group_size
 
@@ -456,8 +459,9 @@ def cp_decode_attention(
             on every rank. Given, they place the active tokens and no collective is spent
             on lengths; ``seqlens_shard`` must then be exactly this rank's share of them
             (checked only with ``check_ranks``). Not given, the op sums ``seqlens_shard``
-            over the group (one all-reduce of ``[B]`` int64). Every rank must pass them or
-            none (``check_ranks`` checks that too).
+            over the group (one all-reduce of ``[B]`` int64) when ``s_active > 1``; one active
+            token needs only the counts. Every rank must pass them or none
+            (``check_ranks`` checks that too).
         scale, sinks, k_scale, v_scale, return_lse, num_splits, impl: as for
             ``decode_attention`` (``impl`` picks the path of the local attention and merges).
             ``sinks [Hq]`` are counted once (on rank 0).
@@ -470,8 +474,9 @@ def cp_decode_attention(
     Returns:
         ``out [B, s_active, Hq, D]`` in q's dtype (and ``lse [B, s_active, Hq]`` float32
         with ``return_lse``). Collectives over ``group``: one all-gather of ``[B, s_active,
-        Hq, D + 1]`` float32, plus one all-reduce of ``[B]`` int64 unless ``cache_seqlens``
-        is given (plus the all-gather of ``check_ranks``); none with one rank.
+        Hq, D + 1]`` float32 values, plus, when ``s_active > 1`` and ``cache_seqlens`` is
+        not given, one all-reduce of ``[B]`` int64 (plus the all-gather of
+        ``check_ranks``); none with one rank.
     """
     op = "cp_decode_attention"
     world = group_size(group)
@@ -500,16 +505,30 @@ def _cp_attention(q, k_cache_shard, v_cache_shard, seqlens_shard, cache_seqlens,
                   num_splits, impl, group):
     """:func:`cp_decode_attention` on validated inputs, over a group of several ranks."""
     world, rank = group_size(group), group_rank(group)
+    B, S, Hq, D = q.shape
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    merge_impl = impl if compute != torch.float64 else "torch"
+    if S == 1:
+        # One active token sees every key its rank holds: the shard's own counts are all
+        # the partial needs (no global lengths, no all-reduce). The kernels write the packed
+        # partial [outputs | LSEs] that the all-gather sends, and the merge writes q's dtype.
+        states = decode_attention_partials(
+            q, k_cache_shard, v_cache_shard, seqlens_shard, block_table=block_table_shard,
+            scale=scale, sinks=sinks if rank == 0 else None, k_scale=k_scale, v_scale=v_scale,
+            num_splits=num_splits, impl=impl)
+        every = all_gather_stacked(states, group)  # [world, R * (D + 1)]
+        R = B * Hq
+        out, lse = merge_attention_states(every[:, :R * D].view(world, B, S, Hq, D),
+                                          every[:, R * D:].view(world, B, S, Hq),
+                                          out_dtype=q.dtype, impl=merge_impl)
+        return (out, lse) if return_lse else out
     if cache_seqlens is None:
         # Every token is held by exactly one rank, so the shards' counts sum to the lengths.
         cache_seqlens = all_reduce_sum(seqlens_shard.long(), group)
-    D = q.shape[-1]
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     out, lse = _partial(q, k_cache_shard, v_cache_shard, cache_seqlens, block_table_shard,
                         scale, sinks if rank == 0 else None, k_scale, v_scale, num_splits,
                         impl, rank, world, cp_block, compute)
     states = all_gather_stacked(torch.cat([out, lse[..., None]], dim=-1), group)
-    merge_impl = impl if compute != torch.float64 else "torch"
-    out, lse = merge_attention_states(states[..., :D], states[..., D], impl=merge_impl)
-    out = out.to(q.dtype)
-    return (out, lse if compute == torch.float64 else lse.float()) if return_lse else out
+    out, lse = merge_attention_states(states[..., :D], states[..., D], out_dtype=q.dtype,
+                                      impl=merge_impl)
+    return (out, lse) if return_lse else out

@@ -26,10 +26,12 @@ local cache then being this rank's CP shard of its sequences. ``seqlens_local`` 
 counts the tokens the local cache holds: the sequences' lengths, or with ``cp_group`` their
 CP-shard counts (``cp_shard_seqlens`` over ``cp_group``), CP's ``seqlens_shard``. The
 global lengths of the rank's sequences, which CP needs to place the active (or new) tokens,
-come as ``cache_seqlens=`` or from one all-reduce of the counts over ``cp_group``.
+come as ``cache_seqlens=`` or from one all-reduce of the counts over ``cp_group`` (attention
+with one active token needs neither).
 
 Two collectives per call over ``group``; with ``cp_group``, the CP step's all-gather over
-it, and its all-reduce of the ``[B_r]`` counts unless ``cache_seqlens`` is given. No
+it, and, with several active tokens, its all-reduce of the ``[B_r]`` counts unless
+``cache_seqlens`` is given. No
 backward. ``exchange`` picks the two over ``group``: ``"all_gather"`` (the default) as
 above, each moving ``W`` times the bytes a rank keeps; or ``"all_to_all"``
 (:func:`~lmfuse.distributed.collectives.all_to_all_stacked`), each moving only those: step 1
@@ -231,8 +233,8 @@ def kvdp_decode_attention(
         ``out [B, s_active, Hq_local, D]`` in q's dtype (and ``lse [B, s_active, Hq_local]``
         float32 with ``return_lse``). Collectives: two all-gathers (or with
         ``exchange="all_to_all"`` two all-to-alls) over ``group`` (none with one rank);
-        with a ``cp_group`` of several ranks, one all-gather over it and, unless
-        ``cache_seqlens`` is given, one all-reduce of ``[B_r]`` int64 over it.
+        with a ``cp_group`` of several ranks, one all-gather over it and, when ``s_active >
+        1`` and ``cache_seqlens`` is not given, one all-reduce of ``[B_r]`` int64 over it.
     """
     op = "kvdp_decode_attention"
     world = group_size(group)
