@@ -176,7 +176,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         plan = plan_sharding(args.batch, args.q_heads, args.kv_heads, args.ranks, args.context,
                              args.head_dim, args.layers, args.dtype, args.hbm_gib,
-                             s_active=args.s_active)
+                             s_active=args.s_active, tp=args.tp, cost_model=args.calibrate)
     except (TypeError, ValueError) as exc:
         print(f"lmfuse plan: {exc}", file=sys.stderr)
         return 2
@@ -211,6 +211,12 @@ def main(argv: list[str] | None = None) -> int:
                       "(default bf16)")
     plan.add_argument("--hbm-gib", type=float, default=141.0,
                       help="GiB per rank the KV cache may use (default 141)")
+    plan.add_argument("--tp", type=int, default=None,
+                      help="ways the KV heads are split (default min(kv-heads, ranks)); 1: "
+                      "every rank holds every KV head of its sequences")
+    plan.add_argument("--calibrate", metavar="FILE",
+                      help="predict each split's layer and step time from a cost model fitted "
+                      "to FILE (bench/decode_sharded.py --calibrate --json FILE)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     tune = sub.add_parser("tune", help="sweep launch configs on this GPU, record the best")
     tune.add_argument("family", choices=TUNABLE)

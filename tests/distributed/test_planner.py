@@ -266,3 +266,102 @@ def test_cli_plan_bad_input_is_a_usage_error(capsys: pytest.CaptureFixture[str])
     code, out, err = run_cli(capsys, "plan", "--ranks", "12")
     assert code == 2 and out == ""
     assert "lmfuse plan: plan_sharding: ranks (12) and kv_heads (8) must divide" in err
+
+
+# --- tp, and the cost model ----------------------------------------------------------------
+
+
+def test_tp_one_splits_the_group_over_all_kv_heads() -> None:
+    """``tp=1``: every rank of the group holds all KV heads of its sequences (the layout of
+    bench/decode_sharded.py): two ranks split B=2 by KVDP, B=1 by CP; bytes by hand."""
+    kw = {**SMALL, "ranks": 2, "tp": 1}
+    plan = plan_sharding(2, **kw)
+    assert (plan.tp, plan.kvdp, plan.cp) == (1, 2, 1) and plan.split == "TP1 x KVDP2"
+    # One sequence of both KV heads: 2 * L * S * Hkv * D * e = 2 * 2 * 16 * 2 * 4 * 2.
+    assert plan.kv_bytes_per_rank == 1024
+    # q: (r-1) * B * s * (Hq/N) * D * a = 1*2*1*4*4*2; out: (k-1) * b * s * Hq * D * a.
+    assert [c.bytes_per_rank for c in plan.collectives] == [64, 1 * 1 * 1 * 8 * 4 * 2]
+    assert plan.reason.startswith("B=2 >= ranks/TP=2: with TP=1,")
+    one = plan_sharding(1, **kw)
+    assert (one.kvdp, one.cp) == (1, 2) and one.split == "TP1 x CP2"
+    assert one.kv_bytes_per_rank == 512  # both KV heads of half of one sequence
+
+
+@pytest.mark.parametrize("tp, match", [(3, r"tp \(3\) must divide ranks \(8\) and kv_heads"),
+                                       (0, "tp must be >= 1"), (1.5, "tp must be an int")])
+def test_tp_bad_values(tp, match: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=match):
+        plan_sharding(4, **SMALL, tp=tp)
+
+
+# A calibration as bench/decode_sharded.py --calibrate writes it, with round numbers: read
+# 10 us + 2 TB/s, all-gather x2 20 us + 100 GB/s, all-to-all x2 15 us + 50 GB/s, merge
+# 4 us + 1 TB/s.
+CALIBRATION = {
+    "copy_tbps": 3.0,
+    "decode": [{"bytes": b, "ms": 0.010 + b / 2e9} for b in (2**24, 2**28, 2**30)],
+    "merge": [{"P": 2, "rows": r, "D": 127, "ms": 0.004 + (2 * r * 128 * 4 + r * 127 * 4)
+               / 1e9} for r in (64, 4096)],
+    "collectives": [{"kind": k, "n": 2, "bytes_per_rank": b,
+                     "ms": f + (b if k == "all_gather" else b / 2) / g}
+                    for k, f, g in (("all_gather", 0.020, 1e8), ("all_to_all", 0.015, 5e7))
+                    for b in (2**10, 2**20, 2**24)],
+}
+
+
+def test_cost_model_fits_lines_and_predicts_each_part(tmp_path) -> None:
+    from lmfuse.distributed.cost_model import CostModel, fit_line
+
+    line = fit_line([(0.0, 1.0), (10.0, 3.0), (20.0, 5.0)])
+    assert line.fixed_ms == pytest.approx(1.0) and line.gbps == pytest.approx(5e-6)
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"environment": {}, "calibration": CALIBRATION}))
+    model = CostModel.load(path)
+    assert model.read.fixed_ms == pytest.approx(0.010) and model.read.gbps == pytest.approx(2e3)
+    assert model.merge.fixed_ms == pytest.approx(0.004)
+    ag = model.collective("all_gather", 2)
+    assert ag.fixed_ms == pytest.approx(0.020) and ag.gbps == pytest.approx(100)
+    # An unmeasured group size: the nearest one's rate, latency x (n - 1) / (m - 1).
+    assert model.collective("all_gather", 8).fixed_ms == pytest.approx(0.140)
+    # CP2 over B=1, Hq=8 heads of D=127 (tp=1): read + partials' all-gather + merge.
+    parts = model.layer_ms(kvdp=1, cp=2, batch=1, s_active=1, q_local=4, h_attn=8,
+                           head_dim=127, kv_bytes=2**26, act_bytes=2, q_gather=False)
+    rows = 8
+    assert parts["q"] == 0 and parts["out"] == 0
+    assert parts["read"] == pytest.approx(0.010 + 2**26 / 2e9)
+    assert parts["cp"] == pytest.approx(0.020 + rows * 128 * 4 / 1e8
+                                        + 0.004 + (2 * rows * 128 * 4 + rows * 127 * 4) / 1e9)
+    assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"))
+    # KVDP2 with the all-to-all exchange: q rows of the rank's one sequence, its heads out.
+    a2a = model.layer_ms(kvdp=2, cp=1, batch=2, s_active=1, q_local=4, h_attn=8,
+                         head_dim=127, kv_bytes=2**26, act_bytes=2, exchange="all_to_all")
+    assert a2a["q"] == pytest.approx(0.015 + 1 * 1 * 4 * 127 * 2 / 5e7)
+    assert a2a["out"] == pytest.approx(0.015 + 0.5 * 8 * 127 * 2 / 5e7)
+
+
+def test_plan_with_a_cost_model_predicts_every_option(tmp_path) -> None:
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"calibration": CALIBRATION}))
+    plan = plan_sharding(2, **{**SMALL, "ranks": 2, "tp": 1}, cost_model=str(path))
+    for o in plan.options:
+        assert o.predicted_layer_ms is not None
+        assert o.predicted_step_ms == pytest.approx(o.predicted_layer_ms["total"] * 2)
+    kvdp = plan.recommended.predicted_layer_ms
+    assert kvdp["read"] == pytest.approx(0.010 + 1024 / 2 / 2e9)  # per layer: L = 2
+    assert kvdp["q"] == pytest.approx(0.020 + 64 / 1e8) and kvdp["cp"] == 0
+    assert "pred ms/layer" in str(plan) and "cost model (" in str(plan)
+    assert plan_sharding(2, **SMALL).options[0].predicted_layer_ms is None
+
+
+def test_cli_plan_calibrate(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"calibration": CALIBRATION}))
+    code, out, err = run_cli(capsys, "plan", "--ranks", "2", "--tp", "1", "--batch", "1",
+                             "--calibrate", str(path))
+    assert code == 0, err
+    assert "recommended  TP1 x CP2" in out and "pred ms/step" in out
+    code, out, err = run_cli(capsys, "plan", "--calibrate", str(tmp_path / "missing.json"))
+    assert code == 2 and "calibration file" in err
+    (tmp_path / "bad.json").write_text(json.dumps({"calibration": {"decode": []}}))
+    code, out, err = run_cli(capsys, "plan", "--calibrate", str(tmp_path / "bad.json"))
+    assert code == 2 and "no 'decode' measurements" in err

@@ -64,7 +64,8 @@ paged cache rounds each sequence up to whole blocks, and fp8 per-head scales are
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -116,6 +117,10 @@ class ShardingOption:
     collectives: tuple[Collective, ...]  # per layer per decode step
     collectives_per_step: int  # calls per decode step, all layers
     collective_bytes_per_step: int  # received per rank per decode step, all layers
+    # With a cost model (``plan_sharding(cost_model=...)``): one layer's predicted ms by part
+    # (q, read, cp, out, total; see ``cost_model.py``), and a whole step's (all layers).
+    predicted_layer_ms: dict[str, float] | None = None
+    predicted_step_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -134,6 +139,7 @@ class ShardingPlan:
     options: tuple[ShardingOption, ...]  # vanilla TP, KVDP, CP, recommended
     reason: str
     inputs: dict[str, Any] = field(default_factory=dict)
+    cost_model: str | None = None  # the cost model's summary, when one was given
 
     @property
     def recommended(self) -> ShardingOption:
@@ -157,13 +163,19 @@ class ShardingPlan:
                 f"{p['ranks']} ranks of {p['hbm_gib']:g} GiB")
         cols = ("option", "split", "KV/rank", "fits", "replicas", "coll/layer",
                 "bytes/rank/layer", "coll/step", "bytes/rank/step")
+        predicted = self.cost_model is not None
+        if predicted:
+            cols += ("pred ms/layer", "pred ms/step")
         rows = [cols]
         for o in self.options:
             per_layer = sum(c.count * c.bytes_per_rank for c in o.collectives)
-            rows.append((o.name, o.split, format_bytes(o.kv_bytes_per_rank),
-                         "yes" if o.fits else "NO", f"{o.replication}x",
-                         str(sum(c.count for c in o.collectives)), format_bytes(per_layer),
-                         str(o.collectives_per_step), format_bytes(o.collective_bytes_per_step)))
+            row = (o.name, o.split, format_bytes(o.kv_bytes_per_rank),
+                   "yes" if o.fits else "NO", f"{o.replication}x",
+                   str(sum(c.count for c in o.collectives)), format_bytes(per_layer),
+                   str(o.collectives_per_step), format_bytes(o.collective_bytes_per_step))
+            if predicted:
+                row += (f"{o.predicted_layer_ms['total']:.4f}", f"{o.predicted_step_ms:.3f}")
+            rows.append(row)
         widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
         lines = [head, ""]
         lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
@@ -175,6 +187,10 @@ class ShardingPlan:
             lines.append(f"  {c.name} over {c.group} ({c.group_size} ranks): "
                          f"{c.count} x {format_bytes(c.bytes_per_rank)}")
         lines += ["", "why: " + self.reason]
+        if predicted:
+            parts = self.recommended.predicted_layer_ms
+            lines += ["", f"predicted layer of {self.split}: " + ", ".join(
+                f"{k} {v:.4f} ms" for k, v in parts.items()), self.cost_model]
         return "\n".join(lines)
 
 
@@ -209,7 +225,9 @@ def resolve_dtype(dtype: Any, name: str = "dtype") -> torch.dtype:
 def plan_sharding(batch: int, q_heads: int, kv_heads: int, ranks: int, context_len: int,
                   head_dim: int, n_layers: int, dtype: torch.dtype | str, hbm_gib: float, *,
                   s_active: int = 1,
-                  act_dtype: torch.dtype | str | None = None) -> ShardingPlan:
+                  act_dtype: torch.dtype | str | None = None,
+                  tp: int | None = None,
+                  cost_model: Any = None) -> ShardingPlan:
     """Recommend how ``ranks`` ranks should shard a decode KV cache, and compare options.
 
     Args:
@@ -225,6 +243,14 @@ def plan_sharding(batch: int, q_heads: int, kv_heads: int, ranks: int, context_l
         s_active: tokens decoded per step (1..8).
         act_dtype: dtype of q and outputs on the wire; default the cache dtype, bfloat16
             for a 1-byte cache.
+        tp: how many ways attention's KV heads are split (``TP``); default
+            ``min(kv_heads, ranks)``. ``tp=1``: every rank of the group holds every KV head
+            of its sequences (attention data parallel over the group, as
+            ``bench/decode_sharded.py`` runs it); ``tp`` must divide ``ranks`` and
+            ``kv_heads``.
+        cost_model: a :class:`~lmfuse.distributed.cost_model.CostModel` (or the path of a
+            results file to fit one to: ``lmfuse plan --calibrate``); each option then
+            carries its predicted layer and step time.
 
     Returns a :class:`ShardingPlan`; the module docstring gives every formula.
     Raises TypeError / ValueError naming the argument.
@@ -259,9 +285,14 @@ def plan_sharding(batch: int, q_heads: int, kv_heads: int, ranks: int, context_l
                          f"the projections are tensor-parallel over all ranks, q_heads/ranks "
                          f"query heads each")
 
+    if tp is None:
+        tp = min(kv_heads, ranks)
+    tp = check_int(OP, "tp", tp, minimum=1)
+    if ranks % tp or kv_heads % tp:
+        raise ValueError(f"{OP}: tp ({tp}) must divide ranks ({ranks}) and kv_heads "
+                         f"({kv_heads})")
     m = _Model(batch, q_heads, kv_heads, ranks, context_len, head_dim, n_layers, s_active,
-               cache_dtype.itemsize, wire_dtype.itemsize, int(hbm * 2**30))
-    tp = min(kv_heads, ranks)
+               cache_dtype.itemsize, wire_dtype.itemsize, int(hbm * 2**30), tp)
     r = ranks // tp
     rule_kvdp = r if batch >= r else max(k for k in _divisors(r) if k <= batch)
     # DESIGN's rule, unless its split does not fit in HBM while the most balanced one does
@@ -276,6 +307,9 @@ def plan_sharding(batch: int, q_heads: int, kv_heads: int, ranks: int, context_l
 
     options = (m.vanilla(), m.split("KVDP", r, 1), m.split("CP", 1, r),
                m.split("recommended", kvdp, cp))
+    model = _cost_model(cost_model)
+    if model is not None:
+        options = tuple(_predicted(m, o, model) for o in options)
     best = options[-1]
     reason = _reason(m, options, tp, r, rule_kvdp, hbm)
     inputs = {"batch": batch, "q_heads": q_heads, "kv_heads": kv_heads, "ranks": ranks,
@@ -286,7 +320,27 @@ def plan_sharding(batch: int, q_heads: int, kv_heads: int, ranks: int, context_l
                         kv_bytes_per_rank=best.kv_bytes_per_rank, fits=best.fits,
                         replication=best.replication, collectives=best.collectives,
                         collective_bytes_per_step=best.collective_bytes_per_step,
-                        options=options, reason=reason, inputs=inputs)
+                        options=options, reason=reason, inputs=inputs,
+                        cost_model=None if model is None else model.summary())
+
+
+def _cost_model(cost_model: Any) -> Any:
+    from .cost_model import CostModel
+
+    if cost_model is None or isinstance(cost_model, CostModel):
+        return cost_model
+    if isinstance(cost_model, (str, Path)):
+        return CostModel.load(cost_model)
+    raise TypeError(f"{OP}: cost_model must be a CostModel, a results file's path or None, "
+                    f"got {type(cost_model).__name__}")
+
+
+def _predicted(m: _Model, o: ShardingOption, model: Any) -> ShardingOption:
+    """``o`` with its predicted layer (and step) time."""
+    parts = model.layer_ms(kvdp=o.kvdp, cp=o.cp, batch=m.B, s_active=m.s,
+                           q_local=m.Hq // m.N, h_attn=m.Hq // o.tp, head_dim=m.D,
+                           kv_bytes=o.kv_bytes_per_rank / m.L, act_bytes=m.a)
+    return replace(o, predicted_layer_ms=parts, predicted_step_ms=parts["total"] * m.L)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -310,6 +364,7 @@ class _Model:
     e: int  # bytes per cache element
     a: int  # bytes per activation element on the wire
     hbm_bytes: int
+    tp: int  # ways the KV heads are split
 
     def cells(self, kvdp: int, cp: int) -> int:
         """Sequences x tokens on the busiest rank of a KVDP x CP split."""
@@ -336,7 +391,7 @@ class _Model:
                             max(1, self.N // self.Hkv), ())
 
     def split(self, name: str, kvdp: int, cp: int) -> ShardingOption:
-        tp = min(self.Hkv, self.N)
+        tp = self.tp
         r = kvdp * cp
         q_local = self.Hq // self.N
         h_attn = self.Hq // tp
@@ -364,16 +419,19 @@ def _reason(m: _Model, options: tuple[ShardingOption, ...], tp: int, r: int, rul
             hbm: float) -> str:
     vanilla, kvdp_only, cp_only, best = options
     gib = format_bytes
+    default_tp = tp == min(m.Hkv, m.N)
+    per_head = f"ranks/kv_heads={r}" if default_tp else f"ranks/TP={r}"
+    with_tp = f"TP=kv_heads={tp}" if default_tp and tp == m.Hkv else f"TP={tp}"
     if r == 1:
         why = (f"ranks={m.N} <= kv_heads={m.Hkv}: TP={tp} gives every rank "
                f"{m.Hkv // tp} whole KV head(s), no KV head is replicated and nothing is left "
                f"to split, so KVDP and CP do not apply.")
     else:
         if m.B >= r:
-            why = (f"B={m.B} >= ranks/kv_heads={r}: with TP=kv_heads={tp}, the {r} ranks "
+            why = (f"B={m.B} >= {per_head}: with {with_tp}, the {r} ranks "
                    f"sharing a KV head can split the batch (KVDP={r}).")
         else:
-            why = (f"B={m.B} < ranks/kv_heads={r}: with TP=kv_heads={tp}, too few sequences "
+            why = (f"B={m.B} < {per_head}: with {with_tp}, too few sequences "
                    f"for KVDP={r} alone (its busiest rank would hold a whole {m.S}-token "
                    f"sequence, {gib(kvdp_only.kv_bytes_per_rank)}, while others of its group "
                    f"sit idle).")
