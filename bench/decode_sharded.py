@@ -69,6 +69,8 @@ world size, NCCL version, the command) and the copy.
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import os
 import statistics
 import sys
@@ -119,6 +121,16 @@ class Shape(NamedTuple):
 
 FULL = [Shape("kvdp", B=64, Hq=64, S=8192), Shape("cp", B=1, Hq=64, S=131072),
         Shape("cp", B=1, Hq=64, S=262144)]
+# The seed's cache-bound example (q heads 64, kv heads 8, 128K context) at B = 1 .. 16, every
+# split of the group: KVDP (each exchange) where B >= N, CP, and KVDP x CP on 4 ranks.
+SEED = [Shape("splits", B=b, Hq=64, S=131072) for b in (1, 2, 4, 8, 16)]
+QUICK_SEED = [Shape("splits", B=b, Hq=8, S=512, Hkv=2, D=32) for b in (1, 2, 4)]
+# Per-rank bytes of the collectives swept by --calibrate, and the 1-GPU decode contexts.
+CALIBRATE_BYTES = [2**k for k in range(10, 25, 2)]
+CALIBRATE_CONTEXTS = (8192, 16384, 32768, 65536, 131072)
+TARGET_SPEEDUP = {2: 1.8, 4: 3.4}  # where a rank's share of the cache takes >= 0.15 ms
+SHORT_STEP_MS = 0.15
+OVERHEAD_OVER_COLLECTIVES = 1.5  # shorter steps: ms - local ms <= 1.5 x coll ms
 # The same roles at shapes Triton's interpreter runs in seconds (the CP shards still split
 # their keys over a few ranks).
 QUICK = [Shape("kvdp", B=4, Hq=8, S=128, Hkv=2, D=32), Shape("cp", B=1, Hq=8, S=512, Hkv=2, D=32)]
@@ -195,6 +207,8 @@ class Sharded(NamedTuple):
     collectives: Callable[[], object]
     what: str  # the collectives timed alone, in words
     exchange: str | None = None  # kvdp_decode_attention's exchange= (None for CP)
+    kvdp: int = 1  # the split: KVDP x CP ranks
+    cp: int = 1
 
 
 def kvdp_part(q, k, v, lengths, ref, group, exchange: str = "all_gather") -> Sharded:
@@ -230,7 +244,7 @@ def kvdp_part(q, k, v, lengths, ref, group, exchange: str = "all_gather") -> Sha
         lambda: lmfuse.decode_attention(q_gathered, k_mine, v_mine, lens_mine),
         collectives,
         f"{what} {list(bufs[0].shape)} + {what} {list(bufs[1].shape)} {_dt(q)}",
-        exchange)
+        exchange, kvdp=n)
 
 
 def cp_part(q, k, v, lengths, ref, group, cp_block: int) -> Sharded:
@@ -250,7 +264,75 @@ def cp_part(q, k, v, lengths, ref, group, cp_block: int) -> Sharded:
         ref,
         lambda: lmfuse.decode_attention(q, k_shard, v_shard, lens_shard, return_lse=True),
         lambda: all_gather_stacked(states, group),
-        f"all-gather {list(states.shape)} float32")
+        f"all-gather {list(states.shape)} float32", cp=n)
+
+
+def grid_part(q, k, v, lengths, ref, kvdp_group, cp_group, cp_block: int) -> Sharded:
+    """This rank's share of a KVDP x CP grid: the sequences of its KVDP rank (its column of
+    the grid: ``kvdp_batch_range`` over ``kvdp_group``), their context cut over ``cp_group``
+    (round-robin blocks, by ``cp_cache_append``); its query heads ``Hq / KVDP`` (those of its
+    KVDP rank, the same on the CP ranks of a row); one step is ``kvdp_decode_attention`` with
+    ``cp_group``: all-gather of q over KVDP, local attention, all-gather of the packed partials
+    over CP and their merge, all-gather of the outputs over KVDP."""
+    B, S, Hkv, D = k.shape
+    Hq = q.shape[2]
+    a, c = dist.get_world_size(kvdp_group), dist.get_world_size(cp_group)
+    i = dist.get_rank(kvdp_group)
+    start, stop = kvdp_batch_range(B, kvdp_group)
+    heads = slice(i * (Hq // a), (i + 1) * (Hq // a))
+    q_mine = q[:, :, heads].contiguous()
+    rows = stop - start
+    capacity = -(-S // (cp_block * c)) * cp_block
+    k_shard = k.new_zeros((rows, capacity, Hkv, D))
+    v_shard = v.new_zeros((rows, capacity, Hkv, D))
+    lens_rows = lengths[start:stop].contiguous()
+    cp_cache_append(k_shard, v_shard, k[start:stop], v[start:stop], torch.zeros_like(lens_rows),
+                    group=cp_group, cp_block=cp_block)
+    lens_shard = cp_shard_seqlens(lens_rows, group=cp_group, cp_block=cp_block)
+    q_rows = q[start:stop].contiguous()
+    most = -(-B // a)
+    bufs = [(torch.empty_like(q_mine), kvdp_group),
+            (torch.empty((most, 1, Hq, D + 1), dtype=torch.float32, device=q.device), cp_group),
+            (q.new_empty((most, 1, Hq, D)), kvdp_group)]
+
+    def collectives():
+        for buf, group in bufs:
+            all_gather_stacked(buf, group)
+
+    return Sharded(
+        "kvdp x cp",
+        lambda: kvdp_decode_attention(q_mine, k_shard, v_shard, lens_shard, group=kvdp_group,
+                                      cp_group=cp_group, cp_block=cp_block,
+                                      cache_seqlens=lens_rows),
+        ref[:, :, heads],
+        lambda: lmfuse.decode_attention(q_rows, k_shard, v_shard, lens_shard, return_lse=True),
+        collectives,
+        "all-gathers " + " + ".join(str(list(b.shape)) for b, _ in bufs),
+        "all_gather", kvdp=a, cp=c)
+
+
+def split_name(kvdp: int, cp: int) -> str:
+    return " x ".join([f"KVDP{kvdp}"] * (kvdp > 1) + [f"CP{cp}"] * (cp > 1)) or "1 GPU"
+
+
+def recommended(shape: Shape, n: int) -> tuple[int, int]:
+    """(KVDP, CP) that ``lmfuse.plan_sharding`` recommends for the shape on a group of ``n``
+    ranks that all hold every KV head (``tp=1``)."""
+    plan = lmfuse.plan_sharding(shape.B, shape.Hq, shape.Hkv, n, shape.S, shape.D, 1,
+                                "bf16", 1e9, tp=1)
+    return plan.kvdp, plan.cp
+
+
+def target(n: int, share_ms: float, ms: float, local_ms: float, coll_ms: float
+           ) -> tuple[str, bool | None]:
+    """The issue's target for a row and whether it holds: at least ``TARGET_SPEEDUP[n]``
+    where a rank's share of the cache takes ``SHORT_STEP_MS`` or more to read at the copy
+    rate, else the time beyond the local attention at most 1.5x the collectives alone."""
+    if share_ms >= SHORT_STEP_MS and n in TARGET_SPEEDUP:
+        return f"speed-up >= {TARGET_SPEEDUP[n]}", None
+    limit = OVERHEAD_OVER_COLLECTIVES * coll_ms
+    return (f"ms - local <= {OVERHEAD_OVER_COLLECTIVES} x coll = {limit:.4f}",
+            ms - local_ms <= limit)
 
 
 def _dt(t: torch.Tensor) -> str:
@@ -260,7 +342,8 @@ def _dt(t: torch.Tensor) -> str:
 def run_sharded(shape: Shape, part: Sharded, group: Any, device: torch.device, opts: dict,
                 counter, kv_bytes: int, single_ms: float | None, copy_tbps: float
                 ) -> tuple[Result, dict]:
-    """One group size of a case, on the ranks of ``group``; the row (complete on rank 0)."""
+    """One group size of a case, on the ranks of ``group`` (every rank of the split); the
+    row (complete on rank 0)."""
     n = dist.get_world_size(group)
     with counter() as calls:
         out = part.call()
@@ -281,8 +364,18 @@ def run_sharded(shape: Shape, part: Sharded, group: Any, device: torch.device, o
     note = f"max rel diff vs 1 GPU {worst:.1e} (worst of {n} ranks)"
     if not worst <= tol:
         note += f" > {tol:.0e}, CHECK"
+    share_ms = kv_bytes / n / copy_tbps / 1e9 if copy_tbps else None
+    goal, met = (None, None) if share_ms is None else target(n, share_ms, ms, local_ms, coll_ms)
+    speedup = single_ms / ms if single_ms else None
+    if goal is not None and met is None:
+        met = speedup is not None and speedup >= TARGET_SPEEDUP[n]
+    best = recommended(shape, n) if shape.mode == "splits" else None
     extras = {
-        "mode": shape.mode, "n": n, "speedup": single_ms / ms if single_ms else None,
+        "split": split_name(part.kvdp, part.cp), "kvdp": part.kvdp, "cp": part.cp,
+        "recommended": None if best is None else best == (part.kvdp, part.cp),
+        "share_read_ms": share_ms, "target": goal, "target_met": met,
+        "beyond_local_ms": ms - local_ms,
+        "mode": shape.mode, "n": n, "speedup": speedup,
         "exchange": part.exchange,
         "x_copy": tbps / (n * copy_tbps) if copy_tbps else None,
         "local_ms": local_ms, "collective_ms": coll_ms, "collective_share": coll_ms / ms,
@@ -332,16 +425,10 @@ def run_shape(shape: Shape, groups: dict[int, Any], device: torch.device, opts: 
         print_rows(rows[-1:])
     dist.broadcast(ref, src=0)  # every rank checks against rank 0's output
     for n, group in groups.items():
-        if shape.mode == "kvdp" and (Hq % n or B < n):
-            if rank == 0:
-                print(f"{shape.name():<38} x{n}: skipped (needs Hq and B divisible by N)")
-            continue
-        for exchange in (opts["exchanges"] if shape.mode == "kvdp" else [None]):
+        for make in splits(shape, n, group, opts, rank):
             row = None
             if rank < n:
-                part = (kvdp_part(q, k, v, lengths, ref, group, exchange)
-                        if shape.mode == "kvdp"
-                        else cp_part(q, k, v, lengths, ref, group, opts["cp_block"]))
+                part = make(q, k, v, lengths, ref)
                 row = run_sharded(shape, part, group, device, opts, counter, kv_bytes,
                                   single_ms, copy_tbps)
                 del part
@@ -354,20 +441,110 @@ def run_shape(shape: Shape, groups: dict[int, Any], device: torch.device, opts: 
     return rows
 
 
+def splits(shape: Shape, n: int, group: Any, opts: dict, rank: int) -> list[Callable]:
+    """The rows of a shape on a group of ``n`` ranks: for each, ``make(q, k, v, lengths,
+    ref)`` builds the rank's :class:`Sharded` part."""
+    B, Hq = shape.B, shape.Hq
+    makers: list[Callable] = []
+    if shape.mode in ("kvdp", "splits"):
+        if Hq % n or B < n:
+            if rank == 0 and shape.mode == "kvdp":
+                print(f"{shape.name():<38} x{n}: skipped (needs Hq and B divisible by N)")
+        else:
+            makers += [functools.partial(_kvdp, group=group, exchange=e)
+                       for e in opts["exchanges"]]
+    if shape.mode in ("cp", "splits"):
+        makers.append(functools.partial(_cp, group=group, cp_block=opts["cp_block"]))
+    grid = opts["grids"].get(n)
+    if shape.mode == "splits" and grid is not None and B >= 2 and Hq % 2 == 0:
+        makers.append(functools.partial(_grid, groups=grid, cp_block=opts["cp_block"]))
+    return makers
+
+
+def _kvdp(q, k, v, lengths, ref, *, group, exchange):
+    return kvdp_part(q, k, v, lengths, ref, group, exchange)
+
+
+def _cp(q, k, v, lengths, ref, *, group, cp_block):
+    return cp_part(q, k, v, lengths, ref, group, cp_block)
+
+
+def _grid(q, k, v, lengths, ref, *, groups, cp_block):
+    return grid_part(q, k, v, lengths, ref, groups[0], groups[1], cp_block)
+
+
 # --- output ---------------------------------------------------------------------------------------
 
 
 def print_rows(rows: list[tuple[Result, dict]], header: bool = False) -> None:
     if header:
-        print(f"{'case':<38} {'impl':<28} {'ms':>8} {'TB/s':>6} {'x copy':>6} {'speed-up':>8} "
-              f"{'local ms':>8} {'coll ms':>8} {'coll %':>6}  {'collectives / step':<24} note")
+        print(f"{'case':<38} {'impl':<28} {'split':<14} {'ms':>8} {'TB/s':>6} {'x copy':>6} "
+              f"{'speed-up':>8} {'local ms':>8} {'coll ms':>8} {'coll %':>6} {'target':>6}  "
+              f"{'collectives / step':<24} note")
     for r, x in rows:
         share = x.get("collective_share")
-        print(f"{r.case:<38} {r.impl:<28} {_fmt(r.ms, '8.4f')} {_fmt(r.tbps, '6.2f')} "
-              f"{_fmt(x.get('x_copy'), '6.2f')} {_fmt(x.get('speedup'), '8.2f')} "
+        split = x.get("split", "1 GPU") + ("*" if x.get("recommended") else "")
+        met = {True: "met", False: "MISSED", None: "-"}[x.get("target_met")]
+        print(f"{r.case:<38} {r.impl:<28} {split:<14} {_fmt(r.ms, '8.4f')} "
+              f"{_fmt(r.tbps, '6.2f')} {_fmt(x.get('x_copy'), '6.2f')} "
+              f"{_fmt(x.get('speedup'), '8.2f')} "
               f"{_fmt(x.get('local_ms'), '8.4f')} {_fmt(x.get('collective_ms'), '8.4f')} "
-              f"{_fmt(None if share is None else 100 * share, '6.1f')}  "
+              f"{_fmt(None if share is None else 100 * share, '6.1f')} {met:>6}  "
               f"{x.get('collectives', '-'):<24} {r.note}", flush=True)
+
+
+# --- calibration of lmfuse plan's cost model ---------------------------------------------------
+
+
+def calibrate(groups: dict[int, Any], device: torch.device, opts: dict, rank: int
+              ) -> dict:
+    """What ``lmfuse plan --calibrate`` fits its cost model to (complete on rank 0): the
+    1-GPU ``decode_attention`` over caches of several sizes (the seed's heads), each
+    group size's all-gather and all-to-all alone over ``CALIBRATE_BYTES`` per rank, and
+    ``merge_attention_states`` of N float32 partials; every call timed as the shapes are."""
+    out: dict = {"decode": [], "collectives": [], "merge": []}
+    warmup, steps = opts["warmup"], opts["steps"]
+    wrap = as_graph if opts["graphs"] else (lambda fn: fn)
+    quick = opts["dtype"] == torch.float32
+    Hq, Hkv, D = (8, 2, 32) if quick else (64, 8, 128)
+    if rank == 0:
+        for S in ((128, 512) if quick else CALIBRATE_CONTEXTS):
+            q = torch.randn(1, 1, Hq, D, dtype=opts["dtype"], device=device)
+            k = torch.randn(1, S, Hkv, D, dtype=opts["dtype"], device=device)
+            v = torch.randn_like(k)
+            lens = torch.full((1,), S, dtype=torch.int32, device=device)
+            ms, _ = lockstep_ms(wrap(lambda q=q, k=k, v=v, lens=lens: lmfuse.decode_attention(
+                q, k, v, lens)), device, None, warmup, steps)
+            out["decode"].append({"B": 1, "S": S, "Hq": Hq, "Hkv": Hkv, "D": D,
+                                  "bytes": 2 * k.numel() * k.element_size(), "ms": ms})
+            del q, k, v
+        for n in sorted(groups):
+            for rows in ((8, 64) if quick else (64, 512, 4096)):
+                outs = torch.randn(n, rows, D, device=device)
+                lses = torch.randn(n, rows, device=device)
+                ms, _ = lockstep_ms(wrap(lambda o=outs, lse=lses: lmfuse.merge_attention_states(
+                    o, lse)), device, None, warmup, steps)
+                out["merge"].append({"P": n, "rows": rows, "D": D, "ms": ms})
+    dist.barrier()
+    for n, group in groups.items():
+        for nbytes in ((2**10, 2**14) if quick else CALIBRATE_BYTES):
+            for kind in ("all_gather", "all_to_all"):
+                ms = None
+                if rank < n:
+                    elems = max(n, nbytes // 2) // n * n
+                    buf = torch.randn(elems, device=device).to(torch.bfloat16)
+                    fn = (functools.partial(all_gather_stacked, buf, group)
+                          if kind == "all_gather"
+                          else functools.partial(all_to_all_stacked, buf.view(n, -1), group))
+                    ms, _ = lockstep_ms(wrap(fn), device, group, warmup, steps)
+                    del buf, fn
+                dist.barrier()
+                if rank == 0:
+                    out["collectives"].append({"kind": kind, "n": n, "bytes_per_rank": nbytes,
+                                               "ms": ms})
+                    print(f"# calibrate: {kind} x{n} {nbytes} B per rank: {ms:.4f} ms",
+                          flush=True)
+    return out
 
 
 def _command(world: int) -> str:
@@ -386,6 +563,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exchange", default=",".join(EXCHANGES),
                    help="the KVDP rows' exchange(s), comma-separated, one row each: "
                    "all_gather, all_to_all (default: both)")
+    p.add_argument("--shapes", choices=("table", "seed", "all"), default="table",
+                   help="table: the KVDP B64 and CP B1 rows (default); seed: Hq64 Hkv8 "
+                   "S131072 at B = 1, 2, 4, 8, 16, every split; all: both")
+    p.add_argument("--calibrate", action="store_true",
+                   help="also time what `lmfuse plan --calibrate` fits (the JSON's "
+                   "'calibration'): 1-GPU decode sizes, collectives alone, the merge")
     p.add_argument("--quick", action="store_true", help="tiny shapes (the default on CPU)")
     p.add_argument("--graphs", action="store_true", help="time CUDA-graph replays (CUDA only)")
     p.add_argument("--json", help="write the results as JSON here (from rank 0)")
@@ -423,13 +606,23 @@ def bench(args: argparse.Namespace, device: torch.device) -> int:
     # Every rank creates every group, in the same order; ranks 0 .. n-1 form group n.
     groups = {n: dist.group.WORLD if n == world else dist.new_group(list(range(n)))
               for n in sizes}
+    # KVDP x CP on 4 ranks (rank 2 i + j: KVDP rank i of column {j, j + 2}, CP rank j of
+    # row {2 i, 2 i + 1}); every rank of the world creates every group.
+    grids: dict[int, tuple[Any, Any]] = {}
+    if 4 in sizes and args.shapes != "table":
+        columns = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        if rank < 4:
+            grids[4] = (columns[rank % 2], pairs[rank // 2])
     graphs = args.graphs and device.type == "cuda"
     opts = {"dtype": torch.float32 if quick else torch.bfloat16, "graphs": graphs,
             "warmup": args.warmup if args.warmup is not None else (1 if quick else 10),
             "steps": args.steps if args.steps is not None else (3 if quick else 50),
             "cp_block": QUICK_CP_BLOCK if quick else CP_BLOCK,
-            "exchanges": list(dict.fromkeys(args.exchange))}
-    shapes = [s for s in (QUICK if quick else FULL) if args.mode in ("both", s.mode)]
+            "exchanges": list(dict.fromkeys(args.exchange)), "grids": grids}
+    table = (QUICK if quick else FULL) if args.shapes in ("table", "all") else []
+    seed = (QUICK_SEED if quick else SEED) if args.shapes in ("seed", "all") else []
+    shapes = [s for s in table if args.mode in ("both", s.mode)] + seed
     counter = _collective_counter()
     env: dict = {}
     copy: dict = {}
@@ -461,14 +654,26 @@ def bench(args: argparse.Namespace, device: torch.device) -> int:
                                  copy.get("tbps", 0.0) if rank == 0 else 0.0)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        cal = calibrate(groups, device, opts, rank) if args.calibrate else None
     if rank == 0:
         bad = [r.impl for r, _ in results if "CHECK" in r.note]
         print(f"# correctness: {len(results) - len(bad)} of {len(results)} rows within "
               "tolerance" + (f"; CHECK {bad}" if bad else ""))
+        judged = [x for _, x in results if x.get("target_met") is not None]
+        rec = [x for x in judged if x.get("recommended")]
+        if judged:
+            print(f"# targets: {sum(x['target_met'] for x in judged)} of {len(judged)} rows met; "
+                  f"recommended splits (*): {sum(x['target_met'] for x in rec)} of {len(rec)}")
         if args.json:
             isolated = {f"{r.case} {r.impl}": x["collective_ms"] for r, x in results
                         if "collective_ms" in x}
             write_json(args.json, env, copy, isolated, results)
+            if cal is not None:
+                with open(args.json) as f:
+                    payload = json.load(f)
+                payload["calibration"] = {"copy_tbps": copy.get("tbps"), **cal}
+                with open(args.json, "w") as f:
+                    json.dump(payload, f, indent=1)
     dist.barrier()
     return 0
 
