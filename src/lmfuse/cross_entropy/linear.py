@@ -34,7 +34,7 @@ import torch
 from .. import tuning
 from .._dispatch import Plan, check_tensor, register_planner
 from .._nvtx import nvtx_range
-from ..distributed.collectives import group_rank
+from ..distributed.collectives import all_reduce_sum_, group_rank
 from . import ops
 from . import reference as ref
 from .vocab_parallel import gather_stats
@@ -290,7 +290,7 @@ class _Grads:
     def finish(self, tp_group) -> tuple:
         """(dh, dW, db); dh summed over the vocabulary-parallel group."""
         if self.dh is not None and tp_group is not None:
-            torch.distributed.all_reduce(self.dh, group=tp_group)
+            all_reduce_sum_(self.dh, tp_group)
         if self.dw is not None and self.first:  # no tokens
             self.dw.zero_()
         db = self.db.to(self.bias.dtype) if self.db is not None else None

@@ -1,0 +1,56 @@
+"""``lmfuse/distributed/collectives.py``: under ``TORCH_NCCL_BLOCKING_WAIT=1`` every
+collective is issued with ``async_op=True`` and waited on (so that a timed-out NCCL
+collective raises on the waiting rank; ``tests/gpu/faults_nccl.py``), otherwise it is one
+plain synchronous call."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from lmfuse.distributed import collectives
+
+
+class Recorder:
+    """A stand-in collective: records its keyword arguments and whether its work was
+    waited on."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self.waited = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append(kwargs)
+        recorder = self
+
+        class Work:
+            def wait(self) -> bool:
+                recorder.waited += 1
+                return True
+
+        return Work() if kwargs.get("async_op") else None
+
+
+@pytest.mark.parametrize("value, waited", [(None, False), ("0", False), ("1", True),
+                                           ("true", True)])
+def test_collectives_wait_on_their_work_under_blocking_wait(monkeypatch, value, waited) -> None:
+    if value is None:
+        monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", value)
+    fn = Recorder()
+    collectives._issue(fn, "out", "in", group="g")
+    assert fn.calls == [dict(group="g", async_op=True) if waited else dict(group="g")]
+    assert fn.waited == (1 if waited else 0)
+
+
+def test_a_failed_wait_raises_to_the_caller(monkeypatch) -> None:
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")
+
+    class Broken:
+        def wait(self) -> None:
+            raise RuntimeError("collective timed out")
+
+    with pytest.raises(RuntimeError, match="collective timed out"):
+        collectives._issue(lambda *a, **k: Broken(), group=None)
