@@ -68,6 +68,7 @@ class Case:
     scale: Optional[float] = None
     splits: Optional[int] = None
     index_dtype: torch.dtype = I32
+    softcap: Optional[float] = None
 
     def __post_init__(self) -> None:
         assert max(self.lens, default=0) <= self.s_max
@@ -82,6 +83,7 @@ class Case:
         parts += [f"scale{self.scale:.3g}"] if self.scale is not None else []
         parts += [f"splits{self.splits}"] if self.splits is not None else []
         parts += ["int64"] if self.index_dtype == I64 else []
+        parts += [f"softcap{self.softcap}"] if self.softcap is not None else []
         return "-".join(parts)
 
 
@@ -101,7 +103,8 @@ class Inputs:
 
     def kwargs(self, case: Case) -> dict[str, Any]:
         return dict(block_table=self.block_table, scale=case.scale, window_size=case.window,
-                    sinks=self.sinks, k_scale=self.k_scale, v_scale=self.v_scale)
+                    sinks=self.sinks, k_scale=self.k_scale, v_scale=self.v_scale,
+                    softcap=case.softcap)
 
 
 def contiguous_caches(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,7 +146,8 @@ def reference(inp: Inputs, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     return decode_attention_reference(
         f64(inp.q), inp.k_cache, inp.v_cache, inp.cache_seqlens, block_table=inp.block_table,
         scale=case.scale, window_size=case.window, sinks=f64(inp.sinks),
-        k_scale=f64(inp.k_scale), v_scale=f64(inp.v_scale), return_lse=True)
+        k_scale=f64(inp.k_scale), v_scale=f64(inp.v_scale), return_lse=True,
+        softcap=case.softcap)
 
 
 def run(inp: Inputs, case: Case, splits: Optional[int] = -1, impl: str = "triton"):
@@ -250,6 +254,41 @@ def test_sinks(window: Optional[int], splits: Optional[int]) -> None:
     assert torch.equal(out[1, 0], torch.zeros_like(out[1, 0]))
     assert max_rel_err(lse[1, 0], inp.sinks) <= 1e-6
     assert torch.isfinite(lse).all(), "with sinks no row is empty"
+
+
+SOFTCAP_CASES = [
+    Case(lens=(0, 1, 5, 30), s_max=30, s_active=2, hq=4, hkv=2, d=16, softcap=2.0),
+    Case(lens=(9, 30), s_max=30, s_active=1, hq=4, hkv=1, d=32, softcap=0.5, scale=1.5,
+         block_len=4, splits=3),
+    Case(lens=(7, 20), s_max=20, s_active=3, hq=2, hkv=1, d=16, softcap=50.0, window=4,
+         sinks=True, dtype=F16),
+    Case(lens=(12, 3), s_max=16, s_active=1, hq=4, hkv=2, d=16, softcap=1.0, fp8=True,
+         block_len=8, dtype=BF16),
+]
+
+
+@pytest.mark.parametrize("case", SOFTCAP_CASES, ids=[c.describe() for c in SOFTCAP_CASES])
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_softcap(case: Case, impl: str) -> None:
+    """Gemma 2's ``softcap * tanh(scores / softcap)`` before the softmax (sinks not capped),
+    against the float64 reference: a tight cap (0.5: every score capped hard), a loose one
+    (50: nearly the plain scores), with splits, windows, sinks, paged and fp8 caches."""
+    inp = build(case)
+    out, lse = run(inp, case, impl=impl)
+    want, want_lse = reference(inp, case)
+    check(out, lse, want, want_lse, case.dtype, f"{impl} {case.describe()}")
+    if case.softcap <= 2.0:  # a real cap changes the answer
+        plain = decode_attention_reference(*inp.args(), **{**inp.kwargs(case), "softcap": None})
+        assert max_rel_err(out, plain) > 1e-3
+
+
+@pytest.mark.parametrize("softcap, error", [(0.0, ValueError), (-1.0, ValueError),
+                                            (float("nan"), ValueError), ("2", TypeError)])
+def test_softcap_bad_values(softcap, error) -> None:
+    case = Case(lens=(3,), s_max=4, s_active=1)
+    inp = build(case)
+    with pytest.raises(error, match="softcap"):
+        lmfuse.decode_attention(*inp.args(), softcap=softcap)
 
 
 FP8_CASES = [(d, "contiguous", "kv", None) for d in (F32, F16, BF16)] + [

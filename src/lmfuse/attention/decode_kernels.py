@@ -68,13 +68,14 @@ def decode_kernel(
     Q, K, V, SEQLENS, TABLE, SINKS, K_SCALE, V_SCALE, OUT, LSE,
     stride_blk, stride_row, stride_h, stride_tb,
     num_kv_heads, num_splits, keys_per_split, qk_scale, window, capacity, num_blocks,
+    softcap_log2,
     S_ACT: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGED: tl.constexpr, BLOCK_LEN: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr,
     WRITE_LSE: tl.constexpr, DOT_F32: tl.constexpr,
     F16_DOT: tl.constexpr, IEEE: tl.constexpr, NUM_STAGES: tl.constexpr,
-    WIDEN_V_FIRST: tl.constexpr,
+    WIDEN_V_FIRST: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -152,6 +153,14 @@ def decode_kernel(
             s = s * (scale * q_row_scale)[:, None]
         else:
             s = s * scale
+        if HAS_SOFTCAP:
+            # c tanh(x / c) on the natural-log logits x, written on the base-2 scores s =
+            # x log2(e) with C = c log2(e): C tanh(s / C), with tanh(z) = sign(z) (1 - t) /
+            # (1 + t), t = e^(-2|z|) <= 1 (no overflow; saturates to +-1).
+            z = s / softcap_log2
+            t = tl.exp(-2.0 * tl.abs(z))
+            th = (1.0 - t) / (1.0 + t)
+            s = softcap_log2 * tl.where(z < 0.0, -th, th)
         seen = (offs[None, :] <= pos[:, None]) & kv_ok[None, :]
         if HAS_WINDOW:
             seen = seen & (offs[None, :] >= pos[:, None] - window)

@@ -105,7 +105,7 @@ def _check_scales(op: str, k_scale, v_scale, Hkv: int, cache_dtype) -> None:
 
 
 def _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_size, sinks,
-             k_scale, v_scale, return_lse, num_splits, impl) -> dict[str, Any]:
+             k_scale, v_scale, return_lse, num_splits, impl, softcap=None) -> dict[str, Any]:
     op = "decode_attention"
     check_tensor(op, "q", q, ndim=4)
     B, s_active, Hq, D = q.shape
@@ -126,6 +126,9 @@ def _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_size
     _check_scales(op, k_scale, v_scale, Hkv, k_cache.dtype)
     if num_splits is not None:
         check_int(op, "num_splits", num_splits, minimum=1)
+    softcap = check_number(op, "softcap", softcap)
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"{op}: softcap must be > 0 (or None), got {softcap}")
     if not isinstance(return_lse, bool):
         raise TypeError(f"{op}: return_lse must be a bool, got {type(return_lse).__name__}")
     check_same_device(op, "q", q, k_cache=k_cache, v_cache=v_cache,
@@ -147,7 +150,7 @@ def _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_size
     s = dict(path=path, reason=reason, B=B, s_active=s_active, Hq=Hq, Hkv=Hkv, D=D,
              capacity=capacity, paged=block_table is not None,
              scale=1.0 / math.sqrt(D) if scale is None else scale, window=window,
-             return_lse=return_lse)
+             return_lse=return_lse, softcap=softcap)
     if path == "triton":
         s.update(_config(q, k_cache, s, num_splits))
     return s
@@ -261,14 +264,14 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_sca
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.shape[1] if paged else 0, Hkv, splits, s["keys_per_split"], s["qk_scale"],
         s["window_arg"], s["capacity"],
-        s["num_blocks"],
+        s["num_blocks"], (s["softcap"] or 0.0) * 1.4426950408889634,
         S_ACT=S, GROUP=Hq // Hkv, D=D, BLOCK_M=s["BLOCK_M"], BLOCK_N=s["BLOCK_N"],
         BLOCK_D=s["BLOCK_D"], PAGED=paged, BLOCK_LEN=s["block_len"],
         HAS_WINDOW=s["window"] is not None, HAS_SINKS=sinks is not None,
         HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None,
         WRITE_LSE=splits > 1 or lse is not None, DOT_F32=s["DOT_F32"], F16_DOT=s["F16_DOT"],
         IEEE=s["IEEE"], NUM_STAGES=s["num_stages"], WIDEN_V_FIRST=s["WIDEN_V_FIRST"],
-        num_warps=s["num_warps"])
+        HAS_SOFTCAP=s["softcap"] is not None, num_warps=s["num_warps"])
     if splits > 1:
         cols = min(s["BLOCK_D"], _MERGE_COLUMNS)
         _kernels().merge_kernel[(rows, _cdiv(D, cols))](
@@ -335,17 +338,17 @@ def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
                sinks: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
                v_scale: Optional[torch.Tensor], scale: float, window: int,
-               num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+               num_splits: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
     s = _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale,
                  None if window < 0 else window, sinks, k_scale, v_scale, True,
-                 num_splits or None, "triton")
+                 num_splits or None, "triton", softcap or None)
     return _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale,
                           v_scale, s)
 
 
 @_decode_op.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale, scale, window,
-      num_splits):
+      num_splits, softcap):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -395,6 +398,7 @@ def decode_attention(
     return_lse: bool = False,
     num_splits: Optional[int] = None,
     impl: str = "auto",
+    softcap: Optional[float] = None,
 ):
     """Attention of the ``s_active`` newest tokens of each sequence over its KV cache.
 
@@ -419,17 +423,19 @@ def decode_attention(
             included), mergeable by :func:`merge_attention_states`.
         num_splits: force the number of key splits (flash-decoding); default: chosen from
             B, Hkv, the capacity and the SM count.
+        softcap: ``c > 0``: each score ``x = scale * q . k`` becomes ``c * tanh(x / c)``
+            (Gemma 2's attention-logit soft-capping); sinks are not capped.
     Returns:
         ``out [B, s_active, Hq, D]`` in q's dtype, and ``lse`` with ``return_lse``.
     """
     s = _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_size, sinks,
-                 k_scale, v_scale, return_lse, num_splits, impl)
+                 k_scale, v_scale, return_lse, num_splits, impl, softcap)
     with nvtx_range("decode_attention", "fwd"):
         if s["path"] == "torch":
             return ref.decode_attention_reference(
                 q, k_cache, v_cache, cache_seqlens, block_table=block_table, scale=s["scale"],
                 window_size=window_size, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-                return_lse=return_lse)
+                return_lse=return_lse, softcap=s["softcap"])
         q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale = _laid_out(
             q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale)
         if _eager():
@@ -439,7 +445,8 @@ def decode_attention(
             s["return_lse"] = True
             out, lse = _decode_op(q, k_cache, v_cache, cache_seqlens, block_table, sinks,
                                   k_scale, v_scale, s["scale"],
-                                  -1 if window_size is None else window_size, num_splits or 0)
+                                  -1 if window_size is None else window_size, num_splits or 0,
+                                  s["softcap"] or 0.0)
         return (out, lse) if return_lse else out
 
 
@@ -473,21 +480,23 @@ def decode_attention_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               k_scale: Optional[torch.Tensor] = None,
                               v_scale: Optional[torch.Tensor] = None,
                               num_splits: Optional[int] = None,
-                              impl: str = "auto") -> torch.Tensor:
+                              impl: str = "auto",
+                              softcap: Optional[float] = None) -> torch.Tensor:
     """:func:`decode_attention`'s output and LSE packed for an exchange and a merge (the
     parallel ops' form of a partial): one flat tensor of ``R * (D + 1)`` values, the
     outputs ``[R, D]`` then the LSEs ``[R]`` (``R = B * s_active * Hq`` rows in
     ``[B, s_active, Hq]`` order), float32 (float64 for float64 ``q``). On the Triton path
     the kernels write it directly: no copy of the output, no cast, no concatenation."""
     s = _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, None, sinks,
-                 k_scale, v_scale, True, num_splits, impl)
+                 k_scale, v_scale, True, num_splits, impl, softcap)
     B, S, Hq, D = q.shape
     R = B * S * Hq
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     if s["path"] == "torch" or not _eager():
         out, lse = decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
                                     scale=scale, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-                                    return_lse=True, num_splits=num_splits, impl=s["path"])
+                                    return_lse=True, num_splits=num_splits, impl=s["path"],
+                                    softcap=softcap)
         return torch.cat([out.to(compute).reshape(-1), lse.to(compute).reshape(-1)])
     q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale = _laid_out(
         q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale)
@@ -643,9 +652,9 @@ def kv_cache_append(
 @register_planner("decode_attention")
 def plan_decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, scale=None,
                           window_size=None, sinks=None, k_scale=None, v_scale=None,
-                          return_lse=False, num_splits=None, impl="auto") -> Plan:
+                          return_lse=False, num_splits=None, impl="auto", softcap=None) -> Plan:
     s = _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_size, sinks,
-                 k_scale, v_scale, return_lse, num_splits, impl)
+                 k_scale, v_scale, return_lse, num_splits, impl, softcap)
     B, S, Hq, Hkv, D = s["B"], s["s_active"], s["Hq"], s["Hkv"], s["D"]
     cache = (f"paged [{k_cache.shape[0]} blocks x {k_cache.shape[1]}] x {block_table.shape[1]}"
              f" blocks per sequence" if s["paged"] else f"contiguous, S_max {k_cache.shape[1]}")

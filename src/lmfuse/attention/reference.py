@@ -50,6 +50,7 @@ def decode_attention_reference(
     k_scale: Optional[torch.Tensor] = None,
     v_scale: Optional[torch.Tensor] = None,
     return_lse: bool = False,
+    softcap: Optional[float] = None,
 ):
     """Attention of ``q [B, s_active, Hq, D]`` over the cached keys and values.
 
@@ -61,6 +62,8 @@ def decode_attention_reference(
         scale: of ``q . k``; default ``1 / sqrt(D)``.
         window_size: ``w``: a token at position ``p`` sees keys ``p - w .. p``.
         sinks: ``[Hq]`` sink logits, added to the softmax denominator.
+        softcap: ``c``: each score ``x = scale * q . k`` becomes ``c * tanh(x / c)``
+            (Gemma 2's attention-logit soft-capping); sinks are not capped.
     Returns:
         ``out [B, s_active, Hq, D]`` in q's dtype, and with ``return_lse`` the float32
         (float64) ``lse [B, s_active, Hq]``.
@@ -89,6 +92,8 @@ def decode_attention_reference(
             if window_size is not None:
                 seen &= pos >= p - window_size
             s = torch.einsum("hd,lhd->hl", q[b, i].to(compute), k) * scale  # [Hq, L]
+            if softcap is not None:
+                s = softcap * torch.tanh(s / softcap)
             s = s.masked_fill(~seen[None, :], -math.inf)
             if sinks is not None:
                 s = torch.cat([s, sinks.to(compute)[:, None]], dim=1)
