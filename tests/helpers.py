@@ -16,6 +16,8 @@ but far below any real error. Never widen one to make a test pass: find out why.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 TOL: dict[torch.dtype, float] = {
@@ -147,3 +149,53 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
         code = exc.code if isinstance(exc.code, int) else 1
     out, err = capsys.readouterr()
     return code, out, err
+
+
+# Tiny random-weight causal LMs of every family lmfuse.serving supports: small enough for
+# CPU float32 tests, with every feature the family has switched on where it would stay
+# silent at default sizes (windows shorter than the test prompts, tight soft-caps).
+TINY_LM = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=97,
+               max_position_embeddings=256)
+TINY_LM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
+                    "gpt_oss")
+
+
+def tiny_causal_lm(model_type: str, seed: int = 0, **overrides: Any) -> Any:
+    """A ``transformers`` causal LM of ``model_type`` with random weights, float32, eval
+    mode, ``attn_implementation="eager"`` (the exact reference: soft-caps and sinks
+    included)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = dict(TINY_LM)
+    if model_type == "gpt_oss":
+        kw.update(num_local_experts=4, num_experts_per_tok=2,
+                  rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                   "beta_slow": 1.0, "truncate": False,
+                                   "original_max_position_embeddings": 64,
+                                   "rope_theta": 150000.0})
+    if model_type == "gemma":
+        # Tied, sqrt(hidden)-scaled embeddings at random init just repeat the last token.
+        kw["tie_word_embeddings"] = False
+    if model_type in ("mistral", "gemma2", "gemma3_text", "gpt_oss"):
+        kw["sliding_window"] = 6
+    if model_type == "gemma2":
+        kw.update(attn_logit_softcapping=2.0, final_logit_softcapping=5.0)
+    if model_type == "llama":
+        kw["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 64}
+    kw.update(overrides)
+    config = AutoConfig.for_model(model_type, **kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return model.eval()
+
+
+def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """``model.generate(do_sample=False)``'s new tokens for one prompt, exactly
+    ``max_new_tokens`` of them (no end-of-sequence stop)."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+                         min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                         pad_token_id=0)
+    return out[0, len(prompt):].tolist()

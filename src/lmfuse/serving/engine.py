@@ -1,0 +1,317 @@
+"""``lmfuse.serving.Generator``: continuous-batching generation for a Hugging Face causal LM
+on lmfuse's paged KV cache and decode kernels."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .._dispatch import IMPLS, check_int, check_number
+from ..attention.kv_cache import PagedKVCache
+from .attention import ATTENTION_NAME, paged_attention
+from .request import OP, Request, SamplingParams, Status
+from .runner import ModelRunner
+from .sampling import sample
+from .scheduler import Scheduler
+
+#: ``config.model_type`` values the Generator takes.
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma",
+                                          "gemma2", "gemma3_text", "gpt_oss")
+_KV_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+              "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32,
+              "fp8": torch.float8_e4m3fn, "e4m3": torch.float8_e4m3fn,
+              "float8_e4m3fn": torch.float8_e4m3fn}
+_FP8_MAX = 448.0
+# Memory kept free on the GPU beside the block pool: activations of a prefill, graphs.
+_GPU_RESERVE = 2 << 30
+
+
+class Generator:
+    """Generate with a loaded ``transformers`` causal LM on lmfuse's paged KV cache.
+
+    Args:
+        model: a causal LM of one of :data:`SUPPORTED_MODEL_TYPES` (Llama, Mistral, Qwen2,
+            Qwen3, Gemma, Gemma2, Gemma3 text, GPT-OSS), used in place (no weight copy;
+            its forward runs with lmfuse's attention during the Generator's steps only).
+        block_len: tokens per cache block.
+        num_blocks: blocks in the pool; default: ``memory_fraction`` of the free GPU memory
+            (less 2 GiB for activations and graphs), or 4096 blocks on the CPU.
+        memory_fraction: share of the free GPU memory the pool may take.
+        kv_dtype: the cache's dtype (default the model's; ``torch.float8_e4m3fn`` or
+            ``"fp8"``: e4m3 with per-layer, per-KV-head scales taken from the first
+            prefill's largest magnitudes).
+        max_batch: most requests decoded together.
+        cuda_graphs: capture the decode step per batch bucket (CUDA only).
+        kvdp_group, cp_group: shard the KV cache by batch or by context over a process
+            group (not available yet: raise ``NotImplementedError``).
+        max_prefill_tokens: new tokens computed in one prefill step (a longer prompt runs
+            alone).
+        prefix_sharing: share the full blocks of identical prompt prefixes.
+        impl: the kernels' path, as every lmfuse op (``"auto"``: Triton on CUDA).
+    """
+
+    def __init__(self, model: Any, *, block_len: int = 16, num_blocks: int | None = None,
+                 memory_fraction: float = 0.9, kv_dtype: Any = None, max_batch: int = 256,
+                 cuda_graphs: bool = True, kvdp_group: Any = None, cp_group: Any = None,
+                 max_prefill_tokens: int = 8192, prefix_sharing: bool = True,
+                 impl: str = "auto") -> None:
+        config = _check_model(model)
+        block_len = check_int(OP, "block_len", block_len, minimum=1)
+        max_batch = check_int(OP, "max_batch", max_batch, minimum=1)
+        max_prefill_tokens = check_int(OP, "max_prefill_tokens", max_prefill_tokens, minimum=1)
+        fraction = check_number(OP, "memory_fraction", memory_fraction, allow_none=False)
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"{OP}: memory_fraction must be in (0, 1], got {memory_fraction}")
+        if not isinstance(impl, str) or impl not in IMPLS:
+            raise ValueError(f"{OP}: impl must be one of {IMPLS}, got {impl!r}")
+        if kvdp_group is not None or cp_group is not None:
+            raise NotImplementedError(f"{OP}: kvdp_group / cp_group (a sharded KV cache) are "
+                                      "not available yet")
+        param = next(model.parameters())
+        self.model, self.config = model, config
+        self.device = param.device
+        self.model_dtype = param.dtype
+        self.vocab_size = int(config.vocab_size)
+        self.num_layers = int(config.num_hidden_layers)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None)
+                            or config.num_attention_heads)
+        self.head_dim = int(getattr(config, "head_dim", None)
+                            or config.hidden_size // config.num_attention_heads)
+        self.kv_dtype = _kv_dtype(kv_dtype, self.model_dtype)
+        self.block_len = block_len
+        if num_blocks is None:
+            num_blocks = self._default_blocks(fraction)
+        num_blocks = check_int(OP, "num_blocks", num_blocks, minimum=1)
+        fp8 = self.kv_dtype == torch.float8_e4m3fn
+        scales = ([torch.ones(self.kv_heads, device=self.device) for _ in
+                   range(self.num_layers)] if fp8 else None)
+        self.cache = PagedKVCache(num_blocks, block_len, self.kv_heads, self.head_dim,
+                                  self.kv_dtype, self.device, num_layers=self.num_layers,
+                                  k_scale=scales, v_scale=[s.clone() for s in scales]
+                                  if fp8 else None)
+        self._calibrate = fp8
+        self.scheduler = Scheduler(self.cache, max_batch=max_batch,
+                                   max_prefill_tokens=max_prefill_tokens,
+                                   prefix_sharing=prefix_sharing,
+                                   max_blocks=num_blocks)
+        self.runner = ModelRunner(model, self.cache, impl=impl, cuda_graphs=cuda_graphs,
+                                  max_batch=max_batch)
+        self._requests: dict[int, Request] = {}
+        self._next_rid = 0
+        gen = getattr(model, "generation_config", None)
+        self._default_eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+
+    # --- memory ---------------------------------------------------------------------------
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV-cache bytes one token takes over all layers (K and V)."""
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.kv_dtype.itemsize
+
+    def _default_blocks(self, fraction: float) -> int:
+        per_block = self.bytes_per_token * self.block_len
+        if self.device.type != "cuda":
+            return 4096
+        free, _ = torch.cuda.mem_get_info(self.device)
+        blocks = int((free * fraction - _GPU_RESERVE) // per_block)
+        if blocks < 1:
+            raise ValueError(f"{OP}: no GPU memory left for the KV cache ({free / 2**30:.1f} "
+                             f"GiB free); pass num_blocks or free memory")
+        return blocks
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.cache.num_blocks * self.block_len
+
+    # --- requests -------------------------------------------------------------------------
+
+    def add_request(self, prompt: Sequence[int], *, max_new_tokens: int,
+                    temperature: float = 0.0, top_k: int | None = None,
+                    top_p: float | None = None, eos_token_id: Any = None,
+                    seed: int | None = None) -> int:
+        """Queue ``prompt`` (token ids); its request id. Nothing changes on bad input."""
+        tokens = self._check_prompt(prompt, "prompt")
+        params = SamplingParams.make(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            eos_token_id=self._default_eos if eos_token_id is None else eos_token_id,
+            seed=seed, vocab_size=self.vocab_size)
+        self._check_fits(len(tokens), params.max_new_tokens, "prompt")
+        rid = self._next_rid
+        self._next_rid += 1
+        req = Request(rid, tokens, params)
+        self._requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def _check_prompt(self, prompt: Any, name: str) -> list[int]:
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dim() != 1 or prompt.dtype.is_floating_point:
+                raise TypeError(f"{OP}: {name} must be a 1-D sequence of token ids, got a "
+                                f"{prompt.dim()}-D {prompt.dtype} tensor")
+            prompt = prompt.tolist()
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+            raise TypeError(f"{OP}: {name} must be a list of token ids (ints), got "
+                            f"{type(prompt).__name__}")
+        tokens = []
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise TypeError(f"{OP}: {name} must hold ints (token ids), got "
+                                f"{type(t).__name__} {t!r}")
+            tokens.append(t)
+        if not tokens:
+            raise ValueError(f"{OP}: {name} is empty; a prompt needs at least one token")
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{OP}: {name} has token ids outside the vocabulary [0, "
+                             f"{self.vocab_size}): {bad[:5]}")
+        return tokens
+
+    def _check_fits(self, prompt_len: int, max_new_tokens: int, name: str) -> None:
+        limit = getattr(self.config, "max_position_embeddings", None)
+        if isinstance(limit, int) and prompt_len + max_new_tokens > limit:
+            raise ValueError(f"{OP}: {name} of {prompt_len} tokens plus max_new_tokens="
+                             f"{max_new_tokens} passes the model's max_position_embeddings "
+                             f"({limit})")
+        need = math.ceil((prompt_len + max_new_tokens) / self.block_len)
+        if need > self.cache.num_blocks:
+            raise ValueError(
+                f"{OP}: {name} of {prompt_len} tokens plus max_new_tokens={max_new_tokens} "
+                f"needs {need} blocks of {self.block_len} tokens, more than the pool's "
+                f"{self.cache.num_blocks} ({self.capacity_tokens} tokens): it could never "
+                f"run; shorten it or give the Generator more blocks")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def abort(self, rid: int) -> None:
+        """Drop request ``rid`` (its blocks freed); unknown or finished ids are ignored."""
+        req = self._requests.pop(rid, None)
+        if req is not None and req.status != Status.FINISHED:
+            self.scheduler.abort(req)
+
+    # --- steps ----------------------------------------------------------------------------
+
+    def step(self) -> list[tuple[int, list[int], bool]]:
+        """Run one prefill or decode step: ``[(request id, new token ids, finished)]`` for
+        every request that advanced (finished ones are then forgotten)."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        reqs = batch.requests
+        if batch.kind == "prefill":
+            if self._calibrate:
+                self._calibrate_fp8(reqs, batch.new)
+            logits = self.runner.prefill(reqs, batch.new)
+        else:
+            logits = self.runner.decode(reqs, batch.step)
+        tokens = sample(logits, [r.params for r in reqs], [len(r.output) for r in reqs])
+        tokens = tokens.tolist()  # the step's one host synchronisation
+        out = []
+        for req, tok in zip(reqs, tokens):
+            req.num_cached = req.length
+            if batch.kind == "prefill":
+                self.scheduler.register_prefix(req)
+            done = req.append(int(tok))
+            out.append((req.rid, [int(tok)], done))
+            if done:
+                self.scheduler.finish(req)
+                self._requests.pop(req.rid, None)
+        return out
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                 temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float | None = None, eos_token_id: Any = None,
+                 seed: int | None = None) -> list[list[int]]:
+        """Continue every prompt (lists of token ids of any lengths): each prompt's new
+        tokens, ending with ``eos_token_id`` (included; default the model's
+        ``generation_config``; ``[]``: none) or after ``max_new_tokens``. Greedy at
+        ``temperature == 0``; with a ``seed`` the draws repeat from run to run (request
+        ``i`` uses ``seed + i``)."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise TypeError(f"{OP}: prompts must be a list of token-id lists, got "
+                            f"{type(prompts).__name__}")
+        if self.has_unfinished():
+            raise RuntimeError(f"{OP}: generate() needs an idle Generator; finish or abort "
+                               "the requests added with add_request first")
+        checked = [self._check_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+        params = SamplingParams.make(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            eos_token_id=self._default_eos if eos_token_id is None else eos_token_id,
+            seed=seed, vocab_size=self.vocab_size)
+        for i, p in enumerate(checked):
+            self._check_fits(len(p), params.max_new_tokens, f"prompts[{i}]")
+        base = params.seed
+        rids = [self.add_request(p, max_new_tokens=params.max_new_tokens,
+                                 temperature=params.temperature, top_k=params.top_k,
+                                 top_p=params.top_p, eos_token_id=sorted(params.eos_token_ids),
+                                 seed=base + i)
+                for i, p in enumerate(checked)]
+        results: dict[int, list[int]] = {rid: [] for rid in rids}
+        while self.has_unfinished():
+            for rid, toks, _ in self.step():
+                results[rid].extend(toks)
+        return [results[rid] for rid in rids]
+
+    # --- fp8 scales -----------------------------------------------------------------------
+
+    def _calibrate_fp8(self, reqs: list[Request], new: list[list[int]]) -> None:
+        """Per-layer, per-KV-head scales for an fp8 cache from the first prefill: each
+        head's largest |K| and |V| over those tokens, with 2x headroom, mapped to e4m3's
+        448. Taken once, before anything is stored."""
+        from transformers import AttentionInterface
+
+        self._calibrate = False
+        amax: dict[str, list[torch.Tensor]] = {"k": [], "v": []}
+
+        def probe(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+            amax["k"].append(key.detach().abs().amax(dim=(0, 2, 3)).float())
+            amax["v"].append(value.detach().abs().amax(dim=(0, 2, 3)).float())
+            return paged_attention(module, query, key, value, *args, **kwargs)
+
+        # One extra forward of the first prefill: it writes with the default scales, and the
+        # step's real prefill then overwrites the same rows with the calibrated ones.
+        AttentionInterface.register(ATTENTION_NAME, probe)
+        try:
+            self.runner.prefill(reqs, new)
+        finally:
+            AttentionInterface.register(ATTENTION_NAME, paged_attention)
+        for layer in range(self.num_layers):
+            for name, scales in (("k", self.cache.k_scales), ("v", self.cache.v_scales)):
+                top = amax[name][layer]
+                scale = torch.where(top > 0, top * 2.0 / _FP8_MAX, torch.ones_like(top))
+                scales[layer].copy_(scale.to(scales[layer].device))
+
+
+def _check_model(model: Any) -> Any:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if not isinstance(model, torch.nn.Module) or model_type is None:
+        raise TypeError(f"{OP}: model must be a loaded transformers causal LM, got "
+                        f"{type(model).__name__}")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{OP}: model type {model_type!r} ({type(model).__name__}) is not "
+                         f"supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if not hasattr(model, "lm_head") and not hasattr(model, "get_output_embeddings"):
+        raise ValueError(f"{OP}: {type(model).__name__} is not a causal LM (no output "
+                         "embeddings); load it with AutoModelForCausalLM")
+    return config
+
+
+def _kv_dtype(kv_dtype: Any, model_dtype: torch.dtype) -> torch.dtype:
+    if kv_dtype is None:
+        return model_dtype if model_dtype in (torch.float32, torch.float16,
+                                              torch.bfloat16) else torch.float32
+    if isinstance(kv_dtype, str):
+        key = kv_dtype.strip().lower().removeprefix("torch.")
+        if key not in _KV_DTYPES:
+            raise ValueError(f"{OP}: kv_dtype must be one of {sorted(_KV_DTYPES)} or a torch "
+                             f"dtype, got {kv_dtype!r}")
+        return _KV_DTYPES[key]
+    if kv_dtype not in set(_KV_DTYPES.values()):
+        raise TypeError(f"{OP}: kv_dtype must be float32, float16, bfloat16 or "
+                        f"float8_e4m3fn, got {kv_dtype!r}")
+    return kv_dtype

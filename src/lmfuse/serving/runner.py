@@ -1,0 +1,180 @@
+"""Running a Hugging Face causal LM over the paged cache: packed prefill forwards, decode
+forwards, and the decode step captured in CUDA graphs.
+
+The model is the user's, used in place: its weights are not copied, and its own forward
+runs every layer (see ``attention.py`` for how its attention reaches the cache). While a
+forward of the Generator runs, the model's ``config._attn_implementation`` is lmfuse's;
+it is restored afterwards, so the model behaves as before between steps.
+
+CUDA graphs (``cuda_graphs=True`` on a CUDA device): a decode forward is captured once per
+(batch bucket, block-table width) pair, on first use, and replayed: batch buckets 1, 2, 4,
+8, 16, then multiples of 16 up to ``max_batch``; widths are powers of two of blocks, so a
+capture's split-KV layout suits the lengths it serves. A step copies its token ids,
+positions, block table and lengths into the graph's static buffers (rows past the batch
+get block -1 and length 0: they write nothing and attend over nothing), replays, and reads
+the logits of its rows. A model whose decode forward cannot be captured (a host sync in
+it) falls back to eager decode steps, with a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..attention.kv_cache import DecodeStep, PagedKVCache
+from .attention import ATTENTION_NAME, Segment, StepContext, register
+from .request import Request
+
+
+class ModelRunner:
+    def __init__(self, model: Any, cache: PagedKVCache, *, impl: str = "auto",
+                 cuda_graphs: bool = True, max_batch: int = 256) -> None:
+        register()
+        self.model = model
+        self.config = model.config
+        self.cache = cache
+        self.impl = impl
+        self.device = cache.device
+        self.graphs_on = bool(cuda_graphs) and self.device.type == "cuda"
+        self.max_batch = max_batch
+        self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
+        self._pool = None
+        self.graph_failures = 0
+
+    @contextlib.contextmanager
+    def _lmfuse_attention(self) -> Iterator[None]:
+        saved = self.config._attn_implementation
+        self.config._attn_implementation = ATTENTION_NAME
+        try:
+            yield
+        finally:
+            self.config._attn_implementation = saved
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 ctx: StepContext, logits_to_keep: Any) -> torch.Tensor:
+        with self._lmfuse_attention(), torch.inference_mode():
+            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                             logits_to_keep=logits_to_keep, lmfuse_step=ctx)
+        return out.logits
+
+    # --- prefill ------------------------------------------------------------------------
+
+    def prefill(self, requests: list[Request], new: list[list[int]]) -> torch.Tensor:
+        """Compute ``new[i]`` (the tokens of request ``i`` from position
+        ``num_cached``) for every request in one packed forward, writing their K/V into
+        the requests' blocks; the logits ``[n, V]`` at each request's last token."""
+        bl = self.cache.block_len
+        ids, pos, blocks, offsets, segments, last = [], [], [], [], [], []
+        for req, toks in zip(requests, new):
+            table = self.cache.block_ids(req.seq_id)
+            start = len(ids)
+            for i, t in enumerate(toks):
+                p = req.num_cached + i
+                ids.append(t)
+                pos.append(p)
+                blocks.append(table[p // bl])
+                offsets.append(p % bl)
+            segments.append(Segment(start, len(ids), req.num_cached,
+                                    torch.tensor(table, dtype=torch.int64)))
+            last.append(len(ids) - 1)
+        dev = self.device
+        host = torch.tensor([ids, pos, blocks, offsets], dtype=torch.int64)
+        host = host.to(dev, non_blocking=True)
+        for seg in segments:
+            seg.blocks = seg.blocks.to(dev, non_blocking=True)
+        ctx = StepContext(self.cache, "prefill", self.impl,
+                          token_blocks=host[2].to(torch.int32)[:, None],
+                          token_offsets=host[3].to(torch.int32), segments=segments)
+        keep = torch.tensor(last, dtype=torch.int64).to(dev, non_blocking=True)
+        logits = self._forward(host[0][None], host[1][None], ctx, keep)
+        return logits[0]
+
+    # --- decode ---------------------------------------------------------------------------
+
+    def decode(self, requests: list[Request], step: DecodeStep) -> torch.Tensor:
+        """One token of every request (its last, at position ``length - 1``), the step's
+        blocks reserved: the logits ``[n, V]``."""
+        n = len(requests)
+        host = torch.tensor([[r.tokens[-1] for r in requests], [r.length - 1 for r in requests]],
+                            dtype=torch.int64)
+        width = step.block_table.shape[1]
+        if self.graphs_on and n <= self.max_batch:
+            graph = self._graph(_bucket(n, self.max_batch), width)
+            if graph is not None:
+                return graph.run(host, step, n)
+        host = host.to(self.device, non_blocking=True)
+        ctx = StepContext(self.cache, "decode", self.impl, block_table=step.block_table,
+                          seqlens_before=step.seqlens_before, seqlens=step.seqlens)
+        return self._forward(host[0][:, None], host[1][:, None], ctx, 1)[:, -1]
+
+    def _graph(self, batch: int, width: int) -> _DecodeGraph | None:
+        key = (batch, width)
+        if key not in self._graphs:
+            try:
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                self._graphs[key] = _DecodeGraph(self, batch, width, self._pool)
+            except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly
+                self.graph_failures += 1
+                self.graphs_on = False
+                warnings.warn(f"lmfuse.serving: the decode step could not be captured in a "
+                              f"CUDA graph ({type(e).__name__}: {e}); decoding eagerly",
+                              RuntimeWarning, stacklevel=3)
+                return None
+        return self._graphs[key]
+
+
+def _bucket(n: int, max_batch: int) -> int:
+    """The captured batch size that serves ``n`` rows: 1, 2, 4, 8, 16, 32, 48, ..."""
+    for b in (1, 2, 4, 8, 16):
+        if n <= b:
+            return min(b, max(max_batch, n))
+    return min(-(-n // 16) * 16, max(max_batch, n))
+
+
+class _DecodeGraph:
+    """A decode forward of ``batch`` rows and ``width``-block tables, captured."""
+
+    def __init__(self, runner: ModelRunner, batch: int, width: int, pool: Any) -> None:
+        dev = runner.device
+        self.batch, self.width = batch, width
+        self.ids = torch.zeros((batch, 1), dtype=torch.int64, device=dev)
+        self.pos = torch.zeros((batch, 1), dtype=torch.int64, device=dev)
+        self.table = torch.full((batch, width), -1, dtype=torch.int32, device=dev)
+        self.before = torch.zeros(batch, dtype=torch.int32, device=dev)
+        self.after = torch.zeros(batch, dtype=torch.int32, device=dev)
+        ctx = StepContext(runner.cache, "decode", runner.impl, block_table=self.table,
+                          seqlens_before=self.before, seqlens=self.after)
+
+        def forward() -> torch.Tensor:
+            return runner._forward(self.ids, self.pos, ctx, 1)[:, -1]
+
+        # Warm up on a side stream (lazy initialisations, Triton compilations), then
+        # capture. The padding rows write nothing (block -1) and read nothing (length 0).
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            forward()
+            forward()
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits = forward()
+
+    def run(self, host: torch.Tensor, step: DecodeStep, n: int) -> torch.Tensor:
+        host = host.to(self.ids.device, non_blocking=True)
+        self.ids[:n, 0].copy_(host[0])
+        self.pos[:n, 0].copy_(host[1])
+        self.table[:n].copy_(step.block_table)
+        self.before[:n].copy_(step.seqlens_before)
+        self.after[:n].copy_(step.seqlens)
+        if n < self.batch:  # rows of an earlier, larger batch: blank them
+            self.table[n:].fill_(-1)
+            self.before[n:].zero_()
+            self.after[n:].zero_()
+        self.graph.replay()
+        return self.logits[:n]

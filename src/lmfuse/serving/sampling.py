@@ -1,0 +1,95 @@
+"""Choosing each request's next token from its logits: greedy, or temperature / top-k /
+top-p sampling with per-request, counter-based randomness.
+
+A sampled request's draw for its ``i``-th new token is the Gumbel-max of its filtered
+logits with noise that is a hash of ``(seed, i, token id)``: no generator state, so the
+tokens do not depend on which other requests share the batch, on their order, or on a
+preemption and recomputation in between; the same seed gives the same tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .request import SamplingParams
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` for int64 ``x < 2**32`` without any int64 overflow: the product
+    in 16-bit halves of ``c``."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser: every input bit affects every output bit."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[n, vocab]`` float64 in (0, 1): a hash of each row's ``(seed, counter)`` and the
+    column index."""
+    idx = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
+    s_lo, s_hi = seeds & _M32, (seeds >> 32) & _M32
+    row = _fmix32((_fmix32(s_lo ^ 0x9E3779B9) + s_hi * 3 + _mul32(counters & _M32, 0x27D4EB2F))
+                  & _M32)
+    x = _fmix32(((row[:, None] + _mul32(idx, 0x165667B1)[None, :]) & _M32) ^ 0x5BD1E995)
+    return (x.double() + 0.5) / 4294967296.0
+
+
+def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``logits [n, V]`` (float32) divided by each row's temperature, with the tokens outside
+    its top-k and top-p sets at ``-inf`` (the highest token always stays)."""
+    n, V = logits.shape
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    x = logits / temps.to(logits.device)[:, None]
+    ks = [min(p.top_k, V) if p.top_k is not None else None for p in params]
+    if any(k is not None for k in ks):
+        kmax = max(k for k in ks if k is not None)
+        top = torch.topk(x, kmax, dim=-1).values
+        kth = torch.tensor([(k if k is not None else kmax) - 1 for k in ks], device=x.device)
+        threshold = top.gather(1, kth[:, None])
+        limited = torch.tensor([k is not None for k in ks], device=x.device)[:, None]
+        x = torch.where(limited & (x < threshold), float("-inf"), x)
+    ps = [p.top_p for p in params]
+    if any(p is not None and p < 1.0 for p in ps):
+        order = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(order.values, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # mass of the tokens ranked above
+        p_row = torch.tensor([p if p is not None else 1.0 for p in ps], dtype=torch.float32,
+                             device=x.device)
+        drop = before >= p_row[:, None]
+        drop[:, 0] = False
+        x = x.scatter(1, order.indices, torch.where(drop, float("-inf"), order.values))
+    return x
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+           counters: Sequence[int]) -> torch.Tensor:
+    """The next token of each row of ``logits [n, V]``: ``[n]`` int64 on logits' device.
+
+    ``params[i]`` is row ``i``'s request's options and ``counters[i]`` how many tokens it
+    has generated so far (the index of this draw)."""
+    n, V = logits.shape
+    logits = logits.float()
+    out = torch.argmax(logits, dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return out
+    index = torch.tensor(rows, device=logits.device)
+    chosen = [params[i] for i in rows]
+    x = filtered_logits(logits.index_select(0, index), chosen)
+    seeds = torch.tensor([p.seed for p in chosen], dtype=torch.int64, device=logits.device)
+    steps = torch.tensor([counters[i] for i in rows], dtype=torch.int64, device=logits.device)
+    u = uniform_noise(seeds, steps, V)
+    gumbel = (-torch.log(-torch.log(u))).float()
+    drawn = torch.argmax(x + gumbel, dim=-1)
+    return out.index_copy(0, index, drawn)

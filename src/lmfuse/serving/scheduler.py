@@ -1,0 +1,208 @@
+"""Which requests run in the next step, and where their tokens live in the block pool.
+
+Each step is a **prefill** of waiting requests or a **decode** of the running ones:
+
+* If requests wait and the batch has room, the oldest ones are admitted (in arrival
+  order, up to ``max_prefill_tokens`` new tokens unless the first alone is larger): each
+  gets a sequence in the :class:`~lmfuse.PagedKVCache`, sharing the full blocks of the
+  longest prefix another live sequence already holds (``fork`` then ``truncate``: the
+  shared blocks are reference-counted, never copied), and room for the rest of its
+  tokens. A request is admitted only if, after it, every running request could still
+  grow by one block; otherwise it waits.
+* Otherwise every running request grows by one token (``reserve``, all or nothing). When
+  the pool cannot give that, the most recently admitted request is **preempted**: its
+  blocks are freed and it goes back to the front of the queue, to be prefilled again
+  from its prompt and the tokens it already produced. A request's whole length
+  (``len(prompt) + max_new_tokens``) always fits the pool (checked when it is added), so
+  the oldest request alone can always run: ``KVCacheFullError`` never escapes.
+
+Prefix sharing keys each full block by a hash of the tokens up to its end, for the live
+sequences that hold it; a block's key leaves the index when its sequence is freed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..attention.kv_cache import KVCacheFullError, PagedKVCache
+from .request import Request, Status
+
+
+@dataclass
+class Batch:
+    """A step's work: ``kind`` "prefill" (each request's ``new[i]`` tokens from position
+    ``request.num_cached``) or "decode" (one token each, from ``step``)."""
+
+    kind: str
+    requests: list[Request]
+    new: list[list[int]] = field(default_factory=list)  # prefill: the tokens to compute
+    step: object = None  # decode: the DecodeStep from PagedKVCache.reserve
+
+
+class Scheduler:
+    def __init__(self, cache: PagedKVCache, *, max_batch: int, max_prefill_tokens: int,
+                 prefix_sharing: bool = True, max_blocks: int | None = None) -> None:
+        self.cache = cache
+        self.max_batch = max_batch
+        self.max_prefill_tokens = max_prefill_tokens
+        self.prefix_sharing = prefix_sharing
+        self.max_blocks = max_blocks  # pad decode block tables to this width (None: as needed)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # chain hash of a full block -> the request whose sequence holds it
+        self._prefix: dict[int, Request] = {}
+        self._hashes: dict[int, list[int]] = {}  # seq id -> its registered chain hashes
+        self.preemptions = 0
+        self.shared_tokens = 0  # prompt tokens whose K/V came from another sequence
+
+    # --- queue --------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request) -> None:
+        request.status = Status.FINISHED
+        self.running.remove(request)
+        self._release(request)
+
+    def abort(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+            self._release(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = Status.FINISHED
+        request.finish_reason = request.finish_reason or "aborted"
+
+    def _release(self, request: Request) -> None:
+        if request.seq_id is not None:
+            for h in self._hashes.pop(request.seq_id, []):
+                if self._prefix.get(h) is request:
+                    del self._prefix[h]
+            self.cache.free(request.seq_id)
+            request.seq_id = None
+        request.num_cached = 0
+
+    # --- scheduling -----------------------------------------------------------------------
+
+    def schedule(self) -> Batch | None:
+        """The next step's batch (its blocks reserved), or None when nothing is left."""
+        batch = self._admit() if self.waiting else None
+        if batch is not None:
+            return batch
+        if not self.running:
+            return None
+        return self._grow()
+
+    def _admit(self) -> Batch | None:
+        admitted: list[Request] = []
+        new: list[list[int]] = []
+        budget = self.max_prefill_tokens
+        while self.waiting and len(self.running) + len(admitted) < self.max_batch:
+            req = self.waiting[0]
+            tokens = req.tokens
+            seq, cached = self._place(tokens)
+            todo = len(tokens) - cached
+            if admitted and todo > budget:
+                self._drop(seq)
+                break
+            try:
+                self.cache.reserve(seq, todo)
+            except KVCacheFullError:
+                self._drop(seq)
+                break
+            # Keep a block of growth for every running request (and this one).
+            if self.cache.num_free_blocks < len(self.running) + len(admitted) + 1 and (
+                    self.running or admitted):
+                self._drop(seq)
+                break
+            self.waiting.popleft()
+            req.seq_id, req.num_cached, req.status = seq, cached, Status.RUNNING
+            self.shared_tokens += cached
+            admitted.append(req)
+            new.append(tokens[cached:])
+            budget -= todo
+        if not admitted:
+            return None
+        self.running.extend(admitted)
+        return Batch("prefill", admitted, new)
+
+    def _drop(self, seq: int) -> None:
+        self.cache.free(seq)
+
+    def _grow(self) -> Batch:
+        while True:
+            ids = [r.seq_id for r in self.running]
+            try:
+                step = self.cache.reserve(ids, 1, max_blocks=self._width())
+                return Batch("decode", list(self.running), step=step)
+            except KVCacheFullError:
+                if len(self.running) == 1:  # cannot happen: a request's length fits the pool
+                    raise
+                self._preempt(self.running[-1])
+
+    def _width(self) -> int | None:
+        if self.max_blocks is None:
+            return None
+        bl = self.cache.block_len
+        widest = max(-(-(r.num_cached + 1) // bl) for r in self.running)
+        width = 1
+        while width < widest:
+            width *= 2
+        return min(max(width, 1), self.max_blocks) if widest <= self.max_blocks else None
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.status = Status.WAITING
+        request.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(request)
+
+    # --- prefix sharing ---------------------------------------------------------------------
+
+    def _chain(self, tokens: list[int], blocks: int) -> list[int]:
+        bl = self.cache.block_len
+        out, h = [], 0
+        for i in range(blocks):
+            h = hash((h, tuple(tokens[i * bl:(i + 1) * bl])))
+            out.append(h)
+        return out
+
+    def _place(self, tokens: list[int]) -> tuple[int, int]:
+        """A new sequence for ``tokens``, sharing the longest run of full blocks a live
+        sequence holds (at least one token is left to compute, for its logits); (seq id,
+        tokens already cached)."""
+        bl = self.cache.block_len
+        if not self.prefix_sharing:
+            return self.cache.add_sequence(), 0
+        usable = (len(tokens) - 1) // bl
+        owner, shared = None, 0
+        for i, h in enumerate(self._chain(tokens, usable)):
+            holder = self._prefix.get(h)
+            if holder is None or holder.seq_id is None:
+                break
+            end = (i + 1) * bl
+            # The hash picked it; the tokens decide (a collision must not share blocks).
+            if holder.num_cached < end or holder.tokens[:end] != tokens[:end]:
+                break
+            owner, shared = holder.seq_id, i + 1
+        if owner is None:
+            return self.cache.add_sequence(), 0
+        seq = self.cache.fork(owner)
+        self.cache.truncate(seq, shared * bl)
+        return seq, shared * bl
+
+    def register_prefix(self, request: Request) -> None:
+        """After its prefill: index the full blocks of ``request``'s sequence."""
+        if not self.prefix_sharing or request.seq_id is None:
+            return
+        full = request.num_cached // self.cache.block_len
+        hashes = self._chain(request.tokens, full)
+        for h in hashes:
+            self._prefix.setdefault(h, request)
+        self._hashes[request.seq_id] = hashes

@@ -1,0 +1,288 @@
+"""``lmfuse.serving.Generator`` against ``model.generate`` on tiny random-weight models of
+every supported family, float32 on the CPU, both kernel paths (Triton's interpreter and
+the reference): greedy tokens must be identical, for batches of prompts of different
+lengths, with shared prefixes, requests added mid-run, preemption forced by a small pool;
+an fp8 cache's logits within a stated tolerance of a float32 cache's; seeded sampling
+repeatable and top-k / top-p respected; bad input refused with nothing changed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import TINY_LM_FAMILIES, hf_greedy, max_rel_err, tiny_causal_lm
+
+from lmfuse.serving import Generator
+from lmfuse.serving import engine as engine_module
+
+# Prompts of different lengths: longer than the tiny models' window (6), several blocks of
+# 4, one a single token.
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3], list(range(20, 40)), [90, 2, 2, 2, 41]]
+NEW = 8
+
+_models: dict[str, object] = {}
+_wants: dict[tuple[str, tuple[int, ...], int], list[int]] = {}
+
+
+def model_of(family: str):
+    if family not in _models:
+        _models[family] = tiny_causal_lm(family)
+    return _models[family]
+
+
+def want(family: str, prompt: list[int], n: int = NEW) -> list[int]:
+    key = (family, tuple(prompt), n)
+    if key not in _wants:
+        _wants[key] = hf_greedy(model_of(family), prompt, n)
+    return _wants[key]
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("family", TINY_LM_FAMILIES)
+def test_greedy_tokens_equal_hf_generate(family: str, impl: str) -> None:
+    """Every family (Llama 3 rope scaling, Qwen3 qk-norm, Gemma (1 + w) norms and scaled
+    embeddings, sliding windows, Gemma 2 attention and final soft-caps, GPT-OSS sinks,
+    yarn rope and experts), a batch of four prompts of different lengths."""
+    gen = Generator(model_of(family), block_len=4, num_blocks=64, impl=impl)
+    got = gen.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[])
+    assert got == [want(family, p) for p in PROMPTS]
+    assert not gen.has_unfinished() and gen.cache.num_free_blocks == 64
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_shared_prefixes_share_blocks_and_give_the_same_tokens(impl: str) -> None:
+    """Prompts sharing 9 and 13 tokens with a running one reuse its full blocks (block_len
+    4: 2 and 3 blocks) and compute only the rest; the tokens do not change."""
+    family = "qwen3"
+    base = list(range(10, 27))
+    prompts = [base, base[:9] + [70, 71, 72], base[:13] + [3, 4], base[:3] + [80]]
+    gen = Generator(model_of(family), block_len=4, num_blocks=64, impl=impl)
+    first = gen.add_request(prompts[0], max_new_tokens=NEW, eos_token_id=[])
+    results = {first: []}
+    for rid, toks, _ in gen.step():  # prefill the first prompt alone
+        results[rid] += toks
+    for p in prompts[1:]:
+        results[gen.add_request(p, max_new_tokens=NEW, eos_token_id=[])] = []
+    while gen.has_unfinished():
+        for rid, toks, _ in gen.step():
+            results[rid] += toks
+    assert gen.scheduler.shared_tokens == 8 + 12  # base[:3] shares no full block
+    assert [results[r] for r in sorted(results)] == [want(family, p) for p in prompts]
+    assert gen.cache.num_free_blocks == 64
+
+
+def test_requests_added_mid_run_join_the_batch() -> None:
+    family = "llama"
+    gen = Generator(model_of(family), block_len=4, num_blocks=64, impl="torch")
+    results: dict[int, list[int]] = {}
+    pending = list(PROMPTS)
+    steps = 0
+    while pending or gen.has_unfinished():
+        if pending and steps % 3 == 0:  # a new request every third step
+            results[gen.add_request(pending.pop(0), max_new_tokens=NEW,
+                                    eos_token_id=[])] = []
+        for rid, toks, finished in gen.step():
+            results[rid] += toks
+            assert finished == (len(results[rid]) == NEW)
+        steps += 1
+    assert [results[r] for r in sorted(results)] == [want(family, p) for p in PROMPTS]
+    assert steps < len(PROMPTS) * (NEW + 1)  # they overlapped
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_preemption_in_a_small_pool_keeps_the_tokens(impl: str) -> None:
+    """A pool of 12 blocks of 4 tokens cannot hold the four requests at full length (each
+    up to 7 blocks): requests are preempted, recomputed, and still give HF's tokens; no
+    KVCacheFullError reaches the caller."""
+    family = "gemma2"
+    prompts = [list(range(1, 13)), list(range(30, 41)), list(range(50, 60)), [7, 8, 9]]
+    gen = Generator(model_of(family), block_len=4, num_blocks=12, impl=impl)
+    got = gen.generate(prompts, max_new_tokens=14, eos_token_id=[])
+    assert gen.scheduler.preemptions > 0
+    assert got == [want(family, p, 14) for p in prompts]
+
+
+def test_eos_stops_a_request_and_is_included() -> None:
+    family = "mistral"
+    full = want(family, PROMPTS[2])
+    eos = full[3]
+    stop = full.index(eos)
+    gen = Generator(model_of(family), block_len=4, num_blocks=64, impl="torch")
+    got = gen.generate([PROMPTS[2], PROMPTS[0]], max_new_tokens=NEW, eos_token_id=eos)
+    assert got[0] == full[:stop + 1]
+    other = want(family, PROMPTS[0])
+    assert got[1] == (other[:other.index(eos) + 1] if eos in other else other)
+
+
+def _capture_logits(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    seen: list[torch.Tensor] = []
+    real = engine_module.sample
+
+    def spy(logits, params, counters):
+        seen.append(logits.detach().float().clone())
+        return real(logits, params, counters)
+
+    monkeypatch.setattr(engine_module, "sample", spy)
+    return seen
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_fp8_cache_logits_close_to_the_float32_cache(monkeypatch: pytest.MonkeyPatch,
+                                                     impl: str) -> None:
+    """An e4m3 cache (per-layer, per-head scales from the first prefill) against a float32
+    cache on the same tokens (teacher-forced: the fp8 run is fed the float32 run's
+    tokens): every decode step's logits within 5% (max relative error over the logits);
+    e4m3 keeps 3 mantissa bits, about 6% relative error per element, averaged down by the
+    attention sums. The prefill reads no cache: its logits are the same."""
+    model = model_of("llama")
+    steps: list[tuple[torch.Tensor, torch.Tensor]] = []
+    forced: list[torch.Tensor] = []
+    real = engine_module.sample
+
+    def spy(logits, params, counters):
+        tokens = real(logits, params, counters) if not forced else forced.pop(0)
+        steps.append((logits.detach().float().clone(), tokens))
+        return tokens
+
+    monkeypatch.setattr(engine_module, "sample", spy)
+    Generator(model, block_len=4, num_blocks=64, impl=impl).generate(
+        PROMPTS, max_new_tokens=NEW, eos_token_id=[])
+    reference = list(steps)
+    steps.clear()
+    forced.extend(t for _, t in reference)
+    fp8 = Generator(model, block_len=4, num_blocks=64, impl=impl, kv_dtype="fp8")
+    fp8.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[])
+    assert fp8.cache.dtype == torch.float8_e4m3fn
+    assert any(float((s - 1).abs().max()) > 0 for s in fp8.cache.k_scales), "not calibrated"
+    assert len(steps) == len(reference) == NEW
+    assert max_rel_err(steps[0][0], reference[0][0]) < 1e-5
+    errors = [max_rel_err(a, b) for (a, _), (b, _) in zip(steps[1:], reference[1:])]
+    assert 0 < max(errors) < 0.05, errors
+
+
+def test_seeded_sampling_repeats_and_respects_top_k_and_top_p(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    family = "qwen2"
+    model = model_of(family)
+    kw = dict(max_new_tokens=NEW, temperature=1.5, eos_token_id=[], seed=1234)
+    a = Generator(model, block_len=4, num_blocks=64, impl="torch").generate(PROMPTS, **kw)
+    b = Generator(model, block_len=4, num_blocks=64, impl="torch").generate(PROMPTS, **kw)
+    c = Generator(model, block_len=4, num_blocks=64, impl="torch").generate(
+        PROMPTS, **{**kw, "seed": 99})
+    assert a == b and a != c
+    greedy = [want(family, p) for p in PROMPTS]
+    assert a != greedy  # temperature 1.5 over 97 tokens: not the greedy path
+    # top_k=1 and a tiny top_p leave only the best token: greedy.
+    for opts in ({"top_k": 1}, {"top_p": 1e-6}):
+        got = Generator(model, block_len=4, num_blocks=64, impl="torch").generate(
+            PROMPTS, **kw, **opts)
+        assert got == greedy, opts
+    # top_k=3: every drawn token is among its row's 3 highest logits.
+    seen = _capture_logits(monkeypatch)
+    gen = Generator(model, block_len=4, num_blocks=64, impl="torch")
+    rid = gen.add_request(PROMPTS[2], max_new_tokens=12, temperature=5.0, top_k=3,
+                          eos_token_id=[], seed=5)
+    drawn = []
+    while gen.has_unfinished():
+        drawn += [t for r, toks, _ in gen.step() if r == rid for t in toks]
+    assert len(drawn) == 12 and len(set(drawn)) > 1
+    for logits, tok in zip(seen, drawn):
+        assert tok in torch.topk(logits[0], 3).indices.tolist()
+
+
+def test_sampled_tokens_do_not_depend_on_the_batch() -> None:
+    """A request's draws depend on its seed and token index only: alone, or in a batch
+    with others (another order, other seeds), it samples the same tokens."""
+    model = model_of("llama")
+    kw = dict(max_new_tokens=NEW, temperature=1.0, eos_token_id=[])
+    alone = Generator(model, block_len=4, num_blocks=64, impl="torch")
+    rid = alone.add_request(PROMPTS[2], seed=7, **kw)
+    solo = []
+    while alone.has_unfinished():
+        solo += [t for r, toks, _ in alone.step() if r == rid for t in toks]
+    crowd = Generator(model, block_len=4, num_blocks=64, impl="torch")
+    others = [crowd.add_request(p, seed=100 + i, **kw) for i, p in enumerate(PROMPTS[:2])]
+    rid = crowd.add_request(PROMPTS[2], seed=7, **kw)
+    mine = []
+    while crowd.has_unfinished():
+        mine += [t for r, toks, _ in crowd.step() if r == rid for t in toks]
+    assert mine == solo and len(others) == 2
+
+
+# --- bad input ---------------------------------------------------------------------------
+
+
+def test_unsupported_models_are_refused() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match="model type 'gpt2'.*not supported"):
+        Generator(gpt2)
+    with pytest.raises(TypeError, match="model must be a loaded transformers causal LM"):
+        Generator(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("prompt, kw, error, match", [
+    ([], {}, ValueError, "is empty; a prompt needs at least one token"),
+    ([1, 2, 97], {}, ValueError, r"token ids outside the vocabulary \[0, 97\): \[97\]"),
+    ([1, -1], {}, ValueError, "outside the vocabulary"),
+    ([1.0, 2], {}, TypeError, "must hold ints"),
+    ("hello", {}, TypeError, "must be a list of token ids"),
+    ([1, 2], {"max_new_tokens": 0}, ValueError, "max_new_tokens must be >= 1"),
+    ([1, 2], {"temperature": -1.0}, ValueError, "temperature must be >= 0"),
+    ([1, 2], {"top_k": 0}, ValueError, "top_k must be >= 1"),
+    ([1, 2], {"top_p": 1.5}, ValueError, r"top_p must be in \(0, 1\]"),
+    ([1, 2], {"eos_token_id": 500}, ValueError, r"eos_token_id \[500\] outside"),
+    (list(range(1, 60)), {"max_new_tokens": 10}, ValueError,
+     "needs 18 blocks of 4 tokens, more than the pool's 16"),
+    ([1, 2], {"max_new_tokens": 300}, ValueError, "max_position_embeddings"),
+])
+def test_bad_requests_raise_and_change_nothing(prompt, kw, error, match) -> None:
+    gen = Generator(model_of("llama"), block_len=4, num_blocks=16, impl="torch")
+    with pytest.raises(error, match=match):
+        gen.add_request(prompt, **{"max_new_tokens": 4, **kw})
+    assert not gen.has_unfinished() and gen.cache.num_free_blocks == 16
+    with pytest.raises(error, match=match) as raised:
+        gen.generate([[5, 6], prompt], **{"max_new_tokens": 4, **kw})
+    assert "prompts[1]" in str(raised.value) or "prompt" not in match
+    assert not gen.has_unfinished() and gen.cache.num_free_blocks == 16
+    assert gen.generate([[5, 6]], max_new_tokens=2, eos_token_id=[]) == [
+        want("llama", [5, 6], 2)]
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    ({"block_len": 0}, ValueError, "block_len must be >= 1"),
+    ({"num_blocks": 0}, ValueError, "num_blocks must be >= 1"),
+    ({"memory_fraction": 0.0}, ValueError, "memory_fraction"),
+    ({"kv_dtype": "int8"}, ValueError, "kv_dtype must be one of"),
+    ({"kv_dtype": torch.int8}, TypeError, "kv_dtype must be"),
+    ({"impl": "cuda"}, ValueError, "impl must be one of"),
+    ({"max_batch": 0}, ValueError, "max_batch must be >= 1"),
+])
+def test_bad_options_raise(kw, error, match) -> None:
+    with pytest.raises(error, match=match):
+        Generator(model_of("llama"), **{"num_blocks": 8, **kw})
+
+
+def test_generate_needs_an_idle_generator_and_abort_frees() -> None:
+    gen = Generator(model_of("llama"), block_len=4, num_blocks=32, impl="torch")
+    rid = gen.add_request([1, 2, 3], max_new_tokens=5)
+    gen.step()
+    with pytest.raises(RuntimeError, match="idle Generator"):
+        gen.generate([[1, 2]], max_new_tokens=2)
+    gen.abort(rid)
+    assert not gen.has_unfinished() and gen.cache.num_free_blocks == 32
+    assert gen.generate([[5, 6]], max_new_tokens=2, eos_token_id=[]) == [
+        want("llama", [5, 6], 2)]
+
+
+def test_the_model_is_used_in_place_and_left_as_it_was() -> None:
+    model = model_of("qwen3")
+    before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    impl = model.config._attn_implementation
+    gen = Generator(model, block_len=4, num_blocks=32, impl="torch")
+    gen.generate([[1, 2, 3]], max_new_tokens=3, eos_token_id=[])
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == before
+    assert model.config._attn_implementation == impl
+    # The model's own forward is unchanged afterwards.
+    assert hf_greedy(model, [4, 5, 6], 3) == want("qwen3", [4, 5, 6], 3)
+    assert gen.bytes_per_token == 2 * 2 * 2 * 16 * 4

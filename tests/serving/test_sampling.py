@@ -1,0 +1,84 @@
+"""``lmfuse.serving.sampling``: counter-based noise, top-k / top-p filtering, greedy and
+sampled rows in one batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmfuse.serving.request import SamplingParams
+from lmfuse.serving.sampling import filtered_logits, sample, uniform_noise
+
+
+def params(**kw) -> SamplingParams:
+    return SamplingParams.make(max_new_tokens=4, **kw)
+
+
+def test_noise_is_uniform_deterministic_and_keyed_by_seed_and_counter() -> None:
+    seeds = torch.tensor([1, 1, 2, (1 << 62) + 5])
+    counters = torch.tensor([0, 1, 0, 0])
+    u = uniform_noise(seeds, counters, 50000)
+    assert u.dtype == torch.float64 and bool(((u > 0) & (u < 1)).all())
+    assert torch.equal(u, uniform_noise(seeds, counters, 50000))
+    for a, b in ((0, 1), (0, 2), (0, 3), (1, 2)):
+        assert (u[a] == u[b]).float().mean() < 1e-3  # different streams
+    assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.005
+    # Column j of a row does not depend on the vocabulary's size.
+    assert torch.equal(uniform_noise(seeds, counters, 100), u[:, :100])
+
+
+def test_top_k_and_top_p_filter_each_row_by_its_own_options() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0]] * 4)
+    rows = [params(temperature=1.0, top_k=2), params(temperature=1.0, top_p=0.5),
+            params(temperature=2.0), params(temperature=1.0, top_k=3, top_p=0.999)]
+    x = filtered_logits(logits, rows)
+    inf = float("-inf")
+    assert x[0].tolist() == [inf, 3.0, inf, 2.0, inf]
+    # softmax of [3, 2, 1, 0, -1]: 0.636, 0.234, ...: the top token alone reaches 0.5
+    assert x[1].tolist() == [inf, 3.0, inf, inf, inf]
+    assert torch.allclose(x[2], logits[2] / 2)
+    assert x[3].tolist() == [inf, 3.0, 1.0, 2.0, inf]
+
+
+def test_sample_mixes_greedy_and_sampled_rows() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(6, 300)
+    rows = [params(), params(temperature=1.0, seed=3), params(),
+            params(temperature=0.7, top_k=5, seed=4), params(temperature=1.0, top_p=0.9),
+            params(temperature=1.0, top_k=1, seed=9)]
+    got = sample(logits, rows, [0, 0, 1, 2, 0, 5])
+    assert got.dtype == torch.int64 and got.shape == (6,)
+    best = logits.argmax(-1)
+    assert got[0] == best[0] and got[2] == best[2] and got[5] == best[5]
+    assert int(got[3]) in torch.topk(logits[3], 5).indices.tolist()
+    assert torch.equal(got, sample(logits, rows, [0, 0, 1, 2, 0, 5]))
+    # Another draw index, another token (with 300 candidates, almost surely).
+    draws = {int(sample(logits[1:2], rows[1:2], [i])[0]) for i in range(20)}
+    assert len(draws) > 5
+
+
+def test_sampling_follows_the_distribution() -> None:
+    """Over many draw indices, each token's frequency matches its softmax probability."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    p = params(temperature=1.0, seed=11)
+    n = 4000
+    counts = torch.zeros(4)
+    for start in range(0, n, 500):
+        rows = [p] * 500
+        toks = sample(logits.expand(500, 4), rows, list(range(start, start + 500)))
+        counts += torch.bincount(toks, minlength=4).float()
+    freq = counts / n
+    assert torch.allclose(freq, torch.softmax(logits[0], 0), atol=0.03), freq
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    ({"max_new_tokens": 0}, ValueError, "max_new_tokens must be >= 1"),
+    ({"max_new_tokens": 2, "temperature": float("nan")}, ValueError, "temperature must be finite"),
+    ({"max_new_tokens": 2, "top_p": 0.0}, ValueError, "top_p must be in"),
+    ({"max_new_tokens": 2, "eos_token_id": "2"}, TypeError, "eos_token_id must be"),
+    ({"max_new_tokens": 2, "eos_token_id": [1, 2.0]}, TypeError, "eos_token_id must be an int"),
+    ({"max_new_tokens": 2, "seed": 1.5}, TypeError, "seed must be an int"),
+])
+def test_bad_sampling_params(kw, error, match) -> None:
+    with pytest.raises(error, match=match):
+        SamplingParams.make(**kw)
