@@ -284,7 +284,8 @@ def cp_cache_append(
 
 
 def _tail_partial(q, k_cache, v_cache, cache_seqlens, len0, count, block_table, scale,
-                  k_scale, v_scale, rank: int, world: int, cp_block: int, compute):
+                  k_scale, v_scale, rank: int, world: int, cp_block: int, compute,
+                  softcap=None):
     """Attention of every active token over the rank's local keys ``[len0, count)`` (at most
     ``s_active - 1`` of them, the rank's share of positions ``P_0 + 1 .. L - 1``), each token
     seeing those at global positions ``<=`` its own. ``(out, lse)`` in ``compute``."""
@@ -316,6 +317,8 @@ def _tail_partial(q, k_cache, v_cache, cache_seqlens, len0, count, block_table, 
         v = v * v_scale.to(compute)[:, None]
     v = torch.where(valid[:, :, None, None], v, 0.0)  # unwritten rows may hold anything
     scores = torch.einsum("bshgd,bthd->bshgt", q.to(compute).view(B, S, Hkv, G, D), k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~seen[:, :, None, None, :], -math.inf)
     lse = torch.logsumexp(scores, dim=-1)  # -inf where a token sees none of these keys
     prob = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
@@ -324,7 +327,7 @@ def _tail_partial(q, k_cache, v_cache, cache_seqlens, len0, count, block_table, 
 
 
 def _partial(q, k_cache, v_cache, cache_seqlens, block_table, scale, sinks, k_scale, v_scale,
-             num_splits, impl, rank: int, world: int, cp_block: int, compute):
+             num_splits, impl, rank: int, world: int, cp_block: int, compute, softcap=None):
     """This rank's exact partial ``(out, lse)`` over its local keys, in ``compute``."""
     B, S, Hq, D = q.shape
     Hkv = k_cache.shape[2]
@@ -333,7 +336,7 @@ def _partial(q, k_cache, v_cache, cache_seqlens, block_table, scale, sinks, k_sc
     lengths = cache_seqlens.long()
     len0 = _local_count(lengths - S + 1, rank, world, cp_block)
     kw = dict(block_table=block_table, scale=scale, k_scale=k_scale, v_scale=v_scale,
-              return_lse=True, num_splits=num_splits, impl=impl)
+              return_lse=True, num_splits=num_splits, impl=impl, softcap=softcap)
     if S == 1:
         out, lse = decode_attention(q, k_cache, v_cache, len0, sinks=sinks, **kw)
         return out.to(compute), lse.to(compute)
@@ -347,7 +350,8 @@ def _partial(q, k_cache, v_cache, cache_seqlens, block_table, scale, sinks, k_sc
     lse = lse.view(B, Hkv, S, G).transpose(1, 2).reshape(B, S, Hq)
     count = _local_count(lengths, rank, world, cp_block)
     out_t, lse_t = _tail_partial(q, k_cache, v_cache, cache_seqlens, len0, count, block_table,
-                                 scale, k_scale, v_scale, rank, world, cp_block, compute)
+                                 scale, k_scale, v_scale, rank, world, cp_block, compute,
+                                 softcap)
     merge_impl = impl if compute != torch.float64 else "torch"
     out, lse = merge_attention_states(torch.stack([out.to(compute), out_t]),
                                       torch.stack([lse.to(compute), lse_t]), impl=merge_impl)
@@ -388,7 +392,7 @@ def _check_share(op: str, name: str, seqlens_shard: torch.Tensor,
 def validate_cp(op: str, q, k_cache_shard, v_cache_shard, seqlens_shard, cache_seqlens,
                 block_table_shard, cp_block, scale, window_size, sinks, k_scale, v_scale,
                 return_lse, num_splits, impl, group: Any, check_values: bool,
-                seqlens_name: str = "seqlens_shard") -> list[int]:
+                seqlens_name: str = "seqlens_shard", softcap: Any = None) -> list[int]:
     """Every local check of :func:`cp_decode_attention` (raises); returns the facts the ranks
     must agree on (see :data:`CP_FIELDS`). ``check_values`` adds the checks that read the
     lengths' values (a host sync). ``seqlens_name`` names ``seqlens_shard`` in messages."""
@@ -407,7 +411,7 @@ def validate_cp(op: str, q, k_cache_shard, v_cache_shard, seqlens_shard, cache_s
     wrap_errors(op, lambda: plan_decode_attention(
         q, k_cache_shard, v_cache_shard, seqlens_shard, block_table=block_table_shard,
         scale=scale, window_size=window_size, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-        return_lse=return_lse, num_splits=num_splits, impl=impl))
+        return_lse=return_lse, num_splits=num_splits, impl=impl, softcap=softcap))
     if check_values:
         _check_share(op, seqlens_name, seqlens_shard, cache_seqlens, rank, world, cp_block)
     return [world, B, S, Hq, D, k_cache_shard.shape[2], dtype_code(q.dtype), cp_block,
@@ -438,6 +442,7 @@ def cp_decode_attention(
     num_splits: Optional[int] = None,
     impl: str = "auto",
     check_ranks: bool = False,
+    softcap: Optional[float] = None,
 ):
     """Decode attention over a context split across the ranks of ``group`` (see the module
     docstring for the layout); every rank returns the whole result, equal to
@@ -464,7 +469,8 @@ def cp_decode_attention(
             (``check_ranks`` checks that too).
         scale, sinks, k_scale, v_scale, return_lse, num_splits, impl: as for
             ``decode_attention`` (``impl`` picks the path of the local attention and merges).
-            ``sinks [Hq]`` are counted once (on rank 0).
+            ``sinks [Hq]`` are counted once (on rank 0). ``softcap``: as for
+            ``decode_attention`` (every rank caps its own scores).
         window_size: only with one rank (raises otherwise).
         check_ranks: first check that every rank's inputs are valid and agree (one small
             extra all-gather and a host sync; the lengths' values are checked too): bad
@@ -490,19 +496,20 @@ def cp_decode_attention(
                                 block_table=block_table_shard, scale=scale,
                                 window_size=window_size, sinks=sinks, k_scale=k_scale,
                                 v_scale=v_scale, return_lse=return_lse, num_splits=num_splits,
-                                impl=impl)
+                                impl=impl, softcap=softcap)
     check_on_all_ranks(op, group, check_ranks, meta_device(group, q), CP_FIELDS, lambda: (
         validate_cp(op, q, k_cache_shard, v_cache_shard, seqlens_shard, cache_seqlens,
                     block_table_shard, cp_block, scale, window_size, sinks, k_scale, v_scale,
-                    return_lse, num_splits, impl, group, check_values=check_ranks)))
+                    return_lse, num_splits, impl, group, check_values=check_ranks,
+                    softcap=softcap)))
     return _cp_attention(q, k_cache_shard, v_cache_shard, seqlens_shard, cache_seqlens,
                          block_table_shard, cp_block, scale, sinks, k_scale, v_scale,
-                         return_lse, num_splits, impl, group)
+                         return_lse, num_splits, impl, group, softcap)
 
 
 def _cp_attention(q, k_cache_shard, v_cache_shard, seqlens_shard, cache_seqlens,
                   block_table_shard, cp_block, scale, sinks, k_scale, v_scale, return_lse,
-                  num_splits, impl, group):
+                  num_splits, impl, group, softcap=None):
     """:func:`cp_decode_attention` on validated inputs, over a group of several ranks."""
     world, rank = group_size(group), group_rank(group)
     B, S, Hq, D = q.shape
@@ -515,7 +522,7 @@ def _cp_attention(q, k_cache_shard, v_cache_shard, seqlens_shard, cache_seqlens,
         states = decode_attention_partials(
             q, k_cache_shard, v_cache_shard, seqlens_shard, block_table=block_table_shard,
             scale=scale, sinks=sinks if rank == 0 else None, k_scale=k_scale, v_scale=v_scale,
-            num_splits=num_splits, impl=impl)
+            num_splits=num_splits, impl=impl, softcap=softcap)
         every = all_gather_stacked(states, group)  # [world, R * (D + 1)]
         R = B * Hq
         out, lse = merge_attention_states(every[:, :R * D].view(world, B, S, Hq, D),
@@ -527,7 +534,7 @@ def _cp_attention(q, k_cache_shard, v_cache_shard, seqlens_shard, cache_seqlens,
         cache_seqlens = all_reduce_sum(seqlens_shard.long(), group)
     out, lse = _partial(q, k_cache_shard, v_cache_shard, cache_seqlens, block_table_shard,
                         scale, sinks if rank == 0 else None, k_scale, v_scale, num_splits,
-                        impl, rank, world, cp_block, compute)
+                        impl, rank, world, cp_block, compute, softcap)
     states = all_gather_stacked(torch.cat([out, lse[..., None]], dim=-1), group)
     out, lse = merge_attention_states(states[..., :D], states[..., D], out_dtype=q.dtype,
                                       impl=merge_impl)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from ..attention.kv_cache import PagedKVCache
 from ..attention.ops import decode_attention, kv_cache_append
+from ..distributed.cp import cp_cache_append, cp_decode_attention
 
 ATTENTION_NAME = "lmfuse_paged"
 # Query rows of one prefill attention chunk: bounds the float32 scores it holds
@@ -66,7 +67,14 @@ class StepContext:
     # prefill: per token of the packed row, its block (a one-column table) and offset
     token_blocks: torch.Tensor | None = None
     token_offsets: torch.Tensor | None = None
+    token_rows: torch.Tensor | None = None  # the rows stored here (None: all of them)
     segments: list[Segment] = field(default_factory=list)
+    # context parallel (decode): the CP group, its round-robin block, and the global
+    # lengths before and after the step (block_table / seqlens are this rank's shard's)
+    cp_group: Any = None
+    cp_block: int = 1
+    global_before: torch.Tensor | None = None
+    global_after: torch.Tensor | None = None
 
 
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -88,6 +96,17 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     kc, vc = cache.k_caches[layer], cache.v_caches[layer]
     ks, vs = cache.k_scales[layer], cache.v_scales[layer]
     opts = dict(scale=scaling, window_size=window, sinks=s_aux, softcap=softcap)
+    if ctx.kind == "decode" and ctx.cp_group is not None:
+        # The rank writes the new tokens it owns and attends over its share of every
+        # sequence; the partials are merged across the group (one all-gather).
+        cp_cache_append(kc, vc, k, v, ctx.global_before, group=ctx.cp_group,
+                        block_table_shard=ctx.block_table, cp_block=ctx.cp_block,
+                        k_scale=ks, v_scale=vs, impl=ctx.impl)
+        out = cp_decode_attention(q, kc, vc, ctx.seqlens, group=ctx.cp_group,
+                                  block_table_shard=ctx.block_table, cp_block=ctx.cp_block,
+                                  cache_seqlens=ctx.global_after, k_scale=ks, v_scale=vs,
+                                  impl=ctx.impl, **opts)
+        return out, None
     if ctx.kind == "decode":
         kv_cache_append(kc, vc, k, v, ctx.seqlens_before, block_table=ctx.block_table,
                         k_scale=ks, v_scale=vs, impl=ctx.impl)
@@ -97,7 +116,10 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     # Prefill: one row of T packed tokens; each token's K/V row is a one-token "sequence"
     # of a one-column block table (its block), written at its offset in that block.
     k_rows, v_rows = k[0].contiguous(), v[0].contiguous()  # [T, Hkv, D]
-    kv_cache_append(kc, vc, k_rows[:, None], v_rows[:, None], ctx.token_offsets,
+    k_w, v_w = k_rows, v_rows
+    if ctx.token_rows is not None:  # a CP rank stores the tokens it owns
+        k_w, v_w = k_rows.index_select(0, ctx.token_rows), v_rows.index_select(0, ctx.token_rows)
+    kv_cache_append(kc, vc, k_w[:, None], v_w[:, None], ctx.token_offsets,
                     block_table=ctx.token_blocks, k_scale=ks, v_scale=vs, impl=ctx.impl)
     out = torch.empty_like(q[0])
     for seg in ctx.segments:

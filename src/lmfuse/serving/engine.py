@@ -14,6 +14,7 @@ from ..attention.kv_cache import PagedKVCache
 from .attention import ATTENTION_NAME, paged_attention
 from .request import OP, Request, SamplingParams, Status
 from .runner import ModelRunner
+from .sharded import ContextShards
 from .sampling import sample
 from .scheduler import Scheduler
 
@@ -45,8 +46,12 @@ class Generator:
             prefill's largest magnitudes).
         max_batch: most requests decoded together.
         cuda_graphs: capture the decode step per batch bucket (CUDA only).
-        kvdp_group, cp_group: shard the KV cache by batch or by context over a process
-            group (not available yet: raise ``NotImplementedError``).
+        kvdp_group: shard the KV cache by batch over a process group (not available yet:
+            raises ``NotImplementedError``).
+        cp_group: shard the KV cache by context over a process group (``torchrun``, one
+            Generator per rank, every rank given the same requests): see ``sharded.py``.
+            ``num_blocks`` is then per rank; prefix sharing and CUDA graphs are off, and
+            models with sliding-window layers are refused.
         max_prefill_tokens: new tokens computed in one prefill step (a longer prompt runs
             alone).
         prefix_sharing: share the full blocks of identical prompt prefixes.
@@ -67,9 +72,12 @@ class Generator:
             raise ValueError(f"{OP}: memory_fraction must be in (0, 1], got {memory_fraction}")
         if not isinstance(impl, str) or impl not in IMPLS:
             raise ValueError(f"{OP}: impl must be one of {IMPLS}, got {impl!r}")
-        if kvdp_group is not None or cp_group is not None:
-            raise NotImplementedError(f"{OP}: kvdp_group / cp_group (a sharded KV cache) are "
-                                      "not available yet")
+        if kvdp_group is not None:
+            raise NotImplementedError(f"{OP}: kvdp_group (a KV cache split by batch) is not "
+                                      "available yet; cp_group splits it by context")
+        if cp_group is not None:
+            _check_cp(model, config, cp_group)
+            prefix_sharing = False
         param = next(model.parameters())
         self.model, self.config = model, config
         self.device = param.device
@@ -93,12 +101,17 @@ class Generator:
                                   k_scale=scales, v_scale=[s.clone() for s in scales]
                                   if fp8 else None)
         self._calibrate = fp8
-        self.scheduler = Scheduler(self.cache, max_batch=max_batch,
+        self.shards = None if cp_group is None else ContextShards(cp_group, self.cache)
+        # What the scheduler counts: the pool itself, or with a CP-split cache a virtual
+        # pool of N-block-long blocks (see sharded.py).
+        self._pool = self.cache if self.shards is None else self.shards.virtual_cache()
+        self.scheduler = Scheduler(self._pool, max_batch=max_batch,
                                    max_prefill_tokens=max_prefill_tokens,
                                    prefix_sharing=prefix_sharing,
-                                   max_blocks=num_blocks)
+                                   max_blocks=self._pool.num_blocks)
         self.runner = ModelRunner(model, self.cache, impl=impl, cuda_graphs=cuda_graphs,
-                                  max_batch=max_batch)
+                                  max_batch=max_batch, shards=self.shards,
+                                  scheduled=self._pool)
         self._requests: dict[int, Request] = {}
         self._next_rid = 0
         gen = getattr(model, "generation_config", None)
@@ -124,7 +137,8 @@ class Generator:
 
     @property
     def capacity_tokens(self) -> int:
-        return self.cache.num_blocks * self.block_len
+        """The longest request (prompt + new tokens) the pool can hold."""
+        return self._pool.num_blocks * self._pool.block_len
 
     # --- requests -------------------------------------------------------------------------
 
@@ -175,12 +189,12 @@ class Generator:
             raise ValueError(f"{OP}: {name} of {prompt_len} tokens plus max_new_tokens="
                              f"{max_new_tokens} passes the model's max_position_embeddings "
                              f"({limit})")
-        need = math.ceil((prompt_len + max_new_tokens) / self.block_len)
-        if need > self.cache.num_blocks:
+        need = math.ceil((prompt_len + max_new_tokens) / self._pool.block_len)
+        if need > self._pool.num_blocks:
             raise ValueError(
                 f"{OP}: {name} of {prompt_len} tokens plus max_new_tokens={max_new_tokens} "
-                f"needs {need} blocks of {self.block_len} tokens, more than the pool's "
-                f"{self.cache.num_blocks} ({self.capacity_tokens} tokens): it could never "
+                f"needs {need} blocks of {self._pool.block_len} tokens, more than the pool's "
+                f"{self._pool.num_blocks} ({self.capacity_tokens} tokens): it could never "
                 f"run; shorten it or give the Generator more blocks")
 
     def has_unfinished(self) -> bool:
@@ -191,6 +205,8 @@ class Generator:
         req = self._requests.pop(rid, None)
         if req is not None and req.status != Status.FINISHED:
             self.scheduler.abort(req)
+            if self.shards is not None:
+                self.shards.sync(set(self._pool.sequences))
 
     # --- steps ----------------------------------------------------------------------------
 
@@ -219,6 +235,8 @@ class Generator:
             if done:
                 self.scheduler.finish(req)
                 self._requests.pop(req.rid, None)
+        if self.shards is not None:  # this rank's blocks of the requests that left
+            self.shards.sync(set(self._pool.sequences))
         return out
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
@@ -299,6 +317,23 @@ def _check_model(model: Any) -> Any:
         raise ValueError(f"{OP}: {type(model).__name__} is not a causal LM (no output "
                          "embeddings); load it with AutoModelForCausalLM")
     return config
+
+
+def _check_cp(model: Any, config: Any, cp_group: Any) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(f"{OP}: cp_group needs torch.distributed initialised "
+                         "(init_process_group) on every rank")
+    windows = {getattr(m, "sliding_window", None) for m in model.modules()
+               if hasattr(m, "layer_idx")}
+    if config.model_type == "mistral":
+        windows.add(getattr(config, "sliding_window", None))
+    windows.discard(None)
+    if windows:
+        raise ValueError(f"{OP}: {type(model).__name__} has sliding-window attention layers "
+                         f"(window {sorted(windows)}); they cannot run context-parallel "
+                         "(a window's keys have no fixed place in round-robin shards)")
 
 
 def _kv_dtype(kv_dtype: Any, model_dtype: torch.dtype) -> torch.dtype:

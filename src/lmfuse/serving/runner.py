@@ -28,18 +28,24 @@ import torch
 from ..attention.kv_cache import DecodeStep, PagedKVCache
 from .attention import ATTENTION_NAME, Segment, StepContext, register
 from .request import Request
+from .sharded import ContextShards
 
 
 class ModelRunner:
     def __init__(self, model: Any, cache: PagedKVCache, *, impl: str = "auto",
-                 cuda_graphs: bool = True, max_batch: int = 256) -> None:
+                 cuda_graphs: bool = True, max_batch: int = 256,
+                 shards: ContextShards | None = None,
+                 scheduled: PagedKVCache | None = None) -> None:
         register()
         self.model = model
         self.config = model.config
         self.cache = cache
         self.impl = impl
         self.device = cache.device
-        self.graphs_on = bool(cuda_graphs) and self.device.type == "cuda"
+        # With a CP-split cache: this rank's side, and the scheduler's (virtual) pool.
+        self.shards, self.scheduled = shards, scheduled
+        self.graphs_on = (bool(cuda_graphs) and self.device.type == "cuda"
+                          and shards is None)
         self.max_batch = max_batch
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self._pool = None
@@ -68,27 +74,41 @@ class ModelRunner:
         ``num_cached``) for every request in one packed forward, writing their K/V into
         the requests' blocks; the logits ``[n, V]`` at each request's last token."""
         bl = self.cache.block_len
+        if self.shards is not None:
+            self.shards.sync(set(self.scheduled.sequences))
         ids, pos, blocks, offsets, segments, last = [], [], [], [], [], []
         for req, toks in zip(requests, new):
-            table = self.cache.block_ids(req.seq_id)
             start = len(ids)
+            if self.shards is not None:  # this rank's share of the tokens, -1 elsewhere
+                rows, offs = self.shards.prefill_rows(req, toks)
+                blocks += rows
+                offsets += offs
+                table = []
+            else:
+                table = self.cache.block_ids(req.seq_id)
             for i, t in enumerate(toks):
                 p = req.num_cached + i
                 ids.append(t)
                 pos.append(p)
-                blocks.append(table[p // bl])
-                offsets.append(p % bl)
+                if self.shards is None:
+                    blocks.append(table[p // bl])
+                    offsets.append(p % bl)
             segments.append(Segment(start, len(ids), req.num_cached,
                                     torch.tensor(table, dtype=torch.int64)))
             last.append(len(ids) - 1)
         dev = self.device
-        host = torch.tensor([ids, pos, blocks, offsets], dtype=torch.int64)
-        host = host.to(dev, non_blocking=True)
+        host = torch.tensor([ids, pos], dtype=torch.int64).to(dev, non_blocking=True)
         for seg in segments:
             seg.blocks = seg.blocks.to(dev, non_blocking=True)
-        ctx = StepContext(self.cache, "prefill", self.impl,
-                          token_blocks=host[2].to(torch.int32)[:, None],
-                          token_offsets=host[3].to(torch.int32), segments=segments)
+        rows = None
+        if self.shards is not None:  # write only the tokens this rank owns
+            mine = [i for i, b in enumerate(blocks) if b >= 0]
+            blocks = [blocks[i] for i in mine]
+            offsets = [offsets[i] for i in mine]
+            rows = torch.tensor(mine, dtype=torch.int64).to(dev, non_blocking=True)
+        where = torch.tensor([blocks, offsets], dtype=torch.int32).to(dev, non_blocking=True)
+        ctx = StepContext(self.cache, "prefill", self.impl, token_blocks=where[0][:, None],
+                          token_offsets=where[1], token_rows=rows, segments=segments)
         keep = torch.tensor(last, dtype=torch.int64).to(dev, non_blocking=True)
         logits = self._forward(host[0][None], host[1][None], ctx, keep)
         return logits[0]
@@ -101,6 +121,8 @@ class ModelRunner:
         n = len(requests)
         host = torch.tensor([[r.tokens[-1] for r in requests], [r.length - 1 for r in requests]],
                             dtype=torch.int64)
+        if self.shards is not None:
+            return self._decode_cp(requests, host)
         width = step.block_table.shape[1]
         if self.graphs_on and n <= self.max_batch:
             graph = self._graph(_bucket(n, self.max_batch), width)
@@ -109,6 +131,20 @@ class ModelRunner:
         host = host.to(self.device, non_blocking=True)
         ctx = StepContext(self.cache, "decode", self.impl, block_table=step.block_table,
                           seqlens_before=step.seqlens_before, seqlens=step.seqlens)
+        return self._forward(host[0][:, None], host[1][:, None], ctx, 1)[:, -1]
+
+    def _decode_cp(self, requests: list[Request], host: torch.Tensor) -> torch.Tensor:
+        """A decode step over the CP-split cache: this rank's shard grows where it owns the
+        new token; the global lengths place the tokens."""
+        self.shards.sync(set(self.scheduled.sequences))
+        local = self.shards.grow(requests)
+        lens = torch.tensor([[r.length - 1 for r in requests], [r.length for r in requests]],
+                            dtype=torch.int32).to(self.device, non_blocking=True)
+        host = host.to(self.device, non_blocking=True)
+        ctx = StepContext(self.cache, "decode", self.impl, block_table=local.block_table,
+                          seqlens_before=local.seqlens_before, seqlens=local.seqlens,
+                          cp_group=self.shards.group, cp_block=self.shards.block_len,
+                          global_before=lens[0], global_after=lens[1])
         return self._forward(host[0][:, None], host[1][:, None], ctx, 1)[:, -1]
 
     def _graph(self, batch: int, width: int) -> _DecodeGraph | None:

@@ -1,0 +1,89 @@
+"""The Generator with its KV cache split by context over gloo ranks (``cp_group``): every
+rank must give the single-process tokens (``model.generate``'s greedy ones), on both
+kernel paths, also when requests are preempted in a small per-rank pool; seeded sampling
+gives the same tokens as one process; only the CP attention's all-gathers are issued."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import hf_greedy, tiny_causal_lm
+from spawn import count_collectives, spawn_gloo
+
+from lmfuse.serving import Generator
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3], list(range(20, 40)), [90, 2, 2, 2, 41]]
+NEW = 8
+
+
+def _cp_rank(rank: int, world: int, family: str, impl: str, num_blocks: int, new: int,
+             expected: list[list[int]], sampled: list[list[int]]) -> None:
+    model = tiny_causal_lm(family)
+    gen = Generator(model, block_len=4, num_blocks=num_blocks, impl=impl,
+                    cp_group=dist.group.WORLD)
+    with count_collectives() as calls:
+        got = gen.generate(PROMPTS, max_new_tokens=new, eos_token_id=[])
+    assert got == expected, (rank, got, expected)
+    assert calls, "no collective: the attention did not run context-parallel"
+    assert set(calls) <= {"all_gather_into_tensor", "all_gather_single"}, set(calls)
+    if num_blocks < 16:
+        assert gen.scheduler.preemptions > 0
+    assert gen.cache.num_free_blocks == num_blocks and not gen.has_unfinished()
+    if sampled:
+        got = gen.generate(PROMPTS, max_new_tokens=new, eos_token_id=[], temperature=1.0,
+                           seed=3)
+        assert got == sampled, (rank, got, sampled)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world, family, impl", [(2, "llama", "triton"), (2, "qwen3", "torch"),
+                                                 (4, "gemma", "torch")])
+def test_cp_generator_gives_the_single_process_tokens(world: int, family: str,
+                                                      impl: str) -> None:
+    model = tiny_causal_lm(family)
+    expected = [hf_greedy(model, p, NEW) for p in PROMPTS]
+    sampled = Generator(model, block_len=4, num_blocks=64, impl="torch").generate(
+        PROMPTS, max_new_tokens=NEW, eos_token_id=[], temperature=1.0, seed=3)
+    spawn_gloo(world, _cp_rank, family, impl, 64, NEW, expected, sampled, timeout=240)
+
+
+@pytest.mark.timeout(300)
+def test_cp_generator_preempts_within_the_per_rank_pool() -> None:
+    """Per rank 6 blocks of 4 tokens over 2 ranks (a virtual pool of 6 blocks of 8): the
+    four requests (up to 34 tokens, 5 virtual blocks) cannot all run at full length."""
+    model = tiny_causal_lm("llama")
+    new = 14
+    expected = [hf_greedy(model, p, new) for p in PROMPTS]
+    spawn_gloo(2, _cp_rank, "llama", "torch", 6, new, expected, [], timeout=240)
+
+
+def test_cp_refuses_sliding_windows_and_needs_a_process_group() -> None:
+    with pytest.raises(ValueError, match="torch.distributed initialised"):
+        Generator(tiny_causal_lm("llama"), num_blocks=8, cp_group=object())
+    with pytest.raises(NotImplementedError, match="kvdp_group"):
+        Generator(tiny_causal_lm("llama"), num_blocks=8, kvdp_group=object())
+
+
+def _sliding_rank(rank: int, world: int) -> None:
+    with pytest.raises(ValueError, match="sliding-window attention layers"):
+        Generator(tiny_causal_lm("gemma2"), num_blocks=8, cp_group=dist.group.WORLD)
+
+
+@pytest.mark.timeout(120)
+def test_cp_refuses_models_with_sliding_windows() -> None:
+    spawn_gloo(2, _sliding_rank, timeout=90)
+
+
+def test_cp_layout_of_a_rank() -> None:
+    from lmfuse import PagedKVCache
+    from lmfuse.serving.sharded import ContextShards
+
+    shards = ContextShards.__new__(ContextShards)
+    shards.world, shards.rank, shards.block_len = 3, 1, 4
+    shards.cache = PagedKVCache(4, 4, 1, 1, torch.float32, "cpu")
+    # Rank 1 of 3 holds positions 4..7, 16..19, ...
+    assert [shards.local_position(p) for p in (0, 3, 4, 7, 8, 16, 19, 20)] == [
+        None, None, 0, 3, None, 4, 7, None]
+    assert [shards.local_len(n) for n in (0, 4, 5, 8, 12, 17, 25)] == [0, 0, 1, 4, 4, 5, 8]
+    assert shards.virtual_cache().block_len == 12
