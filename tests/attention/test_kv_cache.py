@@ -396,3 +396,19 @@ def test_append_triton_matches_torch(dtype: torch.dtype) -> None:
                        caches[1].k_cache().view(torch.uint8))
     assert torch.equal(caches[0].v_cache().view(torch.uint8),
                        caches[1].v_cache().view(torch.uint8))
+
+
+def test_blocks_needed_counts_what_reserve_takes() -> None:
+    """New blocks plus copy-on-write copies, for several sequences at once; nothing is
+    reserved by asking."""
+    cache = PagedKVCache(16, 4, 1, 8, torch.float32, "cpu")
+    a = cache.add_sequence()
+    cache.reserve(a, 6)  # 2 blocks, the second partial
+    b = cache.fork(a)  # shares both
+    assert cache.blocks_needed([a, b], [1, 1]) == 1  # one copy of the shared partial block
+    assert cache.blocks_needed(a, 3) == 1 + 1 and cache.blocks_needed([a], [0]) == 0
+    free = cache.num_free_blocks
+    assert cache.blocks_needed([a, b], [3, 7]) == (1 + 1) + (2 + 0)
+    assert cache.num_free_blocks == free
+    cache.reserve([a, b], [3, 7])
+    assert cache.num_free_blocks == free - 4

@@ -1,7 +1,8 @@
-"""The Generator with its KV cache split by context over gloo ranks (``cp_group``): every
-rank must give the single-process tokens (``model.generate``'s greedy ones), on both
-kernel paths, also when requests are preempted in a small per-rank pool; seeded sampling
-gives the same tokens as one process; only the CP attention's all-gathers are issued."""
+"""The Generator with its KV cache split over gloo ranks, by context (``cp_group``) or by
+batch (``kvdp_group``): every rank must give the single-process tokens
+(``model.generate``'s greedy ones), on both kernel paths, also when requests are
+preempted in small per-rank pools; seeded sampling gives the same tokens as one process;
+only the sharded attention's all-gathers are issued."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ NEW = 8
 
 
 def _cp_rank(rank: int, world: int, family: str, impl: str, num_blocks: int, new: int,
-             expected: list[list[int]], sampled: list[list[int]]) -> None:
+             expected: list[list[int]], sampled: list[list[int]], split: str = "cp") -> None:
     model = tiny_causal_lm(family)
     gen = Generator(model, block_len=4, num_blocks=num_blocks, impl=impl,
-                    cp_group=dist.group.WORLD)
+                    **{f"{split}_group": dist.group.WORLD})
     with count_collectives() as calls:
         got = gen.generate(PROMPTS, max_new_tokens=new, eos_token_id=[])
     assert got == expected, (rank, got, expected)
@@ -58,11 +59,34 @@ def test_cp_generator_preempts_within_the_per_rank_pool() -> None:
     spawn_gloo(2, _cp_rank, "llama", "torch", 6, new, expected, [], timeout=240)
 
 
-def test_cp_refuses_sliding_windows_and_needs_a_process_group() -> None:
-    with pytest.raises(ValueError, match="torch.distributed initialised"):
-        Generator(tiny_causal_lm("llama"), num_blocks=8, cp_group=object())
-    with pytest.raises(NotImplementedError, match="kvdp_group"):
-        Generator(tiny_causal_lm("llama"), num_blocks=8, kvdp_group=object())
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world, family, impl", [(2, "llama", "triton"),
+                                                 (2, "gemma2", "torch"),
+                                                 (4, "gpt_oss", "torch")])
+def test_kvdp_generator_gives_the_single_process_tokens(world: int, family: str,
+                                                        impl: str) -> None:
+    """Sliding windows, Gemma 2's soft-caps and GPT-OSS's sinks run batch-split too."""
+    model = tiny_causal_lm(family)
+    expected = [hf_greedy(model, p, NEW) for p in PROMPTS]
+    spawn_gloo(world, _cp_rank, family, impl, 64, NEW, expected, [], "kvdp", timeout=240)
+
+
+@pytest.mark.timeout(300)
+def test_kvdp_generator_preempts_within_the_per_rank_pools() -> None:
+    """10 blocks of 4 tokens a rank: the requests at full length need 5 + 4 + 9 + 5."""
+    model = tiny_causal_lm("llama")
+    new = 14
+    expected = [hf_greedy(model, p, new) for p in PROMPTS]
+    spawn_gloo(2, _cp_rank, "llama", "torch", 10, new, expected, [], "kvdp", timeout=240)
+
+
+def test_sharded_generators_need_a_process_group() -> None:
+    for name in ("cp_group", "kvdp_group"):
+        with pytest.raises(ValueError, match=f"{name} needs torch.distributed initialised"):
+            Generator(tiny_causal_lm("llama"), num_blocks=8, **{name: object()})
+    with pytest.raises(ValueError, match="not both"):
+        Generator(tiny_causal_lm("llama"), num_blocks=8, cp_group=object(),
+                  kvdp_group=object())
 
 
 def _sliding_rank(rank: int, world: int) -> None:

@@ -281,19 +281,7 @@ class PagedKVCache:
         op = "reserve"
         ids = self._ids(op, seq_ids)
         counts = self._counts(op, num_tokens, len(ids))
-        # Count first, as the loop below will allocate: a shared partial block is copied
-        # only while someone else still holds it (two forks reserving together copy once).
-        grow, copies, pending = 0, 0, {}
-        for s, n in zip(ids, counts):
-            table, length = self._tables[s], self._lens[s]
-            if n == 0:
-                continue
-            grow += _cdiv(length + n, self.block_len) - len(table)
-            if length % self.block_len:
-                last = table[-1]
-                if self._refs[last] - pending.get(last, 0) > 1:
-                    copies += 1
-                    pending[last] = pending.get(last, 0) + 1
+        grow, copies = self._needed(ids, counts)
         if grow + copies > len(self._free):
             raise KVCacheFullError(
                 f"{_OP}.reserve: {grow + copies} blocks needed ({grow} new, {copies} "
@@ -323,6 +311,31 @@ class PagedKVCache:
         if src:
             self._copy_blocks(src, dst)
         return self._step(ids, width, before, tuple(counts))
+
+    def blocks_needed(self, seq_ids: Union[int, Sequence[int]],
+                      num_tokens: Union[int, Sequence[int]] = 1) -> int:
+        """The free blocks :meth:`reserve` would take for these arguments (new blocks and
+        copy-on-write copies); nothing is reserved."""
+        ids = self._ids("blocks_needed", seq_ids)
+        grow, copies = self._needed(ids, self._counts("blocks_needed", num_tokens, len(ids)))
+        return grow + copies
+
+    def _needed(self, ids: list[int], counts: list[int]) -> tuple[int, int]:
+        """(new blocks, copy-on-write copies) for ``counts`` more tokens in ``ids``. A shared
+        partial block is copied only while someone else still holds it (two forks
+        reserving together copy once)."""
+        grow, copies, pending = 0, 0, {}
+        for s, n in zip(ids, counts):
+            table, length = self._tables[s], self._lens[s]
+            if n == 0:
+                continue
+            grow += _cdiv(length + n, self.block_len) - len(table)
+            if length % self.block_len:
+                last = table[-1]
+                if self._refs[last] - pending.get(last, 0) > 1:
+                    copies += 1
+                    pending[last] = pending.get(last, 0) + 1
+        return grow, copies
 
     def block_table(self, seq_ids: Union[int, Sequence[int]], *,
                     max_blocks: Optional[int] = None) -> torch.Tensor:

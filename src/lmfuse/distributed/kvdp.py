@@ -187,6 +187,7 @@ def kvdp_decode_attention(
     cache_seqlens: Optional[torch.Tensor] = None,
     check_ranks: bool = False,
     exchange: str = "all_gather",
+    softcap: Optional[float] = None,
 ):
     """Decode attention with the batch's caches split over ``group`` (see the module
     docstring); each rank gets its own heads for the whole batch, equal to
@@ -209,8 +210,9 @@ def kvdp_decode_attention(
         group: the KVDP process group; ``None`` (or one rank): no KVDP.
         sinks: ``[W * Hq_local]``, the sinks of the *gathered* heads (rank-major; with the
             Megatron layout the global ``[Hq]`` sinks), the same on every rank.
-        scale, window_size, return_lse, num_splits, impl: as for ``decode_attention``
-            (``window_size`` only without ``cp_group``, or with a one-rank one).
+        scale, window_size, return_lse, num_splits, impl, softcap: as for
+            ``decode_attention`` (``window_size`` only without ``cp_group``, or with a
+            one-rank one).
         cp_group, cp_block: a CP group over which the local caches are further sharded
             (see :func:`~lmfuse.distributed.cp_decode_attention`).
         cache_seqlens: optional ``[B_r]`` *global* lengths of this rank's sequences (the
@@ -239,7 +241,8 @@ def kvdp_decode_attention(
     op = "kvdp_decode_attention"
     world = group_size(group)
     kw = dict(scale=scale, window_size=window_size, sinks=sinks, k_scale=k_scale,
-              v_scale=v_scale, return_lse=return_lse, num_splits=num_splits, impl=impl)
+              v_scale=v_scale, return_lse=return_lse, num_splits=num_splits, impl=impl,
+              softcap=softcap)
     if world == 1 and cp_group is None:
         _check_exchange(op, exchange)
         check_tensor(op, "q", q, ndim=4)
@@ -270,7 +273,7 @@ def kvdp_decode_attention(
                 "cp_decode_attention", q_local, k_cache_local, v_cache_local, seqlens_local,
                 cache_seqlens, block_table_local, cp_block, scale, window_size, sinks, k_scale,
                 v_scale, return_lse, num_splits, impl, cp_group, check_values=check_ranks,
-                seqlens_name="seqlens_local")))
+                seqlens_name="seqlens_local", softcap=softcap)))
         return [world, B, S, Hq_local, D, k_cache_local.shape[2], dtype_code(q.dtype),
                 sinks is not None, return_lse, cp_group is not None, cache_seqlens is not None,
                 exchange_code]
@@ -303,7 +306,7 @@ def kvdp_decode_attention(
     else:
         res = _cp_attention(q_local, k_cache_local, v_cache_local, seqlens_local, cache_seqlens,
                             block_table_local, cp_block, scale, sinks, k_scale, v_scale,
-                            return_lse, num_splits, impl, cp_group)
+                            return_lse, num_splits, impl, cp_group, softcap)
     if world == 1:
         return res
     if not return_lse:

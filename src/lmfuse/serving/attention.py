@@ -33,7 +33,9 @@ import torch.nn.functional as F
 
 from ..attention.kv_cache import PagedKVCache
 from ..attention.ops import decode_attention, kv_cache_append
+from ..distributed.collectives import all_gather_stacked, group_rank, group_size
 from ..distributed.cp import cp_cache_append, cp_decode_attention
+from ..distributed.kvdp import kvdp_decode_attention
 
 ATTENTION_NAME = "lmfuse_paged"
 # Query rows of one prefill attention chunk: bounds the float32 scores it holds
@@ -75,6 +77,14 @@ class StepContext:
     cp_block: int = 1
     global_before: torch.Tensor | None = None
     global_after: torch.Tensor | None = None
+    # KV data parallel (decode): the group; block_table / seqlens are this rank's m padded
+    # rows; own_rows: the model rows of its sequences (its first rows); pad_src: the model
+    # row of each of the N * m rank-major rows (padding: 0); out_index: each model row's
+    # place among them
+    kvdp_group: Any = None
+    own_rows: torch.Tensor | None = None
+    pad_src: torch.Tensor | None = None
+    out_index: torch.Tensor | None = None
 
 
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -96,6 +106,8 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     kc, vc = cache.k_caches[layer], cache.v_caches[layer]
     ks, vs = cache.k_scales[layer], cache.v_scales[layer]
     opts = dict(scale=scaling, window_size=window, sinks=s_aux, softcap=softcap)
+    if ctx.kind == "decode" and ctx.kvdp_group is not None:
+        return _kvdp_decode(ctx, q, k, v, kc, vc, ks, vs, opts), None
     if ctx.kind == "decode" and ctx.cp_group is not None:
         # The rank writes the new tokens it owns and attends over its share of every
         # sequence; the partials are merged across the group (one all-gather).
@@ -131,6 +143,30 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         out[seg.start:seg.stop] = prefill_attention(q[0, seg.start:seg.stop], keys, values,
                                                     **opts)
     return out[None], None
+
+
+def _kvdp_decode(ctx: StepContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kc: torch.Tensor, vc: torch.Tensor, ks: Any, vs: Any,
+                 opts: dict[str, Any]) -> torch.Tensor:
+    """A decode layer over a cache split by batch: the owner appends each new token; the
+    rows go rank-major into ``kvdp_decode_attention`` with this rank's query heads; the
+    heads of every rank are gathered back and the rows put in the model's order."""
+    group = ctx.kvdp_group
+    world, rank = group_size(group), group_rank(group)
+    c = ctx.own_rows.shape[0]
+    if c:
+        kv_cache_append(kc, vc, k.index_select(0, ctx.own_rows), v.index_select(0, ctx.own_rows),
+                        ctx.seqlens_before[:c], block_table=ctx.block_table[:c], k_scale=ks,
+                        v_scale=vs, impl=ctx.impl)
+    n, S, Hq, D = q.shape
+    heads = Hq // world
+    rows = q.index_select(0, ctx.pad_src)[:, :, rank * heads:(rank + 1) * heads]
+    mine = kvdp_decode_attention(rows, kc, vc, ctx.seqlens, group=group,
+                                 block_table_local=ctx.block_table, k_scale=ks, v_scale=vs,
+                                 impl=ctx.impl, **opts)  # [N m, S, Hq / N, D]
+    every = all_gather_stacked(mine, group)  # [N, N m, S, Hq / N, D]
+    full = every.permute(1, 2, 0, 3, 4).reshape(-1, S, Hq, D)
+    return full.index_select(0, ctx.out_index)
 
 
 def _gather(pool: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Tensor,

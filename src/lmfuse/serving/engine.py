@@ -14,7 +14,7 @@ from ..attention.kv_cache import PagedKVCache
 from .attention import ATTENTION_NAME, paged_attention
 from .request import OP, Request, SamplingParams, Status
 from .runner import ModelRunner
-from .sharded import ContextShards
+from .sharded import BatchShards, ContextShards
 from .sampling import sample
 from .scheduler import Scheduler
 
@@ -46,12 +46,12 @@ class Generator:
             prefill's largest magnitudes).
         max_batch: most requests decoded together.
         cuda_graphs: capture the decode step per batch bucket (CUDA only).
-        kvdp_group: shard the KV cache by batch over a process group (not available yet:
-            raises ``NotImplementedError``).
-        cp_group: shard the KV cache by context over a process group (``torchrun``, one
-            Generator per rank, every rank given the same requests): see ``sharded.py``.
-            ``num_blocks`` is then per rank; prefix sharing and CUDA graphs are off, and
-            models with sliding-window layers are refused.
+        kvdp_group, cp_group: split the KV cache by batch (each sequence on one rank) or by
+            context (each sequence's round-robin blocks over the ranks) over a process group
+            (``torchrun``, one Generator per rank, every rank given the same requests): see
+            ``sharded.py``. ``num_blocks`` is then per rank; prefix sharing and CUDA graphs
+            are off; ``kvdp_group`` needs the query heads to divide over the ranks,
+            ``cp_group`` refuses models with sliding-window layers. One of the two.
         max_prefill_tokens: new tokens computed in one prefill step (a longer prompt runs
             alone).
         prefix_sharing: share the full blocks of identical prompt prefixes.
@@ -72,11 +72,13 @@ class Generator:
             raise ValueError(f"{OP}: memory_fraction must be in (0, 1], got {memory_fraction}")
         if not isinstance(impl, str) or impl not in IMPLS:
             raise ValueError(f"{OP}: impl must be one of {IMPLS}, got {impl!r}")
-        if kvdp_group is not None:
-            raise NotImplementedError(f"{OP}: kvdp_group (a KV cache split by batch) is not "
-                                      "available yet; cp_group splits it by context")
+        if kvdp_group is not None and cp_group is not None:
+            raise ValueError(f"{OP}: pass kvdp_group or cp_group, not both")
         if cp_group is not None:
             _check_cp(model, config, cp_group)
+            prefix_sharing = False
+        if kvdp_group is not None:
+            _check_kvdp(config, kvdp_group)
             prefix_sharing = False
         param = next(model.parameters())
         self.model, self.config = model, config
@@ -102,16 +104,18 @@ class Generator:
                                   if fp8 else None)
         self._calibrate = fp8
         self.shards = None if cp_group is None else ContextShards(cp_group, self.cache)
-        # What the scheduler counts: the pool itself, or with a CP-split cache a virtual
-        # pool of N-block-long blocks (see sharded.py).
-        self._pool = self.cache if self.shards is None else self.shards.virtual_cache()
+        batch_shards = None if kvdp_group is None else BatchShards(kvdp_group, self.cache)
+        # What the scheduler counts: the pool itself; with a CP-split cache a virtual pool
+        # of N-block-long blocks; with a batch-split one every rank's pool (sharded.py).
+        self._pool = (self.shards.virtual_cache() if self.shards is not None
+                      else batch_shards if batch_shards is not None else self.cache)
         self.scheduler = Scheduler(self._pool, max_batch=max_batch,
                                    max_prefill_tokens=max_prefill_tokens,
                                    prefix_sharing=prefix_sharing,
                                    max_blocks=self._pool.num_blocks)
         self.runner = ModelRunner(model, self.cache, impl=impl, cuda_graphs=cuda_graphs,
                                   max_batch=max_batch, shards=self.shards,
-                                  scheduled=self._pool)
+                                  batch_shards=batch_shards, scheduled=self._pool)
         self._requests: dict[int, Request] = {}
         self._next_rid = 0
         gen = getattr(model, "generation_config", None)
@@ -319,12 +323,26 @@ def _check_model(model: Any) -> Any:
     return config
 
 
-def _check_cp(model: Any, config: Any, cp_group: Any) -> None:
+def _check_initialised(name: str) -> None:
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(f"{OP}: cp_group needs torch.distributed initialised "
+        raise ValueError(f"{OP}: {name} needs torch.distributed initialised "
                          "(init_process_group) on every rank")
+
+
+def _check_kvdp(config: Any, kvdp_group: Any) -> None:
+    _check_initialised("kvdp_group")
+    import torch.distributed as dist
+
+    world = dist.get_world_size(kvdp_group)
+    if config.num_attention_heads % world:
+        raise ValueError(f"{OP}: kvdp_group of {world} ranks needs the query heads "
+                         f"({config.num_attention_heads}) to divide over them")
+
+
+def _check_cp(model: Any, config: Any, cp_group: Any) -> None:
+    _check_initialised("cp_group")
     windows = {getattr(m, "sliding_window", None) for m in model.modules()
                if hasattr(m, "layer_idx")}
     if config.model_type == "mistral":

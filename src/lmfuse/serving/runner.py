@@ -28,14 +28,15 @@ import torch
 from ..attention.kv_cache import DecodeStep, PagedKVCache
 from .attention import ATTENTION_NAME, Segment, StepContext, register
 from .request import Request
-from .sharded import ContextShards
+from .sharded import BatchShards, ContextShards
 
 
 class ModelRunner:
     def __init__(self, model: Any, cache: PagedKVCache, *, impl: str = "auto",
                  cuda_graphs: bool = True, max_batch: int = 256,
                  shards: ContextShards | None = None,
-                 scheduled: PagedKVCache | None = None) -> None:
+                 batch_shards: BatchShards | None = None,
+                 scheduled: Any = None) -> None:
         register()
         self.model = model
         self.config = model.config
@@ -44,8 +45,10 @@ class ModelRunner:
         self.device = cache.device
         # With a CP-split cache: this rank's side, and the scheduler's (virtual) pool.
         self.shards, self.scheduled = shards, scheduled
+        # With a cache split by batch: the pools' owners (it is also the scheduler's pool).
+        self.batch_shards = batch_shards
         self.graphs_on = (bool(cuda_graphs) and self.device.type == "cuda"
-                          and shards is None)
+                          and shards is None and batch_shards is None)
         self.max_batch = max_batch
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self._pool = None
@@ -84,6 +87,10 @@ class ModelRunner:
                 blocks += rows
                 offsets += offs
                 table = []
+            elif self.batch_shards is not None:  # the owner stores them
+                bs = self.batch_shards
+                table = ([] if bs.owner(req.seq_id) != bs.rank
+                         else self.cache.block_ids(bs.local(req.seq_id)))
             else:
                 table = self.cache.block_ids(req.seq_id)
             for i, t in enumerate(toks):
@@ -91,7 +98,7 @@ class ModelRunner:
                 ids.append(t)
                 pos.append(p)
                 if self.shards is None:
-                    blocks.append(table[p // bl])
+                    blocks.append(table[p // bl] if table else -1)
                     offsets.append(p % bl)
             segments.append(Segment(start, len(ids), req.num_cached,
                                     torch.tensor(table, dtype=torch.int64)))
@@ -101,7 +108,7 @@ class ModelRunner:
         for seg in segments:
             seg.blocks = seg.blocks.to(dev, non_blocking=True)
         rows = None
-        if self.shards is not None:  # write only the tokens this rank owns
+        if self.shards is not None or self.batch_shards is not None:  # only what it owns
             mine = [i for i, b in enumerate(blocks) if b >= 0]
             blocks = [blocks[i] for i in mine]
             offsets = [offsets[i] for i in mine]
@@ -123,6 +130,8 @@ class ModelRunner:
                             dtype=torch.int64)
         if self.shards is not None:
             return self._decode_cp(requests, host)
+        if self.batch_shards is not None:
+            return self._decode_kvdp(requests, host)
         width = step.block_table.shape[1]
         if self.graphs_on and n <= self.max_batch:
             graph = self._graph(_bucket(n, self.max_batch), width)
@@ -145,6 +154,28 @@ class ModelRunner:
                           seqlens_before=local.seqlens_before, seqlens=local.seqlens,
                           cp_group=self.shards.group, cp_block=self.shards.block_len,
                           global_before=lens[0], global_after=lens[1])
+        return self._forward(host[0][:, None], host[1][:, None], ctx, 1)[:, -1]
+
+    def _decode_kvdp(self, requests: list[Request], host: torch.Tensor) -> torch.Tensor:
+        """A decode step over the batch-split cache (its blocks reserved on the owners)."""
+        bs = self.batch_shards
+        padded, mine, m = bs.layout(requests)
+        locals_ = [bs.local(requests[i].seq_id) for i in mine]
+        tables = [self.cache.block_ids(s) for s in locals_]
+        width = max([1] + [len(t) for t in tables])
+        table = [t + [-1] * (width - len(t)) for t in tables] + [[-1] * width] * (m - len(mine))
+        after = [self.cache.seqlen(s) for s in locals_] + [0] * (m - len(mine))
+        before = [max(a - 1, 0) for a in after]
+        place = {row: i for i, row in enumerate(padded) if row >= 0}
+        dev = self.device
+        ints = torch.tensor([before, after], dtype=torch.int32).to(dev, non_blocking=True)
+        index = [torch.tensor(x, dtype=torch.int64).to(dev, non_blocking=True) for x in (
+            mine, [max(r, 0) for r in padded], [place[i] for i in range(len(requests))])]
+        ctx = StepContext(self.cache, "decode", self.impl,
+                          block_table=torch.tensor(table, dtype=torch.int32).to(dev),
+                          seqlens_before=ints[0], seqlens=ints[1], kvdp_group=bs.group,
+                          own_rows=index[0], pad_src=index[1], out_index=index[2])
+        host = host.to(dev, non_blocking=True)
         return self._forward(host[0][:, None], host[1][:, None], ctx, 1)[:, -1]
 
     def _graph(self, batch: int, width: int) -> _DecodeGraph | None:

@@ -97,3 +97,113 @@ class ContextShards:
             blocks.append(-1 if lp is None else table[lp // self.block_len])
             offsets.append(0 if lp is None else lp % self.block_len)
         return blocks, offsets
+
+
+class BatchShards:
+    """The Generator with its KV cache split by batch over a process group
+    (``kvdp_group``): each sequence's cache lives on one rank, chosen when it is admitted
+    (the rank with the most free blocks, the lowest on a tie). Every rank runs the model
+    on every request and keeps the block accounting of every rank's pool (the others' as
+    tensor-less mirrors), so all ranks schedule alike; this object is the scheduler's pool
+    (it has the ``PagedKVCache`` methods the scheduler calls, routed to the owner's pool).
+
+    A decode step appends each new token on its owner and attends with
+    :func:`~lmfuse.distributed.kvdp_decode_attention`: the rows are laid out rank-major,
+    ``m`` per rank (padded with empty rows), each rank passing its ``Hq / N`` query heads
+    as Megatron's tensor-parallel layout has them; the heads are then all-gathered back
+    (three collectives a layer). A prefill computes every token on every rank and the
+    owner stores its sequences. Prefix sharing is off.
+    """
+
+    def __init__(self, group: Any, cache: PagedKVCache) -> None:
+        self.group = group
+        self.world, self.rank = group_size(group), group_rank(group)
+        self.cache = cache
+        self.block_len, self.num_blocks = cache.block_len, cache.num_blocks
+        self.pools = [cache if r == self.rank else
+                      PagedKVCache(cache.num_blocks, cache.block_len, 1, 1, torch.float32,
+                                   "cpu") for r in range(self.world)]
+        self._where: dict[int, tuple[int, int]] = {}  # seq id -> (owner rank, its seq id)
+        self._next = 0
+
+    # --- the pool the scheduler sees ------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(p.num_free_blocks for p in self.pools)
+
+    @property
+    def sequences(self) -> list[int]:
+        return list(self._where)
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._where
+
+    def add_sequence(self) -> int:
+        owner = max(range(self.world), key=lambda r: (self.pools[r].num_free_blocks, -r))
+        seq = self._next
+        self._next += 1
+        self._where[seq] = (owner, self.pools[owner].add_sequence())
+        return seq
+
+    def free(self, seq_id: int) -> None:
+        owner, local = self._where.pop(seq_id)
+        self.pools[owner].free(local)
+
+    def seqlen(self, seq_id: int) -> int:
+        owner, local = self._where[seq_id]
+        return self.pools[owner].seqlen(local)
+
+    def block_ids(self, seq_id: int) -> list[int]:
+        owner, local = self._where[seq_id]
+        return self.pools[owner].block_ids(local)
+
+    def owner(self, seq_id: int) -> int:
+        return self._where[seq_id][0]
+
+    def local(self, seq_id: int) -> int:
+        return self._where[seq_id][1]
+
+    def reserve(self, seq_ids: Any, num_tokens: Any = 1, *, max_blocks: int | None = None
+                ) -> None:
+        """Room for ``num_tokens`` more in each sequence, on its owner; all or nothing over
+        every pool (``KVCacheFullError`` when one pool lacks blocks)."""
+        from ..attention.kv_cache import KVCacheFullError
+
+        ids = [seq_ids] if isinstance(seq_ids, int) else list(seq_ids)
+        counts = (list(num_tokens) if isinstance(num_tokens, (list, tuple))
+                  else [num_tokens] * len(ids))
+        by_pool: dict[int, tuple[list[int], list[int]]] = {}
+        for s, n in zip(ids, counts):
+            owner, local = self._where[s]
+            by_pool.setdefault(owner, ([], []))
+            by_pool[owner][0].append(local)
+            by_pool[owner][1].append(n)
+        for owner, (locs, ns) in by_pool.items():
+            need = self.pools[owner].blocks_needed(locs, ns)
+            if need > self.pools[owner].num_free_blocks:
+                raise KVCacheFullError(f"{OP}: rank {owner}'s pool needs {need} blocks, "
+                                       f"{self.pools[owner].num_free_blocks} are free")
+        for owner, (locs, ns) in by_pool.items():
+            self.pools[owner].reserve(locs, ns)
+
+    def fork(self, seq_id: int) -> int:
+        raise RuntimeError(f"{OP}: no prefix sharing with kvdp_group")
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        raise RuntimeError(f"{OP}: no prefix sharing with kvdp_group")
+
+    # --- the runner's side ------------------------------------------------------------------
+
+    def layout(self, requests: list[Request]) -> tuple[list[int], list[int], int]:
+        """The rank-major padded layout of a decode batch: for each padded row the model
+        row it holds (-1: padding), this rank's rows (model rows of its sequences, in
+        order), and ``m``, the rows per rank."""
+        per_rank: list[list[int]] = [[] for _ in range(self.world)]
+        for i, r in enumerate(requests):
+            per_rank[self.owner(r.seq_id)].append(i)
+        m = max(1, max(len(rows) for rows in per_rank))
+        padded = []
+        for rows in per_rank:
+            padded += rows + [-1] * (m - len(rows))
+        return padded, per_rank[self.rank], m
