@@ -1,9 +1,13 @@
-"""The ``lmfuse`` command: ``info``, ``check``, ``demo``, ``bench``, ``plan`` and ``tune``.
+"""The ``lmfuse`` command: ``info``, ``check``, ``demo``, ``generate``, ``bench``, ``plan`` and
+``tune``.
 
     lmfuse info              versions, devices, and which path each op takes here
     lmfuse check             every op against its reference, forward and gradients
     lmfuse demo              train a tiny GPT with lmfuse's ops and in plain PyTorch, then
                              decode over a paged KV cache (``lmfuse demo --help``)
+    lmfuse generate MODEL_DIR --prompt TEXT
+                             continue prompts with a local Hugging Face checkpoint on the
+                             paged KV cache (``lmfuse generate --help``)
     lmfuse bench softmax     time lmfuse against its peers (see bench/softmax.py)
     lmfuse plan              how to shard a decode KV cache: TP, KVDP, CP or a mix
     lmfuse tune linear_cross_entropy
@@ -23,7 +27,7 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("softmax", "cross_entropy", "linear_cross_entropy", "activations", "decode_attention",
-            "rms_norm")
+            "rms_norm", "generate")
 TUNABLE = ("linear_cross_entropy",)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -106,6 +110,12 @@ def cmd_demo(rest: list[str]) -> int:
     from lmfuse.demo import main as demo_main
 
     return demo_main(rest)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from lmfuse.generate_cli import run
+
+    return run(args)
 
 
 def _dtype_list(text: str) -> list[torch.dtype]:
@@ -196,6 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     # Its options are parsed by lmfuse.demo.main (``lmfuse demo --help``).
     sub.add_parser("demo", add_help=False,
                    help="train a tiny GPT with lmfuse and plain PyTorch, then decode")
+    from lmfuse import generate_cli
+
+    generate = sub.add_parser("generate", help="continue prompts with a local Hugging Face "
+                              "checkpoint on lmfuse's paged KV cache",
+                              description=generate_cli.DESCRIPTION,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    generate_cli.add_arguments(generate)
     bench = sub.add_parser("bench", help="benchmark an op family against its peers")
     bench.add_argument("family", choices=FAMILIES)
     plan = sub.add_parser("plan", help="how to shard a decode KV cache over ranks "
@@ -235,9 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         return cmd_demo(rest)
     if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        (generate if args.command == "generate" else parser).error(
+            f"unrecognized arguments: {' '.join(rest)}")
     return {"info": cmd_info, "check": cmd_check, "plan": cmd_plan,
-            "tune": cmd_tune}[args.command](args)
+            "tune": cmd_tune, "generate": cmd_generate}[args.command](args)
 
 
 if __name__ == "__main__":
