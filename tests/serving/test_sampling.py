@@ -82,3 +82,9 @@ def test_sampling_follows_the_distribution() -> None:
 def test_bad_sampling_params(kw, error, match) -> None:
     with pytest.raises(error, match=match):
         SamplingParams.make(**kw)
+
+
+def test_unseeded_requests_draw_their_own_seeds() -> None:
+    seeds = {SamplingParams.make(max_new_tokens=1, temperature=1.0).seed for _ in range(8)}
+    assert len(seeds) == 8 and all(0 <= s < (1 << 63) for s in seeds)
+    assert SamplingParams.make(max_new_tokens=1, seed=-1).seed == (1 << 63) - 1

@@ -251,7 +251,7 @@ class Generator:
         tokens, ending with ``eos_token_id`` (included; default the model's
         ``generation_config``; ``[]``: none) or after ``max_new_tokens``. Greedy at
         ``temperature == 0``; with a ``seed`` the draws repeat from run to run (request
-        ``i`` uses ``seed + i``)."""
+        ``i`` uses ``seed + i``; no seed: a random one)."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise TypeError(f"{OP}: prompts must be a list of token-id lists, got "
                             f"{type(prompts).__name__}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,7 @@ class SamplingParams:
     top_k: int | None = None
     top_p: float | None = None
     eos_token_ids: frozenset[int] = frozenset()
-    seed: int = 0
+    seed: int = 0  # make(): None draws a random one
 
     @classmethod
     def make(cls, *, max_new_tokens: Any, temperature: Any = 0.0, top_k: Any = None,
@@ -59,7 +60,9 @@ class SamplingParams:
             if bad:
                 raise ValueError(f"{OP}: eos_token_id {bad} outside the vocabulary "
                                  f"[0, {vocab_size})")
-        seed = 0 if seed is None else check_int(OP, "seed", seed) % (1 << 63)
+        # No seed: a fresh one (two unseeded requests do not draw alike).
+        seed = (secrets.randbits(63) if seed is None
+                else check_int(OP, "seed", seed) % (1 << 63))
         return cls(max_new_tokens, temperature, top_k, top_p, eos, seed)
 
     @property
