@@ -106,3 +106,21 @@ def test_explain_unknown_callable_raises() -> None:
 
 def test_fused_softmax_is_registered() -> None:
     assert "fused_softmax" in registered_ops()
+
+
+def test_set_checks_switches_value_checks_on_device_tensors(monkeypatch) -> None:
+    """CPU tensors are always checked; others only with set_checks(True) (or
+    LMFUSE_CHECK=1 at import); the switch takes a bool."""
+    import lmfuse
+    from lmfuse import _dispatch
+
+    monkeypatch.setattr(_dispatch, "_VALUE_CHECKS", False)
+    cpu = torch.zeros(2)
+    meta = torch.zeros(2, device="meta")
+    assert _dispatch.value_checks(cpu) and not _dispatch.value_checks(meta)
+    lmfuse.set_checks(True)
+    assert _dispatch.value_checks(meta)
+    lmfuse.set_checks(False)
+    assert not _dispatch.value_checks(meta) and _dispatch.value_checks(cpu)
+    with pytest.raises(TypeError, match="enabled must be a bool"):
+        lmfuse.set_checks(1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from ._dispatch import Plan, explain
+from ._dispatch import Plan, explain, set_checks
 from .activations import (FusedMLP, bias_gelu, geglu, quick_geglu, squared_relu, swiglu,
                           weighted_quick_geglu, weighted_squared_relu, weighted_swiglu)
 from .attention import (DecodeAttentionBlock, KVCacheFullError, PagedKVCache, decode_attention,
@@ -38,6 +38,7 @@ __all__ = [
     "linear_cross_entropy",
     "merge_attention_states",
     "plan_sharding",
+    "set_checks",
     "quick_geglu",
     "rms_norm",
     "squared_relu",

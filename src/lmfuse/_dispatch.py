@@ -41,6 +41,35 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
+# Value checks on device tensors (lmfuse.set_checks / LMFUSE_CHECK=1): see value_checks().
+_VALUE_CHECKS = os.environ.get("LMFUSE_CHECK", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def set_checks(enabled: bool) -> None:
+    """Turn on (or off) the checks of input *values* on CUDA tensors: out-of-range
+    targets, lengths, block ids and capacities raise the same ``ValueError`` as on CPU
+    tensors, at the cost of a host synchronisation per call (for debugging; never inside
+    CUDA-graph capture or ``torch.compile``). Off by default; ``LMFUSE_CHECK=1`` in the
+    environment turns it on at import. On CPU tensors these checks always run."""
+    global _VALUE_CHECKS
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_checks: enabled must be a bool, got {type(enabled).__name__}")
+    _VALUE_CHECKS = enabled
+
+
+def value_checks(t: torch.Tensor) -> bool:
+    """Whether an op should check the values of its input ``t`` (a host sync): always on
+    CPU tensors, on others when :func:`set_checks` is on; never while compiling or
+    capturing a CUDA graph."""
+    if torch.compiler.is_compiling():
+        return False
+    if t.device.type == "cpu":
+        return True
+    if not _VALUE_CHECKS:
+        return False
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def eager() -> bool:
     """False while ``torch.compile`` traces: ops then call their launches through their
     ``torch.library`` custom ops (opaque graph nodes) instead of launching directly (which

@@ -28,7 +28,8 @@ from typing import Any, Optional
 import torch
 
 from .. import tuning
-from .._dispatch import Plan, check_int, check_number, check_tensor, register_planner, select_impl
+from .._dispatch import (Plan, check_int, check_number, check_tensor, register_planner, select_impl,
+                         value_checks)
 from .._dispatch import eager as _eager
 from .._nvtx import nvtx_range
 from ..distributed.collectives import group_rank, group_size
@@ -471,12 +472,12 @@ def _resolve(logits, target, ignore_index, label_smoothing, z_loss, softcap, red
 
 
 def _check_targets(target: torch.Tensor, o: dict[str, Any]) -> None:
-    """Out-of-range targets raise on the CPU (on CUDA a check would sync with the host).
-
-    Not under ``torch.compile`` either: the check branches on tensor data, which a full
-    graph cannot; there a bad target gets the CUDA behaviour (loss +inf, zero gradient).
+    """Out-of-range targets raise on CPU tensors, and on CUDA ones with
+    ``lmfuse.set_checks(True)`` (a host sync). Not under ``torch.compile`` or CUDA-graph
+    capture: the check branches on tensor data; there a bad target gets the CUDA
+    behaviour (loss +inf, zero gradient).
     """
-    if target.device.type != "cpu" or target.numel() == 0 or torch.compiler.is_compiling():
+    if target.numel() == 0 or not value_checks(target):
         return
     t = target[target != o["ignore_index"]]
     bad = (t < 0) | (t >= o["vocab_size"])
