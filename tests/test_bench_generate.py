@@ -1,0 +1,54 @@
+"""``bench/generate.py --quick`` on the CPU: the smoke run of the generation benchmark (a
+tiny Llama, float32) writes the rows it promises -- the bandwidth floor, lmfuse's
+``Generator`` and HF ``generate`` with positive times, greedy tokens equal between them --
+labelled as a smoke run, not performance."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "generate.py"
+
+
+def load_bench():
+    # As ``lmfuse bench generate`` loads it: from its file, outside sys.modules.
+    spec = importlib.util.spec_from_file_location("lmfuse_bench_generate", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(120)
+def test_quick_run_writes_the_expected_rows(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "generate.json"
+    assert load_bench().main(["--quick", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "SMOKE RUN" in printed and "NOT performance" in printed
+    data = json.loads(out.read_text())
+    env, rows = data["environment"], data["results"]
+    assert env["smoke"] is True and env["kv_bytes_per_token"] == {"fp32": 2 * 2 * 2 * 16 * 4}
+    assert env["device"] == "cpu" and data["copy"]["tbps"] > 0
+    by = {(r["case"], r["impl"]): r for r in rows}
+    for batch in (1, 2):
+        step = f"decode step B{batch} P16 N8"
+        e2e = f"generate B{batch} P16 N8 (end to end)"
+        floor, lm = by[(step, "floor")], by[(step, "lmfuse")]
+        assert floor["ms"] > 0 and floor["tbps"] > 0
+        assert lm["ms"] > 0 and lm["ratio"] == 1.0 and "tok/s" in lm["note"]
+        assert by[(e2e, "lmfuse generate()")]["ms"] > 0
+        assert by[(e2e, "hf dynamic")]["ms"] > 0
+        hf = by[(step, "hf dynamic")]
+        assert (hf["ms"] or 0) > 0 or "noise" in hf["note"]
+        # float32: greedy tokens are the same as transformers' own
+        assert f"tokens = lmfuse's in {batch}/{batch}" in hf["note"]
+        for impl in ("hf static+compile", "hf generate_batch"):  # a row, run or failed
+            assert (step, impl) in by or (e2e, impl) in by
+    mixed = [r for r in rows if r["case"].startswith("mixed 6 req")]
+    assert {r["impl"] for r in mixed} >= {"lmfuse", "hf generate (batches of 4)"}
+    assert all(r["ms"] > 0 and "req/s" in r["note"] for r in mixed if r["impl"] == "lmfuse")
+    assert {t["impl"] for t in env["tokens_per_s"]} >= {"lmfuse", "hf dynamic"}
