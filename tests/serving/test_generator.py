@@ -286,3 +286,19 @@ def test_the_model_is_used_in_place_and_left_as_it_was() -> None:
     # The model's own forward is unchanged afterwards.
     assert hf_greedy(model, [4, 5, 6], 3) == want("qwen3", [4, 5, 6], 3)
     assert gen.bytes_per_token == 2 * 2 * 2 * 16 * 4
+
+
+def test_stats_bytes_per_token_and_close() -> None:
+    model = model_of("llama")
+    gen = Generator(model, block_len=4, num_blocks=32, impl="torch")
+    gen.generate(PROMPTS[:2], max_new_tokens=3, eos_token_id=[])
+    st = gen.stats
+    assert st["prefill_steps"] == 1 and st["decode_steps"] == 2 and st["preemptions"] == 0
+    assert st["free_blocks"] == st["num_blocks"] == 32 and st["cuda_graphs"] == 0
+    assert Generator.kv_bytes_per_token(model.config, torch.float32) == gen.bytes_per_token
+    assert Generator.kv_bytes_per_token(model.config, "fp8") == gen.bytes_per_token // 4
+    gen.add_request([1, 2], max_new_tokens=2)
+    gen.close()
+    assert not gen.has_unfinished() and not gen.cache.k_caches
+    with pytest.raises(RuntimeError, match="closed"):
+        gen.step()

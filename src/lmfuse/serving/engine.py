@@ -118,15 +118,48 @@ class Generator:
                                   batch_shards=batch_shards, scheduled=self._pool)
         self._requests: dict[int, Request] = {}
         self._next_rid = 0
+        self._steps = {"prefill": 0, "decode": 0}
+        self._closed = False
         gen = getattr(model, "generation_config", None)
         self._default_eos = getattr(gen, "eos_token_id", None) if gen is not None else None
 
-    # --- memory ---------------------------------------------------------------------------
+    # --- memory and state -------------------------------------------------------------------
 
     @property
     def bytes_per_token(self) -> int:
         """KV-cache bytes one token takes over all layers (K and V)."""
         return 2 * self.num_layers * self.kv_heads * self.head_dim * self.kv_dtype.itemsize
+
+    @staticmethod
+    def kv_bytes_per_token(config: Any, kv_dtype: Any = torch.bfloat16) -> int:
+        """:attr:`bytes_per_token` from a model config, before any Generator exists."""
+        heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        dim = int(getattr(config, "head_dim", None)
+                  or config.hidden_size // config.num_attention_heads)
+        return 2 * int(config.num_hidden_layers) * heads * dim * _kv_dtype(
+            kv_dtype, torch.bfloat16).itemsize
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Counters since construction: steps of each kind, preemptions, prompt tokens
+        taken from shared blocks, decode graphs captured and failed captures."""
+        return {"prefill_steps": self._steps["prefill"], "decode_steps": self._steps["decode"],
+                "preemptions": self.scheduler.preemptions,
+                "shared_prompt_tokens": self.scheduler.shared_tokens,
+                "cuda_graphs": len(self.runner._graphs),
+                "graph_failures": self.runner.graph_failures,
+                "free_blocks": self.cache.num_free_blocks, "num_blocks": self.cache.num_blocks}
+
+    def close(self) -> None:
+        """Drop every request, the captured graphs and the block pool (their memory goes back
+        to PyTorch's allocator); the Generator cannot be used afterwards."""
+        for rid in list(self._requests):
+            self.abort(rid)
+        self.runner._graphs.clear()
+        self.runner._pool = None
+        self.cache.k_caches.clear()
+        self.cache.v_caches.clear()
+        self._closed = True
 
     def _default_blocks(self, fraction: float) -> int:
         per_block = self.bytes_per_token * self.block_len
@@ -217,9 +250,12 @@ class Generator:
     def step(self) -> list[tuple[int, list[int], bool]]:
         """Run one prefill or decode step: ``[(request id, new token ids, finished)]`` for
         every request that advanced (finished ones are then forgotten)."""
+        if self._closed:
+            raise RuntimeError(f"{OP}: this Generator was closed")
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        self._steps[batch.kind] += 1
         reqs = batch.requests
         if batch.kind == "prefill":
             if self._calibrate:
