@@ -64,6 +64,7 @@ NOT_OPS: dict[str, str] = {
     "megatron.AttnMaskType": "an enum (FusedScaleMaskSoftmax's argument)",
     "KVCacheFullError": "an exception class",
     "Plan": "the record explain() returns",
+    "set_checks": "a switch of input checks (no tensors)",
     "explain": "host-side introspection: says which path a call takes, computes nothing",
     "plan_sharding": "host-side arithmetic on shapes (the parallel-decode planner)",
 }

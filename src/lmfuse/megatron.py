@@ -9,6 +9,9 @@ a fully masked row is zeros rather than uniform).
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import torch
 
 from . import activations as act
@@ -76,13 +79,37 @@ def scaled_softmax(inputs: torch.Tensor, scale: float) -> torch.Tensor:
 # --- cross-entropy -------------------------------------------------------------------------
 
 
+def default_tp_group(op: str) -> Any:
+    """The group an omitted ``tp_group`` means, as in Megatron-Core: its
+    ``parallel_state``'s tensor-parallel group when Megatron's model parallelism is
+    initialised; one rank (``None`` to lmfuse) when ``torch.distributed`` is not
+    initialised or has one rank. With several ranks and no Megatron state the default is
+    ambiguous (a tensor-parallel run would silently compute a wrong loss): ValueError."""
+    # Initialised Megatron state implies its module is imported: no import here (which
+    # torch.compile could not trace).
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is not None and parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_group()
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    raise ValueError(
+        f"{op}: tp_group was omitted with {dist.get_world_size()} ranks in torch.distributed "
+        "and Megatron-Core's parallel_state not initialised: in Megatron-Core an omitted group "
+        "is the tensor-parallel group of parallel_state, which does not exist here. Pass the "
+        "tensor-parallel group (or a group of one rank for a full vocabulary per rank)")
+
+
 def fused_vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor,
                                        target: torch.Tensor, tp_group=None) -> torch.Tensor:
     """Per-token loss ``[s, b]`` of ``logits [s, b, V_local]`` split over ``tp_group``.
 
     Megatron-Core's ``fused_vocab_parallel_cross_entropy``; one collective where it has two.
-    ``tp_group=None`` means one rank holding the whole vocabulary.
+    Megatron requires ``tp_group``; omitted here, it means what an omitted group means in
+    Megatron-Core (:func:`default_tp_group`: parallel_state's tensor-parallel group).
     """
+    if tp_group is None:
+        tp_group = default_tp_group("fused_vocab_parallel_cross_entropy")
     return cross_entropy(vocab_parallel_logits, target, reduction="none", tp_group=tp_group)
 
 
@@ -93,8 +120,11 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     Label smoothing follows Megatron's formula, ``smoothing = label_smoothing * V / (V - 1)``
     and ``loss = (1 - smoothing) * nll - smoothing * mean(log_probs)`` over the whole
     vocabulary ``V``, which is ``cross_entropy``'s (``F.cross_entropy``'s) smoothing with
-    ``smoothing`` in place of ``label_smoothing``. ``tp_group=None`` means one rank.
+    ``smoothing`` in place of ``label_smoothing``. ``tp_group=None`` means parallel_state's
+    tensor-parallel group, as in Megatron-Core (:func:`default_tp_group`).
     """
+    if tp_group is None:
+        tp_group = default_tp_group("vocab_parallel_cross_entropy")
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
         raise TypeError("vocab_parallel_cross_entropy: label_smoothing must be a float, got "
                         f"{type(label_smoothing).__name__}")
