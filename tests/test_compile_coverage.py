@@ -53,7 +53,8 @@ COMPILE_TESTS: dict[str, list[str]] = {
                     "scaled_softmax", "fused_vocab_parallel_cross_entropy",
                     "vocab_parallel_cross_entropy", "bias_gelu_impl", "bias_swiglu_impl",
                     "bias_geglu_impl", "weighted_bias_swiglu_impl",
-                    "weighted_bias_quick_geglu_impl", "weighted_squared_relu_impl")},
+                    "weighted_bias_quick_geglu_impl", "weighted_squared_relu_impl",
+                    "linear_cross_entropy")},
     "megatron.FusedScaleMaskSoftmax": [f"{HERE}::test_fused_scale_mask_softmax_module"],
 }
 
@@ -194,6 +195,9 @@ def _megatron_cases() -> list:
          [randn((s * b, 2 * f)), randn((2 * f,)), torch.rand(s * b, 1)]),
         ("weighted_squared_relu_impl", megatron.weighted_squared_relu_impl,
          [randn((s * b, f)), torch.rand(s * b, 1)]),
+        ("linear_cross_entropy",
+         lambda h, w: megatron.linear_cross_entropy(h, w, target, reduction="none"),
+         [randn((s, b, f)), randn((v, f))]),
     ]
 
 

@@ -16,6 +16,7 @@ import torch
 
 from . import activations as act
 from .cross_entropy import cross_entropy
+from .cross_entropy import linear_cross_entropy as _linear_cross_entropy
 from .softmax import AttnMaskType, FusedScaleMaskSoftmax, fused_softmax
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "bias_gelu_impl",
     "bias_swiglu_impl",
     "fused_vocab_parallel_cross_entropy",
+    "linear_cross_entropy",
     "scaled_masked_softmax",
     "scaled_softmax",
     "scaled_upper_triang_masked_softmax",
@@ -143,6 +145,65 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
             )
     return cross_entropy(vocab_parallel_logits, target, label_smoothing=smoothing,
                          reduction="none", tp_group=tp_group)
+
+
+class _GatherTokens(torch.autograd.Function):
+    """Sequence parallel: every rank's rows of ``[n_local, H]``, in rank order, from one
+    all-gather. Backward: this rank's rows of the gradient, which the vocabulary-parallel
+    loss has already summed over the group."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        from .distributed.collectives import all_gather_stacked, group_rank
+
+        ctx.rows, ctx.rank = x.shape[0], group_rank(group)
+        return all_gather_stacked(x, group).flatten(0, 1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows], None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         tp_group: Any = None, reduction: str = "mean", ignore_index: int = -100,
+                         sequence_parallel: bool = False) -> torch.Tensor:
+    """Megatron-Core's fused linear cross-entropy (``megatron.core.fusions.
+    fused_linear_cross_entropy.linear_cross_entropy``, ``dev`` branch): the loss of
+    ``hidden @ weight.T`` against ``labels``, never forming the logits.
+
+    Args, as Megatron's: ``hidden [..., H]`` (tokens flattened), ``weight [V_local, H]``
+    (with ``tp_group``, this rank's equal shard of the vocabulary), ``labels [...]`` (global
+    ids, the same on every rank), ``reduction`` ``"none" | "sum" | "mean"``,
+    ``ignore_index``. ``tp_group=None``: one rank (data parallel; Megatron's meaning here).
+    ``sequence_parallel=True``: ``hidden`` is this rank's equal shard of the tokens (rank
+    order), ``labels`` all of them; the ranks gather the hidden rows through ``tp_group``,
+    and each gets the gradient of its own rows.
+    Returns float32: the per-token loss ``[N]`` (flat, N the global token count) with
+    ``"none"``, else a scalar; the same on every rank.
+    """
+    op = "linear_cross_entropy"
+    if reduction not in ("none", "sum", "mean"):
+        raise ValueError(f"{op}: reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"{op}: sequence_parallel must be a bool, got "
+                        f"{type(sequence_parallel).__name__}")
+    if sequence_parallel and tp_group is None:
+        raise ValueError(f"{op}: sequence_parallel=True needs the tensor-parallel tp_group "
+                         "over which the tokens are split")
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
+        raise ValueError(f"{op}: hidden must be [..., H], got "
+                         f"{tuple(getattr(hidden, 'shape', ()))}")
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    if sequence_parallel:
+        rows = _GatherTokens.apply(rows, tp_group)
+    target = labels.reshape(-1)
+    if target.shape[0] != rows.shape[0]:
+        raise ValueError(f"{op}: labels hold {target.shape[0]} tokens but hidden "
+                         f"{'gathered over tp_group ' if sequence_parallel else ''}has "
+                         f"{rows.shape[0]}")
+    loss = _linear_cross_entropy(rows, weight, target, ignore_index=ignore_index,
+                                 reduction=reduction, tp_group=tp_group)
+    return loss.float()
 
 
 # --- activations (megatron/core/fusions/fused_bias_*.py, fused_weighted_squared_relu.py) ---
