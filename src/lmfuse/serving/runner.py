@@ -203,6 +203,28 @@ def _bucket(n: int, max_batch: int) -> int:
     return min(-(-n // 16) * 16, max(max_batch, n))
 
 
+@contextlib.contextmanager
+def _capturable_experts(config: Any) -> Iterator[None]:
+    """Mixture-of-experts layers whose default ``transformers`` implementation loops over
+    the experts hit by the batch (a host sync: ``nonzero``) run, while a graph is captured,
+    the ``"batched_mm"`` implementation (every token's chosen experts gathered and
+    multiplied in one batched product: no host sync), where the installed
+    ``transformers`` has it."""
+    saved = getattr(config, "_experts_implementation", None)
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+        usable = saved in (None, "eager") and "batched_mm" in ALL_EXPERTS_FUNCTIONS
+    except ImportError:
+        usable = False
+    if usable and hasattr(config, "_experts_implementation"):
+        config._experts_implementation = "batched_mm"
+    try:
+        yield
+    finally:
+        if usable and hasattr(config, "_experts_implementation"):
+            config._experts_implementation = saved
+
+
 class _DecodeGraph:
     """A decode forward of ``batch`` rows and ``width``-block tables, captured."""
 
@@ -224,13 +246,14 @@ class _DecodeGraph:
         # capture. The padding rows write nothing (block -1) and read nothing (length 0).
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            forward()
-            forward()
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.logits = forward()
+        with _capturable_experts(runner.config):
+            with torch.cuda.stream(stream):
+                forward()
+                forward()
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.logits = forward()
 
     def run(self, host: torch.Tensor, step: DecodeStep, n: int) -> torch.Tensor:
         host = host.to(self.ids.device, non_blocking=True)
