@@ -66,6 +66,8 @@ NOT_OPS: dict[str, str] = {
     "KVCacheFullError": "an exception class",
     "Plan": "the record explain() returns",
     "set_checks": "a switch of input checks (no tensors)",
+    "megatron.patch": "patches a Megatron-Core model's modules (the ops it calls have their own "
+                      "compile tests)",
     "explain": "host-side introspection: says which path a call takes, computes nothing",
     "plan_sharding": "host-side arithmetic on shapes (the parallel-decode planner)",
 }

@@ -182,7 +182,7 @@ def test_exports() -> None:
         "scaled_upper_triang_masked_softmax", "fused_vocab_parallel_cross_entropy",
         "vocab_parallel_cross_entropy", "bias_gelu_impl", "bias_swiglu_impl", "bias_geglu_impl",
         "weighted_bias_swiglu_impl", "weighted_bias_quick_geglu_impl",
-        "weighted_squared_relu_impl"}
+        "weighted_squared_relu_impl", "linear_cross_entropy", "patch"}
     for name in megatron.__all__:
         assert callable(getattr(megatron, name)), name
     assert megatron.FusedScaleMaskSoftmax is lmfuse.FusedScaleMaskSoftmax

@@ -17,6 +17,7 @@ import torch
 from . import activations as act
 from .cross_entropy import cross_entropy
 from .cross_entropy import linear_cross_entropy as _linear_cross_entropy
+from .integrations.megatron_core import patch
 from .softmax import AttnMaskType, FusedScaleMaskSoftmax, fused_softmax
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "bias_swiglu_impl",
     "fused_vocab_parallel_cross_entropy",
     "linear_cross_entropy",
+    "patch",
     "scaled_masked_softmax",
     "scaled_softmax",
     "scaled_upper_triang_masked_softmax",
