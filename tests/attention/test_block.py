@@ -337,18 +337,32 @@ def test_fused_stage_equals_reference(case) -> None:
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_fused_stage_skips_rows_without_a_slot(paged: bool) -> None:
-    """Rows past the capacity (contiguous) or in a -1 block (paged) are not written by the
-    kernel, the others are; the reference raises for them."""
+def test_fused_stage_skips_rows_without_a_slot(paged: bool,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows past the capacity (contiguous) or in a -1 block (paged) raise the same error on
+    both paths, before anything is written; with the value checks off (an unchecked CUDA
+    call) the kernel writes the rows that have a slot and nothing else."""
     qkv = randn((2, 2, (HQ + 2 * HKV) * D))
     if paged:  # seq 0: one block, then -1; seq 1: two blocks, then -1
         lens0, lens = [2, 4], torch.tensor([3, 8])  # seq 0 writes 3 and (-1 block) 4
         k_cache, v_cache, table = make_cache(lens0, [4, 8], torch.float32, True)
+        message = (r"qk_norm_rope_append: block_table\[0, 1\] = -1, but sequence 0's new "
+                   r"tokens go to positions 3..4")
     else:  # 8 rows per sequence: seq 1 writes 7 and (past the capacity) 8
         lens0, lens = [2, 4], torch.tensor([6, 7])
         k_cache, v_cache, table = make_cache(lens0, [8, 8], torch.float32, False)
+        message = (r"qk_norm_rope_append: sequence 1 holds cache_seqlens\[1\] = 7 tokens; its "
+                   r"2 new one\(s\) go up to position 8, past the capacity of 8 rows")
     before = k_cache.clone()
     kw: dict[str, Any] = dict(num_heads=HQ, num_kv_heads=HKV, block_table=table)
+    errors = set()
+    for impl in ("torch", "triton"):
+        with pytest.raises(ValueError, match=message) as info:
+            qk_norm_rope_append(qkv, k_cache, v_cache, lens, impl=impl, **kw)
+        errors.add(str(info.value))
+        assert torch.equal(k_cache.nan_to_num(7.0), before.nan_to_num(7.0)), impl
+    assert len(errors) == 1, errors
+    monkeypatch.setattr(lmfuse.attention.ops, "value_checks", lambda t: False)
     qk_norm_rope_append(qkv, k_cache, v_cache, lens, impl="triton", **kw)
     changed = (k_cache.nan_to_num(7.0) != before.nan_to_num(7.0)).any(-1).any(-1)
     if paged:
@@ -359,8 +373,6 @@ def test_fused_stage_skips_rows_without_a_slot(paged: bool) -> None:
         want[0, 6:8] = True
         want[1, 7] = True
     assert torch.equal(changed, want)
-    with pytest.raises(ValueError, match="-1" if paged else "do not fit"):
-        qk_norm_rope_append(qkv, k_cache, v_cache, lens, impl="torch", **kw)
 
 
 # --- validation -------------------------------------------------------------------------------

@@ -801,41 +801,94 @@ def test_append_fp8_saturates(layout: str, s_new: int, dtype: torch.dtype) -> No
     assert ((stored - want).abs() <= want.abs() / 16 + 2.0 ** -10).all(), "stored != x / scale"
 
 
-def test_append_past_capacity() -> None:
-    """Contiguous: positions past S_max are not written by the kernel; the reference raises."""
+def checks_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What an unchecked CUDA call does (``lmfuse.set_checks`` off): no value checks, the
+    kernels alone stand between bad values and memory."""
+    monkeypatch.setattr(ops, "value_checks", lambda t: False)
+
+
+def same_error(call: Callable[[str], Any], message: str) -> str:
+    """``call(impl)`` raises one ValueError, matching ``message``, on both paths; returns it."""
+    errors = []
+    for impl in ("torch", "triton"):
+        with pytest.raises(ValueError, match=message) as info:
+            call(impl)
+        errors.append(str(info.value))
+    assert errors[0] == errors[1], f"the paths disagree: {errors}"
+    return errors[0]
+
+
+def test_append_past_capacity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Contiguous: positions past S_max raise the same error on both paths, before anything
+    is written; with the checks off the kernel writes the rows that fit and nothing else."""
     k, v, k_new, v_new, _, _ = append_setup("contiguous", 3, F32, B=2, s_max=6)
     lens = torch.tensor([4, 6], dtype=I32)  # sequence 0: 4, 5 fit, 6 does not; sequence 1: none
     before_k, before_v = k.clone(), v.clone()
+    same_error(lambda impl: lmfuse.kv_cache_append(k, v, k_new, v_new, lens, impl=impl),
+               r"kv_cache_append: sequence 0 holds cache_seqlens\[0\] = 4 tokens; its 3 new "
+               r"one\(s\) go up to position 6, past the capacity of 6 rows per sequence")
+    assert_same_bits(k, before_k, "k_cache after a refused append")
+    checks_off(monkeypatch)
     lmfuse.kv_cache_append(k, v, k_new, v_new, lens, impl="triton")
     want_k, want_v = before_k.clone(), before_v.clone()
     want_k[0, 4:6], want_v[0, 4:6] = k_new[0, :2], v_new[0, :2]
     assert_same_bits(k, want_k, "k_cache")
     assert_same_bits(v, want_v, "v_cache")
-    with pytest.raises(ValueError, match="do not fit a cache of 6 rows"):
-        lmfuse.kv_cache_append(before_k, before_v, k_new, v_new, lens, impl="torch")
 
 
-def test_append_paged_past_capacity_and_unmapped_blocks() -> None:
-    """Paged: a token past max_blocks * block_len, or in a block whose id is -1, is not written
-    by the kernel (nothing else in the pool changes); the reference raises for both."""
+def test_append_paged_past_capacity_and_unmapped_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Paged: a token past max_blocks * block_len, or in a block whose id is -1 (after a
+    sequence's blocks) or outside the pool, raises the same error on both paths; with the
+    checks off the kernel skips exactly those rows (nothing else in the pool changes)."""
     k, v, k_new, v_new, _, table = append_setup("paged4", 3, F32, B=2, s_max=8)
     table = table[:, :2].contiguous()  # capacity 8
     table[1, 1] = -1  # sequence 1's positions 4.. are unmapped
     lens = torch.tensor([6, 3], dtype=I32)  # seq 0: 6, 7 fit, 8 past; seq 1: 3 fits, 4, 5 -1
     before_k = k.clone()
-    lmfuse.kv_cache_append(k, v, k_new, v_new, lens, block_table=table, impl="triton")
+
+    def append(impl: str, kc=k, table=table, lens=lens, rows=slice(None)) -> None:
+        lmfuse.kv_cache_append(kc, v, k_new[rows], v_new[rows], lens, block_table=table,
+                               impl=impl)
+
+    same_error(append, r"past the capacity of 8 rows per sequence: max_blocks \* block_len = 2 "
+                       r"\* 4")
+    same_error(lambda impl: append(impl, table=table[1:], lens=lens[1:], rows=slice(1, 2)),
+               r"block_table\[0, 1\] = -1, but sequence 0's new tokens go to positions 3..5, "
+               r"in its blocks 0..1")
+    outside = table.clone()
+    outside[1, 1] = k.shape[0]
+    same_error(lambda impl: append(impl, table=outside[1:], lens=lens[1:], rows=slice(1, 2)),
+               rf"block_table\[0, 1\] = {k.shape[0]}, .* in \[0, num_blocks={k.shape[0]}\)")
+    assert_same_bits(k, before_k, "k pool after refused appends")
+    checks_off(monkeypatch)
+    append("triton")
     want = before_k.clone()
     bl = 4
     for b, positions in ((0, (6, 7)), (1, (3,))):
         for i, p in enumerate(positions):
             want[int(table[b, p // bl]), p % bl] = k_new[b, i]
     assert_same_bits(k, want, "k pool")
-    with pytest.raises(ValueError, match="do not fit 2 blocks of 4"):
-        lmfuse.kv_cache_append(before_k.clone(), v.clone(), k_new, v_new, lens,
-                               block_table=table, impl="torch")
-    with pytest.raises(ValueError, match="block whose id is -1"):
-        lmfuse.kv_cache_append(before_k.clone(), v.clone(), k_new[1:], v_new[1:], lens[1:],
-                               block_table=table[1:], impl="torch")
+    kc = before_k.clone()
+    append("triton", kc=kc, table=outside)
+    # The same rows: sequence 1's positions 4, 5 fall in block num_blocks, skipped.
+    assert_same_bits(kc, want, "k pool, block id past the pool")
+
+
+def test_append_padding_rows_write_nothing() -> None:
+    """A paged row of only -1 is a padding row (a captured graph's spare rows, tokens another
+    CP rank owns): nothing is written for it, on both paths, with no error."""
+    k, v, k_new, v_new, lens, table = append_setup("paged4", 2, F32, B=3, s_max=8)
+    table[1] = -1
+    for impl in ("torch", "triton"):
+        kc, vc = k.clone(), v.clone()
+        lmfuse.kv_cache_append(kc, vc, k_new, v_new, lens, block_table=table, impl=impl)
+        want = k.clone()
+        for b in (0, 2):
+            L = int(lens[b])
+            for i in range(2):
+                p = L + i
+                want[int(table[b, p // 4]), p % 4] = k_new[b, i]
+        assert_same_bits(kc, want, f"{impl}: k pool")
 
 
 def test_append_then_decode() -> None:
@@ -1015,6 +1068,7 @@ def test_merge_bad_input_raises(make, kwargs, error: type[Exception], message: s
 def append_base(paged: bool = False) -> dict[str, Any]:
     kw = base_inputs(paged)
     kw.pop("q")
+    kw["cache_seqlens"] = torch.tensor([3, 7], dtype=I32)  # room for one more token each
     kw.update(k_new=randn((2, 1, 2, 16)), v_new=randn((2, 1, 2, 16)))
     return kw
 
@@ -1101,21 +1155,22 @@ def test_compile_fullgraph_decode_and_append() -> None:
 
 
 @pytest.mark.parametrize("paged", [False, True])
-def test_append_negative_length_never_writes(paged: bool) -> None:
-    """A negative cache_seqlens puts the new tokens before the cache: the kernel writes
-    nothing (no neighbouring sequence's rows), the reference raises."""
+def test_append_negative_length_never_writes(paged: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A negative cache_seqlens raises the same error on both paths; with the checks off the
+    kernel writes nothing for it (no neighbouring sequence's rows)."""
     k = torch.zeros(2, 4, 1, 16)
     table = torch.tensor([[1], [0]], dtype=torch.int32) if paged else None
     new = torch.ones(2, 1, 1, 16)
     lens = torch.tensor([0, -1], dtype=torch.int32)
+    same_error(lambda impl: lmfuse.kv_cache_append(k.clone(), k.clone(), new, new, lens,
+                                                   block_table=table, impl=impl),
+               r"kv_cache_append: cache_seqlens must be >= 0, got cache_seqlens\[1\] = -1")
+    checks_off(monkeypatch)
     kc, vc = k.clone(), k.clone()
     lmfuse.kv_cache_append(kc, vc, new, new, lens, block_table=table, impl="triton")
     written = (kc != 0).any(dim=(2, 3))
     row0 = (1, 0) if paged else (0, 0)  # sequence 0's position 0
     assert written[row0] and int(written.sum()) == 1
-    with pytest.raises(ValueError, match="cache_seqlens must be >= 0"):
-        lmfuse.kv_cache_append(k.clone(), k.clone(), new, new, lens, block_table=table,
-                               impl="torch")
 
 
 def test_mixed_kv_cache_dtypes_are_refused() -> None:

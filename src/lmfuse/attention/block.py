@@ -245,6 +245,21 @@ def _check_step(op: str, dtype: torch.dtype, B: int, s_active: int, Hq: int, Hkv
     return capacity
 
 
+def _check_step_values(op: str, path: str, s_active: int, k_cache, cache_seqlens, block_table,
+                       k_scale, v_scale, capacity: int, *, attend: bool) -> None:
+    """The values of a step, as ``ops`` checks them (when ``value_checks``, and always on the
+    reference path): the append of ``s_active`` rows at ``cache_seqlens``, and with
+    ``attend`` the attention over ``cache_seqlens + s_active`` tokens. Before anything is
+    written: a refused call leaves the cache as it was."""
+    force = path == "torch"
+    ops._check_append_values(op, cache_seqlens, k_cache, block_table, capacity, s_active,
+                             k_scale, v_scale, force=force)
+    if attend and ops._checking(cache_seqlens, force):
+        ops._check_decode_values(op, cache_seqlens, k_cache, block_table, capacity, None, None,
+                                 name="cache_seqlens + s_active",
+                                 lengths=cache_seqlens.long() + s_active, force=force)
+
+
 def _select(op: str, impl: str, device: torch.device, dtype: torch.dtype, k_cache,
             v_cache) -> str:
     path, _ = select_impl(op, impl, device)
@@ -392,8 +407,13 @@ def qk_norm_rope_append(
         rope_interleaved: pairs ``(2j, 2j + 1)`` (GPT-J) instead of ``(j, j + R/2)``.
         positions: ``[B, s_active]`` int rotary positions; default ``cache_seqlens[b] + i``.
     Returns:
-        ``q [B, s_active, Hq, D]`` in qkv's dtype. Rows past a cache's capacity, or in a
-        block whose id is -1, are not written on the Triton path (the reference raises).
+        ``q [B, s_active, Hq, D]`` in qkv's dtype.
+
+    The cache's values are checked as :func:`lmfuse.kv_cache_append` checks them (on CPU
+    tensors always, on CUDA ones with ``lmfuse.set_checks(True)``), before anything is
+    written; unchecked CUDA calls skip the rows that have no slot (past the capacity, at a
+    negative position, in a block outside ``[0, num_blocks)``). NaN and inf in ``qkv`` go
+    through (NaN stays NaN in an fp8 cache; inf saturates).
     """
     op = "qk_norm_rope_append"
     check_tensor(op, "qkv", qkv, ndim=3)
@@ -427,6 +447,8 @@ def qk_norm_rope_append(
                            dict(q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
                                 inv_freq=inv_freq))
     path = _select(op, impl, qkv.device, qkv.dtype, k_cache, v_cache)
+    _check_step_values(op, path, s_active, k_cache, cache_seqlens, block_table, k_scale, v_scale,
+                       capacity, attend=False)
     if path == "torch":
         return qk_norm_rope_append_reference(
             qkv, k_cache, v_cache, cache_seqlens, num_heads=Hq, num_kv_heads=Hkv,
@@ -502,8 +524,12 @@ class DecodeAttentionBlock(nn.Module):
     * ``cache_seqlens [B]``: tokens in each cache *before* this step. The step writes its
       keys and values at ``cache_seqlens[b] + i`` (in place) and attends over
       ``cache_seqlens + s_active`` tokens; it does not update ``cache_seqlens`` (add
-      ``s_active`` after the call). Reserve the room first: rows past the capacity, or in
-      a block whose id is -1, are not written on the Triton path (the reference raises).
+      ``s_active`` after the call). Reserve the room first: ``cache_seqlens[b] + s_active``
+      must be within the capacity and its blocks in ``[0, num_blocks)``; checked as
+      :func:`lmfuse.kv_cache_append` and :func:`lmfuse.decode_attention` check them (on
+      CPU tensors always, on CUDA ones with ``lmfuse.set_checks(True)``), before the cache
+      is written, with the same ``ValueError`` on both paths. Unchecked CUDA calls write
+      no row without a slot and read no block outside the pool.
     * ``positions [B, s_active]``: rotary positions; default ``cache_seqlens[b] + i``.
     * ``num_splits``: forwarded to :func:`lmfuse.decode_attention`.
     """
@@ -609,6 +635,8 @@ class DecodeAttentionBlock(nn.Module):
                                block_table, positions, k_scale, v_scale,
                                dict(weight=self.qkv.weight))
         path = _select(op, self.impl, x.device, x.dtype, k_cache, v_cache)
+        _check_step_values(op, path, s_active, k_cache, cache_seqlens, block_table, k_scale,
+                           v_scale, capacity, attend=True)
         if path == "triton" and torch.is_grad_enabled() and (
                 x.requires_grad or any(p.requires_grad for p in self.parameters())):
             raise ValueError(f"{op}: the Triton path is inference-only (decode attention has "

@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode_kernels import _kv_rows, _round_fp8
+from .decode_kernels import _kv_rows, _saturate_fp8
 
 
 @triton.jit
@@ -119,7 +119,7 @@ def qk_norm_rope_append_kernel(
 
         if FP8:
             # Correctly rounded division (as the reference's), then saturate at the format's
-            # largest finite value instead of rounding to NaN.
+            # largest finite value instead of rounding to NaN (NaN stays NaN).
             if HAS_K_SCALE:
                 ks = tl.load(K_SCALE + kvh).to(tl.float32)
                 y1 = tl.div_rn(y1, ks)
@@ -127,10 +127,10 @@ def qk_norm_rope_append_kernel(
                 yt = tl.div_rn(yt, ks)
             if HAS_V_SCALE:
                 v = tl.div_rn(v, tl.load(V_SCALE + kvh).to(tl.float32))
-            y1 = _round_fp8(tl.minimum(tl.maximum(y1, -fp8_max), fp8_max), FP8_MANT, FP8_MIN_EXP)
-            y2 = _round_fp8(tl.minimum(tl.maximum(y2, -fp8_max), fp8_max), FP8_MANT, FP8_MIN_EXP)
-            yt = _round_fp8(tl.minimum(tl.maximum(yt, -fp8_max), fp8_max), FP8_MANT, FP8_MIN_EXP)
-            v = _round_fp8(tl.minimum(tl.maximum(v, -fp8_max), fp8_max), FP8_MANT, FP8_MIN_EXP)
+            y1 = _saturate_fp8(y1, fp8_max, FP8_MANT, FP8_MIN_EXP)
+            y2 = _saturate_fp8(y2, fp8_max, FP8_MANT, FP8_MIN_EXP)
+            yt = _saturate_fp8(yt, fp8_max, FP8_MANT, FP8_MIN_EXP)
+            v = _saturate_fp8(v, fp8_max, FP8_MANT, FP8_MIN_EXP)
         # The row's width if it has a slot in the cache, else 0: every store below is then
         # masked off (a width, not `mask & ok`, which the interpreter mistypes for a scalar).
         width = tl.where(ok, D, 0)

@@ -16,9 +16,16 @@ and the cache append.
   output (and the LSE); with several each writes a float32 partial output normalised by
   its own denominator plus its LSE, and ``merge_kernel`` combines them.
 * ``merge_kernel``: one program per output row: ``lse = log(sum_p exp(lse_p))``, ``out =
-  sum_p exp(lse_p - lse) out_p``; partials with ``lse_p = -inf`` add nothing, and a row
-  with no finite partial gives zeros and ``-inf``. Strided over the partial index so it
-  serves the split-KV pass and ``merge_attention_states`` alike.
+  sum_p exp(lse_p - lse) out_p``; partials with ``lse_p = -inf`` add nothing, a row whose
+  partials are all such gives zeros and ``-inf``, a NaN or ``+inf`` one makes the row NaN.
+  Strided over the partial index so it serves the split-KV pass and
+  ``merge_attention_states`` alike.
+
+NaN and inf follow ``reference.py``'s rules with no extra work in the loops: the running
+maxima skip NaNs (max.f32) and NaN reaches the sums instead, which the end of each kernel
+reads (see there). Nothing is read or written outside the tensors whatever the lengths and
+block ids hold: lengths are clamped to ``[0, capacity]``, every load and store is masked by
+the position's range and the block id's ``[0, num_blocks)``.
 * ``append_kernel``: one program per ``(sequence, new token)``, writing its K and V rows
   for all KV heads at position ``cache_seqlens[b] + i`` (contiguous or paged; quantised
   to fp8 as ``x / scale`` when the cache is fp8).
@@ -81,7 +88,10 @@ def decode_kernel(
     split = tl.program_id(1)
     b = pid // num_kv_heads
     kvh = pid % num_kv_heads
-    L = tl.load(SEQLENS + b).to(tl.int32)
+    # Lengths are checked on the host only when value checks are on: an unchecked one past
+    # the capacity is read as the capacity, a negative one as 0, so every position below
+    # stays in [-S_ACT, capacity] (no int32 wrap, no key outside the sequence's rows).
+    L = tl.minimum(tl.maximum(tl.load(SEQLENS + b), 0), capacity).to(tl.int32)
 
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = rows // GROUP
@@ -165,6 +175,9 @@ def decode_kernel(
         if HAS_WINDOW:
             seen = seen & (offs[None, :] >= pos[:, None] - window)
         s = tl.where(seen, s, float("-inf"))
+        # The running max skips NaNs (max.f32, as tl.max does): a NaN score, or a NaN sink,
+        # reaches l_sum and acc through p or alpha instead, and a +inf one makes m = +inf
+        # and p (inf - inf) NaN; the end of the kernel reads the row's state from both.
         m_new = tl.maximum(m, tl.max(s, 1))
         # A row that has seen nothing yet keeps m = -inf; subtracting 0 then keeps exp2 at 0
         # instead of exp2(-inf - -inf) = NaN.
@@ -173,8 +186,15 @@ def decode_kernel(
         alpha = tl.exp2(m - m_ref)
         l_sum = l_sum * alpha + tl.sum(p, 1)
 
+        # p is 0 for a key a row does not see, but 0 * NaN is NaN in the dot: value rows no
+        # active token sees (before every row's window; past the length) are not loaded.
+        # (A row seen by one active token and not another still reaches both: see
+        # ``decode_attention``.)
+        v_ok = kv_ok
+        if HAS_WINDOW:
+            v_ok = v_ok & (offs >= lo)
         v = tl.load(v_base + kv_rows[:, None] + d[None, :],
-                    mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+                    mask=v_ok[:, None] & d_ok[None, :], other=0.0)
         v = v.to(q.dtype)
         if WIDEN_V_FIRST:
             v = _widened_here(v)
@@ -185,12 +205,18 @@ def decode_kernel(
         acc = acc * alpha[:, None] + pv
         m = m_new
 
-    has = l_sum > 0.0
-    out = acc / tl.where(has, l_sum, 1.0)[:, None]
+    # l_sum is 0 for a row that saw nothing (zeros, lse = -inf), NaN for one that saw a NaN
+    # logit or a +inf one, and m = +inf exactly when it saw a +inf logit (lse = +inf, which
+    # wins over NaN as in merge_kernel). The output is NaN wherever the LSE is NaN or +inf:
+    # the softmax is undefined there, and a merge of the partials gives the same.
+    empty = l_sum == 0.0
+    out = acc / tl.where(empty, 1.0, l_sum)[:, None]
     if HAS_V_SCALE:
         out = out * tl.load(V_SCALE + kvh).to(tl.float32)
-    lse = tl.where(has, (m + tl.log2(tl.where(has, l_sum, 1.0))) * 0.6931471805599453,
-                   float("-inf"))
+    lse = tl.where(empty, float("-inf"),
+                   (m + tl.log2(tl.where(empty, 1.0, l_sum))) * 0.6931471805599453)
+    lse = tl.where(m == float("inf"), float("inf"), lse)
+    out = tl.where(((lse != lse) | (lse == float("inf")))[:, None], float("nan"), out)
 
     o_row = q_row * num_splits + split
     o_ptr = OUT + o_row[:, None] * D + d[None, :]
@@ -216,10 +242,13 @@ def merge_kernel(
     parts = tl.arange(0, BLOCK_P).to(tl.int64)
     lses = tl.load(LSES + parts * stride_lp + r * stride_lr, mask=parts < num_parts,
                    other=float("-inf")).to(tl.float32)
+    # top skips NaNs (max.f32); a NaN or +inf LSE makes total NaN (exp(NaN), exp(inf - inf)),
+    # hence every weight and the output NaN; only partials with lse_p = -inf are left out.
     top = tl.max(lses, 0)
     top_ref = tl.where(top == float("-inf"), 0.0, top)
     total = tl.sum(tl.exp(lses - top_ref), 0)
-    inv_total = 1.0 / tl.where(total > 0.0, total, 1.0)
+    empty = total == 0.0
+    inv_total = 1.0 / tl.where(empty, 1.0, total)
     d = col * BLOCK_D + tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_D], tl.float32)
     for p0 in range(0, num_parts, CHUNK_P):
@@ -228,15 +257,18 @@ def merge_kernel(
         ok = pp < num_parts
         lse_p = tl.load(LSES + pp * stride_lp + r * stride_lr, mask=ok,
                         other=float("-inf")).to(tl.float32)
-        w = tl.exp(lse_p - top_ref) * inv_total  # 0 for an empty partial
+        w = tl.exp(lse_p - top_ref) * inv_total
         o = tl.load(OUTS + pp[:, None] * stride_op + r * stride_or + d[None, :],
                     mask=ok[:, None] & (d < D)[None, :], other=0.0)
-        acc += tl.sum(tl.where(w[:, None] > 0.0, w[:, None] * o.to(tl.float32), 0.0), 0)
+        # An empty partial (lse_p = -inf) adds nothing, whatever its output holds; any other
+        # adds w * o, so a NaN in its output stays visible even where w underflows to 0.
+        acc += tl.sum(tl.where((lse_p == float("-inf"))[:, None], 0.0,
+                               w[:, None] * o.to(tl.float32)), 0)
     o_ptr = OUT + r * D + d
     tl.store(o_ptr, acc.to(OUT.dtype.element_ty), mask=d < D)
     if WRITE_LSE:
-        lse = tl.where(total > 0.0, top_ref + tl.log(tl.where(total > 0.0, total, 1.0)),
-                       float("-inf"))
+        lse = tl.where(empty, float("-inf"), top_ref + tl.log(tl.where(empty, 1.0, total)))
+        lse = tl.where(top == float("inf"), float("inf"), lse)
         if col == 0:
             tl.store(LSE + r, lse)
 
@@ -259,12 +291,19 @@ def _round_fp8(x, FP8_MANT: tl.constexpr, FP8_MIN_EXP: tl.constexpr):
 
 
 @triton.jit
-def _saturate_e4m3(x):
-    """float32 ``x`` as an e4m3 value (still float32): saturated at e4m3's largest finite
-    value, +-448, instead of rounding to NaN, and rounded to e4m3 (3 mantissa bits,
-    smallest normal exponent -6) exactly, ties to even; NaN stays NaN."""
-    r = _round_fp8(tl.minimum(tl.maximum(x, -448.0), 448.0), 3, -6)
+def _saturate_fp8(x, fp8_max, FP8_MANT: tl.constexpr, FP8_MIN_EXP: tl.constexpr):
+    """float32 ``x`` as a value of the fp8 format (still float32): saturated at its largest
+    finite value ``fp8_max`` instead of rounding to NaN, and rounded exactly (see
+    ``_round_fp8``); NaN stays NaN (the clamp alone would turn it into ``-fp8_max``:
+    max.f32 skips NaNs)."""
+    r = _round_fp8(tl.minimum(tl.maximum(x, -fp8_max), fp8_max), FP8_MANT, FP8_MIN_EXP)
     return tl.where(x != x, x, r)
+
+
+@triton.jit
+def _saturate_e4m3(x):
+    """``_saturate_fp8`` for e4m3: +-448, 3 mantissa bits, smallest normal exponent -6."""
+    return _saturate_fp8(x, 448.0, 3, -6)
 
 
 @triton.jit

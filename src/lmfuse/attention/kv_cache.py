@@ -75,9 +75,12 @@ class PagedKVCache:
         k_scales, v_scales: per layer ``[kv_heads]`` float tensors (fp8), or ``None``.
 
     Sequences are ints from :meth:`add_sequence` (or :meth:`fork`); unknown ids raise
-    ``ValueError``. Blocks are reference-counted: a forked sequence shares its parent's
-    blocks until one of them writes into a shared, partially filled last block, which is
-    then copied first (copy-on-write); full blocks stay shared.
+    ``ValueError``. :meth:`append` and :meth:`attention` check the step's values as
+    :func:`lmfuse.kv_cache_append` and :func:`lmfuse.decode_attention` do (on CPU tensors
+    always, on CUDA ones with ``lmfuse.set_checks(True)``) and raise their errors. Blocks
+    are reference-counted: a forked sequence shares its parent's blocks until one of them
+    writes into a shared, partially filled last block, which is then copied first
+    (copy-on-write); full blocks stay shared.
     """
 
     def __init__(self, num_blocks: int, block_len: int, kv_heads: int, head_dim: int,

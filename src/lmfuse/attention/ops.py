@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from .. import tuning
 from .._dispatch import eager as _eager
 from .._dispatch import (Plan, check_int, check_number, check_same_device, check_tensor,
-                         interpreter_active, register_planner, select_impl)
+                         interpreter_active, register_planner, select_impl, value_checks)
 from .._nvtx import nvtx_range
 from . import reference as ref
 
@@ -104,8 +104,132 @@ def _check_scales(op: str, k_scale, v_scale, Hkv: int, cache_dtype) -> None:
                                  f"got {tuple(s.shape)}")
 
 
+# --- value checks ------------------------------------------------------------------------
+#
+# The contract on the inputs' values, one for both paths: run whenever
+# ``value_checks(tensor)`` is True (always on CPU tensors; on CUDA ones with
+# ``lmfuse.set_checks(True)`` / ``LMFUSE_CHECK=1``, never while compiling or capturing), and
+# on the reference path on any device (it reads the lengths on the host anyway, and would
+# index out of range instead). All the conditions of a call are reduced on the device and
+# read back in one host sync; the details of a failure are read only then. Without them the
+# kernels stay in bounds (see the ops' docstrings for what they skip).
+
+_Check = tuple[torch.Tensor, Callable[[Any], str]]
+
+
+def _raise_first(checks: list[_Check]) -> None:
+    """``checks``: ``(bad, message)`` pairs, ``bad`` a bool tensor (True where a value breaks
+    the contract) and ``message(index)`` the error for its first bad index (a tuple for a
+    multi-dimensional ``bad``). Raises ``ValueError`` for the first check that fails."""
+    if not checks:
+        return
+    failed = torch.stack([bad.any() for bad, _ in checks]).tolist()  # the one host sync
+    for (bad, message), fail in zip(checks, failed):
+        if fail:
+            first = bad.nonzero()[0].tolist()
+            raise ValueError(message(first[0] if len(first) == 1 else tuple(first)))
+
+
+def _capacity(k_cache, block_table, capacity: int) -> str:
+    if block_table is None:
+        return f"{capacity} rows per sequence: the caches' S_max"
+    return (f"{capacity} rows per sequence: max_blocks * block_len = {block_table.shape[1]} "
+            f"* {k_cache.shape[1]}")
+
+
+def _scale_checks(op: str, k_scale, v_scale) -> list[_Check]:
+    checks = []
+    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if sc is not None:
+            checks.append((~(torch.isfinite(sc) & (sc > 0)), lambda h, name=name, sc=sc: (
+                f"{op}: {name} must be finite and > 0 (an fp8 cache's dequantisation scale "
+                f"per KV head), got {name}[{h}] = {float(sc[h])}")))
+    return checks
+
+
+def _block_checks(op: str, block_table, num_blocks: int, first, stop, rows,
+                  why: Callable[[int], str]) -> list[_Check]:
+    """Block ids in columns ``[first[b], stop[b])`` of the rows ``rows [B]`` (bool) must be
+    blocks of the pool; ``why(b)`` says why sequence ``b`` uses those columns."""
+    cols = torch.arange(block_table.shape[1], device=block_table.device)[None, :]
+    used = rows[:, None] & (cols >= first[:, None]) & (cols < stop[:, None])
+    ids = block_table.long()
+    bad = used & ((ids < 0) | (ids >= num_blocks))
+
+    def message(at: tuple[int, int]) -> str:
+        b, j = at
+        return (f"{op}: block_table[{b}, {j}] = {int(ids[b, j])}, but {why(b)}: their ids "
+                f"must be blocks of the pool, in [0, num_blocks={num_blocks}) (-1 pads a row "
+                f"only after the blocks a sequence uses)")
+
+    return [(bad, message)]
+
+
+def _checking(t: torch.Tensor, force: bool) -> bool:
+    """Whether to check values: ``value_checks(t)``, or ``force`` (the reference path) unless
+    compiling."""
+    return value_checks(t) or (force and not torch.compiler.is_compiling())
+
+
+def _check_decode_values(op: str, cache_seqlens, k_cache, block_table, capacity: int,
+                         k_scale, v_scale, *, name: str = "cache_seqlens",
+                         lengths: Optional[torch.Tensor] = None, force: bool = False) -> None:
+    """What decode attention reads: ``0 <= lengths[b] <= capacity``, the blocks holding a
+    sequence's ``lengths[b]`` tokens in the pool, fp8 scales finite and > 0. ``lengths``
+    (default ``cache_seqlens``) is named ``name`` in messages."""
+    if not _checking(cache_seqlens, force):
+        return
+    L = (cache_seqlens if lengths is None else lengths).long()
+    checks: list[_Check] = [((L < 0) | (L > capacity), lambda b: (
+        f"{op}: {name} must be in [0, {capacity}] ({_capacity(k_cache, block_table, capacity)}"
+        f"), got {name}[{b}] = {int(L[b])}"))]
+    if block_table is not None:
+        block_len = k_cache.shape[1]
+        stop = (L.clamp(0, capacity) + block_len - 1) // block_len
+        checks += _block_checks(
+            op, block_table, k_cache.shape[0], torch.zeros_like(stop), stop,
+            torch.ones_like(stop, dtype=torch.bool),
+            lambda b: f"sequence {b}'s {int(L[b])} tokens lie in its first {int(stop[b])} blocks")
+    checks += _scale_checks(op, k_scale, v_scale)
+    _raise_first(checks)
+
+
+def _check_append_values(op: str, cache_seqlens, k_cache, block_table, capacity: int,
+                         s_new: int, k_scale, v_scale, *, force: bool = False) -> None:
+    """What an append writes: ``cache_seqlens[b] >= 0`` and ``cache_seqlens[b] + s_new <=
+    capacity``, the blocks of those positions in the pool, fp8 scales finite and > 0. A
+    paged row of only -1 is a padding row (nothing is written: padded batches, tokens another
+    rank owns): only its length's sign is checked."""
+    if not _checking(cache_seqlens, force):
+        return
+    L = cache_seqlens.long()
+    live = torch.ones_like(L, dtype=torch.bool)
+    if block_table is not None and block_table.shape[1]:
+        live = (block_table != -1).any(dim=1)
+    checks: list[_Check] = [
+        (L < 0, lambda b: f"{op}: cache_seqlens must be >= 0, got cache_seqlens[{b}] = "
+                          f"{int(L[b])}"),
+        (live & (L + s_new > capacity), lambda b: (
+            f"{op}: sequence {b} holds cache_seqlens[{b}] = {int(L[b])} tokens; its {s_new} "
+            f"new one(s) go up to position {int(L[b]) + s_new - 1}, past the capacity of "
+            f"{_capacity(k_cache, block_table, capacity)}; reserve space first"))]
+    if block_table is not None and s_new:
+        block_len = k_cache.shape[1]
+        first = L.clamp(0, capacity) // block_len
+        stop = ((L + s_new - 1).clamp(0, max(capacity - 1, 0)) // block_len) + 1
+        checks += _block_checks(
+            op, block_table, k_cache.shape[0], first, stop, live,
+            lambda b: (f"sequence {b}'s new tokens go to positions {int(L[b])}.."
+                       f"{int(L[b]) + s_new - 1}, in its blocks {int(first[b])}.."
+                       f"{int(stop[b]) - 1} (reserve them first; a row of only -1 is a "
+                       f"padding row, written nowhere)"))
+    checks += _scale_checks(op, k_scale, v_scale)
+    _raise_first(checks)
+
+
 def _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_size, sinks,
-             k_scale, v_scale, return_lse, num_splits, impl, softcap=None) -> dict[str, Any]:
+             k_scale, v_scale, return_lse, num_splits, impl, softcap=None, *,
+             check_values: bool = True) -> dict[str, Any]:
     op = "decode_attention"
     check_tensor(op, "q", q, ndim=4)
     B, s_active, Hq, D = q.shape
@@ -140,6 +264,9 @@ def _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_size
             raise TypeError(f"{op}: impl='triton' runs float32/float16/bfloat16 queries, got "
                             f"{_dt(q.dtype)}; use impl='torch'")
         path, reason = "torch", f"{_dt(q.dtype)} queries: the reference"
+    if check_values:
+        _check_decode_values(op, cache_seqlens, k_cache, block_table, capacity, k_scale,
+                             v_scale, force=path == "torch")
     if path == "triton" and torch.is_grad_enabled() and (
             q.requires_grad or (sinks is not None and sinks.requires_grad)):
         raise ValueError(f"{op}: the Triton path has no backward (decode attention is an "
@@ -298,7 +425,7 @@ def _launch_merge(outs, lses, out, lse, num_warps: int = 4) -> None:
     P, R, D = outs.shape
     if R == 0 or D == 0:
         if lse is not None and R:
-            lse.copy_(torch.logsumexp(lses.float(), 0))
+            lse.copy_(ref.logsumexp(lses.float(), 0))
         return
     cols = min(_pow2(D, 16), _MERGE_COLUMNS)
     _kernels().merge_kernel[(R, _cdiv(D, cols))](
@@ -357,6 +484,9 @@ def _append_op(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor
                v_new: torch.Tensor, cache_seqlens: torch.Tensor,
                block_table: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
                v_scale: Optional[torch.Tensor], capacity: int) -> None:
+    # Traced calls skip the checks at the boundary; the compiled graph runs them here.
+    _check_append_values("kv_cache_append", cache_seqlens, k_cache, block_table, capacity,
+                         k_new.shape[1], k_scale, v_scale)
     _launch_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale,
                    v_scale, capacity)
 
@@ -410,15 +540,18 @@ def decode_attention(
             block_len, Hkv, D]`` with ``block_table``; q's dtype or ``float8_e4m3fn`` (value =
             stored * scale). ``Hq`` must be a multiple of ``Hkv`` (GQA: query head ``h``
             reads KV head ``h // (Hq // Hkv)``; each KV head is read once for its group).
-        cache_seqlens: ``[B]`` int32/int64, tokens in each cache (active ones included); 0
-            gives zeros (and ``lse = -inf``, or the sink's logit with ``sinks``).
-            Must not exceed the capacity (``S_max``, or
-            ``max_blocks * block_len``): keys past it are never read.
-        block_table: ``[B, max_blocks]`` int32 block ids, padded with -1 (never read).
+        cache_seqlens: ``[B]`` int32/int64, tokens in each cache (active ones included), in
+            ``[0, capacity]`` (``S_max``, or ``max_blocks * block_len``); 0 gives zeros (and
+            ``lse = -inf``, or the sink's logit with ``sinks``). A token whose position
+            ``cache_seqlens[b] - s_active + i`` is negative sees no key (likewise).
+        block_table: ``[B, max_blocks]`` int32 block ids: the first ``ceil(cache_seqlens[b]
+            / block_len)`` of row ``b`` in ``[0, num_blocks)``, then anything (-1 by
+            convention; never read).
         scale: of ``q . k``; default ``1 / sqrt(D)``.
         window_size: ``w``: a token at position ``p`` sees keys ``p - w .. p``.
-        sinks: ``[Hq]`` per-head sink logits, added to the softmax denominator.
-        k_scale, v_scale: ``[Hkv]`` dequantisation scales of an fp8 cache.
+        sinks: ``[Hq]`` per-head sink logits, added to the softmax denominator (``-inf``:
+            no sink).
+        k_scale, v_scale: ``[Hkv]`` dequantisation scales of an fp8 cache, finite and > 0.
         return_lse: also return the natural-log LSE ``[B, s_active, Hq]`` float32 (sink
             included), mergeable by :func:`merge_attention_states`.
         num_splits: force the number of key splits (flash-decoding); default: chosen from
@@ -427,6 +560,25 @@ def decode_attention(
             (Gemma 2's attention-logit soft-capping); sinks are not capped.
     Returns:
         ``out [B, s_active, Hq, D]`` in q's dtype, and ``lse`` with ``return_lse``.
+
+    NaN and inf propagate as in PyTorch's ``softmax(q k^T * scale + mask) v`` (the
+    reference's module docstring has the rules): a NaN query head, a NaN key or value the
+    token sees, a NaN or ``+inf`` sink give NaN for that token (``lse`` NaN, or ``+inf``
+    for a ``+inf`` logit); ``-inf`` scores and sinks add nothing. Cache rows a token does
+    not see never reach it; on the Triton path one exception: a NaN or inf *value* row seen
+    by one active token of a sequence also reaches the other active tokens of that sequence
+    and KV head that do not see it (causal order among the ``s_active`` tokens, their
+    windows' different starts: ``0 * NaN`` in the probabilities-times-values product).
+
+    Values are checked (``ValueError`` naming the argument, the same on both paths) on CPU
+    tensors and on the reference path always, on CUDA tensors when
+    ``lmfuse.set_checks(True)`` (or ``LMFUSE_CHECK=1``; one host synchronisation per call;
+    never while compiling or capturing a CUDA graph): ``cache_seqlens`` in ``[0,
+    capacity]``, the block ids a sequence reads in ``[0, num_blocks)``, fp8 scales finite
+    and > 0. Unchecked CUDA calls never read outside the tensors: a length past the capacity
+    is read as the capacity and a negative one as 0; keys in a block whose id is outside
+    ``[0, num_blocks)`` (-1 included) are skipped, as if masked out; scales are used as given
+    (a zero ``k_scale`` makes every score 0, a zero ``v_scale`` the output 0).
     """
     s = _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_size, sinks,
                  k_scale, v_scale, return_lse, num_splits, impl, softcap)
@@ -486,7 +638,8 @@ def decode_attention_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     parallel ops' form of a partial): one flat tensor of ``R * (D + 1)`` values, the
     outputs ``[R, D]`` then the LSEs ``[R]`` (``R = B * s_active * Hq`` rows in
     ``[B, s_active, Hq]`` order), float32 (float64 for float64 ``q``). On the Triton path
-    the kernels write it directly: no copy of the output, no cast, no concatenation."""
+    the kernels write it directly: no copy of the output, no cast, no concatenation. Inputs,
+    their checks and NaN/inf as for :func:`decode_attention`."""
     s = _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, None, sinks,
                  k_scale, v_scale, True, num_splits, impl, softcap)
     B, S, Hq, D = q.shape
@@ -544,6 +697,12 @@ def merge_attention_states(outs: torch.Tensor, lses: torch.Tensor, *,
         ``(out [..., D]`` in ``out_dtype``, ``lse [...]`` float32 (float64 for float64
         lses)), with ``out = sum_p exp(lse_p - lse) out_p`` and ``lse = log(sum_p
         exp(lse_p))``; rows where every partial is empty give zeros and ``-inf``.
+
+    NaN and inf stay visible on both paths: a NaN or ``+inf`` partial LSE gives a NaN
+    output and a NaN (or, with a ``+inf`` one, ``+inf``) LSE; a NaN in the output of a
+    partial whose LSE is not ``-inf`` gives NaN (even where its weight underflows to 0); a
+    partial with ``lse_p = -inf`` adds nothing, whatever its output holds. No values are
+    checked (any values are valid).
     """
     path, _ = _resolve_merge(outs, lses, impl)
     if out_dtype is not None and (not isinstance(out_dtype, torch.dtype)
@@ -592,10 +751,25 @@ def kv_cache_append(
             [Hkv]``, default 1).
         k_new, v_new: ``[B, s_new, Hkv, D]``; token ``i`` goes to position
             ``cache_seqlens[b] + i``.
-        cache_seqlens: ``[B]`` the lengths *before* the append (not updated here).
-    Positions past the capacity, or in a block whose id is -1, are not written on the
-    Triton path (the reference raises for them): reserve space first (``PagedKVCache``
-    does, and raises when the pool is exhausted).
+        cache_seqlens: ``[B]`` the lengths *before* the append (not updated here), with
+            ``0 <= cache_seqlens[b]`` and ``cache_seqlens[b] + s_new <= capacity``
+            (``S_max``, or ``max_blocks * block_len``).
+        block_table: ``[B, max_blocks]``: the blocks the new positions fall in must be in
+            ``[0, num_blocks)``. A row of only -1 is a *padding row*: nothing is written
+            for it (padded batches of a captured CUDA graph, tokens another context-parallel
+            rank owns) and only its length's sign is checked.
+        k_scale, v_scale: finite and > 0.
+
+    Values are checked (``ValueError`` naming the argument, the same on both paths, before
+    anything is written) on CPU tensors and on the reference path always, on CUDA tensors
+    when ``lmfuse.set_checks(True)`` (or ``LMFUSE_CHECK=1``; one host synchronisation;
+    never while compiling or capturing a CUDA graph). Unchecked CUDA calls never write outside
+    the caches: a new row at a negative position, past the capacity, or in a block whose id
+    is outside ``[0, num_blocks)`` is not written (the others are); an fp8 scale of 0 stores
+    +-448 (``x / 0`` saturated, NaN for ``x = 0``), a negative one flips the sign, a NaN one
+    stores NaN. Reserve space first (``PagedKVCache`` does, and raises when the pool is
+    exhausted). NaN and inf in the new rows are stored as they are (inf saturates to +-448
+    in an fp8 cache; NaN stays NaN).
     """
     op = "kv_cache_append"
     check_tensor(op, "k_new", k_new, ndim=4)
@@ -620,6 +794,8 @@ def kv_cache_append(
             raise TypeError(f"{op}: impl='triton' appends float32/float16/bfloat16 rows, got "
                             f"{_dt(k_new.dtype)}; use impl='torch'")
         path = "torch"
+    _check_append_values(op, cache_seqlens, k_cache, block_table, capacity, s_new, k_scale,
+                         v_scale, force=path == "torch")
     with nvtx_range("kv_cache_append", "fwd"):
         if path == "torch":
             ref.kv_cache_append_reference(k_cache, v_cache, k_new, v_new, cache_seqlens,
@@ -627,7 +803,9 @@ def kv_cache_append(
                                           v_scale=v_scale)
             return None
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if c.stride(3) != 1 or c.stride(2) != D:
+            # The kernel writes a row's Hkv * D values as one run (strides of size-1 dims, and
+            # of a call that writes nothing, do not matter).
+            if B * s_new and ((c.stride(3) != 1 and D > 1) or (c.stride(2) != D and Hkv > 1)):
                 raise ValueError(f"{op}: {name}'s heads and head dims must be contiguous (strides "
                                  f"[.., {D}, 1]), got strides {tuple(c.stride())}")
         k_new = k_new if k_new.stride(3) == 1 and k_new.stride(2) == D else k_new.contiguous()
@@ -649,12 +827,18 @@ def kv_cache_append(
 # --- explain ----------------------------------------------------------------------------------
 
 
-@register_planner("decode_attention")
 def plan_decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, scale=None,
                           window_size=None, sinks=None, k_scale=None, v_scale=None,
-                          return_lse=False, num_splits=None, impl="auto", softcap=None) -> Plan:
+                          return_lse=False, num_splits=None, impl="auto", softcap=None,
+                          check_values: bool = False) -> Plan:
+    """The plan of a :func:`decode_attention` call: every check of its arguments' shapes,
+    dtypes and devices, and with ``check_values`` of their values too (as the op runs them:
+    on CPU tensors and the reference path always, on CUDA ones with ``set_checks``).
+    ``lmfuse.explain`` checks the values; the parallel ops' own validation (which checks the
+    lengths against their layouts first) calls this without."""
     s = _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_size, sinks,
-                 k_scale, v_scale, return_lse, num_splits, impl, softcap)
+                 k_scale, v_scale, return_lse, num_splits, impl, softcap,
+                 check_values=check_values)
     B, S, Hq, Hkv, D = s["B"], s["s_active"], s["Hq"], s["Hkv"], s["D"]
     cache = (f"paged [{k_cache.shape[0]} blocks x {k_cache.shape[1]}] x {block_table.shape[1]}"
              f" blocks per sequence" if s["paged"] else f"contiguous, S_max {k_cache.shape[1]}")
@@ -670,6 +854,11 @@ def plan_decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=Non
         if s["splits"] > 1:
             details["merge"] = "partials (float32) merged by their LSEs in a second kernel"
     return Plan("decode_attention", s["path"], s["reason"], details, s)
+
+
+@register_planner("decode_attention")
+def _explain_decode_attention(*args: Any, **kwargs: Any) -> Plan:
+    return plan_decode_attention(*args, **kwargs, check_values=True)
 
 
 @register_planner("merge_attention_states")

@@ -12,6 +12,17 @@ The log-sum-exp returned is the log of the output's softmax denominator, sink in
 ``out = sum_j exp(s_j - lse) v_j``. That makes partial results over disjoint key sets
 mergeable exactly (:func:`merge_attention_states_reference`), with the sink counted in one
 of them. A token that sees no key (and has no sink) gets zeros and ``lse = -inf``.
+
+NaN and inf stay visible, as in ``softmax(q k^T * scale + mask) v`` computed by PyTorch:
+
+* ``lse`` is :func:`logsumexp` of the token's logits (the scores of the keys it sees, and
+  its sink): NaN if one is NaN, ``+inf`` if one is ``+inf`` (even beside a NaN: the
+  kernels' running maximum skips NaNs), ``-inf`` if all are ``-inf`` (-inf scores and
+  sinks are legitimate: they add nothing).
+* ``out`` is NaN where ``lse`` is NaN or ``+inf`` (the softmax is undefined there), zeros
+  where it is ``-inf``; elsewhere a NaN or inf in a value row the token sees reaches it.
+* Keys and values a token does not see (past the length, outside its window, after its
+  own position) never reach it, whatever they hold.
 """
 
 from __future__ import annotations
@@ -35,6 +46,12 @@ def gather_cache(cache: torch.Tensor, block_table: Optional[torch.Tensor],
         raise ValueError(f"block_table[{b}] has -1 among its first {blocks} blocks, which "
                          f"hold its {length} tokens")
     return cache[ids].reshape(blocks * block_len, *cache.shape[2:])[:length]
+
+
+def logsumexp(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``torch.logsumexp`` over ``dim``, except that a ``+inf`` entry gives ``+inf`` even
+    beside a NaN (the kernels keep a running maximum, which skips NaNs)."""
+    return torch.where((x == math.inf).any(dim=dim), math.inf, torch.logsumexp(x, dim=dim))
 
 
 def decode_attention_reference(
@@ -97,11 +114,14 @@ def decode_attention_reference(
             s = s.masked_fill(~seen[None, :], -math.inf)
             if sinks is not None:
                 s = torch.cat([s, sinks.to(compute)[:, None]], dim=1)
-            row_lse = torch.logsumexp(s, dim=1) if s.shape[1] else lse[b, i]
+            row_lse = logsumexp(s, dim=1) if s.shape[1] else lse[b, i]
             finite = torch.isfinite(row_lse)
             prob = torch.exp(s - torch.where(finite, row_lse, 0.0)[:, None])
             prob = torch.where(finite[:, None], prob, 0.0)[:, :L]
-            out[b, i] = torch.einsum("hl,lhd->hd", prob, v)
+            # 0 * NaN is NaN: the values of keys this token does not see are left out.
+            row = torch.einsum("hl,lhd->hd", prob, torch.where(seen[:, None, None], v, 0.0))
+            undefined = torch.isnan(row_lse) | (row_lse == math.inf)
+            out[b, i] = torch.where(undefined[:, None], math.nan, row)
             lse[b, i] = row_lse
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out
@@ -109,15 +129,19 @@ def decode_attention_reference(
 
 def merge_attention_states_reference(outs: torch.Tensor, lses: torch.Tensor):
     """Merge ``P`` partial results over disjoint key sets: ``outs [P, ..., D]``, ``lses [P,
-    ...]`` -> ``(out [..., D] in outs' dtype, lse [...])``. Partials with ``lse = -inf``
-    contribute nothing; if all do, the result is zeros and ``-inf``."""
+    ...]`` -> ``(out [..., D] in outs' dtype, lse [...])``, ``lse = logsumexp(lses)``
+    (:func:`logsumexp`) and ``out = sum_p exp(lse_p - lse) out_p``. A partial with ``lse_p
+    = -inf`` saw no key and contributes nothing, whatever its output holds; if all are
+    such, the result is zeros and ``-inf``. A NaN or ``+inf`` partial LSE makes the output
+    NaN (and the LSE NaN or ``+inf``); a NaN in another partial's output stays visible."""
     compute = (torch.float64 if torch.float64 in (outs.dtype, lses.dtype) else torch.float32)
     lses = lses.to(compute)
-    lse = torch.logsumexp(lses, dim=0)
+    lse = logsumexp(lses, dim=0)
     finite = torch.isfinite(lse)
     w = torch.exp(lses - torch.where(finite, lse, 0.0)[None])
-    w = torch.where(finite[None], w, 0.0)
-    out = (w[..., None] * outs.to(compute)).sum(dim=0)
+    terms = torch.where((lses == -math.inf)[..., None], 0.0, w[..., None] * outs.to(compute))
+    out = torch.where(finite[..., None], terms.sum(dim=0),
+                      torch.where(lse[..., None] == -math.inf, 0.0, math.nan))
     return out.to(outs.dtype), lse
 
 
@@ -125,9 +149,17 @@ def kv_cache_append_reference(k_cache, v_cache, k_new, v_new, cache_seqlens, *,
                               block_table=None, k_scale=None, v_scale=None) -> None:
     """Write ``k_new``/``v_new [B, s_new, Hkv, D]`` at positions ``cache_seqlens[b] + i`` of a
     contiguous or paged cache, in place. A float8 cache stores ``clamp(x / scale, +-448)``
-    rounded to e4m3 (scale 1 when none is given). Raises if a position is past the capacity
-    or falls in a block whose id is -1."""
+    rounded to e4m3 (scale 1 when none is given; NaN stays NaN). A paged sequence whose
+    block-table row is all -1 is a padding row: nothing is written for it. Raises if a
+    position is past the capacity or falls in a block whose id is -1."""
     B, s_new = k_new.shape[:2]
+    if block_table is not None and block_table.shape[1]:
+        live = (block_table != -1).any(dim=1)
+        if not bool(live.all()):
+            rows = live.nonzero()[:, 0]
+            k_new, v_new = k_new[rows], v_new[rows]
+            cache_seqlens, block_table = cache_seqlens[rows], block_table[rows]
+            B = k_new.shape[0]
     if B * s_new == 0:
         return
     pos = cache_seqlens.long()[:, None] + torch.arange(s_new, device=k_new.device)[None, :]
