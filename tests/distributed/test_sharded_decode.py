@@ -553,18 +553,18 @@ def check_bad_inputs(f: Any, group: Any, device: Any = "cpu") -> None:
         "over cp_group: rank 1 of the group rejected its inputs.*seqlens_local must be", 1)
     q16 = q.half() if rank == 1 else q
     raises(f, "cp dtype bad on rank 1", lambda: cp_decode_attention(
-        q16, k, v, lens, group=group, check_ranks=True), TypeError, "dtype", 1)
+        q16, k, v, local, group=group, check_ranks=True), TypeError, "dtype", 1)
     q_s = q[:, 1:] if rank == 0 else q
     raises(f, "cp s_active differs", lambda: cp_decode_attention(
-        q_s, k, v, lens, group=group, check_ranks=True),
+        q_s, k, v, local, group=group, check_ranks=True),
         ValueError, r"disagree on s_active: \[2, 3\]", 1)
     half = (q.half(), k.half(), v.half()) if rank == 1 else (q, k, v)
     raises(f, "cp dtype differs", lambda: cp_decode_attention(
-        *half, lens, group=group, check_ranks=True),
+        *half, local, group=group, check_ranks=True),
         ValueError, r"disagree on query dtype: \['float32', 'float16'\]", 1)
     sinks = q.new_zeros(4) if rank == 0 else None
     raises(f, "cp sinks on one rank", lambda: cp_decode_attention(
-        q, k, v, lens, group=group, sinks=sinks, check_ranks=True),
+        q, k, v, local, group=group, sinks=sinks, check_ranks=True),
         ValueError, "disagree on sinks", 1)
     kq_wide = q if rank == 1 else kq  # rank 1 passes every head: a different Hq_local
     lk_w = torch.cat([lk] * 2, dim=2) if rank == 1 else lk

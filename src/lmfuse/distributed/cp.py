@@ -414,6 +414,13 @@ def validate_cp(op: str, q, k_cache_shard, v_cache_shard, seqlens_shard, cache_s
         return_lse=return_lse, num_splits=num_splits, impl=impl, softcap=softcap))
     if check_values:
         _check_share(op, seqlens_name, seqlens_shard, cache_seqlens, rank, world, cp_block)
+        # The lengths, block ids and scales against the shard (decode_attention's value
+        # checks), here so that a bad rank's error reaches every rank.
+        wrap_errors(op, lambda: plan_decode_attention(
+            q, k_cache_shard, v_cache_shard, seqlens_shard, block_table=block_table_shard,
+            scale=scale, window_size=window_size, sinks=sinks, k_scale=k_scale,
+            v_scale=v_scale, return_lse=return_lse, num_splits=num_splits, impl=impl,
+            softcap=softcap, check_values=True))
     return [world, B, S, Hq, D, k_cache_shard.shape[2], dtype_code(q.dtype), cp_block,
             sinks is not None, cache_seqlens is not None, return_lse]
 

@@ -267,7 +267,7 @@ def kvdp_decode_attention(
         if cp_group is None:
             wrap_errors(where, lambda: plan_decode_attention(
                 q_local, k_cache_local, v_cache_local, seqlens_local,
-                block_table=block_table_local, **kw))
+                block_table=block_table_local, check_values=check_ranks, **kw))
         else:
             cp_facts.append(wrap_errors(where, lambda: validate_cp(
                 "cp_decode_attention", q_local, k_cache_local, v_cache_local, seqlens_local,
