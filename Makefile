@@ -13,7 +13,7 @@ TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || ech
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[test,plot]"
 	touch $@
 
 # Train a tiny GPT with lmfuse and in plain PyTorch, decode over a paged KV cache

@@ -76,9 +76,16 @@ def tuning_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     from lmfuse import tuning
 
     path = tmp_path / "tuning.json"
+    before = os.environ.get(tuning.CACHE_ENV)
     monkeypatch.setenv(tuning.CACHE_ENV, str(path))
     tuning.reload()
     yield path
+    # Back to the suite's cache before reading it again: re-reading this test's file, which
+    # a test may have left broken on purpose, would warn outside the test.
+    if before is None:
+        monkeypatch.delenv(tuning.CACHE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(tuning.CACHE_ENV, before)
     tuning.reload()
 
 

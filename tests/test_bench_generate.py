@@ -15,7 +15,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "generate.py"
 
 
 def load_bench():
-    # As ``lmfuse bench generate`` loads it: from its file, outside sys.modules.
+    # The checkout's shim (bench/generate.py), which hands out lmfuse.bench.generate.
     spec = importlib.util.spec_from_file_location("lmfuse_bench_generate", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,16 +1,18 @@
 """The ``lmfuse`` command (``lmfuse/cli.py``) and the harness behind ``lmfuse check``
 (``lmfuse/_check.py``).
 
-The commands run in-process through ``main(argv)``; one test runs ``python -m lmfuse.cli``
-in a subprocess to cover the module entry point.
+The commands run in-process through ``main(argv)``; a few run ``python -m lmfuse`` (and
+``python -m lmfuse.cli``) in a subprocess to cover the module entry points and what a user
+sees on stderr.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 import subprocess
 import sys
-import textwrap
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -61,13 +63,26 @@ def test_info_with_interpreter_off_reports_the_reference_path(
         assert "fused_softmax: torch (auto: reference path because CPU tensor" in out
 
 
-def test_python_dash_m_runs_main() -> None:
+def python_m(*argv: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-m", "lmfuse.cli", "info"], capture_output=True,
-                          text=True, env=env, timeout=120)
+    return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+@pytest.mark.parametrize("module", ["lmfuse", "lmfuse.cli"])
+def test_python_dash_m_runs_main(module: str) -> None:
+    done = python_m(module, "info")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"lmfuse {lmfuse.__version__}\n")
     assert "fused_softmax: " in done.stdout
+
+
+def test_python_dash_m_lmfuse_bad_argument_is_one_line() -> None:
+    """What a user sees in a terminal: one line on stderr, exit 2, nothing on stdout."""
+    done = python_m("lmfuse", "demo", "--batch", "0")
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == ("lmfuse demo: --batch must be >= 1, got 0 "
+                           "(see `lmfuse demo --help`)\n")
 
 
 def test_console_script_points_at_main() -> None:
@@ -97,7 +112,31 @@ def test_check_passes_every_case(capsys: pytest.CaptureFixture[str]) -> None:
         assert sum(f" {dtype} " in r for r in rows) == 8, f"{dtype}: {out}"
     assert all(r.split()[-1] == "pass" for r in rows), out
     assert all(" triton " in r for r in rows), "auto should run the Triton kernels here"
+    # Decode attention has no backward: its rows show no gradient error, not a 0.
+    decode = [line for line in out.splitlines() if line.startswith("decode_attention ")]
+    assert decode and all(line.split()[-2:] == ["-", "pass"] for line in decode), out
+    assert all(line.split()[-2] != "-" for line in rows)
+    # Columns line up whatever the op's name (linear_cross_entropy, weighted_quick_geglu).
+    header, *body = out.splitlines()[1:-1]
+    assert len({len(line) for line in body}) == 1, "rows of different widths"
+    result = header.index("result")
+    assert all(line[result:] in ("pass", "FAIL") for line in body), out
     assert out.rstrip().endswith("all checks passed")
+
+
+def only_softmax_checks(monkeypatch: pytest.MonkeyPatch, checks) -> None:
+    """``lmfuse check`` with ``checks`` as the softmax family's cases and no other family's
+    (their cases take tens of seconds in the interpreter; test_check_passes_every_case runs
+    them)."""
+    from lmfuse.activations import ops as activation_ops
+    from lmfuse.attention import ops as attention_ops
+    from lmfuse.cross_entropy import linear as linear_ce
+    from lmfuse.cross_entropy import ops as cross_entropy_ops
+    from lmfuse.norm import ops as norm_ops
+
+    for module in (cross_entropy_ops, linear_ce, activation_ops, attention_ops, norm_ops):
+        monkeypatch.setattr(module, "checks", lambda device, dtypes: [])
+    monkeypatch.setattr(softmax_ops, "checks", checks)
 
 
 def test_check_dtypes_and_seed(capsys: pytest.CaptureFixture[str],
@@ -108,7 +147,7 @@ def test_check_dtypes_and_seed(capsys: pytest.CaptureFixture[str],
         seen["dtypes"], seen["seed_draw"] = list(dtypes), torch.rand(()).item()
         return []
 
-    monkeypatch.setattr(softmax_ops, "checks", checks)
+    only_softmax_checks(monkeypatch, checks)
     code, out, _ = run_cli(capsys, "check", "--dtypes", "bf16,fp32", "--seed", "7")
     assert code == 0 and "all checks passed" in out
     assert seen["dtypes"] == [BF16, F32]
@@ -130,7 +169,7 @@ def wrong_case(label: str = "wrong on purpose") -> CheckCase:
 
 def test_check_exits_1_when_a_case_fails(capsys: pytest.CaptureFixture[str],
                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(softmax_ops, "checks", lambda device, dtypes: [wrong_case()])
+    only_softmax_checks(monkeypatch, lambda device, dtypes: [wrong_case()])
     code, out, _ = run_cli(capsys, "check", "--dtypes", "fp32")
     assert code == 1
     (row,) = table_rows(out)
@@ -141,63 +180,179 @@ def test_check_exits_1_when_a_case_fails(capsys: pytest.CaptureFixture[str],
 # --- bench -----------------------------------------------------------------------------
 
 
-def test_bench_script_is_found_in_the_checkout() -> None:
-    path = cli._bench_script("softmax")
-    assert path.name == "softmax.py" and path.parent.name == "bench"
-    assert path.is_file()
+@pytest.mark.parametrize("family", cli.FAMILIES)
+def test_bench_harnesses_ship_in_the_package(family: str) -> None:
+    """``lmfuse bench`` works from an installed package: each harness is a module of
+    lmfuse.bench (the checkout's bench/FAMILY.py runs the same one)."""
+    path = cli._bench_script(family)
+    assert path.is_file() and path.parent == Path(lmfuse.__file__).resolve().parent / "bench"
+    module = importlib.import_module(f"lmfuse.bench.{family}")
+    assert Path(module.__file__).resolve() == path
+    assert cli._bench_main(family) is module.main
+    shim = Path(__file__).resolve().parents[1] / "bench" / f"{family}.py"
+    spec = importlib.util.spec_from_file_location(f"checkout_bench_{family}", shim)
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    assert loaded.main is module.main
 
 
 def test_bench_forwards_the_remaining_arguments(capsys: pytest.CaptureFixture[str],
-                                                monkeypatch: pytest.MonkeyPatch,
-                                                tmp_path: Path) -> None:
-    script = tmp_path / "fake_bench.py"
-    script.write_text(textwrap.dedent("""
-        def main(argv):
-            print("bench argv", argv)
-            return 3
-    """))
-    monkeypatch.setattr(cli, "_bench_script", lambda family: script)
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    def fake_main(argv):
+        print("bench argv", argv)
+        return 3
+
+    monkeypatch.setattr(cli, "_bench_main", lambda family: fake_main)
     code, out, _ = run_cli(capsys, "bench", "softmax", "--quick", "--json", "x.json")
     assert code == 3
     assert "bench argv ['--quick', '--json', 'x.json']" in out
 
 
-def test_bench_without_the_script_is_a_clear_error(capsys: pytest.CaptureFixture[str],
-                                                   monkeypatch: pytest.MonkeyPatch,
-                                                   tmp_path: Path) -> None:
-    missing = tmp_path / "bench" / "softmax.py"
-    monkeypatch.setattr(cli, "_bench_script", lambda family: missing)
-    code, out, err = run_cli(capsys, "bench", "softmax")
-    assert code == 2
-    assert f"lmfuse bench: {missing} not found" in err and out == ""
+def test_bench_family_help_is_the_harness_help(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "bench", "softmax", "--help")
+    assert (code, err) == (0, "")
+    assert out.startswith("usage: lmfuse bench softmax ") and "--quick" in out
+
+
+def test_bench_harness_missing_a_package_is_a_clear_error(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    def missing(family):
+        raise ModuleNotFoundError("No module named 'transformers'", name="transformers")
+
+    monkeypatch.setattr(cli, "_bench_main", missing)
+    code, out, err = run_cli(capsys, "bench", "generate")
+    assert (code, out) == (2, "")
+    assert err == ("lmfuse bench generate: needs transformers, which is not installed here: "
+                   "pip install transformers\n")
 
 
 # --- bad arguments -----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("argv, message", [
-    pytest.param([], "the following arguments are required: command", id="no-command"),
-    pytest.param(["frob"], "invalid choice: 'frob'", id="unknown-command"),
-    pytest.param(["info", "--bogus"], "unrecognized arguments: --bogus", id="info-extra"),
-    pytest.param(["check", "extra"], "unrecognized arguments: extra", id="check-extra"),
+    pytest.param([], "lmfuse: the following arguments are required: command", id="no-command"),
+    pytest.param(["frob"], "lmfuse: argument command: invalid choice: 'frob'",
+                 id="unknown-command"),
+    pytest.param(["info", "--bogus"], "lmfuse info: unrecognized arguments: --bogus",
+                 id="info-extra"),
+    pytest.param(["check", "extra"], "lmfuse check: unrecognized arguments: extra",
+                 id="check-extra"),
     pytest.param(["check", "--dtypes", "fp8"],
                  "argument --dtypes: unknown dtype(s) 'fp8'; choose from fp32, fp16, bf16",
                  id="check-dtype-unknown"),
     pytest.param(["check", "--dtypes", "fp32,,bf16"], "unknown dtype(s) ''",
                  id="check-dtype-empty"),
-    pytest.param(["check", "--seed", "x"], "argument --seed: invalid int value: 'x'",
+    pytest.param(["check", "--seed", "x"], "argument --seed: expected an integer, got 'x'",
                  id="check-seed"),
-    pytest.param(["bench"], "the following arguments are required: family", id="bench-none"),
-    pytest.param(["bench", "attention"], "argument family: invalid choice: 'attention'",
+    pytest.param(["check", "--seed", "-1"], "argument --seed: must be >= 0, got -1",
+                 id="check-seed-negative"),
+    pytest.param(["check", "--seed", str(2**64)], "argument --seed: must be <= ",
+                 id="check-seed-huge"),
+    pytest.param(["bench"], "lmfuse bench: the following arguments are required: FAMILY",
+                 id="bench-none"),
+    pytest.param(["bench", "attention"], "argument FAMILY: invalid choice: 'attention'",
                  id="bench-unknown-family"),
+    pytest.param(["bench", "softmax", "--bogus"],
+                 "lmfuse bench softmax: unrecognized arguments: --bogus", id="bench-extra"),
+    pytest.param(["bench", "softmax", "--json", "/no/such/dir/x.json"],
+                 "argument --json: cannot write '/no/such/dir/x.json': no directory",
+                 id="bench-json-dir"),
+    pytest.param(["bench", "decode_attention", "--cases"],
+                 "lmfuse bench decode_attention: argument --cases: expected one argument",
+                 id="bench-decode-cases"),
+    pytest.param(["bench", "generate", "--batches", "1,0"],
+                 "argument --batches: every batch must be >= 1", id="bench-generate-batch"),
+    pytest.param(["bench", "generate", "--new-tokens", "1"],
+                 "argument --new-tokens: must be >= 2, got 1", id="bench-generate-tokens"),
+    pytest.param(["bench", "generate", "--heads", "3"],
+                 "must be a multiple of --heads (3)", id="bench-generate-heads"),
+    pytest.param(["bench", "generate", "--prompt-range", "9,2"],
+                 "argument --prompt-range: need 1 <= LO <= HI, got '9,2'",
+                 id="bench-generate-range"),
+    pytest.param(["bench", "generate", "--rate", "-1"],
+                 "argument --rate: must be a finite number >= 0", id="bench-generate-rate"),
+    pytest.param(["bench", "generate", "--peers", "hf,vllm"],
+                 "argument --peers: unknown vllm", id="bench-generate-peers"),
+    pytest.param(["plan", "--batch", "0"], "lmfuse plan: plan_sharding: batch must be >= 1",
+                 id="plan-batch-0"),
+    pytest.param(["plan", "--kv-heads", "-2"], "kv_heads must be >= 1, got -2",
+                 id="plan-kv-heads-negative"),
+    pytest.param(["plan", "--s-active", "9"], "s_active must be 1..8", id="plan-s-active"),
+    pytest.param(["plan", "--hbm-gib", "0"], "hbm_gib must be > 0", id="plan-hbm-0"),
+    pytest.param(["plan", "--hbm-gib", "nan"], "hbm_gib must be finite", id="plan-hbm-nan"),
+    pytest.param(["plan", "--tp", "0"], "tp must be >= 1", id="plan-tp-0"),
+    pytest.param(["plan", "--context", "x"], "argument --context: invalid int value: 'x'",
+                 id="plan-context-x"),
+    pytest.param(["plan", "--calibrate", "/no/such/file.json"],
+                 "lmfuse plan: calibration file /no/such/file.json:", id="plan-calibrate"),
+    pytest.param(["tune", "linear_cross_entropy", "--max-chunk-mib", "0"],
+                 "argument --max-chunk-mib: must be >= 1, got 0", id="tune-chunk-0"),
+    pytest.param(["tune", "linear_cross_entropy", "--dtype", "fp32,bf16"],
+                 "argument --dtype: unknown dtype 'fp32,bf16'", id="tune-two-dtypes"),
+    pytest.param(["tune", "linear_cross_entropy", "--shape", "8,0,4"],
+                 "N, H and V must be positive", id="tune-shape-0"),
+    pytest.param(["tune", "linear_cross_entropy", "--json", "/no/such/dir/t.json"],
+                 "argument --json: cannot write", id="tune-json-dir"),
+    pytest.param(["tune", "softmax"], "argument family: invalid choice: 'softmax'",
+                 id="tune-family"),
+    # generate's own argument errors, through the command (its checkpoint errors are in
+    # test_generate_cli.py)
+    pytest.param(["generate"], "lmfuse generate: the following arguments are required: "
+                 "MODEL_DIR", id="generate-no-dir"),
+    pytest.param(["generate", "/no/such/model", "--prompt", "a"],
+                 "lmfuse generate: /no/such/model: no such directory", id="generate-missing"),
+    pytest.param(["generate", "m", "--max-new-tokens", "0"],
+                 "argument --max-new-tokens: must be >= 1, got 0", id="generate-tokens-0"),
+    pytest.param(["generate", "m", "--top-k", "-1"], "argument --top-k: must be >= 1",
+                 id="generate-top-k"),
+    pytest.param(["generate", "m", "--top-p", "0"], "argument --top-p: must be in (0, 1]",
+                 id="generate-top-p"),
+    pytest.param(["generate", "m", "--temperature", "inf"],
+                 "argument --temperature: must be finite", id="generate-temperature"),
+    pytest.param(["generate", "m", "--num-blocks", "0"], "argument --num-blocks: must be >= 1",
+                 id="generate-blocks"),
+    pytest.param(["generate", "m", "--seed", "x"], "argument --seed: expected an integer",
+                 id="generate-seed"),
+    pytest.param(["generate", "m", "--device", "tpu"], "argument --device: invalid choice",
+                 id="generate-device"),
 ])
-def test_bad_arguments_exit_2_with_a_message(capsys: pytest.CaptureFixture[str],
-                                             argv: list[str], message: str) -> None:
+def test_bad_arguments_exit_2_with_one_line(capsys: pytest.CaptureFixture[str],
+                                            argv: list[str], message: str) -> None:
     code, out, err = run_cli(capsys, *argv)
     assert code == 2
+    assert out == ""
     assert message in err, err
-    assert "usage: lmfuse" in err
-    assert "Traceback" not in out + err
+    assert err.count("\n") == 1 and err.endswith("\n"), err
+    assert "Traceback" not in err and "usage:" not in err
+
+
+@pytest.mark.skipif(ON_CUDA, reason="checks the no-CUDA message")
+def test_tune_without_cuda_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "tune", "linear_cross_entropy")
+    assert (code, out) == (2, "")
+    assert err == ("lmfuse tune: no CUDA device here; tuning times kernels on the GPU it "
+                   "tunes for\n")
+
+
+@pytest.mark.parametrize("family", ["softmax", "generate"])
+def test_bench_plot_without_matplotlib_says_what_to_install(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, family: str,
+        tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    code, out, err = run_cli(capsys, "bench", family, "--plot", str(tmp_path / "b.png"))
+    assert (code, out) == (2, ""), out  # before any timing: nothing printed
+    assert err == (f"lmfuse bench {family}: --plot needs matplotlib, which is not installed "
+                   f"here: pip install 'lmfuse[bench]' (or matplotlib) (see `lmfuse bench "
+                   f"{family} --help`)\n")
+
+
+def test_ctrl_c_exits_130_without_a_traceback(capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_info", interrupted)
+    assert run_cli(capsys, "info") == (130, "", "")
 
 
 def test_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,14 +4,19 @@ does.
 
 conftest.py sets TRITON_INTERPRET=1, under which ``impl="auto"`` would run the Triton
 kernels in the interpreter on the CPU (slow at these shapes); the demo runs here with
-``impl="torch"``, the ops' reference paths.
+``impl="torch"``, the ops' reference paths. The command's bad options (one line on stderr,
+exit 2, before any work) run through ``lmfuse.cli.main``.
 """
 
 from __future__ import annotations
 
-import pytest
+import sys
 
-from lmfuse.demo import DemoConfig, run
+import pytest
+import torch
+from helpers import run_cli
+
+from lmfuse.demo import DEFAULT_PROMPTS, DemoConfig, TinyGPT, check_config, generate_paged, run
 
 SMALL = dict(steps=40, d_model=32, n_layers=2, n_heads=2, ffn=64, seq_len=32, batch=4,
              lr=1e-2, impl="torch", new_tokens=8, quiet=True)
@@ -45,3 +50,120 @@ def test_demo_sampling_and_custom_text(tmp_path):
     r = run(DemoConfig(**{**SMALL, "steps": 5}, text=str(text), sample=True))
     assert r.sampled is not None and all(len(c) == SMALL["new_tokens"] for c in r.sampled)
     assert all(0 <= t < 256 for c in r.sampled for t in c)
+
+
+# --- bad options: one line on stderr, exit 2, before any work ------------------------------
+
+
+@pytest.mark.parametrize("argv, message", [
+    pytest.param(["--prompt", ""], "--prompt number 1 is empty", id="empty-prompt"),
+    pytest.param(["--prompt", "def", "--prompt", ""], "--prompt number 2 is empty",
+                 id="second-prompt-empty"),
+    pytest.param(["--batch", "0"], "--batch must be >= 1, got 0", id="batch-0"),
+    pytest.param(["--batch", "-2"], "--batch must be >= 1, got -2", id="batch-negative"),
+    pytest.param(["--steps", "0"], "--steps must be >= 1, got 0", id="steps-0"),
+    pytest.param(["--seq-len", "0"], "--seq-len must be >= 1, got 0", id="seq-len-0"),
+    pytest.param(["--d-model", "0"], "--d-model must be >= 1, got 0", id="d-model-0"),
+    pytest.param(["--n-heads", "0"], "--n-heads must be >= 1, got 0", id="n-heads-0"),
+    pytest.param(["--n-layers", "-1"], "--n-layers must be >= 1, got -1", id="n-layers-neg"),
+    pytest.param(["--ffn", "0"], "--ffn must be >= 1, got 0", id="ffn-0"),
+    pytest.param(["--new-tokens", "0"], "--new-tokens must be >= 1, got 0", id="new-tokens-0"),
+    pytest.param(["--cpu-threads", "-1"], "--cpu-threads must be >= 0, got -1",
+                 id="cpu-threads-negative"),
+    pytest.param(["--seed", "-1"], "--seed must be >= 0, got -1", id="seed-negative"),
+    pytest.param(["--seed", str(2**64)], "--seed must be <= 9223372036854775807",
+                 id="seed-huge"),
+    pytest.param(["--lr", "0"], "--lr must be a finite number > 0, got 0.0", id="lr-0"),
+    pytest.param(["--lr", "nan"], "--lr must be a finite number > 0, got nan", id="lr-nan"),
+    pytest.param(["--sample", "--temperature", "0"],
+                 "--temperature must be a finite number > 0, got 0.0", id="temperature-0"),
+    pytest.param(["--temperature", "-1"], "--temperature must be a finite number > 0",
+                 id="temperature-negative"),
+    pytest.param(["--d-model", "10", "--n-heads", "4"],
+                 "--d-model (10) must be --n-heads (4) times an even head size",
+                 id="heads-do-not-divide"),
+    pytest.param(["--d-model", "6", "--n-heads", "2"],
+                 "--d-model (6) must be --n-heads (2) times an even head size", id="odd-head"),
+    pytest.param(["--device", "mps"], "--device must be auto, cpu, cuda or cuda:N, got 'mps'",
+                 id="device-unknown"),
+    pytest.param(["--device", "cuda:x"], "--device must be auto, cpu, cuda or cuda:N",
+                 id="device-bad-index"),
+    pytest.param(["--text", "/no/such/file.txt"],
+                 "--text /no/such/file.txt: cannot read it: No such file or directory",
+                 id="text-missing"),
+    pytest.param(["--seq-len", "100000000"], "--seq-len 100000000 needs a text of at least "
+                 "100000002 bytes; lmfuse's own source", id="seq-len-past-the-text"),
+    pytest.param(["--batch", "x"], "argument --batch: invalid int value: 'x'", id="batch-x"),
+    pytest.param(["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'", id="dtype"),
+    pytest.param(["--bogus"], "unrecognized arguments: --bogus", id="unknown-option"),
+])
+def test_bad_option_is_one_line_and_exit_2(capsys, argv, message):
+    code, out, err = run_cli(capsys, "demo", *argv)
+    assert (code, out) == (2, ""), out  # nothing printed: the demo did not start
+    assert err.startswith("lmfuse demo: ") and message in err, err
+    assert err.endswith(" (see `lmfuse demo --help`)\n") and err.count("\n") == 1, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_device_cuda_without_cuda(capsys, device):
+    code, out, err = run_cli(capsys, "demo", "--device", device)
+    assert (code, out) == (2, "")
+    assert err == (f"lmfuse demo: --device {device}: no CUDA device here; use cpu or auto "
+                   "(see `lmfuse demo --help`)\n")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA, impl='triton' can run")
+def test_impl_triton_without_the_interpreter(capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    code, out, err = run_cli(capsys, "demo", "--impl", "triton")
+    assert (code, out) == (2, "")
+    assert err.startswith("lmfuse demo: --impl triton cannot run on cpu: CPU tensor and "
+                          "Triton's interpreter is off (set TRITON_INTERPRET=1); use auto or "
+                          "torch, or a CUDA device"), err
+    assert err.count("\n") == 1
+
+
+def test_text_too_short_and_unreadable(capsys, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_bytes(b"0123456789")
+    code, out, err = run_cli(capsys, "demo", "--text", str(short), "--seq-len", "9")
+    assert (code, out) == (2, "")
+    assert f"--seq-len 9 needs a text of at least 11 bytes; {short} has 10" in err, err
+    code, out, err = run_cli(capsys, "demo", "--text", str(tmp_path))
+    assert (code, out) == (2, "")
+    assert f"--text {tmp_path}: cannot read it: Is a directory" in err, err
+
+
+def test_plot_without_matplotlib_says_what_to_install_first(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    code, out, err = run_cli(capsys, "demo", "--plot", str(tmp_path / "loss.png"))
+    assert (code, out) == (2, ""), out  # before training, not after it
+    assert err == ("lmfuse demo: --plot needs matplotlib, which is not installed here: pip "
+                   "install 'lmfuse[plot]' (or matplotlib) (see `lmfuse demo --help`)\n")
+
+
+def test_plot_path_is_checked_first(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    code, out, err = run_cli(capsys, "demo", "--plot", str(tmp_path / "no" / "loss.png"))
+    assert (code, out) == (2, "") and "no directory" in err, err
+    code, out, err = run_cli(capsys, "demo", "--plot", str(tmp_path / "loss.xyz"))
+    assert (code, out) == (2, "") and "matplotlib cannot write .xyz files" in err, err
+
+
+def test_run_checks_the_config_before_any_work():
+    with pytest.raises(ValueError, match=r"^DemoConfig.batch must be >= 1, got 0$"):
+        run(DemoConfig(**{**SMALL, "batch": 0}))
+    with pytest.raises(ValueError, match=r"^DemoConfig.prompts number 1 is empty$"):
+        run(DemoConfig(**SMALL, prompts=[""]))
+    with pytest.raises(ValueError, match=r"^DemoConfig.steps must be an integer, got 2.5$"):
+        check_config(DemoConfig(**{**SMALL, "steps": 2.5}))
+    setup = check_config(DemoConfig(**SMALL))
+    assert setup.device == torch.device("cpu") and setup.dtype == "fp32"
+    assert setup.prompts == list(DEFAULT_PROMPTS) and len(setup.text) > 10_000
+
+
+def test_generate_paged_rejects_an_empty_prompt():
+    model = TinyGPT(DemoConfig(**SMALL), fused=True, impl="torch")
+    with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
+        generate_paged(model, [[100, 101], []], 2)

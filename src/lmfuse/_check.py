@@ -9,7 +9,7 @@ gradient of every differentiable input under one random upstream gradient.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -66,7 +66,7 @@ class CheckResult:
     shape: str
     impl: str
     fwd_err: float
-    grad_err: float
+    grad_err: Optional[float]  # None: the op has no gradient to check (no input needs one)
     ok: bool
 
 
@@ -80,7 +80,7 @@ def run_case(case: CheckCase) -> CheckResult:
     ref = case.call("torch", *ref_inputs)
     fwd = rel_err(out, ref)
     ok = fwd <= bound(ref, case.dtype)
-    grad = 0.0
+    grad = None
     diff = [i for i, t in enumerate(inputs) if t.requires_grad]
     if diff:
         # One upstream gradient, representable in the op's dtype, for both sides.
@@ -97,12 +97,30 @@ def run_case(case: CheckCase) -> CheckResult:
 
 
 def run_all(cases: Sequence[CheckCase], out=print) -> bool:
-    out(f"{'op':<16} {'case':<22} {'dtype':<9} {'shape':<18} {'impl':<7} "
-        f"{'fwd rel err':>11} {'grad rel err':>12}  result")
+    """Run every case, one table row each as it finishes (columns as wide as the longest
+    entry); True when all pass. An op without a gradient shows ``-`` in that column."""
+
+    def dtype_name(case: CheckCase) -> str:
+        return str(case.dtype).replace("torch.", "")
+
+    def shape_name(case: CheckCase) -> str:
+        return "x".join(map(str, case.shape))
+
+    widths = [max([len(title)] + [len(f(c)) for c in cases]) for title, f in (
+        ("op", lambda c: c.op), ("case", lambda c: c.label), ("dtype", dtype_name),
+        ("shape", shape_name))]
+
+    def row(op: str, label: str, dtype: str, shape: str, impl: str, fwd: str, grad: str,
+            result: str) -> str:
+        cells = (f"{x:<{w}}" for x, w in zip((op, label, dtype, shape), widths))
+        return f"{' '.join(cells)} {impl:<7} {fwd:>11} {grad:>12}  {result}"
+
+    out(row("op", "case", "dtype", "shape", "impl", "fwd rel err", "grad rel err", "result"))
     ok = True
     for case in cases:
         r = run_case(case)
         ok &= r.ok
-        out(f"{r.op:<16} {r.label:<22} {r.dtype:<9} {r.shape:<18} {r.impl:<7} "
-            f"{r.fwd_err:>11.2e} {r.grad_err:>12.2e}  {'pass' if r.ok else 'FAIL'}")
+        grad = "-" if r.grad_err is None else f"{r.grad_err:.2e}"
+        out(row(r.op, r.label, r.dtype, r.shape, r.impl, f"{r.fwd_err:.2e}", grad,
+                "pass" if r.ok else "FAIL"))
     return ok

@@ -8,21 +8,27 @@
     lmfuse generate MODEL_DIR --prompt TEXT
                              continue prompts with a local Hugging Face checkpoint on the
                              paged KV cache (``lmfuse generate --help``)
-    lmfuse bench softmax     time lmfuse against its peers (see bench/softmax.py)
+    lmfuse bench softmax     time lmfuse against its peers (lmfuse/bench/softmax.py; from a
+                             checkout also ``python3 bench/softmax.py``)
     lmfuse plan              how to shard a decode KV cache: TP, KVDP, CP or a mix
     lmfuse tune linear_cross_entropy
                              sweep launch configs on this GPU; record the fastest in the
                              user cache (lmfuse.tuning.user_cache_path()) that ops read
+
+``python -m lmfuse ...`` runs the same command. A bad argument is one line on stderr and exit
+status 2, before any work is done.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import os
 import platform
 import sys
 from pathlib import Path
+from typing import Callable, NoReturn, Optional
 
 import torch
 
@@ -30,6 +36,57 @@ FAMILIES = ("softmax", "cross_entropy", "linear_cross_entropy", "activations", "
             "rms_norm", "generate")
 TUNABLE = ("linear_cross_entropy",)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``PROG: MESSAGE (see `PROG --help`)`` on stderr, exit
+    status 2. (argparse's own prints the usage block first, which buries the message.)
+    Subparsers inherit it; ``lmfuse demo`` and the bench harnesses use it too."""
+
+    def error(self, message: str) -> NoReturn:
+        message = " ".join(message.split())
+        self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
+def int_range(minimum: int, maximum: Optional[int] = None) -> Callable[[str], int]:
+    """An argparse ``type``: an integer in ``[minimum, maximum]``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {value}")
+        return value
+
+    return parse
+
+
+#: ``--seed``: what ``torch.manual_seed`` takes, from 0.
+seed = int_range(0, 2**63 - 1)
+
+
+def output_file(text: str) -> str:
+    """An argparse ``type``: a file to write, in a directory that exists (so a long run does
+    not fail at its end)."""
+    parent = Path(text).parent
+    if not text or not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: no directory {str(parent)!r}")
+    return text
+
+
+def missing_package(module: str, needed_by: str, install: str) -> Optional[str]:
+    """None when ``module`` can be imported; else the line saying that ``needed_by`` needs
+    it and what to install (``install``: the pip argument)."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    return None if found else (f"{needed_by} needs {module}, which is not installed here: "
+                               f"pip install {install}")
 
 
 def _best_device() -> torch.device:
@@ -129,22 +186,26 @@ def _dtype_list(text: str) -> list[torch.dtype]:
 
 
 def _bench_script(family: str) -> Path:
-    import lmfuse
+    """The harness behind ``lmfuse bench FAMILY``: ``lmfuse/bench/FAMILY.py``, shipped in
+    the package (a checkout's ``bench/FAMILY.py`` runs the same module)."""
+    return Path(__file__).resolve().parent / "bench" / f"{family}.py"
 
-    root = Path(lmfuse.__file__).resolve().parents[2]
-    return root / "bench" / f"{family}.py"
+
+def _bench_main(family: str) -> Callable[[list[str]], Optional[int]]:
+    return importlib.import_module(f"lmfuse.bench.{family}").main
 
 
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
-    path = _bench_script(args.family)
-    if not path.exists():
-        print(f"lmfuse bench: {path} not found; benchmarks live in the source checkout's "
-              "bench/ folder (install it with `pip install -e .`)", file=sys.stderr)
+    try:
+        bench_main = _bench_main(args.family)
+    except ModuleNotFoundError as exc:  # a package the harness imports at the top
+        if not exc.name or exc.name.split(".")[0] == "lmfuse":
+            raise
+        package = exc.name.split(".")[0]
+        print(f"lmfuse bench {args.family}: needs {package}, which is not installed here: "
+              f"pip install {package}", file=sys.stderr)
         return 2
-    spec = importlib.util.spec_from_file_location(f"lmfuse_bench_{args.family}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return int(module.main(rest) or 0)
+    return int(bench_main(rest) or 0)
 
 
 def _shape(text: str) -> tuple[int, int, int]:
@@ -169,7 +230,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from lmfuse.cross_entropy import linear
 
     shapes = args.shape or list(linear.TUNE_SHAPES)
-    results = linear.tune(shapes, args.dtype[0], torch.device("cuda"),
+    results = linear.tune(shapes, args.dtype, torch.device("cuda"),
                           max_chunk_bytes=args.max_chunk_mib * 2**20, record=not args.dry_run)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(
@@ -194,15 +255,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _one_dtype(text: str) -> torch.dtype:
+    if text not in DTYPES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; choose one of "
+                                         f"{', '.join(DTYPES)}")
+    return DTYPES[text]
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lmfuse", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C: the usual exit status, no traceback
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = ArgumentParser(prog="lmfuse", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="versions, devices and the path each op takes")
+    info = sub.add_parser("info", help="versions, devices and the path each op takes")
     check = sub.add_parser("check", help="every op against its reference, on the best device")
     check.add_argument("--dtypes", type=_dtype_list, default="fp32,fp16,bf16",
                        help="comma-separated: fp32,fp16,bf16")
-    check.add_argument("--seed", type=int, default=0)
+    check.add_argument("--seed", type=seed, default=0, help="torch's seed (default 0)")
     # Its options are parsed by lmfuse.demo.main (``lmfuse demo --help``).
     sub.add_parser("demo", add_help=False,
                    help="train a tiny GPT with lmfuse and plain PyTorch, then decode")
@@ -213,8 +288,14 @@ def main(argv: list[str] | None = None) -> int:
                               description=generate_cli.DESCRIPTION,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     generate_cli.add_arguments(generate)
-    bench = sub.add_parser("bench", help="benchmark an op family against its peers")
-    bench.add_argument("family", choices=FAMILIES)
+    bench = sub.add_parser("bench", help="benchmark an op family against its peers",
+                           description="Time lmfuse against its peers. The options after "
+                           "FAMILY go to its harness: `lmfuse bench FAMILY --help`.")
+    bench.add_argument("family", choices=FAMILIES, metavar="FAMILY",
+                       help=f"one of {', '.join(FAMILIES)}")
+    # Everything after FAMILY, --help included, is the harness's.
+    bench.add_argument("options", nargs=argparse.REMAINDER, metavar="...",
+                       help="the harness's options (`lmfuse bench FAMILY --help`)")
     plan = sub.add_parser("plan", help="how to shard a decode KV cache over ranks "
                           "(defaults: a GPT-OSS-120B-like model at 128K context)")
     for flag, default, text in (("--batch", 16, "sequences decoded together"),
@@ -240,20 +321,21 @@ def main(argv: list[str] | None = None) -> int:
     tune.add_argument("--shape", type=_shape, action="append",
                       help="N,H,V to tune (repeatable; default: N=8192, H=4096, "
                            "V=32000/128256/262144); the result serves V's bucket")
-    tune.add_argument("--dtype", type=_dtype_list, default="bf16")
-    tune.add_argument("--max-chunk-mib", type=int, default=512,
+    tune.add_argument("--dtype", type=_one_dtype, default="bf16",
+                      help="fp32, fp16 or bf16 (default bf16)")
+    tune.add_argument("--max-chunk-mib", type=int_range(1), default=512,
                       help="largest logits chunk budget to try, in MiB (default 512: "
                            "larger chunks are faster at large V but cost that much memory)")
     tune.add_argument("--dry-run", action="store_true", help="time, but record nothing")
-    tune.add_argument("--json", help="write every trial to this file")
+    tune.add_argument("--json", type=output_file, help="write every trial to this file")
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
-        return cmd_bench(args, rest)
+        return cmd_bench(args, args.options + rest)
     if args.command == "demo":
         return cmd_demo(rest)
     if rest:
-        (generate if args.command == "generate" else parser).error(
-            f"unrecognized arguments: {' '.join(rest)}")
+        verbs = {"info": info, "check": check, "plan": plan, "tune": tune, "generate": generate}
+        verbs[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
     return {"info": cmd_info, "check": cmd_check, "plan": cmd_plan,
             "tune": cmd_tune, "generate": cmd_generate}[args.command](args)
 

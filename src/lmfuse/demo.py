@@ -22,6 +22,8 @@ continuation against a full re-forward of the plain model with the same weights.
 
 On CUDA the ops take their Triton kernels (``impl="auto"``); on the CPU their PyTorch
 references. ``run(DemoConfig(...))`` is the Python entry point; ``main(argv)`` the command.
+Every option is checked before any work (``check_config``): a bad one is one line on stderr
+and exit status 2.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -116,6 +118,125 @@ class DemoResult:
     @property
     def max_loss_rel_diff(self) -> float:
         return max(abs(a - b) / abs(b) for a, b in zip(self.lmfuse.losses, self.plain.losses))
+
+
+# --- the options -----------------------------------------------------------------------------
+
+# Each integer option's smallest value.
+MINIMUM = {"steps": 1, "d_model": 1, "n_layers": 1, "n_heads": 1, "ffn": 1, "seq_len": 1,
+           "batch": 1, "new_tokens": 1, "cpu_threads": 0, "log_every": 1, "seed": 0}
+MAX_SEED = 2**63 - 1  # torch.manual_seed's range, from 0
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a checked :class:`DemoConfig` resolves to."""
+
+    device: torch.device
+    dtype: str  # a key of DTYPES
+    text: bytes  # the training text
+    source: str  # where it came from, for the log
+    prompts: list[str]
+
+
+def check_config(cfg: DemoConfig,
+                 name: Callable[[str], str] = lambda f: f"DemoConfig.{f}") -> Setup:
+    """Every option's range and the options' combinations, checked before any work; raises
+    ``ValueError`` naming the option (``name(field)``: the command line passes ``--flag``).
+    Reads the training text, and finds out whether the chosen device and path can run."""
+    for key, low in MINIMUM.items():
+        value = getattr(cfg, key)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{name(key)} must be an integer, got {value!r}")
+        if value < low:
+            raise ValueError(f"{name(key)} must be >= {low}, got {value}")
+    if cfg.seed > MAX_SEED:
+        raise ValueError(f"{name('seed')} must be <= {MAX_SEED}, got {cfg.seed}")
+    for key in ("lr", "temperature"):
+        value = getattr(cfg, key)
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name(key)} must be a finite number > 0, got {value!r}")
+    if cfg.d_model % cfg.n_heads or (cfg.d_model // cfg.n_heads) % 2:
+        raise ValueError(f"{name('d_model')} ({cfg.d_model}) must be {name('n_heads')} "
+                         f"({cfg.n_heads}) times an even head size (rotary embeddings rotate "
+                         "pairs)")
+    device = _device(cfg.device, name)
+    if cfg.dtype is not None and cfg.dtype not in DTYPES:
+        raise ValueError(f"{name('dtype')} must be one of {', '.join(DTYPES)}, got "
+                         f"{cfg.dtype!r}")
+    if cfg.impl not in ("auto", "triton", "torch"):
+        raise ValueError(f"{name('impl')} must be auto, triton or torch, got {cfg.impl!r}")
+    if cfg.impl == "triton":
+        from lmfuse._dispatch import triton_support
+
+        ok, why = triton_support(device)
+        if not ok:
+            raise ValueError(f"{name('impl')} triton cannot run on {device}: {why}; use auto "
+                             "or torch" + ("" if device.type == "cuda" else
+                                           ", or a CUDA device"))
+    prompts = list(cfg.prompts or [])
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"{name('prompts')} number {i + 1} is empty")
+    if cfg.plot is not None:
+        _check_plot(cfg.plot, name)
+    text, source = _read_text(cfg.text, name)
+    if len(text) < cfg.seq_len + 2:
+        raise ValueError(f"{name('seq_len')} {cfg.seq_len} needs a text of at least "
+                         f"{cfg.seq_len + 2} bytes; {source} has {len(text):,}")
+    if not prompts and cfg.text is None:
+        prompts = list(DEFAULT_PROMPTS)
+    elif not prompts:  # slices of the text, of different lengths
+        decoded = text.decode("utf-8", errors="replace")
+        prompts = [decoded[len(decoded) * i // 4:][:n] for i, n in ((0, 4), (1, 9), (2, 17))]
+    dtype = cfg.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    return Setup(device, dtype, text, source, prompts)
+
+
+def _device(text: str, name: Callable[[str], str]) -> torch.device:
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except (RuntimeError, TypeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name('device')} must be auto, cpu, cuda or cuda:N, got {text!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{name('device')} {text}: no CUDA device here; use cpu or auto")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"{name('device')} {text}: this machine has "
+                         f"{torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def _check_plot(path: str, name: Callable[[str], str]) -> None:
+    """``--plot PATH`` needs matplotlib, a directory to write into and a format matplotlib
+    writes: said before training, not after it."""
+    from lmfuse.cli import missing_package
+
+    missing = missing_package("matplotlib", name("plot"), "'lmfuse[plot]' (or matplotlib)")
+    if missing:
+        raise ValueError(missing)
+    parent = Path(path).parent
+    if not path or not parent.is_dir():
+        raise ValueError(f"{name('plot')} {path!r}: no directory {str(parent)!r} to write into")
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if suffix not in formats:
+            raise ValueError(f"{name('plot')} {path!r}: matplotlib cannot write .{suffix} "
+                             f"files; use one of .{', .'.join(sorted(formats))}")
+
+
+def _read_text(path: Optional[str], name: Callable[[str], str]) -> tuple[bytes, str]:
+    try:
+        return load_text(path)
+    except OSError as exc:
+        raise ValueError(f"{name('text')} {path}: cannot read it: "
+                         f"{exc.strerror or exc}") from None
 
 
 # --- the model -------------------------------------------------------------------------------
@@ -343,6 +464,10 @@ def generate_paged(model: TinyGPT, prompts: list[list[int]], new_tokens: int, *,
     over a :class:`lmfuse.PagedKVCache`. Returns the continuations, the decode phase's
     tokens/s (all sequences together, after the prefill) and the logits each token was
     picked from, ``[len(prompts), new_tokens, V]`` float32."""
+    empty = [i for i, prompt in enumerate(prompts) if len(prompt) == 0]
+    if empty:
+        raise ValueError(f"generate_paged: every prompt needs a token; prompts[{empty[0]}] "
+                         "is empty")
     p = next(model.parameters())
     device, dtype = p.device, p.dtype
     first = model.layers[0].attn
@@ -435,38 +560,26 @@ def _text(tokens: list[int]) -> str:
 
 
 def run(cfg: DemoConfig) -> DemoResult:
-    """The whole demo; prints its progress and table unless ``cfg.quiet``."""
+    """The whole demo; prints its progress and table unless ``cfg.quiet``. Raises
+    ``ValueError`` for a bad option (:func:`check_config`) before any work."""
+    setup = check_config(cfg)
     threads = torch.get_num_threads()
-    if cfg.cpu_threads and not (cfg.device == "auto" and torch.cuda.is_available()) \
-            and cfg.device != "cuda" and not cfg.device.startswith("cuda:"):
+    if cfg.cpu_threads and setup.device.type == "cpu":
         torch.set_num_threads(cfg.cpu_threads)
     try:
-        return _run(cfg)
+        return _run(cfg, setup)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(cfg: DemoConfig) -> DemoResult:
+def _run(cfg: DemoConfig, setup: Setup) -> DemoResult:
     log = (lambda *a: None) if cfg.quiet else print
-    if cfg.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(cfg.device)
-    dtype_name = cfg.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    device, dtype_name, raw, source = setup.device, setup.dtype, setup.text, setup.source
     dtype = DTYPES[dtype_name]
-    raw, source = load_text(cfg.text)
-    if len(raw) < cfg.seq_len + 2:
-        raise ValueError(f"lmfuse demo: the text has {len(raw)} bytes; need more than "
-                         f"seq_len + 1 = {cfg.seq_len + 1}")
     data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
-    if cfg.prompts:
-        prompt_texts = list(cfg.prompts)
-    elif cfg.text is None:
-        prompt_texts = list(DEFAULT_PROMPTS)
-    else:  # slices of the text, of different lengths
-        text = raw.decode("utf-8", errors="replace")
-        prompt_texts = [text[len(text) * i // 4:][:n] for i, n in ((0, 4), (1, 9), (2, 17))]
-    prompts = [list(t.encode()) for t in prompt_texts]
+    prompt_texts = setup.prompts
+    # surrogateescape: a command-line argument that is not UTF-8 keeps its own bytes
+    prompts = [list(t.encode("utf-8", "surrogateescape")) for t in prompt_texts]
 
     path = lmfuse.explain(lmfuse.fused_softmax, torch.zeros(1, 1, 2, 2, device=device),
                           causal=True, impl=cfg.impl)
@@ -505,8 +618,8 @@ def _run(cfg: DemoConfig) -> DemoResult:
     log(f"\ngeneration with the lmfuse model's weights: DecodeAttentionBlock over a "
         f"PagedKVCache, {len(prompts)} prompts at once, "
         f"{'sampled (T=%g)' % cfg.temperature if sampled is not None else 'greedy'}:")
-    for text, cont in zip(prompt_texts, shown):
-        log(f"  {_text(list(text.encode()))} -> {_text(cont)}")
+    for prompt, cont in zip(prompts, shown):
+        log(f"  {_text(prompt)} -> {_text(cont)}")
     log(f"decode logits against the plain model's full forward on the same tokens: max "
         f"|difference| / max |logit| = {logit_err:.1e} (tolerance in {dtype_name} "
         f"{LOGIT_TOLERANCE[dtype_name]:.0e}): {'ok' if result.decode_logits_ok else 'FAILED'}")
@@ -541,13 +654,12 @@ def summary(r: DemoResult) -> str:
 
 
 def plot(r: DemoResult, path: str) -> str:
-    try:
-        import matplotlib
+    """Both loss curves into ``path`` (needs matplotlib: ``pip install 'lmfuse[plot]'``)."""
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return f"--plot {path}: matplotlib is not installed; no plot drawn"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(r.lmfuse.losses, label="lmfuse")
     ax.plot(r.plain.losses, label="plain PyTorch", linestyle="--")
@@ -561,34 +673,59 @@ def plot(r: DemoResult, path: str) -> str:
     return f"loss curves written to {path}"
 
 
+def _flag(key: str) -> str:
+    """A DemoConfig field's command-line option."""
+    return "--prompt" if key == "prompts" else "--" + key.replace("_", "-")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    from lmfuse.cli import ArgumentParser
+
     d = DemoConfig()
-    parser = argparse.ArgumentParser(prog="lmfuse demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=d.steps, help=f"default {d.steps}")
-    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
-    parser.add_argument("--dtype", choices=tuple(DTYPES),
-                        help="default fp32 on the CPU, bf16 on CUDA")
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--impl", choices=("auto", "triton", "torch"), default="auto")
-    parser.add_argument("--text", help="train on this file (default: lmfuse's own source)")
-    parser.add_argument("--prompt", action="append", dest="prompts",
-                        help="a prompt to continue (repeatable)")
-    parser.add_argument("--new-tokens", type=int, default=d.new_tokens)
-    parser.add_argument("--sample", action="store_true",
-                        help="temperature sampling instead of greedy decoding")
-    parser.add_argument("--temperature", type=float, default=d.temperature)
-    parser.add_argument("--plot", help="draw both loss curves into this PNG (needs matplotlib)")
-    for name in ("d_model", "n_layers", "n_heads", "ffn", "seq_len", "batch"):
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
-    parser.add_argument("--lr", type=float, default=d.lr)
-    parser.add_argument("--cpu-threads", type=int, default=d.cpu_threads,
-                        help="torch threads on the CPU (0: leave torch's default)")
+    parser = ArgumentParser(prog="lmfuse demo", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--steps", type=int, default=d.steps, help=f"training steps, >= 1 (default {d.steps})")
+    add("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
+    add("--dtype", choices=tuple(DTYPES), help="default fp32 on the CPU, bf16 on CUDA")
+    add("--seed", type=int, default=d.seed, help=f"0 .. 2**63-1 (default {d.seed})")
+    add("--impl", choices=("auto", "triton", "torch"), default="auto",
+        help="the ops' path (default auto: Triton on CUDA, the PyTorch reference on the CPU; "
+        "triton on the CPU needs TRITON_INTERPRET=1, Triton's slow interpreter)")
+    add("--text", help="train on this file (default: lmfuse's own source)")
+    add("--prompt", action="append", dest="prompts",
+        help="a prompt to continue (repeatable; not empty)")
+    add("--new-tokens", type=int, default=d.new_tokens,
+        help=f"tokens generated per prompt, >= 1 (default {d.new_tokens})")
+    add("--sample", action="store_true", help="temperature sampling instead of greedy decoding")
+    add("--temperature", type=float, default=d.temperature,
+        help=f"sampling temperature, > 0 (default {d.temperature})")
+    add("--plot", help="draw both loss curves into this PNG (needs matplotlib: pip install "
+        "'lmfuse[plot]')")
+    for key, text in (("d_model", "model width"), ("n_layers", "layers"),
+                      ("n_heads", "attention heads (d-model / n-heads must be even)"),
+                      ("ffn", "MLP width"), ("seq_len", "tokens per training sequence"),
+                      ("batch", "sequences per training step")):
+        add(_flag(key), type=int, default=getattr(d, key),
+            help=f"{text}, >= 1 (default {getattr(d, key)})")
+    add("--lr", type=float, default=d.lr, help=f"learning rate, > 0 (default {d.lr})")
+    add("--cpu-threads", type=int, default=d.cpu_threads,
+        help=f"torch threads on the CPU (0: leave torch's default; default {d.cpu_threads})")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.new_tokens < 0 or args.d_model % args.n_heads:
-        parser.error("need --steps >= 1, --new-tokens >= 0 and d_model divisible by n_heads")
     cfg = DemoConfig(**vars(args), log_every=max(1, args.steps // 10))
-    result = run(cfg)
+    try:
+        check_config(cfg, _flag)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        result = run(cfg)
+    except torch.OutOfMemoryError as exc:
+        first = (str(exc).strip().splitlines() or ["out of memory"])[0]
+        print(f"lmfuse demo: out of memory: {first}; try a smaller --batch, --seq-len or "
+              "--d-model", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
     # In fp16/bf16 the two paths round at different points, so a near-tie may pick another
     # token; only an fp32 mismatch is an error.
     return 0 if result.decode_logits_ok and (result.decode_matches or result.dtype != "fp32") \

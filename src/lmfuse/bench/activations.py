@@ -34,19 +34,15 @@ The targets, checked at the end for SwiGLU, GEGLU and weighted SwiGLU: forward a
 from __future__ import annotations
 
 import importlib
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (Case, Result, dist_version, finish, measure_copy,  # noqa: E402
-                    relative_differences, run_cases, start, unavailable)
-
-import lmfuse  # noqa: E402
+import lmfuse
+from lmfuse.bench.common import (Case, Result, dist_version, finish, measure_copy,
+                                 relative_differences, run_cases, start, unavailable)
 
 ActFn = Callable[..., torch.Tensor]  # (x, bias or None, weights or None) -> output
 
@@ -83,10 +79,7 @@ _compiled = torch.compile(eager_activation, fullgraph=True, dynamic=False)
 
 
 class Op(NamedTuple):
-    """One benchmarked activation: lmfuse's call and the eager formula's switches.
-
-    (A NamedTuple: ``lmfuse bench`` loads this file outside ``sys.modules``, where
-    ``@dataclass`` cannot resolve its annotations.)"""
+    """One benchmarked activation: lmfuse's call and the eager formula's switches."""
 
     lmfuse: ActFn
     activation: str

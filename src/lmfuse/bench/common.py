@@ -1,6 +1,7 @@
 """Shared benchmark harness: timing, the copy-bandwidth ceiling, memory, tables, JSON, plots.
 
-Each family's script (``bench/<family>.py``) builds a list of cases; every case times
+Each family's harness (``lmfuse/bench/<family>.py``, run by ``lmfuse bench <family>`` or,
+from a checkout, ``python3 bench/<family>.py``) builds a list of cases; every case times
 lmfuse and its peers in the same process, so the ratios compare like with like.
 """
 
@@ -16,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
+
+from lmfuse.cli import ArgumentParser, missing_package, output_file
 
 
 @dataclass
@@ -213,17 +216,32 @@ def dist_version(dist: str) -> str:
         return "(version unknown)"
 
 
+def parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """A harness's option parser: ``lmfuse``'s one-line errors (exit status 2)."""
+    return ArgumentParser(prog=prog, description=doc,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def check_plot(p: argparse.ArgumentParser, path: str | None) -> None:
+    """``--plot`` needs matplotlib: said before any timing, not after it."""
+    missing = path and missing_package("matplotlib", "--plot",
+                                       "'lmfuse[bench]' (or matplotlib)")
+    if missing:
+        p.error(missing)
+
+
 def start(prog: str, doc: str, argv: list[str] | None, plot_what: str = "achieved TB/s"
           ) -> tuple[argparse.Namespace, torch.device, bool, dict]:
     """The start every benchmark shares: ``--json``, ``--plot``, ``--quick`` parsed; the best
     device (small shapes on CPU, said so); torch seeded; the environment header printed.
     Returns ``(args, device, quick, environment)``."""
-    p = argparse.ArgumentParser(prog=prog, description=doc,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", help="write the results as JSON here")
-    p.add_argument("--plot", help=f"write a PNG bar chart of {plot_what} here")
+    p = parser(prog, doc)
+    p.add_argument("--json", type=output_file, help="write the results as JSON here")
+    p.add_argument("--plot", type=output_file,
+                   help=f"write a PNG bar chart of {plot_what} here (needs matplotlib)")
     p.add_argument("--quick", action="store_true", help="small shapes (the default on CPU)")
     args = p.parse_args(argv)
+    check_plot(p, args.plot)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     quick = args.quick or device.type != "cuda"
     if device.type != "cuda":

@@ -39,18 +39,14 @@ against lmfuse's; a relative difference over 1e-4 is noted.
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (Case, Result, dist_version, finish, measure_copy,  # noqa: E402
-                    run_cases, start, unavailable)
-
-import lmfuse  # noqa: E402
+import lmfuse
+from lmfuse.bench.common import (Case, Result, dist_version, finish, measure_copy, run_cases,
+                                 start, unavailable)
 
 IGNORE = -100
 OPTIONS = {"label_smoothing": 0.1, "z_loss": 1e-4, "softcap": 30.0}
@@ -164,10 +160,7 @@ class LossCheck:
 
 
 class CECase(Case):
-    """A case with lmfuse's memory target: the gradient buffer (0 in place or forward only).
-
-    (A plain subclass: ``lmfuse bench`` loads this file outside ``sys.modules``, where
-    ``@dataclass`` cannot resolve its annotations.)"""
+    """A case with lmfuse's memory target: the gradient buffer (0 in place or forward only)."""
 
     def __init__(self, *args, target_mib: float = 0.0, state_mib: float = 0.0, **kwargs):
         super().__init__(*args, **kwargs)

@@ -50,21 +50,18 @@ Triton's interpreter when ``TRITON_INTERPRET=1`` (else the reference).
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Case, Result, finish, measure_copy, run_cases, start  # noqa: E402
-
-import lmfuse  # noqa: E402
+import lmfuse
+from lmfuse.bench.common import Case, Result, finish, measure_copy, run_cases, start
+from lmfuse.cli import ArgumentParser
 
 PAGED_SHARE_OF_COPY = 0.90  # paged TB/s at least this share of the copy's (roles below)
 PAGED_COPY_ROLES = ("batch", "long")
@@ -75,8 +72,7 @@ PEERS_SDPA = ("sdpa", "sdpa (BHSD)")
 
 class Shape(NamedTuple):
     """One benchmarked shape and the cache layouts it runs on. ``role`` names what the
-    targets judge it by. (A NamedTuple: ``lmfuse bench`` loads this file outside
-    ``sys.modules``, where ``@dataclass`` cannot resolve its annotations.)"""
+    targets judge it by."""
 
     role: str
     B: int
@@ -412,7 +408,7 @@ def check_targets(results: list[Result], info: dict[str, CaseInfo], copy_bw: flo
 
 def main(argv: list[str] | None = None) -> int:
     # --cases is this benchmark's own; the shared start parses the rest.
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = ArgumentParser(prog="lmfuse bench decode_attention", add_help=False)
     pre.add_argument("--cases", action="append", default=[])
     pre.add_argument("--graphs", action="store_true")
     own, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)

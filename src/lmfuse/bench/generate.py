@@ -63,20 +63,20 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import random
 import statistics
 import sys
 import time
 import warnings
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Result, dist_version, measure_copy, print_table, start, write_json  # noqa: E402
-
-from lmfuse.serving import Generator  # noqa: E402
+from lmfuse.bench.common import (Result, check_plot, dist_version, measure_copy, parser,
+                                 print_table, start, write_json)
+from lmfuse.cli import int_range, missing_package, output_file, seed
+from lmfuse.serving import Generator
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PEERS = ("hf", "hf-static", "hf-cb")
@@ -98,51 +98,96 @@ SIZES = {
 }
 
 
+def _batches(text: str) -> list[int]:
+    try:
+        values = [int(b) for b in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}"
+                                         ) from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"every batch must be >= 1, got {text!r}")
+    return values
+
+
+def _lo_hi(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO,HI (two integers), got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"need 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def _dtype(text: str) -> str:
+    if text not in DTYPES:
+        raise argparse.ArgumentTypeError(f"choose one of {', '.join(DTYPES)}, got {text!r}")
+    return text
+
+
+# How each SIZES option is read (the rest: integers >= 1).
+SIZE_TYPES = {"dtype": _dtype, "new_tokens": int_range(2), "batches": _batches,
+              "prompt_range": _lo_hi, "output_range": _lo_hi, "rate": _rate}
+
+
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """This benchmark's options; the shared ones (--quick, --json) also go to common.start."""
-    p = argparse.ArgumentParser(prog="lmfuse bench generate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    """This benchmark's options, every one checked (a bad one: one line, exit status 2),
+    the sizes resolved for --quick (the default on a CPU); the shared ones (--quick, --json)
+    also go to common.start."""
+    p = parser("lmfuse bench generate", __doc__)
     add = p.add_argument
     for key, (full, quick, text) in SIZES.items():
         flags = ["--" + key.replace("_", "-")] + (["--prompt-len"] if key == "context" else [])
-        add(*flags, dest=key, type=type(full), default=None,
+        add(*flags, dest=key, type=SIZE_TYPES.get(key, int_range(1)), default=None,
             help=f"{text} (default {full}; --quick: {quick})")
     add("--kv-dtype", action="append", default=[], choices=["fp8", "bf16", "fp16", "fp32"],
         help="also lmfuse rows with this cache dtype (repeatable), e.g. fp8")
     add("--eager", action="store_true", help="also an lmfuse row with cuda_graphs=False")
     add("--impl", default="auto", choices=["auto", "triton", "torch"],
         help="lmfuse kernels' path (default auto)")
-    add("--block-len", type=int, default=16, help="lmfuse cache block length (default 16)")
-    add("--seed", type=int, default=0, help="prompts, lengths and arrivals (default 0)")
+    add("--block-len", type=int_range(1), default=16,
+        help="lmfuse cache block length (default 16)")
+    add("--seed", type=seed, default=0, help="prompts, lengths and arrivals (default 0)")
     add("--peers", default=",".join(PEERS), help=f"peers to run (default {','.join(PEERS)})")
     add("--decode", action=argparse.BooleanOptionalAction, default=True,
         help="the decode cases (default on)")
     add("--mixed", action=argparse.BooleanOptionalAction, default=True,
         help="the mixed workload with arrivals (default on)")
-    add("--json", help="write the environment and every row as JSON here")
-    add("--plot", help="write a PNG bar chart of tokens/s here (needs matplotlib)")
+    add("--json", type=output_file, help="write the environment and every row as JSON here")
+    add("--plot", type=output_file,
+        help="write a PNG bar chart of tokens/s here (needs matplotlib)")
     add("--quick", action="store_true",
         help="tiny model and sizes (the default on CPU): a smoke run, not performance")
     args = p.parse_args(argv)
-    return args, (["--quick"] if args.quick else []) + (["--json", args.json] if args.json
-                                                         else [])
-
-
-def resolve(args: argparse.Namespace, quick: bool) -> None:
+    quick = args.quick or not torch.cuda.is_available()  # as common.start decides
     for key, (full, small, _) in SIZES.items():
         if getattr(args, key) is None:
-            setattr(args, key, small if quick else full)
-    try:
-        args.batches = [int(b) for b in args.batches.split(",")]
-        args.prompt_range = tuple(int(x) for x in args.prompt_range.split(","))
-        args.output_range = tuple(int(x) for x in args.output_range.split(","))
-    except ValueError as exc:
-        raise SystemExit(f"lmfuse bench generate: {exc}") from None
+            default = small if quick else full
+            setattr(args, key, SIZE_TYPES[key](default) if key in SIZE_TYPES else default)
     args.peers = [x.strip() for x in args.peers.split(",") if x.strip()]
     bad = [x for x in args.peers if x not in PEERS]
-    if bad or args.new_tokens < 2 or min(args.batches) < 1 or args.dtype not in DTYPES:
-        raise SystemExit(f"lmfuse bench generate: bad --peers {bad} (choose from {PEERS}), "
-                         "--dtype, --new-tokens < 2 or a batch < 1")
+    if bad:
+        p.error(f"argument --peers: unknown {', '.join(bad)}; choose from {', '.join(PEERS)}")
+    if args.hidden % args.heads or args.heads % args.kv_heads:
+        p.error(f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads}), and "
+                f"--heads of --kv-heads ({args.kv_heads})")
+    missing = missing_package("transformers", "lmfuse bench generate",
+                              "'lmfuse[bench]' (or transformers)")
+    if missing:
+        p.error(missing)
+    check_plot(p, args.plot)
+    return args, (["--quick"] if args.quick else []) + (["--json", args.json] if args.json
+                                                         else [])
 
 
 # --- model, bytes, timing --------------------------------------------------------------------
@@ -560,11 +605,8 @@ def mixed_rows(model: Any, args: argparse.Namespace, device: torch.device, passe
 
 
 def plot_tokens(path: str, rows: list[Result], tokps: dict, title: str) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"# --plot {path}: matplotlib is not installed; no plot written")
-        return
+    import matplotlib  # parse() made sure it is installed
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -588,7 +630,6 @@ def plot_tokens(path: str, rows: list[Result], tokps: dict, title: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args, common = parse(sys.argv[1:] if argv is None else list(argv))
     _, device, quick, env = start("lmfuse bench generate", __doc__, common)
-    resolve(args, quick)
     threads = torch.get_num_threads()
     if device.type == "cpu":  # tiny ops: threads only add barriers (and stalls on a busy CPU)
         torch.set_num_threads(1)

@@ -17,8 +17,9 @@ Rows, one per implementation:
   ``L = x @ W.T`` ``[N, V]``, ``dX = G @ W`` and ``dW = G.T @ x``, where ``G`` is an
   ``[N, V]`` tensor in the inputs' dtype allocated before timing (so its allocation is not
   timed), each GEMM as ``A @ B`` or ``(B.T @ A.T).T``, whichever cuBLAS runs faster (the
-  note lists the swapped ones). This is the time ceiling: the target is lmfuse <= 1.05 x floor. Its peak memory
-  is L, dX and dW but not G (N V x 2 B), so it is *not* what a usable op would need;
+  note lists the swapped ones). This is the time ceiling: the target is lmfuse <= 1.05 x
+  floor. Its peak memory is L, dX and dW but not G (N V x 2 B), so it is *not* what a usable
+  op would need;
 * ``torch``: ``F.cross_entropy((x @ W.T).float(), target)``, the expression users write;
 * ``torch.compile``: that function compiled with ``fullgraph=True``;
 * ``liger``: ``liger_kernel.transformers.functional.liger_fused_linear_cross_entropy``
@@ -53,19 +54,15 @@ Cross-Entropy's and against its own budget, ``dhidden + dweight + one logits chu
 from __future__ import annotations
 
 import inspect
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (Case, Result, bench_ms, dist_version, finish,  # noqa: E402
-                    run_cases, start, unavailable)
-
-import lmfuse  # noqa: E402
-from lmfuse.cross_entropy.linear import chunk_rows  # noqa: E402
+import lmfuse
+from lmfuse.bench.common import (Case, Result, bench_ms, dist_version, finish, run_cases, start,
+                                 unavailable)
+from lmfuse.cross_entropy.linear import chunk_rows
 
 IGNORE = -100
 FLOOR = "floor (3 GEMMs)"
@@ -231,10 +228,7 @@ def _join(*parts: str) -> str:
 
 class LCECase(Case):
     """A case with what the summary needs: the shape, the floor's ``G`` size and lmfuse's
-    memory budget (the gradients of hidden and weight plus one logits chunk).
-
-    (A plain subclass: ``lmfuse bench`` loads this file outside ``sys.modules``, where
-    ``@dataclass`` cannot resolve its annotations.)"""
+    memory budget (the gradients of hidden and weight plus one logits chunk)."""
 
     def __init__(self, *args, n: int, H: int, V: int, g_mib: float, budget_mib: float,
                  **kwargs):

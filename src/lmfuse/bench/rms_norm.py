@@ -23,17 +23,13 @@ gradients) and flags one over 1e-2 (1e-5 in float32). Hugging Face's formula rou
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (Case, Result, dist_version, finish, measure_copy,  # noqa: E402
-                    relative_differences, run_cases, start, unavailable)
-
-import lmfuse  # noqa: E402
+import lmfuse
+from lmfuse.bench.common import (Case, Result, dist_version, finish, measure_copy,
+                                 relative_differences, run_cases, start, unavailable)
 
 EPS = 1e-6
 NormFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, weight) -> y

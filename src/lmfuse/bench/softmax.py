@@ -9,15 +9,10 @@ of the same size, timed in the same run, is the bandwidth ceiling.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Case, finish, measure_copy, run_cases, start  # noqa: E402
-
-import lmfuse  # noqa: E402
+import lmfuse
+from lmfuse.bench.common import Case, finish, measure_copy, run_cases, start
 
 
 def eager_softmax(x, scale, causal=False, mask=None, offset=None):
