@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import assert_close
 
 import lmfuse
 
@@ -77,3 +78,53 @@ def test_bad_config(kw: dict, match: str) -> None:
     args.update(kw)
     with pytest.raises(ValueError, match=match):
         lmfuse.FusedMLP(**args)
+
+
+# --- the input against the module's parameters ---------------------------------------------
+
+
+@pytest.mark.parametrize("make, error, message", [
+    pytest.param(lambda: (torch.randn(3, 7), None), ValueError,
+                 r"x must be \[..., hidden_size\] = \[..., 8\], got shape \(3, 7\)",
+                 id="width"),
+    pytest.param(lambda: (torch.tensor(1.0), None), ValueError,
+                 r"x must be \[..., hidden_size\] = \[..., 8\], got shape \(\)", id="0-d"),
+    pytest.param(lambda: (torch.randn(3, 8, dtype=torch.float64), None), TypeError,
+                 r"x has dtype torch.float64 but the module's parameters are torch.float32",
+                 id="dtype"),
+    pytest.param(lambda: (torch.randn(3, 8).half(), None), TypeError,
+                 r"x has dtype torch.float16 but the module's parameters are torch.float32",
+                 id="half"),
+    pytest.param(lambda: (torch.ones(3, 8, dtype=torch.int64), None), TypeError,
+                 r"x must have dtype in \(.*\), got torch.int64", id="int"),
+    pytest.param(lambda: ([[1.0] * 8], None), TypeError, r"x must be a torch.Tensor, got list",
+                 id="list"),
+    pytest.param(lambda: (torch.randn(3, 8), torch.rand(4, 1)), ValueError,
+                 r"weights must be \[tokens, 1\] = \[3, 1\] \(one per token of x \(3, 8\)\), "
+                 r"got \(4, 1\)", id="weights-tokens"),
+    pytest.param(lambda: (torch.randn(3, 8), torch.ones(3, 1, dtype=torch.int64)), TypeError,
+                 r"weights must have dtype in", id="weights-int"),
+])
+def test_bad_input_names_the_argument(make, error, message: str) -> None:
+    """Instead of torch's "mat1 and mat2 shapes cannot be multiplied" or "expected m1 and
+    m2 to have the same dtype" from inside fc1."""
+    mlp = lmfuse.FusedMLP(8, 6, "swiglu")
+    x, weights = make()
+    with pytest.raises(error, match=f"^FusedMLP: {message}"):
+        mlp(x, weights)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("activation", ["swiglu", "gelu", "squared_relu"])
+def test_autocast_takes_any_input_dtype(activation: str, impl: str) -> None:
+    """Under torch.autocast the linears cast x, and the fused bias is cast to theirs."""
+    torch.manual_seed(0)
+    mlp = lmfuse.FusedMLP(8, 6, activation, impl=impl)
+    x = torch.randn(3, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = mlp(x)
+        ref = mlp.reference_forward(x.bfloat16())
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == F32 for p in mlp.parameters())
+    assert_close(out, ref, torch.bfloat16, f"{activation} {impl} under autocast")

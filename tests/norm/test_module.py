@@ -74,6 +74,23 @@ def test_bad_constructor_arguments(kwargs: dict, error, match: str) -> None:
         lmfuse.RMSNorm(**kwargs)
 
 
-def test_wrong_hidden_size_at_forward() -> None:
-    with pytest.raises(ValueError, match=r"rms_norm: weight must be \[H\] = \[12\]"):
-        lmfuse.RMSNorm(8)(randn((2, 12), F32))
+@pytest.mark.parametrize("affine", [True, False], ids=["weight", "no-weight"])
+@pytest.mark.parametrize("make_x, error, message", [
+    pytest.param(lambda: randn((2, 12), F32), ValueError,
+                 r"x must be \[..., hidden_size\] = \[..., 8\], got shape \(2, 12\)",
+                 id="width"),
+    pytest.param(lambda: torch.ones(2, 8, dtype=torch.int64), TypeError,
+                 r"x must have dtype in \(.*\), got torch.int64", id="int"),
+    pytest.param(lambda: torch.tensor(1.0), ValueError,
+                 r"x must be \[..., hidden_size\] = \[..., 8\], got shape \(\)", id="0-d"),
+    pytest.param(lambda: "x", TypeError, r"x must be a torch.Tensor, got str", id="str"),
+])
+def test_bad_input_at_forward_names_x(make_x, error, message: str, affine: bool) -> None:
+    with pytest.raises(error, match=f"^RMSNorm: {message}"):
+        lmfuse.RMSNorm(8, elementwise_affine=affine)(make_x())
+
+
+def test_weight_dtype_may_differ_from_x() -> None:
+    """A float32 weight with a bfloat16 x is the mixed-precision case, not an error."""
+    y = lmfuse.RMSNorm(8, dtype=F32)(randn((3, 8), torch.bfloat16))
+    assert y.dtype == torch.bfloat16

@@ -408,20 +408,35 @@ def test_bad_scale_or_window_raises_at_forward_naming_it(kwargs, error, message,
 
 
 @pytest.mark.parametrize("fusion", FUSION)
-@pytest.mark.parametrize("make_input, mask, error, message", [
-    pytest.param(lambda: randn((2, 3, 4)), None, ValueError, r"scores must be 4-D",
-                 id="input-3d"),
-    pytest.param(lambda: randn((1, 2, 3, 4)), rand_bool((1, 1, 3, 5)), ValueError,
-                 r"mask of shape \(1, 1, 3, 5\) is not broadcastable", id="mask-shape"),
-    pytest.param(lambda: randn((1, 2, 3, 4)), torch.ones(1, 1, 3, 4, dtype=torch.int64),
-                 TypeError, r"mask must be bool", id="mask-int"),
-    pytest.param(lambda: randn((1, 2, 5, 4)), None, ValueError, r"causal=True needs sq <= sk",
-                 id="causal-sq>sk"),
+@pytest.mark.parametrize("make_input, mask, offset, error, message", [
+    pytest.param(lambda: randn((2, 3, 4)), None, None, ValueError,
+                 r"input must be 4-D, got 3-D with shape \(2, 3, 4\)", id="input-3d"),
+    pytest.param(lambda: [[[[1.0]]]], None, None, TypeError,
+                 r"input must be a torch.Tensor, got list", id="input-list"),
+    pytest.param(lambda: torch.ones(1, 2, 3, 4, dtype=torch.int32), None, None, TypeError,
+                 r"input must have dtype in \(.*\), got torch.int32", id="input-int"),
+    pytest.param(lambda: randn((1, 2, 3, 4)), rand_bool((1, 1, 3, 5)), None, ValueError,
+                 r"mask of shape \(1, 1, 3, 5\) is not broadcastable to input \(1, 2, 3, 4\); "
+                 r"expected \[b\|1, np\|1, sq\|1, sk\|1\] with \[b, np, sq, sk\] = "
+                 r"\[1, 2, 3, 4\]", id="mask-shape"),
+    pytest.param(lambda: randn((1, 2, 3, 4)), rand_bool((2, 1, 3, 4)), None, ValueError,
+                 r"mask of shape \(2, 1, 3, 4\) is not broadcastable to input", id="mask-batch"),
+    pytest.param(lambda: randn((1, 2, 3, 4)), torch.ones(1, 1, 3, 4, dtype=torch.int64), None,
+                 TypeError, r"mask must be bool .* got torch.int64", id="mask-int"),
+    pytest.param(lambda: randn((1, 2, 3, 4)), None, randn((3,)), ValueError,
+                 r"softmax_offset must have shape \[np\] = \[2\], got \(3,\) \(input is "
+                 r"\[1, 2, 3, 4\]\)", id="sink-length"),
+    pytest.param(lambda: randn((1, 2, 5, 4)), None, None, ValueError,
+                 r"attn_mask_type=causal needs input \[b, np, sq, sk\] with sq <= sk .* got "
+                 r"\[1, 2, 5, 4\]", id="causal-sq>sk"),
 ])
-def test_bad_forward_input_raises(make_input, mask, error, message, fusion: bool) -> None:
+def test_bad_forward_input_raises_naming_the_argument(make_input, mask, offset, error,
+                                                      message, fusion: bool) -> None:
+    """The module's own argument names (input, mask, softmax_offset), the shape or dtype
+    seen and the one expected."""
     softmax = make_module(AttnMaskType.causal, fusion=fusion)
-    with pytest.raises(error, match=rf"^fused_softmax: {message}"):
-        softmax(make_input(), mask)
+    with pytest.raises(error, match=rf"^FusedScaleMaskSoftmax: {message}"):
+        softmax(make_input(), mask, offset)
 
 
 # --- as an nn.Module ---------------------------------------------------------------------

@@ -16,6 +16,11 @@ flags, so each variant compiles to straight-line code. Math is float32.
   [column blocks, M]``). Summing those small partials afterwards keeps the result
   deterministic (no atomics). With a clamp (applied before the bias, as Megatron-Core
   does) x's gradient is zero where the clamp is active; the bias's is not.
+
+NaN and inf follow the reference (PyTorch's own formulas, see ``reference.py``): maxima,
+minima and clamps propagate NaN (``tl.maximum`` alone drops it), and the sigmoid and tanh
+are written from ``exp(-|z|)``, which never overflows (for any finite or infinite ``z``;
+NaN stays NaN), instead of ``exp(-z)``, which overflows to inf for large ``|z|``.
 """
 
 from __future__ import annotations
@@ -36,13 +41,19 @@ GELU, SILU, QUICK_GELU, SQUARED_RELU = 0, 1, 2, 3
 
 @triton.jit
 def _sigmoid(z):
-    return 1.0 / (1.0 + tl.exp(-z))
+    # e = exp(-|z|) is in [0, 1]: sigmoid(|z|) = 1 / (1 + e), sigmoid(-|z|) = e / (1 + e).
+    e = tl.exp(-tl.abs(z))
+    s = 1.0 / (1.0 + e)
+    return tl.where(z >= 0, s, e * s)
 
 
 @triton.jit
 def _tanh(z):
-    # 1 - 2 / (e^2z + 1): saturates to +-1 without overflow to NaN.
-    return 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
+    # tanh(|z|) = 1 - 2 e / (1 + e) with e = exp(-2|z|) in [0, 1] (= 1 - 2 / (exp(2|z|) + 1)):
+    # saturates to +-1 without an overflow; NaN stays NaN.
+    e = tl.exp(-2.0 * tl.abs(z))
+    t = 1.0 - 2.0 * e / (1.0 + e)
+    return tl.where(z >= 0, t, -t)
 
 
 @triton.jit
@@ -55,7 +66,7 @@ def _act(a, ACT: tl.constexpr):
     elif ACT == 2:
         return a * _sigmoid(1.702 * a)
     else:
-        r = tl.maximum(a, 0.0)
+        r = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)
         return r * r
 
 
@@ -73,8 +84,19 @@ def _act_and_grad(a, ACT: tl.constexpr):
         s = _sigmoid(1.702 * a)
         return a * s, s * (1.0 + 1.702 * a * (1.0 - s))
     else:
-        r = tl.maximum(a, 0.0)
+        r = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)
         return r * r, 2.0 * r
+
+
+@triton.jit
+def _chain(a, up, dact, ACT: tl.constexpr):
+    """``up * act'(a)`` for the upstream factor ``up``. ReLU's gradient is a select in PyTorch
+    (``threshold_backward``), not a product: where ``a <= 0`` it is exactly 0 even when
+    ``up`` is NaN or inf (a NaN routing weight, an inf linear half)."""
+    if ACT == 3:
+        return tl.where(a <= 0, 0.0, up * dact)
+    else:
+        return up * dact
 
 
 @triton.jit
@@ -108,8 +130,8 @@ def act_fwd_kernel(
         if STORE_X8:
             _store_fp8(x8_ptr + rows[:, None] * K + N + cols[None, :], b, mask)
         if HAS_CLAMP:
-            a = tl.minimum(a, clamp)
-            b = tl.minimum(tl.maximum(b, -clamp), clamp)
+            a = tl.minimum(a, clamp, propagate_nan=tl.PropagateNan.ALL)
+            b = tl.clamp(b, -clamp, clamp, propagate_nan=tl.PropagateNan.ALL)
         if HAS_BIAS:
             a += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
             b += tl.load(b_ptr + N + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
@@ -160,16 +182,17 @@ def act_bwd_kernel(
         if GATED:
             b = tl.load(xp + N, mask=mask, other=0.0).to(tl.float32)
             if HAS_CLAMP:
+                # torch.clamp's gradient: 0 where the clamp is active, and at NaN.
                 keep_a = a <= clamp
                 keep_b = (b >= -clamp) & (b <= clamp)
-                a = tl.minimum(a, clamp)
-                b = tl.minimum(tl.maximum(b, -clamp), clamp)
+                a = tl.minimum(a, clamp, propagate_nan=tl.PropagateNan.ALL)
+                b = tl.clamp(b, -clamp, clamp, propagate_nan=tl.PropagateNan.ALL)
             if HAS_BIAS:
                 a += bias_a
                 b += bias_b
             act, dact = _act_and_grad(a, ACT)
             lin = b + offset
-            da = gw * lin * dact
+            da = _chain(a, gw * lin, dact, ACT)
             dlin = gw * act
             if BIAS_GRAD:  # the bias is added after the clamp: its gradient is not clamped
                 db_a += tl.where(mask, da, 0.0)
@@ -186,7 +209,7 @@ def act_bwd_kernel(
             if HAS_BIAS:
                 a += bias_a
             act, dact = _act_and_grad(a, ACT)
-            da = gw * dact
+            da = _chain(a, gw, dact, ACT)
             tl.store(dxp, da.to(dx_ptr.dtype.element_ty), mask=mask)
             if HAS_W:
                 part = tl.sum(tl.where(mask, act * g, 0.0), axis=1)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._dispatch import check_tensor
 from . import ops
 from .reference import activation_reference
 
@@ -38,7 +39,9 @@ class FusedMLP(nn.Module):
 
     ``forward(x, weights=None)``: ``x [..., hidden_size]``; ``weights [tokens, 1]`` are MoE
     per-token routing weights, applied inside the activation (swiglu, quick_geglu and
-    squared_relu have weighted kernels; the others refuse weights).
+    squared_relu have weighted kernels; the others refuse weights). x of another width or
+    dtype than the parameters' (outside ``torch.autocast``) raises naming ``x``. NaN and
+    inf propagate as through the unfused ``fc2(act(fc1(x)))``.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu",
@@ -70,6 +73,9 @@ class FusedMLP(nn.Module):
 
     def _activate(self, h: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
         name, opts = self.activation, {}
+        bias1 = self.bias1
+        if bias1 is not None and bias1.dtype != h.dtype:  # autocast: fc1 gave h its dtype
+            bias1 = bias1.to(h.dtype)
         if name == "quick_geglu":
             opts = dict(linear_offset=self.linear_offset, clamp_value=self.clamp_value)
         if name in ("swiglu", "geglu", "quick_geglu"):
@@ -81,14 +87,45 @@ class FusedMLP(nn.Module):
                                  f"(swiglu, quick_geglu, squared_relu), got {name!r}")
             if name == "squared_relu":
                 return weighted(h, weights, impl=self.impl)
-            return weighted(h, weights, self.bias1, impl=self.impl, **opts)
+            return weighted(h, weights, bias1, impl=self.impl, **opts)
         fn = {"gelu": ops.bias_gelu, "swiglu": ops.swiglu, "geglu": ops.geglu,
               "quick_geglu": ops.quick_geglu}.get(name)
         if fn is None:
             return ops.squared_relu(h, impl=self.impl)
-        return fn(h, self.bias1, impl=self.impl, **opts)
+        return fn(h, bias1, impl=self.impl, **opts)
+
+    def _check(self, x: torch.Tensor, weights: Optional[torch.Tensor]) -> None:
+        """x (and the routing weights) against the module's parameters: errors name the
+        argument and give the shape, dtype or device seen and the one expected."""
+        op, param = "FusedMLP", self.fc1.weight
+        H = self.fc1.in_features
+        check_tensor(op, "x", x)
+        if x.dim() < 1 or x.shape[-1] != H:
+            raise ValueError(f"{op}: x must be [..., hidden_size] = [..., {H}], got shape "
+                             f"{tuple(x.shape)}")
+        if x.device != param.device:
+            raise ValueError(f"{op}: x is on {x.device} but the module's parameters are on "
+                             f"{param.device}; move one of them")
+        # Under autocast the linears cast x themselves (and _activate casts the fused bias).
+        if x.dtype != param.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(f"{op}: x has dtype {x.dtype} but the module's parameters are "
+                            f"{param.dtype}; cast x or the module (module.to(dtype)), or run "
+                            f"under torch.autocast")
+        if weights is not None:
+            check_tensor(op, "weights", weights)
+            tokens = x.numel() // H
+            if tuple(weights.shape) not in ((tokens, 1), tuple(x.shape[:-1]) + (1,)):
+                raise ValueError(f"{op}: weights must be [tokens, 1] = [{tokens}, 1] (one per "
+                                 f"token of x {tuple(x.shape)}), got {tuple(weights.shape)}")
+            if weights.device != x.device:
+                raise ValueError(f"{op}: weights are on {weights.device} but x is on "
+                                 f"{x.device}")
 
     def forward(self, x: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x [..., hidden_size]`` in the parameters' dtype (or any float dtype under
+        ``torch.autocast``) -> ``[..., hidden_size]``. NaN and inf propagate as through the
+        unfused ``fc2(act(fc1(x)))``."""
+        self._check(x, weights)
         return self.fc2(self._activate(self.fc1(x), weights))
 
     def reference_forward(self, x: torch.Tensor,

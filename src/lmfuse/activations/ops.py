@@ -376,6 +376,9 @@ def bias_gelu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
         x: ``[..., K]`` float32/float16/bfloat16. bias: optional ``[K]``, x's dtype.
     Returns:
         ``[..., K]`` in x's dtype; gradients for x and bias.
+
+    NaN and inf propagate as through the formula in PyTorch: ``gelu(+inf) = inf``,
+    ``gelu(-inf) = NaN`` (``-inf * 0``), NaN in x or bias gives NaN, forward and backward.
     """
     return _run("bias_gelu", x, bias, None, "gelu", False, impl=impl)
 
@@ -393,6 +396,11 @@ def swiglu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
             copied on a side stream, brought back in backward).
     Returns:
         ``[..., f]`` in x's dtype.
+
+    NaN and inf propagate as through ``F.silu(x1) * x2`` in PyTorch (``silu(-inf)`` is NaN,
+    ``silu(+inf)`` inf; NaN in x or bias gives NaN), forward and backward. With
+    ``fp8_input_store`` the backward sees x as float8 stores it: NaN stays NaN, ``+-inf``
+    is saturated to ``+-448`` (float8_e4m3fn has no infinity).
     """
     return _run("swiglu", x, bias, None, "silu", True, fp8_input_store=fp8_input_store,
                 cpu_offload_input=cpu_offload_input, impl=impl)
@@ -401,7 +409,7 @@ def swiglu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
 def geglu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
           fp8_input_store: bool = False, cpu_offload_input: bool = False,
           impl: str = "auto") -> torch.Tensor:
-    """``gelu_tanh(x1) * x2``; arguments as :func:`swiglu`."""
+    """``gelu_tanh(x1) * x2``; arguments, and NaN / inf behaviour, as :func:`swiglu`."""
     return _run("geglu", x, bias, None, "gelu", True, fp8_input_store=fp8_input_store,
                 cpu_offload_input=cpu_offload_input, impl=impl)
 
@@ -414,7 +422,8 @@ def quick_geglu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
 
     ``clamp_value=c`` first clamps ``x1 <= c`` and ``-c <= x2 <= c`` (before the bias, as
     Megatron-Core does; no gradient where a clamp is active). Other arguments as
-    :func:`swiglu`.
+    :func:`swiglu`. NaN and inf as :func:`swiglu`; the clamp keeps NaN (as ``torch.clamp``:
+    NaN out, zero gradient) and turns ``+-inf`` into ``+-c``.
     """
     return _run("quick_geglu", x, bias, None, "quick_gelu", True, linear_offset, clamp_value,
                 fp8_input_store, cpu_offload_input, impl)
@@ -425,7 +434,8 @@ def weighted_swiglu(x: torch.Tensor, weights: torch.Tensor,
                     cpu_offload_input: bool = False, impl: str = "auto") -> torch.Tensor:
     """``swiglu(x) * weights`` with per-token ``weights [tokens, 1]`` (MoE routing
     probabilities, any float dtype), whose gradient is summed over the hidden dim and
-    returned in their dtype. Other arguments as :func:`swiglu`."""
+    returned in their dtype. Other arguments as :func:`swiglu`. A NaN or inf weight
+    propagates to its token's outputs and gradients as ``y * weights`` does in PyTorch."""
     return _run("weighted_swiglu", x, bias, weights, "silu", True,
                 fp8_input_store=fp8_input_store, cpu_offload_input=cpu_offload_input,
                 impl=impl)
@@ -435,19 +445,23 @@ def weighted_quick_geglu(x: torch.Tensor, weights: torch.Tensor,
                          bias: Optional[torch.Tensor] = None, *, linear_offset: float = 0.0,
                          clamp_value: Optional[float] = None, fp8_input_store: bool = False,
                          cpu_offload_input: bool = False, impl: str = "auto") -> torch.Tensor:
-    """``quick_geglu(x) * weights``; see :func:`quick_geglu` and :func:`weighted_swiglu`."""
+    """``quick_geglu(x) * weights``; see :func:`quick_geglu` and :func:`weighted_swiglu`
+    (NaN and inf included)."""
     return _run("weighted_quick_geglu", x, bias, weights, "quick_gelu", True, linear_offset,
                 clamp_value, fp8_input_store, cpu_offload_input, impl)
 
 
 def squared_relu(x: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
-    """``relu(x) ** 2``, ``[..., K]`` -> ``[..., K]``."""
+    """``relu(x) ** 2``, ``[..., K]`` -> ``[..., K]``. NaN stays NaN (``torch.relu`` keeps
+    it), ``+inf`` gives inf, ``-inf`` 0; the gradient is exactly 0 wherever ``x <= 0``."""
     return _run("squared_relu", x, None, None, "squared_relu", False, impl=impl)
 
 
 def weighted_squared_relu(x: torch.Tensor, weights: torch.Tensor, *,
                           impl: str = "auto") -> torch.Tensor:
-    """``relu(x) ** 2 * weights``, per-token ``weights [tokens, 1]``."""
+    """``relu(x) ** 2 * weights``, per-token ``weights [tokens, 1]``. NaN and inf as
+    :func:`squared_relu` and :func:`weighted_swiglu` (x's gradient is 0 where ``x <= 0``,
+    even for a NaN weight, as ``torch.relu``'s backward gives)."""
     return _run("weighted_squared_relu", x, None, weights, "squared_relu", False, impl=impl)
 
 

@@ -4,8 +4,18 @@ One function covers the family: an elementwise activation (tanh-approximated GEL
 Quick-GELU, squared ReLU), optionally gated (the last dim split in two halves, the
 activation of the first times the second), with an optional bias, linear offset, clamp and
 per-token weights. The formulas and constants are Megatron-Core's. Math is float32
-(float64 for float64 inputs); the output has the input's dtype. The functions are plain
+(float64 for float64 inputs); the output has the input's dtype. The functions are
 differentiable torch code: autograd gives the reference gradients.
+
+Each activation's gradient is ``grad * act'(a)`` with the derivative written out (Megatron's
+hand-written backward formulas, the same as ``F.silu``'s and ``torch.relu``'s native
+backward): one product, as PyTorch's own activations compute it. (Autograd through the
+forward formula ``a * sigmoid(a)`` would instead add ``grad * sigmoid(a)`` and ``grad * a *
+sigmoid'(a)``, which for an infinite ``grad``, from an inf linear half or weight, is ``inf
+- inf`` = NaN where ``F.silu`` gives +-inf.) NaN and inf otherwise follow the formulas:
+``silu(-inf)`` and ``gelu(-inf)`` are NaN (``-inf * 0``), ``squared_relu(NaN)`` is NaN and
+its gradient is exactly 0 wherever ``a <= 0`` (``torch.relu``'s backward is a select), the
+clamp is ``torch.clamp`` (NaN kept, with zero gradient).
 """
 
 from __future__ import annotations
@@ -44,6 +54,37 @@ _FN = {"gelu": gelu_tanh, "silu": silu, "quick_gelu": quick_gelu,
        "squared_relu": squared_relu}
 
 
+def activation_grad(name: str, a: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``grad * act'(a)``, the derivatives written out (Megatron-Core's formulas)."""
+    if name == "gelu":
+        t = torch.tanh(GELU_A * a * (1.0 + GELU_B * a * a))
+        return grad * (0.5 * a * ((1.0 - t * t) * (GELU_A + GELU_DA * a * a)) + 0.5 * (1.0 + t))
+    if name == "silu":
+        s = torch.sigmoid(a)
+        return grad * (s * (1.0 + a * (1.0 - s)))
+    if name == "quick_gelu":
+        s = torch.sigmoid(QUICK_GELU_K * a)
+        return grad * (s * (1.0 + QUICK_GELU_K * a * (1.0 - s)))
+    # relu's gradient is a select: exactly 0 where a <= 0, whatever grad is.
+    return torch.where(a <= 0, torch.zeros_like(grad), grad * (2.0 * torch.relu(a)))
+
+
+class _Activation(torch.autograd.Function):
+    """``act(a)`` with gradient :func:`activation_grad` (itself differentiable, so second
+    derivatives work too)."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, name: str) -> torch.Tensor:
+        ctx.save_for_backward(a)
+        ctx.name = name
+        return _FN[name](a)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (a,) = ctx.saved_tensors
+        return activation_grad(ctx.name, a, grad), None
+
+
 def activation_reference(
     x: torch.Tensor,
     bias: Optional[torch.Tensor] = None,
@@ -71,7 +112,10 @@ def activation_reference(
         ``[..., K]`` (``[..., f]`` gated) in ``x``'s dtype.
     """
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    fn = _FN[activation]
+
+    def fn(a: torch.Tensor) -> torch.Tensor:
+        return _Activation.apply(a, activation)
+
     v = x.to(compute)
     if gated:
         f = x.shape[-1] // 2

@@ -4,6 +4,10 @@ Read against ``reference.py``. Both work on ``x [M, H]`` with rows ``sx`` apart 
 contiguous columns; math is float32. ``w' = weight + offset`` (``HAS_WEIGHT``; 1 without a
 weight), ``rstd = 1 / sqrt(mean(x ** 2) + eps)`` per row, ``x_hat = x * rstd``.
 
+NaN and inf need no code of their own: a NaN in a row makes its sum of squares, rstd and
+so the whole row (and its gradients) NaN; an inf makes rstd 0 and the row ``[0, .., NaN
+(inf * 0), .., 0]``, exactly as the reference's PyTorch computes it.
+
 * ``rms_norm_fwd_kernel``: a program owns ``BLOCK_M`` rows. ``SINGLE_BLOCK``: a row fits one
   ``BLOCK_N`` register tile, so x is read once and ``y`` written once. Otherwise the row is
   streamed in ``BLOCK_N``-column tiles, twice (the sum of squares, then the output), so H
@@ -34,6 +38,13 @@ def _weight(w_ptr, cols, cmask, offset, HAS_WEIGHT: tl.constexpr):
 
 
 @triton.jit
+def _rstd(sum_sq, H, eps, rmask):
+    """``1 / sqrt(sum_sq / H + eps)`` per row; the tail tile's rows past M (all zeros)
+    take 1, not ``rsqrt(0)`` (they store nothing, but eps may be 0)."""
+    return tl.rsqrt(tl.where(rmask, sum_sq / H + eps, 1.0))
+
+
+@triton.jit
 def rms_norm_fwd_kernel(
     x_ptr, sx, w_ptr, y_ptr, sy, rstd_ptr, M, H, eps, offset,
     HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -48,7 +59,7 @@ def rms_norm_fwd_kernel(
         cmask = cols < H
         mask = rmask[:, None] & cmask[None, :]
         x = tl.load(x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / H + eps)
+        rstd = _rstd(tl.sum(x * x, axis=1), H, eps, rmask)
         y = x * rstd[:, None] * _weight(w_ptr, cols, cmask, offset, HAS_WEIGHT)
         tl.store(y_row + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     else:
@@ -59,7 +70,7 @@ def rms_norm_fwd_kernel(
             mask = rmask[:, None] & (c < H)[None, :]
             x = tl.load(x_row + c[None, :], mask=mask, other=0.0).to(tl.float32)
             sq += x * x
-        rstd = tl.rsqrt(tl.sum(sq, axis=1) / H + eps)
+        rstd = _rstd(tl.sum(sq, axis=1), H, eps, rmask)
         for c0 in range(0, H, BLOCK_N):
             c = c0 + cols
             cmask = c < H

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .._dispatch import IMPLS, check_int, check_number
+from .._dispatch import IMPLS, check_int, check_number, check_tensor
 from .ops import rms_norm
 
 
@@ -23,7 +23,9 @@ class RMSNorm(nn.Module):
         device, dtype: of ``weight``.
 
     ``weight`` starts at ``1 - weight_offset`` (ones for Llama's convention, zeros for
-    Gemma's), so a fresh module scales by exactly 1.
+    Gemma's), so a fresh module scales by exactly 1. NaN and inf propagate as in
+    :func:`lmfuse.rms_norm`; an input whose last dim is not ``hidden_size`` raises a
+    ``ValueError`` naming ``x``.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, *, weight_offset: float = 0.0,
@@ -57,7 +59,16 @@ class RMSNorm(nn.Module):
                 self.weight.fill_(1.0 - self.weight_offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., H]`` -> ``[..., H]`` in x's dtype."""
+        """``x [..., H]`` -> ``[..., H]`` in x's dtype (any float dtype: the weight's may
+        differ). NaN and inf propagate as in :func:`lmfuse.rms_norm`."""
+        op, H = "RMSNorm", self.hidden_size
+        check_tensor(op, "x", x)
+        if x.dim() < 1 or x.shape[-1] != H:
+            raise ValueError(f"{op}: x must be [..., hidden_size] = [..., {H}], got shape "
+                             f"{tuple(x.shape)}")
+        if self.weight is not None and x.device != self.weight.device:
+            raise ValueError(f"{op}: x is on {x.device} but the module's weight is on "
+                             f"{self.weight.device}; move one of them")
         return rms_norm(x, self.weight, eps=self.eps, weight_offset=self.weight_offset,
                         impl=self.impl)
 

@@ -270,6 +270,10 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps: flo
     Returns:
         ``[..., H]`` in x's dtype (contiguous on the Triton path); gradients for x and
         weight.
+
+    NaN and inf propagate as in the PyTorch formula: a NaN in a row (or in ``weight``'s
+    column) makes that row (column) NaN; an inf makes its row's ``rstd`` 0, so the row is 0
+    except NaN (``inf * 0``) at the inf; gradients likewise (a NaN row's are NaN).
     """
     path, _, a = _resolve(x, weight, eps, weight_offset, impl)
     if path == "torch":

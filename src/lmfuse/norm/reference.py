@@ -8,7 +8,9 @@ The math runs in float32 (float64 for float64 input) and the result is rounded o
 x's dtype. ``weight_offset=1.0`` is Gemma's ``(1 + weight)`` convention; Llama, Mistral and
 Qwen use 0. Without a weight there is no affine step (the normalised x is the output,
 whatever ``weight_offset``). The function is plain differentiable torch code: autograd
-gives the reference gradients of x and weight.
+gives the reference gradients of x and weight. It is ``F.rms_norm``'s computation, NaN and
+inf included: a NaN in a row makes the row NaN; an inf makes its rstd 0, so the row is 0
+except NaN (``inf * 0``) at the inf; a NaN weight element makes its column NaN.
 """
 
 from __future__ import annotations

@@ -12,6 +12,13 @@ Read against ``reference.py``. One program owns ``BLOCK_M`` rows of the flattene
 * ``MASK_KIND``: 0 none, 1 boolean (True = masked), 2 additive float; the mask is read
   through its own strides, so a broadcast ``[b, 1, 1, sk]`` mask is never materialised.
 * ``HAS_OFFSET``: a per-head sink logit joins every denominator.
+
+Non-finite values follow ``reference.py`` without a pass of their own: the row max is only
+a shift (a NaN-ignoring max is as good as a NaN-propagating one), and a NaN or ``+inf``
+among the visible logits, or a NaN / ``+inf`` sink, makes the denominator NaN (``inf -
+inf``, ``NaN - shift``), hence every visible output of the row. Hidden keys are written as
+exact zeros by a select (``0 * NaN`` would be NaN), and the backward gives exact zeros
+wherever the saved output is 0, so a masked key never carries a NaN back.
 """
 
 from __future__ import annotations
@@ -59,9 +66,12 @@ def _scaled_scores(
     x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, cols, visible, load_ok, scale,
     MASK_KIND: tl.constexpr, COMPUTE: tl.constexpr,
 ):
-    """z = scale * x (+ additive mask) on visible keys, -inf elsewhere; [BLOCK_M, BLOCK_N].
+    """``(z, visible)``: z = scale * x (+ additive mask) on visible keys, -inf elsewhere,
+    and the visibility (band and boolean mask) itself; ``[BLOCK_M, BLOCK_N]`` each.
 
-    ``load_ok`` (the 16-aligned widening of ``visible``) bounds what is read.
+    ``load_ok`` (the 16-aligned widening of ``visible``) bounds what is read. A NaN or inf
+    score under the boolean mask or outside the band becomes -inf here (never poisons the
+    row); under an additive mask it stays in z (``NaN + -inf`` is NaN, as in PyTorch).
     """
     x = tl.load(x_ptr + x_row[:, None] + cols[None, :] * stride_xk, mask=load_ok, other=0.0)
     z = x.to(COMPUTE) * scale
@@ -71,7 +81,7 @@ def _scaled_scores(
     if MASK_KIND == 2:
         add = tl.load(m_ptr + m_row[:, None] + cols[None, :] * stride_mk, mask=load_ok, other=0.0)
         z += add.to(COMPUTE)
-    return tl.where(visible, z, float("-inf"))
+    return tl.where(visible, z, float("-inf")), visible
 
 
 @triton.jit
@@ -96,8 +106,9 @@ def softmax_fwd_kernel(
     out_ok = row_ok[:, None] & (cols[None, :] < sk)
 
     if SINGLE_BLOCK:
-        z = _scaled_scores(x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, cols,
-                           _in(cols, lo, hi), _in(cols, lo_ld, hi_ld), scale, MASK_KIND, COMPUTE)
+        z, vis = _scaled_scores(x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, cols,
+                                _in(cols, lo, hi), _in(cols, lo_ld, hi_ld), scale, MASK_KIND,
+                                COMPUTE)
         row_max = tl.max(z, 1)
     else:
         # Pass 1: online max and sum over the chunks that hold visible keys.
@@ -106,8 +117,9 @@ def softmax_fwd_kernel(
         start = (tl.min(lo, 0) // BLOCK_N) * BLOCK_N
         for c0 in range(start, tl.max(hi, 0), BLOCK_N):
             c = c0 + cols
-            z = _scaled_scores(x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, c,
-                               _in(c, lo, hi), _in(c, lo_ld, hi_ld), scale, MASK_KIND, COMPUTE)
+            z, _ = _scaled_scores(x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, c,
+                                  _in(c, lo, hi), _in(c, lo_ld, hi_ld), scale, MASK_KIND,
+                                  COMPUTE)
             new_max = tl.maximum(row_max, tl.max(z, 1))
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)
             denom = denom * tl.exp(row_max - shift) + tl.sum(tl.exp(z - shift[:, None]), 1)
@@ -128,23 +140,27 @@ def softmax_fwd_kernel(
         denom = denom * tl.exp(row_max - shift)
     if HAS_OFFSET:
         denom += tl.exp(sink - shift)
-    inv = 1.0 / tl.where(denom > 0, denom, 1.0)  # denom == 0: every e is 0 already
+    # denom == 0: nothing visible (and no sink), every e is 0 already. A NaN denom (a NaN or
+    # +inf logit) passes through, so the row's visible outputs are NaN as in PyTorch.
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    inv = 1.0 / denom
 
     if SINGLE_BLOCK:
-        y = e * inv[:, None]
+        y = tl.where(vis, e * inv[:, None], 0.0)
         tl.store(y_ptr + y_row[:, None] + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=out_ok)
     else:
         # Pass 2: every chunk is written; invisible keys load nothing and store zeros.
         for c0 in range(0, sk, BLOCK_N):
             c = c0 + cols
-            z = _scaled_scores(x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, c,
-                               _in(c, lo, hi), _in(c, lo_ld, hi_ld), scale, MASK_KIND, COMPUTE)
-            y = tl.exp(z - shift[:, None]) * inv[:, None]
+            z, vis = _scaled_scores(x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, c,
+                                    _in(c, lo, hi), _in(c, lo_ld, hi_ld), scale, MASK_KIND,
+                                    COMPUTE)
+            y = tl.where(vis, tl.exp(z - shift[:, None]) * inv[:, None], 0.0)
             c_ok = row_ok[:, None] & (c[None, :] < sk)
             tl.store(y_ptr + y_row[:, None] + c[None, :], y.to(y_ptr.dtype.element_ty), mask=c_ok)
 
     if STORE_LSE:
-        lse = shift + tl.log(denom)
+        lse = shift + tl.log(denom)  # a row with nothing visible and a -inf sink: lse = 0
         tl.store(lse_ptr + rows, lse, mask=row_ok)
 
 
@@ -157,7 +173,12 @@ def softmax_bwd_kernel(
     BANDED: tl.constexpr, HAS_OFFSET: tl.constexpr, COMPUTE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
 ):
-    """dx = scale * y * (dy - sum(dy * y)) from the saved output y; one pass when the row fits."""
+    """dx = scale * y * (dy - sum(dy * y)) from the saved output y; one pass when the row fits.
+
+    dx is exactly 0 where y is 0 (hidden keys, and keys whose probability underflowed),
+    even in a NaN row where ``dy - sum(dy * y)`` is NaN: a masked key gets no gradient,
+    as ``masked_fill``'s backward gives it none.
+    """
     pid = tl.program_id(0)
     rows, row_ok, b, h, q, lo, hi, lo_ld, hi_ld = _row_setup(
         pid, n_rows, np_, sq, sk, left, right, BLOCK_M, BANDED
@@ -174,7 +195,7 @@ def softmax_bwd_kernel(
         dy = tl.load(dy_ptr + dy_row[:, None] + cols[None, :] * stride_dk, mask=ld,
                      other=0.0).to(COMPUTE)
         dot = tl.sum(y * dy, 1)
-        dx = scale * y * (dy - dot[:, None])
+        dx = tl.where(y == 0.0, 0.0, scale * y * (dy - dot[:, None]))
         out_ok = row_ok[:, None] & (cols[None, :] < sk)
         tl.store(dx_ptr + y_row[:, None] + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
                  mask=out_ok)
@@ -194,7 +215,7 @@ def softmax_bwd_kernel(
             y = tl.load(y_ptr + y_row[:, None] + c[None, :], mask=ld, other=0.0).to(COMPUTE)
             dy = tl.load(dy_ptr + dy_row[:, None] + c[None, :] * stride_dk, mask=ld,
                          other=0.0).to(COMPUTE)
-            dx = scale * y * (dy - dot[:, None])
+            dx = tl.where(y == 0.0, 0.0, scale * y * (dy - dot[:, None]))
             c_ok = row_ok[:, None] & (c[None, :] < sk)
             tl.store(dx_ptr + y_row[:, None] + c[None, :], dx.to(dx_ptr.dtype.element_ty),
                      mask=c_ok)

@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .ops import fused_softmax
+from .ops import check_inputs, fused_softmax
 
 
 class AttnMaskType(enum.Enum):
@@ -44,6 +44,8 @@ class FusedScaleMaskSoftmax(nn.Module):
     are excluded exactly (as ``-inf``), so fully masked rows give zeros where Megatron's
     ``mask_func`` fill of -10000 gives a uniform row; ``softmax_offset`` and
     ``window_size`` are fused too; causal alignment is bottom-right, so ``sq < sk`` works.
+    NaN and inf propagate as in :func:`lmfuse.fused_softmax` (a NaN or ``+inf`` visible
+    score makes its row NaN; masked scores are never read).
 
     Args:
         input_in_fp16, input_in_bf16: Megatron's flags; kept for compatibility (the dtype
@@ -94,8 +96,18 @@ class FusedScaleMaskSoftmax(nn.Module):
         mask: Optional[torch.Tensor],
         softmax_offset: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """``input [b, np, sq, sk]``, ``mask`` broadcastable to it (True = masked) or None."""
+        """``input [b, np, sq, sk]``, ``mask`` broadcastable to it (True = masked) or None,
+        ``softmax_offset [np]`` or None. Bad input raises naming ``input``, ``mask`` or
+        ``softmax_offset``, with the shape or dtype seen and the one expected."""
+        check_inputs(input, mask, softmax_offset, op="FusedScaleMaskSoftmax",
+                     scores_name="input")
         causal = self.attn_mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        if causal and input.shape[2] > input.shape[3]:
+            raise ValueError(
+                f"FusedScaleMaskSoftmax: attn_mask_type={self.attn_mask_type.name} needs input "
+                f"[b, np, sq, sk] with sq <= sk (queries are the last sq of the sk keys), got "
+                f"{list(input.shape)}"
+            )
         return fused_softmax(
             input, scale=self.scale, mask=mask, causal=causal, window_size=self.window_size,
             softmax_offset=softmax_offset, softmax_in_fp32=self.softmax_in_fp32, impl=self.impl,

@@ -91,6 +91,12 @@ def _launch_bwd(dy, y, lse, softmax_offset, scale, left, right, unscaled_fp32):
     drow = torch.empty(n_rows if softmax_offset is not None else 0, dtype=lse.dtype,
                        device=y.device)
     if n_rows == 0 or sk == 0:
+        if drow.numel():
+            # Rows without keys: the sink takes everything, so its gradient is 0, or NaN for a
+            # NaN or +inf sink (0 * exp(NaN), as the reference's autograd gives).
+            sink = softmax_offset.to(drow.dtype)
+            per_head = torch.where(sink == float("-inf"), 0.0, sink * 0.0)
+            drow.view(b, np_, sq).copy_(per_head.view(1, np_, 1).expand(b, np_, sq))
         return dx, drow
     cfg = _config(sk, y.dtype, y.device)
     grid = (_cdiv(n_rows, cfg["BLOCK_M"]),)
@@ -220,47 +226,54 @@ def _resolve_band(window_size, causal: bool, sq: int, sk: int) -> tuple[int, int
     return left, right
 
 
-def _check_mask(mask, scores) -> Optional[str]:
-    if mask is None:
-        return None
-    check_tensor(_OP, "mask", mask, dtypes=None)
-    if mask.dtype != torch.bool and not mask.is_floating_point():
-        raise TypeError(
-            f"{_OP}: mask must be bool (True = masked out) or a floating additive mask, "
-            f"got {mask.dtype}"
-        )
-    check_same_device(_OP, "scores", scores, mask=mask)
-    try:
-        torch.broadcast_shapes(mask.shape, scores.shape)
-        ok = mask.dim() <= 4 and all(
-            m in (1, s) for m, s in zip(mask.shape[::-1], scores.shape[::-1])
-        )
-    except RuntimeError:
-        ok = False
-    if not ok:
-        raise ValueError(
-            f"{_OP}: mask of shape {tuple(mask.shape)} is not broadcastable to scores "
-            f"{tuple(scores.shape)}; expected [b|1, np|1, sq|1, sk|1]"
-        )
-    return "bool" if mask.dtype == torch.bool else "additive"
+def check_inputs(scores, mask, softmax_offset, *, op: str = _OP,
+                 scores_name: str = "scores") -> Optional[str]:
+    """Check ``scores [b, np, sq, sk]``, ``mask`` and ``softmax_offset [np]`` (errors start
+    with ``op`` and call the scores ``scores_name``: the module's are ``input``); returns
+    the mask kind (``None``, ``"bool"`` or ``"additive"``)."""
+    check_tensor(op, scores_name, scores, ndim=4)
+    np_ = scores.shape[1]
+    kind = None
+    if mask is not None:
+        check_tensor(op, "mask", mask, dtypes=None)
+        if mask.dtype != torch.bool and not mask.is_floating_point():
+            raise TypeError(
+                f"{op}: mask must be bool (True = masked out) or a floating additive mask, "
+                f"got {mask.dtype}"
+            )
+        check_same_device(op, scores_name, scores, mask=mask)
+        try:
+            torch.broadcast_shapes(mask.shape, scores.shape)
+            ok = mask.dim() <= 4 and all(
+                m in (1, s) for m, s in zip(mask.shape[::-1], scores.shape[::-1])
+            )
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"{op}: mask of shape {tuple(mask.shape)} is not broadcastable to {scores_name} "
+                f"{tuple(scores.shape)}; expected [b|1, np|1, sq|1, sk|1] with [b, np, sq, sk] "
+                f"= {list(scores.shape)}"
+            )
+        kind = "bool" if mask.dtype == torch.bool else "additive"
+    if softmax_offset is not None:
+        check_tensor(op, "softmax_offset", softmax_offset)
+        if softmax_offset.shape != (np_,):
+            raise ValueError(
+                f"{op}: softmax_offset must have shape [np] = [{np_}], got "
+                f"{tuple(softmax_offset.shape)} ({scores_name} is {list(scores.shape)})"
+            )
+        check_same_device(op, scores_name, scores, softmax_offset=softmax_offset)
+    return kind
 
 
 def _resolve(scores, scale, mask, causal, window_size, softmax_offset, softmax_in_fp32,
              impl) -> tuple[str, str, dict[str, Any]]:
     """Validate the arguments and choose the path; cheap and traceable by torch.compile."""
-    check_tensor(_OP, "scores", scores, ndim=4)
+    mask_kind = check_inputs(scores, mask, softmax_offset)
     b, np_, sq, sk = scores.shape
     scale = check_number(_OP, "scale", scale)
-    mask_kind = _check_mask(mask, scores)
     left, right = _resolve_band(window_size, causal, sq, sk)
-    if softmax_offset is not None:
-        check_tensor(_OP, "softmax_offset", softmax_offset)
-        if softmax_offset.shape != (np_,):
-            raise ValueError(
-                f"{_OP}: softmax_offset must have shape [np] = [{np_}], got "
-                f"{tuple(softmax_offset.shape)}"
-            )
-        check_same_device(_OP, "scores", scores, softmax_offset=softmax_offset)
     if not isinstance(softmax_in_fp32, bool):
         raise TypeError(f"{_OP}: softmax_in_fp32 must be a bool, got {softmax_in_fp32!r}")
     path, reason = select_impl(_OP, impl, scores.device)
@@ -338,6 +351,11 @@ def fused_softmax(
     Returns:
         ``[b, np, sq, sk]`` probabilities in ``scores.dtype`` (contiguous). Masked keys are
         excluded exactly (as ``-inf``); rows with every key masked are zeros, not NaN.
+
+    NaN and inf propagate as in ``torch.softmax`` of the masked scores: a NaN or ``+inf``
+    visible logit (or sink) makes its row NaN, forward and backward; ``-inf`` is probability
+    0; a NaN under the boolean mask or outside the band is never read, and hidden keys stay
+    exact zeros with zero gradient (see :mod:`lmfuse.softmax.reference`).
     """
     path, _, a = _resolve(scores, scale, mask, causal, window_size, softmax_offset,
                           softmax_in_fp32, impl)

@@ -14,6 +14,17 @@ Then ``z = scale * scores + additive_mask`` over visible keys, and
     y_j = exp(z_j) / (sum_visible exp(z_k) + exp(offset_h))       (offset term optional)
 
 Invisible keys get 0; a row with no visible key is all zeros (never NaN).
+
+Non-finite values behave as in PyTorch's ``softmax(z.masked_fill(hidden, -inf))`` (with the
+sink as one more logit), except that hidden keys stay exact zeros:
+
+* a NaN or ``+inf`` among a row's visible logits, or a NaN or ``+inf`` sink, makes every
+  visible output of the row NaN (``exp(inf - inf)``), and its gradients NaN;
+* ``-inf`` logits (a score or an additive mask of ``-inf``) get probability 0, and a row of
+  nothing but ``-inf`` logits is all zeros, like a fully masked one;
+* hidden keys (outside the band, or True in the boolean mask) never read their score: a NaN
+  there changes nothing, their output is 0 and their gradient 0, even in a NaN row. An
+  additive mask hides nothing: ``NaN + (-inf)`` is NaN, as in PyTorch.
 """
 
 from __future__ import annotations
@@ -64,14 +75,18 @@ def fused_softmax_reference(
     if softmax_offset is not None:
         sink = softmax_offset.to(compute).view(1, np_, 1, 1)
         row_max = torch.maximum(row_max, sink)
-    # A row with nothing visible has max -inf; shifting by 0 keeps exp() at 0, not NaN.
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
-    e = torch.exp(z - row_max)
+    # A row with nothing visible has max -inf; shifting by 0 keeps exp() at 0, not NaN. A
+    # NaN or +inf max stays: exp(z - shift) then makes the row NaN, as torch.softmax does.
+    shift = torch.where(row_max == -torch.inf, torch.zeros_like(row_max), row_max).detach()
+    e = torch.exp(z - shift)
     denom = e.sum(dim=-1, keepdim=True)
     if softmax_offset is not None:
-        denom = denom + torch.exp(sink - row_max)
-    # denom == 0 only where every e is 0: the row is all zeros, and so is its gradient.
-    y = e / torch.where(denom > 0, denom, torch.ones_like(denom))
+        denom = denom + torch.exp(sink - shift)
+    # denom == 0 only where every e is 0: the row is all zeros, and so is its gradient. A
+    # NaN denom (a NaN or +inf logit) is kept.
+    y = e / torch.where(denom == 0, torch.ones_like(denom), denom)
+    # Hidden keys are exact zeros, even in a NaN row (0 / NaN would be NaN).
+    y = y.masked_fill(hidden, 0.0)
     return y.to(scores.dtype)
 
 
@@ -83,8 +98,12 @@ def fused_softmax_backward_reference(y: torch.Tensor, grad: torch.Tensor) -> tor
     stored, in its own dtype: that is what a fused backward reads (it never keeps the
     scores), so for bfloat16/float16 it differs from exact autograd by the rounding of
     ``y``. ``d scores = scale * g``, a learnable additive mask gets ``g`` summed to its
-    shape, and ``d offset_h = -sum over rows of p_sink * sum(grad * y)``.
+    shape, and ``d offset_h = -sum over rows of p_sink * sum(grad * y)``. ``g`` is exactly 0
+    where ``y`` is 0.
     """
     compute = torch.float64 if y.dtype == torch.float64 else torch.float32
     y_c, g_c = y.to(compute), grad.to(compute)
-    return y_c * (g_c - (y_c * g_c).sum(dim=-1, keepdim=True))
+    g = y_c * (g_c - (y_c * g_c).sum(dim=-1, keepdim=True))
+    # Where y is 0 (a hidden key, or one whose probability underflowed) g is exactly 0, even
+    # in a NaN row: masked_fill's backward gives a hidden key no gradient.
+    return g.masked_fill(y_c == 0, 0.0)
