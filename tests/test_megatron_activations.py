@@ -209,11 +209,14 @@ def test_input_not_2d_or_3d_raises(fn, shape: tuple[int, ...]) -> None:
         fn(x, randn((tokens, 1)))
 
 
+# Megatron-LM main (2026-08): bias_swiglu_impl and weighted_bias_swiglu_impl take clamp_value.
 MEGATRON_SIGNATURES = {
     "bias_gelu_impl": ["input", "bias"],
-    "bias_swiglu_impl": ["input", "bias", "fp8_input_store=False", "cpu_offload_input=False"],
+    "bias_swiglu_impl": ["input", "bias", "fp8_input_store=False", "cpu_offload_input=False",
+                         "clamp_value=None"],
     "bias_geglu_impl": ["input", "bias"],
-    "weighted_bias_swiglu_impl": ["input", "bias", "weights", "fp8_input_store=False"],
+    "weighted_bias_swiglu_impl": ["input", "bias", "weights", "fp8_input_store=False",
+                                  "clamp_value=None"],
     "weighted_bias_quick_geglu_impl": ["input", "bias", "weights", "fp8_input_store=False",
                                        "linear_offset=0.0", "clamp_value=None"],
     "weighted_squared_relu_impl": ["input", "weights"],
@@ -228,3 +231,46 @@ def test_megatron_argument_order(name: str) -> None:
     got = [p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}"
            for p in params]
     assert got == MEGATRON_SIGNATURES[name]
+
+
+@pytest.mark.parametrize("name, module", [
+    ("bias_swiglu_impl", "fused_bias_swiglu"), ("weighted_bias_swiglu_impl", "fused_bias_swiglu"),
+    ("bias_geglu_impl", "fused_bias_geglu"), ("weighted_bias_quick_geglu_impl", "fused_bias_geglu"),
+    ("weighted_squared_relu_impl", "fused_weighted_squared_relu")])
+def test_signatures_extend_the_installed_megatron_core(name: str, module: str) -> None:
+    """The installed megatron-core's parameters (a test dependency: 0.16.1 here, 0.19.2 on
+    the GPU machines) are a prefix of lmfuse's, with the same defaults."""
+    mod = pytest.importorskip(f"megatron.core.fusions.{module}")
+    def params(fn):
+        return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    theirs = params(getattr(mod, name))
+    assert params(getattr(megatron, name))[:len(theirs)] == theirs
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("clamp", [None, 0.0, -1.0, 0.7])
+def test_swiglu_clamp_value_as_megatron(with_bias: bool, clamp) -> None:
+    """Megatron's clamped SwiGLU: the bias first, then gate <= c and -c <= linear <= c;
+    clamp_value None or <= 0 means no clamp. Weighted form too; forward and gradients."""
+    x = (randn((6, 16)) * 2).requires_grad_()
+    bias = randn((16,)) if with_bias else None
+    w = torch.rand(6, 1)
+
+    def ref(v, weights=None):
+        v = v + bias if bias is not None else v
+        a, b = v.chunk(2, -1)
+        if clamp is not None and clamp > 0:
+            a, b = a.clamp(max=clamp), b.clamp(-clamp, clamp)
+        y = torch.nn.functional.silu(a) * b
+        return y if weights is None else y * weights
+
+    for got_fn, want_fn in (
+            (lambda v: megatron.bias_swiglu_impl(v, bias, clamp_value=clamp), ref),
+            (lambda v: megatron.weighted_bias_swiglu_impl(v, bias, w, clamp_value=clamp),
+             lambda v: ref(v, w))):
+        got, want = got_fn(x), want_fn(x)
+        assert_close(got, want, torch.float32, "forward")
+        g1, = torch.autograd.grad(got.sum(), x)
+        g2, = torch.autograd.grad(want.sum(), x)
+        assert_close(g1, g2, torch.float32, "gradient")

@@ -223,12 +223,27 @@ def bias_gelu_impl(input: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return act.bias_gelu(input, bias)
 
 
+def _megatron_clamp(clamp_value: Any) -> float | None:
+    """Megatron clamps when ``clamp_value`` is not None and > 0, and ignores it otherwise."""
+    if clamp_value is None or isinstance(clamp_value, bool):
+        return None
+    return clamp_value if clamp_value > 0 else None
+
+
 def bias_swiglu_impl(input: torch.Tensor, bias, fp8_input_store: bool = False,
-                     cpu_offload_input: bool = False) -> torch.Tensor:
-    """SwiGLU of ``input + bias`` (bias may be None), ``[.., 2f] -> [.., f]``."""
+                     cpu_offload_input: bool = False, clamp_value=None) -> torch.Tensor:
+    """SwiGLU of ``input + bias`` (bias may be None), ``[.., 2f] -> [.., f]``.
+
+    ``clamp_value > 0`` (Megatron-Core's): after the bias, the gated half is clamped from
+    above and the linear half on both sides (``None`` or <= 0: no clamp). With both a bias
+    and a clamp the bias is added first, as its own pass (the fused kernel clamps before
+    the bias, as Megatron's Quick-GEGLU does)."""
     _tokens_2d_or_3d("bias_swiglu_impl", input)
+    clamp = _megatron_clamp(clamp_value)
+    if clamp is not None and bias is not None:
+        input, bias = input + bias, None
     return act.swiglu(input, bias, fp8_input_store=fp8_input_store,
-                      cpu_offload_input=cpu_offload_input)
+                      cpu_offload_input=cpu_offload_input, clamp_value=clamp)
 
 
 def bias_geglu_impl(input: torch.Tensor, bias) -> torch.Tensor:
@@ -238,11 +253,15 @@ def bias_geglu_impl(input: torch.Tensor, bias) -> torch.Tensor:
 
 
 def weighted_bias_swiglu_impl(input: torch.Tensor, bias, weights: torch.Tensor,
-                              fp8_input_store: bool = False) -> torch.Tensor:
-    """``swiglu(input + bias) * weights``, ``weights [tokens, 1]``. Megatron-Core raises on
-    a bias here; lmfuse supports one."""
+                              fp8_input_store: bool = False, clamp_value=None) -> torch.Tensor:
+    """``swiglu(input + bias) * weights``, ``weights [tokens, 1]``; ``clamp_value`` as
+    :func:`bias_swiglu_impl`. Megatron-Core raises on a bias here; lmfuse supports one."""
     _tokens_2d_or_3d("weighted_bias_swiglu_impl", input)
-    return act.weighted_swiglu(input, weights, bias, fp8_input_store=fp8_input_store)
+    clamp = _megatron_clamp(clamp_value)
+    if clamp is not None and bias is not None:
+        input, bias = input + bias, None
+    return act.weighted_swiglu(input, weights, bias, fp8_input_store=fp8_input_store,
+                               clamp_value=clamp)
 
 
 def weighted_bias_quick_geglu_impl(input: torch.Tensor, bias, weights: torch.Tensor,

@@ -342,13 +342,42 @@ class MegatronAttnMaskType(enum.Enum):
     no_mask = 3
     padding_causal = 4
     arbitrary = 5
+    causal_bottom_right = 6
 
 
 def test_attn_mask_type_mirrors_megatron() -> None:
     assert {m.name: m.value for m in AttnMaskType} == {
-        "padding": 1, "causal": 2, "no_mask": 3, "padding_causal": 4, "arbitrary": 5}
+        "padding": 1, "causal": 2, "no_mask": 3, "padding_causal": 4, "arbitrary": 5,
+        "causal_bottom_right": 6}
     assert lmfuse.AttnMaskType is AttnMaskType
     assert lmfuse.FusedScaleMaskSoftmax is FusedScaleMaskSoftmax
+
+
+def test_attn_mask_type_equals_megatron_cores_enum() -> None:
+    """The whole enum against the installed megatron-core's (a test dependency)."""
+    enums = pytest.importorskip("megatron.core.transformer.enums")
+    assert {m.name: m.value for m in AttnMaskType} == {
+        m.name: m.value for m in enums.AttnMaskType}
+    for member in enums.AttnMaskType:
+        assert as_mask_type(member) is AttnMaskType[member.name]
+
+
+def test_causal_bottom_right_is_the_bottom_right_causal_band() -> None:
+    x = randn((2, 3, 4, 6))
+    got = make_module(AttnMaskType.causal_bottom_right, scale=1.0)(x, None)
+    assert torch.equal(got, make_module(AttnMaskType.causal, scale=1.0)(x, None))
+    assert torch.equal(got[0, 0][causal_hidden(4, 6)], torch.zeros(int(causal_hidden(4, 6).sum())))
+
+
+@pytest.mark.parametrize("fusion", [True, False])
+def test_is_kernel_available_any_shape(fusion: bool) -> None:
+    """Megatron's check (fp16/bf16, 16 < sk <= 4096, multiples of 4) does not apply: with
+    fusion on and Triton able to run (the interpreter here), every shape takes the kernel."""
+    softmax = make_module(AttnMaskType.causal, fusion=fusion)
+    for b, np_, sq, sk in ((1, 1, 1, 1), (3, 5, 7, 9), (2, 4, 16, 8192)):
+        assert softmax.is_kernel_available(None, b, np_, sq, sk) is fusion
+        assert softmax.is_kernel_available(torch.zeros(1, 1, sq, sk, dtype=torch.bool), b,
+                                           np_, sq, sk) is fusion
 
 
 @pytest.mark.parametrize("member", list(AttnMaskType), ids=lambda m: m.name)

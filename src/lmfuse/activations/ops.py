@@ -385,7 +385,7 @@ def bias_gelu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
 
 def swiglu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
            fp8_input_store: bool = False, cpu_offload_input: bool = False,
-           impl: str = "auto") -> torch.Tensor:
+           clamp_value: Optional[float] = None, impl: str = "auto") -> torch.Tensor:
     """``silu(x1) * x2`` for ``x = [x1 | x2]`` (after ``+ bias``), the halves of the last dim.
 
     Args:
@@ -394,6 +394,8 @@ def swiglu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
             bytes; the gradient is then that of the rounded input).
         cpu_offload_input: keep the input for backward in pinned CPU memory (CUDA tensors;
             copied on a side stream, brought back in backward).
+        clamp_value: ``c > 0`` first clamps ``x1 <= c`` and ``-c <= x2 <= c`` (before the
+            bias, as :func:`quick_geglu`; no gradient where a clamp is active).
     Returns:
         ``[..., f]`` in x's dtype.
 
@@ -402,8 +404,9 @@ def swiglu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
     ``fp8_input_store`` the backward sees x as float8 stores it: NaN stays NaN, ``+-inf``
     is saturated to ``+-448`` (float8_e4m3fn has no infinity).
     """
-    return _run("swiglu", x, bias, None, "silu", True, fp8_input_store=fp8_input_store,
-                cpu_offload_input=cpu_offload_input, impl=impl)
+    return _run("swiglu", x, bias, None, "silu", True, clamp_value=clamp_value,
+                fp8_input_store=fp8_input_store, cpu_offload_input=cpu_offload_input,
+                impl=impl)
 
 
 def geglu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -431,12 +434,13 @@ def quick_geglu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
 
 def weighted_swiglu(x: torch.Tensor, weights: torch.Tensor,
                     bias: Optional[torch.Tensor] = None, *, fp8_input_store: bool = False,
-                    cpu_offload_input: bool = False, impl: str = "auto") -> torch.Tensor:
+                    cpu_offload_input: bool = False, clamp_value: Optional[float] = None,
+                    impl: str = "auto") -> torch.Tensor:
     """``swiglu(x) * weights`` with per-token ``weights [tokens, 1]`` (MoE routing
     probabilities, any float dtype), whose gradient is summed over the hidden dim and
     returned in their dtype. Other arguments as :func:`swiglu`. A NaN or inf weight
     propagates to its token's outputs and gradients as ``y * weights`` does in PyTorch."""
-    return _run("weighted_swiglu", x, bias, weights, "silu", True,
+    return _run("weighted_swiglu", x, bias, weights, "silu", True, clamp_value=clamp_value,
                 fp8_input_store=fp8_input_store, cpu_offload_input=cpu_offload_input,
                 impl=impl)
 

@@ -13,13 +13,19 @@ from .ops import check_inputs, fused_softmax
 
 
 class AttnMaskType(enum.Enum):
-    """Megatron-Core's attention mask types (same names and values)."""
+    """Megatron-Core's attention mask types (``megatron.core.transformer.enums``: every
+    member, same names and values)."""
 
     padding = 1
     causal = 2
     no_mask = 3
     padding_causal = 4
     arbitrary = 5
+    causal_bottom_right = 6
+
+
+# The types that add the causal band (lmfuse's causal band is bottom-right aligned always).
+_CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
 
 
 def as_mask_type(value: Any) -> AttnMaskType:
@@ -50,8 +56,9 @@ class FusedScaleMaskSoftmax(nn.Module):
     Args:
         input_in_fp16, input_in_bf16: Megatron's flags; kept for compatibility (the dtype
             is read from the input).
-        attn_mask_type: ``AttnMaskType`` (or Megatron's enum / a name). ``causal`` and
-            ``padding_causal`` add the causal band; a given ``mask`` is applied for every type.
+        attn_mask_type: ``AttnMaskType`` (or Megatron's enum / a name). ``causal``,
+            ``padding_causal`` and ``causal_bottom_right`` add the causal band (bottom-right
+            aligned for all three); a given ``mask`` is applied for every type.
         scaled_masked_softmax_fusion: ``True`` runs ``impl="auto"`` (Triton on GPU);
             ``False`` runs the plain-PyTorch reference, as Megatron's flag does.
         mask_func: accepted for compatibility and not called; masking is exact.
@@ -90,6 +97,21 @@ class FusedScaleMaskSoftmax(nn.Module):
     def impl(self) -> str:
         return "auto" if self.scaled_masked_softmax_fusion else "torch"
 
+    def is_kernel_available(self, mask: Optional[torch.Tensor], b: int, np: int, sq: int,
+                            sk: int) -> bool:
+        """Megatron-Core's question: will ``forward`` run the fused kernel for scores
+        ``[b, np, sq, sk]``? Megatron's CUDA kernel needs fp16/bf16, ``16 < sk <= 4096`` and
+        multiples of 4; lmfuse's Triton kernel takes every shape and dtype, so the answer is
+        whether fusion is asked for (``scaled_masked_softmax_fusion``) and Triton can run
+        here (a CUDA device, or Triton's interpreter), whatever the shape."""
+        from .._dispatch import interpreter_active, triton_available
+
+        if not self.scaled_masked_softmax_fusion or not triton_available():
+            return False
+        if mask is not None and isinstance(mask, torch.Tensor):
+            return mask.is_cuda or interpreter_active()
+        return torch.cuda.is_available() or interpreter_active()
+
     def forward(
         self,
         input: torch.Tensor,
@@ -101,7 +123,7 @@ class FusedScaleMaskSoftmax(nn.Module):
         ``softmax_offset``, with the shape or dtype seen and the one expected."""
         check_inputs(input, mask, softmax_offset, op="FusedScaleMaskSoftmax",
                      scores_name="input")
-        causal = self.attn_mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        causal = self.attn_mask_type in _CAUSAL
         if causal and input.shape[2] > input.shape[3]:
             raise ValueError(
                 f"FusedScaleMaskSoftmax: attn_mask_type={self.attn_mask_type.name} needs input "
