@@ -27,6 +27,14 @@ the target column's ``- (1 - s)`` is written once per row instead of a compare-a
 per element. A target is used as an address only through a load or store masked by its
 check against this rank's column range, so an out-of-range target reads and writes
 nothing out of bounds.
+
+NaN and inf follow ``F.cross_entropy`` (``reference.py``) with no extra work per element:
+the running max ignores NaN (``tl.max`` / ``tl.maximum``), but a NaN logit's own exp is
+NaN, so is the row's sum, and ``_lse`` keeps it (it used to test ``denom > 0`` and turn it
+into -inf); a +inf max gives a NaN shift (``_shift``), the NaN of ``inf - inf``. -inf is a
+masked class. Loads fill -inf only past a row's end, tail rows of a tile repeat the last
+row and lanes past the last merged row read 0, so padding never computes ``-inf - -inf``
+(nor warns in the interpreter); only rows that make a NaN themselves do.
 """
 
 from __future__ import annotations
@@ -37,8 +45,22 @@ import triton.language as tl
 
 @triton.jit
 def _cap(x, softcap):
-    """softcap * tanh(x / softcap), exact at +-inf."""
-    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * x / softcap) + 1.0))
+    """softcap * tanh(x / softcap), exact at +-inf, NaN for NaN.
+
+    The exponent is capped at 80 (tanh is 1 in float32 from 2u = 19 on): exp never
+    overflows, and the cap is a NaN-propagating min (``min.NaN``), so NaN stays NaN."""
+    u2 = tl.minimum(2.0 * x / softcap, 80.0, propagate_nan=tl.PropagateNan.ALL)
+    return softcap * (1.0 - 2.0 / (tl.exp(u2) + 1.0))
+
+
+@triton.jit
+def _shift(m):
+    """What a row's exps are taken against, from its running max ``m`` (max ignores NaN;
+    a NaN logit reaches the sum through its own exp): ``m``, but 0 for a row with nothing
+    yet (-inf: exp(-inf - 0) = 0, no -inf - -inf) and NaN for a +inf max, whose row's
+    log-sum-exp is NaN as in ``F.cross_entropy`` (inf - inf); a NaN shift makes that so
+    without forming inf - inf."""
+    return tl.where(m == float("-inf"), 0.0, tl.where(m == float("inf"), float("nan"), m))
 
 
 @triton.jit
@@ -54,8 +76,10 @@ def _load_x(x_ptr, row_off, c, load_ok, softcap, HAS_SOFTCAP: tl.constexpr):
 @triton.jit
 def _grad_tile(x, c, t_local, lse, w, ls_over_v, one_minus_ls, two_z, softcap,
                HAS_SOFTCAP: tl.constexpr):
-    """w * [p (1 + 2 z lse) - s / V - (1 - s) [col == t]] (* d softcap), float32."""
-    lse = tl.where(lse == float("-inf"), 0.0, lse)  # a row with nothing (tail rows): p = 0
+    """w * [p (1 + 2 z lse) - s / V - (1 - s) [col == t]] (* d softcap), float32.
+
+    A NaN lse (a NaN or +inf logit) or a -inf one (every logit -inf) gives a NaN row, also
+    where w = 0 (ignored rows), as ``F.cross_entropy``'s gradient is."""
     p = tl.exp(x - lse[:, None])
     g = p * (1.0 + two_z * lse)[:, None] - ls_over_v
     g = tl.where(c[None, :] == t_local[:, None], g - one_minus_ls, g)
@@ -69,7 +93,8 @@ def _grad_tile(x, c, t_local, lse, w, ls_over_v, one_minus_ls, two_z, softcap,
 def _rows(tile, n_rows, V, t_ptr, vocab_start, vocab_size, ignore_index,
           BLOCK_M: tl.constexpr):
     """Rows of this tile, which are real, and ``_row_target`` of each (tail rows: no
-    target column, no gradient)."""
+    target column, no gradient). Tail rows are the last row again (``rows`` clamped):
+    read, computed on, never stored; so they hold a real row's numbers, not -inf."""
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_rows
     rows = tl.minimum(rows, n_rows - 1)  # keep index math in range on the tail tile
@@ -95,7 +120,8 @@ def _token_loss(lse, x_t, sum_x, t, w, ignore_index, vocab_size, ls_over_v, one_
     loss = one_minus_ls * (lse - x_t)
     if HAS_SMOOTHING:
         loss += (1.0 - one_minus_ls) * lse - ls_over_v * sum_x
-    loss += tl.where(two_z != 0.0, 0.5 * two_z * lse * lse, 0.0)
+    lse_z = tl.where(two_z != 0.0, lse, 0.0)  # no 0 * inf where z = 0 and lse = -inf
+    loss += 0.5 * two_z * lse_z * lse_z
     valid = t != ignore_index
     bad = valid & ((t < 0) | (t >= vocab_size))
     loss = tl.where(bad, float("inf"), loss * w)
@@ -125,18 +151,17 @@ def ce_fwd_kernel(
     """Rows that fit one BLOCK_V tile, BLOCK_M rows per tile: each row is read once and
     held in registers from the stats to the gradient."""
     cols = tl.arange(0, BLOCK_V)
+    col_ok = cols[None, :] < V
     for tile in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
         rows, row_ok, t_local, grad_ok, t = _rows(tile, n_rows, V, t_ptr, vocab_start,
                                                   vocab_size, ignore_index, BLOCK_M)
         x_off = rows.to(tl.int64) * stride_x
         x_t = _target_x(x_ptr, x_off, t_local, 0, V, softcap, HAS_SOFTCAP)
-        ok = row_ok[:, None] & (cols[None, :] < V)
-        x = _load_x(x_ptr, x_off, cols, ok, softcap, HAS_SOFTCAP)
+        x = _load_x(x_ptr, x_off, cols, col_ok, softcap, HAS_SOFTCAP)
         row_max = tl.max(x, 1)
-        shift = tl.where(row_max == float("-inf"), 0.0, row_max)
-        denom = tl.sum(tl.exp(x - shift[:, None]), 1)
+        denom = tl.sum(tl.exp(x - _shift(row_max)[:, None]), 1)
         if HAS_SMOOTHING:
-            sum_x = tl.sum(tl.where(ok, x, 0.0), 1)
+            sum_x = tl.sum(tl.where(col_ok, x, 0.0), 1)
         else:
             sum_x = denom * 0.0
         lse = _lse(row_max, denom)
@@ -150,7 +175,7 @@ def ce_fwd_kernel(
             g = _grad_tile(x, cols, t_local, lse, w, ls_over_v, one_minus_ls, two_z,
                            softcap, HAS_SOFTCAP)
             tl.store(g_ptr + g_off[:, None] + cols[None, :], g.to(g_ptr.dtype.element_ty),
-                     mask=ok)
+                     mask=row_ok[:, None] & col_ok)
 
 
 @triton.jit
@@ -167,12 +192,13 @@ def ce_grad_kernel(
     lse = tl.load(lse_ptr + rows)
     w = tl.where(grad_ok, tl.load(w_ptr + rows * stride_w).to(tl.float32), 0.0)
     cols = tl.arange(0, BLOCK_V)
-    ok = row_ok[:, None] & (cols[None, :] < V)
-    x = _load_x(x_ptr, rows.to(tl.int64) * stride_x, cols, ok, softcap, HAS_SOFTCAP)
+    col_ok = cols[None, :] < V
+    x = _load_x(x_ptr, rows.to(tl.int64) * stride_x, cols, col_ok, softcap, HAS_SOFTCAP)
     g = _grad_tile(x, cols, t_local, lse, w, ls_over_v, one_minus_ls, two_z, softcap,
                    HAS_SOFTCAP)
     g_off = rows.to(tl.int64) * stride_g
-    tl.store(g_ptr + g_off[:, None] + cols[None, :], g.to(g_ptr.dtype.element_ty), mask=ok)
+    tl.store(g_ptr + g_off[:, None] + cols[None, :], g.to(g_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok)
 
 
 @triton.jit
@@ -182,21 +208,22 @@ def ce_merge_kernel(parts_ptr, t_ptr, stats_ptr, count_ptr, n_rows, world, vocab
     """Vocabulary parallel: every rank's ``[world, 3, N]`` stats (all-gathered) to the
     whole-vocabulary ``[4, N]`` stats and loss of the forward kernels, in one launch: the
     lse by a log-sum-exp merge, ``x_t`` (0 on every rank but the target's owner) and
-    ``sum x`` by sums."""
+    ``sum x`` by sums. A rank's NaN lse makes the row's NaN (through ``denom``); lanes past
+    the last row read lse 0 (finite numbers, never stored)."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < n_rows
     p = parts_ptr + rows
     m = tl.full((BLOCK,), float("-inf"), tl.float32)
     for _ in range(world):
-        m = tl.maximum(m, tl.load(p, mask=ok, other=float("-inf")))
+        m = tl.maximum(m, tl.load(p, mask=ok, other=0.0))
         p += 3 * n_rows
-    shift = tl.where(m == float("-inf"), 0.0, m)
+    shift = _shift(m)
     denom = tl.zeros((BLOCK,), tl.float32)
     x_t = tl.zeros((BLOCK,), tl.float32)
     sum_x = tl.zeros((BLOCK,), tl.float32)
     p = parts_ptr + rows
     for _ in range(world):
-        denom += tl.exp(tl.load(p, mask=ok, other=float("-inf")) - shift)
+        denom += tl.exp(tl.load(p, mask=ok, other=0.0) - shift)
         x_t += tl.load(p + n_rows, mask=ok, other=0.0)
         sum_x += tl.load(p + 2 * n_rows, mask=ok, other=0.0)
         p += 3 * n_rows
@@ -245,7 +272,7 @@ def _range_stats(x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP: tl.constexpr,
         if HAS_SOFTCAP:
             x = _cap(x, softcap)
         m_new = tl.maximum(m, tl.max(x, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        m_safe = _shift(m_new)
         acc = acc * tl.exp2((m - m_safe) * 1.4426950408889634) + tl.exp2(
             x * 1.4426950408889634 - m_safe * 1.4426950408889634)
         m = m_new
@@ -258,7 +285,7 @@ def _range_stats(x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP: tl.constexpr,
     if HAS_SOFTCAP:
         x = tl.where(ok, _cap(x, softcap), float("-inf"))
     m_new = tl.maximum(m, tl.max(x, 0))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    m_safe = _shift(m_new)
     acc = acc * tl.exp2((m - m_safe) * 1.4426950408889634) + tl.exp2(
         x * 1.4426950408889634 - m_safe * 1.4426950408889634)
     if HAS_SMOOTHING:
@@ -298,23 +325,23 @@ def _range_stats_2d(x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP: tl.constexpr,
         if HAS_SOFTCAP:
             x = tl.where(c < hi, _cap(x, softcap), float("-inf"))
         m_new = tl.maximum(m, tl.max(x, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        m_safe = _shift(m_new)
         acc = acc * tl.exp2((m - m_safe) * 1.4426950408889634) + tl.sum(
             tl.exp2(x * 1.4426950408889634 - (m_safe * 1.4426950408889634)[:, None]), 1)
         m = m_new
         if HAS_SMOOTHING:
             sx += tl.sum(tl.where(c < hi, x, 0.0), 1)
     row_max = tl.max(m, 0)
-    shift = tl.where(row_max == float("-inf"), 0.0, row_max)
-    denom = tl.sum(acc * tl.exp2((m - shift) * 1.4426950408889634), 0)
+    denom = tl.sum(acc * tl.exp2((m - _shift(row_max)) * 1.4426950408889634), 0)
     return row_max, denom, tl.sum(sx, 0)
 
 
 @triton.jit
 def _lse(m, denom):
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    return tl.where(denom > 0, m_safe + tl.log(tl.where(denom > 0, denom, 1.0)),
-                    float("-inf"))
+    """log-sum-exp from a row's max and ``denom = sum exp(x - _shift(m))``: -inf for a row
+    of -inf (denom 0), NaN when denom is NaN (a NaN or +inf logit)."""
+    empty = denom == 0.0
+    return tl.where(empty, float("-inf"), _shift(m) + tl.log(tl.where(empty, 1.0, denom)))
 
 
 @triton.jit
@@ -332,10 +359,9 @@ def _range_grad(x_ptr, x_off, g_ptr, g_off, lo, hi, lse, x_t, t_local, w, ls_ove
     right even when the gradient overwrites the logits.
     """
     cols = tl.arange(0, BLOCK_V)
-    lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
-    a = w * (1.0 + two_z * lse_safe)
+    a = w * (1.0 + two_z * lse)  # NaN for a NaN lse, so the row is (see ``_grad_tile``)
     b = -ls_over_v * w
-    shift = lse_safe * 1.4426950408889634
+    shift = lse * 1.4426950408889634
     n_full = (hi - lo) // BLOCK_V
     c = lo + n_full * BLOCK_V + cols
     ok = c < hi
@@ -512,8 +538,7 @@ def ce_slices_kernel(
             sums = tl.load(part_ptr + slots + 1, mask=have, other=0.0, cache_modifier=".cg")
             x_ts = tl.load(part_ptr + slots + 3, mask=have, other=0.0, cache_modifier=".cg")
             row_max = tl.max(maxes, 0)
-            shift = tl.where(row_max == float("-inf"), 0.0, row_max)
-            lse = _lse(row_max, tl.sum(sums * tl.exp(maxes - shift), 0))
+            lse = _lse(row_max, tl.sum(sums * tl.exp(maxes - _shift(row_max)), 0))
             x_t = tl.sum(x_ts, 0)
             t_local, grad_ok, t = _row_target(t_ptr, row, V, 0, V, ignore_index)
             w = _weight(count_ptr, MEAN)

@@ -462,6 +462,10 @@ def linear_cross_entropy(
         ignore_index, label_smoothing, z_loss, softcap, reduction, impl: as for
             :func:`lmfuse.cross_entropy`.
 
+    NaN and inf propagate as in ``F.cross_entropy(hidden @ weight.T + bias)`` (see
+    :func:`lmfuse.cross_entropy`): a NaN in one row of ``weight`` makes every token's loss
+    and every gradient NaN.
+
     Returns:
         float32 loss: a scalar, or per-token ``[...]`` for ``reduction="none"``.
     """

@@ -565,6 +565,12 @@ def cross_entropy(
             or ``"none"`` (float32 per-token losses of ``target``'s shape, 0 where ignored).
         impl: ``"auto"``, ``"triton"`` or ``"torch"``; see :func:`lmfuse.explain`.
 
+    NaN and inf propagate as in ``F.cross_entropy`` on every path: a NaN or +inf logit
+    makes its token's loss and gradient row NaN; -inf logits are masked classes (an all
+    -inf row is NaN); with ``softcap``, +-inf logits cap to +-c. An ignored token's loss
+    stays 0 and never poisons the mean (its gradient row is NaN where its logits make
+    the softmax NaN, as PyTorch's is).
+
     Targets must be ``ignore_index`` or in ``[0, V)``. On CPU tensors anything else raises
     ``ValueError``; on CUDA the check would stall the GPU, so it is not made: such a token
     gets loss ``+inf`` (loud in any loss curve) and a zero gradient, and nothing is read

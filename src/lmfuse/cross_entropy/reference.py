@@ -23,6 +23,14 @@ A token is described by three numbers, which is what lets the vocabulary be spli
 ranks: ``lse``, ``x_t`` and ``sum_j x_j``. Each rank computes them over its own columns
 (``x_t = 0`` where it does not hold the target) and :func:`merge_token_stats` combines
 them: log-sum-exp of the ``lse``, sums of the other two.
+
+NaN and inf follow ``F.cross_entropy`` (its max-shifted log-softmax): a NaN logit, or a
++inf one (``inf - inf``), makes the token's ``lse``, loss and whole gradient row NaN;
+-inf logits are legitimate (masked vocabulary: ``p = 0`` there), and a row of nothing but
+-inf has ``lse = -inf``, so a loss and gradient of NaN. An ignored token's loss is 0
+whatever its logits (it never poisons a mean); its gradient row is ``0 * p``, NaN where
+``p`` is, as PyTorch's. With a softcap, ``+-inf`` logits cap to ``+-c`` (finite, gradient
+0 there).
 """
 
 from __future__ import annotations
@@ -35,6 +43,15 @@ def softcapped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
     compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
     x = logits.to(compute)
     return x if softcap is None else softcap * torch.tanh(x / softcap)
+
+
+def logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """``log(sum_j exp(x_j))`` over the last dim, max-shifted as ``F.log_softmax`` is:
+    NaN where a row holds NaN or +inf (``exp(inf - inf)``), -inf for a row of -inf (its
+    shift is 0, not -inf). ``torch.logsumexp`` would give +inf for a +inf logit."""
+    m = x.detach().amax(dim=-1, keepdim=True)
+    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    return (m + torch.log(torch.exp(x - m).sum(dim=-1, keepdim=True))).squeeze(-1)
 
 
 def cross_entropy_reference(
@@ -81,13 +98,13 @@ def local_token_stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: i
     mine = (t_local >= 0) & (t_local < V_local)
     x_t = x.gather(1, torch.where(mine, t_local, 0)[:, None])[:, 0]
     x_t = torch.where(mine, x_t, torch.zeros_like(x_t))
-    stats = torch.stack([torch.logsumexp(x, dim=-1), x_t, x.sum(dim=-1)])
+    stats = torch.stack([logsumexp(x), x_t, x.sum(dim=-1)])
     return stats.float() if stats.dtype != torch.float64 else stats
 
 
 def merge_token_stats(gathered: torch.Tensor) -> torch.Tensor:
     """``[world, 3, N]`` per-rank stats to ``[3, N]`` stats over the whole vocabulary."""
-    lse = torch.logsumexp(gathered[:, 0], dim=0)
+    lse = logsumexp(gathered[:, 0].T)
     return torch.stack([lse, gathered[:, 1].sum(dim=0), gathered[:, 2].sum(dim=0)])
 
 
