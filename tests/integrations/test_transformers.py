@@ -294,3 +294,46 @@ def test_small_no_grad_calls_run_the_module_forward(monkeypatch):
     assert "norm" in calls and "swiglu" in calls
     with pytest.raises(ValueError, match="inference_fallback_tokens must be an int >= 0"):
         apply_lmfuse(b, inference_fallback_tokens=-1)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma"])
+def test_fused_norms_and_mlps_fuses_every_call_and_restores_the_model(monkeypatch, model_type):
+    """The Generator's graph-capture patch: inside the block every norm and MLP call fuses
+    (one token too) with the unpatched model's logits; afterwards the modules are exactly as
+    before, plain or patched by apply_lmfuse with its own fallback."""
+    import lmfuse.integrations.transformers as integration
+    from lmfuse.integrations.transformers import fused_norms_and_mlps
+
+    calls = []
+    real_norm, real_swiglu = integration._rms_norm, integration._gated_mlp_forward
+    monkeypatch.setattr(integration, "_rms_norm",
+                        lambda *a, **k: (calls.append("norm"), real_norm(*a, **k))[1])
+    a = make_model(model_type).eval()
+    plain = copy.deepcopy(a)
+    patched = apply_lmfuse(copy.deepcopy(a), inference_fallback_tokens=4)
+    ids = torch.randint(3, VOCAB, (1, 1))
+    with torch.no_grad():
+        want = a(input_ids=ids).logits
+        for model in (plain, patched):
+            before = {n: dict(m.__dict__) for n, m in model.named_modules()}
+            with fused_norms_and_mlps(model) as supported:
+                assert supported
+                calls.clear()
+                assert_close(model(input_ids=ids).logits, want, F32, model_type)
+                assert calls.count("norm") == 2 * 2 + 1  # two a layer and the final one
+            after = {n: dict(m.__dict__) for n, m in model.named_modules()}
+            assert after.keys() == before.keys()
+            for n in before:
+                assert after[n].keys() == before[n].keys(), n
+                for k in ("forward", "_lmfuse_fallback_tokens"):
+                    assert after[n].get(k) is before[n].get(k), (n, k)
+            calls.clear()
+            model(input_ids=ids)
+            assert calls == []  # one token: the module forwards again
+    assert real_swiglu is integration._gated_mlp_forward
+    gpt_oss = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
+        "gpt_oss", hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=VOCAB,
+        num_local_experts=2, num_experts_per_tok=1))
+    with fused_norms_and_mlps(gpt_oss) as supported:
+        assert not supported

@@ -111,7 +111,9 @@ class PagedKVCache:
         # A stack: the lowest ids are handed out first from a fresh pool.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._refs: list[int] = [0] * num_blocks
-        self._tables: dict[int, list[int]] = {}
+        # Each sequence's block ids as an int32 array: a step's table is packed from them
+        # by memcpy (array.extend of an array), not element by element.
+        self._tables: dict[int, array.array] = {}
         self._lens: dict[int, int] = {}
         self._next_id = 0
 
@@ -221,7 +223,7 @@ class PagedKVCache:
         """A new, empty sequence (no block is allocated until :meth:`reserve`); its id."""
         seq_id = self._next_id
         self._next_id += 1
-        self._tables[seq_id] = []
+        self._tables[seq_id] = array.array("i")
         self._lens[seq_id] = 0
         return seq_id
 
@@ -232,7 +234,7 @@ class PagedKVCache:
         for blk in table:
             self._refs[blk] += 1
         child = self.add_sequence()
-        self._tables[child] = list(table)
+        self._tables[child] = array.array("i", table)
         self._lens[child] = self._lens[seq_id]
         return child
 
@@ -377,7 +379,7 @@ class PagedKVCache:
         n = len(ids)
         # One buffer (table | before | after), one host-to-device copy, three contiguous views.
         # array.array fills it at C speed (torch.tensor(list) is ~3x slower for long tables).
-        buf, pad = array.array("i"), [-1] * width
+        buf, pad = array.array("i"), array.array("i", [-1]) * width
         for s in ids:
             table = self._tables[s]
             buf.extend(table)

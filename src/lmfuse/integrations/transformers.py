@@ -17,9 +17,11 @@ as before. ``transformers`` is imported only when :func:`apply_lmfuse` runs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import warnings
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -314,6 +316,77 @@ def _set_forward(m: torch.nn.Module, fn: Any) -> None:
     m.forward = _Forward(fn, m)
 
 
+def _patch_norm(m: torch.nn.Module, family: _Family, impl: str, fallback: int) -> bool:
+    """Run RMSNorm ``m`` through :func:`lmfuse.rms_norm`; False if it is not a plain one."""
+    weight = getattr(m, "weight", None)
+    if not (isinstance(weight, torch.nn.Parameter) and weight.dim() == 1
+            and _norm_eps(m) is not None):
+        return False
+    m._lmfuse_weight_offset = family.weight_offset
+    m._lmfuse_impl = impl
+    m._lmfuse_fallback_tokens = fallback
+    _set_forward(m, _rms_norm_forward)
+    return True
+
+
+def _patch_mlp(m: torch.nn.Module, impl: str, fallback: int) -> str | None:
+    """Run gated MLP ``m``'s activation fused: ``"swiglu"``/``"geglu"`` when patched, the
+    activation's name when it is not one lmfuse fuses, None when ``m`` is not a gated MLP."""
+    if not all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        return None
+    activation = _gated_activation(m.act_fn)
+    if activation is None:
+        return _activation_name(m.act_fn)
+    m._lmfuse_activation = activation
+    m._lmfuse_impl = impl
+    m._lmfuse_fallback_tokens = fallback
+    _set_forward(m, _gated_mlp_forward)
+    return activation
+
+
+_PATCH_ATTRS = ("forward", "_lmfuse_weight_offset", "_lmfuse_impl", "_lmfuse_fallback_tokens",
+                "_lmfuse_activation")
+
+
+@contextlib.contextmanager
+def fused_norms_and_mlps(model: torch.nn.Module, impl: str = "auto") -> Iterator[bool]:
+    """While the block runs, ``model``'s RMSNorms and gated MLPs (of a family
+    :func:`apply_lmfuse` supports) run lmfuse's fused ops on every call, however few tokens
+    (``inference_fallback_tokens=0``): for capturing a decode step in a CUDA graph, where a
+    launch costs no host time and fewer, fused kernels are what pays. Afterwards the
+    modules are exactly as before (an :func:`apply_lmfuse` patch with its own settings, or
+    none). Yields whether the model's family is supported (else nothing changes)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    family = _FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    saved: list[tuple[torch.nn.Module, dict[str, Any]]] = []
+    if family is not None:
+        for m in model.modules():
+            cls = type(m).__name__
+            if cls not in (family.norm, family.mlp):
+                continue
+            current = _instance_forward(m)
+            if current is not None and current not in (_rms_norm_forward, _gated_mlp_forward):
+                continue  # another library's forward: left alone
+            before = {a: m.__dict__[a] for a in _PATCH_ATTRS if a in m.__dict__}
+            if current is not None:  # patched by apply_lmfuse: only the fallback changes
+                saved.append((m, before))
+                m._lmfuse_fallback_tokens = 0
+            elif cls == family.norm and _patch_norm(m, family, impl, 0):
+                saved.append((m, before))
+            elif cls == family.mlp:
+                if _patch_mlp(m, impl, 0) in ("swiglu", "geglu"):
+                    saved.append((m, before))
+    try:
+        yield family is not None
+    finally:
+        for m, before in saved:
+            for a in _PATCH_ATTRS:
+                if a in before:
+                    m.__dict__[a] = before[a]
+                else:
+                    m.__dict__.pop(a, None)
+
+
 def _summary(model: torch.nn.Module, family: _Family, impl: str) -> dict[str, Any]:
     norms, swiglu_mlps, geglu_mlps, unpatched = [], [], [], {}
     for name, m in model.named_modules():
@@ -420,24 +493,11 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
             foreign.append(name)
             continue
         if cls == family.norm and rms_norm:
-            weight = getattr(m, "weight", None)
-            if (isinstance(weight, torch.nn.Parameter) and weight.dim() == 1
-                    and _norm_eps(m) is not None):
-                m._lmfuse_weight_offset = family.weight_offset
-                m._lmfuse_impl = impl
-                m._lmfuse_fallback_tokens = inference_fallback_tokens
-                _set_forward(m, _rms_norm_forward)
+            _patch_norm(m, family, impl, inference_fallback_tokens)
         elif cls == family.mlp and swiglu:
-            if not all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-                continue
-            activation = _gated_activation(m.act_fn)
-            if activation is None:
-                unsupported[name] = _activation_name(m.act_fn)
-                continue
-            m._lmfuse_activation = activation
-            m._lmfuse_impl = impl
-            m._lmfuse_fallback_tokens = inference_fallback_tokens
-            _set_forward(m, _gated_mlp_forward)
+            activation = _patch_mlp(m, impl, inference_fallback_tokens)
+            if activation is not None and activation not in ("swiglu", "geglu"):
+                unsupported[name] = activation
 
     if fused_linear_cross_entropy and hasattr(model, "lm_head"):
         current = _instance_forward(model)

@@ -98,6 +98,11 @@ class Request:
         return self.prompt + self.output
 
     @property
+    def last_token(self) -> int:
+        """``tokens[-1]`` without building ``tokens``."""
+        return self.output[-1] if self.output else self.prompt[-1]
+
+    @property
     def length(self) -> int:
         return len(self.prompt) + len(self.output)
 

@@ -12,13 +12,16 @@ CUDA graphs (``cuda_graphs=True`` on a CUDA device): a decode forward is capture
 capture's split-KV layout suits the lengths it serves. A step copies its token ids,
 positions, block table and lengths into the graph's static buffers (rows past the batch
 get block -1 and length 0: they write nothing and attend over nothing), replays, and reads
-the logits of its rows. A model whose decode forward cannot be captured (a host sync in
+the logits of its rows. In the captured forward the RMSNorms and gated MLPs of the families
+``apply_lmfuse`` supports run lmfuse's fused kernels (``fused_norms_and_mlps``; the model
+is as before afterwards) and mixture-of-experts layers a capturable experts implementation. A model whose decode forward cannot be captured (a host sync in
 it) falls back to eager decode steps, with a warning.
 """
 
 from __future__ import annotations
 
 import contextlib
+import traceback
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -26,6 +29,7 @@ from typing import Any
 import torch
 
 from ..attention.kv_cache import DecodeStep, PagedKVCache
+from ..integrations.transformers import fused_norms_and_mlps
 from .attention import ATTENTION_NAME, Segment, StepContext, register
 from .request import Request
 from .sharded import BatchShards, ContextShards
@@ -53,6 +57,7 @@ class ModelRunner:
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self._pool = None
         self.graph_failures = 0
+        self.graph_failure: str | None = None  # the last capture failure, where it arose
 
     @contextlib.contextmanager
     def _lmfuse_attention(self) -> Iterator[None]:
@@ -126,7 +131,7 @@ class ModelRunner:
         """One token of every request (its last, at position ``length - 1``), the step's
         blocks reserved: the logits ``[n, V]``."""
         n = len(requests)
-        host = torch.tensor([[r.tokens[-1] for r in requests], [r.length - 1 for r in requests]],
+        host = torch.tensor([[r.last_token for r in requests], [r.length - 1 for r in requests]],
                             dtype=torch.int64)
         if self.shards is not None:
             return self._decode_cp(requests, host)
@@ -188,8 +193,12 @@ class ModelRunner:
             except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly
                 self.graph_failures += 1
                 self.graphs_on = False
+                frames = traceback.extract_tb(e.__traceback__)
+                where = (f" at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}"
+                         if frames else "")
+                self.graph_failure = f"{type(e).__name__}: {e}{where}"
                 warnings.warn(f"lmfuse.serving: the decode step could not be captured in a "
-                              f"CUDA graph ({type(e).__name__}: {e}); decoding eagerly",
+                              f"CUDA graph ({self.graph_failure}); decoding eagerly",
                               RuntimeWarning, stacklevel=3)
                 return None
         return self._graphs[key]
@@ -205,23 +214,24 @@ def _bucket(n: int, max_batch: int) -> int:
 
 @contextlib.contextmanager
 def _capturable_experts(config: Any) -> Iterator[None]:
-    """Mixture-of-experts layers whose default ``transformers`` implementation loops over
-    the experts hit by the batch (a host sync: ``nonzero``) run, while a graph is captured,
-    the ``"batched_mm"`` implementation (every token's chosen experts gathered and
-    multiplied in one batched product: no host sync), where the installed
-    ``transformers`` has it."""
+    """Mixture-of-experts layers run, while a graph is captured, transformers'
+    ``"batched_mm"`` experts implementation (every token's chosen experts gathered and
+    multiplied in one batched product), where the installed ``transformers`` has it: its
+    default loop over the experts hit by the batch syncs with the host (``nonzero``), and
+    its ``"grouped_mm"`` copies the group offsets to the host; neither can be captured."""
     saved = getattr(config, "_experts_implementation", None)
     try:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-        usable = saved in (None, "eager") and "batched_mm" in ALL_EXPERTS_FUNCTIONS
+        usable = saved != "batched_mm" and "batched_mm" in ALL_EXPERTS_FUNCTIONS
     except ImportError:
         usable = False
-    if usable and hasattr(config, "_experts_implementation"):
+    usable = usable and hasattr(config, "_experts_implementation")
+    if usable:
         config._experts_implementation = "batched_mm"
     try:
         yield
     finally:
-        if usable and hasattr(config, "_experts_implementation"):
+        if usable:
             config._experts_implementation = saved
 
 
@@ -246,7 +256,10 @@ class _DecodeGraph:
         # capture. The padding rows write nothing (block -1) and read nothing (length 0).
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
-        with _capturable_experts(runner.config):
+        # In the graph the norms and gated MLPs run lmfuse's fused kernels (fewer launches;
+        # a launch costs no host time there), the experts a capturable implementation.
+        with _capturable_experts(runner.config), fused_norms_and_mlps(runner.model,
+                                                                      runner.impl):
             with torch.cuda.stream(stream):
                 forward()
                 forward()

@@ -1,0 +1,117 @@
+"""The Generator on a GPU, compiled kernels and CUDA graphs (what the CPU suite cannot show):
+
+* every supported family (tiny random-weight configs, float32, TF32 off): the greedy tokens of
+  ``model.generate``, with the decode step captured in CUDA graphs (no capture failure);
+* bf16 (a Llama-shaped model of 4 layers, vocabulary 32000, random weights): every decode
+  step's logits within a stated tolerance of the model's own forward (SDPA, no cache) over
+  the same tokens, and the greedy continuations' agreement with ``model.generate``
+  reported (printed; ``LMFUSE_GENERATOR_REPORT=FILE`` writes them as JSON).
+
+Run on a CUDA machine::
+
+    LMFUSE_GPU_TESTS=1 python -m pytest -q -rA -s tests/gpu/test_generator_gpu.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from helpers import TINY_LM_FAMILIES, tiny_causal_lm
+from lmfuse.serving import Generator
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="needs a CUDA GPU and the Triton compiler (LMFUSE_GPU_TESTS=1)")
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3], list(range(20, 60)), [90, 2, 2, 2, 41]]
+NEW = 12
+# bf16 logits of a decode step against the model's own forward over the same tokens:
+# max |a - b| / max |b| over the vocabulary, per step (both are bf16 computations).
+BF16_LOGITS_TOL = 3e-2
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _hf(model, prompt, new):
+    out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=new,
+                         min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("family", TINY_LM_FAMILIES)
+def test_greedy_tokens_with_cuda_graphs(family: str) -> None:
+    model = tiny_causal_lm(family).cuda()
+    want = [_hf(model, p, NEW) for p in PROMPTS]
+    gen = Generator(model, block_len=4, num_blocks=256)
+    got = gen.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[])
+    assert got == want
+    assert gen.stats["graph_failures"] == 0, gen.runner.graph_failure
+    assert gen.stats["cuda_graphs"] > 0
+
+
+def _bf16_model():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", hidden_size=1024, intermediate_size=2816,
+                                  num_hidden_layers=4, num_attention_heads=8,
+                                  num_key_value_heads=2, vocab_size=32000,
+                                  max_position_embeddings=4096)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
+                                                 attn_implementation="sdpa")
+    return model.eval()
+
+
+def test_bf16_decode_logits_and_greedy_agreement() -> None:
+    model = _bf16_model()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 32000, (n,), generator=g).tolist() for n in (1, 17, 200, 513)]
+    new = 32
+    gen = Generator(model, block_len=16, num_blocks=1024)
+    seen: list[torch.Tensor] = []
+    decode = gen.runner.decode
+
+    def recording(requests, step):
+        logits = decode(requests, step)
+        seen.append(logits.float().clone())
+        return logits
+
+    gen.runner.decode = recording
+    got = gen.generate(prompts, max_new_tokens=new, eos_token_id=[])
+    assert gen.stats["graph_failures"] == 0
+    # Decode step k (k >= 1) of request i saw prompt + got[i][:k]; its logits against the
+    # model's own forward over those tokens (all requests decode together: same step k).
+    worst = 0.0
+    for k, logits in enumerate(seen, start=1):
+        for i, p in enumerate(prompts):
+            ids = torch.tensor([p + got[i][:k]], device="cuda")
+            with torch.inference_mode():
+                ref = model(input_ids=ids, use_cache=False).logits[0, -1].float()
+            err = float((logits[i] - ref).abs().max() / ref.abs().max())
+            worst = max(worst, err)
+    want = [_hf(model, p, new) for p in prompts]
+    agree = [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), new)
+             for x, y in zip(got, want)]
+    same = sum(a == b for x, y in zip(got, want) for a, b in zip(x, y))
+    report = dict(model="llama hidden 1024, 4 layers, 8/2 heads, vocab 32000, bf16",
+                  prompts=[len(p) for p in prompts], new_tokens=new,
+                  worst_logits_rel_err=worst, tolerance=BF16_LOGITS_TOL,
+                  identical_prefix_tokens=agree, tokens_equal=same,
+                  tokens_total=new * len(prompts), device=torch.cuda.get_device_name())
+    print("\nbf16 Generator vs model:", json.dumps(report))
+    if os.environ.get("LMFUSE_GENERATOR_REPORT"):
+        with open(os.environ["LMFUSE_GENERATOR_REPORT"], "w") as f:
+            json.dump(report, f, indent=1)
+    assert len(seen) == new - 1
+    assert worst <= BF16_LOGITS_TOL, report
