@@ -62,6 +62,14 @@ def _in(c, lo, hi):
 
 
 @triton.jit
+def _scale(scale, scale_lo, COMPUTE: tl.constexpr):
+    """The scale in the compute dtype. A float argument reaches a kernel as float32, so the
+    caller splits a float64 scale into ``scale + scale_lo`` (two float32 values); their sum
+    in float64 restores it to about 2^-48, and in float32 it is ``scale`` itself."""
+    return tl.cast(scale, COMPUTE) + tl.cast(scale_lo, COMPUTE)
+
+
+@triton.jit
 def _scaled_scores(
     x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, cols, visible, load_ok, scale,
     MASK_KIND: tl.constexpr, COMPUTE: tl.constexpr,
@@ -90,12 +98,13 @@ def softmax_fwd_kernel(
     n_rows, np_, sq, sk,
     stride_xb, stride_xh, stride_xq, stride_xk,
     stride_mb, stride_mh, stride_mq, stride_mk,
-    scale, left, right,
+    scale, scale_lo, left, right,
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_OFFSET: tl.constexpr,
     STORE_LSE: tl.constexpr, COMPUTE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    sc = _scale(scale, scale_lo, COMPUTE)
     rows, row_ok, b, h, q, lo, hi, lo_ld, hi_ld = _row_setup(
         pid, n_rows, np_, sq, sk, left, right, BLOCK_M, BANDED
     )
@@ -106,9 +115,12 @@ def softmax_fwd_kernel(
     out_ok = row_ok[:, None] & (cols[None, :] < sk)
 
     if SINGLE_BLOCK:
-        z, vis = _scaled_scores(x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, cols,
-                                _in(cols, lo, hi), _in(cols, lo_ld, hi_ld), scale, MASK_KIND,
-                                COMPUTE)
+        # The visibility is not kept (a [BLOCK_M, BLOCK_N] tile held across the reductions
+        # costs registers: 20% of the forward's time at 2048 keys); it is rebuilt for the
+        # rows that need it, below.
+        z, _ = _scaled_scores(x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, cols,
+                              _in(cols, lo, hi), _in(cols, lo_ld, hi_ld), sc, MASK_KIND,
+                              COMPUTE)
         row_max = tl.max(z, 1)
     else:
         # Pass 1: online max and sum over the chunks that hold visible keys.
@@ -118,7 +130,7 @@ def softmax_fwd_kernel(
         for c0 in range(start, tl.max(hi, 0), BLOCK_N):
             c = c0 + cols
             z, _ = _scaled_scores(x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, c,
-                                  _in(c, lo, hi), _in(c, lo_ld, hi_ld), scale, MASK_KIND,
+                                  _in(c, lo, hi), _in(c, lo_ld, hi_ld), sc, MASK_KIND,
                                   COMPUTE)
             new_max = tl.maximum(row_max, tl.max(z, 1))
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -146,14 +158,28 @@ def softmax_fwd_kernel(
     inv = 1.0 / denom
 
     if SINGLE_BLOCK:
-        y = tl.where(vis, e * inv[:, None], 0.0)
+        # Hidden keys have e = 0, so y = 0 there, except in a NaN row (0 * NaN): only a
+        # program holding such a row finds its hidden keys again (the band from the
+        # indices, a boolean mask re-read) and writes zeros over them.
+        y = e * inv[:, None]
         tl.store(y_ptr + y_row[:, None] + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=out_ok)
+        nan_row = inv != inv
+        if tl.sum(nan_row.to(tl.int32), 0) > 0:
+            hidden = (cols[None, :] < lo[:, None]) | (cols[None, :] >= hi[:, None])
+            if MASK_KIND == 1:
+                masked = tl.load(m_ptr + m_row[:, None] + cols[None, :] * stride_mk,
+                                 mask=_in(cols, lo_ld, hi_ld), other=0)
+                hidden = hidden | (masked != 0)
+            zero = tl.zeros([BLOCK_M, BLOCK_N], y_ptr.dtype.element_ty)
+            tl.debug_barrier()  # after every thread's store of y
+            tl.store(y_ptr + y_row[:, None] + cols[None, :], zero,
+                     mask=out_ok & hidden & nan_row[:, None])
     else:
         # Pass 2: every chunk is written; invisible keys load nothing and store zeros.
         for c0 in range(0, sk, BLOCK_N):
             c = c0 + cols
             z, vis = _scaled_scores(x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, c,
-                                    _in(c, lo, hi), _in(c, lo_ld, hi_ld), scale, MASK_KIND,
+                                    _in(c, lo, hi), _in(c, lo_ld, hi_ld), sc, MASK_KIND,
                                     COMPUTE)
             y = tl.where(vis, tl.exp(z - shift[:, None]) * inv[:, None], 0.0)
             c_ok = row_ok[:, None] & (c[None, :] < sk)
@@ -169,7 +195,7 @@ def softmax_bwd_kernel(
     dy_ptr, y_ptr, dx_ptr, offset_ptr, lse_ptr, doffset_ptr,
     n_rows, np_, sq, sk,
     stride_db, stride_dh, stride_dq, stride_dk,
-    scale, left, right,
+    scale, scale_lo, left, right,
     BANDED: tl.constexpr, HAS_OFFSET: tl.constexpr, COMPUTE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
 ):
@@ -180,6 +206,7 @@ def softmax_bwd_kernel(
     as ``masked_fill``'s backward gives it none.
     """
     pid = tl.program_id(0)
+    sc = _scale(scale, scale_lo, COMPUTE)
     rows, row_ok, b, h, q, lo, hi, lo_ld, hi_ld = _row_setup(
         pid, n_rows, np_, sq, sk, left, right, BLOCK_M, BANDED
     )
@@ -195,7 +222,7 @@ def softmax_bwd_kernel(
         dy = tl.load(dy_ptr + dy_row[:, None] + cols[None, :] * stride_dk, mask=ld,
                      other=0.0).to(COMPUTE)
         dot = tl.sum(y * dy, 1)
-        dx = tl.where(y == 0.0, 0.0, scale * y * (dy - dot[:, None]))
+        dx = tl.where(y == 0.0, 0.0, sc * y * (dy - dot[:, None]))
         out_ok = row_ok[:, None] & (cols[None, :] < sk)
         tl.store(dx_ptr + y_row[:, None] + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
                  mask=out_ok)
@@ -215,7 +242,7 @@ def softmax_bwd_kernel(
             y = tl.load(y_ptr + y_row[:, None] + c[None, :], mask=ld, other=0.0).to(COMPUTE)
             dy = tl.load(dy_ptr + dy_row[:, None] + c[None, :] * stride_dk, mask=ld,
                          other=0.0).to(COMPUTE)
-            dx = tl.where(y == 0.0, 0.0, scale * y * (dy - dot[:, None]))
+            dx = tl.where(y == 0.0, 0.0, sc * y * (dy - dot[:, None]))
             c_ok = row_ok[:, None] & (c[None, :] < sk)
             tl.store(dx_ptr + y_row[:, None] + c[None, :], dx.to(dx_ptr.dtype.element_ty),
                      mask=c_ok)

@@ -7,6 +7,8 @@ kernels as opaque nodes instead of breaking the graph, and nothing syncs with th
 
 from __future__ import annotations
 
+import struct
+
 from typing import Any, Optional
 
 import torch
@@ -46,6 +48,13 @@ def _config(sk: int, dtype: torch.dtype, device: torch.device) -> dict[str, Any]
                 num_warps=t["chunk_warps"])
 
 
+def _split_scale(scale: float) -> tuple[float, float]:
+    """``(hi, lo)``: ``hi`` the float32 nearest ``scale``, ``lo`` the rest (the kernels get
+    float arguments as float32; ``hi + lo`` in float64 is ``scale`` to about 2^-48)."""
+    hi = struct.unpack("f", struct.pack("f", scale))[0]
+    return hi, scale - hi
+
+
 def _compute_dtype(dtype: torch.dtype):
     import triton.language as tl
 
@@ -75,7 +84,7 @@ def _launch_fwd(scores, mask, softmax_offset, scale, left, right):
         scores, y, m, softmax_offset if softmax_offset is not None else scores, lse,
         n_rows, np_, sq, sk,
         *scores.stride(), *m_strides,
-        scale, left, right,
+        *_split_scale(scale), left, right,
         BANDED=left < UNBOUNDED or right < UNBOUNDED, MASK_KIND=kind,
         HAS_OFFSET=softmax_offset is not None, STORE_LSE=softmax_offset is not None,
         COMPUTE=_compute_dtype(scores.dtype), **cfg,
@@ -105,7 +114,7 @@ def _launch_bwd(dy, y, lse, softmax_offset, scale, left, right, unscaled_fp32):
         dy, y, dx, off, lse if lse.numel() else y, drow if drow.numel() else y,
         n_rows, np_, sq, sk,
         *dy.stride(),
-        1.0 if unscaled_fp32 else scale, left, right,
+        *_split_scale(1.0 if unscaled_fp32 else scale), left, right,
         BANDED=left < UNBOUNDED or right < UNBOUNDED, HAS_OFFSET=softmax_offset is not None,
         COMPUTE=_compute_dtype(y.dtype), **cfg,
     )

@@ -1,0 +1,134 @@
+"""What the NaN/inf semantics cost: the same calls timed on two source trees, run as two
+processes (``PYTHONPATH=<tree>/src``), alternated ``--rounds`` times so drift hits both::
+
+    git archive 7b9ea77 src | tar -x -C before    # the tree before the NaN changes
+    python bench/nan_overhead.py --tree before=before/src --tree after=src --json nan.json
+
+Each case: median of CUDA-event timings (``triton.testing.do_bench``, 25 ms warm-up,
+100 ms measured) of one call -- forward, or forward + backward -- on bf16 inputs at a
+training or serving size; decode attention as a CUDA-graph replay. The ratio is
+after / before (1.00: no cost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+
+def cases():
+    import torch
+    import triton.testing
+
+    import lmfuse
+
+    dev, bf16 = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*shape, dtype=bf16, grad=False):
+        return torch.randn(*shape, device=dev, dtype=dtype, generator=g).requires_grad_(grad)
+
+    out = {}
+
+    only = os.environ.get("NAN_OVERHEAD_CASES", "")
+
+    def bench(name, fn):
+        if only and not any(w in name for w in only.split(",")):
+            return
+        fn()
+        torch.cuda.synchronize()
+        out[name] = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    s = rnd(4, 32, 2048, 2048)
+    bench("softmax fwd [4,32,2048,2048] causal", lambda: lmfuse.fused_softmax(
+        s, scale=0.125, causal=True))
+    sg = rnd(4, 32, 2048, 2048, grad=True)
+    dy = rnd(4, 32, 2048, 2048)
+    bench("softmax fwd+bwd [4,32,2048,2048] causal", lambda: lmfuse.fused_softmax(
+        sg, scale=0.125, causal=True).backward(dy))
+    x = rnd(8192, 128256, grad=True)
+    t = torch.randint(0, 128256, (8192,), device=dev, generator=g)
+    bench("cross_entropy fwd [8192,128256]", lambda: lmfuse.cross_entropy(x.detach(), t))
+    bench("cross_entropy fwd+bwd [8192,128256]", lambda: lmfuse.cross_entropy(x, t).backward())
+    x = None
+    h = rnd(8192, 4096, grad=True)
+    w = rnd(128256, 4096, grad=True)
+    bench("linear_cross_entropy fwd+bwd N8192 H4096 V128256",
+          lambda: lmfuse.linear_cross_entropy(h, w, t).backward())
+    h = w = None
+    a = rnd(16384, 2 * 14336, grad=True)
+    da = rnd(16384, 14336)
+    bench("swiglu fwd+bwd [16384,28672]", lambda: lmfuse.swiglu(a).backward(da))
+    a = da = None
+    r = rnd(16384, 4096, grad=True)
+    rw = rnd(4096, grad=True)
+    dr = rnd(16384, 4096)
+    bench("rms_norm fwd+bwd [16384,4096]", lambda: lmfuse.rms_norm(r, rw).backward(dr))
+    # decode: B64, 32/8 heads of 128, 4096 keys, paged blocks of 16, a graph replay
+    B, Hq, Hkv, D, L, bl = 64, 32, 8, 128, 4096, 16
+    nb = B * L // bl
+    kc, vc = rnd(nb, bl, Hkv, D), rnd(nb, bl, Hkv, D)
+    table = torch.randperm(nb, device=dev, generator=g).view(B, L // bl).int()
+    lens = torch.full((B,), L, device=dev, dtype=torch.int32)
+    q = rnd(B, 1, Hq, D)
+    lmfuse.decode_attention(q, kc, vc, lens, block_table=table)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        lmfuse.decode_attention(q, kc, vc, lens, block_table=table)
+    bench("decode_attention B64 S4096 32/8x128 paged (graph)", graph.replay)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tree", action="append", default=[], help="NAME=PATH of a src tree")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json")
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--cases", default="", help="only cases whose name holds one of these "
+                    "comma-separated words")
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(cases()))
+        return 0
+    trees = dict(t.split("=", 1) for t in args.tree)
+    times: dict[str, dict[str, list[float]]] = {n: {} for n in trees}
+    for _ in range(args.rounds):
+        for name, path in trees.items():
+            env = dict(os.environ, PYTHONPATH=path, NAN_OVERHEAD_CASES=args.cases)
+            res = subprocess.run([sys.executable, __file__, "--worker"], env=env,
+                                 capture_output=True, text=True, check=False)
+            if res.returncode:
+                print(res.stderr[-3000:], file=sys.stderr)
+                return 1
+            for case, ms in json.loads(res.stdout.strip().splitlines()[-1]).items():
+                times[name].setdefault(case, []).append(ms)
+    names = list(trees)
+    rows = []
+    for case in times[names[0]]:
+        best = {n: min(times[n][case]) for n in names}
+        row = dict(case=case, **{f"{n}_ms": best[n] for n in names})
+        if len(names) == 2:
+            row["ratio"] = best[names[1]] / best[names[0]]
+        rows.append(row)
+        print(f"{case:55s} " + " ".join(f"{n} {best[n]:8.3f} ms" for n in names)
+              + (f"  x{row['ratio']:.3f}" if "ratio" in row else ""))
+    if args.json:
+        import torch
+        import triton
+
+        env = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                   triton=triton.__version__, date=time.strftime("%Y-%m-%d"), trees=trees,
+                   rounds=args.rounds)
+        with open(args.json, "w") as f:
+            json.dump(dict(env=env, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
