@@ -181,7 +181,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     order), ``labels`` all of them; the ranks gather the hidden rows through ``tp_group``,
     and each gets the gradient of its own rows.
     Returns float32: the per-token loss ``[N]`` (flat, N the global token count) with
-    ``"none"``, else a scalar; the same on every rank.
+    ``"none"``, else a scalar; the same on every rank. The softmax sees the GEMM's float32
+    logits, as Megatron's kernel does (``lmfuse.linear_cross_entropy(...,
+    logits_in_fp32=True)``), not logits rounded to ``hidden``'s dtype.
     """
     op = "linear_cross_entropy"
     if reduction not in ("none", "sum", "mean"):
@@ -204,7 +206,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                          f"{'gathered over tp_group ' if sequence_parallel else ''}has "
                          f"{rows.shape[0]}")
     loss = _linear_cross_entropy(rows, weight, target, ignore_index=ignore_index,
-                                 reduction=reduction, tp_group=tp_group)
+                                 reduction=reduction, tp_group=tp_group, logits_in_fp32=True)
     return loss.float()
 
 

@@ -291,3 +291,48 @@ def test_float16_gradient_scaled_before_rounding(impl: str) -> None:
     # row v != target: sum over tokens of scale * p / n * h = scale / V = 16.4
     want = scale / V
     assert abs(dw[1, 0].item() - want) <= 2e-3 * want, dw[1, 0].item()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("reduction, options", [
+    ("mean", dict()), ("none", dict()),
+    ("sum", dict(label_smoothing=0.1, z_loss=1e-3, softcap=15.0))])
+def test_logits_in_fp32_match_a_float32_logits_reference(impl: str, dtype: torch.dtype,
+                                                         reduction: str,
+                                                         options: dict[str, Any]) -> None:
+    """With ``logits_in_fp32`` the softmax sees the GEMM's float32 sums of the half-precision
+    inputs: the loss matches the float64 loss of those logits to 1e-5 (the default mode,
+    which rounds the logits to the inputs' dtype first, is off by far more), over several
+    chunks; the gradients to the dtype's tolerance."""
+    h, w, b, t = inputs(48, 64, 300, bias=True, scale=3.0)
+    h, w, b = (x.to(dtype) for x in (h, w, b))  # the inputs as the op sees them
+    want, want_grads = reference(h.double(), w.double(), b.double(), t, reduction=reduction,
+                                 **options)
+    chunk = dict(max_chunk_bytes=16 * 300 * 6)  # 16 rows a chunk: 3 chunks
+    loss, grads = run(impl, h, w, b, t, dtype, logits_in_fp32=True, reduction=reduction,
+                      **options, **chunk)
+    err = ((loss.double() - want).abs().max() / want.abs().max()).item()
+    assert err <= 1e-5, err
+    for name, g, r in zip(("hidden", "weight", "bias"), grads, want_grads):
+        assert g.dtype == dtype, name
+        assert_close(f"{impl} grad {name}", g, r, dtype)
+    # Per token, the default mode's rounded logits are visibly off the float32 ones.
+    per_token, _ = reference(h.double(), w.double(), b.double(), t, reduction="none",
+                             **options)
+    rounded, _ = run(impl, h, w, b, t, dtype, reduction="none", **options, **chunk)
+    assert ((rounded.double() - per_token).abs().max() / per_token.abs().max()).item() > 1e-4
+
+
+def test_logits_in_fp32_plan_and_bad_value() -> None:
+    h, w, b, t = inputs(8, 16, 40, bias=False)
+    h, w = h.to(BF16), w.to(BF16)
+    plan = linear.plan_linear_cross_entropy(h, w, t, logits_in_fp32=True)
+    assert "float32 logits" in plan.details["chunks"]
+    assert "float32" not in linear.plan_linear_cross_entropy(h, w, t).details["chunks"]
+    with pytest.raises(TypeError, match="logits_in_fp32 must be a bool"):
+        lmfuse.linear_cross_entropy(h, w, t, logits_in_fp32=1)
+    # float32 inputs: the option changes nothing
+    h32, w32 = h.float(), w.float()
+    assert torch.equal(lmfuse.linear_cross_entropy(h32, w32, t, logits_in_fp32=True),
+                       lmfuse.linear_cross_entropy(h32, w32, t))

@@ -166,7 +166,7 @@ def chunk_rows(n: int, v_local: int, itemsize: int, device: torch.device,
 
 def _resolve(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap,
              reduction, tp_group, impl, max_chunk_bytes,
-             cfg=None) -> tuple[str, str, dict[str, Any]]:
+             cfg=None, logits_in_fp32=False) -> tuple[str, str, dict[str, Any]]:
     check_tensor(_OP, "hidden", hidden)
     if hidden.dim() < 1:
         raise ValueError(f"{_OP}: hidden must be [..., H], got a 0-D tensor")
@@ -192,6 +192,8 @@ def _resolve(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss
         if t is not None and t.device != hidden.device:
             raise ValueError(f"{_OP}: {name} is on {t.device} but hidden is on "
                              f"{hidden.device}; move them to one device")
+    if not isinstance(logits_in_fp32, bool):
+        raise TypeError(f"{_OP}: logits_in_fp32 must be a bool, got {logits_in_fp32!r}")
     if max_chunk_bytes is not None and (isinstance(max_chunk_bytes, bool) or not isinstance(
             max_chunk_bytes, int) or max_chunk_bytes < 1):
         raise ValueError(f"{_OP}: max_chunk_bytes must be a positive int or None, "
@@ -211,9 +213,35 @@ def _resolve(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss
     # float16: gradients in backward, scaled by the upstream gradient (a loss scale) before
     # they are rounded; computed in the forward for a gradient of 1, they would underflow.
     fused = grad_needed and reduction != "none" and hidden.dtype != torch.float16
+    # float32 logits: only half-precision inputs change (float32/float64 logits already are).
+    fp32_logits = logits_in_fp32 and hidden.dtype in (torch.float16, torch.bfloat16)
     o.update(needs=needs, grad_needed=grad_needed, max_chunk_bytes=max_chunk_bytes,
-             fused=fused, config=cfg, config_source=source)
+             fused=fused, config=cfg, config_source=source, fp32_logits=fp32_logits)
     return path, reason, o
+
+
+def _chunk_itemsize(hidden: torch.Tensor, o: dict[str, Any]) -> int:
+    """Bytes a logit takes in the chunk budget: the chunk in hidden's dtype, or in float32
+    plus its gradient's copy in hidden's dtype (what the weight-gradient GEMMs read)."""
+    return hidden.element_size() + (4 if o["fp32_logits"] else 0)
+
+
+def _chunk_buffers(hidden: torch.Tensor, rows: int, v: int, o: dict[str, Any],
+                   grads: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The logits chunk buffer (float32 with ``fp32_logits``) and, then, the buffer its
+    gradient is rounded into for the GEMMs (``None`` otherwise: they read the chunk)."""
+    if not o["fp32_logits"]:
+        return hidden.new_empty((rows, v)), None
+    buf = torch.empty((rows, v), dtype=torch.float32, device=hidden.device)
+    return buf, (hidden.new_empty((rows, v)) if grads else None)
+
+
+def _grad_operand(logits: torch.Tensor, half: Optional[torch.Tensor]) -> torch.Tensor:
+    if half is None:
+        return logits
+    out = half[: logits.shape[0]]
+    out.copy_(logits)
+    return out
 
 
 def _chunk_stats(logits, target, count, o, grad: bool, mean: bool):
@@ -304,13 +332,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, target, o: dict[str, Any]):
         with nvtx_range(_OP, "fwd"):
             n = hidden.shape[0]
-            rows = chunk_rows(n, weight.shape[0], hidden.element_size(), hidden.device,
+            rows = chunk_rows(n, weight.shape[0], _chunk_itemsize(hidden, o), hidden.device,
                               o["max_chunk_bytes"], o["config"])
             count = torch.sum(target != o["ignore_index"], dtype=torch.float32)
             mean = o["reduction"] == "mean"
             ctx.o, ctx.rows = o, rows
-            buf = hidden.new_empty((min(rows, n), weight.shape[0]))
             grads = _Grads(hidden, weight, bias, o["needs"]) if o["fused"] else None
+            buf, half = _chunk_buffers(hidden, min(rows, n), weight.shape[0], o,
+                                       grads is not None)
             stats = torch.empty((3, n), dtype=_stats_dtype(hidden), device=hidden.device)
             for r0 in range(0, n, rows):
                 r1 = min(n, r0 + rows)
@@ -319,8 +348,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 stats[:, r0:r1] = _chunk_stats(logits, target[r0:r1], count, o, grads is not None,
                                                mean)
                 if grads is not None:
-                    grads.add(logits, r0, r1)
-            del buf
+                    grads.add(_grad_operand(logits, half), r0, r1)
+            del buf, half
             loss = ref.token_loss(stats, target, vocab_size=o["vocab_size"],
                                   ignore_index=o["ignore_index"],
                                   label_smoothing=o["label_smoothing"], z_loss=o["z_loss"])
@@ -355,13 +384,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if o["reduction"] != "none":
                 w = (w / count.clamp(min=1) if o["reduction"] == "mean" else w).reshape(1).expand(n)
             grads = _Grads(hidden, weight, bias, ctx.has)
-            buf = hidden.new_empty((min(rows, n), weight.shape[0]))
+            buf, half = _chunk_buffers(hidden, min(rows, n), weight.shape[0], o, True)
             for r0 in range(0, n, rows):
                 r1 = min(n, r0 + rows)
                 logits = buf[: r1 - r0]
                 _logits(hidden[r0:r1], weight, bias, out=logits)
                 _chunk_grad(logits, target[r0:r1], stats[:, r0:r1].contiguous(), w[r0:r1], o)
-                grads.add(logits, r0, r1)
+                grads.add(_grad_operand(logits, half), r0, r1)
             dh, dw, db = grads.finish(o["tp_group"])
             return dh, dw, db, None, None
 
@@ -370,12 +399,34 @@ def _stats_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+# torch.mm(..., out_dtype=) (half-precision inputs, float32 output; CUDA) exists from
+# torch 2.8 on; before, the inputs are widened.
+_HAS_MM_OUT_DTYPE = "out_dtype" in (torch.mm.__doc__ or "")
+
+
 def _logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
             out: torch.Tensor) -> None:
-    if bias is None:
-        torch.mm(h, weight.T, out=out)
-    else:
-        torch.addmm(bias, h, weight.T, out=out)
+    """``out = h @ weight.T (+ bias)``. A float32 ``out`` for half-precision inputs takes
+    the GEMM's float32 accumulation as it is (cuBLAS's ``out_dtype``; elsewhere the inputs
+    are widened, which gives the same products), the bias added in float32."""
+    if out.dtype == h.dtype:
+        if bias is None:
+            torch.mm(h, weight.T, out=out)
+        else:
+            torch.addmm(bias, h, weight.T, out=out)
+        return
+    global _HAS_MM_OUT_DTYPE
+    done = False
+    if h.is_cuda and _HAS_MM_OUT_DTYPE:
+        try:
+            torch.mm(h, weight.T, out_dtype=out.dtype, out=out)
+            done = True
+        except (RuntimeError, TypeError, NotImplementedError):  # this build lacks it
+            _HAS_MM_OUT_DTYPE = False
+    if not done:
+        torch.mm(h.to(out.dtype), weight.T.to(out.dtype), out=out)
+    if bias is not None:
+        out += bias.to(out.dtype)
 
 
 def _scale(g: torch.Tensor, dout: torch.Tensor, path: str) -> None:
@@ -403,12 +454,14 @@ def plan_linear_cross_entropy(
     tp_group: Optional[Any] = None,
     impl: str = "auto",
     max_chunk_bytes: Optional[int] = None,
+    logits_in_fp32: bool = False,
 ) -> Plan:
     """What :func:`linear_cross_entropy` would do with these arguments."""
     path, reason, o = _resolve(hidden, weight, target, bias, ignore_index, label_smoothing,
-                               z_loss, softcap, reduction, tp_group, impl, max_chunk_bytes)
+                               z_loss, softcap, reduction, tp_group, impl, max_chunk_bytes,
+                               logits_in_fp32=logits_in_fp32)
     n = target.numel()
-    rows = chunk_rows(max(n, 1), weight.shape[0], hidden.element_size(), hidden.device,
+    rows = chunk_rows(max(n, 1), weight.shape[0], _chunk_itemsize(hidden, o), hidden.device,
                       max_chunk_bytes, o["config"])
     chunks = -(-n // rows)
     details = {
@@ -417,7 +470,9 @@ def plan_linear_cross_entropy(
                        f"one all-gather of [3, rows] stats per chunk)"
                        if o["tp_group"] is not None else str(weight.shape[0])),
         "chunks": (f"{chunks} x {rows} tokens; logits buffer "
-                   f"{rows * weight.shape[0] * hidden.element_size() / 2**20:.1f} MiB"),
+                   f"{rows * weight.shape[0] * _chunk_itemsize(hidden, o) / 2**20:.1f} MiB"
+                   + (" (float32 logits and their gradient in hidden's dtype)"
+                      if o["fp32_logits"] else "")),
         "config": _describe(o["config"], o["config_source"], max_chunk_bytes),
         "passes": ("fused: gradients in the forward, backward only rescales" if o["fused"]
                    else "deferred: stats in forward, logits recomputed in backward"
@@ -440,6 +495,7 @@ def linear_cross_entropy(
     tp_group: Optional[Any] = None,
     impl: str = "auto",
     max_chunk_bytes: Optional[int] = None,
+    logits_in_fp32: bool = False,
 ) -> torch.Tensor:
     """Cross-entropy of the logits ``hidden @ weight.T (+ bias)``, never materialised.
 
@@ -461,6 +517,13 @@ def linear_cross_entropy(
             this plus O(N) per-token state, whatever N.
         ignore_index, label_smoothing, z_loss, softcap, reduction, impl: as for
             :func:`lmfuse.cross_entropy`.
+        logits_in_fp32: for float16/bfloat16 inputs, keep each logits chunk in float32 as
+            the GEMM accumulates it (no rounding to the inputs' dtype before the softmax),
+            so the loss and the softmax gradient match a float32-logits reference (what
+            Megatron-Core's fused linear cross-entropy computes) to float32 rounding; the
+            gradient is rounded to the inputs' dtype only for the GEMMs that make ``hidden``'s
+            and ``weight``'s gradients. The chunk budget then counts 4 bytes a logit more
+            (fewer rows a chunk). No effect on float32/float64 inputs.
 
     NaN and inf propagate as in ``F.cross_entropy(hidden @ weight.T + bias)`` (see
     :func:`lmfuse.cross_entropy`): a NaN in one row of ``weight`` makes every token's loss
@@ -470,15 +533,17 @@ def linear_cross_entropy(
         float32 loss: a scalar, or per-token ``[...]`` for ``reduction="none"``.
     """
     return _apply(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap,
-                  reduction, tp_group, impl, max_chunk_bytes, None)
+                  reduction, tp_group, impl, max_chunk_bytes, None, logits_in_fp32)
 
 
 def _apply(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap,
-           reduction, tp_group, impl, max_chunk_bytes, cfg) -> torch.Tensor:
+           reduction, tp_group, impl, max_chunk_bytes, cfg,
+           logits_in_fp32=False) -> torch.Tensor:
     """:func:`linear_cross_entropy`, with ``cfg`` (if not ``None``) in place of the tuning
     tables' config (how ``lmfuse tune`` times its candidates)."""
     path, _, o = _resolve(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss,
-                          softcap, reduction, tp_group, impl, max_chunk_bytes, cfg)
+                          softcap, reduction, tp_group, impl, max_chunk_bytes, cfg,
+                          logits_in_fp32)
     ops._check_targets(target, o)
     lead = target.shape
     h2d = hidden.reshape(-1, hidden.shape[-1])
