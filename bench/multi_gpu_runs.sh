@@ -2,7 +2,8 @@
 # The multi-GPU runs on one host of N GPUs (2 or 4): benchmarks first, each alone on the GPUs,
 # then the correctness and fault harnesses side by side. Every output lands in OUT_DIR:
 #   decode_sharded.json  cross_entropy_tp.json  linear_cross_entropy_tp.json   (benchmarks)
-#   nccl_decode.json  vocab_parallel.json  faults.json                         (harnesses)
+#   generate_sharded.json                                                      (benchmark)
+#   nccl_decode.json  vocab_parallel.json  faults.json  generator_nccl.json    (harnesses)
 #   runs.log                                                                   (everything)
 #
 #   bench/multi_gpu_runs.sh N OUT_DIR [bench|check|all]
@@ -42,6 +43,8 @@ if [ "$WHAT" != check ]; then
     --json "$OUT_DIR/cross_entropy_tp.json"
   step linear_cross_entropy_tp 150 python3 bench/linear_cross_entropy_tp.py --world "$N" \
     --json "$OUT_DIR/linear_cross_entropy_tp.json"
+  step generate_sharded 240 torchrun --nproc_per_node "$N" bench/generate_sharded.py \
+    --batches 48,$((48 * N)) --json "$OUT_DIR/generate_sharded.json"
 fi
 if [ "$WHAT" != bench ]; then
   # Correctness only: the three share the GPUs (their ports differ: torchrun's --master-port).
@@ -50,6 +53,8 @@ if [ "$WHAT" != bench ]; then
   step vocab_parallel 400 torchrun --nproc_per_node "$N" --master-port 29512 \
     tests/gpu/vocab_parallel_nccl.py --out "$OUT_DIR/vocab_parallel.json" &
   step faults 400 python3 tests/gpu/faults_nccl.py --world "$N" --out "$OUT_DIR/faults.json" &
+  step generator_nccl 300 torchrun --nproc_per_node "$N" --master-port 29513 \
+    tests/gpu/generator_nccl.py --out "$OUT_DIR/generator_nccl.json" &
   wait
 fi
 grep '^=== .*exit' "$LOG"
