@@ -308,6 +308,10 @@ def test_megatron_names_groups_of_one_and_edge_cases() -> None:
     spawn_gloo(2, _megatron_and_edges_rank, timeout=90)
 
 
+# Row 7 has no finite logit on any rank: its loss is NaN, as F.cross_entropy's, and with
+# smoothing and z-loss numpy makes that NaN as -inf + inf (the interpreter's warning is the
+# expected NaN arising, nothing else).
+@pytest.mark.filterwarnings("ignore:invalid value encountered in add:RuntimeWarning")
 @pytest.mark.parametrize("world", [1, 3])
 @pytest.mark.parametrize("mean", [False, True])
 @pytest.mark.parametrize("opts", [{}, {"label_smoothing": 0.1, "z_loss": 1e-2}])
