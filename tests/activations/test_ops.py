@@ -729,3 +729,37 @@ def test_backward_row_groups_loop_over_several_tiles(monkeypatch) -> None:
     assert launches == [(2, 2)]
     for a, r in zip(got, want):
         torch.testing.assert_close(a.double(), r, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_default_cpu_swiglu_is_pytorchs_ops_with_the_reference_results(monkeypatch,
+                                                                       bias: bool) -> None:
+    """On CPU float32 tensors without Triton (what a CPU machine without the interpreter
+    picks) swiglu runs ``F.silu(x1 + b1) * (x2 + b2)`` (the plain formula's speed): the
+    reference's output and gradients, NaN and inf as F.silu's."""
+    from lmfuse._dispatch import select_impl
+    from lmfuse.activations import ops as act_ops
+
+    calls = []
+    real_silu = act_ops.F.silu
+    monkeypatch.setattr(act_ops, "select_impl", lambda op, impl, device: (
+        ("torch", "test: no Triton") if impl == "auto" else select_impl(op, impl, device)))
+    monkeypatch.setattr(act_ops.F, "silu", lambda t: (calls.append(1), real_silu(t))[1])
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 5, 16, generator=g) * 4)
+    x[0, 0, 1], x[0, 1, 2], x[1, 2, 9] = float("nan"), float("-inf"), float("inf")
+    b = torch.randn(16, generator=g) if bias else None
+    dy = torch.randn(3, 5, 8, generator=g)
+    out = {}
+    for impl in ("auto", "torch"):
+        xi = x.clone().requires_grad_(True)
+        bi = b.clone().requires_grad_(True) if bias else None
+        calls.clear()
+        y = lmfuse.swiglu(xi, bi, impl=impl)
+        assert bool(calls) == (impl == "auto")
+        grads = torch.autograd.grad(y, [xi] + ([bi] if bias else []), dy)
+        out[impl] = (y, *grads)
+    for got, want in zip(out["auto"], out["torch"]):
+        assert torch.equal(got.isnan(), want.isnan())
+        fin = ~want.isnan()
+        assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-6)

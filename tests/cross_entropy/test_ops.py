@@ -30,6 +30,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import lmfuse
+from lmfuse._dispatch import select_impl as _select_impl
 from lmfuse.cross_entropy import ops
 from lmfuse.cross_entropy.reference import cross_entropy_reference
 
@@ -945,3 +946,40 @@ def test_float16_gradient_scaled_before_rounding(impl: str) -> None:
     # scale * p / n = 2**16 / 50000 / 64 = 0.02: well inside float16's range
     want = scale / V / n
     assert abs(grad[0, 1].item() - want) <= 2e-3 * want, grad[0, 1].item()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("kw", [dict(), dict(label_smoothing=0.1), dict(ignore_index=3)])
+def test_default_cpu_path_is_pytorchs_op_with_the_reference_results(monkeypatch, reduction,
+                                                                   kw) -> None:
+    """On CPU float32 logits the default path (no Triton: what a CPU machine without the
+    interpreter picks) runs ``F.cross_entropy`` (the plain op's speed) where it has every
+    option in use: the reference's loss and gradients, NaN rows as PyTorch's, a mean over
+    no token 0 with a zero gradient."""
+    monkeypatch.setattr(ops, "select_impl", lambda op, impl, device: (
+        ("torch", "test: no Triton") if impl == "auto" else _select_impl(op, impl, device)))
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(37, 53, generator=g) * 3).requires_grad_(True)
+    t = torch.randint(0, 53, (37,), generator=g)
+    t[::5] = kw.get("ignore_index", -100)
+    x.data[4, 7] = float("nan")
+    assert ops._native_cpu(x, "auto", ops._resolve(
+        x, t, kw.get("ignore_index", -100), kw.get("label_smoothing", 0.0), 0.0, None,
+        reduction, None, False, "auto")[2])
+    got = lmfuse.cross_entropy(x, t, reduction=reduction, **kw)
+    (gx,) = torch.autograd.grad(got.sum(), x)
+    xr = x.detach().clone().requires_grad_(True)
+    want = lmfuse.cross_entropy(xr, t, reduction=reduction, impl="torch", **kw)
+    (gr,) = torch.autograd.grad(want.sum(), xr)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(gx.isnan(), gr.isnan())
+    fin = ~want.isnan()
+    assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-6)
+    fin = ~gr.isnan()
+    assert torch.allclose(gx[fin], gr[fin], rtol=1e-5, atol=1e-7)
+    ignored = torch.full((5,), kw.get("ignore_index", -100))
+    y = torch.randn(5, 53, requires_grad=True)
+    loss = lmfuse.cross_entropy(y, ignored, reduction=reduction, **kw)
+    loss.sum().backward()
+    assert (loss == 0).all() and (y.grad == 0).all()
+    with pytest.raises(ValueError, match="neither ignore_index"):
+        lmfuse.cross_entropy(y, torch.tensor([0, 1, 53, 2, 0]), reduction=reduction, **kw)

@@ -503,3 +503,45 @@ def test_property_triton_matches_reference(problem: dict[str, Any], config) -> N
             mp.setattr(ops, "_config", lambda sk, dtype, device: dict(config))
         check_against_reference(f"{problem} config={config}", F32, scores, mask, offset,
                                 grad_out, **case.kwargs())
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(5, 0)),
+                                dict(mask="bool"), dict(mask="additive"), dict()])
+@pytest.mark.parametrize("poison", [None, "nan", "all_minus_inf"])
+def test_default_cpu_path_is_torch_softmax_with_the_reference_results(monkeypatch, kw,
+                                                                      poison) -> None:
+    """On CPU float32 scores without Triton (what a CPU machine without the interpreter
+    picks) the default path is ``torch.softmax`` of the masked, scaled scores; rows that
+    come out NaN there go through the reference (hidden keys 0, empty rows 0): the
+    reference's outputs and gradients either way."""
+    from lmfuse._dispatch import select_impl
+    from lmfuse.softmax import ops as sm_ops
+
+    monkeypatch.setattr(sm_ops, "select_impl", lambda op, impl, device: (
+        ("torch", "test: no Triton") if impl == "auto" else select_impl(op, impl, device)))
+    calls = []
+    real = sm_ops._native_cpu
+    monkeypatch.setattr(sm_ops, "_native_cpu", lambda *a: (calls.append(1), real(*a))[1])
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 9, 13, generator=g) * 3
+    if poison == "nan":
+        x[0, 1, 4, 6] = float("nan")
+    elif poison == "all_minus_inf":
+        x[1, 2, 8] = float("-inf")
+    kw = dict(kw)
+    if kw.get("mask") == "bool":
+        kw["mask"] = torch.rand(2, 1, 9, 13, generator=g) < 0.3
+    elif kw.get("mask") == "additive":
+        kw["mask"] = torch.randn(1, 1, 9, 13, generator=g)
+    dy = torch.randn(2, 3, 9, 13, generator=g)
+    out = {}
+    for impl in ("auto", "torch"):
+        xi = x.clone().requires_grad_(True)
+        y = lmfuse.fused_softmax(xi, scale=0.7, impl=impl, **kw)
+        (gx,) = torch.autograd.grad(y, xi, dy)
+        out[impl] = (y, gx)
+    assert calls  # the auto call took the native path (or tried it first)
+    for got, want in zip(out["auto"], out["torch"]):
+        assert torch.equal(got.isnan(), want.isnan())
+        fin = ~want.isnan()
+        assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-7)

@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 
 from .. import tuning
 from .._dispatch import (Plan, check_int, check_number, check_tensor, register_planner, select_impl,
@@ -479,11 +480,10 @@ def _check_targets(target: torch.Tensor, o: dict[str, Any]) -> None:
     """
     if target.numel() == 0 or not value_checks(target):
         return
-    t = target[target != o["ignore_index"]]
-    bad = (t < 0) | (t >= o["vocab_size"])
+    bad = ((target < 0) | (target >= o["vocab_size"])) & (target != o["ignore_index"])
     if bool(bad.any()):
         raise ValueError(
-            f"{_OP}: target holds {int(t[bad][0])}, which is neither ignore_index "
+            f"{_OP}: target holds {int(target[bad][0])}, which is neither ignore_index "
             f"({o['ignore_index']}) nor a class in [0, {o['vocab_size']})"
         )
 
@@ -581,7 +581,9 @@ def cross_entropy(
     """
     path, _, o = _resolve(logits, target, ignore_index, label_smoothing, z_loss, softcap,
                           reduction, tp_group, inplace_backward, impl)
-    _check_targets(target, o)
+    native = _native_cpu(logits, impl, o)
+    if not native:  # (PyTorch's op checks the targets itself: see _native_cross_entropy)
+        _check_targets(target, o)
     V = logits.shape[-1]
     lead = target.shape
     logits2d = logits.reshape(-1, V)
@@ -593,8 +595,44 @@ def cross_entropy(
     target1d = target.reshape(-1)
     if not target1d.is_contiguous():
         target1d = target1d.contiguous()
-    loss = _CrossEntropy.apply(logits2d, target1d, o)
+    if native:
+        loss = _native_cross_entropy(logits2d, target1d, o)
+    else:
+        loss = _CrossEntropy.apply(logits2d, target1d, o)
     return loss.view(lead) if reduction == "none" else loss
+
+
+def _native_cpu(logits: torch.Tensor, impl: str, o: dict[str, Any]) -> bool:
+    """The default path on CPU float32 logits, when PyTorch's own op has every option in
+    use: ``F.cross_entropy`` (float32 already, the same formula, NaN for NaN; autograd for
+    the gradient) runs at the plain op's speed. ``impl="torch"`` keeps the reference, the
+    tests' oracle; z-loss, softcap, tensor parallelism and ``inplace_backward`` need it."""
+    return (impl == "auto" and o["path"] == "torch" and logits.device.type == "cpu"
+            and logits.dtype == torch.float32 and o["z_loss"] == 0.0 and o["softcap"] is None
+            and o["tp_group"] is None and not o["inplace"]
+            and not torch.compiler.is_compiling())
+
+
+def _native_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
+                          o: dict[str, Any]) -> torch.Tensor:
+    """``F.cross_entropy`` with lmfuse's reductions; an out-of-range target (PyTorch's
+    ``IndexError``) raises lmfuse's ``ValueError``, nothing computed."""
+    try:
+        return _native_loss(logits, target, o)
+    except IndexError:
+        _check_targets(target, o)
+        raise
+
+
+def _native_loss(logits: torch.Tensor, target: torch.Tensor,
+                 o: dict[str, Any]) -> torch.Tensor:
+    kw = dict(ignore_index=o["ignore_index"], label_smoothing=o["label_smoothing"])
+    if o["reduction"] == "none":
+        return F.cross_entropy(logits, target, reduction="none", **kw)
+    if o["reduction"] == "mean" and bool((target != o["ignore_index"]).any()):
+        return F.cross_entropy(logits, target, reduction="mean", **kw)
+    # "sum", or a mean over no token: 0, where PyTorch's mean would be 0 / 0
+    return F.cross_entropy(logits, target, reduction="sum", **kw)
 
 
 # --- self-check cases for ``lmfuse check`` -----------------------------------------------

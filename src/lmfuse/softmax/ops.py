@@ -7,6 +7,7 @@ kernels as opaque nodes instead of breaking the graph, and nothing syncs with th
 
 from __future__ import annotations
 
+import functools
 import struct
 
 from typing import Any, Optional
@@ -24,7 +25,7 @@ from .._dispatch import (
     select_impl,
 )
 from .._nvtx import nvtx_range
-from .reference import UNBOUNDED, fused_softmax_reference
+from .reference import UNBOUNDED, fused_softmax_reference, visible_keys
 
 _OP = "fused_softmax"
 
@@ -369,6 +370,12 @@ def fused_softmax(
     path, _, a = _resolve(scores, scale, mask, causal, window_size, softmax_offset,
                           softmax_in_fp32, impl)
     with nvtx_range(_OP, "fwd"):
+        if (path == "torch" and impl == "auto" and scores.device.type == "cpu"
+                and scores.dtype == torch.float32 and a["softmax_offset"] is None
+                and not torch.compiler.is_compiling()):
+            y = _native_cpu(scores, a)
+            if y is not None:
+                return y
         if path == "torch":
             return fused_softmax_reference(
                 scores, scale=a["scale"], mask=a["mask"], left=a["left"], right=a["right"],
@@ -377,6 +384,37 @@ def fused_softmax(
         y, _ = torch.ops.lmfuse.softmax_fwd(
             scores, a["mask"], a["softmax_offset"], a["scale"], a["left"], a["right"]
         )
+    return y
+
+
+@functools.lru_cache(maxsize=64)
+def _hidden_band(sq: int, sk: int, left: int, right: int) -> torch.Tensor:
+    return ~visible_keys(sq, sk, left, right, torch.device("cpu"))
+
+
+def _native_cpu(scores: torch.Tensor, a: dict[str, Any]) -> Optional[torch.Tensor]:
+    """The default path on CPU float32 scores: ``torch.softmax`` of the masked, scaled
+    scores (PyTorch's own ops: the plain formula's speed, autograd for the gradient). Its
+    results are the reference's except in rows that come out NaN (a NaN or +inf logit,
+    nothing visible, every visible logit -inf), where the reference keeps hidden keys at 0
+    and gives a row of nothing visible zeros: for those (rare; a host check is free on the
+    CPU) None, and the caller runs the reference. ``impl="torch"`` always runs the
+    reference, the tests' oracle."""
+    sq, sk = scores.shape[-2:]
+    z = scores * a["scale"] if a["scale"] != 1.0 else scores
+    hidden = None
+    if a["left"] < UNBOUNDED or a["right"] < UNBOUNDED:
+        hidden = _hidden_band(sq, sk, a["left"], a["right"])
+    mask = a["mask"]
+    if mask is not None and mask.dtype == torch.bool:
+        hidden = mask if hidden is None else hidden | mask
+    elif mask is not None:
+        z = z + mask
+    if hidden is not None:
+        z = z.masked_fill(hidden, float("-inf"))
+    y = torch.softmax(z, dim=-1)
+    if bool(y.isnan().any()):
+        return None
     return y
 
 

@@ -1,0 +1,83 @@
+"""The default CPU path (no Triton) against the plain PyTorch formulas it replaces: forward +
+backward, float32, 2 threads, at the demo's sizes and 10x them (best of 3 runs of n calls)::
+
+    python bench/cpu_path.py [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import lmfuse
+
+
+def bench(fn: Callable[[], object], n: int) -> float:
+    for _ in range(5):
+        fn()
+    best = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best.append((time.perf_counter() - t0) / n * 1e3)
+    return min(best)
+
+
+def rows_at(k: int) -> list[tuple[str, list[int], Callable, Callable]]:
+    x = torch.randn(512 * k, 256 * k, requires_grad=True)
+    t = torch.randint(0, x.shape[1], (x.shape[0],))
+    sq = 64 * k
+    s = torch.randn(8, 4, sq, sq, requires_grad=True)
+    dy = torch.randn(8, 4, sq, sq)
+    hidden = torch.triu(torch.ones(sq, sq, dtype=torch.bool), 1)
+    a = torch.randn(512 * k, 768, requires_grad=True)
+    da = torch.randn(512 * k, 384)
+    r = torch.randn(512 * k, 64, requires_grad=True)
+    w = torch.randn(64, requires_grad=True)
+    dr = torch.randn(512 * k, 64)
+
+    def plain_norm() -> None:
+        (r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + 1e-6) * w).backward(dr)
+
+    def plain_softmax() -> None:
+        torch.softmax((s * 0.125).masked_fill(hidden, float("-inf")), -1).backward(dy)
+
+    return [
+        ("cross_entropy", list(x.shape), lambda: lmfuse.cross_entropy(x, t).backward(),
+         lambda: F.cross_entropy(x, t).backward()),
+        ("fused_softmax causal", list(s.shape),
+         lambda: lmfuse.fused_softmax(s, scale=0.125, causal=True).backward(dy), plain_softmax),
+        ("swiglu", list(a.shape), lambda: lmfuse.swiglu(a).backward(da),
+         lambda: (F.silu(a[:, :384]) * a[:, 384:]).backward(da)),
+        ("rms_norm", list(r.shape), lambda: lmfuse.rms_norm(r, w).backward(dr), plain_norm),
+    ]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    out = []
+    for k in (1, 10):
+        n = 200 if k == 1 else 20
+        for op, shape, ours, plain in rows_at(k):
+            a, b = bench(ours, n), bench(plain, n)
+            out.append(dict(op=op, shape=shape, lmfuse_ms=a, plain_ms=b, ratio=a / b))
+            print(f"{op:22s} {str(shape):22s} lmfuse {a:8.3f} ms  plain {b:8.3f} ms  x{a / b:.2f}")
+    if args.json:
+        env = dict(device="cpu (2 threads)", torch=torch.__version__,
+                   date=time.strftime("%Y-%m-%d"))
+        with open(args.json, "w") as f:
+            json.dump(dict(env=env, rows=out), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
