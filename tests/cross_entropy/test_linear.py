@@ -336,3 +336,36 @@ def test_logits_in_fp32_plan_and_bad_value() -> None:
     h32, w32 = h.float(), w.float()
     assert torch.equal(lmfuse.linear_cross_entropy(h32, w32, t, logits_in_fp32=True),
                        lmfuse.linear_cross_entropy(h32, w32, t))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("kw", [dict(), dict(label_smoothing=0.1)])
+def test_default_cpu_path_is_f_linear_and_f_cross_entropy(monkeypatch, reduction, kw) -> None:
+    """On CPU float32 tensors without Triton the default path is ``F.cross_entropy(
+    F.linear(h, W, b))`` (the plain formula's speed): the chunked reference's loss and
+    gradients; target errors as lmfuse's."""
+    from lmfuse._dispatch import select_impl
+    from lmfuse.cross_entropy import ops as ce_ops
+
+    monkeypatch.setattr(ce_ops, "select_impl", lambda op, impl, device: (
+        ("torch", "test: no Triton") if impl == "auto" else select_impl(op, impl, device)))
+    calls = []
+    real = ce_ops._native_cross_entropy
+    monkeypatch.setattr(ce_ops, "_native_cross_entropy",
+                        lambda *a: (calls.append(1), real(*a))[1])
+    h, w, b, t = inputs(2 * 9, 16, 40, bias=True)
+    h, w, b = (x.float() for x in (h, w, b))
+    h = h.view(2, 9, 16)
+    t = t.view(2, 9)
+    out = {}
+    for impl in ("auto", "torch"):
+        args = [x.clone().requires_grad_(True) for x in (h, w, b)]
+        loss = lmfuse.linear_cross_entropy(args[0], args[1], t, bias=args[2], impl=impl,
+                                           reduction=reduction, **kw)
+        out[impl] = (loss, *torch.autograd.grad(loss.sum(), args))
+    assert calls
+    for got, want in zip(out["auto"], out["torch"]):
+        assert got.shape == want.shape
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="neither ignore_index"):
+        lmfuse.linear_cross_entropy(h, w, torch.full((2, 9), 40), reduction=reduction)
