@@ -39,7 +39,8 @@ def rms_norm_unrounded(
     xf = x.to(compute)
     y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     if weight is not None:
-        y = y * (weight.to(compute) + weight_offset)
+        w = weight.to(compute)
+        y = y * (w + weight_offset if weight_offset else w)
     return y
 
 

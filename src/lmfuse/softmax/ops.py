@@ -413,7 +413,7 @@ def _native_cpu(scores: torch.Tensor, a: dict[str, Any]) -> Optional[torch.Tenso
     if hidden is not None:
         z = z.masked_fill(hidden, float("-inf"))
     y = torch.softmax(z, dim=-1)
-    if bool(y.isnan().any()):
+    if bool(y.detach().sum().isnan()):  # (outputs lie in [0, 1]: the sum is NaN iff one is)
         return None
     return y
 
