@@ -369,3 +369,5 @@ def test_default_cpu_path_is_f_linear_and_f_cross_entropy(monkeypatch, reduction
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="neither ignore_index"):
         lmfuse.linear_cross_entropy(h, w, torch.full((2, 9), 40), reduction=reduction)
+    t32 = lmfuse.linear_cross_entropy(h, w, t.int(), bias=b, reduction=reduction, **kw)
+    assert torch.allclose(t32, out["auto"][0].detach())  # int32 ids

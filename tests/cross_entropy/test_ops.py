@@ -983,3 +983,6 @@ def test_default_cpu_path_is_pytorchs_op_with_the_reference_results(monkeypatch,
     assert (loss == 0).all() and (y.grad == 0).all()
     with pytest.raises(ValueError, match="neither ignore_index"):
         lmfuse.cross_entropy(y, torch.tensor([0, 1, 53, 2, 0]), reduction=reduction, **kw)
+    t32 = lmfuse.cross_entropy(x.detach(), t.int(), reduction=reduction, **kw)  # int32 ids
+    assert torch.equal(t32.isnan(), got.isnan())
+    assert torch.allclose(t32[~t32.isnan()], got.detach()[~got.isnan()])

@@ -627,6 +627,7 @@ def _native_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
 def _native_loss(logits: torch.Tensor, target: torch.Tensor,
                  o: dict[str, Any]) -> torch.Tensor:
     kw = dict(ignore_index=o["ignore_index"], label_smoothing=o["label_smoothing"])
+    target = target.long()  # lmfuse takes int32 ids too; PyTorch's op only int64
     if o["reduction"] == "none":
         return F.cross_entropy(logits, target, reduction="none", **kw)
     if o["reduction"] == "mean" and bool((target != o["ignore_index"]).any()):
