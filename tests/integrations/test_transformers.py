@@ -42,8 +42,24 @@ FAMILIES = {
     "gemma": {},
     "gemma2": {"final_logit_softcapping": 0.5},
     "gemma3_text": {"final_logit_softcapping": 0.5},
+    # Found by probing (_DETECTED): Granite divides its logits (and scales its embeddings
+    # and residuals); Seed-OSS's default dropouts are off so that both models compute alike.
+    "granite": {"logits_scaling": 4.0, "embedding_multiplier": 2.0, "residual_multiplier": 0.5},
+    "olmo2": {},
+    "olmo3": {},
+    "glm4": {},
+    "smollm3": {},
+    "exaone4": {},
+    "ministral": {},
+    "helium": {},
+    "seed_oss": {"residual_dropout": 0.0, "attention_dropout": 0.0},
+    "arcee": {},
+    "phi3": {},
 }
 GELU_FAMILIES = ("gemma", "gemma2", "gemma3_text")
+# Their MLPs are not gated SwiGLU/GEGLU of separate projections (GLM-4 and Phi-3 fuse gate
+# and up in one projection, Arcee's is ReLU^2 without a gate): norms and loss only.
+NO_GATED_MLP = ("glm4", "arcee", "phi3")
 
 
 def make_model(model_type: str, **overrides):
@@ -111,7 +127,10 @@ def test_loss_and_gradients_match_unpatched(model_type):
     if model_type in ("qwen3", "gemma3_text"):
         assert "model.layers.0.self_attn.q_norm" in s["rms_norm"]
     act = "geglu" if model_type in GELU_FAMILIES else "swiglu"
-    assert sorted(s[act]) == sorted(mlps) and len(mlps) == 2
+    if model_type in NO_GATED_MLP:
+        assert not s["swiglu"] and not s["geglu"] and len(mlps) == 2
+    else:
+        assert sorted(s[act]) == sorted(mlps) and len(mlps) == 2
     assert s["fused_linear_cross_entropy"] and not s["mlp_unsupported_activation"]
 
 
@@ -337,3 +356,32 @@ def test_fused_norms_and_mlps_fuses_every_call_and_restores_the_model(monkeypatc
         num_local_experts=2, num_experts_per_tok=1))
     with fused_norms_and_mlps(gpt_oss) as supported:
         assert not supported
+
+
+def test_detected_families_patch_only_what_computes_the_formula():
+    """For the model types found by probing, a module is patched only when it computes the
+    RMSNorm or gated-MLP formula: a norm or MLP of the same kind that does something more
+    (a shift, a multiplier) is left as it is, and the loss and gradients stay the model's."""
+    a = make_model("helium")
+    base_mlp, base_norm = type(a.model.layers[0].mlp), type(a.model.norm)
+
+    class ScaledMLP(base_mlp):
+        def forward(self, x):
+            return 2.0 * super().forward(x)
+
+    class ShiftedRMSNorm(base_norm):
+        def forward(self, x):
+            return super().forward(x) + 1.0
+
+    a.model.layers[1].mlp.__class__ = ScaledMLP
+    a.model.norm.__class__ = ShiftedRMSNorm
+    b = apply_lmfuse(copy.deepcopy(a), inference_fallback_tokens=0)
+    s = b.lmfuse_patches
+    assert s["swiglu"] == ["model.layers.0.mlp"]
+    assert "model.norm" not in s["rms_norm"] and "model.layers.0.input_layernorm" in s["rms_norm"]
+    ids, labels = batch()
+    out_a, out_b = a(input_ids=ids, labels=labels), b(input_ids=ids, labels=labels)
+    assert_close(out_b.loss, out_a.loss, F32, "helium with odd modules: loss")
+    out_a.loss.backward()
+    out_b.loss.backward()
+    assert_same_grads(a, b, "helium with odd modules")

@@ -37,23 +37,125 @@ __all__ = ["SUPPORTED_MODEL_TYPES", "apply_lmfuse"]
 
 
 class _Family(NamedTuple):
-    norm: str  # the RMSNorm class's name
-    weight_offset: float  # 1.0: the norm scales by (1 + weight), as Gemma's do
-    mlp: str  # the gated MLP class's name
+    norms: dict[str, float]  # RMSNorm class name -> weight offset (1.0: Gemma's 1 + weight)
+    mlps: frozenset[str]  # gated MLP class names
+
+
+def _family(norm: str, offset: float, mlp: str) -> _Family:
+    return _Family({norm: offset}, frozenset({mlp}))
 
 
 _FAMILIES: dict[str, _Family] = {
-    "llama": _Family("LlamaRMSNorm", 0.0, "LlamaMLP"),
-    "mistral": _Family("MistralRMSNorm", 0.0, "MistralMLP"),
-    "qwen2": _Family("Qwen2RMSNorm", 0.0, "Qwen2MLP"),
-    "qwen3": _Family("Qwen3RMSNorm", 0.0, "Qwen3MLP"),
-    "gemma": _Family("GemmaRMSNorm", 1.0, "GemmaMLP"),
-    "gemma2": _Family("Gemma2RMSNorm", 1.0, "Gemma2MLP"),
-    "gemma3_text": _Family("Gemma3RMSNorm", 1.0, "Gemma3MLP"),
+    "llama": _family("LlamaRMSNorm", 0.0, "LlamaMLP"),
+    "mistral": _family("MistralRMSNorm", 0.0, "MistralMLP"),
+    "qwen2": _family("Qwen2RMSNorm", 0.0, "Qwen2MLP"),
+    "qwen3": _family("Qwen3RMSNorm", 0.0, "Qwen3MLP"),
+    "gemma": _family("GemmaRMSNorm", 1.0, "GemmaMLP"),
+    "gemma2": _family("Gemma2RMSNorm", 1.0, "Gemma2MLP"),
+    "gemma3_text": _family("Gemma3RMSNorm", 1.0, "Gemma3MLP"),
 }
 
+#: Model types whose RMSNorms and gated MLPs are found by what they compute: each module
+#: class named ``*RMSNorm`` with one input is run once on a small input at patch time and
+#: must give ``x * rsqrt(mean(x^2) + eps) * (w + offset)`` for offset 0 or 1; each module
+#: with ``gate_proj``, ``up_proj``, ``down_proj`` and ``act_fn`` must give
+#: ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``. Anything else is left as it is. (Phi-3
+#: fuses gate and up in one projection: only its norms and loss are patched.)
+_DETECTED: tuple[str, ...] = ("granite", "olmo2", "olmo3", "glm4", "smollm3", "exaone4",
+                              "ministral", "helium", "seed_oss", "arcee", "phi3")
+
 #: ``config.model_type`` values :func:`apply_lmfuse` accepts.
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_FAMILIES)
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_FAMILIES) + _DETECTED
+
+
+def _family_of(model: torch.nn.Module) -> _Family | None:
+    """The norm and MLP classes to patch in ``model``: the hand-kept entry of its model
+    type, or (for :data:`_DETECTED` types) what a probe of one module of each class finds;
+    None for an unsupported model type."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if not isinstance(model_type, str):
+        return None
+    if model_type in _FAMILIES:
+        return _FAMILIES[model_type]
+    if model_type not in _DETECTED:
+        return None
+    norms: dict[str, float] = {}
+    mlps: set[str] = set()
+    seen: set[type] = set()
+    for m in model.modules():
+        cls = type(m)
+        if cls in seen:
+            continue
+        seen.add(cls)
+        if cls.__name__.endswith("RMSNorm"):
+            offset = _probe_norm(m)
+            if offset is not None:
+                norms[cls.__name__] = offset
+        elif all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            if _probe_mlp(m):
+                mlps.add(cls.__name__)
+    return _Family(norms, frozenset(mlps))
+
+
+def _one_input(m: torch.nn.Module) -> bool:
+    """``m.forward`` takes exactly one argument (the hidden states)."""
+    params = list(_signature(type(m)).parameters.values())[1:]
+    return len(params) == 1 and params[0].kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                   inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _probe_input(m: torch.nn.Module, width: int) -> torch.Tensor | None:
+    p = next(m.parameters(), None)
+    if p is None or p.device.type == "meta":
+        return None
+    g = torch.Generator(device="cpu").manual_seed(0)
+    return torch.randn(3, width, generator=g).to(device=p.device, dtype=p.dtype)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.float(), b.float()
+    return bool(((a - b).abs().max() <= 1e-2 * b.abs().max().clamp(min=1e-6)).item())
+
+
+@torch.no_grad()
+def _probe_norm(m: torch.nn.Module) -> float | None:
+    """0.0 or 1.0 when ``m`` computes an RMSNorm with that weight offset, else None."""
+    weight, eps = getattr(m, "weight", None), _norm_eps(m)
+    if not (isinstance(weight, torch.nn.Parameter) and weight.dim() == 1 and eps is not None
+            and _one_input(m) and _instance_forward(m) in (None, _rms_norm_forward)):
+        return None
+    x = _probe_input(m, weight.shape[0])
+    if x is None:
+        return None
+    try:
+        y = m(x)
+    except Exception:  # noqa: BLE001 - not a plain norm of one input
+        return None
+    xf = x.float()
+    base = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    for offset in (0.0, 1.0):
+        if isinstance(y, torch.Tensor) and y.shape == x.shape and _close(
+                y, base * (weight.float() + offset)):
+            return offset
+    return None
+
+
+@torch.no_grad()
+def _probe_mlp(m: torch.nn.Module) -> bool:
+    """``m`` computes ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``."""
+    gate = getattr(m, "gate_proj", None)
+    if not (isinstance(gate, torch.nn.Linear) and _one_input(m)
+            and _instance_forward(m) in (None, _gated_mlp_forward)):
+        return False
+    x = _probe_input(m, gate.in_features)
+    if x is None:
+        return False
+    try:
+        y = m(x)
+        want = m.down_proj(m.act_fn(m.gate_proj(x)) * m.up_proj(x))
+    except Exception:  # noqa: BLE001 - another structure
+        return False
+    return isinstance(y, torch.Tensor) and y.shape == want.shape and _close(y, want)
 
 
 # --- RMSNorm -----------------------------------------------------------------------------------
@@ -196,7 +298,7 @@ def _activation_name(act: Any) -> str:
 def _causal_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Linear,
                     labels: torch.Tensor | None, *, shift_labels: torch.Tensor | None,
                     num_items_in_batch: Any, ignore_index: int, softcap: float | None,
-                    impl: str) -> torch.Tensor:
+                    impl: str, logits_scaling: Any = None) -> torch.Tensor:
     """transformers' ``ForCausalLMLoss`` on ``lm_head(hidden)``, without the logits.
 
     ``hidden [B, S, H]``; ``labels [B, S]`` (position ``i`` is scored against label ``i + 1``,
@@ -217,6 +319,10 @@ def _causal_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Linear,
         dtype = torch.get_autocast_dtype(device_type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
+    if isinstance(logits_scaling, (int, float)) and logits_scaling != 1:
+        # Granite divides the logits by config.logits_scaling: (h W^T + b) / s
+        hidden = hidden / logits_scaling
+        bias = bias / logits_scaling if bias is not None else None
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = _linear_cross_entropy(hidden, weight, target, bias=bias, ignore_index=ignore_index,
                                  softcap=softcap, reduction=reduction, impl=impl)
@@ -270,7 +376,7 @@ def _forward_with_loss(model: Any, a: dict[str, Any], var_kw: str | None) -> Any
         num_items_in_batch=extra.get("num_items_in_batch"),
         ignore_index=extra.get("ignore_index", -100),
         softcap=getattr(model.config, "final_logit_softcapping", None),
-        impl=model._lmfuse_impl)
+        impl=model._lmfuse_impl, logits_scaling=getattr(model.config, "logits_scaling", None))
     out = CausalLMOutputWithPast(loss=loss, logits=None,
                                  past_key_values=outputs.past_key_values,
                                  hidden_states=outputs.hidden_states,
@@ -316,13 +422,13 @@ def _set_forward(m: torch.nn.Module, fn: Any) -> None:
     m.forward = _Forward(fn, m)
 
 
-def _patch_norm(m: torch.nn.Module, family: _Family, impl: str, fallback: int) -> bool:
+def _patch_norm(m: torch.nn.Module, offset: float, impl: str, fallback: int) -> bool:
     """Run RMSNorm ``m`` through :func:`lmfuse.rms_norm`; False if it is not a plain one."""
     weight = getattr(m, "weight", None)
     if not (isinstance(weight, torch.nn.Parameter) and weight.dim() == 1
             and _norm_eps(m) is not None):
         return False
-    m._lmfuse_weight_offset = family.weight_offset
+    m._lmfuse_weight_offset = offset
     m._lmfuse_impl = impl
     m._lmfuse_fallback_tokens = fallback
     _set_forward(m, _rms_norm_forward)
@@ -356,13 +462,12 @@ def fused_norms_and_mlps(model: torch.nn.Module, impl: str = "auto") -> Iterator
     launch costs no host time and fewer, fused kernels are what pays. Afterwards the
     modules are exactly as before (an :func:`apply_lmfuse` patch with its own settings, or
     none). Yields whether the model's family is supported (else nothing changes)."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    family = _FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    family = _family_of(model)
     saved: list[tuple[torch.nn.Module, dict[str, Any]]] = []
     if family is not None:
         for m in model.modules():
             cls = type(m).__name__
-            if cls not in (family.norm, family.mlp):
+            if cls not in family.norms and cls not in family.mlps:
                 continue
             current = _instance_forward(m)
             if current is not None and current not in (_rms_norm_forward, _gated_mlp_forward):
@@ -371,9 +476,9 @@ def fused_norms_and_mlps(model: torch.nn.Module, impl: str = "auto") -> Iterator
             if current is not None:  # patched by apply_lmfuse: only the fallback changes
                 saved.append((m, before))
                 m._lmfuse_fallback_tokens = 0
-            elif cls == family.norm and _patch_norm(m, family, impl, 0):
+            elif cls in family.norms and _patch_norm(m, family.norms[cls], impl, 0):
                 saved.append((m, before))
-            elif cls == family.mlp:
+            elif cls in family.mlps:
                 if _patch_mlp(m, impl, 0) in ("swiglu", "geglu"):
                     saved.append((m, before))
     try:
@@ -395,7 +500,7 @@ def _summary(model: torch.nn.Module, family: _Family, impl: str) -> dict[str, An
             norms.append(name)
         elif fn is _gated_mlp_forward:
             (swiglu_mlps if m._lmfuse_activation == "swiglu" else geglu_mlps).append(name)
-        elif type(m).__name__ == family.mlp and _gated_activation(m.act_fn) is None:
+        elif type(m).__name__ in family.mlps and _gated_activation(m.act_fn) is None:
             unpatched[name] = _activation_name(m.act_fn)
     return {"impl": impl, "rms_norm": norms, "swiglu": swiglu_mlps, "geglu": geglu_mlps,
             "mlp_unsupported_activation": unpatched,
@@ -407,8 +512,11 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
                  inference_fallback_tokens: int = 64) -> torch.nn.Module:
     """Patch a loaded ``transformers`` model in place to run lmfuse's fused ops.
 
-    Works on the Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2 and Gemma3 (text) families
-    (``config.model_type`` in :data:`SUPPORTED_MODEL_TYPES`): the ``*ForCausalLM`` models, or
+    Works on the Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2 and Gemma3 (text) families and,
+    with their norms and MLPs found by a probe of what each module computes, Granite
+    (``logits_scaling`` applied), OLMo 2 and 3, GLM-4, SmolLM3, EXAONE 4, Ministral, Helium,
+    Seed-OSS, Arcee and Phi-3 (``config.model_type`` in :data:`SUPPORTED_MODEL_TYPES`;
+    modules that compute anything else are left as they are): the ``*ForCausalLM`` models, or
     their base ``*Model`` (norms and MLPs only). Only module ``forward`` methods of this one
     model are replaced; parameters, buffers, ``state_dict`` keys and checkpoint loading and
     saving are unchanged, and the patch survives ``copy.deepcopy``. Applying it again is
@@ -475,26 +583,25 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
         raise ValueError(f"{op}: inference_fallback_tokens must be an int >= 0, got "
                          f"{inference_fallback_tokens!r}")
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    family = _FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    family = _family_of(model)
     if family is None:
         raise ValueError(
             f"{op}: {type(model).__name__} (model_type {model_type!r}) is not supported; "
-            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)} (Llama, Mistral, "
-            f"Qwen2, Qwen3, Gemma, Gemma2 and Gemma3 text models)")
+            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}")
 
     foreign: list[str] = []  # modules whose forward another library already replaced
     unsupported: dict[str, str] = {}
     for name, m in model.named_modules():
         cls = type(m).__name__
-        if cls not in (family.norm, family.mlp):
+        if cls not in family.norms and cls not in family.mlps:
             continue
         current = _instance_forward(m)
         if current is not None and current not in (_rms_norm_forward, _gated_mlp_forward):
             foreign.append(name)
             continue
-        if cls == family.norm and rms_norm:
-            _patch_norm(m, family, impl, inference_fallback_tokens)
-        elif cls == family.mlp and swiglu:
+        if cls in family.norms and rms_norm:
+            _patch_norm(m, family.norms[cls], impl, inference_fallback_tokens)
+        elif cls in family.mlps and swiglu:
             activation = _patch_mlp(m, impl, inference_fallback_tokens)
             if activation is not None and activation not in ("swiglu", "geglu"):
                 unsupported[name] = activation
