@@ -46,6 +46,9 @@ def test_info_prints_versions_devices_and_paths(capsys: pytest.CaptureFixture[st
     else:
         assert "no CUDA device" in out
     assert "Triton interpreter (TRITON_INTERPRET=1): on" in out
+    from lmfuse.integrations.transformers import SUPPORTED_MODEL_TYPES
+    assert f"apply_lmfuse model types: {', '.join(SUPPORTED_MODEL_TYPES)}" in out
+    assert "lmfuse.serving.Generator model types: llama," in out and "gpt_oss" in out
     # The per-op path: what explain() says for a sample input on the best device.
     assert "fused_softmax: triton (auto:" in out
     assert "band: keys p-inf .. p+0" in out  # the sample is causal

@@ -123,6 +123,11 @@ def cmd_info(args: argparse.Namespace) -> int:
     else:
         print("no CUDA device")
     print(f"Triton interpreter (TRITON_INTERPRET=1): {'on' if interpreter_active() else 'off'}")
+    from lmfuse.integrations.transformers import SUPPORTED_MODEL_TYPES
+    from lmfuse.serving.engine import SUPPORTED_MODEL_TYPES as SERVING_TYPES
+
+    print(f"apply_lmfuse model types: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    print(f"lmfuse.serving.Generator model types: {', '.join(SERVING_TYPES)}")
     print()
     x = torch.randn(1, 2, 4, 8, device=device)
     print("paths for a sample input on the best device:")
