@@ -55,11 +55,27 @@ FAMILIES = {
     "seed_oss": {"residual_dropout": 0.0, "attention_dropout": 0.0},
     "arcee": {},
     "phi3": {},
+    "lfm2": {},
+    "hunyuan_v1_dense": {},
+    "apertus": {},
+    "llama4_text": {},
+    # two experts of two: with one, the renormalised routing weight is 1 and the router's
+    # gradient mere rounding noise
+    "mixtral": {"num_local_experts": 2, "num_experts_per_tok": 2},
+    "qwen2_moe": {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 16,
+                  "shared_expert_intermediate_size": 48},
+    "qwen3_moe": {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 16},
+    "olmoe": {"num_experts": 2, "num_experts_per_tok": 1},
+    "granitemoe": {"num_local_experts": 2, "num_experts_per_tok": 1, "logits_scaling": 2.0},
+    "gpt_oss": {"num_local_experts": 2, "num_experts_per_tok": 1},
 }
+# Mixtures of experts: their experts are not MLP modules of the gated form (Qwen2-MoE's
+# shared expert is); their norms and loss are patched.
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "llama4_text")
 GELU_FAMILIES = ("gemma", "gemma2", "gemma3_text")
 # Their MLPs are not gated SwiGLU/GEGLU of separate projections (GLM-4 and Phi-3 fuse gate
 # and up in one projection, Arcee's is ReLU^2 without a gate): norms and loss only.
-NO_GATED_MLP = ("glm4", "arcee", "phi3")
+NO_GATED_MLP = ("glm4", "arcee", "phi3", "lfm2", "apertus")
 
 
 def make_model(model_type: str, **overrides):
@@ -128,7 +144,11 @@ def test_loss_and_gradients_match_unpatched(model_type):
         assert "model.layers.0.self_attn.q_norm" in s["rms_norm"]
     act = "geglu" if model_type in GELU_FAMILIES else "swiglu"
     if model_type in NO_GATED_MLP:
-        assert not s["swiglu"] and not s["geglu"] and len(mlps) == 2
+        assert not s["swiglu"] and not s["geglu"]
+    elif model_type in MOE:
+        gated = [n for n in mlps if all(hasattr(dict(b.named_modules())[n], a)
+                                        for a in ("gate_proj", "act_fn"))]
+        assert sorted(s[act]) == sorted(gated)
     else:
         assert sorted(s[act]) == sorted(mlps) and len(mlps) == 2
     assert s["fused_linear_cross_entropy"] and not s["mlp_unsupported_activation"]
@@ -350,11 +370,9 @@ def test_fused_norms_and_mlps_fuses_every_call_and_restores_the_model(monkeypatc
             model(input_ids=ids)
             assert calls == []  # one token: the module forwards again
     assert real_swiglu is integration._gated_mlp_forward
-    gpt_oss = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
-        "gpt_oss", hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=VOCAB,
-        num_local_experts=2, num_experts_per_tok=1))
-    with fused_norms_and_mlps(gpt_oss) as supported:
+    gpt2 = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
+        "gpt2", n_embd=32, n_layer=1, n_head=4, vocab_size=VOCAB))
+    with fused_norms_and_mlps(gpt2) as supported:
         assert not supported
 
 
@@ -385,3 +403,19 @@ def test_detected_families_patch_only_what_computes_the_formula():
     out_a.loss.backward()
     out_b.loss.backward()
     assert_same_grads(a, b, "helium with odd modules")
+
+
+@pytest.mark.parametrize("where", ["config", "call"])
+def test_moe_with_router_logits_keeps_the_models_own_loss(where):
+    """A mixture of experts asked for its router logits adds a load-balancing loss in its
+    own forward: the patched model then runs that forward (logits formed), the same loss."""
+    kw = {"output_router_logits": True, "router_aux_loss_coef": 0.5} if where == "config" else {}
+    a, b = make_pair("mixtral", **kw)
+    ids, labels = batch()
+    call = {} if where == "config" else {"output_router_logits": True}
+    out_a = a(input_ids=ids, labels=labels, **call)
+    out_b = b(input_ids=ids, labels=labels, **call)
+    assert out_b.logits is not None and out_b.aux_loss is not None
+    assert_close(out_b.loss, out_a.loss, F32, "mixtral with router logits: loss")
+    plain = b(input_ids=ids, labels=labels, output_router_logits=False)
+    assert plain.logits is None  # without them the fused loss runs

@@ -61,8 +61,13 @@ _FAMILIES: dict[str, _Family] = {
 #: with ``gate_proj``, ``up_proj``, ``down_proj`` and ``act_fn`` must give
 #: ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``. Anything else is left as it is. (Phi-3
 #: fuses gate and up in one projection: only its norms and loss are patched.)
-_DETECTED: tuple[str, ...] = ("granite", "olmo2", "olmo3", "glm4", "smollm3", "exaone4",
-                              "ministral", "helium", "seed_oss", "arcee", "phi3")
+_DETECTED: tuple[str, ...] = (
+    "granite", "olmo2", "olmo3", "glm4", "smollm3", "exaone4", "ministral", "helium",
+    "seed_oss", "arcee", "phi3", "lfm2", "hunyuan_v1_dense", "apertus", "llama4_text",
+    # mixtures of experts: norms, dense or shared-expert MLPs and the loss (the model's own
+    # forward when it returns router logits, whose load-balancing loss it adds); the
+    # experts run the model's code
+    "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss")
 
 #: ``config.model_type`` values :func:`apply_lmfuse` accepts.
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_FAMILIES) + _DETECTED
@@ -347,6 +352,11 @@ def _causal_lm_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
     keep = a.get("logits_to_keep", 0)
     if a.get("labels") is None or not (isinstance(keep, int) and keep == 0):
         return original(self, *args, **kwargs)
+    router = kwargs.get("output_router_logits", a.get("output_router_logits"))
+    if router is None:
+        router = getattr(self.config, "output_router_logits", False)
+    if router:  # a mixture of experts adds its load-balancing loss there: the model's own
+        return original(self, *args, **kwargs)
     var_kw = next((p.name for p in _signature(type(self)).parameters.values()
                    if p.kind is inspect.Parameter.VAR_KEYWORD), None)
     return _forward_with_loss(self, a, var_kw)
@@ -377,10 +387,15 @@ def _forward_with_loss(model: Any, a: dict[str, Any], var_kw: str | None) -> Any
         ignore_index=extra.get("ignore_index", -100),
         softcap=getattr(model.config, "final_logit_softcapping", None),
         impl=model._lmfuse_impl, logits_scaling=getattr(model.config, "logits_scaling", None))
-    out = CausalLMOutputWithPast(loss=loss, logits=None,
-                                 past_key_values=outputs.past_key_values,
-                                 hidden_states=outputs.hidden_states,
-                                 attentions=outputs.attentions)
+    fields = dict(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    if hasattr(outputs, "router_logits"):  # a mixture of experts' output type, as its own
+        from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+        out = MoeCausalLMOutputWithPast(aux_loss=None, router_logits=outputs.router_logits,
+                                        **fields)
+    else:
+        out = CausalLMOutputWithPast(**fields)
     return out if return_dict else out.to_tuple()
 
 
@@ -515,8 +530,11 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
     Works on the Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2 and Gemma3 (text) families and,
     with their norms and MLPs found by a probe of what each module computes, Granite
     (``logits_scaling`` applied), OLMo 2 and 3, GLM-4, SmolLM3, EXAONE 4, Ministral, Helium,
-    Seed-OSS, Arcee and Phi-3 (``config.model_type`` in :data:`SUPPORTED_MODEL_TYPES`;
-    modules that compute anything else are left as they are): the ``*ForCausalLM`` models, or
+    Seed-OSS, Arcee, Phi-3, LFM2, Hunyuan dense, Apertus, Llama 4 (text) and the mixtures of
+    experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE and GPT-OSS (their experts run
+    the model's code; with ``output_router_logits`` the loss is the model's own)
+    (``config.model_type`` in :data:`SUPPORTED_MODEL_TYPES`; modules that compute anything
+    else are left as they are): the ``*ForCausalLM`` models, or
     their base ``*Model`` (norms and MLPs only). Only module ``forward`` methods of this one
     model are replaced; parameters, buffers, ``state_dict`` keys and checkpoint loading and
     saving are unchanged, and the patch survives ``copy.deepcopy``. Applying it again is
