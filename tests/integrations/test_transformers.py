@@ -88,6 +88,10 @@ def make_model(model_type: str, **overrides):
           "eos_token_id": 2}
     kw.update(FAMILIES.get(model_type, {}))
     kw.update(overrides)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:  # an older transformers than the CI's
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type!r} models")
     config = transformers.AutoConfig.for_model(model_type, **kw)
     model = transformers.AutoModelForCausalLM.from_config(config).to(F32)
     with torch.no_grad():
