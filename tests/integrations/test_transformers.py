@@ -59,6 +59,9 @@ FAMILIES = {
     "hunyuan_v1_dense": {},
     "apertus": {},
     "llama4_text": {},
+    # Falcon-H1 multiplies its logits, and its MLPs scale their gate and output: the loss
+    # applies the former; MLPs with multipliers other than 1 stay unpatched (the probe).
+    "falcon_h1": {"lm_head_multiplier": 0.5, "mlp_multipliers": [0.5, 2.0]},
     # two experts of two: with one, the renormalised routing weight is 1 and the router's
     # gradient mere rounding noise
     "mixtral": {"num_local_experts": 2, "num_experts_per_tok": 2},
@@ -75,7 +78,7 @@ MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "l
 GELU_FAMILIES = ("gemma", "gemma2", "gemma3_text")
 # Their MLPs are not gated SwiGLU/GEGLU of separate projections (GLM-4 and Phi-3 fuse gate
 # and up in one projection, Arcee's is ReLU^2 without a gate): norms and loss only.
-NO_GATED_MLP = ("glm4", "arcee", "phi3", "lfm2", "apertus")
+NO_GATED_MLP = ("glm4", "arcee", "phi3", "lfm2", "apertus", "falcon_h1")
 
 
 def make_model(model_type: str, **overrides):

@@ -64,6 +64,7 @@ _FAMILIES: dict[str, _Family] = {
 _DETECTED: tuple[str, ...] = (
     "granite", "olmo2", "olmo3", "glm4", "smollm3", "exaone4", "ministral", "helium",
     "seed_oss", "arcee", "phi3", "lfm2", "hunyuan_v1_dense", "apertus", "llama4_text",
+    "falcon_h1",
     # mixtures of experts: norms, dense or shared-expert MLPs and the loss (the model's own
     # forward when it returns router logits, whose load-balancing loss it adds); the
     # experts run the model's code
@@ -325,7 +326,8 @@ def _causal_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Linear,
         hidden, weight = hidden.to(dtype), weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
     if isinstance(logits_scaling, (int, float)) and logits_scaling != 1:
-        # Granite divides the logits by config.logits_scaling: (h W^T + b) / s
+        # Granite divides the logits by config.logits_scaling: (h W^T + b) / s; Falcon-H1
+        # multiplies them by lm_head_multiplier (passed here as its inverse)
         hidden = hidden / logits_scaling
         bias = bias / logits_scaling if bias is not None else None
     reduction = "mean" if num_items_in_batch is None else "sum"
@@ -362,6 +364,16 @@ def _causal_lm_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
     return _forward_with_loss(self, a, var_kw)
 
 
+def _logits_scaling(model: Any) -> Any:
+    """What the causal LM divides its ``lm_head`` output by: Granite's
+    ``config.logits_scaling``, or one over Falcon-H1's ``model.lm_head_multiplier``."""
+    scaling = getattr(model.config, "logits_scaling", None)
+    multiplier = getattr(getattr(model, "model", None), "lm_head_multiplier", None)
+    if isinstance(multiplier, (int, float)) and multiplier != 1:
+        return 1.0 / multiplier if scaling is None else scaling / multiplier
+    return scaling
+
+
 def _forward_with_loss(model: Any, a: dict[str, Any], var_kw: str | None) -> Any:
     """The causal LM's forward with labels: base model, then the fused loss; ``logits=None``.
 
@@ -386,7 +398,7 @@ def _forward_with_loss(model: Any, a: dict[str, Any], var_kw: str | None) -> Any
         num_items_in_batch=extra.get("num_items_in_batch"),
         ignore_index=extra.get("ignore_index", -100),
         softcap=getattr(model.config, "final_logit_softcapping", None),
-        impl=model._lmfuse_impl, logits_scaling=getattr(model.config, "logits_scaling", None))
+        impl=model._lmfuse_impl, logits_scaling=_logits_scaling(model))
     fields = dict(loss=loss, logits=None, past_key_values=outputs.past_key_values,
                   hidden_states=outputs.hidden_states, attentions=outputs.attentions)
     if hasattr(outputs, "router_logits"):  # a mixture of experts' output type, as its own
@@ -530,7 +542,8 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
     Works on the Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2 and Gemma3 (text) families and,
     with their norms and MLPs found by a probe of what each module computes, Granite
     (``logits_scaling`` applied), OLMo 2 and 3, GLM-4, SmolLM3, EXAONE 4, Ministral, Helium,
-    Seed-OSS, Arcee, Phi-3, LFM2, Hunyuan dense, Apertus, Llama 4 (text) and the mixtures of
+    Seed-OSS, Arcee, Phi-3, LFM2, Hunyuan dense, Apertus, Llama 4 (text), Falcon-H1 (its
+    ``lm_head_multiplier`` applied; its MLPs only where their multipliers are 1) and the mixtures of
     experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE and GPT-OSS (their experts run
     the model's code; with ``output_router_logits`` the loss is the model's own)
     (``config.model_type`` in :data:`SUPPORTED_MODEL_TYPES`; modules that compute anything
