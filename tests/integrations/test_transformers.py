@@ -426,3 +426,23 @@ def test_moe_with_router_logits_keeps_the_models_own_loss(where):
     assert_close(out_b.loss, out_a.loss, F32, "mixtral with router logits: loss")
     plain = b(input_ids=ids, labels=labels, output_router_logits=False)
     assert plain.logits is None  # without them the fused loss runs
+
+
+@pytest.mark.parametrize("cls_name, offset", [("LlamaRMSNorm", 0.0), ("GemmaRMSNorm", 1.0)])
+@pytest.mark.parametrize("weight", [0.0, 1.0, 300.0])
+def test_norm_probe_finds_the_weight_offset(cls_name, offset, weight):
+    """The probe tells ``w`` from ``1 + w`` norms by the closer formula, large weights too
+    (where both are within half precision of each other, it still picks the right one)."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from lmfuse.integrations.transformers import _probe_norm
+
+    cls = {"LlamaRMSNorm": LlamaRMSNorm, "GemmaRMSNorm": GemmaRMSNorm}[cls_name]
+    norm = cls(16)
+    with torch.no_grad():
+        norm.weight.fill_(weight)
+    if cls is LlamaRMSNorm and weight == 0.0:
+        assert _probe_norm(norm) in (0.0, None)  # all-zero output: no formula to tell
+    else:
+        assert _probe_norm(norm) == offset

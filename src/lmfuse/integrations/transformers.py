@@ -118,9 +118,17 @@ def _probe_input(m: torch.nn.Module, width: int) -> torch.Tensor | None:
     return torch.randn(3, width, generator=g).to(device=p.device, dtype=p.dtype)
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| in float32."""
     a, b = a.float(), b.float()
-    return bool(((a - b).abs().max() <= 1e-2 * b.abs().max().clamp(min=1e-6)).item())
+    return float(((a - b).abs().max() / b.abs().max().clamp(min=1e-6)).item())
+
+
+_PROBE_TOL = 1e-2  # half precision rounds to 4e-3; a different formula is off by far more
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return _error(a, b) <= _PROBE_TOL
 
 
 @torch.no_grad()
@@ -137,13 +145,13 @@ def _probe_norm(m: torch.nn.Module) -> float | None:
         y = m(x)
     except Exception:  # noqa: BLE001 - not a plain norm of one input
         return None
+    if not (isinstance(y, torch.Tensor) and y.shape == x.shape):
+        return None
     xf = x.float()
     base = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    for offset in (0.0, 1.0):
-        if isinstance(y, torch.Tensor) and y.shape == x.shape and _close(
-                y, base * (weight.float() + offset)):
-            return offset
-    return None
+    # The closer of the two offsets (large weights make them near), if close enough.
+    err, offset = min((_error(y, base * (weight.float() + o)), o) for o in (0.0, 1.0))
+    return offset if err <= _PROBE_TOL else None
 
 
 @torch.no_grad()
