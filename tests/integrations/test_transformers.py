@@ -76,6 +76,7 @@ FAMILIES = {
 # shared expert is); their norms and loss are patched.
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "llama4_text")
 GELU_FAMILIES = ("gemma", "gemma2", "gemma3_text")
+VISION_LANGUAGE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # Their MLPs are not gated SwiGLU/GEGLU of separate projections (GLM-4 and Phi-3 fuse gate
 # and up in one projection, Arcee's is ReLU^2 without a gate): norms and loss only.
 NO_GATED_MLP = ("glm4", "arcee", "phi3", "lfm2", "apertus", "falcon_h1")
@@ -256,7 +257,8 @@ def test_bad_arguments_raise():
     with pytest.raises(TypeError, match="swiglu must be a bool"):
         apply_lmfuse(model, swiglu="yes")
     assert "forward" not in model.__dict__, "a refused call must patch nothing"
-    assert set(SUPPORTED_MODEL_TYPES) == set(FAMILIES)
+    # every supported model type is tested: the causal LMs here, the VLMs below
+    assert set(SUPPORTED_MODEL_TYPES) == set(FAMILIES) | set(VISION_LANGUAGE)
 
 
 def test_mlp_with_wrapped_projection_and_under_autocast():
@@ -446,3 +448,45 @@ def test_norm_probe_finds_the_weight_offset(cls_name, offset, weight):
         assert _probe_norm(norm) in (0.0, None)  # all-zero output: no formula to tell
     else:
         assert _probe_norm(norm) == offset
+
+
+@pytest.mark.parametrize("model_type", VISION_LANGUAGE)
+def test_vision_language_models_text_stack(model_type):
+    """The Qwen vision-language models: the text stack's norms and MLPs fused, and the
+    loss from the last hidden states (text-only batch): loss and gradients as unpatched."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type!r} models")
+    rope = ({"rope_type": "default", "mrope_section": [1, 1, 2], "mrope_interleaved": True}
+            if model_type == "qwen3_vl" else {"type": "mrope", "mrope_section": [1, 1, 2]})
+    text = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+            "vocab_size": VOCAB, "max_position_embeddings": 64, "initializer_range": 0.1,
+            "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "rope_scaling": rope}
+    vision = {"depth": 1, "embed_dim": 16, "hidden_size": 16, "num_heads": 2,
+              "out_hidden_size": 32, "intermediate_size": 16, "patch_size": 2,
+              "spatial_merge_size": 1, "temporal_patch_size": 1}
+    config = transformers.AutoConfig.for_model(
+        model_type, text_config=text, vision_config=vision, image_token_id=VOCAB - 10,
+        video_token_id=VOCAB - 9, vision_start_token_id=VOCAB - 8)
+    torch.manual_seed(0)
+    a = transformers.AutoModelForImageTextToText.from_config(config).to(F32)
+    with torch.no_grad():
+        for name, p in a.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    b = apply_lmfuse(copy.deepcopy(a), inference_fallback_tokens=0)
+    s = b.lmfuse_patches
+    text_norms = [n for n, m in b.named_modules()
+                  if type(m).__name__.endswith("RMSNorm") and "language_model" in n]
+    assert text_norms and set(text_norms) <= set(s["rms_norm"])
+    assert any("language_model" in n for n in s["swiglu"])
+    assert s["fused_linear_cross_entropy"]
+    ids = torch.randint(3, VOCAB - 20, (2, 7))
+    out_a, out_b = a(input_ids=ids, labels=ids), b(input_ids=ids, labels=ids)
+    assert out_b.logits is None
+    assert_close(out_b.loss, out_a.loss, F32, f"{model_type}: loss")
+    out_a.loss.backward()
+    out_b.loss.backward()
+    assert_same_grads(a, b, model_type)

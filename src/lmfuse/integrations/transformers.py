@@ -68,7 +68,10 @@ _DETECTED: tuple[str, ...] = (
     # mixtures of experts: norms, dense or shared-expert MLPs and the loss (the model's own
     # forward when it returns router logits, whose load-balancing loss it adds); the
     # experts run the model's code
-    "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss")
+    "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss",
+    # vision-language models: the norms and gated MLPs of the text stack (and of the vision
+    # tower where they are of these forms), and the loss
+    "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 #: ``config.model_type`` values :func:`apply_lmfuse` accepts.
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_FAMILIES) + _DETECTED
@@ -553,7 +556,8 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
     Seed-OSS, Arcee, Phi-3, LFM2, Hunyuan dense, Apertus, Llama 4 (text), Falcon-H1 (its
     ``lm_head_multiplier`` applied; its MLPs only where their multipliers are 1) and the mixtures of
     experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE and GPT-OSS (their experts run
-    the model's code; with ``output_router_logits`` the loss is the model's own)
+    the model's code; with ``output_router_logits`` the loss is the model's own), and the
+    vision-language Qwen2-VL, Qwen2.5-VL and Qwen3-VL
     (``config.model_type`` in :data:`SUPPORTED_MODEL_TYPES`; modules that compute anything
     else are left as they are): the ``*ForCausalLM`` models, or
     their base ``*Model`` (norms and MLPs only). Only module ``forward`` methods of this one
