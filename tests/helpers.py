@@ -16,8 +16,10 @@ but far below any real error. Never widen one to make a test pass: find out why.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+import numpy as np
 import torch
 
 TOL: dict[torch.dtype, float] = {
@@ -199,3 +201,62 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
                          min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
                          pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+# --- NaN/inf and property tests (tests/*/test_nonfinite.py, test_properties.py) ----------
+
+
+def _test_scale() -> int:
+    raw = os.environ.get("LMFUSE_TEST_SCALE", "1")
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise ValueError(f"LMFUSE_TEST_SCALE must be a positive integer, got {raw!r}")
+    return int(raw)
+
+
+#: ``LMFUSE_TEST_SCALE=n`` multiplies the property tests' drawn sizes (for a GPU run).
+SCALE = _test_scale()
+#: Where the NaN/inf and property tests put their tensors: CUDA under
+#: ``LMFUSE_GPU_TESTS=1`` on a CUDA machine, else the CPU.
+TEST_DEVICE = torch.device("cuda" if os.environ.get("LMFUSE_GPU_TESTS") == "1"
+                           and torch.cuda.is_available() else "cpu")
+
+
+def flush_subnormal(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` with magnitudes below the smallest normal number of ``dtype`` (and of float32,
+    the compute type) set to 0: whether those survive depends on the backend (a GPU
+    flushes float32 subnormals), so they are compared as zeros."""
+    tiny = max(torch.finfo(dtype).tiny, torch.finfo(torch.float32).tiny)
+    return torch.where(t.abs() < tiny, torch.zeros_like(t), t)
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor, what: str,
+                   values: torch.Tensor | None = None, *, pattern_only: bool = False) -> None:
+    """NaN, +inf and -inf of ``actual`` exactly where ``expected`` (float64, rounded to
+    ``actual``'s dtype) has them; unless ``pattern_only``, the finite values of ``actual``
+    within the dtype's tolerance of ``values`` (default: ``expected``) rounded to the
+    dtype, subnormals compared as zeros."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)}"
+    want = expected.detach().to(actual.dtype)
+    for name, where in (("NaN", torch.isnan), ("+inf", torch.isposinf),
+                        ("-inf", torch.isneginf)):
+        got, exp = where(actual.detach()), where(want)
+        if not torch.equal(got, exp):
+            at = (got != exp).nonzero()[:4].tolist()
+            raise AssertionError(f"{what}: {name} pattern differs at {at}: got "
+                                 f"{[actual[tuple(i)].item() for i in at]}, expected "
+                                 f"{[expected[tuple(i)].item() for i in at]}")
+    if pattern_only:
+        return
+    fin = torch.isfinite(want)
+    ref = want if values is None else values.detach().to(actual.dtype)
+    got = flush_subnormal(actual.detach()[fin].to(torch.float64), actual.dtype)
+    assert_close(got.cpu(), flush_subnormal(ref[fin].to(torch.float64), actual.dtype).cpu(),
+                 actual.dtype, what)
+
+
+def inject(t: torch.Tensor, position: int, value: float) -> None:
+    """``value`` at one element of ``t`` (any strides), the ``position``-th modulo its size."""
+    if t.numel():
+        index = np.unravel_index(position % t.numel(), tuple(t.shape))
+        with torch.no_grad():
+            t[tuple(int(i) for i in index)] = value

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +28,9 @@ import numpy as np
 import pytest
 import torch
 import helpers
-from helpers import assert_close
+from helpers import SCALE, assert_matches
+from helpers import inject as _inject
+from helpers import TEST_DEVICE as DEVICE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -43,16 +44,6 @@ FP8 = torch.float8_e4m3fn
 NAN, INF = math.nan, math.inf
 
 
-def _test_scale() -> int:
-    raw = os.environ.get("LMFUSE_TEST_SCALE", "1")
-    if not raw.strip().isdigit() or int(raw) < 1:
-        raise ValueError(f"LMFUSE_TEST_SCALE must be a positive integer, got {raw!r}")
-    return int(raw)
-
-
-SCALE = _test_scale()
-DEVICE = torch.device("cuda" if os.environ.get("LMFUSE_GPU_TESTS") == "1"
-                      and torch.cuda.is_available() else "cpu")
 
 
 @dataclass(frozen=True)
@@ -80,36 +71,6 @@ BY_NAME = {op.name: op for op in OPS}
 
 
 # --- comparison ------------------------------------------------------------------------------
-
-
-def flush_subnormal(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` with magnitudes below the smallest normal number of ``dtype`` (and of float32,
-    the compute type) set to 0: whether those survive depends on the backend (a GPU
-    flushes float32 subnormals), so they are compared as zeros."""
-    tiny = max(torch.finfo(dtype).tiny, torch.finfo(F32).tiny)
-    return torch.where(t.abs() < tiny, torch.zeros_like(t), t)
-
-
-def assert_matches(actual: torch.Tensor, expected: torch.Tensor, what: str,
-                   values: torch.Tensor | None = None) -> None:
-    """NaN, +inf and -inf of ``actual`` exactly where ``expected`` (float64, rounded to
-    ``actual``'s dtype) has them; the finite values within the dtype's tolerance of
-    ``values`` (default: ``expected``) rounded to the dtype, subnormals compared as zeros."""
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)}"
-    want = expected.detach().to(actual.dtype)
-    for name, where in (("NaN", torch.isnan), ("+inf", torch.isposinf),
-                        ("-inf", torch.isneginf)):
-        got, exp = where(actual.detach()), where(want)
-        if not torch.equal(got, exp):
-            at = (got != exp).nonzero()[:4].tolist()
-            raise AssertionError(f"{what}: {name} pattern differs at {at}: got "
-                                 f"{[actual[tuple(i)].item() for i in at]}, expected "
-                                 f"{[expected[tuple(i)].item() for i in at]}")
-    fin = torch.isfinite(want)
-    ref = want if values is None else values.detach().to(actual.dtype)
-    got = flush_subnormal(actual.detach()[fin].to(F64), actual.dtype)
-    assert_close(got.cpu(), flush_subnormal(ref[fin].to(F64), actual.dtype).cpu(),
-                 actual.dtype, what)
 
 
 def numpy_errors(inf_injected: bool, inf_results: bool = False):
@@ -334,14 +295,6 @@ def problems(draw: st.DrawFn) -> dict[str, Any]:
                 magnitude=1.0 if with_inf else draw(st.sampled_from([1.0, 3.0, 100.0])),
                 clip=2.0 if with_inf else None,
                 seed=draw(st.integers(0, 2**31 - 1)))
-
-
-def _inject(t: torch.Tensor, position: int, value: float) -> None:
-    """``value`` at one element of ``t`` (any strides)."""
-    if t.numel():
-        index = np.unravel_index(position % t.numel(), tuple(t.shape))
-        with torch.no_grad():
-            t[tuple(int(i) for i in index)] = value
 
 
 # Twice the profile's examples (ci: 50, same ones every run; dev: 600).

@@ -31,7 +31,6 @@ nothing but -inf (``-inf - -inf``), and label smoothing's ``sum x`` over +inf an
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Callable
 
 import numpy as np
@@ -39,7 +38,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import assert_close
+from helpers import SCALE, assert_close
+from helpers import TEST_DEVICE as DEVICE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -58,16 +58,6 @@ IGNORE = -100
 REDUCTIONS = ("mean", "sum", "none")
 
 
-def _test_scale() -> int:
-    raw = os.environ.get("LMFUSE_TEST_SCALE", "1")
-    if not raw.strip().isdigit() or int(raw) < 1:
-        raise ValueError(f"LMFUSE_TEST_SCALE must be a positive integer, got {raw!r}")
-    return int(raw)
-
-
-SCALE = _test_scale()
-DEVICE = torch.device("cuda" if os.environ.get("LMFUSE_GPU_TESTS") == "1"
-                      and torch.cuda.is_available() else "cpu")
 
 
 def scaled(n: int) -> int:

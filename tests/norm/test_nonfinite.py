@@ -19,13 +19,14 @@ operations of an injected ``+-inf``.
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close
+from helpers import SCALE, assert_matches
+from helpers import inject as _inject
+from helpers import TEST_DEVICE as DEVICE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -38,16 +39,6 @@ NAN, INF = math.nan, math.inf
 IMPLS = ["torch", "triton"]
 
 
-def _test_scale() -> int:
-    raw = os.environ.get("LMFUSE_TEST_SCALE", "1")
-    if not raw.strip().isdigit() or int(raw) < 1:
-        raise ValueError(f"LMFUSE_TEST_SCALE must be a positive integer, got {raw!r}")
-    return int(raw)
-
-
-SCALE = _test_scale()
-DEVICE = torch.device("cuda" if os.environ.get("LMFUSE_GPU_TESTS") == "1"
-                      and torch.cuda.is_available() else "cpu")
 # Rows wider than 32 are streamed in 16-column tiles, 2 rows at a time; one backward
 # program per (interpreter) SM, so its row loop runs several times.
 SMALL_TILES = dict(max_single_block=32, tile_elems=64, chunk_block=16, chunk_rows=2,
@@ -55,37 +46,6 @@ SMALL_TILES = dict(max_single_block=32, tile_elems=64, chunk_block=16, chunk_row
 
 
 # --- comparison --------------------------------------------------------------------------------
-
-
-def flush_subnormal(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` with magnitudes below the smallest normal number of ``dtype`` (and of float32,
-    the compute type) set to 0: whether those survive depends on the backend (a GPU
-    flushes float32 subnormals), so they are compared as zeros."""
-    tiny = max(torch.finfo(dtype).tiny, torch.finfo(F32).tiny)
-    return torch.where(t.abs() < tiny, torch.zeros_like(t), t)
-
-
-def assert_matches(actual: torch.Tensor, expected: torch.Tensor, what: str, *,
-                   pattern_only: bool = False) -> None:
-    """NaN, +inf and -inf of ``actual`` exactly where ``expected`` (float64, rounded to
-    ``actual``'s dtype) has them; unless ``pattern_only``, the finite values within the
-    dtype's tolerance of the rounded ``expected`` (subnormals compared as zeros)."""
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)}"
-    want = expected.detach().to(actual.dtype)
-    for name, where in (("NaN", torch.isnan), ("+inf", torch.isposinf),
-                        ("-inf", torch.isneginf)):
-        got, exp = where(actual.detach()), where(want)
-        if not torch.equal(got, exp):
-            at = (got != exp).nonzero()[:4].tolist()
-            raise AssertionError(f"{what}: {name} pattern differs at {at}: got "
-                                 f"{[actual[tuple(i)].item() for i in at]}, expected "
-                                 f"{[expected[tuple(i)].item() for i in at]}")
-    if pattern_only:
-        return
-    fin = torch.isfinite(want)
-    got = flush_subnormal(actual.detach()[fin].to(F64), actual.dtype)
-    assert_close(got.cpu(), flush_subnormal(want[fin].to(F64), actual.dtype).cpu(),
-                 actual.dtype, what)
 
 
 def numpy_errors(inf_injected: bool):
@@ -225,13 +185,6 @@ def problems(draw: st.DrawFn) -> dict[str, Any]:
                                                st.integers(0, 10**6),
                                                st.sampled_from(SPECIALS)), max_size=4)),
                 seed=draw(st.integers(0, 2**31 - 1)))
-
-
-def _inject(t: torch.Tensor, position: int, value: float) -> None:
-    if t.numel():
-        index = np.unravel_index(position % t.numel(), tuple(t.shape))
-        with torch.no_grad():
-            t[tuple(int(i) for i in index)] = value
 
 
 # Twice the profile's examples (ci: 50, same ones every run; dev: 600).

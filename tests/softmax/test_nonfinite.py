@@ -24,13 +24,13 @@ injected ``+-inf`` (``inf - inf`` is how the NaN arises).
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Callable
 
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close, randn
+from helpers import SCALE, assert_matches, randn
+from helpers import TEST_DEVICE as DEVICE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -44,16 +44,6 @@ F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat1
 NAN, INF = math.nan, math.inf
 
 
-def _test_scale() -> int:
-    raw = os.environ.get("LMFUSE_TEST_SCALE", "1")
-    if not raw.strip().isdigit() or int(raw) < 1:
-        raise ValueError(f"LMFUSE_TEST_SCALE must be a positive integer, got {raw!r}")
-    return int(raw)
-
-
-SCALE = _test_scale()
-DEVICE = torch.device("cuda" if os.environ.get("LMFUSE_GPU_TESTS") == "1"
-                      and torch.cuda.is_available() else "cpu")
 CHUNKED = dict(BLOCK_M=1, BLOCK_N=16, SINGLE_BLOCK=False, num_warps=4)
 CHUNKED_TILE4 = dict(BLOCK_M=4, BLOCK_N=16, SINGLE_BLOCK=False, num_warps=4)
 TILE4 = dict(BLOCK_M=4, BLOCK_N=64, SINGLE_BLOCK=True, num_warps=4)
@@ -66,39 +56,6 @@ def rnd(shape, dtype: torch.dtype = F32, *, scale: float = 1.0,
 
 
 # --- comparison --------------------------------------------------------------------------
-
-
-def flush_subnormal(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` with magnitudes below the smallest normal number of ``dtype`` (and of float32,
-    the compute type) set to 0: whether those survive depends on the backend (a GPU
-    flushes float32 subnormals), so they are compared as zeros."""
-    tiny = max(torch.finfo(dtype).tiny, torch.finfo(F32).tiny)
-    return torch.where(t.abs() < tiny, torch.zeros_like(t), t)
-
-
-def assert_matches(actual: torch.Tensor, expected: torch.Tensor, what: str,
-                   values: torch.Tensor | None = None, *, pattern_only: bool = False) -> None:
-    """NaN, +inf and -inf of ``actual`` exactly where ``expected`` (float64, rounded to
-    ``actual``'s dtype) has them; unless ``pattern_only``, the finite values of ``actual``
-    within the dtype's tolerance of ``values`` (default: ``expected``) rounded to the
-    dtype, subnormals compared as zeros."""
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)}"
-    want = expected.detach().to(actual.dtype)
-    for name, where in (("NaN", torch.isnan), ("+inf", torch.isposinf),
-                        ("-inf", torch.isneginf)):
-        got, exp = where(actual.detach()), where(want)
-        if not torch.equal(got, exp):
-            at = (got != exp).nonzero()[:4].tolist()
-            raise AssertionError(f"{what}: {name} pattern differs at {at}: got "
-                                 f"{[actual[tuple(i)].item() for i in at]}, expected "
-                                 f"{[expected[tuple(i)].item() for i in at]}")
-    if pattern_only:
-        return
-    fin = torch.isfinite(want)
-    ref = want if values is None else values.detach().to(actual.dtype)
-    got = flush_subnormal(actual.detach()[fin].to(F64), actual.dtype)
-    assert_close(got.cpu(), flush_subnormal(ref[fin].to(F64), actual.dtype).cpu(),
-                 actual.dtype, what)
 
 
 def numpy_errors(inf_injected: bool):
