@@ -77,6 +77,15 @@ def eager() -> bool:
     return not torch.compiler.is_compiling()
 
 
+def native_cpu(impl: str, path: str, t: torch.Tensor) -> bool:
+    """Whether a call may run PyTorch's own op in place of lmfuse's reference: the default
+    path (``impl="auto"``) chose the reference (no Triton here) for float32 CPU tensors, out
+    of ``torch.compile``. The op itself checks that PyTorch's op has the options in use;
+    ``impl="torch"`` always runs the reference (the tests' oracle)."""
+    return (impl == "auto" and path == "torch" and t.device.type == "cpu"
+            and t.dtype == torch.float32 and not torch.compiler.is_compiling())
+
+
 def triton_support(device: torch.device) -> tuple[bool, str]:
     """Whether the Triton path can run on ``device``, and why (or why not)."""
     if not triton_available():

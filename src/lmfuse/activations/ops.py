@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from .. import tuning
 from .._dispatch import eager as _eager
-from .._dispatch import Plan, check_number, check_tensor, register_planner, select_impl
+from .._dispatch import (Plan, check_number, check_tensor, native_cpu, register_planner,
+                         select_impl)
 from .._nvtx import nvtx_range
 from . import reference as ref
 
@@ -329,10 +330,9 @@ def _run(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp_
     _, _, s = _resolve(op, x, bias, weights, activation, gated, linear_offset, clamp_value,
                        fp8_input_store, cpu_offload_input, impl)
     K = x.shape[-1]
-    if (impl == "auto" and s["path"] == "torch" and x.device.type == "cpu"
-            and x.dtype == torch.float32 and activation == "silu" and gated
+    if (native_cpu(impl, s["path"], x) and activation == "silu" and gated
             and weights is None and not linear_offset and clamp_value is None
-            and not fp8_input_store and not torch.compiler.is_compiling()):
+            and not fp8_input_store):
         # The default path on CPU float32 tensors: PyTorch's own ops (the plain formula's
         # speed, autograd for the gradients; the reference's results). impl="torch" keeps
         # the reference, the tests' oracle.

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import tuning
-from .._dispatch import Plan, check_tensor, register_planner
+from .._dispatch import Plan, check_tensor, native_cpu, register_planner
 from .._nvtx import nvtx_range
 from ..distributed.collectives import all_reduce_sum_, group_rank
 from . import ops
@@ -546,9 +546,8 @@ def _apply(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, 
                           softcap, reduction, tp_group, impl, max_chunk_bytes, cfg,
                           logits_in_fp32)
     lead = target.shape
-    if (cfg is None and impl == "auto" and path == "torch" and hidden.device.type == "cpu"
-            and hidden.dtype == torch.float32 and o["z_loss"] == 0.0 and o["softcap"] is None
-            and o["tp_group"] is None and not torch.compiler.is_compiling()):
+    if (cfg is None and native_cpu(impl, path, hidden) and o["z_loss"] == 0.0
+            and o["softcap"] is None and o["tp_group"] is None):
         # The default path on CPU float32 tensors: F.linear then F.cross_entropy (the plain
         # formula's speed; on a CPU the logits' memory is not what is scarce). impl="torch"
         # keeps the chunked reference, the tests' oracle.

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from .. import tuning
 from .._dispatch import (Plan, check_int, check_number, check_tensor, register_planner, select_impl,
-                         value_checks)
+                         native_cpu, value_checks)
 from .._dispatch import eager as _eager
 from .._nvtx import nvtx_range
 from ..distributed.collectives import group_rank, group_size
@@ -607,10 +607,8 @@ def _native_cpu(logits: torch.Tensor, impl: str, o: dict[str, Any]) -> bool:
     use: ``F.cross_entropy`` (float32 already, the same formula, NaN for NaN; autograd for
     the gradient) runs at the plain op's speed. ``impl="torch"`` keeps the reference, the
     tests' oracle; z-loss, softcap, tensor parallelism and ``inplace_backward`` need it."""
-    return (impl == "auto" and o["path"] == "torch" and logits.device.type == "cpu"
-            and logits.dtype == torch.float32 and o["z_loss"] == 0.0 and o["softcap"] is None
-            and o["tp_group"] is None and not o["inplace"]
-            and not torch.compiler.is_compiling())
+    return (native_cpu(impl, o["path"], logits) and o["z_loss"] == 0.0
+            and o["softcap"] is None and o["tp_group"] is None and not o["inplace"])
 
 
 def _native_cross_entropy(logits: torch.Tensor, target: torch.Tensor,

@@ -14,8 +14,9 @@ positions, block table and lengths into the graph's static buffers (rows past th
 get block -1 and length 0: they write nothing and attend over nothing), replays, and reads
 the logits of its rows. In the captured forward the RMSNorms and gated MLPs of the families
 ``apply_lmfuse`` supports run lmfuse's fused kernels (``fused_norms_and_mlps``; the model
-is as before afterwards) and mixture-of-experts layers a capturable experts implementation. A model whose decode forward cannot be captured (a host sync in
-it) falls back to eager decode steps, with a warning.
+is as before afterwards) and mixture-of-experts layers a capturable experts implementation.
+A model whose decode forward cannot be captured (a host sync in it) falls back to eager
+decode steps, with a warning.
 """
 
 from __future__ import annotations

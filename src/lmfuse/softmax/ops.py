@@ -21,6 +21,7 @@ from .._dispatch import (
     check_number,
     check_same_device,
     check_tensor,
+    native_cpu,
     register_planner,
     select_impl,
 )
@@ -370,9 +371,7 @@ def fused_softmax(
     path, _, a = _resolve(scores, scale, mask, causal, window_size, softmax_offset,
                           softmax_in_fp32, impl)
     with nvtx_range(_OP, "fwd"):
-        if (path == "torch" and impl == "auto" and scores.device.type == "cpu"
-                and scores.dtype == torch.float32 and a["softmax_offset"] is None
-                and not torch.compiler.is_compiling()):
+        if native_cpu(impl, path, scores) and a["softmax_offset"] is None:
             y = _native_cpu(scores, a)
             if y is not None:
                 return y
