@@ -660,6 +660,27 @@ def test_float32_gradient_with_saturated_softcap(impl: str) -> None:
           torch.ones(4), reduction="none", softcap=1.0)
 
 
+@pytest.mark.parametrize("config", [pytest.param(CHUNKED, id="stream"),
+                                    pytest.param(STREAM_VEC, id="stream-vec"),
+                                    pytest.param(SLICED, id="sliced")])
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_float32_gradient_of_offset_logits_streamed(monkeypatch: pytest.MonkeyPatch,
+                                                    config: dict[str, Any],
+                                                    reduction: str) -> None:
+    """float32 logits 200 + N(0, 9) through the streamed loops, with z-loss: exponents
+    formed as ``(x - m) * log2 e``. As ``x * log2 e - m * log2 e`` (the one-FMA form
+    used before) the product is rounded at x's magnitude (ulp(288) = 3e-5 in the
+    exponent) and this gradient was off by 1.6e-5 to 1.8e-5, over float32's tolerance; now 5e-6,
+    the lse's own rounding (ulp(200) / 2 = 8e-6 at most). ``sum``: the fused
+    stats-and-gradient kernel; ``none``: the stats kernel, then the gradient kernel."""
+    monkeypatch.setattr(ops, "_config", forced(config))
+    gen = torch.Generator().manual_seed(4)
+    logits = 200.0 + 3.0 * torch.randn(16, 64, generator=gen)
+    target = torch.randint(0, 64, (16,), generator=gen)
+    check(f"{config} {reduction} 200 + noise", "triton", logits, target,
+          torch.ones(() if reduction == "sum" else 16), reduction=reduction, z_loss=1e-3)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("impl, config", [
     pytest.param("triton", None, id="triton"),
