@@ -268,3 +268,55 @@ def test_gradcheck_float64(spec: Spec) -> None:
 
     assert torch.autograd.gradcheck(f, (x, bias, w))
     assert torch.autograd.gradgradcheck(f, (x, bias, w))
+
+
+# --- multipliers (Falcon-H1's gate_multiplier / down_multiplier) -----------------------------
+
+
+@pytest.mark.parametrize("g, d", [(0.5, 2.0), (-1.25, 0.3), (0.0, -3.0), (1, 1)],
+                         ids=["0.5-2", "-1.25-0.3", "0--3", "int-1-1"])
+@pytest.mark.parametrize("clamp_value", [None, 0.75], ids=["noclamp", "clamp0.75"])
+def test_multipliers_are_the_plain_formula_float64(g: float, d: float,
+                                                  clamp_value: float | None) -> None:
+    """``silu((clamp(x1) + b1) * g) * (clamp(x2) + b2) * d * weights``, written with
+    ``F.silu`` and differentiated by autograd: the multiplier scales the gated half after
+    the clamp and the bias (Falcon-H1's ``act_fn(gate_proj(x) * gate_multiplier)``)."""
+    x = randn((2, 3, 10), F64, scale=2.0)
+    bias = randn((10,), F64)
+    weights = randn((6, 1), F64)
+    dy = randn((2, 3, 5), F64)
+    leaves = [t.clone().requires_grad_(True) for t in (x, bias, weights)]
+    out = activation_reference(*leaves, activation="silu", gated=True,
+                               clamp_value=clamp_value, gate_multiplier=g, down_multiplier=d)
+    grads = torch.autograd.grad(out, leaves, dy)
+    xs, bs, ws = [t.clone().requires_grad_(True) for t in (x, bias, weights)]
+    x1, x2 = xs[..., :5], xs[..., 5:]
+    if clamp_value is not None:
+        x1, x2 = x1.clamp(max=clamp_value), x2.clamp(min=-clamp_value, max=clamp_value)
+    want = F.silu((x1 + bs[:5]) * g) * (x2 + bs[5:]) * d * ws.view(2, 3, 1)
+    want_grads = torch.autograd.grad(want, [xs, bs, ws], dy)
+    assert_close(out, want, F64, f"g={g} d={d}: forward")
+    for name, a, b in zip(("x", "bias", "weights"), grads, want_grads):
+        assert_close(a, b, F64, f"g={g} d={d}: d {name}")
+    if g == 0:  # silu(0) = 0: a zero output, and no gradient reaches the gated half
+        assert torch.count_nonzero(grads[0][..., :5]) == 0 and torch.count_nonzero(out) == 0
+
+
+def test_multipliers_of_one_change_nothing_and_apply_to_plain_activations() -> None:
+    """g = d = 1 gives bit for bit the result without them (forward and gradients); on an
+    ungated activation ``act((x + b) * g) * d``."""
+    x = randn((4, 6), F32, scale=2.0, requires_grad=True)
+    bias = randn((6,), F32, requires_grad=True)
+    dy = randn((4, 3), F32)
+    plain = activation_reference(x, bias, activation="silu", gated=True)
+    ones = activation_reference(x, bias, activation="silu", gated=True, gate_multiplier=1.0,
+                                down_multiplier=1.0)
+    assert torch.equal(plain, ones)
+    for a, b in zip(torch.autograd.grad(plain, [x, bias], dy),
+                    torch.autograd.grad(ones, [x, bias], dy)):
+        assert torch.equal(a, b)
+    x64, b64 = x.detach().double(), bias.detach().double()
+    y = activation_reference(x64, b64, activation="gelu", gated=False, gate_multiplier=-0.7,
+                             down_multiplier=1.5)
+    want = megatron_act("gelu", (x64 + b64) * -0.7) * 1.5
+    assert_close(y, want, F64, "ungated gelu with multipliers")

@@ -2,10 +2,11 @@
 
 One function covers the family: an elementwise activation (tanh-approximated GELU, SiLU,
 Quick-GELU, squared ReLU), optionally gated (the last dim split in two halves, the
-activation of the first times the second), with an optional bias, linear offset, clamp and
-per-token weights. The formulas and constants are Megatron-Core's. Math is float32
-(float64 for float64 inputs); the output has the input's dtype. The functions are
-differentiable torch code: autograd gives the reference gradients.
+activation of the first times the second), with an optional bias, linear offset, clamp,
+input and output multipliers (Falcon-H1's) and per-token weights. The formulas and constants
+are Megatron-Core's. Math is float32 (float64 for float64 inputs); the output has the
+input's dtype. The functions are differentiable torch code: autograd gives the reference
+gradients.
 
 Each activation's gradient is ``grad * act'(a)`` with the derivative written out (Megatron's
 hand-written backward formulas, the same as ``F.silu``'s and ``torch.relu``'s native
@@ -94,9 +95,12 @@ def activation_reference(
     gated: bool,
     linear_offset: float = 0.0,
     clamp_value: Optional[float] = None,
+    gate_multiplier: float = 1.0,
+    down_multiplier: float = 1.0,
 ) -> torch.Tensor:
     """``act(x + bias)``, or gated ``act(x1 + b1) * (x2 + b2 + linear_offset)``, times
-    ``weights``.
+    ``weights``; with multipliers ``g``, ``d``: ``act(g (x + bias)) d``, or gated
+    ``act(g (x1 + b1)) * (x2 + b2 + linear_offset) * d``.
 
     Args:
         x: ``[..., K]``; gated: ``K = 2 f``, ``x1 = x[..., :f]`` (activated),
@@ -108,6 +112,12 @@ def activation_reference(
             (``a * sigmoid(1.702 a)``) or ``"squared_relu"``.
         clamp_value: gated only: before the bias (Megatron's order), ``x1`` is clamped from
             above at ``c`` and ``x2`` to ``[-c, c]``, with torch.clamp's gradient.
+        gate_multiplier: ``g``, scales the activation's input after the clamp and the bias
+            (Falcon-H1's ``act_fn(gate_proj(x) * gate_multiplier)``, the bias being
+            ``gate_proj``'s).
+        down_multiplier: ``d``, scales the output before the weights (Falcon-H1 applies it
+            after ``down_proj``, which is linear: the same product where ``down_proj`` has
+            no bias).
     Returns:
         ``[..., K]`` (``[..., f]`` gated) in ``x``'s dtype.
     """
@@ -125,9 +135,14 @@ def activation_reference(
         if bias is not None:
             b = bias.to(compute)
             v1, v2 = v1 + b[:f], v2 + b[f:]
+        if gate_multiplier != 1:
+            v1 = v1 * gate_multiplier
         out = fn(v1) * (v2 + linear_offset)
     else:
-        out = fn(v + bias.to(compute) if bias is not None else v)
+        v = v + bias.to(compute) if bias is not None else v
+        out = fn(v * gate_multiplier if gate_multiplier != 1 else v)
+    if down_multiplier != 1:
+        out = out * down_multiplier
     if weights is not None:
         out = out * weights.to(compute).reshape(*out.shape[:-1], 1)
     return out.to(x.dtype)
