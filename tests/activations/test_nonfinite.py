@@ -6,8 +6,9 @@ reference evaluated in float64.
 ``gelu(-inf)`` are NaN (``-inf * 0``), ``squared_relu(NaN)`` is NaN, its gradient is 0
 wherever ``x <= 0`` (``torch.relu``'s backward is a select), a clamp keeps NaN (with zero
 gradient) and turns ``+-inf`` into ``+-c``, a NaN bias or weight makes its column or token
-NaN. Results must have NaN, ``+inf`` and ``-inf`` exactly where the oracle (rounded to the
-result's dtype) has them, and their finite values within ``helpers.TOL``.
+NaN, a zero ``gate_multiplier`` or ``down_multiplier`` times an inf is NaN. Results must
+have NaN, ``+inf`` and ``-inf`` exactly where the oracle (rounded to the result's dtype)
+has them, and their finite values within ``helpers.TOL``.
 
 The property tests draw every op and option, shapes (0, 1, primes, rows over several
 column blocks and row groups of a shrunken launch table), dtypes, strided views and
@@ -105,7 +106,8 @@ def run(op: Op, tensors: dict[str, torch.Tensor], grad: torch.Tensor, impl: str,
 
 
 def oracle(op: Op, tensors: dict[str, torch.Tensor], grad: torch.Tensor, *,
-           fp8_x: bool = False, linear_offset: float = 0.0, clamp_value=None):
+           fp8_x: bool = False, linear_offset: float = 0.0, clamp_value=None,
+           gate_multiplier: float = 1.0, down_multiplier: float = 1.0):
     """The float64 reference and its autograd gradients (at x as float8 keeps it, saturated
     at +-448, when ``fp8_x``: the gradients a ``fp8_input_store`` backward gives)."""
     leaves = {k: t.detach().to(F64).requires_grad_(True) for k, t in tensors.items()
@@ -115,14 +117,19 @@ def oracle(op: Op, tensors: dict[str, torch.Tensor], grad: torch.Tensor, *,
         leaves["x"] = x8.requires_grad_(True)
     out = activation_reference(leaves["x"], leaves.get("bias"), leaves.get("weights"),
                                activation=op.activation, gated=op.gated,
-                               linear_offset=linear_offset, clamp_value=clamp_value)
+                               linear_offset=linear_offset, clamp_value=clamp_value,
+                               gate_multiplier=gate_multiplier,
+                               down_multiplier=down_multiplier)
     return out, dict(zip(leaves, torch.autograd.grad(out, list(leaves.values()),
                                                      grad.to(F64))))
 
 
+REF_OPTIONS = ("linear_offset", "clamp_value", "gate_multiplier", "down_multiplier")
+
+
 def check(what: str, op: Op, tensors: dict[str, torch.Tensor], grad: torch.Tensor, *,
           inf_injected: bool, impls=("torch", "triton"), **kw) -> None:
-    ref_kw = {k: v for k, v in kw.items() if k in ("linear_offset", "clamp_value")}
+    ref_kw = {k: v for k, v in kw.items() if k in REF_OPTIONS}
     y_ref, _ = oracle(op, tensors, grad, **ref_kw)
     _, g_ref = oracle(op, tensors, grad, fp8_x=bool(kw.get("fp8_input_store")), **ref_kw)
     inf_results = has_inf(y_ref, dtype=tensors["x"].dtype) or any(
@@ -235,6 +242,27 @@ def test_fp8_input_store_saturates_inf(op: Op, impl: str) -> None:
           fp8_input_store=True)
 
 
+@pytest.mark.parametrize("g, d", [(0.0, 2.0), (-2.0, 0.0), (0.5, -3.0)],
+                         ids=["g0", "d0", "g0.5-d-3"])
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", [BY_NAME["swiglu"], BY_NAME["weighted_swiglu"]],
+                         ids=lambda o: o.name)
+def test_multipliers_nan_and_inf(op: Op, impl: str, g: float, d: float) -> None:
+    """NaN and inf through ``silu(x1 * g) * x2 * d``: a zero multiplier times an inf is NaN,
+    a negative one swaps the infinities' signs, as the formula in PyTorch gives them."""
+    f = len(SPECIAL_ROW)
+    x = _x((4, 2 * f), scale=2.0)
+    x[0, :f] = torch.tensor(SPECIAL_ROW)
+    x[1, -f:] = torch.tensor(SPECIAL_ROW)
+    bias = _x((2 * f,))
+    bias[5] = NAN
+    tensors = dict(x=x, bias=bias)
+    if op.weighted:
+        tensors["weights"] = torch.tensor([[1.0], [INF], [NAN], [0.5]], device=DEVICE)
+    check(f"{op.name} g={g} d={d}", op, tensors, _x((4, f)), inf_injected=True,
+          impls=(impl,), gate_multiplier=g, down_multiplier=d)
+
+
 # --- properties --------------------------------------------------------------------------------
 
 
@@ -268,6 +296,9 @@ def problems(draw: st.DrawFn) -> dict[str, Any]:
     if op.clamp:
         kw["linear_offset"] = draw(st.sampled_from([0.0, 0.75, -2.0]))
         kw["clamp_value"] = draw(st.sampled_from([None, 0.5, 7.0]))
+    if op.activation == "silu":
+        kw["gate_multiplier"] = draw(st.sampled_from([1.0, 0.5, -1.5]))
+        kw["down_multiplier"] = draw(st.sampled_from([1.0, 2.0, -0.25]))
     inject = draw(st.lists(st.tuples(st.sampled_from(["x", "x", "bias", "weights"]),
                                      st.integers(0, 10**6), st.sampled_from(SPECIALS)),
                            max_size=4))
@@ -325,7 +356,7 @@ def test_property_both_paths_match_the_float64_reference(p: dict[str, Any]) -> N
     unweighted = activation_reference(
         x.detach().to(F64), None if tensors["bias"] is None else tensors["bias"].to(F64),
         activation=op.activation, gated=op.gated,
-        **{k: v for k, v in p["kw"].items() if k in ("linear_offset", "clamp_value")})
+        **{k: v for k, v in p["kw"].items() if k in REF_OPTIONS})
     sign = torch.where(unweighted < 0, -1.0, 1.0)
     grad = ((0.5 + torch.rand(unweighted.shape, dtype=F64, device=DEVICE)) * sign).to(dtype)
     with pytest.MonkeyPatch.context() as mp:
@@ -430,14 +461,17 @@ def _plain(activation: str, a: torch.Tensor) -> torch.Tensor:
        inject=st.lists(st.tuples(st.sampled_from(["x", "x", "bias", "weights"]),
                                  st.integers(0, 10**6), st.sampled_from(SPECIALS)),
                        max_size=4),
+       multipliers=st.sampled_from([(1.0, 1.0), (0.5, -2.0), (0.0, 1.5)]),
        seed=st.integers(0, 2**31 - 1))
-def test_reference_is_pytorchs_computation(op: Op, clamp, inject, seed: int) -> None:
-    """``activation_reference`` in float64 equals the plain computation (``F.silu(x1 + b1)
-    * (x2 + b2 + offset) * w``, ``torch.relu(x) ** 2``, ``torch.clamp``), NaN and inf
-    included, forward and gradients: in particular an inf linear half gives ``+-inf``
+def test_reference_is_pytorchs_computation(op: Op, clamp, inject, multipliers,
+                                           seed: int) -> None:
+    """``activation_reference`` in float64 equals the plain computation (``F.silu((x1 + b1)
+    * g) * (x2 + b2 + offset) * d * w``, ``torch.relu(x) ** 2``, ``torch.clamp``), NaN and
+    inf included, forward and gradients: in particular an inf linear half gives ``+-inf``
     gradients as ``F.silu``'s backward does, not autograd-through-``a * sigmoid(a)``'s NaN."""
     torch.manual_seed(seed)
     clamp = clamp if op.clamp else None
+    g, d = multipliers if op.activation == "silu" else (1.0, 1.0)
     f = 4
     K = 2 * f if op.gated else f
     tensors = dict(x=torch.randn(3, K, dtype=F64) * 2,
@@ -455,14 +489,17 @@ def test_reference_is_pytorchs_computation(op: Op, clamp, inject, seed: int) -> 
             x1, x2 = x[:, :f], x[:, f:]
             if clamp is not None:
                 x1, x2 = x1.clamp(max=clamp), x2.clamp(min=-clamp, max=clamp)
-            out = _plain(op.activation, x1 + b[:f]) * (x2 + b[f:] + offset)
+            u = x1 + b[:f]
+            out = _plain(op.activation, u * g if g != 1 else u) * (x2 + b[f:] + offset)
+            out = out * d if d != 1 else out
         else:
             out = _plain(op.activation, x + b)
         return out if weights is None else out * weights
 
     def ref(x, bias=None, weights=None):
         return activation_reference(x, bias, weights, activation=op.activation, gated=op.gated,
-                                    linear_offset=offset, clamp_value=clamp)
+                                    linear_offset=offset, clamp_value=clamp,
+                                    gate_multiplier=g, down_multiplier=d)
 
     results = []
     for fn in (ref, plain):
@@ -471,4 +508,4 @@ def test_reference_is_pytorchs_computation(op: Op, clamp, inject, seed: int) -> 
         results.append((out, *torch.autograd.grad(out, list(leaves.values()), grad)))
     names = ["forward"] + [f"d {k}" for k, t in tensors.items() if t is not None]
     for name, got, want in zip(names, *results):
-        assert_matches(got, want, f"{op.name} clamp={clamp}: {name}")
+        assert_matches(got, want, f"{op.name} clamp={clamp} g={g} d={d}: {name}")

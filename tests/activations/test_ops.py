@@ -576,12 +576,13 @@ def test_explain(op: Op, impl: str) -> None:
 SIGNATURES = {
     "bias_gelu": "(x, bias=None, *, impl='auto')",
     "swiglu": "(x, bias=None, *, fp8_input_store=False, cpu_offload_input=False, "
-              "clamp_value=None, impl='auto')",
+              "clamp_value=None, gate_multiplier=1.0, down_multiplier=1.0, impl='auto')",
     "geglu": "(x, bias=None, *, fp8_input_store=False, cpu_offload_input=False, impl='auto')",
     "quick_geglu": "(x, bias=None, *, linear_offset=0.0, clamp_value=None, "
                    "fp8_input_store=False, cpu_offload_input=False, impl='auto')",
     "weighted_swiglu": "(x, weights, bias=None, *, fp8_input_store=False, "
-                       "cpu_offload_input=False, clamp_value=None, impl='auto')",
+                       "cpu_offload_input=False, clamp_value=None, gate_multiplier=1.0, "
+                       "down_multiplier=1.0, impl='auto')",
     "weighted_quick_geglu": "(x, weights, bias=None, *, linear_offset=0.0, clamp_value=None, "
                             "fp8_input_store=False, cpu_offload_input=False, impl='auto')",
     "squared_relu": "(x, *, impl='auto')",

@@ -3,7 +3,11 @@
 Both work on ``x [M, K]`` row-major (rows ``sx`` apart, columns contiguous), gated (``K =
 2 N``: the activated half ``x[:, :N]`` and the linear half ``x[:, N:]``) or not (``K = N``),
 with the activation, bias, clamp, linear offset and per-token weights chosen by constexpr
-flags, so each variant compiles to straight-line code. Math is float32.
+flags, so each variant compiles to straight-line code. Math is float32. The multipliers
+(Falcon-H1's: ``act(g a) * lin * d``) are runtime float arguments, not flags: a new value
+compiles nothing, and where they are 1 the two extra multiplies per element are exact (the
+results are bit for bit those without them) and cost nothing measurable in a kernel bound
+by memory traffic.
 
 * ``act_fwd_kernel``: tiles ``[BLOCK_M, BLOCK_N]`` of the output; reads x (and bias,
   weights) once, writes ``y [M, N]`` once.
@@ -109,7 +113,7 @@ def _store_fp8(ptr, v, mask):
 
 @triton.jit
 def act_fwd_kernel(
-    x_ptr, sx, b_ptr, w_ptr, y_ptr, sy, x8_ptr, M, N, offset, clamp,
+    x_ptr, sx, b_ptr, w_ptr, y_ptr, sy, x8_ptr, M, N, offset, clamp, gate_mul, down_mul,
     ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_W: tl.constexpr,
     HAS_CLAMP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     STORE_X8: tl.constexpr = False,
@@ -135,11 +139,11 @@ def act_fwd_kernel(
         if HAS_BIAS:
             a += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
             b += tl.load(b_ptr + N + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        y = _act(a, ACT) * (b + offset)
+        y = _act(a * gate_mul, ACT) * (b + offset) * down_mul
     else:
         if HAS_BIAS:
             a += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        y = _act(a, ACT)
+        y = _act(a * gate_mul, ACT) * down_mul
     if HAS_W:
         y *= tl.load(w_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
     tl.store(y_ptr + rows[:, None] * sy + cols[None, :], y.to(y_ptr.dtype.element_ty),
@@ -149,7 +153,7 @@ def act_fwd_kernel(
 @triton.jit
 def act_bwd_kernel(
     x_ptr, sx, g_ptr, sg, b_ptr, w_ptr, dx_ptr, sdx, db_ptr, dw_ptr, M, N, rows_per_group,
-    offset, clamp,
+    offset, clamp, gate_mul, down_mul,
     ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_W: tl.constexpr,
     HAS_CLAMP: tl.constexpr, BIAS_GRAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -170,8 +174,9 @@ def act_bwd_kernel(
         rmask = (rows < M) & (r0 + tl.arange(0, BLOCK_M) < rows_per_group)
         mask = rmask[:, None] & cmask[None, :]
         xp = x_ptr + rows[:, None] * sx + cols[None, :]
+        # The output multiplier folded into the upstream gradient: g = dL/dy * d.
         g = tl.load(g_ptr + rows[:, None] * sg + cols[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
+                    other=0.0).to(tl.float32) * down_mul
         if HAS_W:
             w = tl.load(w_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
             gw = g * w
@@ -190,9 +195,10 @@ def act_bwd_kernel(
             if HAS_BIAS:
                 a += bias_a
                 b += bias_b
-            act, dact = _act_and_grad(a, ACT)
+            u = a * gate_mul
+            act, dact = _act_and_grad(u, ACT)
             lin = b + offset
-            da = _chain(a, gw * lin, dact, ACT)
+            da = _chain(u, gw * lin * gate_mul, dact, ACT)
             dlin = gw * act
             if BIAS_GRAD:  # the bias is added after the clamp: its gradient is not clamped
                 db_a += tl.where(mask, da, 0.0)
@@ -208,8 +214,9 @@ def act_bwd_kernel(
         else:
             if HAS_BIAS:
                 a += bias_a
-            act, dact = _act_and_grad(a, ACT)
-            da = _chain(a, gw, dact, ACT)
+            u = a * gate_mul
+            act, dact = _act_and_grad(u, ACT)
+            da = _chain(u, gw * gate_mul, dact, ACT)
             tl.store(dxp, da.to(dx_ptr.dtype.element_ty), mask=mask)
             if HAS_W:
                 part = tl.sum(tl.where(mask, act * g, 0.0), axis=1)

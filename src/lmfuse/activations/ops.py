@@ -66,7 +66,8 @@ def _launch_fwd(x, bias, weights, s, x8: Optional[torch.Tensor] = None) -> torch
     _kernels().act_fwd_kernel[grid](
         x, x.stride(0), bias if bias is not None else x, weights if weights is not None else x,
         y, y.stride(0), x8 if x8 is not None else y, M, N, float(s["linear_offset"]),
-        float(s["clamp_value"] or 0.0), **_flags(s, bias, weights), BLOCK_M=block_m,
+        float(s["clamp_value"] or 0.0), float(s["gate_multiplier"]),
+        float(s["down_multiplier"]), **_flags(s, bias, weights), BLOCK_M=block_m,
         BLOCK_N=block_n, STORE_X8=x8 is not None, num_warps=t["fwd_warps"])
     return y
 
@@ -96,6 +97,7 @@ def _launch_bwd(x, g, bias, weights, s, dtype, bias_grad: bool):
         weights if weights is not None else x, dx, dx.stride(0),
         db if db is not None else dx, dw if dw is not None else dx, M, N, rows_per_group,
         float(s["linear_offset"]), float(s["clamp_value"] or 0.0),
+        float(s["gate_multiplier"]), float(s["down_multiplier"]),
         **_flags(s, bias, weights), BIAS_GRAD=bias_grad, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=t["bwd_warps"])
     return dx, db, dw
@@ -108,38 +110,45 @@ def _launch_bwd(x, g, bias, weights, s, dtype, bias_grad: bool):
 
 
 def _settings(activation: str, gated: bool, linear_offset: float,
-              clamp_value: Optional[float]) -> dict[str, Any]:
+              clamp_value: Optional[float], gate_multiplier: float = 1.0,
+              down_multiplier: float = 1.0) -> dict[str, Any]:
     return dict(activation=activation, gated=gated, linear_offset=linear_offset,
-                clamp_value=clamp_value)
+                clamp_value=clamp_value, gate_multiplier=gate_multiplier,
+                down_multiplier=down_multiplier)
 
 
 @torch.library.custom_op("lmfuse::act_fwd", mutates_args=())
 def _act_fwd_op(x: torch.Tensor, bias: Optional[torch.Tensor], weights: Optional[torch.Tensor],
                 activation: str, gated: bool, linear_offset: float,
-                clamp_value: Optional[float]) -> torch.Tensor:
+                clamp_value: Optional[float], gate_multiplier: float,
+                down_multiplier: float) -> torch.Tensor:
     return _launch_fwd(x, bias, weights, _settings(activation, gated, linear_offset,
-                                                   clamp_value))
+                                                   clamp_value, gate_multiplier,
+                                                   down_multiplier))
 
 
 @_act_fwd_op.register_fake
-def _(x, bias, weights, activation, gated, linear_offset, clamp_value):
+def _(x, bias, weights, activation, gated, linear_offset, clamp_value, gate_multiplier,
+      down_multiplier):
     return x.new_empty((x.shape[0], x.shape[1] // 2 if gated else x.shape[1]))
 
 
 @torch.library.custom_op("lmfuse::act_bwd", mutates_args=())
 def _act_bwd_op(x: torch.Tensor, g: torch.Tensor, bias: Optional[torch.Tensor],
                 weights: Optional[torch.Tensor], activation: str, gated: bool,
-                linear_offset: float, clamp_value: Optional[float], dtype: torch.dtype,
+                linear_offset: float, clamp_value: Optional[float], gate_multiplier: float,
+                down_multiplier: float, dtype: torch.dtype,
                 bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dx, db, dw = _launch_bwd(x, g, bias, weights,
-                             _settings(activation, gated, linear_offset, clamp_value), dtype,
-                             bias_grad)
+                             _settings(activation, gated, linear_offset, clamp_value,
+                                       gate_multiplier, down_multiplier), dtype, bias_grad)
     return (dx, db.sum(0) if db is not None else x.new_empty((0,), dtype=torch.float32),
             dw.sum(0) if dw is not None else x.new_empty((0,), dtype=torch.float32))
 
 
 @_act_bwd_op.register_fake
-def _(x, g, bias, weights, activation, gated, linear_offset, clamp_value, dtype, bias_grad):
+def _(x, g, bias, weights, activation, gated, linear_offset, clamp_value, gate_multiplier,
+      down_multiplier, dtype, bias_grad):
     M, K = x.shape
     return (x.new_empty((M, K), dtype=dtype),
             x.new_empty((K if bias_grad else 0,), dtype=torch.float32),
@@ -204,6 +213,12 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 # --- autograd --------------------------------------------------------------------------------
 
 
+def _ref_options(s: dict[str, Any]) -> dict[str, Any]:
+    """The settings ``s`` as :func:`reference.activation_reference`'s keyword arguments."""
+    return {k: s[k] for k in ("activation", "gated", "linear_offset", "clamp_value",
+                              "gate_multiplier", "down_multiplier")}
+
+
 class _Activation(torch.autograd.Function):
     """``y = act(x ...)`` for ``x [M, K]``; see the module docstring."""
 
@@ -221,11 +236,10 @@ class _Activation(torch.autograd.Function):
                 y = _launch_fwd(x, bias, weights, s, x8)
             elif s["path"] == "triton":
                 y = _act_fwd_op(x, bias, weights, s["activation"], s["gated"],
-                                s["linear_offset"], s["clamp_value"])
+                                s["linear_offset"], s["clamp_value"], s["gate_multiplier"],
+                                s["down_multiplier"])
             else:
-                y = ref.activation_reference(x, bias, weights, activation=s["activation"],
-                                             gated=s["gated"], linear_offset=s["linear_offset"],
-                                             clamp_value=s["clamp_value"])
+                y = ref.activation_reference(x, bias, weights, **_ref_options(s))
             ctx.s = s
             if saving:
                 ctx.saved = _Saved(x, s["fp8_input_store"], s["cpu_offload_input"], x8)
@@ -252,6 +266,7 @@ class _Activation(torch.autograd.Function):
                 else:
                     dx, db, dw = _act_bwd_op(x, g.contiguous(), bias, weights, s["activation"],
                                              s["gated"], s["linear_offset"], s["clamp_value"],
+                                             s["gate_multiplier"], s["down_multiplier"],
                                              ctx.saved.dtype, need_b)
                 db = db.to(bias.dtype) if need_b else None
                 dw = dw.to(weights.dtype).view(weights.shape) if need_w else None
@@ -260,9 +275,7 @@ class _Activation(torch.autograd.Function):
                 leaves = [x.detach().requires_grad_(True),
                           bias.detach().requires_grad_(True) if need_b else bias,
                           weights.detach().requires_grad_(True) if need_w else weights]
-                y = ref.activation_reference(*leaves, activation=s["activation"],
-                                             gated=s["gated"], linear_offset=s["linear_offset"],
-                                             clamp_value=s["clamp_value"])
+                y = ref.activation_reference(*leaves, **_ref_options(s))
                 wanted = [t for t, n in zip(leaves, (True, need_b, need_w)) if n]
                 got = list(torch.autograd.grad(y, wanted, g))
             dx = got.pop(0)
@@ -274,7 +287,8 @@ class _Activation(torch.autograd.Function):
 
 
 def _resolve(op: str, x, bias, weights, activation: str, gated: bool, linear_offset,
-             clamp_value, fp8_input_store, cpu_offload_input, impl) -> tuple[str, str, dict]:
+             clamp_value, fp8_input_store, cpu_offload_input, impl, gate_multiplier=1.0,
+             down_multiplier=1.0) -> tuple[str, str, dict]:
     check_tensor(op, "x", x)
     if x.dim() < 1:
         raise ValueError(f"{op}: x must have a last (hidden) dimension, got a 0-D tensor")
@@ -303,6 +317,9 @@ def _resolve(op: str, x, bias, weights, activation: str, gated: bool, linear_off
         if t is not None and t.device != x.device:
             raise ValueError(f"{op}: {name} is on {t.device} but x is on {x.device}")
     check_number(op, "linear_offset", linear_offset, allow_none=False)
+    # Any finite value (0 and negative ones too): they are plain factors of the formula.
+    check_number(op, "gate_multiplier", gate_multiplier, allow_none=False)
+    check_number(op, "down_multiplier", down_multiplier, allow_none=False)
     if check_number(op, "clamp_value", clamp_value) is not None:
         if not clamp_value > 0:
             raise ValueError(f"{op}: clamp_value must be positive (x1 <= c, -c <= x2 <= c), "
@@ -320,24 +337,30 @@ def _resolve(op: str, x, bias, weights, activation: str, gated: bool, linear_off
     s = dict(op=op, path=path, activation=activation, gated=gated,
              linear_offset=float(linear_offset),
              clamp_value=None if clamp_value is None else float(clamp_value),
+             gate_multiplier=float(gate_multiplier), down_multiplier=float(down_multiplier),
              fp8_input_store=fp8_input_store, cpu_offload_input=cpu_offload_input,
              tokens=tokens)
     return path, reason, s
 
 
 def _run(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp_value=None,
-         fp8_input_store=False, cpu_offload_input=False, impl="auto") -> torch.Tensor:
+         fp8_input_store=False, cpu_offload_input=False, impl="auto", gate_multiplier=1.0,
+         down_multiplier=1.0) -> torch.Tensor:
     _, _, s = _resolve(op, x, bias, weights, activation, gated, linear_offset, clamp_value,
-                       fp8_input_store, cpu_offload_input, impl)
+                       fp8_input_store, cpu_offload_input, impl, gate_multiplier,
+                       down_multiplier)
     K = x.shape[-1]
     if (native_cpu(impl, s["path"], x) and activation == "silu" and gated
             and weights is None and not linear_offset and clamp_value is None
             and not fp8_input_store):
         # The default path on CPU float32 tensors: PyTorch's own ops (the plain formula's
         # speed, autograd for the gradients; the reference's results). impl="torch" keeps
-        # the reference, the tests' oracle.
+        # the reference, the tests' oracle. A multiplier of 1 costs no pass.
         xb = x if bias is None else x + bias
-        return F.silu(xb[..., :K // 2]) * xb[..., K // 2:]
+        x1 = xb[..., :K // 2]
+        y = F.silu(x1 * s["gate_multiplier"] if s["gate_multiplier"] != 1 else x1)
+        y = y * xb[..., K // 2:]
+        return y * s["down_multiplier"] if s["down_multiplier"] != 1 else y
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < K):
         x2 = x2.contiguous()
@@ -355,9 +378,11 @@ def _run(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp_
 
 
 def _plan(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp_value=None,
-          fp8_input_store=False, cpu_offload_input=False, impl="auto") -> Plan:
+          fp8_input_store=False, cpu_offload_input=False, impl="auto", gate_multiplier=1.0,
+          down_multiplier=1.0) -> Plan:
     path, reason, s = _resolve(op, x, bias, weights, activation, gated, linear_offset,
-                               clamp_value, fp8_input_store, cpu_offload_input, impl)
+                               clamp_value, fp8_input_store, cpu_offload_input, impl,
+                               gate_multiplier, down_multiplier)
     K = x.shape[-1]
     details = {
         "x": f"{list(x.shape)} {str(x.dtype).replace('torch.', '')}: {s['tokens']} tokens",
@@ -370,6 +395,9 @@ def _plan(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp
     }
     if clamp_value is not None:
         details["clamp"] = f"x1 <= {clamp_value}, |x2| <= {clamp_value} (before the bias)"
+    if s["gate_multiplier"] != 1 or s["down_multiplier"] != 1:
+        details["multipliers"] = (f"activation input * {s['gate_multiplier']} (after the "
+                                  f"bias), output * {s['down_multiplier']}")
     if weights is not None:
         details["weights"] = f"{list(weights.shape)} {str(weights.dtype).replace('torch.', '')}"
     return Plan(op, path, reason, details, s)
@@ -395,8 +423,11 @@ def bias_gelu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
 
 def swiglu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
            fp8_input_store: bool = False, cpu_offload_input: bool = False,
-           clamp_value: Optional[float] = None, impl: str = "auto") -> torch.Tensor:
-    """``silu(x1) * x2`` for ``x = [x1 | x2]`` (after ``+ bias``), the halves of the last dim.
+           clamp_value: Optional[float] = None, gate_multiplier: float = 1.0,
+           down_multiplier: float = 1.0, impl: str = "auto") -> torch.Tensor:
+    """``silu(x1 * g) * x2 * d`` for ``x = [x1 | x2]`` (after ``+ bias``), the halves of the
+    last dim; ``g = gate_multiplier``, ``d = down_multiplier`` (1 by default: ``silu(x1) *
+    x2``).
 
     Args:
         x: ``[..., 2f]``. bias: optional ``[2f]``.
@@ -406,17 +437,24 @@ def swiglu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
             copied on a side stream, brought back in backward).
         clamp_value: ``c > 0`` first clamps ``x1 <= c`` and ``-c <= x2 <= c`` (before the
             bias, as :func:`quick_geglu`; no gradient where a clamp is active).
+        gate_multiplier, down_multiplier: Falcon-H1's MLP multipliers, any finite int or
+            float (a bool raises TypeError, NaN or inf ValueError). ``g`` scales the gated
+            half after the clamp and the bias (``silu((x1 + b1) * g)``, as Falcon-H1's
+            ``act_fn(gate_proj(x) * gate_multiplier)`` with gate_proj's bias); ``d`` scales
+            the output (Falcon-H1 scales ``down_proj``'s output, the same where down_proj
+            has no bias). Runtime arguments of the kernels: a new value compiles nothing.
     Returns:
         ``[..., f]`` in x's dtype.
 
-    NaN and inf propagate as through ``F.silu(x1) * x2`` in PyTorch (``silu(-inf)`` is NaN,
-    ``silu(+inf)`` inf; NaN in x or bias gives NaN), forward and backward. With
-    ``fp8_input_store`` the backward sees x as float8 stores it: NaN stays NaN, ``+-inf``
-    is saturated to ``+-448`` (float8_e4m3fn has no infinity).
+    NaN and inf propagate as through ``F.silu(x1 * g) * x2 * d`` in PyTorch (``silu(-inf)``
+    is NaN, ``silu(+inf)`` inf; NaN in x or bias gives NaN; ``inf * 0`` is NaN for a zero
+    multiplier), forward and backward. With ``fp8_input_store`` the backward sees x as
+    float8 stores it: NaN stays NaN, ``+-inf`` is saturated to ``+-448`` (float8_e4m3fn has
+    no infinity).
     """
     return _run("swiglu", x, bias, None, "silu", True, clamp_value=clamp_value,
                 fp8_input_store=fp8_input_store, cpu_offload_input=cpu_offload_input,
-                impl=impl)
+                impl=impl, gate_multiplier=gate_multiplier, down_multiplier=down_multiplier)
 
 
 def geglu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -445,14 +483,16 @@ def quick_geglu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
 def weighted_swiglu(x: torch.Tensor, weights: torch.Tensor,
                     bias: Optional[torch.Tensor] = None, *, fp8_input_store: bool = False,
                     cpu_offload_input: bool = False, clamp_value: Optional[float] = None,
+                    gate_multiplier: float = 1.0, down_multiplier: float = 1.0,
                     impl: str = "auto") -> torch.Tensor:
-    """``swiglu(x) * weights`` with per-token ``weights [tokens, 1]`` (MoE routing
-    probabilities, any float dtype), whose gradient is summed over the hidden dim and
-    returned in their dtype. Other arguments as :func:`swiglu`. A NaN or inf weight
-    propagates to its token's outputs and gradients as ``y * weights`` does in PyTorch."""
+    """``swiglu(x) * weights`` (``silu(x1 * g) * x2 * d * weights``) with per-token
+    ``weights [tokens, 1]`` (MoE routing probabilities, any float dtype), whose gradient is
+    summed over the hidden dim and returned in their dtype. Other arguments, the
+    multipliers included, as :func:`swiglu`. A NaN or inf weight propagates to its token's
+    outputs and gradients as ``y * weights`` does in PyTorch."""
     return _run("weighted_swiglu", x, bias, weights, "silu", True, clamp_value=clamp_value,
                 fp8_input_store=fp8_input_store, cpu_offload_input=cpu_offload_input,
-                impl=impl)
+                impl=impl, gate_multiplier=gate_multiplier, down_multiplier=down_multiplier)
 
 
 def weighted_quick_geglu(x: torch.Tensor, weights: torch.Tensor,
@@ -542,6 +582,8 @@ def checks(device: torch.device, dtypes) -> list:
             case("swiglu", swiglu, plan_swiglu, "bias", dtype, True, False, True),
             case("swiglu", swiglu, plan_swiglu, "fp8 store", dtype, True, False, False,
                  fp8_input_store=True),
+            case("swiglu", swiglu, plan_swiglu, "multipliers", dtype, True, False, True,
+                 gate_multiplier=0.5, down_multiplier=2.0),
             case("geglu", geglu, plan_geglu, "bias", dtype, True, False, True),
             case("quick_geglu", quick_geglu, plan_quick_geglu, "offset+clamp", dtype, True,
                  False, True, linear_offset=1.0, clamp_value=1.5),
