@@ -1,6 +1,7 @@
 """``lmfuse demo`` (src/lmfuse/demo.py), shortened: the lmfuse model learns, its loss curve
-is the plain PyTorch model's, and paged decoding continues prompts as a full re-forward
-does.
+is the plain PyTorch model's, its weights viewed as a transformers Llama compute the same
+logits, and decoding through ``lmfuse.serving.Generator`` continues prompts as the Llama
+model's own ``generate`` does.
 
 conftest.py sets TRITON_INTERPRET=1, under which ``impl="auto"`` would run the Triton
 kernels in the interpreter on the CPU (slow at these shapes); the demo runs here with
@@ -11,12 +12,15 @@ exit 2, before any work) run through ``lmfuse.cli.main``.
 from __future__ import annotations
 
 import sys
+from dataclasses import asdict
 
 import pytest
 import torch
 from helpers import run_cli
 
-from lmfuse.demo import DEFAULT_PROMPTS, DemoConfig, TinyGPT, check_config, generate_paged, run
+from lmfuse import demo
+from lmfuse.demo import (DEFAULT_PROMPTS, DEFAULTS, DemoConfig, TinyGPT, as_llama, check_config,
+                         run)
 
 SMALL = dict(steps=40, d_model=32, n_layers=2, n_heads=2, ffn=64, seq_len=32, batch=4,
              lr=1e-2, impl="torch", new_tokens=8, quiet=True)
@@ -37,19 +41,110 @@ def test_demo_lmfuse_matches_plain_pytorch(result):
     assert result.max_loss_rel_diff < 1e-3, result.max_loss_diff
 
 
-def test_demo_paged_decode_matches_full_forward(result):
-    assert result.decoded == result.full_forward
+def test_demo_generator_decodes_as_hf_generate(result):
+    assert result.decoded == result.plain_decoded == result.decoded_again
+    assert result.decode_matches
     assert result.decode_logits_ok and result.decode_logit_err < 1e-4, result.decode_logit_err
     assert [len(c) for c in result.decoded] == [SMALL["new_tokens"]] * len(result.prompts)
     assert len({len(p) for p in result.prompts}) > 1  # prompts of different lengths
+    assert result.decode_tokens_per_s > 0 and result.plain_decode_tokens_per_s > 0
+    assert result.cuda_graphs == 0 and result.decode_peak_mib is None  # the CPU
+    assert result.config.log_every == 4 and result.config.d_model == SMALL["d_model"]
+
+
+def test_tokens_unlike_hf_generate_exit_1_in_fp32(capsys, monkeypatch):
+    def off_by_one(*args, **kwargs):
+        out = plain_generate(*args, **kwargs)
+        out.tokens[0][-1] = (out.tokens[0][-1] + 1) % 256
+        return out
+
+    plain_generate = demo.generate_plain
+    monkeypatch.setattr(demo, "generate_plain", off_by_one)
+    code, out, _ = run_cli(capsys, "demo", "--device", "cpu", "--impl", "torch", "--steps", "2",
+                           "--d-model", "16", "--n-heads", "2", "--ffn", "16", "--seq-len",
+                           "8", "--batch", "1", "--new-tokens", "3", "--prompt", "ab")
+    assert code == 1, out
+    assert "identical to the same model's transformers generate: no" in out
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "lmfuse"])
+def test_as_llama_views_the_weights_and_computes_the_same_logits(fused):
+    """Every Llama parameter is a view of a TinyGPT tensor (q/k/v row blocks of the fused
+    QKV weight, gate/up halves of fc1), all of TinyGPT's numbers and no others; the logits
+    agree on random weights (norm weights too, so a misplaced norm would show)."""
+    cfg = check_config(DemoConfig(**SMALL)).config
+    torch.manual_seed(3)
+    model = TinyGPT(cfg, fused=fused, impl="torch")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p) if p.dim() == 1
+                    else torch.randn_like(p) * p.shape[-1] ** -0.5)
+    llama = as_llama(model, 64)
+    d, f = cfg.d_model, cfg.ffn
+    pairs = [(llama.model.embed_tokens.weight, model.embed.weight),
+             (llama.model.norm.weight, model.final_norm.weight),
+             (llama.lm_head.weight, model.head.weight)]
+    for theirs, ours in zip(llama.model.layers, model.layers):
+        qkv, fc1 = ours.attn.qkv.weight, ours.mlp.fc1.weight
+        pairs += [(theirs.input_layernorm.weight, ours.attn.input_norm_weight),
+                  (theirs.self_attn.q_proj.weight, qkv[:d]),
+                  (theirs.self_attn.k_proj.weight, qkv[d:2 * d]),
+                  (theirs.self_attn.v_proj.weight, qkv[2 * d:]),
+                  (theirs.self_attn.o_proj.weight, ours.attn.out.weight),
+                  (theirs.post_attention_layernorm.weight, ours.mlp_norm.weight),
+                  (theirs.mlp.gate_proj.weight, fc1[:f]),
+                  (theirs.mlp.up_proj.weight, fc1[f:]),
+                  (theirs.mlp.down_proj.weight, ours.mlp.fc2.weight)]
+    for got, want in pairs:
+        assert got.data_ptr() == want.data_ptr() and got.shape == want.shape
+    assert len(pairs) == len(list(llama.parameters()))
+    assert sum(p.numel() for p in llama.parameters()) == sum(
+        p.numel() for p in model.parameters())
+
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model.logits(tokens)
+        got = llama(tokens).logits
+        err = float((got - want).abs().max() / want.abs().max())
+        assert err < 1e-6, err
+        model.head.weight.mul_(0.5)  # a change to TinyGPT's weights is the Llama model's
+        assert torch.allclose(llama(tokens).logits, want * 0.5, rtol=1e-5, atol=1e-5)
 
 
 def test_demo_sampling_and_custom_text(tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
     r = run(DemoConfig(**{**SMALL, "steps": 5}, text=str(text), sample=True))
+    assert len(r.prompts) == DEFAULTS["cpu"].prompts
+    assert all(p and p in text.read_text() for p in r.prompts)
     assert r.sampled is not None and all(len(c) == SMALL["new_tokens"] for c in r.sampled)
     assert all(0 <= t < 256 for c in r.sampled for t in c)
+
+
+def test_unset_options_take_the_device_defaults(monkeypatch):
+    cpu = check_config(DemoConfig(device="cpu"))
+    want = {k: v for k, v in asdict(DEFAULTS["cpu"]).items() if k != "prompts"}
+    assert {k: getattr(cpu.config, k) for k in want} == want
+    assert cpu.config.log_every == DEFAULTS["cpu"].steps // 10
+    assert cpu.prompts == list(DEFAULT_PROMPTS[:DEFAULTS["cpu"].prompts])
+    assert set(cpu.defaulted) == set(want) | {"log_every"}
+    # A device that resolves to CUDA takes the CUDA sizes; the options given stay.
+    monkeypatch.setattr(demo, "_device", lambda text, name: torch.device("cuda"))
+    cuda = check_config(DemoConfig(device="auto", d_model=512, steps=10))
+    gpu = DEFAULTS["cuda"]
+    assert (cuda.config.d_model, cuda.config.steps, cuda.config.n_layers, cuda.config.seq_len,
+            cuda.config.new_tokens, cuda.config.lr) == (512, 10, gpu.n_layers, gpu.seq_len,
+                                                        gpu.new_tokens, gpu.lr)
+    assert cuda.dtype == "bf16" and len(cuda.prompts) == gpu.prompts == 8
+    assert "d_model" not in cuda.defaulted and "n_layers" in cuda.defaulted
+    assert gpu.d_model > DEFAULTS["cpu"].d_model
+
+
+def test_help_gives_both_defaults(capsys):
+    code, out, _ = run_cli(capsys, "demo", "--help")
+    assert code == 0
+    assert "model width, >= 1 (default 64 on the CPU, 1024 on CUDA)" in " ".join(out.split())
+    assert "lmfuse.serving.Generator" in out
 
 
 # --- bad options: one line on stderr, exit 2, before any work ------------------------------
@@ -143,6 +238,15 @@ def test_plot_without_matplotlib_says_what_to_install_first(capsys, monkeypatch,
                    "install 'lmfuse[plot]' (or matplotlib) (see `lmfuse demo --help`)\n")
 
 
+def test_without_transformers_says_what_to_install_first(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+    code, out, err = run_cli(capsys, "demo")
+    assert (code, out) == (2, ""), out  # before training, not after it
+    assert err == ("lmfuse demo: decoding through lmfuse.serving.Generator (a transformers "
+                   "model) needs transformers, which is not installed here: pip install "
+                   "'transformers>=5,<6' (see `lmfuse demo --help`)\n")
+
+
 def test_plot_path_is_checked_first(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     code, out, err = run_cli(capsys, "demo", "--plot", str(tmp_path / "no" / "loss.png"))
@@ -160,10 +264,4 @@ def test_run_checks_the_config_before_any_work():
         check_config(DemoConfig(**{**SMALL, "steps": 2.5}))
     setup = check_config(DemoConfig(**SMALL))
     assert setup.device == torch.device("cpu") and setup.dtype == "fp32"
-    assert setup.prompts == list(DEFAULT_PROMPTS) and len(setup.text) > 10_000
-
-
-def test_generate_paged_rejects_an_empty_prompt():
-    model = TinyGPT(DemoConfig(**SMALL), fused=True, impl="torch")
-    with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
-        generate_paged(model, [[100, 101], []], 2)
+    assert setup.prompts == list(DEFAULT_PROMPTS[:4]) and len(setup.text) > 10_000

@@ -1,10 +1,11 @@
-"""``lmfuse demo``: train a tiny byte-level GPT with lmfuse's ops and the same GPT in plain
-PyTorch, side by side, then decode from the lmfuse one over a paged KV cache.
+"""``lmfuse demo``: train a small byte-level GPT with lmfuse's ops and the same GPT in plain
+PyTorch, side by side, then decode from the lmfuse one through ``lmfuse.serving.Generator``
+and from the same weights through Hugging Face's ``generate``.
 
     model      tokens -> embedding -> L x [x + attn(x); x + mlp(rmsnorm(x))] -> rmsnorm -> head
     attn       RMSNorm -> fused QKV projection -> rotary embedding -> causal attention -> out
-               (the parameter layout of :class:`lmfuse.DecodeAttentionBlock`, so decoding
-               loads the trained weights into that block unchanged)
+               (a Llama decoder layer's computation: decoding views the trained weights as
+               a transformers LlamaForCausalLM without copying them)
 
 The two models start from one set of weights and see the same batches; they differ only
 in the ops:
@@ -15,13 +16,21 @@ in the ops:
     lmfuse.FusedMLP(activation="swiglu")     F.silu(a) * g
     lmfuse.linear_cross_entropy(h, W, y)     F.cross_entropy(h @ W.T, y)
 
-Decoding runs the lmfuse model's layers with one :class:`lmfuse.DecodeAttentionBlock` per
-layer over one :class:`lmfuse.PagedKVCache` (prompts of different lengths prefilled in
-chunks of up to 8 tokens, then decoded together one token a step), and checks its greedy
-continuation against a full re-forward of the plain model with the same weights.
+Decoding: the trained lmfuse model, viewed as a LlamaForCausalLM, continues every prompt
+at once through lmfuse.serving.Generator (paged KV cache, lmfuse's decode kernels, each
+decode step captured in a CUDA graph on a GPU) and, as the plain side, through the same
+model's own generate (greedy, its dynamic KV cache). Both are timed the same way (one
+untimed call first, then a whole generate call: prefill and decode, every prompt
+together). The Generator's greedy tokens must equal generate's in fp32, and its logits at
+every step must match the plain model's full forward on the same tokens.
+
+Sizes: an option not given takes the device's default, small on the CPU (well under a
+minute on 2 cores) and, on CUDA, a model large enough for the GPU to matter: d-model 1024,
+8 layers, 16 heads, ffn 4096, 8 x 1024 tokens a step, 200 steps at lr 3e-4, 8 prompts of
+128 new tokens.
 
 On CUDA the ops take their Triton kernels (``impl="auto"``); on the CPU their PyTorch
-references. ``run(DemoConfig(...))`` is the Python entry point; ``main(argv)`` the command.
+paths. ``run(DemoConfig(...))`` is the Python entry point; ``main(argv)`` the command.
 Every option is checked before any work (``check_config``): a bad one is one line on stderr
 and exit status 2.
 """
@@ -29,12 +38,13 @@ and exit status 2.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -45,25 +55,61 @@ import lmfuse
 VOCAB = 256  # bytes
 NORM_EPS = 1e-6
 ROPE_THETA = 10000.0
-PREFILL_CHUNK = 8  # decode attention takes 1..8 active tokens per step
+BLOCK_LEN = 16  # tokens per block of the Generator's KV cache
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # Decode-path logits against the full forward's, relative to the largest logit: float32
 # rounding; half precision's (each path rounds its activations differently).
 LOGIT_TOLERANCE = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 5e-2}
 DEFAULT_PROMPTS = ("def ", "import torch\n", "        return self.",
-                   'class PagedKVCache:\n    """')
+                   'class PagedKVCache:\n    """', "    def forward(self, x", "# ",
+                   "from lmfuse import ", "        if x.dim() ")
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """What the options left unset (None) become on a device: the sizes, the learning rate
+    that suits them, and how many of :data:`DEFAULT_PROMPTS` are continued."""
+
+    steps: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    ffn: int
+    seq_len: int
+    batch: int
+    lr: float
+    new_tokens: int
+    prompts: int
+
+
+DEFAULTS = {
+    # A few seconds of training on a 2-core CPU: every op is tiny, the step bound by Python.
+    "cpu": Defaults(steps=400, d_model=64, n_layers=2, n_heads=4, ffn=192, seq_len=64,
+                    batch=8, lr=1e-2, new_tokens=48, prompts=4),
+    # Sizes at which the kernels, not the launches, set the pace: the fused softmax and
+    # linear cross-entropy against 16 x [1024, 1024] score matrices a sequence and a 256-way
+    # head over 8K tokens a step (2.48x the plain model's tokens/s at 4 layers x 16 x 1024
+    # tokens, BENCHMARKS.md); decoding 8 prompts x 128 tokens through 8 layers, where the
+    # plain generate launches every kernel of a step from Python and the Generator replays
+    # one CUDA graph a step.
+    "cuda": Defaults(steps=200, d_model=1024, n_layers=8, n_heads=16, ffn=4096, seq_len=1024,
+                     batch=8, lr=3e-4, new_tokens=128, prompts=8),
+}
 
 
 @dataclass
 class DemoConfig:
-    steps: int = 400
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    ffn: int = 192
-    seq_len: int = 64
-    batch: int = 8
-    lr: float = 1e-2
+    """The demo's options. Those left ``None`` take the device's :data:`DEFAULTS`
+    (:func:`check_config` resolves them)."""
+
+    steps: Optional[int] = None
+    d_model: Optional[int] = None
+    n_layers: Optional[int] = None
+    n_heads: Optional[int] = None
+    ffn: Optional[int] = None
+    seq_len: Optional[int] = None
+    batch: Optional[int] = None
+    lr: Optional[float] = None
     seed: int = 0
     device: str = "auto"
     dtype: Optional[str] = None  # fp32 on the CPU, bf16 on CUDA
@@ -73,11 +119,11 @@ class DemoConfig:
     cpu_threads: int = 1
     text: Optional[str] = None  # default: lmfuse's own source files
     prompts: Optional[list[str]] = None
-    new_tokens: int = 48
+    new_tokens: Optional[int] = None
     sample: bool = False
     temperature: float = 0.8
     plot: Optional[str] = None
-    log_every: int = 25
+    log_every: Optional[int] = None  # default: a tenth of the steps
     quiet: bool = False
 
 
@@ -93,19 +139,29 @@ class DemoResult:
     lmfuse: TrainStats
     plain: TrainStats
     prompts: list[str]
-    decoded: list[list[int]]  # greedy, through DecodeAttentionBlock + PagedKVCache
-    full_forward: list[list[int]]  # greedy, plain model re-run on the whole sequence
-    # max |decode logits - full-forward logits| / max |full-forward logits| over the greedy
-    # steps, the full forward fed the decoded tokens (teacher-forced: no divergence)
+    decoded: list[list[int]]  # greedy, through lmfuse.serving.Generator
+    decoded_again: list[list[int]]  # the same, the Generator's timed run
+    plain_decoded: list[list[int]]  # greedy, the same weights through HF generate
+    # max |Generator logits - full-forward logits| / max |full-forward logits| over the
+    # greedy steps, the plain model's full forward fed the decoded tokens (teacher-forced:
+    # no divergence)
     decode_logit_err: float
-    sampled: Optional[list[list[int]]]
-    decode_tokens_per_s: float
+    sampled: Optional[list[list[int]]]  # --sample: through the Generator's sampling
+    decode_tokens_per_s: float  # the Generator's, all prompts together
+    plain_decode_tokens_per_s: float  # HF generate's, timed the same way
+    # CUDA only: the most memory a side's decoding held above what was allocated before it
+    # (KV cache, activations, captured graphs; the weights are shared and not counted)
+    decode_peak_mib: Optional[float]
+    plain_decode_peak_mib: Optional[float]
+    cuda_graphs: int  # CUDA graphs the Generator captured for its decode steps (CPU: 0)
     device: str
     dtype: str
+    config: DemoConfig  # the options the run used, defaults resolved
 
     @property
     def decode_matches(self) -> bool:
-        return self.decoded == self.full_forward
+        """Both greedy runs of the Generator gave HF generate's tokens."""
+        return self.decoded == self.plain_decoded == self.decoded_again
 
     @property
     def decode_logits_ok(self) -> bool:
@@ -126,26 +182,33 @@ class DemoResult:
 MINIMUM = {"steps": 1, "d_model": 1, "n_layers": 1, "n_heads": 1, "ffn": 1, "seq_len": 1,
            "batch": 1, "new_tokens": 1, "cpu_threads": 0, "log_every": 1, "seed": 0}
 MAX_SEED = 2**63 - 1  # torch.manual_seed's range, from 0
+# The options that may be left None (the device's default).
+UNSET = tuple(f.name for f in fields(Defaults) if f.name != "prompts") + ("log_every",)
 
 
 @dataclass(frozen=True)
 class Setup:
     """What a checked :class:`DemoConfig` resolves to."""
 
+    config: DemoConfig  # every option set: the device's defaults filled in
     device: torch.device
     dtype: str  # a key of DTYPES
     text: bytes  # the training text
     source: str  # where it came from, for the log
     prompts: list[str]
+    defaulted: tuple[str, ...]  # the options that took the device's defaults
 
 
 def check_config(cfg: DemoConfig,
                  name: Callable[[str], str] = lambda f: f"DemoConfig.{f}") -> Setup:
     """Every option's range and the options' combinations, checked before any work; raises
     ``ValueError`` naming the option (``name(field)``: the command line passes ``--flag``).
-    Reads the training text, and finds out whether the chosen device and path can run."""
+    Fills the options left None from the device's :data:`DEFAULTS`, reads the training
+    text, and finds out whether the chosen device and path can run."""
     for key, low in MINIMUM.items():
         value = getattr(cfg, key)
+        if value is None and key in UNSET:
+            continue
         if not isinstance(value, int) or isinstance(value, bool):
             raise ValueError(f"{name(key)} must be an integer, got {value!r}")
         if value < low:
@@ -154,13 +217,22 @@ def check_config(cfg: DemoConfig,
         raise ValueError(f"{name('seed')} must be <= {MAX_SEED}, got {cfg.seed}")
     for key in ("lr", "temperature"):
         value = getattr(cfg, key)
+        if value is None and key in UNSET:
+            continue
         if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise ValueError(f"{name(key)} must be a finite number > 0, got {value!r}")
+    device = _device(cfg.device, name)
+    defaults = DEFAULTS[device.type]
+    defaulted = tuple(f for f in UNSET if getattr(cfg, f) is None)
+    fill = {f: getattr(defaults, f) for f in defaulted if f != "log_every"}
+    steps = fill.get("steps", cfg.steps)
+    if "log_every" in defaulted:
+        fill["log_every"] = max(1, steps // 10)
+    cfg = replace(cfg, **fill)
     if cfg.d_model % cfg.n_heads or (cfg.d_model // cfg.n_heads) % 2:
         raise ValueError(f"{name('d_model')} ({cfg.d_model}) must be {name('n_heads')} "
                          f"({cfg.n_heads}) times an even head size (rotary embeddings rotate "
                          "pairs)")
-    device = _device(cfg.device, name)
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise ValueError(f"{name('dtype')} must be one of {', '.join(DTYPES)}, got "
                          f"{cfg.dtype!r}")
@@ -178,19 +250,26 @@ def check_config(cfg: DemoConfig,
     for i, prompt in enumerate(prompts):
         if not isinstance(prompt, str) or not prompt:
             raise ValueError(f"{name('prompts')} number {i + 1} is empty")
+    from lmfuse.cli import missing_package
+
+    missing = missing_package("transformers", "decoding through lmfuse.serving.Generator "
+                              "(a transformers model)", "'transformers>=5,<6'")
+    if missing:
+        raise ValueError(missing)
     if cfg.plot is not None:
         _check_plot(cfg.plot, name)
     text, source = _read_text(cfg.text, name)
     if len(text) < cfg.seq_len + 2:
         raise ValueError(f"{name('seq_len')} {cfg.seq_len} needs a text of at least "
                          f"{cfg.seq_len + 2} bytes; {source} has {len(text):,}")
+    n = defaults.prompts
     if not prompts and cfg.text is None:
-        prompts = list(DEFAULT_PROMPTS)
+        prompts = list(DEFAULT_PROMPTS[:n])
     elif not prompts:  # slices of the text, of different lengths
         decoded = text.decode("utf-8", errors="replace")
-        prompts = [decoded[len(decoded) * i // 4:][:n] for i, n in ((0, 4), (1, 9), (2, 17))]
+        prompts = [decoded[len(decoded) * i // n:][:4 + 5 * i] for i in range(n)]
     dtype = cfg.dtype or ("bf16" if device.type == "cuda" else "fp32")
-    return Setup(device, dtype, text, source, prompts)
+    return Setup(cfg, device, dtype, text, source, prompts, defaulted)
 
 
 def _device(text: str, name: Callable[[str], str]) -> torch.device:
@@ -243,16 +322,27 @@ def _read_text(path: Optional[str], name: Callable[[str], str]) -> tuple[bytes, 
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    # float32 math, rounded once: as DecodeAttentionBlock's input norm.
+    # float32 math, rounded once.
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + NORM_EPS)
             * weight.float()).to(x.dtype)
 
 
-def rope(x: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+@functools.lru_cache(maxsize=None)
+def _inv_freq(head_dim: int, device: torch.device) -> torch.Tensor:
+    """The rotary frequencies, float32, computed on the CPU (as transformers' Llama does at
+    its construction, so both models turn by the same angles) and kept on ``device``: a
+    buffer would be rounded by ``model.to(dtype)``."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+    return (1.0 / ROPE_THETA ** exponent).to(device)
+
+
+def rope(x: torch.Tensor) -> torch.Tensor:
     """Rotate-half rotary embedding of ``x [B, T, H, D]`` at positions ``0..T-1``: the cosine
-    and sine of float32 angles (as DecodeAttentionBlock takes them), rounded to x's dtype."""
+    and sine of float32 angles (frequencies ``theta ** (-2i / D)`` in float32 whatever x's
+    dtype, as transformers' Llama takes them), rounded to x's dtype."""
     T = x.shape[1]
+    inv_freq = _inv_freq(x.shape[-1], x.device)
     angle = torch.arange(T, device=x.device, dtype=torch.float32)[None, :, None, None] * inv_freq
     c, s = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
     x1, x2 = x.chunk(2, -1)
@@ -274,8 +364,9 @@ class RMSNorm(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """Training-time attention with DecodeAttentionBlock's parameters (``input_norm_weight``,
-    ``qkv``, ``out``; no biases, rope over the whole head)."""
+    """Causal self-attention: ``input_norm_weight`` (its RMSNorm), ``qkv`` (the query, key
+    and value projections stacked in that order, ``[3 d, d]``), ``out``; no biases, rope
+    over the whole head."""
 
     def __init__(self, d: int, n_heads: int, fused: bool, impl: str) -> None:
         super().__init__()
@@ -283,8 +374,6 @@ class CausalSelfAttention(nn.Module):
         self.input_norm_weight = nn.Parameter(torch.ones(d))
         self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.out = nn.Linear(d, d, bias=False)
-        exponent = torch.arange(0, self.head_dim, 2).float() / self.head_dim
-        self.register_buffer("inv_freq", 1.0 / ROPE_THETA ** exponent, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, d = x.shape
@@ -292,7 +381,7 @@ class CausalSelfAttention(nn.Module):
         h = (lmfuse.rms_norm(x, self.input_norm_weight, eps=NORM_EPS, impl=self.impl)
              if self.fused else rms_norm(x, self.input_norm_weight))
         q, k, v = self.qkv(h).view(B, T, 3, H, D).unbind(2)
-        q, k = rope(q, self.inv_freq), rope(k, self.inv_freq)
+        q, k = rope(q), rope(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         scores = q @ k.transpose(-1, -2)  # [B, H, T, T]
         if self.fused:
@@ -447,91 +536,191 @@ def train(model: TinyGPT, batches, cfg: DemoConfig, device: torch.device, name: 
 # --- decoding --------------------------------------------------------------------------------
 
 
-def _pick(logits: torch.Tensor, sample: bool, temperature: float,
-          gen: Optional[torch.Generator]) -> torch.Tensor:
-    if not sample:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, -1)
-    return torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(-1).to(logits.device)
+def as_llama(model: TinyGPT, max_positions: int) -> Any:
+    """``model`` as a ``transformers.LlamaForCausalLM`` (eval mode) whose parameters are
+    ``model``'s own tensors: views of the same storage, nothing copied, so the Llama model
+    sees every later change of ``model``'s weights. ``max_positions``: its
+    ``max_position_embeddings``.
+
+        TinyGPT                               LlamaForCausalLM
+        embed.weight                          model.embed_tokens.weight
+        layers[i].attn.input_norm_weight      model.layers[i].input_layernorm.weight
+        layers[i].attn.qkv.weight rows        ...self_attn.{q,k,v}_proj.weight (d rows each,
+                                              in that order)
+        layers[i].attn.out.weight             ...self_attn.o_proj.weight
+        layers[i].mlp_norm.weight             ...post_attention_layernorm.weight
+        layers[i].mlp.fc1.weight rows         ...mlp.gate_proj.weight (the first ffn rows:
+                                              the activated half), ...mlp.up_proj.weight
+        layers[i].mlp.fc2.weight              ...mlp.down_proj.weight
+        final_norm.weight                     model.norm.weight
+        head.weight                           lm_head.weight (untied)
+
+    The computations agree without transforming anything: pre-norm residual blocks,
+    RMSNorm with eps 1e-6 (Llama multiplies by the weight after rounding to the input dtype,
+    TinyGPT before: equal in fp32, one rounding apart in half precision), rotate-half rotary
+    embeddings of theta 1e4 over the whole head from float32 angles, attention scaled by
+    ``head_dim ** -0.5`` with as many key/value heads as query heads, ``silu(gate) * up``,
+    no biases. The rotary frequencies are a float32 buffer of the Llama model, computed as
+    TinyGPT computes them."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    first = model.layers[0]
+    d, H = model.embed.embedding_dim, first.attn.n_heads
+    ffn = first.mlp.fc2.in_features
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=d, intermediate_size=ffn,
+        num_hidden_layers=len(model.layers), num_attention_heads=H, num_key_value_heads=H,
+        head_dim=d // H, hidden_act="silu", max_position_embeddings=max_positions,
+        rms_norm_eps=NORM_EPS, rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
+        attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    with torch.device("meta"):  # no memory: every parameter is replaced by a view below
+        llama = LlamaForCausalLM(config)
+
+    def share(module: nn.Module, tensor: torch.Tensor) -> None:
+        module.weight = nn.Parameter(tensor.detach(), requires_grad=False)
+
+    share(llama.model.embed_tokens, model.embed.weight)
+    for layer, ours in zip(llama.model.layers, model.layers):
+        attn, qkv = layer.self_attn, ours.attn.qkv.weight
+        share(layer.input_layernorm, ours.attn.input_norm_weight)
+        share(attn.q_proj, qkv[:d])
+        share(attn.k_proj, qkv[d:2 * d])
+        share(attn.v_proj, qkv[2 * d:])
+        share(attn.o_proj, ours.attn.out.weight)
+        share(layer.post_attention_layernorm, ours.mlp_norm.weight)
+        share(layer.mlp.gate_proj, ours.mlp.fc1.weight[:ffn])
+        share(layer.mlp.up_proj, ours.mlp.fc1.weight[ffn:])
+        share(layer.mlp.down_proj, ours.mlp.fc2.weight)
+    share(llama.model.norm, model.final_norm.weight)
+    share(llama.lm_head, model.head.weight)
+    device = model.head.weight.device
+    # Built on the CPU in float32, as transformers builds it, then moved (not cast).
+    llama.model.rotary_emb = type(llama.model.rotary_emb)(config).to(device)
+    left = [n for n, t in (*llama.named_parameters(), *llama.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"as_llama: {left[0]} was not given a tensor of the model")
+    return llama.eval()
+
+
+@dataclass
+class Decoded:
+    """One side's decoding of the prompts."""
+
+    tokens: list[list[int]]  # greedy, new tokens only
+    tokens_per_s: float
+    peak_mib: Optional[float] = None  # CUDA only, above what was allocated before
+    step_logits: Optional[torch.Tensor] = None  # [prompts, new_tokens, V] float32
+    timed_tokens: Optional[list[list[int]]] = None  # the timed greedy run's
+    sampled: Optional[list[list[int]]] = None
+    cuda_graphs: int = 0
+    graph_failure: Optional[str] = None
+
+
+def _timed(device: torch.device, call: Callable[[], Any]) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    call()
+    _sync(device)
+    return max(time.perf_counter() - t0, 1e-9)
+
+
+def _memory_mark(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    _sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def _memory_peak(device: torch.device, mark: int) -> Optional[float]:
+    if device.type != "cuda":
+        return None
+    return (torch.cuda.max_memory_allocated(device) - mark) / 2**20
+
+
+def generate_lmfuse(llama: Any, prompts: list[list[int]], new_tokens: int, *,
+                    impl: str = "auto", sample: bool = False, temperature: float = 1.0,
+                    seed: int = 0) -> Decoded:
+    """Continue ``prompts`` (token lists of any lengths) by ``new_tokens`` tokens each
+    through :class:`lmfuse.serving.Generator` (all of them in one batch): a greedy run
+    that records the logits each token was picked from (it also captures the CUDA graphs
+    and compiles the kernels), then the timed greedy run, then, with ``sample``, a sampled
+    run (``temperature``, request ``i`` seeded ``seed + i``)."""
+    from lmfuse.serving import Generator
+
+    device = next(llama.parameters()).device
+    longest = max(map(len, prompts)) + new_tokens
+    mark = _memory_mark(device)
+    blocks = len(prompts) * -(-longest // BLOCK_LEN)  # the pool: exactly what they need
+    gen = Generator(llama, block_len=BLOCK_LEN, num_blocks=blocks, max_batch=len(prompts),
+                    impl=impl)
+    timed: list[list[int]] = []
+    try:
+        tokens, step_logits = _greedy_with_logits(gen, prompts, new_tokens)
+        elapsed = _timed(device, lambda: timed.extend(
+            gen.generate(prompts, max_new_tokens=new_tokens, eos_token_id=[])))
+        sampled = (gen.generate(prompts, max_new_tokens=new_tokens, temperature=temperature,
+                                seed=seed, eos_token_id=[]) if sample else None)
+        graphs, failure = gen.stats["cuda_graphs"], gen.runner.graph_failure
+    finally:
+        gen.close()
+    return Decoded(tokens, len(prompts) * new_tokens / elapsed, _memory_peak(device, mark),
+                   step_logits, timed, sampled, graphs, failure)
+
+
+def _greedy_with_logits(gen: Any, prompts: list[list[int]],
+                        new_tokens: int) -> tuple[list[list[int]], torch.Tensor]:
+    """Greedy continuations through the Generator's ``add_request`` and ``step``, and the
+    logits ``[prompts, new_tokens, V]`` (float32) each token was picked from: read where
+    the Generator's model runner returns them (its prefill and decode calls, wrapped for
+    this run only), keyed by request and by how many tokens it had generated."""
+    runner, seen = gen.runner, {}
+
+    def recording(call: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def wrapped(requests: list[Any], *args: Any) -> torch.Tensor:
+            logits = call(requests, *args)
+            for req, row in zip(requests, logits):  # a graph's output buffer: copied
+                seen[req.rid, len(req.output)] = row.to(torch.float32, copy=True)
+            return logits
+        return wrapped
+
+    runner.prefill, runner.decode = recording(runner.prefill), recording(runner.decode)
+    try:
+        rids = [gen.add_request(p, max_new_tokens=new_tokens, eos_token_id=[])
+                for p in prompts]
+        out: dict[int, list[int]] = {rid: [] for rid in rids}
+        while gen.has_unfinished():
+            for rid, toks, _ in gen.step():
+                out[rid] += toks
+    finally:
+        del runner.prefill, runner.decode  # the class's methods again
+    logits = torch.stack([torch.stack([seen[rid, i] for i in range(new_tokens)])
+                          for rid in rids])
+    return [out[rid] for rid in rids], logits
 
 
 @torch.inference_mode()
-def generate_paged(model: TinyGPT, prompts: list[list[int]], new_tokens: int, *,
-                   sample: bool = False, temperature: float = 1.0, seed: int = 0,
-                   block_len: int = 16) -> tuple[list[list[int]], float, torch.Tensor]:
-    """Continue ``prompts`` (token lists of any lengths) by ``new_tokens`` tokens each, with
-    ``model``'s weights: attention through one :class:`lmfuse.DecodeAttentionBlock` per layer
-    over a :class:`lmfuse.PagedKVCache`. Returns the continuations, the decode phase's
-    tokens/s (all sequences together, after the prefill) and the logits each token was
-    picked from, ``[len(prompts), new_tokens, V]`` float32."""
-    empty = [i for i, prompt in enumerate(prompts) if len(prompt) == 0]
-    if empty:
-        raise ValueError(f"generate_paged: every prompt needs a token; prompts[{empty[0]}] "
-                         "is empty")
-    p = next(model.parameters())
-    device, dtype = p.device, p.dtype
-    first = model.layers[0].attn
-    H, D = first.n_heads, first.head_dim
-    blocks = []
-    for layer in model.layers:
-        block = lmfuse.DecodeAttentionBlock(H * D, H, H, rope=True, rope_theta=ROPE_THETA,
-                                            norm_eps=NORM_EPS, impl=model.impl,
-                                            device=device, dtype=dtype)
-        # The training attention has the block's parameter layout: a plain state-dict copy.
-        block.load_state_dict(layer.attn.state_dict())
-        blocks.append(block)
-    longest = max(map(len, prompts)) + new_tokens
-    cache = lmfuse.PagedKVCache(len(prompts) * -(-longest // block_len), block_len, H, D,
-                                dtype=dtype, device=device, num_layers=len(blocks))
-    seqs = [cache.add_sequence() for _ in prompts]
+def generate_plain(llama: Any, prompts: list[list[int]], new_tokens: int) -> Decoded:
+    """The same continuations through ``llama.generate`` (greedy, its dynamic KV cache),
+    the prompts left-padded into one batch: one call for the tokens, then the timed one."""
+    device = next(llama.parameters()).device
+    n, width = len(prompts), max(map(len, prompts))
+    ids = torch.zeros((n, width), dtype=torch.int64)
+    mask = torch.zeros((n, width), dtype=torch.int64)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
 
-    def forward(ids: list[int], tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [n, s] -> the last token's logits [n, V], its keys/values cached."""
-        step = cache.reserve(ids, tokens.shape[1])
-        x = model.embed(tokens)
-        for i, (block, layer) in enumerate(zip(blocks, model.layers)):
-            x = x + block(x, cache.k_caches[i], cache.v_caches[i], step.seqlens_before,
-                          block_table=step.block_table)
-            x = x + layer.mlp(layer.mlp_norm(x))
-        return model.head(model.final_norm(x[:, -1]))
+    def call() -> torch.Tensor:
+        return llama.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
+                              do_sample=False, use_cache=True, pad_token_id=0)
 
-    last = []
-    for sid, prompt in zip(seqs, prompts):  # prefill, one prompt at a time
-        t = torch.tensor(prompt, device=device)[None]
-        for i in range(0, t.shape[1], PREFILL_CHUNK):
-            logits = forward([sid], t[:, i:i + PREFILL_CHUNK])
-        last.append(logits[0])
-    logits = torch.stack(last)
-    gen = torch.Generator().manual_seed(seed) if sample else None
-    out: list[torch.Tensor] = []
-    _sync(device)
-    t0 = time.perf_counter()
-    picked_from = []
-    for i in range(new_tokens):  # decode: every sequence together, one token a step
-        nxt = _pick(logits, sample, temperature, gen)
-        out.append(nxt)
-        picked_from.append(logits)
-        if i + 1 < new_tokens:
-            logits = forward(seqs, nxt[:, None])
-    _sync(device)
-    elapsed = time.perf_counter() - t0
-    tokens = torch.stack(out, 1).tolist() if out else [[] for _ in prompts]
-    steps = (torch.stack(picked_from, 1).float() if picked_from else
-             logits.new_empty((len(prompts), 0, logits.shape[-1]), dtype=torch.float32))
-    return tokens, len(prompts) * new_tokens / max(elapsed, 1e-9), steps
-
-
-@torch.no_grad()
-def generate_full(model: TinyGPT, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """Greedy continuation by re-running the whole sequence for every token (no cache)."""
-    device = next(model.parameters()).device
-    result = []
-    for prompt in prompts:
-        seq = list(prompt)
-        for _ in range(new_tokens):
-            seq.append(int(model.logits(torch.tensor(seq, device=device)[None])[0, -1].argmax()))
-        result.append(seq[len(prompt):])
-    return result
+    mark = _memory_mark(device)
+    tokens = call()[:, width:].tolist()
+    elapsed = _timed(device, call)
+    return Decoded(tokens, n * new_tokens / elapsed, _memory_peak(device, mark))
 
 
 @torch.no_grad()
@@ -567,9 +756,19 @@ def run(cfg: DemoConfig) -> DemoResult:
     if cfg.cpu_threads and setup.device.type == "cpu":
         torch.set_num_threads(cfg.cpu_threads)
     try:
-        return _run(cfg, setup)
+        return _run(setup.config, setup)
     finally:
         torch.set_num_threads(threads)
+
+
+def _sizes_line(cfg: DemoConfig, setup: Setup) -> str:
+    sizes = [f for f in UNSET if f != "log_every"]
+    taken = [f for f in setup.defaulted if f in sizes]
+    where = ("as given" if not taken else f"the {setup.device.type} defaults"
+             + ("" if len(taken) == len(sizes) else " where not given"))
+    return (f"sizes ({where}): {cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} "
+            f"heads, ffn {cfg.ffn}, seq {cfg.seq_len}, batch {cfg.batch}, {cfg.steps} steps "
+            f"at lr {cfg.lr:g}; {len(setup.prompts)} prompts x {cfg.new_tokens} new tokens")
 
 
 def _run(cfg: DemoConfig, setup: Setup) -> DemoResult:
@@ -583,9 +782,8 @@ def _run(cfg: DemoConfig, setup: Setup) -> DemoResult:
 
     path = lmfuse.explain(lmfuse.fused_softmax, torch.zeros(1, 1, 2, 2, device=device),
                           causal=True, impl=cfg.impl)
-    log(f"lmfuse demo on {device} ({dtype_name}): {cfg.n_layers} layers, d_model "
-        f"{cfg.d_model}, {cfg.n_heads} heads, ffn {cfg.ffn}, seq {cfg.seq_len}, batch "
-        f"{cfg.batch}, {cfg.steps} steps")
+    log(f"lmfuse demo on {device} ({dtype_name})")
+    log(_sizes_line(cfg, setup))
     log(f"text: {source}, {len(raw):,} bytes")
     log(f"ops: impl={cfg.impl!r}; e.g. {str(path).splitlines()[0]}")
 
@@ -600,31 +798,40 @@ def _run(cfg: DemoConfig, setup: Setup) -> DemoResult:
     log("training (same weights, same batches):")
     s_fused = train(fused, batches, cfg, device, "lmfuse", log)
     s_plain = train(plain, batches, cfg, device, "plain", log)
+    del plain  # its memory, before decoding
 
     fused.eval()
-    decoded, decode_tps, step_logits = generate_paged(fused, prompts, cfg.new_tokens)
+    llama = as_llama(fused, max(cfg.seq_len, max(map(len, prompts)) + cfg.new_tokens))
+    log(f"\ndecoding with the lmfuse model's weights, viewed as a transformers "
+        f"LlamaForCausalLM (no copy), {len(prompts)} prompts at once:")
+    ours = generate_lmfuse(llama, prompts, cfg.new_tokens, impl=cfg.impl, sample=cfg.sample,
+                           temperature=cfg.temperature, seed=cfg.seed)
+    theirs = generate_plain(llama, prompts, cfg.new_tokens)
     checker = TinyGPT(cfg, fused=False).to(device=device, dtype=dtype)
     checker.load_state_dict(fused.state_dict())  # the plain model with lmfuse's weights
-    full = generate_full(checker, prompts, cfg.new_tokens)
-    logit_err = teacher_forced_err(checker, prompts, decoded, step_logits)
-    sampled = None
-    if cfg.sample:
-        sampled, decode_tps, _ = generate_paged(fused, prompts, cfg.new_tokens, sample=True,
-                                                temperature=cfg.temperature, seed=cfg.seed)
+    logit_err = teacher_forced_err(checker, prompts, ours.tokens, ours.step_logits)
+    del checker
 
-    result = DemoResult(s_fused, s_plain, prompt_texts, decoded, full, logit_err, sampled,
-                        decode_tps, str(device), dtype_name)
-    shown = sampled if sampled is not None else decoded
-    log(f"\ngeneration with the lmfuse model's weights: DecodeAttentionBlock over a "
-        f"PagedKVCache, {len(prompts)} prompts at once, "
-        f"{'sampled (T=%g)' % cfg.temperature if sampled is not None else 'greedy'}:")
-    for prompt, cont in zip(prompts, shown):
+    result = DemoResult(
+        lmfuse=s_fused, plain=s_plain, prompts=prompt_texts, decoded=ours.tokens,
+        decoded_again=ours.timed_tokens, plain_decoded=theirs.tokens,
+        decode_logit_err=logit_err, sampled=ours.sampled,
+        decode_tokens_per_s=ours.tokens_per_s, plain_decode_tokens_per_s=theirs.tokens_per_s,
+        decode_peak_mib=ours.peak_mib, plain_decode_peak_mib=theirs.peak_mib,
+        cuda_graphs=ours.cuda_graphs, device=str(device), dtype=dtype_name, config=cfg)
+    graphs = (f"decode steps replayed from {ours.cuda_graphs} CUDA graphs" if ours.cuda_graphs
+              else "no CUDA graphs" + (f" (capture failed: {ours.graph_failure})"
+                                       if ours.graph_failure else ""))
+    log(f"lmfuse.serving.Generator (paged KV cache, lmfuse's kernels, {graphs}), "
+        f"{'sampled (T=%g)' % cfg.temperature if ours.sampled is not None else 'greedy'}:")
+    for prompt, cont in zip(prompts, ours.sampled if ours.sampled is not None else ours.tokens):
         log(f"  {_text(prompt)} -> {_text(cont)}")
-    log(f"decode logits against the plain model's full forward on the same tokens: max "
+    log(f"Generator logits against the plain model's full forward on the same tokens: max "
         f"|difference| / max |logit| = {logit_err:.1e} (tolerance in {dtype_name} "
         f"{LOGIT_TOLERANCE[dtype_name]:.0e}): {'ok' if result.decode_logits_ok else 'FAILED'}")
-    log(f"greedy continuations identical to the plain model's (re-run per token): "
-        f"{'yes' if result.decode_matches else 'no'}"
+    repeat = "" if ours.timed_tokens == ours.tokens else " (the timed run's tokens differ)"
+    log(f"greedy tokens identical to the same model's transformers generate: "
+        f"{'yes' if result.decode_matches else 'no' + repeat}"
         + ("" if result.decode_matches or dtype_name == "fp32" else
            f" (in {dtype_name} a near-tie between two tokens can round either way in the two "
            "paths, and the continuations part from there)"))
@@ -636,18 +843,26 @@ def _run(cfg: DemoConfig, setup: Setup) -> DemoResult:
 
 
 def summary(r: DemoResult) -> str:
-    def mem(s: TrainStats) -> str:
-        return "n/a (CPU)" if s.peak_mib is None else f"{s.peak_mib:.1f} MiB"
+    def mem(mib: Optional[float]) -> str:
+        return "n/a (CPU)" if mib is None else f"{mib:,.1f} MiB"
 
-    rows = [("", "lmfuse", "plain PyTorch"),
-            ("loss at start", f"{r.lmfuse.losses[0]:.4f}", f"{r.plain.losses[0]:.4f}"),
-            ("loss at end", f"{r.lmfuse.losses[-1]:.4f}", f"{r.plain.losses[-1]:.4f}"),
-            ("training tokens/s", f"{r.lmfuse.tokens_per_s:,.0f}", f"{r.plain.tokens_per_s:,.0f}"),
-            ("peak memory (training)", mem(r.lmfuse), mem(r.plain)),
-            ("decode tokens/s (paged)", f"{r.decode_tokens_per_s:,.0f}", "-")]
-    w0 = max(len(a) for a, _, _ in rows)
-    w1 = max(len(b) for _, b, _ in rows)
-    lines = [f"{a:<{w0}}  {b:>{w1}}  {c:>13}" for a, b, c in rows]
+    def ratio(a: float, b: float) -> str:
+        return f"{a / b:.2f}x" if b > 0 else "-"
+
+    rows = [("", "lmfuse", "plain", "lmfuse/plain"),
+            ("loss at start", f"{r.lmfuse.losses[0]:.4f}", f"{r.plain.losses[0]:.4f}", ""),
+            ("loss at end", f"{r.lmfuse.losses[-1]:.4f}", f"{r.plain.losses[-1]:.4f}", ""),
+            ("training tokens/s", f"{r.lmfuse.tokens_per_s:,.0f}",
+             f"{r.plain.tokens_per_s:,.0f}", ratio(r.lmfuse.tokens_per_s, r.plain.tokens_per_s)),
+            ("peak memory (training)", mem(r.lmfuse.peak_mib), mem(r.plain.peak_mib), ""),
+            ("decode tokens/s (Generator | HF generate)", f"{r.decode_tokens_per_s:,.0f}",
+             f"{r.plain_decode_tokens_per_s:,.0f}",
+             ratio(r.decode_tokens_per_s, r.plain_decode_tokens_per_s)),
+            ("decode memory above the weights", mem(r.decode_peak_mib),
+             mem(r.plain_decode_peak_mib), "")]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = [f"{a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}  {d:>{widths[3]}}".rstrip()
+             for a, b, c, d in rows]
     lines.append(f"max |loss difference| over {len(r.lmfuse.losses)} steps: "
                  f"{r.max_loss_diff:.2e} (relative {r.max_loss_rel_diff:.2e})")
     return "\n".join(lines)
@@ -682,22 +897,30 @@ def main(argv: Optional[list[str]] = None) -> int:
     from lmfuse.cli import ArgumentParser
 
     d = DemoConfig()
+    cpu, gpu = DEFAULTS["cpu"], DEFAULTS["cuda"]
+
+    def default(key: str) -> str:
+        a, b = getattr(cpu, key), getattr(gpu, key)
+        return f"default {a:g}" if a == b else f"default {a:g} on the CPU, {b:g} on CUDA"
+
     parser = ArgumentParser(prog="lmfuse demo", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
-    add("--steps", type=int, default=d.steps, help=f"training steps, >= 1 (default {d.steps})")
+    add("--steps", type=int, help=f"training steps, >= 1 ({default('steps')})")
     add("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
     add("--dtype", choices=tuple(DTYPES), help="default fp32 on the CPU, bf16 on CUDA")
     add("--seed", type=int, default=d.seed, help=f"0 .. 2**63-1 (default {d.seed})")
     add("--impl", choices=("auto", "triton", "torch"), default="auto",
-        help="the ops' path (default auto: Triton on CUDA, the PyTorch reference on the CPU; "
-        "triton on the CPU needs TRITON_INTERPRET=1, Triton's slow interpreter)")
+        help="the ops' and the Generator's path (default auto: Triton on CUDA, PyTorch on "
+        "the CPU; triton on the CPU needs TRITON_INTERPRET=1, Triton's slow interpreter)")
     add("--text", help="train on this file (default: lmfuse's own source)")
     add("--prompt", action="append", dest="prompts",
-        help="a prompt to continue (repeatable; not empty)")
-    add("--new-tokens", type=int, default=d.new_tokens,
-        help=f"tokens generated per prompt, >= 1 (default {d.new_tokens})")
-    add("--sample", action="store_true", help="temperature sampling instead of greedy decoding")
+        help=f"a prompt to continue (repeatable; not empty; default {cpu.prompts} built-in "
+        f"prompts on the CPU, {gpu.prompts} on CUDA)")
+    add("--new-tokens", type=int,
+        help=f"tokens generated per prompt, >= 1 ({default('new_tokens')})")
+    add("--sample", action="store_true",
+        help="show the Generator's temperature sampling instead of its greedy decoding")
     add("--temperature", type=float, default=d.temperature,
         help=f"sampling temperature, > 0 (default {d.temperature})")
     add("--plot", help="draw both loss curves into this PNG (needs matplotlib: pip install "
@@ -706,13 +929,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                       ("n_heads", "attention heads (d-model / n-heads must be even)"),
                       ("ffn", "MLP width"), ("seq_len", "tokens per training sequence"),
                       ("batch", "sequences per training step")):
-        add(_flag(key), type=int, default=getattr(d, key),
-            help=f"{text}, >= 1 (default {getattr(d, key)})")
-    add("--lr", type=float, default=d.lr, help=f"learning rate, > 0 (default {d.lr})")
+        add(_flag(key), type=int, help=f"{text}, >= 1 ({default(key)})")
+    add("--lr", type=float, help=f"learning rate, > 0 ({default('lr')})")
     add("--cpu-threads", type=int, default=d.cpu_threads,
         help=f"torch threads on the CPU (0: leave torch's default; default {d.cpu_threads})")
     args = parser.parse_args(argv)
-    cfg = DemoConfig(**vars(args), log_every=max(1, args.steps // 10))
+    cfg = DemoConfig(**vars(args))
     try:
         check_config(cfg, _flag)
     except ValueError as exc:
