@@ -60,7 +60,7 @@ FAMILIES = {
     "apertus": {},
     "llama4_text": {},
     # Falcon-H1 multiplies its logits, and its MLPs scale their gate and output: the loss
-    # applies the former; MLPs with multipliers other than 1 stay unpatched (the probe).
+    # applies the former, the fused SwiGLU (gate_multiplier, down_multiplier) the latter.
     "falcon_h1": {"lm_head_multiplier": 0.5, "mlp_multipliers": [0.5, 2.0]},
     # two experts of two: with one, the renormalised routing weight is 1 and the router's
     # gradient mere rounding noise
@@ -79,7 +79,7 @@ GELU_FAMILIES = ("gemma", "gemma2", "gemma3_text")
 VISION_LANGUAGE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # Their MLPs are not gated SwiGLU/GEGLU of separate projections (GLM-4 and Phi-3 fuse gate
 # and up in one projection, Arcee's is ReLU^2 without a gate): norms and loss only.
-NO_GATED_MLP = ("glm4", "arcee", "phi3", "lfm2", "apertus", "falcon_h1")
+NO_GATED_MLP = ("glm4", "arcee", "phi3", "lfm2", "apertus")
 
 
 def make_model(model_type: str, **overrides):
@@ -412,6 +412,57 @@ def test_detected_families_patch_only_what_computes_the_formula():
     out_a.loss.backward()
     out_b.loss.backward()
     assert_same_grads(a, b, "helium with odd modules")
+
+
+def test_falcon_h1_mlp_multipliers(monkeypatch):
+    """Falcon-H1's MLP, ``down_proj(up_proj(x) * act_fn(gate_proj(x) * g)) * d``, runs the
+    fused SwiGLU with ``gate_multiplier=g``; d goes into the activation where down_proj has
+    no bias and after down_proj where it has one (``mlp_bias``), the loss and every
+    gradient the unpatched model's. The multipliers are read on every call; ones lmfuse
+    cannot take (a tensor) leave the call to the module, and a GELU MLP with multipliers is
+    not patched (GEGLU has none)."""
+    import lmfuse.integrations.transformers as integration
+
+    seen = []
+    real = integration._swiglu
+    monkeypatch.setattr(integration, "_swiglu", lambda *a, **k: (seen.append(
+        (k.get("gate_multiplier"), k.get("down_multiplier"))), real(*a, **k))[1])
+    a = make_model("falcon_h1", num_hidden_layers=1, mlp_bias=True)
+    b = apply_lmfuse(copy.deepcopy(a), inference_fallback_tokens=0)
+    assert b.lmfuse_patches["swiglu"] == ["model.layers.0.feed_forward"]
+    ids, labels = batch()
+    out_a, out_b = a(input_ids=ids, labels=labels), b(input_ids=ids, labels=labels)
+    assert_close(out_b.loss, out_a.loss, F32, "falcon_h1 mlp_bias: loss")
+    out_a.loss.backward()
+    out_b.loss.backward()
+    assert_same_grads(a, b, "falcon_h1 mlp_bias")
+    assert set(seen) == {(0.5, 1.0)}, seen  # d = 2 after down_proj and its bias
+
+    mlp_a, mlp_b = a.model.layers[0].feed_forward, b.model.layers[0].feed_forward
+    for m in (mlp_a, mlp_b):
+        m.down_proj.bias = None
+        m.gate_multiplier = -0.75
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    dy = torch.randn(2, 5, 32)
+    seen.clear()
+    y_a, y_b = mlp_a(x), mlp_b(x)
+    assert seen == [(-0.75, 2.0)]  # both multipliers in the activation
+    assert_close(y_b, y_a, F32, "falcon_h1 MLP without down_proj bias")
+    for g_b, g_a in zip(torch.autograd.grad(y_b, [x, *mlp_b.parameters()], dy),
+                        torch.autograd.grad(y_a, [x, *mlp_a.parameters()], dy)):
+        assert_close(g_b, g_a, F32, "falcon_h1 MLP gradients")
+    for m in (mlp_a, mlp_b):
+        m.gate_multiplier = torch.tensor(0.5)
+    seen.clear()
+    assert_close(mlp_b(x), mlp_a(x), F32, "tensor multiplier: the module's forward")
+    assert seen == []
+    plain = copy.deepcopy(mlp_a)
+    plain.gate_multiplier = 1.5
+    assert integration._probe_mlp(plain)
+    plain.act_fn = transformers.activations.ACT2FN["gelu_pytorch_tanh"]
+    assert not integration._probe_mlp(plain)
+    plain.gate_multiplier = plain.down_multiplier = 1
+    assert integration._probe_mlp(plain)
 
 
 @pytest.mark.parametrize("where", ["config", "call"])

@@ -7,7 +7,8 @@ models of the same class are untouched, and ``copy.deepcopy`` carries it along):
 * the RMSNorms (every decoder layer's norms, the final norm, Qwen3's and Gemma3's q/k norms)
   run :func:`lmfuse.rms_norm` with the module's own ``weight`` and eps;
 * the gated MLPs (``down_proj(act(gate_proj(x)) * up_proj(x))``) run :func:`lmfuse.swiglu`
-  (SiLU) or :func:`lmfuse.geglu` (tanh-approximated GELU) between their projections;
+  (SiLU) or :func:`lmfuse.geglu` (tanh-approximated GELU) between their projections
+  (Falcon-H1's ``gate_multiplier`` and ``down_multiplier`` as swiglu's);
 * the causal-LM forward, when given ``labels``, computes the loss with
   :func:`lmfuse.linear_cross_entropy` from the last hidden states, with no logits tensor.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
 import warnings
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -59,8 +61,10 @@ _FAMILIES: dict[str, _Family] = {
 #: class named ``*RMSNorm`` with one input is run once on a small input at patch time and
 #: must give ``x * rsqrt(mean(x^2) + eps) * (w + offset)`` for offset 0 or 1; each module
 #: with ``gate_proj``, ``up_proj``, ``down_proj`` and ``act_fn`` must give
-#: ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``. Anything else is left as it is. (Phi-3
-#: fuses gate and up in one projection: only its norms and loss are patched.)
+#: ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, or, with Falcon-H1's number attributes
+#: ``gate_multiplier`` (g) and ``down_multiplier`` (d) and a SiLU ``act_fn``,
+#: ``down_proj(act_fn(gate_proj(x) * g) * up_proj(x)) * d``. Anything else is left as it
+#: is. (Phi-3 fuses gate and up in one projection: only its norms and loss are patched.)
 _DETECTED: tuple[str, ...] = (
     "granite", "olmo2", "olmo3", "glm4", "smollm3", "exaone4", "ministral", "helium",
     "seed_oss", "arcee", "phi3", "lfm2", "hunyuan_v1_dense", "apertus", "llama4_text",
@@ -159,20 +163,39 @@ def _probe_norm(m: torch.nn.Module) -> float | None:
 
 @torch.no_grad()
 def _probe_mlp(m: torch.nn.Module) -> bool:
-    """``m`` computes ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``."""
+    """``m`` computes ``down_proj(act_fn(gate_proj(x) * g) * up_proj(x)) * d``: g and d its
+    :func:`_mlp_multipliers`, other than 1 only with a SiLU ``act_fn`` (lmfuse's GEGLU has
+    no multipliers)."""
     gate = getattr(m, "gate_proj", None)
-    if not (isinstance(gate, torch.nn.Linear) and _one_input(m)
+    multipliers = _mlp_multipliers(m)
+    if not (isinstance(gate, torch.nn.Linear) and _one_input(m) and multipliers is not None
             and _instance_forward(m) in (None, _gated_mlp_forward)):
+        return False
+    g, d = multipliers
+    if (g, d) != (1.0, 1.0) and _gated_activation(m.act_fn) != "swiglu":
         return False
     x = _probe_input(m, gate.in_features)
     if x is None:
         return False
     try:
         y = m(x)
-        want = m.down_proj(m.act_fn(m.gate_proj(x)) * m.up_proj(x))
+        want = m.down_proj(m.act_fn(m.gate_proj(x) * g) * m.up_proj(x)) * d
     except Exception:  # noqa: BLE001 - another structure
         return False
     return isinstance(y, torch.Tensor) and y.shape == want.shape and _close(y, want)
+
+
+def _mlp_multipliers(m: torch.nn.Module) -> tuple[float, float] | None:
+    """``(gate_multiplier, down_multiplier)`` of gated MLP ``m``: Falcon-H1's attributes of
+    these names (which scale ``gate_proj``'s output and ``down_proj``'s), 1.0 for one the
+    module lacks; None when one is there but not a finite int or float."""
+    values = []
+    for name in ("gate_multiplier", "down_multiplier"):
+        v = getattr(m, name, 1.0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return None
+        values.append(float(v))
+    return values[0], values[1]
 
 
 # --- RMSNorm -----------------------------------------------------------------------------------
@@ -281,11 +304,25 @@ def _gate_up(mlp: torch.nn.Module, x: torch.Tensor
 
 
 def _gated_mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    if _small_inference_call(self, x):
+    # The multipliers are read on every call (as the module's own forward reads them); ones
+    # lmfuse cannot apply (not numbers, or on a GELU MLP) leave the call to the module.
+    multipliers = _mlp_multipliers(self)
+    if _small_inference_call(self, x) or multipliers is None or (
+            multipliers != (1.0, 1.0) and self._lmfuse_activation != "swiglu"):
         return type(self).forward(self, x)
     h, bias = _gate_up(self, x)
-    act = _swiglu if self._lmfuse_activation == "swiglu" else _geglu
-    return self.down_proj(act(h, bias, impl=self._lmfuse_impl))
+    if self._lmfuse_activation != "swiglu":
+        return self.down_proj(_geglu(h, bias, impl=self._lmfuse_impl))
+    if multipliers == (1.0, 1.0):
+        return self.down_proj(_swiglu(h, bias, impl=self._lmfuse_impl))
+    g, d = multipliers
+    # Falcon-H1 scales down_proj's output by d: the same as scaling its input (inside the
+    # activation, no extra pass over the output) when down_proj is a plain nn.Linear
+    # without a bias; otherwise d is applied to the output, as the model does.
+    fold = _plain_linear(self.down_proj) and self.down_proj.bias is None
+    y = _swiglu(h, bias, gate_multiplier=g, down_multiplier=d if fold else 1.0,
+                impl=self._lmfuse_impl)
+    return self.down_proj(y) if fold else self.down_proj(y) * d
 
 
 def _gated_activation(act: Any) -> str | None:
@@ -554,17 +591,18 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
     with their norms and MLPs found by a probe of what each module computes, Granite
     (``logits_scaling`` applied), OLMo 2 and 3, GLM-4, SmolLM3, EXAONE 4, Ministral, Helium,
     Seed-OSS, Arcee, Phi-3, LFM2, Hunyuan dense, Apertus, Llama 4 (text), Falcon-H1 (its
-    ``lm_head_multiplier`` applied; its MLPs only where their multipliers are 1) and the mixtures of
-    experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE and GPT-OSS (their experts run
-    the model's code; with ``output_router_logits`` the loss is the model's own), and the
-    vision-language Qwen2-VL, Qwen2.5-VL and Qwen3-VL
-    (``config.model_type`` in :data:`SUPPORTED_MODEL_TYPES`; modules that compute anything
-    else are left as they are): the ``*ForCausalLM`` models, or
-    their base ``*Model`` (norms and MLPs only). Only module ``forward`` methods of this one
-    model are replaced; parameters, buffers, ``state_dict`` keys and checkpoint loading and
-    saving are unchanged, and the patch survives ``copy.deepcopy``. Applying it again is
-    harmless (nothing is wrapped twice; ``impl`` is updated); a flag set to ``False`` leaves
-    that part as it is (it does not undo an earlier patch).
+    ``lm_head_multiplier`` applied in the loss, its MLPs' ``gate_multiplier`` and
+    ``down_multiplier`` in the fused SwiGLU) and the mixtures of experts Mixtral,
+    Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE and GPT-OSS (their experts run the model's
+    code; with ``output_router_logits`` the loss is the model's own), and the
+    vision-language Qwen2-VL, Qwen2.5-VL and Qwen3-VL (``config.model_type`` in
+    :data:`SUPPORTED_MODEL_TYPES`; modules that compute anything else are left as they
+    are): the ``*ForCausalLM`` models, or their base ``*Model`` (norms and MLPs only). Only
+    module ``forward`` methods of this one model are replaced; parameters, buffers,
+    ``state_dict`` keys and checkpoint loading and saving are unchanged, and the patch
+    survives ``copy.deepcopy``. Applying it again is harmless (nothing is wrapped twice;
+    ``impl`` is updated); a flag set to ``False`` leaves that part as it is (it does not
+    undo an earlier patch).
 
     Args:
         model: the model, e.g. ``LlamaForCausalLM``, in any dtype and on any device.
@@ -576,9 +614,12 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
             from the unpatched model's by one rounding.
         swiglu: run the gated MLPs ``down_proj(act(gate_proj(x)) * up_proj(x))`` with the
             gate and up projections written side by side into one buffer and the activation
-            fused: :func:`lmfuse.swiglu` for SiLU (Llama, Mistral, Qwen), :func:`lmfuse.geglu`
-            for the tanh-approximated GELU (Gemma). MLPs with any other activation stay as
-            they are, with a warning, and are listed in ``model.lmfuse_patches``.
+            fused: :func:`lmfuse.swiglu` for SiLU (Llama, Mistral, Qwen; Falcon-H1's
+            ``act_fn(gate_proj(x) * gate_multiplier)`` and ``down_proj(...) *
+            down_multiplier`` through swiglu's ``gate_multiplier`` and ``down_multiplier``,
+            read from the module on every call), :func:`lmfuse.geglu` for the
+            tanh-approximated GELU (Gemma). MLPs with any other activation stay as they are,
+            with a warning, and are listed in ``model.lmfuse_patches``.
         fused_linear_cross_entropy: when the causal LM's forward is given ``labels``, compute
             the loss with :func:`lmfuse.linear_cross_entropy` from the last hidden states
             and ``lm_head`` (tied to the embedding or not; Gemma2/3's
