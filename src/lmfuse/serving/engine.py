@@ -25,6 +25,10 @@ _KV_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.
               "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32,
               "fp8": torch.float8_e4m3fn, "e4m3": torch.float8_e4m3fn,
               "float8_e4m3fn": torch.float8_e4m3fn}
+#: ``decode_path`` values: fused decode layers where the family has them, else the
+#: model's forward ("auto"); always the fused layers (an error where they cannot run); the
+#: model's own forward ("model").
+DECODE_PATHS = ("auto", "fused", "model")
 _FP8_MAX = 448.0
 # Memory kept free on the GPU beside the block pool: activations of a prefill, graphs.
 _GPU_RESERVE = 2 << 30
@@ -55,6 +59,12 @@ class Generator:
         max_prefill_tokens: new tokens computed in one prefill step (a longer prompt runs
             alone).
         prefix_sharing: share the full blocks of identical prompt prefixes.
+        decode_path: how decode steps run the model. ``"auto"`` (default): the fused
+            decode layers (``fused.py``: a few launches per layer over the model's own
+            weights; Llama, Mistral, Qwen2, Qwen3, single process) where they apply, else
+            the model's forward with lmfuse's paged attention; ``"fused"``: the fused layers
+            or a ``ValueError`` saying why not; ``"model"``: always the model's forward.
+            Prefill always runs the model's forward.
         impl: the kernels' path, as every lmfuse op (``"auto"``: Triton on CUDA).
     """
 
@@ -62,7 +72,7 @@ class Generator:
                  memory_fraction: float = 0.9, kv_dtype: Any = None, max_batch: int = 256,
                  cuda_graphs: bool = True, kvdp_group: Any = None, cp_group: Any = None,
                  max_prefill_tokens: int = 8192, prefix_sharing: bool = True,
-                 impl: str = "auto") -> None:
+                 decode_path: str = "auto", impl: str = "auto") -> None:
         config = _check_model(model)
         block_len = check_int(OP, "block_len", block_len, minimum=1)
         max_batch = check_int(OP, "max_batch", max_batch, minimum=1)
@@ -72,6 +82,9 @@ class Generator:
             raise ValueError(f"{OP}: memory_fraction must be in (0, 1], got {memory_fraction}")
         if not isinstance(impl, str) or impl not in IMPLS:
             raise ValueError(f"{OP}: impl must be one of {IMPLS}, got {impl!r}")
+        if decode_path not in DECODE_PATHS:
+            raise ValueError(f"{OP}: decode_path must be one of {DECODE_PATHS}, got "
+                             f"{decode_path!r}")
         if kvdp_group is not None and cp_group is not None:
             raise ValueError(f"{OP}: pass kvdp_group or cp_group, not both")
         if cp_group is not None:
@@ -115,7 +128,8 @@ class Generator:
                                    max_blocks=self._pool.num_blocks)
         self.runner = ModelRunner(model, self.cache, impl=impl, cuda_graphs=cuda_graphs,
                                   max_batch=max_batch, shards=self.shards,
-                                  batch_shards=batch_shards, scheduled=self._pool)
+                                  batch_shards=batch_shards, scheduled=self._pool,
+                                  decode_path=decode_path)
         self._requests: dict[int, Request] = {}
         self._next_rid = 0
         self._steps = {"prefill": 0, "decode": 0}
@@ -263,7 +277,11 @@ class Generator:
             logits = self.runner.prefill(reqs, batch.new)
         else:
             logits = self.runner.decode(reqs, batch.step)
-        tokens = sample(logits, [r.params for r in reqs], [len(r.output) for r in reqs])
+        argmax = self.runner.take_greedy()
+        if argmax is not None and all(r.params.greedy for r in reqs):
+            tokens = argmax  # computed in the decode step's graph
+        else:
+            tokens = sample(logits, [r.params for r in reqs], [len(r.output) for r in reqs])
         tokens = tokens.tolist()  # the step's one host synchronisation
         out = []
         for req, tok in zip(reqs, tokens):

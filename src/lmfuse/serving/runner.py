@@ -32,6 +32,8 @@ import torch
 from ..attention.kv_cache import DecodeStep, PagedKVCache
 from ..integrations.transformers import fused_norms_and_mlps
 from .attention import ATTENTION_NAME, Segment, StepContext, register
+from .fused import FusedDecoder, unsupported
+from .sampling import greedy
 from .request import Request
 from .sharded import BatchShards, ContextShards
 
@@ -41,7 +43,7 @@ class ModelRunner:
                  cuda_graphs: bool = True, max_batch: int = 256,
                  shards: ContextShards | None = None,
                  batch_shards: BatchShards | None = None,
-                 scheduled: Any = None) -> None:
+                 scheduled: Any = None, decode_path: str = "auto") -> None:
         register()
         self.model = model
         self.config = model.config
@@ -59,6 +61,24 @@ class ModelRunner:
         self._pool = None
         self.graph_failures = 0
         self.graph_failure: str | None = None  # the last capture failure, where it arose
+        # The fused decode layers (fused.py) where the model's family has them and the
+        # cache is not split; otherwise the model's own forward decodes.
+        self.fused: FusedDecoder | None = None
+        sharded = shards is not None or batch_shards is not None
+        if decode_path == "fused" and sharded:
+            raise ValueError("Generator: decode_path='fused' does not run over a split KV "
+                             "cache (kvdp_group / cp_group) yet; use 'auto' or 'model'")
+        if decode_path == "fused" or (decode_path == "auto" and not sharded
+                                      and unsupported(model) is None):
+            self.fused = FusedDecoder(model, cache, impl)
+        self.decode_path = "fused" if self.fused is not None else "model"
+        self._greedy: torch.Tensor | None = None  # the last replay's argmax tokens
+
+    def take_greedy(self) -> torch.Tensor | None:
+        """The argmax tokens ``[n]`` the last decode computed in its CUDA graph (None if it
+        ran eagerly); cleared by the call."""
+        out, self._greedy = self._greedy, None
+        return out
 
     @contextlib.contextmanager
     def _lmfuse_attention(self) -> Iterator[None]:
@@ -144,6 +164,10 @@ class ModelRunner:
             if graph is not None:
                 return graph.run(host, step, n)
         host = host.to(self.device, non_blocking=True)
+        if self.fused is not None:
+            with torch.inference_mode():
+                return self.fused.forward(host[0], step.block_table, step.seqlens_before,
+                                          step.seqlens)
         ctx = StepContext(self.cache, "decode", self.impl, block_table=step.block_table,
                           seqlens_before=step.seqlens_before, seqlens=step.seqlens)
         return self._forward(host[0][:, None], host[1][:, None], ctx, 1)[:, -1]
@@ -251,6 +275,10 @@ class _DecodeGraph:
                           seqlens_before=self.before, seqlens=self.after)
 
         def forward() -> torch.Tensor:
+            if runner.fused is not None:
+                with torch.inference_mode():
+                    return runner.fused.forward(self.ids[:, 0], self.table, self.before,
+                                                self.after)
             return runner._forward(self.ids, self.pos, ctx, 1)[:, -1]
 
         # Warm up on a side stream (lazy initialisations, Triton compilations), then
@@ -262,12 +290,14 @@ class _DecodeGraph:
         with _capturable_experts(runner.config), fused_norms_and_mlps(runner.model,
                                                                       runner.impl):
             with torch.cuda.stream(stream):
-                forward()
-                forward()
+                greedy(forward())
+                greedy(forward())
             torch.cuda.current_stream(dev).wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool):
                 self.logits = forward()
+                self.tokens = greedy(self.logits)  # greedy rows need nothing more
+        self.runner = runner
 
     def run(self, host: torch.Tensor, step: DecodeStep, n: int) -> torch.Tensor:
         host = host.to(self.ids.device, non_blocking=True)
@@ -281,4 +311,5 @@ class _DecodeGraph:
             self.before[n:].zero_()
             self.after[n:].zero_()
         self.graph.replay()
+        self.runner._greedy = self.tokens[:n]
         return self.logits[:n]

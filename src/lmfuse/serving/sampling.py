@@ -72,6 +72,28 @@ def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     return x
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """``argmax(logits, -1)`` (the first of equal maxima; NaN counts as the largest). On
+    CUDA a long row is cut into ``c`` chunks reduced side by side, then the best chunk
+    taken: one row's argmax alone keeps a few SMs busy (36 us for a 128256-token
+    vocabulary at batch 1 on an H100)."""
+    n, V = logits.shape
+    c = next((c for c in (256, 128, 64, 32) if V % c == 0 and V // c >= 64), None)
+    if not logits.is_cuda or c is None or n * c > 65536:
+        return torch.argmax(logits, dim=-1)
+    return chunked_argmax(logits, c)
+
+
+def chunked_argmax(logits: torch.Tensor, chunks: int) -> torch.Tensor:
+    """``argmax(logits, -1)`` of ``[n, V]`` (``V`` a multiple of ``chunks``) as the best of
+    the chunks' maxima: each chunk's first maximum, then the first chunk holding the row's
+    maximum, so the first of equal maxima wins as in ``argmax`` (NaN the largest)."""
+    n, V = logits.shape
+    vals, idx = logits.reshape(n, chunks, V // chunks).max(dim=-1)
+    best = vals.argmax(dim=-1)
+    return best * (V // chunks) + idx.gather(1, best[:, None])[:, 0]
+
+
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            counters: Sequence[int]) -> torch.Tensor:
     """The next token of each row of ``logits [n, V]``: ``[n]`` int64 on logits' device.
@@ -79,11 +101,11 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     ``params[i]`` is row ``i``'s request's options and ``counters[i]`` how many tokens it
     has generated so far (the index of this draw)."""
     n, V = logits.shape
-    logits = logits.float()
-    out = torch.argmax(logits, dim=-1)
+    out = greedy(logits)  # exact in any float dtype: no widened copy
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return out
+    logits = logits.float()
     index = torch.tensor(rows, device=logits.device)
     chosen = [params[i] for i in rows]
     x = filtered_logits(logits.index_select(0, index), chosen)

@@ -1,0 +1,104 @@
+"""The fused decode layers' GEMV kernel against cuBLAS on the decode shapes of the
+``lmfuse bench generate`` model (hidden 2048, FFN 8192, 16/4 heads of 128), bf16, over its
+launch options: the best per shape and row count, and cuBLAS's time for the same work
+(three / two launches where the kernel takes three / two matrices)::
+
+    python bench/probe_gemv.py [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+from lmfuse.serving.kernels import gemv_kernel
+
+
+def launch(x, ws, y, r, gated, bn, bk, warps, stages):
+    n, K = x.shape
+    ns = [w.shape[0] for w in ws]
+    n_out = ns[0] if gated else sum(ns)
+    w = list(ws) + [ws[0]] * (3 - len(ws))
+    bm = 16 if n <= 16 else 32 if n <= 32 else 64
+    gemv_kernel[(n_out // bn, -(-n // bm))](
+        x, w[0], w[1], w[2], w[0], w[0], w[0], y if r is None else r, y, n, K, ns[0],
+        ns[1] if len(ns) > 1 else 0, x.stride(0), y.stride(0), y.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=False, RESIDUAL=r is not None,
+        GATED=gated, EVEN_K=K % bk == 0, num_warps=warps, num_stages=stages)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--rows", default="1,16,64")
+    a = ap.parse_args()
+    dev, dt = "cuda", torch.bfloat16
+    H, FF, HQ, HKV, D = 2048, 8192, 16, 4, 128
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def mat(n, k):
+        return (torch.randn(n, k, device=dev, generator=g) / k ** 0.5).to(dt)
+
+    shapes = {"qkv": ([mat(HQ * D, H), mat(HKV * D, H), mat(HKV * D, H)], False, False),
+              "o": ([mat(H, HQ * D)], False, True),
+              "gate_up": ([mat(FF, H), mat(FF, H)], True, False),
+              "down": ([mat(H, FF)], False, True)}
+    rows = []
+    for name, (ws, gated, residual) in shapes.items():
+        K = ws[0].shape[1]
+        nbytes = sum(w.numel() * w.element_size() for w in ws)
+        for n in (int(v) for v in a.rows.split(",")):
+            x = torch.randn(n, K, device=dev, generator=g).to(dt)
+            n_out = ws[0].shape[0] if gated else sum(w.shape[0] for w in ws)
+            y = torch.empty(n, n_out, device=dev, dtype=dt)
+            r = torch.randn(n, n_out, device=dev, dtype=dt) if residual else None
+
+            def blas():
+                if gated:
+                    return F.silu(F.linear(x, ws[0])) * F.linear(x, ws[1])
+                if residual:
+                    return torch.addmm(r, x, ws[0].t())
+                return [F.linear(x, w) for w in ws]
+
+            want = (F.silu(x.float() @ ws[0].float().t()) * (x.float() @ ws[1].float().t())
+                    if gated else torch.cat([x.float() @ w.float().t() for w in ws], -1))
+            if residual:
+                want = want + r.float()
+            t_blas = triton.testing.do_bench(blas, warmup=10, rep=100)
+            best = None
+            for bn, bk, warps, stages in itertools.product((16, 32, 64), (128, 256, 512),
+                                                           (4, 8), (3, 4)):
+                if bn * bk > 64 * 512 or (bn == 64 and bk == 512):
+                    continue
+                try:
+                    rr = None if r is None else r.clone()
+                    launch(x, ws, y if rr is None else rr, rr, gated, bn, bk, warps, stages)
+                    out = y if rr is None else rr
+                    err = ((out.float() - want).abs().max() / want.abs().max()).item()
+                    t = triton.testing.do_bench(
+                        lambda: launch(x, ws, y if rr is None else rr, rr, gated, bn, bk,
+                                       warps, stages), warmup=10, rep=100)
+                except Exception as e:  # noqa: BLE001
+                    print(name, n, bn, bk, warps, stages, "failed", type(e).__name__, e)
+                    continue
+                if best is None or t < best[0]:
+                    best = (t, bn, bk, warps, stages, err)
+            row = {"shape": name, "rows": n, "MB": nbytes / 1e6, "cublas_us": t_blas * 1e3,
+                   "best_us": best[0] * 1e3, "block_n": best[1], "block_k": best[2],
+                   "warps": best[3], "stages": best[4], "rel_err": best[5],
+                   "best_TBps": nbytes / best[0] / 1e9, "cublas_TBps": nbytes / t_blas / 1e9}
+            rows.append(row)
+            print(json.dumps(row))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

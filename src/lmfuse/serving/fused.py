@@ -1,0 +1,362 @@
+"""The Generator's fused decode forward for Llama-shaped models (Llama, Mistral, Qwen2, Qwen3).
+
+A decode step runs each layer as a handful of launches over the model's own weights (read
+in place, never copied):
+
+    x = rms_norm(h)                       lmfuse RMSNorm
+    qkv = x @ [Wq | Wk | Wv].T (+ b)      one GEMV launch over the three matrices
+    q = rope_append(qkv)                  q/k RMSNorm (Qwen3), rotary of q and k, K/V rows
+                                          written to their paged-cache blocks (fp8: scaled)
+    o = decode_attention(q, cache)        lmfuse decode kernel (GQA, windows, fp8)
+    h = h + o @ Wo.T                      GEMV with the residual add in its epilogue
+    x = rms_norm(h)
+    a = silu(x @ Wg.T) * (x @ Wu.T)       one GEMV launch: both projections and the gate
+    h = h + a @ Wd.T                      GEMV with the residual add
+    logits = rms_norm(h) @ W_lm.T         cuBLAS (a long matrix: it runs at the copy rate)
+
+instead of the model's forward (per layer three projections, a dozen elementwise launches
+of rotary code, the cache append, the adds), which is what the Generator runs otherwise.
+The rotary tables (cos and sin per position, from the model's own rotary module in float32,
+so every rotary variant it computes once per position is covered) are made once.
+
+Math: float32 accumulation and element math, one rounding per stored tensor (the model's
+code rounds to its dtype between steps: the bf16 logits differ within rounding, not more).
+On the CPU, or with ``impl="torch"``, each step is the same formula in plain PyTorch
+(``F.linear`` in the model's dtype, float32 rotary), the reference and test oracle of the
+kernels. The GEMV kernels serve up to :data:`GEMV_MAX_ROWS` rows; larger batches use cuBLAS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .._dispatch import select_impl
+from ..attention.kv_cache import PagedKVCache
+from ..attention.ops import decode_attention, kv_cache_append
+from ..norm.ops import rms_norm
+
+#: ``config.model_type`` values whose decode runs the fused layers.
+FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Rotary variants whose angles depend on the position alone (a table per position holds them).
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+#: Most rows the GEMV kernels take; more go through cuBLAS.
+GEMV_MAX_ROWS = 64
+_OP = "Generator"
+
+
+def unsupported(model: Any) -> str | None:
+    """Why ``model``'s decode cannot run the fused layers (None: it can)."""
+    config = model.config
+    kind = getattr(config, "model_type", None)
+    if kind not in FUSED_MODEL_TYPES:
+        return f"model type {kind!r} (fused decode layers: {', '.join(FUSED_MODEL_TYPES)})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} (silu only)"
+    inner = getattr(model, "model", None)
+    rotary = getattr(inner, "rotary_emb", None)
+    if inner is None or rotary is None or not hasattr(inner, "layers"):
+        return "no model.model.layers / rotary_emb"
+    rope = getattr(rotary, "rope_type", "default")
+    if rope not in _STATIC_ROPE:
+        return f"rope_type {rope!r} (its angles depend on the sequence length)"
+    if getattr(config, "partial_rotary_factor", 1.0) not in (None, 1.0):
+        return "partial rotary"
+    dtype = next(model.parameters()).dtype
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"weights of dtype {dtype}"
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                   mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if any(type(m) is not torch.nn.Linear for m in linears):
+            return "projections that are not plain nn.Linear (quantised or wrapped weights)"
+        if any(m.weight.dtype != dtype or not m.weight.is_contiguous() for m in linears):
+            return "projection weights of mixed dtypes or strides"
+    return None
+
+
+@dataclass
+class _Layer:
+    norm_in: torch.Tensor
+    norm_post: torch.Tensor
+    eps: float
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    qkv_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    mlp_bias: tuple[Any, Any, Any] | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    qk_eps: float
+    scale: float
+    window: int | None
+
+
+class FusedDecoder:
+    """The fused decode forward of ``model`` over ``cache`` (see the module docstring)."""
+
+    def __init__(self, model: Any, cache: PagedKVCache, impl: str = "auto") -> None:
+        why = unsupported(model)
+        if why is not None:
+            raise ValueError(f"{_OP}: decode_path='fused' cannot run this model: {why}")
+        config = model.config
+        inner = model.model
+        self.model, self.cache = model, cache
+        self.dtype = next(model.parameters()).dtype
+        self.device = cache.device
+        path, _ = select_impl(_OP, impl, self.device)
+        self.triton = path == "triton"
+        self.impl = impl
+        self.hq = int(config.num_attention_heads)
+        self.hkv = cache.kv_heads
+        self.d = cache.head_dim
+        half = self.d // 2
+        # The rotary kernel holds a head's halves in one power-of-two tile.
+        self.rope_kernel = self.triton and self.d % 2 == 0 and half & (half - 1) == 0
+        self.embed = inner.embed_tokens.weight
+        head = model.get_output_embeddings()
+        self.lm_head, self.lm_bias = head.weight, getattr(head, "bias", None)
+        self.norm, self.norm_eps = inner.norm.weight, _eps(inner.norm)
+        self.layers = [self._layer(i, layer, config) for i, layer in enumerate(inner.layers)]
+        limit = getattr(config, "max_position_embeddings", None) or (1 << 20)
+        self.positions = min(int(limit), cache.num_blocks * cache.block_len)
+        self.cos, self.sin = self._rope_tables(inner.rotary_emb, self.positions)
+
+    def _layer(self, i: int, layer: Any, config: Any) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+        mlp_b = [mlp.gate_proj.bias, mlp.up_proj.bias, mlp.down_proj.bias]
+        window = getattr(attn, "sliding_window", None)
+        if config.model_type == "mistral":
+            window = getattr(config, "sliding_window", None)
+        qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        return _Layer(
+            layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+            _eps(layer.input_layernorm),
+            (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
+            None if all(b is None for b in biases) else tuple(
+                b if b is not None else torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
+                for b, w in zip(biases, (attn.q_proj.weight, attn.k_proj.weight,
+                                         attn.v_proj.weight))),
+            attn.o_proj.weight, attn.o_proj.bias,
+            mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
+            None if all(b is None for b in mlp_b) else tuple(mlp_b),
+            None if qn is None else qn.weight, None if kn is None else kn.weight,
+            _eps(qn) if qn is not None else 1e-6, float(attn.scaling),
+            None if window is None else max(int(window) - 1, 0))
+
+    def _rope_tables(self, rotary: Any, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``, ``sin`` ``[positions, D / 2]`` float32 from the model's rotary module."""
+        half = self.d // 2
+        cos = torch.empty((positions, half), dtype=torch.float32, device=self.device)
+        sin = torch.empty_like(cos)
+        probe = torch.zeros(1, dtype=torch.float32, device=self.device)
+        chunk = 1 << 16
+        with torch.inference_mode():
+            for a in range(0, positions, chunk):
+                b = min(positions, a + chunk)
+                pos = torch.arange(a, b, device=self.device)[None]
+                c, s = rotary(probe, pos)
+                if not (torch.equal(c[0, :, :half], c[0, :, half:])
+                        and torch.equal(s[0, :, :half], s[0, :, half:])):
+                    raise ValueError(f"{_OP}: the model's rotary embedding is not of the "
+                                     "rotate-half form (equal halves)")
+                cos[a:b] = c[0, :, :half].float()
+                sin[a:b] = s[0, :, :half].float()
+        return cos, sin
+
+    # --- the forward ------------------------------------------------------------------------
+
+    def forward(self, ids: torch.Tensor, table: torch.Tensor, before: torch.Tensor,
+                after: torch.Tensor) -> torch.Tensor:
+        """Logits ``[n, V]`` of one token per row: ``ids [n]`` at position ``before[n]``
+        (its K/V written there), rows over ``block_table`` with ``after`` keys after the
+        step. Padding rows (block -1, length 0) write and read nothing."""
+        cache = self.cache
+        n = ids.shape[0]
+        kernels = self.triton and n <= GEMV_MAX_ROWS
+        h = F.embedding(ids, self.embed)
+        for i, L in enumerate(self.layers):
+            x = rms_norm(h, L.norm_in, eps=L.eps, impl=self.impl)
+            qkv = (_gemv(x, L.qkv, L.qkv_bias) if kernels else
+                   torch.cat([F.linear(x, w, None if L.qkv_bias is None else L.qkv_bias[j])
+                              for j, w in enumerate(L.qkv)], dim=-1))
+            q = self._rope_append(qkv, L, i, table, before)
+            o = decode_attention(q[:, None], cache.k_caches[i], cache.v_caches[i], after,
+                                 block_table=table, scale=L.scale, window_size=L.window,
+                                 k_scale=cache.k_scales[i], v_scale=cache.v_scales[i],
+                                 impl=self.impl)
+            o = o.view(n, self.hq * self.d)
+            if kernels and L.o_bias is None:
+                _gemv(o, (L.o,), None, residual=h)
+            else:
+                h = h + F.linear(o, L.o, L.o_bias)
+            x = rms_norm(h, L.norm_post, eps=L.eps, impl=self.impl)
+            if kernels and L.mlp_bias is None:
+                a = _gemv(x, (L.gate, L.up), None, gated=True)
+                _gemv(a, (L.down,), None, residual=h)
+            else:
+                gb, ub, db = L.mlp_bias or (None, None, None)
+                a = F.silu(F.linear(x, L.gate, gb)) * F.linear(x, L.up, ub)
+                h = h + F.linear(a, L.down, db)
+        x = rms_norm(h, self.norm, eps=self.norm_eps, impl=self.impl)
+        return F.linear(x, self.lm_head, self.lm_bias)
+
+    def _rope_append(self, qkv: torch.Tensor, L: _Layer, i: int, table: torch.Tensor,
+                     before: torch.Tensor) -> torch.Tensor:
+        cache = self.cache
+        if self.rope_kernel:
+            return _launch_rope_append(qkv, self.cos, self.sin, before, table,
+                                       cache.k_caches[i], cache.v_caches[i], L.q_norm,
+                                       L.k_norm, L.qk_eps, cache.k_scales[i],
+                                       cache.v_scales[i], self.hq, self.hkv, self.d)
+        return rope_append_reference(qkv, self.cos, self.sin, before, table,
+                                     cache.k_caches[i], cache.v_caches[i], L.q_norm, L.k_norm,
+                                     L.qk_eps, cache.k_scales[i], cache.v_scales[i], self.hq,
+                                     self.hkv, self.d)
+
+
+def _eps(norm: Any) -> float:
+    for name in ("variance_epsilon", "eps", "epsilon"):
+        v = getattr(norm, name, None)
+        if isinstance(v, (int, float)):
+            return float(v)
+    return 1e-6
+
+
+# --- rotary + cache append -------------------------------------------------------------------
+
+def rope_append_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          pos: torch.Tensor, table: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, q_norm: torch.Tensor | None,
+                          k_norm: torch.Tensor | None, eps: float, k_scale: Any, v_scale: Any,
+                          hq: int, hkv: int, d: int) -> torch.Tensor:
+    """The reference of ``rope_append_kernel``: ``qkv [n, (hq + 2 hkv) d]`` -> the rotated
+    queries ``[n, hq, d]`` in qkv's dtype; the rotated keys and the values written at
+    position ``pos[b]`` of row ``b``'s blocks (``table``; a row whose block there is -1
+    writes nothing). Float32 math, one rounding per stored value."""
+    n = qkv.shape[0]
+    x = qkv.float().view(n, hq + 2 * hkv, d)
+    q, k, v = x[:, :hq], x[:, hq:hq + hkv], x[:, hq + hkv:]
+    if q_norm is not None:
+        q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + eps) * q_norm.float()
+        k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps) * k_norm.float()
+    p = pos.long()
+    c, s = cos[p][:, None], sin[p][:, None]
+
+    def rotate(t: torch.Tensor) -> torch.Tensor:
+        t1, t2 = t[..., :d // 2], t[..., d // 2:]
+        return torch.cat([t1 * c - t2 * s, t2 * c + t1 * s], dim=-1)
+
+    q, k = rotate(q), rotate(k)
+    # An fp8 cache quantises the float32 values (as the kernel); others take the rounded
+    # ones. A padding row (its block -1) writes nothing.
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    k, v = (k, v) if fp8 else (k.to(k_cache.dtype), v.to(v_cache.dtype))
+    kv_cache_append(k_cache, v_cache, k[:, None], v[:, None], pos, block_table=table,
+                    k_scale=k_scale, v_scale=v_scale, impl="torch")
+    return q.to(qkv.dtype)
+
+
+def _launch_rope_append(qkv, cos, sin, pos, table, k_cache, v_cache, q_norm, k_norm, eps,
+                        k_scale, v_scale, hq, hkv, d) -> torch.Tensor:
+    from .kernels import rope_append_kernel
+
+    n = qkv.shape[0]
+    q = torch.empty((n, hq, d), dtype=qkv.dtype, device=qkv.device)
+    if n == 0:
+        return q
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    norm = q_norm is not None
+    rope_append_kernel[(n, hq + hkv)](
+        qkv, q, k_cache, v_cache, cos, sin, pos, table,
+        q_norm if norm else qkv, k_norm if norm else qkv,
+        k_scale if fp8 else cos, v_scale if fp8 else cos,
+        qkv.stride(0), q.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), table.stride(0), k_cache.shape[0], cos.shape[0], float(eps), 0.0,
+        HQ=hq, HKV=hkv, D=d, HALF=d // 2, BLOCK_LEN=k_cache.shape[1], QK_NORM=norm, FP8=fp8,
+        num_warps=1)
+    return q
+
+
+# --- GEMV ----------------------------------------------------------------------------------------
+
+def gemv_reference(x: torch.Tensor, weights: tuple[torch.Tensor, ...],
+                   biases: tuple[Any, ...] | None = None, *, residual: torch.Tensor | None = None,
+                   gated: bool = False) -> torch.Tensor:
+    """The reference of ``gemv_kernel``: ``x [n, K]`` times the concatenated ``weights``'
+    rows (float32 accumulation), plus biases; ``gated``: ``silu(x W0.T) * (x W1.T)``;
+    ``residual``: ``residual + ...``. Rounded once to x's dtype."""
+    ys = [x.float() @ w.float().t() for w in weights]
+    if biases is not None:
+        ys = [y if b is None else y + b.float() for y, b in zip(ys, biases)]
+    y = F.silu(ys[0]) * ys[1] if gated else torch.cat(ys, dim=-1)
+    if residual is not None:
+        y = y + residual.float()
+    return y.to(x.dtype)
+
+
+def _gemv_config(n_out: int, K: int, block_m: int, gated: bool,
+                 itemsize: int = 2) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages): from ``bench/probe_gemv.py`` on an H100
+    (the decode shapes of a 2048-wide model, 1 to 64 rows), kept under the shared memory
+    the pipeline's stages take."""
+    if gated:
+        block_n, block_k, stages = (64 if n_out >= 8192 else 32), 128, 3
+    else:
+        block_n = 16 if n_out <= 2048 else 32 if n_out <= 16384 else 64
+        block_k = 512 if K >= 8192 and block_m == 16 else 256 if block_n < 64 else 128
+        stages = 4
+    warps = 8 if block_m == 64 and not gated else 4
+    tiles = 2 if gated else 1
+    while stages > 2 and (block_m + tiles * block_n) * block_k * itemsize * stages > 200 * 1024:
+        stages -= 1
+    while block_k > 64 and (block_m + tiles * block_n) * block_k * itemsize * stages > 200 * 1024:
+        block_k //= 2
+    return block_n, block_k, warps, stages
+
+
+def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None, *,
+          residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+    """``gemv_kernel`` launched: a new ``[n, N]`` output, or ``residual`` updated in place."""
+    from .kernels import gemv_kernel
+
+    n, K = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    ns = [w.shape[0] for w in weights]
+    n_out = ns[0] if gated else sum(ns)
+    block_m = 16 if n <= 16 else 32 if n <= 32 else 64
+    block_n, block_k, warps, stages = _gemv_config(n_out, K, block_m, gated, x.element_size())
+    if any(v % block_n for v in ns) or n == 0:
+        return _gemv_fallback(x, weights, biases, residual, gated)
+    if residual is not None:
+        y = residual
+    else:
+        y = torch.empty((n, n_out), dtype=x.dtype, device=x.device)
+    w = list(weights) + [weights[0]] * (3 - len(weights))
+    b = list(biases) if biases is not None else []
+    b = b + [w[0]] * (3 - len(b))
+    grid = (n_out // block_n, -(-n // block_m))
+    gemv_kernel[grid](
+        x, w[0], w[1], w[2], b[0], b[1], b[2], y, y, n, K, ns[0],
+        ns[1] if len(ns) > 1 else 0, x.stride(0), y.stride(0), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=biases is not None,
+        RESIDUAL=residual is not None, GATED=gated, EVEN_K=K % block_k == 0,
+        num_warps=warps, num_stages=stages)
+    return y
+
+
+def _gemv_fallback(x, weights, biases, residual, gated):
+    out = gemv_reference(x, weights, biases, residual=residual, gated=gated)
+    if residual is not None:
+        residual.copy_(out)
+        return residual
+    return out

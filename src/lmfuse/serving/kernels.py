@@ -1,0 +1,159 @@
+"""Triton kernels of the Generator's fused decode layers (see ``fused.py``).
+
+* ``rope_append_kernel``: one program per (row, head) of a decode step's projections: a
+  query head is (optionally RMS-normed, then) rotated and written to the attention's query
+  buffer; a KV head's key is normed and rotated, and it and the value are written to their
+  paged cache block (quantised to e4m3 with per-head scales for an fp8 cache). It replaces
+  the dozen elementwise launches of a model's rotary code and the cache append.
+* ``gemv_kernel``: ``y = x @ W.T`` for the few rows of a decode step, a program per
+  ``BLOCK_N`` output features streaming its weight rows once. Up to three weight matrices
+  (separate tensors, read in place) share one launch and one output row (Q, K and V); the
+  epilogue may add a bias, add the residual stream (``y = r + x @ W.T``, in place), or
+  gate two matrices (``silu(x @ Wg.T) * (x @ Wu.T)``: the gated MLP's two projections and
+  its activation in one pass).
+
+Float32 accumulation and math; one rounding to the output dtype.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..attention.decode_kernels import _saturate_e4m3
+
+
+@triton.jit
+def rope_append_kernel(
+    QKV, QOUT, KC, VC, COS, SIN, POS, TABLE, QNW, KNW, K_SCALE, V_SCALE,
+    stride_b, stride_ob, stride_kblk, stride_krow, stride_vblk, stride_vrow, stride_tb,
+    num_blocks, positions, eps, norm_offset,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_LEN: tl.constexpr, QK_NORM: tl.constexpr, FP8: tl.constexpr,
+):
+    """``QKV [B, (HQ + 2 HKV) * D]`` rows (q heads, k heads, v heads), ``POS [B]`` the
+    token's position (also where it goes in its sequence), ``COS``/``SIN [P, HALF]``
+    float32 (rotate-half convention: dims ``i`` and ``i + HALF`` rotate together)."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    i = tl.arange(0, HALF)
+    pos = tl.load(POS + b).to(tl.int64)
+    angle = tl.minimum(tl.maximum(pos, 0), positions - 1)  # the table's rows only
+    row = QKV + b * stride_b + h * D
+    x1 = tl.load(row + i).to(tl.float32)
+    x2 = tl.load(row + HALF + i).to(tl.float32)
+    if QK_NORM:  # per-head RMSNorm of q and k (Qwen3) before the rotation
+        r = 1.0 / tl.sqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D + eps)
+        if h < HQ:
+            w1 = tl.load(QNW + i).to(tl.float32)
+            w2 = tl.load(QNW + HALF + i).to(tl.float32)
+        else:
+            w1 = tl.load(KNW + i).to(tl.float32)
+            w2 = tl.load(KNW + HALF + i).to(tl.float32)
+        x1 = x1 * r * (w1 + norm_offset)
+        x2 = x2 * r * (w2 + norm_offset)
+    c = tl.load(COS + angle * HALF + i)
+    s = tl.load(SIN + angle * HALF + i)
+    y1 = x1 * c - x2 * s
+    y2 = x2 * c + x1 * s
+    if h < HQ:
+        out = QOUT + b * stride_ob + h * D
+        tl.store(out + i, y1.to(QOUT.dtype.element_ty))
+        tl.store(out + HALF + i, y2.to(QOUT.dtype.element_ty))
+    else:
+        j = h - HQ
+        blk = tl.load(TABLE + b * stride_tb + pos // BLOCK_LEN)
+        if (blk >= 0) & (blk < num_blocks):  # a padding row (block -1) writes nothing
+            off = pos % BLOCK_LEN
+            v1 = tl.load(row + HKV * D + i).to(tl.float32)
+            v2 = tl.load(row + HKV * D + HALF + i).to(tl.float32)
+            if FP8:
+                ks = tl.load(K_SCALE + j).to(tl.float32)
+                vs = tl.load(V_SCALE + j).to(tl.float32)
+                y1 = _saturate_e4m3(tl.div_rn(y1, ks))
+                y2 = _saturate_e4m3(tl.div_rn(y2, ks))
+                v1 = _saturate_e4m3(tl.div_rn(v1, vs))
+                v2 = _saturate_e4m3(tl.div_rn(v2, vs))
+            k_at = KC + blk.to(tl.int64) * stride_kblk + off * stride_krow + j * D
+            v_at = VC + blk.to(tl.int64) * stride_vblk + off * stride_vrow + j * D
+            tl.store(k_at + i, y1.to(KC.dtype.element_ty))
+            tl.store(k_at + HALF + i, y2.to(KC.dtype.element_ty))
+            tl.store(v_at + i, v1.to(VC.dtype.element_ty))
+            tl.store(v_at + HALF + i, v2.to(VC.dtype.element_ty))
+
+
+@triton.jit
+def gemv_kernel(
+    X, W0, W1, W2, B0, B1, B2, R, Y,
+    M, K, N0, N1, stride_xm, stride_rm, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """``Y[:, n] = X @ W.T`` over the concatenated output features of ``W0 | W1 | W2``
+    (``N0``, ``N1`` rows: a program's ``BLOCK_N`` features lie in one matrix). GATED:
+    ``Y = silu(X @ W0.T) * (X @ W1.T)`` (``N0`` features). RESIDUAL: ``Y = R + ...``."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    rows = tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = ms < M
+    # Which matrix this program's features belong to, and their rows in it.
+    if GATED:
+        W = W0
+        local = n0
+    elif n0 < N0:
+        W = W0
+        local = n0
+    elif n0 < N0 + N1:
+        W = W1
+        local = n0 - N0
+    else:
+        W = W2
+        local = n0 - N0 - N1
+    w_ptr = W + (local + rows).to(tl.int64)[:, None] * K + ks[None, :]
+    x_ptr = X + ms.to(tl.int64)[:, None] * stride_xm + ks[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if GATED:
+        u_ptr = W1 + (local + rows).to(tl.int64)[:, None] * K + ks[None, :]
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptr)
+            x = tl.load(x_ptr, mask=mmask[:, None], other=0.0)
+        else:
+            kmask = (k0 + ks) < K
+            w = tl.load(w_ptr, mask=kmask[None, :], other=0.0)
+            x = tl.load(x_ptr, mask=mmask[:, None] & kmask[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+        if GATED:
+            if EVEN_K:
+                u = tl.load(u_ptr)
+            else:
+                u = tl.load(u_ptr, mask=kmask[None, :], other=0.0)
+            acc_u += tl.dot(x, tl.trans(u))
+            u_ptr += BLOCK_K
+        w_ptr += BLOCK_K
+        x_ptr += BLOCK_K
+    cols = local + rows
+    if HAS_BIAS:
+        if GATED:
+            acc += tl.load(B0 + cols).to(tl.float32)[None, :]
+            acc_u += tl.load(B1 + cols).to(tl.float32)[None, :]
+        elif n0 < N0:
+            acc += tl.load(B0 + cols).to(tl.float32)[None, :]
+        elif n0 < N0 + N1:
+            acc += tl.load(B1 + cols).to(tl.float32)[None, :]
+        else:
+            acc += tl.load(B2 + cols).to(tl.float32)[None, :]
+    if GATED:
+        acc = acc / (1.0 + tl.exp2(-acc * 1.4426950408889634)) * acc_u
+    out_cols = n0 + rows
+    if RESIDUAL:
+        res = tl.load(R + ms.to(tl.int64)[:, None] * stride_rm + out_cols[None, :],
+                      mask=mmask[:, None], other=0.0)
+        acc += res.to(tl.float32)
+    tl.store(Y + ms.to(tl.int64)[:, None] * stride_ym + out_cols[None, :],
+             acc.to(Y.dtype.element_ty), mask=mmask[:, None])

@@ -1,0 +1,168 @@
+"""The Generator's fused decode layers (``lmfuse.serving.fused``): the rotary + cache-append
+kernel and the GEMV kernel against their references (Triton's interpreter, float32 and
+float16), the decode-path option, and the chunked greedy argmax."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import hf_greedy, tiny_causal_lm
+
+from lmfuse.serving import Generator
+from lmfuse.serving.fused import (_gemv, _launch_rope_append, gemv_reference,
+                                  rope_append_reference)
+from lmfuse.serving.sampling import chunked_argmax, greedy
+
+HQ, HKV, D, BL, NB = 4, 2, 16, 4, 12
+
+
+def _rope_case(dtype: torch.dtype, cache_dtype: torch.dtype, norm: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    n = 4
+    qkv = torch.randn(n, (HQ + 2 * HKV) * D, generator=g).to(dtype)
+    angles = torch.randn(40, D // 2, generator=g, dtype=torch.float64)
+    cos, sin = angles.cos().float(), angles.sin().float()
+    pos = torch.tensor([0, 5, 13, 0], dtype=torch.int32)
+    table = torch.tensor([[3, -1, -1, -1], [7, 2, -1, -1], [1, 4, 9, 0], [-1, -1, -1, -1]],
+                         dtype=torch.int32)  # the last row pads: it writes nothing
+    qn = torch.randn(D, generator=g) if norm else None
+    kn = torch.randn(D, generator=g) if norm else None
+    fp8 = cache_dtype == torch.float8_e4m3fn
+    ks = torch.rand(HKV, generator=g) + 0.5 if fp8 else None
+    vs = torch.rand(HKV, generator=g) + 0.5 if fp8 else None
+    return qkv, cos, sin, pos, table, qn, kn, ks, vs
+
+
+# fp8 without the q/k norm only: the norm's sums round in another order in the two, and a
+# 1-ulp difference may round to another e4m3 value; without it the bytes must be equal.
+@pytest.mark.parametrize("dtype,cache_dtype,norm", [
+    (torch.float32, torch.float32, False), (torch.float32, torch.float32, True),
+    (torch.float16, torch.float16, False), (torch.float16, torch.float16, True),
+    (torch.float32, torch.float8_e4m3fn, False)])
+def test_rope_append_kernel_matches_reference(dtype, cache_dtype, norm) -> None:
+    qkv, cos, sin, pos, table, qn, kn, ks, vs = _rope_case(dtype, cache_dtype, norm)
+    caches = []
+    outs = []
+    for run in (_launch_rope_append, rope_append_reference):
+        kc = torch.zeros(NB, BL, HKV, D).to(cache_dtype)
+        vc = torch.zeros(NB, BL, HKV, D).to(cache_dtype)
+        outs.append(run(qkv, cos, sin, pos, table, kc, vc, qn, kn, 1e-6, ks, vs, HQ, HKV, D))
+        caches.append((kc.float(), vc.float()))
+    tol = 1e-6 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), rtol=tol, atol=tol)
+    for a, b in zip(caches[0], caches[1]):
+        if cache_dtype == torch.float8_e4m3fn:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    # Exactly the three real rows' slots were written (the padding row wrote nothing).
+    written = (caches[0][0].abs().sum(dim=(2, 3)) > 0).nonzero().tolist()
+    assert sorted(written) == [[0, 1], [2, 1], [3, 0]]
+    assert not torch.equal(outs[0][1], qkv[1, :HQ * D].view(HQ, D).to(outs[0].dtype))
+
+
+def test_rope_append_reference_is_the_rotate_half_formula() -> None:
+    """Against transformers' rotate-half rotary on the same angles (no norm)."""
+    qkv, cos, sin, pos, table, *_ = _rope_case(torch.float32, torch.float32, False)
+    kc = torch.zeros(NB, BL, HKV, D)
+    vc = torch.zeros(NB, BL, HKV, D)
+    q = rope_append_reference(qkv, cos, sin, pos, table, kc, vc, None, None, 1e-6, None,
+                              None, HQ, HKV, D)
+    c = torch.cat([cos, cos], -1)[pos.long()][:, None]
+    s = torch.cat([sin, sin], -1)[pos.long()][:, None]
+    x = qkv.view(4, HQ + 2 * HKV, D)[:, :HQ]
+    half = torch.cat([-x[..., D // 2:], x[..., :D // 2]], -1)
+    torch.testing.assert_close(q, x * c + half * s, rtol=0, atol=1e-6)
+    k = qkv.view(4, HQ + 2 * HKV, D)[1, HQ:HQ + HKV]
+    k_half = torch.cat([-k[..., D // 2:], k[..., :D // 2]], -1)
+    torch.testing.assert_close(kc[2, 1], k * c[1] + k_half * s[1], rtol=0, atol=1e-6)
+    torch.testing.assert_close(vc[2, 1], qkv.view(4, -1, D)[1, HQ + HKV:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("kind", ["qkv_bias", "gated", "residual", "uneven_k"])
+def test_gemv_kernel_matches_reference(kind: str, rows: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(rows)
+
+    def t(*shape):
+        return (torch.randn(*shape, generator=g) / 4).to(dtype)
+
+    K = 40 if kind == "uneven_k" else 64
+    x = t(rows, K)
+    residual = None
+    biases = None
+    gated = kind == "gated"
+    if kind == "qkv_bias":
+        ws = (t(64, K), t(32, K), t(32, K))
+        biases = (t(64), t(32), t(32))
+    elif gated:
+        ws = (t(64, K), t(64, K))
+    else:
+        ws = (t(32, K),)
+        residual = t(rows, 32) if kind == "residual" else None
+    want = gemv_reference(x, ws, biases, residual=residual, gated=gated)
+    before = None if residual is None else residual.clone()
+    got = _gemv(x, ws, biases, residual=residual, gated=gated)
+    if residual is not None:
+        assert got.data_ptr() == residual.data_ptr()  # updated in place
+        ref = gemv_reference(x, ws, None).float() + before.float()
+        torch.testing.assert_close(want.float(), ref.to(dtype).float(), rtol=2e-3, atol=2e-3)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    if not gated and residual is None:  # against plain F.linear too
+        full = torch.cat([torch.nn.functional.linear(x.float(), w.float(),
+                                                     None if biases is None else b.float())
+                          for w, b in zip(ws, biases or (None,) * len(ws))], -1)
+        torch.testing.assert_close(got.float(), full, rtol=tol, atol=tol)
+
+
+_models: dict[str, object] = {}
+
+
+def _model(family: str):
+    if family not in _models:
+        _models[family] = tiny_causal_lm(family)
+    return _models[family]
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3], list(range(20, 34))]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_model_decode_path_still_gives_hf_tokens(family: str) -> None:
+    """decode_path="model" (the model's own forward with lmfuse's paged attention) for
+    families the fused layers take by default."""
+    model = _model(family)
+    gen = Generator(model, block_len=4, num_blocks=48, impl="torch", decode_path="model")
+    assert gen.runner.decode_path == "model" and gen.runner.fused is None
+    got = gen.generate(PROMPTS, max_new_tokens=6, eos_token_id=[])
+    assert got == [hf_greedy(model, p, 6) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("family,path", [("llama", "fused"), ("mistral", "fused"),
+                                         ("qwen2", "fused"), ("qwen3", "fused"),
+                                         ("gemma", "model"), ("gemma2", "model"),
+                                         ("gpt_oss", "model")])
+def test_auto_decode_path_per_family(family: str, path: str) -> None:
+    gen = Generator(_model(family), block_len=4, num_blocks=16, impl="torch")
+    assert gen.runner.decode_path == path
+
+
+def test_decode_path_option_is_checked() -> None:
+    with pytest.raises(ValueError, match="decode_path must be one of"):
+        Generator(_model("llama"), block_len=4, num_blocks=16, decode_path="fast")
+    with pytest.raises(ValueError, match="decode_path='fused' cannot run this model: "
+                                         "model type 'gemma'"):
+        Generator(_model("gemma"), block_len=4, num_blocks=16, decode_path="fused")
+
+
+def test_chunked_argmax_is_argmax_with_ties_and_nan() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-3, 4, (5, 256), generator=g).float()  # many ties
+    x[3, 70] = float("nan")
+    x[3, 200] = float("nan")
+    x[4] = 1.0
+    for chunks in (4, 8, 64):
+        assert torch.equal(chunked_argmax(x, chunks), torch.argmax(x, -1))
+    assert torch.equal(greedy(x.bfloat16()), torch.argmax(x, -1))
