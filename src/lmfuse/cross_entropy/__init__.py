@@ -3,6 +3,7 @@
 
 from .linear import linear_cross_entropy, plan_linear_cross_entropy
 from .ops import cross_entropy, plan_cross_entropy
+from .reference import CrossEntropyOutput
 
-__all__ = ["cross_entropy", "linear_cross_entropy", "plan_cross_entropy",
+__all__ = ["CrossEntropyOutput", "cross_entropy", "linear_cross_entropy", "plan_cross_entropy",
            "plan_linear_cross_entropy"]

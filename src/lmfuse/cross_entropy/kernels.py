@@ -74,19 +74,45 @@ def _load_x(x_ptr, row_off, c, load_ok, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _grad_tile(x, c, t_local, lse, w, ls_over_v, one_minus_ls, two_z, softcap,
-               HAS_SOFTCAP: tl.constexpr):
+def _tile_weights(cw_ptr, cols, V, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
+    """The class weights of a tile's columns for its smoothing terms (0 without smoothing,
+    where they have none; unused without weights). Past the row 1, not 0: those columns'
+    x is -inf, and -inf * 0 would form a NaN (masked out, but formed)."""
+    if HAS_WEIGHT:
+        if HAS_SMOOTHING:
+            return tl.load(cw_ptr + cols, mask=cols < V, other=1.0)
+        else:
+            return tl.zeros(cols.shape, tl.float32)
+    else:
+        return 0.0
+
+
+@triton.jit
+def _grad_tile(x, c, t_local, lse, w, ls_over_v, one_minus_ls, two_z, softcap, cw, w_t,
+               w_sum, w_z, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr = False):
     """w * [p (1 + 2 z lse) - s / V - (1 - s) [col == t]] (* d softcap), float32.
+
+    ``HAS_WEIGHT``: class weights ``cw`` (the tile's columns; 0 without smoothing), ``w_t``
+    the target's, ``w_sum`` their sum, ``w_z`` the z-loss's scale (``w`` scales the rest):
+    p (w (w_t (1 - s) + s W / V) + w_z 2 z lse) - w (s / V) cw - w w_t (1 - s) [col == t].
 
     A NaN lse (a NaN or +inf logit) or a -inf one (every logit -inf) gives a NaN row, also
     where w = 0 (ignored rows), as ``F.cross_entropy``'s gradient is."""
     p = tl.exp(x - lse[:, None])
-    g = p * (1.0 + two_z * lse)[:, None] - ls_over_v
-    g = tl.where(c[None, :] == t_local[:, None], g - one_minus_ls, g)
+    if HAS_WEIGHT:
+        a = w * (w_t * one_minus_ls + ls_over_v * w_sum) + w_z * two_z * lse
+        g = p * a[:, None] - (ls_over_v * w)[:, None] * cw[None, :]
+        g = tl.where(c[None, :] == t_local[:, None], g - (one_minus_ls * w * w_t)[:, None], g)
+    else:
+        g = p * (1.0 + two_z * lse)[:, None] - ls_over_v
+        g = tl.where(c[None, :] == t_local[:, None], g - one_minus_ls, g)
     if HAS_SOFTCAP:
         u = tl.where(x > float("-inf"), x / softcap, 0.0)  # -inf: columns past the row
         g = g * (1.0 - u * u)
-    return g * w[:, None]
+    if HAS_WEIGHT:
+        return g
+    else:
+        return g * w[:, None]
 
 
 @triton.jit
@@ -113,31 +139,86 @@ def _weight(count_ptr, MEAN: tl.constexpr):
 
 
 @triton.jit
+def _class_scales(count_ptr, wstat_ptr, t_local, cw_ptr, MEAN: tl.constexpr):
+    """With class weights: (the weighted terms' scale, the z-loss's scale, w_t, W) of a
+    token for an upstream gradient of 1. A mean divides the weighted terms by ``sum w_t``
+    over the non-ignored tokens and the z-loss by their count (``wstat`` = [W, sum w_t]);
+    ``t_local`` -1 (no target column here) gives w_t = 0."""
+    mine = t_local >= 0
+    w_t = tl.load(cw_ptr + tl.where(mine, t_local, 0), mask=mine, other=0.0)
+    w_sum = tl.load(wstat_ptr)
+    if MEAN:
+        count = tl.load(count_ptr).to(tl.float32)
+        w_den = tl.where(count > 0.0, tl.load(wstat_ptr + 1), 1.0)
+        return 1.0 / w_den, 1.0 / tl.maximum(count, 1.0), w_t, w_sum
+    else:
+        return 1.0, 1.0, w_t, w_sum
+
+
+@triton.jit
 def _token_loss(lse, x_t, sum_x, t, w, ignore_index, vocab_size, ls_over_v, one_minus_ls,
-                two_z, HAS_SMOOTHING: tl.constexpr):
+                two_z, w_t, w_sum, w_z, HAS_SMOOTHING: tl.constexpr,
+                HAS_WEIGHT: tl.constexpr = False):
     """w * [(1 - s)(lse - x_t) + s (lse - sum x / V) + z lse^2]; 0 if ignored, +inf for
-    a target outside [0, vocab_size) (see ``reference.token_loss``)."""
-    loss = one_minus_ls * (lse - x_t)
-    if HAS_SMOOTHING:
-        loss += (1.0 - one_minus_ls) * lse - ls_over_v * sum_x
+    a target outside [0, vocab_size) (see ``reference.token_terms``). ``HAS_WEIGHT``:
+    w * [w_t (1 - s)(lse - x_t) + (s / V)(W lse - sum w x)] + w_z z lse^2, ``sum_x``
+    holding sum w x and ``w_sum`` W."""
     lse_z = tl.where(two_z != 0.0, lse, 0.0)  # no 0 * inf where z = 0 and lse = -inf
-    loss += 0.5 * two_z * lse_z * lse_z
+    if HAS_WEIGHT:
+        loss = w_t * one_minus_ls * (lse - x_t)
+        if HAS_SMOOTHING:
+            loss += ls_over_v * (w_sum * lse - sum_x)
+        loss = loss * w + w_z * (0.5 * two_z * lse_z * lse_z)
+    else:
+        loss = one_minus_ls * (lse - x_t)
+        if HAS_SMOOTHING:
+            loss += (1.0 - one_minus_ls) * lse - ls_over_v * sum_x
+        loss += 0.5 * two_z * lse_z * lse_z
+        loss = loss * w
     valid = t != ignore_index
     bad = valid & ((t < 0) | (t >= vocab_size))
-    loss = tl.where(bad, float("inf"), loss * w)
+    loss = tl.where(bad, float("inf"), loss)
     return tl.where(valid, loss, 0.0)
 
 
 @triton.jit
 def _store_stats(stats_ptr, n_rows, rows, row_ok, lse, x_t, sum_x, t, w, ignore_index,
-                 vocab_size, ls_over_v, one_minus_ls, two_z, HAS_SMOOTHING: tl.constexpr):
-    """Rows ``rows`` of the ``[4, N]`` stats: lse, x_t, sum x and the (weighted) loss."""
+                 vocab_size, ls_over_v, one_minus_ls, two_z, HAS_SMOOTHING: tl.constexpr,
+                 w_t=1.0, w_sum=1.0, w_z=1.0, pred=0, HAS_WEIGHT: tl.constexpr = False,
+                 ARGMAX: tl.constexpr = False):
+    """Rows ``rows`` of the ``[4, N]`` stats: lse, x_t, sum x and the (weighted) loss;
+    with ``ARGMAX`` ``[5, N]``, the predicted class ``pred`` (a global column, exact in
+    float32 below 2^24) in the fifth row."""
     tl.store(stats_ptr + rows, lse, mask=row_ok)
     tl.store(stats_ptr + n_rows + rows, x_t, mask=row_ok)
     tl.store(stats_ptr + 2 * n_rows + rows, sum_x, mask=row_ok)
     tl.store(stats_ptr + 3 * n_rows + rows,
              _token_loss(lse, x_t, sum_x, t, w, ignore_index, vocab_size, ls_over_v,
-                         one_minus_ls, two_z, HAS_SMOOTHING), mask=row_ok)
+                         one_minus_ls, two_z, w_t, w_sum, w_z, HAS_SMOOTHING, HAS_WEIGHT),
+             mask=row_ok)
+    if ARGMAX:
+        tl.store(stats_ptr + 4 * n_rows + rows, pred.to(tl.float32), mask=row_ok)
+
+
+_NO_INDEX = tl.constexpr(2147483647)  # larger than any column: "none here" in a min
+
+
+@triton.jit
+def _first_max(x, c, x_max, m, first, first_nan, AXIS: tl.constexpr):
+    """A running argmax as ``torch.argmax`` has it, chunk by chunk along ``AXIS``: ``first``
+    moves to the chunk's first column ``c`` holding its max ``x_max`` when that beats the
+    running max ``m`` (a tie keeps the earlier column); ``first_nan``, the first NaN's
+    column, wins in the end (:func:`_argmax`). Columns past the row hold -inf: never
+    picked unless every column is -inf, and then ``first`` keeps the row's first."""
+    at_max = x == tl.expand_dims(x_max, AXIS)
+    first = tl.where(x_max > m, tl.min(tl.where(at_max, c, _NO_INDEX), AXIS), first)
+    first_nan = tl.minimum(first_nan, tl.min(tl.where(x != x, c, _NO_INDEX), AXIS))
+    return first, first_nan
+
+
+@triton.jit
+def _argmax(first, first_nan):
+    return tl.where(first_nan != _NO_INDEX, first_nan, first)
 
 
 @triton.jit
@@ -147,11 +228,18 @@ def ce_fwd_kernel(
     ls_over_v, one_minus_ls, two_z, softcap,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, WRITE_GRAD: tl.constexpr,
     MEAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+    cw_ptr=None, wstat_ptr=None, HAS_WEIGHT: tl.constexpr = False,
+    ARGMAX: tl.constexpr = False,
 ):
     """Rows that fit one BLOCK_V tile, BLOCK_M rows per tile: each row is read once and
-    held in registers from the stats to the gradient."""
+    held in registers from the stats to the gradient.
+
+    ``HAS_WEIGHT``: class weights ``cw_ptr [V]`` (float32) and ``wstat_ptr`` = [sum of
+    them, sum of the non-ignored targets' (a mean's divisor)]. ``ARGMAX``: stats
+    ``[5, N]``, the predicted class in the fifth row (``_store_stats``)."""
     cols = tl.arange(0, BLOCK_V)
     col_ok = cols[None, :] < V
+    cw = _tile_weights(cw_ptr, cols, V, HAS_WEIGHT, HAS_SMOOTHING)
     for tile in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
         rows, row_ok, t_local, grad_ok, t = _rows(tile, n_rows, V, t_ptr, vocab_start,
                                                   vocab_size, ignore_index, BLOCK_M)
@@ -161,19 +249,33 @@ def ce_fwd_kernel(
         row_max = tl.max(x, 1)
         denom = tl.sum(tl.exp(x - _shift(row_max)[:, None]), 1)
         if HAS_SMOOTHING:
-            sum_x = tl.sum(tl.where(col_ok, x, 0.0), 1)
+            if HAS_WEIGHT:
+                sum_x = tl.sum(tl.where(col_ok, x * cw[None, :], 0.0), 1)
+            else:
+                sum_x = tl.sum(tl.where(col_ok, x, 0.0), 1)
         else:
             sum_x = denom * 0.0
         lse = _lse(row_max, denom)
-        w = _weight(count_ptr, MEAN)
+        pred = 0
+        if ARGMAX:  # the first max of each row (-inf past its end: never first), or NaN
+            first = tl.min(tl.where(x == row_max[:, None], cols[None, :], _NO_INDEX), 1)
+            pred = _argmax(first, tl.min(tl.where(x != x, cols[None, :], _NO_INDEX), 1))
+            pred = pred + vocab_start
+        if HAS_WEIGHT:
+            w, w_z, w_t, w_sum = _class_scales(count_ptr, wstat_ptr, t_local, cw_ptr, MEAN)
+        else:
+            w = _weight(count_ptr, MEAN)
+            w_z, w_t, w_sum = w, 1.0, 1.0
         _store_stats(stats_ptr, n_rows, rows, row_ok, lse, x_t, sum_x, t, w, ignore_index,
-                     vocab_size, ls_over_v, one_minus_ls, two_z, HAS_SMOOTHING)
+                     vocab_size, ls_over_v, one_minus_ls, two_z, HAS_SMOOTHING, w_t, w_sum,
+                     w_z, pred, HAS_WEIGHT, ARGMAX)
 
         if WRITE_GRAD:
             w = tl.where(grad_ok, w, 0.0)
+            w_z = tl.where(grad_ok, w_z, 0.0)
             g_off = rows.to(tl.int64) * stride_g
             g = _grad_tile(x, cols, t_local, lse, w, ls_over_v, one_minus_ls, two_z,
-                           softcap, HAS_SOFTCAP)
+                           softcap, cw, w_t, w_sum, w_z, HAS_SOFTCAP, HAS_WEIGHT)
             tl.store(g_ptr + g_off[:, None] + cols[None, :], g.to(g_ptr.dtype.element_ty),
                      mask=row_ok[:, None] & col_ok)
 
@@ -184,9 +286,12 @@ def ce_grad_kernel(
     n_rows, V, vocab_start, vocab_size, ignore_index,
     ls_over_v, one_minus_ls, two_z, softcap,
     HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+    cw_ptr=None, wstat_ptr=None, wz_ptr=None, stride_wz=0, HAS_WEIGHT: tl.constexpr = False,
+    HAS_SMOOTHING: tl.constexpr = False,
 ):
     """The gradient of rows that fit one BLOCK_V tile, from given stats (``lse_ptr``: their
-    first row) and per-row upstream gradients."""
+    first row) and per-row upstream gradients. ``HAS_WEIGHT``: class weights as in
+    ``ce_fwd_kernel``, ``w_ptr`` scaling the weighted terms and ``wz_ptr`` the z-loss's."""
     rows, row_ok, t_local, grad_ok, _t = _rows(tl.program_id(0), n_rows, V, t_ptr,
                                                vocab_start, vocab_size, ignore_index, BLOCK_M)
     lse = tl.load(lse_ptr + rows)
@@ -194,8 +299,13 @@ def ce_grad_kernel(
     cols = tl.arange(0, BLOCK_V)
     col_ok = cols[None, :] < V
     x = _load_x(x_ptr, rows.to(tl.int64) * stride_x, cols, col_ok, softcap, HAS_SOFTCAP)
+    cw, w_t, w_sum, w_z = 0.0, 1.0, 1.0, w
+    if HAS_WEIGHT:
+        _u, _uz, w_t, w_sum = _class_scales(None, wstat_ptr, t_local, cw_ptr, False)
+        w_z = tl.where(grad_ok, tl.load(wz_ptr + rows * stride_wz).to(tl.float32), 0.0)
+        cw = _tile_weights(cw_ptr, cols, V, True, HAS_SMOOTHING)
     g = _grad_tile(x, cols, t_local, lse, w, ls_over_v, one_minus_ls, two_z, softcap,
-                   HAS_SOFTCAP)
+                   cw, w_t, w_sum, w_z, HAS_SOFTCAP, HAS_WEIGHT)
     g_off = rows.to(tl.int64) * stride_g
     tl.store(g_ptr + g_off[:, None] + cols[None, :], g.to(g_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok)
@@ -260,50 +370,69 @@ def ce_scale_kernel(g_ptr, s_ptr, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def _range_stats(x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP: tl.constexpr,
-                 HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, KEEP: tl.constexpr):
-    """(max, sum exp(x - max), sum x) over columns [lo, hi) of one row: BLOCK_V chunks
-    with an online max, full chunks unmasked, the tail masked. ``KEEP``: the loads'
-    eviction policy ("evict_last" for logits read again soon)."""
+                 HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, KEEP: tl.constexpr,
+                 cw_ptr=None, HAS_WEIGHT: tl.constexpr = False, ARGMAX: tl.constexpr = False):
+    """(max, sum exp(x - max), sum x, argmax) over columns [lo, hi) of one row: BLOCK_V
+    chunks with an online max, full chunks unmasked, the tail masked. ``KEEP``: the loads'
+    eviction policy ("evict_last" for logits read again soon). ``HAS_WEIGHT`` (with
+    smoothing): sum w x over the class weights ``cw_ptr`` instead of sum x. ``ARGMAX``: the
+    first max's column (``_first_max``; else 0)."""
     cols = tl.arange(0, BLOCK_V)
     acc = tl.zeros([BLOCK_V], tl.float32)
     m = tl.max(acc, 0) - float("inf")  # a float32 scalar, -inf
     sx = tl.zeros([BLOCK_V], tl.float32)
+    first = (lo + tl.zeros([], tl.int32)).to(tl.int32)
+    first_nan = tl.full([], _NO_INDEX, tl.int32)
     n_full = (hi - lo) // BLOCK_V
     for k in range(0, n_full):
         x = tl.load(x_ptr + x_off + lo + k * BLOCK_V + cols, eviction_policy=KEEP)
         x = x.to(tl.float32)
         if HAS_SOFTCAP:
             x = _cap(x, softcap)
-        m_new = tl.maximum(m, tl.max(x, 0))
+        x_max = tl.max(x, 0)
+        if ARGMAX:
+            first, first_nan = _first_max(x, (lo + k * BLOCK_V + cols).to(tl.int32), x_max,
+                                          m, first, first_nan, 0)
+        m_new = tl.maximum(m, x_max)
         m_safe = _shift(m_new)
         acc = acc * tl.exp2((m - m_safe) * 1.4426950408889634) + tl.exp2(
             (x - m_safe) * 1.4426950408889634)
         m = m_new
         if HAS_SMOOTHING:
-            sx += x
+            if HAS_WEIGHT:
+                sx += x * tl.load(cw_ptr + lo + k * BLOCK_V + cols)
+            else:
+                sx += x
     c = lo + n_full * BLOCK_V + cols
     ok = c < hi
     x = tl.load(x_ptr + x_off + c, mask=ok, other=float("-inf"), eviction_policy=KEEP)
     x = x.to(tl.float32)
     if HAS_SOFTCAP:
         x = tl.where(ok, _cap(x, softcap), float("-inf"))
-    m_new = tl.maximum(m, tl.max(x, 0))
+    x_max = tl.max(x, 0)
+    if ARGMAX:
+        first, first_nan = _first_max(x, c.to(tl.int32), x_max, m, first, first_nan, 0)
+    m_new = tl.maximum(m, x_max)
     m_safe = _shift(m_new)
     acc = acc * tl.exp2((m - m_safe) * 1.4426950408889634) + tl.exp2(
         (x - m_safe) * 1.4426950408889634)
     if HAS_SMOOTHING:
-        sx += tl.where(ok, x, 0.0)
-    return m_new, tl.sum(acc, 0), tl.sum(sx, 0)
+        if HAS_WEIGHT:
+            sx += tl.where(ok, x * tl.load(cw_ptr + c, mask=ok, other=1.0), 0.0)  # 1: x = -inf
+        else:
+            sx += tl.where(ok, x, 0.0)
+    return m_new, tl.sum(acc, 0), tl.sum(sx, 0), _argmax(first, first_nan)
 
 
 @triton.jit
 def _range_stats_2d(x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP: tl.constexpr,
                     HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr,
-                    PREFETCH: tl.constexpr, KEEP: tl.constexpr):
+                    PREFETCH: tl.constexpr, KEEP: tl.constexpr, cw_ptr=None,
+                    HAS_WEIGHT: tl.constexpr = False, ARGMAX: tl.constexpr = False):
     """``_range_stats`` with no barrier in the loop: a chunk is a ``[BLOCK_V // VEC, VEC]``
     tile whose rows a thread holds whole (VEC 8 or 16: one to four 16-byte loads), so the
-    running max and sum are kept per tile row and reduced across the program once, at the
-    end.
+    running max and sum (and argmax) are kept per tile row and reduced across the program
+    once, at the end.
     ``PREFETCH``: chunk ``k + 1`` is loaded before chunk ``k`` is reduced. For programs
     that run alone on an SM (one 32-warp program streaming a row), where a block-wide max
     per chunk would stall every warp at a barrier."""
@@ -312,6 +441,8 @@ def _range_stats_2d(x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP: tl.constexpr,
     m = tl.full([R], float("-inf"), tl.float32)
     acc = tl.zeros([R], tl.float32)
     sx = tl.zeros([R], tl.float32)
+    first = (lo + tl.zeros([R], tl.int32)).to(tl.int32)
+    first_nan = tl.full([R], _NO_INDEX, tl.int32)
     n = tl.cdiv(hi - lo, BLOCK_V)
     if PREFETCH:
         x_next = tl.load(x_ptr + x_off + lo + offs, mask=lo + offs < hi, other=float("-inf"),
@@ -327,16 +458,23 @@ def _range_stats_2d(x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP: tl.constexpr,
                         eviction_policy=KEEP).to(tl.float32)
         if HAS_SOFTCAP:
             x = tl.where(c < hi, _cap(x, softcap), float("-inf"))
-        m_new = tl.maximum(m, tl.max(x, 1))
+        x_max = tl.max(x, 1)
+        if ARGMAX:
+            first, first_nan = _first_max(x, c.to(tl.int32), x_max, m, first, first_nan, 1)
+        m_new = tl.maximum(m, x_max)
         m_safe = _shift(m_new)
         acc = acc * tl.exp2((m - m_safe) * 1.4426950408889634) + tl.sum(
             tl.exp2((x - m_safe[:, None]) * 1.4426950408889634), 1)
         m = m_new
         if HAS_SMOOTHING:
+            if HAS_WEIGHT:
+                x = x * tl.load(cw_ptr + c, mask=c < hi, other=1.0)  # 1: x = -inf there
             sx += tl.sum(tl.where(c < hi, x, 0.0), 1)
     row_max = tl.max(m, 0)
     denom = tl.sum(acc * tl.exp2((m - _shift(row_max)) * 1.4426950408889634), 0)
-    return row_max, denom, tl.sum(sx, 0)
+    # the first tile row's first max among the rows that reach the row's max
+    first = tl.min(tl.where(m == row_max, first, _NO_INDEX), 0)
+    return row_max, denom, tl.sum(sx, 0), _argmax(first, tl.min(first_nan, 0))
 
 
 @triton.jit
@@ -350,9 +488,13 @@ def _lse(m, denom):
 @triton.jit
 def _range_grad(x_ptr, x_off, g_ptr, g_off, lo, hi, lse, x_t, t_local, w, ls_over_v,
                 one_minus_ls, two_z, softcap, HAS_SOFTCAP: tl.constexpr,
-                BLOCK_V: tl.constexpr, STREAM: tl.constexpr):
+                BLOCK_V: tl.constexpr, STREAM: tl.constexpr, cw_ptr=None, w_t=1.0,
+                w_sum=1.0, w_z=1.0, HAS_WEIGHT: tl.constexpr = False,
+                HAS_SMOOTHING: tl.constexpr = False):
     """Write the gradient of columns [lo, hi) of one row,
-    w * (p (1 + 2 z lse) - s / V - (1 - s) [j == t]).
+    w * (p (1 + 2 z lse) - s / V - (1 - s) [j == t]); with class weights (``HAS_WEIGHT``,
+    see ``_grad_tile``) p (w (w_t (1 - s) + s W / V) + w_z 2 z lse) - w (s / V) w_j
+    - w w_t (1 - s) [j == t], the w_j read only with ``HAS_SMOOTHING``.
 
     ``STREAM``: the logits are read for the last time (evict first) and the gradient is
     stored streaming (``.cs``), so neither displaces logits that wait in L2 for this read.
@@ -362,27 +504,50 @@ def _range_grad(x_ptr, x_off, g_ptr, g_off, lo, hi, lse, x_t, t_local, w, ls_ove
     right even when the gradient overwrites the logits.
     """
     cols = tl.arange(0, BLOCK_V)
-    a = w * (1.0 + two_z * lse)  # NaN for a NaN lse, so the row is (see ``_grad_tile``)
     b = -ls_over_v * w
+    if HAS_WEIGHT:
+        a = w * (w_t * one_minus_ls + ls_over_v * w_sum) + w_z * two_z * lse
+        minus_t = one_minus_ls * w * w_t
+        b_t = b * w_t
+    else:
+        a = w * (1.0 + two_z * lse)  # NaN for a NaN lse, so the row is (see ``_grad_tile``)
+        minus_t = one_minus_ls * w
+        b_t = b
     n_full = (hi - lo) // BLOCK_V
     c = lo + n_full * BLOCK_V + cols
     ok = c < hi
     x = tl.load(x_ptr + x_off + c, mask=ok, other=0.0,
                 eviction_policy="evict_first" if STREAM else "").to(tl.float32)
-    g = _grad_values(x, lse, a, b, 0.0, softcap, HAS_SOFTCAP, True)
+    g = _grad_values(x, lse, a, _smoothing_b(b, cw_ptr, c, ok, HAS_WEIGHT, HAS_SMOOTHING,
+                                             False), 0.0, softcap, HAS_SOFTCAP, True)
     tl.store(g_ptr + g_off + c, g.to(g_ptr.dtype.element_ty), mask=ok,
              cache_modifier=".cs" if STREAM else "")
     for i in range(0, n_full):
         c = lo + (n_full - 1 - i) * BLOCK_V + cols
         x = tl.load(x_ptr + x_off + c,
                     eviction_policy="evict_first" if STREAM else "").to(tl.float32)
-        g = _grad_values(x, lse, a, b, 0.0, softcap, HAS_SOFTCAP, True)
+        g = _grad_values(x, lse, a, _smoothing_b(b, cw_ptr, c, c, HAS_WEIGHT, HAS_SMOOTHING,
+                                                 True), 0.0, softcap, HAS_SOFTCAP, True)
         tl.store(g_ptr + g_off + c, g.to(g_ptr.dtype.element_ty),
                  cache_modifier=".cs" if STREAM else "")
     tl.debug_barrier()  # the chunk store of the target column happens before this one
     if (t_local >= lo) & (t_local < hi):
-        g_t = _grad_values(x_t, lse, a, b, one_minus_ls * w, softcap, HAS_SOFTCAP, False)
+        g_t = _grad_values(x_t, lse, a, b_t, minus_t, softcap, HAS_SOFTCAP, False)
         tl.store(g_ptr + g_off + t_local, g_t.to(g_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _smoothing_b(b, cw_ptr, c, ok, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+                 FULL: tl.constexpr):
+    """The smoothing term of columns ``c``: ``b`` (= -w s / V), times the class weights when
+    there are some (``ok``: the load's mask, unused for a ``FULL`` chunk)."""
+    if HAS_WEIGHT and HAS_SMOOTHING:
+        if FULL:
+            return b * tl.load(cw_ptr + c)
+        else:
+            return b * tl.load(cw_ptr + c, mask=ok, other=0.0)
+    else:
+        return b
 
 
 @triton.jit
@@ -429,12 +594,14 @@ def ce_stream_kernel(
     ls_over_v, one_minus_ls, two_z, softcap,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, WRITE_GRAD: tl.constexpr,
     MEAN: tl.constexpr, BLOCK_V: tl.constexpr, HINTS: tl.constexpr, VEC: tl.constexpr = 0,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, cw_ptr=None, wstat_ptr=None,
+    HAS_WEIGHT: tl.constexpr = False, ARGMAX: tl.constexpr = False,
 ):
     """Stats (and with WRITE_GRAD the gradient) of long rows, one row at a time per
     program, persistent over rows. ``HINTS`` (with WRITE_GRAD): the first read of a row
     asks L2 to keep it, the second evicts it, the gradient is stored streaming. ``VEC``
     > 0: the stats loop of ``_range_stats_2d`` (no barrier per chunk; ``PREFETCH``).
+    ``HAS_WEIGHT``, ``ARGMAX``: as in ``ce_fwd_kernel``.
 
     With one 32-warp program per SM and rows that fit L1 (bf16 rows up to about 128K
     columns on an H100), the second read, last chunk first, is mostly L1 hits: the first
@@ -445,21 +612,28 @@ def ce_stream_kernel(
         x_off = row * stride_x
         x_t = _target_x(x_ptr, x_off, t_local, 0, V, softcap, HAS_SOFTCAP)
         if VEC > 0:
-            m, denom, sum_x = _range_stats_2d(x_ptr, x_off, 0, V, softcap, HAS_SOFTCAP,
-                                              HAS_SMOOTHING, BLOCK_V, VEC, PREFETCH,
-                                              "evict_last" if HINTS else "")
+            m, denom, sum_x, pred = _range_stats_2d(
+                x_ptr, x_off, 0, V, softcap, HAS_SOFTCAP, HAS_SMOOTHING, BLOCK_V, VEC,
+                PREFETCH, "evict_last" if HINTS else "", cw_ptr, HAS_WEIGHT, ARGMAX)
         else:
-            m, denom, sum_x = _range_stats(x_ptr, x_off, 0, V, softcap, HAS_SOFTCAP,
-                                           HAS_SMOOTHING, BLOCK_V,
-                                           "evict_last" if HINTS else "")
+            m, denom, sum_x, pred = _range_stats(
+                x_ptr, x_off, 0, V, softcap, HAS_SOFTCAP, HAS_SMOOTHING, BLOCK_V,
+                "evict_last" if HINTS else "", cw_ptr, HAS_WEIGHT, ARGMAX)
         lse = _lse(m, denom)
-        w = _weight(count_ptr, MEAN)
+        if HAS_WEIGHT:
+            w, w_z, w_t, w_sum = _class_scales(count_ptr, wstat_ptr, t_local, cw_ptr, MEAN)
+        else:
+            w = _weight(count_ptr, MEAN)
+            w_z, w_t, w_sum = w, 1.0, 1.0
         _store_stats(stats_ptr, n_rows, row, True, lse, x_t, sum_x, t, w, ignore_index,
-                     vocab_size, ls_over_v, one_minus_ls, two_z, HAS_SMOOTHING)
+                     vocab_size, ls_over_v, one_minus_ls, two_z, HAS_SMOOTHING, w_t, w_sum,
+                     w_z, pred + vocab_start, HAS_WEIGHT, ARGMAX)
         if WRITE_GRAD:
             w = tl.where(grad_ok, w, 0.0)
+            w_z = tl.where(grad_ok, w_z, 0.0)
             _range_grad(x_ptr, x_off, g_ptr, row * stride_g, 0, V, lse, x_t, t_local, w,
-                        ls_over_v, one_minus_ls, two_z, softcap, HAS_SOFTCAP, BLOCK_V, HINTS)
+                        ls_over_v, one_minus_ls, two_z, softcap, HAS_SOFTCAP, BLOCK_V, HINTS,
+                        cw_ptr, w_t, w_sum, w_z, HAS_WEIGHT, HAS_SMOOTHING)
 
 
 @triton.jit
@@ -468,16 +642,24 @@ def ce_stream_grad_kernel(
     n_rows, V, vocab_start, vocab_size, ignore_index,
     ls_over_v, one_minus_ls, two_z, softcap,
     HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+    cw_ptr=None, wstat_ptr=None, wz_ptr=None, stride_wz=0, HAS_WEIGHT: tl.constexpr = False,
+    HAS_SMOOTHING: tl.constexpr = False,
 ):
-    """The gradient of long rows from given stats and per-row upstream gradients."""
+    """The gradient of long rows from given stats and per-row upstream gradients (class
+    weights: as in ``ce_grad_kernel``)."""
     for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
         t_local, grad_ok, _t = _row_target(t_ptr, row, V, vocab_start, vocab_size,
                                            ignore_index)
         lse = tl.load(stats_ptr + row)
         x_t = tl.load(stats_ptr + n_rows + row)
         w = tl.where(grad_ok, tl.load(w_ptr + row * stride_w).to(tl.float32), 0.0)
+        w_t, w_sum, w_z = 1.0, 1.0, w
+        if HAS_WEIGHT:
+            _u, _uz, w_t, w_sum = _class_scales(None, wstat_ptr, t_local, cw_ptr, False)
+            w_z = tl.where(grad_ok, tl.load(wz_ptr + row * stride_wz).to(tl.float32), 0.0)
         _range_grad(x_ptr, row * stride_x, g_ptr, row * stride_g, 0, V, lse, x_t, t_local, w,
-                    ls_over_v, one_minus_ls, two_z, softcap, HAS_SOFTCAP, BLOCK_V, False)
+                    ls_over_v, one_minus_ls, two_z, softcap, HAS_SOFTCAP, BLOCK_V, False,
+                    cw_ptr, w_t, w_sum, w_z, HAS_WEIGHT, HAS_SMOOTHING)
 
 
 @triton.jit
@@ -487,8 +669,10 @@ def ce_slices_kernel(
     SLICES, SLICE, LAG,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, MEAN: tl.constexpr,
     SLICES_P2: tl.constexpr, BLOCK_V: tl.constexpr, HINTS: tl.constexpr = False,
+    cw_ptr=None, wstat_ptr=None, HAS_WEIGHT: tl.constexpr = False,
 ):
-    """Loss, stats and gradient of long rows in one launch, rows cut in SLICES slices.
+    """Loss, stats and gradient of long rows in one launch, rows cut in SLICES slices
+    (class weights, ``HAS_WEIGHT``: as in ``ce_fwd_kernel``; no argmax).
 
     Tile ``i`` is slice ``i % SLICES`` of row ``i // SLICES``. Programs (a persistent
     grid) take tile numbers from a ticket counter, so tile numbers follow the order in
@@ -516,9 +700,9 @@ def ce_slices_kernel(
             hi = tl.minimum(lo + SLICE, V)
             x_off = row * stride_x
             t_local, grad_ok, t = _row_target(t_ptr, row, V, 0, V, ignore_index)
-            p_max, p_sum, p_sx = _range_stats(x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP,
-                                              HAS_SMOOTHING, BLOCK_V,
-                                              "evict_last" if HINTS else "")
+            p_max, p_sum, p_sx, _pred = _range_stats(
+                x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP, HAS_SMOOTHING, BLOCK_V,
+                "evict_last" if HINTS else "", cw_ptr, HAS_WEIGHT)
             x_t = _target_x(x_ptr, x_off, t_local, lo, hi, softcap, HAS_SOFTCAP)
             base = tile.to(tl.int64) * 4
             tl.store(part_ptr + base, p_max)
@@ -544,15 +728,22 @@ def ce_slices_kernel(
             lse = _lse(row_max, tl.sum(sums * tl.exp(maxes - _shift(row_max)), 0))
             x_t = tl.sum(x_ts, 0)
             t_local, grad_ok, t = _row_target(t_ptr, row, V, 0, V, ignore_index)
-            w = _weight(count_ptr, MEAN)
+            if HAS_WEIGHT:
+                w, w_z, w_t, w_sum = _class_scales(count_ptr, wstat_ptr, t_local, cw_ptr,
+                                                   MEAN)
+            else:
+                w = _weight(count_ptr, MEAN)
+                w_z, w_t, w_sum = w, 1.0, 1.0
             if j % SLICES == 0:  # one tile per row reports the row's stats and loss
                 sxs = tl.load(part_ptr + slots + 2, mask=have, other=0.0, cache_modifier=".cg")
                 _store_stats(stats_ptr, n_rows, row, True, lse, x_t, tl.sum(sxs, 0), t, w,
-                             ignore_index, V, ls_over_v, one_minus_ls, two_z, HAS_SMOOTHING)
+                             ignore_index, V, ls_over_v, one_minus_ls, two_z, HAS_SMOOTHING,
+                             w_t, w_sum, w_z, 0, HAS_WEIGHT)
             w = tl.where(grad_ok, w, 0.0)
+            w_z = tl.where(grad_ok, w_z, 0.0)
             lo = (j % SLICES) * SLICE
             hi = tl.minimum(lo + SLICE, V)
             _range_grad(x_ptr, row * stride_x, g_ptr, row * stride_g, lo, hi, lse, x_t,
                         t_local, w, ls_over_v, one_minus_ls, two_z, softcap, HAS_SOFTCAP,
-                        BLOCK_V, HINTS)
+                        BLOCK_V, HINTS, cw_ptr, w_t, w_sum, w_z, HAS_WEIGHT, HAS_SMOOTHING)
         tile = tl.atomic_add(ticket_ptr, 1)

@@ -35,6 +35,7 @@ from .._dispatch import eager as _eager
 from .._nvtx import nvtx_range
 from ..distributed.collectives import group_rank, group_size
 from . import reference as ref
+from .reference import CrossEntropyOutput
 from .vocab_parallel import gather_stats
 
 _OP = "cross_entropy"
@@ -115,7 +116,8 @@ def _persistent_grid(n: int, cfg: dict[str, Any], device: torch.device) -> int:
 
 
 def _launch_fwd(logits, target, count, grad, vocab_start, vocab_size, ignore_index,
-                label_smoothing, z_loss, softcap, mean, fused=None):
+                label_smoothing, z_loss, softcap, mean, fused=None, weight=None, wstat=None,
+                argmax=False):
     """Stats ``[4, N]`` (lse, x_t, sum x, loss), and the gradient into ``grad`` if given.
 
     The loss row (0 where ignored) is the whole loss only on one rank; it is scaled by
@@ -124,9 +126,15 @@ def _launch_fwd(logits, target, count, grad, vocab_start, vocab_size, ignore_ind
     than ``max_single_block``): ``BLOCK_V``, ``num_warps``, ``programs_per_sm``, ``hints``
     and, for the slices kernel, ``slice`` and ``lag``, or, for whole rows a program,
     ``vec`` and ``prefetch`` (see :func:`_fit_fused`).
+
+    ``weight``: class weights ``[V]`` float32 and ``wstat`` ``[2]`` = (their sum, the sum
+    of the non-ignored targets'): the third stat is then ``sum w x`` and a mean divides
+    the weighted terms by ``wstat[1]`` (:func:`_class_stats`). ``argmax``: stats ``[5, N]``,
+    each row's first argmax (a global column, float32) last; the sliced launch is then
+    replaced by the whole-row one of the same block and warps.
     """
     n, V = logits.shape
-    stats = torch.empty((4, n), dtype=torch.float32, device=logits.device)
+    stats = torch.empty((5 if argmax else 4, n), dtype=torch.float32, device=logits.device)
     if n == 0:
         return stats
     aligned = _aligned(logits) and (grad is None or _aligned(grad))
@@ -136,6 +144,9 @@ def _launch_fwd(logits, target, count, grad, vocab_start, vocab_size, ignore_ind
     write = grad is not None
     common = dict(HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0,
                   WRITE_GRAD=write, MEAN=mean)
+    if weight is not None or argmax:  # (left out otherwise: the default launches as they were)
+        common.update(cw_ptr=weight, wstat_ptr=wstat, HAS_WEIGHT=weight is not None,
+                      ARGMAX=argmax)
     args = (logits, logits.stride(0), target, stats, grad if write else logits,
             grad.stride(0) if write else 0, count, n, V, vocab_start, vocab_size,
             ignore_index, *_scalars(vocab_size, label_smoothing, z_loss, softcap))
@@ -143,12 +154,14 @@ def _launch_fwd(logits, target, count, grad, vocab_start, vocab_size, ignore_ind
         _kernels().ce_fwd_kernel[(_cdiv(n, cfg["BLOCK_M"]),)](
             *args, **common, BLOCK_M=cfg["BLOCK_M"], BLOCK_V=cfg["BLOCK_V"],
             num_warps=cfg["num_warps"])
-    elif write and cfg.get("fused", {}).get("slice"):
+    elif write and cfg.get("fused", {}).get("slice") and not argmax:
         _launch_slices(logits, target, count, grad, stats, ignore_index, label_smoothing,
-                       z_loss, softcap, mean, cfg["fused"])
+                       z_loss, softcap, mean, cfg["fused"],
+                       **({} if weight is None else dict(weight=weight, wstat=wstat)))
     else:  # persistent: a few programs per SM loop over the rows
         if write and "fused" in cfg:
-            cfg = dict(cfg, **cfg["fused"])
+            cfg = dict(cfg, **{k: v for k, v in cfg["fused"].items()
+                               if k not in ("slice", "lag")})
         vec = cfg.get("vec", 0) if write else 0
         _kernels().ce_stream_kernel[(_persistent_grid(n, cfg, logits.device),)](
             *args, **common, BLOCK_V=cfg["BLOCK_V"], HINTS=write and bool(cfg.get("hints", 0)),
@@ -157,7 +170,7 @@ def _launch_fwd(logits, target, count, grad, vocab_start, vocab_size, ignore_ind
 
 
 def _launch_slices(logits, target, count, grad, stats, ignore_index, label_smoothing, z_loss,
-                   softcap, mean, f):
+                   softcap, mean, f, weight=None, wstat=None):
     """Stats and gradient of long rows in one launch, rows in slices (``ce_slices_kernel``)."""
     n, V = logits.shape
     block = f["BLOCK_V"]
@@ -174,12 +187,15 @@ def _launch_slices(logits, target, count, grad, stats, ignore_index, label_smoot
         HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0, MEAN=mean,
         SLICES_P2=max(2, 1 << (slices - 1).bit_length()), BLOCK_V=block,
         HINTS=bool(f.get("hints", 0)), num_warps=f["num_warps"],
+        **({} if weight is None else dict(cw_ptr=weight, wstat_ptr=wstat, HAS_WEIGHT=True)),
     )
 
 
 def _launch_grad(logits, target, stats, w, grad, vocab_start, vocab_size, ignore_index,
-                 label_smoothing, z_loss, softcap):
-    """The gradient from whole-vocabulary ``stats`` and per-token upstream gradients ``w``."""
+                 label_smoothing, z_loss, softcap, weight=None, wstat=None, wz=None):
+    """The gradient from whole-vocabulary ``stats`` and per-token upstream gradients ``w``
+    (with class weights ``weight``, ``wstat`` as in :func:`_launch_fwd`: ``w`` scales the
+    weighted terms, ``wz`` the z-loss's)."""
     n, V = logits.shape
     if n == 0:
         return
@@ -187,14 +203,17 @@ def _launch_grad(logits, target, stats, w, grad, vocab_start, vocab_size, ignore
     args = (logits, logits.stride(0), target, stats, w, w.stride(0), grad, grad.stride(0),
             n, V, vocab_start, vocab_size, ignore_index,
             *_scalars(vocab_size, label_smoothing, z_loss, softcap))
+    extra = {} if weight is None else dict(
+        cw_ptr=weight, wstat_ptr=wstat, wz_ptr=wz, stride_wz=wz.stride(0), HAS_WEIGHT=True,
+        HAS_SMOOTHING=label_smoothing > 0)
     if cfg["SINGLE_BLOCK"]:
         _kernels().ce_grad_kernel[(_cdiv(n, cfg["BLOCK_M"]),)](
             *args, HAS_SOFTCAP=softcap is not None, BLOCK_M=cfg["BLOCK_M"],
-            BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"])
+            BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"], **extra)
     else:
         _kernels().ce_stream_grad_kernel[(_persistent_grid(n, cfg, logits.device),)](
             *args, HAS_SOFTCAP=softcap is not None, BLOCK_V=cfg["BLOCK_V"],
-            num_warps=cfg["num_warps"])
+            num_warps=cfg["num_warps"], **extra)
 
 
 def _launch_scale(grad, scale):
@@ -212,48 +231,57 @@ def _launch_scale(grad, scale):
 @torch.library.custom_op("lmfuse::ce_stats", mutates_args=())
 def _ce_stats(logits: torch.Tensor, target: torch.Tensor, count: torch.Tensor,
               vocab_start: int, vocab_size: int, ignore_index: int, label_smoothing: float,
-              z_loss: float, softcap: Optional[float], mean: bool) -> torch.Tensor:
+              z_loss: float, softcap: Optional[float], mean: bool,
+              weight: Optional[torch.Tensor] = None, wstat: Optional[torch.Tensor] = None,
+              argmax: bool = False) -> torch.Tensor:
     return _launch_fwd(logits, target, count, None, vocab_start, vocab_size, ignore_index,
-                       label_smoothing, z_loss, softcap, mean)
+                       label_smoothing, z_loss, softcap, mean, None, weight, wstat, argmax)
 
 
 @_ce_stats.register_fake
 def _(logits, target, count, vocab_start, vocab_size, ignore_index, label_smoothing, z_loss,
-      softcap, mean):
-    return logits.new_empty((4, logits.shape[0]), dtype=torch.float32)
+      softcap, mean, weight=None, wstat=None, argmax=False):
+    return logits.new_empty((5 if argmax else 4, logits.shape[0]), dtype=torch.float32)
 
 
-def _fwd_grad(logits, target, count, ignore_index, label_smoothing, z_loss, softcap, mean):
+def _fwd_grad(logits, target, count, ignore_index, label_smoothing, z_loss, softcap, mean,
+              weight=None, wstat=None, argmax=False):
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
     stats = _launch_fwd(logits, target, count, grad, 0, logits.shape[1], ignore_index,
-                        label_smoothing, z_loss, softcap, mean)
+                        label_smoothing, z_loss, softcap, mean, None, weight, wstat, argmax)
     return stats, grad
 
 
 @torch.library.custom_op("lmfuse::ce_fwd_grad", mutates_args=())
 def _ce_fwd_grad(logits: torch.Tensor, target: torch.Tensor, count: torch.Tensor,
                  ignore_index: int, label_smoothing: float, z_loss: float,
-                 softcap: Optional[float], mean: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 softcap: Optional[float], mean: bool, weight: Optional[torch.Tensor] = None,
+                 wstat: Optional[torch.Tensor] = None,
+                 argmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     return _fwd_grad(logits, target, count, ignore_index, label_smoothing, z_loss, softcap,
-                     mean)
+                     mean, weight, wstat, argmax)
 
 
 @_ce_fwd_grad.register_fake
-def _(logits, target, count, ignore_index, label_smoothing, z_loss, softcap, mean):
-    return (logits.new_empty((4, logits.shape[0]), dtype=torch.float32),
+def _(logits, target, count, ignore_index, label_smoothing, z_loss, softcap, mean,
+      weight=None, wstat=None, argmax=False):
+    return (logits.new_empty((5 if argmax else 4, logits.shape[0]), dtype=torch.float32),
             torch.empty_like(logits, memory_format=torch.contiguous_format))
 
 
 @torch.library.custom_op("lmfuse::ce_fwd_grad_", mutates_args=("logits",))
 def _ce_fwd_grad_(logits: torch.Tensor, target: torch.Tensor, count: torch.Tensor,
                   ignore_index: int, label_smoothing: float, z_loss: float,
-                  softcap: Optional[float], mean: bool, launch: str = "") -> torch.Tensor:
+                  softcap: Optional[float], mean: bool, launch: str = "",
+                  weight: Optional[torch.Tensor] = None, wstat: Optional[torch.Tensor] = None,
+                  argmax: bool = False) -> torch.Tensor:
     """``launch``: ``_launch_fwd``'s ``fused`` override, encoded by :func:`encode_launch`."""
     # Every kernel reads a row (or, sliced, a slice) in full before it writes any of its
     # gradient and the target's column is rewritten from the saved x_t: the gradient can
     # overwrite the logits.
     return _launch_fwd(logits, target, count, logits, 0, logits.shape[1], ignore_index,
-                       label_smoothing, z_loss, softcap, mean, fused=decode_launch(launch))
+                       label_smoothing, z_loss, softcap, mean, decode_launch(launch), weight,
+                       wstat, argmax)
 
 
 def encode_launch(fused: Optional[dict[str, Any]]) -> str:
@@ -270,37 +298,41 @@ def decode_launch(text: str) -> Optional[dict[str, Any]]:
 
 
 @_ce_fwd_grad_.register_fake
-def _(logits, target, count, ignore_index, label_smoothing, z_loss, softcap, mean, launch=""):
-    return logits.new_empty((4, logits.shape[0]), dtype=torch.float32)
+def _(logits, target, count, ignore_index, label_smoothing, z_loss, softcap, mean, launch="",
+      weight=None, wstat=None, argmax=False):
+    return logits.new_empty((5 if argmax else 4, logits.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("lmfuse::ce_grad", mutates_args=())
 def _ce_grad(logits: torch.Tensor, target: torch.Tensor, stats: torch.Tensor, w: torch.Tensor,
              vocab_start: int, vocab_size: int, ignore_index: int, label_smoothing: float,
-             z_loss: float, softcap: Optional[float]) -> torch.Tensor:
+             z_loss: float, softcap: Optional[float], weight: Optional[torch.Tensor] = None,
+             wstat: Optional[torch.Tensor] = None,
+             wz: Optional[torch.Tensor] = None) -> torch.Tensor:
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
     _launch_grad(logits, target, stats, w, grad, vocab_start, vocab_size, ignore_index,
-                 label_smoothing, z_loss, softcap)
+                 label_smoothing, z_loss, softcap, weight, wstat, wz)
     return grad
 
 
 @_ce_grad.register_fake
 def _(logits, target, stats, w, vocab_start, vocab_size, ignore_index, label_smoothing, z_loss,
-      softcap):
+      softcap, weight=None, wstat=None, wz=None):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("lmfuse::ce_grad_", mutates_args=("logits",))
 def _ce_grad_(logits: torch.Tensor, target: torch.Tensor, stats: torch.Tensor, w: torch.Tensor,
               vocab_start: int, vocab_size: int, ignore_index: int, label_smoothing: float,
-              z_loss: float, softcap: Optional[float]) -> None:
+              z_loss: float, softcap: Optional[float], weight: Optional[torch.Tensor] = None,
+              wstat: Optional[torch.Tensor] = None, wz: Optional[torch.Tensor] = None) -> None:
     _launch_grad(logits, target, stats, w, logits, vocab_start, vocab_size, ignore_index,
-                 label_smoothing, z_loss, softcap)
+                 label_smoothing, z_loss, softcap, weight, wstat, wz)
 
 
 @_ce_grad_.register_fake
 def _(logits, target, stats, w, vocab_start, vocab_size, ignore_index, label_smoothing, z_loss,
-      softcap):
+      softcap, weight=None, wstat=None, wz=None):
     return None
 
 
@@ -317,53 +349,78 @@ def _(grad, scale):
 # --- autograd ---------------------------------------------------------------------------
 
 
+def _class_stats(weight: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """``[2]`` float32 for the kernels' class weights: the weights' sum and the sum of the
+    non-ignored targets' weights (a weighted mean's divisor). No host sync."""
+    return torch.stack([weight.sum(), ref.target_weights(weight, target, ignore_index).sum()]
+                       ).float()
+
+
 class _CrossEntropy(torch.autograd.Function):
-    """Loss of ``logits [N, V_local]``; see the module docstring for the passes."""
+    """Loss of ``logits [N, V_local]``; see the module docstring for the passes.
+
+    ``weight``: class weights ``[V]`` (float32, float64 for float64 logits on the torch
+    path) or None. With ``o["extras"]`` (a ``return_*`` option) it returns ``(loss, lse,
+    predicted)``: each token's whole-vocabulary lse and, with ``o["argmax"]``, its first
+    argmax (int64; an empty tensor otherwise), neither differentiable."""
 
     @staticmethod
-    def forward(ctx, logits, target, o: dict[str, Any]):
+    def forward(ctx, logits, target, weight, o: dict[str, Any]):
         with nvtx_range(_OP, "fwd"):
             ls, z, cap, ignore = o["label_smoothing"], o["z_loss"], o["softcap"], o["ignore_index"]
             count = torch.sum(target != ignore, dtype=torch.float32)
             ctx.o, ctx.fused = o, o["fused"]
             one_rank = o["tp_group"] is None
             mean = o["reduction"] == "mean" and one_rank
+            argmax = o["argmax"]
+            wstat = None if weight is None else _class_stats(weight, target, ignore)
+            opt = (weight, wstat, argmax)  # the launches' trailing arguments
             if o["fused"]:
                 if o["inplace"]:
                     stats = (_launch_fwd(logits, target, count, logits, 0, logits.shape[1], ignore,
-                                         ls, z, cap, mean) if _eager() else
+                                         ls, z, cap, mean, None, *opt) if _eager() else
                              torch.ops.lmfuse.ce_fwd_grad_(logits, target, count, ignore, ls, z,
-                                                           cap, mean))
+                                                           cap, mean, "", *opt))
                     grad = logits
                 else:
-                    stats, grad = (_fwd_grad(logits, target, count, ignore, ls, z, cap, mean)
-                                   if _eager() else
+                    stats, grad = (_fwd_grad(logits, target, count, ignore, ls, z, cap, mean,
+                                             *opt) if _eager() else
                                    torch.ops.lmfuse.ce_fwd_grad(logits, target, count, ignore, ls,
-                                                                z, cap, mean))
+                                                                z, cap, mean, *opt))
                 ctx.save_for_backward(grad)
             else:
                 if o["path"] == "triton":
                     args = (logits, target, count, o["vocab_start"], o["vocab_size"], ignore, ls, z,
                             cap, mean)
-                    stats = (_launch_fwd(logits, target, count, None, *args[3:]) if _eager()
-                             else torch.ops.lmfuse.ce_stats(*args))
+                    stats = (_launch_fwd(logits, target, count, None, *args[3:], None, *opt)
+                             if _eager() else torch.ops.lmfuse.ce_stats(*args, *opt))
                 else:
-                    stats = ref.local_token_stats(logits, target, o["vocab_start"], cap)
+                    stats = ref.local_token_stats(logits, target, o["vocab_start"], cap, weight)
                 if not one_rank:
                     stats = gather_stats(stats, target, count, o, o["reduction"] == "mean")
-                ctx.save_for_backward(logits, target, stats.contiguous(), count)
+                ctx.save_for_backward(logits, target, stats.contiguous(), count, weight, wstat)
             if o["path"] == "triton":
                 loss = stats[3]  # the kernels' per-token loss, already / count for "mean"
-                return loss if o["reduction"] == "none" else loss.sum()
-            loss = ref.token_loss(stats, target, vocab_size=o["vocab_size"], ignore_index=ignore,
-                                  label_smoothing=ls, z_loss=z)
-            if o["reduction"] == "none":
+                loss = loss if o["reduction"] == "none" else loss.sum()
+            else:
+                ce, zl = ref.token_terms(stats, target, vocab_size=o["vocab_size"],
+                                         ignore_index=ignore, label_smoothing=ls, z_loss=z,
+                                         weight=weight)
+                loss = ref.reduce_terms(ce, zl, target, count, o["reduction"], ignore, weight)
+            if not o["extras"]:
                 return loss
-            total = loss.sum()
-            return total / count.clamp(min=1) if o["reduction"] == "mean" else total
+            if not argmax:
+                pred = torch.empty(0, dtype=torch.int64, device=logits.device)
+            elif o["path"] == "triton":
+                pred = stats[4].long()
+            else:
+                pred = ref.predicted_tokens(logits, target, ignore, cap)
+            lse = stats[0].clone()
+            ctx.mark_non_differentiable(lse, pred)
+            return loss, lse, pred
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, *_extras):
         with nvtx_range(_OP, "bwd"):
             o = ctx.o
             if ctx.fused:
@@ -374,35 +431,46 @@ class _CrossEntropy(torch.autograd.Function):
                     _launch_scale(grad, scale)
                 else:
                     torch.ops.lmfuse.ce_scale_(grad, scale)
-                return grad, None, None
-            logits, target, stats, count = ctx.saved_tensors
+                return grad, None, None, None
+            logits, target, stats, count, weight, wstat = ctx.saved_tensors
+            n = logits.shape[0]
+            wz = None
             if o["reduction"] == "none":
                 w = dout.float().contiguous()
+                wz = w
             elif o["reduction"] == "mean":
-                w = (dout.float() / count.clamp(min=1)).reshape(1).expand(logits.shape[0])
+                w = (dout.float() / count.clamp(min=1)).reshape(1).expand(n)
+                if weight is not None:  # the weighted terms over sum w_t, the z-loss over count
+                    wz = w
+                    w_sum = torch.where(count > 0, wstat[1], torch.ones_like(wstat[1]))
+                    w = (dout.float() / w_sum).reshape(1).expand(n)
             else:
-                w = dout.float().reshape(1).expand(logits.shape[0])
+                w = dout.float().reshape(1).expand(n)
+                wz = w
             args = (o["vocab_start"], o["vocab_size"], o["ignore_index"], o["label_smoothing"],
                     o["z_loss"], o["softcap"])
+            opt = () if weight is None else (weight, wstat, wz)
             if o["path"] == "triton":
                 if o["inplace"]:
                     if _eager():
-                        _launch_grad(logits, target, stats, w, logits, *args)
+                        _launch_grad(logits, target, stats, w, logits, *args, *opt)
                     else:
-                        torch.ops.lmfuse.ce_grad_(logits, target, stats, w, *args)
-                    return logits, None, None
+                        torch.ops.lmfuse.ce_grad_(logits, target, stats, w, *args, *opt)
+                    return logits, None, None, None
                 if _eager():
                     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-                    _launch_grad(logits, target, stats, w, grad, *args)
-                    return grad, None, None
-                return torch.ops.lmfuse.ce_grad(logits, target, stats, w, *args), None, None
+                    _launch_grad(logits, target, stats, w, grad, *args, *opt)
+                    return grad, None, None, None
+                return (torch.ops.lmfuse.ce_grad(logits, target, stats, w, *args, *opt), None,
+                        None, None)
             grad = ref.logits_grad(logits, target, stats[0], w, vocab_start=args[0],
                                    vocab_size=args[1], ignore_index=args[2],
-                                   label_smoothing=args[3], z_loss=args[4], softcap=args[5])
+                                   label_smoothing=args[3], z_loss=args[4], softcap=args[5],
+                                   class_weight=weight, z_weight=wz)
             if o["inplace"]:
                 logits.copy_(grad)
-                return logits, None, None
-            return grad, None, None
+                return logits, None, None, None
+            return grad, None, None, None
 
 
 def _once(ctx, op: str) -> None:
@@ -421,7 +489,9 @@ def _once(ctx, op: str) -> None:
 
 
 def _resolve(logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction,
-             tp_group, inplace_backward, impl) -> tuple[str, str, dict[str, Any]]:
+             tp_group, inplace_backward, impl, weight=None, return_z_loss=False,
+             return_token_accuracy=False,
+             return_predicted_tokens=False) -> tuple[str, str, dict[str, Any]]:
     """Validate the arguments and choose path and pass structure (no host sync on CUDA)."""
     check_tensor(_OP, "logits", logits)
     if logits.dim() < 1:
@@ -455,9 +525,26 @@ def _resolve(logits, target, ignore_index, label_smoothing, z_loss, softcap, red
     if tp_group is not None and not isinstance(tp_group, torch.distributed.ProcessGroup):
         raise TypeError(f"{_OP}: tp_group must be a torch.distributed.ProcessGroup or None, "
                         f"got {type(tp_group).__name__}")
+    returns = dict(return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
+                   return_predicted_tokens=return_predicted_tokens)
+    for name, flag in returns.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{_OP}: {name} must be a bool, got {flag!r}")
     world = group_size(tp_group)
     vocab_start = group_rank(tp_group) * V_local
     vocab_size = V_local * world
+    _check_weight(weight, logits)
+    argmax = return_token_accuracy or return_predicted_tokens
+    if world > 1 and (weight is not None or argmax):
+        given = [n for n, v in (("weight", weight is not None),
+                                ("return_token_accuracy", return_token_accuracy),
+                                ("return_predicted_tokens", return_predicted_tokens)) if v]
+        raise ValueError(f"{_OP}: {' and '.join(given)}: not yet supported with tp_group "
+                         f"(vocabulary parallel, {world} ranks); return_z_loss is")
+    if argmax and vocab_size > _MAX_ARGMAX_CLASSES:
+        raise ValueError(f"{_OP}: return_token_accuracy / return_predicted_tokens take at most "
+                         f"{_MAX_ARGMAX_CLASSES} classes (the kernels carry a class id in "
+                         f"float32), got V = {vocab_size}")
     path, reason = select_impl(_OP, impl, logits.device)
     grad_needed = torch.is_grad_enabled() and logits.requires_grad
     # float16 takes the deferred path: its gradient, scaled by the upstream gradient (the
@@ -468,8 +555,32 @@ def _resolve(logits, target, ignore_index, label_smoothing, z_loss, softcap, red
     args = dict(path=path, ignore_index=ignore_index, label_smoothing=ls, z_loss=z,
                 softcap=cap, reduction=reduction, inplace=inplace_backward,
                 tp_group=tp_group if world > 1 else None, vocab_start=vocab_start,
-                vocab_size=vocab_size, fused=fused, grad_needed=grad_needed)
+                vocab_size=vocab_size, fused=fused, grad_needed=grad_needed,
+                weighted=weight is not None, argmax=argmax, extras=any(returns.values()),
+                **returns)
     return path, reason, args
+
+
+_MAX_ARGMAX_CLASSES = 1 << 24  # every class id is exact in float32 up to here
+
+
+def _check_weight(weight: Any, logits: torch.Tensor) -> None:
+    """Class weights: None, or a floating ``[V_local]`` tensor on the logits' device."""
+    if weight is None:
+        return
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{_OP}: weight must be a torch.Tensor of class weights or None, "
+                        f"got {type(weight).__name__}")
+    if not weight.is_floating_point():
+        raise TypeError(f"{_OP}: weight must be a floating-point tensor (class weights), "
+                        f"got {weight.dtype}")
+    V_local = logits.shape[-1]
+    if weight.dim() != 1 or weight.shape[0] != V_local:
+        raise ValueError(f"{_OP}: weight must be 1-D [V] with V = logits.shape[-1] = "
+                         f"{V_local}, got shape {tuple(weight.shape)}")
+    if weight.device != logits.device:
+        raise ValueError(f"{_OP}: weight is on {weight.device} but logits is on "
+                         f"{logits.device}; move them to one device")
 
 
 def _check_targets(target: torch.Tensor, o: dict[str, Any]) -> None:
@@ -500,11 +611,16 @@ def plan_cross_entropy(
     reduction: str = "mean",
     tp_group: Optional[Any] = None,
     inplace_backward: bool = False,
+    weight: Optional[torch.Tensor] = None,
+    return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
     impl: str = "auto",
 ) -> Plan:
     """What :func:`cross_entropy` would do with these arguments (validated the same way)."""
     path, reason, o = _resolve(logits, target, ignore_index, label_smoothing, z_loss,
-                               softcap, reduction, tp_group, inplace_backward, impl)
+                               softcap, reduction, tp_group, inplace_backward, impl, weight,
+                               return_z_loss, return_token_accuracy, return_predicted_tokens)
     V = logits.shape[-1]
     details = {
         "logits": f"{list(logits.shape)} {str(logits.dtype).replace('torch.', '')}",
@@ -530,6 +646,15 @@ def plan_cross_entropy(
             "gradient in one launch (the second read, last chunk first, mostly from L1)"
             if fused.get("vec") else
             f"streamed in {cfg['BLOCK_V']}-column chunks, online log-sum-exp")
+        if fused.get("slice") and o["argmax"]:
+            details["kernel"] = (f"streamed, a row per program in {fused['BLOCK_V']}-column "
+                                 "chunks, stats and gradient in one launch (the argmax has "
+                                 "no sliced launch)")
+    extras = [name for name, on in (
+        ("class weights", o["weighted"]), ("z-loss returned", o["return_z_loss"]),
+        ("argmax in the stats pass", o["argmax"])) if on]
+    if extras:
+        details["options"] = ", ".join(extras)
     return Plan(_OP, path, reason, details, o)
 
 
@@ -544,8 +669,12 @@ def cross_entropy(
     reduction: str = "mean",
     tp_group: Optional[Any] = None,
     inplace_backward: bool = False,
+    weight: Optional[torch.Tensor] = None,
+    return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
     impl: str = "auto",
-) -> torch.Tensor:
+) -> torch.Tensor | CrossEntropyOutput:
     """Cross-entropy of ``logits [..., V]`` against class ids ``target [...]``.
 
     Same loss as ``torch.nn.functional.cross_entropy(logits.view(-1, V), target.view(-1),
@@ -563,6 +692,21 @@ def cross_entropy(
             again, by you or by autograd); the op then allocates nothing of size N x V.
         reduction: ``"mean"`` over non-ignored tokens (0 when all are ignored), ``"sum"``,
             or ``"none"`` (float32 per-token losses of ``target``'s shape, 0 where ignored).
+        weight: class weights ``[V]`` (any float dtype, used in float32), as in
+            ``F.cross_entropy``: the token's loss is scaled by ``weight[target]`` and label
+            smoothing weighs class ``j`` by ``weight[j]``; ``"mean"`` divides by the sum
+            of ``weight[target]`` over non-ignored tokens. The z-loss is not weighted (and
+            a mean divides it by the token count), as in Liger-Kernel. ``weight`` gets no
+            gradient.
+        return_z_loss: also return the z-loss term, reduced as the loss (it is included
+            in the loss).
+        return_token_accuracy: also return the fraction of non-ignored tokens whose argmax
+            is their target (0 when every token is ignored; per token, 1.0 or 0.0 and 0
+            where ignored, for ``reduction="none"``).
+        return_predicted_tokens: also return each token's argmax (int64, ``target``'s
+            shape, -1 where ignored): the first maximum as ``torch.argmax`` (a NaN logit
+            counts as the maximum), of the softcapped logits with ``softcap``. Taken in
+            the pass that finds the row max: no extra read of the logits.
         impl: ``"auto"``, ``"triton"`` or ``"torch"``; see :func:`lmfuse.explain`.
 
     NaN and inf propagate as in ``F.cross_entropy`` on every path: a NaN or +inf logit
@@ -576,11 +720,22 @@ def cross_entropy(
     gets loss ``+inf`` (loud in any loss curve) and a zero gradient, and nothing is read
     out of bounds.
 
+    ``weight``, ``return_token_accuracy`` and ``return_predicted_tokens`` are not yet
+    supported with ``tp_group`` (a ``ValueError``).
+
     Returns:
-        float32 loss: a scalar, or per-token ``[...]`` for ``reduction="none"``.
+        float32 loss: a scalar, or per-token ``[...]`` for ``reduction="none"``. With any
+        ``return_*`` set, a :class:`CrossEntropyOutput` named tuple ``(loss, z_loss,
+        token_accuracy, predicted_tokens)``, None for the fields not asked for; only the
+        loss is differentiable.
     """
     path, _, o = _resolve(logits, target, ignore_index, label_smoothing, z_loss, softcap,
-                          reduction, tp_group, inplace_backward, impl)
+                          reduction, tp_group, inplace_backward, impl, weight, return_z_loss,
+                          return_token_accuracy, return_predicted_tokens)
+    cw = None
+    if weight is not None:  # float32 (float64 for float64 logits on the torch path)
+        f64 = logits.dtype == torch.float64 and path != "triton"
+        cw = weight.to(torch.float64 if f64 else torch.float32).contiguous()
     native = _native_cpu(logits, impl, o)
     if not native:  # (PyTorch's op checks the targets itself: see _native_cross_entropy)
         _check_targets(target, o)
@@ -596,10 +751,30 @@ def cross_entropy(
     if not target1d.is_contiguous():
         target1d = target1d.contiguous()
     if native:
-        loss = _native_cross_entropy(logits2d, target1d, o)
+        loss = _native_cross_entropy(logits2d, target1d, o, cw)
+    elif o["extras"]:
+        return _with_extras(*_CrossEntropy.apply(logits2d, target1d, cw, o), target1d, lead, o)
     else:
-        loss = _CrossEntropy.apply(logits2d, target1d, o)
+        loss = _CrossEntropy.apply(logits2d, target1d, cw, o)
     return loss.view(lead) if reduction == "none" else loss
+
+
+def _with_extras(loss: torch.Tensor, lse: torch.Tensor, pred: torch.Tensor,
+                 target: torch.Tensor, lead: torch.Size,
+                 o: dict[str, Any]) -> CrossEntropyOutput:
+    """The named tuple from the loss, each token's lse and argmax (see ``reference.py``)."""
+    none = o["reduction"] == "none"
+    count = torch.sum(target != o["ignore_index"], dtype=torch.float32)
+    if not o["argmax"]:
+        pred = torch.zeros_like(target, dtype=torch.int64)
+    zl, right = ref.token_extras(lse.float(), pred, target, count, z_loss=o["z_loss"],
+                                 ignore_index=o["ignore_index"], reduction=o["reduction"])
+    pred = torch.where(target != o["ignore_index"], pred, torch.full_like(pred, -1))
+    return CrossEntropyOutput(
+        loss.view(lead) if none else loss,
+        (zl.view(lead) if none else zl) if o["return_z_loss"] else None,
+        (right.view(lead) if none else right) if o["return_token_accuracy"] else None,
+        pred.view(lead) if o["return_predicted_tokens"] else None)
 
 
 def _native_cpu(logits: torch.Tensor, impl: str, o: dict[str, Any]) -> bool:
@@ -608,23 +783,25 @@ def _native_cpu(logits: torch.Tensor, impl: str, o: dict[str, Any]) -> bool:
     the gradient) runs at the plain op's speed. ``impl="torch"`` keeps the reference, the
     tests' oracle; z-loss, softcap, tensor parallelism and ``inplace_backward`` need it."""
     return (native_cpu(impl, o["path"], logits) and o["z_loss"] == 0.0
-            and o["softcap"] is None and o["tp_group"] is None and not o["inplace"])
+            and o["softcap"] is None and o["tp_group"] is None and not o["inplace"]
+            and not o["extras"])
 
 
-def _native_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
-                          o: dict[str, Any]) -> torch.Tensor:
+def _native_cross_entropy(logits: torch.Tensor, target: torch.Tensor, o: dict[str, Any],
+                          weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.cross_entropy`` with lmfuse's reductions; an out-of-range target (PyTorch's
     ``IndexError``) raises lmfuse's ``ValueError``, nothing computed."""
     try:
-        return _native_loss(logits, target, o)
+        return _native_loss(logits, target, o, weight)
     except IndexError:
         _check_targets(target, o)
         raise
 
 
-def _native_loss(logits: torch.Tensor, target: torch.Tensor,
-                 o: dict[str, Any]) -> torch.Tensor:
-    kw = dict(ignore_index=o["ignore_index"], label_smoothing=o["label_smoothing"])
+def _native_loss(logits: torch.Tensor, target: torch.Tensor, o: dict[str, Any],
+                 weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    kw = dict(ignore_index=o["ignore_index"], label_smoothing=o["label_smoothing"],
+              weight=weight)
     target = target.long()  # lmfuse takes int32 ids too; PyTorch's op only int64
     if o["reduction"] == "none":
         return F.cross_entropy(logits, target, reduction="none", **kw)

@@ -19,10 +19,30 @@ The gradient with respect to ``x_j`` is, for a non-ignored token,
 
 times ``1 - (x_j / c)**2`` when softcapped, times the token's upstream gradient.
 
+With class weights ``w [V]`` (``weight``, PyTorch's and Liger's meaning), ``W = sum_j w_j``:
+
+    loss = w_t (1 - s) (lse - x_t) + (s / V) (W lse - sum_j w_j x_j) + z * lse**2
+
+(the first two terms are ``F.cross_entropy(weight=w, label_smoothing=s)``'s; the z-loss is
+not weighted, as Liger's), with gradient
+
+    p_j (w_t (1 - s) + s W / V + 2 z lse) - (s / V) w_j - w_t (1 - s) [j == t].
+
+``reduction="mean"`` then divides the weighted terms by ``sum w_t`` over non-ignored tokens
+(``F.cross_entropy``'s weighted mean) and the z-loss by their count (Liger's).
+
+Also returned on request (:class:`CrossEntropyOutput`, Liger's names): ``z_loss``, the
+z-loss term reduced as the loss is; ``token_accuracy``, the fraction of non-ignored tokens
+whose prediction is their target (per token, 1.0 or 0.0, for ``reduction="none"``);
+``predicted_tokens``, each token's ``argmax_j x_j`` (the first maximum, as ``torch.argmax``:
+a NaN logit is the maximum; the softcapped logits when ``softcap`` is set), -1 where
+ignored. None of them is differentiable.
+
 A token is described by three numbers, which is what lets the vocabulary be split over
 ranks: ``lse``, ``x_t`` and ``sum_j x_j``. Each rank computes them over its own columns
 (``x_t = 0`` where it does not hold the target) and :func:`merge_token_stats` combines
-them: log-sum-exp of the ``lse``, sums of the other two.
+them: log-sum-exp of the ``lse``, sums of the other two (with class weights the third is
+``sum_j w_j x_j``).
 
 NaN and inf follow ``F.cross_entropy`` (its max-shifted log-softmax): a NaN logit, or a
 +inf one (``inf - inf``), makes the token's ``lse``, loss and whole gradient row NaN;
@@ -35,7 +55,19 @@ whatever its logits (it never poisons a mean); its gradient row is ``0 * p``, Na
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
+
+
+class CrossEntropyOutput(NamedTuple):
+    """What ``cross_entropy`` returns when any ``return_*`` option is set; the fields not
+    asked for are None. ``loss`` is differentiable, the others are not."""
+
+    loss: torch.Tensor
+    z_loss: Optional[torch.Tensor] = None
+    token_accuracy: Optional[torch.Tensor] = None
+    predicted_tokens: Optional[torch.Tensor] = None
 
 
 def softcapped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -58,36 +90,111 @@ def cross_entropy_reference(
     logits: torch.Tensor,
     target: torch.Tensor,
     *,
+    weight: Optional[torch.Tensor] = None,
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     softcap: float | None = None,
     reduction: str = "mean",
-) -> torch.Tensor:
+    return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
+) -> torch.Tensor | CrossEntropyOutput:
     """Reference loss for ``logits [..., V]`` and ``target [...]`` (see the module docstring).
 
     Differentiable in ``logits`` through autograd. Targets must be ``ignore_index`` or in
     ``[0, V)``. The result is float32 (float64 for float64 logits): a scalar, or
-    ``target``'s shape for ``reduction="none"``.
+    ``target``'s shape for ``reduction="none"``; a :class:`CrossEntropyOutput` when any
+    ``return_*`` is set.
     """
     V = logits.shape[-1]
     t = target.reshape(-1)
-    stats = local_token_stats(logits.reshape(-1, V), t, 0, softcap)
-    loss = token_loss(stats, t, vocab_size=V, ignore_index=ignore_index,
-                      label_smoothing=label_smoothing, z_loss=z_loss)
+    x2d = logits.reshape(-1, V)
+    compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    w = None if weight is None else weight.to(compute)
+    stats = local_token_stats(x2d, t, 0, softcap, w)
+    ce, zl = token_terms(stats, t, vocab_size=V, ignore_index=ignore_index,
+                         label_smoothing=label_smoothing, z_loss=z_loss, weight=w)
+    count = (t != ignore_index).sum()
+    loss = reduce_terms(ce, zl, t, count, reduction, ignore_index, w)
     if reduction == "none":
-        return loss.view(target.shape)
+        loss = loss.view(target.shape)
+    if not (return_z_loss or return_token_accuracy or return_predicted_tokens):
+        return loss
+    pred = predicted_tokens(x2d, t, ignore_index, softcap)
+    extra = token_extras(stats[0], pred, t, count, z_loss=z_loss, ignore_index=ignore_index,
+                         reduction=reduction)
+    return CrossEntropyOutput(
+        loss,
+        extra[0].view(target.shape) if return_z_loss and reduction == "none" else
+        extra[0] if return_z_loss else None,
+        extra[1].view(target.shape) if return_token_accuracy and reduction == "none" else
+        extra[1] if return_token_accuracy else None,
+        pred.view(target.shape) if return_predicted_tokens else None)
+
+
+def reduce_terms(ce: torch.Tensor, zl: torch.Tensor, target: torch.Tensor,
+                 count: torch.Tensor, reduction: str, ignore_index: int,
+                 weight: Optional[torch.Tensor]) -> torch.Tensor:
+    """The loss from the per-token weighted terms ``ce`` and z-loss ``zl`` (see
+    :func:`token_terms`): per token, summed, or their mean: ``sum ce / sum w_t + sum zl /
+    count`` over non-ignored tokens (``sum w_t`` = count without weights), 0 when every
+    token is ignored."""
+    if reduction == "none":
+        return ce + zl
     if reduction == "sum":
-        return loss.sum()
-    return loss.sum() / (t != ignore_index).sum().clamp(min=1)
+        return (ce + zl).sum()
+    n = count.clamp(min=1)
+    if weight is None:
+        return (ce + zl).sum() / n
+    w_sum = target_weights(weight, target, ignore_index).sum()
+    return ce.sum() / torch.where(count > 0, w_sum, torch.ones_like(w_sum)) + zl.sum() / n
+
+
+def target_weights(weight: torch.Tensor, target: torch.Tensor, ignore_index: int,
+                   vocab_start: int = 0) -> torch.Tensor:
+    """``w_t [N]`` for the targets among ``weight``'s columns ``[vocab_start, vocab_start +
+    len(weight))``: 0 where ignored, out of range or on another rank."""
+    t = target.long() - vocab_start
+    ok = (target.long() != ignore_index) & (t >= 0) & (t < weight.shape[0])
+    w_t = weight.gather(0, torch.where(ok, t, torch.zeros_like(t)))
+    return torch.where(ok, w_t, torch.zeros_like(w_t))
+
+
+def predicted_tokens(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
+                     softcap: float | None) -> torch.Tensor:
+    """``[N]`` int64: each token's ``torch.argmax`` of its (softcapped) logits, in the
+    float32 (float64) compute dtype: the first maximum, a NaN counting as the maximum;
+    -1 where ignored."""
+    pred = softcapped(logits, softcap).argmax(dim=-1)
+    return torch.where(target.long() != ignore_index, pred, torch.full_like(pred, -1))
+
+
+def token_extras(lse: torch.Tensor, pred: torch.Tensor, target: torch.Tensor,
+                 count: torch.Tensor, *, z_loss: float, ignore_index: int,
+                 reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(z_loss, token_accuracy)`` from the whole-vocabulary ``lse [N]`` and
+    ``predicted_tokens [N]``: per token for ``reduction="none"`` (0 where ignored);
+    otherwise the z-loss reduced as the loss's (summed, or over ``count``) and the
+    fraction of the ``count`` non-ignored tokens predicted right (0 when there is none)."""
+    valid = target.long() != ignore_index
+    zero = torch.zeros_like(lse)
+    zl = torch.where(valid, z_loss * lse * lse, zero) if z_loss else zero
+    right = (valid & (pred == target.long())).to(lse.dtype)
+    if reduction == "none":
+        return zl, right
+    n = count.clamp(min=1).to(lse.dtype)
+    return (zl.sum() / n if reduction == "mean" else zl.sum()), right.sum() / n
 
 
 # --- the pieces the fused and vocabulary-parallel paths are built from ------------------
 
 
 def local_token_stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int,
-                      softcap: float | None) -> torch.Tensor:
-    """``[3, N]`` float32: ``lse``, ``x_t`` and ``sum_j x_j`` over this rank's columns.
+                      softcap: float | None,
+                      weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[3, N]`` float32: ``lse``, ``x_t`` and ``sum_j x_j`` (``sum_j w_j x_j`` with class
+    weights ``weight [V_local]``) over this rank's columns.
 
     ``logits [N, V_local]`` holds global columns ``[vocab_start, vocab_start + V_local)``;
     ``x_t`` is 0 on rows whose target is not among them.
@@ -98,7 +205,8 @@ def local_token_stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: i
     mine = (t_local >= 0) & (t_local < V_local)
     x_t = x.gather(1, torch.where(mine, t_local, 0)[:, None])[:, 0]
     x_t = torch.where(mine, x_t, torch.zeros_like(x_t))
-    stats = torch.stack([logsumexp(x), x_t, x.sum(dim=-1)])
+    sum_x = x.sum(dim=-1) if weight is None else (x * weight.to(x.dtype)).sum(dim=-1)
+    stats = torch.stack([logsumexp(x), x_t, sum_x])
     return stats.float() if stats.dtype != torch.float64 else stats
 
 
@@ -109,42 +217,80 @@ def merge_token_stats(gathered: torch.Tensor) -> torch.Tensor:
 
 
 def token_loss(stats: torch.Tensor, target: torch.Tensor, *, vocab_size: int,
-               ignore_index: int, label_smoothing: float, z_loss: float) -> torch.Tensor:
+               ignore_index: int, label_smoothing: float, z_loss: float,
+               weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-token loss ``[N]`` from the whole-vocabulary stats (0 where ignored).
 
     A target that is neither ``ignore_index`` nor in ``[0, vocab_size)`` gives ``+inf``:
     the fused paths do not stop to check targets on the GPU, so a bad one is made loud.
     """
+    ce, zl = token_terms(stats, target, vocab_size=vocab_size, ignore_index=ignore_index,
+                         label_smoothing=label_smoothing, z_loss=z_loss, weight=weight)
+    return ce + zl
+
+
+def token_terms(stats: torch.Tensor, target: torch.Tensor, *, vocab_size: int,
+                ignore_index: int, label_smoothing: float, z_loss: float,
+                weight: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token loss in two terms ``[N]``: the (class-weighted) cross-entropy with its
+    smoothing, and the z-loss; both 0 where ignored, the first +inf for a bad target (see
+    :func:`token_loss`). ``weight [vocab_size]``: class weights; ``stats[2]`` then holds
+    ``sum_j w_j x_j``."""
     lse, x_t, sum_x = stats
     t = target.long()
     valid = t != ignore_index
-    loss = (1.0 - label_smoothing) * (lse - x_t)
-    if label_smoothing:
-        loss = loss + label_smoothing * (lse - sum_x / vocab_size)
-    if z_loss:
-        loss = loss + z_loss * lse * lse
+    if weight is None:
+        loss = (1.0 - label_smoothing) * (lse - x_t)
+        if label_smoothing:
+            loss = loss + label_smoothing * (lse - sum_x / vocab_size)
+    else:
+        w_t = target_weights(weight, t, ignore_index)
+        loss = w_t * (1.0 - label_smoothing) * (lse - x_t)
+        if label_smoothing:
+            loss = loss + label_smoothing / vocab_size * (weight.sum() * lse - sum_x)
+    zero = torch.zeros_like(loss)
+    zl = torch.where(valid, z_loss * lse * lse, zero) if z_loss else zero
     bad = valid & ((t < 0) | (t >= vocab_size))
     loss = torch.where(bad, torch.full_like(loss, float("inf")), loss)
-    return torch.where(valid, loss, torch.zeros_like(loss))
+    return torch.where(valid, loss, zero), zl
 
 
 def logits_grad(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
                 weight: torch.Tensor, *, vocab_start: int, vocab_size: int, ignore_index: int,
-                label_smoothing: float, z_loss: float, softcap: float | None) -> torch.Tensor:
+                label_smoothing: float, z_loss: float, softcap: float | None,
+                class_weight: Optional[torch.Tensor] = None,
+                z_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``d loss / d logits`` for this rank's columns, in ``logits.dtype``.
 
     ``lse [N]`` is the whole-vocabulary log-sum-exp, ``weight [N]`` (or a scalar) each
     token's upstream gradient. Ignored and out-of-range targets get a zero row.
+
+    ``class_weight [V]`` (one rank): class weights; ``weight`` then scales the weighted
+    terms and ``z_weight`` (default ``weight``) the z-loss's (they differ for a mean).
     """
     x = softcapped(logits, softcap)
     t = target.long()
     ok = (t != ignore_index) & (t >= 0) & (t < vocab_size)
     p = torch.exp(x - lse[:, None])
-    g = p * (1.0 + 2.0 * z_loss * lse[:, None]) - label_smoothing / vocab_size
     cols = torch.arange(x.shape[-1], device=x.device) + vocab_start
-    g = g - (1.0 - label_smoothing) * (cols[None, :] == t[:, None]).to(g.dtype)
-    if softcap is not None:
-        g = g * (1.0 - (x / softcap) ** 2)
-    w = torch.as_tensor(weight, dtype=g.dtype, device=g.device).expand(x.shape[0])
-    g = g * torch.where(ok, w, torch.zeros_like(w))[:, None]
+    onehot = (cols[None, :] == t[:, None]).to(p.dtype)
+    w = torch.as_tensor(weight, dtype=p.dtype, device=p.device).expand(x.shape[0])
+    w = torch.where(ok, w, torch.zeros_like(w))
+    if class_weight is None:
+        g = p * (1.0 + 2.0 * z_loss * lse[:, None]) - label_smoothing / vocab_size
+        g = g - (1.0 - label_smoothing) * onehot
+        if softcap is not None:
+            g = g * (1.0 - (x / softcap) ** 2)
+        g = g * w[:, None]
+    else:
+        cw = class_weight.to(p.dtype)
+        w_z = w if z_weight is None else torch.where(
+            ok, torch.as_tensor(z_weight, dtype=p.dtype, device=p.device).expand(x.shape[0]),
+            torch.zeros_like(w))
+        w_t = target_weights(cw, t, ignore_index)[:, None] * (1.0 - label_smoothing)
+        s_v = label_smoothing / vocab_size
+        g = (p * (w_t + s_v * cw.sum()) - s_v * cw - w_t * onehot) * w[:, None]
+        g = g + p * (2.0 * z_loss * lse[:, None]) * w_z[:, None]
+        if softcap is not None:
+            g = g * (1.0 - (x / softcap) ** 2)
     return g.to(logits.dtype)
