@@ -6,6 +6,11 @@ Oracles, in float64: ``cross_entropy_reference`` (``reference.py``, the spec of 
 option) and, where it has the option, ``F.cross_entropy`` (class weights with label
 smoothing and its weighted mean) and ``torch.argmax`` (the predicted tokens: first maximum,
 NaN counts as the maximum).
+
+Inputs are made on the CPU; the op runs on ``helpers.TEST_DEVICE`` (CUDA under
+``LMFUSE_GPU_TESTS=1``, the kernels compiled: ``LMFUSE_GPU_TESTS=1 python -m pytest
+tests/cross_entropy/test_options.py``) and its results come back to the CPU, where the
+oracles run in float64.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import TEST_DEVICE as DEVICE
 from helpers import assert_close, randn
 
 import lmfuse
@@ -63,16 +69,30 @@ def class_weights(V: int, gen: torch.Generator) -> torch.Tensor:
     return torch.rand(V, generator=gen) * 2.0 + 0.2
 
 
+def on(device: torch.device, kw: dict[str, Any]) -> dict[str, Any]:
+    """``kw`` with its CPU tensors (class weights) moved to ``device``."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) and v.device.type == "cpu" else v
+            for k, v in kw.items()}
+
+
+def to_cpu(out: Any) -> Any:
+    """The op's result (a tensor or a ``CrossEntropyOutput``) on the CPU."""
+    if isinstance(out, CrossEntropyOutput):
+        return CrossEntropyOutput(*(None if f is None else f.cpu() for f in out))
+    return out.cpu()
+
+
 def run(impl: str, logits: torch.Tensor, target: torch.Tensor, grad_out: torch.Tensor | None,
-        **kw: Any) -> tuple[Any, torch.Tensor | None]:
-    """The op's result and the logits' gradient, on a fresh copy of ``logits``."""
-    leaf = logits.detach().clone().requires_grad_(grad_out is not None)
+        device: torch.device = DEVICE, **kw: Any) -> tuple[Any, torch.Tensor | None]:
+    """The op's result and the logits' gradient, on a fresh copy of ``logits`` on ``device``
+    (the test device), both returned on the CPU."""
+    leaf = logits.detach().to(device).clone().requires_grad_(grad_out is not None)
     x = leaf * 1 if kw.get("inplace_backward") else leaf
-    out = lmfuse.cross_entropy(x, target, impl=impl, **kw)
+    out = lmfuse.cross_entropy(x, target.to(device), impl=impl, **on(device, kw))
     loss = out.loss if isinstance(out, CrossEntropyOutput) else out
     if grad_out is not None:
-        loss.backward(grad_out)
-    return out, leaf.grad
+        loss.backward(grad_out.to(device))
+    return to_cpu(out), None if leaf.grad is None else leaf.grad.cpu()
 
 
 def reference(logits: torch.Tensor, target: torch.Tensor, grad_out: torch.Tensor | None,
@@ -90,9 +110,11 @@ def reference(logits: torch.Tensor, target: torch.Tensor, grad_out: torch.Tensor
 
 
 def check(what: str, impl: str, logits: torch.Tensor, target: torch.Tensor,
-          grad_out: torch.Tensor | None, **kw: Any) -> tuple[Any, torch.Tensor | None]:
-    """Every field of the result and the gradient against the float64 reference."""
-    result, dx = run(impl, logits, target, grad_out, **kw)
+          grad_out: torch.Tensor | None, device: torch.device = DEVICE,
+          **kw: Any) -> tuple[Any, torch.Tensor | None]:
+    """Every field of the result and the gradient (on ``device``) against the float64
+    reference (on the CPU)."""
+    result, dx = run(impl, logits, target, grad_out, device, **kw)
     out = result
     want, dx_ref = reference(logits, target, grad_out, **kw)
     if not isinstance(want, CrossEntropyOutput):
@@ -224,7 +246,7 @@ def test_fields_not_asked_for_are_none(impl: str, fields: tuple[str, ...]) -> No
                 **{f: True for f in fields})[0]
     for name in RETURNS:
         assert (getattr(out, name[len("return_"):]) is None) == (name not in fields), out
-    plain = lmfuse.cross_entropy(logits, target, impl=impl)
+    plain = lmfuse.cross_entropy(logits.to(DEVICE), target.to(DEVICE), impl=impl)
     assert type(plain) is torch.Tensor and plain.dim() == 0
 
 
@@ -236,8 +258,7 @@ def test_returned_values_by_hand(impl: str, reduction: str) -> None:
     the 3 counted tokens) and 0 where ignored; with z_loss=0 it is 0."""
     logits = torch.tensor([[0.0, 5.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 3.0], [9.0, 0.0, 0.0]])
     target = torch.tensor([1, 2, 2, IGNORE])
-    out = lmfuse.cross_entropy(logits, target, impl=impl, z_loss=0.5, reduction=reduction,
-                               **RETURNS)
+    out, _ = run(impl, logits, target, None, z_loss=0.5, reduction=reduction, **RETURNS)
     assert out.predicted_tokens.tolist() == [1, 0, 2, -1]
     lse = torch.logsumexp(logits.double(), -1)[:3]
     z_tok = torch.cat([0.5 * lse * lse, torch.zeros(1, dtype=F64)])
@@ -248,11 +269,11 @@ def test_returned_values_by_hand(impl: str, reduction: str) -> None:
         assert out.token_accuracy.item() == pytest.approx(2 / 3)
         want = z_tok.sum() / (3 if reduction == "mean" else 1)
         assert_close(out.z_loss, want.float(), F32, "z_loss")
-    none_ignored = lmfuse.cross_entropy(logits, torch.full((4,), IGNORE), impl=impl,
-                                        reduction=reduction, **RETURNS)
+    none_ignored, _ = run(impl, logits, torch.full((4,), IGNORE), None, reduction=reduction,
+                          **RETURNS)
     assert (none_ignored.token_accuracy == 0).all() and (none_ignored.z_loss == 0).all()
     assert (none_ignored.predicted_tokens == -1).all()
-    no_z = lmfuse.cross_entropy(logits, target, impl=impl, reduction=reduction, **RETURNS)
+    no_z, _ = run(impl, logits, target, None, reduction=reduction, **RETURNS)
     assert (no_z.z_loss == 0).all()
 
 
@@ -389,15 +410,18 @@ def test_default_cpu_path_takes_weights(monkeypatch: pytest.MonkeyPatch, reducti
     _, _, o = ops._resolve(logits, target, IGNORE, 0.1, 0.0, None, reduction, None, False,
                            "auto", kw["weight"])
     assert ops._native_cpu(logits, "auto", o)
-    check(f"native {reduction}", "auto", logits, target, upstream(reduction, target, gen), **kw)
+    cpu = torch.device("cpu")  # (the CPU's own path, whatever the test device)
+    check(f"native {reduction}", "auto", logits, target, upstream(reduction, target, gen), cpu,
+          **kw)
     check(f"auto + returns {reduction}", "auto", logits, target,
-          upstream(reduction, target, gen), **kw, **RETURNS)
+          upstream(reduction, target, gen), cpu, **kw, **RETURNS)
 
 
 def test_explain_names_the_options() -> None:
-    logits, target = randn((4, 37)), torch.tensor([1, 2, 3, 4])
-    plan = lmfuse.explain(lmfuse.cross_entropy, logits, target, weight=torch.ones(37),
-                          return_token_accuracy=True, impl="triton")
+    logits, target = randn((4, 37)).to(DEVICE), torch.tensor([1, 2, 3, 4], device=DEVICE)
+    plan = lmfuse.explain(lmfuse.cross_entropy, logits, target,
+                          weight=torch.ones(37, device=DEVICE), return_token_accuracy=True,
+                          impl="triton")
     assert plan.details["options"] == "class weights, argmax in the stats pass"
     assert "options" not in lmfuse.explain(lmfuse.cross_entropy, logits, target).details
 
@@ -416,7 +440,7 @@ BAD = [
                  r"weight must be a torch.Tensor of class weights or None, got list",
                  id="weight-list"),
     pytest.param(dict(weight=torch.ones(5, device="meta")), ValueError,
-                 r"weight is on meta but logits is on cpu; move them to one device",
+                 r"weight is on meta but logits is on {device}; move them to one device",
                  id="weight-device"),
     pytest.param(dict(return_z_loss=1), TypeError, r"return_z_loss must be a bool, got 1",
                  id="return-z-int"),
@@ -431,7 +455,8 @@ BAD = [
 @pytest.mark.parametrize("kw, error, message", BAD)
 def test_bad_options_raise(kw: dict[str, Any], error: type[Exception], message: str,
                            impl: str) -> None:
-    logits, target = randn((3, 5)), torch.tensor([0, 4, IGNORE])
+    logits, target = randn((3, 5)).to(DEVICE), torch.tensor([0, 4, IGNORE], device=DEVICE)
+    kw, message = on(DEVICE, kw), message.replace("{device}", str(logits.device))
     with pytest.raises(error, match=rf"^cross_entropy: {message}"):
         lmfuse.cross_entropy(logits, target, impl=impl, **kw)
     with pytest.raises(error, match=rf"^cross_entropy: {message}"):
