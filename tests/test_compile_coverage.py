@@ -46,6 +46,7 @@ COMPILE_TESTS: dict[str, list[str]] = {
     "PagedKVCache": [f"{HERE}::test_paged_kv_cache_step"],
     "DecodeAttentionBlock": [f"{HERE}::test_decode_attention_block"],
     "rms_norm": ["tests/norm/test_compile.py::test_fullgraph_compile_matches_eager"],
+    "moe_experts": ["tests/moe/test_compile.py::test_fullgraph_compile_matches_eager"],
     "RMSNorm": ["tests/norm/test_compile.py::test_module_graph_holds_the_custom_ops"],
     # lmfuse.megatron
     **{f"megatron.{name}": [f"{HERE}::test_megatron_functional"]

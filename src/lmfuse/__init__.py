@@ -15,6 +15,7 @@ from .attention import (DecodeAttentionBlock, KVCacheFullError, PagedKVCache, de
                         kv_cache_append, merge_attention_states)
 from .cross_entropy import cross_entropy, linear_cross_entropy
 from .distributed.planner import plan_sharding
+from .moe import moe_experts
 from .norm import RMSNorm, rms_norm
 from .softmax import AttnMaskType, FusedScaleMaskSoftmax, fused_softmax
 
@@ -37,6 +38,7 @@ __all__ = [
     "kv_cache_append",
     "linear_cross_entropy",
     "merge_attention_states",
+    "moe_experts",
     "plan_sharding",
     "set_checks",
     "quick_geglu",

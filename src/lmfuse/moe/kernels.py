@@ -1,0 +1,324 @@
+"""Triton kernels of the mixture-of-experts MLP: grouped GEMMs over the experts' token rows.
+
+The ``T * k`` (token, slot) pairs are sorted by expert once (``ops.py``, torch ops): row
+``r`` of the sorted order belongs to token ``token[r]``, and expert ``e`` owns the rows
+``offsets[e] .. offsets[e + 1]``. Two kinds of grouped GEMM walk them:
+
+* **Row-tiled** (``moe_up_kernel``, ``moe_down_kernel``, ``moe_act_bwd_kernel``): the grid is
+  ``(row tiles, N tiles)``. Row tile ``i`` is a slot of the tile table ``tiles [slots, 3]``
+  (expert, first row, end row), built on the device from the offsets: every expert's rows
+  cut into ``BLOCK_M`` tiles, so a tile never mixes experts and an expert without rows has
+  no tile. The table has a slot for the most tiles any routing can need
+  (``cdiv(T k, BLOCK_M) + min(E, T k)``), so the grid does not depend on the routing (no
+  host synchronisation; CUDA graphs capture it); unused slots (``first == end``) exit.
+* **Per-expert reductions over rows** (``moe_wgrad_kernel``): the weight gradients
+  ``sum_r A[r]^T B[r]`` over an expert's rows, the grid ``(M tiles * N tiles, E)``, each
+  program looping over its expert's rows ``BLOCK_K`` at a time; an expert without rows
+  writes zeros. Its bias gradient comes out of the same loop.
+
+``moe_combine_kernel`` sums each token's ``k`` slot rows in a fixed order (deterministic, no
+atomics). Accumulation is float32; the activation math (``activations/kernels.py``'s
+helpers: the same formulas, NaN and inf behaviour as the activation family) is float32 in
+the epilogues. With float32 operands ``IEEE`` keeps ``tl.dot`` in full float32 (no TF32).
+Block sizes are launch parameters (``ops._config``); no tuning constant lives here.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..activations.kernels import _act, _act_and_grad, _chain
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _tile(TILES):
+    """This program's row tile: (expert, first row, end row)."""
+    t = tl.program_id(0)
+    return tl.load(TILES + 3 * t), tl.load(TILES + 3 * t + 1), tl.load(TILES + 3 * t + 2)
+
+
+@triton.jit
+def _gate_up_cols(cols, F, INTERLEAVED: tl.constexpr):
+    """Columns of the gate and up outputs ``cols`` in the ``2F`` gate/up dimension."""
+    if INTERLEAVED:
+        return 2 * cols, 2 * cols + 1
+    else:
+        return cols, cols + F
+
+
+@triton.jit
+def _clamped(g, u, clamp, HAS_CLAMP: tl.constexpr):
+    """``gate <= c``, ``-c <= up <= c`` (NaN kept, as torch.clamp)."""
+    if HAS_CLAMP:
+        g = tl.minimum(g, clamp, propagate_nan=tl.PropagateNan.ALL)
+        u = tl.clamp(u, -clamp, clamp, propagate_nan=tl.PropagateNan.ALL)
+    return g, u
+
+
+@triton.jit
+def moe_up_kernel(
+    X, stride_x, TOKEN, W, stride_we, stride_wn, stride_wk, BIAS, H_OUT, A_OUT, TILES,
+    H, F, offset, clamp,
+    ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_CLAMP: tl.constexpr, STORE_H: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """``h = x[token[r]] @ W[e].T + bias[e]`` for the tile's rows and the gate/up columns of
+    ``BLOCK_N`` activation outputs, then ``a = act(h)``: ``A_OUT [T k, F]``; with
+    ``STORE_H`` also ``h`` itself (``H_OUT [T k, K2]``, the gate/up layout of W's rows),
+    which the backward reads. ``W [E, K2, H]`` at strides (``stride_we``, ``stride_wn``,
+    ``stride_wk``), ``K2 = 2 F`` gated, else ``F``; ``BIAS [E, K2]`` contiguous."""
+    e, start, end = _tile(TILES)
+    if start < end:
+        rows = start + tl.arange(0, BLOCK_M)
+        rmask = rows < end
+        tok = tl.load(TOKEN + rows, mask=rmask, other=0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < F
+        ks = tl.arange(0, BLOCK_K)
+        K2 = 2 * F if GATED else F
+        if GATED:
+            gcol, ucol = _gate_up_cols(cols, F, INTERLEAVED)
+        else:
+            gcol = cols
+        w_e = W + e.to(tl.int64) * stride_we
+        x_ptr = X + tok[:, None] * stride_x + ks[None, :]
+        g_ptr = w_e + gcol.to(tl.int64)[None, :] * stride_wn + ks[:, None] * stride_wk
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        if GATED:
+            u_ptr = w_e + ucol.to(tl.int64)[None, :] * stride_wn + ks[:, None] * stride_wk
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kmask = (k0 + ks) < H
+            x = tl.load(x_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            wmask = kmask[:, None] & cmask[None, :]
+            acc_g = _dot(x, tl.load(g_ptr, mask=wmask, other=0.0), acc_g, IEEE)
+            if GATED:
+                acc_u = _dot(x, tl.load(u_ptr, mask=wmask, other=0.0), acc_u, IEEE)
+                u_ptr += BLOCK_K * stride_wk
+            x_ptr += BLOCK_K
+            g_ptr += BLOCK_K * stride_wk
+        if HAS_BIAS:
+            b_e = BIAS + e.to(tl.int64) * K2
+            acc_g += tl.load(b_e + gcol, mask=cmask, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc_u += tl.load(b_e + ucol, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        mask = rmask[:, None] & cmask[None, :]
+        rows64 = rows.to(tl.int64)
+        if STORE_H:
+            h_row = H_OUT + rows64[:, None] * K2
+            tl.store(h_row + gcol[None, :], acc_g.to(H_OUT.dtype.element_ty), mask=mask)
+            if GATED:
+                tl.store(h_row + ucol[None, :], acc_u.to(H_OUT.dtype.element_ty), mask=mask)
+        if GATED:
+            g, u = _clamped(acc_g, acc_u, clamp, HAS_CLAMP)
+            a = _act(g, ACT) * (u + offset)
+        else:
+            a = _act(acc_g, ACT)
+        tl.store(A_OUT + rows64[:, None] * F + cols[None, :], a.to(A_OUT.dtype.element_ty),
+                 mask=mask)
+
+
+@triton.jit
+def moe_down_kernel(
+    A, stride_a, W, stride_we, stride_wk, stride_wn, BIAS, SCALE, TOKEN, C, stride_c, TILES,
+    N, K,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, SCATTER: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """``C[r] = (A[r] @ B_e + bias[e]) * scale[r]`` for the tile's rows ``r`` (expert ``e``),
+    ``B_e[k, n] = W[e]`` at strides (``stride_wk``, ``stride_wn``), ``A [T k, K]`` rows
+    contiguous, ``BIAS [E, N]`` contiguous, ``SCALE [T k]`` float32. ``SCATTER``: row ``r``
+    is stored at ``C[token[r]]`` (``k = 1``: each token has one row, no sum needed).
+
+    Forward: ``A = a [T k, F]``, ``W = w_down`` (``B_e = w_down[e].T``), the router weights
+    as ``SCALE``. Backward: ``A = dh [T k, K2]``, ``W = w_gate_up`` (``B_e = w_gate_up[e]``),
+    the gradient of the gathered hidden rows."""
+    e, start, end = _tile(TILES)
+    if start < end:
+        rows = start + tl.arange(0, BLOCK_M)
+        rmask = rows < end
+        rows64 = rows.to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        ks = tl.arange(0, BLOCK_K)
+        a_ptr = A + rows64[:, None] * stride_a + ks[None, :]
+        w_ptr = (W + e.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
+                 + ks[:, None] * stride_wk)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kmask = (k0 + ks) < K
+            a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w_ptr, mask=kmask[:, None] & cmask[None, :], other=0.0)
+            acc = _dot(a, w, acc, IEEE)
+            a_ptr += BLOCK_K
+            w_ptr += BLOCK_K * stride_wk
+        if HAS_BIAS:
+            acc += tl.load(BIAS + e.to(tl.int64) * N + cols, mask=cmask,
+                           other=0.0).to(tl.float32)[None, :]
+        if HAS_SCALE:
+            acc *= tl.load(SCALE + rows, mask=rmask, other=0.0)[:, None]
+        if SCATTER:
+            dest = tl.load(TOKEN + rows, mask=rmask, other=0).to(tl.int64)
+        else:
+            dest = rows64
+        tl.store(C + dest[:, None] * stride_c + cols[None, :], acc.to(C.dtype.element_ty),
+                 mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def moe_act_bwd_kernel(
+    DOUT, stride_d, TOKEN, W, stride_we, stride_wk, stride_wn, DOWN_BIAS, HBUF, SCALE, DH,
+    A_OUT, DW_PART, TILES, rows_total, H, F, offset, clamp,
+    ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
+    HAS_CLAMP: tl.constexpr, HAS_DOWN_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The backward through the down projection and the activation, for the tile's rows and
+    ``BLOCK_N`` activation outputs.
+
+    ``g = dout[token[r]] @ w_down[e]`` (the gradient of the expert output, before the router
+    weight ``s_r``); then, from ``h`` (``HBUF [T k, K2]``) recomputed: ``a = act(h)`` (stored
+    to ``A_OUT [T k, F]`` for the down weight's gradient), ``dh = act'(h) * g * s_r``
+    (``DH [T k, K2]``, gate/up layout) and the router weight's gradient ``<dout[t],
+    expert_out[r]> = <g, a> + <dout[t], down_bias[e]>`` as one float32 partial per column
+    tile (``DW_PART [N tiles, T k]``; the bias term in tile 0), summed afterwards."""
+    e, start, end = _tile(TILES)
+    if start < end:
+        pid_n = tl.program_id(1)
+        rows = start + tl.arange(0, BLOCK_M)
+        rmask = rows < end
+        rows64 = rows.to(tl.int64)
+        tok = tl.load(TOKEN + rows, mask=rmask, other=0).to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < F
+        ks = tl.arange(0, BLOCK_K)
+        d_ptr = DOUT + tok[:, None] * stride_d + ks[None, :]
+        w_ptr = (W + e.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
+                 + ks[:, None] * stride_wk)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        bdot = tl.zeros((BLOCK_M,), tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kmask = (k0 + ks) < H
+            d = tl.load(d_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w_ptr, mask=kmask[:, None] & cmask[None, :], other=0.0)
+            acc = _dot(d, w, acc, IEEE)
+            if HAS_DOWN_BIAS:
+                bd = tl.load(DOWN_BIAS + e.to(tl.int64) * H + k0 + ks, mask=kmask, other=0.0)
+                bdot += tl.sum(d.to(tl.float32) * bd.to(tl.float32)[None, :], axis=1)
+            d_ptr += BLOCK_K
+            w_ptr += BLOCK_K * stride_wk
+        mask = rmask[:, None] & cmask[None, :]
+        s = tl.load(SCALE + rows, mask=rmask, other=0.0)[:, None]
+        ds = acc * s
+        if GATED:
+            K2 = 2 * F
+            gcol, ucol = _gate_up_cols(cols, F, INTERLEAVED)
+            h_row = HBUF + rows64[:, None] * K2
+            g = tl.load(h_row + gcol[None, :], mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(h_row + ucol[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_CLAMP:
+                # torch.clamp's gradient: 0 where the clamp is active, and at NaN.
+                keep_g = g <= clamp
+                keep_u = (u >= -clamp) & (u <= clamp)
+            g, u = _clamped(g, u, clamp, HAS_CLAMP)
+            act, dact = _act_and_grad(g, ACT)
+            lin = u + offset
+            a = act * lin
+            dg = _chain(g, ds * lin, dact, ACT)
+            du = ds * act
+            if HAS_CLAMP:
+                dg = tl.where(keep_g, dg, 0.0)
+                du = tl.where(keep_u, du, 0.0)
+            dh_row = DH + rows64[:, None] * K2
+            tl.store(dh_row + gcol[None, :], dg.to(DH.dtype.element_ty), mask=mask)
+            tl.store(dh_row + ucol[None, :], du.to(DH.dtype.element_ty), mask=mask)
+        else:
+            h = tl.load(HBUF + rows64[:, None] * F + cols[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
+            a, dact = _act_and_grad(h, ACT)
+            tl.store(DH + rows64[:, None] * F + cols[None, :],
+                     _chain(h, ds, dact, ACT).to(DH.dtype.element_ty), mask=mask)
+        tl.store(A_OUT + rows64[:, None] * F + cols[None, :], a.to(A_OUT.dtype.element_ty),
+                 mask=mask)
+        part = tl.sum(tl.where(mask, acc * a, 0.0), axis=1)
+        if HAS_DOWN_BIAS:
+            part += tl.where(pid_n == 0, bdot, 0.0)
+        tl.store(DW_PART + pid_n.to(tl.int64) * rows_total + rows, part, mask=rmask)
+
+
+@triton.jit
+def moe_wgrad_kernel(
+    A, stride_a, B, stride_b, TOKEN, SCALE, OFFSETS, C, DB, M, N,
+    A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr,
+    BIAS_GRAD: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """``C[e] = sum_r (A[ra] * scale[r])^T B[rb]`` over expert ``e``'s rows ``r``
+    (``C [E, M, N]`` contiguous), ``ra = token[r]`` with ``A_GATHER`` else ``r`` (``rb``
+    likewise); ``BIAS_GRAD``: also ``DB[e] = sum_r A[ra] * scale[r]`` (``[E, M]``).
+
+    Down weight: ``A = dout [T, H]`` gathered, ``SCALE`` the router weights, ``B = a``.
+    Gate/up weight: ``A = dh [T k, K2]``, ``B = hidden [T, H]`` gathered."""
+    pid = tl.program_id(0)
+    e = tl.program_id(1)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // n_tiles
+    pid_n = pid % n_tiles
+    lo = tl.load(OFFSETS + e)
+    hi = tl.load(OFFSETS + e + 1)
+    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask = ms < M
+    nmask = ns < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    db = tl.zeros((BLOCK_M,), tl.float32)
+    for r0 in range(lo, hi, BLOCK_K):
+        rr = r0 + tl.arange(0, BLOCK_K)
+        rmask = rr < hi
+        ra = rr.to(tl.int64)
+        rb = rr.to(tl.int64)
+        if A_GATHER:
+            ra = tl.load(TOKEN + rr, mask=rmask, other=0).to(tl.int64)
+        if B_GATHER:
+            rb = tl.load(TOKEN + rr, mask=rmask, other=0).to(tl.int64)
+        at = tl.load(A + ra[None, :] * stride_a + ms[:, None],
+                     mask=mmask[:, None] & rmask[None, :], other=0.0)
+        if HAS_SCALE:
+            sa = at.to(tl.float32) * tl.load(SCALE + rr, mask=rmask, other=0.0)[None, :]
+            at = sa.to(A.dtype.element_ty)
+        else:
+            sa = at.to(tl.float32)
+        if BIAS_GRAD:
+            db += tl.sum(sa, axis=1)
+        b = tl.load(B + rb[:, None] * stride_b + ns[None, :],
+                    mask=rmask[:, None] & nmask[None, :], other=0.0)
+        acc = _dot(at, b, acc, IEEE)
+    e64 = e.to(tl.int64)
+    tl.store(C + e64 * M * N + ms[:, None] * N + ns[None, :], acc.to(C.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
+    if BIAS_GRAD:
+        if pid_n == 0:
+            tl.store(DB + e64 * M + ms, db.to(DB.dtype.element_ty), mask=mmask)
+
+
+@triton.jit
+def moe_combine_kernel(Y, INV, OUT, N, k, BLOCK_N: tl.constexpr):
+    """``OUT[t] = sum_j Y[inv[t k + j]]`` (slots in order, float32), ``Y [T k, N]``."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for j in range(0, k):
+        r = tl.load(INV + t * k + j).to(tl.int64)
+        acc += tl.load(Y + r * N + cols, mask=cmask, other=0.0).to(tl.float32)
+    tl.store(OUT + t * N + cols, acc.to(OUT.dtype.element_ty), mask=cmask)

@@ -1,0 +1,560 @@
+"""``moe_experts``: validation, dispatch, the torch path, the Triton launches, autograd.
+
+Both paths sort the ``T * k`` (token, slot) pairs by expert once (a stable argsort: pairs
+of one expert keep token order, so results do not depend on ties) and sum each token's
+``k`` slot outputs back in slot order through the inverse permutation (deterministic: no
+atomics, no ``index_add`` on CUDA).
+
+* ``impl="torch"`` (and the default on CPU tensors): plain PyTorch, per expert one
+  ``F.linear`` pair on its contiguous slice of the sorted rows, experts without tokens
+  skipped, the activation in float32 (the reference's formulas); autograd differentiates
+  it. It reads the per-expert counts on the host (one synchronisation per call).
+* ``impl="triton"``: no host synchronisation. Forward: ``moe_up_kernel`` (gate/up GEMM,
+  bias, activation; keeps the pre-activation ``h [T k, K2]`` when a gradient is needed),
+  ``moe_down_kernel`` (down GEMM, bias, router weight), ``moe_combine_kernel`` (the slot
+  sum; skipped for ``k = 1``, where the down kernel writes each token's row in place).
+  Backward: ``moe_act_bwd_kernel`` (``dout @ w_down[e]`` with the activation's backward and
+  the router weights' gradient in its epilogue), ``moe_wgrad_kernel`` twice (both weights
+  and biases), ``moe_down_kernel`` and ``moe_combine_kernel`` for the hidden gradient.
+  Saved for backward: the inputs, the routing (a few ``[T k]`` index vectors) and ``h``;
+  the activation output ``a`` is recomputed from ``h`` in the backward's first kernel.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .. import tuning
+from .._dispatch import eager as _eager
+from .._dispatch import (FLOAT_DTYPES, Plan, check_number, check_tensor, register_planner,
+                         select_impl, value_checks)
+from .._nvtx import nvtx_range
+from . import reference as ref
+
+OP = "moe_experts"
+_ACT_IDS = {"gelu": 0, "silu": 1, "quick_gelu": 2, "squared_relu": 3}
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def _kernels():
+    # Imported on first use: Triton reads TRITON_INTERPRET when a kernel is defined.
+    from . import kernels
+
+    return kernels
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _config(device: torch.device, rows: int, H: int, F: int) -> dict[str, int]:
+    """Launch parameters: the ``moe_experts`` section of the device's tuning table, each
+    block size capped by the power of two covering its dimension (at least 16, ``tl.dot``'s
+    smallest tile). ``rows = T k``."""
+    t = tuning.table("moe_experts", device)
+
+    def fit(limit: int, n: int) -> int:
+        return max(16, min(limit, _pow2(n)))
+
+    dim = max(H, F)
+    return dict(
+        block_m=fit(t["block_m"], rows), block_n=fit(t["block_n"], dim),
+        block_k=fit(t["block_k"], dim), warps=t["warps"], stages=t["stages"],
+        wgrad_block_m=fit(t["wgrad_block_m"], dim), wgrad_block_n=fit(t["wgrad_block_n"], dim),
+        wgrad_block_k=fit(t["wgrad_block_k"], rows), wgrad_warps=t["wgrad_warps"],
+        wgrad_stages=t["wgrad_stages"], combine_block=min(t["combine_block"], _pow2(H)),
+        combine_warps=t["combine_warps"])
+
+
+# --- routing -------------------------------------------------------------------------------
+
+
+def _route(expert_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, ...]:
+    """``(perm, token, offsets, inv)`` for ``expert_ids [T, k]``: sorted row ``r`` is pair
+    ``perm[r] = t k + j`` of token ``token[r] = t`` (int32); expert ``e`` owns the rows
+    ``offsets[e] .. offsets[e + 1]`` (int32 ``[E + 1]``); ``inv`` is ``perm``'s inverse
+    (pair -> sorted row). Torch ops on the device, no host synchronisation."""
+    k = expert_ids.shape[1]
+    ids = expert_ids.reshape(-1).to(torch.int64)
+    perm = torch.argsort(ids, stable=True)
+    token = torch.div(perm, k, rounding_mode="floor").to(torch.int32)
+    bounds = torch.arange(E + 1, device=ids.device, dtype=torch.int64)
+    offsets = torch.searchsorted(ids[perm], bounds).to(torch.int32)
+    inv = torch.empty_like(perm)
+    inv.scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+    return perm, token, offsets, inv
+
+
+def _tiles(offsets: torch.Tensor, rows: int, block_m: int) -> torch.Tensor:
+    """The row-tile table ``[slots, 3]`` int32 (expert, first row, end row) of the row-tiled
+    kernels, ``slots = cdiv(rows, block_m) + min(E, rows)`` whatever the routing; unused
+    slots hold ``(0, 0, 0)``."""
+    E = offsets.numel() - 1
+    off = offsets.to(torch.int64)
+    per = torch.div(off[1:] - off[:-1] + block_m - 1, block_m, rounding_mode="floor")
+    last = torch.cumsum(per, 0)
+    slots = _cdiv(rows, block_m) + min(E, rows)
+    i = torch.arange(slots, device=offsets.device)
+    e = torch.searchsorted(last, i, right=True)
+    used = e < E
+    e = e.clamp(max=E - 1)
+    start = off[e] + (i - (last[e] - per[e])) * block_m
+    end = torch.minimum(start + block_m, off[e + 1])
+    zero = torch.zeros_like(start)
+    return torch.stack([torch.where(used, e, zero), torch.where(used, start, zero),
+                        torch.where(used, end, zero)], 1).to(torch.int32).contiguous()
+
+
+# --- the torch path --------------------------------------------------------------------------
+
+
+def _torch_path(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias,
+                down_bias, s: dict[str, Any]) -> torch.Tensor:
+    T, k = expert_ids.shape
+    E, H = w_gate_up.shape[0], hidden.shape[1]
+    compute = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    ids = expert_ids.reshape(-1).to(torch.int64)
+    perm = torch.argsort(ids, stable=True)
+    counts = torch.bincount(ids, minlength=E).tolist()
+    # Gathers whose backward is deterministic: the pair rows are an expand (its gradient a
+    # sum over k), the sort a permutation (unique indices).
+    pairs = hidden.unsqueeze(1).expand(T, k, H).reshape(T * k, H)
+    x = pairs.index_select(0, perm)
+    weights = router_weights.reshape(-1).index_select(0, perm).to(compute)
+    wgu, wd = w_gate_up.unbind(0), w_down.unbind(0)  # one stacked gradient, not E
+    bgu = gate_up_bias.unbind(0) if gate_up_bias is not None else [None] * E
+    bd = down_bias.unbind(0) if down_bias is not None else [None] * E
+    ys, start = [], 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        h = F.linear(x[start:start + n], wgu[e], bgu[e])
+        a = ref.expert_activation(h, activation=s["activation"],
+                                  linear_offset=s["linear_offset"],
+                                  clamp_value=s["clamp_value"],
+                                  gate_up_layout=s["gate_up_layout"])
+        ys.append(F.linear(a, wd[e], bd[e]))
+        start += n
+    y = torch.cat(ys) if ys else hidden.new_zeros((0, H))
+    y = y.to(compute) * weights[:, None]
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return y.index_select(0, inv).view(T, k, H).sum(1).to(hidden.dtype)
+
+
+# --- the Triton launches -----------------------------------------------------------------------
+
+
+def _combine(y: torch.Tensor, inv: torch.Tensor, T: int, k: int, c: dict) -> torch.Tensor:
+    N = y.shape[1]
+    out = torch.empty((T, N), dtype=y.dtype, device=y.device)
+    if T and N:
+        _kernels().moe_combine_kernel[(T, _cdiv(N, c["combine_block"]))](
+            y, inv, out, N, k, BLOCK_N=c["combine_block"], num_warps=c["combine_warps"])
+    return out
+
+
+def _forward(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias, down_bias,
+             s: dict[str, Any], save: bool):
+    """``(out [T, H], h [T k, K2] (or [0, K2] without save), perm, token, offsets, inv,
+    weights [T k] float32 in sorted order)``."""
+    T, k = expert_ids.shape
+    E, K2, H = w_gate_up.shape
+    Fdim = w_down.shape[2]
+    rows = T * k
+    kern, c = _kernels(), _config(hidden.device, rows, H, Fdim)
+    perm, token, offsets, inv = _route(expert_ids, E)
+    weights = router_weights.reshape(-1).index_select(0, perm).to(torch.float32)
+    h = hidden.new_empty((rows if save else 0, K2))
+    if rows == 0:
+        return hidden.new_zeros((T, H)), h, perm, token, offsets, inv, weights
+    tiles = _tiles(offsets, rows, c["block_m"])
+    ieee = hidden.dtype == torch.float32
+    bm, bn, bk = c["block_m"], c["block_n"], c["block_k"]
+    a = hidden.new_empty((rows, Fdim))
+    kern.moe_up_kernel[(tiles.shape[0], _cdiv(Fdim, bn))](
+        hidden, hidden.stride(0), token, w_gate_up, *w_gate_up.stride(),
+        gate_up_bias if gate_up_bias is not None else hidden, h, a, tiles, H, Fdim,
+        s["linear_offset"], s["clamp_value"] or 0.0,
+        ACT=_ACT_IDS[s["act"]], GATED=s["gated"], INTERLEAVED=s["interleaved"],
+        HAS_BIAS=gate_up_bias is not None, HAS_CLAMP=s["clamp_value"] is not None,
+        STORE_H=save, IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=c["warps"],
+        num_stages=c["stages"])
+    scatter = k == 1
+    y = hidden.new_empty((T, H)) if scatter else hidden.new_empty((rows, H))
+    kern.moe_down_kernel[(tiles.shape[0], _cdiv(H, bn))](
+        a, a.stride(0), w_down, w_down.stride(0), w_down.stride(2), w_down.stride(1),
+        down_bias if down_bias is not None else a, weights, token, y, y.stride(0), tiles,
+        H, Fdim, HAS_BIAS=down_bias is not None, HAS_SCALE=True, SCATTER=scatter, IEEE=ieee,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=c["warps"], num_stages=c["stages"])
+    out = y if scatter else _combine(y, inv, T, k, c)
+    return out, h, perm, token, offsets, inv, weights
+
+
+def _backward(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm, token,
+              offsets, inv, weights, s: dict[str, Any], needs: tuple[bool, ...]):
+    """Gradients ``(hidden, router weights [T k] float32 in pair order, w_gate_up, w_down,
+    gate_up_bias, down_bias)``, ``None`` where ``needs`` (same order) is False."""
+    need_x, need_rw, need_wgu, need_wd, need_bgu, need_bd = needs
+    T, H = hidden.shape
+    E, K2, _ = w_gate_up.shape
+    Fdim = w_down.shape[2]
+    rows = perm.numel()
+    k = rows // T if T else 0
+    kern, c = _kernels(), _config(hidden.device, rows, H, Fdim)
+    ieee = hidden.dtype == torch.float32
+    bm, bn, bk = c["block_m"], c["block_n"], c["block_k"]
+    launch = dict(num_warps=c["warps"], num_stages=c["stages"])
+    dh = hidden.new_empty((rows, K2))
+    a = hidden.new_empty((rows, Fdim))
+    f_tiles = _cdiv(Fdim, bn)
+    dw_part = torch.empty((f_tiles, rows), dtype=torch.float32, device=hidden.device)
+    tiles = _tiles(offsets, rows, bm)
+    if rows:
+        kern.moe_act_bwd_kernel[(tiles.shape[0], f_tiles)](
+            dout, dout.stride(0), token, w_down, w_down.stride(0), w_down.stride(1),
+            w_down.stride(2), down_bias if down_bias is not None else dout, h, weights, dh, a,
+            dw_part, tiles, rows, H, Fdim, s["linear_offset"], s["clamp_value"] or 0.0,
+            ACT=_ACT_IDS[s["act"]], GATED=s["gated"], INTERLEAVED=s["interleaved"],
+            HAS_CLAMP=s["clamp_value"] is not None, HAS_DOWN_BIAS=down_bias is not None,
+            IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **launch)
+    d_rw = None
+    if need_rw:
+        d_rw = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+        d_rw[perm] = dw_part.sum(0)
+    wgrad = dict(IEEE=ieee, BLOCK_M=c["wgrad_block_m"], BLOCK_N=c["wgrad_block_n"],
+                 BLOCK_K=c["wgrad_block_k"], num_warps=c["wgrad_warps"],
+                 num_stages=c["wgrad_stages"])
+
+    def wgrad_grid(M: int, N: int) -> tuple[int, int]:
+        return (_cdiv(M, c["wgrad_block_m"]) * _cdiv(N, c["wgrad_block_n"]), E)
+
+    d_wd = d_bd = None
+    if need_wd or need_bd:
+        d_wd = torch.empty((E, H, Fdim), dtype=w_down.dtype, device=hidden.device)
+        d_bd = (torch.empty((E, H), dtype=down_bias.dtype, device=hidden.device)
+                if need_bd else None)
+        kern.moe_wgrad_kernel[wgrad_grid(H, Fdim)](
+            dout, dout.stride(0), a, a.stride(0), token, weights, offsets, d_wd,
+            d_bd if need_bd else d_wd, H, Fdim, A_GATHER=True, B_GATHER=False,
+            HAS_SCALE=True, BIAS_GRAD=need_bd, **wgrad)
+    d_wgu = d_bgu = None
+    if need_wgu or need_bgu:
+        d_wgu = torch.empty((E, K2, H), dtype=w_gate_up.dtype, device=hidden.device)
+        d_bgu = (torch.empty((E, K2), dtype=gate_up_bias.dtype, device=hidden.device)
+                 if need_bgu else None)
+        kern.moe_wgrad_kernel[wgrad_grid(K2, H)](
+            dh, dh.stride(0), hidden, hidden.stride(0), token, weights, offsets, d_wgu,
+            d_bgu if need_bgu else d_wgu, K2, H, A_GATHER=False, B_GATHER=True,
+            HAS_SCALE=False, BIAS_GRAD=need_bgu, **wgrad)
+    d_x = None
+    if need_x:
+        scatter = k == 1
+        dx = hidden.new_empty((T, H)) if scatter or not rows else hidden.new_empty((rows, H))
+        if rows:
+            kern.moe_down_kernel[(tiles.shape[0], _cdiv(H, bn))](
+                dh, dh.stride(0), w_gate_up, w_gate_up.stride(0), w_gate_up.stride(1),
+                w_gate_up.stride(2), dh, weights, token, dx, dx.stride(0), tiles, H, K2,
+                HAS_BIAS=False, HAS_SCALE=False, SCATTER=scatter, IEEE=ieee, BLOCK_M=bm,
+                BLOCK_N=bn, BLOCK_K=bk, **launch)
+        else:
+            dx.zero_()
+        d_x = dx if scatter or not rows else _combine(dx, inv, T, k, c)
+    return (d_x, d_rw, d_wgu, d_wd, d_bgu if need_bgu else None, d_bd if need_bd else None)
+
+
+# The launches as torch.library custom ops, so torch.compile sees two opaque nodes (eager
+# calls run the same Python directly). Gradients not asked for come back empty.
+
+
+def _settings(activation: str, gate_up_layout: str, linear_offset: float,
+              clamp_value: Optional[float]) -> dict[str, Any]:
+    act, gated = ref.ACTIVATIONS[activation]
+    return dict(activation=activation, act=act, gated=gated, gate_up_layout=gate_up_layout,
+                interleaved=gated and gate_up_layout == "interleaved",
+                linear_offset=float(linear_offset),
+                clamp_value=None if clamp_value is None else float(clamp_value))
+
+
+@torch.library.custom_op("lmfuse::moe_experts_fwd", mutates_args=())
+def _fwd_op(hidden: torch.Tensor, expert_ids: torch.Tensor, router_weights: torch.Tensor,
+            w_gate_up: torch.Tensor, w_down: torch.Tensor, gate_up_bias: Optional[torch.Tensor],
+            down_bias: Optional[torch.Tensor], activation: str, gate_up_layout: str,
+            linear_offset: float, clamp_value: Optional[float],
+            save: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                 torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias,
+                    down_bias, _settings(activation, gate_up_layout, linear_offset,
+                                         clamp_value), save)
+
+
+@_fwd_op.register_fake
+def _(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias, down_bias,
+      activation, gate_up_layout, linear_offset, clamp_value, save):
+    T, k = expert_ids.shape
+    rows, E = T * k, w_gate_up.shape[0]
+    index = dict(dtype=torch.int64)
+    return (hidden.new_empty(hidden.shape), hidden.new_empty((rows if save else 0,
+                                                              w_gate_up.shape[1])),
+            hidden.new_empty((rows,), **index), hidden.new_empty((rows,), dtype=torch.int32),
+            hidden.new_empty((E + 1,), dtype=torch.int32), hidden.new_empty((rows,), **index),
+            hidden.new_empty((rows,), dtype=torch.float32))
+
+
+@torch.library.custom_op("lmfuse::moe_experts_bwd", mutates_args=())
+def _bwd_op(dout: torch.Tensor, hidden: torch.Tensor, w_gate_up: torch.Tensor,
+            w_down: torch.Tensor, gate_up_bias: Optional[torch.Tensor],
+            down_bias: Optional[torch.Tensor], h: torch.Tensor, perm: torch.Tensor,
+            token: torch.Tensor, offsets: torch.Tensor, inv: torch.Tensor,
+            weights: torch.Tensor, activation: str, gate_up_layout: str, linear_offset: float,
+            clamp_value: Optional[float], needs: list[bool]) -> list[torch.Tensor]:
+    grads = _backward(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm,
+                      token, offsets, inv, weights,
+                      _settings(activation, gate_up_layout, linear_offset, clamp_value),
+                      tuple(needs))
+    return [g if g is not None else hidden.new_empty((0,)) for g in grads]
+
+
+@_bwd_op.register_fake
+def _(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm, token, offsets, inv,
+      weights, activation, gate_up_layout, linear_offset, clamp_value, needs):
+    shapes = (hidden.shape, perm.shape, w_gate_up.shape, w_down.shape,
+              gate_up_bias.shape if gate_up_bias is not None else (0,),
+              down_bias.shape if down_bias is not None else (0,))
+    return [hidden.new_empty(shape if need else (0,),
+                             dtype=torch.float32 if i == 1 else hidden.dtype)
+            for i, (shape, need) in enumerate(zip(shapes, needs))]
+
+
+# --- autograd ---------------------------------------------------------------------------------
+
+
+def _op_args(s: dict[str, Any]) -> tuple:
+    return s["activation"], s["gate_up_layout"], s["linear_offset"], s["clamp_value"]
+
+
+class _MoEExperts(torch.autograd.Function):
+    """The Triton path; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias,
+                down_bias, s: dict[str, Any]):
+        with nvtx_range(OP, "fwd"):
+            args = (hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias,
+                    down_bias)
+            if _eager():
+                out, h, perm, token, offsets, inv, weights = _forward(*args, s, True)
+            else:
+                out, h, perm, token, offsets, inv, weights = _fwd_op(*args, *_op_args(s), True)
+            ctx.s = s
+            ctx.rw_dtype = router_weights.dtype
+            ctx.save_for_backward(hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm,
+                                  token, offsets, inv, weights)
+            return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        with nvtx_range(OP, "bwd"):
+            saved = ctx.saved_tensors
+            n = ctx.needs_input_grad
+            needs = (n[0], n[2], n[3], n[4], n[5], n[6])
+            dout = dout.contiguous()
+            if _eager():
+                grads = _backward(dout, *saved, ctx.s, needs)
+            else:
+                grads = [g if need else None for g, need in
+                         zip(_bwd_op(dout, *saved, *_op_args(ctx.s), list(needs)), needs)]
+            d_x, d_rw, d_wgu, d_wd, d_bgu, d_bd = grads
+            T, k = ctx.s["T"], ctx.s["k"]
+            if d_rw is not None:
+                d_rw = d_rw.view(T, k).to(ctx.rw_dtype)
+            return d_x, None, d_rw, d_wgu, d_wd, d_bgu, d_bd, None
+
+
+# --- validation and planning ----------------------------------------------------------------
+
+
+def _resolve(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias, down_bias,
+             activation, linear_offset, clamp_value, gate_up_layout,
+             impl) -> tuple[str, str, dict[str, Any]]:
+    check_tensor(OP, "hidden", hidden, ndim=2)
+    check_tensor(OP, "expert_ids", expert_ids, ndim=2, dtypes=_INT_DTYPES)
+    check_tensor(OP, "router_weights", router_weights, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor(OP, "w_gate_up", w_gate_up, ndim=3)
+    check_tensor(OP, "w_down", w_down, ndim=3)
+    if not isinstance(activation, str) or activation not in ref.ACTIVATIONS:
+        raise ValueError(f"{OP}: activation must be one of {tuple(ref.ACTIVATIONS)}, got "
+                         f"{activation!r}")
+    if not isinstance(gate_up_layout, str) or gate_up_layout not in ref.LAYOUTS:
+        raise ValueError(f"{OP}: gate_up_layout must be one of {ref.LAYOUTS}, got "
+                         f"{gate_up_layout!r}")
+    gated = ref.ACTIVATIONS[activation][1]
+    T, H = hidden.shape
+    if H == 0:
+        raise ValueError(f"{OP}: hidden must have at least one feature, got shape "
+                         f"{tuple(hidden.shape)}")
+    if expert_ids.shape[0] != T:
+        raise ValueError(f"{OP}: expert_ids must be [T, k] with T = {T} (hidden's tokens), "
+                         f"got {tuple(expert_ids.shape)}")
+    if router_weights.shape != expert_ids.shape:
+        raise ValueError(f"{OP}: router_weights must have expert_ids' shape "
+                         f"{tuple(expert_ids.shape)} ([T, k]), got "
+                         f"{tuple(router_weights.shape)}")
+    E, H_down, Fdim = w_down.shape
+    if E == 0 or Fdim == 0:
+        raise ValueError(f"{OP}: w_down must be [E, H, F] with E, F >= 1, got "
+                         f"{tuple(w_down.shape)}")
+    if H_down != H:
+        raise ValueError(f"{OP}: w_down must be [E, H, F] with H = {H} (hidden's last dim), "
+                         f"got {tuple(w_down.shape)}")
+    K2 = 2 * Fdim if gated else Fdim
+    if tuple(w_gate_up.shape) != (E, K2, H):
+        what = "2F" if gated else f"F ({activation} is not gated)"
+        raise ValueError(f"{OP}: w_gate_up must be [E, {what}, H] = [{E}, {K2}, {H}] "
+                         f"(E, F from w_down {tuple(w_down.shape)}), got "
+                         f"{tuple(w_gate_up.shape)}")
+    for name, t, shape in (("gate_up_bias", gate_up_bias, (E, K2)),
+                           ("down_bias", down_bias, (E, H))):
+        if t is not None:
+            check_tensor(OP, name, t, ndim=2)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{OP}: {name} must be {list(shape)}, got {tuple(t.shape)}")
+    for name, t in (("w_gate_up", w_gate_up), ("w_down", w_down),
+                    ("gate_up_bias", gate_up_bias), ("down_bias", down_bias)):
+        if t is not None and t.dtype != hidden.dtype:
+            raise TypeError(f"{OP}: {name} must have hidden's dtype {hidden.dtype}, got "
+                            f"{t.dtype}")
+    for name, t in (("expert_ids", expert_ids), ("router_weights", router_weights),
+                    ("w_gate_up", w_gate_up), ("w_down", w_down),
+                    ("gate_up_bias", gate_up_bias), ("down_bias", down_bias)):
+        if t is not None and t.device != hidden.device:
+            raise ValueError(f"{OP}: {name} is on {t.device} but hidden is on "
+                             f"{hidden.device}; move them to one device")
+    linear_offset = check_number(OP, "linear_offset", linear_offset, allow_none=False)
+    if check_number(OP, "clamp_value", clamp_value) is not None and not clamp_value > 0:
+        raise ValueError(f"{OP}: clamp_value must be positive (gate <= c, -c <= up <= c), "
+                         f"got {clamp_value!r}")
+    if not gated and (linear_offset or clamp_value is not None):
+        raise ValueError(f"{OP}: linear_offset and clamp_value apply to the gated "
+                         f"activations only; {activation} got linear_offset={linear_offset}, "
+                         f"clamp_value={clamp_value}")
+    if expert_ids.numel() and value_checks(expert_ids):
+        lo, hi = int(expert_ids.min()), int(expert_ids.max())
+        if lo < 0 or hi >= E:
+            raise ValueError(f"{OP}: expert_ids must be in [0, E) = [0, {E}), got values in "
+                             f"[{lo}, {hi}]")
+    path, reason = select_impl(OP, impl, hidden.device)
+    if path == "triton" and hidden.dtype == torch.float64:
+        if impl == "triton":
+            raise TypeError(f"{OP}: the Triton path takes float32/float16/bfloat16 hidden, "
+                            f"got float64; use impl='torch'")
+        path, reason = "torch", "float64 input: the torch path (the kernels are for fp32/16)"
+    s = _settings(activation, gate_up_layout, linear_offset, clamp_value)
+    s.update(path=path, T=T, k=expert_ids.shape[1], E=E, H=H, F=Fdim)
+    return path, reason, s
+
+
+def moe_experts(
+    hidden: torch.Tensor,
+    expert_ids: torch.Tensor,
+    router_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    gate_up_bias: Optional[torch.Tensor] = None,
+    down_bias: Optional[torch.Tensor] = None,
+    activation: str = "swiglu",
+    linear_offset: float = 0.0,
+    clamp_value: Optional[float] = None,
+    gate_up_layout: str = "halves",
+    impl: str = "auto",
+) -> torch.Tensor:
+    """The routed experts' MLP: ``out[t] = sum_j router_weights[t, j] * expert(expert_ids[t,
+    j], hidden[t])``, ``expert(e, x) = act(x @ w_gate_up[e].T + gate_up_bias[e]) @
+    w_down[e].T + down_bias[e]``.
+
+    Args:
+        hidden: ``[T, H]`` float32/float16/bfloat16 (float64: the torch path).
+        expert_ids: ``[T, k]`` integer expert of each token's slots, in ``[0, E)`` (checked:
+            always on CPU tensors, on CUDA under :func:`lmfuse.set_checks`).
+        router_weights: ``[T, k]``, any float dtype; its gradient comes back in it.
+        w_gate_up: ``[E, 2F, H]`` (``[E, F, H]`` for ``squared_relu``), hidden's dtype; any
+            strides (a transposed view such as GPT-OSS's ``gate_up_proj.transpose(1, 2)``
+            is read in place on the Triton path).
+        w_down: ``[E, H, F]``, hidden's dtype, any strides.
+        gate_up_bias: optional ``[E, 2F]`` (``[E, F]``); down_bias: optional ``[E, H]``.
+        activation: ``"swiglu"``, ``"geglu"`` (tanh GELU), ``"quick_geglu"`` (``a *
+            sigmoid(1.702 a)``), gated: ``act(gate) * (up + linear_offset)``; or
+            ``"squared_relu"`` (not gated).
+        linear_offset, clamp_value: gated only; ``c > 0`` clamps ``gate <= c`` and ``-c <= up
+            <= c`` after ``gate_up_bias`` (GPT-OSS: ``quick_geglu``, offset 1, clamp 7).
+        gate_up_layout: ``"halves"`` (gate ``[:F]``, up ``[F:]``) or ``"interleaved"``
+            (gate ``[0::2]``, up ``[1::2]``, GPT-OSS); no effect for ``squared_relu``.
+    Returns:
+        ``[T, H]`` in hidden's dtype; gradients for hidden, router_weights, both weights and
+        both biases. Deterministic on both paths; experts that receive no token cost
+        nothing (and get zero gradients).
+    """
+    args = (hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias, down_bias)
+    path, _, s = _resolve(*args, activation, linear_offset, clamp_value, gate_up_layout,
+                          impl)
+    if path == "torch":
+        with nvtx_range(OP, "torch"):
+            return _torch_path(*args, s)
+    if hidden.stride(-1) != 1 or (hidden.shape[0] > 1 and hidden.stride(0) < hidden.shape[1]):
+        hidden = hidden.contiguous()
+    # The kernels read the biases at stride 1 and the weights at any strides.
+    gate_up_bias = gate_up_bias.contiguous() if gate_up_bias is not None else None
+    down_bias = down_bias.contiguous() if down_bias is not None else None
+    args = (hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias, down_bias)
+    if _eager() and not (torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in args)):
+        # Nothing to differentiate (inference, decoding): no autograd node, no h stored.
+        with nvtx_range(OP, "fwd"):
+            return _forward(*args, s, False)[0]
+    return _MoEExperts.apply(*args, s)
+
+
+@register_planner(OP)
+def plan_moe_experts(*args, **kwargs) -> Plan:
+    try:
+        bound = inspect.signature(moe_experts).bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"{OP}: {e}") from None
+    bound.apply_defaults()
+    a = bound.arguments
+    path, reason, s = _resolve(a["hidden"], a["expert_ids"], a["router_weights"],
+                               a["w_gate_up"], a["w_down"], a["gate_up_bias"], a["down_bias"],
+                               a["activation"], a["linear_offset"], a["clamp_value"],
+                               a["gate_up_layout"], a["impl"])
+    T, k, E, H, Fdim = s["T"], s["k"], s["E"], s["H"], s["F"]
+    dtype = str(a["hidden"].dtype).replace("torch.", "")
+    details = {
+        "routing": f"{T} tokens x {k} slots over {E} experts (H {H}, F {Fdim}, {dtype}): "
+                   f"one stable sort of the {T * k} pairs by expert",
+    }
+    gated = s["gated"]
+    lin = f" + {s['linear_offset']}" if s["linear_offset"] else ""
+    details["activation"] = (f"{s['act']}(gate) * (up{lin}), gate/up {s['gate_up_layout']}"
+                             if gated else s["act"])
+    if s["clamp_value"] is not None:
+        details["clamp"] = (f"gate <= {s['clamp_value']}, |up| <= {s['clamp_value']} (after "
+                            f"the bias)")
+    if path == "triton":
+        details["kernels"] = ("grouped GEMMs over the experts' row tiles (gate/up + activation, "
+                              "down + router weight), then the slot sum" +
+                              (" (k = 1: written in place)" if k == 1 else ""))
+        details["saved for backward"] = (f"inputs, routing and the gate/up output "
+                                         f"[{T * k}, {(2 if gated else 1) * Fdim}]")
+    else:
+        details["torch"] = "per-expert F.linear on contiguous slices; reads the counts on the host"
+    return Plan(OP, path, reason, details, s)

@@ -1,0 +1,316 @@
+"""``lmfuse.moe_experts`` on both paths (``impl="torch"``, and ``impl="triton"`` in the
+interpreter) against ``moe_experts_reference`` evaluated in float64.
+
+Every case runs forward and backward from the same inputs (rounded to the dtype under test)
+and compares the output and the gradients of hidden, router weights, both weights and both
+biases with the float64 reference, within the tolerance of each result's dtype
+(``helpers.TOL``). Cases: every activation, both gate/up layouts, biases or not, clamp and
+linear offset, fp32 and fp16 on both paths, bf16 on the torch path (the interpreter cannot
+``tl.dot`` bf16), ``k = 1`` (the Triton path writes rows in place), experts without tokens,
+strided weights and non-contiguous hidden, a float32 router with fp16 experts, 0 tokens,
+determinism, the no-grad path, ``explain``, bad input.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Optional
+
+import pytest
+import torch
+from helpers import assert_close, randn
+
+import lmfuse
+from lmfuse.moe.reference import moe_experts_reference
+
+F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
+GATED = {"swiglu": True, "geglu": True, "quick_geglu": True, "squared_relu": False}
+NAMES = ("hidden", "router_weights", "w_gate_up", "w_down", "gate_up_bias", "down_bias")
+
+
+def make(T: int, H: int, F: int, E: int, k: int, activation: str = "swiglu", *,
+         dtype: torch.dtype = F32, bias: bool = True, rw_dtype: Optional[torch.dtype] = None,
+         ids: Optional[torch.Tensor] = None) -> dict[str, Any]:
+    """Inputs in ``dtype`` (router weights in ``rw_dtype``), leaves requiring grad; each token's
+    ``k`` experts distinct, as a top-k router picks them."""
+    K2 = 2 * F if GATED[activation] else F
+    if ids is None:
+        ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]) if T else (
+            torch.zeros(0, k, dtype=torch.int64))
+    return dict(
+        hidden=randn((T, H), dtype, requires_grad=True),
+        expert_ids=ids,
+        router_weights=(torch.rand(T, k) + 0.1).to(rw_dtype or dtype).requires_grad_(True),
+        w_gate_up=randn((E, K2, H), dtype, scale=H ** -0.5, requires_grad=True),
+        w_down=randn((E, H, F), dtype, scale=F ** -0.5, requires_grad=True),
+        gate_up_bias=randn((E, K2), dtype, scale=0.3, requires_grad=True) if bias else None,
+        down_bias=randn((E, H), dtype, scale=0.3, requires_grad=True) if bias else None,
+    )
+
+
+def leaves(inp: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    return [(n, inp[n]) for n in NAMES if inp[n] is not None and inp[n].requires_grad]
+
+
+def call(fn, inp: dict[str, Any], **kw) -> torch.Tensor:
+    return fn(inp["hidden"], inp["expert_ids"], inp["router_weights"], inp["w_gate_up"],
+              inp["w_down"], gate_up_bias=inp["gate_up_bias"], down_bias=inp["down_bias"],
+              **kw)
+
+
+def check(inp: dict[str, Any], impl: str, what: str, **kw) -> torch.Tensor:
+    """Forward and every gradient of ``moe_experts(impl)`` against the float64 reference;
+    returns the output."""
+    ref_inp = {n: (v.detach().double().requires_grad_(v.requires_grad)
+                   if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+               for n, v in inp.items()}
+    want = call(moe_experts_reference, ref_inp, **kw)
+    got = call(lmfuse.moe_experts, inp, impl=impl, **kw)
+    dtype = inp["hidden"].dtype
+    assert got.dtype == dtype and got.shape == want.shape, what
+    assert_close(got, want.to(dtype), dtype, f"{what}: forward")
+    g = randn(got.shape, dtype)
+    names = [n for n, _ in leaves(inp)]
+    got_grads = torch.autograd.grad(got, [t for _, t in leaves(inp)], g)
+    want_grads = torch.autograd.grad(want, [t for _, t in leaves(ref_inp)], g.double())
+    for name, a, b in zip(names, got_grads, want_grads):
+        assert a.dtype == inp[name].dtype, f"{what}: d{name} dtype {a.dtype}"
+        # The router weights' gradient is <dout, expert output>, computed by GEMMs in
+        # hidden's dtype: a float32 router with half experts gets half-precision accuracy.
+        limit = dtype if name == "router_weights" and a.dtype == F32 else a.dtype
+        assert_close(a, b.to(a.dtype), limit, f"{what}: d{name}")
+    return got
+
+
+# (activation, linear_offset, clamp_value, layout)
+ACT_CASES = [
+    ("swiglu", 0.0, None, "halves"),
+    ("swiglu", 0.0, None, "interleaved"),
+    ("geglu", 0.0, None, "halves"),
+    ("geglu", 0.0, None, "interleaved"),
+    ("quick_geglu", 1.0, 0.7, "halves"),  # GPT-OSS's form, a clamp that bites
+    ("quick_geglu", 1.0, 0.7, "interleaved"),
+    ("squared_relu", 0.0, None, "halves"),
+]
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("activation, offset, clamp, layout", ACT_CASES,
+                         ids=[f"{a}-{lay}" for a, _, _, lay in ACT_CASES])
+def test_every_activation_and_layout_fp32(activation, offset, clamp, layout, impl) -> None:
+    inp = make(11, 24, 20, 4, 2, activation)
+    check(inp, impl, f"{activation} {layout} {impl}", activation=activation,
+          linear_offset=offset, clamp_value=clamp, gate_up_layout=layout)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("activation", ["swiglu", "squared_relu"])
+def test_without_biases(activation, impl) -> None:
+    check(make(9, 16, 12, 3, 2, activation, bias=False), impl, f"{activation} no bias",
+          activation=activation)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("activation, offset, clamp, layout", [
+    ("swiglu", 0.0, None, "halves"), ("quick_geglu", 1.0, 0.7, "interleaved"),
+    ("squared_relu", 0.0, None, "halves")], ids=["swiglu", "gpt-oss", "squared_relu"])
+def test_float16(activation, offset, clamp, layout, impl) -> None:
+    inp = make(13, 32, 24, 4, 2, activation, dtype=F16)
+    check(inp, impl, f"{activation} fp16 {impl}", activation=activation, linear_offset=offset,
+          clamp_value=clamp, gate_up_layout=layout)
+
+
+@pytest.mark.parametrize("activation, offset, clamp, layout", [
+    ("swiglu", 0.0, None, "halves"), ("quick_geglu", 1.0, 0.7, "interleaved")],
+    ids=["swiglu", "gpt-oss"])
+def test_bfloat16_torch_path(activation, offset, clamp, layout) -> None:
+    inp = make(13, 32, 24, 4, 2, activation, dtype=BF16)
+    check(inp, "torch", f"{activation} bf16", activation=activation, linear_offset=offset,
+          clamp_value=clamp, gate_up_layout=layout)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_float32_router_weights_with_half_experts(impl) -> None:
+    """Router probabilities usually stay float32: their gradient comes back float32."""
+    inp = make(7, 16, 16, 3, 2, dtype=F16, rw_dtype=F32)
+    check(inp, impl, f"fp32 router {impl}")
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_top1_routing(impl) -> None:
+    """``k = 1``: on the Triton path the down kernel writes each token's row in place."""
+    check(make(10, 16, 12, 4, 1), impl, f"k=1 {impl}")
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_experts_without_tokens_get_zero_gradients(impl) -> None:
+    ids = torch.tensor([[0, 3], [3, 0], [0, 3], [3, 0], [0, 3]])
+    inp = make(5, 16, 8, 5, 2, ids=ids)
+    check(inp, impl, f"unused experts {impl}")
+    out = call(lmfuse.moe_experts, inp, impl=impl)
+    out.backward(torch.ones_like(out))
+    for name in ("w_gate_up", "w_down", "gate_up_bias", "down_bias"):
+        grad = inp[name].grad
+        assert torch.count_nonzero(grad[[1, 2, 4]]) == 0, name
+        assert torch.count_nonzero(grad[[0, 3]]) > 0, name
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_many_rows_per_expert(impl) -> None:
+    """One expert takes more rows than a row tile (the tile table cuts it in several) and
+    the weight-gradient loop runs several row blocks; repeated experts within a token."""
+    ids = torch.zeros(16, 2, dtype=torch.int64)
+    ids[::3, 1] = 1
+    check(make(16, 16, 16, 2, 2, ids=ids), impl, f"crowded expert {impl}")
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_strided_weights_and_non_contiguous_hidden(impl) -> None:
+    """Weights given as transposed views (GPT-OSS stores gate_up_proj as [E, H, 2F]) are read
+    in place; hidden may be a strided slice."""
+    inp = make(8, 16, 12, 3, 2, "quick_geglu")
+    base = randn((8, 40), requires_grad=True)
+    inp["hidden"] = base[:, 3:19]
+    wgu = randn((3, 16, 24), scale=0.25, requires_grad=True)  # [E, H, 2F]
+    wd = randn((3, 12, 16), scale=0.3, requires_grad=True)  # [E, F, H]
+    inp["w_gate_up"], inp["w_down"] = wgu.transpose(1, 2), wd.transpose(1, 2)
+    check(inp, impl, f"strided {impl}", activation="quick_geglu", linear_offset=1.0,
+          clamp_value=7.0, gate_up_layout="interleaved")
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_zero_tokens(impl) -> None:
+    inp = make(0, 16, 8, 3, 2)
+    out = call(lmfuse.moe_experts, inp, impl=impl)
+    assert out.shape == (0, 16)
+    grads = torch.autograd.grad(out, [t for _, t in leaves(inp)], torch.ones_like(out),
+                                allow_unused=True)
+    for (name, t), g in zip(leaves(inp), grads):
+        assert g is None or (g.shape == t.shape and torch.count_nonzero(g) == 0), name
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_deterministic(impl) -> None:
+    inp = make(12, 16, 16, 3, 2, dtype=F16)
+    runs = []
+    for _ in range(2):
+        out = call(lmfuse.moe_experts, inp, impl=impl)
+        runs.append((out, *torch.autograd.grad(out, [t for _, t in leaves(inp)],
+                                               torch.ones_like(out))))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_no_grad_call_matches_autograd_call() -> None:
+    inp = make(9, 16, 12, 3, 2, "geglu")
+    want = call(lmfuse.moe_experts, inp, impl="triton", activation="geglu")
+    with torch.no_grad():
+        got = call(lmfuse.moe_experts, inp, impl="triton", activation="geglu")
+    assert torch.equal(got, want)
+
+
+def test_auto_runs_triton_under_the_interpreter_and_float64_on_torch() -> None:
+    inp = make(4, 8, 4, 2, 1)
+    assert lmfuse.explain(lmfuse.moe_experts, *[inp[n] for n in (
+        "hidden", "expert_ids", "router_weights", "w_gate_up", "w_down")]).impl == "triton"
+    inp64 = make(4, 8, 4, 2, 1, dtype=F64)
+    args = [inp64[n] for n in ("hidden", "expert_ids", "router_weights", "w_gate_up",
+                               "w_down")]
+    assert lmfuse.explain(lmfuse.moe_experts, *args).impl == "torch"
+    with pytest.raises(TypeError, match="float64"):
+        lmfuse.moe_experts(*args, impl="triton")
+    check(inp64, "auto", "float64 auto")
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch", "auto"])
+def test_explain(impl) -> None:
+    inp = make(4, 8, 4, 2, 2)
+    args = [inp[n] for n in ("hidden", "expert_ids", "router_weights", "w_gate_up", "w_down")]
+    plan = lmfuse.explain(lmfuse.moe_experts, *args, activation="quick_geglu",
+                          linear_offset=1.0, clamp_value=7.0, gate_up_layout="interleaved",
+                          impl=impl)
+    assert isinstance(plan, lmfuse.Plan)
+    assert plan.impl == ("triton" if impl == "auto" else impl), str(plan)
+    assert "interleaved" in str(plan) and "7.0" in str(plan)
+    assert lmfuse.explain("moe_experts", *args, impl=impl).impl == plan.impl
+
+
+def test_signature_and_export() -> None:
+    import lmfuse.moe
+
+    assert lmfuse.moe.moe_experts is lmfuse.moe_experts and "moe_experts" in lmfuse.__all__
+    sig = inspect.signature(lmfuse.moe_experts)
+    plain = sig.replace(return_annotation=inspect.Signature.empty, parameters=[
+        p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()])
+    assert str(plain) == ("(hidden, expert_ids, router_weights, w_gate_up, w_down, *, "
+                          "gate_up_bias=None, down_bias=None, activation='swiglu', "
+                          "linear_offset=0.0, clamp_value=None, gate_up_layout='halves', "
+                          "impl='auto')")
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+
+def _good() -> dict[str, Any]:
+    return make(4, 8, 6, 3, 2)
+
+
+BAD = [
+    ("hidden-1d", lambda a: dict(hidden=randn((8,))), ValueError, r"\bhidden\b"),
+    ("hidden-int", lambda a: dict(hidden=torch.ones(4, 8, dtype=torch.int32)), TypeError,
+     r"\bhidden\b"),
+    ("hidden-list", lambda a: dict(hidden=[[1.0]]), TypeError, r"\bhidden\b"),
+    ("ids-float", lambda a: dict(expert_ids=torch.zeros(4, 2)), TypeError, r"\bexpert_ids\b"),
+    ("ids-tokens", lambda a: dict(expert_ids=torch.zeros(5, 2, dtype=torch.int64),
+                                  router_weights=torch.rand(5, 2)), ValueError,
+     r"\bexpert_ids\b.*T = 4"),
+    ("ids-1d", lambda a: dict(expert_ids=torch.zeros(4, dtype=torch.int64)), ValueError,
+     r"\bexpert_ids\b"),
+    ("ids-too-large", lambda a: dict(expert_ids=torch.tensor([[0, 1], [2, 3], [0, 1], [1, 2]])),
+     ValueError, r"\bexpert_ids\b.*\[0, 3\)"),
+    ("ids-negative", lambda a: dict(expert_ids=torch.tensor([[0, -1], [2, 1], [0, 1], [1, 2]])),
+     ValueError, r"\bexpert_ids\b.*\[0, 3\)"),
+    ("k-mismatch", lambda a: dict(router_weights=torch.rand(4, 3)), ValueError,
+     r"\brouter_weights\b.*\(4, 2\)"),
+    ("rw-int", lambda a: dict(router_weights=torch.ones(4, 2, dtype=torch.int64)), TypeError,
+     r"\brouter_weights\b"),
+    ("wgu-F", lambda a: dict(w_gate_up=randn((3, 10, 8))), ValueError, r"\bw_gate_up\b.*2F"),
+    ("wgu-H", lambda a: dict(w_gate_up=randn((3, 12, 9))), ValueError, r"\bw_gate_up\b"),
+    ("wgu-E", lambda a: dict(w_gate_up=randn((2, 12, 8))), ValueError, r"\bw_gate_up\b"),
+    ("wgu-2d", lambda a: dict(w_gate_up=randn((12, 8))), ValueError, r"\bw_gate_up\b"),
+    ("wd-H", lambda a: dict(w_down=randn((3, 7, 6))), ValueError, r"\bw_down\b.*H = 8"),
+    ("wd-dtype", lambda a: dict(w_down=randn((3, 8, 6), F16)), TypeError, r"\bw_down\b"),
+    ("bias-shape", lambda a: dict(gate_up_bias=randn((3, 11))), ValueError,
+     r"\bgate_up_bias\b.*\[3, 12\]"),
+    ("bias-1d", lambda a: dict(down_bias=randn((8,))), ValueError, r"\bdown_bias\b"),
+    ("bias-dtype", lambda a: dict(down_bias=randn((3, 8), F16)), TypeError, r"\bdown_bias\b"),
+    ("activation", lambda a: dict(activation="relu"), ValueError, r"\bactivation\b"),
+    ("layout", lambda a: dict(gate_up_layout="split"), ValueError, r"\bgate_up_layout\b"),
+    ("clamp-0", lambda a: dict(clamp_value=0.0), ValueError, r"\bclamp_value\b"),
+    ("clamp-nan", lambda a: dict(clamp_value=float("nan")), ValueError, r"\bclamp_value\b"),
+    ("clamp-str", lambda a: dict(clamp_value="7"), TypeError, r"\bclamp_value\b"),
+    ("offset-bool", lambda a: dict(linear_offset=True), TypeError, r"\blinear_offset\b"),
+    ("squared-relu-clamp", lambda a: dict(activation="squared_relu", clamp_value=1.0,
+                                          w_gate_up=randn((3, 6, 8)), gate_up_bias=None),
+     ValueError, r"\bclamp_value\b"),
+    ("impl", lambda a: dict(impl="cuda"), ValueError, r"\bimpl\b"),
+]
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("change, error, message", [b[1:] for b in BAD],
+                         ids=[b[0] for b in BAD])
+def test_bad_input(change, error, message, impl) -> None:
+    a = _good()
+    kw = dict(impl=impl)
+    changed = change(a)
+    for name in ("activation", "gate_up_layout", "clamp_value", "linear_offset", "impl"):
+        if name in changed:
+            kw[name] = changed.pop(name)
+    a.update(changed)
+    with pytest.raises(error, match=message):
+        call(lmfuse.moe_experts, a, **kw)
+    with pytest.raises(error, match=message):
+        lmfuse.explain(lmfuse.moe_experts, a["hidden"], a["expert_ids"], a["router_weights"],
+                       a["w_gate_up"], a["w_down"], gate_up_bias=a["gate_up_bias"],
+                       down_bias=a["down_bias"], **kw)
