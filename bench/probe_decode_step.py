@@ -25,14 +25,12 @@ def step_ms(gen: Generator, prompts: list[list[int]], steps: int) -> tuple[list[
     started: set[int] = set()
     while started != rids:
         started.update(r for r, _, _ in gen.step())
-    times = []
+    torch.cuda.synchronize()  # the decode phase timed whole: steps may run one ahead
+    t0 = time.perf_counter()
     for _ in range(steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
         gen.step()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times, sorted(rids)
+    torch.cuda.synchronize()
+    return [(time.perf_counter() - t0) * 1e3 / steps], sorted(rids)
 
 
 def host_split(gen: Generator, prompts: list[list[int]], steps: int) -> dict[str, float]:
@@ -116,6 +114,11 @@ def main() -> int:
                 torch.cuda.synchronize()
             while gen.has_unfinished():
                 gen.step()
+            cpu = sorted(((e.key, e.count / n, e.self_cpu_time_total / n)
+                          for e in prof.key_averages()), key=lambda r: -r[2])
+            print(f"-- host (CPU self time per step, us) {path} B{B}:")
+            for k, c, u in cpu[:25]:
+                print(f"  {u:8.1f} us  x{c:5.1f}  {k[:90]}")
             kernels: dict[str, list[float]] = {}
             for ev in prof.events():
                 if ev.device_type == torch.autograd.DeviceType.CUDA:

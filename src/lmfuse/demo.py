@@ -686,6 +686,7 @@ def _greedy_with_logits(gen: Any, prompts: list[list[int]],
         return wrapped
 
     runner.prefill, runner.decode = recording(runner.prefill), recording(runner.decode)
+    gen.lookahead = False  # every step through runner.decode, read before the next
     try:
         rids = [gen.add_request(p, max_new_tokens=new_tokens, eos_token_id=[])
                 for p in prompts]
@@ -695,6 +696,7 @@ def _greedy_with_logits(gen: Any, prompts: list[list[int]],
                 out[rid] += toks
     finally:
         del runner.prefill, runner.decode  # the class's methods again
+        gen.lookahead = True
     logits = torch.stack([torch.stack([seen[rid, i] for i in range(new_tokens)])
                           for rid in rids])
     return [out[rid] for rid in rids], logits

@@ -88,6 +88,7 @@ def test_bf16_decode_logits_and_greedy_agreement() -> None:
         return logits
 
     gen.runner.decode = recording
+    gen.lookahead = False  # every decode step through runner.decode
     got = gen.generate(prompts, max_new_tokens=new, eos_token_id=[])
     assert gen.stats["graph_failures"] == 0
     # Decode step k (k >= 1) of request i saw prompt + got[i][:k]; its logits against the

@@ -166,3 +166,48 @@ def test_chunked_argmax_is_argmax_with_ties_and_nan() -> None:
     for chunks in (4, 8, 64):
         assert torch.equal(chunked_argmax(x, chunks), torch.argmax(x, -1))
     assert torch.equal(greedy(x.bfloat16()), torch.argmax(x, -1))
+
+
+def test_lookahead_runs_ahead_and_gives_the_same_tokens() -> None:
+    """Greedy decode steps run one ahead (the next launched before this one is read): the
+    same tokens as without lookahead and as HF's; a step is in flight between calls."""
+    model = _model("llama")
+    want = [hf_greedy(model, p, 6) for p in PROMPTS]
+    for lookahead in (True, False):
+        gen = Generator(model, block_len=4, num_blocks=48, impl="torch")
+        gen.lookahead = lookahead
+        rids = [gen.add_request(p, max_new_tokens=6, eos_token_id=[]) for p in PROMPTS]
+        got = {r: [] for r in rids}
+        ahead = 0
+        while gen.has_unfinished():
+            for rid, toks, _ in gen.step():
+                got[rid] += toks
+            ahead += gen._inflight is not None
+        assert [got[r] for r in rids] == want
+        assert (ahead > 0) == lookahead
+        assert gen.cache.num_free_blocks == 48
+
+
+def test_abort_and_eos_while_a_step_runs_ahead() -> None:
+    """A request aborted, and one ending on an end-of-sequence token, while the next step
+    is already launched: their extra tokens are dropped, the others' tokens are HF's, and
+    every block comes back."""
+    model = _model("qwen3")
+    full = [hf_greedy(model, p, 8) for p in PROMPTS]
+    eos = full[0][2]  # request 0 stops at its third token
+    gen = Generator(model, block_len=4, num_blocks=48, impl="torch")
+    rids = [gen.add_request(p, max_new_tokens=8, eos_token_id=eos) for p in PROMPTS]
+    got = {r: [] for r in rids}
+    aborted = False
+    while gen.has_unfinished():
+        for rid, toks, _ in gen.step():
+            got[rid] += toks
+        if not aborted and gen._inflight is not None and len(got[rids[1]]) >= 2:
+            gen.abort(rids[1])
+            aborted = True
+    assert aborted
+    assert got[rids[0]] == full[0][:full[0].index(eos) + 1]
+    assert got[rids[1]] == full[1][:len(got[rids[1]])] and len(got[rids[1]]) < 8
+    stop = full[2].index(eos) + 1 if eos in full[2] else 8
+    assert got[rids[2]] == full[2][:stop]
+    assert gen.cache.num_free_blocks == 48 and not gen.has_unfinished()

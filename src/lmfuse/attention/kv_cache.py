@@ -387,7 +387,10 @@ class PagedKVCache:
         buf.extend(before)
         buf.extend(self._lens[s] for s in ids)
         packed = (torch.frombuffer(buf, dtype=torch.int32) if buf
-                  else torch.empty(0, dtype=torch.int32)).to(self.device, non_blocking=True)
+                  else torch.empty(0, dtype=torch.int32))
+        if self.device.type == "cuda":  # from pinned memory the copy does not wait for the GPU
+            packed = packed.pin_memory()
+        packed = packed.to(self.device, non_blocking=True)
         table = packed[:n * width].view(n, width)
         return DecodeStep(table, packed[n * width:n * width + n], packed[n * width + n:],
                           tuple(ids), counts)

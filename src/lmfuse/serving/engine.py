@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from .._dispatch import IMPLS, check_int, check_number
-from ..attention.kv_cache import PagedKVCache
+from ..attention.kv_cache import KVCacheFullError, PagedKVCache
 from .attention import ATTENTION_NAME, paged_attention
 from .request import OP, Request, SamplingParams, Status
 from .runner import ModelRunner
@@ -134,6 +134,10 @@ class Generator:
         self._next_rid = 0
         self._steps = {"prefill": 0, "decode": 0}
         self._closed = False
+        self._inflight: _Inflight | None = None  # a decode step launched, not yet read
+        #: Greedy decode steps run one ahead (see :meth:`step`); False: each step is read
+        #: before the next is prepared (for hooks that inspect every step's logits).
+        self.lookahead = True
         gen = getattr(model, "generation_config", None)
         self._default_eos = getattr(gen, "eos_token_id", None) if gen is not None else None
 
@@ -167,6 +171,9 @@ class Generator:
     def close(self) -> None:
         """Drop every request, the captured graphs and the block pool (their memory goes back
         to PyTorch's allocator); the Generator cannot be used afterwards."""
+        if self._inflight is not None:
+            self._inflight.read()
+            self._inflight = None
         for rid in list(self._requests):
             self.abort(rid)
         self.runner._graphs.clear()
@@ -249,7 +256,7 @@ class Generator:
                 f"run; shorten it or give the Generator more blocks")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self._inflight is not None or self.scheduler.has_unfinished()
 
     def abort(self, rid: int) -> None:
         """Drop request ``rid`` (its blocks freed); unknown or finished ids are ignored."""
@@ -263,13 +270,36 @@ class Generator:
 
     def step(self) -> list[tuple[int, list[int], bool]]:
         """Run one prefill or decode step: ``[(request id, new token ids, finished)]`` for
-        every request that advanced (finished ones are then forgotten)."""
+        every request that advanced (finished ones are then forgotten).
+
+        Greedy decode steps run ahead (``lookahead``): a step's tokens stay on the device
+        while the next step (fed those tokens there) is prepared and launched, and are read
+        after; the next call returns that step's tokens. A request that finishes on an
+        end-of-sequence token has then been computed one step too far; that token is
+        dropped. The tokens returned are the same as without lookahead."""
         if self._closed:
             raise RuntimeError(f"{OP}: this Generator was closed")
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        self._steps[batch.kind] += 1
+        if self._inflight is None:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return []
+            self._steps[batch.kind] += 1
+            if batch.kind == "decode" and self._chainable(batch.requests):
+                tokens = self.runner.decode_ahead(batch.requests, batch.step)
+                if tokens is not None:
+                    self._inflight = _Inflight.launch(batch.requests, tokens)
+            if self._inflight is None:
+                return self._run(batch)
+        current = self._inflight
+        self._inflight = self._chain(current)  # the next step starts before this one is read
+        out = self._finish(current.requests, current.read())
+        if self._inflight is not None:  # requests that just finished have no next token
+            self._inflight.drop_finished()
+            if not self._inflight.live:
+                self._inflight = None
+        return out
+
+    def _run(self, batch: Any) -> list[tuple[int, list[int], bool]]:
         reqs = batch.requests
         if batch.kind == "prefill":
             if self._calibrate:
@@ -282,11 +312,17 @@ class Generator:
             tokens = argmax  # computed in the decode step's graph
         else:
             tokens = sample(logits, [r.params for r in reqs], [len(r.output) for r in reqs])
-        tokens = tokens.tolist()  # the step's one host synchronisation
+        # The step's one host synchronisation.
+        return self._finish(reqs, tokens.tolist(), prefill=batch.kind == "prefill")
+
+    def _finish(self, reqs: list[Request], tokens: list[int],
+                prefill: bool = False) -> list[tuple[int, list[int], bool]]:
         out = []
         for req, tok in zip(reqs, tokens):
+            if req.status != Status.RUNNING:  # aborted while its step ran ahead
+                continue
             req.num_cached = req.length
-            if batch.kind == "prefill":
+            if prefill:
                 self.scheduler.register_prefix(req)
             done = req.append(int(tok))
             out.append((req.rid, [int(tok)], done))
@@ -296,6 +332,36 @@ class Generator:
         if self.shards is not None:  # this rank's blocks of the requests that left
             self.shards.sync(set(self._pool.sequences))
         return out
+
+    def _chainable(self, reqs: list[Request]) -> bool:
+        """Whether a decode step of ``reqs`` may run ahead: greedy requests, a cache on this
+        process, lookahead on."""
+        return (self.lookahead and self.shards is None and self.runner.batch_shards is None
+                and all(r.params.greedy for r in reqs))
+
+    def _chain(self, current: _Inflight) -> _Inflight | None:
+        """Launch the decode step after ``current`` (not yet read) when nothing else can
+        come first: no request waits to be admitted, every request of ``current`` runs on
+        (none reaches its ``max_new_tokens`` there, none was aborted) and the pool has the
+        next token's blocks (else the next call schedules, and preempts, as usual)."""
+        reqs = current.requests
+        if (self.scheduler.waiting or not self._chainable(reqs)
+                or any(r.status != Status.RUNNING
+                       or len(r.output) + 1 >= r.params.max_new_tokens for r in reqs)
+                or reqs != self.scheduler.running):
+            return None
+        try:
+            step = self.cache.reserve([r.seq_id for r in reqs], 1,
+                                      max_blocks=self.scheduler.width(ahead=1))
+        except KVCacheFullError:
+            return None
+        tokens = self.runner.decode_ahead(reqs, step, ids=current.tokens)
+        if tokens is None:  # cannot happen for a chainable batch; undo the reservation
+            for r in reqs:
+                self.cache.truncate(r.seq_id, r.length)
+            return None
+        self._steps["decode"] += 1
+        return _Inflight.launch(list(reqs), tokens)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                  temperature: float = 0.0, top_k: int | None = None,
@@ -360,6 +426,39 @@ class Generator:
                 top = amax[name][layer]
                 scale = torch.where(top > 0, top * 2.0 / _FP8_MAX, torch.ones_like(top))
                 scales[layer].copy_(scale.to(scales[layer].device))
+
+
+class _Inflight:
+    """A greedy decode step launched and not yet read: its requests (the batch's rows) and
+    its argmax tokens on the device, copied to pinned host memory behind an event."""
+
+    def __init__(self, requests: list[Request], tokens: torch.Tensor) -> None:
+        self.requests, self.tokens = requests, tokens
+        self.host: torch.Tensor | None = None
+        self.event: Any = None
+
+    @classmethod
+    def launch(cls, requests: list[Request], tokens: torch.Tensor) -> _Inflight:
+        step = cls(requests, tokens)
+        if tokens.is_cuda:
+            step.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            step.host.copy_(tokens, non_blocking=True)
+            step.event = torch.cuda.Event()
+            step.event.record()
+        return step
+
+    def read(self) -> list[int]:
+        if self.event is None:
+            return self.tokens.tolist()
+        self.event.synchronize()
+        return self.host.tolist()
+
+    def drop_finished(self) -> None:
+        """Forget the rows whose requests are no longer running (their tokens are
+        dropped by the step that reads them)."""
+        self.live = any(r.status == Status.RUNNING for r in self.requests)
+
+    live = True
 
 
 def _check_model(model: Any) -> Any:

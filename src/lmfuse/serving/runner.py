@@ -152,8 +152,7 @@ class ModelRunner:
         """One token of every request (its last, at position ``length - 1``), the step's
         blocks reserved: the logits ``[n, V]``."""
         n = len(requests)
-        host = torch.tensor([[r.last_token for r in requests], [r.length - 1 for r in requests]],
-                            dtype=torch.int64)
+        host = self._host_inputs(requests)
         if self.shards is not None:
             return self._decode_cp(requests, host)
         if self.batch_shards is not None:
@@ -171,6 +170,44 @@ class ModelRunner:
         ctx = StepContext(self.cache, "decode", self.impl, block_table=step.block_table,
                           seqlens_before=step.seqlens_before, seqlens=step.seqlens)
         return self._forward(host[0][:, None], host[1][:, None], ctx, 1)[:, -1]
+
+    def decode_ahead(self, requests: list[Request], step: DecodeStep,
+                     ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Launch a greedy decode step and return its argmax tokens ``[n]`` on the device,
+        without reading them (None where the step cannot run this way: a split cache).
+        ``ids``: the step's input tokens on the device (the previous step's output, not yet
+        read by the host); default each request's last token. In a CUDA graph where one is
+        captured, else eagerly."""
+        if self.shards is not None or self.batch_shards is not None:
+            return None
+        n = len(requests)
+        width = step.block_table.shape[1]
+        if self.graphs_on and n <= self.max_batch:
+            graph = self._graph(_bucket(n, self.max_batch), width)
+            if graph is not None:
+                graph.run(None if ids is not None else self._host_inputs(requests), step, n,
+                          ids=ids)
+                return self.take_greedy()
+        if ids is None:
+            ids = self._host_inputs(requests)[0].to(self.device, non_blocking=True)
+        if self.fused is not None:
+            with torch.inference_mode():
+                logits = self.fused.forward(ids, step.block_table, step.seqlens_before,
+                                            step.seqlens)
+        else:
+            ctx = StepContext(self.cache, "decode", self.impl, block_table=step.block_table,
+                              seqlens_before=step.seqlens_before, seqlens=step.seqlens)
+            pos = step.seqlens_before.to(torch.int64)
+            logits = self._forward(ids.to(torch.int64)[:, None], pos[:, None], ctx, 1)[:, -1]
+        return greedy(logits)
+
+    @staticmethod
+    def _host_inputs(requests: list[Request]) -> torch.Tensor:
+        """``[2, n]`` int64: each request's last token and its position (pinned memory on a
+        CUDA host, so the copy to the device does not wait for the stream)."""
+        host = torch.tensor([[r.last_token for r in requests], [r.length - 1 for r in requests]],
+                            dtype=torch.int64)
+        return host.pin_memory() if torch.cuda.is_available() else host
 
     def _decode_cp(self, requests: list[Request], host: torch.Tensor) -> torch.Tensor:
         """A decode step over the CP-split cache: this rank's shard grows where it owns the
@@ -299,10 +336,15 @@ class _DecodeGraph:
                 self.tokens = greedy(self.logits)  # greedy rows need nothing more
         self.runner = runner
 
-    def run(self, host: torch.Tensor, step: DecodeStep, n: int) -> torch.Tensor:
-        host = host.to(self.ids.device, non_blocking=True)
-        self.ids[:n, 0].copy_(host[0])
-        self.pos[:n, 0].copy_(host[1])
+    def run(self, host: torch.Tensor | None, step: DecodeStep, n: int,
+            ids: torch.Tensor | None = None) -> torch.Tensor:
+        if ids is not None:  # the tokens are on the device already; positions from the step
+            self.ids[:n, 0].copy_(ids)
+            self.pos[:n, 0].copy_(step.seqlens_before)
+        else:
+            host = host.to(self.ids.device, non_blocking=True)
+            self.ids[:n, 0].copy_(host[0])
+            self.pos[:n, 0].copy_(host[1])
         self.table[:n].copy_(step.block_table)
         self.before[:n].copy_(step.seqlens_before)
         self.after[:n].copy_(step.seqlens)

@@ -138,18 +138,21 @@ class Scheduler:
         while True:
             ids = [r.seq_id for r in self.running]
             try:
-                step = self.cache.reserve(ids, 1, max_blocks=self._width())
+                step = self.cache.reserve(ids, 1, max_blocks=self.width())
                 return Batch("decode", list(self.running), step=step)
             except KVCacheFullError:
                 if len(self.running) == 1:  # cannot happen: a request's length fits the pool
                     raise
                 self._preempt(self.running[-1])
 
-    def _width(self) -> int | None:
+    def width(self, ahead: int = 0) -> int | None:
+        """The block-table width of the running requests' next decode step (a power of two,
+        at most ``max_blocks``; None: as needed); ``ahead``: of the step that many after it
+        (each request a token longer)."""
         if self.max_blocks is None:
             return None
         bl = self.cache.block_len
-        widest = max(-(-(r.num_cached + 1) // bl) for r in self.running)
+        widest = max(-(-(r.num_cached + 1 + ahead) // bl) for r in self.running)
         width = 1
         while width < widest:
             width *= 2
