@@ -222,6 +222,14 @@ def _argmax(first, first_nan):
 
 
 @triton.jit
+def _target_p(x_t, lse):
+    """A token's probability of its target, exp(x_t - lse): Liger's ``use_token_scaling``
+    multiplies the token's loss and gradient by it (a constant to the gradient). Where the
+    target is ignored or out of range the factor is unused (loss 0 or +inf, gradient 0)."""
+    return tl.exp(x_t - lse)
+
+
+@triton.jit
 def ce_fwd_kernel(
     x_ptr, stride_x, t_ptr, stats_ptr, g_ptr, stride_g, count_ptr,
     n_rows, V, vocab_start, vocab_size, ignore_index,
@@ -229,14 +237,16 @@ def ce_fwd_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, WRITE_GRAD: tl.constexpr,
     MEAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
     cw_ptr=None, wstat_ptr=None, HAS_WEIGHT: tl.constexpr = False,
-    ARGMAX: tl.constexpr = False,
+    ARGMAX: tl.constexpr = False, TOKEN_SCALE: tl.constexpr = False,
 ):
     """Rows that fit one BLOCK_V tile, BLOCK_M rows per tile: each row is read once and
     held in registers from the stats to the gradient.
 
     ``HAS_WEIGHT``: class weights ``cw_ptr [V]`` (float32) and ``wstat_ptr`` = [sum of
     them, sum of the non-ignored targets' (a mean's divisor)]. ``ARGMAX``: stats
-    ``[5, N]``, the predicted class in the fifth row (``_store_stats``)."""
+    ``[5, N]``, the predicted class in the fifth row (``_store_stats``). ``TOKEN_SCALE``
+    (one rank): each token's loss and gradient times its target probability
+    (``_target_p``)."""
     cols = tl.arange(0, BLOCK_V)
     col_ok = cols[None, :] < V
     cw = _tile_weights(cw_ptr, cols, V, HAS_WEIGHT, HAS_SMOOTHING)
@@ -266,6 +276,8 @@ def ce_fwd_kernel(
         else:
             w = _weight(count_ptr, MEAN)
             w_z, w_t, w_sum = w, 1.0, 1.0
+        if TOKEN_SCALE:
+            w, w_z = w * _target_p(x_t, lse), w_z * _target_p(x_t, lse)
         _store_stats(stats_ptr, n_rows, rows, row_ok, lse, x_t, sum_x, t, w, ignore_index,
                      vocab_size, ls_over_v, one_minus_ls, two_z, HAS_SMOOTHING, w_t, w_sum,
                      w_z, pred, HAS_WEIGHT, ARGMAX)
@@ -596,12 +608,13 @@ def ce_stream_kernel(
     MEAN: tl.constexpr, BLOCK_V: tl.constexpr, HINTS: tl.constexpr, VEC: tl.constexpr = 0,
     PREFETCH: tl.constexpr = False, cw_ptr=None, wstat_ptr=None,
     HAS_WEIGHT: tl.constexpr = False, ARGMAX: tl.constexpr = False,
+    TOKEN_SCALE: tl.constexpr = False,
 ):
     """Stats (and with WRITE_GRAD the gradient) of long rows, one row at a time per
     program, persistent over rows. ``HINTS`` (with WRITE_GRAD): the first read of a row
     asks L2 to keep it, the second evicts it, the gradient is stored streaming. ``VEC``
     > 0: the stats loop of ``_range_stats_2d`` (no barrier per chunk; ``PREFETCH``).
-    ``HAS_WEIGHT``, ``ARGMAX``: as in ``ce_fwd_kernel``.
+    ``HAS_WEIGHT``, ``ARGMAX``, ``TOKEN_SCALE``: as in ``ce_fwd_kernel``.
 
     With one 32-warp program per SM and rows that fit L1 (bf16 rows up to about 128K
     columns on an H100), the second read, last chunk first, is mostly L1 hits: the first
@@ -625,6 +638,8 @@ def ce_stream_kernel(
         else:
             w = _weight(count_ptr, MEAN)
             w_z, w_t, w_sum = w, 1.0, 1.0
+        if TOKEN_SCALE:
+            w, w_z = w * _target_p(x_t, lse), w_z * _target_p(x_t, lse)
         _store_stats(stats_ptr, n_rows, row, True, lse, x_t, sum_x, t, w, ignore_index,
                      vocab_size, ls_over_v, one_minus_ls, two_z, HAS_SMOOTHING, w_t, w_sum,
                      w_z, pred + vocab_start, HAS_WEIGHT, ARGMAX)
@@ -670,9 +685,11 @@ def ce_slices_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, MEAN: tl.constexpr,
     SLICES_P2: tl.constexpr, BLOCK_V: tl.constexpr, HINTS: tl.constexpr = False,
     cw_ptr=None, wstat_ptr=None, HAS_WEIGHT: tl.constexpr = False,
+    TOKEN_SCALE: tl.constexpr = False,
 ):
     """Loss, stats and gradient of long rows in one launch, rows cut in SLICES slices
-    (class weights, ``HAS_WEIGHT``: as in ``ce_fwd_kernel``; no argmax).
+    (class weights, ``HAS_WEIGHT``, and ``TOKEN_SCALE``: as in ``ce_fwd_kernel``; no
+    argmax).
 
     Tile ``i`` is slice ``i % SLICES`` of row ``i // SLICES``. Programs (a persistent
     grid) take tile numbers from a ticket counter, so tile numbers follow the order in
@@ -734,6 +751,8 @@ def ce_slices_kernel(
             else:
                 w = _weight(count_ptr, MEAN)
                 w_z, w_t, w_sum = w, 1.0, 1.0
+            if TOKEN_SCALE:
+                w, w_z = w * _target_p(x_t, lse), w_z * _target_p(x_t, lse)
             if j % SLICES == 0:  # one tile per row reports the row's stats and loss
                 sxs = tl.load(part_ptr + slots + 2, mask=have, other=0.0, cache_modifier=".cg")
                 _store_stats(stats_ptr, n_rows, row, True, lse, x_t, tl.sum(sxs, 0), t, w,

@@ -54,17 +54,27 @@ def linear_cross_entropy_reference(
     z_loss: float = 0.0,
     softcap: Optional[float] = None,
     reduction: str = "mean",
-) -> torch.Tensor:
+    ce_weight: Optional[torch.Tensor] = None,
+    return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
+    use_token_scaling: bool = False,
+) -> torch.Tensor | ref.CrossEntropyOutput:
     """The specification: :func:`~lmfuse.cross_entropy.reference.cross_entropy_reference`
-    of the float32 (float64 for float64) logits ``hidden @ weight.T + bias``, all at once.
-    Differentiable in ``hidden``, ``weight`` and ``bias``."""
+    of the float32 (float64 for float64) logits ``hidden @ weight.T + bias``, all at once,
+    with class weights ``ce_weight``. Differentiable in ``hidden``, ``weight`` and ``bias``."""
     compute = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     logits = hidden.to(compute) @ weight.to(compute).T
     if bias is not None:
         logits = logits + bias.to(compute)
-    return ref.cross_entropy_reference(logits, target, ignore_index=ignore_index,
+    return ref.cross_entropy_reference(logits, target, weight=ce_weight,
+                                       ignore_index=ignore_index,
                                        label_smoothing=label_smoothing, z_loss=z_loss,
-                                       softcap=softcap, reduction=reduction)
+                                       softcap=softcap, reduction=reduction,
+                                       return_z_loss=return_z_loss,
+                                       return_token_accuracy=return_token_accuracy,
+                                       return_predicted_tokens=return_predicted_tokens,
+                                       use_token_scaling=use_token_scaling)
 
 
 _KERNEL_KEYS = ("BLOCK_V", "num_warps", "programs_per_sm")
@@ -167,7 +177,9 @@ def chunk_rows(n: int, v_local: int, itemsize: int, device: torch.device,
 
 def _resolve(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap,
              reduction, tp_group, impl, max_chunk_bytes,
-             cfg=None, logits_in_fp32=False) -> tuple[str, str, dict[str, Any]]:
+             cfg=None, logits_in_fp32=False, ce_weight=None, return_z_loss=False,
+             return_token_accuracy=False, return_predicted_tokens=False,
+             use_token_scaling=False) -> tuple[str, str, dict[str, Any]]:
     check_tensor(_OP, "hidden", hidden)
     if hidden.dim() < 1:
         raise ValueError(f"{_OP}: hidden must be [..., H], got a 0-D tensor")
@@ -193,8 +205,14 @@ def _resolve(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss
         if t is not None and t.device != hidden.device:
             raise ValueError(f"{_OP}: {name} is on {t.device} but hidden is on "
                              f"{hidden.device}; move them to one device")
-    if not isinstance(logits_in_fp32, bool):
-        raise TypeError(f"{_OP}: logits_in_fp32 must be a bool, got {logits_in_fp32!r}")
+    flags = dict(logits_in_fp32=logits_in_fp32, return_z_loss=return_z_loss,
+                 return_token_accuracy=return_token_accuracy,
+                 return_predicted_tokens=return_predicted_tokens,
+                 use_token_scaling=use_token_scaling)
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{_OP}: {name} must be a bool, got {flag!r}")
+    _check_ce_weight(ce_weight, weight)
     if max_chunk_bytes is not None and (isinstance(max_chunk_bytes, bool) or not isinstance(
             max_chunk_bytes, int) or max_chunk_bytes < 1):
         raise ValueError(f"{_OP}: max_chunk_bytes must be a positive int or None, "
@@ -203,7 +221,9 @@ def _resolve(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss
     # the logits of the right shape (no memory: a zero-stride expand).
     stand_in = hidden.new_empty(()).expand(*hidden.shape[:-1], weight.shape[0])
     path, reason, o = ops._resolve(stand_in, target, ignore_index, label_smoothing, z_loss,
-                                   softcap, reduction, tp_group, False, impl)
+                                   softcap, reduction, tp_group, False, impl, ce_weight,
+                                   return_z_loss, return_token_accuracy,
+                                   return_predicted_tokens)
     needs = (hidden.requires_grad, weight.requires_grad,
              bias is not None and bias.requires_grad)
     grad_needed = torch.is_grad_enabled() and any(needs)
@@ -217,8 +237,28 @@ def _resolve(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss
     # float32 logits: only half-precision inputs change (float32/float64 logits already are).
     fp32_logits = logits_in_fp32 and hidden.dtype in (torch.float16, torch.bfloat16)
     o.update(needs=needs, grad_needed=grad_needed, max_chunk_bytes=max_chunk_bytes,
-             fused=fused, config=cfg, config_source=source, fp32_logits=fp32_logits)
+             fused=fused, config=cfg, config_source=source, fp32_logits=fp32_logits,
+             token_scaling=use_token_scaling)
     return path, reason, o
+
+
+def _check_ce_weight(ce_weight: Any, weight: torch.Tensor) -> None:
+    """Class weights: None, or a floating ``[V_local]`` tensor on the projection's device."""
+    if ce_weight is None:
+        return
+    if not isinstance(ce_weight, torch.Tensor):
+        raise TypeError(f"{_OP}: ce_weight must be a torch.Tensor of class weights or None, "
+                        f"got {type(ce_weight).__name__}")
+    if not ce_weight.is_floating_point():
+        raise TypeError(f"{_OP}: ce_weight must be a floating-point tensor (class weights), "
+                        f"got {ce_weight.dtype}")
+    V_local = weight.shape[0]
+    if ce_weight.dim() != 1 or ce_weight.shape[0] != V_local:
+        raise ValueError(f"{_OP}: ce_weight must be 1-D [V] with V = weight.shape[0] = "
+                         f"{V_local}, got shape {tuple(ce_weight.shape)}")
+    if ce_weight.device != weight.device:
+        raise ValueError(f"{_OP}: ce_weight is on {ce_weight.device} but weight is on "
+                         f"{weight.device}; move them to one device")
 
 
 def _chunk_itemsize(hidden: torch.Tensor, o: dict[str, Any]) -> int:
@@ -245,51 +285,86 @@ def _grad_operand(logits: torch.Tensor, half: Optional[torch.Tensor]) -> torch.T
     return out
 
 
-def _chunk_stats(logits, target, count, o, grad: bool, mean: bool):
-    """Whole-vocabulary ``[3, rows]`` stats of one logits chunk and, with ``grad`` (for an
-    upstream gradient of 1, or ``1 / count`` when ``mean``), its gradient in place."""
+def _chunk_stats(logits, target, count, o, grad: bool, mean: bool, cw=None, wstat=None):
+    """Whole-vocabulary ``[3, rows]`` stats of one logits chunk, its tokens' first argmax
+    (``[rows]`` int64 with ``o["argmax"]``, else None) and, with ``grad``, its gradient in
+    place: for an upstream gradient of 1 (over the mean's divisors when ``mean``; times
+    each token's target probability with ``use_token_scaling``). ``cw``, ``wstat``: the
+    class weights and their ``[2]`` stats (``ops._class_stats``), or None."""
     ignore, ls, z, cap = o["ignore_index"], o["label_smoothing"], o["z_loss"], o["softcap"]
     one_rank = o["tp_group"] is None
+    argmax = o["argmax"]
     eager = ops._eager()  # else through the custom ops, opaque to torch.compile
     if o["path"] == "triton" and one_rank and grad:
-        kernel = o["config"]["kernel"]
+        kernel, scale = o["config"]["kernel"], o["token_scaling"]
         if eager:
-            return ops._launch_fwd(logits, target, count, logits, 0, logits.shape[1], ignore,
-                                   ls, z, cap, mean, fused=kernel)[:3]
-        return torch.ops.lmfuse.ce_fwd_grad_(logits, target, count, ignore, ls, z, cap, mean,
-                                             ops.encode_launch(kernel))[:3]
+            stats = ops._launch_fwd(logits, target, count, logits, 0, logits.shape[1], ignore,
+                                    ls, z, cap, mean, kernel, cw, wstat, argmax, scale)
+        else:
+            stats = torch.ops.lmfuse.ce_fwd_grad_(logits, target, count, ignore, ls, z, cap,
+                                                  mean, ops.encode_launch(kernel), cw, wstat,
+                                                  argmax, scale)
+        return stats[:3], stats[4].long() if argmax else None
     if o["path"] == "triton":
         start, size = o["vocab_start"], o["vocab_size"]  # (the loss row, scaled by mean,
         stats = (ops._launch_fwd(logits, target, count, None, start, size, ignore, ls, z, cap,
-                                 False) if eager else  # is not used: [:3])
+                                 False, None, cw, wstat, argmax) if eager else  # is unused)
                  torch.ops.lmfuse.ce_stats(logits, target, count, start, size, ignore, ls, z,
-                                           cap, False))[:3]
+                                           cap, False, cw, wstat, argmax))
+        pred = stats[4].long() if argmax else None
+        stats = stats[:3]
         if one_rank:
-            return stats
+            return stats, pred
     else:
-        stats = ref.local_token_stats(logits, target, o["vocab_start"], cap)
+        stats = ref.local_token_stats(logits, target, o["vocab_start"], cap, cw)
+        pred = ref.predicted_tokens(logits, target, ignore, cap) if argmax else None
     if not one_rank:
         stats = gather_stats(stats, target, count, o, False)[:3].contiguous()
     if grad:
-        w = (1.0 / count.clamp(min=1) if mean else torch.ones((), device=logits.device))
-        _chunk_grad(logits, target, stats, w.reshape(1).expand(logits.shape[0]), o)
-    return stats
+        w, wz = _token_scales(torch.ones((), device=logits.device), stats, target, count,
+                              wstat, o)
+        _chunk_grad(logits, target, stats, w, o, cw, wstat, wz)
+    return stats, pred
 
 
-def _chunk_grad(logits, target, stats, w, o) -> None:
+def _token_scales(dout: torch.Tensor, stats: torch.Tensor, target: torch.Tensor,
+                  count: torch.Tensor, wstat: Optional[torch.Tensor],
+                  o: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w, wz) [rows]`` float32, what the gradient kernels scale each token's gradient
+    by for the upstream gradient ``dout`` (per token for ``"none"``, else a scalar): ``w``
+    the (class-weighted) terms', ``wz`` the z-loss's (they differ only for a weighted
+    mean: ``sum w_t`` and the token count divide them); times each token's target
+    probability (from the whole-vocabulary ``stats``) with ``use_token_scaling``."""
+    d = dout.float()
+    w = d.reshape(-1) if o["reduction"] == "none" else d.reshape(1).expand(target.shape[0])
+    wz = w
+    if o["reduction"] == "mean":
+        wz = w / count.clamp(min=1)
+        w = wz if wstat is None else w / torch.where(count > 0, wstat[1],
+                                                     torch.ones_like(wstat[1]))
+    if o["token_scaling"]:
+        p = ref.target_probability(stats, target, vocab_size=o["vocab_size"],
+                                   ignore_index=o["ignore_index"]).float()
+        w, wz = w * p, wz * p
+    return w, wz
+
+
+def _chunk_grad(logits, target, stats, w, o, cw=None, wstat=None, wz=None) -> None:
     """Overwrite a logits chunk with its gradient, from whole-vocabulary stats and the
-    tokens' upstream gradients ``w [rows]`` (float32)."""
+    tokens' upstream gradients ``w [rows]`` (float32); with class weights ``cw`` (and
+    ``wstat``), ``wz [rows]`` scales the z-loss's term (see :func:`_token_scales`)."""
     args = (o["vocab_start"], o["vocab_size"], o["ignore_index"], o["label_smoothing"],
             o["z_loss"], o["softcap"])
+    opt = () if cw is None else (cw, wstat, wz)
     if o["path"] == "triton" and ops._eager():
-        ops._launch_grad(logits, target, stats, w, logits, *args)
+        ops._launch_grad(logits, target, stats, w, logits, *args, *opt)
     elif o["path"] == "triton":
-        torch.ops.lmfuse.ce_grad_(logits, target, stats, w, *args)
+        torch.ops.lmfuse.ce_grad_(logits, target, stats, w, *args, *opt)
     else:
         logits.copy_(ref.logits_grad(logits, target, stats[0], w, vocab_start=args[0],
                                      vocab_size=args[1], ignore_index=args[2],
                                      label_smoothing=args[3], z_loss=args[4],
-                                     softcap=args[5]))
+                                     softcap=args[5], class_weight=cw, z_weight=wz))
 
 
 class _Grads:
@@ -327,46 +402,66 @@ class _Grads:
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Loss of ``hidden [N, H] @ weight [V_local, H].T (+ bias)``; see the module docstring."""
+    """Loss of ``hidden [N, H] @ weight [V_local, H].T (+ bias)``; see the module docstring.
+
+    ``cw``: class weights ``[V_local]`` (float32; float64 for float64 inputs on the torch
+    path) or None. With ``o["extras"]`` (a ``return_*`` option) it returns ``(loss, lse,
+    predicted, scale)``: each token's whole-vocabulary lse, its first argmax (int64, with
+    ``o["argmax"]``; an empty tensor otherwise) and its ``use_token_scaling`` factor (an
+    empty tensor without), none of them differentiable."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, o: dict[str, Any]):
+    def forward(ctx, hidden, weight, bias, target, cw, o: dict[str, Any]):
         with nvtx_range(_OP, "fwd"):
             n = hidden.shape[0]
             rows = chunk_rows(n, weight.shape[0], _chunk_itemsize(hidden, o), hidden.device,
                               o["max_chunk_bytes"], o["config"])
-            count = torch.sum(target != o["ignore_index"], dtype=torch.float32)
+            ignore = o["ignore_index"]
+            count = torch.sum(target != ignore, dtype=torch.float32)
+            wstat = None if cw is None else ops._class_stats(cw, target, ignore)
             mean = o["reduction"] == "mean"
             ctx.o, ctx.rows = o, rows
             grads = _Grads(hidden, weight, bias, o["needs"]) if o["fused"] else None
             buf, half = _chunk_buffers(hidden, min(rows, n), weight.shape[0], o,
                                        grads is not None)
             stats = torch.empty((3, n), dtype=_stats_dtype(hidden), device=hidden.device)
+            pred = torch.empty((n if o["argmax"] else 0,), dtype=torch.int64,
+                               device=hidden.device)
             for r0 in range(0, n, rows):
                 r1 = min(n, r0 + rows)
                 logits = buf[: r1 - r0]
                 _logits(hidden[r0:r1], weight, bias, out=logits)
-                stats[:, r0:r1] = _chunk_stats(logits, target[r0:r1], count, o, grads is not None,
-                                               mean)
+                stats[:, r0:r1], chunk_pred = _chunk_stats(logits, target[r0:r1], count, o,
+                                                           grads is not None, mean, cw, wstat)
+                if chunk_pred is not None:
+                    pred[r0:r1] = chunk_pred
                 if grads is not None:
                     grads.add(_grad_operand(logits, half), r0, r1)
             del buf, half
-            loss = ref.token_loss(stats, target, vocab_size=o["vocab_size"],
-                                  ignore_index=o["ignore_index"],
-                                  label_smoothing=o["label_smoothing"], z_loss=o["z_loss"])
+            ce, zl = ref.token_terms(stats, target, vocab_size=o["vocab_size"],
+                                     ignore_index=ignore, label_smoothing=o["label_smoothing"],
+                                     z_loss=o["z_loss"], weight=cw)
+            scale = None
+            if o["token_scaling"]:
+                scale = ref.target_probability(stats, target, vocab_size=o["vocab_size"],
+                                               ignore_index=ignore)
+                ce, zl = ce * scale, zl * scale
+            loss = ref.reduce_terms(ce, zl, target, count, o["reduction"], ignore, cw)
             if grads is not None:
                 ctx.save_for_backward(*(g for g in grads.finish(o["tp_group"])
                                         if g is not None))
             elif o["grad_needed"]:
-                ctx.save_for_backward(hidden, weight, bias, target, stats, count)
+                ctx.save_for_backward(hidden, weight, bias, target, stats, count, cw, wstat)
             ctx.has = tuple(o["needs"])
-            if o["reduction"] == "none":
+            if not o["extras"]:
                 return loss
-            total = loss.sum()
-            return total / count.clamp(min=1) if mean else total
+            lse = stats[0].clone()
+            scale = stats.new_empty((0,)) if scale is None else scale
+            ctx.mark_non_differentiable(lse, pred, scale)
+            return loss, lse, pred, scale
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, *_extras):
         with nvtx_range(_OP, "bwd"):
             o = ctx.o
             if o["fused"]:
@@ -378,22 +473,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     if g is not None:
                         _scale(g, dout, o["path"])
                     out.append(g)
-                return out[0], out[1], out[2], None, None
-            hidden, weight, bias, target, stats, count = ctx.saved_tensors
+                return out[0], out[1], out[2], None, None, None
+            hidden, weight, bias, target, stats, count, cw, wstat = ctx.saved_tensors
             n, rows = hidden.shape[0], ctx.rows
-            w = dout.float().contiguous()
-            if o["reduction"] != "none":
-                w = (w / count.clamp(min=1) if o["reduction"] == "mean" else w).reshape(1).expand(n)
+            w, wz = _token_scales(dout, stats, target, count, wstat, o)
             grads = _Grads(hidden, weight, bias, ctx.has)
             buf, half = _chunk_buffers(hidden, min(rows, n), weight.shape[0], o, True)
             for r0 in range(0, n, rows):
                 r1 = min(n, r0 + rows)
                 logits = buf[: r1 - r0]
                 _logits(hidden[r0:r1], weight, bias, out=logits)
-                _chunk_grad(logits, target[r0:r1], stats[:, r0:r1].contiguous(), w[r0:r1], o)
+                _chunk_grad(logits, target[r0:r1], stats[:, r0:r1].contiguous(), w[r0:r1], o,
+                            cw, wstat, None if cw is None else wz[r0:r1])
                 grads.add(_grad_operand(logits, half), r0, r1)
             dh, dw, db = grads.finish(o["tp_group"])
-            return dh, dw, db, None, None
+            return dh, dw, db, None, None, None
 
 
 def _stats_dtype(t: torch.Tensor) -> torch.dtype:
@@ -456,11 +550,18 @@ def plan_linear_cross_entropy(
     impl: str = "auto",
     max_chunk_bytes: Optional[int] = None,
     logits_in_fp32: bool = False,
+    ce_weight: Optional[torch.Tensor] = None,
+    return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
+    use_token_scaling: bool = False,
 ) -> Plan:
     """What :func:`linear_cross_entropy` would do with these arguments."""
     path, reason, o = _resolve(hidden, weight, target, bias, ignore_index, label_smoothing,
                                z_loss, softcap, reduction, tp_group, impl, max_chunk_bytes,
-                               logits_in_fp32=logits_in_fp32)
+                               None, logits_in_fp32, ce_weight, return_z_loss,
+                               return_token_accuracy, return_predicted_tokens,
+                               use_token_scaling)
     n = target.numel()
     rows = chunk_rows(max(n, 1), weight.shape[0], _chunk_itemsize(hidden, o), hidden.device,
                       max_chunk_bytes, o["config"])
@@ -479,6 +580,12 @@ def plan_linear_cross_entropy(
                    else "deferred: stats in forward, logits recomputed in backward"
                    if o["grad_needed"] else "stats only (no gradient needed)"),
     }
+    extras = [name for name, on in (
+        ("class weights", o["weighted"]), ("z-loss returned", o["return_z_loss"]),
+        ("argmax in the stats pass", o["argmax"]),
+        ("token scaling", o["token_scaling"])) if on]
+    if extras:
+        details["options"] = ", ".join(extras)
     return Plan(_OP, path, reason, details, o)
 
 
@@ -497,7 +604,12 @@ def linear_cross_entropy(
     impl: str = "auto",
     max_chunk_bytes: Optional[int] = None,
     logits_in_fp32: bool = False,
-) -> torch.Tensor:
+    ce_weight: Optional[torch.Tensor] = None,
+    return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
+    use_token_scaling: bool = False,
+) -> torch.Tensor | ref.CrossEntropyOutput:
     """Cross-entropy of the logits ``hidden @ weight.T (+ bias)``, never materialised.
 
     Same loss and options as :func:`lmfuse.cross_entropy` on those logits (which are
@@ -525,34 +637,63 @@ def linear_cross_entropy(
             gradient is rounded to the inputs' dtype only for the GEMMs that make ``hidden``'s
             and ``weight``'s gradients. The chunk budget then counts 4 bytes a logit more
             (fewer rows a chunk). No effect on float32/float64 inputs.
+        ce_weight: class weights ``[V_local]`` (any float dtype, used in float32; with
+            ``tp_group`` this rank's shard), ``weight`` of :func:`lmfuse.cross_entropy`
+            (``weight`` here is the projection): each token's loss is scaled by its
+            target's weight, label smoothing weighs class ``j`` by ``ce_weight[j]``, a mean
+            divides by the sum of the non-ignored targets' weights; the z-loss is not
+            weighted. No gradient.
+        return_z_loss, return_token_accuracy, return_predicted_tokens: as for
+            :func:`lmfuse.cross_entropy`; the argmax is taken in the pass that reduces
+            each logits chunk (no extra read).
+        use_token_scaling: Liger-Kernel's option: each token's loss (z-loss included) and
+            gradients multiplied by its probability of its target, ``exp(x_t - lse)``,
+            detached (a constant to the gradient); a mean keeps its divisor. Computed
+            from the token stats: no extra pass over the logits. The returned z-loss is
+            scaled as well.
 
     NaN and inf propagate as in ``F.cross_entropy(hidden @ weight.T + bias)`` (see
     :func:`lmfuse.cross_entropy`): a NaN in one row of ``weight`` makes every token's loss
     and every gradient NaN.
 
     Returns:
-        float32 loss: a scalar, or per-token ``[...]`` for ``reduction="none"``.
+        float32 loss: a scalar, or per-token ``[...]`` for ``reduction="none"``. With any
+        ``return_*`` set, a :class:`~lmfuse.cross_entropy.CrossEntropyOutput` ``(loss,
+        z_loss, token_accuracy, predicted_tokens)``, None where not asked; only the loss
+        is differentiable.
     """
     return _apply(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap,
-                  reduction, tp_group, impl, max_chunk_bytes, None, logits_in_fp32)
+                  reduction, tp_group, impl, max_chunk_bytes, None, logits_in_fp32,
+                  ce_weight=ce_weight, return_z_loss=return_z_loss,
+                  return_token_accuracy=return_token_accuracy,
+                  return_predicted_tokens=return_predicted_tokens,
+                  use_token_scaling=use_token_scaling)
 
 
 def _apply(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap,
-           reduction, tp_group, impl, max_chunk_bytes, cfg,
-           logits_in_fp32=False) -> torch.Tensor:
+           reduction, tp_group, impl, max_chunk_bytes, cfg, logits_in_fp32=False, *,
+           ce_weight=None, return_z_loss=False, return_token_accuracy=False,
+           return_predicted_tokens=False,
+           use_token_scaling=False) -> torch.Tensor | ref.CrossEntropyOutput:
     """:func:`linear_cross_entropy`, with ``cfg`` (if not ``None``) in place of the tuning
     tables' config (how ``lmfuse tune`` times its candidates)."""
     path, _, o = _resolve(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss,
                           softcap, reduction, tp_group, impl, max_chunk_bytes, cfg,
-                          logits_in_fp32)
+                          logits_in_fp32, ce_weight, return_z_loss, return_token_accuracy,
+                          return_predicted_tokens, use_token_scaling)
     lead = target.shape
+    cw = None
+    if ce_weight is not None:  # float32 (float64 for float64 inputs on the torch path)
+        f64 = hidden.dtype == torch.float64 and path != "triton"
+        cw = ce_weight.to(torch.float64 if f64 else torch.float32).contiguous()
     if (cfg is None and native_cpu(impl, path, hidden) and o["z_loss"] == 0.0
-            and o["softcap"] is None and o["tp_group"] is None):
+            and o["softcap"] is None and o["tp_group"] is None and not o["extras"]
+            and not o["token_scaling"]):
         # The default path on CPU float32 tensors: F.linear then F.cross_entropy (the plain
         # formula's speed; on a CPU the logits' memory is not what is scarce). impl="torch"
         # keeps the chunked reference, the tests' oracle.
         logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), weight, bias)
-        loss = ops._native_cross_entropy(logits, target.reshape(-1), o)
+        loss = ops._native_cross_entropy(logits, target.reshape(-1), o, cw)
         return loss.view(lead) if reduction == "none" else loss
     ops._check_targets(target, o)
     h2d = hidden.reshape(-1, hidden.shape[-1])
@@ -562,7 +703,11 @@ def _apply(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, 
     t1d = target.reshape(-1)
     if not t1d.is_contiguous():
         t1d = t1d.contiguous()
-    loss = _LinearCrossEntropy.apply(h2d, w, bias, t1d, o)
+    if o["extras"]:
+        loss, lse, pred, scale = _LinearCrossEntropy.apply(h2d, w, bias, t1d, cw, o)
+        return ops._with_extras(loss, lse, pred, t1d, lead, o,
+                                scale if o["token_scaling"] else None)
+    loss = _LinearCrossEntropy.apply(h2d, w, bias, t1d, cw, o)
     return loss.view(lead) if reduction == "none" else loss
 
 

@@ -117,7 +117,7 @@ def _persistent_grid(n: int, cfg: dict[str, Any], device: torch.device) -> int:
 
 def _launch_fwd(logits, target, count, grad, vocab_start, vocab_size, ignore_index,
                 label_smoothing, z_loss, softcap, mean, fused=None, weight=None, wstat=None,
-                argmax=False):
+                argmax=False, token_scale=False):
     """Stats ``[4, N]`` (lse, x_t, sum x, loss), and the gradient into ``grad`` if given.
 
     The loss row (0 where ignored) is the whole loss only on one rank; it is scaled by
@@ -131,7 +131,9 @@ def _launch_fwd(logits, target, count, grad, vocab_start, vocab_size, ignore_ind
     of the non-ignored targets'): the third stat is then ``sum w x`` and a mean divides
     the weighted terms by ``wstat[1]`` (:func:`_class_stats`). ``argmax``: stats ``[5, N]``,
     each row's first argmax (a global column, float32) last; the sliced launch is then
-    replaced by the whole-row one of the same block and warps.
+    replaced by the whole-row one of the same block and warps. ``token_scale`` (one rank,
+    ``linear_cross_entropy``'s ``use_token_scaling``): each token's loss and gradient times
+    its target probability ``exp(x_t - lse)``.
     """
     n, V = logits.shape
     stats = torch.empty((5 if argmax else 4, n), dtype=torch.float32, device=logits.device)
@@ -147,6 +149,8 @@ def _launch_fwd(logits, target, count, grad, vocab_start, vocab_size, ignore_ind
     if weight is not None or argmax:  # (left out otherwise: the default launches as they were)
         common.update(cw_ptr=weight, wstat_ptr=wstat, HAS_WEIGHT=weight is not None,
                       ARGMAX=argmax)
+    if token_scale:
+        common.update(TOKEN_SCALE=True)
     args = (logits, logits.stride(0), target, stats, grad if write else logits,
             grad.stride(0) if write else 0, count, n, V, vocab_start, vocab_size,
             ignore_index, *_scalars(vocab_size, label_smoothing, z_loss, softcap))
@@ -157,7 +161,8 @@ def _launch_fwd(logits, target, count, grad, vocab_start, vocab_size, ignore_ind
     elif write and cfg.get("fused", {}).get("slice") and not argmax:
         _launch_slices(logits, target, count, grad, stats, ignore_index, label_smoothing,
                        z_loss, softcap, mean, cfg["fused"],
-                       **({} if weight is None else dict(weight=weight, wstat=wstat)))
+                       **({} if weight is None else dict(weight=weight, wstat=wstat)),
+                       **({} if not token_scale else dict(token_scale=True)))
     else:  # persistent: a few programs per SM loop over the rows
         if write and "fused" in cfg:
             cfg = dict(cfg, **{k: v for k, v in cfg["fused"].items()
@@ -170,7 +175,7 @@ def _launch_fwd(logits, target, count, grad, vocab_start, vocab_size, ignore_ind
 
 
 def _launch_slices(logits, target, count, grad, stats, ignore_index, label_smoothing, z_loss,
-                   softcap, mean, f, weight=None, wstat=None):
+                   softcap, mean, f, weight=None, wstat=None, token_scale=False):
     """Stats and gradient of long rows in one launch, rows in slices (``ce_slices_kernel``)."""
     n, V = logits.shape
     block = f["BLOCK_V"]
@@ -188,6 +193,7 @@ def _launch_slices(logits, target, count, grad, stats, ignore_index, label_smoot
         SLICES_P2=max(2, 1 << (slices - 1).bit_length()), BLOCK_V=block,
         HINTS=bool(f.get("hints", 0)), num_warps=f["num_warps"],
         **({} if weight is None else dict(cw_ptr=weight, wstat_ptr=wstat, HAS_WEIGHT=True)),
+        **({} if not token_scale else dict(TOKEN_SCALE=True)),
     )
 
 
@@ -274,14 +280,14 @@ def _ce_fwd_grad_(logits: torch.Tensor, target: torch.Tensor, count: torch.Tenso
                   ignore_index: int, label_smoothing: float, z_loss: float,
                   softcap: Optional[float], mean: bool, launch: str = "",
                   weight: Optional[torch.Tensor] = None, wstat: Optional[torch.Tensor] = None,
-                  argmax: bool = False) -> torch.Tensor:
+                  argmax: bool = False, token_scale: bool = False) -> torch.Tensor:
     """``launch``: ``_launch_fwd``'s ``fused`` override, encoded by :func:`encode_launch`."""
     # Every kernel reads a row (or, sliced, a slice) in full before it writes any of its
     # gradient and the target's column is rewritten from the saved x_t: the gradient can
     # overwrite the logits.
     return _launch_fwd(logits, target, count, logits, 0, logits.shape[1], ignore_index,
                        label_smoothing, z_loss, softcap, mean, decode_launch(launch), weight,
-                       wstat, argmax)
+                       wstat, argmax, token_scale)
 
 
 def encode_launch(fused: Optional[dict[str, Any]]) -> str:
@@ -299,7 +305,7 @@ def decode_launch(text: str) -> Optional[dict[str, Any]]:
 
 @_ce_fwd_grad_.register_fake
 def _(logits, target, count, ignore_index, label_smoothing, z_loss, softcap, mean, launch="",
-      weight=None, wstat=None, argmax=False):
+      weight=None, wstat=None, argmax=False, token_scale=False):
     return logits.new_empty((5 if argmax else 4, logits.shape[0]), dtype=torch.float32)
 
 
@@ -760,15 +766,17 @@ def cross_entropy(
 
 
 def _with_extras(loss: torch.Tensor, lse: torch.Tensor, pred: torch.Tensor,
-                 target: torch.Tensor, lead: torch.Size,
-                 o: dict[str, Any]) -> CrossEntropyOutput:
-    """The named tuple from the loss, each token's lse and argmax (see ``reference.py``)."""
+                 target: torch.Tensor, lead: torch.Size, o: dict[str, Any],
+                 token_scale: Optional[torch.Tensor] = None) -> CrossEntropyOutput:
+    """The named tuple from the loss, each token's lse and argmax (see ``reference.py``);
+    ``token_scale``: the tokens' z-loss factors (``use_token_scaling``)."""
     none = o["reduction"] == "none"
     count = torch.sum(target != o["ignore_index"], dtype=torch.float32)
     if not o["argmax"]:
         pred = torch.zeros_like(target, dtype=torch.int64)
     zl, right = ref.token_extras(lse.float(), pred, target, count, z_loss=o["z_loss"],
-                                 ignore_index=o["ignore_index"], reduction=o["reduction"])
+                                 ignore_index=o["ignore_index"], reduction=o["reduction"],
+                                 token_scale=token_scale)
     pred = torch.where(target != o["ignore_index"], pred, torch.full_like(pred, -1))
     return CrossEntropyOutput(
         loss.view(lead) if none else loss,

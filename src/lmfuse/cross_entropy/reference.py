@@ -38,6 +38,12 @@ whose prediction is their target (per token, 1.0 or 0.0, for ``reduction="none"`
 a NaN logit is the maximum; the softcapped logits when ``softcap`` is set), -1 where
 ignored. None of them is differentiable.
 
+``use_token_scaling`` (Liger-Kernel's option of its fused linear cross-entropy, here on
+the reference of both ops): each token's loss, z-loss included, is multiplied by its
+probability of its target ``p_t = exp(x_t - lse)``, detached (a constant to autograd), so
+the gradient is the unscaled one times ``p_t``; the mean's divisors stay the same, and the
+returned z-loss is scaled as well.
+
 A token is described by three numbers, which is what lets the vocabulary be split over
 ranks: ``lse``, ``x_t`` and ``sum_j x_j``. Each rank computes them over its own columns
 (``x_t = 0`` where it does not hold the target) and :func:`merge_token_stats` combines
@@ -99,6 +105,7 @@ def cross_entropy_reference(
     return_z_loss: bool = False,
     return_token_accuracy: bool = False,
     return_predicted_tokens: bool = False,
+    use_token_scaling: bool = False,
 ) -> torch.Tensor | CrossEntropyOutput:
     """Reference loss for ``logits [..., V]`` and ``target [...]`` (see the module docstring).
 
@@ -115,6 +122,10 @@ def cross_entropy_reference(
     stats = local_token_stats(x2d, t, 0, softcap, w)
     ce, zl = token_terms(stats, t, vocab_size=V, ignore_index=ignore_index,
                          label_smoothing=label_smoothing, z_loss=z_loss, weight=w)
+    scale = None
+    if use_token_scaling:
+        scale = target_probability(stats.detach(), t, vocab_size=V, ignore_index=ignore_index)
+        ce, zl = ce * scale, zl * scale
     count = (t != ignore_index).sum()
     loss = reduce_terms(ce, zl, t, count, reduction, ignore_index, w)
     if reduction == "none":
@@ -123,7 +134,7 @@ def cross_entropy_reference(
         return loss
     pred = predicted_tokens(x2d, t, ignore_index, softcap)
     extra = token_extras(stats[0], pred, t, count, z_loss=z_loss, ignore_index=ignore_index,
-                         reduction=reduction)
+                         reduction=reduction, token_scale=scale)
     return CrossEntropyOutput(
         loss,
         extra[0].view(target.shape) if return_z_loss and reduction == "none" else
@@ -161,6 +172,18 @@ def target_weights(weight: torch.Tensor, target: torch.Tensor, ignore_index: int
     return torch.where(ok, w_t, torch.zeros_like(w_t))
 
 
+def target_probability(stats: torch.Tensor, target: torch.Tensor, *, vocab_size: int,
+                       ignore_index: int) -> torch.Tensor:
+    """``p_t = exp(x_t - lse) [N]`` from whole-vocabulary ``stats``: each token's
+    probability of its target (softcapped logits), the factor of ``use_token_scaling``;
+    1 where the target is ignored or out of range (whose loss is 0, or +inf, whatever the
+    factor)."""
+    lse, x_t = stats[0], stats[1]
+    t = target.long()
+    ok = (t != ignore_index) & (t >= 0) & (t < vocab_size)
+    return torch.where(ok, torch.exp(x_t - lse), torch.ones_like(lse))
+
+
 def predicted_tokens(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
                      softcap: float | None) -> torch.Tensor:
     """``[N]`` int64: each token's ``torch.argmax`` of its (softcapped) logits, in the
@@ -172,14 +195,18 @@ def predicted_tokens(logits: torch.Tensor, target: torch.Tensor, ignore_index: i
 
 def token_extras(lse: torch.Tensor, pred: torch.Tensor, target: torch.Tensor,
                  count: torch.Tensor, *, z_loss: float, ignore_index: int,
-                 reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
+                 reduction: str, token_scale: Optional[torch.Tensor] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(z_loss, token_accuracy)`` from the whole-vocabulary ``lse [N]`` and
     ``predicted_tokens [N]``: per token for ``reduction="none"`` (0 where ignored);
     otherwise the z-loss reduced as the loss's (summed, or over ``count``) and the
-    fraction of the ``count`` non-ignored tokens predicted right (0 when there is none)."""
+    fraction of the ``count`` non-ignored tokens predicted right (0 when there is none).
+    ``token_scale [N]``: each token's z-loss times it (``use_token_scaling``)."""
     valid = target.long() != ignore_index
     zero = torch.zeros_like(lse)
     zl = torch.where(valid, z_loss * lse * lse, zero) if z_loss else zero
+    if token_scale is not None and z_loss:
+        zl = torch.where(valid, zl * token_scale.to(zl.dtype), zero)
     right = (valid & (pred == target.long())).to(lse.dtype)
     if reduction == "none":
         return zl, right
