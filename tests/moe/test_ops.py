@@ -5,10 +5,11 @@ Every case runs forward and backward from the same inputs (rounded to the dtype 
 and compares the output and the gradients of hidden, router weights, both weights and both
 biases with the float64 reference, within the tolerance of each result's dtype
 (``helpers.TOL``). Cases: every activation, both gate/up layouts, biases or not, clamp and
-linear offset, fp32 and fp16 on both paths, bf16 on the torch path (the interpreter cannot
-``tl.dot`` bf16), ``k = 1`` (the Triton path writes rows in place), experts without tokens,
-strided weights and non-contiguous hidden, a float32 router with fp16 experts, 0 tokens,
-determinism, the no-grad path, ``explain``, bad input.
+linear offset, fp32, fp16 and bf16 on both paths (in the interpreter the Triton path widens
+bf16 operands for its dots and rounds its bf16 results by hand, as a GPU does), ``k = 1``
+(the Triton path writes rows in place), experts without tokens, strided weights and
+non-contiguous hidden, a float32 router with fp16 experts, 0 tokens, determinism, the
+no-grad path, ``explain``, bad input.
 """
 
 from __future__ import annotations
@@ -120,12 +121,15 @@ def test_float16(activation, offset, clamp, layout, impl) -> None:
           clamp_value=clamp, gate_up_layout=layout)
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("activation, offset, clamp, layout", [
     ("swiglu", 0.0, None, "halves"), ("quick_geglu", 1.0, 0.7, "interleaved")],
     ids=["swiglu", "gpt-oss"])
-def test_bfloat16_torch_path(activation, offset, clamp, layout) -> None:
+def test_bfloat16(activation, offset, clamp, layout, impl) -> None:
+    """On the Triton path in the interpreter the bf16 operands are widened to float32 for
+    the dots (DOT_F32: the interpreter cannot multiply bf16); on a GPU they are bf16 dots."""
     inp = make(13, 32, 24, 4, 2, activation, dtype=BF16)
-    check(inp, "torch", f"{activation} bf16", activation=activation, linear_offset=offset,
+    check(inp, impl, f"{activation} bf16 {impl}", activation=activation, linear_offset=offset,
           clamp_value=clamp, gate_up_layout=layout)
 
 

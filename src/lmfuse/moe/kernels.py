@@ -19,7 +19,8 @@ The ``T * k`` (token, slot) pairs are sorted by expert once (``ops.py``, torch o
 ``moe_combine_kernel`` sums each token's ``k`` slot rows in a fixed order (deterministic, no
 atomics). Accumulation is float32; the activation math (``activations/kernels.py``'s
 helpers: the same formulas, NaN and inf behaviour as the activation family) is float32 in
-the epilogues. With float32 operands ``IEEE`` keeps ``tl.dot`` in full float32 (no TF32).
+the epilogues. With float32 operands ``IEEE`` keeps ``tl.dot`` in full float32 (no TF32);
+``DOT_F32`` and ``RTNE`` make Triton's interpreter multiply and round bfloat16 as a GPU does.
 Block sizes are launch parameters (``ops._config``); no tuning constant lives here.
 """
 
@@ -32,11 +33,29 @@ from ..activations.kernels import _act, _act_and_grad, _chain
 
 
 @triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
-    if IEEE:
+def _dot(a, b, acc, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+    """``acc + a @ b``; ``DOT_F32``: the operands widened to float32 first (bfloat16 in the
+    interpreter, whose dot multiplies bf16 bit patterns; exact: the products of the widened
+    values are those a bf16 tensor core forms)."""
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif IEEE:
         return tl.dot(a, b, acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _out(v, dtype: tl.constexpr, RTNE: tl.constexpr):
+    """float32 ``v`` as ``dtype``. ``RTNE``: rounded to nearest even by hand first, for
+    bfloat16 in Triton's interpreter, whose float32 -> bfloat16 conversion truncates (GPUs
+    round to nearest even): the interpreter then rounds as the GPU does, so its bf16 results
+    are checked at bf16's tolerance. NaN and inf are kept."""
+    if RTNE:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        v = tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
+    return v.to(dtype)
 
 
 @triton.jit
@@ -70,7 +89,8 @@ def moe_up_kernel(
     H, F, offset, clamp,
     ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_CLAMP: tl.constexpr, STORE_H: tl.constexpr,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr, DOT_F32: tl.constexpr, RTNE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """``h = x[token[r]] @ W[e].T + bias[e]`` for the tile's rows and the gate/up columns of
     ``BLOCK_N`` activation outputs, then ``a = act(h)``: ``A_OUT [T k, F]``; with
@@ -101,9 +121,9 @@ def moe_up_kernel(
             kmask = (k0 + ks) < H
             x = tl.load(x_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
             wmask = kmask[:, None] & cmask[None, :]
-            acc_g = _dot(x, tl.load(g_ptr, mask=wmask, other=0.0), acc_g, IEEE)
+            acc_g = _dot(x, tl.load(g_ptr, mask=wmask, other=0.0), acc_g, IEEE, DOT_F32)
             if GATED:
-                acc_u = _dot(x, tl.load(u_ptr, mask=wmask, other=0.0), acc_u, IEEE)
+                acc_u = _dot(x, tl.load(u_ptr, mask=wmask, other=0.0), acc_u, IEEE, DOT_F32)
                 u_ptr += BLOCK_K * stride_wk
             x_ptr += BLOCK_K
             g_ptr += BLOCK_K * stride_wk
@@ -116,16 +136,17 @@ def moe_up_kernel(
         rows64 = rows.to(tl.int64)
         if STORE_H:
             h_row = H_OUT + rows64[:, None] * K2
-            tl.store(h_row + gcol[None, :], acc_g.to(H_OUT.dtype.element_ty), mask=mask)
+            h_ty = H_OUT.dtype.element_ty
+            tl.store(h_row + gcol[None, :], _out(acc_g, h_ty, RTNE), mask=mask)
             if GATED:
-                tl.store(h_row + ucol[None, :], acc_u.to(H_OUT.dtype.element_ty), mask=mask)
+                tl.store(h_row + ucol[None, :], _out(acc_u, h_ty, RTNE), mask=mask)
         if GATED:
             g, u = _clamped(acc_g, acc_u, clamp, HAS_CLAMP)
             a = _act(g, ACT) * (u + offset)
         else:
             a = _act(acc_g, ACT)
-        tl.store(A_OUT + rows64[:, None] * F + cols[None, :], a.to(A_OUT.dtype.element_ty),
-                 mask=mask)
+        tl.store(A_OUT + rows64[:, None] * F + cols[None, :],
+                 _out(a, A_OUT.dtype.element_ty, RTNE), mask=mask)
 
 
 @triton.jit
@@ -133,7 +154,8 @@ def moe_down_kernel(
     A, stride_a, W, stride_we, stride_wk, stride_wn, BIAS, SCALE, TOKEN, C, stride_c, TILES,
     N, K,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, SCATTER: tl.constexpr,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr, DOT_F32: tl.constexpr, RTNE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """``C[r] = (A[r] @ B_e + bias[e]) * scale[r]`` for the tile's rows ``r`` (expert ``e``),
     ``B_e[k, n] = W[e]`` at strides (``stride_wk``, ``stride_wn``), ``A [T k, K]`` rows
@@ -159,7 +181,7 @@ def moe_down_kernel(
             kmask = (k0 + ks) < K
             a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
             w = tl.load(w_ptr, mask=kmask[:, None] & cmask[None, :], other=0.0)
-            acc = _dot(a, w, acc, IEEE)
+            acc = _dot(a, w, acc, IEEE, DOT_F32)
             a_ptr += BLOCK_K
             w_ptr += BLOCK_K * stride_wk
         if HAS_BIAS:
@@ -171,8 +193,8 @@ def moe_down_kernel(
             dest = tl.load(TOKEN + rows, mask=rmask, other=0).to(tl.int64)
         else:
             dest = rows64
-        tl.store(C + dest[:, None] * stride_c + cols[None, :], acc.to(C.dtype.element_ty),
-                 mask=rmask[:, None] & cmask[None, :])
+        tl.store(C + dest[:, None] * stride_c + cols[None, :],
+                 _out(acc, C.dtype.element_ty, RTNE), mask=rmask[:, None] & cmask[None, :])
 
 
 @triton.jit
@@ -181,6 +203,7 @@ def moe_act_bwd_kernel(
     A_OUT, DW_PART, TILES, rows_total, H, F, offset, clamp,
     ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_CLAMP: tl.constexpr, HAS_DOWN_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    DOT_F32: tl.constexpr, RTNE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """The backward through the down projection and the activation, for the tile's rows and
@@ -211,7 +234,7 @@ def moe_act_bwd_kernel(
             kmask = (k0 + ks) < H
             d = tl.load(d_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
             w = tl.load(w_ptr, mask=kmask[:, None] & cmask[None, :], other=0.0)
-            acc = _dot(d, w, acc, IEEE)
+            acc = _dot(d, w, acc, IEEE, DOT_F32)
             if HAS_DOWN_BIAS:
                 bd = tl.load(DOWN_BIAS + e.to(tl.int64) * H + k0 + ks, mask=kmask, other=0.0)
                 bdot += tl.sum(d.to(tl.float32) * bd.to(tl.float32)[None, :], axis=1)
@@ -240,16 +263,16 @@ def moe_act_bwd_kernel(
                 dg = tl.where(keep_g, dg, 0.0)
                 du = tl.where(keep_u, du, 0.0)
             dh_row = DH + rows64[:, None] * K2
-            tl.store(dh_row + gcol[None, :], dg.to(DH.dtype.element_ty), mask=mask)
-            tl.store(dh_row + ucol[None, :], du.to(DH.dtype.element_ty), mask=mask)
+            tl.store(dh_row + gcol[None, :], _out(dg, DH.dtype.element_ty, RTNE), mask=mask)
+            tl.store(dh_row + ucol[None, :], _out(du, DH.dtype.element_ty, RTNE), mask=mask)
         else:
             h = tl.load(HBUF + rows64[:, None] * F + cols[None, :], mask=mask,
                         other=0.0).to(tl.float32)
             a, dact = _act_and_grad(h, ACT)
             tl.store(DH + rows64[:, None] * F + cols[None, :],
-                     _chain(h, ds, dact, ACT).to(DH.dtype.element_ty), mask=mask)
-        tl.store(A_OUT + rows64[:, None] * F + cols[None, :], a.to(A_OUT.dtype.element_ty),
-                 mask=mask)
+                     _out(_chain(h, ds, dact, ACT), DH.dtype.element_ty, RTNE), mask=mask)
+        tl.store(A_OUT + rows64[:, None] * F + cols[None, :],
+                 _out(a, A_OUT.dtype.element_ty, RTNE), mask=mask)
         part = tl.sum(tl.where(mask, acc * a, 0.0), axis=1)
         if HAS_DOWN_BIAS:
             part += tl.where(pid_n == 0, bdot, 0.0)
@@ -260,7 +283,7 @@ def moe_act_bwd_kernel(
 def moe_wgrad_kernel(
     A, stride_a, B, stride_b, TOKEN, SCALE, OFFSETS, C, DB, M, N,
     A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, HAS_SCALE: tl.constexpr,
-    BIAS_GRAD: tl.constexpr, IEEE: tl.constexpr,
+    BIAS_GRAD: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, RTNE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """``C[e] = sum_r (A[ra] * scale[r])^T B[rb]`` over expert ``e``'s rows ``r``
@@ -295,24 +318,24 @@ def moe_wgrad_kernel(
                      mask=mmask[:, None] & rmask[None, :], other=0.0)
         if HAS_SCALE:
             sa = at.to(tl.float32) * tl.load(SCALE + rr, mask=rmask, other=0.0)[None, :]
-            at = sa.to(A.dtype.element_ty)
+            at = _out(sa, A.dtype.element_ty, RTNE)
         else:
             sa = at.to(tl.float32)
         if BIAS_GRAD:
             db += tl.sum(sa, axis=1)
         b = tl.load(B + rb[:, None] * stride_b + ns[None, :],
                     mask=rmask[:, None] & nmask[None, :], other=0.0)
-        acc = _dot(at, b, acc, IEEE)
+        acc = _dot(at, b, acc, IEEE, DOT_F32)
     e64 = e.to(tl.int64)
-    tl.store(C + e64 * M * N + ms[:, None] * N + ns[None, :], acc.to(C.dtype.element_ty),
-             mask=mmask[:, None] & nmask[None, :])
+    tl.store(C + e64 * M * N + ms[:, None] * N + ns[None, :],
+             _out(acc, C.dtype.element_ty, RTNE), mask=mmask[:, None] & nmask[None, :])
     if BIAS_GRAD:
         if pid_n == 0:
-            tl.store(DB + e64 * M + ms, db.to(DB.dtype.element_ty), mask=mmask)
+            tl.store(DB + e64 * M + ms, _out(db, DB.dtype.element_ty, RTNE), mask=mmask)
 
 
 @triton.jit
-def moe_combine_kernel(Y, INV, OUT, N, k, BLOCK_N: tl.constexpr):
+def moe_combine_kernel(Y, INV, OUT, N, k, RTNE: tl.constexpr, BLOCK_N: tl.constexpr):
     """``OUT[t] = sum_j Y[inv[t k + j]]`` (slots in order, float32), ``Y [T k, N]``."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -321,4 +344,4 @@ def moe_combine_kernel(Y, INV, OUT, N, k, BLOCK_N: tl.constexpr):
     for j in range(0, k):
         r = tl.load(INV + t * k + j).to(tl.int64)
         acc += tl.load(Y + r * N + cols, mask=cmask, other=0.0).to(tl.float32)
-    tl.store(OUT + t * N + cols, acc.to(OUT.dtype.element_ty), mask=cmask)
+    tl.store(OUT + t * N + cols, _out(acc, OUT.dtype.element_ty, RTNE), mask=cmask)

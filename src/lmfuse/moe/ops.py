@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from .. import tuning
 from .._dispatch import eager as _eager
-from .._dispatch import (FLOAT_DTYPES, Plan, check_number, check_tensor, register_planner,
-                         select_impl, value_checks)
+from .._dispatch import (FLOAT_DTYPES, Plan, check_number, check_tensor, interpreter_active,
+                         register_planner, select_impl, value_checks)
 from .._nvtx import nvtx_range
 from . import reference as ref
 
@@ -72,6 +72,15 @@ def _config(device: torch.device, rows: int, H: int, F: int) -> dict[str, int]:
         wgrad_block_k=fit(t["wgrad_block_k"], rows), wgrad_warps=t["wgrad_warps"],
         wgrad_stages=t["wgrad_stages"], combine_block=min(t["combine_block"], _pow2(H)),
         combine_warps=t["combine_warps"])
+
+
+def _dot_flags(hidden: torch.Tensor) -> dict[str, bool]:
+    """float32 dots in IEEE precision (no TF32: the reference is float32). In Triton's
+    interpreter, bfloat16 operands widened to float32 for the dots (it cannot multiply them)
+    and results rounded to nearest even by hand (its conversion truncates)."""
+    interp_bf16 = (hidden.dtype == torch.bfloat16
+                   and (hidden.device.type != "cuda" or interpreter_active()))
+    return dict(IEEE=hidden.dtype == torch.float32, DOT_F32=interp_bf16, RTNE=interp_bf16)
 
 
 # --- routing -------------------------------------------------------------------------------
@@ -158,7 +167,8 @@ def _combine(y: torch.Tensor, inv: torch.Tensor, T: int, k: int, c: dict) -> tor
     out = torch.empty((T, N), dtype=y.dtype, device=y.device)
     if T and N:
         _kernels().moe_combine_kernel[(T, _cdiv(N, c["combine_block"]))](
-            y, inv, out, N, k, BLOCK_N=c["combine_block"], num_warps=c["combine_warps"])
+            y, inv, out, N, k, RTNE=_dot_flags(y)["RTNE"], BLOCK_N=c["combine_block"],
+            num_warps=c["combine_warps"])
     return out
 
 
@@ -177,7 +187,7 @@ def _forward(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias
     if rows == 0:
         return hidden.new_zeros((T, H)), h, perm, token, offsets, inv, weights
     tiles = _tiles(offsets, rows, c["block_m"])
-    ieee = hidden.dtype == torch.float32
+    dots = _dot_flags(hidden)
     bm, bn, bk = c["block_m"], c["block_n"], c["block_k"]
     a = hidden.new_empty((rows, Fdim))
     kern.moe_up_kernel[(tiles.shape[0], _cdiv(Fdim, bn))](
@@ -186,14 +196,14 @@ def _forward(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias
         s["linear_offset"], s["clamp_value"] or 0.0,
         ACT=_ACT_IDS[s["act"]], GATED=s["gated"], INTERLEAVED=s["interleaved"],
         HAS_BIAS=gate_up_bias is not None, HAS_CLAMP=s["clamp_value"] is not None,
-        STORE_H=save, IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=c["warps"],
+        STORE_H=save, **dots, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=c["warps"],
         num_stages=c["stages"])
     scatter = k == 1
     y = hidden.new_empty((T, H)) if scatter else hidden.new_empty((rows, H))
     kern.moe_down_kernel[(tiles.shape[0], _cdiv(H, bn))](
         a, a.stride(0), w_down, w_down.stride(0), w_down.stride(2), w_down.stride(1),
         down_bias if down_bias is not None else a, weights, token, y, y.stride(0), tiles,
-        H, Fdim, HAS_BIAS=down_bias is not None, HAS_SCALE=True, SCATTER=scatter, IEEE=ieee,
+        H, Fdim, HAS_BIAS=down_bias is not None, HAS_SCALE=True, SCATTER=scatter, **dots,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=c["warps"], num_stages=c["stages"])
     out = y if scatter else _combine(y, inv, T, k, c)
     return out, h, perm, token, offsets, inv, weights
@@ -210,7 +220,7 @@ def _backward(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm,
     rows = perm.numel()
     k = rows // T if T else 0
     kern, c = _kernels(), _config(hidden.device, rows, H, Fdim)
-    ieee = hidden.dtype == torch.float32
+    dots = _dot_flags(hidden)
     bm, bn, bk = c["block_m"], c["block_n"], c["block_k"]
     launch = dict(num_warps=c["warps"], num_stages=c["stages"])
     dh = hidden.new_empty((rows, K2))
@@ -225,12 +235,12 @@ def _backward(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm,
             dw_part, tiles, rows, H, Fdim, s["linear_offset"], s["clamp_value"] or 0.0,
             ACT=_ACT_IDS[s["act"]], GATED=s["gated"], INTERLEAVED=s["interleaved"],
             HAS_CLAMP=s["clamp_value"] is not None, HAS_DOWN_BIAS=down_bias is not None,
-            IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **launch)
+            **dots, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **launch)
     d_rw = None
     if need_rw:
         d_rw = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         d_rw[perm] = dw_part.sum(0)
-    wgrad = dict(IEEE=ieee, BLOCK_M=c["wgrad_block_m"], BLOCK_N=c["wgrad_block_n"],
+    wgrad = dict(**dots, BLOCK_M=c["wgrad_block_m"], BLOCK_N=c["wgrad_block_n"],
                  BLOCK_K=c["wgrad_block_k"], num_warps=c["wgrad_warps"],
                  num_stages=c["wgrad_stages"])
 
@@ -263,7 +273,7 @@ def _backward(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm,
             kern.moe_down_kernel[(tiles.shape[0], _cdiv(H, bn))](
                 dh, dh.stride(0), w_gate_up, w_gate_up.stride(0), w_gate_up.stride(1),
                 w_gate_up.stride(2), dh, weights, token, dx, dx.stride(0), tiles, H, K2,
-                HAS_BIAS=False, HAS_SCALE=False, SCATTER=scatter, IEEE=ieee, BLOCK_M=bm,
+                HAS_BIAS=False, HAS_SCALE=False, SCATTER=scatter, **dots, BLOCK_M=bm,
                 BLOCK_N=bn, BLOCK_K=bk, **launch)
         else:
             dx.zero_()
