@@ -135,9 +135,11 @@ def only_softmax_checks(monkeypatch: pytest.MonkeyPatch, checks) -> None:
     from lmfuse.attention import ops as attention_ops
     from lmfuse.cross_entropy import linear as linear_ce
     from lmfuse.cross_entropy import ops as cross_entropy_ops
+    from lmfuse.moe import ops as moe_ops
     from lmfuse.norm import ops as norm_ops
 
-    for module in (cross_entropy_ops, linear_ce, activation_ops, attention_ops, norm_ops):
+    for module in (cross_entropy_ops, linear_ce, activation_ops, attention_ops, norm_ops,
+                   moe_ops):
         monkeypatch.setattr(module, "checks", lambda device, dtypes: [])
     monkeypatch.setattr(softmax_ops, "checks", checks)
 

@@ -158,11 +158,13 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     from lmfuse.activations import ops as activation_ops
     from lmfuse.attention import ops as attention_ops
+    from lmfuse.moe import ops as moe_ops
     from lmfuse.norm import ops as norm_ops
 
     cases = (softmax_ops.checks(device, dtypes) + cross_entropy_ops.checks(device, dtypes)
              + linear_ce.checks(device, dtypes) + activation_ops.checks(device, dtypes)
-             + attention_ops.checks(device, dtypes) + norm_ops.checks(device, dtypes))
+             + attention_ops.checks(device, dtypes) + norm_ops.checks(device, dtypes)
+             + moe_ops.checks(device, dtypes))
     ok = run_all(cases)
     print("all checks passed" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1

@@ -568,3 +568,50 @@ def plan_moe_experts(*args, **kwargs) -> Plan:
     else:
         details["torch"] = "per-expert F.linear on contiguous slices; reads the counts on the host"
     return Plan(OP, path, reason, details, s)
+
+
+def checks(device: torch.device, dtypes) -> list:
+    """Fresh random cases (SwiGLU with biases, GPT-OSS's clamped interleaved Quick-GEGLU,
+    top-1 squared ReLU), for :mod:`lmfuse._check`."""
+    from .._check import CheckCase
+
+    small = device.type != "cuda"
+    T, H, Fdim, E = (9, 32, 24, 4) if small else (512, 1024, 768, 8)
+
+    def case(label, dtype, k, activation, bias, **kw):
+        K2 = 2 * Fdim if ref.ACTIVATIONS[activation][1] else Fdim
+        ids = torch.stack([torch.randperm(E, device=device)[:k] for _ in range(T)])
+
+        def inputs():
+            t = [torch.randn(T, H, device=device).to(dtype),
+                 torch.rand(T, k, device=device),
+                 (torch.randn(E, K2, H, device=device) * H ** -0.5).to(dtype),
+                 (torch.randn(E, H, Fdim, device=device) * Fdim ** -0.5).to(dtype)]
+            if bias:
+                t += [(torch.randn(E, K2, device=device) * 0.3).to(dtype),
+                      (torch.randn(E, H, device=device) * 0.3).to(dtype)]
+            return [x.requires_grad_(True) for x in t]
+
+        def split(t):
+            extra = dict(gate_up_bias=t[4], down_bias=t[5]) if bias else {}
+            return (t[0], ids, *t[1:4]), extra
+
+        def call(impl, *t):
+            args, extra = split(t)
+            return moe_experts(*args, activation=activation, impl=impl, **extra, **kw)
+
+        def plan(*t):
+            args, extra = split(t)
+            return plan_moe_experts(*args, activation=activation, **extra, **kw)
+
+        return CheckCase(OP, label, dtype, (T, H, Fdim, E, k), inputs, call, plan)
+
+    cases = []
+    for dtype in dtypes:
+        cases += [
+            case("swiglu+bias", dtype, 2, "swiglu", True),
+            case("gpt-oss", dtype, 2, "quick_geglu", True, linear_offset=1.0,
+                 clamp_value=7.0, gate_up_layout="interleaved"),
+            case("squared_relu k=1", dtype, 1, "squared_relu", False),
+        ]
+    return cases
