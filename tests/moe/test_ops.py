@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Optional
 
+import numpy as np
 import pytest
 import torch
 from helpers import assert_close, randn
@@ -318,3 +319,32 @@ def test_bad_input(change, error, message, impl) -> None:
         lmfuse.explain(lmfuse.moe_experts, a["hidden"], a["expert_ids"], a["router_weights"],
                        a["w_gate_up"], a["w_down"], gate_up_bias=a["gate_up_bias"],
                        down_bias=a["down_bias"], **kw)
+
+
+# --- NaN and inf ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_nan_and_inf_propagate_as_in_the_reference(impl) -> None:
+    """A NaN and an inf hidden value and an inf router weight: the output and every gradient
+    have the reference's NaN and inf positions (only the affected tokens and the weights
+    they reach), and equal values elsewhere."""
+    inp = make(6, 16, 8, 3, 2)
+    with torch.no_grad():
+        inp["hidden"][1, 3] = float("nan")
+        inp["hidden"][2, 5] = float("inf")
+        inp["router_weights"][4, 0] = float("inf")
+    want = call(moe_experts_reference, inp)
+    with np.errstate(invalid="ignore", over="ignore"):  # the interpreter's numpy
+        got = call(lmfuse.moe_experts, inp, impl=impl)
+        g = torch.ones_like(got)
+        got_grads = torch.autograd.grad(got, [t for _, t in leaves(inp)], g)
+    want_grads = torch.autograd.grad(want, [t for _, t in leaves(inp)], g)
+    assert not torch.isfinite(want[[1, 2, 4]]).all() and torch.isfinite(want[[0, 3, 5]]).all()
+    for name, a, b in [("out", got, want)] + [
+            (n, x, y) for (n, _), x, y in zip(leaves(inp), got_grads, want_grads)]:
+        assert torch.equal(torch.isnan(a), torch.isnan(b)), name
+        assert torch.equal(torch.isinf(a), torch.isinf(b)), name
+        fin = torch.isfinite(b)
+        if fin.any():
+            assert_close(a[fin], b[fin], F32, f"{impl} {name} finite part")
