@@ -330,7 +330,9 @@ def _bwd_op(dout: torch.Tensor, hidden: torch.Tensor, w_gate_up: torch.Tensor,
                       token, offsets, inv, weights,
                       _settings(activation, gate_up_layout, linear_offset, clamp_value),
                       tuple(needs))
-    return [g if g is not None else hidden.new_empty((0,)) for g in grads]
+    return [g if g is not None else
+            hidden.new_empty((0,), dtype=torch.float32 if i == 1 else hidden.dtype)
+            for i, g in enumerate(grads)]
 
 
 @_bwd_op.register_fake
