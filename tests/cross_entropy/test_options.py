@@ -463,22 +463,29 @@ def test_bad_options_raise(kw: dict[str, Any], error: type[Exception], message: 
         lmfuse.explain(lmfuse.cross_entropy, logits, target, impl=impl, **kw)
 
 
-def test_options_not_yet_with_tp_group(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With a tp_group of several ranks, weights and the argmax options raise a ValueError
-    that says so (a bare 2-rank ProcessGroup over a local store: the check comes before
-    any collective; its size and rank read from it, as no default group exists here);
-    return_z_loss passes the check."""
-    group = torch.distributed.ProcessGroup(torch.distributed.HashStore(), 0, 2)
+def test_options_with_tp_group_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a tp_group of several ranks the options are accepted (weight: the rank's
+    ``[V_local]`` shard) and ride in the one all-gather: its rows grow by one for the
+    target weights and two for the argmax (a bare 2-rank ProcessGroup over a local store:
+    the plan issues no collective; its size and rank read from it, as no default group
+    exists here). tests/distributed/test_vocab_parallel_options.py runs them on ranks."""
+    group = torch.distributed.ProcessGroup(torch.distributed.HashStore(), 1, 2)
     monkeypatch.setattr(ops, "group_size", lambda g: g.size())
     monkeypatch.setattr(ops, "group_rank", lambda g: g.rank())
-    logits, target = randn((3, 5)), torch.tensor([0, 9, IGNORE])
-    for kw, names in ((dict(weight=torch.ones(5)), "weight"),
-                      (dict(return_token_accuracy=True), "return_token_accuracy"),
-                      (dict(weight=torch.ones(5), return_predicted_tokens=True),
-                       "weight and return_predicted_tokens")):
-        with pytest.raises(ValueError, match=rf"^cross_entropy: {names}: not yet supported "
-                                             r"with tp_group \(vocabulary parallel, 2 ranks\)"):
-            lmfuse.explain(lmfuse.cross_entropy, logits, target, tp_group=group, **kw)
-    plan = lmfuse.explain(lmfuse.cross_entropy, logits, target, tp_group=group,
-                          return_z_loss=True)
-    assert plan.details["options"] == "z-loss returned"
+    logits = randn((3, 5)).to(DEVICE)
+    target = torch.tensor([0, 9, IGNORE], device=DEVICE)
+    for kw, rows, options in (
+            (dict(weight=torch.ones(5)), 4, "class weights"),
+            (dict(return_token_accuracy=True), 5, "argmax in the stats pass"),
+            (dict(weight=torch.ones(5), return_predicted_tokens=True), 6,
+             "class weights, argmax in the stats pass"),
+            (dict(return_z_loss=True), 3, "z-loss returned")):
+        plan = lmfuse.explain(lmfuse.cross_entropy, logits, target, tp_group=group,
+                              **on(DEVICE, kw))
+        assert plan.details["vocabulary"] == (f"5 of 10 (rank 1, one all-gather of [{rows}, "
+                                              "N] stats)"), plan.details
+        assert plan.details["options"] == options
+    with pytest.raises(ValueError, match=r"weight must be 1-D \[V\] with V = logits.shape"
+                                         r"\[-1\] = 5, got shape \(10,\)"):
+        lmfuse.explain(lmfuse.cross_entropy, logits, target, tp_group=group,
+                       weight=torch.ones(10, device=DEVICE))

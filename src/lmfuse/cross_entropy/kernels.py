@@ -299,11 +299,14 @@ def ce_grad_kernel(
     ls_over_v, one_minus_ls, two_z, softcap,
     HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
     cw_ptr=None, wstat_ptr=None, wz_ptr=None, stride_wz=0, HAS_WEIGHT: tl.constexpr = False,
-    HAS_SMOOTHING: tl.constexpr = False,
+    HAS_SMOOTHING: tl.constexpr = False, wt_ptr=None, TARGET_WEIGHT: tl.constexpr = False,
 ):
     """The gradient of rows that fit one BLOCK_V tile, from given stats (``lse_ptr``: their
     first row) and per-row upstream gradients. ``HAS_WEIGHT``: class weights as in
-    ``ce_fwd_kernel``, ``w_ptr`` scaling the weighted terms and ``wz_ptr`` the z-loss's."""
+    ``ce_fwd_kernel``, ``w_ptr`` scaling the weighted terms and ``wz_ptr`` the z-loss's.
+    ``TARGET_WEIGHT`` (vocabulary parallel): the rows' target weights from ``wt_ptr [N]``,
+    where ``cw_ptr`` holds only this rank's columns (``wstat_ptr``: the whole
+    vocabulary's)."""
     rows, row_ok, t_local, grad_ok, _t = _rows(tl.program_id(0), n_rows, V, t_ptr,
                                                vocab_start, vocab_size, ignore_index, BLOCK_M)
     lse = tl.load(lse_ptr + rows)
@@ -314,6 +317,8 @@ def ce_grad_kernel(
     cw, w_t, w_sum, w_z = 0.0, 1.0, 1.0, w
     if HAS_WEIGHT:
         _u, _uz, w_t, w_sum = _class_scales(None, wstat_ptr, t_local, cw_ptr, False)
+        if TARGET_WEIGHT:
+            w_t = tl.load(wt_ptr + rows)
         w_z = tl.where(grad_ok, tl.load(wz_ptr + rows * stride_wz).to(tl.float32), 0.0)
         cw = _tile_weights(cw_ptr, cols, V, True, HAS_SMOOTHING)
     g = _grad_tile(x, cols, t_local, lse, w, ls_over_v, one_minus_ls, two_z, softcap,
@@ -326,19 +331,34 @@ def ce_grad_kernel(
 @triton.jit
 def ce_merge_kernel(parts_ptr, t_ptr, stats_ptr, count_ptr, n_rows, world, vocab_size,
                     ignore_index, ls_over_v, one_minus_ls, two_z,
-                    HAS_SMOOTHING: tl.constexpr, MEAN: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_SMOOTHING: tl.constexpr, MEAN: tl.constexpr, BLOCK: tl.constexpr,
+                    wt_ptr=None, wstat_ptr=None, HAS_WEIGHT: tl.constexpr = False,
+                    ARGMAX: tl.constexpr = False, STATS: tl.constexpr = 3):
     """Vocabulary parallel: every rank's ``[world, 3, N]`` stats (all-gathered) to the
     whole-vocabulary ``[4, N]`` stats and loss of the forward kernels, in one launch: the
     lse by a log-sum-exp merge, ``x_t`` (0 on every rank but the target's owner) and
     ``sum x`` by sums. A rank's NaN lse makes the row's NaN (through ``denom``); lanes past
-    the last row read lse 0 (finite numbers, never stored)."""
+    the last row read lse 0 (finite numbers, never stored).
+
+    A rank's block holds ``STATS`` rows of N: the three stats, then with ``HAS_WEIGHT``
+    its ``w_t`` (unread here) and then, with ``ARGMAX``, its max logit and that max's
+    first global column (the last two rows); with ``HAS_WEIGHT`` one float more (its sum
+    of weights), so ranks are ``STATS * N + 1`` apart. ``HAS_WEIGHT``: the loss with the
+    tokens' target weights ``wt_ptr [N]`` and ``wstat_ptr`` = [the whole vocabulary's sum
+    of weights, the non-ignored targets' sum] (as the forward kernels'). ``ARGMAX``: the
+    first maximum of the whole row, the largest max (NaN largest of all), the lowest rank
+    among equal ones, into the fifth stats row."""
+    if HAS_WEIGHT:
+        rank_stride = STATS * n_rows + 1
+    else:
+        rank_stride = STATS * n_rows
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < n_rows
     p = parts_ptr + rows
     m = tl.full((BLOCK,), float("-inf"), tl.float32)
     for _ in range(world):
         m = tl.maximum(m, tl.load(p, mask=ok, other=0.0))
-        p += 3 * n_rows
+        p += rank_stride
     shift = _shift(m)
     denom = tl.zeros((BLOCK,), tl.float32)
     x_t = tl.zeros((BLOCK,), tl.float32)
@@ -348,11 +368,35 @@ def ce_merge_kernel(parts_ptr, t_ptr, stats_ptr, count_ptr, n_rows, world, vocab
         denom += tl.exp(tl.load(p, mask=ok, other=0.0) - shift)
         x_t += tl.load(p + n_rows, mask=ok, other=0.0)
         sum_x += tl.load(p + 2 * n_rows, mask=ok, other=0.0)
-        p += 3 * n_rows
+        p += rank_stride
+    pred = 0
+    if ARGMAX:
+        p = parts_ptr + rows + (STATS - 2) * n_rows
+        best = tl.load(p, mask=ok, other=0.0)
+        column = tl.load(p + n_rows, mask=ok, other=0.0)
+        for _ in range(1, world):
+            p += rank_stride
+            value = tl.load(p, mask=ok, other=0.0)
+            take = (value > best) | ((value != value) & (best == best))
+            best = tl.where(take, value, best)
+            column = tl.where(take, tl.load(p + n_rows, mask=ok, other=0.0), column)
+        pred = column.to(tl.int32)
     t = tl.load(t_ptr + rows, mask=ok, other=ignore_index).to(tl.int64)
-    _store_stats(stats_ptr, n_rows, rows, ok, _lse(m, denom), x_t, sum_x, t,
-                 _weight(count_ptr, MEAN), ignore_index, vocab_size, ls_over_v, one_minus_ls,
-                 two_z, HAS_SMOOTHING)
+    if HAS_WEIGHT:
+        w_t = tl.load(wt_ptr + rows, mask=ok, other=0.0)
+        w_sum = tl.load(wstat_ptr)
+        if MEAN:
+            count = tl.load(count_ptr).to(tl.float32)
+            w = 1.0 / tl.where(count > 0.0, tl.load(wstat_ptr + 1), 1.0)
+            w_z = 1.0 / tl.maximum(count, 1.0)
+        else:
+            w, w_z = 1.0, 1.0
+    else:
+        w = _weight(count_ptr, MEAN)
+        w_z, w_t, w_sum = w, 1.0, 1.0
+    _store_stats(stats_ptr, n_rows, rows, ok, _lse(m, denom), x_t, sum_x, t, w,
+                 ignore_index, vocab_size, ls_over_v, one_minus_ls, two_z, HAS_SMOOTHING,
+                 w_t, w_sum, w_z, pred, HAS_WEIGHT, ARGMAX)
 
 
 @triton.jit
@@ -658,10 +702,10 @@ def ce_stream_grad_kernel(
     ls_over_v, one_minus_ls, two_z, softcap,
     HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
     cw_ptr=None, wstat_ptr=None, wz_ptr=None, stride_wz=0, HAS_WEIGHT: tl.constexpr = False,
-    HAS_SMOOTHING: tl.constexpr = False,
+    HAS_SMOOTHING: tl.constexpr = False, wt_ptr=None, TARGET_WEIGHT: tl.constexpr = False,
 ):
     """The gradient of long rows from given stats and per-row upstream gradients (class
-    weights: as in ``ce_grad_kernel``)."""
+    weights, ``TARGET_WEIGHT``: as in ``ce_grad_kernel``)."""
     for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
         t_local, grad_ok, _t = _row_target(t_ptr, row, V, vocab_start, vocab_size,
                                            ignore_index)
@@ -671,6 +715,8 @@ def ce_stream_grad_kernel(
         w_t, w_sum, w_z = 1.0, 1.0, w
         if HAS_WEIGHT:
             _u, _uz, w_t, w_sum = _class_scales(None, wstat_ptr, t_local, cw_ptr, False)
+            if TARGET_WEIGHT:
+                w_t = tl.load(wt_ptr + row)
             w_z = tl.where(grad_ok, tl.load(wz_ptr + row * stride_wz).to(tl.float32), 0.0)
         _range_grad(x_ptr, row * stride_x, g_ptr, row * stride_g, 0, V, lse, x_t, t_local, w,
                     ls_over_v, one_minus_ls, two_z, softcap, HAS_SOFTCAP, BLOCK_V, False,

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from .. import tuning
 from .._dispatch import Plan, check_tensor, native_cpu, register_planner
 from .._nvtx import nvtx_range
-from ..distributed.collectives import all_reduce_sum_, group_rank
+from ..distributed.collectives import all_reduce_sum, all_reduce_sum_, group_rank
 from . import ops
 from . import reference as ref
 from .vocab_parallel import gather_stats
@@ -287,10 +287,12 @@ def _grad_operand(logits: torch.Tensor, half: Optional[torch.Tensor]) -> torch.T
 
 def _chunk_stats(logits, target, count, o, grad: bool, mean: bool, cw=None, wstat=None):
     """Whole-vocabulary ``[3, rows]`` stats of one logits chunk, its tokens' first argmax
-    (``[rows]`` int64 with ``o["argmax"]``, else None) and, with ``grad``, its gradient in
+    (``[rows]`` int64 with ``o["argmax"]``, else None), their target weights (``[rows]``
+    with class weights and ``tp_group``, else None) and, with ``grad``, its gradient in
     place: for an upstream gradient of 1 (over the mean's divisors when ``mean``; times
     each token's target probability with ``use_token_scaling``). ``cw``, ``wstat``: the
-    class weights and their ``[2]`` stats (``ops._class_stats``), or None."""
+    class weights (this rank's) and their ``[2]`` stats over the whole vocabulary and
+    batch (:func:`_weight_stats`), or None."""
     ignore, ls, z, cap = o["ignore_index"], o["label_smoothing"], o["z_loss"], o["softcap"]
     one_rank = o["tp_group"] is None
     argmax = o["argmax"]
@@ -304,27 +306,46 @@ def _chunk_stats(logits, target, count, o, grad: bool, mean: bool, cw=None, wsta
             stats = torch.ops.lmfuse.ce_fwd_grad_(logits, target, count, ignore, ls, z, cap,
                                                   mean, ops.encode_launch(kernel), cw, wstat,
                                                   argmax, scale)
-        return stats[:3], stats[4].long() if argmax else None
+        return stats[:3], stats[4].long() if argmax else None, None
     if o["path"] == "triton":
         start, size = o["vocab_start"], o["vocab_size"]  # (the loss row, scaled by mean,
         stats = (ops._launch_fwd(logits, target, count, None, start, size, ignore, ls, z, cap,
                                  False, None, cw, wstat, argmax) if eager else  # is unused)
                  torch.ops.lmfuse.ce_stats(logits, target, count, start, size, ignore, ls, z,
                                            cap, False, cw, wstat, argmax))
-        pred = stats[4].long() if argmax else None
+        columns = stats[4] if argmax else None
+        pred = columns.long() if argmax else None
         stats = stats[:3]
         if one_rank:
-            return stats, pred
+            return stats, pred, None
     else:
         stats = ref.local_token_stats(logits, target, o["vocab_start"], cap, cw)
         pred = ref.predicted_tokens(logits, target, ignore, cap) if argmax else None
+    wt = None
     if not one_rank:
-        stats = gather_stats(stats, target, count, o, False)[:3].contiguous()
+        top = None
+        if argmax:
+            top = (ops._local_top(logits, columns, o["vocab_start"], cap)
+                   if o["path"] == "triton" else ref.local_top(logits, o["vocab_start"], cap))
+        merged = gather_stats(stats, target, count, o, False, cw, top)
+        stats, wt, pred = merged.stats[:3].contiguous(), merged.target_weight, merged.pred
     if grad:
         w, wz = _token_scales(torch.ones((), device=logits.device), stats, target, count,
                               wstat, o)
-        _chunk_grad(logits, target, stats, w, o, cw, wstat, wz)
-    return stats, pred
+        _chunk_grad(logits, target, stats, w, o, cw, wstat, wz, wt)
+    return stats, pred, wt
+
+
+def _weight_stats(cw: torch.Tensor, target: torch.Tensor, o: dict[str, Any]) -> torch.Tensor:
+    """``[2]`` float32: the sum of the class weights and that of the non-ignored targets'
+    (a weighted mean's divisor), over the whole vocabulary: with ``tp_group`` each rank's
+    share summed by one all-reduce of these two floats, before the chunks (the forward's
+    gradients need the divisor from the first chunk on)."""
+    if o["tp_group"] is None:
+        return ops._class_stats(cw, target, o["ignore_index"])
+    mine = torch.stack([cw.sum(), ref.target_weights(cw, target, o["ignore_index"],
+                                                     o["vocab_start"]).sum()]).float()
+    return all_reduce_sum(mine, o["tp_group"])
 
 
 def _token_scales(dout: torch.Tensor, stats: torch.Tensor, target: torch.Tensor,
@@ -349,13 +370,14 @@ def _token_scales(dout: torch.Tensor, stats: torch.Tensor, target: torch.Tensor,
     return w, wz
 
 
-def _chunk_grad(logits, target, stats, w, o, cw=None, wstat=None, wz=None) -> None:
+def _chunk_grad(logits, target, stats, w, o, cw=None, wstat=None, wz=None, wt=None) -> None:
     """Overwrite a logits chunk with its gradient, from whole-vocabulary stats and the
     tokens' upstream gradients ``w [rows]`` (float32); with class weights ``cw`` (and
-    ``wstat``), ``wz [rows]`` scales the z-loss's term (see :func:`_token_scales`)."""
+    ``wstat``), ``wz [rows]`` scales the z-loss's term (see :func:`_token_scales`) and,
+    with ``tp_group``, ``wt [rows]`` holds the targets' weights."""
     args = (o["vocab_start"], o["vocab_size"], o["ignore_index"], o["label_smoothing"],
             o["z_loss"], o["softcap"])
-    opt = () if cw is None else (cw, wstat, wz)
+    opt = () if cw is None else (cw, wstat, wz, wt)
     if o["path"] == "triton" and ops._eager():
         ops._launch_grad(logits, target, stats, w, logits, *args, *opt)
     elif o["path"] == "triton":
@@ -364,7 +386,9 @@ def _chunk_grad(logits, target, stats, w, o, cw=None, wstat=None, wz=None) -> No
         logits.copy_(ref.logits_grad(logits, target, stats[0], w, vocab_start=args[0],
                                      vocab_size=args[1], ignore_index=args[2],
                                      label_smoothing=args[3], z_loss=args[4],
-                                     softcap=args[5], class_weight=cw, z_weight=wz))
+                                     softcap=args[5], class_weight=cw, z_weight=wz,
+                                     target_weight=wt,
+                                     weight_sum=None if wt is None else wstat[0]))
 
 
 class _Grads:
@@ -418,7 +442,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                               o["max_chunk_bytes"], o["config"])
             ignore = o["ignore_index"]
             count = torch.sum(target != ignore, dtype=torch.float32)
-            wstat = None if cw is None else ops._class_stats(cw, target, ignore)
+            wstat = None if cw is None else _weight_stats(cw, target, o)
             mean = o["reduction"] == "mean"
             ctx.o, ctx.rows = o, rows
             grads = _Grads(hidden, weight, bias, o["needs"]) if o["fused"] else None
@@ -427,31 +451,38 @@ class _LinearCrossEntropy(torch.autograd.Function):
             stats = torch.empty((3, n), dtype=_stats_dtype(hidden), device=hidden.device)
             pred = torch.empty((n if o["argmax"] else 0,), dtype=torch.int64,
                                device=hidden.device)
+            wt = None  # (with tp_group: the targets' weights, from the chunks' all-gathers)
+            if cw is not None and o["tp_group"] is not None:
+                wt = torch.empty((n,), dtype=_stats_dtype(hidden), device=hidden.device)
             for r0 in range(0, n, rows):
                 r1 = min(n, r0 + rows)
                 logits = buf[: r1 - r0]
                 _logits(hidden[r0:r1], weight, bias, out=logits)
-                stats[:, r0:r1], chunk_pred = _chunk_stats(logits, target[r0:r1], count, o,
-                                                           grads is not None, mean, cw, wstat)
+                stats[:, r0:r1], chunk_pred, chunk_wt = _chunk_stats(
+                    logits, target[r0:r1], count, o, grads is not None, mean, cw, wstat)
                 if chunk_pred is not None:
                     pred[r0:r1] = chunk_pred
+                if chunk_wt is not None:
+                    wt[r0:r1] = chunk_wt
                 if grads is not None:
                     grads.add(_grad_operand(logits, half), r0, r1)
             del buf, half
             ce, zl = ref.token_terms(stats, target, vocab_size=o["vocab_size"],
                                      ignore_index=ignore, label_smoothing=o["label_smoothing"],
-                                     z_loss=o["z_loss"], weight=cw)
+                                     z_loss=o["z_loss"], weight=cw, target_weight=wt,
+                                     weight_sum=None if wt is None else wstat[0])
             scale = None
             if o["token_scaling"]:
                 scale = ref.target_probability(stats, target, vocab_size=o["vocab_size"],
                                                ignore_index=ignore)
                 ce, zl = ce * scale, zl * scale
-            loss = ref.reduce_terms(ce, zl, target, count, o["reduction"], ignore, cw)
+            loss = ref.reduce_terms(ce, zl, target, count, o["reduction"], ignore, cw, wt)
             if grads is not None:
                 ctx.save_for_backward(*(g for g in grads.finish(o["tp_group"])
                                         if g is not None))
             elif o["grad_needed"]:
-                ctx.save_for_backward(hidden, weight, bias, target, stats, count, cw, wstat)
+                ctx.save_for_backward(hidden, weight, bias, target, stats, count, cw, wstat,
+                                      wt)
             ctx.has = tuple(o["needs"])
             if not o["extras"]:
                 return loss
@@ -474,7 +505,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                         _scale(g, dout, o["path"])
                     out.append(g)
                 return out[0], out[1], out[2], None, None, None
-            hidden, weight, bias, target, stats, count, cw, wstat = ctx.saved_tensors
+            hidden, weight, bias, target, stats, count, cw, wstat, wt = ctx.saved_tensors
             n, rows = hidden.shape[0], ctx.rows
             w, wz = _token_scales(dout, stats, target, count, wstat, o)
             grads = _Grads(hidden, weight, bias, ctx.has)
@@ -484,7 +515,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 logits = buf[: r1 - r0]
                 _logits(hidden[r0:r1], weight, bias, out=logits)
                 _chunk_grad(logits, target[r0:r1], stats[:, r0:r1].contiguous(), w[r0:r1], o,
-                            cw, wstat, None if cw is None else wz[r0:r1])
+                            cw, wstat, None if cw is None else wz[r0:r1],
+                            None if wt is None else wt[r0:r1])
                 grads.add(_grad_operand(logits, half), r0, r1)
             dh, dw, db = grads.finish(o["tp_group"])
             return dh, dw, db, None, None, None
@@ -569,7 +601,10 @@ def plan_linear_cross_entropy(
     details = {
         "hidden": f"{list(hidden.shape)} {str(hidden.dtype).replace('torch.', '')}",
         "vocabulary": (f"{weight.shape[0]} of {o['vocab_size']} (rank {group_rank(tp_group)}, "
-                       f"one all-gather of [3, rows] stats per chunk)"
+                       f"one all-gather of [{3 + o['weighted'] + 2 * o['argmax']}, rows] "
+                       "stats per chunk"
+                       + (", the class weights' sums all-reduced first" if o["weighted"]
+                          else "") + ")"
                        if o["tp_group"] is not None else str(weight.shape[0])),
         "chunks": (f"{chunks} x {rows} tokens; logits buffer "
                    f"{rows * weight.shape[0] * _chunk_itemsize(hidden, o) / 2**20:.1f} MiB"
@@ -624,7 +659,11 @@ def linear_cross_entropy(
         bias: optional ``[V_local]``, hidden's dtype.
         tp_group: vocabulary parallelism (``hidden`` replicated on the ranks): one
             all-gather of ``[3, rows]`` token stats per chunk, and ``hidden``'s gradient
-            all-reduced over the group. ``None`` or a one-rank group: no collective.
+            all-reduced over the group. ``None`` or a one-rank group: no collective. The
+            options' rows join the stats' all-gather (the target weights, each rank's max
+            logit and its column); with ``ce_weight`` one all-reduce of two floats (the
+            weights' sum, the counted targets') comes first, the divisor of a weighted
+            mean that the forward's gradients need from the first chunk on.
         max_chunk_bytes: the budget of the one logits chunk held at a time (default: the
             device's tuning table, 256 MiB); the op's extra memory beyond the gradients is
             this plus O(N) per-token state, whatever N.

@@ -198,10 +198,12 @@ def _launch_slices(logits, target, count, grad, stats, ignore_index, label_smoot
 
 
 def _launch_grad(logits, target, stats, w, grad, vocab_start, vocab_size, ignore_index,
-                 label_smoothing, z_loss, softcap, weight=None, wstat=None, wz=None):
+                 label_smoothing, z_loss, softcap, weight=None, wstat=None, wz=None, wt=None):
     """The gradient from whole-vocabulary ``stats`` and per-token upstream gradients ``w``
     (with class weights ``weight``, ``wstat`` as in :func:`_launch_fwd`: ``w`` scales the
-    weighted terms, ``wz`` the z-loss's)."""
+    weighted terms, ``wz`` the z-loss's). ``wt [N]`` (vocabulary parallel): the tokens'
+    target weights, ``weight`` being this rank's shard and ``wstat`` the whole
+    vocabulary's."""
     n, V = logits.shape
     if n == 0:
         return
@@ -212,6 +214,8 @@ def _launch_grad(logits, target, stats, w, grad, vocab_start, vocab_size, ignore
     extra = {} if weight is None else dict(
         cw_ptr=weight, wstat_ptr=wstat, wz_ptr=wz, stride_wz=wz.stride(0), HAS_WEIGHT=True,
         HAS_SMOOTHING=label_smoothing > 0)
+    if wt is not None:
+        extra.update(wt_ptr=wt, TARGET_WEIGHT=True)
     if cfg["SINGLE_BLOCK"]:
         _kernels().ce_grad_kernel[(_cdiv(n, cfg["BLOCK_M"]),)](
             *args, HAS_SOFTCAP=softcap is not None, BLOCK_M=cfg["BLOCK_M"],
@@ -313,17 +317,17 @@ def _(logits, target, count, ignore_index, label_smoothing, z_loss, softcap, mea
 def _ce_grad(logits: torch.Tensor, target: torch.Tensor, stats: torch.Tensor, w: torch.Tensor,
              vocab_start: int, vocab_size: int, ignore_index: int, label_smoothing: float,
              z_loss: float, softcap: Optional[float], weight: Optional[torch.Tensor] = None,
-             wstat: Optional[torch.Tensor] = None,
-             wz: Optional[torch.Tensor] = None) -> torch.Tensor:
+             wstat: Optional[torch.Tensor] = None, wz: Optional[torch.Tensor] = None,
+             wt: Optional[torch.Tensor] = None) -> torch.Tensor:
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
     _launch_grad(logits, target, stats, w, grad, vocab_start, vocab_size, ignore_index,
-                 label_smoothing, z_loss, softcap, weight, wstat, wz)
+                 label_smoothing, z_loss, softcap, weight, wstat, wz, wt)
     return grad
 
 
 @_ce_grad.register_fake
 def _(logits, target, stats, w, vocab_start, vocab_size, ignore_index, label_smoothing, z_loss,
-      softcap, weight=None, wstat=None, wz=None):
+      softcap, weight=None, wstat=None, wz=None, wt=None):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
@@ -331,14 +335,15 @@ def _(logits, target, stats, w, vocab_start, vocab_size, ignore_index, label_smo
 def _ce_grad_(logits: torch.Tensor, target: torch.Tensor, stats: torch.Tensor, w: torch.Tensor,
               vocab_start: int, vocab_size: int, ignore_index: int, label_smoothing: float,
               z_loss: float, softcap: Optional[float], weight: Optional[torch.Tensor] = None,
-              wstat: Optional[torch.Tensor] = None, wz: Optional[torch.Tensor] = None) -> None:
+              wstat: Optional[torch.Tensor] = None, wz: Optional[torch.Tensor] = None,
+              wt: Optional[torch.Tensor] = None) -> None:
     _launch_grad(logits, target, stats, w, logits, vocab_start, vocab_size, ignore_index,
-                 label_smoothing, z_loss, softcap, weight, wstat, wz)
+                 label_smoothing, z_loss, softcap, weight, wstat, wz, wt)
 
 
 @_ce_grad_.register_fake
 def _(logits, target, stats, w, vocab_start, vocab_size, ignore_index, label_smoothing, z_loss,
-      softcap, weight=None, wstat=None, wz=None):
+      softcap, weight=None, wstat=None, wz=None, wt=None):
     return None
 
 
@@ -379,7 +384,9 @@ class _CrossEntropy(torch.autograd.Function):
             one_rank = o["tp_group"] is None
             mean = o["reduction"] == "mean" and one_rank
             argmax = o["argmax"]
-            wstat = None if weight is None else _class_stats(weight, target, ignore)
+            wstat = None if weight is None or not one_rank else _class_stats(weight, target,
+                                                                              ignore)
+            wt = pred = None  # (vocabulary parallel: the targets' weights, the argmax)
             opt = (weight, wstat, argmax)  # the launches' trailing arguments
             if o["fused"]:
                 if o["inplace"]:
@@ -396,6 +403,8 @@ class _CrossEntropy(torch.autograd.Function):
                 ctx.save_for_backward(grad)
             else:
                 if o["path"] == "triton":
+                    if not one_rank and weight is not None:  # (its loss row is not used)
+                        opt = (weight, torch.ones(2, device=logits.device), argmax)
                     args = (logits, target, count, o["vocab_start"], o["vocab_size"], ignore, ls, z,
                             cap, mean)
                     stats = (_launch_fwd(logits, target, count, None, *args[3:], None, *opt)
@@ -403,20 +412,31 @@ class _CrossEntropy(torch.autograd.Function):
                 else:
                     stats = ref.local_token_stats(logits, target, o["vocab_start"], cap, weight)
                 if not one_rank:
-                    stats = gather_stats(stats, target, count, o, o["reduction"] == "mean")
-                ctx.save_for_backward(logits, target, stats.contiguous(), count, weight, wstat)
+                    top = None
+                    if argmax and o["path"] == "triton":
+                        top = _local_top(logits, stats[4], o["vocab_start"], cap)
+                    elif argmax:
+                        top = ref.local_top(logits, o["vocab_start"], cap)
+                    stats, wt, wstat, pred = gather_stats(stats, target, count, o,
+                                                          o["reduction"] == "mean", weight, top)
+                ctx.save_for_backward(logits, target, stats.contiguous(), count, weight, wstat,
+                                      wt)
             if o["path"] == "triton":
                 loss = stats[3]  # the kernels' per-token loss, already / count for "mean"
                 loss = loss if o["reduction"] == "none" else loss.sum()
             else:
                 ce, zl = ref.token_terms(stats, target, vocab_size=o["vocab_size"],
                                          ignore_index=ignore, label_smoothing=ls, z_loss=z,
-                                         weight=weight)
-                loss = ref.reduce_terms(ce, zl, target, count, o["reduction"], ignore, weight)
+                                         weight=weight, target_weight=wt,
+                                         weight_sum=None if wt is None else wstat[0])
+                loss = ref.reduce_terms(ce, zl, target, count, o["reduction"], ignore, weight,
+                                        wt)
             if not o["extras"]:
                 return loss
             if not argmax:
                 pred = torch.empty(0, dtype=torch.int64, device=logits.device)
+            elif pred is not None:
+                pass  # vocabulary parallel: merged with the stats
             elif o["path"] == "triton":
                 pred = stats[4].long()
             else:
@@ -438,7 +458,7 @@ class _CrossEntropy(torch.autograd.Function):
                 else:
                     torch.ops.lmfuse.ce_scale_(grad, scale)
                 return grad, None, None, None
-            logits, target, stats, count, weight, wstat = ctx.saved_tensors
+            logits, target, stats, count, weight, wstat, wt = ctx.saved_tensors
             n = logits.shape[0]
             wz = None
             if o["reduction"] == "none":
@@ -455,7 +475,7 @@ class _CrossEntropy(torch.autograd.Function):
                 wz = w
             args = (o["vocab_start"], o["vocab_size"], o["ignore_index"], o["label_smoothing"],
                     o["z_loss"], o["softcap"])
-            opt = () if weight is None else (weight, wstat, wz)
+            opt = () if weight is None else (weight, wstat, wz, wt)
             if o["path"] == "triton":
                 if o["inplace"]:
                     if _eager():
@@ -472,11 +492,24 @@ class _CrossEntropy(torch.autograd.Function):
             grad = ref.logits_grad(logits, target, stats[0], w, vocab_start=args[0],
                                    vocab_size=args[1], ignore_index=args[2],
                                    label_smoothing=args[3], z_loss=args[4], softcap=args[5],
-                                   class_weight=weight, z_weight=wz)
+                                   class_weight=weight, z_weight=wz, target_weight=wt,
+                                   weight_sum=None if wt is None else wstat[0])
             if o["inplace"]:
                 logits.copy_(grad)
                 return logits, None, None, None
             return grad, None, None, None
+
+
+def _local_top(logits: torch.Tensor, columns: torch.Tensor, vocab_start: int,
+               softcap: Optional[float]) -> torch.Tensor:
+    """``[2, N]`` float32 for :func:`gather_stats`: each row's max logit among this rank's
+    columns and the global column of its first maximum, ``columns`` (the stats kernels'
+    argmax row). The max is read back at that column (N loads, not a pass over the
+    logits) and softcapped by torch, in the order the kernel compared them up to float32
+    rounding: a NaN there for a row that holds one."""
+    local = (columns.long() - vocab_start).clamp(0, logits.shape[1] - 1)
+    value = ref.softcapped(logits.gather(1, local[:, None])[:, 0], softcap)
+    return torch.stack([value.float(), columns])
 
 
 def _once(ctx, op: str) -> None:
@@ -541,12 +574,6 @@ def _resolve(logits, target, ignore_index, label_smoothing, z_loss, softcap, red
     vocab_size = V_local * world
     _check_weight(weight, logits)
     argmax = return_token_accuracy or return_predicted_tokens
-    if world > 1 and (weight is not None or argmax):
-        given = [n for n, v in (("weight", weight is not None),
-                                ("return_token_accuracy", return_token_accuracy),
-                                ("return_predicted_tokens", return_predicted_tokens)) if v]
-        raise ValueError(f"{_OP}: {' and '.join(given)}: not yet supported with tp_group "
-                         f"(vocabulary parallel, {world} ranks); return_z_loss is")
     if argmax and vocab_size > _MAX_ARGMAX_CLASSES:
         raise ValueError(f"{_OP}: return_token_accuracy / return_predicted_tokens take at most "
                          f"{_MAX_ARGMAX_CLASSES} classes (the kernels carry a class id in "
@@ -631,7 +658,8 @@ def plan_cross_entropy(
     details = {
         "logits": f"{list(logits.shape)} {str(logits.dtype).replace('torch.', '')}",
         "vocabulary": (f"{V} of {o['vocab_size']} (rank {group_rank(tp_group)}, one "
-                       "all-gather of [3, N] stats)" if o["tp_group"] is not None else str(V)),
+                       f"all-gather of [{3 + o['weighted'] + 2 * o['argmax']}, N] stats)"
+                       if o["tp_group"] is not None else str(V)),
         "passes": ("fused: stats + gradient in the forward kernel, backward only rescales"
                    if o["fused"] else
                    "deferred: stats in forward, gradient in backward" if o["grad_needed"]
@@ -726,8 +754,9 @@ def cross_entropy(
     gets loss ``+inf`` (loud in any loss curve) and a zero gradient, and nothing is read
     out of bounds.
 
-    ``weight``, ``return_token_accuracy`` and ``return_predicted_tokens`` are not yet
-    supported with ``tp_group`` (a ``ValueError``).
+    With ``tp_group``, ``weight`` is this rank's ``[V_local]`` shard of the class weights;
+    the weights' rows and the argmax's (each rank's max logit and its first column) join
+    the token stats in the one all-gather.
 
     Returns:
         float32 loss: a scalar, or per-token ``[...]`` for ``reduction="none"``. With any

@@ -48,7 +48,10 @@ A token is described by three numbers, which is what lets the vocabulary be spli
 ranks: ``lse``, ``x_t`` and ``sum_j x_j``. Each rank computes them over its own columns
 (``x_t = 0`` where it does not hold the target) and :func:`merge_token_stats` combines
 them: log-sum-exp of the ``lse``, sums of the other two (with class weights the third is
-``sum_j w_j x_j``).
+``sum_j w_j x_j``). With class weights each rank also gives ``w_t`` (0 where it does not
+hold the target) and the sum of its shard's weights, both summed; for the predictions,
+its max logit and that max's first column (:func:`local_top`), which
+:func:`merge_predictions` combines into the first maximum of the whole row.
 
 NaN and inf follow ``F.cross_entropy`` (its max-shifted log-softmax): a NaN logit, or a
 +inf one (``inf - inf``), makes the token's ``lse``, loss and whole gradient row NaN;
@@ -146,11 +149,13 @@ def cross_entropy_reference(
 
 def reduce_terms(ce: torch.Tensor, zl: torch.Tensor, target: torch.Tensor,
                  count: torch.Tensor, reduction: str, ignore_index: int,
-                 weight: Optional[torch.Tensor]) -> torch.Tensor:
+                 weight: Optional[torch.Tensor],
+                 target_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The loss from the per-token weighted terms ``ce`` and z-loss ``zl`` (see
     :func:`token_terms`): per token, summed, or their mean: ``sum ce / sum w_t + sum zl /
     count`` over non-ignored tokens (``sum w_t`` = count without weights), 0 when every
-    token is ignored."""
+    token is ignored. ``target_weight [N]``: the tokens' ``w_t`` when ``weight`` is only
+    this rank's shard (vocabulary parallel)."""
     if reduction == "none":
         return ce + zl
     if reduction == "sum":
@@ -158,7 +163,10 @@ def reduce_terms(ce: torch.Tensor, zl: torch.Tensor, target: torch.Tensor,
     n = count.clamp(min=1)
     if weight is None:
         return (ce + zl).sum() / n
-    w_sum = target_weights(weight, target, ignore_index).sum()
+    if target_weight is None:
+        target_weight = target_weights(weight, target, ignore_index)
+    valid = target.long() != ignore_index
+    w_sum = torch.where(valid, target_weight, torch.zeros_like(target_weight)).sum()
     return ce.sum() / torch.where(count > 0, w_sum, torch.ones_like(w_sum)) + zl.sum() / n
 
 
@@ -243,6 +251,29 @@ def merge_token_stats(gathered: torch.Tensor) -> torch.Tensor:
     return torch.stack([lse, gathered[:, 1].sum(dim=0), gathered[:, 2].sum(dim=0)])
 
 
+def local_top(logits: torch.Tensor, vocab_start: int, softcap: float | None) -> torch.Tensor:
+    """``[2, N]`` (float32; float64 for float64): each row's max (softcapped) logit among
+    this rank's columns, NaN if it holds one, and the global column of its first maximum
+    (``torch.argmax``'s: a NaN first)."""
+    x = softcapped(logits, softcap)
+    index = x.argmax(dim=-1)
+    value = x.gather(1, index[:, None])[:, 0]
+    return torch.stack([value, (index + vocab_start).to(value.dtype)])
+
+
+def merge_predictions(values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """``[N]`` int64, the first maximum of the whole row from every rank's ``[world, N]``
+    max and its first column (:func:`local_top`, ranks in column order): the largest max,
+    a NaN largest of all, the lowest rank among equal ones, as ``torch.argmax`` of the
+    whole row."""
+    best, column = values[0], columns[0]
+    for value, col in zip(values[1:], columns[1:]):
+        take = (value > best) | (value.isnan() & ~best.isnan())
+        best = torch.where(take, value, best)
+        column = torch.where(take, col, column)
+    return column.long()
+
+
 def token_loss(stats: torch.Tensor, target: torch.Tensor, *, vocab_size: int,
                ignore_index: int, label_smoothing: float, z_loss: float,
                weight: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -258,11 +289,15 @@ def token_loss(stats: torch.Tensor, target: torch.Tensor, *, vocab_size: int,
 
 def token_terms(stats: torch.Tensor, target: torch.Tensor, *, vocab_size: int,
                 ignore_index: int, label_smoothing: float, z_loss: float,
-                weight: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                weight: Optional[torch.Tensor] = None,
+                target_weight: Optional[torch.Tensor] = None,
+                weight_sum: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-token loss in two terms ``[N]``: the (class-weighted) cross-entropy with its
     smoothing, and the z-loss; both 0 where ignored, the first +inf for a bad target (see
     :func:`token_loss`). ``weight [vocab_size]``: class weights; ``stats[2]`` then holds
-    ``sum_j w_j x_j``."""
+    ``sum_j w_j x_j``. Vocabulary parallel, where ``weight`` is this rank's shard:
+    ``target_weight [N]`` the tokens' ``w_t`` and ``weight_sum`` the whole vocabulary's
+    sum of weights, in place of those taken from ``weight``."""
     lse, x_t, sum_x = stats
     t = target.long()
     valid = t != ignore_index
@@ -271,10 +306,11 @@ def token_terms(stats: torch.Tensor, target: torch.Tensor, *, vocab_size: int,
         if label_smoothing:
             loss = loss + label_smoothing * (lse - sum_x / vocab_size)
     else:
-        w_t = target_weights(weight, t, ignore_index)
+        w_t = target_weights(weight, t, ignore_index) if target_weight is None else target_weight
+        w_sum = weight.sum() if weight_sum is None else weight_sum
         loss = w_t * (1.0 - label_smoothing) * (lse - x_t)
         if label_smoothing:
-            loss = loss + label_smoothing / vocab_size * (weight.sum() * lse - sum_x)
+            loss = loss + label_smoothing / vocab_size * (w_sum * lse - sum_x)
     zero = torch.zeros_like(loss)
     zl = torch.where(valid, z_loss * lse * lse, zero) if z_loss else zero
     bad = valid & ((t < 0) | (t >= vocab_size))
@@ -286,14 +322,18 @@ def logits_grad(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
                 weight: torch.Tensor, *, vocab_start: int, vocab_size: int, ignore_index: int,
                 label_smoothing: float, z_loss: float, softcap: float | None,
                 class_weight: Optional[torch.Tensor] = None,
-                z_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+                z_weight: Optional[torch.Tensor] = None,
+                target_weight: Optional[torch.Tensor] = None,
+                weight_sum: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``d loss / d logits`` for this rank's columns, in ``logits.dtype``.
 
     ``lse [N]`` is the whole-vocabulary log-sum-exp, ``weight [N]`` (or a scalar) each
     token's upstream gradient. Ignored and out-of-range targets get a zero row.
 
-    ``class_weight [V]`` (one rank): class weights; ``weight`` then scales the weighted
-    terms and ``z_weight`` (default ``weight``) the z-loss's (they differ for a mean).
+    ``class_weight [V_local]``: class weights of this rank's columns; ``weight`` then
+    scales the weighted terms and ``z_weight`` (default ``weight``) the z-loss's (they
+    differ for a mean). Vocabulary parallel: ``target_weight [N]`` and ``weight_sum`` as
+    in :func:`token_terms`.
     """
     x = softcapped(logits, softcap)
     t = target.long()
@@ -314,9 +354,11 @@ def logits_grad(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
         w_z = w if z_weight is None else torch.where(
             ok, torch.as_tensor(z_weight, dtype=p.dtype, device=p.device).expand(x.shape[0]),
             torch.zeros_like(w))
-        w_t = target_weights(cw, t, ignore_index)[:, None] * (1.0 - label_smoothing)
+        w_t = (target_weights(cw, t, ignore_index, vocab_start) if target_weight is None
+               else target_weight.to(p.dtype))[:, None] * (1.0 - label_smoothing)
+        w_sum = cw.sum() if weight_sum is None else weight_sum.to(p.dtype)
         s_v = label_smoothing / vocab_size
-        g = (p * (w_t + s_v * cw.sum()) - s_v * cw - w_t * onehot) * w[:, None]
+        g = (p * (w_t + s_v * w_sum) - s_v * cw - w_t * onehot) * w[:, None]
         g = g + p * (2.0 * z_loss * lse[:, None]) * w_z[:, None]
         if softcap is not None:
             g = g * (1.0 - (x / softcap) ** 2)

@@ -6,11 +6,17 @@ every rank's numbers, and a log-sum-exp merge turns them into the whole-vocabula
 (on the Triton path one kernel, ``ce_merge_kernel``, which also forms the token loss).
 Megatron-Core needs two all-reduces for the same (the max, then the sums). The backward
 needs no communication: the gradient of a rank's columns depends only on the merged lse.
+
+The options ride in the same all-gather: with class weights (each rank its ``[V_local]``
+shard) a rank adds a row of its targets' weights (0 where it does not hold the target)
+and one float, its shard's sum of weights; for the predicted tokens it adds two rows, its
+max logit and that max's first global column (float32, exact below 2^24 classes), merged
+into the first maximum of the whole row. Still one collective.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -19,44 +25,98 @@ from ..distributed.collectives import all_gather_stacked
 from . import reference as ref
 
 
+class Merged(NamedTuple):
+    """The whole-vocabulary result of :func:`gather_stats`: ``stats`` (``[3, N]`` on the
+    torch path; ``[4, N]`` on the Triton path, the token loss last), and with class
+    weights the tokens' ``target_weight [N]`` and ``wstat [2]`` (the sum of all weights,
+    the sum of the non-ignored targets'), with the argmax ``pred [N]`` int64."""
+
+    stats: torch.Tensor
+    target_weight: Optional[torch.Tensor] = None
+    wstat: Optional[torch.Tensor] = None
+    pred: Optional[torch.Tensor] = None
+
+
 def _launch_merge(gathered, target, count, vocab_size, ignore_index, label_smoothing, z_loss,
-                  mean):
-    """``[4, N]`` whole-vocabulary stats and token loss from every rank's ``[world, 3, N]``."""
+                  mean, target_weight=None, wstat=None, argmax=False):
+    """``[4, N]`` whole-vocabulary stats and token loss from every rank's ``[world, 3, N]``
+    (``[world, S * N (+ 1)]`` with the options' rows: see ``ce_merge_kernel``); with
+    ``argmax`` ``[5, N]``, the predicted class (float32) last."""
     from . import ops  # (which imports this module) its kernels and scalars, on first use
 
-    world, _, n = gathered.shape
-    stats = torch.empty((4, n), dtype=torch.float32, device=gathered.device)
+    weighted = target_weight is not None
+    rows = 3 + weighted + 2 * argmax
+    world, n = gathered.shape[0], target.shape[0]
+    stats = torch.empty((5 if argmax else 4, n), dtype=torch.float32, device=gathered.device)
     if n:
         block = 1024
+        extra = {} if not (weighted or argmax) else dict(
+            wt_ptr=target_weight, wstat_ptr=wstat, HAS_WEIGHT=weighted, ARGMAX=argmax,
+            STATS=rows)
         ops._kernels().ce_merge_kernel[(ops._cdiv(n, block),)](
             gathered, target, stats, count, n, world, vocab_size, ignore_index,
             *ops._scalars(vocab_size, label_smoothing, z_loss, None)[:3],
-            HAS_SMOOTHING=label_smoothing > 0, MEAN=mean, BLOCK=block, num_warps=4)
+            HAS_SMOOTHING=label_smoothing > 0, MEAN=mean, BLOCK=block, num_warps=4, **extra)
     return stats
 
 
 @torch.library.custom_op("lmfuse::ce_merge", mutates_args=())
 def _ce_merge(gathered: torch.Tensor, target: torch.Tensor, count: torch.Tensor,
               vocab_size: int, ignore_index: int, label_smoothing: float, z_loss: float,
-              mean: bool) -> torch.Tensor:
+              mean: bool, target_weight: Optional[torch.Tensor] = None,
+              wstat: Optional[torch.Tensor] = None, argmax: bool = False) -> torch.Tensor:
     return _launch_merge(gathered, target, count, vocab_size, ignore_index, label_smoothing,
-                         z_loss, mean)
+                         z_loss, mean, target_weight, wstat, argmax)
 
 
 @_ce_merge.register_fake
-def _(gathered, target, count, vocab_size, ignore_index, label_smoothing, z_loss, mean):
-    return gathered.new_empty((4, gathered.shape[2]), dtype=torch.float32)
+def _(gathered, target, count, vocab_size, ignore_index, label_smoothing, z_loss, mean,
+      target_weight=None, wstat=None, argmax=False):
+    return gathered.new_empty((5 if argmax else 4, target.shape[0]), dtype=torch.float32)
 
 
 def gather_stats(stats: torch.Tensor, target: torch.Tensor, count: torch.Tensor,
-                 o: dict[str, Any], mean: bool) -> torch.Tensor:
+                 o: dict[str, Any], mean: bool, weight: Optional[torch.Tensor] = None,
+                 top: Optional[torch.Tensor] = None) -> Merged:
     """Whole-vocabulary stats from this rank's ``stats[:3]``, with one all-gather over
     ``o["tp_group"]``. Triton path: the merge and the token loss (scaled by ``1 / count``
-    when ``mean``) in one launch, ``[4, N]`` like the forward kernels' stats; torch path:
-    the reference merge, ``[3, N]``."""
-    gathered = all_gather_stacked(stats[:3], o["tp_group"])
+    when ``mean``; with class weights, the weighted terms by ``1 / sum w_t``) in one
+    launch, ``[4, N]`` like the forward kernels' stats; torch path: the reference merge,
+    ``[3, N]``.
+
+    ``weight``: this rank's class weights ``[V_local]`` (``stats[2]`` then holds
+    ``sum w x``). ``top``: this rank's ``[2, N]`` max logit and its first global column
+    (:func:`reference.local_top`), for the argmax of the whole row.
+    """
+    n = target.shape[0]
+    rows = [stats[0], stats[1], stats[2]]
+    if weight is not None:
+        rows.append(ref.target_weights(weight, target, o["ignore_index"],
+                                       o["vocab_start"]).to(stats.dtype))
+    if top is not None:
+        rows += [top[0].to(stats.dtype), top[1].to(stats.dtype)]
+    local = torch.stack(rows)
+    if weight is not None:  # one float more: this shard's sum of weights
+        local = torch.cat([local.reshape(-1), weight.sum().to(stats.dtype).reshape(1)])
+    gathered = all_gather_stacked(local, o["tp_group"])
+    S = len(rows)
+    parts = gathered if weight is None else gathered[:, :S * n].view(gathered.shape[0], S, n)
+    target_weight = wstat = None
+    if weight is not None:
+        target_weight = parts[:, 3].sum(dim=0)
+        valid = target.long() != o["ignore_index"]
+        wstat = torch.stack([gathered[:, S * n].sum(),
+                             torch.where(valid, target_weight,
+                                         torch.zeros_like(target_weight)).sum()])
     if o["path"] != "triton":
-        return ref.merge_token_stats(gathered)
+        pred = None if top is None else ref.merge_predictions(parts[:, S - 2], parts[:, S - 1])
+        return Merged(ref.merge_token_stats(parts[:, :3]), target_weight, wstat, pred)
+    if weight is not None:
+        target_weight, wstat = target_weight.float().contiguous(), wstat.float()
     args = (gathered, target, count, o["vocab_size"], o["ignore_index"],
             o["label_smoothing"], o["z_loss"], mean)
-    return _launch_merge(*args) if eager() else torch.ops.lmfuse.ce_merge(*args)
+    if weight is not None or top is not None:
+        args += (target_weight, wstat, top is not None)
+    merged = _launch_merge(*args) if eager() else torch.ops.lmfuse.ce_merge(*args)
+    return Merged(merged[:4], target_weight, wstat,
+                  merged[4].long() if top is not None else None)
