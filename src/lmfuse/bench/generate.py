@@ -153,6 +153,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     add("--kv-dtype", action="append", default=[], choices=["fp8", "bf16", "fp16", "fp32"],
         help="also lmfuse rows with this cache dtype (repeatable), e.g. fp8")
     add("--eager", action="store_true", help="also an lmfuse row with cuda_graphs=False")
+    add("--lookahead", action=argparse.BooleanOptionalAction, default=True,
+        help="greedy decode steps run one ahead (Generator.lookahead; default on)")
     add("--impl", default="auto", choices=["auto", "triton", "torch"],
         help="lmfuse kernels' path (default auto)")
     add("--block-len", type=int_range(1), default=16,
@@ -282,6 +284,7 @@ def _lmfuse_decode(model: Any, prompts: list[list[int]], new: int, args: argpars
     gen = Generator(model, block_len=args.block_len, num_blocks=len(prompts) * per_seq,
                     kv_dtype=kv_dtype, cuda_graphs=graphs, impl=args.impl,
                     max_batch=max(256, len(prompts)))
+    gen.lookahead = args.lookahead
     kw = dict(max_new_tokens=new, eos_token_id=[])
     tokens = gen.generate(prompts, **kw)  # warm-up: compilations, graph captures
     rids = {gen.add_request(p, **kw) for p in prompts}
@@ -605,6 +608,7 @@ def mixed_rows(model: Any, args: argparse.Namespace, device: torch.device, passe
     def lmfuse() -> dict:
         free(device)  # its pool takes a share of the free memory
         gen = Generator(model, block_len=args.block_len, impl=args.impl)
+        gen.lookahead = args.lookahead
         pool = gen.cache.num_blocks * args.block_len * gen.bytes_per_token / 2**30
         return timed(lambda: lmfuse_serve(gen, work)) | dict(note=f"pool {pool:.2f} GiB")
 
