@@ -35,10 +35,8 @@ def step_ms(gen: Generator, prompts: list[list[int]], steps: int) -> tuple[list[
 
 def host_split(gen: Generator, prompts: list[list[int]], steps: int) -> dict[str, float]:
     """Median host microseconds per decode step in: the scheduler, the runner's decode call
-    (input copies and the replay's launch), reading the tokens (the wait for the GPU),
-    and the whole step."""
-    from lmfuse.serving import engine
-
+    (input copies and the replay's launch; not called by steps that run ahead), and the
+    whole step."""
     spent: dict[str, list[float]] = {"schedule": [], "decode_call": [], "step": []}
 
     def timed(name, fn):
@@ -65,7 +63,6 @@ def host_split(gen: Generator, prompts: list[list[int]], steps: int) -> dict[str
     while gen.has_unfinished():
         gen.step()
     gen.scheduler.schedule, gen.runner.decode = sched, dec
-    del engine
     return {f"host_{k}_us": statistics.median(v) for k, v in spent.items() if v}
 
 

@@ -18,9 +18,11 @@ prefill excluded; tokens/s = B / step time.
   lmfuse             ``Generator`` (CUDA graphs on). After an untimed ``generate()`` of the
                      same prompts (compilations, graph captures) the B requests are added,
                      ``step()`` runs until each has its first token (the prefill steps), then
-                     each further ``step()`` (forward, sampling, scheduler, bookkeeping, the
-                     tokens read back to the host) is timed between ``torch.cuda.synchronize``
-                     calls; the median. ``--eager``: also ``cuda_graphs=False``;
+                     the remaining ``step()`` calls (forward, sampling, scheduler,
+                     bookkeeping, the tokens read back to the host) are timed together, one
+                     ``torch.cuda.synchronize`` at the end (a greedy step may launch the next
+                     before its tokens are read: ``--no-lookahead`` turns that off); their
+                     mean. ``--eager``: also ``cuda_graphs=False``;
                      ``--kv-dtype fp8``: also an fp8 (e4m3) cache, with its own floor row.
   hf dynamic         ``model.generate`` (default dynamic cache): the fastest of ``--reps``
                      calls making N and N/2 tokens; the difference over N - N/2 tokens
@@ -300,15 +302,14 @@ def _lmfuse_decode(model: Any, prompts: list[list[int]], new: int, args: argpars
             count += 1
         return count
 
-    phase_ms, count = wall_ms(decode_phase, device)
-    steps = [phase_ms / max(count, 1)] * count
+    phase_ms, steps = wall_ms(decode_phase, device)
     e2e = min(wall_ms(lambda: gen.generate(prompts, **kw), device)[0] for _ in range(args.reps))
     pool = gen.cache.num_blocks * args.block_len * gen.bytes_per_token / 2**20
-    note = f"{len(steps)} steps; pool {pool:.1f} MiB"
+    note = f"{steps} steps; pool {pool:.1f} MiB"
     replay = _replay_ms(gen, len(prompts), device)
     if replay is not None:  # what the GPU alone takes of a step
         note += f"; graph replay alone {replay:.3f} ms"
-    return dict(step_ms=statistics.median(steps), steps=len(steps), e2e_ms=e2e, tokens=tokens,
+    return dict(step_ms=phase_ms / max(steps, 1), steps=steps, e2e_ms=e2e, tokens=tokens,
                 peak=mem.peak_mib(), note=note)
 
 

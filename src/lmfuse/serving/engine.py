@@ -356,10 +356,6 @@ class Generator:
         except KVCacheFullError:
             return None
         tokens = self.runner.decode_ahead(reqs, step, ids=current.tokens)
-        if tokens is None:  # cannot happen for a chainable batch; undo the reservation
-            for r in reqs:
-                self.cache.truncate(r.seq_id, r.length)
-            return None
         self._steps["decode"] += 1
         return _Inflight.launch(list(reqs), tokens)
 
@@ -436,6 +432,7 @@ class _Inflight:
         self.requests, self.tokens = requests, tokens
         self.host: torch.Tensor | None = None
         self.event: Any = None
+        self.live = True  # some row's request still runs
 
     @classmethod
     def launch(cls, requests: list[Request], tokens: torch.Tensor) -> _Inflight:
@@ -457,8 +454,6 @@ class _Inflight:
         """Forget the rows whose requests are no longer running (their tokens are
         dropped by the step that reads them)."""
         self.live = any(r.status == Status.RUNNING for r in self.requests)
-
-    live = True
 
 
 def _check_model(model: Any) -> Any:

@@ -84,6 +84,7 @@ class _Layer:
     norm_in: torch.Tensor
     norm_post: torch.Tensor
     eps: float
+    eps_post: float
     qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     qkv_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     o: torch.Tensor
@@ -139,7 +140,7 @@ class FusedDecoder:
         qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         return _Layer(
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-            _eps(layer.input_layernorm),
+            _eps(layer.input_layernorm), _eps(layer.post_attention_layernorm),
             (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
             None if all(b is None for b in biases) else tuple(
                 b if b is not None else torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
@@ -198,7 +199,7 @@ class FusedDecoder:
                 _gemv(o, (L.o,), None, residual=h)
             else:
                 h = h + F.linear(o, L.o, L.o_bias)
-            x = rms_norm(h, L.norm_post, eps=L.eps, impl=self.impl)
+            x = rms_norm(h, L.norm_post, eps=L.eps_post, impl=self.impl)
             if kernels and L.mlp_bias is None:
                 a = _gemv(x, (L.gate, L.up), None, gated=True)
                 h.addmm_(a, L.down.t())  # cuBLAS: 2.9 TB/s on a [2048, 8192] matrix
@@ -280,7 +281,7 @@ def _launch_rope_append(qkv, cos, sin, pos, table, k_cache, v_cache, q_norm, k_n
         q_norm if norm else qkv, k_norm if norm else qkv,
         k_scale if fp8 else cos, v_scale if fp8 else cos,
         qkv.stride(0), q.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-        v_cache.stride(1), table.stride(0), k_cache.shape[0], cos.shape[0], float(eps), 0.0,
+        v_cache.stride(1), table.stride(0), k_cache.shape[0], cos.shape[0], float(eps),
         HQ=hq, HKV=hkv, D=d, HALF=d // 2, BLOCK_LEN=k_cache.shape[1], QK_NORM=norm, FP8=fp8,
         num_warps=1)
     return q

@@ -27,7 +27,7 @@ from ..attention.decode_kernels import _saturate_e4m3
 def rope_append_kernel(
     QKV, QOUT, KC, VC, COS, SIN, POS, TABLE, QNW, KNW, K_SCALE, V_SCALE,
     stride_b, stride_ob, stride_kblk, stride_krow, stride_vblk, stride_vrow, stride_tb,
-    num_blocks, positions, eps, norm_offset,
+    num_blocks, positions, eps,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     BLOCK_LEN: tl.constexpr, QK_NORM: tl.constexpr, FP8: tl.constexpr,
 ):
@@ -50,8 +50,8 @@ def rope_append_kernel(
         else:
             w1 = tl.load(KNW + i).to(tl.float32)
             w2 = tl.load(KNW + HALF + i).to(tl.float32)
-        x1 = x1 * r * (w1 + norm_offset)
-        x2 = x2 * r * (w2 + norm_offset)
+        x1 = x1 * r * w1
+        x2 = x2 * r * w2
     c = tl.load(COS + angle * HALF + i)
     s = tl.load(SIN + angle * HALF + i)
     y1 = x1 * c - x2 * s

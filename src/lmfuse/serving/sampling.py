@@ -76,7 +76,8 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     """``argmax(logits, -1)`` (the first of equal maxima; NaN counts as the largest). On
     CUDA a long row is cut into ``c`` chunks reduced side by side, then the best chunk
     taken: one row's argmax alone keeps a few SMs busy (36 us for a 128256-token
-    vocabulary at batch 1 on an H100)."""
+    vocabulary at batch 1 on an H100, 7 us chunked). Past 65536 chunks in all the rows
+    alone fill the GPU, and the plain argmax is kept."""
     n, V = logits.shape
     c = next((c for c in (256, 128, 64, 32) if V % c == 0 and V // c >= 64), None)
     if not logits.is_cuda or c is None or n * c > 65536:
