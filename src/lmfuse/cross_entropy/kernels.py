@@ -230,6 +230,26 @@ def _target_p(x_t, lse):
 
 
 @triton.jit
+def _token_scales(count_ptr, wstat_ptr, t_local, cw_ptr, x_t, lse, MEAN: tl.constexpr,
+                  HAS_WEIGHT: tl.constexpr, TOKEN_SCALE: tl.constexpr):
+    """A token's (w, w_z, w_t, W) for an upstream gradient of 1: ``_class_scales`` with
+    class weights, else the mean's ``1 / count`` for the loss and the z-loss alike (w_t = W
+    = 1); with Liger's token scaling both scales times the target's probability."""
+    if HAS_WEIGHT:
+        w, w_z, w_t, w_sum = _class_scales(count_ptr, wstat_ptr, t_local, cw_ptr, MEAN)
+    else:
+        w = _weight(count_ptr, MEAN)
+        w_z = w
+        w_t = 1.0
+        w_sum = 1.0
+    if TOKEN_SCALE:
+        p = _target_p(x_t, lse)
+        w = w * p
+        w_z = w_z * p
+    return w, w_z, w_t, w_sum
+
+
+@triton.jit
 def ce_fwd_kernel(
     x_ptr, stride_x, t_ptr, stats_ptr, g_ptr, stride_g, count_ptr,
     n_rows, V, vocab_start, vocab_size, ignore_index,
@@ -271,13 +291,8 @@ def ce_fwd_kernel(
             first = tl.min(tl.where(x == row_max[:, None], cols[None, :], _NO_INDEX), 1)
             pred = _argmax(first, tl.min(tl.where(x != x, cols[None, :], _NO_INDEX), 1))
             pred = pred + vocab_start
-        if HAS_WEIGHT:
-            w, w_z, w_t, w_sum = _class_scales(count_ptr, wstat_ptr, t_local, cw_ptr, MEAN)
-        else:
-            w = _weight(count_ptr, MEAN)
-            w_z, w_t, w_sum = w, 1.0, 1.0
-        if TOKEN_SCALE:
-            w, w_z = w * _target_p(x_t, lse), w_z * _target_p(x_t, lse)
+        w, w_z, w_t, w_sum = _token_scales(count_ptr, wstat_ptr, t_local, cw_ptr, x_t, lse,
+                                           MEAN, HAS_WEIGHT, TOKEN_SCALE)
         _store_stats(stats_ptr, n_rows, rows, row_ok, lse, x_t, sum_x, t, w, ignore_index,
                      vocab_size, ls_over_v, one_minus_ls, two_z, HAS_SMOOTHING, w_t, w_sum,
                      w_z, pred, HAS_WEIGHT, ARGMAX)
@@ -677,13 +692,8 @@ def ce_stream_kernel(
                 x_ptr, x_off, 0, V, softcap, HAS_SOFTCAP, HAS_SMOOTHING, BLOCK_V,
                 "evict_last" if HINTS else "", cw_ptr, HAS_WEIGHT, ARGMAX)
         lse = _lse(m, denom)
-        if HAS_WEIGHT:
-            w, w_z, w_t, w_sum = _class_scales(count_ptr, wstat_ptr, t_local, cw_ptr, MEAN)
-        else:
-            w = _weight(count_ptr, MEAN)
-            w_z, w_t, w_sum = w, 1.0, 1.0
-        if TOKEN_SCALE:
-            w, w_z = w * _target_p(x_t, lse), w_z * _target_p(x_t, lse)
+        w, w_z, w_t, w_sum = _token_scales(count_ptr, wstat_ptr, t_local, cw_ptr, x_t, lse,
+                                           MEAN, HAS_WEIGHT, TOKEN_SCALE)
         _store_stats(stats_ptr, n_rows, row, True, lse, x_t, sum_x, t, w, ignore_index,
                      vocab_size, ls_over_v, one_minus_ls, two_z, HAS_SMOOTHING, w_t, w_sum,
                      w_z, pred + vocab_start, HAS_WEIGHT, ARGMAX)
@@ -791,14 +801,8 @@ def ce_slices_kernel(
             lse = _lse(row_max, tl.sum(sums * tl.exp(maxes - _shift(row_max)), 0))
             x_t = tl.sum(x_ts, 0)
             t_local, grad_ok, t = _row_target(t_ptr, row, V, 0, V, ignore_index)
-            if HAS_WEIGHT:
-                w, w_z, w_t, w_sum = _class_scales(count_ptr, wstat_ptr, t_local, cw_ptr,
-                                                   MEAN)
-            else:
-                w = _weight(count_ptr, MEAN)
-                w_z, w_t, w_sum = w, 1.0, 1.0
-            if TOKEN_SCALE:
-                w, w_z = w * _target_p(x_t, lse), w_z * _target_p(x_t, lse)
+            w, w_z, w_t, w_sum = _token_scales(count_ptr, wstat_ptr, t_local, cw_ptr, x_t,
+                                               lse, MEAN, HAS_WEIGHT, TOKEN_SCALE)
             if j % SLICES == 0:  # one tile per row reports the row's stats and loss
                 sxs = tl.load(part_ptr + slots + 2, mask=have, other=0.0, cache_modifier=".cg")
                 _store_stats(stats_ptr, n_rows, row, True, lse, x_t, tl.sum(sxs, 0), t, w,
