@@ -24,7 +24,8 @@ from .._dispatch import (Plan, check_number, check_tensor, native_cpu, register_
 from .._nvtx import nvtx_range
 from . import reference as ref
 
-_ACT_IDS = {"gelu": 0, "silu": 1, "quick_gelu": 2, "squared_relu": 3}
+#: The kernels' activation codes (``_act`` in kernels.py), shared with the MoE experts.
+ACT_IDS = {"gelu": 0, "silu": 1, "quick_gelu": 2, "squared_relu": 3}
 _FP8 = torch.float8_e4m3fn
 
 
@@ -47,7 +48,7 @@ def _pow2(n: int) -> int:
 
 
 def _flags(s: dict[str, Any], bias, weights) -> dict[str, Any]:
-    return dict(ACT=_ACT_IDS[s["activation"]], GATED=s["gated"], HAS_BIAS=bias is not None,
+    return dict(ACT=ACT_IDS[s["activation"]], GATED=s["gated"], HAS_BIAS=bias is not None,
                 HAS_W=weights is not None, HAS_CLAMP=s["clamp_value"] is not None)
 
 

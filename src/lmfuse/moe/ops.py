@@ -33,10 +33,10 @@ from .._dispatch import eager as _eager
 from .._dispatch import (FLOAT_DTYPES, Plan, check_number, check_tensor, interpreter_active,
                          register_planner, select_impl, value_checks)
 from .._nvtx import nvtx_range
+from ..activations.ops import ACT_IDS
 from . import reference as ref
 
 OP = "moe_experts"
-_ACT_IDS = {"gelu": 0, "silu": 1, "quick_gelu": 2, "squared_relu": 3}
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
@@ -194,7 +194,7 @@ def _forward(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias
         hidden, hidden.stride(0), token, w_gate_up, *w_gate_up.stride(),
         gate_up_bias if gate_up_bias is not None else hidden, h, a, tiles, H, Fdim,
         s["linear_offset"], s["clamp_value"] or 0.0,
-        ACT=_ACT_IDS[s["act"]], GATED=s["gated"], INTERLEAVED=s["interleaved"],
+        ACT=ACT_IDS[s["act"]], GATED=s["gated"], INTERLEAVED=s["interleaved"],
         HAS_BIAS=gate_up_bias is not None, HAS_CLAMP=s["clamp_value"] is not None,
         STORE_H=save, **dots, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=c["warps"],
         num_stages=c["stages"])
@@ -233,7 +233,7 @@ def _backward(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm,
             dout, dout.stride(0), token, w_down, w_down.stride(0), w_down.stride(1),
             w_down.stride(2), down_bias if down_bias is not None else dout, h, weights, dh, a,
             dw_part, tiles, rows, H, Fdim, s["linear_offset"], s["clamp_value"] or 0.0,
-            ACT=_ACT_IDS[s["act"]], GATED=s["gated"], INTERLEAVED=s["interleaved"],
+            ACT=ACT_IDS[s["act"]], GATED=s["gated"], INTERLEAVED=s["interleaved"],
             HAS_CLAMP=s["clamp_value"] is not None, HAS_DOWN_BIAS=down_bias is not None,
             **dots, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **launch)
     d_rw = None
