@@ -260,3 +260,32 @@ def inject(t: torch.Tensor, position: int, value: float) -> None:
         index = np.unravel_index(position % t.numel(), tuple(t.shape))
         with torch.no_grad():
             t[tuple(int(i) for i in index)] = value
+
+
+# --- cross-entropy launches ------------------------------------------------------------------
+
+# Launches of the cross-entropy kernels forced through ``lmfuse.cross_entropy.ops._config``
+# (the option suites): the table's own, streamed 16-column chunks, 4-row tiles, the sliced
+# fused launch, and the whole-row fused ones with their 2-D stats loop (with prefetch or not).
+_CE_CHUNKED = dict(BLOCK_M=1, BLOCK_V=16, SINGLE_BLOCK=False, num_warps=4)
+CE_LAUNCHES: dict[str, Any] = {
+    "table": None,
+    "chunked": _CE_CHUNKED,
+    "tile-4rows": dict(BLOCK_M=4, BLOCK_V=64, SINGLE_BLOCK=True, num_warps=4),
+    "sliced": dict(_CE_CHUNKED, fused=dict(BLOCK_V=16, num_warps=4, programs_per_sm=2,
+                                           slice=32, lag=1)),
+    "vec-prefetch": dict(_CE_CHUNKED, fused=dict(BLOCK_V=16, num_warps=4, programs_per_sm=1,
+                                                 hints=1, vec=8, prefetch=1)),
+    "vec": dict(_CE_CHUNKED, fused=dict(BLOCK_V=32, num_warps=2, programs_per_sm=2, vec=4)),
+}
+
+
+def force_ce_launch(mp: Any, name: str) -> None:
+    """Make every cross-entropy call under the monkeypatch ``mp`` take launch ``name`` of
+    :data:`CE_LAUNCHES` (``"table"``: the tuning table's, unchanged)."""
+    from lmfuse.cross_entropy import ops
+
+    config = CE_LAUNCHES[name]
+    if config is not None:
+        mp.setattr(ops, "_config", lambda V, device, softcap=False, itemsize=2, aligned=True:
+                   dict(config))

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import TEST_DEVICE as DEVICE
-from helpers import assert_close
+from helpers import CE_LAUNCHES, assert_close, force_ce_launch
 
 import lmfuse
 from lmfuse._dispatch import select_impl as _select_impl
@@ -33,25 +33,9 @@ IGNORE = -100
 RETURNS = dict(return_z_loss=True, return_token_accuracy=True, return_predicted_tokens=True)
 HALF_TOL = {F16: 2e-2, BF16: 5e-2}  # test_linear.py's: the logits are rounded to the dtype
 
-# Launches of the cross-entropy kernels forced through ops._config (as in test_options.py):
-# streamed 16-column chunks, 4-row tiles, the sliced fused launch, the whole-row ones.
-CHUNKED = dict(BLOCK_M=1, BLOCK_V=16, SINGLE_BLOCK=False, num_warps=4)
-LAUNCHES = {
-    "table": None,
-    "chunked": CHUNKED,
-    "tile-4rows": dict(BLOCK_M=4, BLOCK_V=64, SINGLE_BLOCK=True, num_warps=4),
-    "sliced": dict(CHUNKED, fused=dict(BLOCK_V=16, num_warps=4, programs_per_sm=2, slice=32,
-                                       lag=1)),
-    "vec-prefetch": dict(CHUNKED, fused=dict(BLOCK_V=16, num_warps=4, programs_per_sm=1,
-                                             hints=1, vec=8, prefetch=1)),
-}
-
-
-def force(mp: pytest.MonkeyPatch, name: str) -> None:
-    config = LAUNCHES[name]
-    if config is not None:
-        mp.setattr(ops, "_config", lambda V, device, softcap=False, itemsize=2, aligned=True:
-                   dict(config))
+# The launches of test_options.py but the whole-row one without prefetch.
+LAUNCHES = [name for name in CE_LAUNCHES if name != "vec"]
+force = force_ce_launch
 
 
 def make_inputs(N: int, H: int, V: int, seed: int, *, bias: bool = True,

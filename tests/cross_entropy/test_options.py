@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import TEST_DEVICE as DEVICE
-from helpers import assert_close, randn
+from helpers import CE_LAUNCHES, assert_close, force_ce_launch, randn
 
 import lmfuse
 from lmfuse._dispatch import select_impl as _select_impl
@@ -35,26 +35,8 @@ IMPLS = ["triton", "torch"]
 IGNORE = -100
 RETURNS = dict(return_z_loss=True, return_token_accuracy=True, return_predicted_tokens=True)
 
-# Launches forced through ops._config (as in test_ops.py): streamed 16-column chunks, the
-# whole-row fused launch with and without its 2-D stats loop, the sliced one, 4-row tiles.
-CHUNKED = dict(BLOCK_M=1, BLOCK_V=16, SINGLE_BLOCK=False, num_warps=4)
-LAUNCHES = {
-    "table": None,
-    "chunked": CHUNKED,
-    "tile-4rows": dict(BLOCK_M=4, BLOCK_V=64, SINGLE_BLOCK=True, num_warps=4),
-    "sliced": dict(CHUNKED, fused=dict(BLOCK_V=16, num_warps=4, programs_per_sm=2, slice=32,
-                                       lag=1)),
-    "vec-prefetch": dict(CHUNKED, fused=dict(BLOCK_V=16, num_warps=4, programs_per_sm=1,
-                                             hints=1, vec=8, prefetch=1)),
-    "vec": dict(CHUNKED, fused=dict(BLOCK_V=32, num_warps=2, programs_per_sm=2, vec=4)),
-}
-
-
-def force(mp: pytest.MonkeyPatch, name: str) -> None:
-    config = LAUNCHES[name]
-    if config is not None:
-        mp.setattr(ops, "_config", lambda V, device, softcap=False, itemsize=2, aligned=True:
-                   dict(config))
+LAUNCHES = list(CE_LAUNCHES)
+force = force_ce_launch
 
 
 def make_target(shape: tuple[int, ...], V: int, gen: torch.Generator,
