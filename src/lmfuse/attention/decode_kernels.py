@@ -36,6 +36,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .._pdl import pdl_start, pdl_wait
+
 # log2(e) = 1.4426950408889634 and ln(2) = 0.6931471805599453 are written inline below (see
 # activations/kernels.py on why kernels do not read float globals).
 
@@ -82,8 +84,10 @@ def decode_kernel(
     HAS_SINKS: tl.constexpr, HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr,
     WRITE_LSE: tl.constexpr, DOT_F32: tl.constexpr,
     F16_DOT: tl.constexpr, IEEE: tl.constexpr, NUM_STAGES: tl.constexpr,
-    WIDEN_V_FIRST: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    WIDEN_V_FIRST: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PDL: tl.constexpr = 0,
 ):
+    pdl_wait(PDL)  # PDL: launched early in a decode step's chain (lmfuse._pdl)
+    pdl_start(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // num_kv_heads
@@ -229,7 +233,7 @@ def decode_kernel(
 def merge_kernel(
     OUTS, LSES, OUT, LSE, num_parts, stride_op, stride_or, stride_lp, stride_lr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK_P: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
+    WRITE_LSE: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """``OUTS`` partial ``p`` of row ``r`` at ``p * stride_op + r * stride_or`` (D contiguous);
     ``LSES``'s at ``p * stride_lp + r * stride_lr``; ``OUT [R, D]`` and ``LSE [R]``
@@ -237,6 +241,8 @@ def merge_kernel(
     row ``r``, reading the partials ``CHUNK_P`` at a time as one ``[CHUNK_P, BLOCK_D]`` tile
     so that their loads are in flight together (one partial after the other, a program
     waited out a memory round trip per partial: 14 us for 66 partials on an H100)."""
+    pdl_wait(PDL)
+    pdl_start(PDL)
     r = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1)
     parts = tl.arange(0, BLOCK_P).to(tl.int64)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .. import tuning
+from .. import _pdl, tuning
 from .._dispatch import eager as _eager
 from .._dispatch import (Plan, check_int, check_number, check_same_device, check_tensor,
                          interpreter_active, register_planner, select_impl, value_checks)
@@ -367,8 +367,10 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_sca
     """The kernels on contiguous ``q``, ``cache_seqlens``, ``block_table``, ``sinks`` and
     scales, and caches whose last dim is contiguous and whose strides are equal; into
     contiguous ``out [B, S, Hq, D]`` (any float dtype) and ``lse [B, S, Hq]`` float32 when
-    given."""
+    given. ``s["pdl"]`` (set by a caller, off otherwise): the kernels launched with
+    programmatic dependent launch (``lmfuse._pdl``)."""
     B, S, Hq, D = q.shape
+    pdl = s.get("pdl", 0)
     Hkv, splits = s["Hkv"], s["splits"]
     if out is None:
         out = torch.empty((B, S, Hq, D), dtype=q.dtype, device=q.device)
@@ -398,13 +400,15 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_sca
         HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None,
         WRITE_LSE=splits > 1 or lse is not None, DOT_F32=s["DOT_F32"], F16_DOT=s["F16_DOT"],
         IEEE=s["IEEE"], NUM_STAGES=s["num_stages"], WIDEN_V_FIRST=s["WIDEN_V_FIRST"],
-        HAS_SOFTCAP=s["softcap"] is not None, num_warps=s["num_warps"])
+        HAS_SOFTCAP=s["softcap"] is not None, num_warps=s["num_warps"], PDL=pdl,
+        **_pdl.launch_options(pdl))
     if splits > 1:
         cols = min(s["BLOCK_D"], _MERGE_COLUMNS)
         _kernels().merge_kernel[(rows, _cdiv(D, cols))](
             o_t, l_t, out, lse if lse is not None else out, splits, D, splits * D, 1, splits,
             D=D, BLOCK_D=cols, BLOCK_P=_pow2(splits, 2), CHUNK_P=_merge_chunk(splits, cols),
-            WRITE_LSE=lse is not None, num_warps=s["merge_warps"])
+            WRITE_LSE=lse is not None, num_warps=s["merge_warps"], PDL=pdl,
+            **_pdl.launch_options(pdl))
     return out, lse
 
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .._pdl import pdl_start, pdl_wait
+
 
 @triton.jit
 def _weight(w_ptr, cols, cmask, offset, HAS_WEIGHT: tl.constexpr):
@@ -48,8 +50,11 @@ def _rstd(sum_sq, H, eps, rmask):
 def rms_norm_fwd_kernel(
     x_ptr, sx, w_ptr, y_ptr, sy, rstd_ptr, M, H, eps, offset,
     HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SINGLE_BLOCK: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr, PDL: tl.constexpr = 0,
 ):
+    # PDL: launched early in a decode step's chain of kernels (see lmfuse._pdl).
+    pdl_wait(PDL)
+    pdl_start(PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
     cols = tl.arange(0, BLOCK_N)

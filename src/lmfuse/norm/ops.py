@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from .. import tuning
+from .. import _pdl, tuning
 from .._dispatch import (
     Plan,
     check_number,
@@ -87,8 +87,9 @@ def _bwd_grid(M: int, block_m: int, programs_per_sm: int, device: torch.device
 
 
 def _launch_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
-                weight_offset: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, H]`` (unit column stride) -> ``(y [M, H] in x's dtype, rstd [M] float32)``."""
+                weight_offset: float, pdl: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, H]`` (unit column stride) -> ``(y [M, H] in x's dtype, rstd [M] float32)``.
+    ``pdl``: launched with programmatic dependent launch (``lmfuse._pdl``; CUDA only)."""
     M, H = x.shape
     y = torch.empty((M, H), dtype=x.dtype, device=x.device)
     rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
@@ -97,7 +98,8 @@ def _launch_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
     cfg = _config(H, x.device, backward=False)
     _kernels().rms_norm_fwd_kernel[(_cdiv(M, cfg["BLOCK_M"]),)](
         x, x.stride(0), weight if weight is not None else x, y, y.stride(0), rstd, M, H,
-        eps, weight_offset, HAS_WEIGHT=weight is not None, **cfg)
+        eps, weight_offset, HAS_WEIGHT=weight is not None, PDL=pdl, **cfg,
+        **_pdl.launch_options(pdl))
     return y, rstd
 
 

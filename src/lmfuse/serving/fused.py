@@ -24,6 +24,11 @@ code rounds to its dtype between steps: the bf16 logits differ within rounding, 
 On the CPU, or with ``impl="torch"``, each step is the same formula in plain PyTorch
 (``F.linear`` in the model's dtype, float32 rotary), the reference and test oracle of the
 kernels. The GEMV kernels serve up to :data:`GEMV_MAX_ROWS` rows; larger batches use cuBLAS.
+
+On a Hopper GPU the step's Triton kernels are launched with programmatic dependent launch
+(``lmfuse._pdl``): each is scheduled while the one before it runs and waits for it on the
+GPU, which hides a launch and ramp per kernel (H200, 2026-11-26: a B1 step 0.69 -> 0.66 ms,
+B64 0.93 -> 0.90 ms, the same tokens). ``LMFUSE_PDL=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -34,9 +39,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .. import _pdl
 from .._dispatch import select_impl
 from ..attention.kv_cache import PagedKVCache
-from ..attention.ops import decode_attention, kv_cache_append
+from ..attention.ops import _launch_decode, _resolve, decode_attention, kv_cache_append
+from ..norm.ops import _launch_fwd as _launch_rms_norm
 from ..norm.ops import rms_norm
 
 #: ``config.model_type`` values whose decode runs the fused layers.
@@ -115,6 +122,11 @@ class FusedDecoder:
         path, _ = select_impl(_OP, impl, self.device)
         self.triton = path == "triton"
         self.impl = impl
+        # Programmatic dependent launch of the step's kernels (lmfuse._pdl): each is
+        # scheduled while the one before it runs, and waits for it on the GPU.
+        self.pdl = _pdl.mode(self.device) if self.triton else 0
+        # A kernel before a cuBLAS launch lets it start only when its own programs exit.
+        self.pdl_tail = 2 if self.pdl else 0
         self.hq = int(config.num_attention_heads)
         self.hkv = cache.kv_heads
         self.d = cache.head_dim
@@ -180,35 +192,55 @@ class FusedDecoder:
         """Logits ``[n, V]`` of one token per row: ``ids [n]`` at position ``before[n]``
         (its K/V written there), rows over ``block_table`` with ``after`` keys after the
         step. Padding rows (block -1, length 0) write and read nothing."""
-        cache = self.cache
         n = ids.shape[0]
         kernels = self.triton and n <= GEMV_MAX_ROWS
         h = F.embedding(ids, self.embed)
         for i, L in enumerate(self.layers):
-            x = rms_norm(h, L.norm_in, eps=L.eps, impl=self.impl)
-            qkv = (_gemv(x, L.qkv, L.qkv_bias) if kernels else
+            x = self._rms_norm(h, L.norm_in, L.eps)
+            qkv = (self._gemv(x, L.qkv, L.qkv_bias) if kernels else
                    torch.cat([F.linear(x, w, None if L.qkv_bias is None else L.qkv_bias[j])
                               for j, w in enumerate(L.qkv)], dim=-1))
             q = self._rope_append(qkv, L, i, table, before)
-            o = decode_attention(q[:, None], cache.k_caches[i], cache.v_caches[i], after,
-                                 block_table=table, scale=L.scale, window_size=L.window,
-                                 k_scale=cache.k_scales[i], v_scale=cache.v_scales[i],
-                                 impl=self.impl)
-            o = o.view(n, self.hq * self.d)
+            o = self._attention(q[:, None], i, L, table, after).view(n, self.hq * self.d)
             if kernels and L.o_bias is None:
-                _gemv(o, (L.o,), None, residual=h)
+                self._gemv(o, (L.o,), None, residual=h)
             else:
                 h = h + F.linear(o, L.o, L.o_bias)
-            x = rms_norm(h, L.norm_post, eps=L.eps_post, impl=self.impl)
+            x = self._rms_norm(h, L.norm_post, L.eps_post)
             if kernels and L.mlp_bias is None:
-                a = _gemv(x, (L.gate, L.up), None, gated=True)
+                a = _gemv(x, (L.gate, L.up), None, gated=True, pdl=self.pdl_tail)
                 h.addmm_(a, L.down.t())  # cuBLAS: 2.9 TB/s on a [2048, 8192] matrix
             else:
                 gb, ub, db = L.mlp_bias or (None, None, None)
                 a = F.silu(F.linear(x, L.gate, gb)) * F.linear(x, L.up, ub)
                 h = h + F.linear(a, L.down, db)
-        x = rms_norm(h, self.norm, eps=self.norm_eps, impl=self.impl)
+        x = self._rms_norm(h, self.norm, self.norm_eps, self.pdl_tail)
         return F.linear(x, self.lm_head, self.lm_bias)
+
+    def _rms_norm(self, h: torch.Tensor, w: torch.Tensor, eps: float,
+                  pdl: int | None = None) -> torch.Tensor:
+        if self.triton and h.is_contiguous():
+            return _launch_rms_norm(h, w, eps, 0.0, pdl=self.pdl if pdl is None else pdl)[0]
+        return rms_norm(h, w, eps=eps, impl=self.impl)
+
+    def _gemv(self, x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None,
+              **kw: Any) -> torch.Tensor:
+        return _gemv(x, weights, biases, pdl=self.pdl, **kw)
+
+    def _attention(self, q: torch.Tensor, i: int, L: _Layer, table: torch.Tensor,
+                   after: torch.Tensor) -> torch.Tensor:
+        cache = self.cache
+        args = (q, cache.k_caches[i], cache.v_caches[i], after)
+        kw = dict(block_table=table, scale=L.scale, window_size=L.window,
+                  k_scale=cache.k_scales[i], v_scale=cache.v_scales[i])
+        if not self.triton:
+            return decode_attention(*args, **kw, impl=self.impl)
+        # The op's own launch, with the PDL flag its public signature does not take (the
+        # inputs are laid out as it wants them: contiguous q, table and lengths).
+        s = _resolve(*args, table, L.scale, L.window, None, kw["k_scale"], kw["v_scale"],
+                     False, None, self.impl)
+        s["pdl"] = self.pdl
+        return _launch_decode(*args, table, None, kw["k_scale"], kw["v_scale"], s)[0]
 
     def _rope_append(self, qkv: torch.Tensor, L: _Layer, i: int, table: torch.Tensor,
                      before: torch.Tensor) -> torch.Tensor:
@@ -217,7 +249,7 @@ class FusedDecoder:
             return _launch_rope_append(qkv, self.cos, self.sin, before, table,
                                        cache.k_caches[i], cache.v_caches[i], L.q_norm,
                                        L.k_norm, L.qk_eps, cache.k_scales[i],
-                                       cache.v_scales[i], self.hq, self.hkv, self.d)
+                                       cache.v_scales[i], self.hq, self.hkv, self.d, self.pdl)
         return rope_append_reference(qkv, self.cos, self.sin, before, table,
                                      cache.k_caches[i], cache.v_caches[i], L.q_norm, L.k_norm,
                                      L.qk_eps, cache.k_scales[i], cache.v_scales[i], self.hq,
@@ -267,7 +299,7 @@ def rope_append_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 
 def _launch_rope_append(qkv, cos, sin, pos, table, k_cache, v_cache, q_norm, k_norm, eps,
-                        k_scale, v_scale, hq, hkv, d) -> torch.Tensor:
+                        k_scale, v_scale, hq, hkv, d, pdl=0) -> torch.Tensor:
     from .kernels import rope_append_kernel
 
     n = qkv.shape[0]
@@ -283,7 +315,7 @@ def _launch_rope_append(qkv, cos, sin, pos, table, k_cache, v_cache, q_norm, k_n
         qkv.stride(0), q.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), table.stride(0), k_cache.shape[0], cos.shape[0], float(eps),
         HQ=hq, HKV=hkv, D=d, HALF=d // 2, BLOCK_LEN=k_cache.shape[1], QK_NORM=norm, FP8=fp8,
-        num_warps=1)
+        PDL=pdl, num_warps=1, **_pdl.launch_options(pdl))
     return q
 
 
@@ -322,8 +354,10 @@ def _gemv_config(n_out: int, K: int, block_m: int, gated: bool,
 
 
 def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None, *,
-          residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
-    """``gemv_kernel`` launched: a new ``[n, N]`` output, or ``residual`` updated in place."""
+          residual: torch.Tensor | None = None, gated: bool = False,
+          pdl: int = 0) -> torch.Tensor:
+    """``gemv_kernel`` launched: a new ``[n, N]`` output, or ``residual`` updated in place.
+    ``pdl``: with programmatic dependent launch (``lmfuse._pdl``)."""
     from .kernels import gemv_kernel
 
     n, K = x.shape
@@ -347,8 +381,8 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
         x, w[0], w[1], w[2], b[0], b[1], b[2], y, y, n, K, ns[0],
         ns[1] if len(ns) > 1 else 0, x.stride(0), y.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=biases is not None,
-        RESIDUAL=residual is not None, GATED=gated, EVEN_K=K % block_k == 0,
-        num_warps=warps, num_stages=stages)
+        RESIDUAL=residual is not None, GATED=gated, EVEN_K=K % block_k == 0, PDL=pdl,
+        num_warps=warps, num_stages=stages, **_pdl.launch_options(pdl))
     return y
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .._pdl import pdl_start, pdl_wait
 from ..attention.decode_kernels import _saturate_e4m3
 
 
@@ -30,10 +31,13 @@ def rope_append_kernel(
     num_blocks, positions, eps,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     BLOCK_LEN: tl.constexpr, QK_NORM: tl.constexpr, FP8: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
     """``QKV [B, (HQ + 2 HKV) * D]`` rows (q heads, k heads, v heads), ``POS [B]`` the
     token's position (also where it goes in its sequence), ``COS``/``SIN [P, HALF]``
     float32 (rotate-half convention: dims ``i`` and ``i + HALF`` rotate together)."""
+    pdl_wait(PDL)
+    pdl_start(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     i = tl.arange(0, HALF)
@@ -88,11 +92,14 @@ def gemv_kernel(
     M, K, N0, N1, stride_xm, stride_rm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """``Y[:, n] = X @ W.T`` over the concatenated output features of ``W0 | W1 | W2``
     (``N0``, ``N1`` rows: a program's ``BLOCK_N`` features lie in one matrix). GATED:
-    ``Y = silu(X @ W0.T) * (X @ W1.T)`` (``N0`` features). RESIDUAL: ``Y = R + ...``."""
+    ``Y = silu(X @ W0.T) * (X @ W1.T)`` (``N0`` features). RESIDUAL: ``Y = R + ...``.
+    PDL: launched early in a decode step's chain (``lmfuse._pdl``)."""
+    pdl_wait(PDL)
+    pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     n0 = pid_n * BLOCK_N
