@@ -20,12 +20,12 @@ import triton.testing
 from lmfuse.serving.kernels import gemv_kernel
 
 
-def launch(x, ws, y, r, gated, bn, bk, warps, stages):
+def launch(x, ws, y, r, gated, bn, bk, warps, stages, bm=None):
     n, K = x.shape
     ns = [w.shape[0] for w in ws]
     n_out = ns[0] if gated else sum(ns)
     w = list(ws) + [ws[0]] * (3 - len(ws))
-    bm = 16 if n <= 16 else 32 if n <= 32 else 64
+    bm = bm or (16 if n <= 16 else 32 if n <= 32 else 64)
     gemv_kernel[(n_out // bn, -(-n // bm))](
         x, w[0], w[1], w[2], w[0], w[0], w[0], y if r is None else r, y, n, K, ns[0],
         ns[1] if len(ns) > 1 else 0, x.stride(0), y.stride(0), y.stride(0),

@@ -117,6 +117,25 @@ def test_gemv_kernel_matches_reference(kind: str, rows: int, dtype: torch.dtype)
         torch.testing.assert_close(got.float(), full, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("kind", ["gated", "residual"])
+def test_one_row_gemv_walks_a_long_k(kind: str) -> None:
+    """One row takes the no-dot path with K tiles of 2048: a K of two tiles and a ragged
+    third (the down projection of a decode step is such a K)."""
+    g = torch.Generator().manual_seed(7)
+    K = 2 * 2048 + 24
+    x = torch.randn(1, K, generator=g) / 8
+    if kind == "gated":
+        ws = (torch.randn(4, K, generator=g) / 8, torch.randn(4, K, generator=g) / 8)
+        got = _gemv(x, ws, gated=True)
+        want = gemv_reference(x, ws, gated=True)
+    else:
+        ws = (torch.randn(6, K, generator=g) / 8,)
+        r = torch.randn(1, 6, generator=g)
+        want = gemv_reference(x, ws, residual=r)
+        got = _gemv(x, ws, residual=r)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 _models: dict[str, object] = {}
 
 

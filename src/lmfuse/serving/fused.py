@@ -11,7 +11,8 @@ in place, never copied):
     h = h + o @ Wo.T                      GEMV with the residual add in its epilogue
     x = rms_norm(h)
     a = silu(x @ Wg.T) * (x @ Wu.T)       one GEMV launch: both projections and the gate
-    h = h + a @ Wd.T                      cuBLAS (addmm in place: faster on this long K)
+    h = h + a @ Wd.T                      one row: GEMV with the residual add; more: cuBLAS
+                                          (addmm in place: faster for them on this long K)
     logits = rms_norm(h) @ W_lm.T         cuBLAS (a long matrix: it runs at the copy rate)
 
 instead of the model's forward (per layer three projections, a dozen elementwise launches
@@ -208,8 +209,15 @@ class FusedDecoder:
                 h = h + F.linear(o, L.o, L.o_bias)
             x = self._rms_norm(h, L.norm_post, L.eps_post)
             if kernels and L.mlp_bias is None:
-                a = _gemv(x, (L.gate, L.up), None, gated=True, pdl=self.pdl_tail)
-                h.addmm_(a, L.down.t())  # cuBLAS: 2.9 TB/s on a [2048, 8192] matrix
+                # One row: the GEMV (residual epilogue) beats cuBLAS's split-K on the long
+                # K (H100, chained: 14.1 against 16.8 us); more rows: cuBLAS.
+                down = n == 1
+                a = _gemv(x, (L.gate, L.up), None, gated=True,
+                          pdl=self.pdl if down else self.pdl_tail)
+                if down:
+                    self._gemv(a, (L.down,), None, residual=h)
+                else:
+                    h.addmm_(a, L.down.t())
             else:
                 gb, ub, db = L.mlp_bias or (None, None, None)
                 a = F.silu(F.linear(x, L.gate, gb)) * F.linear(x, L.up, ub)
@@ -339,8 +347,13 @@ def gemv_reference(x: torch.Tensor, weights: tuple[torch.Tensor, ...],
 def _gemv_config(n_out: int, K: int, block_m: int, gated: bool,
                  itemsize: int = 2) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages): the fastest CUDA-graph replays in
-    ``bench/probe_gemv.py`` on an H100 (the decode shapes of a 2048-wide model at 1 and 64
-    rows), kept under the shared memory the pipeline's stages take."""
+    ``bench/probe_gemv.py`` on an H100 (the decode shapes of a 2048-wide model at 16 and 64
+    rows), kept under the shared memory the pipeline's stages take. One row
+    (``block_m == 1``, no dot tile): two features a program, K in tiles of up to 2048
+    (``bench/probe_gemv_chain.py``, H100, launches chained as in a decode step: QKV 9.9 ->
+    6.8 us, Wo 7.5 -> 5.9, gate/up 24.9 -> 24.2 against the 16-row dot tile)."""
+    if block_m == 1:
+        return 2, min(2048, max(16, 1 << (K - 1).bit_length())), 4, 3
     if gated:
         block_n, block_k = (32 if block_m == 16 else 64), 128
     else:
@@ -365,7 +378,7 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
         x = x.contiguous()
     ns = [w.shape[0] for w in weights]
     n_out = ns[0] if gated else sum(ns)
-    block_m = 16 if n <= 16 else 32 if n <= 32 else 64
+    block_m = 1 if n == 1 else 16 if n <= 16 else 32 if n <= 32 else 64
     block_n, block_k, warps, stages = _gemv_config(n_out, K, block_m, gated, x.element_size())
     if any(v % block_n for v in ns) or n == 0:
         return _gemv_fallback(x, weights, biases, residual, gated)

@@ -134,13 +134,20 @@ def gemv_kernel(
             kmask = (k0 + ks) < K
             w = tl.load(w_ptr, mask=kmask[None, :], other=0.0)
             x = tl.load(x_ptr, mask=mmask[:, None] & kmask[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w))
+        if BLOCK_M == 1:  # one row: products summed per feature (no 16-row dot tile)
+            xf = x.to(tl.float32)
+            acc += tl.sum(xf * w.to(tl.float32), axis=1)[None, :]
+        else:
+            acc += tl.dot(x, tl.trans(w))
         if GATED:
             if EVEN_K:
                 u = tl.load(u_ptr)
             else:
                 u = tl.load(u_ptr, mask=kmask[None, :], other=0.0)
-            acc_u += tl.dot(x, tl.trans(u))
+            if BLOCK_M == 1:
+                acc_u += tl.sum(xf * u.to(tl.float32), axis=1)[None, :]
+            else:
+                acc_u += tl.dot(x, tl.trans(u))
             u_ptr += BLOCK_K
         w_ptr += BLOCK_K
         x_ptr += BLOCK_K
