@@ -116,3 +116,20 @@ def test_bf16_decode_logits_and_greedy_agreement() -> None:
             json.dump(report, f, indent=1)
     assert len(seen) == new - 1
     assert worst <= BF16_LOGITS_TOL, report
+
+
+@pytest.mark.parametrize("n,V", [(1, 128256), (64, 128256), (3, 50001), (300, 1000)])
+def test_greedy_argmax_kernel_is_torch_argmax(n, V):
+    """The decode step's Triton argmax (``sampling.argmax_rows``) at vocabulary sizes: the
+    first of equal maxima, the first NaN, +inf and rows all -inf as ``torch.argmax``."""
+    from lmfuse.serving.sampling import argmax_rows
+
+    g = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(n, V, device="cuda", generator=g).bfloat16()
+    x[0, V // 3] = x[0, V - 1] = 100.0  # a tie of maxima far apart
+    if n > 2:
+        x[1] = float("-inf")
+        x[2, 7] = x[2, V - 2] = float("nan")
+        x[2, 3] = float("inf")
+    assert torch.equal(argmax_rows(x), torch.argmax(x, -1))
+    assert torch.equal(argmax_rows(x.float()), torch.argmax(x.float(), -1))

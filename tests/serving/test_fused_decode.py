@@ -11,7 +11,7 @@ from helpers import hf_greedy, tiny_causal_lm
 from lmfuse.serving import Generator
 from lmfuse.serving.fused import (_gemv, _launch_rope_append, gemv_reference,
                                   rope_append_reference)
-from lmfuse.serving.sampling import chunked_argmax, greedy
+from lmfuse.serving.sampling import argmax_rows, greedy
 
 HQ, HKV, D, BL, NB = 4, 2, 16, 4, 12
 
@@ -176,15 +176,27 @@ def test_decode_path_option_is_checked() -> None:
         Generator(_model("gemma"), block_len=4, num_blocks=16, decode_path="fused")
 
 
-def test_chunked_argmax_is_argmax_with_ties_and_nan() -> None:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(-3, 4, (5, 256), generator=g).float()  # many ties
-    x[3, 70] = float("nan")
-    x[3, 200] = float("nan")
-    x[4] = 1.0
-    for chunks in (4, 8, 64):
-        assert torch.equal(chunked_argmax(x, chunks), torch.argmax(x, -1))
-    assert torch.equal(greedy(x.bfloat16()), torch.argmax(x, -1))
+@pytest.mark.parametrize("n,V,block", [(5, 256, 16), (1, 1000, 64), (3, 1, 16),
+                                       (2, 4099, 32), (70, 40, 16)])
+def test_argmax_rows_is_torch_argmax_with_ties_nan_and_inf(n: int, V: int, block: int) -> None:
+    """The Triton argmax of the greedy step (interpreted here) against torch.argmax: many
+    ties, NaN (the first one wins), +inf, rows all -inf, one column, chunks of several
+    tiles (V = 4099 at block 32 over 1024 programs' worth of chunks) and a ragged last one."""
+    g = torch.Generator().manual_seed(V)
+    x = torch.randint(-3, 4, (n, V), generator=g).float()
+    if n > 1:
+        x[1] = float("-inf")
+    if n > 2 and V > 3:
+        x[2, V // 2] = float("nan")
+        x[2, V - 1] = float("nan")
+        x[2, 1] = float("inf")
+    if n > 3:
+        x[3, -1] = float("inf")
+        x[3, 0] = float("inf")
+    want = torch.argmax(x, -1)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(argmax_rows(x.to(dtype), block=block), want)
+    assert torch.equal(greedy(x.bfloat16()), want)  # the CPU path: torch.argmax
 
 
 def test_lookahead_runs_ahead_and_gives_the_same_tokens() -> None:

@@ -354,12 +354,14 @@ def _gemv_config(n_out: int, K: int, block_m: int, gated: bool,
     6.8 us, Wo 7.5 -> 5.9, gate/up 24.9 -> 24.2 against the 16-row dot tile)."""
     if block_m == 1:
         return 2, min(2048, max(16, 1 << (K - 1).bit_length())), 4, 3
+    warps, stages = 4, 3
     if gated:
         block_n, block_k = (32 if block_m == 16 else 64), 128
     else:
         block_n = 16 if n_out <= 2048 else 32 if n_out <= 16384 else 64
         block_k = 256 if block_n == 16 and block_m == 16 else 128
-    warps, stages = 4, 3
+        if block_m == 64:  # chained (probe_gemv_chain, H100): QKV 9.9 -> 8.4 us, Wo 9.2 -> 7.6
+            block_k, stages = 256, 4
     tiles = 2 if gated else 1
     while block_k > 64 and (block_m + tiles * block_n) * block_k * itemsize * stages > 200 * 1024:
         block_k //= 2

@@ -171,3 +171,48 @@ def gemv_kernel(
         acc += res.to(tl.float32)
     tl.store(Y + ms.to(tl.int64)[:, None] * stride_ym + out_cols[None, :],
              acc.to(Y.dtype.element_ty), mask=mmask[:, None])
+
+
+@triton.jit
+def argmax_chunk_kernel(X, VAL, IDX, V, stride_x, chunk, num_chunks, BLOCK: tl.constexpr):
+    """Program ``(r, c)``: the maximum of row ``r``'s columns ``[c * chunk, (c + 1) *
+    chunk)`` and its first column, as ``argmax`` sees them (NaN above everything: the first
+    NaN's column, the value NaN)."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    start = c * chunk
+    stop = tl.minimum(start + chunk, V)
+    big = V  # no column
+    best_v = float("-inf")
+    best_i = big
+    nan_i = big
+    for off in range(0, chunk, BLOCK):
+        cols = start + off + tl.arange(0, BLOCK)
+        m = cols < stop
+        x = tl.load(X + r * stride_x + cols, mask=m, other=float("-inf")).to(tl.float32)
+        isn = (x != x) & m
+        nan_i = tl.minimum(nan_i, tl.min(tl.where(isn, cols, big), 0))
+        v = tl.max(tl.where(isn, float("-inf"), x), 0)
+        i = tl.min(tl.where((x == v) & m, cols, big), 0)
+        take = (v > best_v) | (best_i == big)  # ties keep the earlier column
+        best_i = tl.where(take, i, best_i)
+        best_v = tl.maximum(best_v, v)
+    has_nan = nan_i < big
+    tl.store(VAL + r * num_chunks + c, tl.where(has_nan, float("nan"), best_v))
+    tl.store(IDX + r * num_chunks + c, tl.where(has_nan, nan_i, best_i))
+
+
+@triton.jit
+def argmax_merge_kernel(VAL, IDX, OUT, num_chunks, V, BLOCK_C: tl.constexpr):
+    """Row ``r``'s argmax from its chunks' (in column order): the first NaN chunk's column,
+    else the first chunk holding the largest value's."""
+    r = tl.program_id(0).to(tl.int64)
+    cs = tl.arange(0, BLOCK_C)
+    m = cs < num_chunks
+    v = tl.load(VAL + r * num_chunks + cs, mask=m, other=float("-inf"))
+    i = tl.load(IDX + r * num_chunks + cs, mask=m, other=V)
+    isn = (v != v) & m
+    first_nan = tl.min(tl.where(isn, i, V), 0)
+    top = tl.max(tl.where(isn, float("-inf"), v), 0)
+    first_top = tl.min(tl.where((v == top) & m, i, V), 0)
+    tl.store(OUT + r, tl.where(first_nan < V, first_nan, first_top).to(tl.int64))

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .._dispatch import triton_available
 from .request import SamplingParams
 
 _M32 = 0xFFFFFFFF
@@ -74,25 +75,37 @@ def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """``argmax(logits, -1)`` (the first of equal maxima; NaN counts as the largest). On
-    CUDA a long row is cut into ``c`` chunks reduced side by side, then the best chunk
-    taken: one row's argmax alone keeps a few SMs busy (36 us for a 128256-token
-    vocabulary at batch 1 on an H100, 7 us chunked). Past 65536 chunks in all the rows
-    alone fill the GPU, and the plain argmax is kept."""
-    n, V = logits.shape
-    c = next((c for c in (256, 128, 64, 32) if V % c == 0 and V // c >= 64), None)
-    if not logits.is_cuda or c is None or n * c > 65536:
-        return torch.argmax(logits, dim=-1)
-    return chunked_argmax(logits, c)
+    CUDA two Triton launches (:func:`argmax_rows`): one row's argmax alone keeps a few SMs
+    busy (36 us for a 128256-token vocabulary at batch 1 on an H100)."""
+    if logits.is_cuda and triton_available() and logits.shape[1] > 0:
+        return argmax_rows(logits)
+    return torch.argmax(logits, dim=-1)
 
 
-def chunked_argmax(logits: torch.Tensor, chunks: int) -> torch.Tensor:
-    """``argmax(logits, -1)`` of ``[n, V]`` (``V`` a multiple of ``chunks``) as the best of
-    the chunks' maxima: each chunk's first maximum, then the first chunk holding the row's
-    maximum, so the first of equal maxima wins as in ``argmax`` (NaN the largest)."""
+def argmax_rows(logits: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """``argmax(logits, -1)`` of ``[n, V]`` (``V >= 1``, unit column stride) as int64
+    ``[n]``, by Triton: the rows cut into chunks that about a thousand programs reduce side
+    by side (each chunk's first maximum, NaN above everything), then one program a row
+    takes the first chunk holding the row's best. Exactly ``torch.argmax``, ties and NaN
+    included."""
+    from .kernels import argmax_chunk_kernel, argmax_merge_kernel
+
     n, V = logits.shape
-    vals, idx = logits.reshape(n, chunks, V // chunks).max(dim=-1)
-    best = vals.argmax(dim=-1)
-    return best * (V // chunks) + idx.gather(1, best[:, None])[:, 0]
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    if n == 0:
+        return out
+    want = max(1, min(256, -(-1024 // n)))  # chunks a row
+    chunk = -(-(-(-V // want)) // block) * block
+    chunks = -(-V // chunk)
+    val = torch.empty((n, chunks), dtype=torch.float32, device=logits.device)
+    idx = torch.empty((n, chunks), dtype=torch.int32, device=logits.device)
+    argmax_chunk_kernel[(n, chunks)](logits, val, idx, V, logits.stride(0), chunk, chunks,
+                                     BLOCK=block, num_warps=4)
+    argmax_merge_kernel[(n,)](val, idx, out, chunks, V,
+                              BLOCK_C=max(2, 1 << (chunks - 1).bit_length()), num_warps=1)
+    return out
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
