@@ -96,7 +96,7 @@ def main() -> int:
             configs = [(bm_dot,) + chosen + ("chosen",)]
             if a.dot:
                 configs += [(bm_dot, bn, bk, w, st, "dot") for bn, bk, w, st in
-                            itertools.product((16, 32, 64), (128, 256), (4,), (3, 4))]
+                            itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 4))]
             if n == 1:
                 configs += [(1, bn, bk, w, st, "m1") for bn, bk, w, st in itertools.product(
                     (2, 4, 8), (512, 1024, 2048), (4, 8), (2, 3, 4))]
