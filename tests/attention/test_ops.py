@@ -1267,3 +1267,40 @@ def test_table_entries_set_warps_and_fp8_paged_section(monkeypatch: pytest.Monke
                   for key, val in kw.items()}
         want = decode_attention_reference(q.double(), caches[0], caches[1], lens, **ref_kw)
         assert_close(got, want, torch.float32, name)
+
+
+def test_table_many_programs_and_short_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``many_programs`` applies from ``min_programs_per_sm`` programs an SM (Triton's
+    interpreter counts 4 SMs), ``short_context`` to caches of at most ``max_keys`` keys;
+    the launch they choose equals the reference."""
+    from lmfuse import tuning
+
+    table = dict(tuning.table("decode_attention", torch.device("cpu")),
+                 block_n_by_head_dim=[[1048576, 16, 3, 4]], few_programs={},
+                 paged={"short_context": {"max_keys": 64, "num_stages": 1}},
+                 fp8={}, fp8_paged={},
+                 many_programs={"min_programs_per_sm": 1,
+                                "block_n_by_head_dim": [[1048576, 32, 2, 1]]})
+    real = tuning.table
+    monkeypatch.setattr(tuning, "table", lambda family, device: dict(table)
+                        if family == "decode_attention" else real(family, device))
+    torch.manual_seed(0)
+    Hkv, D = 2, 16
+    k, v = torch.randn(2, 96, Hkv, D), torch.randn(2, 96, Hkv, D)
+    lens = torch.tensor([96, 50], dtype=torch.int32)
+    for B, want in ((2, (32, 2, 1)), (1, (16, 3, 4))):  # 4 programs: many; 2: not
+        q = torch.randn(B, 1, 2 * Hkv, D)
+        plan = lmfuse.explain(lmfuse.decode_attention, q, k[:B], v[:B], lens[:B])
+        assert (plan.args["BLOCK_N"], plan.args["num_stages"],
+                plan.args["num_warps"]) == want, B
+        got = lmfuse.decode_attention(q, k[:B], v[:B], lens[:B], impl="triton")
+        assert_close(got, decode_attention_reference(q.double(), k[:B].double(),
+                                                     v[:B].double(), lens[:B]),
+                     torch.float32, f"B{B}")
+    (kp, vp), bt = to_paged((k, v), [96, 50], 16)  # capacity 96 keys > 64: not short
+    q = torch.randn(1, 1, 2 * Hkv, D)
+    plan = lmfuse.explain(lmfuse.decode_attention, q, kp, vp, lens[:1], block_table=bt[:1])
+    assert plan.args["num_stages"] == 3
+    plan = lmfuse.explain(lmfuse.decode_attention, q, kp, vp, lens[:1].clamp(max=48),
+                          block_table=bt[:1, :4])  # 4 blocks of 16: 64 keys
+    assert plan.args["num_stages"] == 1
