@@ -16,7 +16,9 @@ but far below any real error. Never widen one to make a test pass: find out why.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -219,6 +221,21 @@ SCALE = _test_scale()
 #: ``LMFUSE_GPU_TESTS=1`` on a CUDA machine, else the CPU.
 TEST_DEVICE = torch.device("cuda" if os.environ.get("LMFUSE_GPU_TESTS") == "1"
                            and torch.cuda.is_available() else "cpu")
+
+
+@contextlib.contextmanager
+def value_checks_on() -> Iterator[None]:
+    """``lmfuse.set_checks(True)`` inside the block, as it was after: a CUDA call then
+    checks its input values (out-of-range targets, ...) as a CPU call always does."""
+    import lmfuse
+    from lmfuse import _dispatch
+
+    before = _dispatch._VALUE_CHECKS
+    lmfuse.set_checks(True)
+    try:
+        yield
+    finally:
+        lmfuse.set_checks(before)
 
 
 def flush_subnormal(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,6 +1,12 @@
 """lmfuse.linear_cross_entropy against the float64 reference (F.cross_entropy of the
 logits), on the torch path and on the Triton path (cross-entropy kernels in the
-interpreter, GEMMs by torch)."""
+interpreter, GEMMs by torch).
+
+Inputs are made on the CPU (seeded); the op runs on ``helpers.TEST_DEVICE`` (CUDA under
+``LMFUSE_GPU_TESTS=1``, the kernels compiled) and its results are compared on the CPU with
+the float64 reference. The tests of the CPU's own default path and of the default tuning
+table stay on the CPU.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,9 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+
+from helpers import TEST_DEVICE as DEVICE
+from helpers import value_checks_on
 
 import lmfuse
 from lmfuse.cross_entropy import linear
@@ -33,11 +42,14 @@ def inputs(N: int, H: int, V: int, *, bias: bool, scale: float = 1.0, seed: int 
 
 
 def run(impl: str, h, w, b, t, dtype: torch.dtype, grad_out=None, **kw):
-    """Loss and gradients (hidden, weight, bias) of the op on ``dtype`` copies."""
-    args = [x.detach().to(dtype).requires_grad_(True) if x is not None else None
+    """Loss and gradients (hidden, weight, bias) of the op on ``dtype`` copies on the test
+    device, returned on the CPU."""
+    args = [x.detach().to(DEVICE, dtype).requires_grad_(True) if x is not None else None
             for x in (h, w, b)]
-    loss = lmfuse.linear_cross_entropy(args[0], args[1], t, bias=args[2], impl=impl, **kw)
-    return loss, _grads(loss, args, grad_out)
+    loss = lmfuse.linear_cross_entropy(args[0], args[1], t.to(DEVICE), bias=args[2],
+                                       impl=impl, **kw)
+    grads = _grads(loss, args, None if grad_out is None else grad_out.to(DEVICE))
+    return loss.detach().cpu(), [g.cpu() for g in grads]
 
 
 def reference(h, w, b, t, grad_out=None, **kw):
@@ -120,9 +132,11 @@ def test_leading_shape_and_f_cross_entropy(impl: str) -> None:
     b = torch.randn(11, generator=g, dtype=F64)
     t = torch.randint(0, 11, (2, 3), generator=g)
     t[0, 1] = IGNORE
+    hd, wd, bd, td = (x.to(DEVICE, F32) if x.is_floating_point() else x.to(DEVICE)
+                      for x in (h, w, b, t))
     for reduction in ("mean", "none"):
-        got = lmfuse.linear_cross_entropy(h.float(), w.float(), t, bias=b.float(), impl=impl,
-                                          reduction=reduction, max_chunk_bytes=11 * 4 * 4)
+        got = lmfuse.linear_cross_entropy(hd, wd, td, bias=bd, impl=impl, reduction=reduction,
+                                          max_chunk_bytes=11 * 4 * 4).cpu()
         want = F.cross_entropy(F.linear(h, w, b).view(-1, 11), t.view(-1),
                                reduction=reduction).float()
         assert got.shape == (t.shape if reduction == "none" else ())
@@ -137,9 +151,10 @@ def test_all_ignored_and_empty(impl: str) -> None:
     assert loss.item() == 0.0
     for g in grads:
         assert torch.count_nonzero(g) == 0
-    h0 = torch.zeros(0, 8, requires_grad=True)
-    w0 = torch.randn(9, 8, requires_grad=True)
-    loss = lmfuse.linear_cross_entropy(h0, w0, torch.zeros(0, dtype=torch.long), impl=impl)
+    h0 = torch.zeros(0, 8, device=DEVICE, requires_grad=True)
+    w0 = torch.randn(9, 8).to(DEVICE).requires_grad_(True)
+    loss = lmfuse.linear_cross_entropy(h0, w0, torch.zeros(0, dtype=torch.long, device=DEVICE),
+                                       impl=impl)
     gh, gw = torch.autograd.grad(loss, [h0, w0])
     assert loss.item() == 0.0 and gh.shape == (0, 8) and torch.count_nonzero(gw) == 0
 
@@ -167,15 +182,16 @@ def test_partial_requires_grad_and_no_grad(impl: str) -> None:
     """Only the weight trainable (a frozen trunk), and inference under no_grad."""
     h, w, b, t = inputs(9, 8, 17, bias=True)
     _, (rgh, rgw, rgb) = reference(h, w, b, t)
-    wt = w.float().requires_grad_(True)
-    loss = lmfuse.linear_cross_entropy(h.float(), wt, t, bias=b.float(), impl=impl)
+    hd, wd, bd, td = h.to(DEVICE, F32), w.to(DEVICE, F32), b.to(DEVICE, F32), t.to(DEVICE)
+    wt = wd.clone().requires_grad_(True)
+    loss = lmfuse.linear_cross_entropy(hd, wt, td, bias=bd, impl=impl)
     (gw,) = torch.autograd.grad(loss, [wt])
-    assert_close("weight only", gw, rgw, F32)
+    assert_close("weight only", gw.cpu(), rgw, F32)
     with torch.no_grad():
-        loss = lmfuse.linear_cross_entropy(h.float(), w.float(), t, bias=b.float(), impl=impl)
+        loss = lmfuse.linear_cross_entropy(hd, wd, td, bias=bd, impl=impl)
     rloss, _ = reference(h, w, b, t)
     assert not loss.requires_grad
-    assert_close("no_grad loss", loss, rloss, F32)
+    assert_close("no_grad loss", loss.cpu(), rloss, F32)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -206,7 +222,8 @@ def test_chunk_bound(monkeypatch: pytest.MonkeyPatch, impl: str, N: int,
 
 def test_default_chunk_budget_from_tuning_table() -> None:
     """The default budget is the tuning table's ``chunk_bytes``, independent of N; rows
-    are rounded down to the table's ``row_multiple`` (128: 1046 rows -> 1024)."""
+    are rounded down to the table's ``row_multiple`` (128: 1046 rows -> 1024). (The CPU's
+    table, default.json, whatever the test device: no tensor is made.)"""
     cfg, _ = linear.config(128256, torch.device("cpu"))
     assert cfg["chunk_bytes"] == 256 * 2**20 and cfg["row_multiple"] == 128
     V = 128256
@@ -218,10 +235,13 @@ def test_default_chunk_budget_from_tuning_table() -> None:
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_out_of_range_target_raises_on_cpu(impl: str) -> None:
+    """Always on CPU tensors; on CUDA ones (the GPU run's test device) only with
+    ``lmfuse.set_checks(True)``, as for ``cross_entropy``: on with it here."""
     h, w, b, t = inputs(4, 8, 9, bias=False)
     t[2] = 9
-    with pytest.raises(ValueError, match="target holds 9"):
-        lmfuse.linear_cross_entropy(h.float(), w.float(), t, impl=impl)
+    with value_checks_on(), pytest.raises(ValueError, match="target holds 9"):
+        lmfuse.linear_cross_entropy(h.to(DEVICE, F32), w.to(DEVICE, F32), t.to(DEVICE),
+                                    impl=impl)
 
 
 @pytest.mark.parametrize("bad, kw, exc, match", [
@@ -242,15 +262,17 @@ def test_bad_inputs(bad: str, kw: dict[str, Any], exc: type, match: str) -> None
                 target=torch.zeros(4, dtype=torch.long))
     args.update({k: v for k, v in kw.items() if k in args})
     options = {k: v for k, v in kw.items() if k not in args}
+    args, options = ({k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v
+                      for k, v in d.items()} for d in (args, options))
     with pytest.raises(exc, match=match):
         lmfuse.linear_cross_entropy(args["hidden"], args["weight"], args["target"], **options)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_explain(impl: str) -> None:
-    h = torch.randn(10, 8, requires_grad=True)
-    w = torch.randn(7, 8, requires_grad=True)
-    t = torch.zeros(10, dtype=torch.long)
+    h = torch.randn(10, 8).to(DEVICE).requires_grad_(True)
+    w = torch.randn(7, 8).to(DEVICE).requires_grad_(True)
+    t = torch.zeros(10, dtype=torch.long, device=DEVICE)
     plan = lmfuse.explain(lmfuse.linear_cross_entropy, h, w, t, impl=impl,
                           max_chunk_bytes=7 * 4 * 3)
     assert plan.impl == impl
@@ -265,13 +287,14 @@ def test_second_backward_refused(impl: str) -> None:
     """The gradients kept from the forward are rescaled in place by backward: a second
     backward through the same graph raises instead of scaling them twice."""
     h, w, b, t = inputs(6, 8, 9, bias=False)
-    hh = h.float().requires_grad_(True)
-    loss = lmfuse.linear_cross_entropy(hh, w.float(), t, impl=impl)
-    loss.backward(torch.tensor(0.5), retain_graph=True)
+    hh = h.to(DEVICE, F32).requires_grad_(True)
+    loss = lmfuse.linear_cross_entropy(hh, w.to(DEVICE, F32), t.to(DEVICE), impl=impl)
+    half = torch.tensor(0.5, device=DEVICE)
+    loss.backward(half, retain_graph=True)
     with pytest.raises(RuntimeError, match="second backward"):
-        loss.backward(torch.tensor(0.5))
+        loss.backward(half)
     _, rgrads = reference(h, w, b, t, torch.tensor(0.5, dtype=F64))
-    assert_close("the first backward's gradient", hh.grad, rgrads[0], F32)
+    assert_close("the first backward's gradient", hh.grad.cpu(), rgrads[0], F32)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -280,9 +303,9 @@ def test_float16_gradient_scaled_before_rounding(impl: str) -> None:
     formed with it, in backward, so dW does not lose the (p - y) / count that underflow
     float16 when formed for an upstream gradient of 1."""
     V, H, n = 4000, 8, 64
-    h = torch.ones(n, H, dtype=F16, requires_grad=True)
-    w = torch.zeros(V, H, dtype=F16, requires_grad=True)  # p = 1 / V
-    t = torch.zeros(n, dtype=torch.long)
+    h = torch.ones(n, H, dtype=F16, device=DEVICE, requires_grad=True)
+    w = torch.zeros(V, H, dtype=F16, device=DEVICE, requires_grad=True)  # p = 1 / V
+    t = torch.zeros(n, dtype=torch.long, device=DEVICE)
     scale = 2.0 ** 16
     plan = lmfuse.explain(lmfuse.linear_cross_entropy, h, w, t, impl=impl)
     assert plan.details["passes"].startswith("deferred")
@@ -326,7 +349,7 @@ def test_logits_in_fp32_match_a_float32_logits_reference(impl: str, dtype: torch
 
 def test_logits_in_fp32_plan_and_bad_value() -> None:
     h, w, b, t = inputs(8, 16, 40, bias=False)
-    h, w = h.to(BF16), w.to(BF16)
+    h, w, t = h.to(DEVICE, BF16), w.to(DEVICE, BF16), t.to(DEVICE)
     plan = linear.plan_linear_cross_entropy(h, w, t, logits_in_fp32=True)
     assert "float32 logits" in plan.details["chunks"]
     assert "float32" not in linear.plan_linear_cross_entropy(h, w, t).details["chunks"]
@@ -343,7 +366,8 @@ def test_logits_in_fp32_plan_and_bad_value() -> None:
 def test_default_cpu_path_is_f_linear_and_f_cross_entropy(monkeypatch, reduction, kw) -> None:
     """On CPU float32 tensors without Triton the default path is ``F.cross_entropy(
     F.linear(h, W, b))`` (the plain formula's speed): the chunked reference's loss and
-    gradients; target errors as lmfuse's."""
+    gradients; target errors as lmfuse's. (CPU tensors whatever the test device: this is
+    the CPU's own path.)"""
     from lmfuse._dispatch import select_impl
     from lmfuse.cross_entropy import ops as ce_ops
 

@@ -183,8 +183,9 @@ def test_float16_triton_defers_the_gradient_with_every_option() -> None:
     gradient before rounding): class weights and token scaling reach its per-token
     scales there too."""
     h, w, b, t, cw = make_inputs(6, 16, 29, seed=3)
-    h16 = h.to(F16).requires_grad_(True)
-    plan = lmfuse.explain(lmfuse.linear_cross_entropy, h16, w.to(F16), t, impl="triton")
+    h16 = h.to(DEVICE, F16).requires_grad_(True)
+    plan = lmfuse.explain(lmfuse.linear_cross_entropy, h16, w.to(DEVICE, F16), t.to(DEVICE),
+                          impl="triton")
     assert plan.details["passes"].startswith("deferred")
     kw = dict(ce_weight=cw, label_smoothing=0.1, z_loss=0.01, use_token_scaling=True,
               **RETURNS)
@@ -295,7 +296,8 @@ def test_no_option_returns_the_loss_and_cpu_default_takes_weights(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Without ``return_*`` the op returns the loss tensor itself; on CPU float32 tensors
     the default path (``F.linear`` + ``F.cross_entropy``) takes ``ce_weight`` and gives the
-    reference's loss; token scaling and the returns take the chunked path."""
+    reference's loss; token scaling and the returns take the chunked path. (CPU tensors
+    whatever the test device: this is the CPU's own path.)"""
     monkeypatch.setattr(ops, "select_impl", lambda op, impl, device: (
         ("torch", "test: no Triton") if impl == "auto" else _select_impl(op, impl, device)))
     calls = []

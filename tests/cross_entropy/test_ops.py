@@ -15,6 +15,12 @@ Pass structures (see ``ops.py``): *fused* (Triton, ``mean``/``sum``, gradient ne
 forward kernel writes the gradient, backward rescales it in place with ``ce_scale_``),
 *deferred* (``reduction="none"`` or the torch path: gradient computed in backward) and
 *stats only* (no gradient needed).
+
+Inputs are made on the CPU (seeded, so the same values on every device); the op runs on
+``helpers.TEST_DEVICE`` (CUDA under ``LMFUSE_GPU_TESTS=1``, the kernels compiled:
+``LMFUSE_GPU_TESTS=1 python -m pytest tests/cross_entropy/test_ops.py``) and its results
+come back to the CPU, where the float64 oracle runs. The tests of the CPU's own default
+path stay on the CPU.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close, randn
+from helpers import TEST_DEVICE as DEVICE
+from helpers import assert_close, randn, value_checks_on
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -88,17 +95,18 @@ def ce_options(kw: dict[str, Any]) -> dict[str, Any]:
 
 def run(impl: str, logits: torch.Tensor, target: torch.Tensor, grad_out: torch.Tensor | None,
         **kw: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Loss, gradient and the tensor passed as logits, on a fresh copy of ``logits``.
+    """Loss and gradient (on the CPU) and the tensor passed as logits (on the test device),
+    on a fresh copy of ``logits`` on the test device.
 
     With ``inplace_backward`` the logits passed are a non-leaf (``leaf * 1``): the op
     overwrites them with the gradient, which must not destroy a leaf's values.
     """
-    leaf = logits.detach().clone().requires_grad_(True)
+    leaf = logits.detach().to(DEVICE).clone().requires_grad_(True)
     x = leaf * 1 if kw.get("inplace_backward") else leaf
-    loss = lmfuse.cross_entropy(x, target, impl=impl, **kw)
+    loss = lmfuse.cross_entropy(x, target.to(DEVICE), impl=impl, **kw)
     if grad_out is not None:
-        loss.backward(grad_out)
-    return loss.detach(), leaf.grad, x
+        loss.backward(grad_out.to(DEVICE))
+    return loss.detach().cpu(), None if leaf.grad is None else leaf.grad.cpu(), x
 
 
 def expected(logits: torch.Tensor, target: torch.Tensor, grad_out: torch.Tensor | None,
@@ -130,8 +138,9 @@ def check(what: str, impl: str, logits: torch.Tensor, target: torch.Tensor,
 
 
 def passes(logits: torch.Tensor, target: torch.Tensor, **kw: Any) -> str:
-    """The first word of ``explain``'s pass structure: fused, deferred or stats."""
-    plan = lmfuse.explain(lmfuse.cross_entropy, logits, target, **kw)
+    """The first word of ``explain``'s pass structure (fused, deferred or stats) for these
+    tensors on the test device."""
+    plan = lmfuse.explain(lmfuse.cross_entropy, logits.to(DEVICE), target.to(DEVICE), **kw)
     return plan.details["passes"].split()[0].rstrip(":")
 
 
@@ -212,7 +221,7 @@ def test_shapes(impl: str, V: int, lead: tuple[int, ...], target_dtype: torch.dt
 def test_long_rows_default_streamed_kernel(impl: str, dtype: torch.dtype, reduction: str) -> None:
     """V past the default single-block limit: the streamed (chunked) kernels, unforced."""
     V = 40000
-    cfg = ops._config(V, torch.device("cpu"))
+    cfg = ops._config(V, DEVICE)
     assert not cfg["SINGLE_BLOCK"] and cfg["BLOCK_V"] < V
     logits = randn((3, V), dtype, scale=2.0)
     target = torch.tensor([V - 1, IGNORE, 12345])
@@ -220,7 +229,8 @@ def test_long_rows_default_streamed_kernel(impl: str, dtype: torch.dtype, reduct
     check(f"{impl} V={V} {dtype} {reduction}", impl, logits, target, grad_out,
           reduction=reduction, label_smoothing=0.1, z_loss=1e-3, softcap=20.0)
     if impl == "triton":
-        plan = lmfuse.explain(lmfuse.cross_entropy, logits, target, impl=impl)
+        plan = lmfuse.explain(lmfuse.cross_entropy, logits.to(DEVICE), target.to(DEVICE),
+                              impl=impl)
         assert plan.details["kernel"].startswith("streamed"), plan.details
 
 
@@ -312,7 +322,8 @@ def test_forced_launch_configs(monkeypatch: pytest.MonkeyPatch, N: int, V: int,
     if fused and "slice" in config.get("fused", {}) and hasattr(ops._kernels(),
                                                                 "ce_slices_kernel"):
         assert rows[0][0] == "ce_slices_kernel", names
-    plan = lmfuse.explain(lmfuse.cross_entropy, logits, target, impl="triton")
+    plan = lmfuse.explain(lmfuse.cross_entropy, logits.to(DEVICE), target.to(DEVICE),
+                          impl="triton")
     assert plan.details["kernel"].startswith("streamed" if not config["SINGLE_BLOCK"] else "4 row")
 
 
@@ -357,8 +368,8 @@ def test_fused_launch_alignment_end_to_end(monkeypatch: pytest.MonkeyPatch, V: i
     (name, _, meta), = [launch for launch in spy.launches if launch[0] != "ce_scale_kernel"]
     assert name == "ce_stream_kernel" and meta["VEC"] == vec, (name, meta)
     assert meta["BLOCK_V"] == (32 if vec else 16) and meta["PREFETCH"] is bool(vec), meta
-    text = lmfuse.explain(lmfuse.cross_entropy, logits.requires_grad_(), target).details[
-        "kernel"]
+    text = lmfuse.explain(lmfuse.cross_entropy, logits.to(DEVICE).requires_grad_(),
+                          target.to(DEVICE)).details["kernel"]
     assert ("a row per program" in text) is bool(vec), text
 
 
@@ -375,19 +386,19 @@ def test_fused_launch_alignment_of_views(monkeypatch: pytest.MonkeyPatch, view: 
     monkeypatch.setattr(ops.tuning, "table", lambda family, device: VEC_TABLE)
     spy = KernelSpy(ops._kernels())
     monkeypatch.setattr(ops, "_kernels", lambda: spy)
-    base = randn((6, 64), BF16, scale=3.0).requires_grad_(True)
+    base = randn((6, 64), BF16, scale=3.0).to(DEVICE).requires_grad_(True)
     logits = view(base)
     aligned = logits.data_ptr() % 16 == 0 and logits.stride(0) % 16 == 0
     target = make_target((6,), 48, every=3)
-    text = lmfuse.explain(lmfuse.cross_entropy, logits, target).details["kernel"]
-    lmfuse.cross_entropy(logits, target).backward()
+    text = lmfuse.explain(lmfuse.cross_entropy, logits, target.to(DEVICE)).details["kernel"]
+    lmfuse.cross_entropy(logits, target.to(DEVICE)).backward()
     (name, _, meta), = [launch for launch in spy.launches if launch[0] != "ce_scale_kernel"]
     assert meta["VEC"] == (8 if aligned else 0), (logits.stride(), logits.data_ptr(), meta)
     assert ("a row per program" in text) is aligned, text
-    x = logits.detach().double().requires_grad_(True)
+    x = logits.detach().cpu().double().requires_grad_(True)
     F.cross_entropy(x, target, ignore_index=IGNORE).backward()
-    dx = base.grad
-    assert dx is not None
+    assert base.grad is not None
+    dx = base.grad.cpu()
     assert_close(view(dx), x.grad.to(BF16), BF16, "gradient through the view")
     assert torch.count_nonzero(dx) == torch.count_nonzero(view(dx)), "outside the view"
 
@@ -404,13 +415,14 @@ def test_fused_override_with_vec_on_unaligned_rows(monkeypatch: pytest.MonkeyPat
         spy.launches.clear()
         x = randn((5, V), dtype, scale=3.0)
         t = make_target((5,), V, every=3)
-        g = torch.empty_like(x)
-        stats = ops._launch_fwd(x, t, (t != IGNORE).sum().float(), g, 0, V, IGNORE, 0.0, 0.0,
-                                None, True, fused=f)
+        xd, td = x.to(DEVICE), t.to(DEVICE)
+        g = torch.empty_like(xd)
+        stats = ops._launch_fwd(xd, td, (td != IGNORE).sum().float(), g, 0, V, IGNORE, 0.0,
+                                0.0, None, True, fused=f)
         (_, _, meta), = spy.launches
         assert (meta["VEC"], meta["PREFETCH"], meta["BLOCK_V"]) == expect, meta
         ref = F.cross_entropy(x.double(), t, ignore_index=IGNORE, reduction="none")
-        assert_close(stats[3] * (t != IGNORE).sum(), ref.float(), F32, f"loss V={V}")
+        assert_close(stats[3].cpu() * (t != IGNORE).sum(), ref.float(), F32, f"loss V={V}")
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(F16, id="fp16"), pytest.param(BF16, id="bf16")])
@@ -432,8 +444,8 @@ def test_forced_configs_half_precision(monkeypatch: pytest.MonkeyPatch, dtype: t
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_explain_pass_structure(impl: str, reduction: str) -> None:
-    logits = randn((4, 9), requires_grad=True)
-    target = make_target((4,), 9)
+    logits = randn((4, 9)).to(DEVICE).requires_grad_(True)
+    target = make_target((4,), 9).to(DEVICE)
     fused = impl == "triton" and reduction != "none"
     assert passes(logits, target, impl=impl, reduction=reduction) == (
         "fused" if fused else "deferred")
@@ -445,8 +457,10 @@ def test_explain_pass_structure(impl: str, reduction: str) -> None:
 
 
 def test_auto_runs_triton_here() -> None:
-    logits = randn((4, 9), requires_grad=True)
-    target = make_target((4,), 9)
+    """``impl="auto"`` takes Triton on the test device: the interpreter on the CPU, the
+    compiled kernels on CUDA."""
+    logits = randn((4, 9)).to(DEVICE).requires_grad_(True)
+    target = make_target((4,), 9).to(DEVICE)
     assert lmfuse.explain(lmfuse.cross_entropy, logits, target).impl == "triton"
     a = lmfuse.cross_entropy(logits, target)
     b = lmfuse.cross_entropy(logits, target, impl="triton")
@@ -462,17 +476,18 @@ def test_stats_only_without_gradient(impl: str, dtype: torch.dtype, reduction: s
     logits = randn((2, 3, 37), dtype, scale=2.0)
     target = make_target((2, 3), 37)
     kw = dict(reduction=reduction, label_smoothing=0.1, z_loss=0.01, softcap=6.0)
+    x, t = logits.to(DEVICE), target.to(DEVICE)
     if no_grad == "no_grad":
-        logits.requires_grad_(True)
+        x.requires_grad_(True)
         with torch.no_grad():
-            assert passes(logits, target, impl=impl, **kw) == "stats"
-            loss = lmfuse.cross_entropy(logits, target, impl=impl, **kw)
+            assert passes(x, t, impl=impl, **kw) == "stats"
+            loss = lmfuse.cross_entropy(x, t, impl=impl, **kw)
     else:
-        assert passes(logits, target, impl=impl, **kw) == "stats"
-        loss = lmfuse.cross_entropy(logits, target, impl=impl, **kw)
+        assert passes(x, t, impl=impl, **kw) == "stats"
+        loss = lmfuse.cross_entropy(x, t, impl=impl, **kw)
     assert not loss.requires_grad
     loss_ref, _ = expected(logits, target, None, **kw)
-    assert_close(loss, loss_ref.float(), F32, f"{impl} {dtype} {kw} stats only")
+    assert_close(loss.cpu(), loss_ref.float(), F32, f"{impl} {dtype} {kw} stats only")
 
 
 # --- upstream gradients other than 1 ----------------------------------------------------
@@ -485,14 +500,17 @@ def test_scaled_loss_backward(impl: str, dtype: torch.dtype, reduction: str) -> 
     """``(loss * 3.5).backward()``: the fused path rescales its stored gradient in place."""
     logits = randn((6, 37), dtype, scale=2.0)
     target = make_target((6,), 37)
-    leaf = logits.clone().requires_grad_(True)
-    (lmfuse.cross_entropy(leaf, target, reduction=reduction, impl=impl) * 3.5).backward()
+    leaf = logits.to(DEVICE).clone().requires_grad_(True)
+    t = target.to(DEVICE)
+    (lmfuse.cross_entropy(leaf, t, reduction=reduction, impl=impl) * 3.5).backward()
     _, dx_ref = expected(logits, target, torch.tensor(3.5), reduction=reduction)
-    assert_close(leaf.grad, dx_ref.to(dtype), dtype, f"{impl} {dtype} {reduction} loss * 3.5")
+    assert_close(leaf.grad.cpu(), dx_ref.to(dtype), dtype,
+                 f"{impl} {dtype} {reduction} loss * 3.5")
     # A second loss on the same logits: the gradients accumulate, each scaled on its own.
-    (lmfuse.cross_entropy(leaf, target, reduction=reduction, impl=impl) * -0.5).backward()
+    (lmfuse.cross_entropy(leaf, t, reduction=reduction, impl=impl) * -0.5).backward()
     _, dx_ref2 = expected(logits, target, torch.tensor(3.0), reduction=reduction)
-    assert_close(leaf.grad, dx_ref2.to(dtype), dtype, f"{impl} {dtype} {reduction} accumulated")
+    assert_close(leaf.grad.cpu(), dx_ref2.to(dtype), dtype,
+                 f"{impl} {dtype} {reduction} accumulated")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -503,16 +521,16 @@ def test_scale_kernel(dtype: torch.dtype) -> None:
     (Triton's interpreter rounds float32 to bfloat16 toward zero, not to nearest as the GPU
     does, so there the bf16 result may be 1 ulp off round-to-nearest: within tolerance.)
     """
-    g = randn((3, 37), dtype)
-    before = g.clone()
-    torch.ops.lmfuse.ce_scale_(g, torch.ones(1))
-    assert torch.equal(g, before)
-    torch.ops.lmfuse.ce_scale_(g, torch.full((1,), 3.5))
+    before = randn((3, 37), dtype)
+    g = before.to(DEVICE).clone()
+    torch.ops.lmfuse.ce_scale_(g, torch.ones(1, device=DEVICE))
+    assert torch.equal(g.cpu(), before)
+    torch.ops.lmfuse.ce_scale_(g, torch.full((1,), 3.5, device=DEVICE))
     want = (before.float() * 3.5).to(dtype)
     if dtype == BF16:
-        assert_close(g, want, dtype, "ce_scale_ bf16")
+        assert_close(g.cpu(), want, dtype, "ce_scale_ bf16")
     else:
-        assert torch.equal(g, want)
+        assert torch.equal(g.cpu(), want)
 
 
 # --- inplace_backward ---------------------------------------------------------------------
@@ -538,17 +556,19 @@ def test_inplace_backward_overwrites_logits(impl: str, dtype: torch.dtype,
     grad_out = upstream(reduction, target)
     _, dx_out, _ = run(impl, logits, target, grad_out, **kw)
 
-    leaf = logits.clone().requires_grad_(True)
+    leaf = logits.to(DEVICE).clone().requires_grad_(True)
     x = leaf * 1
-    loss = lmfuse.cross_entropy(x, target, impl=impl, inplace_backward=True, **kw)
+    loss = lmfuse.cross_entropy(x, target.to(DEVICE), impl=impl, inplace_backward=True, **kw)
     fused = impl == "triton" and reduction != "none" and dtype != torch.float16
     if fused:
         _, dx_one, _ = run(impl, logits, target, torch.ones(()), **kw)
-        assert torch.equal(x.detach(), dx_one), "fused: logits hold the gradient after forward"
+        assert torch.equal(x.detach().cpu(), dx_one), (
+            "fused: logits hold the gradient after forward")
     else:
-        assert torch.equal(x.detach(), logits), "deferred: logits intact until backward"
-    loss.backward(grad_out)
-    assert torch.equal(leaf.grad, dx_out), f"{impl} {dtype} {reduction}: inplace != out of place"
+        assert torch.equal(x.detach().cpu(), logits), "deferred: logits intact until backward"
+    loss.backward(grad_out.to(DEVICE))
+    assert torch.equal(leaf.grad.cpu(), dx_out), (
+        f"{impl} {dtype} {reduction}: inplace != out of place")
     assert torch.equal(x.detach(), leaf.grad), "the logits' storage holds the gradient"
 
 
@@ -561,14 +581,15 @@ def test_inplace_backward_non_contiguous_logits(impl: str, reduction: str) -> No
     logits = base[:, :37]
     target = make_target((4,), 37)
     grad_out = upstream(reduction, target)
-    leaf = base.clone().requires_grad_(True)
+    leaf = base.to(DEVICE).clone().requires_grad_(True)
     x = leaf * 1
-    loss = lmfuse.cross_entropy(x[:, :37], target, impl=impl, reduction=reduction,
+    loss = lmfuse.cross_entropy(x[:, :37], target.to(DEVICE), impl=impl, reduction=reduction,
                                 inplace_backward=True)
-    loss.backward(grad_out)
+    loss.backward(grad_out.to(DEVICE))
     _, dx_ref = expected(logits, target, grad_out, reduction=reduction)
-    assert_close(leaf.grad[:, :37], dx_ref.float(), F32, f"{impl} {reduction} sliced inplace")
-    assert torch.equal(leaf.grad[:, 37:], torch.zeros(4, 3))
+    dx = leaf.grad.cpu()
+    assert_close(dx[:, :37], dx_ref.float(), F32, f"{impl} {reduction} sliced inplace")
+    assert torch.equal(dx[:, 37:], torch.zeros(4, 3))
 
 
 # --- special values and layouts -------------------------------------------------------------
@@ -755,26 +776,29 @@ def test_non_contiguous_logits(impl: str, dtype: torch.dtype, layout: str,
     logits = view(base)
     assert not logits.is_contiguous()
     grad_out = upstream(reduction, target)
-    leaf = base.clone().requires_grad_(True)
-    loss = lmfuse.cross_entropy(view(leaf), target, impl=impl, reduction=reduction,
+    leaf = base.to(DEVICE).clone().requires_grad_(True)
+    t = target.to(DEVICE)  # (a copy keeps the strides of the row-slice-3d case's target)
+    assert t.stride() == target.stride() and not view(leaf).is_contiguous()
+    loss = lmfuse.cross_entropy(view(leaf), t, impl=impl, reduction=reduction,
                                 label_smoothing=0.1, softcap=5.0)
-    loss.backward(grad_out)
+    loss.backward(grad_out.to(DEVICE))
     kw = dict(reduction=reduction, label_smoothing=0.1, softcap=5.0)
     loss_ref, dx_ref = expected(logits, target, grad_out, **kw)
     what = f"{impl} {dtype} {layout} {reduction}"
-    assert_close(loss, loss_ref.float(), F32, f"{what}: loss")
-    assert_close(view(leaf.grad), dx_ref.to(dtype), dtype, f"{what}: d logits")
+    assert_close(loss.cpu(), loss_ref.float(), F32, f"{what}: loss")
+    dx = leaf.grad.cpu()
+    assert_close(view(dx), dx_ref.to(dtype), dtype, f"{what}: d logits")
     untouched = torch.ones_like(base, dtype=torch.bool)
     view(untouched).fill_(False)
-    assert torch.equal(leaf.grad[untouched], torch.zeros(int(untouched.sum()), dtype=dtype))
+    assert torch.equal(dx[untouched], torch.zeros(int(untouched.sum()), dtype=dtype))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("shape", [(0, 5), (2, 0, 5)], ids=["N0", "B2-S0"])
 def test_empty_batch(impl: str, reduction: str, shape: tuple[int, ...]) -> None:
-    leaf = randn(shape, requires_grad=True)
-    target = torch.empty(shape[:-1], dtype=torch.int64)
+    leaf = randn(shape).to(DEVICE).requires_grad_(True)
+    target = torch.empty(shape[:-1], dtype=torch.int64, device=DEVICE)
     loss = lmfuse.cross_entropy(leaf, target, impl=impl, reduction=reduction,
                                 label_smoothing=0.1)
     assert loss.dtype == F32
@@ -806,10 +830,13 @@ def test_float64_logits(impl: str) -> None:
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("bad", [7, 8, -1, -101, 2**40], ids=lambda b: f"t={b}")
 def test_out_of_range_target_raises_on_cpu(impl: str, bad: int) -> None:
-    logits = randn((4, 7))
-    target = torch.tensor([0, IGNORE, bad, 6])
-    with pytest.raises(ValueError, match=rf"^cross_entropy: target holds {bad}, which is "
-                                         r"neither ignore_index \(-100\) nor a class in \[0, 7\)"):
+    """On CPU tensors the check always runs; on CUDA ones (the GPU run's test device) only
+    with ``lmfuse.set_checks(True)``, as the op's docstring says: on with it here."""
+    logits = randn((4, 7)).to(DEVICE)
+    target = torch.tensor([0, IGNORE, bad, 6], device=DEVICE)
+    with value_checks_on(), pytest.raises(
+            ValueError, match=rf"^cross_entropy: target holds {bad}, which is "
+                              r"neither ignore_index \(-100\) nor a class in \[0, 7\)"):
         lmfuse.cross_entropy(logits, target, impl=impl)
 
 
@@ -825,8 +852,8 @@ def test_ignore_index_is_never_out_of_range(impl: str, ignore_index: int) -> Non
           torch.tensor(2.0), **kw)
     x = logits.detach().double()
     torch_loss = F.cross_entropy(x, target, **kw)
-    loss = lmfuse.cross_entropy(logits, target, impl=impl, **kw)
-    assert_close(loss, torch_loss.float(), F32, "vs F.cross_entropy")
+    loss = lmfuse.cross_entropy(logits.to(DEVICE), target.to(DEVICE), impl=impl, **kw)
+    assert_close(loss.cpu(), torch_loss.float(), F32, "vs F.cross_entropy")
 
 
 # --- bad input ------------------------------------------------------------------------
@@ -893,7 +920,8 @@ BAD_INPUTS = [
 def test_bad_input_raises(make, error: type[Exception], message: str, impl: str) -> None:
     kwargs: dict[str, Any] = dict(logits=randn((3, 5)), target=make_target((3,), 5), impl=impl)
     kwargs.update(make())
-    logits, target = kwargs.pop("logits"), kwargs.pop("target")
+    logits, target = (t.to(DEVICE) if isinstance(t, torch.Tensor) else t
+                      for t in (kwargs.pop("logits"), kwargs.pop("target")))
     with pytest.raises(error, match=rf"^cross_entropy: {message}"):
         lmfuse.cross_entropy(logits, target, **kwargs)
     with pytest.raises(error, match=rf"^cross_entropy: {message}"):
@@ -940,16 +968,17 @@ def test_property_triton_matches_reference(problem: dict[str, Any]) -> None:
 def test_second_backward_through_fused_path_refused(impl: str) -> None:
     """The fused path rescales its kept gradient in place: a second backward through the
     same graph raises instead of scaling it twice (the deferred path allows it)."""
-    logits = randn((5, 11), requires_grad=True)
-    target = make_target((5,), 11)
+    logits = randn((5, 11)).to(DEVICE).requires_grad_(True)
+    target = make_target((5,), 11).to(DEVICE)
+    half = torch.tensor(0.5, device=DEVICE)
     loss = lmfuse.cross_entropy(logits, target, impl=impl)
-    loss.backward(torch.tensor(0.5), retain_graph=True)
+    loss.backward(half, retain_graph=True)
     if impl == "triton":
         with pytest.raises(RuntimeError, match="second backward"):
-            loss.backward(torch.tensor(0.5))
+            loss.backward(half)
     else:  # the torch path keeps the logits and recomputes: twice is twice
         first = logits.grad.clone()
-        loss.backward(torch.tensor(0.5))
+        loss.backward(half)
         torch.testing.assert_close(logits.grad, 2 * first)
 
 
@@ -959,8 +988,9 @@ def test_float16_gradient_scaled_before_rounding(impl: str) -> None:
     """fp16 training scales the loss (GradScaler): the gradient must be formed with that
     scale, not for 1 and multiplied after, where (p - y) / count underflows float16."""
     V, n = 50000, 64
-    logits = torch.zeros(n, V, dtype=torch.float16, requires_grad=True)  # p = 1 / V = 2e-5
-    target = torch.zeros(n, dtype=torch.long)
+    # p = 1 / V = 2e-5
+    logits = torch.zeros(n, V, dtype=torch.float16, device=DEVICE, requires_grad=True)
+    target = torch.zeros(n, dtype=torch.long, device=DEVICE)
     scale = 2.0 ** 16
     loss = lmfuse.cross_entropy(logits, target, impl=impl)
     (grad,) = torch.autograd.grad(loss * scale, logits)
@@ -976,7 +1006,8 @@ def test_default_cpu_path_is_pytorchs_op_with_the_reference_results(monkeypatch,
     """On CPU float32 logits the default path (no Triton: what a CPU machine without the
     interpreter picks) runs ``F.cross_entropy`` (the plain op's speed) where it has every
     option in use: the reference's loss and gradients, NaN rows as PyTorch's, a mean over
-    no token 0 with a zero gradient."""
+    no token 0 with a zero gradient. (CPU tensors whatever the test device: this is the
+    CPU's own path.)"""
     monkeypatch.setattr(ops, "select_impl", lambda op, impl, device: (
         ("torch", "test: no Triton") if impl == "auto" else _select_impl(op, impl, device)))
     g = torch.Generator().manual_seed(0)
