@@ -274,3 +274,20 @@ def test_swiglu_clamp_value_as_megatron(with_bias: bool, clamp) -> None:
         g1, = torch.autograd.grad(got.sum(), x)
         g2, = torch.autograd.grad(want.sum(), x)
         assert_close(g1, g2, torch.float32, "gradient")
+
+
+def test_swiglu_clamp_adds_the_bias_unrounded() -> None:
+    """bf16 input and bias with a clamp: the bias is added in float32 before the clamp, as
+    in Megatron. 1 + 2**-8 is past a clamp of 1 (the gate's gradient 0 there), but rounds
+    to 1 in bf16, where the clamp would let the gradient through."""
+    x = torch.cat([torch.ones(4, 8), torch.full((4, 8), 0.5)], -1).bfloat16().requires_grad_()
+    bias = torch.full((16,), 2.0 ** -8).bfloat16()
+    w = torch.rand(4, 1)
+    for fn in (lambda v: megatron.bias_swiglu_impl(v, bias, clamp_value=1.0),
+               lambda v: megatron.weighted_bias_swiglu_impl(v, bias, w, clamp_value=1.0)):
+        y = fn(x)
+        assert y.dtype == torch.bfloat16
+        g, = torch.autograd.grad(y.float().sum(), x)
+        assert g.dtype == torch.bfloat16
+        assert torch.all(g[:, :8] == 0)  # the gate half, past the clamp
+        assert torch.all(g[:, 8:] != 0)  # the linear half, inside it

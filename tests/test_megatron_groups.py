@@ -36,6 +36,33 @@ def test_one_process_without_megatron_is_one_rank() -> None:
         assert torch.allclose(fn(logits, target), want, atol=1e-6)
 
 
+class _OneRank:
+    """A group object that is not a ProcessGroup (Megatron's own tests pass such objects)."""
+
+    def __init__(self, size: int = 1) -> None:
+        self._size = size
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return self._size
+
+
+def test_a_one_rank_group_object_need_not_be_a_process_group() -> None:
+    logits = torch.randn(3, 2, 7)
+    target = torch.randint(0, 7, (3, 2))
+    want = torch.nn.functional.cross_entropy(logits.view(-1, 7), target.view(-1),
+                                             reduction="none").view(3, 2)
+    for fn in (megatron.fused_vocab_parallel_cross_entropy,
+               megatron.vocab_parallel_cross_entropy):
+        assert torch.allclose(fn(logits, target, tp_group=_OneRank()), want, atol=1e-6)
+        with pytest.raises(TypeError, match="tp_group must be a torch.distributed"):
+            fn(logits, target, tp_group=_OneRank(2))
+        with pytest.raises(TypeError, match="tp_group must be a torch.distributed"):
+            fn(logits, target, tp_group="tp")
+
+
 def _ambiguous_rank(rank: int, world: int) -> None:
     logits = torch.randn(3, 2, 7)
     target = torch.randint(0, 7, (3, 2))

@@ -104,6 +104,23 @@ def default_tp_group(op: str) -> Any:
         "tensor-parallel group (or a group of one rank for a full vocabulary per rank)")
 
 
+def _tp_group(op: str, tp_group: Any) -> Any:
+    """``tp_group`` as lmfuse's ops take it. Megatron-Core hands its group to
+    ``torch.distributed`` without looking at it, so any object passes there; lmfuse's
+    collectives need a ``ProcessGroup``, except that a group of one rank (an object whose
+    ``size()`` is 1, as Megatron's tests use) needs no collective at all and runs as
+    ``None``. Omitted: :func:`default_tp_group`."""
+    if tp_group is None:
+        return default_tp_group(op)
+    if isinstance(tp_group, torch.distributed.ProcessGroup):
+        return tp_group
+    size = getattr(tp_group, "size", None)
+    if callable(size) and size() == 1:
+        return None
+    raise TypeError(f"{op}: tp_group must be a torch.distributed.ProcessGroup (or a group "
+                    f"of one rank), got {type(tp_group).__name__}")
+
+
 def fused_vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor,
                                        target: torch.Tensor, tp_group=None) -> torch.Tensor:
     """Per-token loss ``[s, b]`` of ``logits [s, b, V_local]`` split over ``tp_group``.
@@ -112,8 +129,7 @@ def fused_vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor,
     Megatron requires ``tp_group``; omitted here, it means what an omitted group means in
     Megatron-Core (:func:`default_tp_group`: parallel_state's tensor-parallel group).
     """
-    if tp_group is None:
-        tp_group = default_tp_group("fused_vocab_parallel_cross_entropy")
+    tp_group = _tp_group("fused_vocab_parallel_cross_entropy", tp_group)
     return cross_entropy(vocab_parallel_logits, target, reduction="none", tp_group=tp_group)
 
 
@@ -125,10 +141,12 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     and ``loss = (1 - smoothing) * nll - smoothing * mean(log_probs)`` over the whole
     vocabulary ``V``, which is ``cross_entropy``'s (``F.cross_entropy``'s) smoothing with
     ``smoothing`` in place of ``label_smoothing``. ``tp_group=None`` means parallel_state's
-    tensor-parallel group, as in Megatron-Core (:func:`default_tp_group`).
+    tensor-parallel group, as in Megatron-Core (:func:`default_tp_group`); a group of one
+    rank need not be a ``ProcessGroup`` (:func:`_tp_group`). Megatron reduces its three
+    statistics with three all-reduces; lmfuse gathers them with one all-gather (none on one
+    rank).
     """
-    if tp_group is None:
-        tp_group = default_tp_group("vocab_parallel_cross_entropy")
+    tp_group = _tp_group("vocab_parallel_cross_entropy", tp_group)
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
         raise TypeError("vocab_parallel_cross_entropy: label_smoothing must be a float, got "
                         f"{type(label_smoothing).__name__}")
@@ -238,14 +256,23 @@ def bias_swiglu_impl(input: torch.Tensor, bias, fp8_input_store: bool = False,
 
     ``clamp_value > 0`` (Megatron-Core's): after the bias, the gated half is clamped from
     above and the linear half on both sides (``None`` or <= 0: no clamp). With both a bias
-    and a clamp the bias is added first, as its own pass (the fused kernel clamps before
-    the bias, as Megatron's Quick-GEGLU does)."""
+    and a clamp the bias is added first, in float32 as Megatron does (a sum rounded to
+    bf16 first would move elements across the clamp's edge and change their gradients),
+    as its own pass (the fused kernel clamps before the bias, as Megatron's Quick-GEGLU
+    does); the result is rounded to the input's dtype."""
     _tokens_2d_or_3d("bias_swiglu_impl", input)
     clamp = _megatron_clamp(clamp_value)
     if clamp is not None and bias is not None:
-        input, bias = input + bias, None
+        return act.swiglu(_biased_fp32(input, bias), None, fp8_input_store=fp8_input_store,
+                          cpu_offload_input=cpu_offload_input,
+                          clamp_value=clamp).to(input.dtype)
     return act.swiglu(input, bias, fp8_input_store=fp8_input_store,
                       cpu_offload_input=cpu_offload_input, clamp_value=clamp)
+
+
+def _biased_fp32(input: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``input + bias`` in float32 (Megatron's clamped SwiGLU adds its bias unrounded)."""
+    return input.float() + bias.float()
 
 
 def bias_geglu_impl(input: torch.Tensor, bias) -> torch.Tensor:
@@ -261,7 +288,9 @@ def weighted_bias_swiglu_impl(input: torch.Tensor, bias, weights: torch.Tensor,
     _tokens_2d_or_3d("weighted_bias_swiglu_impl", input)
     clamp = _megatron_clamp(clamp_value)
     if clamp is not None and bias is not None:
-        input, bias = input + bias, None
+        return act.weighted_swiglu(_biased_fp32(input, bias), weights, None,
+                                   fp8_input_store=fp8_input_store,
+                                   clamp_value=clamp).to(input.dtype)
     return act.weighted_swiglu(input, weights, bias, fp8_input_store=fp8_input_store,
                                clamp_value=clamp)
 
