@@ -14,6 +14,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ._dispatch import Plan
+from ._launch import dtype_name
 
 # Relative-error bounds (‖out − ref‖ / ‖ref‖ against a float64 reference) by dtype: the
 # output's own rounding dominates for 16-bit types. Where merely storing the exact answer in
@@ -91,7 +92,7 @@ def run_case(case: CheckCase) -> CheckResult:
         grad = max(errs)
         ok &= all(e <= bound(r, case.dtype) for e, r in zip(errs, rs))
     return CheckResult(
-        case.op, case.label, str(case.dtype).replace("torch.", ""), "x".join(map(str, case.shape)),
+        case.op, case.label, dtype_name(case.dtype), "x".join(map(str, case.shape)),
         case.plan(*inputs).impl, fwd, grad, ok,
     )
 
@@ -100,15 +101,12 @@ def run_all(cases: Sequence[CheckCase], out=print) -> bool:
     """Run every case, one table row each as it finishes (columns as wide as the longest
     entry); True when all pass. An op without a gradient shows ``-`` in that column."""
 
-    def dtype_name(case: CheckCase) -> str:
-        return str(case.dtype).replace("torch.", "")
-
     def shape_name(case: CheckCase) -> str:
         return "x".join(map(str, case.shape))
 
     widths = [max([len(title)] + [len(f(c)) for c in cases]) for title, f in (
-        ("op", lambda c: c.op), ("case", lambda c: c.label), ("dtype", dtype_name),
-        ("shape", shape_name))]
+        ("op", lambda c: c.op), ("case", lambda c: c.label),
+        ("dtype", lambda c: dtype_name(c.dtype)), ("shape", shape_name))]
 
     def row(op: str, label: str, dtype: str, shape: str, impl: str, fwd: str, grad: str,
             result: str) -> str:

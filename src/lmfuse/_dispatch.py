@@ -23,8 +23,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ._launch import FLOAT_DTYPES, dtype_name
+
 IMPLS = ("auto", "triton", "torch")
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 # Decided once at import: a plain constant is also what torch.compile can trace through.
@@ -185,7 +186,7 @@ def check_tensor(
                 f"{op}: {name} must be {want}, got {t.dim()}-D with shape {tuple(t.shape)}"
             )
     if dtypes is not None and t.dtype not in dtypes:
-        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        names = ", ".join(dtype_name(d) for d in dtypes)
         raise TypeError(f"{op}: {name} must have dtype in ({names}), got {t.dtype}")
     return t
 

@@ -21,27 +21,14 @@ from .. import tuning
 from .._dispatch import eager as _eager
 from .._dispatch import (Plan, check_number, check_tensor, native_cpu, register_planner,
                          select_impl)
+from .._launch import cdiv, dtype_name, lazy_kernels, next_pow2
 from .._nvtx import nvtx_range
 from . import reference as ref
 
 #: The kernels' activation codes (``_act`` in kernels.py), shared with the MoE experts.
 ACT_IDS = {"gelu": 0, "silu": 1, "quick_gelu": 2, "squared_relu": 3}
 _FP8 = torch.float8_e4m3fn
-
-
-def _kernels():
-    # Imported on first use: Triton reads TRITON_INTERPRET when a kernel is defined.
-    from . import kernels
-
-    return kernels
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+_kernels = lazy_kernels("kernels", __package__)
 
 
 # --- launches ------------------------------------------------------------------------------
@@ -61,9 +48,9 @@ def _launch_fwd(x, bias, weights, s, x8: Optional[torch.Tensor] = None) -> torch
     if M == 0 or N == 0:
         return y
     t = tuning.table("activations", x.device)
-    block_n = min(_pow2(N), t["fwd_max_block_n"])
+    block_n = min(next_pow2(N), t["fwd_max_block_n"])
     block_m = max(1, t["fwd_tile"] // block_n)
-    grid = (_cdiv(M, block_m), _cdiv(N, block_n))
+    grid = (cdiv(M, block_m), cdiv(N, block_n))
     _kernels().act_fwd_kernel[grid](
         x, x.stride(0), bias if bias is not None else x, weights if weights is not None else x,
         y, y.stride(0), x8 if x8 is not None else y, M, N, float(s["linear_offset"]),
@@ -80,13 +67,13 @@ def _launch_bwd(x, g, bias, weights, s, dtype, bias_grad: bool):
     N = K // 2 if s["gated"] else K
     dx = torch.empty((M, K), dtype=dtype, device=x.device)
     t = tuning.table("activations", x.device)
-    block_n = min(_pow2(N), t["bwd_max_block_n"])
+    block_n = min(next_pow2(N), t["bwd_max_block_n"])
     block_m = max(1, t["bwd_tile"] // block_n)
-    col_blocks = _cdiv(N, block_n)
+    col_blocks = cdiv(N, block_n)
     programs = t["bwd_programs_per_sm"] * tuning.sm_count(x.device)
-    groups = max(1, min(_cdiv(M, block_m), _cdiv(programs, col_blocks)))
-    rows_per_group = _cdiv(_cdiv(M, groups), block_m) * block_m
-    groups = _cdiv(M, rows_per_group) if M else 1
+    groups = max(1, min(cdiv(M, block_m), cdiv(programs, col_blocks)))
+    rows_per_group = cdiv(cdiv(M, groups), block_m) * block_m
+    groups = cdiv(M, rows_per_group) if M else 1
     db = (torch.empty((groups, K), dtype=torch.float32, device=x.device) if bias_grad
           else None)
     dw = (torch.empty((col_blocks, M), dtype=torch.float32, device=x.device)
@@ -386,7 +373,7 @@ def _plan(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp
                                gate_multiplier, down_multiplier)
     K = x.shape[-1]
     details = {
-        "x": f"{list(x.shape)} {str(x.dtype).replace('torch.', '')}: {s['tokens']} tokens",
+        "x": f"{list(x.shape)} {dtype_name(x.dtype)}: {s['tokens']} tokens",
         "activation": (f"{activation}(x1{' + b1' if bias is not None else ''}) * (x2"
                        f"{' + b2' if bias is not None else ''}"
                        f"{f' + {linear_offset}' if linear_offset else ''}), f = {K // 2}"
@@ -400,7 +387,7 @@ def _plan(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp
         details["multipliers"] = (f"activation input * {s['gate_multiplier']} (after the "
                                   f"bias), output * {s['down_multiplier']}")
     if weights is not None:
-        details["weights"] = f"{list(weights.shape)} {str(weights.dtype).replace('torch.', '')}"
+        details["weights"] = f"{list(weights.shape)} {dtype_name(weights.dtype)}"
     return Plan(op, path, reason, details, s)
 
 

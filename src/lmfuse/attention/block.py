@@ -38,6 +38,7 @@ from torch import nn
 
 from .._dispatch import (IMPLS, eager, check_int, check_number, check_same_device, check_tensor,
                          select_impl)
+from .._launch import FP8_DTYPES, INDEX_DTYPES, KERNEL_DTYPES, dtype_name, lazy_kernels, next_pow2
 from . import ops
 from ..norm.ops import rms_norm
 from ..norm.reference import rms_norm_reference, rms_norm_unrounded
@@ -45,25 +46,8 @@ from .reference import decode_attention_reference, kv_cache_append_reference
 
 # fp8 caches are float8_e4m3fn (as decode_attention reads them); the kernel's exact rounding
 # needs the format's (mantissa bits, smallest normal exponent).
-_FP8 = (torch.float8_e4m3fn,)
 _FP8_BITS = {torch.float8_e4m3fn: (3, -6)}
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-def _kernels():
-    # Imported on first use: Triton reads TRITON_INTERPRET when a kernel is defined.
-    from . import block_kernels
-
-    return block_kernels
-
-
-def _pow2(n: int, least: int = 1) -> int:
-    return max(least, 1 << max(n - 1, 0).bit_length())
-
-
-def _dt(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
+_kernels = lazy_kernels("block_kernels", __package__)
 
 
 # --- the specification ----------------------------------------------------------------------
@@ -230,12 +214,12 @@ def _check_step(op: str, dtype: torch.dtype, B: int, s_active: int, Hq: int, Hkv
         raise ValueError(f"{op}: the caches have {Hkv_cache} KV heads but num_kv_heads is "
                          f"{Hkv}: k_cache {tuple(k_cache.shape)}")
     if k_cache.dtype != v_cache.dtype:
-        raise TypeError(f"{op}: k_cache is {_dt(k_cache.dtype)} but v_cache is "
-                        f"{_dt(v_cache.dtype)}; they must have one dtype")
+        raise TypeError(f"{op}: k_cache is {dtype_name(k_cache.dtype)} but v_cache is "
+                        f"{dtype_name(v_cache.dtype)}; they must have one dtype")
     ops._check_seqlens(op, cache_seqlens, B)
     ops._check_scales(op, k_scale, v_scale, Hkv, k_cache.dtype)
     if positions is not None:
-        check_tensor(op, "positions", positions, ndim=2, dtypes=_INDEX_DTYPES)
+        check_tensor(op, "positions", positions, ndim=2, dtypes=INDEX_DTYPES)
         if tuple(positions.shape) != (B, s_active):
             raise ValueError(f"{op}: positions must be [B={B}, s_active={s_active}], got "
                              f"{tuple(positions.shape)}")
@@ -263,10 +247,10 @@ def _check_step_values(op: str, path: str, s_active: int, k_cache, cache_seqlens
 def _select(op: str, impl: str, device: torch.device, dtype: torch.dtype, k_cache,
             v_cache) -> str:
     path, _ = select_impl(op, impl, device)
-    if path == "triton" and dtype not in _KERNEL_DTYPES:
+    if path == "triton" and dtype not in KERNEL_DTYPES:
         if impl == "triton":
             raise TypeError(f"{op}: impl='triton' runs float32/float16/bfloat16 tensors, got "
-                            f"{_dt(dtype)}; use impl='torch'")
+                            f"{dtype_name(dtype)}; use impl='torch'")
         path = "torch"
     if path == "triton":
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -282,8 +266,8 @@ def _select(op: str, impl: str, device: torch.device, dtype: torch.dtype, k_cach
 def _config(D: int, half_r: int, device: torch.device) -> dict[str, Any]:
     """Block sizes of the fused stage (one head row per program: no tuning table entry; a
     warp per 128 elements of the row)."""
-    block_d = _pow2(D, 16)
-    return dict(BLOCK_R=_pow2(half_r, 2), BLOCK_T=_pow2(D - 2 * half_r, 2), BLOCK_D=block_d,
+    block_d = next_pow2(D, 16)
+    return dict(BLOCK_R=next_pow2(half_r, 2), BLOCK_T=next_pow2(D - 2 * half_r, 2), BLOCK_D=block_d,
                 num_warps=max(1, min(4, block_d // 128)))
 
 
@@ -298,7 +282,7 @@ def _launch_prologue(qkv, k_cache, v_cache, cache_seqlens, q_norm_weight, k_norm
     half_r = 0 if inv_freq is None else inv_freq.numel()
     cfg = _config(D, half_r, qkv.device)
     paged = block_table is not None
-    fp8 = k_cache.dtype in _FP8
+    fp8 = k_cache.dtype in FP8_DTYPES
     qk_norm = q_norm_weight is not None
     _kernels().qk_norm_rope_append_kernel[(B * s_active, Hq + Hkv)](
         qkv, q, k_cache, v_cache, cache_seqlens,
@@ -626,8 +610,8 @@ class DecodeAttentionBlock(nn.Module):
             raise ValueError(f"{op}: x must be [B, s_active >= 1, hidden_size="
                              f"{self.hidden_size}], got {tuple(x.shape)}")
         if x.dtype != self.qkv.weight.dtype:
-            raise TypeError(f"{op}: x is {_dt(x.dtype)} but the parameters are "
-                            f"{_dt(self.qkv.weight.dtype)}")
+            raise TypeError(f"{op}: x is {dtype_name(x.dtype)} but the parameters are "
+                            f"{dtype_name(self.qkv.weight.dtype)}")
         if num_splits is not None:
             check_int(op, "num_splits", num_splits, minimum=1)
         capacity = _check_step(op, x.dtype, B, s_active, self.num_heads, self.num_kv_heads,

@@ -21,10 +21,10 @@ from typing import Any, NamedTuple, Optional, Sequence, Union
 import torch
 
 from .._dispatch import check_int, check_tensor
+from .._launch import FLOAT_DTYPES, FP8_DTYPES, KERNEL_DTYPES, cdiv, dtype_name
 from .ops import decode_attention, kv_cache_append
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
-_SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_DTYPES = KERNEL_DTYPES + FP8_DTYPES
 _OP = "PagedKVCache"
 
 Scales = Union[torch.Tensor, Sequence[torch.Tensor], None]
@@ -47,10 +47,6 @@ class DecodeStep(NamedTuple):
     seqlens: torch.Tensor  # [n] int32: lengths with the new tokens (decode_attention)
     seq_ids: tuple[int, ...] = ()
     num_tokens: tuple[int, ...] = ()  # tokens reserved per sequence
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class PagedKVCache:
@@ -91,7 +87,7 @@ class PagedKVCache:
                             ("num_layers", num_layers)):
             check_int(_OP, name, value, minimum=1)
         if not isinstance(dtype, torch.dtype) or dtype not in _DTYPES:
-            names = ", ".join(str(d).replace("torch.", "") for d in _DTYPES)
+            names = ", ".join(dtype_name(d) for d in _DTYPES)
             raise TypeError(f"{_OP}: dtype must be one of ({names}), got {dtype!r}")
         if device is None:
             device = torch.get_default_device()
@@ -121,7 +117,7 @@ class PagedKVCache:
         if self.dtype != torch.float8_e4m3fn:
             if scale is not None:
                 raise ValueError(f"{_OP}: {name} applies to float8_e4m3fn caches only; this "
-                                 f"cache is {str(self.dtype).replace('torch.', '')}")
+                                 f"cache is {dtype_name(self.dtype)}")
             return [None] * self.num_layers
         if scale is None:
             ones = torch.ones(self.kv_heads, dtype=torch.float32, device=self.device)
@@ -135,7 +131,7 @@ class PagedKVCache:
                             + (f" of {len(scale)}" if isinstance(scale, (list, tuple)) else ""))
         out = []
         for i, s in enumerate(scale):
-            check_tensor(_OP, f"{name}[{i}]", s, ndim=1, dtypes=_SCALE_DTYPES)
+            check_tensor(_OP, f"{name}[{i}]", s, ndim=1, dtypes=FLOAT_DTYPES)
             if s.shape[0] != self.kv_heads:
                 raise ValueError(f"{_OP}: {name}[{i}] must be [kv_heads={self.kv_heads}] "
                                  f"(one scale per KV head), got {tuple(s.shape)}")
@@ -253,7 +249,7 @@ class PagedKVCache:
             raise ValueError(f"{_OP}.truncate: length must be <= the sequence's "
                              f"{self._lens[seq_id]} tokens, got {length}")
         table = self._tables[seq_id]
-        keep = _cdiv(length, self.block_len)
+        keep = cdiv(length, self.block_len)
         self._release(table[keep:])
         del table[keep:]
         self._lens[seq_id] = length
@@ -292,7 +288,7 @@ class PagedKVCache:
                 f"{_OP}.reserve: {grow + copies} blocks needed ({grow} new, {copies} "
                 f"copy-on-write) for {sum(counts)} tokens in {len(ids)} sequences, but only "
                 f"{len(self._free)} of {self.num_blocks} are free; nothing was reserved")
-        widest = max((_cdiv(self._lens[s] + n, self.block_len) for s, n in zip(ids, counts)),
+        widest = max((cdiv(self._lens[s] + n, self.block_len) for s, n in zip(ids, counts)),
                      default=0)
         width = self._width(op, max_blocks, widest)
         src, dst = [], []
@@ -308,7 +304,7 @@ class PagedKVCache:
                 src.append(table[-1])
                 dst.append(new)
                 table[-1] = new
-            for _ in range(_cdiv(length + n, self.block_len) - len(table)):
+            for _ in range(cdiv(length + n, self.block_len) - len(table)):
                 new = self._free.pop()
                 self._refs[new] = 1
                 table.append(new)
@@ -334,7 +330,7 @@ class PagedKVCache:
             table, length = self._tables[s], self._lens[s]
             if n == 0:
                 continue
-            grow += _cdiv(length + n, self.block_len) - len(table)
+            grow += cdiv(length + n, self.block_len) - len(table)
             if length % self.block_len:
                 last = table[-1]
                 if self._refs[last] - pending.get(last, 0) > 1:

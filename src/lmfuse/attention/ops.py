@@ -19,31 +19,12 @@ from .. import _pdl, tuning
 from .._dispatch import eager as _eager
 from .._dispatch import (Plan, check_int, check_number, check_same_device, check_tensor,
                          interpreter_active, register_planner, select_impl, value_checks)
+from .._launch import (FP8_DTYPES, INDEX_DTYPES, KERNEL_DTYPES, cdiv, dtype_name, lazy_kernels,
+                       next_pow2)
 from .._nvtx import nvtx_range
 from . import reference as ref
 
-_FP8 = (torch.float8_e4m3fn,)
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-def _kernels():
-    # Imported on first use: Triton reads TRITON_INTERPRET when a kernel is defined.
-    from . import decode_kernels
-
-    return decode_kernels
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2(n: int, least: int = 1) -> int:
-    return max(least, 1 << max(n - 1, 0).bit_length())
-
-
-def _dt(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
+_kernels = lazy_kernels("decode_kernels", __package__)
 
 
 # --- validation ------------------------------------------------------------------------------
@@ -55,12 +36,13 @@ def _check_cache(op: str, q_dtype, k_cache, v_cache, block_table, B: int, Hq: in
     check_tensor(op, "k_cache", k_cache, ndim=4, dtypes=None)
     check_tensor(op, "v_cache", v_cache, ndim=4, dtypes=None)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dtype not in _FP8 and c.dtype != q_dtype:
-            raise TypeError(f"{op}: {name} must have the queries' dtype {_dt(q_dtype)} or be "
-                            f"float8_e4m3fn, got {_dt(c.dtype)}")
+        if c.dtype not in FP8_DTYPES and c.dtype != q_dtype:
+            raise TypeError(f"{op}: {name} must have the queries' dtype "
+                            f"{dtype_name(q_dtype)} or be float8_e4m3fn, got "
+                            f"{dtype_name(c.dtype)}")
     if k_cache.dtype != v_cache.dtype:
-        raise TypeError(f"{op}: k_cache is {_dt(k_cache.dtype)} but v_cache is "
-                        f"{_dt(v_cache.dtype)}; they must have one dtype")
+        raise TypeError(f"{op}: k_cache is {dtype_name(k_cache.dtype)} but v_cache is "
+                        f"{dtype_name(v_cache.dtype)}; they must have one dtype")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"{op}: k_cache {tuple(k_cache.shape)} and v_cache "
                          f"{tuple(v_cache.shape)} must have one shape")
@@ -76,7 +58,7 @@ def _check_cache(op: str, q_dtype, k_cache, v_cache, block_table, B: int, Hq: in
                              f"rows (the queries' batch), got {tuple(k_cache.shape)}; pass "
                              f"block_table for a paged cache [num_blocks, block_len, Hkv, D]")
         return Hkv, rows
-    check_tensor(op, "block_table", block_table, ndim=2, dtypes=_INDEX_DTYPES)
+    check_tensor(op, "block_table", block_table, ndim=2, dtypes=INDEX_DTYPES)
     if block_table.shape[0] != B:
         raise ValueError(f"{op}: block_table must be [B={B}, max_blocks], got "
                          f"{tuple(block_table.shape)}")
@@ -86,7 +68,7 @@ def _check_cache(op: str, q_dtype, k_cache, v_cache, block_table, B: int, Hq: in
 
 
 def _check_seqlens(op: str, cache_seqlens, B: int) -> None:
-    check_tensor(op, "cache_seqlens", cache_seqlens, ndim=1, dtypes=_INDEX_DTYPES)
+    check_tensor(op, "cache_seqlens", cache_seqlens, ndim=1, dtypes=INDEX_DTYPES)
     if cache_seqlens.shape[0] != B:
         raise ValueError(f"{op}: cache_seqlens must be [B={B}], got "
                          f"{tuple(cache_seqlens.shape)}")
@@ -95,9 +77,9 @@ def _check_seqlens(op: str, cache_seqlens, B: int) -> None:
 def _check_scales(op: str, k_scale, v_scale, Hkv: int, cache_dtype) -> None:
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         if s is not None:
-            if cache_dtype not in _FP8:
+            if cache_dtype not in FP8_DTYPES:
                 raise ValueError(f"{op}: {name} is for float8_e4m3fn caches; the caches are "
-                                 f"{_dt(cache_dtype)}")
+                                 f"{dtype_name(cache_dtype)}")
             check_tensor(op, name, s, ndim=1)
             if s.shape[0] != Hkv:
                 raise ValueError(f"{op}: {name} must be [Hkv={Hkv}] (one scale per KV head), "
@@ -259,11 +241,11 @@ def _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_size
                       cache_seqlens=cache_seqlens, block_table=block_table, sinks=sinks,
                       k_scale=k_scale, v_scale=v_scale)
     path, reason = select_impl(op, impl, q.device)
-    if path == "triton" and q.dtype not in _KERNEL_DTYPES:
+    if path == "triton" and q.dtype not in KERNEL_DTYPES:
         if impl == "triton":
             raise TypeError(f"{op}: impl='triton' runs float32/float16/bfloat16 queries, got "
-                            f"{_dt(q.dtype)}; use impl='torch'")
-        path, reason = "torch", f"{_dt(q.dtype)} queries: the reference"
+                            f"{dtype_name(q.dtype)}; use impl='torch'")
+        path, reason = "torch", f"{dtype_name(q.dtype)} queries: the reference"
     if check_values:
         _check_decode_values(op, cache_seqlens, k_cache, block_table, capacity, k_scale,
                              v_scale, force=path == "torch")
@@ -287,15 +269,15 @@ def _config(q, k_cache, s: dict[str, Any], num_splits: Optional[int]) -> dict[st
     """Tile sizes and the split count for a call (see ``tuning/*.json``,
     ``decode_attention``)."""
     t = tuning.table("decode_attention", q.device)
-    fp8 = k_cache.dtype in _FP8
+    fp8 = k_cache.dtype in FP8_DTYPES
     for key, on in (("paged", s["paged"]), ("fp8", fp8), ("fp8_paged", fp8 and s["paged"])):
         if on:
             t.update(t.get(key, {}))
     D, group = s["D"], s["Hq"] // s["Hkv"]
-    block_d = _pow2(D, 16)
+    block_d = next_pow2(D, 16)
     rows = group * s["s_active"]
-    block_m = min(_pow2(rows, 16), t["max_block_m"])
-    row_blocks = _cdiv(rows, block_m)
+    block_m = min(next_pow2(rows, 16), t["max_block_m"])
+    row_blocks = cdiv(rows, block_m)
     # Fewer (sequence, KV head) programs than SMs: each SM runs one or two programs of a
     # split context, so a program must keep more bytes in flight by itself (longer key tiles,
     # deeper pipelines) and extra splits cost more than they gain (measured on an H100).
@@ -330,13 +312,13 @@ def _config(q, k_cache, s: dict[str, Any], num_splits: Optional[int]) -> dict[st
         splits = _choose_splits(programs, span, block_n,
                                 t["programs_per_sm"] * tuning.sm_count(q.device),
                                 t["min_keys_per_split"], t["split_cost_keys"], t["max_splits"])
-        keys = _cdiv(_cdiv(max(span, 1), splits), block_n) * block_n
-        splits = max(1, _cdiv(span, keys))
+        keys = cdiv(cdiv(max(span, 1), splits), block_n) * block_n
+        splits = max(1, cdiv(span, keys))
         forced = False
     else:
         # More splits than keys (or than a grid dimension holds) would only add empty ones.
         splits = max(1, min(num_splits, span, 65535))
-        keys = max(1, _cdiv(span, splits))
+        keys = max(1, cdiv(span, splits))
         forced = True
     # The interpreter runs CPU tensors, and CUDA ones too when TRITON_INTERPRET=1.
     interp = q.device.type != "cuda" or interpreter_active()
@@ -365,8 +347,8 @@ def _choose_splits(programs: int, span: int, block_n: int, slots: int, min_keys:
     most = max(1, min(max_splits, span // min_keys))
     best, best_cost = 1, None
     for s in range(1, most + 1):
-        keys = _cdiv(_cdiv(max(span, 1), s), block_n) * block_n
-        cost = _cdiv(programs * s, slots) * (keys + split_cost)
+        keys = cdiv(cdiv(max(span, 1), s), block_n) * block_n
+        cost = cdiv(programs * s, slots) * (keys + split_cost)
         if best_cost is None or cost < best_cost * 0.99:
             best, best_cost = s, cost
     return best
@@ -417,9 +399,9 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_sca
         **_pdl.launch_options(pdl))
     if splits > 1:
         cols = min(s["BLOCK_D"], _MERGE_COLUMNS)
-        _kernels().merge_kernel[(rows, _cdiv(D, cols))](
+        _kernels().merge_kernel[(rows, cdiv(D, cols))](
             o_t, l_t, out, lse if lse is not None else out, splits, D, splits * D, 1, splits,
-            D=D, BLOCK_D=cols, BLOCK_P=_pow2(splits, 2), CHUNK_P=_merge_chunk(splits, cols),
+            D=D, BLOCK_D=cols, BLOCK_P=next_pow2(splits, 2), CHUNK_P=_merge_chunk(splits, cols),
             WRITE_LSE=lse is not None, num_warps=s["merge_warps"], PDL=pdl,
             **_pdl.launch_options(pdl))
     return out, lse
@@ -433,7 +415,7 @@ _MERGE_COLUMNS = 32
 def _merge_chunk(parts: int, block_d: int) -> int:
     """Partials the merge reads per step: all of them while the tile stays within 4096
     float32 values (32 a thread at 4 warps), else as many as fit."""
-    return min(_pow2(parts, 2), max(2, 4096 // block_d))
+    return min(next_pow2(parts, 2), max(2, 4096 // block_d))
 
 
 def _launch_merge(outs, lses, out, lse, num_warps: int = 4) -> None:
@@ -444,11 +426,11 @@ def _launch_merge(outs, lses, out, lse, num_warps: int = 4) -> None:
         if lse is not None and R:
             lse.copy_(ref.logsumexp(lses.float(), 0))
         return
-    cols = min(_pow2(D, 16), _MERGE_COLUMNS)
-    _kernels().merge_kernel[(R, _cdiv(D, cols))](
+    cols = min(next_pow2(D, 16), _MERGE_COLUMNS)
+    _kernels().merge_kernel[(R, cdiv(D, cols))](
         outs, lses, out, lse if lse is not None else out, P,
         outs.stride(0), outs.stride(1), lses.stride(0), lses.stride(1),
-        D=D, BLOCK_D=cols, BLOCK_P=_pow2(P, 2), CHUNK_P=_merge_chunk(P, cols),
+        D=D, BLOCK_D=cols, BLOCK_P=next_pow2(P, 2), CHUNK_P=_merge_chunk(P, cols),
         WRITE_LSE=lse is not None, num_warps=num_warps)
 
 
@@ -458,8 +440,8 @@ def _launch_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k
     if B * s_new == 0 or Hkv * D == 0:
         return
     paged = block_table is not None
-    fp8 = k_cache.dtype in _FP8
-    block = min(_pow2(Hkv * D, 16), tuning.table("decode_attention", k_new.device)
+    fp8 = k_cache.dtype in FP8_DTYPES
+    block = min(next_pow2(Hkv * D, 16), tuning.table("decode_attention", k_new.device)
                 ["append_block"])
     _kernels().append_kernel[(B * s_new,)](
         k_new, v_new, k_cache, v_cache, cache_seqlens,
@@ -691,10 +673,11 @@ def _resolve_merge(outs, lses, impl) -> tuple[str, str]:
                          f"got P = 0")
     check_same_device(op, "outs", outs, lses=lses)
     path, reason = select_impl(op, impl, outs.device)
-    if path == "triton" and (outs.dtype not in _KERNEL_DTYPES or lses.dtype == torch.float64):
+    if path == "triton" and (outs.dtype not in KERNEL_DTYPES or lses.dtype == torch.float64):
         if impl == "triton":
             raise TypeError(f"{op}: impl='triton' merges float32/float16/bfloat16 states, got "
-                            f"outs {_dt(outs.dtype)}, lses {_dt(lses.dtype)}; use impl='torch'")
+                            f"outs {dtype_name(outs.dtype)}, lses {dtype_name(lses.dtype)}; "
+                            "use impl='torch'")
         path, reason = "torch", "float64 states: the reference"
     return path, reason
 
@@ -737,7 +720,7 @@ def merge_attention_states(outs: torch.Tensor, lses: torch.Tensor, *,
         if outs3.stride(-1) != 1:
             outs3 = outs3.contiguous()
         lses2 = lses.reshape(P, -1)
-        if _eager() and dtype in _KERNEL_DTYPES:
+        if _eager() and dtype in KERNEL_DTYPES:
             out = outs.new_empty((outs3.shape[1], D), dtype=dtype)
             lse = lses.new_empty((outs3.shape[1],), dtype=torch.float32)
             _launch_merge(outs3, lses2, out, lse)
@@ -796,7 +779,8 @@ def kv_cache_append(
                          f"must have one shape")
     B, s_new, Hkv_new, D = k_new.shape
     if v_new.dtype != k_new.dtype:
-        raise TypeError(f"{op}: k_new is {_dt(k_new.dtype)} but v_new is {_dt(v_new.dtype)}")
+        raise TypeError(f"{op}: k_new is {dtype_name(k_new.dtype)} but v_new is "
+                        f"{dtype_name(v_new.dtype)}")
     Hkv, capacity = _check_cache(op, k_new.dtype, k_cache, v_cache, block_table, B, None, D)
     if Hkv != Hkv_new:
         raise ValueError(f"{op}: k_new has {Hkv_new} KV heads but the caches have {Hkv}")
@@ -806,10 +790,10 @@ def kv_cache_append(
                       cache_seqlens=cache_seqlens, block_table=block_table, k_scale=k_scale,
                       v_scale=v_scale)
     path, _ = select_impl(op, impl, k_cache.device)
-    if path == "triton" and k_new.dtype not in _KERNEL_DTYPES:
+    if path == "triton" and k_new.dtype not in KERNEL_DTYPES:
         if impl == "triton":
             raise TypeError(f"{op}: impl='triton' appends float32/float16/bfloat16 rows, got "
-                            f"{_dt(k_new.dtype)}; use impl='torch'")
+                            f"{dtype_name(k_new.dtype)}; use impl='torch'")
         path = "torch"
     _check_append_values(op, cache_seqlens, k_cache, block_table, capacity, s_new, k_scale,
                          v_scale, force=path == "torch")
@@ -860,8 +844,9 @@ def plan_decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=Non
     cache = (f"paged [{k_cache.shape[0]} blocks x {k_cache.shape[1]}] x {block_table.shape[1]}"
              f" blocks per sequence" if s["paged"] else f"contiguous, S_max {k_cache.shape[1]}")
     details = {
-        "q": f"{list(q.shape)} {_dt(q.dtype)}: {S} active token(s), {Hq} heads, D {D}",
-        "cache": f"{cache}, {Hkv} KV heads ({Hq // Hkv} query heads each), {_dt(k_cache.dtype)}",
+        "q": f"{list(q.shape)} {dtype_name(q.dtype)}: {S} active token(s), {Hq} heads, D {D}",
+        "cache": (f"{cache}, {Hkv} KV heads ({Hq // Hkv} query heads each), "
+                  f"{dtype_name(k_cache.dtype)}"),
     }
     if s["path"] == "triton":
         how = "forced" if s["forced_splits"] else "heuristic"
@@ -883,7 +868,7 @@ def plan_merge_attention_states(outs, lses, *, impl="auto") -> Plan:
     path, reason = _resolve_merge(outs, lses, impl)
     return Plan("merge_attention_states", path, reason,
                 {"states": f"{outs.shape[0]} partial(s) of {list(outs.shape[1:])} "
-                           f"{_dt(outs.dtype)}"})
+                           f"{dtype_name(outs.dtype)}"})
 
 
 def checks(device: torch.device, dtypes) -> list:
@@ -901,11 +886,11 @@ def checks(device: torch.device, dtypes) -> list:
     def case(label, dtype, s_active, *, block_len=None, fp8=False, **kw):
         def inputs():
             q = torch.randn(B, s_active, Hq, D, device=device).to(dtype)
-            cdt = _FP8[0] if fp8 else dtype
+            cdt = FP8_DTYPES[0] if fp8 else dtype
             k = torch.randn(B, S, Hkv, D, device=device).to(cdt)
             v = torch.randn(B, S, Hkv, D, device=device).to(cdt)
             if block_len:
-                blocks = _cdiv(S, block_len)
+                blocks = cdiv(S, block_len)
                 table = torch.randperm(B * blocks, device=device).view(B, blocks).int()
                 xs = [q, _reshuffle(k, table, block_len, S), _reshuffle(v, table, block_len, S),
                       lengths(), table]
@@ -919,7 +904,7 @@ def checks(device: torch.device, dtypes) -> list:
             table = rest[0] if block_len else None
             scales = rest[1:] if block_len else rest
             if fp8:  # the harness widens inputs for the reference; the cache stays float8
-                k, v = k.to(_FP8[0]), v.to(_FP8[0])
+                k, v = k.to(FP8_DTYPES[0]), v.to(FP8_DTYPES[0])
             ks, vs = (scales[0], scales[1]) if fp8 else (None, None)
             return decode_attention(q, k, v, lens, block_table=table, k_scale=ks, v_scale=vs,
                                     impl=impl, **kw)

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 import lmfuse
+from lmfuse._launch import cdiv, dtype_name
 from lmfuse.bench.common import (Case, Result, dist_version, finish, measure_copy, run_cases,
                                  start, unavailable)
 
@@ -228,15 +229,15 @@ def make_case(data: Inputs, peers: dict, *, kind: str, backward: bool) -> CECase
                 overwrites_logits=dtype == torch.float32)
 
     mode = "fwd+bwd" if backward else "fwd"
-    name = f"{kind} {mode} [{n}, {V}] {str(dtype).replace('torch.', '')}"
+    name = f"{kind} {mode} [{n}, {V}] {dtype_name(dtype)}"
     elt = data.logits.element_size()
     nbytes = n * V * elt * (2 if backward else 1)
     target_mib = n * V * elt / 2**20 if backward and kind != "inplace" else 0.0
     # The issue allows O(N) per-token state: [4, N] float32 stats and, for rows cut in
     # slices, 16 bytes per token and slice (a slice is at least 16384 columns: under 0.05%
     # of bf16 logits), rounded up to the caching allocator's 2 MiB segments.
-    state_bytes = 16 * n * (1 + -(-V // 16384))
-    state_mib = 2.0 * -(-state_bytes // 2**21)
+    state_bytes = 16 * n * (1 + cdiv(V, 16384))
+    state_mib = 2.0 * cdiv(state_bytes, 2**21)
     return CECase(name, nbytes, impls, notes, overhead, target_mib=target_mib,
                   state_mib=state_mib)
 

@@ -65,6 +65,7 @@ import torch
 import torch.nn.functional as F
 
 import lmfuse
+from lmfuse._launch import cdiv
 from lmfuse.bench.common import Case, Result, finish, measure_copy, run_cases, start
 from lmfuse.cli import ArgumentParser
 
@@ -183,7 +184,7 @@ def to_paged(k: torch.Tensor, v: torch.Tensor, lengths: list[int], block_len: in
     B, S, Hkv, D = k.shape
     assert S % block_len == 0, (S, block_len)
     per_seq = S // block_len
-    used = torch.tensor([-(-L // block_len) for L in lengths])
+    used = torch.tensor([cdiv(L, block_len) for L in lengths])
     held = torch.arange(per_seq)[None, :] < used[:, None]  # [B, per_seq]
     n = int(held.sum())
     perm = torch.randperm(n)

@@ -75,6 +75,7 @@ from typing import Any, Callable
 
 import torch
 
+from lmfuse._launch import cdiv
 from lmfuse.bench.common import (Result, check_plot, dist_version, measure_copy, parser,
                                  print_table, start, write_json)
 from lmfuse.cli import int_range, missing_package, output_file, seed
@@ -282,7 +283,7 @@ def _lmfuse_decode(model: Any, prompts: list[list[int]], new: int, args: argpars
                    device: torch.device, kv_dtype: Any, graphs: bool) -> dict:
     mem = Memory(device)
     mem.start()
-    per_seq = -(-(len(prompts[0]) + new) // args.block_len) + 1
+    per_seq = cdiv(len(prompts[0]) + new, args.block_len) + 1
     gen = Generator(model, block_len=args.block_len, num_blocks=len(prompts) * per_seq,
                     kv_dtype=kv_dtype, cuda_graphs=graphs, impl=args.impl,
                     max_batch=max(256, len(prompts)))
@@ -425,7 +426,7 @@ def hf_cb_serve(model: Any, work: dict, device: torch.device, passes: int = 2) -
         cb_cfg = ContinuousBatchingConfig(use_cuda_graph=True)
     else:  # on a CPU it would take 60% of the host's memory: sized to the workload instead
         page = ContinuousBatchingConfig.page_size
-        blocks = sum(-(-(len(p) + o) // page) + 1 for p, o in zip(prompts, outputs))
+        blocks = sum(cdiv(len(p) + o, page) + 1 for p, o in zip(prompts, outputs))
         cb_cfg = ContinuousBatchingConfig(use_cuda_graph=False, num_blocks=blocks,
                                           max_batch_tokens=max(256, *map(len, prompts)))
     manager = model.init_continuous_batching(

@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 
 import lmfuse
+from lmfuse._launch import cdiv, dtype_name
 from lmfuse.bench.common import (Case, Result, bench_ms, dist_version, finish, run_cases, start,
                                  unavailable)
 from lmfuse.cross_entropy.linear import chunk_rows
@@ -284,7 +285,7 @@ def make_case(ws: Workspace, peers: dict[str, LossFn], peer_notes: dict[str, str
     g_mib = n * V * elt / 2**20
     rows = chunk_rows(n, V, elt, device)
     add("lmfuse", lambda h, w, t: lmfuse.linear_cross_entropy(h, w, t, ignore_index=IGNORE),
-        f"{-(-n // rows)} chunk(s) of {rows} tokens")
+        f"{cdiv(n, rows)} chunk(s) of {rows} tokens")
     impls[FLOOR] = floor
     notes[FLOOR] = lambda: (f"peak excludes G [N, V] ({g_mib:.1f} MiB, preallocated); as "
                             "(B.T @ A.T).T: " + (", ".join(k for k, v in forms.items() if v)
@@ -294,7 +295,7 @@ def make_case(ws: Workspace, peers: dict[str, LossFn], peer_notes: dict[str, str
     for peer, loss_fn in peers.items():
         add(peer, loss_fn, peer_notes[peer])
 
-    name = f"fwd+bwd N={n} H={H} V={V} {str(dtype).replace('torch.', '')}"
+    name = f"fwd+bwd N={n} H={H} V={V} {dtype_name(dtype)}"
     flops = 6 * n * V * H  # three [N, V, H] GEMMs, 2 flops per multiply-add
     budget_mib = ((n + V) * H + rows * V) * elt / 2**20
     return LCECase(name, flops, impls, notes, n=n, H=H, V=V, g_mib=g_mib,

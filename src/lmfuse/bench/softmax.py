@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 import lmfuse
+from lmfuse._launch import dtype_name
 from lmfuse.bench.common import Case, finish, measure_copy, run_cases, start
 
 
@@ -94,7 +95,7 @@ def make_case(shape, dtype, device, *, kind: str, backward: bool) -> Case:
         impls["megatron-core(torch)"] = wrap(lambda t: mod(t, mask, offset))
         notes["megatron-core(torch)"] = "FusedScaleMaskSoftmax, torch path"
     mode = "fwd+bwd" if backward else "fwd"
-    name = f"{kind} {mode} {list(shape)} {str(dtype).replace('torch.', '')}"
+    name = f"{kind} {mode} {list(shape)} {dtype_name(dtype)}"
     return Case(name, nbytes, impls, notes)
 
 

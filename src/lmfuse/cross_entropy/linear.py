@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from .. import tuning
 from .._dispatch import Plan, check_tensor, native_cpu, register_planner
+from .._launch import cdiv, dtype_name, is_pow2
 from .._nvtx import nvtx_range
 from ..distributed.collectives import all_reduce_sum, all_reduce_sum_, group_rank
 from . import ops
@@ -125,9 +126,9 @@ def check_config(cfg: dict[str, Any], source: str = "config") -> dict[str, Any]:
         if k.get(flag, 0) not in (0, 1):
             raise bad(f"kernel {flag} must be 0 or 1, got {k[flag]!r}")
     block, warps, per_sm = k["BLOCK_V"], k["num_warps"], k["programs_per_sm"]
-    if not _pow2(block) or not 16 <= block <= 65536:
+    if not is_pow2(block) or not 16 <= block <= 65536:
         raise bad(f"kernel BLOCK_V must be a power of two in [16, 65536], got {block!r}")
-    if not _pow2(warps) or warps > 32:
+    if not is_pow2(warps) or warps > 32:
         raise bad(f"kernel num_warps must be 1, 2, 4, 8, 16 or 32 (at most 1024 threads "
                   f"a program), got {warps!r}")
     per_thread = block // (32 * warps)
@@ -148,17 +149,13 @@ def check_config(cfg: dict[str, Any], source: str = "config") -> dict[str, Any]:
     elif "lag" in k:
         raise bad("kernel lag is only meaningful with slice")
     vec = k.get("vec", 0)
-    if vec and (not _pow2(vec) or vec > block or "slice" in k):
+    if vec and (not is_pow2(vec) or vec > block or "slice" in k):
         raise bad(f"kernel vec must be 0 or a power of two <= BLOCK_V={block}, and without "
                   f"slice, got {vec!r}")
     if k.get("prefetch", 0) and not vec:
         raise bad("kernel prefetch is only meaningful with vec")
     cfg["kernel"] = k
     return cfg
-
-
-def _pow2(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0 and v & (v - 1) == 0
 
 
 def chunk_rows(n: int, v_local: int, itemsize: int, device: torch.device,
@@ -597,9 +594,9 @@ def plan_linear_cross_entropy(
     n = target.numel()
     rows = chunk_rows(max(n, 1), weight.shape[0], _chunk_itemsize(hidden, o), hidden.device,
                       max_chunk_bytes, o["config"])
-    chunks = -(-n // rows)
+    chunks = cdiv(n, rows)
     details = {
-        "hidden": f"{list(hidden.shape)} {str(hidden.dtype).replace('torch.', '')}",
+        "hidden": f"{list(hidden.shape)} {dtype_name(hidden.dtype)}",
         "vocabulary": (f"{weight.shape[0]} of {o['vocab_size']} (rank {group_rank(tp_group)}, "
                        f"one all-gather of [{3 + o['weighted'] + 2 * o['argmax']}, rows] "
                        "stats per chunk"
@@ -874,14 +871,13 @@ def tune(shapes=TUNE_SHAPES, dtype: torch.dtype = torch.bfloat16,
 
         start, source = config(V, device)
         start = dict(start, chunk_bytes=min(start["chunk_bytes"], max_chunk_bytes))
-        log(f"{_OP} N={N} H={H} V={V} {str(dtype).replace('torch.', '')} "
-            f"(start: {source})")
+        log(f"{_OP} N={N} H={H} V={V} {dtype_name(dtype)} (start: {source})")
         out = sweep.coordinate_sweep(start, tune_stages(V, device, max_chunk_bytes), run,
                                      lambda c: check_config(c, "a tuning candidate"), timer,
                                      log, prefer=lambda c: c["chunk_bytes"],
                                      tolerance=TUNE_TOLERANCE, confirm=3)
         best = {k: out.best[k] for k in ("chunk_bytes", "row_multiple", "kernel")}
-        result = dict(shape=[N, H, V], dtype=str(dtype).replace("torch.", ""),
+        result = dict(shape=[N, H, V], dtype=dtype_name(dtype),
                       bucket=tuning.bucket_of(_OP, V), best=best, ms=out.ms,
                       trials=[vars(tr) for tr in out.trials])
         log(f"  best {out.ms:.3f} ms: {sweep._brief(best)}")

@@ -32,6 +32,7 @@ from .. import tuning
 from .._dispatch import (Plan, check_int, check_number, check_tensor, register_planner, select_impl,
                          native_cpu, value_checks)
 from .._dispatch import eager as _eager
+from .._launch import INDEX_DTYPES, cdiv, dtype_name, lazy_kernels, next_pow2
 from .._nvtx import nvtx_range
 from ..distributed.collectives import group_rank, group_size
 from . import reference as ref
@@ -40,14 +41,7 @@ from .vocab_parallel import gather_stats
 
 _OP = "cross_entropy"
 _REDUCTIONS = ("mean", "sum", "none")
-_TARGET_DTYPES = (torch.int32, torch.int64)
-
-
-def _kernels():
-    # Imported on first use: Triton reads TRITON_INTERPRET when a kernel is defined.
-    from . import kernels
-
-    return kernels
+_kernels = lazy_kernels("kernels", __package__)
 
 
 def _config(V: int, device: torch.device, softcap: bool = False, itemsize: int = 2,
@@ -94,10 +88,6 @@ def _aligned(x: torch.Tensor) -> bool:
     """2-D rows of 16-element multiples at 16-byte aligned addresses: Triton specializes on
     such sizes, which lets the whole-row launches' masked loads use 16-byte accesses."""
     return x.shape[-1] % 16 == 0 and x.stride(-2) % 16 == 0 and x.data_ptr() % 16 == 0
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _scalars(vocab_size: int, label_smoothing: float, z_loss: float,
@@ -155,7 +145,7 @@ def _launch_fwd(logits, target, count, grad, vocab_start, vocab_size, ignore_ind
             grad.stride(0) if write else 0, count, n, V, vocab_start, vocab_size,
             ignore_index, *_scalars(vocab_size, label_smoothing, z_loss, softcap))
     if cfg["SINGLE_BLOCK"]:
-        _kernels().ce_fwd_kernel[(_cdiv(n, cfg["BLOCK_M"]),)](
+        _kernels().ce_fwd_kernel[(cdiv(n, cfg["BLOCK_M"]),)](
             *args, **common, BLOCK_M=cfg["BLOCK_M"], BLOCK_V=cfg["BLOCK_V"],
             num_warps=cfg["num_warps"])
     elif write and cfg.get("fused", {}).get("slice") and not argmax:
@@ -179,8 +169,8 @@ def _launch_slices(logits, target, count, grad, stats, ignore_index, label_smoot
     """Stats and gradient of long rows in one launch, rows in slices (``ce_slices_kernel``)."""
     n, V = logits.shape
     block = f["BLOCK_V"]
-    width = _cdiv(min(f["slice"], V), block) * block
-    slices = _cdiv(V, width)
+    width = cdiv(min(f["slice"], V), block) * block
+    slices = cdiv(V, width)
     lag = f["lag"] * slices  # phase B trails phase A by this many tiles (>= slices)
     parts = torch.empty((n * slices * 4,), dtype=torch.float32, device=logits.device)
     counters = torch.zeros((n + 1,), dtype=torch.int32, device=logits.device)
@@ -190,7 +180,7 @@ def _launch_slices(logits, target, count, grad, stats, ignore_index, label_smoot
         grad.stride(0), count, n, V, ignore_index,
         *_scalars(V, label_smoothing, z_loss, softcap), slices, width, lag,
         HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0, MEAN=mean,
-        SLICES_P2=max(2, 1 << (slices - 1).bit_length()), BLOCK_V=block,
+        SLICES_P2=next_pow2(slices, 2), BLOCK_V=block,
         HINTS=bool(f.get("hints", 0)), num_warps=f["num_warps"],
         **({} if weight is None else dict(cw_ptr=weight, wstat_ptr=wstat, HAS_WEIGHT=True)),
         **({} if not token_scale else dict(TOKEN_SCALE=True)),
@@ -217,7 +207,7 @@ def _launch_grad(logits, target, stats, w, grad, vocab_start, vocab_size, ignore
     if wt is not None:
         extra.update(wt_ptr=wt, TARGET_WEIGHT=True)
     if cfg["SINGLE_BLOCK"]:
-        _kernels().ce_grad_kernel[(_cdiv(n, cfg["BLOCK_M"]),)](
+        _kernels().ce_grad_kernel[(cdiv(n, cfg["BLOCK_M"]),)](
             *args, HAS_SOFTCAP=softcap is not None, BLOCK_M=cfg["BLOCK_M"],
             BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"], **extra)
     else:
@@ -230,7 +220,7 @@ def _launch_scale(grad, scale):
     n = grad.numel()
     if n:
         block = 4096
-        grid = min(_cdiv(n, block), 4 * tuning.sm_count(grad.device))
+        grid = min(cdiv(n, block), 4 * tuning.sm_count(grad.device))
         _kernels().ce_scale_kernel[(grid,)](grad, scale, n, BLOCK=block, num_warps=8)
 
 
@@ -535,7 +525,7 @@ def _resolve(logits, target, ignore_index, label_smoothing, z_loss, softcap, red
     check_tensor(_OP, "logits", logits)
     if logits.dim() < 1:
         raise ValueError(f"{_OP}: logits must be [..., V], got a 0-D tensor")
-    check_tensor(_OP, "target", target, dtypes=_TARGET_DTYPES)
+    check_tensor(_OP, "target", target, dtypes=INDEX_DTYPES)
     if tuple(target.shape) != tuple(logits.shape[:-1]):
         raise ValueError(
             f"{_OP}: target must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, "
@@ -656,7 +646,7 @@ def plan_cross_entropy(
                                return_z_loss, return_token_accuracy, return_predicted_tokens)
     V = logits.shape[-1]
     details = {
-        "logits": f"{list(logits.shape)} {str(logits.dtype).replace('torch.', '')}",
+        "logits": f"{list(logits.shape)} {dtype_name(logits.dtype)}",
         "vocabulary": (f"{V} of {o['vocab_size']} (rank {group_rank(tp_group)}, one "
                        f"all-gather of [{3 + o['weighted'] + 2 * o['argmax']}, N] stats)"
                        if o["tp_group"] is not None else str(V)),

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from .._dispatch import eager
+from .._launch import cdiv
 from ..distributed.collectives import all_gather_stacked
 from . import reference as ref
 
@@ -53,7 +54,7 @@ def _launch_merge(gathered, target, count, vocab_size, ignore_index, label_smoot
         extra = {} if not (weighted or argmax) else dict(
             wt_ptr=target_weight, wstat_ptr=wstat, HAS_WEIGHT=weighted, ARGMAX=argmax,
             STATS=rows)
-        ops._kernels().ce_merge_kernel[(ops._cdiv(n, block),)](
+        ops._kernels().ce_merge_kernel[(cdiv(n, block),)](
             gathered, target, stats, count, n, world, vocab_size, ignore_index,
             *ops._scalars(vocab_size, label_smoothing, z_loss, None)[:3],
             HAS_SMOOTHING=label_smoothing > 0, MEAN=mean, BLOCK=block, num_warps=4, **extra)

@@ -46,14 +46,13 @@ import torch
 import torch.distributed as dist
 
 from .._dispatch import check_int, check_same_device, check_tensor, select_impl
+from .._launch import FLOAT_DTYPES, INDEX_DTYPES, KERNEL_DTYPES, dtype_name
 from ..attention.ops import (decode_attention, decode_attention_partials, kv_cache_append,
                              merge_attention_states,
                              plan_decode_attention)
 from .collectives import all_gather_stacked, all_reduce_sum, group_rank, group_size
 
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_INDEX_DTYPES = (torch.int32, torch.int64)
-_DTYPE_CODES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_DTYPE_CODES = FLOAT_DTYPES  # a query dtype's code is its index here, the same on every rank
 _MESSAGE_BYTES = 240
 _KINDS = (ValueError, TypeError, RuntimeError, Exception)  # error codes 1.. of a rank check
 
@@ -104,7 +103,7 @@ def check_on_all_ranks(op: str, group: Any, check_ranks: bool, device: torch.dev
         seen = [r[1 + i] for r in rows]
         if len(set(seen)) > 1:
             if name == "query dtype":
-                seen = [str(_DTYPE_CODES[c])[6:] if c < len(_DTYPE_CODES) else "other"
+                seen = [dtype_name(_DTYPE_CODES[c]) if c < len(_DTYPE_CODES) else "other"
                         for c in seen]
             raise ValueError(f"{op}: the ranks of the group disagree on {name}: {seen} in rank "
                              f"order; every rank must pass the same {name}")
@@ -158,7 +157,7 @@ def cp_shard_seqlens(cache_seqlens: torch.Tensor, *, group: Any,
     lengths ``cache_seqlens [B]`` (what a rank reserves in its own pool, and the
     ``seqlens_shard`` that :func:`cp_decode_attention` takes)."""
     op = "cp_shard_seqlens"
-    check_tensor(op, "cache_seqlens", cache_seqlens, ndim=1, dtypes=_INDEX_DTYPES)
+    check_tensor(op, "cache_seqlens", cache_seqlens, ndim=1, dtypes=INDEX_DTYPES)
     check_int(op, "cp_block", cp_block, minimum=1)
     return _local_count(cache_seqlens.long(), group_rank(group), group_size(group), cp_block)
 
@@ -204,7 +203,7 @@ def cp_cache_append(
         raise ValueError(f"{op}: k_new {tuple(k_new.shape)} and v_new {tuple(v_new.shape)} "
                          "must have one shape")
     B, s_new, Hkv, D = k_new.shape
-    check_tensor(op, "cache_seqlens", cache_seqlens, ndim=1, dtypes=_INDEX_DTYPES)
+    check_tensor(op, "cache_seqlens", cache_seqlens, ndim=1, dtypes=INDEX_DTYPES)
     if cache_seqlens.shape[0] != B:
         raise ValueError(f"{op}: cache_seqlens must be [B={B}], got "
                          f"{tuple(cache_seqlens.shape)}")
@@ -225,7 +224,7 @@ def cp_cache_append(
                              "for a paged shard")
     else:
         check_tensor(op, "block_table_shard", block_table_shard, ndim=2,
-                     dtypes=_INDEX_DTYPES)
+                     dtypes=INDEX_DTYPES)
         if block_table_shard.shape[0] != B:
             raise ValueError(f"{op}: block_table_shard must be [B={B}, max_blocks], got "
                              f"{tuple(block_table_shard.shape)}")
@@ -261,7 +260,7 @@ def cp_cache_append(
     rows = (B * s_new, 1, Hkv, D)
     k_rows, v_rows = k_new.reshape(rows), v_new.reshape(rows)
     path, _ = select_impl(op, impl, device)
-    if path == "triton" and k_new.dtype not in _KERNEL_DTYPES and impl != "triton":
+    if path == "triton" and k_new.dtype not in KERNEL_DTYPES and impl != "triton":
         path = "torch"
     if path == "torch":
         if int(pos.min()) < 0:
@@ -362,7 +361,7 @@ def check_lengths(op: str, name: str, t: Any, batch: int, ref: torch.Tensor, *,
                   ref_name: str = "q", label: str = "B", note: str = "") -> None:
     """``t`` must be ``[batch]`` int32/int64 on ``ref``'s device (``label`` names the batch
     in the message, ``note`` follows the shape)."""
-    check_tensor(op, name, t, ndim=1, dtypes=_INDEX_DTYPES)
+    check_tensor(op, name, t, ndim=1, dtypes=INDEX_DTYPES)
     if t.shape[0] != batch:
         raise ValueError(f"{op}: {name} must be [{label}={batch}]{note}, got {tuple(t.shape)}")
     check_same_device(op, ref_name, ref, **{name: t})

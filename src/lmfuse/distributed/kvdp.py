@@ -49,6 +49,7 @@ from typing import Any, Optional
 import torch
 
 from .._dispatch import check_int, check_tensor
+from .._launch import cdiv
 from ..attention.ops import decode_attention, kv_cache_append, plan_decode_attention
 from .collectives import (all_gather_stacked, all_reduce_sum, all_to_all_stacked, group_rank,
                           group_size)
@@ -92,7 +93,7 @@ def _rows_by_rank(x: torch.Tensor, world: int) -> torch.Tensor:
     """``x [batch, ...]`` -> ``[W, ceil(batch / W), ...]``: row ``w`` holds the sequences
     rank ``w`` holds (:func:`kvdp_batch_range`), zero-padded at the end."""
     batch, rest = x.shape[0], x.shape[1:]
-    most = -(-batch // world)
+    most = cdiv(batch, world)
     base, extra = divmod(batch, world)
     if extra == 0:
         return x.reshape(world, most, *rest)
@@ -123,7 +124,7 @@ def _pad_rows(local: torch.Tensor, most: int) -> torch.Tensor:
 def _gather_batch(local: torch.Tensor, batch: int, group: Any) -> torch.Tensor:
     """Every rank's ``local [B_w, ...]`` rows (the split of :func:`kvdp_batch_range`), in
     sequence order: ``[batch, ...]``, from one all-gather of rows padded to ``ceil(B/W)``."""
-    most = -(-batch // group_size(group))
+    most = cdiv(batch, group_size(group))
     return _batch_from_ranks(all_gather_stacked(_pad_rows(local, most), group), batch)
 
 
@@ -145,7 +146,7 @@ def _exchange_outputs(local: torch.Tensor, batch: int, group: Any,
     world, rank = group_size(group), group_rank(group)
     _, S, WH, E = local.shape
     H = WH // world
-    most = -(-batch // world)
+    most = cdiv(batch, world)
     if exchange == "all_gather":
         return _gather_batch(local, batch, group)[:, :, rank * H:(rank + 1) * H]
     # Row w of the send buffer: rank w's heads of our (padded) rows; row w received: our

@@ -71,6 +71,7 @@ from typing import Any
 import torch
 
 from .._dispatch import check_int, check_number
+from .._launch import dtype_name
 
 OP = "plan_sharding"
 MAX_ACTIVE = 8  # decode_attention's s_active range is 1..8
@@ -344,7 +345,7 @@ def _predicted(m: _Model, o: ShardingOption, model: Any) -> ShardingOption:
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    return _SHORT.get(dtype, str(dtype).removeprefix("torch."))
+    return _SHORT.get(dtype, dtype_name(dtype))
 
 
 def _divisors(n: int) -> list[int]:

@@ -30,29 +30,16 @@ import torch.nn.functional as F
 
 from .. import tuning
 from .._dispatch import eager as _eager
-from .._dispatch import (FLOAT_DTYPES, Plan, check_number, check_tensor, interpreter_active,
-                         register_planner, select_impl, value_checks)
+from .._dispatch import (Plan, check_number, check_tensor, interpreter_active, register_planner,
+                         select_impl, value_checks)
+from .._launch import FLOAT_DTYPES, cdiv, dtype_name, lazy_kernels, next_pow2
 from .._nvtx import nvtx_range
 from ..activations.ops import ACT_IDS
 from . import reference as ref
 
 OP = "moe_experts"
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-
-
-def _kernels():
-    # Imported on first use: Triton reads TRITON_INTERPRET when a kernel is defined.
-    from . import kernels
-
-    return kernels
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+_kernels = lazy_kernels("kernels", __package__)
 
 
 def _config(device: torch.device, rows: int, H: int, F: int) -> dict[str, int]:
@@ -62,7 +49,7 @@ def _config(device: torch.device, rows: int, H: int, F: int) -> dict[str, int]:
     t = tuning.table("moe_experts", device)
 
     def fit(limit: int, n: int) -> int:
-        return max(16, min(limit, _pow2(n)))
+        return max(16, min(limit, next_pow2(n)))
 
     dim = max(H, F)
     return dict(
@@ -70,7 +57,7 @@ def _config(device: torch.device, rows: int, H: int, F: int) -> dict[str, int]:
         block_k=fit(t["block_k"], dim), warps=t["warps"], stages=t["stages"],
         wgrad_block_m=fit(t["wgrad_block_m"], dim), wgrad_block_n=fit(t["wgrad_block_n"], dim),
         wgrad_block_k=fit(t["wgrad_block_k"], rows), wgrad_warps=t["wgrad_warps"],
-        wgrad_stages=t["wgrad_stages"], combine_block=min(t["combine_block"], _pow2(H)),
+        wgrad_stages=t["wgrad_stages"], combine_block=min(t["combine_block"], next_pow2(H)),
         combine_warps=t["combine_warps"])
 
 
@@ -110,7 +97,7 @@ def _tiles(offsets: torch.Tensor, rows: int, block_m: int) -> torch.Tensor:
     off = offsets.to(torch.int64)
     per = torch.div(off[1:] - off[:-1] + block_m - 1, block_m, rounding_mode="floor")
     last = torch.cumsum(per, 0)
-    slots = _cdiv(rows, block_m) + min(E, rows)
+    slots = cdiv(rows, block_m) + min(E, rows)
     i = torch.arange(slots, device=offsets.device)
     e = torch.searchsorted(last, i, right=True)
     used = e < E
@@ -166,7 +153,7 @@ def _combine(y: torch.Tensor, inv: torch.Tensor, T: int, k: int, c: dict) -> tor
     N = y.shape[1]
     out = torch.empty((T, N), dtype=y.dtype, device=y.device)
     if T and N:
-        _kernels().moe_combine_kernel[(T, _cdiv(N, c["combine_block"]))](
+        _kernels().moe_combine_kernel[(T, cdiv(N, c["combine_block"]))](
             y, inv, out, N, k, RTNE=_dot_flags(y)["RTNE"], BLOCK_N=c["combine_block"],
             num_warps=c["combine_warps"])
     return out
@@ -190,7 +177,7 @@ def _forward(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias
     dots = _dot_flags(hidden)
     bm, bn, bk = c["block_m"], c["block_n"], c["block_k"]
     a = hidden.new_empty((rows, Fdim))
-    kern.moe_up_kernel[(tiles.shape[0], _cdiv(Fdim, bn))](
+    kern.moe_up_kernel[(tiles.shape[0], cdiv(Fdim, bn))](
         hidden, hidden.stride(0), token, w_gate_up, *w_gate_up.stride(),
         gate_up_bias if gate_up_bias is not None else hidden, h, a, tiles, H, Fdim,
         s["linear_offset"], s["clamp_value"] or 0.0,
@@ -200,7 +187,7 @@ def _forward(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias
         num_stages=c["stages"])
     scatter = k == 1
     y = hidden.new_empty((T, H)) if scatter else hidden.new_empty((rows, H))
-    kern.moe_down_kernel[(tiles.shape[0], _cdiv(H, bn))](
+    kern.moe_down_kernel[(tiles.shape[0], cdiv(H, bn))](
         a, a.stride(0), w_down, w_down.stride(0), w_down.stride(2), w_down.stride(1),
         down_bias if down_bias is not None else a, weights, token, y, y.stride(0), tiles,
         H, Fdim, HAS_BIAS=down_bias is not None, HAS_SCALE=True, SCATTER=scatter, **dots,
@@ -225,7 +212,7 @@ def _backward(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm,
     launch = dict(num_warps=c["warps"], num_stages=c["stages"])
     dh = hidden.new_empty((rows, K2))
     a = hidden.new_empty((rows, Fdim))
-    f_tiles = _cdiv(Fdim, bn)
+    f_tiles = cdiv(Fdim, bn)
     dw_part = torch.empty((f_tiles, rows), dtype=torch.float32, device=hidden.device)
     tiles = _tiles(offsets, rows, bm)
     if rows:
@@ -245,7 +232,7 @@ def _backward(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm,
                  num_stages=c["wgrad_stages"])
 
     def wgrad_grid(M: int, N: int) -> tuple[int, int]:
-        return (_cdiv(M, c["wgrad_block_m"]) * _cdiv(N, c["wgrad_block_n"]), E)
+        return (cdiv(M, c["wgrad_block_m"]) * cdiv(N, c["wgrad_block_n"]), E)
 
     d_wd = d_bd = None
     if need_wd or need_bd:
@@ -270,7 +257,7 @@ def _backward(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm,
         scatter = k == 1
         dx = hidden.new_empty((T, H)) if scatter or not rows else hidden.new_empty((rows, H))
         if rows:
-            kern.moe_down_kernel[(tiles.shape[0], _cdiv(H, bn))](
+            kern.moe_down_kernel[(tiles.shape[0], cdiv(H, bn))](
                 dh, dh.stride(0), w_gate_up, w_gate_up.stride(0), w_gate_up.stride(1),
                 w_gate_up.stride(2), dh, weights, token, dx, dx.stride(0), tiles, H, K2,
                 HAS_BIAS=False, HAS_SCALE=False, SCATTER=scatter, **dots, BLOCK_M=bm,
@@ -549,7 +536,7 @@ def plan_moe_experts(*args, **kwargs) -> Plan:
                                a["activation"], a["linear_offset"], a["clamp_value"],
                                a["gate_up_layout"], a["impl"])
     T, k, E, H, Fdim = s["T"], s["k"], s["E"], s["H"], s["F"]
-    dtype = str(a["hidden"].dtype).replace("torch.", "")
+    dtype = dtype_name(a["hidden"].dtype)
     details = {
         "routing": f"{T} tokens x {k} slots over {E} experts (H {H}, F {Fdim}, {dtype}): "
                    f"one stable sort of the {T * k} pairs by expert",

@@ -29,22 +29,12 @@ from .._dispatch import (
     select_impl,
 )
 from .._dispatch import eager as _eager
+from .._launch import cdiv, dtype_name, lazy_kernels
 from .._nvtx import nvtx_range
 from .reference import rms_norm_reference
 
 _OP = "rms_norm"
-
-
-def _kernels():
-    # Imported on first use: Triton reads TRITON_INTERPRET when a kernel is defined, and
-    # ``import lmfuse`` must work where triton is absent (the reference path still runs).
-    from . import kernels
-
-    return kernels
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+_kernels = lazy_kernels("kernels", __package__)
 
 
 def _config(H: int, device: torch.device, backward: bool) -> dict[str, Any]:
@@ -78,9 +68,9 @@ def _bwd_grid(M: int, block_m: int, programs_per_sm: int, device: torch.device
     """``(programs, rows_per_program)``: a few programs per SM, each owning a contiguous
     group of rows (a multiple of ``block_m``). Depends on the shape and device only, so the
     weight gradient's summation order, and its value, are the same on every run."""
-    programs = max(1, min(_cdiv(M, block_m), programs_per_sm * tuning.sm_count(device)))
-    rows_per_program = _cdiv(_cdiv(M, programs), block_m) * block_m
-    return (_cdiv(M, rows_per_program) if M else 1), rows_per_program
+    programs = max(1, min(cdiv(M, block_m), programs_per_sm * tuning.sm_count(device)))
+    rows_per_program = cdiv(cdiv(M, programs), block_m) * block_m
+    return (cdiv(M, rows_per_program) if M else 1), rows_per_program
 
 
 # --- launches --------------------------------------------------------------------------------
@@ -96,7 +86,7 @@ def _launch_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
     if M == 0 or H == 0:
         return y, rstd
     cfg = _config(H, x.device, backward=False)
-    _kernels().rms_norm_fwd_kernel[(_cdiv(M, cfg["BLOCK_M"]),)](
+    _kernels().rms_norm_fwd_kernel[(cdiv(M, cfg["BLOCK_M"]),)](
         x, x.stride(0), weight if weight is not None else x, y, y.stride(0), rstd, M, H,
         eps, weight_offset, HAS_WEIGHT=weight is not None, PDL=pdl, **cfg,
         **_pdl.launch_options(pdl))
@@ -229,12 +219,12 @@ def plan_rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps
     scale = ("none (no weight)" if weight is None else
              f"weight + {a['weight_offset']:g}" if a["weight_offset"] else "weight")
     details = {
-        "x": f"{list(x.shape)} {str(x.dtype).replace('torch.', '')}: {a['rows']} rows of {H}",
+        "x": f"{list(x.shape)} {dtype_name(x.dtype)}: {a['rows']} rows of {H}",
         "scale": scale,
         "eps": a["eps"],
     }
     if weight is not None:
-        details["weight"] = f"[{H}] {str(weight.dtype).replace('torch.', '')}"
+        details["weight"] = f"[{H}] {dtype_name(weight.dtype)}"
     if path == "triton" and H > 0:
         fwd, bwd = _config(H, x.device, False), _config(H, x.device, True)
         details["forward"] = (

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .._dispatch import IMPLS, check_int, check_number
+from .._launch import KERNEL_DTYPES
 from ..attention.kv_cache import KVCacheFullError, PagedKVCache
 from .attention import ATTENTION_NAME, paged_attention
 from .request import OP, Request, SamplingParams, Status
@@ -504,8 +505,7 @@ def _check_cp(model: Any, config: Any, cp_group: Any) -> None:
 
 def _kv_dtype(kv_dtype: Any, model_dtype: torch.dtype) -> torch.dtype:
     if kv_dtype is None:
-        return model_dtype if model_dtype in (torch.float32, torch.float16,
-                                              torch.bfloat16) else torch.float32
+        return model_dtype if model_dtype in KERNEL_DTYPES else torch.float32
     if isinstance(kv_dtype, str):
         key = kv_dtype.strip().lower().removeprefix("torch.")
         if key not in _KV_DTYPES:

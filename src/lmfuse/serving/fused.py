@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from .. import _pdl
 from .._dispatch import select_impl
+from .._launch import KERNEL_DTYPES, cdiv, lazy_kernels, next_pow2
 from ..attention.kv_cache import PagedKVCache
 from ..attention.ops import _launch_decode, _resolve, decode_attention, kv_cache_append
 from ..norm.ops import _launch_fwd as _launch_rms_norm
@@ -54,6 +55,7 @@ _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 #: Most rows the GEMV kernels take; more go through cuBLAS.
 GEMV_MAX_ROWS = 64
 _OP = "Generator"
+_kernels = lazy_kernels("kernels", __package__)
 
 
 def unsupported(model: Any) -> str | None:
@@ -74,7 +76,7 @@ def unsupported(model: Any) -> str | None:
     if getattr(config, "partial_rotary_factor", 1.0) not in (None, 1.0):
         return "partial rotary"
     dtype = next(model.parameters()).dtype
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if dtype not in KERNEL_DTYPES:
         return f"weights of dtype {dtype}"
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -312,15 +314,13 @@ def rope_append_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 def _launch_rope_append(qkv, cos, sin, pos, table, k_cache, v_cache, q_norm, k_norm, eps,
                         k_scale, v_scale, hq, hkv, d, pdl=0) -> torch.Tensor:
-    from .kernels import rope_append_kernel
-
     n = qkv.shape[0]
     q = torch.empty((n, hq, d), dtype=qkv.dtype, device=qkv.device)
     if n == 0:
         return q
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     norm = q_norm is not None
-    rope_append_kernel[(n, hq + hkv)](
+    _kernels().rope_append_kernel[(n, hq + hkv)](
         qkv, q, k_cache, v_cache, cos, sin, pos, table,
         q_norm if norm else qkv, k_norm if norm else qkv,
         k_scale if fp8 else cos, v_scale if fp8 else cos,
@@ -357,7 +357,7 @@ def _gemv_config(n_out: int, K: int, block_m: int, gated: bool,
     (``bench/probe_gemv_chain.py``, H100, launches chained as in a decode step: QKV 9.9 ->
     6.8 us, Wo 7.5 -> 5.9, gate/up 24.9 -> 24.2 against the 16-row dot tile)."""
     if block_m == 1:
-        return 2, min(2048, max(16, 1 << (K - 1).bit_length())), 4, 3
+        return 2, min(2048, next_pow2(K, 16)), 4, 3
     warps, stages = 4, 3
     if gated:
         block_n, block_k = (32 if block_m == 16 else 64), 128
@@ -377,8 +377,6 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
           pdl: int = 0) -> torch.Tensor:
     """``gemv_kernel`` launched: a new ``[n, N]`` output, or ``residual`` updated in place.
     ``pdl``: with programmatic dependent launch (``lmfuse._pdl``)."""
-    from .kernels import gemv_kernel
-
     n, K = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -395,8 +393,8 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
     w = list(weights) + [weights[0]] * (3 - len(weights))
     b = list(biases) if biases is not None else []
     b = b + [w[0]] * (3 - len(b))
-    grid = (n_out // block_n, -(-n // block_m))
-    gemv_kernel[grid](
+    grid = (n_out // block_n, cdiv(n, block_m))
+    _kernels().gemv_kernel[grid](
         x, w[0], w[1], w[2], b[0], b[1], b[2], y, y, n, K, ns[0],
         ns[1] if len(ns) > 1 else 0, x.stride(0), y.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=biases is not None,

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from .._launch import cdiv
 from ..attention.kv_cache import DecodeStep, PagedKVCache
 from ..integrations.transformers import fused_norms_and_mlps
 from .attention import ATTENTION_NAME, Segment, StepContext, register
@@ -271,7 +272,7 @@ def _bucket(n: int, max_batch: int) -> int:
     for b in (1, 2, 4, 8, 16):
         if n <= b:
             return min(b, max(max_batch, n))
-    return min(-(-n // 16) * 16, max(max_batch, n))
+    return min(cdiv(n, 16) * 16, max(max_batch, n))
 
 
 @contextlib.contextmanager

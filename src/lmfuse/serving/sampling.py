@@ -14,9 +14,11 @@ from collections.abc import Sequence
 import torch
 
 from .._dispatch import triton_available
+from .._launch import cdiv, lazy_kernels, next_pow2
 from .request import SamplingParams
 
 _M32 = 0xFFFFFFFF
+_kernels = lazy_kernels("kernels", __package__)
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -88,23 +90,22 @@ def argmax_rows(logits: torch.Tensor, block: int = 1024) -> torch.Tensor:
     by side (each chunk's first maximum, NaN above everything), then one program a row
     takes the first chunk holding the row's best. Exactly ``torch.argmax``, ties and NaN
     included."""
-    from .kernels import argmax_chunk_kernel, argmax_merge_kernel
-
     n, V = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     if n == 0:
         return out
-    want = max(1, min(256, -(-1024 // n)))  # chunks a row
-    chunk = -(-(-(-V // want)) // block) * block
-    chunks = -(-V // chunk)
+    want = max(1, min(256, cdiv(1024, n)))  # chunks a row
+    chunk = cdiv(cdiv(V, want), block) * block
+    chunks = cdiv(V, chunk)
     val = torch.empty((n, chunks), dtype=torch.float32, device=logits.device)
     idx = torch.empty((n, chunks), dtype=torch.int32, device=logits.device)
-    argmax_chunk_kernel[(n, chunks)](logits, val, idx, V, logits.stride(0), chunk, chunks,
-                                     BLOCK=block, num_warps=4)
-    argmax_merge_kernel[(n,)](val, idx, out, chunks, V,
-                              BLOCK_C=max(2, 1 << (chunks - 1).bit_length()), num_warps=1)
+    kern = _kernels()
+    kern.argmax_chunk_kernel[(n, chunks)](logits, val, idx, V, logits.stride(0), chunk, chunks,
+                                          BLOCK=block, num_warps=4)
+    kern.argmax_merge_kernel[(n,)](val, idx, out, chunks, V, BLOCK_C=next_pow2(chunks, 2),
+                                   num_warps=1)
     return out
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from .._launch import cdiv, next_pow2
 from ..attention.kv_cache import KVCacheFullError, PagedKVCache
 from .request import Request, Status
 
@@ -152,11 +153,8 @@ class Scheduler:
         if self.max_blocks is None:
             return None
         bl = self.cache.block_len
-        widest = max(-(-(r.num_cached + 1 + ahead) // bl) for r in self.running)
-        width = 1
-        while width < widest:
-            width *= 2
-        return min(max(width, 1), self.max_blocks) if widest <= self.max_blocks else None
+        widest = max(cdiv(r.num_cached + 1 + ahead, bl) for r in self.running)
+        return min(next_pow2(widest), self.max_blocks) if widest <= self.max_blocks else None
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

@@ -25,18 +25,12 @@ from .._dispatch import (
     register_planner,
     select_impl,
 )
+from .._launch import cdiv, dtype_name, lazy_kernels
 from .._nvtx import nvtx_range
 from .reference import UNBOUNDED, fused_softmax_reference, visible_keys
 
 _OP = "fused_softmax"
-
-
-def _kernels():
-    # Imported on first use: Triton reads TRITON_INTERPRET when a kernel is defined, and
-    # ``import lmfuse`` must work where triton is absent (the reference path still runs).
-    from . import kernels
-
-    return kernels
+_kernels = lazy_kernels("kernels", __package__)
 
 
 def _config(sk: int, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
@@ -81,7 +75,7 @@ def _launch_fwd(scores, mask, softmax_offset, scale, left, right):
             m = m.view(torch.uint8)
         m_strides = m.stride()
     cfg = _config(sk, scores.dtype, scores.device)
-    grid = (_cdiv(n_rows, cfg["BLOCK_M"]),)
+    grid = (cdiv(n_rows, cfg["BLOCK_M"]),)
     _kernels().softmax_fwd_kernel[grid](
         scores, y, m, softmax_offset if softmax_offset is not None else scores, lse,
         n_rows, np_, sq, sk,
@@ -110,7 +104,7 @@ def _launch_bwd(dy, y, lse, softmax_offset, scale, left, right, unscaled_fp32):
             drow.view(b, np_, sq).copy_(per_head.view(1, np_, 1).expand(b, np_, sq))
         return dx, drow
     cfg = _config(sk, y.dtype, y.device)
-    grid = (_cdiv(n_rows, cfg["BLOCK_M"]),)
+    grid = (cdiv(n_rows, cfg["BLOCK_M"]),)
     off = softmax_offset if softmax_offset is not None else y
     _kernels().softmax_bwd_kernel[grid](
         dy, y, dx, off, lse if lse.numel() else y, drow if drow.numel() else y,
@@ -121,10 +115,6 @@ def _launch_bwd(dy, y, lse, softmax_offset, scale, left, right, unscaled_fp32):
         COMPUTE=_compute_dtype(y.dtype), **cfg,
     )
     return dx, drow
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # --- torch.library custom ops -----------------------------------------------------------
@@ -310,7 +300,7 @@ def plan_fused_softmax(
                                softmax_in_fp32, impl)
     left, right, sk = a["left"], a["right"], scores.shape[-1]
     details = {
-        "scores": f"{list(scores.shape)} {str(scores.dtype).replace('torch.', '')}",
+        "scores": f"{list(scores.shape)} {dtype_name(scores.dtype)}",
         "mask": a["mask_kind"] or "none",
         "band": "none" if (left, right) == (UNBOUNDED, UNBOUNDED) else
                 f"keys p-{left if left < UNBOUNDED else 'inf'} .. "

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from .._launch import next_pow2
+
 try:
     import fcntl
 except ImportError:  # not on Windows: the in-process lock still orders threads
@@ -89,7 +91,7 @@ def single_block_tile(t: dict[str, Any], length: int) -> tuple[int, int, int] | 
     above the table's ``max_single_block``: such rows are streamed in chunks instead.
     Reads ``max_single_block``, ``tile_elems`` and ``warps_by_block`` of section ``t``.
     """
-    width = max(16, 1 << max(length - 1, 0).bit_length())
+    width = next_pow2(length, 16)
     if width > t["max_single_block"]:
         return None
     warps = next((w for limit, w in t["warps_by_block"] if width <= limit),
