@@ -53,6 +53,8 @@ def main() -> int:
     ap.add_argument("--chain", type=int, default=8)
     ap.add_argument("--shapes", default="qkv,o,gate_up,down")
     ap.add_argument("--dot", action="store_true", help="also sweep the dot path's options")
+    ap.add_argument("--block-m", default="",
+                    help="row tiles the dot sweep tries, e.g. 16,32,64 (default: the chosen)")
     a = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
     H, FF, HQ, HKV, D = 2048, 8192, 16, 4, 128
@@ -95,8 +97,10 @@ def main() -> int:
             chosen = _gemv_config(n_out, K, bm_dot, gated)
             configs = [(bm_dot,) + chosen + ("chosen",)]
             if a.dot:
-                configs += [(bm_dot, bn, bk, w, st, "dot") for bn, bk, w, st in
-                            itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 4))]
+                bms = [int(v) for v in a.block_m.split(",")] if a.block_m else [bm_dot]
+                configs += [(bm, bn, bk, w, st, "dot") for bm, bn, bk, w, st in
+                            itertools.product(bms, (16, 32, 64), (128, 256), (4, 8), (3, 4))
+                            if bm <= bm_dot]
             if n == 1:
                 configs += [(1, bn, bk, w, st, "m1") for bn, bk, w, st in itertools.product(
                     (2, 4, 8), (512, 1024, 2048), (4, 8), (2, 3, 4))]
