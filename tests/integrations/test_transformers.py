@@ -73,8 +73,10 @@ FAMILIES = {
     "gpt_oss": {"num_local_experts": 2, "num_experts_per_tok": 1},
 }
 # Mixtures of experts: their experts are not MLP modules of the gated form (Qwen2-MoE's
-# shared expert is); their norms and loss are patched.
+# shared expert is); their norms and loss are patched, and the experts of all but Llama 4
+# (whose experts take tokens already sorted and scaled) run lmfuse.moe_experts.
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "llama4_text")
+MOE_EXPERTS = MOE[:-1]
 GELU_FAMILIES = ("gemma", "gemma2", "gemma3_text")
 VISION_LANGUAGE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # Their MLPs are not gated SwiGLU/GEGLU of separate projections (GLM-4 and Phi-3 fuse gate
@@ -160,6 +162,9 @@ def test_loss_and_gradients_match_unpatched(model_type):
     else:
         assert sorted(s[act]) == sorted(mlps) and len(mlps) == 2
     assert s["fused_linear_cross_entropy"] and not s["mlp_unsupported_activation"]
+    experts = [n for n, m in b.named_modules() if type(m).__name__.endswith("Experts")]
+    assert s["moe_experts"] == (experts if model_type in MOE_EXPERTS else [])
+    assert len(experts) == (2 if model_type in MOE else 0)
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
@@ -541,3 +546,109 @@ def test_vision_language_models_text_stack(model_type):
     out_a.loss.backward()
     out_b.loss.backward()
     assert_same_grads(a, b, model_type)
+
+
+def _experts_weights(model) -> dict[str, tuple[torch.Tensor, int]]:
+    return {n: (p, p.data_ptr()) for n, p in model.named_parameters() if ".experts." in n}
+
+
+@pytest.mark.parametrize("model_type", MOE_EXPERTS)
+def test_moe_experts_run_the_op_on_the_models_own_weights(monkeypatch, model_type):
+    """The experts of each mixture of experts run ``lmfuse.moe_experts`` (the model's router
+    and top-k as they are) on views of their own parameters: the same tensors, no copy, in
+    the patched model and in what the op receives. Keyword calls (GPT-OSS's argument
+    names) give the module's result; expert-parallel modules (whose routing may name other
+    ranks' experts) run the model's code; ``experts=False`` leaves the experts alone."""
+    import lmfuse.integrations.transformers as integration
+
+    a = make_model(model_type)
+    b = copy.deepcopy(a)
+    before = _experts_weights(b)
+    apply_lmfuse(b, inference_fallback_tokens=0)
+    after = _experts_weights(b)
+    assert after.keys() == before.keys() and len(after) >= 4
+    for n, (p, ptr) in after.items():
+        assert p is before[n][0] and ptr == before[n][1], n
+
+    seen = []
+    real = integration._moe_experts
+
+    def spy(hidden, ids, weights, **kw):
+        seen.append({k: kw[k].data_ptr() for k in ("w_gate_up", "w_down", "gate_up_bias",
+                                                    "down_bias") if kw[k] is not None})
+        return real(hidden, ids, weights, **kw)
+
+    monkeypatch.setattr(integration, "_moe_experts", spy)
+    ids, labels = batch()
+    b(input_ids=ids, labels=labels).loss.backward()
+    assert len(seen) == 2  # one call a layer
+
+    def layer0_experts(model):
+        return next(m for n, m in model.named_modules() if n.endswith("layers.0.mlp.experts")
+                    or n.endswith("layers.0.block_sparse_moe.experts"))
+
+    ea, eb = layer0_experts(a), layer0_experts(b)
+    names = {"w_gate_up": "gate_up_proj", "w_down": "down_proj",
+             "gate_up_bias": "gate_up_proj_bias", "down_bias": "down_proj_bias"}
+    assert {names[k]: v for k, v in seen[0].items()} == {
+        n: p.data_ptr() for n, p in eb.named_parameters()}
+
+    x = torch.randn(5, 32)
+    top = torch.randint(0, 2, (5, 1))
+    w = torch.rand(5, 1)
+    want = ea(x, top, w)
+    params = list(inspect.signature(eb.forward).parameters)
+    assert params == list(inspect.signature(ea.forward).parameters)
+    seen.clear()
+    assert_close(eb(**dict(zip(params, (x, top, w)))), want, F32, "keyword call")
+    assert len(seen) == 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # weights cast as F.linear's are
+        got, want_bf16 = eb(x, top, w), ea(x, top, w)
+    assert got.dtype == want_bf16.dtype == F32 and len(seen) == 2
+    assert_close(got, want_bf16, torch.bfloat16, "under bfloat16 autocast")
+    eb._is_expert_parallel = True
+    assert_close(eb(x, top, w), want, F32, "expert parallel")
+    assert len(seen) == 2  # the model's own loop ran
+
+    c = apply_lmfuse(copy.deepcopy(a), experts=False)
+    assert c.lmfuse_patches["moe_experts"] == []
+    assert all("forward" not in m.__dict__ for n, m in c.named_modules()
+               if n.endswith(".experts"))
+    assert c.lmfuse_patches["rms_norm"]
+    with pytest.raises(TypeError, match="experts must be a bool"):
+        apply_lmfuse(c, experts=1)
+
+
+def test_gpt_oss_clamp_and_the_formulas_the_op_does_not_compute():
+    """GPT-OSS with a clamp its activations reach (limit 0.3): its experts map to
+    ``quick_geglu(linear_offset=1, clamp_value=limit)`` on interleaved columns, loss and
+    gradients as the model's. With another ``alpha`` than quick GELU's 1.702, or an experts
+    class whose forward computes something more, the experts run the model's code, with a
+    warning; everything else stays patched."""
+    a, b = make_pair("gpt_oss", swiglu_limit=0.3)
+    assert b.lmfuse_patches["moe_experts"] and b.model.layers[0].mlp.experts.limit == 0.3
+    ids, labels = batch()
+    out_a, out_b = a(input_ids=ids, labels=labels), b(input_ids=ids, labels=labels)
+    assert_close(out_b.loss, out_a.loss, F32, "gpt_oss clamped: loss")
+    out_a.loss.backward()
+    out_b.loss.backward()
+    assert_same_grads(a, b, "gpt_oss clamped")
+
+    other = make_model("gpt_oss", swiglu_alpha=1.5)
+    with pytest.warns(UserWarning, match=r"alpha 1\.5 \(lmfuse's quick_geglu has 1\.702\)"):
+        apply_lmfuse(other)
+    assert other.lmfuse_patches["moe_experts"] == [] and other.lmfuse_patches["rms_norm"]
+
+    mixtral = make_model("mixtral")
+    base = type(mixtral.model.layers[0].mlp.experts)
+
+    class ScaledExperts(base):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return 2.0 * super().forward(hidden_states, top_k_index, top_k_weights)
+
+    mixtral.model.layers[1].mlp.experts.__class__ = ScaledExperts
+    with pytest.warns(UserWarning, match="computes another formula than moe_experts"):
+        b = apply_lmfuse(copy.deepcopy(mixtral))
+    assert b.lmfuse_patches["moe_experts"] == ["model.layers.0.mlp.experts"]
+    out_a, out_b = mixtral(input_ids=ids, labels=labels), b(input_ids=ids, labels=labels)
+    assert_close(out_b.loss, out_a.loss, F32, "mixtral with odd experts: loss")

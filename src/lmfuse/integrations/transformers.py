@@ -9,6 +9,9 @@ models of the same class are untouched, and ``copy.deepcopy`` carries it along):
 * the gated MLPs (``down_proj(act(gate_proj(x)) * up_proj(x))``) run :func:`lmfuse.swiglu`
   (SiLU) or :func:`lmfuse.geglu` (tanh-approximated GELU) between their projections
   (Falcon-H1's ``gate_multiplier`` and ``down_multiplier`` as swiglu's);
+* the mixture-of-experts experts modules (transformers 5's fused experts of 3-D weights:
+  Mixtral, Qwen2/3-MoE, OLMoE, Granite-MoE, GPT-OSS) run :func:`lmfuse.moe_experts` on
+  views of their own weights, after the model's own router and top-k;
 * the causal-LM forward, when given ``labels``, computes the loss with
   :func:`lmfuse.linear_cross_entropy` from the last hidden states, with no logits tensor.
 
@@ -32,7 +35,9 @@ import torch.nn.functional as F
 from .._dispatch import IMPLS
 from ..activations import geglu as _geglu
 from ..activations import swiglu as _swiglu
+from ..activations.reference import QUICK_GELU_K
 from ..cross_entropy import linear_cross_entropy as _linear_cross_entropy
+from ..moe import moe_experts as _moe_experts
 from ..norm import rms_norm as _rms_norm
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "apply_lmfuse"]
@@ -41,10 +46,12 @@ __all__ = ["SUPPORTED_MODEL_TYPES", "apply_lmfuse"]
 class _Family(NamedTuple):
     norms: dict[str, float]  # RMSNorm class name -> weight offset (1.0: Gemma's 1 + weight)
     mlps: frozenset[str]  # gated MLP class names
+    # mixture-of-experts experts class name -> why moe_experts cannot run it ("" if it can)
+    experts: dict[str, str] = {}
 
 
 def _family(norm: str, offset: float, mlp: str) -> _Family:
-    return _Family({norm: offset}, frozenset({mlp}))
+    return _Family({norm: offset}, frozenset({mlp}), {})
 
 
 _FAMILIES: dict[str, _Family] = {
@@ -69,9 +76,9 @@ _DETECTED: tuple[str, ...] = (
     "granite", "olmo2", "olmo3", "glm4", "smollm3", "exaone4", "ministral", "helium",
     "seed_oss", "arcee", "phi3", "lfm2", "hunyuan_v1_dense", "apertus", "llama4_text",
     "falcon_h1",
-    # mixtures of experts: norms, dense or shared-expert MLPs and the loss (the model's own
-    # forward when it returns router logits, whose load-balancing loss it adds); the
-    # experts run the model's code
+    # mixtures of experts: norms, dense or shared-expert MLPs, the experts (modules of
+    # 3-D weights found by _experts_layout and checked by _probe_experts) and the loss (the
+    # model's own forward when it returns router logits, whose load-balancing loss it adds)
     "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss",
     # vision-language models: the norms and gated MLPs of the text stack (and of the vision
     # tower where they are of these forms), and the loss
@@ -94,6 +101,7 @@ def _family_of(model: torch.nn.Module) -> _Family | None:
         return None
     norms: dict[str, float] = {}
     mlps: set[str] = set()
+    experts: dict[str, str] = {}
     seen: set[type] = set()
     for m in model.modules():
         cls = type(m)
@@ -107,7 +115,15 @@ def _family_of(model: torch.nn.Module) -> _Family | None:
         elif all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
             if _probe_mlp(m):
                 mlps.add(cls.__name__)
-    return _Family(norms, frozenset(mlps))
+        else:
+            layout = _experts_layout(m)
+            if isinstance(layout, _ExpertsLayout):
+                experts[cls.__name__] = "" if _probe_experts(m, layout) else (
+                    "computes another formula than moe_experts with "
+                    f"{_layout_summary(layout)}")
+            elif layout is not None:
+                experts[cls.__name__] = layout
+    return _Family(norms, frozenset(mlps), experts)
 
 
 def _one_input(m: torch.nn.Module) -> bool:
@@ -346,6 +362,188 @@ def _activation_name(act: Any) -> str:
     return getattr(act, "__name__", None) or type(act).__name__
 
 
+# --- mixture-of-experts experts ----------------------------------------------------------------
+
+
+class _ExpertsLayout(NamedTuple):
+    """How one experts module maps onto :func:`lmfuse.moe_experts`'s arguments."""
+
+    transposed: bool  # gate_up_proj [E, H, 2F], down_proj [E, F, H] (GPT-OSS); else [E, 2F, H]
+    biases: bool  # gate_up_proj_bias [E, 2F] and down_proj_bias [E, H]
+    activation: str  # "swiglu", "geglu" or "quick_geglu"
+    linear_offset: float
+    clamp_value: float | None
+    gate_up_layout: str  # "halves" or "interleaved"
+
+
+def _layout_summary(layout: _ExpertsLayout) -> str:
+    return (f"activation={layout.activation}, linear_offset={layout.linear_offset}, "
+            f"clamp_value={layout.clamp_value}, gate_up_layout={layout.gate_up_layout}")
+
+
+def _number(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+def _three_inputs(m: torch.nn.Module) -> bool:
+    """``m.forward`` takes ``(hidden_states, top_k_index, top_k_weights)``: the routing is
+    the caller's, the gather and the weighted sum the module's (not Llama 4's experts, which
+    take tokens already sorted by expert and scaled by their router weights)."""
+    params = list(_signature(type(m)).parameters.values())[1:]
+    return len(params) == 3 and all(p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                               inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                                    for p in params)
+
+
+def _experts_layout(m: torch.nn.Module) -> _ExpertsLayout | str | None:
+    """The :class:`_ExpertsLayout` of transformers' fused experts module ``m``, a sentence
+    saying why :func:`lmfuse.moe_experts` cannot take it, or None when ``m`` is not one.
+
+    An experts module holds all experts' weights as two 3-D parameters, ``gate_up_proj``
+    and ``down_proj``: ``[E, 2F, H]`` and ``[E, H, F]`` (Mixtral, Qwen2/3-MoE, OLMoE,
+    Granite-MoE), or transposed, ``[E, H, 2F]`` and ``[E, F, H]`` (GPT-OSS, read through
+    ``transpose(1, 2)`` views: the op takes any strides). The two layouts cannot be confused:
+    both would need ``F = 0``. The attributes transformers' ``use_experts_implementation``
+    sets (``has_gate``, ``is_transposed``, ``is_concatenated``, ``has_bias``,
+    ``has_post_expert_norm``) must agree. The activation is the module's ``act_fn`` (SiLU,
+    tanh GELU, quick GELU), or GPT-OSS's ``(clamp(up, -limit, limit) + 1) *
+    quick_gelu_alpha(clamp(gate, max=limit))`` with interleaved gate/up columns, which is
+    ``quick_geglu(linear_offset=1, clamp_value=limit)`` only when ``alpha`` is 1.702.
+    """
+    gate_up, down = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
+    if not (isinstance(gate_up, torch.nn.Parameter) and isinstance(down, torch.nn.Parameter)
+            and gate_up.dim() == 3 and down.dim() == 3 and _three_inputs(m)):
+        return None
+    if getattr(m, "has_gate", True) is not True:
+        return "experts without a gate projection"
+    if getattr(m, "has_post_expert_norm", False) is not False:
+        return "a norm after each expert"
+    if not (gate_up.dtype == down.dtype and gate_up.dtype.is_floating_point):
+        return f"weights of dtypes {gate_up.dtype} and {down.dtype}"
+    E, a, b = gate_up.shape
+    if down.shape[0] != E:
+        return f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)}"
+    if a == 2 * down.shape[2] and b == down.shape[1]:
+        transposed, H, Fdim = False, b, down.shape[2]
+    elif b == 2 * down.shape[1] and a == down.shape[2]:
+        transposed, H, Fdim = True, a, down.shape[1]
+    else:
+        return (f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are "
+                f"neither [E, 2F, H] and [E, H, F] nor their transposes")
+    if getattr(m, "is_transposed", transposed) is not transposed:
+        return f"is_transposed={m.is_transposed} with weights of the other layout"
+    bias_gu, bias_d = getattr(m, "gate_up_proj_bias", None), getattr(m, "down_proj_bias", None)
+    biases = getattr(m, "has_bias", bias_gu is not None or bias_d is not None)
+    if biases is not False:
+        if not (isinstance(bias_gu, torch.nn.Parameter) and isinstance(bias_d, torch.nn.Parameter)
+                and tuple(bias_gu.shape) == (E, 2 * Fdim) and tuple(bias_d.shape) == (E, H)
+                and bias_gu.dtype == bias_d.dtype == gate_up.dtype):
+            return "expert biases other than gate_up_proj_bias [E, 2F], down_proj_bias [E, H]"
+    concatenated = getattr(m, "is_concatenated", True)
+    if not isinstance(concatenated, bool):
+        return f"is_concatenated={concatenated!r}"
+    layout = "halves" if concatenated else "interleaved"
+    act = getattr(m, "act_fn", None)
+    if act is not None:
+        activation = _gated_activation(act)
+        if activation is None:
+            from transformers.activations import QuickGELUActivation
+
+            if type(act) is not QuickGELUActivation:
+                return f"activation {_activation_name(act)}"
+            activation = "quick_geglu"
+        return _ExpertsLayout(transposed, biases is not False, activation, 0.0, None, layout)
+    alpha, limit = _number(getattr(m, "alpha", None)), _number(getattr(m, "limit", None))
+    if alpha is None or limit is None or "_apply_gate" not in type(m).__dict__:
+        return "no act_fn, and not GPT-OSS's clamped gate (alpha, limit, _apply_gate)"
+    if alpha != QUICK_GELU_K:
+        return f"GPT-OSS gate with alpha {alpha} (lmfuse's quick_geglu has {QUICK_GELU_K})"
+    if not limit > 0:
+        return f"GPT-OSS gate with limit {limit} (a clamp needs a positive one)"
+    return _ExpertsLayout(transposed, biases is not False, "quick_geglu", 1.0, limit, layout)
+
+
+def _experts_args(m: torch.nn.Module, layout: _ExpertsLayout) -> dict[str, Any]:
+    """``moe_experts``' weight and setting arguments: views of ``m``'s parameters, no copy."""
+    w_gate_up, w_down = m.gate_up_proj, m.down_proj
+    if layout.transposed:
+        w_gate_up, w_down = w_gate_up.transpose(1, 2), w_down.transpose(1, 2)
+    return dict(w_gate_up=w_gate_up, w_down=w_down,
+                gate_up_bias=m.gate_up_proj_bias if layout.biases else None,
+                down_bias=m.down_proj_bias if layout.biases else None,
+                activation=layout.activation, linear_offset=layout.linear_offset,
+                clamp_value=layout.clamp_value, gate_up_layout=layout.gate_up_layout)
+
+
+@torch.no_grad()
+def _probe_experts(m: torch.nn.Module, layout: _ExpertsLayout) -> bool:
+    """``m(hidden, expert_ids, router_weights)`` (the class's forward, whatever experts
+    implementation the config picks) equals :func:`lmfuse.moe_experts` with ``layout`` on
+    four tokens routed to up to two experts each. With a clamp, the tokens are scaled so
+    that the largest gate/up output is three times the clamp: both sides of it are tried."""
+    p = m.gate_up_proj
+    if p.device.type == "meta":
+        return False
+    args = _experts_args(m, layout)
+    E, H = args["w_gate_up"].shape[0], args["w_gate_up"].shape[2]
+    k = min(2, E)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(4, H, generator=g).to(device=p.device, dtype=p.dtype)
+    ids = ((torch.arange(4)[:, None] + torch.arange(k)[None, :]) % E).to(p.device)
+    w = (torch.rand(4, k, generator=g) + 0.5).to(device=p.device, dtype=p.dtype)
+    if layout.clamp_value is not None:
+        h = torch.stack([F.linear(x[t], args["w_gate_up"][int(e)], None if args[
+            "gate_up_bias"] is None else args["gate_up_bias"][int(e)])
+            for t in range(4) for e in ids[t]])
+        peak = float(h.abs().max())
+        if peak > 0:
+            x = x * (3 * layout.clamp_value / peak)
+    try:
+        y = type(m).forward(m, x, ids, w)
+        want = _moe_experts(x, ids, w, **args, impl="torch")
+    except Exception:  # noqa: BLE001 - another signature or structure
+        return False
+    return isinstance(y, torch.Tensor) and y.shape == want.shape and _close(y, want)
+
+
+def _experts_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The patched experts forward: ``(hidden_states [T, H], top_k_index [T, k],
+    top_k_weights [T, k]) -> [T, H]`` (GPT-OSS names them ``router_indices``,
+    ``routing_weights``) through :func:`lmfuse.moe_experts`; the class's forward for calls
+    the op cannot serve."""
+    if len(args) == 3 and not kwargs:
+        hidden, ids, weights = args
+    else:
+        bound = _signature(type(self)).bind(self, *args, **kwargs).arguments
+        hidden, ids, weights = (list(bound.values()) + [None] * 3)[1:4]
+    layout: _ExpertsLayout = self._lmfuse_experts
+    w = self.gate_up_proj
+    if (getattr(self, "_is_expert_parallel", False)  # ids may name experts of other ranks
+            or not isinstance(hidden, torch.Tensor) or hidden.dim() != 2
+            or not isinstance(ids, torch.Tensor) or ids.is_floating_point()
+            or ids.dim() != 2 or ids.shape[0] != hidden.shape[0]
+            or not isinstance(weights, torch.Tensor) or not weights.is_floating_point()):
+        return type(self).forward(self, *args, **kwargs)
+    op_args = _experts_args(self, layout)
+    dtype, device_type = hidden.dtype, hidden.device.type
+    if not torch.is_autocast_enabled(device_type):
+        if dtype != w.dtype:
+            return type(self).forward(self, *args, **kwargs)
+        return _moe_experts(hidden, ids, weights, **op_args, impl=self._lmfuse_impl)
+    # The model's F.linear calls would run in the autocast dtype: so does the op (the weights
+    # cast as autocast casts them), and the sum comes back in the input's dtype as the
+    # model's does.
+    cast = torch.get_autocast_dtype(device_type)
+    for name in ("w_gate_up", "w_down", "gate_up_bias", "down_bias"):
+        if op_args[name] is not None:
+            op_args[name] = op_args[name].to(cast)
+    with torch.autocast(device_type, enabled=False):
+        out = _moe_experts(hidden.to(cast), ids, weights, **op_args, impl=self._lmfuse_impl)
+    return out.to(dtype)
+
+
 # --- causal-LM loss ----------------------------------------------------------------------------
 
 
@@ -481,7 +679,8 @@ class _Forward:
 
     @property
     def __signature__(self) -> inspect.Signature:
-        sig = (_signature(type(self.module)) if self.fn is _causal_lm_forward
+        sig = (_signature(type(self.module)) if self.fn in (_causal_lm_forward,
+                                                              _experts_forward)
                else inspect.signature(self.fn))
         return sig.replace(parameters=list(sig.parameters.values())[1:])
 
@@ -523,6 +722,18 @@ def _patch_mlp(m: torch.nn.Module, impl: str, fallback: int) -> str | None:
     m._lmfuse_fallback_tokens = fallback
     _set_forward(m, _gated_mlp_forward)
     return activation
+
+
+def _patch_experts(m: torch.nn.Module, impl: str) -> str:
+    """Run experts module ``m`` through :func:`lmfuse.moe_experts`: ``""`` when patched,
+    else why not. No inference fallback (see :func:`apply_lmfuse`'s ``experts``)."""
+    layout = _experts_layout(m)
+    if not isinstance(layout, _ExpertsLayout):
+        return layout or "not an experts module"
+    m._lmfuse_experts = layout
+    m._lmfuse_impl = impl
+    _set_forward(m, _experts_forward)
+    return ""
 
 
 _PATCH_ATTRS = ("forward", "_lmfuse_weight_offset", "_lmfuse_impl", "_lmfuse_fallback_tokens",
@@ -577,14 +788,16 @@ def _summary(model: torch.nn.Module, family: _Family, impl: str) -> dict[str, An
             (swiglu_mlps if m._lmfuse_activation == "swiglu" else geglu_mlps).append(name)
         elif type(m).__name__ in family.mlps and _gated_activation(m.act_fn) is None:
             unpatched[name] = _activation_name(m.act_fn)
+    experts = [name for name, m in model.named_modules()
+               if _instance_forward(m) is _experts_forward]
     return {"impl": impl, "rms_norm": norms, "swiglu": swiglu_mlps, "geglu": geglu_mlps,
-            "mlp_unsupported_activation": unpatched,
+            "mlp_unsupported_activation": unpatched, "moe_experts": experts,
             "fused_linear_cross_entropy": _instance_forward(model) is _causal_lm_forward}
 
 
 def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool = True,
-                 fused_linear_cross_entropy: bool = True, impl: str = "auto",
-                 inference_fallback_tokens: int = 64) -> torch.nn.Module:
+                 fused_linear_cross_entropy: bool = True, experts: bool = True,
+                 impl: str = "auto", inference_fallback_tokens: int = 64) -> torch.nn.Module:
     """Patch a loaded ``transformers`` model in place to run lmfuse's fused ops.
 
     Works on the Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2 and Gemma3 (text) families and,
@@ -593,8 +806,9 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
     Seed-OSS, Arcee, Phi-3, LFM2, Hunyuan dense, Apertus, Llama 4 (text), Falcon-H1 (its
     ``lm_head_multiplier`` applied in the loss, its MLPs' ``gate_multiplier`` and
     ``down_multiplier`` in the fused SwiGLU) and the mixtures of experts Mixtral,
-    Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE and GPT-OSS (their experts run the model's
-    code; with ``output_router_logits`` the loss is the model's own), and the
+    Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE and GPT-OSS (their experts through
+    :func:`lmfuse.moe_experts`; with ``output_router_logits`` the loss is the model's own;
+    Llama 4's experts, fed tokens already sorted and scaled, run the model's code), and the
     vision-language Qwen2-VL, Qwen2.5-VL and Qwen3-VL (``config.model_type`` in
     :data:`SUPPORTED_MODEL_TYPES`; modules that compute anything else are left as they
     are): the ``*ForCausalLM`` models, or their base ``*Model`` (norms and MLPs only). Only
@@ -630,6 +844,28 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
             never formed. Without labels (inference, ``generate``), or with a nonzero
             ``logits_to_keep``, the model's own forward runs and returns logits as before.
             Only on models with an ``lm_head`` (ignored on base models).
+        experts: run each mixture-of-experts experts module (``forward(hidden_states
+            [T, H], top_k_index [T, k], top_k_weights [T, k])`` over ``gate_up_proj`` and
+            ``down_proj`` parameters of all experts) through :func:`lmfuse.moe_experts`:
+            the gather, the gate/up GEMM, the activation, the down GEMM and the
+            router-weighted sum; the router and its top-k stay the model's. The weights are
+            read in place: ``[E, 2F, H]``/``[E, H, F]`` as they are, GPT-OSS's transposed
+            ``[E, H, 2F]``/``[E, F, H]`` (and its biases) through ``transpose(1, 2)`` views,
+            never copied (except by autocast, which casts them to its dtype as the model's
+            ``F.linear`` would). The activation is the module's ``act_fn`` (SiLU: swiglu,
+            tanh GELU: geglu, quick GELU: quick_geglu) on gate/up halves, or GPT-OSS's
+            ``(clamp(up, -limit, limit) + 1) * clamp(gate, max=limit) * sigmoid(alpha *
+            clamp(gate, max=limit))`` on interleaved columns: ``quick_geglu(linear_offset=1,
+            clamp_value=limit, gate_up_layout="interleaved")``, for ``alpha == 1.702``
+            only. Each experts class is checked once on a small routed input against the
+            op; one that computes anything else, or an ``alpha`` other than 1.702, runs the
+            model's code, with a warning. The model's ``config._experts_implementation``
+            no longer matters for patched modules. Calls the op cannot serve (expert
+            parallelism, whose routing may name other ranks' experts; a dtype mismatch
+            outside autocast) run the model's code. ``inference_fallback_tokens`` does
+            not apply to the experts: the model's own loop launches kernels for every
+            expert hit and waits on the host for the list of them (the op's decode-size
+            time against it is not yet measured).
         impl: ``"auto"``, ``"triton"`` or ``"torch"``, passed to every lmfuse op (see
             :func:`lmfuse.explain`).
         inference_fallback_tokens: with autograd off (``torch.no_grad()``, ``generate``), a
@@ -645,6 +881,7 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
         ``model`` itself. ``model.lmfuse_patches`` says what is patched: ``"rms_norm"``,
         ``"swiglu"``, ``"geglu"`` (lists of module names), ``"mlp_unsupported_activation"``
         (``{module name: activation}`` of MLPs left as they are),
+        ``"moe_experts"`` (names of the experts modules patched),
         ``"fused_linear_cross_entropy"`` (bool) and ``"impl"``.
 
     Raises:
@@ -657,7 +894,8 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
         raise TypeError(f"{op}: model must be a torch.nn.Module (a loaded transformers model), "
                         f"got {type(model).__name__}")
     for name, flag in (("rms_norm", rms_norm), ("swiglu", swiglu),
-                       ("fused_linear_cross_entropy", fused_linear_cross_entropy)):
+                       ("fused_linear_cross_entropy", fused_linear_cross_entropy),
+                       ("experts", experts)):
         if not isinstance(flag, bool):
             raise TypeError(f"{op}: {name} must be a bool, got {flag!r}")
     if not isinstance(impl, str) or impl not in IMPLS:
@@ -675,12 +913,14 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
 
     foreign: list[str] = []  # modules whose forward another library already replaced
     unsupported: dict[str, str] = {}
+    experts_left: dict[str, str] = {}  # experts modules moe_experts cannot run: why
     for name, m in model.named_modules():
         cls = type(m).__name__
-        if cls not in family.norms and cls not in family.mlps:
+        if cls not in family.norms and cls not in family.mlps and cls not in family.experts:
             continue
         current = _instance_forward(m)
-        if current is not None and current not in (_rms_norm_forward, _gated_mlp_forward):
+        if current is not None and current not in (_rms_norm_forward, _gated_mlp_forward,
+                                                   _experts_forward):
             foreign.append(name)
             continue
         if cls in family.norms and rms_norm:
@@ -689,6 +929,10 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
             activation = _patch_mlp(m, impl, inference_fallback_tokens)
             if activation is not None and activation not in ("swiglu", "geglu"):
                 unsupported[name] = activation
+        elif cls in family.experts and experts:
+            why = family.experts[cls] or _patch_experts(m, impl)
+            if why:
+                experts_left[name] = why
 
     if fused_linear_cross_entropy and hasattr(model, "lm_head"):
         current = _instance_forward(model)
@@ -711,6 +955,10 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
         warnings.warn(f"{op}: {len(unsupported)} MLP(s) left unpatched: lmfuse fuses SiLU and "
                       f"tanh-GELU gated MLPs, these use "
                       f"{', '.join(sorted(set(unsupported.values())))}", stacklevel=2)
+    if experts_left:
+        reasons = sorted(set(experts_left.values()))
+        warnings.warn(f"{op}: {len(experts_left)} experts module(s) run the model's own code: "
+                      f"{'; '.join(reasons)}", stacklevel=2)
     if foreign:
         warnings.warn(f"{op}: left unpatched because another library already replaced their "
                       f"forward: {', '.join(foreign[:5])}"
