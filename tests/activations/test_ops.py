@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 import lmfuse
 from lmfuse.activations.reference import activation_reference
-from lmfuse.attention.decode_kernels import _saturate_e4m3
+from lmfuse._fp8 import saturate_e4m3 as _saturate_e4m3
 
 F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
 FP8 = torch.float8_e4m3fn

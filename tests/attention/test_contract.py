@@ -33,7 +33,7 @@ from lmfuse import PagedKVCache
 from lmfuse.attention import ops
 from lmfuse.attention.block import (DecodeAttentionBlock, qk_norm_rope_append,
                                     qk_norm_rope_append_reference)
-from lmfuse.attention.decode_kernels import _saturate_fp8
+from lmfuse._fp8 import saturate_fp8 as _saturate_fp8
 from lmfuse.attention.reference import (decode_attention_reference,
                                         merge_attention_states_reference)
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..attention.decode_kernels import _saturate_e4m3
+from .._fp8 import saturate_e4m3
 
 GELU, SILU, QUICK_GELU, SQUARED_RELU = 0, 1, 2, 3
 
@@ -107,8 +107,8 @@ def _chain(a, up, dact, ACT: tl.constexpr):
 def _store_fp8(ptr, v, mask):
     """float32 ``v`` stored as float8_e4m3fn: saturated at +-448 (as torch's CPU cast does;
     its CUDA cast gives NaN above 464), rounded to nearest even, NaN kept (see
-    ``_saturate_e4m3``)."""
-    tl.store(ptr, _saturate_e4m3(v).to(ptr.dtype.element_ty), mask=mask)
+    ``saturate_e4m3``)."""
+    tl.store(ptr, saturate_e4m3(v).to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

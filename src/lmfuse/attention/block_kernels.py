@@ -25,7 +25,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode_kernels import _kv_rows, _saturate_fp8
+from .._fp8 import saturate_fp8
+from .decode_kernels import _kv_rows
 
 
 @triton.jit
@@ -127,10 +128,10 @@ def qk_norm_rope_append_kernel(
                 yt = tl.div_rn(yt, ks)
             if HAS_V_SCALE:
                 v = tl.div_rn(v, tl.load(V_SCALE + kvh).to(tl.float32))
-            y1 = _saturate_fp8(y1, fp8_max, FP8_MANT, FP8_MIN_EXP)
-            y2 = _saturate_fp8(y2, fp8_max, FP8_MANT, FP8_MIN_EXP)
-            yt = _saturate_fp8(yt, fp8_max, FP8_MANT, FP8_MIN_EXP)
-            v = _saturate_fp8(v, fp8_max, FP8_MANT, FP8_MIN_EXP)
+            y1 = saturate_fp8(y1, fp8_max, FP8_MANT, FP8_MIN_EXP)
+            y2 = saturate_fp8(y2, fp8_max, FP8_MANT, FP8_MIN_EXP)
+            yt = saturate_fp8(yt, fp8_max, FP8_MANT, FP8_MIN_EXP)
+            v = saturate_fp8(v, fp8_max, FP8_MANT, FP8_MIN_EXP)
         # The row's width if it has a slot in the cache, else 0: every store below is then
         # masked off (a width, not `mask & ok`, which the interpreter mistypes for a scalar).
         width = tl.where(ok, D, 0)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .._fp8 import saturate_e4m3
 from .._pdl import pdl_start, pdl_wait
 
 # log2(e) = 1.4426950408889634 and ln(2) = 0.6931471805599453 are written inline below (see
@@ -280,39 +281,6 @@ def merge_kernel(
 
 
 @triton.jit
-def _round_fp8(x, FP8_MANT: tl.constexpr, FP8_MIN_EXP: tl.constexpr):
-    """float32 ``x`` (already within the format's range) rounded to the nearest value of an
-    fp8 format with ``FP8_MANT`` mantissa bits and smallest normal exponent ``FP8_MIN_EXP``,
-    ties to even, so the conversion that stores it has nothing left to round. The hardware's
-    conversion (``cvt.rn``) would round the same way; Triton 3.9's interpreter rounds fp8
-    half-up and can drop the carry into the exponent (0.49 -> 0.25), which this sidesteps.
-    Adding ``1.5 * 2**23 * spacing`` leaves ``spacing`` as the sum's last place, so float32
-    addition itself does the rounding; the sign of a zero result is kept."""
-    biased = (x.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    biased = tl.maximum(biased, FP8_MIN_EXP + 127)  # fp8 subnormals: the smallest spacing
-    spacing = ((biased - FP8_MANT) << 23).to(tl.float32, bitcast=True)
-    magic = spacing * 12582912.0
-    r = (x + magic) - magic
-    return tl.where(r == 0.0, x * 0.0, r)
-
-
-@triton.jit
-def _saturate_fp8(x, fp8_max, FP8_MANT: tl.constexpr, FP8_MIN_EXP: tl.constexpr):
-    """float32 ``x`` as a value of the fp8 format (still float32): saturated at its largest
-    finite value ``fp8_max`` instead of rounding to NaN, and rounded exactly (see
-    ``_round_fp8``); NaN stays NaN (the clamp alone would turn it into ``-fp8_max``:
-    max.f32 skips NaNs)."""
-    r = _round_fp8(tl.minimum(tl.maximum(x, -fp8_max), fp8_max), FP8_MANT, FP8_MIN_EXP)
-    return tl.where(x != x, x, r)
-
-
-@triton.jit
-def _saturate_e4m3(x):
-    """``_saturate_fp8`` for e4m3: +-448, 3 mantissa bits, smallest normal exponent -6."""
-    return _saturate_fp8(x, 448.0, 3, -6)
-
-
-@triton.jit
 def append_kernel(
     K_NEW, V_NEW, K, V, SEQLENS, TABLE, K_SCALE, V_SCALE,
     stride_nb, stride_ns, stride_vnb, stride_vns,
@@ -347,7 +315,7 @@ def append_kernel(
                 k = tl.div_rn(k, tl.load(K_SCALE + cc // D, mask=m, other=1.0).to(tl.float32))
             if HAS_V_SCALE:
                 v = tl.div_rn(v, tl.load(V_SCALE + cc // D, mask=m, other=1.0).to(tl.float32))
-            k = _saturate_e4m3(k)
-            v = _saturate_e4m3(v)
+            k = saturate_e4m3(k)
+            v = saturate_e4m3(v)
         tl.store(K + k_row + cc, k.to(K.dtype.element_ty), mask=m)
         tl.store(V + v_row + cc, v.to(V.dtype.element_ty), mask=m)

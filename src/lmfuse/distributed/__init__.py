@@ -1,5 +1,34 @@
-"""Process-group plumbing shared by the parallel ops (``torch.distributed`` only)."""
+"""The parallel forms of decode attention (split by context: ``cp``; by batch: ``kvdp``) and
+the KV-cache sharding planner, through ``torch.distributed`` process groups only.
 
-from .cp import cp_cache_append, cp_decode_attention, cp_shard_seqlens  # noqa: F401
-from .kvdp import kvdp_batch_range, kvdp_cache_append, kvdp_decode_attention  # noqa: F401
-from .planner import ShardingPlan, plan_sharding  # noqa: F401  (the KV-cache sharding planner)
+Each name is imported from its submodule on first use, so importing one part (the planner,
+which ``import lmfuse`` does) does not import the others and what they build on (the
+attention ops). The collectives every parallel op issues live below the families, in
+``lmfuse._collectives``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "cp_cache_append": "cp", "cp_decode_attention": "cp", "cp_shard_seqlens": "cp",
+    "kvdp_batch_range": "kvdp", "kvdp_cache_append": "kvdp", "kvdp_decode_attention": "kvdp",
+    "ShardingPlan": "planner", "plan_sharding": "planner",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .._pdl import pdl_start, pdl_wait
-from ..attention.decode_kernels import _saturate_e4m3
+from .._fp8 import saturate_e4m3
 
 
 @triton.jit
@@ -74,10 +74,10 @@ def rope_append_kernel(
             if FP8:
                 ks = tl.load(K_SCALE + j).to(tl.float32)
                 vs = tl.load(V_SCALE + j).to(tl.float32)
-                y1 = _saturate_e4m3(tl.div_rn(y1, ks))
-                y2 = _saturate_e4m3(tl.div_rn(y2, ks))
-                v1 = _saturate_e4m3(tl.div_rn(v1, vs))
-                v2 = _saturate_e4m3(tl.div_rn(v2, vs))
+                y1 = saturate_e4m3(tl.div_rn(y1, ks))
+                y2 = saturate_e4m3(tl.div_rn(y2, ks))
+                v1 = saturate_e4m3(tl.div_rn(v1, vs))
+                v2 = saturate_e4m3(tl.div_rn(v2, vs))
             k_at = KC + blk.to(tl.int64) * stride_kblk + off * stride_krow + j * D
             v_at = VC + blk.to(tl.int64) * stride_vblk + off * stride_vrow + j * D
             tl.store(k_at + i, y1.to(KC.dtype.element_ty))

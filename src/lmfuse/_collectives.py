@@ -1,4 +1,6 @@
-"""The few collectives lmfuse issues, each a single ``torch.distributed`` call.
+"""The few collectives lmfuse issues, each a single ``torch.distributed`` call; below every
+family (the losses' vocabulary-parallel forms, the sharded decode, the serving engine), so
+that none of them imports another's package to reach them.
 
 Every parallel op goes through these, so a test can count the collectives an op issues by
 counting calls here (or to ``torch.distributed`` underneath).
