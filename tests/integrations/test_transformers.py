@@ -263,7 +263,8 @@ def test_bad_arguments_raise():
         apply_lmfuse(model, swiglu="yes")
     assert "forward" not in model.__dict__, "a refused call must patch nothing"
     # every supported model type is tested: the causal LMs here, the VLMs below
-    assert set(SUPPORTED_MODEL_TYPES) == set(FAMILIES) | set(VISION_LANGUAGE)
+    assert set(SUPPORTED_MODEL_TYPES) == set(FAMILIES) | set(VISION_LANGUAGE) | set(
+        MORE_FAMILIES)
 
 
 def test_mlp_with_wrapped_projection_and_under_autocast():
@@ -652,3 +653,107 @@ def test_gpt_oss_clamp_and_the_formulas_the_op_does_not_compute():
     assert b.lmfuse_patches["moe_experts"] == ["model.layers.0.mlp.experts"]
     out_a, out_b = mixtral(input_ids=ids, labels=labels), b(input_ids=ids, labels=labels)
     assert_close(out_b.loss, out_a.loss, F32, "mixtral with odd experts: loss")
+
+
+# Model types found by probing that the tests above do not build (each case builds one tiny
+# model and checks one training step only, to keep the suite's time): config overrides, and
+# whether the model is a base model (a text stack of a vision-language model, no lm_head).
+MORE_FAMILIES = {
+    # two experts routed to both: with one slot, the renormalised router weight is 1 and
+    # the router's gradient mere rounding noise
+    "hunyuan_v1_moe": {"num_experts": 2, "moe_topk": 2},
+    "qwen3_next": {"layer_types": ["linear_attention", "full_attention"],
+                   "linear_num_key_heads": 2, "linear_num_value_heads": 2,
+                   "linear_key_head_dim": 8, "linear_value_head_dim": 8, "num_experts": 2,
+                   "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                   "shared_expert_intermediate_size": 16},
+    "qwen3_5_text": {"layer_types": ["linear_attention", "full_attention"],
+                     "linear_num_key_heads": 2, "linear_num_value_heads": 2,
+                     "linear_key_head_dim": 8, "linear_value_head_dim": 8},
+    "qwen3_5_moe_text": {"layer_types": ["linear_attention", "full_attention"],
+                         "linear_num_key_heads": 2, "linear_num_value_heads": 2,
+                         "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                         "num_experts": 2, "num_experts_per_tok": 2,
+                         "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16},
+    # a clamp (swiglu_limit) small enough for the experts' activations to reach it; top-k
+    # routed layers (a hash-routed one's router gradient is zero but for rounding noise)
+    "deepseek_v4": {"n_routed_experts": 3, "num_experts_per_tok": 2, "swiglu_limit": 0.3,
+                    "moe_intermediate_size": 16, "q_lora_rank": 16, "o_lora_rank": 16,
+                    "index_n_heads": 2, "index_head_dim": 8, "o_groups": 2, "hc_mult": 2,
+                    "mlp_layer_types": ["moe", "moe"]},
+    "nemotron": {},
+    "qwen2_vl_text": {"rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}},
+    "qwen2_5_vl_text": {"rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}},
+    "qwen3_vl_text": {},
+    "qwen3_vl_moe_text": {"num_experts": 2, "num_experts_per_tok": 2,
+                          "moe_intermediate_size": 16},
+}
+BASE_MODELS = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text")
+
+
+@pytest.mark.parametrize("model_type", list(MORE_FAMILIES))
+def test_more_families_one_training_step(model_type):
+    """One training step of each: the loss (or, for a base model, a weighted sum of its last
+    hidden states) and every gradient as the unpatched model's; the output of the same
+    type; every RMSNorm and gated MLP of the formulas patched, and nothing else."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    import lmfuse.integrations.transformers as integration
+
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type!r} models")
+    kw = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+          "vocab_size": VOCAB, "max_position_embeddings": 64, "initializer_range": 0.1,
+          "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **MORE_FAMILIES[model_type]}
+    config = transformers.AutoConfig.for_model(model_type, **kw)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    auto = (transformers.AutoModel if model_type in BASE_MODELS
+            else transformers.AutoModelForCausalLM)
+    a = auto.from_config(config).to(F32)
+    with torch.no_grad():
+        for name, p in a.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    a.train()
+    b = apply_lmfuse(copy.deepcopy(a), inference_fallback_tokens=0)
+    ids, labels = batch()
+    if model_type in BASE_MODELS:
+        out_a, out_b = a(input_ids=ids), b(input_ids=ids)
+        assert_close(out_b.last_hidden_state, out_a.last_hidden_state, F32, model_type)
+        g = torch.randn_like(out_a.last_hidden_state)
+        loss_a, loss_b = (out_a.last_hidden_state * g).sum(), (out_b.last_hidden_state * g).sum()
+    else:
+        out_a, out_b = a(input_ids=ids, labels=labels), b(input_ids=ids, labels=labels)
+        assert out_b.logits is None and b.lmfuse_patches["fused_linear_cross_entropy"]
+        loss_a, loss_b = out_a.loss, out_b.loss
+        assert_close(loss_b, loss_a, F32, f"{model_type}: loss")
+    assert type(out_b) is type(out_a)
+    loss_a.backward()
+    loss_b.backward()
+    assert_same_grads(a, b, model_type)
+
+    s, family = b.lmfuse_patches, integration._family_of(a)
+    modules = dict(b.named_modules())
+    assert sorted(s["rms_norm"]) == sorted(
+        n for n, m in modules.items() if type(m).__name__ in family.norms)
+    assert sorted(s["swiglu"]) == sorted(
+        n for n, m in modules.items() if type(m).__name__ in family.mlps)
+    assert sorted(s["moe_experts"]) == sorted(
+        n for n, m in modules.items() if type(m).__name__ in family.experts)
+    if model_type == "nemotron":  # LayerNorm1P, ReLU^2 without a gate: the loss only
+        assert not s["rms_norm"] and not s["swiglu"]
+    else:
+        assert len(s["rms_norm"]) >= 5
+    # the norms of the other formulas stay as they are: the gated norms of the linear
+    # attention (two inputs), DeepSeek-V4's weightless ones
+    assert all(n not in s["rms_norm"] for n, m in modules.items()
+               if type(m).__name__.endswith(("RMSNormGated", "UnweightedRMSNorm")))
+    experts = [n for n, m in modules.items() if type(m).__name__.endswith("Experts")]
+    assert sorted(s["moe_experts"]) == sorted(experts)
+    if model_type == "deepseek_v4":  # clamped dense MLPs: not the patch's formula
+        assert not s["swiglu"] and len(experts) == 2
+        assert b.model.layers[0].mlp.experts.limit == 0.3
+    elif model_type not in ("nemotron", "qwen3_vl_moe_text"):  # the latter: experts only
+        assert s["swiglu"]

@@ -22,9 +22,11 @@ as before. ``transformers`` is imported only when :func:`apply_lmfuse` runs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import math
+import typing
 import warnings
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -79,10 +81,21 @@ _DETECTED: tuple[str, ...] = (
     # mixtures of experts: norms, dense or shared-expert MLPs, the experts (modules of
     # 3-D weights found by _experts_layout and checked by _probe_experts) and the loss (the
     # model's own forward when it returns router logits, whose load-balancing loss it adds)
-    "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss",
+    "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "hunyuan_v1_moe",
+    # hybrids of gated linear attention and attention, MoE or dense: the (1 + w) RMSNorms and
+    # MLPs (the gated norm of the linear attention takes two inputs and is left alone)
+    "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text",
+    # DeepSeek-V4: its norms, its experts (a clamped SwiGLU: moe_experts' clamp_value) and
+    # the loss; its dense MLPs clamp the gate and up outputs, which the gated-MLP patch does
+    # not do: the probe, at a scale where the clamp bites, leaves them as they are
+    "deepseek_v4",
+    # Nemotron: LayerNorm1P and a ReLU^2 MLP without a gate: only the loss
+    "nemotron",
     # vision-language models: the norms and gated MLPs of the text stack (and of the vision
-    # tower where they are of these forms), and the loss
-    "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+    # tower where they are of these forms), and the loss; their text stacks alone (base
+    # models: norms and MLPs)
+    "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
+    "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text")
 
 #: ``config.model_type`` values :func:`apply_lmfuse` accepts.
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_FAMILIES) + _DETECTED
@@ -194,11 +207,20 @@ def _probe_mlp(m: torch.nn.Module) -> bool:
     if x is None:
         return False
     try:
-        y = m(x)
-        want = m.down_proj(m.act_fn(m.gate_proj(x) * g) * m.up_proj(x)) * d
+        peak = float(torch.cat([m.gate_proj(x), m.up_proj(x)], -1).abs().max())
+        # Unit-scale inputs, and inputs whose largest projection output is _PROBE_PEAK: a
+        # clamp of the projections (DeepSeek-V4's swiglu_limit of 10) shows only there.
+        for xs in (x, x * (_PROBE_PEAK / peak) if peak > 0 else x):
+            y = m(xs)
+            want = m.down_proj(m.act_fn(m.gate_proj(xs) * g) * m.up_proj(xs)) * d
+            if not (isinstance(y, torch.Tensor) and y.shape == want.shape and _close(y, want)):
+                return False
     except Exception:  # noqa: BLE001 - another structure
         return False
-    return isinstance(y, torch.Tensor) and y.shape == want.shape and _close(y, want)
+    return True
+
+
+_PROBE_PEAK = 64.0  # beyond the clamps models put on their gate/up outputs (7 to 10)
 
 
 def _mlp_multipliers(m: torch.nn.Module) -> tuple[float, float] | None:
@@ -454,7 +476,14 @@ def _experts_layout(m: torch.nn.Module) -> _ExpertsLayout | str | None:
             if type(act) is not QuickGELUActivation:
                 return f"activation {_activation_name(act)}"
             activation = "quick_geglu"
-        return _ExpertsLayout(transposed, biases is not False, activation, 0.0, None, layout)
+        # DeepSeek-V4 clamps gate <= limit and -limit <= up <= limit before its act_fn (in
+        # _apply_gate): moe_experts' clamp_value; _probe_experts tries both sides of it.
+        clamp = None
+        if getattr(m, "limit", None) is not None:
+            clamp = _number(m.limit)
+            if clamp is None or not clamp > 0:
+                return f"experts clamp limit {m.limit!r} (a clamp needs a positive number)"
+        return _ExpertsLayout(transposed, biases is not False, activation, 0.0, clamp, layout)
     alpha, limit = _number(getattr(m, "alpha", None)), _number(getattr(m, "limit", None))
     if alpha is None or limit is None or "_apply_gate" not in type(m).__dict__:
         return "no act_fn, and not GPT-OSS's clamped gate (alpha, limit, _apply_gate)"
@@ -620,6 +649,50 @@ def _logits_scaling(model: Any) -> Any:
     return scaling
 
 
+@functools.cache
+def _softcaps_logits(cls: type) -> bool:
+    """``cls.forward`` applies ``final_logit_softcapping`` to its logits (Gemma 2/3/4's
+    causal LMs and PaliGemma do; Gemma 3's multimodal model does not, whatever its text
+    config says)."""
+    try:
+        return "final_logit_softcapping" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):  # no source to read: the config decides, as before
+        return True
+
+
+def _final_softcap(model: Any) -> Any:
+    """The cap the causal LM's own forward puts on its logits, or None: its (text) config's
+    ``final_logit_softcapping`` where its forward applies it."""
+    if not _softcaps_logits(type(model)):
+        return None
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "final_logit_softcapping", None)
+
+
+@functools.cache
+def _output_class(cls: type) -> type:
+    """The output class ``cls.forward`` returns (its annotation: ``CausalLMOutputWithPast``,
+    Mixtral's ``MoeCausalLMOutputWithPast``, Gemma 4's or a vision-language model's own),
+    so that the patched forward returns the same type with the same fields."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.utils import ModelOutput
+
+    ret = _signature(cls).return_annotation
+    for c in (ret, *typing.get_args(ret)):
+        if isinstance(c, type) and issubclass(c, ModelOutput) and "loss" in _fields_of(c):
+            return c
+    return CausalLMOutputWithPast
+
+
+def _fields_of(c: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(c)) if dataclasses.is_dataclass(c) else ()
+
+
+def _output_fields(cls: type) -> tuple[str, ...]:
+    return _fields_of(_output_class(cls))
+
+
 def _forward_with_loss(model: Any, a: dict[str, Any], var_kw: str | None) -> Any:
     """The causal LM's forward with labels: base model, then the fused loss; ``logits=None``.
 
@@ -627,8 +700,6 @@ def _forward_with_loss(model: Any, a: dict[str, Any], var_kw: str | None) -> Any
     to the base model as transformers' forward passes it, the loss options (``shift_labels``,
     ``num_items_in_batch``, ``ignore_index``) to the loss as its ``loss_function`` takes them.
     """
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
     extra = dict(a.pop(var_kw, None) or {}) if var_kw else {}
     a.pop("self", None)
     labels = a.pop("labels")
@@ -643,17 +714,11 @@ def _forward_with_loss(model: Any, a: dict[str, Any], var_kw: str | None) -> Any
         shift_labels=extra.get("shift_labels"),
         num_items_in_batch=extra.get("num_items_in_batch"),
         ignore_index=extra.get("ignore_index", -100),
-        softcap=getattr(model.config, "final_logit_softcapping", None),
+        softcap=_final_softcap(model),
         impl=model._lmfuse_impl, logits_scaling=_logits_scaling(model))
-    fields = dict(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
-    if hasattr(outputs, "router_logits"):  # a mixture of experts' output type, as its own
-        from transformers.modeling_outputs import MoeCausalLMOutputWithPast
-
-        out = MoeCausalLMOutputWithPast(aux_loss=None, router_logits=outputs.router_logits,
-                                        **fields)
-    else:
-        out = CausalLMOutputWithPast(**fields)
+    out = _output_class(type(model))(loss=loss, logits=None, **{
+        name: getattr(outputs, name) for name in _output_fields(type(model))
+        if name not in ("loss", "logits", "aux_loss") and hasattr(outputs, name)})
     return out if return_dict else out.to_tuple()
 
 
@@ -806,9 +871,13 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
     Seed-OSS, Arcee, Phi-3, LFM2, Hunyuan dense, Apertus, Llama 4 (text), Falcon-H1 (its
     ``lm_head_multiplier`` applied in the loss, its MLPs' ``gate_multiplier`` and
     ``down_multiplier`` in the fused SwiGLU) and the mixtures of experts Mixtral,
-    Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE and GPT-OSS (their experts through
+    Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE, GPT-OSS, Hunyuan-MoE and DeepSeek-V4 (its
+    experts' clamp as ``moe_experts``' ``clamp_value``; its clamped dense MLPs left as they
+    are), the gated-linear-attention hybrids Qwen3-Next and Qwen3.5 (text, dense and MoE),
+    Nemotron (loss only: LayerNorm1P, ReLU^2 MLPs), the text stacks of Qwen2-VL, Qwen2.5-VL,
+    Qwen3-VL and Qwen3-VL-MoE (base models), and the MoE families' experts through
     :func:`lmfuse.moe_experts`; with ``output_router_logits`` the loss is the model's own;
-    Llama 4's experts, fed tokens already sorted and scaled, run the model's code), and the
+    Llama 4's experts, fed tokens already sorted and scaled, run the model's code; and the
     vision-language Qwen2-VL, Qwen2.5-VL and Qwen3-VL (``config.model_type`` in
     :data:`SUPPORTED_MODEL_TYPES`; modules that compute anything else are left as they
     are): the ``*ForCausalLM`` models, or their base ``*Model`` (norms and MLPs only). Only
