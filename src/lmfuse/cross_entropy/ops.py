@@ -37,7 +37,7 @@ from .._nvtx import nvtx_range
 from .._collectives import group_rank, group_size
 from . import reference as ref
 from .reference import CrossEntropyOutput
-from .vocab_parallel import gather_stats
+from .vocab_parallel import gather_stats, scalars
 
 _OP = "cross_entropy"
 _REDUCTIONS = ("mean", "sum", "none")
@@ -90,10 +90,7 @@ def _aligned(x: torch.Tensor) -> bool:
     return x.shape[-1] % 16 == 0 and x.stride(-2) % 16 == 0 and x.data_ptr() % 16 == 0
 
 
-def _scalars(vocab_size: int, label_smoothing: float, z_loss: float,
-             softcap: Optional[float]) -> tuple:
-    return (label_smoothing / vocab_size, 1.0 - label_smoothing, 2.0 * z_loss,
-            1.0 if softcap is None else softcap)
+_scalars = scalars  # the kernels' float arguments (vocab_parallel.scalars)
 
 
 # --- kernel launches, as custom ops ------------------------------------------------------

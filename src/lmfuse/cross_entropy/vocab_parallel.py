@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from .._dispatch import eager
-from .._launch import cdiv
+from .._launch import cdiv, lazy_kernels
 from .._collectives import all_gather_stacked
 from . import reference as ref
 
@@ -38,13 +38,21 @@ class Merged(NamedTuple):
     pred: Optional[torch.Tensor] = None
 
 
+_kernels = lazy_kernels("kernels", __package__)
+
+
+def scalars(vocab_size: int, label_smoothing: float, z_loss: float,
+            softcap: Optional[float]) -> tuple:
+    """The loss kernels' float arguments: ``label_smoothing / V``, ``1 - label_smoothing``,
+    ``2 z_loss`` and the softcap (1 when off). Here, below ``ops``, which takes them too."""
+    return (label_smoothing / vocab_size, 1.0 - label_smoothing, 2.0 * z_loss,
+            1.0 if softcap is None else softcap)
+
 def _launch_merge(gathered, target, count, vocab_size, ignore_index, label_smoothing, z_loss,
                   mean, target_weight=None, wstat=None, argmax=False):
     """``[4, N]`` whole-vocabulary stats and token loss from every rank's ``[world, 3, N]``
     (``[world, S * N (+ 1)]`` with the options' rows: see ``ce_merge_kernel``); with
     ``argmax`` ``[5, N]``, the predicted class (float32) last."""
-    from . import ops  # (which imports this module) its kernels and scalars, on first use
-
     weighted = target_weight is not None
     rows = 3 + weighted + 2 * argmax
     world, n = gathered.shape[0], target.shape[0]
@@ -54,9 +62,9 @@ def _launch_merge(gathered, target, count, vocab_size, ignore_index, label_smoot
         extra = {} if not (weighted or argmax) else dict(
             wt_ptr=target_weight, wstat_ptr=wstat, HAS_WEIGHT=weighted, ARGMAX=argmax,
             STATS=rows)
-        ops._kernels().ce_merge_kernel[(cdiv(n, block),)](
+        _kernels().ce_merge_kernel[(cdiv(n, block),)](
             gathered, target, stats, count, n, world, vocab_size, ignore_index,
-            *ops._scalars(vocab_size, label_smoothing, z_loss, None)[:3],
+            *scalars(vocab_size, label_smoothing, z_loss, None)[:3],
             HAS_SMOOTHING=label_smoothing > 0, MEAN=mean, BLOCK=block, num_warps=4, **extra)
     return stats
 
