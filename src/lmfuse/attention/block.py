@@ -209,7 +209,7 @@ def _check_step(op: str, dtype: torch.dtype, B: int, s_active: int, Hq: int, Hkv
                 positions, k_scale, v_scale, tensors: dict[str, Any]) -> int:
     """The caches, lengths, block table, positions and scales of one step (shared by the
     block and the fused stage). Returns the capacity per sequence."""
-    Hkv_cache, capacity = ops._check_cache(op, dtype, k_cache, v_cache, block_table, B, Hq, D)
+    Hkv_cache, capacity = ops.check_cache(op, dtype, k_cache, v_cache, block_table, B, Hq, D)
     if Hkv_cache != Hkv:
         raise ValueError(f"{op}: the caches have {Hkv_cache} KV heads but num_kv_heads is "
                          f"{Hkv}: k_cache {tuple(k_cache.shape)}")

@@ -30,9 +30,10 @@ _kernels = lazy_kernels("decode_kernels", __package__)
 # --- validation ------------------------------------------------------------------------------
 
 
-def _check_cache(op: str, q_dtype, k_cache, v_cache, block_table, B: int, Hq: int, D: int):
-    """Shared by decode_attention and kv_cache_append: the two caches, their layout and the
-    block table. Returns ``(Hkv, capacity per sequence)``."""
+def check_cache(op: str, q_dtype, k_cache, v_cache, block_table, B: int, Hq: int, D: int):
+    """Shared by decode_attention, kv_cache_append and ``block.DecodeAttentionBlock`` (the
+    attention package's one cache check): the two caches, their layout and the block
+    table. Returns ``(Hkv, capacity per sequence)``."""
     check_tensor(op, "k_cache", k_cache, ndim=4, dtypes=None)
     check_tensor(op, "v_cache", v_cache, ndim=4, dtypes=None)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -220,7 +221,7 @@ def _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_size
                          f"{tuple(q.shape)}")
     if D == 0:
         raise ValueError(f"{op}: q's head dim D must be >= 1, got {tuple(q.shape)}")
-    Hkv, capacity = _check_cache(op, q.dtype, k_cache, v_cache, block_table, B, Hq, D)
+    Hkv, capacity = check_cache(op, q.dtype, k_cache, v_cache, block_table, B, Hq, D)
     _check_seqlens(op, cache_seqlens, B)
     scale = check_number(op, "scale", scale)
     if window_size is not None:
@@ -781,7 +782,7 @@ def kv_cache_append(
     if v_new.dtype != k_new.dtype:
         raise TypeError(f"{op}: k_new is {dtype_name(k_new.dtype)} but v_new is "
                         f"{dtype_name(v_new.dtype)}")
-    Hkv, capacity = _check_cache(op, k_new.dtype, k_cache, v_cache, block_table, B, None, D)
+    Hkv, capacity = check_cache(op, k_new.dtype, k_cache, v_cache, block_table, B, None, D)
     if Hkv != Hkv_new:
         raise ValueError(f"{op}: k_new has {Hkv_new} KV heads but the caches have {Hkv}")
     _check_seqlens(op, cache_seqlens, B)
