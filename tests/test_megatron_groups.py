@@ -26,11 +26,17 @@ def test_default_is_parallel_state_group_when_megatron_is_initialised(monkeypatc
     assert megatron.default_tp_group("op") is None  # no torch.distributed: one rank
 
 
-def test_one_process_without_megatron_is_one_rank() -> None:
+def _one_rank_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [3, 2, 7], targets and F.cross_entropy's per-token loss (one rank)."""
     logits = torch.randn(3, 2, 7)
     target = torch.randint(0, 7, (3, 2))
     want = torch.nn.functional.cross_entropy(logits.view(-1, 7), target.view(-1),
                                              reduction="none").view(3, 2)
+    return logits, target, want
+
+
+def test_one_process_without_megatron_is_one_rank() -> None:
+    logits, target, want = _one_rank_case()
     for fn in (megatron.fused_vocab_parallel_cross_entropy,
                megatron.vocab_parallel_cross_entropy):
         assert torch.allclose(fn(logits, target), want, atol=1e-6)
@@ -50,10 +56,7 @@ class _OneRank:
 
 
 def test_a_one_rank_group_object_need_not_be_a_process_group() -> None:
-    logits = torch.randn(3, 2, 7)
-    target = torch.randint(0, 7, (3, 2))
-    want = torch.nn.functional.cross_entropy(logits.view(-1, 7), target.view(-1),
-                                             reduction="none").view(3, 2)
+    logits, target, want = _one_rank_case()
     for fn in (megatron.fused_vocab_parallel_cross_entropy,
                megatron.vocab_parallel_cross_entropy):
         assert torch.allclose(fn(logits, target, tp_group=_OneRank()), want, atol=1e-6)

@@ -209,7 +209,8 @@ def _resolve(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss
     for name, flag in flags.items():
         if not isinstance(flag, bool):
             raise TypeError(f"{_OP}: {name} must be a bool, got {flag!r}")
-    _check_ce_weight(ce_weight, weight)
+    ops.check_class_weights(_OP, "ce_weight", ce_weight, weight.shape[0], "weight.shape[0]",
+                            weight.device, "weight")
     if max_chunk_bytes is not None and (isinstance(max_chunk_bytes, bool) or not isinstance(
             max_chunk_bytes, int) or max_chunk_bytes < 1):
         raise ValueError(f"{_OP}: max_chunk_bytes must be a positive int or None, "
@@ -237,25 +238,6 @@ def _resolve(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss
              fused=fused, config=cfg, config_source=source, fp32_logits=fp32_logits,
              token_scaling=use_token_scaling)
     return path, reason, o
-
-
-def _check_ce_weight(ce_weight: Any, weight: torch.Tensor) -> None:
-    """Class weights: None, or a floating ``[V_local]`` tensor on the projection's device."""
-    if ce_weight is None:
-        return
-    if not isinstance(ce_weight, torch.Tensor):
-        raise TypeError(f"{_OP}: ce_weight must be a torch.Tensor of class weights or None, "
-                        f"got {type(ce_weight).__name__}")
-    if not ce_weight.is_floating_point():
-        raise TypeError(f"{_OP}: ce_weight must be a floating-point tensor (class weights), "
-                        f"got {ce_weight.dtype}")
-    V_local = weight.shape[0]
-    if ce_weight.dim() != 1 or ce_weight.shape[0] != V_local:
-        raise ValueError(f"{_OP}: ce_weight must be 1-D [V] with V = weight.shape[0] = "
-                         f"{V_local}, got shape {tuple(ce_weight.shape)}")
-    if ce_weight.device != weight.device:
-        raise ValueError(f"{_OP}: ce_weight is on {ce_weight.device} but weight is on "
-                         f"{weight.device}; move them to one device")
 
 
 def _chunk_itemsize(hidden: torch.Tensor, o: dict[str, Any]) -> int:

@@ -559,7 +559,8 @@ def _resolve(logits, target, ignore_index, label_smoothing, z_loss, softcap, red
     world = group_size(tp_group)
     vocab_start = group_rank(tp_group) * V_local
     vocab_size = V_local * world
-    _check_weight(weight, logits)
+    check_class_weights(_OP, "weight", weight, logits.shape[-1], "logits.shape[-1]",
+                        logits.device, "logits")
     argmax = return_token_accuracy or return_predicted_tokens
     if argmax and vocab_size > _MAX_ARGMAX_CLASSES:
         raise ValueError(f"{_OP}: return_token_accuracy / return_predicted_tokens take at most "
@@ -584,23 +585,26 @@ def _resolve(logits, target, ignore_index, label_smoothing, z_loss, softcap, red
 _MAX_ARGMAX_CLASSES = 1 << 24  # every class id is exact in float32 up to here
 
 
-def _check_weight(weight: Any, logits: torch.Tensor) -> None:
-    """Class weights: None, or a floating ``[V_local]`` tensor on the logits' device."""
-    if weight is None:
+def check_class_weights(op: str, name: str, w: Any, V_local: int, size_of: str,
+                        device: torch.device, device_of: str) -> None:
+    """Class weights ``name``: None, or a floating ``[V_local]`` tensor on ``device``
+    (``size_of`` and ``device_of`` name where the vocabulary size and the device come from,
+    for the messages). Shared by cross_entropy (``weight``) and linear_cross_entropy
+    (``ce_weight``)."""
+    if w is None:
         return
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"{_OP}: weight must be a torch.Tensor of class weights or None, "
-                        f"got {type(weight).__name__}")
-    if not weight.is_floating_point():
-        raise TypeError(f"{_OP}: weight must be a floating-point tensor (class weights), "
-                        f"got {weight.dtype}")
-    V_local = logits.shape[-1]
-    if weight.dim() != 1 or weight.shape[0] != V_local:
-        raise ValueError(f"{_OP}: weight must be 1-D [V] with V = logits.shape[-1] = "
-                         f"{V_local}, got shape {tuple(weight.shape)}")
-    if weight.device != logits.device:
-        raise ValueError(f"{_OP}: weight is on {weight.device} but logits is on "
-                         f"{logits.device}; move them to one device")
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor of class weights or None, "
+                        f"got {type(w).__name__}")
+    if not w.is_floating_point():
+        raise TypeError(f"{op}: {name} must be a floating-point tensor (class weights), "
+                        f"got {w.dtype}")
+    if w.dim() != 1 or w.shape[0] != V_local:
+        raise ValueError(f"{op}: {name} must be 1-D [V] with V = {size_of} = "
+                         f"{V_local}, got shape {tuple(w.shape)}")
+    if w.device != device:
+        raise ValueError(f"{op}: {name} is on {w.device} but {device_of} is on "
+                         f"{device}; move them to one device")
 
 
 def _check_targets(target: torch.Tensor, o: dict[str, Any]) -> None:
