@@ -1,4 +1,4 @@
-"""``lmfuse/_collectives.py``: under ``TORCH_NCCL_BLOCKING_WAIT=1`` every
+"""``lmfuse/distributed/collectives.py``: under ``TORCH_NCCL_BLOCKING_WAIT=1`` every
 collective is issued with ``async_op=True`` and waited on (so that a timed-out NCCL
 collective raises on the waiting rank; ``tests/gpu/faults_nccl.py``), otherwise it is one
 plain synchronous call."""
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from lmfuse import _collectives as collectives
+from lmfuse.distributed import collectives
 
 
 class Recorder:

@@ -26,7 +26,7 @@ from test_sharded_decode import (D, F16, F32, I32, assert_collectives, cp_counts
 
 import lmfuse
 from lmfuse.distributed import kvdp_cache_append, kvdp_decode_attention
-from lmfuse._collectives import all_to_all_stacked
+from lmfuse.distributed.collectives import all_to_all_stacked
 
 BF16 = torch.bfloat16
 

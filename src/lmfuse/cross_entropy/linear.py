@@ -36,7 +36,7 @@ from .. import tuning
 from .._dispatch import Plan, check_tensor, native_cpu, register_planner
 from .._launch import cdiv, dtype_name, is_pow2
 from .._nvtx import nvtx_range
-from .._collectives import all_reduce_sum, all_reduce_sum_, group_rank
+from ..distributed.collectives import all_reduce_sum, all_reduce_sum_, group_rank
 from . import ops
 from . import reference as ref
 from .vocab_parallel import gather_stats

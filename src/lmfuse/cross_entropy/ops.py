@@ -34,7 +34,7 @@ from .._dispatch import (Plan, check_int, check_number, check_tensor, register_p
 from .._dispatch import eager as _eager
 from .._launch import INDEX_DTYPES, cdiv, dtype_name, lazy_kernels, next_pow2
 from .._nvtx import nvtx_range
-from .._collectives import group_rank, group_size
+from ..distributed.collectives import group_rank, group_size
 from . import reference as ref
 from .reference import CrossEntropyOutput
 from .vocab_parallel import gather_stats, scalars

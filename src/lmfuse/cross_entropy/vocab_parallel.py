@@ -22,7 +22,7 @@ import torch
 
 from .._dispatch import eager
 from .._launch import cdiv, lazy_kernels
-from .._collectives import all_gather_stacked
+from ..distributed.collectives import all_gather_stacked
 from . import reference as ref
 
 

@@ -3,8 +3,9 @@ the KV-cache sharding planner, through ``torch.distributed`` process groups only
 
 Each name is imported from its submodule on first use, so importing one part (the planner,
 which ``import lmfuse`` does) does not import the others and what they build on (the
-attention ops). The collectives every parallel op issues live below the families, in
-``lmfuse._collectives``.
+attention ops). The collectives every parallel op issues (the losses'
+vocabulary-parallel forms included) are in ``lmfuse.distributed.collectives``, which imports
+nothing of lmfuse's.
 """
 
 from __future__ import annotations

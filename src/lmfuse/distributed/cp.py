@@ -50,7 +50,7 @@ from .._launch import FLOAT_DTYPES, INDEX_DTYPES, KERNEL_DTYPES, dtype_name
 from ..attention.ops import (decode_attention, decode_attention_partials, kv_cache_append,
                              merge_attention_states,
                              plan_decode_attention)
-from .._collectives import all_gather_stacked, all_reduce_sum, group_rank, group_size
+from .collectives import all_gather_stacked, all_reduce_sum, group_rank, group_size
 
 _DTYPE_CODES = FLOAT_DTYPES  # a query dtype's code is its index here, the same on every rank
 _MESSAGE_BYTES = 240

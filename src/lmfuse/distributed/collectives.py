@@ -1,6 +1,7 @@
-"""The few collectives lmfuse issues, each a single ``torch.distributed`` call; below every
-family (the losses' vocabulary-parallel forms, the sharded decode, the serving engine), so
-that none of them imports another's package to reach them.
+"""The few collectives lmfuse issues, each a single ``torch.distributed`` call. Every family
+that communicates (the losses' vocabulary-parallel forms, the sharded decode, the serving
+engine) takes them from here; this module imports nothing of lmfuse's, and
+``lmfuse.distributed`` imports its other parts lazily, so no family pulls in another.
 
 Every parallel op goes through these, so a test can count the collectives an op issues by
 counting calls here (or to ``torch.distributed`` underneath).
