@@ -1269,6 +1269,39 @@ def test_table_entries_set_warps_and_fp8_paged_section(monkeypatch: pytest.Monke
         assert_close(got, want, torch.float32, name)
 
 
+def test_tiles_fit_the_devices_shared_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the table's tile and stages would need more shared memory than a program may
+    have (float32 caches in tiles measured for 2-byte ones), the launch drops stages, then
+    halves the key tile, until it fits; the result equals the reference."""
+    from lmfuse import tuning
+
+    table = dict(tuning.table("decode_attention", torch.device("cpu")),
+                 block_n_by_head_dim=[[1048576, 64, 3, 4]], few_programs={},
+                 many_programs=None, paged={}, fp8={}, fp8_paged={})
+    real = tuning.table
+    monkeypatch.setattr(tuning, "table", lambda family, device: dict(table)
+                        if family == "decode_attention" else real(family, device))
+    torch.manual_seed(0)
+    q = torch.randn(2, 1, 4, 16)
+    k, v = torch.randn(2, 150, 2, 16), torch.randn(2, 150, 2, 16)
+    lens = torch.tensor([150, 77], dtype=torch.int32)
+    want = decode_attention_reference(q.double(), k.double(), v.double(), lens)
+    (kp, vp), table_ = to_paged((k, v), [150, 77], 8)
+    # K and V tiles of 64 keys x 16 x 4 bytes (4 KiB; stages - 1 of each, a paged cache's
+    # stages), the probabilities' (16 rows x 64 keys x 4 bytes) and the query's (1 KiB).
+    for limit, tile, paged_tile in ((None, (64, 3), (64, 3)), (21_504, (64, 3), (64, 2)),
+                                    (14_000, (64, 2), (32, 2)), (10_000, (32, 2), (16, 2)),
+                                    (5_000, (16, 2), (16, 2))):
+        monkeypatch.setattr(tuning, "shared_memory", lambda device, limit=limit: limit)
+        for name, caches, kw, want_tile in (("contiguous", (k, v), {}, tile),
+                                            ("paged", (kp, vp), {"block_table": table_},
+                                             paged_tile)):
+            plan = lmfuse.explain(lmfuse.decode_attention, q, *caches, lens, **kw)
+            assert (plan.args["BLOCK_N"], plan.args["num_stages"]) == want_tile, (name, limit)
+            got = lmfuse.decode_attention(q, *caches, lens, impl="triton", **kw)
+            assert_close(got, want, torch.float32, f"{name}, shared memory {limit}")
+
+
 def test_table_many_programs_and_short_context(monkeypatch: pytest.MonkeyPatch) -> None:
     """``many_programs`` applies from ``min_programs_per_sm`` programs an SM (Triton's
     interpreter counts 4 SMs), ``short_context`` to caches of at most ``max_keys`` keys;

@@ -338,3 +338,42 @@ def test_block_checks_on_match_cpu() -> None:
     with torch.no_grad():
         blk(x, k, k.clone(), lens)
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("group,s_active,B", [(2, 1, 1), (8, 8, 2), (8, 1, 64)])
+def test_every_dtype_fits_shared_memory(dtype, paged: bool, D: int, group: int,
+                                        s_active: int, B: int) -> None:
+    """The tables' tiles are measured with 2-byte caches; float32 caches in the same tiles
+    needed more shared memory than a program may have (on 4 H200s: contiguous head dim 128
+    with one program a sequence, paged head dim 64 with 64 query rows). Every dtype, both
+    layouts, head dims 64-256, few programs and many: the launch fits and equals the
+    float64 reference."""
+    torch.manual_seed(0)
+    Hkv, S = 2, 700
+    q = torch.randn(B, s_active, group * Hkv, D, device=DEV).to(dtype)
+    k = torch.randn(B, S, Hkv, D, device=DEV).to(dtype)
+    v = torch.randn(B, S, Hkv, D, device=DEV).to(dtype)
+    lens = torch.randint(s_active, S + 1, (B,), device=DEV, dtype=torch.int32)
+    sinks = torch.randn(group * Hkv, device=DEV)
+    want = decode_attention_reference(q.double(), k.double(), v.double(), lens,
+                                      sinks=sinks.double())
+    kw: dict[str, Any] = {}
+    if paged:
+        block = 32
+        nb = S // block + 1
+        perm = torch.randperm(B * nb, device=DEV)
+        table = perm.view(B, nb).to(torch.int32)
+        kp = torch.zeros(B * nb, block, Hkv, D, device=DEV, dtype=dtype)
+        vp = torch.zeros_like(kp)
+        kpad = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, nb * block - S))
+        vpad = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, nb * block - S))
+        kp[table.flatten().long()] = kpad.reshape(B * nb, block, Hkv, D)
+        vp[table.flatten().long()] = vpad.reshape(B * nb, block, Hkv, D)
+        k, v, kw = kp, vp, {"block_table": table}
+    got = lmfuse.decode_attention(q, k, v, lens, sinks=sinks, impl="triton", **kw)
+    torch.cuda.synchronize()
+    err = ((got.double() - want).abs().max() / want.abs().max()).item()
+    assert err <= {F32: 1e-5, F16: 2e-3, BF16: 1.6e-2}[dtype], (err, dtype)

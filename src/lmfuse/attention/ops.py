@@ -308,6 +308,9 @@ def _config(q, k_cache, s: dict[str, Any], num_splits: Optional[int]) -> dict[st
     short = t.get("short_context")
     if short and span <= short["max_keys"]:
         num_stages = short["num_stages"]
+    block_n, num_stages = _fit_shared_memory(block_n, num_stages, block_m, block_d,
+                                             k_cache.element_size(), q.element_size(),
+                                             s["paged"], tuning.shared_memory(q.device))
     programs = s["B"] * s["Hkv"] * row_blocks
     if num_splits is None:
         splits = _choose_splits(programs, span, block_n,
@@ -336,6 +339,33 @@ def _config(q, k_cache, s: dict[str, Any], num_splits: Optional[int]) -> dict[st
                 num_blocks=k_cache.shape[0] if s["paged"] else 0,
                 num_stages=num_stages, merge_warps=t["merge_warps"],
                 block_len=k_cache.shape[1] if s["paged"] else 1)
+
+
+def _fit_shared_memory(block_n: int, num_stages: int, block_m: int, block_d: int,
+                       cache_bytes: int, q_bytes: int, paged: bool,
+                       limit: Optional[int]) -> tuple[int, int]:
+    """The largest of the table's (key tile, stages) that fits ``limit`` bytes of shared
+    memory: fewer stages first, then shorter tiles. The tables are measured with 2-byte and
+    fp8 caches; a float32 cache in the same tiles can need more than a program may have.
+    The estimate, as Triton 3.6 lays the kernel out: the pipeline's K and V tiles (``stages``
+    of each for a paged cache, ``stages - 1`` for a contiguous one), the probabilities' tile
+    (the cache's dtype, float32 at most) and the query tile. On 4 H200s it matched the two
+    launches that did not fit (float32, 128-key tiles, 3 stages: contiguous head dim 128 with
+    16 query rows, 272 KiB; paged head dim 64 with 64 rows, 240 KiB; a program may have 227)."""
+    if limit is None:
+        return block_n, num_stages
+
+    def need(n: int, stages: int) -> int:
+        buffers = stages if paged else max(stages - 1, 1)
+        return (buffers * 2 * n * block_d * cache_bytes + block_m * n * max(cache_bytes, 2)
+                + block_m * block_d * q_bytes)
+
+    while need(block_n, num_stages) > limit and (num_stages > 2 or block_n > 16):
+        if num_stages > 2:
+            num_stages -= 1
+        else:
+            block_n //= 2
+    return block_n, num_stages
 
 
 @functools.lru_cache(maxsize=4096)

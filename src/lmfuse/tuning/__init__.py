@@ -84,6 +84,22 @@ def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def shared_memory(device: torch.device) -> int | None:
+    """Bytes of shared memory one program of ``device`` may use (the opt-in limit: 227 KiB
+    on an H100 or H200); ``None`` for the CPU interpreter, which has no such limit."""
+    if device.type != "cuda":
+        return None
+    return _cuda_shared_memory(device.index if device.index is not None else
+                               torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_shared_memory(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0)
+               or props.shared_memory_per_block)
+
+
 def single_block_tile(t: dict[str, Any], length: int) -> tuple[int, int, int] | None:
     """``(rows per tile, width, warps)`` for rows of ``length`` held in one register tile.
 
