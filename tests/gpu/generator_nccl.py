@@ -82,11 +82,13 @@ class Case:
 
 
 def sharded_case(c: Checks, case: Case, split: str, impl: str, num_blocks: int,
-                 sampled: bool) -> None:
-    gen = Generator(case.model, block_len=4, num_blocks=num_blocks, impl=impl,
+                 sampled: bool, copies: int = 1, block_len: int = 4) -> None:
+    """``copies``: the prompts that many times over in one call (each copy's tokens are the
+    prompt's own), so that a rank's share of the work stays as large on more ranks."""
+    gen = Generator(case.model, block_len=block_len, num_blocks=num_blocks, impl=impl,
                     **{f"{split}_group": dist.group.WORLD})
     with count_collectives() as calls:
-        got = gen.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[])
+        got = gen.generate(PROMPTS * copies, max_new_tokens=NEW, eos_token_id=[])
     c.check("collectives", lambda: _true(bool(calls) and set(calls) <= ALLOWED,
                                          f"collectives {sorted(set(calls))}"))
 
@@ -97,8 +99,8 @@ def sharded_case(c: Checks, case: Case, split: str, impl: str, num_blocks: int,
                             f"{[want[i] for i in bad]}"
         c.check(what, run)
 
-    same("single-GPU Generator", case.one, got)
-    same("model.generate", case.hf, got)
+    same("single-GPU Generator", case.one * copies, got)
+    same("model.generate", case.hf * copies, got)
     if num_blocks < 16:
         c.check("preempted", lambda: _true(gen.stats["preemptions"] > 0,
                                           f"no preemption with {num_blocks} blocks a rank"))
@@ -129,10 +131,17 @@ def tokens_section(run: Runner, world: int, device: torch.device, families: list
                          lambda c, s=split, i=impl: sharded_case(c, case, s, i, 64,
                                                                  i == "triton"))
         if family == "llama":  # small pools: requests preempted on every rank
+            # kvdp: 13 blocks hold the longest request (40 + 12 tokens); on 4 ranks a rank
+            # would have too few requests to run out, so the prompts go twice. cp: the
+            # scheduler counts blocks of world x block_len tokens, and keeps one of growth a
+            # request (12 new tokens cross one 16-token block at most: never preempted), so
+            # the blocks are 8 // world tokens: the same 8-token blocks on 2 and 4 ranks.
+            copies = max(1, world // 2)
             run.case("tokens", f"kvdp x{world} llama preempted",
-                     lambda c: sharded_case(c, case, "kvdp", "triton", 13, False))
+                     lambda c: sharded_case(c, case, "kvdp", "triton", 13, False, copies))
             run.case("tokens", f"cp x{world} llama preempted",
-                     lambda c: sharded_case(c, case, "cp", "triton", 8, False))
+                     lambda c: sharded_case(c, case, "cp", "triton", 8, False,
+                                            block_len=max(1, 8 // world)))
         run.case("tokens", f"one GPU {family} (the oracle)", lambda c: c.check(
             "single-GPU Generator == model.generate",
             lambda: _true(case.one == case.hf, f"{case.one} != {case.hf}")))
