@@ -127,6 +127,12 @@ SEED = [Shape("splits", B=b, Hq=64, S=131072) for b in (1, 2, 4, 8, 16)]
 QUICK_SEED = [Shape("splits", B=b, Hq=8, S=512, Hkv=2, D=32) for b in (1, 2, 4)]
 # Per-rank bytes of the collectives swept by --calibrate, and the 1-GPU decode contexts.
 CALIBRATE_BYTES = [2**k for k in range(10, 25, 2)]
+# Each collective is timed as this many back-to-back calls in one step (the time divided by
+# it): a step's fixed cost (the graph's launch, the timing) is paid once, as in a decode step
+# that holds several collectives, not once per collective. (Timed one a step, on 4 H200s the
+# 2-rank all-gather of 1 KiB took 15-28 us, against 10 us inside a KVDP step, and the model
+# over-predicted the rows with 3 or 4 collectives by up to 39%.)
+CALIBRATE_REPEATS = 8
 CALIBRATE_CONTEXTS = (8192, 16384, 32768, 65536, 131072)
 TARGET_SPEEDUP = {2: 1.8, 4: 3.4}  # where a rank's share of the cache takes >= 0.15 ms
 SHORT_STEP_MS = 0.15
@@ -533,11 +539,17 @@ def calibrate(groups: dict[int, Any], device: torch.device, opts: dict, rank: in
                 if rank < n:
                     elems = max(n, nbytes // 2) // n * n
                     buf = torch.randn(elems, device=device).to(torch.bfloat16)
-                    fn = (functools.partial(all_gather_stacked, buf, group)
-                          if kind == "all_gather"
-                          else functools.partial(all_to_all_stacked, buf.view(n, -1), group))
+                    one = (functools.partial(all_gather_stacked, buf, group)
+                           if kind == "all_gather"
+                           else functools.partial(all_to_all_stacked, buf.view(n, -1), group))
+
+                    def fn(one=one) -> None:
+                        for _ in range(CALIBRATE_REPEATS):
+                            one()
+
                     ms, _ = lockstep_ms(wrap(fn), device, group, warmup, steps)
-                    del buf, fn
+                    ms /= CALIBRATE_REPEATS
+                    del buf, fn, one
                 dist.barrier()
                 if rank == 0:
                     out["collectives"].append({"kind": kind, "n": n, "bytes_per_rank": nbytes,
