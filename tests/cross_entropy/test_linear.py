@@ -395,3 +395,13 @@ def test_default_cpu_path_is_f_linear_and_f_cross_entropy(monkeypatch, reduction
         lmfuse.linear_cross_entropy(h, w, torch.full((2, 9), 40), reduction=reduction)
     t32 = lmfuse.linear_cross_entropy(h, w, t.int(), bias=b, reduction=reduction, **kw)
     assert torch.allclose(t32, out["auto"][0].detach())  # int32 ids
+    # 2-D hidden (no reshape on that path) gives the same; explain says which path runs.
+    h2 = h.reshape(18, 16)
+    assert torch.allclose(lmfuse.linear_cross_entropy(h2, w, t.reshape(18), bias=b,
+                                                      reduction=reduction, **kw).view_as(t32)
+                          if reduction == "none" else
+                          lmfuse.linear_cross_entropy(h2, w, t.reshape(18), bias=b,
+                                                      reduction=reduction, **kw), t32)
+    plan = lmfuse.explain(lmfuse.linear_cross_entropy, h, w, t, bias=b, reduction=reduction)
+    assert "F.linear then F.cross_entropy" in plan.details["passes"], str(plan)
+    assert "chunks" not in plan.details

@@ -1038,3 +1038,21 @@ def test_default_cpu_path_is_pytorchs_op_with_the_reference_results(monkeypatch,
     t32 = lmfuse.cross_entropy(x.detach(), t.int(), reduction=reduction, **kw)  # int32 ids
     assert torch.equal(t32.isnan(), got.isnan())
     assert torch.allclose(t32[~t32.isnan()], got.detach()[~got.isnan()])
+
+
+def test_scalar_options_are_checked_on_every_call_whatever_came_before() -> None:
+    """The scalar options' checks are cached by value and type: a value that passed once
+    does not let an equal value of another type through (``True`` for ``1``), and a bad
+    value raises on every call."""
+    x, t = torch.randn(4, 5), torch.randint(0, 5, (4,))
+    want = F.cross_entropy(x, t, ignore_index=1)
+    assert torch.allclose(lmfuse.cross_entropy(x, t, ignore_index=1, impl="torch"), want)
+    for _ in range(2):
+        with pytest.raises(TypeError, match="ignore_index must be an int"):
+            lmfuse.cross_entropy(x, t, ignore_index=True, impl="torch")
+        with pytest.raises(ValueError, match="label_smoothing must be in"):
+            lmfuse.cross_entropy(x, t, label_smoothing=1.5, impl="torch")
+        with pytest.raises(TypeError, match="label_smoothing must be a float"):
+            lmfuse.cross_entropy(x, t, label_smoothing=[0.1], impl="torch")  # unhashable
+    assert torch.allclose(lmfuse.cross_entropy(x, t, label_smoothing=0.5, impl="torch"),
+                          F.cross_entropy(x, t, label_smoothing=0.5))

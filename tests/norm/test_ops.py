@@ -357,3 +357,40 @@ def test_signature_and_exports() -> None:
                                     for p in sig.parameters.values()])
     assert str(plain) == "(x, weight=None, *, eps=1e-06, weight_offset=0.0, impl='auto')"
     assert lmfuse.rms_norm.__doc__
+
+
+@pytest.mark.parametrize("weighted,offset", [(True, 0.0), (True, 1.0), (False, 0.0)])
+@pytest.mark.parametrize("poison", [None, "nan", "inf"])
+def test_default_cpu_path_is_torch_rms_norm_with_the_reference_results(
+        monkeypatch: pytest.MonkeyPatch, weighted: bool, offset: float, poison) -> None:
+    """On CPU float32 without Triton (what a CPU machine without the interpreter picks) the
+    default path is ``torch.nn.functional.rms_norm``; outputs and gradients equal the
+    reference's, NaN and inf included."""
+    from lmfuse._dispatch import select_impl
+
+    monkeypatch.setattr(norm_ops, "select_impl", lambda op, impl, device: (
+        ("torch", "test: no Triton") if impl == "auto" else select_impl(op, impl, device)))
+    calls = []
+    real = torch.nn.functional.rms_norm
+    monkeypatch.setattr(torch.nn.functional, "rms_norm",
+                        lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 24, generator=g) * 2
+    if poison == "nan":
+        x[1, 2, 7] = float("nan")
+    elif poison == "inf":
+        x[0, 4, 3] = float("inf")
+    w = torch.randn(24, generator=g) if weighted else None
+    dy = torch.randn(3, 5, 24, generator=g)
+    out = {}
+    for impl in ("auto", "torch"):
+        xi = x.clone().requires_grad_(True)
+        wi = w.clone().requires_grad_(True) if weighted else None
+        y = lmfuse.rms_norm(xi, wi, eps=1e-5, weight_offset=offset, impl=impl)
+        grads = torch.autograd.grad(y, [t for t in (xi, wi) if t is not None], dy)
+        out[impl] = (y, *grads)
+    assert calls == [1]  # the auto call ran PyTorch's op, the torch call the reference
+    for got, want in zip(out["auto"], out["torch"], strict=True):
+        assert torch.equal(got.isnan(), want.isnan())
+        fin = ~want.isnan()
+        assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-6)

@@ -344,10 +344,13 @@ def _run(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp_
         # The default path on CPU float32 tensors: PyTorch's own ops (the plain formula's
         # speed, autograd for the gradients; the reference's results). impl="torch" keeps
         # the reference, the tests' oracle. A multiplier of 1 costs no pass.
+        # chunk, not two slices: its backward is one concatenation of the halves' gradients
+        # where two slices' zero-fill a [..., K] gradient each and add them (on the demo's
+        # MLP, 0.23 ms of fills a step).
         xb = x if bias is None else x + bias
-        x1 = xb[..., :K // 2]
+        x1, x2 = xb.chunk(2, -1)
         y = F.silu(x1 * s["gate_multiplier"] if s["gate_multiplier"] != 1 else x1)
-        y = y * xb[..., K // 2:]
+        y = y * x2
         return y * s["down_multiplier"] if s["down_multiplier"] != 1 else y
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < K):

@@ -25,6 +25,7 @@ from .._dispatch import (
     check_number,
     check_same_device,
     check_tensor,
+    native_cpu,
     register_planner,
     select_impl,
 )
@@ -256,8 +257,9 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps: flo
         eps: added to the mean square; finite and >= 0.
         weight_offset: added to ``weight`` before it scales: 1.0 is Gemma's ``(1 + weight)``,
             0.0 (Llama, Mistral, Qwen) scales by ``weight`` itself.
-        impl: ``"auto"`` (Triton on CUDA or under the interpreter, else the reference),
-            ``"triton"`` or ``"torch"``; see :func:`lmfuse.explain`.
+        impl: ``"auto"`` (Triton on CUDA or under the interpreter, else the reference;
+            float32 CPU tensors there run ``torch.nn.functional.rms_norm``, the same
+            formula), ``"triton"`` or ``"torch"``; see :func:`lmfuse.explain`.
 
     Returns:
         ``[..., H]`` in x's dtype (contiguous on the Triton path); gradients for x and
@@ -268,6 +270,12 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps: flo
     except NaN (``inf * 0``) at the inf; gradients likewise (a NaN row's are NaN).
     """
     path, _, a = _resolve(x, weight, eps, weight_offset, impl)
+    if native_cpu(impl, path, x) and (weight is None or weight.dtype == torch.float32):
+        # The default path on CPU float32 (no Triton): PyTorch's own op, the same float32
+        # formula and NaN/inf behaviour as the reference without its dtype round trips.
+        if weight is not None and a["weight_offset"]:
+            weight = weight + a["weight_offset"]
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, a["eps"])
     if path == "torch":
         with nvtx_range(_OP, "fwd"):
             return rms_norm_reference(x, weight, eps=a["eps"], weight_offset=a["weight_offset"])
