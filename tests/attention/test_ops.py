@@ -1337,3 +1337,49 @@ def test_table_many_programs_and_short_context(monkeypatch: pytest.MonkeyPatch) 
     plan = lmfuse.explain(lmfuse.decode_attention, q, kp, vp, lens[:1].clamp(max=48),
                           block_table=bt[:1, :4])  # 4 blocks of 16: 64 keys
     assert plan.args["num_stages"] == 1
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("s_active,window", [(1, None), (3, None), (2, 5)])
+@pytest.mark.parametrize("poison", [None, "nan_value_of_a_later_token", "inf_query",
+                                    "nan_key"])
+def test_default_cpu_path_is_one_sdpa_with_the_reference_results(
+        monkeypatch: pytest.MonkeyPatch, paged: bool, s_active: int, window, poison) -> None:
+    """On CPU float32 without Triton (a CPU machine without the interpreter) the default
+    path is one ``scaled_dot_product_attention`` over the batch's gathered keys (GQA,
+    windows, several active tokens, paged pools whose unused rows hold NaN); where its
+    output has a NaN the reference runs instead, so the results are the reference's, NaN and
+    inf included."""
+    from lmfuse._dispatch import select_impl
+
+    monkeypatch.setattr(ops, "select_impl", lambda op, impl, device: (
+        ("torch", "test: no Triton") if impl == "auto" else select_impl(op, impl, device)))
+    calls = []
+    real = ops._native_decode
+    monkeypatch.setattr(ops, "_native_decode",
+                        lambda *a: (lambda out: (calls.append(out is not None), out)[1])(
+                            real(*a)))
+    g = torch.Generator().manual_seed(s_active)
+    B, S, Hq, Hkv, D = 3, 24, 8, 2, 16
+    q = torch.randn(B, s_active, Hq, D, generator=g)
+    k, v = torch.randn(B, S, Hkv, D, generator=g), torch.randn(B, S, Hkv, D, generator=g)
+    lens = torch.tensor([24, 7, 13], dtype=torch.int32)
+    if poison == "nan_value_of_a_later_token":  # token 0 of sequence 2 does not see it
+        v[2, 12, 1, 3] = float("nan")
+    elif poison == "inf_query":
+        q[1, 0, 5, 2] = float("inf")
+    elif poison == "nan_key":
+        k[0, 3, 0, 0] = float("nan")
+    kw: dict[str, Any] = dict(window_size=window)
+    caches = (k, v)
+    if paged:
+        caches, kw["block_table"] = to_paged((k, v), lens.tolist(), 4, generator=g)
+    got = lmfuse.decode_attention(q, *caches, lens, **kw)
+    want = lmfuse.decode_attention(q, *caches, lens, impl="torch", **kw)
+    # Finite inputs: the native path's answer; poisoned ones may fall back (a NaN value
+    # that only later tokens see, a NaN key outside a window: the product or the mask can
+    # still carry the NaN into SDPA's output).
+    assert calls == [True] if poison is None else len(calls) == 1, calls
+    assert torch.equal(got.isnan(), want.isnan())
+    fin = ~want.isnan()
+    assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-6)

@@ -18,7 +18,8 @@ import torch
 from .. import _pdl, tuning
 from .._dispatch import eager as _eager
 from .._dispatch import (Plan, check_int, check_number, check_same_device, check_tensor,
-                         interpreter_active, register_planner, select_impl, value_checks)
+                         interpreter_active, native_cpu, register_planner, select_impl,
+                         value_checks)
 from .._launch import (FP8_DTYPES, INDEX_DTYPES, KERNEL_DTYPES, cdiv, dtype_name, lazy_kernels,
                        next_pow2)
 from .._nvtx import nvtx_range
@@ -613,6 +614,12 @@ def decode_attention(
     s = _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_size, sinks,
                  k_scale, v_scale, return_lse, num_splits, impl, softcap)
     with nvtx_range("decode_attention", "fwd"):
+        if (native_cpu(impl, s["path"], q) and k_cache.dtype == torch.float32
+                and sinks is None and s["softcap"] is None and not return_lse):
+            out = _native_decode(q, k_cache, v_cache, cache_seqlens, block_table, s["scale"],
+                                 window_size)
+            if out is not None:
+                return out
         if s["path"] == "torch":
             return ref.decode_attention_reference(
                 q, k_cache, v_cache, cache_seqlens, block_table=block_table, scale=s["scale"],
@@ -630,6 +637,43 @@ def decode_attention(
                                   -1 if window_size is None else window_size, num_splits or 0,
                                   s["softcap"] or 0.0)
         return (out, lse) if return_lse else out
+
+
+def _native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   lengths: torch.Tensor, block_table: Optional[torch.Tensor], scale: float,
+                   window: Optional[int]) -> Optional[torch.Tensor]:
+    """The default path on CPU float32 caches (no Triton; no sinks, softcap, LSE or fp8):
+    the whole batch in one ``scaled_dot_product_attention`` over the gathered keys, where the
+    reference loops over sequences and tokens (the Generator's CPU decode step spent half
+    its time there). Keys and values past a sequence's length are zeroed (a pool's unused
+    rows may hold anything). A NaN in the output (NaN or inf among the inputs, or a value
+    that the softmax gives no weight but a matrix product still multiplies by 0) returns
+    None: the caller runs the reference, whose NaN/inf rules differ there."""
+    B, s_active, Hq, D = q.shape
+    longest = int(lengths.max()) if B else 0
+    if B == 0 or longest < s_active or int(lengths.min()) < s_active:
+        return None  # a token that sees nothing: the reference's zeros
+    if block_table is None:
+        k, v = k_cache[:, :longest], v_cache[:, :longest]
+    else:
+        block_len = k_cache.shape[1]
+        ids = block_table[:, :cdiv(longest, block_len)].long().clamp(min=0)
+        k = k_cache[ids].flatten(1, 2)[:, :longest]  # [B, S, Hkv, D]
+        v = v_cache[ids].flatten(1, 2)[:, :longest]
+    pos = torch.arange(longest, device=q.device)
+    past = pos[None, :] >= lengths[:, None].long()  # [B, S]: beyond the sequence
+    k = k.masked_fill(past[:, :, None, None], 0.0).transpose(1, 2)  # [B, Hkv, S, D]
+    v = v.masked_fill(past[:, :, None, None], 0.0).transpose(1, 2)
+    token = lengths[:, None].long() - s_active + torch.arange(s_active, device=q.device)
+    seen = pos[None, None, :] <= token[:, :, None]  # [B, s_active, S]
+    if window is not None:
+        seen &= pos[None, None, :] >= token[:, :, None] - window
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k, v, attn_mask=seen[:, None], scale=scale,
+        enable_gqa=Hq != k.shape[1])
+    if bool(out.isnan().any()):
+        return None
+    return out.transpose(1, 2).contiguous()
 
 
 def _laid_out(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale):
