@@ -44,7 +44,8 @@ from .. import _pdl
 from .._dispatch import select_impl
 from .._launch import KERNEL_DTYPES, cdiv, lazy_kernels, next_pow2
 from ..attention.kv_cache import PagedKVCache
-from ..attention.ops import _launch_decode, _resolve, decode_attention, kv_cache_append
+from ..attention.ops import _launch_decode, _native_decode, _resolve, decode_attention
+from ..attention.reference import kv_cache_append_reference
 from ..norm.ops import _launch_fwd as _launch_rms_norm
 from ..norm.ops import rms_norm
 
@@ -125,6 +126,10 @@ class FusedDecoder:
         path, _ = select_impl(_OP, impl, self.device)
         self.triton = path == "triton"
         self.impl = impl
+        # CPU float32 caches without Triton: attention through decode_attention's native
+        # path directly (the engine built the lengths and tables: no per-call value checks).
+        self.native = (not self.triton and impl == "auto" and self.device.type == "cpu"
+                       and bool(cache.k_caches) and cache.k_caches[0].dtype == torch.float32)
         # Programmatic dependent launch of the step's kernels (lmfuse._pdl): each is
         # scheduled while the one before it runs, and waits for it on the GPU.
         self.pdl = _pdl.mode(self.device) if self.triton else 0
@@ -247,6 +252,11 @@ class FusedDecoder:
         args = (q, cache.k_caches[i], cache.v_caches[i], after)
         kw = dict(block_table=table, scale=L.scale, window_size=L.window,
                   k_scale=cache.k_scales[i], v_scale=cache.v_scales[i])
+        if self.native and q.dtype == torch.float32:
+            out = _native_decode(q, cache.k_caches[i], cache.v_caches[i], after, table,
+                                 L.scale, L.window)
+            if out is not None:
+                return out
         if not self.triton:
             return decode_attention(*args, **kw, impl=self.impl)
         # The op's own launch, with the PDL flag its public signature does not take (the
@@ -307,8 +317,10 @@ def rope_append_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     # ones. A padding row (its block -1) writes nothing.
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     k, v = (k, v) if fp8 else (k.to(k_cache.dtype), v.to(v_cache.dtype))
-    kv_cache_append(k_cache, v_cache, k[:, None], v[:, None], pos, block_table=table,
-                    k_scale=k_scale, v_scale=v_scale, impl="torch")
+    # The append's reference itself: the engine built the positions and the table (the
+    # public op's value checks cost as much as the write on a small CPU step).
+    kv_cache_append_reference(k_cache, v_cache, k[:, None], v[:, None], pos, block_table=table,
+                              k_scale=k_scale, v_scale=v_scale)
     return q.to(qkv.dtype)
 
 
