@@ -592,6 +592,11 @@ def decode_attention(
     Returns:
         ``out [B, s_active, Hq, D]`` in q's dtype, and ``lse`` with ``return_lse``.
 
+    Paths: ``impl="auto"`` runs Triton on CUDA (or under the interpreter); on CPU float32
+    tensors without it, one ``scaled_dot_product_attention`` over the batch (no sinks,
+    softcap, LSE or fp8; where its output has a NaN, the reference instead); elsewhere the
+    reference, which ``impl="torch"`` always runs.
+
     NaN and inf propagate as in PyTorch's ``softmax(q k^T * scale + mask) v`` (the
     reference's module docstring has the rules): a NaN query head, a NaN key or value the
     token sees, a NaN or ``+inf`` sink give NaN for that token (``lse`` NaN, or ``+inf``
