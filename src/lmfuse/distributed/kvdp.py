@@ -53,8 +53,9 @@ from .._launch import cdiv
 from ..attention.ops import decode_attention, kv_cache_append, plan_decode_attention
 from .collectives import (all_gather_stacked, all_reduce_sum, all_to_all_stacked, group_rank,
                           group_size)
-from .cp import (CP_FIELDS, _cp_attention, check_lengths, check_no_grad, check_on_all_ranks,
-                 cp_cache_append, dtype_code, meta_device, validate_cp, wrap_errors)
+from .checks import (check_lengths, check_no_grad, check_on_all_ranks, dtype_code, meta_device,
+                     wrap_errors)
+from .cp import CP_FIELDS, cp_attention_local, cp_cache_append, validate_cp
 
 _FIELDS = ("group size", "batch B", "s_active", "local query heads Hq_local", "head dim D",
            "KV heads of the local cache", "query dtype", "sinks (given or not)", "return_lse",
@@ -305,9 +306,10 @@ def kvdp_decode_attention(
         res = decode_attention(q_local, k_cache_local, v_cache_local, seqlens_local,
                                block_table=block_table_local, **kw)
     else:
-        res = _cp_attention(q_local, k_cache_local, v_cache_local, seqlens_local, cache_seqlens,
-                            block_table_local, cp_block, scale, sinks, k_scale, v_scale,
-                            return_lse, num_splits, impl, cp_group, softcap)
+        res = cp_attention_local(q_local, k_cache_local, v_cache_local, seqlens_local,
+                                 cache_seqlens, block_table_local, cp_block, scale, sinks,
+                                 k_scale, v_scale, return_lse, num_splits, impl, cp_group,
+                                 softcap)
     if world == 1:
         return res
     if not return_lse:
