@@ -14,11 +14,10 @@ On the Triton path the qk-norm, the rotary embedding and the cache append are on
 input norm is :func:`lmfuse.rms_norm`, the projections are ``F.linear`` and the attention is
 :func:`lmfuse.decode_attention`.
 
-This file also holds the specification: :func:`decode_attention_block_reference` (the
-whole block, plain PyTorch, float32 math; the ``impl="torch"`` path) and
-:func:`qk_norm_rope_append_reference` (the fused stage alone), both built on the decode
-reference's :func:`~lmfuse.attention.reference.decode_attention_reference` and
-:func:`~lmfuse.attention.reference.kv_cache_append_reference`, and on the RMSNorm family's
+The specification is in :mod:`lmfuse.attention.reference` (imported here under the same
+names): ``decode_attention_block_reference`` (the whole block, plain PyTorch, float32 math;
+the ``impl="torch"`` path) and ``qk_norm_rope_append_reference`` (the fused stage alone),
+built on the decode reference, the cache append's reference and the RMSNorm family's
 reference (:mod:`lmfuse.norm.reference`).
 
 Rounding points (both paths): the input norm's output, the QKV projection's output, q
@@ -41,164 +40,16 @@ from .._dispatch import (IMPLS, eager, check_int, check_number, check_same_devic
 from .._launch import FP8_DTYPES, INDEX_DTYPES, KERNEL_DTYPES, dtype_name, lazy_kernels, next_pow2
 from . import ops
 from ..norm.ops import rms_norm
-from ..norm.reference import rms_norm_reference, rms_norm_unrounded
-from .reference import decode_attention_reference, kv_cache_append_reference
+from .reference import decode_attention_block_reference as decode_attention_block_reference
+from .reference import default_positions as default_positions
+from .reference import qk_norm_rope_append_reference as qk_norm_rope_append_reference
+from .reference import rope_inv_freq as rope_inv_freq
+from .reference import rope_reference as rope_reference
 
 # fp8 caches are float8_e4m3fn (as decode_attention reads them); the kernel's exact rounding
 # needs the format's (mantissa bits, smallest normal exponent).
 _FP8_BITS = {torch.float8_e4m3fn: (3, -6)}
 _kernels = lazy_kernels("block_kernels", __package__)
-
-
-# --- the specification ----------------------------------------------------------------------
-
-
-def rope_inv_freq(rotary_dim: int, theta: float = 10000.0,
-                  device: Optional[torch.device] = None) -> torch.Tensor:
-    """The rotary embedding's frequencies ``inv_freq[j] = theta ** (-2j / rotary_dim)``,
-    ``[rotary_dim // 2]`` float32, formed as Hugging Face's Llama forms them (in float32, on
-    the CPU, so every device gets the same bits)."""
-    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
-    inv_freq = 1.0 / (theta ** exponent)
-    return inv_freq if device is None else inv_freq.to(device)
-
-
-def rope_reference(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-                   interleaved: bool = False) -> torch.Tensor:
-    """Rotary embedding of ``x [B, s, H, D]`` at ``positions [B, s]``, returned in x's
-    dtype, computed in float32 (float64 for float64 x).
-
-    The angle of pair ``j`` is the float32 product ``float(position) * inv_freq[j]``; its
-    cosine and sine are taken of that float32 angle (rounding the angle to a half dtype
-    first would move it by up to half a radian at position 256). Pair ``j`` is ``(j, j +
-    R/2)`` ("rotate half", GPT-NeoX / Llama) or ``(2j, 2j + 1)`` (``interleaved``, GPT-J),
-    for ``R = 2 * len(inv_freq)`` rotary dims; ``(a, b) -> (a cos - b sin, b cos + a
-    sin)``; dims past ``R`` pass through."""
-    R = 2 * inv_freq.numel()
-    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    angle = positions.to(torch.float32)[:, :, None, None] * inv_freq.float()  # [B,s,1,R/2]
-    c, s = angle.to(compute).cos(), angle.to(compute).sin()
-    xc = x.to(compute)
-    if interleaved:
-        x1, x2 = xc[..., 0:R:2], xc[..., 1:R:2]
-    else:
-        x1, x2 = xc[..., :R // 2], xc[..., R // 2:R]
-    y1, y2 = x1 * c - x2 * s, x2 * c + x1 * s
-    rot = torch.stack((y1, y2), -1).flatten(-2) if interleaved else torch.cat((y1, y2), -1)
-    return torch.cat((rot, xc[..., R:]), -1).to(x.dtype)
-
-
-def default_positions(cache_seqlens: torch.Tensor, s_active: int) -> torch.Tensor:
-    """``[B, s_active]``: token ``i`` of sequence ``b`` is at ``cache_seqlens[b] + i``."""
-    return (cache_seqlens.long()[:, None]
-            + torch.arange(s_active, device=cache_seqlens.device)[None, :])
-
-
-def qk_norm_rope_append_reference(
-    qkv: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    *,
-    num_heads: int,
-    num_kv_heads: int,
-    q_norm_weight: Optional[torch.Tensor] = None,
-    k_norm_weight: Optional[torch.Tensor] = None,
-    eps: float = 1e-6,
-    inv_freq: Optional[torch.Tensor] = None,
-    rope_interleaved: bool = False,
-    positions: Optional[torch.Tensor] = None,
-    block_table: Optional[torch.Tensor] = None,
-    k_scale: Optional[torch.Tensor] = None,
-    v_scale: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """The fused stage's specification (see :func:`qk_norm_rope_append`): returns ``q [B,
-    s_active, Hq, D]`` in qkv's dtype and writes k (float32, rounded once into the cache)
-    and v at positions ``cache_seqlens[b] + i``. Raises where the cache has no room (the
-    Triton path skips such rows instead)."""
-    B, s_active, width = qkv.shape
-    Hq, Hkv = num_heads, num_kv_heads
-    D = width // (Hq + 2 * Hkv)
-    compute = torch.float64 if qkv.dtype == torch.float64 else torch.float32
-    x = qkv.to(compute).view(B, s_active, Hq + 2 * Hkv, D)
-    q, k, v = x[:, :, :Hq], x[:, :, Hq:Hq + Hkv], x[:, :, Hq + Hkv:]
-    if q_norm_weight is not None:
-        q = rms_norm_unrounded(q, q_norm_weight, eps=eps)
-    if k_norm_weight is not None:
-        k = rms_norm_unrounded(k, k_norm_weight, eps=eps)
-    if inv_freq is not None:
-        pos = default_positions(cache_seqlens, s_active) if positions is None else positions
-        q = rope_reference(q, pos, inv_freq, rope_interleaved)
-        k = rope_reference(k, pos, inv_freq, rope_interleaved)
-    kv_cache_append_reference(k_cache, v_cache, k, v, cache_seqlens, block_table=block_table,
-                              k_scale=k_scale, v_scale=v_scale)
-    return q.to(qkv.dtype)
-
-
-def decode_attention_block_reference(
-    x: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    *,
-    qkv_weight: torch.Tensor,
-    out_weight: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    qkv_bias: Optional[torch.Tensor] = None,
-    out_bias: Optional[torch.Tensor] = None,
-    input_norm_weight: Optional[torch.Tensor] = None,
-    q_norm_weight: Optional[torch.Tensor] = None,
-    k_norm_weight: Optional[torch.Tensor] = None,
-    norm_eps: float = 1e-6,
-    rope: bool = True,
-    rotary_dim: Optional[int] = None,
-    rope_theta: float = 10000.0,
-    rope_interleaved: bool = False,
-    scale: Optional[float] = None,
-    window_size: Optional[int] = None,
-    sinks: Optional[torch.Tensor] = None,
-    positions: Optional[torch.Tensor] = None,
-    block_table: Optional[torch.Tensor] = None,
-    k_scale: Optional[torch.Tensor] = None,
-    v_scale: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """The decode-attention block in plain PyTorch (float32 math): the specification of
-    :class:`DecodeAttentionBlock` and its ``impl="torch"`` path.
-
-    ``x [B, s_active, hidden]``; ``qkv_weight [(Hq + 2 Hkv) * D, hidden]`` (q heads, then k
-    heads, then v heads); ``out_weight [hidden, Hq * D]``; a norm weight of ``None`` leaves
-    that norm out. The caches hold ``cache_seqlens[b]`` tokens *before* the step; the
-    ``s_active`` new keys and values are written at ``cache_seqlens[b] + i`` (in place) and
-    the attention runs over ``cache_seqlens + s_active`` tokens. ``positions [B, s_active]``
-    are the rotary positions (default ``cache_seqlens[b] + i``). Returns ``y [B, s_active,
-    hidden]`` in x's dtype.
-    """
-    B, s_active, _ = x.shape
-    Hq, Hkv = num_heads, num_kv_heads
-    D = qkv_weight.shape[0] // (Hq + 2 * Hkv)
-    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-
-    def linear(t, w, b):
-        return F.linear(t.to(compute), w.to(compute),
-                        None if b is None else b.to(compute)).to(x.dtype)
-
-    h = x
-    if input_norm_weight is not None:
-        h = rms_norm_reference(x, input_norm_weight, eps=norm_eps)
-    qkv = linear(h, qkv_weight, qkv_bias)
-    inv_freq = rope_inv_freq(D if rotary_dim is None else rotary_dim, rope_theta,
-                             x.device) if rope else None
-    q = qk_norm_rope_append_reference(
-        qkv, k_cache, v_cache, cache_seqlens, num_heads=Hq, num_kv_heads=Hkv,
-        q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, eps=norm_eps,
-        inv_freq=inv_freq, rope_interleaved=rope_interleaved, positions=positions,
-        block_table=block_table, k_scale=k_scale, v_scale=v_scale)
-    attn = decode_attention_reference(q, k_cache, v_cache, cache_seqlens + s_active,
-                                      block_table=block_table, scale=scale,
-                                      window_size=window_size, sinks=sinks, k_scale=k_scale,
-                                      v_scale=v_scale)
-    return linear(attn.reshape(B, s_active, Hq * D), out_weight, out_bias)
 
 
 # --- validation -------------------------------------------------------------------------------
