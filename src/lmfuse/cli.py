@@ -234,11 +234,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
     import json
 
     from lmfuse import tuning
-    from lmfuse.cross_entropy import linear
+    from lmfuse.cross_entropy import tune
 
-    shapes = args.shape or list(linear.TUNE_SHAPES)
-    results = linear.tune(shapes, args.dtype, torch.device("cuda"),
-                          max_chunk_bytes=args.max_chunk_mib * 2**20, record=not args.dry_run)
+    shapes = args.shape or list(tune.TUNE_SHAPES)
+    results = tune.tune(shapes, args.dtype, torch.device("cuda"),
+                        max_chunk_bytes=args.max_chunk_mib * 2**20, record=not args.dry_run)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(
             device=torch.cuda.get_device_name(), torch=torch.__version__,

@@ -13,6 +13,7 @@ import torch
 import lmfuse
 from lmfuse import cli, tuning
 from lmfuse.cross_entropy import linear, ops
+from lmfuse.cross_entropy import tune as ce_tune
 from lmfuse.cross_entropy.linear import check_config, linear_cross_entropy_reference
 from lmfuse.tuning import sweep
 
@@ -187,7 +188,7 @@ def test_tune_records_the_fastest_per_bucket(tuning_cache) -> None:
         return 1.0 + (len(calls) * 3 % 7) * 0.25  # a fixed, non-monotonic sequence
 
     logs = []
-    results = linear.tune([(12, 8, 40)], torch.float32, CPU, max_chunk_bytes=256 * 2**20,
+    results = ce_tune.tune([(12, 8, 40)], torch.float32, CPU, max_chunk_bytes=256 * 2**20,
                           timer=timer, impl="torch", log=logs.append)
     (res,) = results
     assert res["shape"] == [12, 8, 40] and res["bucket"] == 16384
@@ -208,17 +209,17 @@ def test_tune_records_the_fastest_per_bucket(tuning_cache) -> None:
 
 
 def test_tune_streamed_rows_sweep_the_kernel() -> None:
-    stages = dict(linear.tune_stages(128256, CPU, 512 * 2**20))
+    stages = dict(ce_tune.tune_stages(128256, CPU, 512 * 2**20))
     assert stages["chunk_bytes"] == [64 * 2**20, 128 * 2**20, 256 * 2**20, 512 * 2**20]
     assert None in stages["kernel"] and len(stages["kernel"]) > 3
     for k in stages["kernel"]:  # every built-in candidate passes the guard
         check_config(dict(GOOD, kernel=k))
-    assert "kernel" not in dict(linear.tune_stages(1000, CPU, 512 * 2**20))
+    assert "kernel" not in dict(ce_tune.tune_stages(1000, CPU, 512 * 2**20))
 
 
 def test_tune_needs_a_timer_off_cuda() -> None:
     with pytest.raises(ValueError, match="timing needs a CUDA device"):
-        linear.tune([(4, 4, 4)], torch.float32, CPU)
+        ce_tune.tune([(4, 4, 4)], torch.float32, CPU)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU message")

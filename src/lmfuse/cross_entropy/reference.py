@@ -363,3 +363,37 @@ def logits_grad(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
         if softcap is not None:
             g = g * (1.0 - (x / softcap) ** 2)
     return g.to(logits.dtype)
+
+
+def linear_cross_entropy_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: Optional[float] = None,
+    reduction: str = "mean",
+    ce_weight: Optional[torch.Tensor] = None,
+    return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
+    use_token_scaling: bool = False,
+) -> torch.Tensor | CrossEntropyOutput:
+    """The specification: :func:`cross_entropy_reference`
+    of the float32 (float64 for float64) logits ``hidden @ weight.T + bias``, all at once,
+    with class weights ``ce_weight``. Differentiable in ``hidden``, ``weight`` and ``bias``."""
+    compute = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    logits = hidden.to(compute) @ weight.to(compute).T
+    if bias is not None:
+        logits = logits + bias.to(compute)
+    return cross_entropy_reference(logits, target, weight=ce_weight,
+                                   ignore_index=ignore_index,
+                                   label_smoothing=label_smoothing, z_loss=z_loss,
+                                   softcap=softcap, reduction=reduction,
+                                   return_z_loss=return_z_loss,
+                                   return_token_accuracy=return_token_accuracy,
+                                   return_predicted_tokens=return_predicted_tokens,
+                                   use_token_scaling=use_token_scaling)
