@@ -17,6 +17,8 @@ CASES = [
     pytest.param("quick_geglu", True, dict(linear_offset=1.0, clamp_value=1.5), id="quick"),
     pytest.param("squared_relu", True, {}, id="sqrelu"),
     pytest.param("swiglu", False, {}, id="swiglu-nobias"),
+    pytest.param("swiglu", True, dict(gate_multiplier=0.5, down_multiplier=2.0),
+                 id="swiglu-multipliers"),
 ]
 
 
@@ -72,6 +74,8 @@ def test_weights_need_a_weighted_activation() -> None:
     (dict(ffn_hidden_size=0), "ffn_hidden_size must be a positive int"),
     (dict(activation="swiglu", clamp_value=1.0), "Quick-GEGLU's options"),
     (dict(activation="gelu", fp8_input_store=True), "fp8_input_store is for the gated"),
+    (dict(activation="geglu", gate_multiplier=0.5), "SwiGLU's options"),
+    (dict(activation="swiglu", down_multiplier=float("nan")), "down_multiplier must be finite"),
 ])
 def test_bad_config(kw: dict, match: str) -> None:
     args = dict(hidden_size=8, ffn_hidden_size=4)

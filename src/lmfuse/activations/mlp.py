@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._dispatch import check_tensor
+from .._dispatch import check_number, check_tensor
 from . import ops
 from .reference import activation_reference
 
@@ -34,6 +34,8 @@ class FusedMLP(nn.Module):
         bias: biases on fc1 (added inside the fused activation; for squared ReLU, which takes
             none, by fc1 itself) and fc2.
         linear_offset, clamp_value: Quick-GEGLU's options (see :func:`lmfuse.quick_geglu`).
+        gate_multiplier, down_multiplier: SwiGLU's ``silu(x1 * g) * x2 * d`` (Falcon-H1's
+            MLP multipliers; see :func:`lmfuse.swiglu`); 1.0 each by default.
         fp8_input_store: keep the activation's saved input as float8.
         impl: the activation's path (``"auto"``, ``"triton"``, ``"torch"``).
 
@@ -47,6 +49,7 @@ class FusedMLP(nn.Module):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu",
                  bias: bool = True, *, linear_offset: float = 0.0,
                  clamp_value: Optional[float] = None, fp8_input_store: bool = False,
+                 gate_multiplier: float = 1.0, down_multiplier: float = 1.0,
                  impl: str = "auto", device=None, dtype=None) -> None:
         super().__init__()
         if activation not in _KINDS:
@@ -58,12 +61,20 @@ class FusedMLP(nn.Module):
         if activation != "quick_geglu" and (linear_offset or clamp_value is not None):
             raise ValueError(f"FusedMLP: linear_offset and clamp_value are Quick-GEGLU's "
                              f"options, got them with activation={activation!r}")
+        gate_multiplier = check_number("FusedMLP", "gate_multiplier", gate_multiplier,
+                                       allow_none=False)
+        down_multiplier = check_number("FusedMLP", "down_multiplier", down_multiplier,
+                                       allow_none=False)
+        if activation != "swiglu" and (gate_multiplier != 1.0 or down_multiplier != 1.0):
+            raise ValueError(f"FusedMLP: gate_multiplier and down_multiplier are SwiGLU's "
+                             f"options, got them with activation={activation!r}")
         if fp8_input_store and activation not in ("swiglu", "geglu", "quick_geglu"):
             raise ValueError(f"FusedMLP: fp8_input_store is for the gated activations, got "
                              f"activation={activation!r}")
         self.activation, self.impl = activation, impl
         self.linear_offset, self.clamp_value = linear_offset, clamp_value
         self.fp8_input_store = fp8_input_store
+        self.gate_multiplier, self.down_multiplier = gate_multiplier, down_multiplier
         act, gated, fused_bias, _ = _KINDS[activation]
         width = 2 * ffn_hidden_size if gated else ffn_hidden_size
         kw = dict(device=device, dtype=dtype)
@@ -78,6 +89,9 @@ class FusedMLP(nn.Module):
             bias1 = bias1.to(h.dtype)
         if name == "quick_geglu":
             opts = dict(linear_offset=self.linear_offset, clamp_value=self.clamp_value)
+        if name == "swiglu" and (self.gate_multiplier != 1.0 or self.down_multiplier != 1.0):
+            opts = dict(gate_multiplier=self.gate_multiplier,
+                        down_multiplier=self.down_multiplier)
         if name in ("swiglu", "geglu", "quick_geglu"):
             opts["fp8_input_store"] = self.fp8_input_store
         weighted = _KINDS[name][3]
@@ -137,9 +151,14 @@ class FusedMLP(nn.Module):
         w = None if weights is None else weights.reshape(-1, 1)
         y = activation_reference(h, self.bias1, w, activation=act, gated=gated,
                                  linear_offset=self.linear_offset,
-                                 clamp_value=self.clamp_value)
+                                 clamp_value=self.clamp_value,
+                                 gate_multiplier=self.gate_multiplier,
+                                 down_multiplier=self.down_multiplier)
         return self.fc2(y)
 
     def extra_repr(self) -> str:
-        return (f"activation={self.activation!r}, fused bias={self.bias1 is not None}, "
-                f"impl={self.impl!r}")
+        mult = (f", gate_multiplier={self.gate_multiplier:g}, "
+                f"down_multiplier={self.down_multiplier:g}"
+                if (self.gate_multiplier, self.down_multiplier) != (1.0, 1.0) else "")
+        return (f"activation={self.activation!r}, fused bias={self.bias1 is not None}"
+                f"{mult}, impl={self.impl!r}")
