@@ -94,7 +94,8 @@ _DETECTED: tuple[str, ...] = (
     # vision-language models: the norms and gated MLPs of the text stack (and of the vision
     # tower where they are of these forms), and the loss; their text stacks alone (base
     # models: norms and MLPs)
-    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3",
+    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "llava", "paligemma", "internvl",
+    "mllama", "mistral3",
     "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text")
 
 #: ``config.model_type`` values :func:`apply_lmfuse` accepts.
