@@ -655,20 +655,19 @@ def _native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     that the softmax gives no weight but a matrix product still multiplies by 0) returns
     None: the caller runs the reference, whose NaN/inf rules differ there."""
     B, s_active, Hq, D = q.shape
-    longest = int(lengths.max()) if B else 0
-    if B == 0 or longest < s_active or int(lengths.min()) < s_active:
+    if B == 0 or int(lengths.min()) < s_active:
         return None  # a token that sees nothing: the reference's zeros
-    if block_table is None:
-        k, v = k_cache[:, :longest], v_cache[:, :longest]
-    else:
-        block_len = k_cache.shape[1]
-        ids = block_table[:, :cdiv(longest, block_len)].long().clamp(min=0)
-        k = k_cache[ids].flatten(1, 2)[:, :longest]  # [B, S, Hkv, D]
-        v = v_cache[ids].flatten(1, 2)[:, :longest]
+    longest = int(lengths.max())
     pos = torch.arange(longest, device=q.device)
-    past = pos[None, :] >= lengths[:, None].long()  # [B, S]: beyond the sequence
-    k = k.masked_fill(past[:, :, None, None], 0.0).transpose(1, 2)  # [B, Hkv, S, D]
-    v = v.masked_fill(past[:, :, None, None], 0.0).transpose(1, 2)
+    past = (pos[None, :] >= lengths[:, None].long())[:, :, None, None]  # beyond a sequence
+    if block_table is None:  # views of the cache: zeroed into copies
+        k = k_cache[:, :longest].masked_fill(past, 0.0)
+        v = v_cache[:, :longest].masked_fill(past, 0.0)
+    else:  # the gather copies already: zeroed in place
+        ids = block_table[:, :cdiv(longest, k_cache.shape[1])].long().clamp(min=0)
+        k = k_cache[ids].flatten(1, 2)[:, :longest].masked_fill_(past, 0.0)
+        v = v_cache[ids].flatten(1, 2)[:, :longest].masked_fill_(past, 0.0)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, S, D]
     token = lengths[:, None].long() - s_active + torch.arange(s_active, device=q.device)
     seen = pos[None, None, :] <= token[:, :, None]  # [B, s_active, S]
     if window is not None:
