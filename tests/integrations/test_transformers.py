@@ -264,7 +264,7 @@ def test_bad_arguments_raise():
     assert "forward" not in model.__dict__, "a refused call must patch nothing"
     # every supported model type is tested: the causal LMs here, the VLMs below
     assert set(SUPPORTED_MODEL_TYPES) == set(FAMILIES) | set(VISION_LANGUAGE) | set(
-        MORE_FAMILIES) | {"gemma3"} | set(OTHER_VLMS)  # (the two tests of those, below)
+        MORE_FAMILIES) | set(OTHER_VLMS)
 
 
 def test_mlp_with_wrapped_projection_and_under_autocast():
@@ -549,77 +549,43 @@ def test_vision_language_models_text_stack(model_type):
     assert_same_grads(a, b, model_type)
 
 
-def test_gemma3_multimodal_text_stack():
-    """Gemma 3 with its vision tower (Gemma3ForConditionalGeneration), a text-only batch: the
-    text stack's (1 + w) RMSNorms and GEGLU MLPs fused, the loss (soft-capped from the text
-    config) from the last hidden states: loss and every gradient as unpatched."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    if "gemma3" not in CONFIG_MAPPING:
-        pytest.skip(f"transformers {transformers.__version__} has no 'gemma3' models")
-    text = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-            "vocab_size": VOCAB, "max_position_embeddings": 64, "initializer_range": 0.1,
-            "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
-            "final_logit_softcapping": 0.5}
-    vision = {"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 1,
-              "num_attention_heads": 2, "image_size": 8, "patch_size": 2}
-    config = transformers.AutoConfig.for_model("gemma3", text_config=text, vision_config=vision,
-                                               image_token_index=VOCAB - 10,
-                                               mm_tokens_per_image=4)
-    torch.manual_seed(0)
-    a = transformers.AutoModelForImageTextToText.from_config(config).to(F32).train()
-    with torch.no_grad():
-        for name, p in a.named_parameters():
-            if p.dim() == 1 and "norm" in name:
-                p.add_(0.3 * torch.randn_like(p))
-    b = apply_lmfuse(copy.deepcopy(a), inference_fallback_tokens=0)
-    s = b.lmfuse_patches
-    text_norms = [n for n, m in b.named_modules()
-                  if type(m).__name__ == "Gemma3RMSNorm" and "language_model" in n]
-    assert len(text_norms) >= 9 and set(text_norms) <= set(s["rms_norm"])
-    assert len(s["geglu"]) == 2 and all("language_model" in n for n in s["geglu"])
-    assert s["fused_linear_cross_entropy"]
-    ids = torch.randint(3, VOCAB - 20, (2, 7))
-    out_a, out_b = a(input_ids=ids, labels=ids), b(input_ids=ids, labels=ids)
-    assert out_b.logits is None and type(out_b) is type(out_a)
-    assert_close(out_b.loss, out_a.loss, F32, "gemma3: loss")
-    out_a.loss.backward()
-    out_b.loss.backward()
-    assert_same_grads(a, b, "gemma3")
-
-
 # Vision-language models whose text stack is a family above: (model type, its text and
-# vision configs' model types, the image token's config key).
+# vision configs' model types, the image token's config key, more of the model's config).
 OTHER_VLMS = {
-    "llava": ("llama", "clip_vision_model", "image_token_index"),
-    "paligemma": ("gemma", "siglip_vision_model", "image_token_index"),
-    "internvl": ("qwen2", "internvl_vision", "image_token_id"),
-    "mllama": ("mllama_text_model", "mllama_vision_model", "image_token_index"),
-    "mistral3": ("mistral", "pixtral", "image_token_index"),
+    # Gemma 3's logits soft-capped (from the text config) at a value where tanh bends them
+    "gemma3": ("gemma3_text", "siglip_vision_model", "image_token_index",
+               {"mm_tokens_per_image": 4}),
+    "llava": ("llama", "clip_vision_model", "image_token_index", {}),
+    "paligemma": ("gemma", "siglip_vision_model", "image_token_index", {}),
+    "internvl": ("qwen2", "internvl_vision", "image_token_id", {}),
+    "mllama": ("mllama_text_model", "mllama_vision_model", "image_token_index", {}),
+    "mistral3": ("mistral", "pixtral", "image_token_index", {}),
 }
 
 
 @pytest.mark.parametrize("model_type", list(OTHER_VLMS))
 def test_other_vision_language_models_text_stack(model_type):
-    """LLaVA, PaliGemma, InternVL, Llama 3.2 Vision (mllama) and Mistral 3, a text-only
-    batch: the text stack's norms and gated MLPs fused (vision towers' MLPs where they are of
-    that form; others left as they are), the loss from the last hidden states: loss and
-    every gradient as unpatched."""
+    """Gemma 3, LLaVA, PaliGemma, InternVL, Llama 3.2 Vision (mllama) and Mistral 3 with
+    their vision towers, a text-only batch: the text stack's norms and gated MLPs fused
+    (vision towers' MLPs where they are of that form; others left as they are), the loss
+    from the last hidden states: loss and every gradient as unpatched."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if model_type not in CONFIG_MAPPING:
         pytest.skip(f"transformers {transformers.__version__} has no {model_type!r} models")
-    text_type, vision_type, image_key = OTHER_VLMS[model_type]
+    text_type, vision_type, image_key, more = OTHER_VLMS[model_type]
     text = {"model_type": text_type, "hidden_size": 32, "intermediate_size": 48,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
             "head_dim": 8, "vocab_size": VOCAB, "max_position_embeddings": 64,
             "initializer_range": 0.1, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    if text_type == "gemma3_text":
+        text["final_logit_softcapping"] = 0.5
     vision = {"model_type": vision_type, "hidden_size": 16, "intermediate_size": 16,
               "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 8,
               "patch_size": 2, "projection_dim": 32}
     config = transformers.AutoConfig.for_model(model_type, text_config=text,
-                                               vision_config=vision, **{image_key: VOCAB - 10})
+                                               vision_config=vision, **{image_key: VOCAB - 10},
+                                               **more)
     torch.manual_seed(0)
     a = transformers.AutoModelForImageTextToText.from_config(config).to(F32).train()
     with torch.no_grad():
@@ -631,7 +597,7 @@ def test_other_vision_language_models_text_stack(model_type):
     text_norms = [n for n, m in b.named_modules()
                   if type(m).__name__.endswith("RMSNorm") and "language_model" in n]
     assert len(text_norms) >= 5 and set(text_norms) <= set(s["rms_norm"])
-    act = "geglu" if text_type == "gemma" else "swiglu"
+    act = "geglu" if text_type.startswith("gemma") else "swiglu"
     assert len([n for n in s[act] if "language_model" in n]) == 2
     assert s["fused_linear_cross_entropy"]
     ids = torch.randint(3, VOCAB - 20, (2, 7))
