@@ -1,7 +1,10 @@
 """The default CPU path (no Triton) against the plain PyTorch formulas it replaces: forward +
 backward, float32, 2 threads, at the demo's sizes and 10x them (medians of 21 rounds, the
 two sides taking turns; swiglu's plain formula splits with ``chunk``, whose backward is one
-concatenation, as the demo's plain MLP does)::
+concatenation, as the demo's plain MLP does). Then the host time of a forward call on tiny
+inputs (no gradient: what each call costs beyond PyTorch's own op), and one training step of
+the demo's CPU model (``lmfuse.demo.TinyGPT``, its defaults, 1 thread) against the plain
+model, the two taking turns::
 
     python bench/cpu_path.py [--json PATH]
 """
@@ -67,6 +70,45 @@ def rows_at(k: int) -> list[tuple[str, list[int], Callable, Callable]]:
     ]
 
 
+def host_rows() -> list[tuple[str, list[int], Callable, Callable]]:
+    """Forward calls on tiny tensors under no_grad: lmfuse's checks and path choice over
+    the plain op's own cost."""
+    x, t = torch.randn(8, 16), torch.randint(0, 16, (8,))
+    s = torch.randn(1, 1, 8, 8)
+    hidden = torch.triu(torch.ones(8, 8, dtype=torch.bool), 1)
+    a, r, w = torch.randn(8, 32), torch.randn(8, 16), torch.randn(16)
+    h, W = torch.randn(16, 8), torch.randn(32, 8)
+    return [
+        ("cross_entropy (host)", list(x.shape), lambda: lmfuse.cross_entropy(x, t),
+         lambda: F.cross_entropy(x, t)),
+        ("fused_softmax (host)", list(s.shape),
+         lambda: lmfuse.fused_softmax(s, scale=0.125, causal=True),
+         lambda: torch.softmax((s * 0.125).masked_fill(hidden, float("-inf")), -1)),
+        ("swiglu (host)", list(a.shape), lambda: lmfuse.swiglu(a),
+         lambda: (lambda u: F.silu(u[0]) * u[1])(a.chunk(2, -1))),
+        ("rms_norm (host)", list(r.shape), lambda: lmfuse.rms_norm(r, w),
+         lambda: F.rms_norm(r, (16,), w, 1e-6)),
+        ("linear_cross_entropy (host)", [*h.shape, W.shape[0]],
+         lambda: lmfuse.linear_cross_entropy(h, W, t.repeat(2)),
+         lambda: F.cross_entropy(F.linear(h, W), t.repeat(2))),
+    ]
+
+
+def demo_step_row() -> tuple[str, list[int], Callable, Callable]:
+    """One training step (loss + backward) of the demo's CPU model, fused and plain, from
+    the same weights."""
+    from lmfuse import demo
+
+    d = demo.DEFAULTS["cpu"]
+    cfg = demo.DemoConfig(d_model=d.d_model, n_layers=d.n_layers, n_heads=d.n_heads,
+                          ffn=d.ffn)
+    tok = torch.randint(0, 256, (d.batch, d.seq_len))
+    fused, plain = demo.TinyGPT(cfg, True), demo.TinyGPT(cfg, False)
+    plain.load_state_dict(fused.state_dict())
+    return ("demo training step", [d.batch, d.seq_len],
+            lambda: fused.loss(tok, tok).backward(), lambda: plain.loss(tok, tok).backward())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json")
@@ -79,6 +121,17 @@ def main() -> int:
             a, b = bench_pair(ours, plain, n)
             out.append(dict(op=op, shape=shape, lmfuse_ms=a, plain_ms=b, ratio=a / b))
             print(f"{op:22s} {str(shape):22s} lmfuse {a:8.3f} ms  plain {b:8.3f} ms  x{a / b:.2f}")
+    with torch.no_grad():
+        for op, shape, ours, plain in host_rows():
+            a, b = bench_pair(ours, plain, 2000)
+            out.append(dict(op=op, shape=shape, lmfuse_ms=a, plain_ms=b, ratio=a / b))
+            print(f"{op:28s} {str(shape):12s} lmfuse {a * 1e3:6.1f} us  plain {b * 1e3:6.1f} us"
+                  f"  +{(a - b) * 1e3:.1f} us")
+    torch.set_num_threads(1)
+    op, shape, ours, plain = demo_step_row()
+    a, b = bench_pair(ours, plain, 10, rounds=31)
+    out.append(dict(op=op, shape=shape, lmfuse_ms=a, plain_ms=b, ratio=a / b, threads=1))
+    print(f"{op:22s} {str(shape):22s} lmfuse {a:8.3f} ms  plain {b:8.3f} ms  x{a / b:.2f}")
     if args.json:
         env = dict(device="cpu (2 threads)", torch=torch.__version__,
                    date=time.strftime("%Y-%m-%d"))
