@@ -106,6 +106,25 @@ def test_full_raises_and_changes_nothing() -> None:
     assert cache.num_free_blocks == 0 and cache.seqlen(b) == 3
 
 
+def test_extend_is_reserve_without_the_step() -> None:
+    """Same blocks, lengths and copy-on-write copies as reserve, all or nothing."""
+    caches = [PagedKVCache(8, 2, HKV, D, torch.float32) for _ in range(2)]
+    for cache in caches:
+        a = cache.add_sequence()
+        cache.reserve(a, 3)
+        cache.k_caches[0].copy_(torch.arange(cache.k_caches[0].numel()).view_as(
+            cache.k_caches[0]))
+        cache.fork(a)
+    caches[0].reserve([0, 1], [2, 3])
+    assert caches[1].extend([0, 1], [2, 3]) is None
+    assert state(caches[0]) == state(caches[1])
+    assert torch.equal(caches[0].k_caches[0], caches[1].k_caches[0])  # the copied block
+    before = state(caches[1])
+    with pytest.raises(KVCacheFullError, match=r"PagedKVCache.extend: 6 blocks needed"):
+        caches[1].extend([0, 1], 6)
+    assert state(caches[1]) == before
+
+
 def test_full_counts_copy_on_write() -> None:
     cache = PagedKVCache(3, 4, HKV, D, torch.float32)
     a = cache.add_sequence()

@@ -282,17 +282,37 @@ class PagedKVCache:
         op = "reserve"
         ids = self._ids(op, seq_ids)
         counts = self._counts(op, num_tokens, len(ids))
-        grow, copies = self._needed(ids, counts)
-        if grow + copies > len(self._free):
-            raise KVCacheFullError(
-                f"{_OP}.reserve: {grow + copies} blocks needed ({grow} new, {copies} "
-                f"copy-on-write) for {sum(counts)} tokens in {len(ids)} sequences, but only "
-                f"{len(self._free)} of {self.num_blocks} are free; nothing was reserved")
+        self._check_room(op, ids, counts)
         widest = max((cdiv(self._lens[s] + n, self.block_len) for s, n in zip(ids, counts)),
                      default=0)
         width = self._width(op, max_blocks, widest)
-        src, dst = [], []
         before = [self._lens[s] for s in ids]
+        self._grow(ids, counts)
+        return self._step(ids, width, before, tuple(counts))
+
+    def extend(self, seq_ids: Union[int, Sequence[int]],
+               num_tokens: Union[int, Sequence[int]] = 1) -> None:
+        """:meth:`reserve` without its :class:`DecodeStep`: the blocks only (host
+        bookkeeping, no device copy), for callers that build their step's inputs
+        themselves (read them back with :meth:`block_ids` and :meth:`seqlen`)."""
+        op = "extend"
+        ids = self._ids(op, seq_ids)
+        counts = self._counts(op, num_tokens, len(ids))
+        self._check_room(op, ids, counts)
+        self._grow(ids, counts)
+
+    def _check_room(self, op: str, ids: list[int], counts: list[int]) -> None:
+        grow, copies = self._needed(ids, counts)
+        if grow + copies > len(self._free):
+            raise KVCacheFullError(
+                f"{_OP}.{op}: {grow + copies} blocks needed ({grow} new, {copies} "
+                f"copy-on-write) for {sum(counts)} tokens in {len(ids)} sequences, but only "
+                f"{len(self._free)} of {self.num_blocks} are free; nothing was reserved")
+
+    def _grow(self, ids: list[int], counts: list[int]) -> None:
+        """Add the blocks (and copy-on-write copies) ``counts`` more tokens need; the room
+        was checked."""
+        src, dst = [], []
         for s, n in zip(ids, counts):
             table, length = self._tables[s], self._lens[s]
             if n == 0:
@@ -311,7 +331,6 @@ class PagedKVCache:
             self._lens[s] = length + n
         if src:
             self._copy_blocks(src, dst)
-        return self._step(ids, width, before, tuple(counts))
 
     def blocks_needed(self, seq_ids: Union[int, Sequence[int]],
                       num_tokens: Union[int, Sequence[int]] = 1) -> int:
