@@ -7,11 +7,11 @@ one GPU::
 A Llama-shaped model with random bf16 weights (default: hidden 2048, 16 layers, 16 query and
 16 KV heads of 128, FFN 5632, vocabulary 32000: 1.0 B parameters, 128 KiB of KV cache a
 token), ``--batches`` prompts of ``--context - --new`` random tokens each, ``--new`` greedy
-tokens. Rows: one GPU (rank 0 alone, CUDA graphs on and off) at every batch whose cache fits
-its pool; KVDP and CP over the world group at every batch. A row's decode figure is the mean
-wall time of the steps that advance the whole batch (prefill and the steps while requests
-still arrive are left out), tokens/s = batch / that time. Every rank runs the same steps;
-rank 0's times are reported. The prompt phase (prefill) is timed apart.
+tokens. Rows: one GPU (rank 0 alone) at every batch whose cache fits its pool; KVDP and CP
+over the world group at every batch; each with the decode steps in CUDA graphs and eager. A
+row's decode figure is the mean wall time of the steps that advance the whole batch (prefill
+and the steps while requests still arrive are left out), tokens/s = batch / that time. Every
+rank runs the same steps; rank 0's times are reported. The prompt phase (prefill) is timed apart.
 """
 
 from __future__ import annotations
@@ -119,8 +119,8 @@ def main() -> int:
     def log(row: dict[str, Any]) -> None:
         rows.append(row)
         if rank == 0:
-            keys = ("gpus", "split", "batch", "decode_step_ms", "tokens_per_s", "prefill_s",
-                    "note")
+            keys = ("gpus", "split", "batch", "cuda_graphs", "decode_step_ms", "tokens_per_s",
+                    "prefill_s", "note")
             print(" ".join(f"{k}={row[k]:.3f}" if isinstance(row.get(k), float) else
                            f"{k}={row.get(k)}" for k in keys if k in row), flush=True)
 
@@ -145,16 +145,17 @@ def main() -> int:
                 free_cache(device)
             dist.barrier()
         for split in [s for s in args.splits.split(",") if s]:
-            gen = Generator(model, block_len=args.block_len,
-                            **{f"{split}_group": dist.group.WORLD})
-            pool_gib = gen.cache.num_blocks * args.block_len * per_token / 2**30
-            r = serve(gen, prompts, args.new)
-            log(dict(gpus=world, split=split, batch=batch, cuda_graphs=False,
-                     cache_gib=cache_gib, pool_gib_per_gpu=pool_gib, fits=True, **r))
-            gen.close()
-            del gen
-            free_cache(device)
-            dist.barrier()
+            for graphs in (True, False):
+                gen = Generator(model, block_len=args.block_len, cuda_graphs=graphs,
+                                **{f"{split}_group": dist.group.WORLD})
+                pool_gib = gen.cache.num_blocks * args.block_len * per_token / 2**30
+                r = serve(gen, prompts, args.new)
+                log(dict(gpus=world, split=split, batch=batch, cuda_graphs=graphs,
+                         cache_gib=cache_gib, pool_gib_per_gpu=pool_gib, fits=True, **r))
+                gen.close()
+                del gen
+                free_cache(device)
+                dist.barrier()
     if rank == 0 and args.json:
         import transformers
         import triton

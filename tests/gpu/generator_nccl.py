@@ -15,7 +15,8 @@ Dry run on the CPU (gloo ranks, Triton interpreter)::
 Every rank builds the same tiny random-weight model of each family (``tests/helpers.py``'s
 ``tiny_causal_lm``: float32, so that every path computes the same argmax; TF32 off) on its
 GPU, and computes there the single-GPU answers: ``model.generate``'s greedy tokens and a
-Generator's without a group (its CUDA graphs on). Then the sharded Generator generates the
+Generator's without a group (its CUDA graphs on). Then the sharded Generator (its decode
+steps in CUDA graphs with the collectives captured; eagerly in the "eager" cases) generates the
 same prompts (lengths 1 to 40, 12 new tokens, no end-of-sequence stop) and every rank's
 tokens must equal both. Cases: each family on both kernel paths, batch-split (``kvdp``;
 sliding windows, Gemma 2's soft-caps, GPT-OSS's sinks and experts included) and, for the
@@ -82,15 +83,23 @@ class Case:
 
 
 def sharded_case(c: Checks, case: Case, split: str, impl: str, num_blocks: int,
-                 sampled: bool, copies: int = 1, block_len: int = 4) -> None:
+                 sampled: bool, copies: int = 1, block_len: int = 4,
+                 graphs: bool = True) -> None:
     """``copies``: the prompts that many times over in one call (each copy's tokens are the
-    prompt's own), so that a rank's share of the work stays as large on more ranks."""
+    prompt's own), so that a rank's share of the work stays as large on more ranks.
+    ``graphs``: the decode steps in CUDA graphs (their collectives captured; NCCL), else
+    eager."""
     gen = Generator(case.model, block_len=block_len, num_blocks=num_blocks, impl=impl,
-                    **{f"{split}_group": dist.group.WORLD})
+                    cuda_graphs=graphs, **{f"{split}_group": dist.group.WORLD})
     with count_collectives() as calls:
         got = gen.generate(PROMPTS * copies, max_new_tokens=NEW, eos_token_id=[])
     c.check("collectives", lambda: _true(bool(calls) and set(calls) <= ALLOWED,
                                          f"collectives {sorted(set(calls))}"))
+    if graphs and impl != "torch" and case.model.device.type == "cuda" \
+            and "nccl" in str(dist.get_backend()):
+        c.check("CUDA graphs", lambda: _true(
+            gen.stats["graph_failures"] == 0 and gen.stats["cuda_graphs"] > 0,
+            f"{gen.stats['cuda_graphs']} graphs, failure: {gen.runner.graph_failure}"))
 
     def same(what: str, want: list[list[int]], have: list[list[int]]) -> None:
         def run() -> None:
@@ -142,6 +151,9 @@ def tokens_section(run: Runner, world: int, device: torch.device, families: list
             run.case("tokens", f"cp x{world} llama preempted",
                      lambda c: sharded_case(c, case, "cp", "triton", 8, False,
                                             block_len=max(1, 8 // world)))
+            for split in ("kvdp", "cp"):  # the eager steps (graphs off)
+                run.case("tokens", f"{split} x{world} llama eager", lambda c, s=split:
+                         sharded_case(c, case, s, "triton", 64, True, graphs=False))
         run.case("tokens", f"one GPU {family} (the oracle)", lambda c: c.check(
             "single-GPU Generator == model.generate",
             lambda: _true(case.one == case.hf, f"{case.one} != {case.hf}")))

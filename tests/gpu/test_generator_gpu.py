@@ -133,3 +133,44 @@ def test_greedy_argmax_kernel_is_torch_argmax(n, V):
         x[2, 3] = float("inf")
     assert torch.equal(argmax_rows(x), torch.argmax(x, -1))
     assert torch.equal(argmax_rows(x.float()), torch.argmax(x.float(), -1))
+
+
+@pytest.fixture
+def nccl_world_of_one():
+    """A one-rank NCCL process group on this GPU (its collectives are real NCCL calls and
+    are captured as on several GPUs)."""
+    import socket
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("split", ["kvdp", "cp"])
+def test_sharded_generator_steps_in_cuda_graphs(split: str, nccl_world_of_one) -> None:
+    """The sharded decode step captured with its NCCL collectives (one rank: the 2- and
+    4-GPU runs are tests/gpu/generator_nccl.py's): five prompts (the batch bucket 8, three
+    padding rows), the tokens of model.generate, graphs captured, none failed; with
+    lookahead off as well."""
+    model = tiny_causal_lm("llama").cuda()
+    prompts = PROMPTS + [[11, 12]]
+    want = [_hf(model, p, NEW) for p in prompts]
+    for lookahead in (True, False):
+        gen = Generator(model, block_len=4, num_blocks=256, **{f"{split}_group":
+                                                               nccl_world_of_one})
+        gen.lookahead = lookahead
+        got = gen.generate(prompts, max_new_tokens=NEW, eos_token_id=[])
+        assert got == want, lookahead
+        assert gen.stats["graph_failures"] == 0, gen.runner.graph_failure
+        assert gen.stats["cuda_graphs"] > 0
+        gen.close()

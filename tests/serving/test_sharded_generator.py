@@ -19,12 +19,14 @@ NEW = 8
 
 
 def _cp_rank(rank: int, world: int, family: str, impl: str, num_blocks: int, new: int,
-             expected: list[list[int]], sampled: list[list[int]], split: str = "cp") -> None:
+             expected: list[list[int]], sampled: list[list[int]], split: str = "cp",
+             prompts: list[list[int]] = PROMPTS, pad: bool = False) -> None:
     model = tiny_causal_lm(family)
     gen = Generator(model, block_len=4, num_blocks=num_blocks, impl=impl,
                     **{f"{split}_group": dist.group.WORLD})
+    gen.runner.pad_sharded = pad
     with count_collectives() as calls:
-        got = gen.generate(PROMPTS, max_new_tokens=new, eos_token_id=[])
+        got = gen.generate(prompts, max_new_tokens=new, eos_token_id=[])
     assert got == expected, (rank, got, expected)
     assert calls, "no collective: the attention did not run context-parallel"
     assert set(calls) <= {"all_gather_into_tensor", "all_gather_single"}, set(calls)
@@ -78,6 +80,22 @@ def test_kvdp_generator_preempts_within_the_per_rank_pools() -> None:
     new = 14
     expected = [hf_greedy(model, p, new) for p in PROMPTS]
     spawn_gloo(2, _cp_rank, "llama", "torch", 10, new, expected, [], "kvdp", timeout=240)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world, split", [(2, "cp"), (2, "kvdp"), (4, "kvdp")])
+def test_sharded_steps_padded_as_their_cuda_graphs_are(world: int, split: str) -> None:
+    """The layout a captured step replays, run eagerly: 5 requests padded to the batch
+    bucket 8 (the padding rows write and read nothing), batch-split each rank's rows padded
+    to their bucket, power-of-two table widths; on 2 ranks the small pools preempt, so the
+    batch shrinks and grows across buckets. The tokens stay the single process's."""
+    model = tiny_causal_lm("llama")
+    prompts = PROMPTS + [[11, 12]]
+    new = 14
+    expected = [hf_greedy(model, p, new) for p in prompts]
+    blocks = 8 if split == "cp" else 12 if world == 2 else 16  # 16: no preemption
+    spawn_gloo(world, _cp_rank, "llama", "triton", blocks, new, expected, [], split, prompts,
+               True, timeout=240)
 
 
 def test_sharded_generators_need_a_process_group() -> None:

@@ -50,12 +50,14 @@ class Generator:
             ``"fp8"``: e4m3 with per-layer, per-KV-head scales taken from the first
             prefill's largest magnitudes).
         max_batch: most requests decoded together.
-        cuda_graphs: capture the decode step per batch bucket (CUDA only).
+        cuda_graphs: capture the decode step per batch bucket (CUDA, not with
+            ``impl="torch"``, whose checks read values on the host).
         kvdp_group, cp_group: split the KV cache by batch (each sequence on one rank) or by
             context (each sequence's round-robin blocks over the ranks) over a process group
             (``torchrun``, one Generator per rank, every rank given the same requests): see
-            ``sharded.py``. ``num_blocks`` is then per rank; prefix sharing and CUDA graphs
-            are off; ``kvdp_group`` needs the query heads to divide over the ranks,
+            ``sharded.py``. ``num_blocks`` is then per rank; prefix sharing is off; the
+            decode step runs the model's forward (CUDA graphs with the collectives inside
+            on an NCCL group); ``kvdp_group`` needs the query heads to divide over the ranks,
             ``cp_group`` refuses models with sliding-window layers. One of the two.
         max_prefill_tokens: new tokens computed in one prefill step (a longer prompt runs
             alone).
@@ -335,10 +337,8 @@ class Generator:
         return out
 
     def _chainable(self, reqs: list[Request]) -> bool:
-        """Whether a decode step of ``reqs`` may run ahead: greedy requests, a cache on this
-        process, lookahead on."""
-        return (self.lookahead and self.shards is None and self.runner.batch_shards is None
-                and all(r.params.greedy for r in reqs))
+        """Whether a decode step of ``reqs`` may run ahead: greedy requests, lookahead on."""
+        return self.lookahead and all(r.params.greedy for r in reqs)
 
     def _chain(self, current: _Inflight) -> _Inflight | None:
         """Launch the decode step after ``current`` (not yet read) when nothing else can
@@ -352,7 +352,7 @@ class Generator:
                 or reqs != self.scheduler.running):
             return None
         try:
-            step = self.cache.reserve([r.seq_id for r in reqs], 1,
+            step = self._pool.reserve([r.seq_id for r in reqs], 1,
                                       max_blocks=self.scheduler.width(ahead=1))
         except KVCacheFullError:
             return None

@@ -17,6 +17,12 @@ the logits of its rows. In the captured forward the RMSNorms and gated MLPs of t
 is as before afterwards) and mixture-of-experts layers a capturable experts implementation.
 A model whose decode forward cannot be captured (a host sync in it) falls back to eager
 decode steps, with a warning.
+
+Over a split cache (``sharded.py``) on an NCCL group the decode step is captured as well,
+its collectives inside: per (batch bucket, rows per rank for KVDP, table width) key, the
+step's inputs packed in one int64 buffer (one host-to-device copy a step). The keys come
+from the block bookkeeping every rank keeps alike, so every rank captures and replays the
+same graphs in the same order, as the collectives in them require.
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from .._launch import cdiv
+from .._launch import cdiv, next_pow2
 from ..attention.kv_cache import DecodeStep, PagedKVCache
 from ..integrations.transformers import fused_norms_and_mlps
 from .attention import ATTENTION_NAME, Segment, StepContext, register
@@ -55,17 +62,25 @@ class ModelRunner:
         self.shards, self.scheduled = shards, scheduled
         # With a cache split by batch: the pools' owners (it is also the scheduler's pool).
         self.batch_shards = batch_shards
-        self.graphs_on = (bool(cuda_graphs) and self.device.type == "cuda"
-                          and shards is None and batch_shards is None)
+        self.sharded = shards is not None or batch_shards is not None
+        group = (shards.group if shards is not None else batch_shards.group
+                 if batch_shards is not None else None)
+        # Graphs need the Triton kernels (the torch path checks values on the host) and,
+        # over a split cache, NCCL (its collectives are captured with the step).
+        self.graphs_on = (bool(cuda_graphs) and self.device.type == "cuda" and impl != "torch"
+                          and (group is None or "nccl" in str(dist.get_backend(group))))
+        #: Sharded decode steps padded to the batch buckets of the CUDA graphs even when
+        #: they run eagerly (the padded layout is then exercised without a GPU: tests).
+        self.pad_sharded = self.graphs_on
         self.max_batch = max_batch
-        self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
+        self._graphs: dict[tuple, _DecodeGraph | _ShardedGraph] = {}
         self._pool = None
         self.graph_failures = 0
         self.graph_failure: str | None = None  # the last capture failure, where it arose
         # The fused decode layers (fused.py) where the model's family has them and the
         # cache is not split; otherwise the model's own forward decodes.
         self.fused: FusedDecoder | None = None
-        sharded = shards is not None or batch_shards is not None
+        sharded = self.sharded
         if decode_path == "fused" and sharded:
             raise ValueError("Generator: decode_path='fused' does not run over a split KV "
                              "cache (kvdp_group / cp_group) yet; use 'auto' or 'model'")
@@ -153,14 +168,12 @@ class ModelRunner:
         """One token of every request (its last, at position ``length - 1``), the step's
         blocks reserved: the logits ``[n, V]``."""
         n = len(requests)
+        if self.sharded:
+            return self._decode_sharded(requests)
         host = self._host_inputs(requests)
-        if self.shards is not None:
-            return self._decode_cp(requests, host)
-        if self.batch_shards is not None:
-            return self._decode_kvdp(requests, host)
         width = step.block_table.shape[1]
         if self.graphs_on and n <= self.max_batch:
-            graph = self._graph(_bucket(n, self.max_batch), width)
+            graph = self._graph((_bucket(n, self.max_batch), width))
             if graph is not None:
                 return graph.run(host, step, n)
         host = host.to(self.device, non_blocking=True)
@@ -178,13 +191,16 @@ class ModelRunner:
         without reading them (None where the step cannot run this way: a split cache).
         ``ids``: the step's input tokens on the device (the previous step's output, not yet
         read by the host); default each request's last token. In a CUDA graph where one is
-        captured, else eagerly."""
-        if self.shards is not None or self.batch_shards is not None:
-            return None
+        captured, else eagerly. Over a split cache ``step`` is unused (the step's inputs come
+        from the pools' bookkeeping)."""
+        if self.sharded:
+            logits = self._decode_sharded(requests, ids)
+            tokens = self.take_greedy()
+            return greedy(logits) if tokens is None else tokens
         n = len(requests)
         width = step.block_table.shape[1]
         if self.graphs_on and n <= self.max_batch:
-            graph = self._graph(_bucket(n, self.max_batch), width)
+            graph = self._graph((_bucket(n, self.max_batch), width))
             if graph is not None:
                 graph.run(None if ids is not None else self._host_inputs(requests), step, n,
                           ids=ids)
@@ -210,49 +226,120 @@ class ModelRunner:
                             dtype=torch.int64)
         return host.pin_memory() if torch.cuda.is_available() else host
 
-    def _decode_cp(self, requests: list[Request], host: torch.Tensor) -> torch.Tensor:
-        """A decode step over the CP-split cache: this rank's shard grows where it owns the
-        new token; the global lengths place the tokens."""
-        self.shards.sync(set(self.scheduled.sequences))
-        local = self.shards.grow(requests)
-        lens = torch.tensor([[r.length - 1 for r in requests], [r.length for r in requests]],
-                            dtype=torch.int32).to(self.device, non_blocking=True)
-        host = host.to(self.device, non_blocking=True)
-        ctx = StepContext(self.cache, "decode", self.impl, block_table=local.block_table,
-                          seqlens_before=local.seqlens_before, seqlens=local.seqlens,
-                          cp_group=self.shards.group, cp_block=self.shards.block_len,
-                          global_before=lens[0], global_after=lens[1])
-        return self._forward(host[0][:, None], host[1][:, None], ctx, 1)[:, -1]
+    # --- decode over a split cache ----------------------------------------------------------
 
-    def _decode_kvdp(self, requests: list[Request], host: torch.Tensor) -> torch.Tensor:
-        """A decode step over the batch-split cache (its blocks reserved on the owners)."""
+    def _decode_sharded(self, requests: list[Request],
+                        ids: torch.Tensor | None = None) -> torch.Tensor:
+        """A decode step over a cache split by context or by batch (its blocks reserved in
+        the scheduler's pool): the logits ``[n, V]``; ``ids``: the input tokens on the
+        device (else each request's last token). Every input of the step travels in one
+        int64 buffer (one host-to-device copy) at the static sizes of its CUDA graph: the
+        batch padded to its bucket (rows with no blocks and no length: they write and read
+        nothing) and, batch-split, each rank's rows too."""
+        n = len(requests)
+        graphs = self.graphs_on and n <= self.max_batch
+        rows = _bucket(n, self.max_batch) if graphs or self.pad_sharded else n
+        if self.shards is not None:
+            key, fields = self._cp_fields(requests, rows)
+        else:
+            key, fields = self._kvdp_fields(requests, rows, graphs or self.pad_sharded)
+        host, where = _pack(fields)
+        if graphs:
+            graph = self._graph(key, lambda pool: _ShardedGraph(self, where, pool))
+            if graph is not None:
+                return graph.run(host, n, ids)
+        views = _unpack(host.to(self.device, non_blocking=True), where)
+        if ids is not None:
+            views["ids"][:n].copy_(ids)
+        return self._sharded_forward(views)[:n]
+
+    def _cp_fields(self, requests: list[Request], rows: int) -> tuple[tuple, dict[str, Any]]:
+        """The step's inputs over a CP-split cache: the tokens, their global positions and
+        lengths after, and this rank's block tables and lengths (its share of each
+        sequence, grown where the rank owns the new token). The table width is a power of
+        two of the virtual pool's blocks (what rank 0, the busiest, holds): the same on
+        every rank, so all ranks replay the same graph."""
+        shards = self.shards
+        shards.sync(set(self.scheduled.sequences))
+        after = [self.scheduled.seqlen(r.seq_id) for r in requests]
+        widest = max(cdiv(a, self.scheduled.block_len) for a in after)
+        width = max(min(next_pow2(widest), self.cache.num_blocks), widest)
+        tables, before_l, after_l = shards.grow(requests, after, width)
+        pad = rows - len(requests)
+        fields = {
+            "ids": [r.last_token for r in requests] + [0] * pad,
+            "pos": [a - 1 for a in after] + [0] * pad,
+            "after": after + [0] * pad,
+            "table": tables + [[-1] * width] * pad,
+            "local_before": before_l + [0] * pad,
+            "local_after": after_l + [0] * pad,
+        }
+        return ("cp", rows, width), fields
+
+    def _kvdp_fields(self, requests: list[Request], rows: int,
+                     bucketed: bool) -> tuple[tuple, dict[str, Any]]:
+        """The step's inputs over a batch-split cache: the tokens and positions of every
+        row; this rank's ``m`` rows of the rank-major layout (their tables and lengths,
+        padding rows with none), ``own`` (the model rows of its sequences, padded with row
+        0), ``pad_src`` (the model row of each of the ``N * m`` rank-major rows) and
+        ``out_index`` (each model row's place among them). Bucketed, ``m`` is the bucket of
+        the busiest rank's rows and the table width a power of two of the longest
+        sequence's blocks: from the pools' shared bookkeeping, the same on every rank."""
         bs = self.batch_shards
-        padded, mine, m = bs.layout(requests)
+        m = bs.rows_per_rank(requests)
+        if bucketed:
+            m = min(_bucket(m, self.max_batch), rows)
+        padded, mine, m = bs.layout(requests, m)
+        lengths = [bs.seqlen(r.seq_id) for r in requests]
         locals_ = [bs.local(requests[i].seq_id) for i in mine]
         tables = [self.cache.block_ids(s) for s in locals_]
-        width = max([1] + [len(t) for t in tables])
-        table = [t + [-1] * (width - len(t)) for t in tables] + [[-1] * width] * (m - len(mine))
+        widest = max([1] + [cdiv(a, self.cache.block_len) for a in lengths])
+        width = (max(min(next_pow2(widest), self.cache.num_blocks), widest) if bucketed
+                 else max([1] + [len(t) for t in tables]))
         after = [self.cache.seqlen(s) for s in locals_] + [0] * (m - len(mine))
-        before = [max(a - 1, 0) for a in after]
         place = {row: i for i, row in enumerate(padded) if row >= 0}
-        dev = self.device
-        ints = torch.tensor([before, after], dtype=torch.int32).to(dev, non_blocking=True)
-        index = [torch.tensor(x, dtype=torch.int64).to(dev, non_blocking=True) for x in (
-            mine, [max(r, 0) for r in padded], [place[i] for i in range(len(requests))])]
-        ctx = StepContext(self.cache, "decode", self.impl,
-                          block_table=torch.tensor(table, dtype=torch.int32).to(dev),
-                          seqlens_before=ints[0], seqlens=ints[1], kvdp_group=bs.group,
-                          own_rows=index[0], pad_src=index[1], out_index=index[2])
-        host = host.to(dev, non_blocking=True)
-        return self._forward(host[0][:, None], host[1][:, None], ctx, 1)[:, -1]
+        pad = rows - len(requests)
+        fields = {
+            "ids": [r.last_token for r in requests] + [0] * pad,
+            "pos": [a - 1 for a in lengths] + [0] * pad,
+            "table": ([t + [-1] * (width - len(t)) for t in tables]
+                      + [[-1] * width] * (m - len(mine))),
+            "local_before": [max(a - 1, 0) for a in after],
+            "local_after": after,
+            "own": mine + [0] * (m - len(mine)),
+            "pad_src": [max(r, 0) for r in padded],
+            "out_index": [place[i] for i in range(len(requests))] + [0] * pad,
+        }
+        return ("kvdp", rows, m, width), fields
 
-    def _graph(self, batch: int, width: int) -> _DecodeGraph | None:
-        key = (batch, width)
+    def _sharded_forward(self, views: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The model's decode forward over the split cache, from the step's input views
+        (``_cp_fields`` / ``_kvdp_fields``, on the device): logits ``[rows, V]``."""
+        i32 = {k: views[k].to(torch.int32) for k in ("table", "local_before", "local_after")}
+        common = dict(block_table=i32["table"], seqlens_before=i32["local_before"],
+                      seqlens=i32["local_after"])
+        if self.shards is not None:
+            ctx = StepContext(self.cache, "decode", self.impl, cp_group=self.shards.group,
+                              cp_block=self.shards.block_len,
+                              global_before=views["pos"].to(torch.int32),
+                              global_after=views["after"].to(torch.int32), **common)
+        else:
+            ctx = StepContext(self.cache, "decode", self.impl,
+                              kvdp_group=self.batch_shards.group, own_rows=views["own"],
+                              pad_src=views["pad_src"], out_index=views["out_index"], **common)
+        return self._forward(views["ids"][:, None], views["pos"][:, None], ctx, 1)[:, -1]
+
+    def _graph(self, key: tuple, make: Any = None) -> _DecodeGraph | _ShardedGraph | None:
+        """The graph of ``key`` (captured now if new: ``make(pool)``, by default a
+        ``_DecodeGraph`` of ``key = (batch, width)``); None once a capture failed. Over a
+        split cache every rank captures the same keys in the same order (the keys come
+        from bookkeeping all ranks share), as the collectives in them need."""
         if key not in self._graphs:
             try:
                 if self._pool is None:
                     self._pool = torch.cuda.graph_pool_handle()
-                self._graphs[key] = _DecodeGraph(self, batch, width, self._pool)
+                self._graphs[key] = (make(self._pool) if make is not None
+                                     else _DecodeGraph(self, *key, self._pool))
             except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly
                 self.graph_failures += 1
                 self.graphs_on = False
@@ -319,22 +406,8 @@ class _DecodeGraph:
                                                 self.after)
             return runner._forward(self.ids, self.pos, ctx, 1)[:, -1]
 
-        # Warm up on a side stream (lazy initialisations, Triton compilations), then
-        # capture. The padding rows write nothing (block -1) and read nothing (length 0).
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        # In the graph the norms and gated MLPs run lmfuse's fused kernels (fewer launches;
-        # a launch costs no host time there), the experts a capturable implementation.
-        with _capturable_experts(runner.config), fused_norms_and_mlps(runner.model,
-                                                                      runner.impl):
-            with torch.cuda.stream(stream):
-                greedy(forward())
-                greedy(forward())
-            torch.cuda.current_stream(dev).wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool):
-                self.logits = forward()
-                self.tokens = greedy(self.logits)  # greedy rows need nothing more
+        # The padding rows write nothing (block -1) and read nothing (length 0).
+        self.graph, self.logits, self.tokens = _capture(runner, forward, pool)
         self.runner = runner
 
     def run(self, host: torch.Tensor | None, step: DecodeStep, n: int,
@@ -353,6 +426,83 @@ class _DecodeGraph:
             self.table[n:].fill_(-1)
             self.before[n:].zero_()
             self.after[n:].zero_()
+        self.graph.replay()
+        self.runner._greedy = self.tokens[:n]
+        return self.logits[:n]
+
+
+def _capture(runner: ModelRunner, forward: Any, pool: Any) -> tuple[Any, torch.Tensor,
+                                                                    torch.Tensor]:
+    """``forward()`` (a decode forward over static buffers) and its argmax captured in a
+    CUDA graph: (graph, logits, tokens). Warmed up first on a side stream (lazy
+    initialisations, Triton compilations, communicators). In the graph the norms and gated
+    MLPs run lmfuse's fused kernels (fewer launches; a launch costs no host time there),
+    the experts a capturable implementation."""
+    dev = runner.device
+    stream = torch.cuda.Stream(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    with _capturable_experts(runner.config), fused_norms_and_mlps(runner.model, runner.impl):
+        with torch.cuda.stream(stream):
+            greedy(forward())
+            greedy(forward())
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = forward()
+            tokens = greedy(logits)  # greedy rows need nothing more
+    return graph, logits, tokens
+
+
+def _pack(fields: dict[str, Any]) -> tuple[torch.Tensor, dict[str, tuple[int, tuple]]]:
+    """Int lists (flat, or a list of equal rows) in one int64 host buffer (pinned on a CUDA
+    host): the buffer, and each field's (offset, shape) in it."""
+    flat: list[int] = []
+    where: dict[str, tuple[int, tuple]] = {}
+    for name, values in fields.items():
+        start = len(flat)
+        if values and isinstance(values[0], list):
+            for row in values:
+                flat += row
+            shape: tuple = (len(values), len(values[0]))
+        else:
+            flat += values
+            shape = (len(values),)
+        where[name] = (start, shape)
+    host = torch.tensor(flat, dtype=torch.int64)
+    return (host.pin_memory() if torch.cuda.is_available() else host), where
+
+
+def _unpack(buf: torch.Tensor, where: dict[str, tuple[int, tuple]]) -> dict[str, torch.Tensor]:
+    """The fields of a :func:`_pack` buffer (on any device), as views."""
+    out = {}
+    for name, (start, shape) in where.items():
+        size = shape[0] * (shape[1] if len(shape) > 1 else 1)
+        out[name] = buf[start:start + size].view(shape)
+    return out
+
+
+class _ShardedGraph:
+    """A decode forward over a split cache captured for one key of
+    :meth:`ModelRunner._decode_sharded` (batch bucket, rows per rank, table width): its
+    inputs are views of one static int64 buffer, its collectives inside the graph."""
+
+    def __init__(self, runner: ModelRunner, where: dict[str, tuple[int, tuple]],
+                 pool: Any) -> None:
+        size = max(start + shape[0] * (shape[1] if len(shape) > 1 else 1)
+                   for start, shape in where.values())
+        self.buf = torch.zeros(size, dtype=torch.int64, device=runner.device)
+        views = _unpack(self.buf, where)
+        views["table"].fill_(-1)  # the warm-up and capture write and read nothing
+        self.ids = views["ids"]
+        self.graph, self.logits, self.tokens = _capture(
+            runner, lambda: runner._sharded_forward(views), pool)
+        self.runner = runner
+
+    def run(self, host: torch.Tensor, n: int, ids: torch.Tensor | None = None
+            ) -> torch.Tensor:
+        self.buf.copy_(host, non_blocking=True)
+        if ids is not None:
+            self.ids[:n].copy_(ids)
         self.graph.replay()
         self.runner._greedy = self.tokens[:n]
         return self.logits[:n]

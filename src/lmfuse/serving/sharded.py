@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..attention.kv_cache import DecodeStep, PagedKVCache
+from ..attention.kv_cache import PagedKVCache
 from ..distributed.collectives import group_rank, group_size
 from .request import OP, Request
 
@@ -71,16 +71,21 @@ class ContextShards:
             self._local[virtual] = self.cache.add_sequence()
         return self._local[virtual]
 
-    def grow(self, requests: list[Request], width: int | None = None) -> DecodeStep:
-        """Room on this rank for each request's next token (the rank owns it or not): the
-        shard's step (its block table, its lengths before and after)."""
-        ids, counts = [], []
-        for r in requests:
+    def grow(self, requests: list[Request], lengths: list[int], width: int
+             ) -> tuple[list[list[int]], list[int], list[int]]:
+        """Room on this rank for each request's tokens up to its global length ``lengths[i]``
+        (the rank owns the newest token or not): this rank's block tables (padded with -1
+        to ``width`` blocks) and its lengths before and after the newest token."""
+        ids, counts, before, after = [], [], [], []
+        for r, length in zip(requests, lengths):
             seq = self.local_seq(r.seq_id)
-            held = self.cache.seqlen(seq)
             ids.append(seq)
-            counts.append(self.local_len(r.length) - held)
-        return self.cache.reserve(ids, counts, max_blocks=width)
+            after.append(self.local_len(length))
+            before.append(self.local_len(length - 1))
+            counts.append(after[-1] - self.cache.seqlen(seq))
+        if any(counts):
+            self.cache.extend(ids, counts)
+        return [_padded(self.cache.block_ids(s), width) for s in ids], before, after
 
     def prefill_rows(self, request: Request, new: list[int]) -> tuple[list[int], list[int]]:
         """Reserve this rank's share of ``request``'s tokens; each new token's block
@@ -195,15 +200,33 @@ class BatchShards:
 
     # --- the runner's side ------------------------------------------------------------------
 
-    def layout(self, requests: list[Request]) -> tuple[list[int], list[int], int]:
+    def layout(self, requests: list[Request], per_rank: int | None = None
+               ) -> tuple[list[int], list[int], int]:
         """The rank-major padded layout of a decode batch: for each padded row the model
         row it holds (-1: padding), this rank's rows (model rows of its sequences, in
-        order), and ``m``, the rows per rank."""
-        per_rank: list[list[int]] = [[] for _ in range(self.world)]
+        order), and ``m``, the rows per rank (``per_rank`` if given, else the most any rank
+        holds)."""
+        per: list[list[int]] = [[] for _ in range(self.world)]
         for i, r in enumerate(requests):
-            per_rank[self.owner(r.seq_id)].append(i)
-        m = max(1, max(len(rows) for rows in per_rank))
+            per[self.owner(r.seq_id)].append(i)
+        m = max(1, max(len(rows) for rows in per))
+        if per_rank is not None:
+            if per_rank < m:
+                raise ValueError(f"{OP}: per_rank={per_rank} is less than the {m} rows a "
+                                 "rank holds")
+            m = per_rank
         padded = []
-        for rows in per_rank:
+        for rows in per:
             padded += rows + [-1] * (m - len(rows))
-        return padded, per_rank[self.rank], m
+        return padded, per[self.rank], m
+
+    def rows_per_rank(self, requests: list[Request]) -> int:
+        """The most rows of ``requests`` one rank holds (at least 1)."""
+        counts = [0] * self.world
+        for r in requests:
+            counts[self.owner(r.seq_id)] += 1
+        return max(1, max(counts))
+
+
+def _padded(table: list[int], width: int) -> list[int]:
+    return table + [-1] * (width - len(table))
