@@ -1,5 +1,6 @@
 """The fused decode layers' GEMV kernel against cuBLAS on the decode shapes of the
-``lmfuse bench generate`` model (hidden 2048, FFN 8192, 16/4 heads of 128), bf16, over its
+``lmfuse bench generate`` model (hidden 2048, FFN 8192, 16/4 heads of 128, vocabulary
+128256 for ``--shapes lm_head``), bf16, over its
 launch options (times of CUDA-graph replays): the best per shape and row count, and
 cuBLAS's time for the same work (three / two launches where the kernel takes three / two
 matrices)::
@@ -37,6 +38,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--rows", default="1,64")
+    ap.add_argument("--shapes", default="qkv,o,gate_up,down",
+                    help="of qkv, o, gate_up, down, lm_head (vocabulary 128256)")
     a = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
     H, FF, HQ, HKV, D = 2048, 8192, 16, 4, 128
@@ -48,7 +51,9 @@ def main() -> int:
     shapes = {"qkv": ([mat(HQ * D, H), mat(HKV * D, H), mat(HKV * D, H)], False, False),
               "o": ([mat(H, HQ * D)], False, True),
               "gate_up": ([mat(FF, H), mat(FF, H)], True, False),
-              "down": ([mat(H, FF)], False, True)}
+              "down": ([mat(H, FF)], False, True),
+              "lm_head": ([mat(128256, H)], False, False)}
+    shapes = {k: shapes[k] for k in a.shapes.split(",")}
     rows = []
     for name, (ws, gated, residual) in shapes.items():
         K = ws[0].shape[1]
@@ -72,7 +77,7 @@ def main() -> int:
                 want = want + r.float()
             t_blas = triton.testing.do_bench_cudagraph(blas, rep=50)
             best = None
-            for bn, bk, warps, stages in itertools.product((16, 32, 64), (128, 256, 512),
+            for bn, bk, warps, stages in itertools.product((16, 32, 64, 128), (128, 256, 512),
                                                            (4, 8), (3, 4, 6)):
                 bm = 16 if n <= 16 else 32 if n <= 32 else 64
                 tiles = 2 if gated else 1

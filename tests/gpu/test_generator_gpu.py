@@ -174,3 +174,16 @@ def test_sharded_generator_steps_in_cuda_graphs(split: str, nccl_world_of_one) -
         assert gen.stats["graph_failures"] == 0, gen.runner.graph_failure
         assert gen.stats["cuda_graphs"] > 0
         gen.close()
+
+
+def test_lm_head_gemv_greedy_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The LM head through the GEMV's 128-feature tiles (the vocabulary threshold lowered to
+    a tiny model's 256; several rows), compiled: model.generate's tokens."""
+    import lmfuse.serving.fused as fused
+
+    monkeypatch.setattr(fused, "LM_HEAD_MIN_FEATURES", 128)
+    model = tiny_causal_lm("llama", vocab_size=256).cuda()
+    want = [_hf(model, p, NEW) for p in PROMPTS]
+    gen = Generator(model, block_len=4, num_blocks=256)
+    assert gen.runner.decode_path == "fused"
+    assert gen.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[]) == want

@@ -136,6 +136,30 @@ def test_one_row_gemv_walks_a_long_k(kind: str) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_lm_head_runs_the_gemv_at_several_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A vocabulary counted as an LM head (the threshold lowered to this tiny one's 256)
+    runs the GEMV's 128-feature tiles at several rows (cuBLAS at one): the tokens stay
+    model.generate's, and the GEMV did compute the logits."""
+    import lmfuse.serving.fused as fused
+
+    monkeypatch.setattr(fused, "LM_HEAD_MIN_FEATURES", 128)
+    model = tiny_causal_lm("llama", vocab_size=256)
+    assert fused._gemv_config(256, 64, 16, False)[0] == 128
+    heads = []
+    real = fused._gemv
+
+    def spy(x, weights, *args, **kwargs):
+        if weights[0] is model.lm_head.weight:
+            heads.append(x.shape[0])
+        return real(x, weights, *args, **kwargs)
+
+    monkeypatch.setattr(fused, "_gemv", spy)
+    gen = Generator(model, block_len=4, num_blocks=48, impl="triton")
+    got = gen.generate(PROMPTS, max_new_tokens=4, eos_token_id=[])
+    assert got == [hf_greedy(model, p, 4) for p in PROMPTS]
+    assert heads and set(heads) == {len(PROMPTS)}
+
+
 _models: dict[str, object] = {}
 
 

@@ -48,6 +48,7 @@ from ..attention.ops import _launch_decode, _native_decode, _resolve, decode_att
 from ..attention.reference import kv_cache_append_reference
 from ..norm.ops import _launch_fwd as _launch_rms_norm
 from ..norm.ops import rms_norm
+from ..tuning import shared_memory
 
 #: ``config.model_type`` values whose decode runs the fused layers.
 FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -233,6 +234,11 @@ class FusedDecoder:
                 gb, ub, db = L.mlp_bias or (None, None, None)
                 a = F.silu(F.linear(x, L.gate, gb)) * F.linear(x, L.up, ub)
                 h = h + F.linear(a, L.down, db)
+        if kernels and n > 1 and self.lm_bias is None and _lm_head_gemv(self.lm_head):
+            # Several rows: the GEMV's 128-feature tiles beat cuBLAS on the long vocabulary
+            # (H100, CUDA-graph replays, V 128256: 16 rows 177 vs 191 us, 64 rows 185 vs
+            # 198; bench/probe_gemv.py --shapes lm_head); one row: cuBLAS (2.9 TB/s).
+            return self._gemv(self._rms_norm(h, self.norm, self.norm_eps), (self.lm_head,))
         x = self._rms_norm(h, self.norm, self.norm_eps, self.pdl_tail)
         return F.linear(x, self.lm_head, self.lm_bias)
 
@@ -360,27 +366,51 @@ def gemv_reference(x: torch.Tensor, weights: tuple[torch.Tensor, ...],
     return y.to(x.dtype)
 
 
-def _gemv_config(n_out: int, K: int, block_m: int, gated: bool,
-                 itemsize: int = 2) -> tuple[int, int, int, int]:
+#: Output features from which a matrix counts as an LM head (a vocabulary) for the GEMV.
+LM_HEAD_MIN_FEATURES = 65536
+
+
+def _lm_head_gemv(weight: torch.Tensor) -> bool:
+    """Whether the decode step's LM head runs the GEMV kernel (several rows): a vocabulary
+    of at least :data:`LM_HEAD_MIN_FEATURES` in whole 128-feature tiles, a contiguous
+    matrix."""
+    return (weight.shape[0] >= LM_HEAD_MIN_FEATURES and weight.shape[0] % 128 == 0
+            and weight.is_contiguous())
+
+
+def _gemv_config(n_out: int, K: int, block_m: int, gated: bool, itemsize: int = 2,
+                 smem: int | None = None) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages): the fastest CUDA-graph replays in
     ``bench/probe_gemv.py`` on an H100 (the decode shapes of a 2048-wide model at 16 and 64
     rows), kept under the shared memory the pipeline's stages take. One row
     (``block_m == 1``, no dot tile): two features a program, K in tiles of up to 2048
     (``bench/probe_gemv_chain.py``, H100, launches chained as in a decode step: QKV 9.9 ->
-    6.8 us, Wo 7.5 -> 5.9, gate/up 24.9 -> 24.2 against the 16-row dot tile)."""
+    6.8 us, Wo 7.5 -> 5.9, gate/up 24.9 -> 24.2 against the 16-row dot tile). ``smem``:
+    the device's shared memory a program may use (the stages then fit it too)."""
     if block_m == 1:
         return 2, min(2048, next_pow2(K, 16)), 4, 3
     warps, stages = 4, 3
-    if gated:
+    limit = 200 * 1024
+    if not gated and n_out >= LM_HEAD_MIN_FEATURES:
+        # An LM head (bench/probe_gemv.py --shapes lm_head, H100: the fastest of BLOCK_N 16
+        # to 128, BLOCK_K 128 to 512, 4/8 warps, 3/4/6 stages; 2.96 / 2.84 TB/s).
+        block_n, block_k, stages = 128, (256 if block_m == 16 else 128), \
+            (3 if block_m == 16 else 4)
+        limit = 220 * 1024
+    elif gated:
         block_n, block_k = (32 if block_m == 16 else 64), 128
     else:
         block_n = 16 if n_out <= 2048 else 32 if n_out <= 16384 else 64
         block_k = 256 if block_n == 16 and block_m == 16 else 128
         if block_m == 64:  # chained (probe_gemv_chain, H100): QKV 9.9 -> 8.4 us, Wo 9.2 -> 7.6
             block_k, stages = 256, 4
+    if smem is not None:
+        limit = min(limit, smem - 8 * 1024)  # room for the kernel's own scratch
     tiles = 2 if gated else 1
-    while block_k > 64 and (block_m + tiles * block_n) * block_k * itemsize * stages > 200 * 1024:
+    while block_k > 64 and (block_m + tiles * block_n) * block_k * itemsize * stages > limit:
         block_k //= 2
+    while stages > 2 and (block_m + tiles * block_n) * block_k * itemsize * stages > limit:
+        stages -= 1
     return block_n, block_k, warps, stages
 
 
@@ -395,7 +425,8 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
     ns = [w.shape[0] for w in weights]
     n_out = ns[0] if gated else sum(ns)
     block_m = 1 if n == 1 else 16 if n <= 16 else 32 if n <= 32 else 64
-    block_n, block_k, warps, stages = _gemv_config(n_out, K, block_m, gated, x.element_size())
+    block_n, block_k, warps, stages = _gemv_config(n_out, K, block_m, gated, x.element_size(),
+                                                   shared_memory(x.device))
     if any(v % block_n for v in ns) or n == 0:
         return _gemv_fallback(x, weights, biases, residual, gated)
     if residual is not None:
