@@ -18,20 +18,28 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
+from lmfuse.serving.fused import _split_buffers
 from lmfuse.serving.kernels import gemv_kernel
 
 
-def launch(x, ws, y, r, gated, bn, bk, warps, stages, bm=None):
+def launch(x, ws, y, r, gated, bn, bk, warps, stages, bm=None, split=1):
+    """``gemv_kernel`` with these options; ``split``: programs per tile along K."""
     n, K = x.shape
     ns = [w.shape[0] for w in ws]
     n_out = ns[0] if gated else sum(ns)
     w = list(ws) + [ws[0]] * (3 - len(ws))
     bm = bm or (16 if n <= 16 else 32 if n <= 32 else 64)
-    gemv_kernel[(n_out // bn, -(-n // bm))](
+    k_split = -(-(-(-K // split)) // bk) * bk
+    split = -(-K // k_split)
+    grid = (n_out // bn, -(-n // bm), split)
+    tiles = grid[0] * grid[1]
+    wsp, count = (_split_buffers(x.device, split * tiles * bm * bn, tiles) if split > 1
+                  else (y, y))
+    gemv_kernel[grid](
         x, w[0], w[1], w[2], w[0], w[0], w[0], y if r is None else r, y, n, K, ns[0],
-        ns[1] if len(ns) > 1 else 0, x.stride(0), y.stride(0), y.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=False, RESIDUAL=r is not None,
-        GATED=gated, EVEN_K=K % bk == 0, num_warps=warps, num_stages=stages)
+        ns[1] if len(ns) > 1 else 0, x.stride(0), y.stride(0), y.stride(0), wsp, count,
+        k_split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=False, RESIDUAL=r is not None,
+        GATED=gated, EVEN_K=K % bk == 0, SPLIT_K=split, num_warps=warps, num_stages=stages)
 
 
 def main() -> int:

@@ -19,7 +19,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from lmfuse.serving.fused import _gemv_config
+from lmfuse.serving.fused import _gemv_config, _gemv_split
 from probe_gemv import launch
 
 
@@ -53,6 +53,8 @@ def main() -> int:
     ap.add_argument("--chain", type=int, default=8)
     ap.add_argument("--shapes", default="qkv,o,gate_up,down")
     ap.add_argument("--dot", action="store_true", help="also sweep the dot path's options")
+    ap.add_argument("--split", default="1",
+                    help="K splits the dot sweep tries (not gated), e.g. 1,2,4,8")
     ap.add_argument("--block-m", default="",
                     help="row tiles the dot sweep tries, e.g. 16,32,64 (default: the chosen)")
     a = ap.parse_args()
@@ -95,28 +97,30 @@ def main() -> int:
             results = []
             bm_dot = 16 if n <= 16 else 32 if n <= 32 else 64
             chosen = _gemv_config(n_out, K, bm_dot, gated)
-            configs = [(bm_dot,) + chosen + ("chosen",)]
+            configs = [(bm_dot,) + chosen + ("chosen", _gemv_split(n_out, K, bm_dot, gated))]
             if a.dot:
                 bms = [int(v) for v in a.block_m.split(",")] if a.block_m else [bm_dot]
-                configs += [(bm, bn, bk, w, st, "dot") for bm, bn, bk, w, st in
-                            itertools.product(bms, (16, 32, 64), (128, 256), (4, 8), (3, 4))
+                splits = [1] if gated else [int(v) for v in a.split.split(",")]
+                configs += [(bm, bn, bk, w, st, f"dot/{sp}", sp) for bm, bn, bk, w, st, sp in
+                            itertools.product(bms, (32, 64, 128), (128, 256), (4,),
+                                              (3, 4), splits)
                             if bm <= bm_dot]
             if n == 1:
-                configs += [(1, bn, bk, w, st, "m1") for bn, bk, w, st in itertools.product(
+                configs += [(1, bn, bk, w, st, "m1", 1) for bn, bk, w, st in itertools.product(
                     (2, 4, 8), (512, 1024, 2048), (4, 8), (2, 3, 4))]
-            for bm, bn, bk, warps, stages, kind in configs:
+            for bm, bn, bk, warps, stages, kind, split in configs:
                 tiles = 2 if gated else 1
                 if (bm + tiles * bn) * bk * 2 * stages > 220 * 1024 or n_out % bn:
                     continue
                 try:
                     out = torch.zeros_like(y)
-                    launch(x, ws, out, None, gated, bn, bk, warps, stages, bm)
+                    launch(x, ws, out, None, gated, bn, bk, warps, stages, bm, split)
                     err = ((out.float() - want).abs().max() / want.abs().max()).item()
 
-                    def chain(bm=bm, bn=bn, bk=bk, warps=warps, stages=stages):
+                    def chain(bm=bm, bn=bn, bk=bk, warps=warps, stages=stages, split=split):
                         for ws in sets:
                             launch(x, ws, r if residual else y, r if residual else None,
-                                   gated, bn, bk, warps, stages, bm)
+                                   gated, bn, bk, warps, stages, bm, split)
 
                     t = graph_us(chain, a.chain)
                 except Exception as e:  # noqa: BLE001

@@ -221,9 +221,10 @@ class FusedDecoder:
                 h = h + F.linear(o, L.o, L.o_bias)
             x = self._rms_norm(h, L.norm_post, L.eps_post)
             if kernels and L.mlp_bias is None:
-                # One row: the GEMV (residual epilogue) beats cuBLAS's split-K on the long
-                # K (H100, chained: 14.1 against 16.8 us); more rows: cuBLAS.
-                down = n == 1
+                # The GEMV (residual epilogue) where it beats cuBLAS on the long K (H100,
+                # chained): one row (14.1 against 16.8 us), and K split over programs at 16
+                # rows (15.8 against 17.4) and 64 (17.6 against 18.6); else cuBLAS.
+                down = n == 1 or _gemv_split(*L.down.shape, _row_tile(n), False) > 1
                 a = _gemv(x, (L.gate, L.up), None, gated=True,
                           pdl=self.pdl if down else self.pdl_tail)
                 if down:
@@ -404,6 +405,13 @@ def _gemv_config(n_out: int, K: int, block_m: int, gated: bool, itemsize: int = 
         block_k = 256 if block_n == 16 and block_m == 16 else 128
         if block_m == 64:  # chained (probe_gemv_chain, H100): QKV 9.9 -> 8.4 us, Wo 9.2 -> 7.6
             block_k, stages = 256, 4
+        split = _gemv_split(n_out, K, block_m, gated)
+        if block_m == 16 and split == 1 and n_out > 2048:  # QKV: 10.22 -> 8.26 us
+            block_k, stages = 256, 4
+        elif block_m == 16 and split > 1:  # Wo 7.71 -> 7.08 us, Wd 15.84 (cuBLAS 17.4)
+            block_n, block_k, stages = (64 if K <= 2048 else 32), 128, 4
+        elif block_m == 64 and split > 1:  # Wd 17.64 us (cuBLAS 18.63)
+            block_n, block_k, stages = 32, 256, 4
     if smem is not None:
         limit = min(limit, smem - 8 * 1024)  # room for the kernel's own scratch
     tiles = 2 if gated else 1
@@ -414,17 +422,54 @@ def _gemv_config(n_out: int, K: int, block_m: int, gated: bool, itemsize: int = 
     return block_n, block_k, warps, stages
 
 
+def _row_tile(n: int) -> int:
+    """The GEMV's row tile (BLOCK_M) for ``n`` rows: 1 (no dot tile), 16, 32 or 64."""
+    return 1 if n == 1 else 16 if n <= 16 else 32 if n <= 32 else 64
+
+
+def _gemv_split(n_out: int, K: int, block_m: int, gated: bool) -> int:
+    """How many programs share a tile's K range (``gemv_kernel``'s SPLIT_K), where it was
+    measured to pay (``bench/probe_gemv_chain.py --dot --split 1,2,4,8``, H100, 8 launches
+    chained in a graph, a 2048-wide model): 16 rows, output 2048 (Wo, Wd): 4; 64 rows, the
+    long K of Wd (8192): 2; else 1."""
+    if gated:
+        return 1
+    if block_m == 16 and n_out <= 2048:
+        return 4
+    if block_m == 64 and n_out <= 2048 and K >= 4 * n_out:
+        return 2
+    return 1
+
+
+# (device, workspace elements, tiles) -> (float32 partials, int32 counts): kept for the
+# process's life (CUDA graphs hold their addresses; the counts return to zero after each
+# launch, so any later launch may use them).
+_SPLIT_BUFFERS: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_buffers(device: torch.device, elements: int, tiles: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (str(device), elements, tiles)
+    if key not in _SPLIT_BUFFERS:
+        _SPLIT_BUFFERS[key] = (torch.empty(elements, dtype=torch.float32, device=device),
+                               torch.zeros(tiles, dtype=torch.int32, device=device))
+    return _SPLIT_BUFFERS[key]
+
+
 def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None, *,
           residual: torch.Tensor | None = None, gated: bool = False,
-          pdl: int = 0) -> torch.Tensor:
+          pdl: int = 0, split_k: int | None = None) -> torch.Tensor:
     """``gemv_kernel`` launched: a new ``[n, N]`` output, or ``residual`` updated in place.
-    ``pdl``: with programmatic dependent launch (``lmfuse._pdl``)."""
+    ``pdl``: with programmatic dependent launch (``lmfuse._pdl``). ``split_k``: programs
+    per tile along K (default :func:`_gemv_split`'s; not with ``gated``)."""
+    if gated and split_k is not None and split_k > 1:
+        raise ValueError(f"{_OP}: the gated GEMV does not split K (split_k={split_k})")
     n, K = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
     ns = [w.shape[0] for w in weights]
     n_out = ns[0] if gated else sum(ns)
-    block_m = 1 if n == 1 else 16 if n <= 16 else 32 if n <= 32 else 64
+    block_m = _row_tile(n)
     block_n, block_k, warps, stages = _gemv_config(n_out, K, block_m, gated, x.element_size(),
                                                    shared_memory(x.device))
     if any(v % block_n for v in ns) or n == 0:
@@ -436,12 +481,19 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
     w = list(weights) + [weights[0]] * (3 - len(weights))
     b = list(biases) if biases is not None else []
     b = b + [w[0]] * (3 - len(b))
-    grid = (n_out // block_n, cdiv(n, block_m))
+    split = _gemv_split(n_out, K, block_m, gated) if split_k is None else split_k
+    k_split = cdiv(cdiv(K, split), block_k) * block_k
+    split = cdiv(K, k_split)  # no empty split
+    grid = (n_out // block_n, cdiv(n, block_m), split)
+    tiles = grid[0] * grid[1]
+    ws, count = (_split_buffers(x.device, split * tiles * block_m * block_n, tiles)
+                 if split > 1 else (y, y))
     _kernels().gemv_kernel[grid](
         x, w[0], w[1], w[2], b[0], b[1], b[2], y, y, n, K, ns[0],
-        ns[1] if len(ns) > 1 else 0, x.stride(0), y.stride(0), y.stride(0),
+        ns[1] if len(ns) > 1 else 0, x.stride(0), y.stride(0), y.stride(0), ws, count, k_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=biases is not None,
-        RESIDUAL=residual is not None, GATED=gated, EVEN_K=K % block_k == 0, PDL=pdl,
+        RESIDUAL=residual is not None, GATED=gated, EVEN_K=K % block_k == 0 and (
+            split == 1 or k_split % block_k == 0), PDL=pdl, SPLIT_K=split,
         num_warps=warps, num_stages=stages, **_pdl.launch_options(pdl))
     return y
 

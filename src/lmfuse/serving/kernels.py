@@ -90,14 +90,21 @@ def rope_append_kernel(
 def gemv_kernel(
     X, W0, W1, W2, B0, B1, B2, R, Y,
     M, K, N0, N1, stride_xm, stride_rm, stride_ym,
+    WS, COUNT, K_SPLIT,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
-    EVEN_K: tl.constexpr, PDL: tl.constexpr = 0,
+    EVEN_K: tl.constexpr, PDL: tl.constexpr = 0, SPLIT_K: tl.constexpr = 1,
 ):
     """``Y[:, n] = X @ W.T`` over the concatenated output features of ``W0 | W1 | W2``
     (``N0``, ``N1`` rows: a program's ``BLOCK_N`` features lie in one matrix). GATED:
     ``Y = silu(X @ W0.T) * (X @ W1.T)`` (``N0`` features). RESIDUAL: ``Y = R + ...``.
-    PDL: launched early in a decode step's chain (``lmfuse._pdl``)."""
+    PDL: launched early in a decode step's chain (``lmfuse._pdl``).
+
+    SPLIT_K > 1 (not GATED): program ``(n, m, s)`` sums the K range ``[s * K_SPLIT, (s + 1) *
+    K_SPLIT)`` into its float32 slot of ``WS`` (``[SPLIT_K, tiles, BLOCK_M, BLOCK_N]``), then
+    counts itself in ``COUNT[tile]`` (int32, zero between launches); the tile's last
+    program adds the slots in split order (the same sum whichever program comes last),
+    runs the epilogue, and sets the count back to zero."""
     pdl_wait(PDL)
     pdl_start(PDL)
     pid_n = tl.program_id(0)
@@ -105,6 +112,13 @@ def gemv_kernel(
     n0 = pid_n * BLOCK_N
     rows = tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
+    if SPLIT_K > 1:
+        k_start = tl.program_id(2) * K_SPLIT
+        k_stop = tl.minimum(k_start + K_SPLIT, K)
+    else:
+        k_start = 0
+        k_stop = K
+    ks = ks + k_start
     ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mmask = ms < M
     # Which matrix this program's features belong to, and their rows in it.
@@ -126,12 +140,12 @@ def gemv_kernel(
     if GATED:
         u_ptr = W1 + (local + rows).to(tl.int64)[:, None] * K + ks[None, :]
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_stop, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptr)
             x = tl.load(x_ptr, mask=mmask[:, None], other=0.0)
         else:
-            kmask = (k0 + ks) < K
+            kmask = (ks + (k0 - k_start)) < k_stop
             w = tl.load(w_ptr, mask=kmask[None, :], other=0.0)
             x = tl.load(x_ptr, mask=mmask[:, None] & kmask[None, :], other=0.0)
         if BLOCK_M == 1:  # one row: products summed per feature (no 16-row dot tile)
@@ -151,6 +165,33 @@ def gemv_kernel(
             u_ptr += BLOCK_K
         w_ptr += BLOCK_K
         x_ptr += BLOCK_K
+    if SPLIT_K > 1:
+        # Every split's partial in its slot; the tile's last program sums them in order.
+        tile = pid_m * tl.num_programs(0) + pid_n
+        tiles = tl.num_programs(0) * tl.num_programs(1)
+        cell = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + rows[None, :]
+        tl.store(WS + (tl.program_id(2) * tiles + tile).to(tl.int64) * (BLOCK_M * BLOCK_N)
+                 + cell, acc)
+        tl.debug_barrier()  # every thread's partial stored before the count says so
+        done = tl.atomic_add(COUNT + tile, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in range(SPLIT_K):
+                acc += tl.load(WS + (s * tiles + tile).to(tl.int64) * (BLOCK_M * BLOCK_N)
+                               + cell, cache_modifier=".cg")
+            tl.store(COUNT + tile, 0)
+            _gemv_epilogue(acc, acc, B0, B1, B2, R, Y, N0, N1, stride_rm, stride_ym, n0,
+                           local, rows, ms, mmask, HAS_BIAS, RESIDUAL, False)
+    else:
+        _gemv_epilogue(acc, acc_u if GATED else acc, B0, B1, B2, R, Y, N0, N1, stride_rm,
+                       stride_ym, n0, local, rows, ms, mmask, HAS_BIAS, RESIDUAL, GATED)
+
+
+@triton.jit
+def _gemv_epilogue(acc, acc_u, B0, B1, B2, R, Y, N0, N1, stride_rm, stride_ym, n0, local,
+                   rows, ms, mmask, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
+                   GATED: tl.constexpr):
+    """The GEMV's bias, gate and residual, then the store of its tile."""
     cols = local + rows
     if HAS_BIAS:
         if GATED:
