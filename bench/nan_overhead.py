@@ -46,6 +46,9 @@ def cases():
     s = rnd(4, 32, 2048, 2048)
     bench("softmax fwd [4,32,2048,2048] causal", lambda: lmfuse.fused_softmax(
         s, scale=0.125, causal=True))
+    keep = torch.rand(4, 1, 2048, 2048, device=dev, generator=g) < 0.1
+    bench("softmax fwd [4,32,2048,2048] boolean mask", lambda: lmfuse.fused_softmax(
+        s, scale=0.125, mask=keep))
     sg = rnd(4, 32, 2048, 2048, grad=True)
     dy = rnd(4, 32, 2048, 2048)
     bench("softmax fwd+bwd [4,32,2048,2048] causal", lambda: lmfuse.fused_softmax(
