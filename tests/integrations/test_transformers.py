@@ -14,6 +14,7 @@ import copy
 import inspect
 import math
 import pickle
+import warnings
 from pathlib import Path
 
 import pytest
@@ -391,6 +392,41 @@ def test_fused_norms_and_mlps_fuses_every_call_and_restores_the_model(monkeypatc
         assert not supported
 
 
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss"])
+def test_fused_norms_and_mlps_runs_the_experts_through_moe_experts(monkeypatch, model_type):
+    """Inside the Generator's graph-capture patch a mixture of experts' experts run
+    lmfuse.moe_experts (one call a layer, one decode token too) with the unpatched model's
+    logits; afterwards the modules are as before (plain, or apply_lmfuse's experts patch
+    kept as it was)."""
+    import lmfuse.integrations.transformers as integration
+    from lmfuse.integrations.transformers import fused_norms_and_mlps
+
+    seen = []
+    real = integration._moe_experts
+    monkeypatch.setattr(integration, "_moe_experts",
+                        lambda *a, **k: (seen.append(a[0].shape[0]), real(*a, **k))[1])
+    a = make_model(model_type).eval()
+    plain = copy.deepcopy(a)
+    patched = apply_lmfuse(copy.deepcopy(a))
+    ids = torch.randint(3, VOCAB, (1, 1))
+    with torch.no_grad():
+        want = a(input_ids=ids).logits
+        for model in (plain, patched):
+            before = {n: dict(m.__dict__) for n, m in model.named_modules()}
+            with fused_norms_and_mlps(model) as supported:
+                assert supported
+                seen.clear()
+                assert_close(model(input_ids=ids).logits, want, F32, model_type)
+                assert seen == [1, 1]  # the two layers' experts, one token
+            after = {n: dict(m.__dict__) for n, m in model.named_modules()}
+            for n in before:
+                assert after[n].keys() == before[n].keys(), n
+                assert after[n].get("forward") is before[n].get("forward"), n
+            seen.clear()
+            model(input_ids=ids)
+            assert seen == ([] if model is plain else [1, 1])
+
+
 def test_detected_families_patch_only_what_computes_the_formula():
     """For the model types found by probing, a module is patched only when it computes the
     RMSNorm or gated-MLP formula: a norm or MLP of the same kind that does something more
@@ -533,7 +569,13 @@ def test_vision_language_models_text_stack(model_type):
         for name, p in a.named_parameters():
             if p.dim() == 1 and "norm" in name:
                 p.add_(0.3 * torch.randn_like(p))
-    b = apply_lmfuse(copy.deepcopy(a), inference_fallback_tokens=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        b = apply_lmfuse(copy.deepcopy(a), inference_fallback_tokens=0)
+    # Mistral 3's vision tower has a plain-GELU gated MLP: left as it is, and said so.
+    told = [str(w.message) for w in caught if "left unpatched" in str(w.message)]
+    assert told == (["apply_lmfuse: 1 MLP(s) left unpatched: lmfuse fuses SiLU and tanh-GELU "
+                     "gated MLPs, these use GELUActivation"] if model_type == "mistral3" else [])
     s = b.lmfuse_patches
     text_norms = [n for n, m in b.named_modules()
                   if type(m).__name__.endswith("RMSNorm") and "language_model" in n]
@@ -592,7 +634,13 @@ def test_other_vision_language_models_text_stack(model_type):
         for name, p in a.named_parameters():
             if p.dim() == 1 and "norm" in name:
                 p.add_(0.3 * torch.randn_like(p))
-    b = apply_lmfuse(copy.deepcopy(a), inference_fallback_tokens=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        b = apply_lmfuse(copy.deepcopy(a), inference_fallback_tokens=0)
+    # Mistral 3's vision tower has a plain-GELU gated MLP: left as it is, and said so.
+    told = [str(w.message) for w in caught if "left unpatched" in str(w.message)]
+    assert told == (["apply_lmfuse: 1 MLP(s) left unpatched: lmfuse fuses SiLU and tanh-GELU "
+                     "gated MLPs, these use GELUActivation"] if model_type == "mistral3" else [])
     s = b.lmfuse_patches
     text_norms = [n for n, m in b.named_modules()
                   if type(m).__name__.endswith("RMSNorm") and "language_model" in n]

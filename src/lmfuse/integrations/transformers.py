@@ -803,15 +803,17 @@ def _patch_experts(m: torch.nn.Module, impl: str) -> str:
 
 
 _PATCH_ATTRS = ("forward", "_lmfuse_weight_offset", "_lmfuse_impl", "_lmfuse_fallback_tokens",
-                "_lmfuse_activation")
+                "_lmfuse_activation", "_lmfuse_experts")
 
 
 @contextlib.contextmanager
 def fused_norms_and_mlps(model: torch.nn.Module, impl: str = "auto") -> Iterator[bool]:
     """While the block runs, ``model``'s RMSNorms and gated MLPs (of a family
     :func:`apply_lmfuse` supports) run lmfuse's fused ops on every call, however few tokens
-    (``inference_fallback_tokens=0``): for capturing a decode step in a CUDA graph, where a
-    launch costs no host time and fewer, fused kernels are what pays. Afterwards the
+    (``inference_fallback_tokens=0``), and its mixture-of-experts experts modules (those
+    :func:`apply_lmfuse` runs through :func:`lmfuse.moe_experts`: no host synchronisation,
+    only the selected experts' weights read): for capturing a decode step in a CUDA graph,
+    where a launch costs no host time and fewer, fused kernels are what pays. Afterwards the
     modules are exactly as before (an :func:`apply_lmfuse` patch with its own settings, or
     none). Yields whether the model's family is supported (else nothing changes)."""
     family = _family_of(model)
@@ -819,12 +821,19 @@ def fused_norms_and_mlps(model: torch.nn.Module, impl: str = "auto") -> Iterator
     if family is not None:
         for m in model.modules():
             cls = type(m).__name__
-            if cls not in family.norms and cls not in family.mlps:
+            if cls not in family.norms and cls not in family.mlps and cls not in family.experts:
                 continue
             current = _instance_forward(m)
-            if current is not None and current not in (_rms_norm_forward, _gated_mlp_forward):
+            if current is not None and current not in (_rms_norm_forward, _gated_mlp_forward,
+                                                       _experts_forward):
                 continue  # another library's forward: left alone
             before = {a: m.__dict__[a] for a in _PATCH_ATTRS if a in m.__dict__}
+            if current is _experts_forward:  # apply_lmfuse ran it through moe_experts already
+                continue
+            if cls in family.experts:
+                if not family.experts[cls] and not _patch_experts(m, impl):
+                    saved.append((m, before))
+                continue
             if current is not None:  # patched by apply_lmfuse: only the fallback changes
                 saved.append((m, before))
                 m._lmfuse_fallback_tokens = 0

@@ -14,7 +14,9 @@ positions, block table and lengths into the graph's static buffers (rows past th
 get block -1 and length 0: they write nothing and attend over nothing), replays, and reads
 the logits of its rows. In the captured forward the RMSNorms and gated MLPs of the families
 ``apply_lmfuse`` supports run lmfuse's fused kernels (``fused_norms_and_mlps``; the model
-is as before afterwards) and mixture-of-experts layers a capturable experts implementation.
+is as before afterwards), mixture-of-experts experts ``lmfuse.moe_experts`` where
+``apply_lmfuse`` takes them (Mixtral, Qwen2/3-MoE, OLMoE, Granite-MoE, GPT-OSS), and other
+experts transformers' capturable ``batched_mm`` implementation.
 A model whose decode forward cannot be captured (a host sync in it) falls back to eager
 decode steps, with a warning.
 
