@@ -795,8 +795,33 @@ MORE_FAMILIES = {
     "qwen3_vl_text": {},
     "qwen3_vl_moe_text": {"num_experts": 2, "num_experts_per_tok": 2,
                           "moe_intermediate_size": 16},
+    "gemma4_text": {},
 }
 BASE_MODELS = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text")
+# Model types whose unpatched float32 gradients are themselves further from their float64
+# model's than the float32 tolerance (transformers computes Gemma 4's norms, attention
+# softmax and rotary angles in float32 whatever the model's dtype: seed 0's up_proj
+# gradient is 1.4e-5 from the float64 model's): there the patched float32 model is held to
+# the float64 model, no further from it than twice the unpatched float32 model is (the
+# margin FlashAttention's tests use), and never beyond the tolerance when that is larger.
+OWN_ROUNDING = ("gemma4_text",)
+
+
+def assert_grads_within_own_rounding(a, a64, b, what: str) -> None:
+    from helpers import max_rel_err, rel_err, tol
+
+    ref, grads_b = dict(a64.named_parameters()), dict(b.named_parameters())
+    for name, p in a.named_parameters():
+        q = grads_b[name]
+        assert (p.grad is None) == (q.grad is None), f"{what}: {name} grad presence differs"
+        if p.grad is None:
+            continue
+        g64 = ref[name].grad
+        own = max(rel_err(p.grad, g64), max_rel_err(p.grad, g64))
+        err = max(rel_err(q.grad, g64), max_rel_err(q.grad, g64))
+        assert err <= max(tol(F32), 2 * own), (
+            f"{what}: grad of {name} is {err:.2e} from the float64 model's, the unpatched "
+            f"float32 model's {own:.2e}")
 
 
 @pytest.mark.parametrize("model_type", list(MORE_FAMILIES))
@@ -825,8 +850,11 @@ def test_more_families_one_training_step(model_type):
             if p.dim() == 1 and "norm" in name:
                 p.add_(0.3 * torch.randn_like(p))
     a.train()
+    a64 = copy.deepcopy(a).double() if model_type in OWN_ROUNDING else None
     b = apply_lmfuse(copy.deepcopy(a), inference_fallback_tokens=0)
     ids, labels = batch()
+    if a64 is not None:
+        a64(input_ids=ids, labels=labels).loss.backward()
     if model_type in BASE_MODELS:
         out_a, out_b = a(input_ids=ids), b(input_ids=ids)
         assert_close(out_b.last_hidden_state, out_a.last_hidden_state, F32, model_type)
@@ -840,13 +868,17 @@ def test_more_families_one_training_step(model_type):
     assert type(out_b) is type(out_a)
     loss_a.backward()
     loss_b.backward()
-    assert_same_grads(a, b, model_type)
+    if a64 is not None:
+        assert_grads_within_own_rounding(a, a64, b, model_type)
+    else:
+        assert_same_grads(a, b, model_type)
 
     s, family = b.lmfuse_patches, integration._family_of(a)
     modules = dict(b.named_modules())
-    assert sorted(s["rms_norm"]) == sorted(
-        n for n, m in modules.items() if type(m).__name__ in family.norms)
-    assert sorted(s["swiglu"]) == sorted(
+    assert sorted(s["rms_norm"]) == sorted(  # Gemma 4's weightless v_norms stay its own
+        n for n, m in modules.items() if type(m).__name__ in family.norms
+        and getattr(m, "weight", None) is not None)
+    assert sorted(s["swiglu"] + s["geglu"]) == sorted(
         n for n, m in modules.items() if type(m).__name__ in family.mlps)
     assert sorted(s["moe_experts"]) == sorted(
         n for n, m in modules.items() if type(m).__name__ in family.experts)
@@ -863,5 +895,8 @@ def test_more_families_one_training_step(model_type):
     if model_type == "deepseek_v4":  # clamped dense MLPs: not the patch's formula
         assert not s["swiglu"] and len(experts) == 2
         assert b.model.layers[0].mlp.experts.limit == 0.3
+    elif model_type == "gemma4_text":  # tanh-GELU gated MLPs; the weightless v_norms stay
+        assert len(s["geglu"]) == 2 and not s["swiglu"]
+        assert all(n not in s["rms_norm"] for n in modules if n.endswith("v_norm"))
     elif model_type not in ("nemotron", "qwen3_vl_moe_text"):  # the latter: experts only
         assert s["swiglu"]

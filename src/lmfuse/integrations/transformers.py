@@ -96,7 +96,10 @@ _DETECTED: tuple[str, ...] = (
     # models: norms and MLPs)
     "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "llava", "paligemma", "internvl",
     "mllama", "mistral3",
-    "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text")
+    "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text",
+    # Gemma 4's text model: its (1 + w)-free weighted RMSNorms (the weightless v_norms stay),
+    # tanh-GELU gated MLPs and the loss
+    "gemma4_text")
 
 #: ``config.model_type`` values :func:`apply_lmfuse` accepts.
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_FAMILIES) + _DETECTED
