@@ -97,9 +97,9 @@ _DETECTED: tuple[str, ...] = (
     "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "llava", "paligemma", "internvl",
     "mllama", "mistral3",
     "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text",
-    # Gemma 4's text model: its (1 + w)-free weighted RMSNorms (the weightless v_norms stay),
-    # tanh-GELU gated MLPs and the loss
-    "gemma4_text")
+    # Gemma 4, its text model and the vision-language model: the weighted RMSNorms (the
+    # weightless v_norms stay), tanh-GELU gated MLPs and the loss
+    "gemma4_text", "gemma4")
 
 #: ``config.model_type`` values :func:`apply_lmfuse` accepts.
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_FAMILIES) + _DETECTED
