@@ -11,9 +11,10 @@ in place, never copied):
     h = h + o @ Wo.T                      GEMV with the residual add in its epilogue
     x = rms_norm(h)
     a = silu(x @ Wg.T) * (x @ Wu.T)       one GEMV launch: both projections and the gate
-    h = h + a @ Wd.T                      one row: GEMV with the residual add; more: cuBLAS
-                                          (addmm in place: faster for them on this long K)
-    logits = rms_norm(h) @ W_lm.T         cuBLAS (a long matrix: it runs at the copy rate)
+    h = h + a @ Wd.T                      GEMV with the residual add (one row; K split over
+                                          programs at 2-16 and 33-64 rows), else cuBLAS addmm_
+    logits = rms_norm(h) @ W_lm.T         GEMV of 128-feature tiles at 2-64 rows for a long
+                                          vocabulary; cuBLAS at one row (copy rate there)
 
 instead of the model's forward (per layer three projections, a dozen elementwise launches
 of rotary code, the cache append, the adds), which is what the Generator runs otherwise.
