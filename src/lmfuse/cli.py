@@ -33,7 +33,7 @@ from typing import Callable, NoReturn, Optional
 import torch
 
 FAMILIES = ("softmax", "cross_entropy", "linear_cross_entropy", "activations", "decode_attention",
-            "rms_norm", "moe_experts", "generate")
+            "rms_norm", "moe_experts", "generate", "host")
 TUNABLE = ("linear_cross_entropy",)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
