@@ -764,3 +764,64 @@ def test_default_cpu_swiglu_is_pytorchs_ops_with_the_reference_results(monkeypat
         assert torch.equal(got.isnan(), want.isnan())
         fin = ~want.isnan()
         assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-6)
+
+
+_NATIVE_CASES = [
+    ("bias_gelu", dict(bias=True)), ("swiglu", dict(bias=True)),
+    ("swiglu", dict(clamp_value=0.7, gate_multiplier=1.5, down_multiplier=0.5)),
+    ("geglu", dict(bias=True)), ("quick_geglu", dict(bias=True, linear_offset=1.0,
+                                                     clamp_value=0.7)),
+    ("squared_relu", {}), ("weighted_swiglu", dict(bias=True)),
+    ("weighted_quick_geglu", dict(linear_offset=1.0, clamp_value=7.0)),
+    ("weighted_squared_relu", {}),
+]
+
+
+@pytest.mark.parametrize("poison", [None, "nan", "inf", "-inf"])
+@pytest.mark.parametrize("op, options", _NATIVE_CASES)
+def test_default_cpu_path_is_pytorchs_ops_with_the_reference_results(
+        monkeypatch: pytest.MonkeyPatch, op: str, options: dict, poison) -> None:
+    """On CPU float32 without Triton (what a CPU machine without the interpreter picks)
+    every activation runs PyTorch's own ops with autograd (no reference call); outputs and
+    the gradients of x, bias and weights equal the reference's, NaN and inf included."""
+    import lmfuse.activations.ops as act_ops
+    import lmfuse.activations.reference as act_ref
+    from lmfuse._dispatch import select_impl
+
+    monkeypatch.setattr(act_ops, "select_impl", lambda o, impl, device: (
+        ("torch", "test: no Triton") if impl == "auto" else select_impl(o, impl, device)))
+    calls = []
+    real = act_ref.activation_reference
+    monkeypatch.setattr(act_ref, "activation_reference",
+                        lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 5, 24, generator=g) * 2
+    if poison is not None:
+        x[1, 2, 7] = float(poison)  # in the activated half of the gated ops
+        x[0, 4, 20] = float(poison)  # in the linear half
+    options = dict(options)
+    bias = torch.randn(24, generator=g) if options.pop("bias", False) else None
+    weights = torch.rand(15, 1, generator=g) if op.startswith("weighted") else None
+    fn = getattr(lmfuse, op)
+    out = {}
+    for impl in ("auto", "torch"):
+        leaves = [x.clone().requires_grad_(True)]
+        args = [leaves[0]]
+        if weights is not None:
+            leaves.append(weights.clone().requires_grad_(True))
+            args.append(leaves[-1])
+        kw = dict(options, impl=impl)
+        if bias is not None:
+            leaves.append(bias.clone().requires_grad_(True))
+            kw["bias"] = leaves[-1]
+        calls.clear()
+        y = fn(*args, **kw)
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(4))
+        out[impl] = (y, *torch.autograd.grad(y, leaves, dy))
+        assert bool(calls) == (impl == "torch"), impl  # auto: no reference call
+    for got, want in zip(out["auto"], out["torch"], strict=True):
+        assert torch.equal(got.isnan(), want.isnan()), (op, poison)
+        fin = ~want.isnan()
+        assert torch.equal(got[fin].isinf(), want[fin].isinf())
+        fin = fin & ~want.isinf()
+        assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-5), (op, poison)

@@ -338,20 +338,9 @@ def _run(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp_
                        fp8_input_store, cpu_offload_input, impl, gate_multiplier,
                        down_multiplier)
     K = x.shape[-1]
-    if (native_cpu(impl, s["path"], x) and activation == "silu" and gated
-            and weights is None and not linear_offset and clamp_value is None
-            and not fp8_input_store):
-        # The default path on CPU float32 tensors: PyTorch's own ops (the plain formula's
-        # speed, autograd for the gradients; the reference's results). impl="torch" keeps
-        # the reference, the tests' oracle. A multiplier of 1 costs no pass.
-        # chunk, not two slices: its backward is one concatenation of the halves' gradients
-        # where two slices' zero-fill a [..., K] gradient each and add them (on the demo's
-        # model, 0.43 ms of fills a step more than its plain twin's, under the profiler).
-        xb = x if bias is None else x + bias
-        x1, x2 = xb.chunk(2, -1)
-        y = F.silu(x1 * s["gate_multiplier"] if s["gate_multiplier"] != 1 else x1)
-        y = y * x2
-        return y * s["down_multiplier"] if s["down_multiplier"] != 1 else y
+    if (native_cpu(impl, s["path"], x) and not fp8_input_store and not cpu_offload_input
+            and (weights is None or weights.dtype == torch.float32)):
+        return _native(x, bias, weights, s)
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < K):
         x2 = x2.contiguous()
@@ -366,6 +355,45 @@ def _run(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp_
     else:
         y = _Activation.apply(x2, b, w2, s)
     return y.view(*x.shape[:-1], y.shape[-1])
+
+
+# PyTorch's own activations (native forward and backward kernels) where it has the formula.
+_NATIVE = {"silu": lambda a: F.silu(a), "gelu": lambda a: F.gelu(a, approximate="tanh"),
+           "quick_gelu": lambda a: a * torch.sigmoid(ref.QUICK_GELU_K * a),
+           "squared_relu": lambda a: torch.relu(a).square()}
+
+
+def _native(x, bias, weights, s: dict[str, Any]) -> torch.Tensor:
+    """The default path on CPU float32 tensors: the reference's formula in PyTorch's own
+    ops, with autograd for the gradients (the plain formula's speed; the reference's
+    results within rounding: GELU's constants are PyTorch's, the reference's are Megatron's
+    8-digit ones). impl="torch" keeps the reference, the tests' oracle. A multiplier of 1,
+    an offset of 0, no clamp cost no pass."""
+    act = _NATIVE[s["activation"]]
+    g, d, c = s["gate_multiplier"], s["down_multiplier"], s["clamp_value"]
+    if s["gated"]:
+        # chunk, not two slices: its backward is one concatenation of the halves' gradients
+        # where two slices' zero-fill a [..., K] gradient each and add them (on the demo's
+        # model, 0.43 ms of fills a step more than its plain twin's, under the profiler).
+        if c is None and bias is not None:
+            x = x + bias
+        x1, x2 = x.chunk(2, -1)
+        if c is not None:  # before the bias (Megatron's order)
+            x1, x2 = x1.clamp(max=c), x2.clamp(min=-c, max=c)
+            if bias is not None:
+                b1, b2 = bias.chunk(2)
+                x1, x2 = x1 + b1, x2 + b2
+        if s["linear_offset"]:
+            x2 = x2 + s["linear_offset"]
+        y = act(x1 * g if g != 1 else x1) * x2
+    else:
+        xb = x if bias is None else x + bias
+        y = act(xb * g if g != 1 else xb)
+    if d != 1:
+        y = y * d
+    if weights is not None:
+        y = y * weights.reshape(*y.shape[:-1], 1)
+    return y
 
 
 def _plan(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp_value=None,
