@@ -17,7 +17,8 @@ of each cache, merged, against attention over the whole cache.
     python examples/decode_tiny_gpt.py --checkpoint tiny_gpt.pt
     python examples/decode_tiny_gpt.py --train-steps 200 --sample   # trains first
 
-It imports the model from train_tiny_gpt.py, which must lie beside it.
+The model is lmfuse.demo's TinyGPT; its training loop and checkpoints come from
+train_tiny_gpt.py, which must lie beside it.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-import train_tiny_gpt as tiny  # the model, its training loop and checkpoints
+import train_tiny_gpt as tiny  # the training loop and checkpoints
 
 import lmfuse
+from lmfuse.demo import NORM_EPS, ROPE_THETA, TinyGPT
 
 PREFILL_CHUNK = 8  # decode attention takes 1..8 active tokens a step
 DEFAULT_PROMPTS = ("def ", "import torch\n", "    def forward(self, x",
@@ -56,14 +58,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def attention_blocks(model: tiny.TinyGPT, impl: str) -> list[lmfuse.DecodeAttentionBlock]:
+def attention_blocks(model: TinyGPT, impl: str) -> list[lmfuse.DecodeAttentionBlock]:
     """One DecodeAttentionBlock per layer, with that layer's trained attention weights."""
     weight = model.head.weight
     blocks = []
     for layer in model.layers:
         block = lmfuse.DecodeAttentionBlock(
-            model.cfg.d_model, model.cfg.heads, model.cfg.heads, rope=True,
-            rope_theta=tiny.ROPE_THETA, norm_eps=tiny.NORM_EPS, impl=impl,
+            model.cfg.d_model, model.cfg.n_heads, model.cfg.n_heads, rope=True,
+            rope_theta=ROPE_THETA, norm_eps=NORM_EPS, impl=impl,
             device=weight.device, dtype=weight.dtype)
         block.load_state_dict(layer.attn.state_dict())  # same names, same layout
         blocks.append(block)
@@ -71,7 +73,7 @@ def attention_blocks(model: tiny.TinyGPT, impl: str) -> list[lmfuse.DecodeAttent
 
 
 @torch.inference_mode()
-def generate(model: tiny.TinyGPT, prompts: list[list[int]], new_tokens: int, *,
+def generate(model: TinyGPT, prompts: list[list[int]], new_tokens: int, *,
              block_len: int = 16, sample: bool = False, temperature: float = 1.0,
              seed: int = 0, impl: str = "auto") -> Generation:
     """Continue each of ``prompts`` (non-empty byte lists) by ``new_tokens`` tokens."""
@@ -80,7 +82,7 @@ def generate(model: tiny.TinyGPT, prompts: list[list[int]], new_tokens: int, *,
     weight = model.head.weight
     device, dtype = weight.device, weight.dtype
     blocks = attention_blocks(model, impl)
-    heads, head_dim = model.cfg.heads, model.cfg.d_model // model.cfg.heads
+    heads, head_dim = model.cfg.n_heads, model.cfg.d_model // model.cfg.n_heads
     blocks_per_seq = -(-(max(map(len, prompts)) + new_tokens) // block_len)
     cache = lmfuse.PagedKVCache(len(prompts) * blocks_per_seq, block_len, heads, head_dim,
                                 dtype=dtype, device=device, num_layers=len(blocks))
@@ -132,7 +134,7 @@ def generate(model: tiny.TinyGPT, prompts: list[list[int]], new_tokens: int, *,
 
 
 @torch.no_grad()
-def full_forward_logits(model: tiny.TinyGPT, prompt: list[int],
+def full_forward_logits(model: TinyGPT, prompt: list[int],
                         continuation: list[int]) -> torch.Tensor:
     """The next-token logits ``[len(continuation), 256]`` float32 at each generated
     position, from one plain forward of the whole sequence (no cache)."""
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"loaded {args.checkpoint}: {model.cfg}")
     else:
         torch.manual_seed(args.seed)
-        model = tiny.TinyGPT(tiny.model_config(args), impl=args.impl)
+        model = TinyGPT(tiny.model_config(args), impl=args.impl)
         print(f"no --checkpoint: training {model.cfg} for {args.train_steps} steps")
         tiny.train(model.to(device=device, dtype=dtype), tiny.load_bytes(args.text),
                    steps=args.train_steps, batch=args.batch, seq=args.seq, lr=args.lr,
@@ -234,11 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     # The same weights, re-run on each whole sequence with every op's PyTorch reference. In
     # half precision the two paths round differently, so both are also held against a
     # float32 re-forward: the decode path must be about as close to it as the plain one.
-    plain = tiny.TinyGPT(model.cfg, impl="torch").to(device=device, dtype=dtype)
+    plain = TinyGPT(model.cfg, impl="torch").to(device=device, dtype=dtype)
     plain.load_state_dict(model.state_dict())
     exact = None
     if dtype != torch.float32:
-        exact = tiny.TinyGPT(model.cfg, impl="torch").to(device=device, dtype=torch.float32)
+        exact = TinyGPT(model.cfg, impl="torch").to(device=device, dtype=torch.float32)
         exact.load_state_dict(model.state_dict())
     agree, logit_err, decode_err, plain_err = True, 0.0, 0.0, 0.0
     for prompt, cont, got in zip(prompts, g.tokens, g.logits):

@@ -4,16 +4,18 @@
 
     attention   lmfuse.rms_norm -> fused QKV projection -> rotary embedding
                 -> q @ k.T -> lmfuse.fused_softmax(causal=True) -> @ v -> output projection
-    mlp         lmfuse.RMSNorm, then lmfuse.FusedMLP (SwiGLU by default: fc1, the fused
+    mlp         lmfuse.rms_norm, then lmfuse.FusedMLP (SwiGLU by default: fc1, the fused
                 activation, fc2)
     loss        lmfuse.linear_cross_entropy(hidden, head.weight, targets): the [tokens, 256]
                 logits are never materialised; --materialise-logits computes them and calls
                 lmfuse.cross_entropy instead. --z-loss and --label-smoothing go to either.
 
-The attention's parameters are named and laid out as lmfuse.DecodeAttentionBlock's
-(``input_norm_weight``, ``qkv`` with q heads then k heads then v heads, ``out``; no biases;
-rotate-half rotary embedding over the whole head), so decode_tiny_gpt.py loads the trained
-weights into that block with a plain ``load_state_dict``.
+The model is ``lmfuse.demo.TinyGPT`` (the one ``lmfuse demo`` trains; read it there), built
+from a ``lmfuse.demo.ModelConfig``. Its attention's parameters are named and laid out as
+lmfuse.DecodeAttentionBlock's (``input_norm_weight``, ``qkv`` with q heads then k heads then
+v heads, ``out``; no biases; rotate-half rotary embedding over the whole head, with the
+block's frequencies), so decode_tiny_gpt.py loads the trained weights into that block with a
+plain ``load_state_dict``. This script is the rest: data, training loop, checkpoints.
 
 The text is lmfuse's own source code (or --text FILE), one token per byte: a model that
 has learnt nothing scores ln 256 = 5.55 nats per byte.
@@ -30,118 +32,18 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from torch import nn
 
 import lmfuse
-from lmfuse.attention.block import rope_inv_freq
+from lmfuse.demo import ModelConfig, TinyGPT
 
-VOCAB = 256  # one token per byte
-NORM_EPS = 1e-6
-ROPE_THETA = 10000.0
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # AdamW on float16 weights underflows (eps, squared gradients) and turns them to NaN.
 FP16_TRAINING = ("--dtype fp16 cannot train here: float16 needs float32 master weights and "
                  "loss scaling, which this example leaves out; train in bf16 or fp32")
-
-
-@dataclass
-class GPTConfig:
-    d_model: int = 64
-    layers: int = 2
-    heads: int = 4
-    ffn: int = 192
-    activation: str = "swiglu"  # any lmfuse.FusedMLP activation
-
-
-# --- the model --------------------------------------------------------------------------------
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary embedding of ``x [B, T, H, D]`` by ``cos, sin [T, 1, D/2]``."""
-    x1, x2 = x.chunk(2, -1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
-
-
-class CausalSelfAttention(nn.Module):
-    """Training-time attention with DecodeAttentionBlock's parameters."""
-
-    def __init__(self, cfg: GPTConfig, impl: str) -> None:
-        super().__init__()
-        self.heads, self.head_dim, self.impl = cfg.heads, cfg.d_model // cfg.heads, impl
-        self.input_norm_weight = nn.Parameter(torch.ones(cfg.d_model))
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
-        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        B, T, d = x.shape
-        h = lmfuse.rms_norm(x, self.input_norm_weight, eps=NORM_EPS, impl=self.impl)
-        q, k, v = self.qkv(h).view(B, T, 3, self.heads, self.head_dim).unbind(2)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
-        # Scale, causal mask and softmax in one kernel; no [T, T] mask tensor is built.
-        probs = lmfuse.fused_softmax(q @ k.transpose(-1, -2), scale=self.head_dim ** -0.5,
-                                     causal=True, impl=self.impl)
-        return self.out((probs @ v).transpose(1, 2).reshape(B, T, d))
-
-
-class Layer(nn.Module):
-    def __init__(self, cfg: GPTConfig, impl: str) -> None:
-        super().__init__()
-        self.attn = CausalSelfAttention(cfg, impl)
-        self.mlp_norm = lmfuse.RMSNorm(cfg.d_model, NORM_EPS, impl=impl)
-        self.mlp = lmfuse.FusedMLP(cfg.d_model, cfg.ffn, cfg.activation, bias=False, impl=impl)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(x, cos, sin)
-        return x + self.mlp(self.mlp_norm(x))
-
-
-class TinyGPT(nn.Module):
-    def __init__(self, cfg: GPTConfig, impl: str = "auto") -> None:
-        super().__init__()
-        if cfg.d_model % cfg.heads or (cfg.d_model // cfg.heads) % 2:
-            raise ValueError(f"TinyGPT: d_model ({cfg.d_model}) must be heads ({cfg.heads}) "
-                             f"times an even head_dim")
-        self.cfg, self.impl = cfg, impl
-        self.embed = nn.Embedding(VOCAB, cfg.d_model)
-        self.layers = nn.ModuleList(Layer(cfg, impl) for _ in range(cfg.layers))
-        self.final_norm = lmfuse.RMSNorm(cfg.d_model, NORM_EPS, impl=impl)
-        self.head = nn.Linear(cfg.d_model, VOCAB, bias=False)
-        # Not a buffer: model.to(bfloat16) would round the frequencies.
-        # DecodeAttentionBlock's own frequencies, so training and decoding rotate alike.
-        self._inv_freq = rope_inv_freq(cfg.d_model // cfg.heads, ROPE_THETA)
-
-    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
-        """``tokens [B, T]`` -> final hidden states ``[B, T, d_model]``."""
-        x = self.embed(tokens)
-        positions = torch.arange(tokens.shape[1], device=x.device, dtype=torch.float32)
-        angle = (positions[:, None] * self._inv_freq.to(x.device))[:, None, :]  # [T, 1, D/2]
-        # cos / sin of the float32 angles, then rounded (as DecodeAttentionBlock's kernel
-        # takes them; rounding the angles first would move them by up to half a radian).
-        cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.final_norm(x)
-
-    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.hidden(tokens))
-
-    def loss(self, tokens: torch.Tensor, targets: torch.Tensor, *,
-             materialise_logits: bool = False, z_loss: float = 0.0,
-             label_smoothing: float = 0.0) -> torch.Tensor:
-        """Mean next-byte loss of ``tokens [B, T]`` against ``targets [B, T]``."""
-        h = self.hidden(tokens).flatten(0, 1)
-        if materialise_logits:
-            return lmfuse.cross_entropy(self.head(h), targets.flatten(), z_loss=z_loss,
-                                        label_smoothing=label_smoothing, impl=self.impl)
-        # hidden @ head.weight.T chunk by chunk; its gradients come back for both.
-        return lmfuse.linear_cross_entropy(h, self.head.weight, targets.flatten(),
-                                           z_loss=z_loss, label_smoothing=label_smoothing,
-                                           impl=self.impl)
 
 
 # --- data, training, checkpoints ---------------------------------------------------------------
@@ -218,7 +120,7 @@ def load_checkpoint(path: str, impl: str = "auto") -> TinyGPT:
     """A :class:`TinyGPT` with the weights :func:`save_checkpoint` wrote (on the CPU, in the
     dtype they were saved in)."""
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    model = TinyGPT(GPTConfig(**ckpt["config"]), impl=impl)
+    model = TinyGPT(ModelConfig(**ckpt["config"]), impl=impl)
     model.to(next(iter(ckpt["model"].values())).dtype)
     model.load_state_dict(ckpt["model"])
     return model
@@ -226,14 +128,14 @@ def load_checkpoint(path: str, impl: str = "auto") -> TinyGPT:
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """Model-size and training flags (shared with decode_tiny_gpt.py)."""
-    d = GPTConfig()
+    d = ModelConfig()
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
     parser.add_argument("--dtype", choices=tuple(DTYPES),
                         help="default bf16 on CUDA, fp32 on the CPU (fp16: decoding only)")
     parser.add_argument("--impl", choices=("auto", "triton", "torch"), default="auto")
     parser.add_argument("--d-model", type=int, default=d.d_model)
-    parser.add_argument("--layers", type=int, default=d.layers)
-    parser.add_argument("--heads", type=int, default=d.heads)
+    parser.add_argument("--layers", type=int, default=d.n_layers)
+    parser.add_argument("--heads", type=int, default=d.n_heads)
     parser.add_argument("--ffn", type=int, help="MLP width (default 3 * d_model)")
     parser.add_argument("--activation", default=d.activation,
                         choices=("swiglu", "geglu", "quick_geglu", "gelu", "squared_relu"))
@@ -244,9 +146,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text", help="train on this file (default: lmfuse's own source)")
 
 
-def model_config(args: argparse.Namespace) -> GPTConfig:
-    return GPTConfig(args.d_model, args.layers, args.heads, args.ffn or 3 * args.d_model,
-                     args.activation)
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(d_model=args.d_model, n_heads=args.heads, n_layers=args.layers,
+                       ffn=args.ffn or 3 * args.d_model, activation=args.activation)
 
 
 def main(argv: list[str] | None = None) -> int:

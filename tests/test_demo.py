@@ -111,6 +111,44 @@ def test_as_llama_views_the_weights_and_computes_the_same_logits(fused):
         assert torch.allclose(llama(tokens).logits, want * 0.5, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("activation", sorted(demo.PLAIN_MLP))
+def test_plain_twin_computes_the_fused_models_loss(activation):
+    """TinyGPT (the demo's and examples/'s one model): for every activation its plain twin
+    has, fed the fused model's weights, it gives the fused model's loss and gradients, z-loss
+    and label smoothing included, against both fused losses."""
+    cfg = demo.ModelConfig(d_model=32, n_heads=2, n_layers=2, ffn=48, activation=activation)
+    torch.manual_seed(0)
+    fused = TinyGPT(cfg, impl="torch")
+    plain = TinyGPT(cfg, fused=False)
+    plain.load_state_dict(fused.state_dict())
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    opts = dict(z_loss=1e-2, label_smoothing=0.1)
+    want = plain.loss(tokens, tokens.roll(-1, 1), **opts)
+    want.backward()
+    for materialise in (False, True):
+        fused.zero_grad()
+        got = fused.loss(tokens, tokens.roll(-1, 1), materialise_logits=materialise, **opts)
+        got.backward()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for (name, p), q in zip(fused.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert plain.loss(tokens, tokens, z_loss=1e-2) > plain.loss(tokens, tokens)
+
+
+def test_tiny_gpt_refuses_what_it_cannot_build():
+    with pytest.raises(ValueError, match=r"d_model \(10\) must be n_heads \(4\) times an "
+                       "even head_dim"):
+        TinyGPT(demo.ModelConfig(d_model=10, n_heads=4))
+    with pytest.raises(ValueError, match=r"activation must be one of swiglu, .* in the plain "
+                       r"model \(fused=False\), got 'relu'"):
+        TinyGPT(demo.ModelConfig(activation="relu"), fused=False)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        TinyGPT(demo.ModelConfig(activation="relu"))  # FusedMLP's own check
+    with pytest.raises(ValueError, match="as_llama: Llama's MLP is SwiGLU; this model's "
+                       "activation is 'gelu'"):
+        as_llama(TinyGPT(demo.ModelConfig(activation="gelu"), impl="torch"), 64)
+
+
 def test_demo_sampling_and_custom_text(tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 40)

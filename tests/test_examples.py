@@ -79,7 +79,7 @@ def test_checkpoint_round_trips(ex, trained, tmp_path):
     _, _, path = trained
     saved = torch.load(path, weights_only=True)
     model = train.load_checkpoint(str(path), impl="torch")
-    assert model.cfg == train.GPTConfig(d_model=32, layers=1, heads=2, ffn=96)
+    assert model.cfg == train.ModelConfig(d_model=32, n_layers=1, n_heads=2, ffn=96)
     state = model.state_dict()
     assert state.keys() == saved["model"].keys()
     assert all(torch.equal(state[k], saved["model"][k]) for k in state)
@@ -111,7 +111,8 @@ def test_train_triton_kernels_and_materialised_logits_loss(ex, capsys):
 
 def test_materialised_and_linear_losses_agree(ex):
     train, _ = ex
-    model = train.TinyGPT(train.GPTConfig(d_model=32, layers=1, heads=2, ffn=64), impl="torch")
+    model = train.TinyGPT(train.ModelConfig(d_model=32, n_layers=1, n_heads=2, ffn=64),
+                          impl="torch")
     x, y = train.random_batch(train.load_bytes(), 2, 16, torch.Generator().manual_seed(0))
     with torch.no_grad():
         for opts in ({}, {"z_loss": 1e-2, "label_smoothing": 0.1}):

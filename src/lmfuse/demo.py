@@ -44,13 +44,14 @@ import sys
 import time
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import lmfuse
+from lmfuse.attention.block import rope_inv_freq
 
 VOCAB = 256  # bytes
 NORM_EPS = 1e-6
@@ -125,6 +126,8 @@ class DemoConfig:
     plot: Optional[str] = None
     log_every: Optional[int] = None  # default: a tenth of the steps
     quiet: bool = False
+    # Not an option: the demo's MLP is SwiGLU, which as_llama views as Llama's.
+    activation: ClassVar[str] = "swiglu"
 
 
 @dataclass
@@ -319,10 +322,27 @@ def _read_text(path: Optional[str], name: Callable[[str], str]) -> tuple[bytes, 
 
 
 # --- the model -------------------------------------------------------------------------------
+# One definition for the demo and examples/ (train_tiny_gpt.py trains it, decode_tiny_gpt.py
+# decodes it with lmfuse.DecodeAttentionBlock): the parameter names are what both map the
+# weights by, as_llama into a Llama and the decode example into its attention blocks.
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    # float32 math, rounded once.
+@dataclass
+class ModelConfig:
+    """The tiny GPT's sizes and MLP activation (the examples save it with their weights)."""
+
+    d_model: int = 64
+    n_heads: int = 4
+    n_layers: int = 2
+    ffn: int = 192
+    activation: str = "swiglu"  # any lmfuse.FusedMLP activation; the plain model: PLAIN_MLP's
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, fused: bool = False,
+             impl: str = "auto") -> torch.Tensor:
+    """``lmfuse.rms_norm`` when ``fused``, else the formula in float32 math, rounded once."""
+    if fused:
+        return lmfuse.rms_norm(x, weight, eps=NORM_EPS, impl=impl)
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + NORM_EPS)
             * weight.float()).to(x.dtype)
@@ -330,23 +350,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _inv_freq(head_dim: int, device: torch.device) -> torch.Tensor:
-    """The rotary frequencies, float32, computed on the CPU (as transformers' Llama does at
-    its construction, so both models turn by the same angles) and kept on ``device``: a
-    buffer would be rounded by ``model.to(dtype)``."""
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
-    return (1.0 / ROPE_THETA ** exponent).to(device)
+    """The rotary frequencies, float32, kept on ``device`` (a buffer would be rounded by
+    ``model.to(dtype)``): DecodeAttentionBlock's own, formed on the CPU by the float32
+    formula transformers' Llama uses, so the bits are the same and training, the decode
+    example's blocks and :func:`as_llama`'s Llama all turn by the same angles."""
+    return rope_inv_freq(head_dim, ROPE_THETA, device)
 
 
-def rope(x: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary embedding of ``x [B, T, H, D]`` at positions ``0..T-1``: the cosine
-    and sine of float32 angles (frequencies ``theta ** (-2i / D)`` in float32 whatever x's
-    dtype, as transformers' Llama takes them), rounded to x's dtype."""
-    T = x.shape[1]
-    inv_freq = _inv_freq(x.shape[-1], x.device)
-    angle = torch.arange(T, device=x.device, dtype=torch.float32)[None, :, None, None] * inv_freq
-    c, s = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding of ``x [B, T, H, D]`` by ``cos, sin [T, 1, D/2]``."""
     x1, x2 = x.chunk(2, -1)
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
 
 
 class RMSNorm(nn.Module):
@@ -358,15 +372,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            return lmfuse.rms_norm(x, self.weight, eps=NORM_EPS, impl=self.impl)
-        return rms_norm(x, self.weight)
+        return rms_norm(x, self.weight, self.fused, self.impl)
 
 
 class CausalSelfAttention(nn.Module):
-    """Causal self-attention: ``input_norm_weight`` (its RMSNorm), ``qkv`` (the query, key
-    and value projections stacked in that order, ``[3 d, d]``), ``out``; no biases, rope
-    over the whole head."""
+    """Causal self-attention with lmfuse.DecodeAttentionBlock's parameters:
+    ``input_norm_weight`` (its RMSNorm), ``qkv`` (the query, key and value projections
+    stacked in that order, ``[3 d, d]``), ``out``; no biases, rope over the whole head."""
 
     def __init__(self, d: int, n_heads: int, fused: bool, impl: str) -> None:
         super().__init__()
@@ -375,16 +387,15 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.out = nn.Linear(d, d, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, d = x.shape
         H, D = self.n_heads, self.head_dim
-        h = (lmfuse.rms_norm(x, self.input_norm_weight, eps=NORM_EPS, impl=self.impl)
-             if self.fused else rms_norm(x, self.input_norm_weight))
+        h = rms_norm(x, self.input_norm_weight, self.fused, self.impl)
         q, k, v = self.qkv(h).view(B, T, 3, H, D).unbind(2)
-        q, k = rope(q), rope(k)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         scores = q @ k.transpose(-1, -2)  # [B, H, T, T]
-        if self.fused:
+        if self.fused:  # scale, causal mask and softmax in one kernel; no [T, T] mask tensor
             p = lmfuse.fused_softmax(scores, scale=D ** -0.5, causal=True, impl=self.impl)
         else:
             future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
@@ -393,56 +404,100 @@ class CausalSelfAttention(nn.Module):
         return self.out((p @ v).transpose(1, 2).reshape(B, T, d))
 
 
-class PlainSwiGLU(nn.Module):
-    """FusedMLP(activation="swiglu", bias=False) in plain PyTorch (same parameter names)."""
+_gelu = functools.partial(F.gelu, approximate="tanh")
+# FusedMLP's activations in plain PyTorch (GELU tanh-approximated, as FusedMLP's):
+# name -> (the activation, gated).
+PLAIN_MLP = {"swiglu": (F.silu, True), "geglu": (_gelu, True),
+             "quick_geglu": (lambda a: a * torch.sigmoid(1.702 * a), True),
+             "gelu": (_gelu, False), "squared_relu": (lambda a: F.relu(a).square(), False)}
 
-    def __init__(self, d: int, ffn: int) -> None:
+
+class PlainMLP(nn.Module):
+    """``FusedMLP(d, ffn, activation, bias=False)`` in plain PyTorch (same parameters)."""
+
+    def __init__(self, d: int, ffn: int, activation: str) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(d, 2 * ffn, bias=False)
+        self.act, self.gated = PLAIN_MLP[activation]
+        self.fc1 = nn.Linear(d, 2 * ffn if self.gated else ffn, bias=False)
         self.fc2 = nn.Linear(ffn, d, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a, g = self.fc1(x).chunk(2, -1)  # the activated half first, as FusedMLP
-        return self.fc2(F.silu(a) * g)
+        h = self.fc1(x)
+        if not self.gated:
+            return self.fc2(self.act(h))
+        a, g = h.chunk(2, -1)  # the activated half first, as FusedMLP
+        return self.fc2(self.act(a) * g)
 
 
 class Layer(nn.Module):
-    def __init__(self, cfg: DemoConfig, fused: bool, impl: str) -> None:
+    def __init__(self, cfg: ModelConfig, fused: bool, impl: str) -> None:
         super().__init__()
         self.attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, fused, impl)
         self.mlp_norm = RMSNorm(cfg.d_model, fused, impl)
-        self.mlp = (lmfuse.FusedMLP(cfg.d_model, cfg.ffn, "swiglu", bias=False, impl=impl)
-                    if fused else PlainSwiGLU(cfg.d_model, cfg.ffn))
+        self.mlp = (lmfuse.FusedMLP(cfg.d_model, cfg.ffn, cfg.activation, bias=False, impl=impl)
+                    if fused else PlainMLP(cfg.d_model, cfg.ffn, cfg.activation))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(x)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x, cos, sin)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, cfg: DemoConfig, fused: bool, impl: str = "auto") -> None:
+    """The byte-level GPT, with lmfuse's ops (``fused``; ``impl`` their path) or plain
+    PyTorch's: the same parameters either way, so one's state dict loads into the other.
+    ``cfg``: a :class:`ModelConfig` or anything with its fields (a :class:`DemoConfig`);
+    kept as ``self.cfg``, a ModelConfig."""
+
+    def __init__(self, cfg: Any, fused: bool = True, impl: str = "auto") -> None:
         super().__init__()
-        self.fused, self.impl = fused, impl
+        cfg = ModelConfig(**{f.name: getattr(cfg, f.name) for f in fields(ModelConfig)})
+        if cfg.d_model % cfg.n_heads or (cfg.d_model // cfg.n_heads) % 2:
+            raise ValueError(f"TinyGPT: d_model ({cfg.d_model}) must be n_heads "
+                             f"({cfg.n_heads}) times an even head_dim (rotary embeddings "
+                             "rotate pairs)")
+        if not fused and cfg.activation not in PLAIN_MLP:
+            raise ValueError(f"TinyGPT: activation must be one of {', '.join(PLAIN_MLP)} in "
+                             f"the plain model (fused=False), got {cfg.activation!r}")
+        self.cfg, self.fused, self.impl = cfg, fused, impl
+        self.head_dim = cfg.d_model // cfg.n_heads
         self.embed = nn.Embedding(VOCAB, cfg.d_model)
         self.layers = nn.ModuleList(Layer(cfg, fused, impl) for _ in range(cfg.n_layers))
         self.final_norm = RMSNorm(cfg.d_model, fused, impl)
         self.head = nn.Linear(cfg.d_model, VOCAB, bias=False)
 
     def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens [B, T]`` -> final hidden states ``[B, T, d_model]``."""
         x = self.embed(tokens)
+        positions = torch.arange(tokens.shape[1], device=x.device, dtype=torch.float32)
+        angle = (positions[:, None] * _inv_freq(self.head_dim, x.device))[:, None]  # [T,1,D/2]
+        # cos / sin of the float32 angles, then rounded (as transformers' Llama and
+        # DecodeAttentionBlock take them; rounding the angles first would move them by up to
+        # half a radian).
+        cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, cos, sin)
         return self.final_norm(x)
-
-    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        h = self.hidden(tokens).flatten(0, 1)
-        if self.fused:
-            return lmfuse.linear_cross_entropy(h, self.head.weight, targets.flatten(),
-                                               impl=self.impl)
-        return F.cross_entropy(self.head(h).float(), targets.flatten())
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(self.hidden(tokens))
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor, *,
+             materialise_logits: bool = False, z_loss: float = 0.0,
+             label_smoothing: float = 0.0) -> torch.Tensor:
+        """Mean next-byte loss of ``tokens [B, T]`` against ``targets [B, T]``. Fused:
+        lmfuse.linear_cross_entropy (hidden @ head.weight.T chunk by chunk, the [tokens, 256]
+        logits never materialised) or, ``materialise_logits``, lmfuse.cross_entropy. Plain
+        (the logits always materialised): F.cross_entropy of float32 logits, plus ``z_loss *
+        logsumexp(logits) ** 2``."""
+        h, y = self.hidden(tokens).flatten(0, 1), targets.flatten()
+        opts = dict(z_loss=z_loss, label_smoothing=label_smoothing)
+        if not self.fused:
+            logits = self.head(h).float()
+            loss = F.cross_entropy(logits, y, label_smoothing=label_smoothing)
+            return loss + z_loss * logits.logsumexp(-1).square().mean() if z_loss else loss
+        if materialise_logits:
+            return lmfuse.cross_entropy(self.head(h), y, impl=self.impl, **opts)
+        return lmfuse.linear_cross_entropy(h, self.head.weight, y, impl=self.impl, **opts)
 
 
 # --- data and training -----------------------------------------------------------------------
@@ -564,6 +619,9 @@ def as_llama(model: TinyGPT, max_positions: int) -> Any:
     TinyGPT computes them."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if model.cfg.activation != "swiglu":
+        raise ValueError(f"as_llama: Llama's MLP is SwiGLU; this model's activation is "
+                         f"{model.cfg.activation!r}")
     first = model.layers[0]
     d, H = model.embed.embedding_dim, first.attn.n_heads
     ffn = first.mlp.fc2.in_features
