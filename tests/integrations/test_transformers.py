@@ -569,7 +569,6 @@ def test_vision_language_models_text_stack(model_type):
         for name, p in a.named_parameters():
             if p.dim() == 1 and "norm" in name:
                 p.add_(0.3 * torch.randn_like(p))
-    a64 = copy.deepcopy(a).double() if model_type in OWN_ROUNDING else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         b = apply_lmfuse(copy.deepcopy(a), inference_fallback_tokens=0)
@@ -605,29 +604,70 @@ OTHER_VLMS = {
     "mllama": ("mllama_text_model", "mllama_vision_model", "image_token_index", {}),
     "mistral3": ("mistral", "pixtral", "image_token_index", {}),
     "gemma4": ("gemma4_text", "gemma4_vision", "image_token_id", {"audio_config": None}),
+    # GLM-4.1V and GLM-4.5V: the text MLPs fuse gate and up (GLM-4.5V's MoE layer's shared
+    # experts do not), the vision tower has RMSNorms and SiLU gated MLPs
+    "glm4v": ("glm4v_text", "glm4v_vision", "image_token_id", {}),
+    "glm4v_moe": ("glm4v_moe_text", "glm4v_moe_vision", "image_token_id", {}),
+    "qwen3_vl_moe": ("qwen3_vl_moe_text", "qwen3_vl_moe_vision", "image_token_id", {}),
+    "qwen3_5": ("qwen3_5_text", "qwen3_5_vision", "image_token_id", {}),
+    "qwen3_5_moe": ("qwen3_5_moe_text", "qwen3_5_moe_vision", "image_token_id", {}),
+    "smolvlm": ("llama", "smolvlm_vision", "image_token_id", {}),
 }
+# Their text and vision configs beyond the common tiny sizes: the multimodal rotary
+# sections of head_dim 8's 4 frequencies (GLM-4.5V and Qwen3.5 rotate half and a quarter of
+# each head by default: all of it here), the Qwen/GLM vision towers' own names for their
+# sizes, the MoE and linear-attention layers.
+_MROPE = {"rope_parameters": {"rope_type": "default", "mrope_section": [1, 1, 2],
+                              "partial_rotary_factor": 1.0}}
+_QWEN_MROPE = {"rope_parameters": {**_MROPE["rope_parameters"], "mrope_interleaved": True}}
+_QWEN_VISION = {"depth": 1, "num_heads": 2, "out_hidden_size": 32, "spatial_merge_size": 1,
+                "temporal_patch_size": 1}
+_LINEAR_ATTENTION = {"layer_types": ["linear_attention", "full_attention"],
+                     "linear_num_key_heads": 2, "linear_num_value_heads": 2,
+                     "linear_key_head_dim": 8, "linear_value_head_dim": 8}
+_MOE = {"num_experts": 2, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+VLM_SUBCONFIGS = {
+    "glm4v": (_MROPE, _QWEN_VISION),
+    "glm4v_moe": ({**_MROPE, "n_routed_experts": 2, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 16, "first_k_dense_replace": 1}, _QWEN_VISION),
+    "qwen3_vl_moe": ({**_QWEN_MROPE, **_MOE}, _QWEN_VISION),
+    "qwen3_5": ({**_QWEN_MROPE, **_LINEAR_ATTENTION}, _QWEN_VISION),
+    "qwen3_5_moe": ({**_QWEN_MROPE, **_LINEAR_ATTENTION, **_MOE,
+                     "shared_expert_intermediate_size": 16}, _QWEN_VISION),
+}
+# The text stack's gated MLPs patched (2 unless listed) and the experts modules run through
+# moe_experts (none unless listed): GLM-4.1V's text MLPs fuse gate and up, Qwen3-VL-MoE's
+# layers are all experts; GLM-4.5V's first layer is dense, its second a MoE with shared
+# experts (Qwen3.5-MoE's two are MoEs with shared experts).
+VLM_TEXT_MLPS = {"glm4v": 0, "qwen3_vl_moe": 0}
+VLM_EXPERTS = {"glm4v_moe": 1, "qwen3_vl_moe": 2, "qwen3_5_moe": 2}
 
 
-@pytest.mark.parametrize("model_type", list(OTHER_VLMS))
-def test_other_vision_language_models_text_stack(model_type):
-    """Gemma 3, LLaVA, PaliGemma, InternVL, Llama 3.2 Vision (mllama), Mistral 3 and Gemma 4
-    (no audio tower) with their vision towers, a text-only batch: the text stack's norms and gated MLPs fused
-    (vision towers' MLPs where they are of that form; others left as they are), the loss
-    from the last hidden states: loss and every gradient as unpatched."""
+def _text_stack(name: str) -> bool:
+    """A module of a vision-language model's text stack (SmolVLM calls it ``text_model``)."""
+    return ".language_model." in f".{name}." or ".text_model." in f".{name}."
+
+
+def make_vlm(model_type: str):
+    """A tiny random vision-language model of ``model_type`` (OTHER_VLMS), its norm weights
+    (and Qwen3.5's linear-attention decay rates) moved off their init, in float32 and train
+    mode."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if model_type not in CONFIG_MAPPING:
         pytest.skip(f"transformers {transformers.__version__} has no {model_type!r} models")
     text_type, vision_type, image_key, more = OTHER_VLMS[model_type]
+    text_more, vision_more = VLM_SUBCONFIGS.get(model_type, ({}, {}))
     text = {"model_type": text_type, "hidden_size": 32, "intermediate_size": 48,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
             "head_dim": 8, "vocab_size": VOCAB, "max_position_embeddings": 64,
-            "initializer_range": 0.1, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+            "initializer_range": 0.1, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+            **text_more}
     if text_type == "gemma3_text":
         text["final_logit_softcapping"] = 0.5
     vision = {"model_type": vision_type, "hidden_size": 16, "intermediate_size": 16,
               "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 8,
-              "patch_size": 2, "projection_dim": 32}
+              "patch_size": 2, "projection_dim": 32, **vision_more}
     config = transformers.AutoConfig.for_model(model_type, text_config=text,
                                                vision_config=vision, **{image_key: VOCAB - 10},
                                                **more)
@@ -637,6 +677,31 @@ def test_other_vision_language_models_text_stack(model_type):
         for name, p in a.named_parameters():
             if p.dim() == 1 and "norm" in name:
                 p.add_(0.3 * torch.randn_like(p))
+        # Qwen3.5's gated linear attention draws its decay rates A from U(0.01, 16). Seed 0
+        # gives both heads of the first layer A near 12.4 (Qwen3.5-MoE's 12.35 and 12.57): a
+        # decay of e^-16 a token, below float32's epsilon against the terms it is summed
+        # with, so dL/dA_log is rounding noise (Qwen3.5-MoE's at most 1.8e-5, against 0.06 to
+        # 1.9 for the layer's other weights; the unpatched float32 model's is 4.7e-4 from the
+        # float64 model's, whose delta rule transformers runs in float32 too, and the
+        # patched model's as far from the unpatched one's). A in (1/e, e) keeps it real.
+        for m in a.modules():
+            if isinstance(getattr(m, "A_log", None), torch.nn.Parameter):
+                m.A_log.uniform_(-1.0, 1.0)
+    return a
+
+
+@pytest.mark.parametrize("model_type", list(OTHER_VLMS))
+def test_other_vision_language_models_text_stack(model_type):
+    """Gemma 3, LLaVA, PaliGemma, InternVL, Llama 3.2 Vision (mllama), Mistral 3, Gemma 4 (no
+    audio tower), GLM-4.1V, GLM-4.5V, Qwen3-VL-MoE, Qwen3.5 (dense and MoE) and SmolVLM with
+    their vision towers, a text-only batch: the text stack's norms and gated MLPs fused
+    (vision towers' norms and MLPs where they are of these forms; others left as they are),
+    the MoE ones' experts through moe_experts, the loss from the last hidden states: loss and
+    every gradient as unpatched."""
+    import lmfuse.integrations.transformers as integration
+
+    a = make_vlm(model_type)
+    text_type = OTHER_VLMS[model_type][0]
     a64 = copy.deepcopy(a).double() if model_type in OWN_ROUNDING else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -645,13 +710,27 @@ def test_other_vision_language_models_text_stack(model_type):
     told = [str(w.message) for w in caught if "left unpatched" in str(w.message)]
     assert told == (["apply_lmfuse: 1 MLP(s) left unpatched: lmfuse fuses SiLU and tanh-GELU "
                      "gated MLPs, these use GELUActivation"] if model_type == "mistral3" else [])
-    s = b.lmfuse_patches
-    text_norms = [n for n, m in b.named_modules()  # (Gemma 4's weightless v_norms stay)
-                  if type(m).__name__.endswith("RMSNorm") and "language_model" in n
+    s, family = b.lmfuse_patches, integration._family_of(a)
+    modules = dict(b.named_modules())
+    text_norms = [n for n, m in modules.items()  # (Gemma 4's weightless v_norms stay)
+                  if type(m).__name__.endswith("RMSNorm") and _text_stack(n)
                   and getattr(m, "weight", None) is not None]
     assert len(text_norms) >= 5 and set(text_norms) <= set(s["rms_norm"])
+    # every module of a class the probe took is patched, vision towers' too
+    assert sorted(s["rms_norm"]) == sorted(
+        n for n, m in modules.items() if type(m).__name__ in family.norms
+        and getattr(m, "weight", None) is not None)
+    assert sorted(s["swiglu"] + s["geglu"] + list(s["mlp_unsupported_activation"])) == sorted(
+        n for n, m in modules.items() if type(m).__name__ in family.mlps)
     act = "geglu" if text_type.startswith("gemma") else "swiglu"
-    assert len([n for n in s[act] if "language_model" in n]) == 2
+    assert len([n for n in s[act] if _text_stack(n)]) == VLM_TEXT_MLPS.get(model_type, 2)
+    experts = [n for n, m in modules.items() if type(m).__name__.endswith("Experts")]
+    assert sorted(s["moe_experts"]) == sorted(experts)
+    assert len(experts) == VLM_EXPERTS.get(model_type, 0)
+    if model_type.startswith("glm4v"):  # the vision tower's gated MLP, not its merger's
+        assert "model.visual.blocks.0.mlp" in s["swiglu"]
+        assert "model.visual.merger" not in s["swiglu"]
+        assert "model.visual.post_layernorm" in s["rms_norm"]
     assert s["fused_linear_cross_entropy"]
     ids = torch.randint(3, VOCAB - 20, (2, 7))
     out_a, out_b = a(input_ids=ids, labels=ids), b(input_ids=ids, labels=ids)
@@ -664,6 +743,31 @@ def test_other_vision_language_models_text_stack(model_type):
         assert_grads_within_own_rounding(a, a64, b, model_type)
     else:
         assert_same_grads(a, b, model_type)
+
+
+@pytest.mark.parametrize("model_type", list(VLM_EXPERTS))
+def test_moe_vision_language_models_router_logits_in_the_text_config(model_type):
+    """The MoE vision-language models read ``output_router_logits`` from their text config
+    (the top-level config has none): asked for there, the patched model runs its own
+    forward, load-balancing loss included, as the unpatched one; asked for by the call, too."""
+    a = make_vlm(model_type)
+    a.config.text_config.router_aux_loss_coef = 0.5
+    b = apply_lmfuse(copy.deepcopy(a))
+    ids = torch.randint(3, VOCAB - 20, (2, 7))
+    plain = b(input_ids=ids, labels=ids)
+    assert plain.logits is None and plain.aux_loss is None
+    for model in (a, b):
+        model.config.text_config.output_router_logits = True
+    out_a, out_b = a(input_ids=ids, labels=ids), b(input_ids=ids, labels=ids)
+    assert out_b.logits is not None and out_b.aux_loss is not None
+    assert_close(out_b.loss, out_a.loss, F32, f"{model_type} with router logits: loss")
+    assert float((out_a.loss - plain.loss).detach().abs()) > 1e-3  # the aux loss counts
+    for model in (a, b):
+        model.config.text_config.output_router_logits = False
+    out_a = a(input_ids=ids, labels=ids, output_router_logits=True)
+    out_b = b(input_ids=ids, labels=ids, output_router_logits=True)
+    assert out_b.logits is not None
+    assert_close(out_b.loss, out_a.loss, F32, f"{model_type} router logits by the call: loss")
 
 
 def _experts_weights(model) -> dict[str, tuple[torch.Tensor, int]]:
@@ -805,8 +909,16 @@ MORE_FAMILIES = {
     "qwen3_vl_moe_text": {"num_experts": 2, "num_experts_per_tok": 2,
                           "moe_intermediate_size": 16},
     "gemma4_text": {},
+    # Mllama's text model with a cross-attention layer (fed vision states below)
+    "mllama_text_model": {"cross_attention_layers": [1]},
+    # Pixtral's vision encoder (fed images below) with SiLU gated MLPs; transformers'
+    # default GELU ones stay the model's, with a warning (the mistral3 case above)
+    "pixtral": {"hidden_act": "silu", "image_size": 8, "patch_size": 2},
 }
-BASE_MODELS = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text")
+BASE_MODELS = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text",
+               "pixtral")
+# Causal LMs that AutoModelForCausalLM does not build from their config
+CAUSAL_LM_CLASSES = {"mllama_text_model": "MllamaForCausalLM"}
 # Model types whose unpatched float32 gradients are themselves further from their float64
 # model's than the float32 tolerance (transformers computes Gemma 4's norms, attention
 # softmax and rotary angles in float32 whatever the model's dtype: seed 0's up_proj
@@ -851,26 +963,36 @@ def test_more_families_one_training_step(model_type):
     config = transformers.AutoConfig.for_model(model_type, **kw)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    auto = (transformers.AutoModel if model_type in BASE_MODELS
-            else transformers.AutoModelForCausalLM)
-    a = auto.from_config(config).to(F32)
+    if model_type in CAUSAL_LM_CLASSES:
+        a = getattr(transformers, CAUSAL_LM_CLASSES[model_type])(config).to(F32)
+    elif model_type in BASE_MODELS:
+        a = transformers.AutoModel.from_config(config).to(F32)
+    else:
+        a = transformers.AutoModelForCausalLM.from_config(config).to(F32)
     with torch.no_grad():
         for name, p in a.named_parameters():
             if p.dim() == 1 and "norm" in name:
                 p.add_(0.3 * torch.randn_like(p))
+            elif name.endswith(("cross_attn_attn_gate", "cross_attn_mlp_gate")):
+                p.fill_(0.5)  # Mllama's start at 0: the cross-attention layer would add 0
     a.train()
     a64 = copy.deepcopy(a).double() if model_type in OWN_ROUNDING else None
     b = apply_lmfuse(copy.deepcopy(a), inference_fallback_tokens=0)
     ids, labels = batch()
+    inputs = {"input_ids": ids}
+    if model_type == "pixtral":  # two 8x8 images, 16 patches each
+        inputs = {"pixel_values": torch.randn(2, 3, 8, 8)}
+    elif model_type == "mllama_text_model":  # vision states for the cross-attention layer
+        inputs["cross_attention_states"] = torch.randn(2, 5, 32)
     if a64 is not None:
         a64(input_ids=ids, labels=labels).loss.backward()
     if model_type in BASE_MODELS:
-        out_a, out_b = a(input_ids=ids), b(input_ids=ids)
+        out_a, out_b = a(**inputs), b(**inputs)
         assert_close(out_b.last_hidden_state, out_a.last_hidden_state, F32, model_type)
         g = torch.randn_like(out_a.last_hidden_state)
         loss_a, loss_b = (out_a.last_hidden_state * g).sum(), (out_b.last_hidden_state * g).sum()
     else:
-        out_a, out_b = a(input_ids=ids, labels=labels), b(input_ids=ids, labels=labels)
+        out_a, out_b = a(**inputs, labels=labels), b(**inputs, labels=labels)
         assert out_b.logits is None and b.lmfuse_patches["fused_linear_cross_entropy"]
         loss_a, loss_b = out_a.loss, out_b.loss
         assert_close(loss_b, loss_a, F32, f"{model_type}: loss")
@@ -909,3 +1031,9 @@ def test_more_families_one_training_step(model_type):
         assert all(n not in s["rms_norm"] for n in modules if n.endswith("v_norm"))
     elif model_type not in ("nemotron", "qwen3_vl_moe_text"):  # the latter: experts only
         assert s["swiglu"]
+    if model_type == "mllama_text_model":  # the cross-attention layer's q/k norms and MLP
+        assert {"model.layers.1.cross_attn.q_norm", "model.layers.1.cross_attn.k_norm",
+                "model.layers.1.input_layernorm"} <= set(s["rms_norm"])
+        assert s["swiglu"] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    elif model_type == "pixtral":  # ln_pre and two norms a layer; the SiLU MLPs
+        assert len(s["rms_norm"]) == 5 and len(s["swiglu"]) == 2

@@ -92,11 +92,17 @@ _DETECTED: tuple[str, ...] = (
     # Nemotron: LayerNorm1P and a ReLU^2 MLP without a gate: only the loss
     "nemotron",
     # vision-language models: the norms and gated MLPs of the text stack (and of the vision
-    # tower where they are of these forms), and the loss; their text stacks alone (base
-    # models: norms and MLPs)
-    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "llava", "paligemma", "internvl",
-    "mllama", "mistral3",
+    # tower where they are of these forms), the MoE ones' experts, and the loss (GLM-4.1V's
+    # and GLM-4.5V's text MLPs fuse gate and up in one projection, and their vision patch
+    # merger runs a projection, a LayerNorm and a GELU before its gated MLP: both stay the
+    # model's); their text stacks alone (base models: norms and MLPs); Mllama's text model
+    # (MllamaForCausalLM, its cross-attention layers' norms and MLPs too); Pixtral's vision
+    # encoder alone (norms, and its gated MLPs where SiLU: transformers' default GELU ones
+    # stay the model's, with a warning)
+    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "gemma3",
+    "llava", "paligemma", "internvl", "mllama", "mistral3", "glm4v", "glm4v_moe", "smolvlm",
     "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text",
+    "mllama_text_model", "pixtral",
     # Gemma 4, its text model and the vision-language model: the weighted RMSNorms (the
     # weightless v_norms stay), tanh-GELU gated MLPs and the loss
     "gemma4_text", "gemma4")
@@ -635,12 +641,21 @@ def _causal_lm_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         return original(self, *args, **kwargs)
     router = kwargs.get("output_router_logits", a.get("output_router_logits"))
     if router is None:
-        router = getattr(self.config, "output_router_logits", False)
+        router = _config_router_logits(self.config)
     if router:  # a mixture of experts adds its load-balancing loss there: the model's own
         return original(self, *args, **kwargs)
     var_kw = next((p.name for p in _signature(type(self)).parameters.values()
                    if p.kind is inspect.Parameter.VAR_KEYWORD), None)
     return _forward_with_loss(self, a, var_kw)
+
+
+def _config_router_logits(config: Any) -> bool:
+    """The config asks for router logits: its own ``output_router_logits`` or its text
+    config's (the MoE vision-language models, GLM-4.5V, Qwen3-VL-MoE and Qwen3.5-MoE, read
+    it there when the call does not say)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(config, "output_router_logits", False)
+                or getattr(text, "output_router_logits", False))
 
 
 def _logits_scaling(model: Any) -> Any:
@@ -888,17 +903,20 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
     experts' clamp as ``moe_experts``' ``clamp_value``; its clamped dense MLPs left as they
     are), the gated-linear-attention hybrids Qwen3-Next and Qwen3.5 (text, dense and MoE),
     Nemotron (loss only: LayerNorm1P, ReLU^2 MLPs), the text stacks of Qwen2-VL, Qwen2.5-VL,
-    Qwen3-VL and Qwen3-VL-MoE (base models), and the MoE families' experts through
-    :func:`lmfuse.moe_experts`; with ``output_router_logits`` the loss is the model's own;
-    Llama 4's experts, fed tokens already sorted and scaled, run the model's code; and the
-    vision-language Qwen2-VL, Qwen2.5-VL and Qwen3-VL (``config.model_type`` in
+    Qwen3-VL and Qwen3-VL-MoE (base models), Mllama's text model, Pixtral's vision encoder
+    (norms and MLPs), and the MoE families' experts through :func:`lmfuse.moe_experts`; with
+    ``output_router_logits`` (in the call, the config or its text config) the loss is the
+    model's own; Llama 4's experts, fed tokens already sorted and scaled, run the model's
+    code; and the vision-language Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5
+    (dense and MoE), Gemma 3, Gemma 4, LLaVA, PaliGemma, InternVL, Llama 3.2 Vision,
+    Mistral 3, GLM-4.1V, GLM-4.5V and SmolVLM (``config.model_type`` in
     :data:`SUPPORTED_MODEL_TYPES`; modules that compute anything else are left as they
-    are): the ``*ForCausalLM`` models, or their base ``*Model`` (norms and MLPs only). Only
-    module ``forward`` methods of this one model are replaced; parameters, buffers,
-    ``state_dict`` keys and checkpoint loading and saving are unchanged, and the patch
-    survives ``copy.deepcopy``. Applying it again is harmless (nothing is wrapped twice;
-    ``impl`` is updated); a flag set to ``False`` leaves that part as it is (it does not
-    undo an earlier patch).
+    are): the ``*ForCausalLM`` and ``*ForConditionalGeneration`` models, or their base
+    ``*Model`` (norms and MLPs only). Only module ``forward`` methods of this one model are
+    replaced; parameters, buffers, ``state_dict`` keys and checkpoint loading and saving are
+    unchanged, and the patch survives ``copy.deepcopy``. Applying it again is harmless
+    (nothing is wrapped twice; ``impl`` is updated); a flag set to ``False`` leaves that part
+    as it is (it does not undo an earlier patch).
 
     Args:
         model: the model, e.g. ``LlamaForCausalLM``, in any dtype and on any device.
