@@ -168,23 +168,29 @@ def write_json(path: str, env: dict, copy: dict, results: list[Result]) -> None:
     print(f"wrote {path}")
 
 
-def plot(path: str, results: list[Result], title: str) -> None:
+def plot(path: str, results: list[Result], title: str, *,
+         value: Callable[[Result], float | None] = lambda r: r.tbps,
+         ylabel: str = "achieved TB/s (minimal bytes)", impls: list[str] | None = None,
+         case_width: float = 1.6) -> None:
+    """Bars of ``value`` per case and implementation (default: every implementation's
+    achieved TB/s)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     cases = list(dict.fromkeys(r.case for r in results))
-    impls = list(dict.fromkeys(r.impl for r in results))
-    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(cases)), 5))
+    impls = impls or list(dict.fromkeys(r.impl for r in results))
+    fig, ax = plt.subplots(figsize=(max(8, case_width * len(cases)), 5))
     width = 0.8 / max(len(impls), 1)
     for i, impl in enumerate(impls):
-        vals = [next((r.tbps or 0 for r in results if r.case == c and r.impl == impl), 0)
+        vals = [next((value(r) or 0 for r in results if r.case == c and r.impl == impl), 0)
                 for c in cases]
         ax.bar([k + i * width for k in range(len(cases))], vals, width, label=impl)
     ax.set_xticks([k + 0.4 - width / 2 for k in range(len(cases))])
-    ax.set_xticklabels(cases, rotation=30, ha="right", fontsize=7)
-    ax.set_ylabel("achieved TB/s (minimal bytes)")
+    ax.set_xticklabels(cases, rotation=30 if case_width > 1 else 60, ha="right",
+                       fontsize=7 if case_width > 1 else 6)
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=7)
     fig.tight_layout()

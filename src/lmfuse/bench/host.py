@@ -90,7 +90,8 @@ import torch.nn.functional as F
 
 import lmfuse
 from lmfuse._dispatch import interpreter_active, select_impl, triton_support
-from lmfuse.bench.common import PeerUnavailable, Result, dist_version, finish, start, unavailable
+from lmfuse.bench.common import (PeerUnavailable, Result, dist_version, finish, plot, start,
+                                 unavailable)
 
 MODES = ("fwd", "fwd (grad)", "fwd+bwd")
 CHECKS = "lmfuse checks only"
@@ -785,27 +786,8 @@ def breakdown(results: list[HostResult], specs: list[OpSpec], judge: bool) -> di
 
 def plot_us(path: str, results: list[HostResult], title: str) -> None:
     """Bars of host microseconds per call: every case, lmfuse, torch and Liger-Kernel."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    impls = ("lmfuse", "torch", LIGER)
-    cases = list(dict.fromkeys(r.case for r in results))
-    fig, ax = plt.subplots(figsize=(max(8, 0.5 * len(cases)), 5))
-    width = 0.8 / len(impls)
-    for i, impl in enumerate(impls):
-        vals = [next((r.us or 0 for r in results if r.case == c and r.impl == impl), 0)
-                for c in cases]
-        ax.bar([k + i * width for k in range(len(cases))], vals, width, label=impl)
-    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(cases))])
-    ax.set_xticklabels(cases, rotation=60, ha="right", fontsize=6)
-    ax.set_ylabel("host us per call")
-    ax.set_title(title)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    plot(path, results, title, value=lambda r: r.us, ylabel="host us per call",
+         impls=["lmfuse", "torch", LIGER], case_width=0.5)
 
 
 def main(argv: list[str] | None = None) -> int:
