@@ -98,6 +98,32 @@ def test_sharded_steps_padded_as_their_cuda_graphs_are(world: int, split: str) -
                True, timeout=240)
 
 
+def _eos_rank(rank: int, world: int, split: str, eos: int,
+              expected: list[list[int]]) -> None:
+    model = tiny_causal_lm("llama")
+    for lookahead in (True, False):
+        gen = Generator(model, block_len=4, num_blocks=64, impl="triton",
+                        **{f"{split}_group": dist.group.WORLD})
+        gen.lookahead = lookahead
+        got = gen.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=eos)
+        assert got == expected, (rank, lookahead, got, expected)
+        assert gen.cache.num_free_blocks == 64 and not gen.has_unfinished()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("split", ["cp", "kvdp"])
+def test_sharded_lookahead_stops_at_eos(split: str) -> None:
+    """Split caches run greedy steps one ahead too: a request ending on its end-of-sequence
+    token while the next step is already launched gives the single process's tokens (the
+    extra token dropped), with lookahead on and off, and frees every block."""
+    model = tiny_causal_lm("llama")
+    full = [hf_greedy(model, p, NEW) for p in PROMPTS]
+    eos = full[0][2]  # ends the first request early; maybe others too
+    expected = [f[:f.index(eos) + 1] if eos in f else f for f in full]
+    assert len(expected[0]) == 3 < NEW
+    spawn_gloo(2, _eos_rank, split, eos, expected, timeout=240)
+
+
 def test_sharded_generators_need_a_process_group() -> None:
     for name in ("cp_group", "kvdp_group"):
         with pytest.raises(ValueError, match=f"{name} needs torch.distributed initialised"):
