@@ -771,6 +771,7 @@ _NATIVE_CASES = [
     ("swiglu", dict(clamp_value=0.7, gate_multiplier=1.5, down_multiplier=0.5)),
     ("geglu", dict(bias=True)), ("quick_geglu", dict(bias=True, linear_offset=1.0,
                                                      clamp_value=0.7)),
+    ("quick_geglu", dict(linear_offset=1.0)), ("weighted_quick_geglu", {}),
     ("squared_relu", {}), ("weighted_swiglu", dict(bias=True)),
     ("weighted_quick_geglu", dict(linear_offset=1.0, clamp_value=7.0)),
     ("weighted_squared_relu", {}),

@@ -359,7 +359,9 @@ def _run(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp_
 
 # PyTorch's own activations (native forward and backward kernels) where it has the formula.
 _NATIVE = {"silu": lambda a: F.silu(a), "gelu": lambda a: F.gelu(a, approximate="tanh"),
-           "quick_gelu": lambda a: a * torch.sigmoid(ref.QUICK_GELU_K * a),
+           # silu(k a) / k: a * sigmoid(k a) within rounding, and its native backward keeps
+           # +-inf where autograd through the product would form inf - inf (NaN)
+           "quick_gelu": lambda a: F.silu(ref.QUICK_GELU_K * a) / ref.QUICK_GELU_K,
            "squared_relu": lambda a: torch.relu(a).square()}
 
 

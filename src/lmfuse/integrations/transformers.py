@@ -653,7 +653,8 @@ def _config_router_logits(config: Any) -> bool:
     """The config asks for router logits: its own ``output_router_logits`` or its text
     config's (the MoE vision-language models, GLM-4.5V, Qwen3-VL-MoE and Qwen3.5-MoE, read
     it there when the call does not say)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = (config.get_text_config(decoder=True) if hasattr(config, "get_text_config")
+            else config)
     return bool(getattr(config, "output_router_logits", False)
                 or getattr(text, "output_router_logits", False))
 
@@ -685,7 +686,8 @@ def _final_softcap(model: Any) -> Any:
     if not _softcaps_logits(type(model)):
         return None
     config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = (config.get_text_config(decoder=True) if hasattr(config, "get_text_config")
+            else config)
     return getattr(text, "final_logit_softcapping", None)
 
 

@@ -44,7 +44,8 @@ class Generator:
             its forward runs with lmfuse's attention during the Generator's steps only).
         block_len: tokens per cache block.
         num_blocks: blocks in the pool; default: ``memory_fraction`` of the free GPU memory
-            (less 2 GiB for activations and graphs), or 4096 blocks on the CPU.
+            (less 2 GiB for activations and graphs), or 4096 blocks on the CPU; over a
+            split cache the smallest of the ranks' (every rank passes it or none does).
         memory_fraction: share of the free GPU memory the pool may take.
         kv_dtype: the cache's dtype (default the model's; ``torch.float8_e4m3fn`` or
             ``"fp8"``: e4m3 with per-layer, per-KV-head scales taken from the first
@@ -110,6 +111,9 @@ class Generator:
         self.block_len = block_len
         if num_blocks is None:
             num_blocks = self._default_blocks(fraction)
+            group = kvdp_group if kvdp_group is not None else cp_group
+            if group is not None:  # every rank's scheduler counts the same pool
+                num_blocks = _group_min(num_blocks, group, self.device)
         num_blocks = check_int(OP, "num_blocks", num_blocks, minimum=1)
         fp8 = self.kv_dtype == torch.float8_e4m3fn
         scales = ([torch.ones(self.kv_heads, device=self.device) for _ in
@@ -455,6 +459,17 @@ class _Inflight:
         """Forget the rows whose requests are no longer running (their tokens are
         dropped by the step that reads them)."""
         self.live = any(r.status == Status.RUNNING for r in self.requests)
+
+
+def _group_min(value: int, group: Any, device: torch.device) -> int:
+    """The smallest of every rank's ``value`` (the default pool sizes, from each GPU's own
+    free memory, differ; the split caches' schedulers must count the same pool)."""
+    import torch.distributed as dist
+
+    on = device if "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
+    t = torch.tensor([value], dtype=torch.int64, device=on)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
 
 
 def _check_model(model: Any) -> Any:

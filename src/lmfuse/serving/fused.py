@@ -225,7 +225,8 @@ class FusedDecoder:
                 # The GEMV (residual epilogue) where it beats cuBLAS on the long K (H100,
                 # chained): one row (14.1 against 16.8 us), and K split over programs at 16
                 # rows (15.8 against 17.4) and 64 (17.6 against 18.6); else cuBLAS.
-                down = n == 1 or _gemv_split(*L.down.shape, _row_tile(n), False) > 1
+                down = (n == 1 or _gemv_split(*L.down.shape, _row_tile(n), False) > 1) \
+                    and _gemv_takes(n, L.down)
                 a = _gemv(x, (L.gate, L.up), None, gated=True,
                           pdl=self.pdl if down else self.pdl_tail)
                 if down:
@@ -423,6 +424,13 @@ def _gemv_config(n_out: int, K: int, block_m: int, gated: bool, itemsize: int = 
     return block_n, block_k, warps, stages
 
 
+def _gemv_takes(n: int, weight: torch.Tensor) -> bool:
+    """Whether :func:`_gemv` runs its kernel for ``n`` rows of ``weight`` (whole feature
+    tiles), not its float32 fallback."""
+    block_n = _gemv_config(weight.shape[0], weight.shape[1], _row_tile(n), False)[0]
+    return weight.shape[0] % block_n == 0
+
+
 def _row_tile(n: int) -> int:
     """The GEMV's row tile (BLOCK_M) for ``n`` rows: 1 (no dot tile), 16, 32 or 64."""
     return 1 if n == 1 else 16 if n <= 16 else 32 if n <= 32 else 64
@@ -444,7 +452,10 @@ def _gemv_split(n_out: int, K: int, block_m: int, gated: bool) -> int:
 
 # (device, workspace elements, tiles) -> (float32 partials, int32 counts): kept for the
 # process's life (CUDA graphs hold their addresses; the counts return to zero after each
-# launch, so any later launch may use them).
+# launch, so any later launch may use them). Launches that share them must not overlap:
+# the decode steps of one process run on one stream at a time (a graph's capture stream
+# included), which orders them. Not keyed by stream: a graph is captured on another stream
+# than its warm-up ran on, and must find the warm-up's buffers.
 _SPLIT_BUFFERS: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -452,6 +463,10 @@ def _split_buffers(device: torch.device, elements: int, tiles: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     key = (str(device), elements, tiles)
     if key not in _SPLIT_BUFFERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # The zeroed counts would only be recorded, not set: warm up before capturing.
+            raise RuntimeError(f"{_OP}: a split-K GEMV of a new shape inside a CUDA-graph "
+                               "capture; run it once before capturing")
         _SPLIT_BUFFERS[key] = (torch.empty(elements, dtype=torch.float32, device=device),
                                torch.zeros(tiles, dtype=torch.int32, device=device))
     return _SPLIT_BUFFERS[key]
@@ -493,8 +508,8 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
         x, w[0], w[1], w[2], b[0], b[1], b[2], y, y, n, K, ns[0],
         ns[1] if len(ns) > 1 else 0, x.stride(0), y.stride(0), y.stride(0), ws, count, k_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=biases is not None,
-        RESIDUAL=residual is not None, GATED=gated, EVEN_K=K % block_k == 0 and (
-            split == 1 or k_split % block_k == 0), PDL=pdl, SPLIT_K=split,
+        RESIDUAL=residual is not None, GATED=gated, EVEN_K=K % block_k == 0, PDL=pdl,
+        SPLIT_K=split,
         num_warps=warps, num_stages=stages, **_pdl.launch_options(pdl))
     return y
 

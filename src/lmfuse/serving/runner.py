@@ -29,6 +29,7 @@ same graphs in the same order, as the collectives in them require.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import traceback
 import warnings
@@ -349,6 +350,14 @@ class ModelRunner:
                 where = (f" at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}"
                          if frames else "")
                 self.graph_failure = f"{type(e).__name__}: {e}{where}"
+                if self.sharded:
+                    # Over a split cache a rank cannot go eager alone: its next steps would
+                    # issue other collectives than its peers' warm-ups and replays (a hang,
+                    # or partials paired with padding). Raise on this rank.
+                    raise RuntimeError(
+                        f"lmfuse.serving: the decode step could not be captured in a CUDA "
+                        f"graph ({self.graph_failure}); over a split cache every rank must "
+                        "capture alike: pass cuda_graphs=False to decode eagerly") from e
                 warnings.warn(f"lmfuse.serving: the decode step could not be captured in a "
                               f"CUDA graph ({self.graph_failure}); decoding eagerly",
                               RuntimeWarning, stacklevel=3)
@@ -458,19 +467,19 @@ def _capture(runner: ModelRunner, forward: Any, pool: Any) -> tuple[Any, torch.T
 def _pack(fields: dict[str, Any]) -> tuple[torch.Tensor, dict[str, tuple[int, tuple]]]:
     """Int lists (flat, or a list of equal rows) in one int64 host buffer (pinned on a CUDA
     host): the buffer, and each field's (offset, shape) in it."""
-    flat: list[int] = []
+    flat = array.array("q")  # filled at C speed (torch.tensor of a long list is ~4x slower)
     where: dict[str, tuple[int, tuple]] = {}
     for name, values in fields.items():
         start = len(flat)
         if values and isinstance(values[0], list):
             for row in values:
-                flat += row
+                flat.extend(row)
             shape: tuple = (len(values), len(values[0]))
         else:
-            flat += values
+            flat.extend(values)
             shape = (len(values),)
         where[name] = (start, shape)
-    host = torch.tensor(flat, dtype=torch.int64)
+    host = torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
     return (host.pin_memory() if torch.cuda.is_available() else host), where
 
 

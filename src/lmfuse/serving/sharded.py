@@ -190,7 +190,7 @@ class BatchShards:
                 raise KVCacheFullError(f"{OP}: rank {owner}'s pool needs {need} blocks, "
                                        f"{self.pools[owner].num_free_blocks} are free")
         for owner, (locs, ns) in by_pool.items():
-            self.pools[owner].reserve(locs, ns)
+            self.pools[owner].extend(locs, ns)  # the runner builds the step's inputs
 
     def fork(self, seq_id: int) -> int:
         raise RuntimeError(f"{OP}: no prefix sharing with kvdp_group")
