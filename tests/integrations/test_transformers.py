@@ -351,6 +351,21 @@ def test_small_no_grad_calls_run_the_module_forward(monkeypatch):
         apply_lmfuse(b, inference_fallback_tokens=-1)
 
 
+def _module_state(model) -> dict[str, dict]:
+    return {n: dict(m.__dict__) for n, m in model.named_modules()}
+
+
+def _assert_restored(model, before: dict[str, dict], attrs: tuple[str, ...]) -> None:
+    """Every module of ``model`` holds the attributes it held in ``before``, and ``attrs``
+    are the very same objects."""
+    after = _module_state(model)
+    assert after.keys() == before.keys()
+    for n in before:
+        assert after[n].keys() == before[n].keys(), n
+        for k in attrs:
+            assert after[n].get(k) is before[n].get(k), (n, k)
+
+
 @pytest.mark.parametrize("model_type", ["llama", "gemma"])
 def test_fused_norms_and_mlps_fuses_every_call_and_restores_the_model(monkeypatch, model_type):
     """The Generator's graph-capture patch: inside the block every norm and MLP call fuses
@@ -370,18 +385,13 @@ def test_fused_norms_and_mlps_fuses_every_call_and_restores_the_model(monkeypatc
     with torch.no_grad():
         want = a(input_ids=ids).logits
         for model in (plain, patched):
-            before = {n: dict(m.__dict__) for n, m in model.named_modules()}
+            before = _module_state(model)
             with fused_norms_and_mlps(model) as supported:
                 assert supported
                 calls.clear()
                 assert_close(model(input_ids=ids).logits, want, F32, model_type)
                 assert calls.count("norm") == 2 * 2 + 1  # two a layer and the final one
-            after = {n: dict(m.__dict__) for n, m in model.named_modules()}
-            assert after.keys() == before.keys()
-            for n in before:
-                assert after[n].keys() == before[n].keys(), n
-                for k in ("forward", "_lmfuse_fallback_tokens"):
-                    assert after[n].get(k) is before[n].get(k), (n, k)
+            _assert_restored(model, before, ("forward", "_lmfuse_fallback_tokens"))
             calls.clear()
             model(input_ids=ids)
             assert calls == []  # one token: the module forwards again
@@ -412,16 +422,13 @@ def test_fused_norms_and_mlps_runs_the_experts_through_moe_experts(monkeypatch, 
     with torch.no_grad():
         want = a(input_ids=ids).logits
         for model in (plain, patched):
-            before = {n: dict(m.__dict__) for n, m in model.named_modules()}
+            before = _module_state(model)
             with fused_norms_and_mlps(model) as supported:
                 assert supported
                 seen.clear()
                 assert_close(model(input_ids=ids).logits, want, F32, model_type)
                 assert seen == [1, 1]  # the two layers' experts, one token
-            after = {n: dict(m.__dict__) for n, m in model.named_modules()}
-            for n in before:
-                assert after[n].keys() == before[n].keys(), n
-                assert after[n].get("forward") is before[n].get("forward"), n
+            _assert_restored(model, before, ("forward", "_lmfuse_experts"))
             seen.clear()
             model(input_ids=ids)
             assert seen == ([] if model is plain else [1, 1])

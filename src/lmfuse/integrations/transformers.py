@@ -653,10 +653,14 @@ def _config_router_logits(config: Any) -> bool:
     """The config asks for router logits: its own ``output_router_logits`` or its text
     config's (the MoE vision-language models, GLM-4.5V, Qwen3-VL-MoE and Qwen3.5-MoE, read
     it there when the call does not say)."""
-    text = (config.get_text_config(decoder=True) if hasattr(config, "get_text_config")
-            else config)
     return bool(getattr(config, "output_router_logits", False)
-                or getattr(text, "output_router_logits", False))
+                or getattr(_text_config(config), "output_router_logits", False))
+
+
+def _text_config(config: Any) -> Any:
+    """A vision-language model's text (decoder) config; a text model's config itself."""
+    return (config.get_text_config(decoder=True) if hasattr(config, "get_text_config")
+            else config)
 
 
 def _logits_scaling(model: Any) -> Any:
@@ -685,10 +689,7 @@ def _final_softcap(model: Any) -> Any:
     ``final_logit_softcapping`` where its forward applies it."""
     if not _softcaps_logits(type(model)):
         return None
-    config = model.config
-    text = (config.get_text_config(decoder=True) if hasattr(config, "get_text_config")
-            else config)
-    return getattr(text, "final_logit_softcapping", None)
+    return getattr(_text_config(model.config), "final_logit_softcapping", None)
 
 
 @functools.cache

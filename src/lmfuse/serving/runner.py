@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import math
 import traceback
 import warnings
 from collections.abc import Iterator
@@ -46,7 +47,7 @@ from .attention import ATTENTION_NAME, Segment, StepContext, register
 from .fused import FusedDecoder, unsupported
 from .sampling import greedy
 from .request import Request
-from .sharded import BatchShards, ContextShards
+from .sharded import BatchShards, ContextShards, pad_table
 
 
 class ModelRunner:
@@ -248,7 +249,8 @@ class ModelRunner:
             key, fields = self._kvdp_fields(requests, rows, graphs or self.pad_sharded)
         host, where = _pack(fields)
         if graphs:
-            graph = self._graph(key, lambda pool: _ShardedGraph(self, where, pool))
+            graph = self._graph(key, lambda pool: _ShardedGraph(self, where, host.numel(),
+                                                                pool))
             if graph is not None:
                 return graph.run(host, n, ids)
         views = _unpack(host.to(self.device, non_blocking=True), where)
@@ -265,8 +267,7 @@ class ModelRunner:
         shards = self.shards
         shards.sync(set(self.scheduled.sequences))
         after = [self.scheduled.seqlen(r.seq_id) for r in requests]
-        widest = max(cdiv(a, self.scheduled.block_len) for a in after)
-        width = max(min(next_pow2(widest), self.cache.num_blocks), widest)
+        width = self._table_width(max(cdiv(a, self.scheduled.block_len) for a in after))
         tables, before_l, after_l = shards.grow(requests, after, width)
         pad = rows - len(requests)
         fields = {
@@ -289,24 +290,22 @@ class ModelRunner:
         the busiest rank's rows and the table width a power of two of the longest
         sequence's blocks: from the pools' shared bookkeeping, the same on every rank."""
         bs = self.batch_shards
-        m = bs.rows_per_rank(requests)
-        if bucketed:
-            m = min(_bucket(m, self.max_batch), rows)
-        padded, mine, m = bs.layout(requests, m)
+        padded, mine, m = bs.layout(requests)
+        per_rank = min(_bucket(m, self.max_batch), rows) if bucketed else m
+        if per_rank != m:  # each rank's rows padded to their bucket too
+            padded, mine, m = bs.layout(requests, per_rank)
         lengths = [bs.seqlen(r.seq_id) for r in requests]
         locals_ = [bs.local(requests[i].seq_id) for i in mine]
         tables = [self.cache.block_ids(s) for s in locals_]
-        widest = max([1] + [cdiv(a, self.cache.block_len) for a in lengths])
-        width = (max(min(next_pow2(widest), self.cache.num_blocks), widest) if bucketed
-                 else max([1] + [len(t) for t in tables]))
+        width = (self._table_width(max(cdiv(a, self.cache.block_len) for a in lengths))
+                 if bucketed else max([1] + [len(t) for t in tables]))
         after = [self.cache.seqlen(s) for s in locals_] + [0] * (m - len(mine))
         place = {row: i for i, row in enumerate(padded) if row >= 0}
         pad = rows - len(requests)
         fields = {
             "ids": [r.last_token for r in requests] + [0] * pad,
             "pos": [a - 1 for a in lengths] + [0] * pad,
-            "table": ([t + [-1] * (width - len(t)) for t in tables]
-                      + [[-1] * width] * (m - len(mine))),
+            "table": [pad_table(t, width) for t in tables] + [[-1] * width] * (m - len(mine)),
             "local_before": [max(a - 1, 0) for a in after],
             "local_after": after,
             "own": mine + [0] * (m - len(mine)),
@@ -314,6 +313,11 @@ class ModelRunner:
             "out_index": [place[i] for i in range(len(requests))] + [0] * pad,
         }
         return ("kvdp", rows, m, width), fields
+
+    def _table_width(self, widest: int) -> int:
+        """A split step's block-table width for ``widest`` blocks: the next power of two
+        (few graph keys), at most the pool, at least ``widest``."""
+        return max(min(next_pow2(widest), self.cache.num_blocks), widest)
 
     def _sharded_forward(self, views: dict[str, torch.Tensor]) -> torch.Tensor:
         """The model's decode forward over the split cache, from the step's input views
@@ -479,7 +483,7 @@ def _pack(fields: dict[str, Any]) -> tuple[torch.Tensor, dict[str, tuple[int, tu
             flat.extend(values)
             shape = (len(values),)
         where[name] = (start, shape)
-    host = torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
+    host = torch.frombuffer(flat, dtype=torch.int64)
     return (host.pin_memory() if torch.cuda.is_available() else host), where
 
 
@@ -487,8 +491,7 @@ def _unpack(buf: torch.Tensor, where: dict[str, tuple[int, tuple]]) -> dict[str,
     """The fields of a :func:`_pack` buffer (on any device), as views."""
     out = {}
     for name, (start, shape) in where.items():
-        size = shape[0] * (shape[1] if len(shape) > 1 else 1)
-        out[name] = buf[start:start + size].view(shape)
+        out[name] = buf[start:start + math.prod(shape)].view(shape)
     return out
 
 
@@ -497,10 +500,8 @@ class _ShardedGraph:
     :meth:`ModelRunner._decode_sharded` (batch bucket, rows per rank, table width): its
     inputs are views of one static int64 buffer, its collectives inside the graph."""
 
-    def __init__(self, runner: ModelRunner, where: dict[str, tuple[int, tuple]],
+    def __init__(self, runner: ModelRunner, where: dict[str, tuple[int, tuple]], size: int,
                  pool: Any) -> None:
-        size = max(start + shape[0] * (shape[1] if len(shape) > 1 else 1)
-                   for start, shape in where.values())
         self.buf = torch.zeros(size, dtype=torch.int64, device=runner.device)
         views = _unpack(self.buf, where)
         views["table"].fill_(-1)  # the warm-up and capture write and read nothing

@@ -85,7 +85,7 @@ class ContextShards:
             counts.append(after[-1] - self.cache.seqlen(seq))
         if any(counts):
             self.cache.extend(ids, counts)
-        return [_padded(self.cache.block_ids(s), width) for s in ids], before, after
+        return [pad_table(self.cache.block_ids(s), width) for s in ids], before, after
 
     def prefill_rows(self, request: Request, new: list[int]) -> tuple[list[int], list[int]]:
         """Reserve this rank's share of ``request``'s tokens; each new token's block
@@ -220,13 +220,7 @@ class BatchShards:
             padded += rows + [-1] * (m - len(rows))
         return padded, per[self.rank], m
 
-    def rows_per_rank(self, requests: list[Request]) -> int:
-        """The most rows of ``requests`` one rank holds (at least 1)."""
-        counts = [0] * self.world
-        for r in requests:
-            counts[self.owner(r.seq_id)] += 1
-        return max(1, max(counts))
 
-
-def _padded(table: list[int], width: int) -> list[int]:
+def pad_table(table: list[int], width: int) -> list[int]:
+    """A block table padded with -1 (no block) to ``width`` columns."""
     return table + [-1] * (width - len(table))
