@@ -619,6 +619,11 @@ OTHER_VLMS = {
     "qwen3_5": ("qwen3_5_text", "qwen3_5_vision", "image_token_id", {}),
     "qwen3_5_moe": ("qwen3_5_moe_text", "qwen3_5_moe_vision", "image_token_id", {}),
     "smolvlm": ("llama", "smolvlm_vision", "image_token_id", {}),
+    # MuseGlimmer: (1 + w) norms, SiLU gated MLPs, logits multiplied by output_multiplier
+    # before the soft cap; a vision tower of LayerNorms and GELU fc1/fc2 MLPs (left alone)
+    "muse_glimmer": ("muse_glimmer_text", "muse_glimmer_vision", "image_token_id",
+                     {"video_token_id": VOCAB - 9, "out_hidden_size": 64,
+                      "projector_hidden_size": 32}),
 }
 # Their text and vision configs beyond the common tiny sizes: the multimodal rotary
 # sections of head_dim 8's 4 frequencies (GLM-4.5V and Qwen3.5 rotate half and a quarter of
@@ -641,6 +646,10 @@ VLM_SUBCONFIGS = {
     "qwen3_5": ({**_QWEN_MROPE, **_LINEAR_ATTENTION}, _QWEN_VISION),
     "qwen3_5_moe": ({**_QWEN_MROPE, **_LINEAR_ATTENTION, **_MOE,
                      "shared_expert_intermediate_size": 16}, _QWEN_VISION),
+    # a cap and a multiplier that bend the tiny model's logits (the defaults, 20 and 0.196,
+    # would leave tanh near linear); a 4x4 position table
+    "muse_glimmer": ({"final_logit_softcapping": 0.5, "output_multiplier": 3.0},
+                     {"pos_emb_height": 4, "pos_emb_width": 4}),
 }
 # The text stack's gated MLPs patched (2 unless listed) and the experts modules run through
 # moe_experts (none unless listed): GLM-4.1V's text MLPs fuse gate and up, Qwen3-VL-MoE's
@@ -700,11 +709,11 @@ def make_vlm(model_type: str):
 @pytest.mark.parametrize("model_type", list(OTHER_VLMS))
 def test_other_vision_language_models_text_stack(model_type):
     """Gemma 3, LLaVA, PaliGemma, InternVL, Llama 3.2 Vision (mllama), Mistral 3, Gemma 4 (no
-    audio tower), GLM-4.1V, GLM-4.5V, Qwen3-VL-MoE, Qwen3.5 (dense and MoE) and SmolVLM with
-    their vision towers, a text-only batch: the text stack's norms and gated MLPs fused
-    (vision towers' norms and MLPs where they are of these forms; others left as they are),
-    the MoE ones' experts through moe_experts, the loss from the last hidden states: loss and
-    every gradient as unpatched."""
+    audio tower), GLM-4.1V, GLM-4.5V, Qwen3-VL-MoE, Qwen3.5 (dense and MoE), SmolVLM and
+    MuseGlimmer with their vision towers, a text-only batch: the text stack's norms and gated
+    MLPs fused (vision towers' norms and MLPs where they are of these forms; others left as
+    they are), the MoE ones' experts through moe_experts, the loss from the last hidden
+    states: loss and every gradient as unpatched."""
     import lmfuse.integrations.transformers as integration
 
     a = make_vlm(model_type)
@@ -734,6 +743,9 @@ def test_other_vision_language_models_text_stack(model_type):
     experts = [n for n, m in modules.items() if type(m).__name__.endswith("Experts")]
     assert sorted(s["moe_experts"]) == sorted(experts)
     assert len(experts) == VLM_EXPERTS.get(model_type, 0)
+    if model_type == "muse_glimmer":  # the final norm's class is weightless elsewhere
+        assert "model.language_model.norm" in s["rms_norm"]
+        assert not any(n.endswith(("embed_norm", "qk_norm")) for n in s["rms_norm"])
     if model_type.startswith("glm4v"):  # the vision tower's gated MLP, not its merger's
         assert "model.visual.blocks.0.mlp" in s["swiglu"]
         assert "model.visual.merger" not in s["swiglu"]
@@ -883,6 +895,11 @@ def test_gpt_oss_clamp_and_the_formulas_the_op_does_not_compute():
     assert_close(out_b.loss, out_a.loss, F32, "mixtral with odd experts: loss")
 
 
+# DeepSeek-V2/V3's latent attention and mixture of experts at tiny sizes
+_MLA = {"q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+        "v_head_dim": 8, "first_k_dense_replace": 1, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
+        "moe_intermediate_size": 16}
 # Model types found by probing that the tests above do not build (each case builds one tiny
 # model and checks one training step only, to keep the suite's time): config overrides, and
 # whether the model is a base model (a text stack of a vision-language model, no lm_head).
@@ -909,6 +926,13 @@ MORE_FAMILIES = {
                     "moe_intermediate_size": 16, "q_lora_rank": 16, "o_lora_rank": 16,
                     "index_n_heads": 2, "index_head_dim": 8, "o_groups": 2, "hc_mult": 2,
                     "mlp_layer_types": ["moe", "moe"]},
+    # DeepSeek-V2 and -V3: a dense first layer, then a MoE of four experts in two groups,
+    # top-2 from the best group (V2's "group_limited_greedy", V3's "noaux_tc"), one shared
+    # expert, routed weights scaled; the multi-head latent attention needs as many key/value
+    # heads as query heads (its keys are expanded per head); V2's MLPs with biases
+    "deepseek_v2": {**_MLA, "num_key_value_heads": 4, "topk_method": "group_limited_greedy",
+                    "routed_scaling_factor": 1.5, "mlp_bias": True},
+    "deepseek_v3": {**_MLA, "num_key_value_heads": 4, "routed_scaling_factor": 2.5},
     "nemotron": {},
     "qwen2_vl_text": {"rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}},
     "qwen2_5_vl_text": {"rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}},
@@ -921,9 +945,10 @@ MORE_FAMILIES = {
     # Pixtral's vision encoder (fed images below) with SiLU gated MLPs; transformers'
     # default GELU ones stay the model's, with a warning (the mistral3 case above)
     "pixtral": {"hidden_act": "silu", "image_size": 8, "patch_size": 2},
+    "muse_glimmer_text": {},
 }
 BASE_MODELS = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text",
-               "pixtral")
+               "pixtral", "muse_glimmer_text")
 # Causal LMs that AutoModelForCausalLM does not build from their config
 CAUSAL_LM_CLASSES = {"mllama_text_model": "MllamaForCausalLM"}
 # Model types whose unpatched float32 gradients are themselves further from their float64
@@ -1036,6 +1061,20 @@ def test_more_families_one_training_step(model_type):
     elif model_type == "gemma4_text":  # tanh-GELU gated MLPs; the weightless v_norms stay
         assert len(s["geglu"]) == 2 and not s["swiglu"]
         assert all(n not in s["rms_norm"] for n in modules if n.endswith("v_norm"))
+    elif model_type in ("deepseek_v2", "deepseek_v3"):
+        # MLA's latent norms, the dense MLP and the shared experts, the routed experts; the
+        # router (grouped top-k, scaled weights) and the attention stay the model's
+        assert {"model.layers.1.self_attn.q_a_layernorm",
+                "model.layers.1.self_attn.kv_a_layernorm"} <= set(s["rms_norm"])
+        assert s["swiglu"] == ["model.layers.0.mlp", "model.layers.1.mlp.shared_experts"]
+        assert s["moe_experts"] == ["model.layers.1.mlp.experts"]
+        assert not any("forward" in m.__dict__ for n, m in modules.items()
+                       if n.endswith(("mlp.gate", "self_attn")))
+    elif model_type == "muse_glimmer_text":
+        # four (1 + w) norms a layer and the final norm, whose class's other instances (of
+        # the embedding, the q/k heads) have no weight and stay the model's
+        assert len(s["rms_norm"]) == 9 and "norm" in s["rms_norm"] and len(s["swiglu"]) == 2
+        assert not any(n.endswith(("embed_norm", "qk_norm")) for n in s["rms_norm"])
     elif model_type not in ("nemotron", "qwen3_vl_moe_text"):  # the latter: experts only
         assert s["swiglu"]
     if model_type == "mllama_text_model":  # the cross-attention layer's q/k norms and MLP

@@ -10,8 +10,9 @@ models of the same class are untouched, and ``copy.deepcopy`` carries it along):
   (SiLU) or :func:`lmfuse.geglu` (tanh-approximated GELU) between their projections
   (Falcon-H1's ``gate_multiplier`` and ``down_multiplier`` as swiglu's);
 * the mixture-of-experts experts modules (transformers 5's fused experts of 3-D weights:
-  Mixtral, Qwen2/3-MoE, OLMoE, Granite-MoE, GPT-OSS) run :func:`lmfuse.moe_experts` on
-  views of their own weights, after the model's own router and top-k;
+  Mixtral, Qwen2/3-MoE, OLMoE, Granite-MoE, GPT-OSS, DeepSeek-V2/V3/V4) run
+  :func:`lmfuse.moe_experts` on views of their own weights, after the model's own router
+  and top-k;
 * the causal-LM forward, when given ``labels``, computes the loss with
   :func:`lmfuse.linear_cross_entropy` from the last hidden states, with no logits tensor.
 
@@ -89,6 +90,12 @@ _DETECTED: tuple[str, ...] = (
     # the loss; its dense MLPs clamp the gate and up outputs, which the gated-MLP patch does
     # not do: the probe, at a scale where the clamp bites, leaves them as they are
     "deepseek_v4",
+    # DeepSeek-V2 and -V3: their norms (MLA's latent q_a/kv_a norms too), dense MLPs and
+    # shared experts, the routed experts and the loss. The router stays the model's (V2's
+    # greedy or group-limited top-k, V3's grouped top-k over scores plus its correction bias,
+    # "noaux_tc") and hands the experts weights already scaled by routed_scaling_factor, which
+    # moe_experts takes as they are; the multi-head latent attention stays the model's too
+    "deepseek_v2", "deepseek_v3",
     # Nemotron: LayerNorm1P and a ReLU^2 MLP without a gate: only the loss
     "nemotron",
     # vision-language models: the norms and gated MLPs of the text stack (and of the vision
@@ -105,7 +112,12 @@ _DETECTED: tuple[str, ...] = (
     "mllama_text_model", "pixtral",
     # Gemma 4, its text model and the vision-language model: the weighted RMSNorms (the
     # weightless v_norms stay), tanh-GELU gated MLPs and the loss
-    "gemma4_text", "gemma4")
+    "gemma4_text", "gemma4",
+    # MuseGlimmer and its text model (a base model): the (1 + w) RMSNorms and the final norm
+    # (the weightless ones, of the embedding, q/k and image features, stay), the SiLU gated
+    # MLPs, the loss with the logits' output_multiplier applied before the soft cap; the
+    # vision tower (LayerNorms, GELU MLPs without a gate) stays the model's
+    "muse_glimmer", "muse_glimmer_text")
 
 #: ``config.model_type`` values :func:`apply_lmfuse` accepts.
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_FAMILIES) + _DETECTED
@@ -129,6 +141,11 @@ def _family_of(model: torch.nn.Module) -> _Family | None:
     for m in model.modules():
         cls = type(m)
         if cls in seen:
+            continue
+        if cls.__name__.endswith("RMSNorm") and getattr(m, "weight", None) is None:
+            # A weightless instance (MuseGlimmer's and Gemma 4's ``with_scale=False``) says
+            # nothing of its class: the probe takes one with a weight, if any (patched or not,
+            # the weightless ones stay the model's).
             continue
         seen.add(cls)
         if cls.__name__.endswith("RMSNorm"):
@@ -664,22 +681,29 @@ def _text_config(config: Any) -> Any:
 
 
 def _logits_scaling(model: Any) -> Any:
-    """What the causal LM divides its ``lm_head`` output by: Granite's
-    ``config.logits_scaling``, or one over Falcon-H1's ``model.lm_head_multiplier``."""
+    """What the causal LM divides its ``lm_head`` output by (before any soft cap): Granite's
+    ``config.logits_scaling``, over Falcon-H1's ``model.lm_head_multiplier`` and MuseGlimmer's
+    (text) config ``output_multiplier`` (its logits are ``T * tanh(lm_head(h) * m / T)``)."""
     scaling = getattr(model.config, "logits_scaling", None)
-    multiplier = getattr(getattr(model, "model", None), "lm_head_multiplier", None)
-    if isinstance(multiplier, (int, float)) and multiplier != 1:
+    multiplier = 1.0
+    found = [getattr(getattr(model, "model", None), "lm_head_multiplier", None)]
+    if _forward_reads(type(model), "output_multiplier"):
+        found.append(getattr(_text_config(model.config), "output_multiplier", None))
+    for m in found:
+        if isinstance(m, (int, float)) and not isinstance(m, bool):
+            multiplier *= m
+    if multiplier != 1:
         return 1.0 / multiplier if scaling is None else scaling / multiplier
     return scaling
 
 
 @functools.cache
-def _softcaps_logits(cls: type) -> bool:
-    """``cls.forward`` applies ``final_logit_softcapping`` to its logits (Gemma 2/3/4's
-    causal LMs and PaliGemma do; Gemma 3's multimodal model does not, whatever its text
-    config says)."""
+def _forward_reads(cls: type, name: str) -> bool:
+    """``cls.forward`` reads config field ``name`` (applies it to its logits): Gemma 2/3/4's
+    causal LMs and PaliGemma apply ``final_logit_softcapping``, Gemma 3's multimodal model
+    does not, whatever its text config says; MuseGlimmer's applies ``output_multiplier``."""
     try:
-        return "final_logit_softcapping" in inspect.getsource(cls.forward)
+        return name in inspect.getsource(cls.forward)
     except (OSError, TypeError):  # no source to read: the config decides, as before
         return True
 
@@ -687,7 +711,7 @@ def _softcaps_logits(cls: type) -> bool:
 def _final_softcap(model: Any) -> Any:
     """The cap the causal LM's own forward puts on its logits, or None: its (text) config's
     ``final_logit_softcapping`` where its forward applies it."""
-    if not _softcaps_logits(type(model)):
+    if not _forward_reads(type(model), "final_logit_softcapping"):
         return None
     return getattr(_text_config(model.config), "final_logit_softcapping", None)
 
@@ -902,24 +926,26 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
     Seed-OSS, Arcee, Phi-3, LFM2, Hunyuan dense, Apertus, Llama 4 (text), Falcon-H1 (its
     ``lm_head_multiplier`` applied in the loss, its MLPs' ``gate_multiplier`` and
     ``down_multiplier`` in the fused SwiGLU) and the mixtures of experts Mixtral,
-    Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE, GPT-OSS, Hunyuan-MoE and DeepSeek-V4 (its
-    experts' clamp as ``moe_experts``' ``clamp_value``; its clamped dense MLPs left as they
-    are), the gated-linear-attention hybrids Qwen3-Next and Qwen3.5 (text, dense and MoE),
+    Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE, GPT-OSS, Hunyuan-MoE, DeepSeek-V2 and -V3
+    (norms, dense MLPs, shared and routed experts behind the model's own grouped router;
+    the latent attention stays the model's) and DeepSeek-V4 (its experts' clamp as
+    ``moe_experts``' ``clamp_value``; its clamped dense MLPs left as they are), the
+    gated-linear-attention hybrids Qwen3-Next and Qwen3.5 (text, dense and MoE),
     Nemotron (loss only: LayerNorm1P, ReLU^2 MLPs), the text stacks of Qwen2-VL, Qwen2.5-VL,
-    Qwen3-VL and Qwen3-VL-MoE (base models), Mllama's text model, Pixtral's vision encoder
-    (norms and MLPs), and the MoE families' experts through :func:`lmfuse.moe_experts`; with
-    ``output_router_logits`` (in the call, the config or its text config) the loss is the
-    model's own; Llama 4's experts, fed tokens already sorted and scaled, run the model's
-    code; and the vision-language Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5
-    (dense and MoE), Gemma 3, Gemma 4, LLaVA, PaliGemma, InternVL, Llama 3.2 Vision,
-    Mistral 3, GLM-4.1V, GLM-4.5V and SmolVLM (``config.model_type`` in
-    :data:`SUPPORTED_MODEL_TYPES`; modules that compute anything else are left as they
-    are): the ``*ForCausalLM`` and ``*ForConditionalGeneration`` models, or their base
-    ``*Model`` (norms and MLPs only). Only module ``forward`` methods of this one model are
-    replaced; parameters, buffers, ``state_dict`` keys and checkpoint loading and saving are
-    unchanged, and the patch survives ``copy.deepcopy``. Applying it again is harmless
-    (nothing is wrapped twice; ``impl`` is updated); a flag set to ``False`` leaves that part
-    as it is (it does not undo an earlier patch).
+    Qwen3-VL, Qwen3-VL-MoE and MuseGlimmer (base models), Mllama's text model, Pixtral's
+    vision encoder (norms and MLPs), and the MoE families' experts through
+    :func:`lmfuse.moe_experts`; with ``output_router_logits`` (in the call, the config or
+    its text config) the loss is the model's own; Llama 4's experts, fed tokens already
+    sorted and scaled, run the model's code; and the vision-language Qwen2-VL, Qwen2.5-VL,
+    Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 (dense and MoE), Gemma 3, Gemma 4, LLaVA, PaliGemma,
+    InternVL, Llama 3.2 Vision, Mistral 3, GLM-4.1V, GLM-4.5V, SmolVLM and MuseGlimmer
+    (``config.model_type`` in :data:`SUPPORTED_MODEL_TYPES`; modules that compute anything
+    else are left as they are): the ``*ForCausalLM`` and ``*ForConditionalGeneration``
+    models, or their base ``*Model`` (norms and MLPs only). Only module ``forward`` methods
+    of this one model are replaced; parameters, buffers, ``state_dict`` keys and checkpoint
+    loading and saving are unchanged, and the patch survives ``copy.deepcopy``. Applying it
+    again is harmless (nothing is wrapped twice; ``impl`` is updated); a flag set to
+    ``False`` leaves that part as it is (it does not undo an earlier patch).
 
     Args:
         model: the model, e.g. ``LlamaForCausalLM``, in any dtype and on any device.
@@ -940,9 +966,10 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
         fused_linear_cross_entropy: when the causal LM's forward is given ``labels``, compute
             the loss with :func:`lmfuse.linear_cross_entropy` from the last hidden states
             and ``lm_head`` (tied to the embedding or not; Gemma2/3's
-            ``final_logit_softcapping`` applied), with transformers' ``ForCausalLMLoss``
-            semantics: labels shifted by one, ``ignore_index`` -100, ``shift_labels`` if
-            passed, and ``num_items_in_batch`` (sum divided by it) for gradient accumulation.
+            ``final_logit_softcapping`` applied, after MuseGlimmer's ``output_multiplier``),
+            with transformers' ``ForCausalLMLoss`` semantics: labels shifted by one,
+            ``ignore_index`` -100, ``shift_labels`` if passed, and ``num_items_in_batch``
+            (sum divided by it) for gradient accumulation.
             **The output's ``logits`` is then ``None``**: the ``[tokens, vocab]`` logits are
             never formed. Without labels (inference, ``generate``), or with a nonzero
             ``logits_to_keep``, the model's own forward runs and returns logits as before.
