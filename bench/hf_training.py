@@ -1,10 +1,11 @@
 """A Hugging Face causal LM's training step with and without ``apply_lmfuse``.
 
-    python bench/hf_training.py [--json PATH] [--model llama|qwen3|gemma] [--quick]
-                                [--generate N]
+    python bench/hf_training.py [--json PATH] [--quick] [--generate N] [--impls A,B]
+        [--model llama|qwen3|gemma|mixtral|qwen3_moe|gemma3|gemma4]
 
 Builds a random-weight model from a config (no download; Llama-3-like by default: hidden
-2048, 8 layers, FFN 8192, vocabulary 128256, bf16, SDPA attention), and times one training
+2048, 8 layers, FFN 8192, vocabulary 128256, bf16, SDPA attention; the MoE families and
+Gemma 3/4 built around the same sizes, see ``FAMILIES``), and times one training
 step (forward with labels, backward) on ``[batch, seq]`` tokens for:
 
 * ``transformers``: the model as Hugging Face builds it (its loss materialises the
@@ -33,6 +34,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Result, bench_ms, dist_version, environment, print_table  # noqa: E402
 
 
+def _gemma_text(dims: dict) -> dict:
+    """Gemma 3/4's text stack at the benchmark's sizes: head dim 256, Gemma's vocabulary of
+    262144, a sliding window of 512 on five layers of six (the sixth and the last full)."""
+    layers = dims["num_hidden_layers"]
+    return dict(head_dim=256, vocab_size=262144 if dims["vocab_size"] > 32000 else 32000,
+                sliding_window=512,
+                layer_types=["full_attention" if (i + 1) % 6 == 0 or i == layers - 1
+                             else "sliding_attention"
+                             for i in range(layers)])
+
+
+# --model NAME -> (config model type, its overrides from the dense sizes). The MoE models
+# keep the dense model's attention and replace its MLP with experts of about its compute
+# per token: Mixtral's 8 experts of FFN // 2, two a token; Qwen3-MoE's 64 of 768, eight a
+# token. Gemma 4 without per-layer input embeddings (its larger checkpoints' form).
+FAMILIES = {
+    "mixtral": ("mixtral", lambda d: dict(intermediate_size=d["intermediate_size"] // 2,
+                                          num_local_experts=8, num_experts_per_tok=2)),
+    "qwen3_moe": ("qwen3_moe", lambda d: dict(
+        head_dim=d["hidden_size"] // 16, num_experts=64 if d["vocab_size"] > 32000 else 8,
+        num_experts_per_tok=8 if d["vocab_size"] > 32000 else 2,
+        moe_intermediate_size=768 if d["vocab_size"] > 32000 else 256)),
+    "gemma3": ("gemma3_text", _gemma_text),
+    "gemma4": ("gemma4_text", lambda d: dict(_gemma_text(d), hidden_size_per_layer_input=0)),
+}
+
+
 def build(kind: str, quick: bool, device: torch.device):
     import transformers
 
@@ -52,8 +80,16 @@ def build(kind: str, quick: bool, device: torch.device):
     elif kind == "gemma":
         config = transformers.GemmaConfig(head_dim=dims["hidden_size"] // 16, **common)
         cls = transformers.GemmaForCausalLM
+    elif kind in FAMILIES:
+        model_type, extra = FAMILIES[kind]
+        kw = dict(common, **extra(dims))
+        config = transformers.AutoConfig.for_model(model_type, **kw)
+        cls = transformers.AutoModelForCausalLM
+        torch.manual_seed(0)
+        return cls.from_config(config).to(device=device, dtype=torch.bfloat16)
     else:
-        raise ValueError(f"--model must be llama, qwen3 or gemma, got {kind!r}")
+        raise ValueError(f"--model must be one of llama, qwen3, gemma, {', '.join(FAMILIES)}; "
+                         f"got {kind!r}")
     torch.manual_seed(0)
     model = cls(config).to(device=device, dtype=torch.bfloat16)
     return model
@@ -82,13 +118,15 @@ def grads(model) -> dict[str, torch.Tensor]:
 
 def compare(loss, g, ref_loss, ref_g) -> str:
     dl = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
-    worst = 0.0
+    worst, where = 0.0, ""
     for n, r in ref_g.items():
         a = g.get(n)
         if a is None:
             return f"loss rel {dl:.1e}; gradient of {n} missing"
-        worst = max(worst, ((a - r).norm() / r.norm().clamp_min(1e-30)).item())
-    return f"loss rel {dl:.1e}; worst grad rel {worst:.1e}"
+        rel = ((a - r).norm() / r.norm().clamp_min(1e-30)).item()
+        if rel > worst:
+            worst, where = rel, n
+    return f"loss rel {dl:.1e}; worst grad rel {worst:.1e} ({where})"
 
 
 def time_generation(base, prompt, n: int, name: str) -> list[Result]:
@@ -136,8 +174,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--generate", type=int, default=0, metavar="N",
                     help="also time greedy generation of N tokens (eager, batch 1)")
+    ap.add_argument("--impls", default="transformers,lmfuse,liger-kernel",
+                    help="rows to run, comma-separated (transformers is the reference and "
+                         "always runs; Liger-Kernel's fused MoE autotunes for minutes on "
+                         "its first call at these sizes)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    impls = {i.strip() for i in args.impls.split(",") if i.strip()} | {"transformers"}
+    unknown = impls - {"transformers", "lmfuse", "liger-kernel"}
+    if unknown:
+        ap.error(f"--impls: unknown {sorted(unknown)}; choose from transformers, lmfuse, "
+                 f"liger-kernel")
     device = torch.device("cuda")
     from lmfuse.integrations.transformers import apply_lmfuse
 
@@ -156,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = {"transformers": lambda: base,
                 "lmfuse": lambda: apply_lmfuse(copy.deepcopy(base)),
                 "liger-kernel": lambda: liger_patch(args.model, copy.deepcopy(base))}
+    variants = {k: v for k, v in variants.items() if k in impls}
     rows, ref = [], None
     for impl, make in variants.items():
         try:
@@ -183,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # a peer missing or failing is a row with a note
             rows.append(Result(name, impl, None, None, None, None,
                                f"failed: {type(exc).__name__}: {exc}"[:200]))
-    lm = next(r.ms for r in rows if r.impl == "lmfuse")
+    lm = next((r.ms for r in rows if r.impl == "lmfuse"), None)
     for r in rows:
         r.ratio = r.ms / lm if (r.ms and lm) else None
     print_table(rows)

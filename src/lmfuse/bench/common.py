@@ -236,12 +236,15 @@ def check_plot(p: argparse.ArgumentParser, path: str | None) -> None:
         p.error(missing)
 
 
-def start(prog: str, doc: str, argv: list[str] | None, plot_what: str = "achieved TB/s"
+def start(prog: str, doc: str, argv: list[str] | None, plot_what: str = "achieved TB/s",
+          options: Callable[[argparse.ArgumentParser], None] | None = None
           ) -> tuple[argparse.Namespace, torch.device, bool, dict]:
-    """The start every benchmark shares: ``--json``, ``--plot``, ``--quick`` parsed; the best
-    device (small shapes on CPU, said so); torch seeded; the environment header printed.
-    Returns ``(args, device, quick, environment)``."""
+    """The start every benchmark shares: ``--json``, ``--plot``, ``--quick`` parsed (and what
+    ``options`` adds to the parser); the best device (small shapes on CPU, said so); torch
+    seeded; the environment header printed. Returns ``(args, device, quick, environment)``."""
     p = parser(prog, doc)
+    if options is not None:
+        options(p)
     p.add_argument("--json", type=output_file, help="write the results as JSON here")
     p.add_argument("--plot", type=output_file,
                    help=f"write a PNG bar chart of {plot_what} here (needs matplotlib)")

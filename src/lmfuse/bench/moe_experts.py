@@ -1,8 +1,8 @@
 """Benchmark ``lmfuse.moe_experts`` against the per-expert torch loop, transformers' experts
 implementations, Liger-Kernel and a floor.
 
-Run it as ``lmfuse bench moe_experts [--json PATH] [--plot PATH] [--quick]``. The cases are
-bf16, weights scaled by ``fan_in ** -0.5``:
+Run it as ``lmfuse bench moe_experts [--json PATH] [--plot PATH] [--quick] [--no-liger]``.
+The cases are bf16, weights scaled by ``fan_in ** -0.5``:
 
   mixtral fwd+bwd     T 8192, H 4096, F 14336, E 8, k 2, SwiGLU, gate/up halves, no biases
   qwen3-moe fwd+bwd   T 8192, H 2048, F 768, E 128, k 8, SwiGLU, gate/up halves, no biases
@@ -441,9 +441,16 @@ def report(results: list[Result]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, device, quick, env = start("lmfuse bench moe_experts", __doc__, argv,
-                                     plot_what="TFLOP/s (training) or TB/s (decode)")
+    args, device, quick, env = start(
+        "lmfuse bench moe_experts", __doc__, argv,
+        plot_what="TFLOP/s (training) or TB/s (decode)",
+        options=lambda p: p.add_argument(
+            "--no-liger", action="store_true",
+            help="leave Liger-Kernel's row out (its fused MoE autotunes for minutes on its "
+                 "first call at the training shapes)"))
     liger, liger_version = load_liger()
+    if args.no_liger:
+        liger = not_run("left out (--no-liger)")
     versions = {"transformers": dist_version("transformers"), "liger-kernel": liger_version}
     env.update(versions)
     print("# peers: " + ", ".join(f"{name} {v}" for name, v in versions.items()))
