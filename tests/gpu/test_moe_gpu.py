@@ -8,8 +8,9 @@ Run on a CUDA machine::
 What only a GPU shows: bf16 tensor-core dots and fp32 dots kept out of TF32 (``IEEE``) at
 realistic block sizes (tiles full, several row tiles per expert, several K steps), a
 routing-independent launch (a CUDA graph captured once replays with new expert ids, bitwise
-equal to eager calls: no host synchronisation, no data-dependent grid), determinism, and
-the value checks under ``lmfuse.set_checks``.
+equal to eager calls: no host synchronisation, no data-dependent grid), determinism, the
+value checks under ``lmfuse.set_checks``, and ``fp8_input_store``'s float8 stores and loads
+in the kernels (compute capability 8.9+; the interpreter converts float8 for the backward).
 """
 
 from __future__ import annotations
@@ -165,3 +166,113 @@ def test_value_checks_on_cuda() -> None:
             lmfuse.moe_experts(*args)
     finally:
         lmfuse.set_checks(False)
+
+
+# --- fp8_input_store ----------------------------------------------------------------------------
+
+
+class _ThroughFp8(torch.autograd.Function):
+    """``h`` as float8_e4m3fn keeps it (saturated at +-448, NaN kept) forward, the identity
+    backward: what follows sees the rounded value, and ``h`` gets the gradient taken there."""
+
+    @staticmethod
+    def forward(ctx, h):
+        return h.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(h.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def _rounded_reference(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias=None,
+                       down_bias=None, *, activation="swiglu", linear_offset=0.0,
+                       clamp_value=None, gate_up_layout="halves"):
+    """``moe_experts_reference``'s loop (float64 here) with ``h`` rounded through float8 before
+    the activation: its gradients are those ``fp8_input_store`` promises."""
+    from lmfuse.moe.reference import expert_activation
+
+    T = expert_ids.shape[0]
+    out = torch.zeros(T, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+    for e in range(w_gate_up.shape[0]):
+        token, slot = (expert_ids == e).nonzero(as_tuple=True)
+        if token.numel() == 0:
+            continue
+        h = hidden[token] @ w_gate_up[e].T
+        if gate_up_bias is not None:
+            h = h + gate_up_bias[e]
+        a = expert_activation(_ThroughFp8.apply(h), activation=activation,
+                              linear_offset=linear_offset, clamp_value=clamp_value,
+                              gate_up_layout=gate_up_layout)
+        y = a @ w_down[e].T
+        if down_bias is not None:
+            y = y + down_bias[e]
+        out = out.index_add(0, token, y * router_weights[token, slot][:, None])
+    return out
+
+
+FP8_SHAPES = [s for s in SHAPES if s[0] in ("mixtral-like", "gpt-oss-like", "squared-relu")]
+
+
+@pytest.mark.parametrize("label, T, H, F, E, k, kw", FP8_SHAPES, ids=[s[0] for s in FP8_SHAPES])
+def test_fp8_input_store_bf16(label, T, H, F, E, k, kw) -> None:
+    """bf16 with ``fp8_input_store``: the forward bitwise the default's; autograd keeps h as
+    float8_e4m3fn ``[T k, K2]`` (compute capability 8.9+: written by the up kernel, read as
+    float8 by the backward's first kernel); every gradient the float8-rounded oracle's within
+    bf16's tolerance."""
+    gated = kw["activation"] != "squared_relu"
+    t = make(T, H, F, E, k, BF16, gated=gated)
+    with torch.no_grad():
+        plain = call(lmfuse.moe_experts, t, **kw)
+    saved = []
+
+    def pack(x):
+        saved.append((x.dtype, tuple(x.shape)))
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = call(lmfuse.moe_experts, t, fp8_input_store=True, **kw)
+    assert torch.equal(out, plain), f"{label}: fp8_input_store changed the forward"
+    K2 = 2 * F if gated else F
+    assert (torch.float8_e4m3fn, (T * k, K2)) in saved, saved
+    assert not any(d == BF16 and s == (T * k, K2) for d, s in saved), saved
+    ref = {n: (v.detach().double().requires_grad_(True)
+               if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+           for n, v in t.items()}
+    want = call(_rounded_reference, ref, **kw)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, leaves(t), g)
+    exp = torch.autograd.grad(want, leaves(ref), g.double())
+    for name, a, b in zip([n for n in NAMES if t[n] is not None], got, exp):
+        limit = BF16 if name == "router_weights" else a.dtype
+        assert_close(a, b.to(a.dtype), limit, f"{label} fp8 d{name}")
+
+
+def test_fp8_input_store_without_float8_kernels_gives_the_same_bits(monkeypatch) -> None:
+    """The path of GPUs older than compute capability 8.9 (the up kernel writes the e4m3
+    values in bf16, cast to float8 after it; the backward reads them converted back to bf16),
+    forced here: the same saved bits and the same gradients as the float8 kernels'."""
+    from lmfuse.moe import ops as moe_ops
+
+    t = make(512, 512, 384, 8, 2, BF16)
+    kw = dict(activation="quick_geglu", linear_offset=1.0, clamp_value=7.0,
+              gate_up_layout="interleaved", fp8_input_store=True)
+
+    def run():
+        saved = []
+
+        def pack(x):
+            if x.dtype == torch.float8_e4m3fn:
+                saved.append(x.view(torch.uint8).clone())
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            out = call(lmfuse.moe_experts, t, **kw)
+        return saved, torch.autograd.grad(out, leaves(t), torch.ones_like(out))
+
+    saved, grads = run()
+    monkeypatch.setattr(moe_ops, "_kernel_stores_fp8", lambda device: False)
+    monkeypatch.setattr(moe_ops, "_kernel_loads_fp8", lambda device: False)
+    saved_old, grads_old = run()
+    assert len(saved) == len(saved_old) == 1 and torch.equal(saved[0], saved_old[0])
+    for a, b in zip(grads, grads_old):
+        assert torch.equal(a, b)

@@ -250,7 +250,7 @@ def test_signature_and_export() -> None:
     assert str(plain) == ("(hidden, expert_ids, router_weights, w_gate_up, w_down, *, "
                           "gate_up_bias=None, down_bias=None, activation='swiglu', "
                           "linear_offset=0.0, clamp_value=None, gate_up_layout='halves', "
-                          "impl='auto')")
+                          "fp8_input_store=False, impl='auto')")
 
 
 # --- bad input ------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .._fp8 import saturate_e4m3
 from ..activations.kernels import _act, _act_and_grad, _chain
 
 
@@ -56,6 +57,28 @@ def _out(v, dtype: tl.constexpr, RTNE: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         v = tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
     return v.to(dtype)
+
+
+@triton.jit
+def _store_h(ptr, v, mask, H_FP8: tl.constexpr, RTNE: tl.constexpr):
+    """float32 pre-activation ``v`` stored for the backward. ``H_FP8`` (``fp8_input_store``):
+    as float8_e4m3fn values, saturated at +-448, rounded to nearest even, NaN kept
+    (``saturate_e4m3``); into a float8_e4m3fn buffer, or, where the GPU cannot convert to
+    float8 (compute capability < 8.9), into a buffer of hidden's dtype, which holds every
+    e4m3 value exactly (ops.py then casts it to float8 without rounding again)."""
+    if H_FP8:
+        v = saturate_e4m3(v)
+        if ptr.dtype.element_ty == tl.float8e4nv:
+            # NaN's bits set by hand: Triton 3.9's interpreter converts a float32 NaN to
+            # e4m3 384 (a GPU's conversion already gives 0x7F; the select costs it nothing
+            # that matters in a GEMM's epilogue).
+            bits = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            bits = tl.where(v != v, 0x7F, bits).to(tl.uint8)
+            tl.store(ptr, bits.to(tl.float8e4nv, bitcast=True), mask=mask)
+        else:
+            tl.store(ptr, v.to(ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(ptr, _out(v, ptr.dtype.element_ty, RTNE), mask=mask)
 
 
 @triton.jit
@@ -89,14 +112,17 @@ def moe_up_kernel(
     H, F, offset, clamp,
     ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_CLAMP: tl.constexpr, STORE_H: tl.constexpr,
-    IEEE: tl.constexpr, DOT_F32: tl.constexpr, RTNE: tl.constexpr,
+    H_FP8: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr, RTNE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """``h = x[token[r]] @ W[e].T + bias[e]`` for the tile's rows and the gate/up columns of
     ``BLOCK_N`` activation outputs, then ``a = act(h)``: ``A_OUT [T k, F]``; with
     ``STORE_H`` also ``h`` itself (``H_OUT [T k, K2]``, the gate/up layout of W's rows),
-    which the backward reads. ``W [E, K2, H]`` at strides (``stride_we``, ``stride_wn``,
-    ``stride_wk``), ``K2 = 2 F`` gated, else ``F``; ``BIAS [E, K2]`` contiguous."""
+    which the backward reads; ``H_FP8``: ``h`` rounded to float8_e4m3fn (see ``_store_h``),
+    from the float32 accumulator (one rounding), while ``a`` is computed from the
+    accumulator itself (the forward does not change). ``W [E, K2, H]`` at strides
+    (``stride_we``, ``stride_wn``, ``stride_wk``), ``K2 = 2 F`` gated, else ``F``;
+    ``BIAS [E, K2]`` contiguous."""
     e, start, end = _tile(TILES)
     if start < end:
         rows = start + tl.arange(0, BLOCK_M)
@@ -136,10 +162,9 @@ def moe_up_kernel(
         rows64 = rows.to(tl.int64)
         if STORE_H:
             h_row = H_OUT + rows64[:, None] * K2
-            h_ty = H_OUT.dtype.element_ty
-            tl.store(h_row + gcol[None, :], _out(acc_g, h_ty, RTNE), mask=mask)
+            _store_h(h_row + gcol[None, :], acc_g, mask, H_FP8, RTNE)
             if GATED:
-                tl.store(h_row + ucol[None, :], _out(acc_u, h_ty, RTNE), mask=mask)
+                _store_h(h_row + ucol[None, :], acc_u, mask, H_FP8, RTNE)
         if GATED:
             g, u = _clamped(acc_g, acc_u, clamp, HAS_CLAMP)
             a = _act(g, ACT) * (u + offset)
@@ -214,7 +239,9 @@ def moe_act_bwd_kernel(
     to ``A_OUT [T k, F]`` for the down weight's gradient), ``dh = act'(h) * g * s_r``
     (``DH [T k, K2]``, gate/up layout) and the router weight's gradient ``<dout[t],
     expert_out[r]> = <g, a> + <dout[t], down_bias[e]>`` as one float32 partial per column
-    tile (``DW_PART [N tiles, T k]``; the bias term in tile 0), summed afterwards."""
+    tile (``DW_PART [N tiles, T k]``; the bias term in tile 0), summed afterwards. ``HBUF``
+    is in hidden's dtype or, with ``fp8_input_store``, float8_e4m3fn (loaded as such where
+    the GPU can; ops.py converts it first elsewhere): the same code reads either."""
     e, start, end = _tile(TILES)
     if start < end:
         pid_n = tl.program_id(1)

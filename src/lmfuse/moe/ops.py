@@ -18,10 +18,26 @@ atomics, no ``index_add`` on CUDA).
   and biases), ``moe_down_kernel`` and ``moe_combine_kernel`` for the hidden gradient.
   Saved for backward: the inputs, the routing (a few ``[T k]`` index vectors) and ``h``;
   the activation output ``a`` is recomputed from ``h`` in the backward's first kernel.
+
+``fp8_input_store=True`` keeps ``h`` as float8_e4m3fn (half of bf16's bytes) instead of in
+hidden's dtype, as the activations' option of that name keeps their input: saturated at
++-448, rounded to nearest even, NaN kept. The forward output does not change (the
+activation reads the unrounded ``h``); the backward works on the rounded ``h``, so the
+gradients are those of the rounded pre-activation. On the Triton path ``moe_up_kernel``
+rounds its float32 accumulator once and writes the float8 copy itself (compute capability
+8.9+ and the interpreter; older GPUs get the same values through hidden's dtype, which
+holds them exactly), and ``moe_act_bwd_kernel`` loads float8 where the GPU can (8.9+), a
+copy in hidden's dtype elsewhere. On the torch path each expert's activation, down
+projection and router weight are one autograd function that saves ``h.clamp(-448, 448)`` as
+float8 (``h`` as that path computes it, in hidden's dtype: for fp16/bf16 a value that lands
+on a float8 tie can round the other way than the Triton path's single rounding) and
+recomputes them from it in the backward, so both paths' down-weight and router-weight
+gradients use the rounded ``h`` too.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Optional
 
@@ -39,7 +55,24 @@ from . import reference as ref
 
 OP = "moe_experts"
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+_FP8 = torch.float8_e4m3fn
 _kernels = lazy_kernels("kernels", __package__)
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_fp8(device: torch.device) -> bool:
+    """Triton compiles float8_e4m3fn conversions and loads for compute capability 8.9 and
+    later only."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _kernel_stores_fp8(device: torch.device) -> bool:
+    return interpreter_active() or _gpu_fp8(device)
+
+
+def _kernel_loads_fp8(device: torch.device) -> bool:
+    # Not in the interpreter: Triton 3.9's reads e4m3's NaN (0x7F) as 480.
+    return not interpreter_active() and _gpu_fp8(device)
 
 
 def _config(device: torch.device, rows: int, H: int, F: int) -> dict[str, int]:
@@ -128,22 +161,62 @@ def _torch_path(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_b
     wgu, wd = w_gate_up.unbind(0), w_down.unbind(0)  # one stacked gradient, not E
     bgu = gate_up_bias.unbind(0) if gate_up_bias is not None else [None] * E
     bd = down_bias.unbind(0) if down_bias is not None else [None] * E
+    # fp8_input_store: each expert's activation, down projection and router weight as one
+    # autograd function that keeps h as float8 (what a gradient needs of them, not more).
+    fp8 = s["fp8_input_store"] and torch.is_grad_enabled()
     ys, start = [], 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
         h = F.linear(x[start:start + n], wgu[e], bgu[e])
-        a = ref.expert_activation(h, activation=s["activation"],
-                                  linear_offset=s["linear_offset"],
-                                  clamp_value=s["clamp_value"],
-                                  gate_up_layout=s["gate_up_layout"])
-        ys.append(F.linear(a, wd[e], bd[e]))
+        w = weights[start:start + n]
+        if fp8:
+            ys.append(_Fp8StoredExpert.apply(h, wd[e], bd[e], w, s))
+        else:
+            ys.append(_expert_out(h, wd[e], bd[e], w, s))
         start += n
-    y = torch.cat(ys) if ys else hidden.new_zeros((0, H))
-    y = y.to(compute) * weights[:, None]
+    # No tokens: empty rows that still reach the router weights (their empty gradient).
+    y = torch.cat(ys) if ys else hidden.new_zeros((0, H), dtype=compute) * weights[:, None]
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel(), device=perm.device)
     return y.index_select(0, inv).view(T, k, H).sum(1).to(hidden.dtype)
+
+
+def _expert_out(h, w_down, down_bias, weights, s: dict[str, Any]) -> torch.Tensor:
+    """One expert's weighted output rows ``(act(h) @ w_down.T + down_bias) * weights`` in
+    the compute dtype (``weights`` already in it), from its gate/up output ``h [n, K2]``."""
+    a = ref.expert_activation(h, activation=s["activation"], linear_offset=s["linear_offset"],
+                              clamp_value=s["clamp_value"], gate_up_layout=s["gate_up_layout"])
+    return F.linear(a, w_down, down_bias).to(weights.dtype) * weights[:, None]
+
+
+class _Fp8StoredExpert(torch.autograd.Function):
+    """:func:`_expert_out` with ``fp8_input_store`` (the torch path): the forward from ``h``
+    itself; kept for the backward ``h`` as float8 (not ``act(h)`` nor the output rows, which
+    autograd would keep), from which the backward recomputes them and differentiates, as
+    the Triton path's backward does: every gradient is that of the rounded ``h``."""
+
+    @staticmethod
+    def forward(ctx, h, w_down, down_bias, weights, s: dict[str, Any]):
+        ctx.s, ctx.dtype = s, h.dtype
+        # Saturated as the kernels' copy is (torch's CUDA cast turns magnitudes above 464
+        # into NaN); clamp keeps NaN, and the cast keeps it NaN.
+        ctx.save_for_backward(h.clamp(-448.0, 448.0).to(_FP8), w_down, down_bias, weights)
+        return _expert_out(h, w_down, down_bias, weights, s)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        h8, w_down, down_bias, weights = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:4]
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(need) if t is not None else None
+                      for t, need in zip((h8.to(ctx.dtype), w_down, down_bias, weights),
+                                         needs)]
+            y = _expert_out(*leaves, ctx.s)
+            wanted = [t for t, need in zip(leaves, needs) if need]
+            got = iter(torch.autograd.grad(y, wanted, dy) if wanted else ())
+        return (*(next(got) if need else None for need in needs), None)
 
 
 # --- the Triton launches -----------------------------------------------------------------------
@@ -161,8 +234,9 @@ def _combine(y: torch.Tensor, inv: torch.Tensor, T: int, k: int, c: dict) -> tor
 
 def _forward(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias, down_bias,
              s: dict[str, Any], save: bool):
-    """``(out [T, H], h [T k, K2] (or [0, K2] without save), perm, token, offsets, inv,
-    weights [T k] float32 in sorted order)``."""
+    """``(out [T, H], h [T k, K2] (or [0, K2] without save; float8_e4m3fn with
+    ``fp8_input_store``), perm, token, offsets, inv, weights [T k] float32 in sorted
+    order)``."""
     T, k = expert_ids.shape
     E, K2, H = w_gate_up.shape
     Fdim = w_down.shape[2]
@@ -170,7 +244,12 @@ def _forward(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias
     kern, c = _kernels(), _config(hidden.device, rows, H, Fdim)
     perm, token, offsets, inv = _route(expert_ids, E)
     weights = router_weights.reshape(-1).index_select(0, perm).to(torch.float32)
-    h = hidden.new_empty((rows if save else 0, K2))
+    fp8 = save and s["fp8_input_store"]
+    # Where the kernel cannot convert to float8 it writes the same e4m3 values in hidden's
+    # dtype, cast after it.
+    direct = fp8 and _kernel_stores_fp8(hidden.device)
+    h = hidden.new_empty((rows if save else 0, K2),
+                         dtype=_FP8 if direct or (fp8 and rows == 0) else hidden.dtype)
     if rows == 0:
         return hidden.new_zeros((T, H)), h, perm, token, offsets, inv, weights
     tiles = _tiles(offsets, rows, c["block_m"])
@@ -183,8 +262,10 @@ def _forward(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias
         s["linear_offset"], s["clamp_value"] or 0.0,
         ACT=ACT_IDS[s["act"]], GATED=s["gated"], INTERLEAVED=s["interleaved"],
         HAS_BIAS=gate_up_bias is not None, HAS_CLAMP=s["clamp_value"] is not None,
-        STORE_H=save, **dots, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=c["warps"],
-        num_stages=c["stages"])
+        STORE_H=save, H_FP8=fp8, **dots, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=c["warps"], num_stages=c["stages"])
+    if fp8 and not direct:
+        h = h.to(_FP8)  # e4m3 values already: an exact cast
     scatter = k == 1
     y = hidden.new_empty((T, H)) if scatter else hidden.new_empty((rows, H))
     kern.moe_down_kernel[(tiles.shape[0], cdiv(H, bn))](
@@ -210,6 +291,8 @@ def _backward(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm,
     dots = _dot_flags(hidden)
     bm, bn, bk = c["block_m"], c["block_n"], c["block_k"]
     launch = dict(num_warps=c["warps"], num_stages=c["stages"])
+    if h.dtype == _FP8 and not _kernel_loads_fp8(h.device):
+        h = h.to(hidden.dtype)  # exact: hidden's dtype holds every e4m3 value
     dh = hidden.new_empty((rows, K2))
     a = hidden.new_empty((rows, Fdim))
     f_tiles = cdiv(Fdim, bn)
@@ -273,34 +356,36 @@ def _backward(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm,
 
 
 def _settings(activation: str, gate_up_layout: str, linear_offset: float,
-              clamp_value: Optional[float]) -> dict[str, Any]:
+              clamp_value: Optional[float], fp8_input_store: bool = False) -> dict[str, Any]:
     act, gated = ref.ACTIVATIONS[activation]
     return dict(activation=activation, act=act, gated=gated, gate_up_layout=gate_up_layout,
                 interleaved=gated and gate_up_layout == "interleaved",
                 linear_offset=float(linear_offset),
-                clamp_value=None if clamp_value is None else float(clamp_value))
+                clamp_value=None if clamp_value is None else float(clamp_value),
+                fp8_input_store=fp8_input_store)
 
 
 @torch.library.custom_op("lmfuse::moe_experts_fwd", mutates_args=())
 def _fwd_op(hidden: torch.Tensor, expert_ids: torch.Tensor, router_weights: torch.Tensor,
             w_gate_up: torch.Tensor, w_down: torch.Tensor, gate_up_bias: Optional[torch.Tensor],
             down_bias: Optional[torch.Tensor], activation: str, gate_up_layout: str,
-            linear_offset: float, clamp_value: Optional[float],
+            linear_offset: float, clamp_value: Optional[float], fp8_input_store: bool,
             save: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                  torch.Tensor, torch.Tensor, torch.Tensor]:
     return _forward(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias,
                     down_bias, _settings(activation, gate_up_layout, linear_offset,
-                                         clamp_value), save)
+                                         clamp_value, fp8_input_store), save)
 
 
 @_fwd_op.register_fake
 def _(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias, down_bias,
-      activation, gate_up_layout, linear_offset, clamp_value, save):
+      activation, gate_up_layout, linear_offset, clamp_value, fp8_input_store, save):
     T, k = expert_ids.shape
     rows, E = T * k, w_gate_up.shape[0]
     index = dict(dtype=torch.int64)
-    return (hidden.new_empty(hidden.shape), hidden.new_empty((rows if save else 0,
-                                                              w_gate_up.shape[1])),
+    h_dtype = _FP8 if save and fp8_input_store else hidden.dtype
+    return (hidden.new_empty(hidden.shape),
+            hidden.new_empty((rows if save else 0, w_gate_up.shape[1]), dtype=h_dtype),
             hidden.new_empty((rows,), **index), hidden.new_empty((rows,), dtype=torch.int32),
             hidden.new_empty((E + 1,), dtype=torch.int32), hidden.new_empty((rows,), **index),
             hidden.new_empty((rows,), dtype=torch.float32))
@@ -352,7 +437,8 @@ class _MoEExperts(torch.autograd.Function):
             if _eager():
                 out, h, perm, token, offsets, inv, weights = _forward(*args, s, True)
             else:
-                out, h, perm, token, offsets, inv, weights = _fwd_op(*args, *_op_args(s), True)
+                out, h, perm, token, offsets, inv, weights = _fwd_op(
+                    *args, *_op_args(s), s["fp8_input_store"], True)
             ctx.s = s
             ctx.rw_dtype = router_weights.dtype
             ctx.save_for_backward(hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm,
@@ -383,8 +469,8 @@ class _MoEExperts(torch.autograd.Function):
 
 
 def _resolve(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias, down_bias,
-             activation, linear_offset, clamp_value, gate_up_layout,
-             impl) -> tuple[str, str, dict[str, Any]]:
+             activation, linear_offset, clamp_value, gate_up_layout, impl,
+             fp8_input_store=False) -> tuple[str, str, dict[str, Any]]:
     check_tensor(OP, "hidden", hidden, ndim=2)
     check_tensor(OP, "expert_ids", expert_ids, ndim=2, dtypes=_INT_DTYPES)
     check_tensor(OP, "router_weights", router_weights, ndim=2, dtypes=FLOAT_DTYPES)
@@ -442,6 +528,8 @@ def _resolve(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias
     if check_number(OP, "clamp_value", clamp_value) is not None and not clamp_value > 0:
         raise ValueError(f"{OP}: clamp_value must be positive (gate <= c, -c <= up <= c), "
                          f"got {clamp_value!r}")
+    if not isinstance(fp8_input_store, bool):
+        raise TypeError(f"{OP}: fp8_input_store must be a bool, got {fp8_input_store!r}")
     if not gated and (linear_offset or clamp_value is not None):
         raise ValueError(f"{OP}: linear_offset and clamp_value apply to the gated "
                          f"activations only; {activation} got linear_offset={linear_offset}, "
@@ -457,7 +545,7 @@ def _resolve(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias
             raise TypeError(f"{OP}: the Triton path takes float32/float16/bfloat16 hidden, "
                             f"got float64; use impl='torch'")
         path, reason = "torch", "float64 input: the torch path (the kernels are for fp32/16)"
-    s = _settings(activation, gate_up_layout, linear_offset, clamp_value)
+    s = _settings(activation, gate_up_layout, linear_offset, clamp_value, fp8_input_store)
     s.update(path=path, T=T, k=expert_ids.shape[1], E=E, H=H, F=Fdim)
     return path, reason, s
 
@@ -475,6 +563,7 @@ def moe_experts(
     linear_offset: float = 0.0,
     clamp_value: Optional[float] = None,
     gate_up_layout: str = "halves",
+    fp8_input_store: bool = False,
     impl: str = "auto",
 ) -> torch.Tensor:
     """The routed experts' MLP: ``out[t] = sum_j router_weights[t, j] * expert(expert_ids[t,
@@ -498,6 +587,11 @@ def moe_experts(
             <= c`` after ``gate_up_bias`` (GPT-OSS: ``quick_geglu``, offset 1, clamp 7).
         gate_up_layout: ``"halves"`` (gate ``[:F]``, up ``[F:]``) or ``"interleaved"``
             (gate ``[0::2]``, up ``[1::2]``, GPT-OSS); no effect for ``squared_relu``.
+        fp8_input_store: keep the gate/up output ``h [T k, 2F]`` (the activation's input)
+            for backward as float8_e4m3fn (half of bf16's bytes), as the activations' option
+            keeps theirs. The output does not change; the gradients are then those of the
+            rounded ``h``. NaN stays NaN, ``+-inf`` (and anything beyond) is saturated to
+            ``+-448`` (float8_e4m3fn has no infinity). No effect without a gradient.
     Returns:
         ``[T, H]`` in hidden's dtype; gradients for hidden, router_weights, both weights and
         both biases. Deterministic on both paths; experts that receive no token cost
@@ -505,7 +599,7 @@ def moe_experts(
     """
     args = (hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias, down_bias)
     path, _, s = _resolve(*args, activation, linear_offset, clamp_value, gate_up_layout,
-                          impl)
+                          impl, fp8_input_store)
     if path == "torch":
         with nvtx_range(OP, "torch"):
             return _torch_path(*args, s)
@@ -534,7 +628,7 @@ def plan_moe_experts(*args, **kwargs) -> Plan:
     path, reason, s = _resolve(a["hidden"], a["expert_ids"], a["router_weights"],
                                a["w_gate_up"], a["w_down"], a["gate_up_bias"], a["down_bias"],
                                a["activation"], a["linear_offset"], a["clamp_value"],
-                               a["gate_up_layout"], a["impl"])
+                               a["gate_up_layout"], a["impl"], a["fp8_input_store"])
     T, k, E, H, Fdim = s["T"], s["k"], s["E"], s["H"], s["F"]
     dtype = dtype_name(a["hidden"].dtype)
     details = {
@@ -542,6 +636,7 @@ def plan_moe_experts(*args, **kwargs) -> Plan:
                    f"one stable sort of the {T * k} pairs by expert",
     }
     gated = s["gated"]
+    h_dtype = "float8_e4m3fn" if s["fp8_input_store"] else dtype
     lin = f" + {s['linear_offset']}" if s["linear_offset"] else ""
     details["activation"] = (f"{s['act']}(gate) * (up{lin}), gate/up {s['gate_up_layout']}"
                              if gated else s["act"])
@@ -553,15 +648,19 @@ def plan_moe_experts(*args, **kwargs) -> Plan:
                               "down + router weight), then the slot sum" +
                               (" (k = 1: written in place)" if k == 1 else ""))
         details["saved for backward"] = (f"inputs, routing and the gate/up output "
-                                         f"[{T * k}, {(2 if gated else 1) * Fdim}]")
+                                         f"[{T * k}, {(2 if gated else 1) * Fdim}] {h_dtype}")
     else:
         details["torch"] = "per-expert F.linear on contiguous slices; reads the counts on the host"
+        if s["fp8_input_store"]:
+            details["saved for backward"] = (f"the gate/up output [{T * k}, "
+                                             f"{(2 if gated else 1) * Fdim}] as float8_e4m3fn")
     return Plan(OP, path, reason, details, s)
 
 
 def checks(device: torch.device, dtypes) -> list:
     """Fresh random cases (SwiGLU with biases, GPT-OSS's clamped interleaved Quick-GEGLU,
-    top-1 squared ReLU), for :mod:`lmfuse._check`."""
+    top-1 squared ReLU; SwiGLU with ``fp8_input_store`` in fp16/bf16), for
+    :mod:`lmfuse._check`."""
     from .._check import CheckCase
 
     small = device.type != "cuda"
@@ -603,4 +702,11 @@ def checks(device: torch.device, dtypes) -> list:
                  clamp_value=7.0, gate_up_layout="interleaved"),
             case("squared_relu k=1", dtype, 1, "squared_relu", False),
         ]
+        if dtype != torch.float32:
+            # Against the float64 torch path with the option (h rounded to float8 there
+            # too). Not float32's bound: the float32 and float64 h differ in their last
+            # bits, and one of the [T k, 2F] values landing on the other side of a float8
+            # tie moves its gradients by more than 1e-5.
+            cases.append(case("swiglu+bias fp8 store", dtype, 2, "swiglu", True,
+                              fp8_input_store=True))
     return cases
