@@ -4,6 +4,9 @@ processes (``PYTHONPATH=<tree>/src``), alternated ``--rounds`` times so drift hi
     git archive 7b9ea77 src | tar -x -C before    # the tree before the NaN changes
     python bench/nan_overhead.py --tree before=before/src --tree after=src --json nan.json
 
+(``--cases softmax`` times the softmax cases alone; with more than two ``--tree`` options
+every tree's times are printed, with no ratio.)
+
 Each case: median of CUDA-event timings (``triton.testing.do_bench``, 25 ms warm-up,
 100 ms measured) of one call -- forward, or forward + backward -- on bf16 inputs at a
 training or serving size; decode attention as a CUDA-graph replay. The ratio is
@@ -53,6 +56,8 @@ def cases():
     dy = rnd(4, 32, 2048, 2048)
     bench("softmax fwd+bwd [4,32,2048,2048] causal", lambda: lmfuse.fused_softmax(
         sg, scale=0.125, causal=True).backward(dy))
+    bench("softmax fwd+bwd [4,32,2048,2048] boolean mask", lambda: lmfuse.fused_softmax(
+        sg, scale=0.125, mask=keep).backward(dy))
     x = rnd(8192, 128256, grad=True)
     t = torch.randint(0, 128256, (8192,), device=dev, generator=g)
     bench("cross_entropy fwd [8192,128256]", lambda: lmfuse.cross_entropy(x.detach(), t))

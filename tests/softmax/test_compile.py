@@ -44,3 +44,7 @@ def test_custom_ops_pass_opcheck():
     dy = torch.randn_like(y)
     torch.library.opcheck(torch.ops.lmfuse.softmax_bwd.default,
                           (dy, y.detach(), lse.detach(), offset.detach(), 0.5, 4, 0, False))
+    # With the boolean mask, which the backward reads for NaN rows only.
+    torch.library.opcheck(torch.ops.lmfuse.softmax_bwd.default,
+                          (dy, y.detach(), lse.detach(), offset.detach(), 0.5, 4, 0, False,
+                           mask))

@@ -1,11 +1,13 @@
 """NaN and inf through the softmax family, on both paths, against the float64 reference.
 
 The oracle is ``fused_softmax_reference`` evaluated in float64 (``impl="torch"`` on float64
-inputs), whose semantics are PyTorch's ``softmax(z.masked_fill(hidden, -inf))``: a NaN or
-``+inf`` visible logit (or sink) makes the row's visible outputs NaN, ``-inf`` is probability
-0, hidden keys (band, boolean mask) are exact zeros with zero gradient even in a NaN row, a
-NaN under the boolean mask or outside the band is never read, an additive mask hides
-nothing (``NaN + -inf`` is NaN). Results must have NaN, ``+inf`` and ``-inf`` exactly where
+inputs), whose semantics are PyTorch's ``softmax(z.masked_fill(hidden, -inf))`` exactly
+(checked below against PyTorch itself): a NaN or ``+inf`` visible logit (or sink) makes every
+output of the row NaN, hidden keys (band, boolean mask) included, with a NaN gradient at the
+row's visible keys and exactly 0 at its hidden keys (``masked_fill``'s backward); ``-inf`` is
+probability 0; a NaN under the boolean mask or outside the band is never read; an additive
+mask hides nothing (``NaN + -inf`` is NaN); a row whose keys are all hidden or ``-inf`` is
+zeros whatever the sink (PyTorch: NaN). Results must have NaN, ``+inf`` and ``-inf`` exactly where
 the oracle (rounded to the result's dtype) has them, and the finite values within
 ``helpers.TOL``. Gradients in float32 are compared with float64 autograd; in float16 /
 bfloat16 the Triton backward reads the output it stored, so its values are compared with
@@ -116,18 +118,18 @@ def grads_from_output(y, base, view, mask, offset, grad, kw) -> dict[str, torch.
     """The gradients a fused backward computes from its stored output ``y`` (float64)."""
     args = lmfuse.explain(lmfuse.fused_softmax, view(base), mask=mask, softmax_offset=offset,
                           impl="torch", **{k: v for k, v in kw.items()}).args
-    g = fused_softmax_backward_reference(y.detach().double(), grad)
+    b, h, q, k = y.shape
+    hidden = ~visible_keys(q, k, args["left"], args["right"], y.device)
+    if mask is not None and mask.dtype == torch.bool:
+        hidden = hidden | mask
+    g = fused_softmax_backward_reference(y.detach().double(), grad, hidden)
     b64 = base.detach().double().requires_grad_(True)
     out = {"scores": torch.autograd.grad(view(b64), b64, args["scale"] * g)[0]}
     if mask is not None and mask.requires_grad:
         out["mask"] = g.sum_to_size(mask.shape)
     if offset is not None:
-        b, h, q, k = y.shape
         z = view(base.detach().double()) * args["scale"]
-        hidden = ~visible_keys(q, k, args["left"], args["right"], y.device)
-        if mask is not None and mask.dtype == torch.bool:
-            hidden = hidden | mask
-        elif mask is not None:
+        if mask is not None and mask.dtype != torch.bool:
             z = z + mask.detach().double()
         z = z.masked_fill(hidden, -INF)
         sink = offset.detach().double().view(1, h, 1, 1).expand(b, h, q, 1)
@@ -246,7 +248,9 @@ def test_nan_in_a_hidden_position_changes_nothing(impl: str, config, hide: str) 
 
 
 @pytest.mark.parametrize("impl, config", PATHS)
-def test_nan_row_keeps_hidden_keys_at_zero_with_zero_gradient(impl: str, config) -> None:
+def test_nan_row_is_nan_at_hidden_keys_with_zero_gradient_there(impl: str, config) -> None:
+    """As torch.softmax of the masked scores: a NaN row is NaN at every key, hidden ones
+    too; masked_fill's backward gives the hidden keys a zero gradient all the same."""
     x = rnd((1, 1, 2, 37), requires_grad=True)
     mask = torch.zeros(1, 1, 2, 37, dtype=torch.bool, device=DEVICE)
     mask[..., 30:] = True
@@ -254,10 +258,11 @@ def test_nan_row_keeps_hidden_keys_at_zero_with_zero_gradient(impl: str, config)
         x[0, 0, 1, 7] = NAN
     y = softmax(x, impl, config, mask=mask, causal=True)
     hidden = (mask | ~visible_keys(2, 37, ops.UNBOUNDED, 0, DEVICE))[0, 0]
-    assert y[0, 0, 1][~hidden[1]].isnan().all() and (y[0, 0, 1][hidden[1]] == 0).all()
+    assert y[0, 0, 1].isnan().all() and torch.isfinite(y[0, 0, 0]).all()
+    assert (y[0, 0, 0][hidden[0]] == 0).all()
     y.backward(rnd(y.shape))
     assert x.grad[0, 0, 1][~hidden[1]].isnan().all()
-    assert (x.grad[0, 0, 1][hidden[1]] == 0).all()
+    assert (x.grad[0, 0, 1][hidden[1]] == 0).all() and torch.isfinite(x.grad[0, 0, 0]).all()
 
 
 @pytest.mark.parametrize("impl, config", PATHS)
@@ -306,6 +311,147 @@ def test_finite_inputs_raise_no_floating_point_warning(impl: str, config,
         y = softmax(x, impl, config, mask=mask, window_size=(4, 2), softmax_offset=offset)
         y.backward(rnd(y.shape))
     assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
+
+
+# --- against PyTorch's own expression, case by case --------------------------------------
+
+
+def pytorch_softmax(x, scale: float, hidden, additive, sink) -> torch.Tensor:
+    """``torch.softmax(z.masked_fill(hidden, -inf), -1)`` in float32, ``z = scale * x (+
+    additive)``, the sink one more logit (dropped from the output): the spec, verbatim."""
+    z = x.float() * scale
+    if additive is not None:
+        z = z + additive.float()
+    z = z.masked_fill(hidden, -INF)
+    if sink is not None:
+        b, h, q, _ = z.shape
+        z = torch.cat([z, sink.float().view(1, h, 1, 1).expand(b, h, q, 1)], dim=-1)
+    return torch.softmax(z, dim=-1)[..., :x.shape[-1]]
+
+
+# name -> what hides keys (sq = 6 rows of sk = 40 keys; the window's band sits in the third
+# 16-key chunk, its 16-aligned load reaching keys outside it on both sides).
+HIDES = {
+    "causal": dict(causal=True),
+    "window-both-sides": dict(window_size=(3, 2)),
+    "bool-mask": dict(mask="bool"),
+    "bool-mask+window": dict(mask="bool", window_size=(3, 2)),
+    "additive-mask": dict(mask="additive"),
+    "causal+sink": dict(causal=True, sink=True),
+}
+# The table's launch for 40 keys is one 64-key tile of 32 rows (a NaN row and finite rows
+# in one program); the chunked ones stream 16-key chunks, one row or four per program.
+PYTORCH_PATHS = [
+    *(pytest.param("torch", None, dt, id=f"torch-{n}") for n, dt in (("f32", F32),
+                                                                    ("bf16", BF16))),
+    *(pytest.param("triton", None, dt, id=f"triton-tile-{n}")
+      for n, dt in (("f32", F32), ("f16", F16), ("bf16", BF16))),
+    *(pytest.param("triton", CHUNKED, dt, id=f"triton-chunked-{n}")
+      for n, dt in (("f32", F32), ("bf16", BF16))),
+    pytest.param("triton", CHUNKED_TILE4, F16, id="triton-chunked-tile4-f16"),
+]
+
+
+@pytest.mark.parametrize("impl, config, dtype", PYTORCH_PATHS)
+@pytest.mark.parametrize("hide", list(HIDES))
+def test_nan_and_inf_rows_match_pytorch(hide: str, impl: str, config, dtype) -> None:
+    """NaN and +inf at a visible key make their rows NaN at every key, hidden ones included;
+    the gradient is NaN at those rows' visible keys and exactly 0 at their hidden keys
+    (masked_fill's backward); NaN at every hidden key of every row is never read. Against
+    :func:`pytorch_softmax` and its autograd in float32: NaN / inf patterns exactly, finite
+    values within the dtype's tolerance (half types: the gradient's values against the
+    backward formula on the stored output, which is what a fused backward reads)."""
+    b, h, sq, sk = 1, 2, 6, 40
+    opts = HIDES[hide]
+    torch.manual_seed(0)
+    x = rnd((b, h, sq, sk), dtype)
+    kw: dict[str, Any] = dict(scale=0.5)
+    hidden = torch.zeros(1, 1, sq, sk, dtype=torch.bool, device=DEVICE)
+    if opts.get("causal"):
+        kw["causal"] = True
+        hidden = hidden | ~visible_keys(sq, sk, ops.UNBOUNDED, 0, DEVICE)
+    if "window_size" in opts:
+        kw["window_size"] = opts["window_size"]
+        hidden = hidden | ~visible_keys(sq, sk, *opts["window_size"], DEVICE)
+    diag = torch.arange(sq, device=DEVICE) + (sk - sq)  # each row's own key: always in band
+    mask = additive = sink = None
+    if opts.get("mask") == "bool":
+        mask = torch.rand(1, 1, sq, sk, device=DEVICE) < 0.3
+        mask[0, 0, torch.arange(sq), diag] = False
+        hidden = hidden | mask
+    elif opts.get("mask") == "additive":
+        additive = mask = torch.randn(1, 1, sq, sk, device=DEVICE)
+        mask[..., ::5] = -INF
+    if opts.get("sink"):
+        sink = rnd((h,), dtype)
+    # Head 0: row 1 gets a NaN, row 3 a +inf, at their own key (under the additive mask,
+    # row 1's NaN sits on a -inf of the mask: NaN + -inf is NaN). Head 1 stays finite.
+    with torch.no_grad():
+        x[0, 0, 1, 35 if additive is None else 30] = NAN
+        x[0, 0, 3, diag[3]] = INF
+        x[:, :, hidden[0, 0]] = NAN
+    grad = (0.5 + torch.rand(b, h, sq, sk)).to(DEVICE, dtype)
+
+    xg = x.clone().requires_grad_(True)
+    sg = sink.clone().requires_grad_(True) if sink is not None else None
+    with numpy_errors(inf_injected=True):
+        y = softmax(xg, impl, config, mask=mask, softmax_offset=sg, **kw)
+        y.backward(grad)
+    xe = x.float().requires_grad_(True)
+    se = sink.float().requires_grad_(True) if sink is not None else None
+    ye = pytorch_softmax(xe, 0.5, hidden, additive, se)
+    ye.backward(grad.float())
+
+    assert y.dtype == dtype and xg.grad.dtype == dtype
+    assert_matches(y, ye, "forward")
+    nan_rows = ye.isnan().any(dim=-1, keepdim=True).expand_as(ye)
+    assert nan_rows[0, 0, [1, 3]].all() and not nan_rows[0, 0, [0, 2, 4, 5]].any()
+    assert not nan_rows[0, 1].any()
+    hid = hidden.expand_as(ye)
+    assert y[nan_rows].isnan().all() and (y[hid & ~nan_rows] == 0).all()
+    values = None
+    if impl == "triton" and dtype != F32:
+        values = 0.5 * fused_softmax_backward_reference(y.detach().double(), grad, hidden)
+    assert_matches(xg.grad, xe.grad, "d scores", values)
+    assert (xg.grad[hid] == 0).all(), "hidden keys get no gradient, NaN rows included"
+    assert xg.grad[nan_rows & ~hid].isnan().all()
+    assert torch.isfinite(xg.grad[~nan_rows]).all()
+    if sink is not None:
+        assert sg.grad[0].isnan() and torch.isfinite(sg.grad[1])
+        if dtype == F32:
+            assert_matches(sg.grad, se.grad, "d sink")
+
+
+@pytest.mark.parametrize("impl, config", PATHS)
+@pytest.mark.parametrize("sink", [None, 0.5, 200.0, NAN, INF, -INF])
+def test_row_of_only_hidden_or_minus_inf_keys_is_zeros_whatever_the_sink(impl: str, config,
+                                                                         sink) -> None:
+    """lmfuse's one deviation from PyTorch (whose softmax is NaN there): a row whose keys are
+    all hidden (row 0) or all -inf logits (row 1: scores, additive mask) is zeros, with zero
+    gradient to its scores, whatever the sink; the sink's own gradient from such a row is 0,
+    or NaN for a NaN or +inf sink (0 * exp(NaN)), as the reference's autograd gives it."""
+    x = rnd((1, 1, 3, 37), requires_grad=True)
+    mask = torch.zeros(1, 1, 3, 37, device=DEVICE)
+    mask[0, 0, 0] = -INF
+    with torch.no_grad():
+        x[0, 0, 1] = -INF
+        x[0, 0, 2, 5] = NAN  # row 2 is a NaN row (so the tile holds one)
+    offset = None if sink is None else torch.tensor([sink], device=DEVICE, requires_grad=True)
+    with numpy_errors(inf_injected=True):
+        y = softmax(x, impl, config, mask=mask, softmax_offset=offset, window_size=(40, 40))
+        y.backward(rnd(y.shape))
+    assert (y[0, 0, :2] == 0).all() and (x.grad[0, 0, :2] == 0).all()
+    assert y[0, 0, 2].isnan().all() and x.grad[0, 0, 2].isnan().all()
+    if offset is not None:
+        assert offset.grad.isnan().all()  # row 2 is NaN: so is the sink's gradient
+        x2 = x.detach()[:, :, :2]
+        o2 = offset.detach().clone().requires_grad_(True)
+        with numpy_errors(inf_injected=True):
+            y2 = softmax(x2, impl, config, mask=mask[:, :, :2], softmax_offset=o2)
+            y2.backward(rnd(y2.shape))
+        assert (y2 == 0).all()
+        assert bool(o2.grad.isnan()) == (math.isnan(sink) or sink == INF)
+        assert not torch.isinf(o2.grad).any()
 
 
 # --- properties --------------------------------------------------------------------------
@@ -432,9 +578,10 @@ def test_interpreter_is_what_runs_here() -> None:
 def test_reference_is_torch_softmax_of_the_masked_scores(sk: int, causal: bool, mask, sink,
                                                          inject, seed: int) -> None:
     """``fused_softmax_reference`` in float64 equals ``torch.softmax(z.masked_fill(hidden,
-    -inf))`` with the sink as one more logit, except where lmfuse's contract differs on
-    purpose: hidden keys are 0 (even in a NaN row) and a row of nothing but -inf logits is
-    all zeros (torch.softmax: NaN). Forward, and the gradient of rows with a finite logit."""
+    -inf))`` with the sink as one more logit, NaN rows included (NaN at hidden keys too,
+    zero gradient there), except where lmfuse's contract differs on purpose: a row whose
+    keys are all hidden or -inf is all zeros with zero gradient, whatever the sink
+    (torch.softmax: NaN). Forward and the scores' gradient, every row."""
     torch.manual_seed(seed)
     b, h, q = 2, 2, 3
     causal = causal and q <= sk
@@ -457,11 +604,13 @@ def test_reference_is_torch_softmax_of_the_masked_scores(sk: int, causal: bool, 
     def plain(x, o):
         z = x * 0.7 + (m if m is not None and m.is_floating_point() else 0.0)
         z = z.masked_fill(hidden, -INF)
+        # The dead rows' logits are replaced before the softmax too, so that the branch
+        # masked_fill drops gives no NaN gradient (0 * NaN) either.
+        dead = (z == -INF).all(dim=-1, keepdim=True)
+        z = z.masked_fill(dead, 0.0)
         if o is not None:
             z = torch.cat([z, o.view(1, h, 1, 1).expand(b, h, q, 1)], dim=-1)
-        y = torch.softmax(z, dim=-1)[..., :sk]
-        dead = (z == -INF).all(dim=-1, keepdim=True)
-        return torch.where(dead | hidden, 0.0, y)
+        return torch.softmax(z, dim=-1)[..., :sk].masked_fill(dead, 0.0)
 
     def ref(x, o):
         return lmfuse.fused_softmax(x, scale=0.7, mask=m, causal=causal, softmax_offset=o,
@@ -475,5 +624,4 @@ def test_reference_is_torch_softmax_of_the_masked_scores(sk: int, causal: bool, 
         results.append((y, torch.autograd.grad(y, x, grad)[0]))
     (y_ref, g_ref), (y_plain, g_plain) = results
     assert_matches(y_ref, y_plain, "forward")
-    live = ~(y_plain == 0).all(dim=-1, keepdim=True).expand_as(g_ref)  # not a dead row
-    assert_matches(g_ref[live], g_plain[live], "d scores")
+    assert_matches(g_ref, g_plain, "d scores")

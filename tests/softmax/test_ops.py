@@ -512,8 +512,8 @@ def test_default_cpu_path_is_torch_softmax_with_the_reference_results(monkeypatc
                                                                       poison) -> None:
     """On CPU float32 scores without Triton (what a CPU machine without the interpreter
     picks) the default path is ``torch.softmax`` of the masked, scaled scores; rows that
-    come out NaN there go through the reference (hidden keys 0, empty rows 0): the
-    reference's outputs and gradients either way."""
+    come out NaN there go through the reference (NaN rows as torch.softmax's, rows of
+    nothing visible zeros): the reference's outputs and gradients either way."""
     from lmfuse._dispatch import select_impl
     from lmfuse.softmax import ops as sm_ops
 

@@ -8,17 +8,24 @@ Read against ``reference.py``. One program owns ``BLOCK_M`` rows of the flattene
   (two reads of the visible keys, one write), so ``sk`` has no upper limit.
 * ``BANDED``: a causal / sliding-window band ``[lo, hi)`` per row. Loads outside it are
   predicated off, so a causal row reads only the keys it can see; the invisible part of
-  the output is written as zeros without being read.
+  the output is written (zeros, NaN in a NaN row) without being read.
 * ``MASK_KIND``: 0 none, 1 boolean (True = masked), 2 additive float; the mask is read
   through its own strides, so a broadcast ``[b, 1, 1, sk]`` mask is never materialised.
 * ``HAS_OFFSET``: a per-head sink logit joins every denominator.
 
-Non-finite values follow ``reference.py`` without a pass of their own: the row max is only
-a shift (a NaN-ignoring max is as good as a NaN-propagating one), and a NaN or ``+inf``
-among the visible logits, or a NaN / ``+inf`` sink, makes the denominator NaN (``inf -
-inf``, ``NaN - shift``), hence every visible output of the row. Hidden keys are written as
-exact zeros by a select (``0 * NaN`` would be NaN), and the backward gives exact zeros
-wherever the saved output is 0, so a masked key never carries a NaN back.
+Non-finite values follow ``reference.py`` (PyTorch's softmax of the masked scores) without
+a pass or a select of their own. The row max is only a shift (a NaN-ignoring max is as good
+as a NaN-propagating one), and a NaN or ``+inf`` among the visible logits, or a NaN /
+``+inf`` sink, makes the denominator NaN (``inf - inf``, ``NaN - shift``). Every key is then
+written as ``exp(z - shift) * (1 / denom)`` with ``z = -inf`` at hidden keys, so a finite
+row gets exact zeros there and a NaN row NaN (``0 * NaN``), hidden keys included, as
+PyTorch gives. A row whose keys are all hidden or ``-inf`` (the max is ``-inf`` and no exp
+is NaN) divides by 1 instead: zeros, whatever the sink.
+
+The backward gives exact zeros where the saved output is 0, and at the hidden keys of a NaN
+row (``masked_fill``'s backward): only a program holding a row whose ``sum(dy * y)`` is NaN
+finds those again, from the band and a boolean mask read there, so finite rows pay
+nothing for it.
 """
 
 from __future__ import annotations
@@ -116,8 +123,7 @@ def softmax_fwd_kernel(
 
     if SINGLE_BLOCK:
         # The visibility is not kept (a [BLOCK_M, BLOCK_N] tile held across the reductions
-        # costs registers: 20% of the forward's time at 2048 keys); it is rebuilt for the
-        # rows that need it, below.
+        # costs registers: 20% of the forward's time at 2048 keys): z = -inf says it all.
         z, _ = _scaled_scores(x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, cols,
                               _in(cols, lo, hi), _in(cols, lo_ld, hi_ld), sc, MASK_KIND,
                               COMPUTE)
@@ -150,38 +156,28 @@ def softmax_fwd_kernel(
         denom = tl.sum(e, 1)
     else:
         denom = denom * tl.exp(row_max - shift)
+    # Every key hidden or -inf: the max is -inf and no exp is NaN, so each e is exactly 0
+    # (whatever the sink: the shift is never NaN here). Such a row divides by 1: zeros.
+    dead = (row_max == float("-inf")) & (denom == 0.0)
     if HAS_OFFSET:
         denom += tl.exp(sink - shift)
-    # denom == 0: nothing visible (and no sink), every e is 0 already. A NaN denom (a NaN or
-    # +inf logit) passes through, so the row's visible outputs are NaN as in PyTorch.
-    denom = tl.where(denom == 0.0, 1.0, denom)
+    # Elsewhere a NaN denom (a NaN or +inf logit or sink) passes through: every output of the
+    # row, hidden keys included (0 * NaN), is NaN as in PyTorch.
+    denom = tl.where(dead, 1.0, denom)
     inv = 1.0 / denom
 
     if SINGLE_BLOCK:
-        # Hidden keys have e = 0, so y = 0 there, except in a NaN row (0 * NaN): only a
-        # program holding such a row finds its hidden keys again (the band from the
-        # indices, a boolean mask re-read) and writes zeros over them.
         y = e * inv[:, None]
         tl.store(y_ptr + y_row[:, None] + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=out_ok)
-        nan_row = inv != inv
-        if tl.sum(nan_row.to(tl.int32), 0) > 0:
-            hidden = (cols[None, :] < lo[:, None]) | (cols[None, :] >= hi[:, None])
-            if MASK_KIND == 1:
-                masked = tl.load(m_ptr + m_row[:, None] + cols[None, :] * stride_mk,
-                                 mask=_in(cols, lo_ld, hi_ld), other=0)
-                hidden = hidden | (masked != 0)
-            zero = tl.zeros([BLOCK_M, BLOCK_N], y_ptr.dtype.element_ty)
-            tl.debug_barrier()  # after every thread's store of y
-            tl.store(y_ptr + y_row[:, None] + cols[None, :], zero,
-                     mask=out_ok & hidden & nan_row[:, None])
     else:
-        # Pass 2: every chunk is written; invisible keys load nothing and store zeros.
+        # Pass 2: every chunk is written; keys outside the band load nothing (z = -inf) and
+        # store exp(-inf) * inv: 0, or NaN in a NaN row.
         for c0 in range(0, sk, BLOCK_N):
             c = c0 + cols
-            z, vis = _scaled_scores(x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, c,
-                                    _in(c, lo, hi), _in(c, lo_ld, hi_ld), sc, MASK_KIND,
-                                    COMPUTE)
-            y = tl.where(vis, tl.exp(z - shift[:, None]) * inv[:, None], 0.0)
+            z, _ = _scaled_scores(x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, c,
+                                  _in(c, lo, hi), _in(c, lo_ld, hi_ld), sc, MASK_KIND,
+                                  COMPUTE)
+            y = tl.exp(z - shift[:, None]) * inv[:, None]
             c_ok = row_ok[:, None] & (c[None, :] < sk)
             tl.store(y_ptr + y_row[:, None] + c[None, :], y.to(y_ptr.dtype.element_ty), mask=c_ok)
 
@@ -191,19 +187,49 @@ def softmax_fwd_kernel(
 
 
 @triton.jit
+def _zero_hidden(dx, dot, cols, lo, hi, ld, m_ptr, m_row, stride_mk,
+                 BANDED: tl.constexpr, BOOL_MASK: tl.constexpr):
+    """``dx`` with zeros at the hidden keys of NaN rows (``sum(dy * y)`` NaN).
+
+    A finite row already has them: its stored y is 0 there. A NaN row stored NaN at every
+    key, so its hidden keys are found again: the exact band ``[lo, hi)`` (the loads cover
+    the 16-aligned widening of it) and a boolean mask, read only by a program that holds a
+    NaN row.
+    """
+    nan_row = dot != dot
+    if tl.sum(nan_row.to(tl.int32), 0) > 0:
+        if BOOL_MASK:
+            masked = tl.load(m_ptr + m_row[:, None] + cols[None, :] * stride_mk,
+                             mask=ld & nan_row[:, None], other=0)
+        if BANDED:
+            hidden = (cols[None, :] < lo[:, None]) | (cols[None, :] >= hi[:, None])
+            if BOOL_MASK:
+                hidden = hidden | (masked != 0)
+        else:
+            hidden = masked != 0
+        # (A finite row's hidden keys are 0 already: zeroing them again changes nothing.)
+        dx = tl.where(hidden, 0.0, dx)
+    return dx
+
+
+@triton.jit
 def softmax_bwd_kernel(
-    dy_ptr, y_ptr, dx_ptr, offset_ptr, lse_ptr, doffset_ptr,
+    dy_ptr, y_ptr, dx_ptr, m_ptr, offset_ptr, lse_ptr, doffset_ptr,
     n_rows, np_, sq, sk,
     stride_db, stride_dh, stride_dq, stride_dk,
+    stride_mb, stride_mh, stride_mq, stride_mk,
     scale, scale_lo, left, right,
-    BANDED: tl.constexpr, HAS_OFFSET: tl.constexpr, COMPUTE: tl.constexpr,
+    BANDED: tl.constexpr, BOOL_MASK: tl.constexpr, HAS_OFFSET: tl.constexpr,
+    COMPUTE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
 ):
     """dx = scale * y * (dy - sum(dy * y)) from the saved output y; one pass when the row fits.
 
-    dx is exactly 0 where y is 0 (hidden keys, and keys whose probability underflowed),
-    even in a NaN row where ``dy - sum(dy * y)`` is NaN: a masked key gets no gradient,
-    as ``masked_fill``'s backward gives it none.
+    dx is exactly 0 where y is 0 (hidden keys of a finite row, dead rows, keys whose
+    probability underflowed) and at the hidden keys of a NaN row, where the forward stored
+    NaN (:func:`_zero_hidden`): a masked key gets no gradient, as ``masked_fill``'s
+    backward gives it none. ``BOOL_MASK``: ``m_ptr`` is the boolean mask (as bytes, through
+    its strides), read only for NaN rows.
     """
     pid = tl.program_id(0)
     sc = _scale(scale, scale_lo, COMPUTE)
@@ -211,11 +237,12 @@ def softmax_bwd_kernel(
         pid, n_rows, np_, sq, sk, left, right, BLOCK_M, BANDED
     )
     dy_row = b * stride_db + h.to(tl.int64) * stride_dh + q * stride_dq
+    m_row = b * stride_mb + h.to(tl.int64) * stride_mh + q * stride_mq
     y_row = rows.to(tl.int64) * sk
     cols = tl.arange(0, BLOCK_N)
 
-    # y is exactly 0 outside the band (the forward wrote it so), so only the (16-aligned)
-    # band is read and the rest of dx is stored as 0.
+    # Outside the band the forward stored 0 (NaN in a NaN row, where the gradient is 0 all
+    # the same), so only the (16-aligned) band is read and the rest of dx is stored as 0.
     if SINGLE_BLOCK:
         ld = _in(cols, lo_ld, hi_ld)
         y = tl.load(y_ptr + y_row[:, None] + cols[None, :], mask=ld, other=0.0).to(COMPUTE)
@@ -223,6 +250,9 @@ def softmax_bwd_kernel(
                      other=0.0).to(COMPUTE)
         dot = tl.sum(y * dy, 1)
         dx = tl.where(y == 0.0, 0.0, sc * y * (dy - dot[:, None]))
+        if BANDED or BOOL_MASK:
+            dx = _zero_hidden(dx, dot, cols, lo, hi, ld, m_ptr, m_row, stride_mk, BANDED,
+                              BOOL_MASK)
         out_ok = row_ok[:, None] & (cols[None, :] < sk)
         tl.store(dx_ptr + y_row[:, None] + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
                  mask=out_ok)
@@ -243,6 +273,9 @@ def softmax_bwd_kernel(
             dy = tl.load(dy_ptr + dy_row[:, None] + c[None, :] * stride_dk, mask=ld,
                          other=0.0).to(COMPUTE)
             dx = tl.where(y == 0.0, 0.0, sc * y * (dy - dot[:, None]))
+            if BANDED or BOOL_MASK:
+                dx = _zero_hidden(dx, dot, c, lo, hi, ld, m_ptr, m_row, stride_mk, BANDED,
+                                  BOOL_MASK)
             c_ok = row_ok[:, None] & (c[None, :] < sk)
             tl.store(dx_ptr + y_row[:, None] + c[None, :], dx.to(dx_ptr.dtype.element_ty),
                      mask=c_ok)
@@ -250,5 +283,7 @@ def softmax_bwd_kernel(
     if HAS_OFFSET:
         # d loss / d offset_h = -p_sink * sum(dy * y), with p_sink = exp(offset_h - lse).
         sink = tl.load(offset_ptr + h).to(COMPUTE)
-        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        # (Unmasked: a tail tile's extra rows are clamped to the last row, so they compute a
+        # real row's value, not exp(sink - 0), which overflows for a large sink.)
+        lse = tl.load(lse_ptr + rows)
         tl.store(doffset_ptr + rows, -tl.exp(sink - lse) * dot, mask=row_ok)

@@ -57,6 +57,18 @@ def _compute_dtype(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
+def _mask_operand(mask, shape, placeholder):
+    """``(tensor, strides)`` a kernel reads ``mask`` through: expanded to ``shape`` with
+    stride 0 on broadcast dims (nothing is copied), a boolean one as bytes; without a mask,
+    ``placeholder`` and zero strides."""
+    if mask is None:
+        return placeholder, (0, 0, 0, 0)
+    m = mask.expand(*shape)
+    if mask.dtype == torch.bool:
+        m = m.view(torch.uint8)
+    return m, m.stride()
+
+
 def _launch_fwd(scores, mask, softmax_offset, scale, left, right):
     b, np_, sq, sk = scores.shape
     y = torch.empty((b, np_, sq, sk), dtype=scores.dtype, device=scores.device)
@@ -66,14 +78,8 @@ def _launch_fwd(scores, mask, softmax_offset, scale, left, right):
                       device=scores.device)
     if n_rows == 0 or sk == 0:
         return y, lse
-    if mask is None:
-        kind, m, m_strides = 0, scores, (0, 0, 0, 0)
-    else:
-        m = mask.expand(b, np_, sq, sk)  # stride 0 on broadcast dims: nothing is copied
-        kind = 1 if mask.dtype == torch.bool else 2
-        if kind == 1:
-            m = m.view(torch.uint8)
-        m_strides = m.stride()
+    kind = 0 if mask is None else 1 if mask.dtype == torch.bool else 2
+    m, m_strides = _mask_operand(mask, (b, np_, sq, sk), scores)
     cfg = _config(sk, scores.dtype, scores.device)
     grid = (cdiv(n_rows, cfg["BLOCK_M"]),)
     _kernels().softmax_fwd_kernel[grid](
@@ -88,7 +94,9 @@ def _launch_fwd(scores, mask, softmax_offset, scale, left, right):
     return y, lse
 
 
-def _launch_bwd(dy, y, lse, softmax_offset, scale, left, right, unscaled_fp32):
+def _launch_bwd(dy, y, lse, softmax_offset, scale, left, right, unscaled_fp32, mask=None):
+    """``(dx, d offset per row)``; ``mask``: the forward's boolean mask (or None; a float
+    mask hides nothing), read only for rows whose gradient is NaN."""
     b, np_, sq, sk = y.shape
     n_rows = b * np_ * sq
     dx = torch.empty_like(y, dtype=torch.float32 if unscaled_fp32 else y.dtype,
@@ -106,13 +114,15 @@ def _launch_bwd(dy, y, lse, softmax_offset, scale, left, right, unscaled_fp32):
     cfg = _config(sk, y.dtype, y.device)
     grid = (cdiv(n_rows, cfg["BLOCK_M"]),)
     off = softmax_offset if softmax_offset is not None else y
+    bool_mask = mask if mask is not None and mask.dtype == torch.bool else None
+    m, m_strides = _mask_operand(bool_mask, (b, np_, sq, sk), y)
     _kernels().softmax_bwd_kernel[grid](
-        dy, y, dx, off, lse if lse.numel() else y, drow if drow.numel() else y,
+        dy, y, dx, m, off, lse if lse.numel() else y, drow if drow.numel() else y,
         n_rows, np_, sq, sk,
-        *dy.stride(),
+        *dy.stride(), *m_strides,
         *_split_scale(1.0 if unscaled_fp32 else scale), left, right,
-        BANDED=left < UNBOUNDED or right < UNBOUNDED, HAS_OFFSET=softmax_offset is not None,
-        COMPUTE=_compute_dtype(y.dtype), **cfg,
+        BANDED=left < UNBOUNDED or right < UNBOUNDED, BOOL_MASK=bool_mask is not None,
+        HAS_OFFSET=softmax_offset is not None, COMPUTE=_compute_dtype(y.dtype), **cfg,
     )
     return dx, drow
 
@@ -152,12 +162,13 @@ def _softmax_bwd(
     left: int,
     right: int,
     unscaled_fp32: bool,
+    mask: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch_bwd(dy, y, lse, softmax_offset, scale, left, right, unscaled_fp32)
+    return _launch_bwd(dy, y, lse, softmax_offset, scale, left, right, unscaled_fp32, mask)
 
 
 @_softmax_bwd.register_fake
-def _(dy, y, lse, softmax_offset, scale, left, right, unscaled_fp32):
+def _(dy, y, lse, softmax_offset, scale, left, right, unscaled_fp32, mask=None):
     dx = y.new_empty(y.shape, dtype=torch.float32 if unscaled_fp32 else y.dtype)
     n = y.shape[0] * y.shape[1] * y.shape[2] if softmax_offset is not None else 0
     return dx, lse.new_empty((n,))
@@ -166,7 +177,10 @@ def _(dy, y, lse, softmax_offset, scale, left, right, unscaled_fp32):
 def _setup_context(ctx, inputs, output):
     scores, mask, softmax_offset, scale, left, right = inputs
     y, lse = output
-    ctx.save_for_backward(y, lse, softmax_offset)
+    # A boolean mask is kept for the backward (a reference, no copy): the hidden keys of a
+    # NaN row hold NaN in y, and it finds them there.
+    bool_mask = mask if mask is not None and mask.dtype == torch.bool else None
+    ctx.save_for_backward(y, lse, softmax_offset, bool_mask)
     ctx.scale, ctx.left, ctx.right = scale, left, right
     # An additive float mask (ALiBi, relative-position bias) may be learnable.
     ctx.mask_shape = mask.shape if mask is not None and mask.requires_grad else None
@@ -175,10 +189,10 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy, _dlse):
     with nvtx_range(_OP, "bwd"):
-        y, lse, softmax_offset = ctx.saved_tensors
+        y, lse, softmax_offset, bool_mask = ctx.saved_tensors
         mask_grad = ctx.mask_shape is not None
         dx, drow = torch.ops.lmfuse.softmax_bwd(
-            dy, y, lse, softmax_offset, ctx.scale, ctx.left, ctx.right, mask_grad
+            dy, y, lse, softmax_offset, ctx.scale, ctx.left, ctx.right, mask_grad, bool_mask
         )
         dmask = doffset = None
         if mask_grad:
@@ -353,10 +367,13 @@ def fused_softmax(
         ``[b, np, sq, sk]`` probabilities in ``scores.dtype`` (contiguous). Masked keys are
         excluded exactly (as ``-inf``); rows with every key masked are zeros, not NaN.
 
-    NaN and inf propagate as in ``torch.softmax`` of the masked scores: a NaN or ``+inf``
-    visible logit (or sink) makes its row NaN, forward and backward; ``-inf`` is probability
-    0; a NaN under the boolean mask or outside the band is never read, and hidden keys stay
-    exact zeros with zero gradient (see :mod:`lmfuse.softmax.reference`).
+    NaN and inf propagate exactly as in ``torch.softmax(z.masked_fill(hidden, -inf), -1)``
+    (the sink as one more logit): a NaN or ``+inf`` visible logit (or sink) makes every
+    output of its row NaN, hidden keys included, as in PyTorch; the gradient is NaN at the
+    row's visible keys and exactly 0 at its hidden keys, as ``masked_fill``'s backward gives.
+    ``-inf`` is probability 0; a NaN under the boolean mask or outside the band is never
+    read. The one deviation: a row whose keys are all hidden or ``-inf`` is zeros (PyTorch:
+    NaN), whatever the sink. See :mod:`lmfuse.softmax.reference`.
     """
     path, _, a = _resolve(scores, scale, mask, causal, window_size, softmax_offset,
                           softmax_in_fp32, impl)
@@ -383,12 +400,15 @@ def _hidden_band(sq: int, sk: int, left: int, right: int) -> torch.Tensor:
 
 def _native_cpu(scores: torch.Tensor, a: dict[str, Any]) -> Optional[torch.Tensor]:
     """The default path on CPU float32 scores: ``torch.softmax`` of the masked, scaled
-    scores (PyTorch's own ops: the plain formula's speed, autograd for the gradient). Its
-    results are the reference's except in rows that come out NaN (a NaN or +inf logit,
-    nothing visible, every visible logit -inf), where the reference keeps hidden keys at 0
-    and gives a row of nothing visible zeros: for those (rare; a host check is free on the
-    CPU) None, and the caller runs the reference. ``impl="torch"`` always runs the
-    reference, the tests' oracle."""
+    scores (PyTorch's own ops: the plain formula's speed, autograd for the gradient). That
+    is the spec itself, NaN rows included (a NaN or +inf logit: NaN everywhere forward,
+    masked_fill's zero gradient at hidden keys), except a row whose keys are all hidden or
+    -inf: NaN here, zeros in the spec. Both kinds come out as rows of NaN, and zeroing the
+    dead ones afterwards is not enough (torch.softmax's backward would still give their -inf
+    keys a NaN gradient): it would take a second softmax with their logits replaced. Both
+    are rare, so any NaN (a host check, free on the CPU) returns None and the caller runs
+    the reference, which gives the NaN rows the same NaN and the dead rows zeros.
+    ``impl="torch"`` always runs the reference, the tests' oracle."""
     sq, sk = scores.shape[-2:]
     z = scores * a["scale"] if a["scale"] != 1.0 else scores
     hidden = None

@@ -13,18 +13,22 @@ Then ``z = scale * scores + additive_mask`` over visible keys, and
 
     y_j = exp(z_j) / (sum_visible exp(z_k) + exp(offset_h))       (offset term optional)
 
-Invisible keys get 0; a row with no visible key is all zeros (never NaN).
+Invisible keys get 0 (NaN in a NaN row, below); a row with no visible key is all zeros
+(never NaN).
 
-Non-finite values behave as in PyTorch's ``softmax(z.masked_fill(hidden, -inf))`` (with the
-sink as one more logit), except that hidden keys stay exact zeros:
+That is exactly PyTorch's ``torch.softmax(z.masked_fill(hidden, -inf), -1)`` (with the sink
+as one more logit, dropped from the output), NaN and inf included, with one deviation
+(Megatron's): a row whose keys are all hidden or ``-inf`` is all zeros with zero gradient,
+whatever the sink, where PyTorch gives NaN. So:
 
 * a NaN or ``+inf`` among a row's visible logits, or a NaN or ``+inf`` sink, makes every
-  visible output of the row NaN (``exp(inf - inf)``), and its gradients NaN;
-* ``-inf`` logits (a score or an additive mask of ``-inf``) get probability 0, and a row of
-  nothing but ``-inf`` logits is all zeros, like a fully masked one;
+  output of the row NaN (``exp(inf - inf)``), hidden keys included (PyTorch's max is NaN
+  and ``exp(-inf - NaN)`` is NaN); the gradient is NaN at the row's visible keys and
+  exactly 0 at its hidden keys, as ``masked_fill``'s backward gives them;
+* ``-inf`` logits (a score or an additive mask of ``-inf``) get probability 0;
 * hidden keys (outside the band, or True in the boolean mask) never read their score: a NaN
-  there changes nothing, their output is 0 and their gradient 0, even in a NaN row. An
-  additive mask hides nothing: ``NaN + (-inf)`` is NaN, as in PyTorch.
+  there changes nothing. An additive mask hides nothing: ``NaN + (-inf)`` is NaN, as in
+  PyTorch.
 """
 
 from __future__ import annotations
@@ -70,27 +74,33 @@ def fused_softmax_reference(
     elif mask is not None:
         z = z + mask.to(compute)
     z = z.masked_fill(hidden, float("-inf"))
+    # Every key hidden or -inf: nothing to normalise (torch.softmax: NaN); the row is zeros.
+    dead = (z == -torch.inf).all(dim=-1, keepdim=True)
 
     row_max = z.amax(dim=-1, keepdim=True) if sk > 0 else z.new_full((b, np_, sq, 1), -torch.inf)
     if softmax_offset is not None:
         sink = softmax_offset.to(compute).view(1, np_, 1, 1)
-        row_max = torch.maximum(row_max, sink)
-    # A row with nothing visible has max -inf; shifting by 0 keeps exp() at 0, not NaN. A
-    # NaN or +inf max stays: exp(z - shift) then makes the row NaN, as torch.softmax does.
+        # The shift is only a shift: a NaN-ignoring max (the kernels' too) is as good, and
+        # keeps a dead row's exp() at 0 under a NaN sink. A NaN or +inf logit or sink still
+        # makes the row NaN through exp(z - shift) or the denominator, as torch.softmax does.
+        row_max = torch.fmax(row_max, sink)
+    # A dead row's max is -inf: shifting by 0 keeps exp() at 0, not NaN.
     shift = torch.where(row_max == -torch.inf, torch.zeros_like(row_max), row_max).detach()
     e = torch.exp(z - shift)
     denom = e.sum(dim=-1, keepdim=True)
     if softmax_offset is not None:
         denom = denom + torch.exp(sink - shift)
-    # denom == 0 only where every e is 0: the row is all zeros, and so is its gradient. A
-    # NaN denom (a NaN or +inf logit) is kept.
-    y = e / torch.where(denom == 0, torch.ones_like(denom), denom)
-    # Hidden keys are exact zeros, even in a NaN row (0 / NaN would be NaN).
-    y = y.masked_fill(hidden, 0.0)
+    # A dead row has every e exactly 0: dividing by 1 gives zeros, and its scores a zero
+    # gradient. Elsewhere a NaN denom (a NaN or +inf logit or sink) makes every y of the row
+    # NaN, hidden keys included (0 / NaN), as in PyTorch; masked_fill's backward still gives
+    # the hidden keys a zero gradient.
+    y = e / torch.where(dead, torch.ones_like(denom), denom)
     return y.to(scores.dtype)
 
 
-def fused_softmax_backward_reference(y: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+def fused_softmax_backward_reference(
+    y: torch.Tensor, grad: torch.Tensor, hidden: torch.Tensor | None = None
+) -> torch.Tensor:
     """The backward of :func:`fused_softmax_reference` as the fused path computes it.
 
     Returns ``g = d loss / d z = y * (grad - sum(grad * y))`` for ``z = scale * scores +
@@ -98,12 +108,16 @@ def fused_softmax_backward_reference(y: torch.Tensor, grad: torch.Tensor) -> tor
     stored, in its own dtype: that is what a fused backward reads (it never keeps the
     scores), so for bfloat16/float16 it differs from exact autograd by the rounding of
     ``y``. ``d scores = scale * g``, a learnable additive mask gets ``g`` summed to its
-    shape, and ``d offset_h = -sum over rows of p_sink * sum(grad * y)``. ``g`` is exactly 0
-    where ``y`` is 0.
+    shape, and ``d offset_h = -sum over rows of p_sink * sum(grad * y)``.
+
+    ``g`` is exactly 0 where ``y`` is 0 (a hidden key of a finite row, a dead row, a key
+    whose probability underflowed) and where ``hidden`` (bool, broadcastable to ``y``: the
+    keys outside the band or True in the boolean mask) is True: a NaN row stores NaN at its
+    hidden keys, and ``masked_fill``'s backward gives them no gradient all the same.
+    ``hidden=None`` is right for rows without NaN.
     """
     compute = torch.float64 if y.dtype == torch.float64 else torch.float32
     y_c, g_c = y.to(compute), grad.to(compute)
     g = y_c * (g_c - (y_c * g_c).sum(dim=-1, keepdim=True))
-    # Where y is 0 (a hidden key, or one whose probability underflowed) g is exactly 0, even
-    # in a NaN row: masked_fill's backward gives a hidden key no gradient.
-    return g.masked_fill(y_c == 0, 0.0)
+    zero = y_c == 0 if hidden is None else (y_c == 0) | hidden
+    return g.masked_fill(zero, 0.0)
