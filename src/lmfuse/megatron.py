@@ -194,14 +194,22 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     Args, as Megatron's: ``hidden [..., H]`` (tokens flattened), ``weight [V_local, H]``
     (with ``tp_group``, this rank's equal shard of the vocabulary), ``labels [...]`` (global
     ids, the same on every rank), ``reduction`` ``"none" | "sum" | "mean"``,
-    ``ignore_index``. ``tp_group=None``: one rank (data parallel; Megatron's meaning here).
-    ``sequence_parallel=True``: ``hidden`` is this rank's equal shard of the tokens (rank
-    order), ``labels`` all of them; the ranks gather the hidden rows through ``tp_group``,
-    and each gets the gradient of its own rows.
+    ``ignore_index``. ``tp_group=None``: one rank (data parallel; Megatron's meaning here,
+    whatever ``sequence_parallel`` says). ``sequence_parallel=True`` with ``tp_group``:
+    ``hidden`` is this rank's equal shard of the tokens (rank order), ``labels`` all of
+    them; the ranks gather the hidden rows through ``tp_group``, and each gets the gradient
+    of its own rows.
     Returns float32: the per-token loss ``[N]`` (flat, N the global token count) with
-    ``"none"``, else a scalar; the same on every rank. The softmax sees the GEMM's float32
-    logits, as Megatron's kernel does (``lmfuse.linear_cross_entropy(...,
-    logits_in_fp32=True)``), not logits rounded to ``hidden``'s dtype.
+    ``"none"``, else a scalar (a mean over the non-ignored tokens); the same on every rank.
+    The softmax sees the GEMM's float32 logits, as Megatron's kernel does
+    (``lmfuse.linear_cross_entropy(..., logits_in_fp32=True)``), not logits rounded to
+    ``hidden``'s dtype. The gradients are formed in the backward from the upstream
+    gradient, as Megatron's are: the logits' gradient ``dout * (softmax - onehot)`` is
+    rounded to ``hidden``'s dtype once, before the two GEMMs. (lmfuse's own ``"sum"`` and
+    ``"mean"`` form them in the forward for an upstream gradient of 1 and rescale the
+    rounded products, one GEMM fewer but one rounding more: Megatron's tensor-parallel test
+    of ``d_weight`` at ``atol = rtol = 1e-4`` fails on about half of its bfloat16 ``"sum"``
+    cases. Here every reduction is the per-token loss, reduced below.)
     """
     op = "linear_cross_entropy"
     if reduction not in ("none", "sum", "mean"):
@@ -209,23 +217,29 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     if not isinstance(sequence_parallel, bool):
         raise TypeError(f"{op}: sequence_parallel must be a bool, got "
                         f"{type(sequence_parallel).__name__}")
-    if sequence_parallel and tp_group is None:
-        raise ValueError(f"{op}: sequence_parallel=True needs the tensor-parallel tp_group "
-                         "over which the tokens are split")
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
         raise ValueError(f"{op}: hidden must be [..., H], got "
                          f"{tuple(getattr(hidden, 'shape', ()))}")
+    # Megatron: no group is one rank, which holds every token, sequence parallel or not.
+    gather = sequence_parallel and tp_group is not None
     rows = hidden.reshape(-1, hidden.shape[-1])
-    if sequence_parallel:
+    if gather:
         rows = _GatherTokens.apply(rows, tp_group)
     target = labels.reshape(-1)
     if target.shape[0] != rows.shape[0]:
         raise ValueError(f"{op}: labels hold {target.shape[0]} tokens but hidden "
-                         f"{'gathered over tp_group ' if sequence_parallel else ''}has "
-                         f"{rows.shape[0]}")
+                         f"{'gathered over tp_group ' if gather else ''}has {rows.shape[0]}")
+    # Per token, so that the backward forms the gradients from the upstream gradient (see
+    # the docstring); the reduction is Megatron's epilogue.
     loss = _linear_cross_entropy(rows, weight, target, ignore_index=ignore_index,
-                                 reduction=reduction, tp_group=tp_group, logits_in_fp32=True)
-    return loss.float()
+                                 reduction="none", tp_group=tp_group,
+                                 logits_in_fp32=True).float()
+    if reduction == "none":
+        return loss
+    total = loss.sum()
+    if reduction == "sum":
+        return total
+    return total / (target != ignore_index).sum().clamp(min=1)
 
 
 # --- activations (megatron/core/fusions/fused_bias_*.py, fused_weighted_squared_relu.py) ---
