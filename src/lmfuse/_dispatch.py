@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -70,7 +71,7 @@ def value_checks(t: torch.Tensor) -> bool:
     capturing a CUDA graph."""
     if torch.compiler.is_compiling():
         return False
-    if t.device.type == "cpu":
+    if t.is_cpu:
         return True
     if not _VALUE_CHECKS:
         return False
@@ -82,6 +83,23 @@ def eager() -> bool:
     ``torch.library`` custom ops (opaque graph nodes) instead of launching directly (which
     skips the dispatcher's tens of microseconds per call)."""
     return not torch.compiler.is_compiling()
+
+
+def once_differentiable(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.autograd.function.once_differentiable`` for a backward, without its cost in
+    the usual case: a backward runs with grad mode off unless the graph is being
+    differentiated again (``create_graph=True``), and only then does the decorator's work
+    (``torch.no_grad``, the error on a second derivative) change anything, so only then is
+    the call routed through it (a few microseconds a call on a slow host otherwise)."""
+    guarded = torch.autograd.function.once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():
+            return guarded(ctx, *grads)
+        return backward(ctx, *grads)
+
+    return wrapper
 
 
 def native_cpu(impl: str, path: str, t: torch.Tensor) -> bool:
@@ -131,7 +149,21 @@ def select_impl(op: str, impl: str, device: torch.device) -> tuple[str, str]:
         raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
     if torch.compiler.is_compiling():
         return _select_impl(op, impl, device)
+    # CUDA tensors: keyed on the device object itself, with no environment read (the
+    # interpreter changes nothing for them) and no ``device.type`` string made (together a
+    # microsecond of a small call).
+    choice = _select_cuda(op, impl, device)
+    if choice is not None:
+        return choice
     return _select_cached(op, impl, device.type, os.environ.get("TRITON_INTERPRET", "0"))
+
+
+@functools.lru_cache(maxsize=1024)
+def _select_cuda(op: str, impl: str, device: torch.device) -> tuple[str, str] | None:
+    """:func:`_select_cached`'s answer for a CUDA device; None for any other device."""
+    if device.type != "cuda":
+        return None
+    return _select_cached(op, impl, "cuda", "")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -190,6 +222,19 @@ def explain(op: str | Callable, *args: Any, **kwargs: Any) -> Plan:
 # what was given and what is expected.
 
 
+def checked_once(check: Callable[..., Any], *args: Any) -> Any:
+    """``check(*args)`` through its ``functools.lru_cache``: the scalar options of a training
+    loop repeat, so they are checked once, not every call. Under ``torch.compile``, and for
+    a bad type or an unhashable value (the cache raises TypeError), the check runs uncached:
+    it returns the same answer or raises its own error."""
+    if torch.compiler.is_compiling():
+        return check.__wrapped__(*args)
+    try:
+        return check(*args)
+    except TypeError:
+        return check.__wrapped__(*args)
+
+
 def check_tensor(
     op: str,
     name: str,
@@ -228,7 +273,7 @@ def check_number(op: str, name: str, value: Any, *, allow_none: bool = True) -> 
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{op}: {name} must be a float, got {type(value).__name__} {value!r}")
     value = float(value)
-    if value != value or value in (float("inf"), float("-inf")):
+    if not math.isfinite(value):
         raise ValueError(f"{op}: {name} must be finite, got {value}")
     return value
 

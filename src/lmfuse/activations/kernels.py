@@ -9,6 +9,10 @@ compiles nothing, and where they are 1 the two extra multiplies per element are 
 results are bit for bit those without them) and cost nothing measurable in a kernel bound
 by memory traffic.
 
+A pointer a variant does not read (``b_ptr``, ``w_ptr``, ``x8_ptr``, ``db_ptr``, ``dw_ptr``)
+and ``clamp`` without ``HAS_CLAMP`` come as None: Triton binds them as constants, fewer
+arguments per launch.
+
 * ``act_fwd_kernel``: tiles ``[BLOCK_M, BLOCK_N]`` of the output; reads x (and bias,
   weights) once, writes ``y [M, N]`` once.
 * ``act_bwd_kernel``: a program owns a column block and a group of rows, walking the rows

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from .. import tuning
 from .._dispatch import eager as _eager
-from .._dispatch import (Plan, check_number, check_tensor, native_cpu, register_planner,
-                         select_impl)
+from .._dispatch import (Plan, check_number, check_tensor, checked_once, native_cpu,
+                         once_differentiable, register_planner, select_impl)
 from .._launch import cdiv, dtype_name, lazy_kernels, next_pow2
 from .._nvtx import nvtx_range
 from . import reference as ref
@@ -34,29 +34,30 @@ _kernels = lazy_kernels("kernels", __package__)
 # --- launches ------------------------------------------------------------------------------
 
 
-def _flags(s: dict[str, Any], bias, weights) -> dict[str, Any]:
-    return dict(ACT=ACT_IDS[s["activation"]], GATED=s["gated"], HAS_BIAS=bias is not None,
-                HAS_W=weights is not None, HAS_CLAMP=s["clamp_value"] is not None)
+# The kernels take None for an absent tensor (bias, weights, the float8 copy, a partial not
+# asked for) and for the clamp when off: Triton binds None as a constant, where a stand-in
+# tensor or float would be one more argument to specialise and pass on every launch. Each
+# None goes with its flag (HAS_BIAS, ...), so it compiles no extra variant.
 
 
 def _launch_fwd(x, bias, weights, s, x8: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``y``; with ``x8`` (float8_e4m3fn ``[M, K]``, contiguous) the kernel also writes x's
     float8 copy there."""
     M, K = x.shape
-    N = K // 2 if s["gated"] else K
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    gated, clamp = s["gated"], s["clamp_value"]
+    N = K // 2 if gated else K
+    y = x.new_empty(M, N)
     if M == 0 or N == 0:
         return y
     t = tuning.table("activations", x.device)
     block_n = min(next_pow2(N), t["fwd_max_block_n"])
     block_m = max(1, t["fwd_tile"] // block_n)
-    grid = (cdiv(M, block_m), cdiv(N, block_n))
-    _kernels().act_fwd_kernel[grid](
-        x, x.stride(0), bias if bias is not None else x, weights if weights is not None else x,
-        y, y.stride(0), x8 if x8 is not None else y, M, N, float(s["linear_offset"]),
-        float(s["clamp_value"] or 0.0), float(s["gate_multiplier"]),
-        float(s["down_multiplier"]), **_flags(s, bias, weights), BLOCK_M=block_m,
-        BLOCK_N=block_n, STORE_X8=x8 is not None, num_warps=t["fwd_warps"])
+    _kernels().act_fwd_kernel[(cdiv(M, block_m), cdiv(N, block_n))](
+        x, x.stride(0), bias, weights, y, y.stride(0), x8, M, N, float(s["linear_offset"]),
+        None if clamp is None else float(clamp), float(s["gate_multiplier"]),
+        float(s["down_multiplier"]), ACT=ACT_IDS[s["activation"]], GATED=gated,
+        HAS_BIAS=bias is not None, HAS_W=weights is not None, HAS_CLAMP=clamp is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, STORE_X8=x8 is not None, num_warps=t["fwd_warps"])
     return y
 
 
@@ -64,8 +65,9 @@ def _launch_bwd(x, g, bias, weights, s, dtype, bias_grad: bool):
     """``(dx [M, K] in dtype, db_part [groups, K] float32 or None, dw_part [blocks, M]
     float32 or None)``."""
     M, K = x.shape
-    N = K // 2 if s["gated"] else K
-    dx = torch.empty((M, K), dtype=dtype, device=x.device)
+    gated, clamp = s["gated"], s["clamp_value"]
+    N = K // 2 if gated else K
+    dx = torch.empty(M, K, dtype=dtype, device=x.device)
     t = tuning.table("activations", x.device)
     block_n = min(next_pow2(N), t["bwd_max_block_n"])
     block_m = max(1, t["bwd_tile"] // block_n)
@@ -74,20 +76,18 @@ def _launch_bwd(x, g, bias, weights, s, dtype, bias_grad: bool):
     groups = max(1, min(cdiv(M, block_m), cdiv(programs, col_blocks)))
     rows_per_group = cdiv(cdiv(M, groups), block_m) * block_m
     groups = cdiv(M, rows_per_group) if M else 1
-    db = (torch.empty((groups, K), dtype=torch.float32, device=x.device) if bias_grad
-          else None)
-    dw = (torch.empty((col_blocks, M), dtype=torch.float32, device=x.device)
+    db = torch.empty(groups, K, dtype=torch.float32, device=x.device) if bias_grad else None
+    dw = (torch.empty(col_blocks, M, dtype=torch.float32, device=x.device)
           if weights is not None else None)
     if M == 0 or N == 0:
         return dx, (db.zero_() if db is not None else None), dw
     _kernels().act_bwd_kernel[(col_blocks, groups)](
-        x, x.stride(0), g, g.stride(0), bias if bias is not None else x,
-        weights if weights is not None else x, dx, dx.stride(0),
-        db if db is not None else dx, dw if dw is not None else dx, M, N, rows_per_group,
-        float(s["linear_offset"]), float(s["clamp_value"] or 0.0),
+        x, x.stride(0), g, g.stride(0), bias, weights, dx, dx.stride(0), db, dw, M, N,
+        rows_per_group, float(s["linear_offset"]), None if clamp is None else float(clamp),
         float(s["gate_multiplier"]), float(s["down_multiplier"]),
-        **_flags(s, bias, weights), BIAS_GRAD=bias_grad, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=t["bwd_warps"])
+        ACT=ACT_IDS[s["activation"]], GATED=gated, HAS_BIAS=bias is not None,
+        HAS_W=weights is not None, HAS_CLAMP=clamp is not None, BIAS_GRAD=bias_grad,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=t["bwd_warps"])
     return dx, db, dw
 
 
@@ -213,23 +213,29 @@ class _Activation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, weights, s: dict[str, Any]):
         with nvtx_range(s["op"], "fwd"):
-            saving = any(ctx.needs_input_grad[:3])
+            needs = ctx.needs_input_grad
+            saving = needs[0] or needs[1] or needs[2]
             x8 = None
-            if s["path"] == "triton" and _eager():
+            triton = s["path"] == "triton"
+            if triton and _eager():
                 # The float8 copy for backward comes out of the forward kernel itself where
                 # the kernel can store float8 (the interpreter, or compute capability 8.9+).
                 if saving and s["fp8_input_store"] and (not x.is_cuda
                                                          or _loads_fp8(x.device)):
                     x8 = torch.empty(x.shape, dtype=_FP8, device=x.device)
                 y = _launch_fwd(x, bias, weights, s, x8)
-            elif s["path"] == "triton":
+            elif triton:
                 y = _act_fwd_op(x, bias, weights, s["activation"], s["gated"],
                                 s["linear_offset"], s["clamp_value"], s["gate_multiplier"],
                                 s["down_multiplier"])
             else:
                 y = ref.activation_reference(x, bias, weights, **_ref_options(s))
             ctx.s = s
-            if saving:
+            if saving and not (s["fp8_input_store"] or s["cpu_offload_input"]):
+                # x kept as it is: autograd's saved tensor alone, no _Saved to restore from.
+                ctx.saved = None
+                ctx.save_for_backward(x, bias, weights)
+            elif saving:
                 ctx.saved = _Saved(x, s["fp8_input_store"], s["cpu_offload_input"], x8)
                 ctx.save_for_backward(ctx.saved.device_copy, bias, weights)
                 # Autograd holds it now: no second reference here, so saved-tensor hooks
@@ -238,24 +244,29 @@ class _Activation(torch.autograd.Function):
             return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable
     def backward(ctx, g):
-        with nvtx_range(ctx.s["op"], "bwd"):
-            s = ctx.s
+        s = ctx.s
+        with nvtx_range(s["op"], "bwd"):
             kept, bias, weights = ctx.saved_tensors
             need_x, need_b, need_w = ctx.needs_input_grad[:3]
-            x = ctx.saved.restore(kept, for_kernel=s["path"] == "triton")
-            if s["path"] == "triton":
+            saved = ctx.saved
+            triton = s["path"] == "triton"
+            if saved is None:
+                x, dtype = kept, kept.dtype
+            else:
+                x, dtype = saved.restore(kept, for_kernel=triton), saved.dtype
+            if triton:
                 if _eager():
-                    dx, db, dw = _launch_bwd(x, g.contiguous(), bias, weights, s,
-                                             ctx.saved.dtype, need_b)
+                    dx, db, dw = _launch_bwd(x, g.contiguous(), bias, weights, s, dtype,
+                                             need_b)
                     db = db.sum(0) if need_b else None
                     dw = dw.sum(0) if need_w else None
                 else:
                     dx, db, dw = _act_bwd_op(x, g.contiguous(), bias, weights, s["activation"],
                                              s["gated"], s["linear_offset"], s["clamp_value"],
                                              s["gate_multiplier"], s["down_multiplier"],
-                                             ctx.saved.dtype, need_b)
+                                             dtype, need_b)
                 db = db.to(bias.dtype) if need_b else None
                 dw = dw.to(weights.dtype).view(weights.shape) if need_w else None
                 return (dx if need_x else None), db, dw, None
@@ -304,31 +315,46 @@ def _resolve(op: str, x, bias, weights, activation: str, gated: bool, linear_off
     for name, t in (("bias", bias), ("weights", weights)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{op}: {name} is on {t.device} but x is on {x.device}")
-    check_number(op, "linear_offset", linear_offset, allow_none=False)
-    # Any finite value (0 and negative ones too): they are plain factors of the formula.
-    check_number(op, "gate_multiplier", gate_multiplier, allow_none=False)
-    check_number(op, "down_multiplier", down_multiplier, allow_none=False)
-    if check_number(op, "clamp_value", clamp_value) is not None:
-        if not clamp_value > 0:
-            raise ValueError(f"{op}: clamp_value must be positive (x1 <= c, -c <= x2 <= c), "
-                             f"got {clamp_value!r}")
-    for name, flag in (("fp8_input_store", fp8_input_store),
-                       ("cpu_offload_input", cpu_offload_input)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{op}: {name} must be a bool, got {flag!r}")
+    options = (op, linear_offset, clamp_value, fp8_input_store, cpu_offload_input,
+               gate_multiplier, down_multiplier)
+    # A model's options repeat: checked once, not every call (as cross_entropy's). A bad or
+    # unhashable value is checked uncached, which raises.
+    linear_offset, clamp_value, gate_multiplier, down_multiplier = checked_once(_options,
+                                                                                *options)
     path, reason = select_impl(op, impl, x.device)
     if path == "triton" and x.dtype == torch.float64:
         if impl == "triton":
             raise TypeError(f"{op}: the Triton path takes float32/float16/bfloat16 x, got "
                             f"float64; use impl='torch'")
         path, reason = "torch", "float64 input: the reference (the kernels are for fp32/16)"
-    s = dict(op=op, path=path, activation=activation, gated=gated,
-             linear_offset=float(linear_offset),
-             clamp_value=None if clamp_value is None else float(clamp_value),
-             gate_multiplier=float(gate_multiplier), down_multiplier=float(down_multiplier),
-             fp8_input_store=fp8_input_store, cpu_offload_input=cpu_offload_input,
-             tokens=tokens)
+    s = {"op": op, "path": path, "activation": activation, "gated": gated,
+         "linear_offset": linear_offset, "clamp_value": clamp_value,
+         "gate_multiplier": gate_multiplier, "down_multiplier": down_multiplier,
+         "fp8_input_store": fp8_input_store, "cpu_offload_input": cpu_offload_input,
+         "tokens": tokens}
     return path, reason, s
+
+
+@functools.lru_cache(maxsize=256, typed=True)
+def _options(op: str, linear_offset, clamp_value, fp8_input_store, cpu_offload_input,
+             gate_multiplier, down_multiplier
+             ) -> tuple[float, Optional[float], float, float]:
+    """The scalar options, validated and as floats (``typed``: ``True`` is not taken for
+    ``1``): ``(linear_offset, clamp_value, gate_multiplier, down_multiplier)``."""
+    linear_offset = check_number(op, "linear_offset", linear_offset, allow_none=False)
+    # Any finite value (0 and negative ones too): they are plain factors of the formula.
+    gate_multiplier = check_number(op, "gate_multiplier", gate_multiplier, allow_none=False)
+    down_multiplier = check_number(op, "down_multiplier", down_multiplier, allow_none=False)
+    if check_number(op, "clamp_value", clamp_value) is not None:
+        if not clamp_value > 0:
+            raise ValueError(f"{op}: clamp_value must be positive (x1 <= c, -c <= x2 <= c), "
+                             f"got {clamp_value!r}")
+        clamp_value = float(clamp_value)
+    for name, flag in (("fp8_input_store", fp8_input_store),
+                       ("cpu_offload_input", cpu_offload_input)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{op}: {name} must be a bool, got {flag!r}")
+    return linear_offset, clamp_value, gate_multiplier, down_multiplier
 
 
 def _run(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp_value=None,
@@ -341,20 +367,23 @@ def _run(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp_
     if (native_cpu(impl, s["path"], x) and not fp8_input_store and not cpu_offload_input
             and (weights is None or weights.dtype == torch.float32)):
         return _native(x, bias, weights, s)
-    x2 = x.reshape(-1, K)
+    # 2-D x goes in as it is: no reshape, whose view would add a node to the backward.
+    flat = x.dim() == 2
+    x2 = x if flat else x.reshape(-1, K)
     if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < K):
         x2 = x2.contiguous()
     w2 = weights.reshape(-1, 1).contiguous() if weights is not None else None
     b = bias.contiguous() if bias is not None else None  # the kernels read it at stride 1
-    if s["path"] == "triton" and _eager() and not (torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (x, bias, weights))):
+    if s["path"] == "triton" and _eager() and not (torch.is_grad_enabled() and (
+            x.requires_grad or (bias is not None and bias.requires_grad)
+            or (weights is not None and weights.requires_grad))):
         # Nothing to differentiate (inference): the launch alone, no autograd node and no
         # saved input, which halves the host time of a small call.
         with nvtx_range(op, "fwd"):
             y = _launch_fwd(x2, b, w2, s)
     else:
         y = _Activation.apply(x2, b, w2, s)
-    return y.view(*x.shape[:-1], y.shape[-1])
+    return y if flat else y.view(*x.shape[:-1], y.shape[-1])
 
 
 # PyTorch's own activations (native forward and backward kernels) where it has the formula.

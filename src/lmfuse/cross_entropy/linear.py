@@ -27,6 +27,8 @@ atomics, fixed chunking.
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any, Optional
 
 import torch
@@ -62,6 +64,16 @@ def config(v_local: int, device: torch.device) -> tuple[dict[str, Any], str]:
     hints on the logits and a streaming store of the gradient; or, for whole rows a
     program, ``vec`` and ``prefetch``: the barrier-free stats loop of ``ce_stream_kernel``).
     """
+    cfg, source = _table_config(v_local, device, tuning.generation())
+    return dict(cfg), source
+
+
+@functools.lru_cache(maxsize=64)
+def _table_config(v_local: int, device: torch.device, generation: int
+                  ) -> tuple[dict[str, Any], str]:
+    # Looked up and checked once per vocabulary and device (its layers, the checks and, on
+    # CUDA, the device's name cost tens of microseconds a call on a slow host), again after
+    # the user cache is read again (``generation``).
     cfg, source = tuning.bucket_config(_OP, device, v_local)
     return check_config(cfg, source), source
 
@@ -169,26 +181,28 @@ def _resolve(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss
         if t is not None and t.device != hidden.device:
             raise ValueError(f"{_OP}: {name} is on {t.device} but hidden is on "
                              f"{hidden.device}; move them to one device")
-    flags = dict(logits_in_fp32=logits_in_fp32, return_z_loss=return_z_loss,
-                 return_token_accuracy=return_token_accuracy,
-                 return_predicted_tokens=return_predicted_tokens,
-                 use_token_scaling=use_token_scaling)
-    for name, flag in flags.items():
-        if not isinstance(flag, bool):
-            raise TypeError(f"{_OP}: {name} must be a bool, got {flag!r}")
+    if not (type(logits_in_fp32) is bool and type(return_z_loss) is bool
+            and type(return_token_accuracy) is bool and type(return_predicted_tokens) is bool
+            and type(use_token_scaling) is bool):
+        flags = dict(logits_in_fp32=logits_in_fp32, return_z_loss=return_z_loss,
+                     return_token_accuracy=return_token_accuracy,
+                     return_predicted_tokens=return_predicted_tokens,
+                     use_token_scaling=use_token_scaling)
+        for name, flag in flags.items():
+            if not isinstance(flag, bool):
+                raise TypeError(f"{_OP}: {name} must be a bool, got {flag!r}")
     ops.check_class_weights(_OP, "ce_weight", ce_weight, weight.shape[0], "weight.shape[0]",
                             weight.device, "weight")
     if max_chunk_bytes is not None and (isinstance(max_chunk_bytes, bool) or not isinstance(
             max_chunk_bytes, int) or max_chunk_bytes < 1):
         raise ValueError(f"{_OP}: max_chunk_bytes must be a positive int or None, "
                          f"got {max_chunk_bytes!r}")
-    # The loss options and target checks are those of cross_entropy, on a stand-in for
-    # the logits of the right shape (no memory: a zero-stride expand).
-    stand_in = hidden.new_empty(()).expand(*hidden.shape[:-1], weight.shape[0])
-    path, reason, o = ops._resolve(stand_in, target, ignore_index, label_smoothing, z_loss,
-                                   softcap, reduction, tp_group, False, impl, ce_weight,
-                                   return_z_loss, return_token_accuracy,
-                                   return_predicted_tokens)
+    # The loss options and target checks are those of cross_entropy, for logits [..., V]
+    # of hidden's dtype and device (described, not made: a tensor op costs microseconds).
+    path, reason, o = ops._resolve_logits(
+        (*hidden.shape[:-1], weight.shape[0]), hidden.dtype, hidden.device, False, target,
+        ignore_index, label_smoothing, z_loss, softcap, reduction, tp_group, False, impl,
+        ce_weight, return_z_loss, return_token_accuracy, return_predicted_tokens)
     needs = (hidden.requires_grad, weight.requires_grad,
              bias is not None and bias.requires_grad)
     grad_needed = torch.is_grad_enabled() and any(needs)
@@ -240,7 +254,8 @@ def _grad_operand(logits: torch.Tensor, half: Optional[torch.Tensor]) -> torch.T
 
 
 def _chunk_stats(logits, target, count, o, grad: bool, mean: bool, cw=None, wstat=None):
-    """Whole-vocabulary ``[3, rows]`` stats of one logits chunk, its tokens' first argmax
+    """Whole-vocabulary ``[3, rows]`` stats of one logits chunk (on the one-rank Triton
+    path the kernel's own ``[4+, rows]``, the first three those), its tokens' first argmax
     (``[rows]`` int64 with ``o["argmax"]``, else None), their target weights (``[rows]``
     with class weights and ``tp_group``, else None) and, with ``grad``, its gradient in
     place: for an upstream gradient of 1 (over the mean's divisors when ``mean``; times
@@ -260,7 +275,7 @@ def _chunk_stats(logits, target, count, o, grad: bool, mean: bool, cw=None, wsta
             stats = torch.ops.lmfuse.ce_fwd_grad_(logits, target, count, ignore, ls, z, cap,
                                                   mean, ops.encode_launch(kernel), cw, wstat,
                                                   argmax, scale)
-        return stats[:3], stats[4].long() if argmax else None, None
+        return stats, stats[4].long() if argmax else None, None
     if o["path"] == "triton":
         start, size = o["vocab_start"], o["vocab_size"]  # (the loss row, scaled by mean,
         stats = (ops._launch_fwd(logits, target, count, None, start, size, ignore, ls, z, cap,
@@ -269,9 +284,9 @@ def _chunk_stats(logits, target, count, o, grad: bool, mean: bool, cw=None, wsta
                                            cap, False, cw, wstat, argmax))
         columns = stats[4] if argmax else None
         pred = columns.long() if argmax else None
-        stats = stats[:3]
         if one_rank:
             return stats, pred, None
+        stats = stats[:3]
     else:
         stats = ref.local_token_stats(logits, target, o["vocab_start"], cap, cw)
         pred = ref.predicted_tokens(logits, target, ignore, cap) if argmax else None
@@ -346,35 +361,47 @@ def _chunk_grad(logits, target, stats, w, o, cw=None, wstat=None, wz=None, wt=No
 
 
 class _Grads:
-    """Accumulates the gradients of hidden, weight and bias over chunks."""
+    """Accumulates the gradients of hidden, weight and bias over chunks.
+
+    The products of a chunk holding every row, and the weight's of the first chunk, are
+    formed as new tensors (the same GEMMs as into a buffer): a buffer, and a slice of it,
+    would each be one more tensor op on the host."""
 
     def __init__(self, hidden, weight, bias, needs) -> None:
-        self.hidden, self.weight, self.bias = hidden, weight, bias
-        self.dh = torch.empty_like(hidden) if needs[0] else None
-        self.dw = torch.empty_like(weight) if needs[1] else None
+        self.hidden, self.weight, self.bias, self.needs = hidden, weight, bias, needs
+        self.dh = self.dw = None
         self.db = (torch.zeros(bias.shape, dtype=_stats_dtype(bias), device=bias.device)
                    if needs[2] else None)
         self.first = True
 
     def add(self, g: torch.Tensor, r0: int, r1: int) -> None:
         """Add chunk ``[r0, r1)``'s contribution, from its logits gradient ``g``."""
-        if self.dh is not None:
-            torch.mm(g, self.weight, out=self.dh[r0:r1])
-        if self.dw is not None:
-            if self.first:
-                torch.mm(g.T, self.hidden[r0:r1], out=self.dw)
+        whole = r0 == 0 and r1 == self.hidden.shape[0]
+        if self.needs[0]:
+            if whole:
+                self.dh = torch.mm(g, self.weight)
             else:
-                self.dw.addmm_(g.T, self.hidden[r0:r1])
+                if self.dh is None:
+                    self.dh = torch.empty_like(self.hidden)
+                torch.mm(g, self.weight, out=self.dh[r0:r1])
+        if self.needs[1]:
+            h = self.hidden if whole else self.hidden[r0:r1]
+            if self.first:
+                self.dw = torch.mm(g.T, h)
+            else:
+                self.dw.addmm_(g.T, h)
         if self.db is not None:
             self.db += g.sum(dim=0, dtype=self.db.dtype)
         self.first = False
 
     def finish(self, tp_group) -> tuple:
         """(dh, dW, db); dh summed over the vocabulary-parallel group."""
+        if self.needs[0] and self.dh is None:  # no tokens
+            self.dh = torch.empty_like(self.hidden)
         if self.dh is not None and tp_group is not None:
             all_reduce_sum_(self.dh, tp_group)
-        if self.dw is not None and self.first:  # no tokens
-            self.dw.zero_()
+        if self.needs[1] and self.first:  # no tokens
+            self.dw = torch.zeros_like(self.weight)
         db = self.db.to(self.bias.dtype) if self.db is not None else None
         return self.dh, self.dw, db
 
@@ -395,48 +422,58 @@ class _LinearCrossEntropy(torch.autograd.Function):
             rows = chunk_rows(n, weight.shape[0], _chunk_itemsize(hidden, o), hidden.device,
                               o["max_chunk_bytes"], o["config"])
             ignore = o["ignore_index"]
-            count = torch.sum(target != ignore, dtype=torch.float32)
+            t = target.long()
+            valid = t != ignore
+            # (For int64 targets that is target != ignore: counted, not formed twice.)
+            count = torch.sum(valid if t is target else target != ignore, dtype=torch.float32)
             wstat = None if cw is None else _weight_stats(cw, target, o)
             mean = o["reduction"] == "mean"
             ctx.o, ctx.rows = o, rows
             grads = _Grads(hidden, weight, bias, o["needs"]) if o["fused"] else None
+            sdtype = _stats_dtype(hidden)
             buf, half = _chunk_buffers(hidden, min(rows, n), weight.shape[0], o,
                                        grads is not None)
-            stats = torch.empty((3, n), dtype=_stats_dtype(hidden), device=hidden.device)
-            pred = torch.empty((n if o["argmax"] else 0,), dtype=torch.int64,
-                               device=hidden.device)
-            wt = None  # (with tp_group: the targets' weights, from the chunks' all-gathers)
-            if cw is not None and o["tp_group"] is not None:
-                wt = torch.empty((n,), dtype=_stats_dtype(hidden), device=hidden.device)
-            for r0 in range(0, n, rows):
-                r1 = min(n, r0 + rows)
-                logits = buf[: r1 - r0]
-                _logits(hidden[r0:r1], weight, bias, out=logits)
-                stats[:, r0:r1], chunk_pred, chunk_wt = _chunk_stats(
-                    logits, target[r0:r1], count, o, grads is not None, mean, cw, wstat)
-                if chunk_pred is not None:
-                    pred[r0:r1] = chunk_pred
-                if chunk_wt is not None:
-                    wt[r0:r1] = chunk_wt
+            if 0 < n <= rows:
+                # One chunk holds every token: its stats, argmax and target weights are the
+                # batch's, taken as they are (no slices of batch tensors to copy them into).
+                _logits(hidden, weight, bias, out=buf)
+                stats, pred, wt = _chunk_stats(buf, target, count, o, grads is not None, mean,
+                                               cw, wstat)
+                stats = stats.to(sdtype)
+                pred = None if pred is None else pred.long()
+                wt = None if wt is None else wt.to(sdtype)
                 if grads is not None:
-                    grads.add(_grad_operand(logits, half), r0, r1)
+                    grads.add(_grad_operand(buf, half), 0, n)
+            else:
+                stats = torch.empty((3, n), dtype=sdtype, device=hidden.device)
+                pred = (torch.empty((n,), dtype=torch.int64, device=hidden.device)
+                        if o["argmax"] else None)
+                wt = None  # (with tp_group: the targets' weights, from the chunks' all-gathers)
+                if cw is not None and o["tp_group"] is not None:
+                    wt = torch.empty((n,), dtype=sdtype, device=hidden.device)
+                for r0 in range(0, n, rows):
+                    r1 = min(n, r0 + rows)
+                    logits = buf[: r1 - r0]
+                    _logits(hidden[r0:r1], weight, bias, out=logits)
+                    chunk_stats, chunk_pred, chunk_wt = _chunk_stats(
+                        logits, target[r0:r1], count, o, grads is not None, mean, cw, wstat)
+                    stats[:, r0:r1] = _first3(chunk_stats)
+                    if chunk_pred is not None:
+                        pred[r0:r1] = chunk_pred
+                    if chunk_wt is not None:
+                        wt[r0:r1] = chunk_wt
+                    if grads is not None:
+                        grads.add(_grad_operand(logits, half), r0, r1)
             del buf, half
-            ce, zl = ref.token_terms(stats, target, vocab_size=o["vocab_size"],
-                                     ignore_index=ignore, label_smoothing=o["label_smoothing"],
-                                     z_loss=o["z_loss"], weight=cw, target_weight=wt,
-                                     weight_sum=None if wt is None else wstat[0])
-            scale = None
-            if o["token_scaling"]:
-                scale = ref.target_probability(stats, target, vocab_size=o["vocab_size"],
-                                               ignore_index=ignore)
-                ce, zl = ce * scale, zl * scale
-            loss = ref.reduce_terms(ce, zl, target, count, o["reduction"], ignore, cw, wt)
+            if pred is None and o["extras"]:
+                pred = torch.empty((0,), dtype=torch.int64, device=hidden.device)
+            loss, scale = _loss(stats, target, t, valid, count, o, cw, wt, wstat)
             if grads is not None:
                 ctx.save_for_backward(*(g for g in grads.finish(o["tp_group"])
                                         if g is not None))
             elif o["grad_needed"]:
-                ctx.save_for_backward(hidden, weight, bias, target, stats, count, cw, wstat,
-                                      wt)
+                ctx.save_for_backward(hidden, weight, bias, target, _first3(stats), count, cw,
+                                      wstat, wt)
             ctx.has = tuple(o["needs"])
             if not o["extras"]:
                 return loss
@@ -452,12 +489,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if o["fused"]:
                 ops._once(ctx, _OP)
                 saved = list(ctx.saved_tensors)
-                out = []
-                for need in ctx.has:
-                    g = saved.pop(0) if need else None
-                    if g is not None:
-                        _scale(g, dout, o["path"])
-                    out.append(g)
+                out = [saved.pop(0) if need else None for need in ctx.has]
+                _scale([g for g in out if g is not None], dout, o["path"])
                 return out[0], out[1], out[2], None, None, None
             hidden, weight, bias, target, stats, count, cw, wstat, wt = ctx.saved_tensors
             n, rows = hidden.shape[0], ctx.rows
@@ -474,6 +507,43 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grads.add(_grad_operand(logits, half), r0, r1)
             dh, dw, db = grads.finish(o["tp_group"])
             return dh, dw, db, None, None, None
+
+
+def _loss(stats: torch.Tensor, target: torch.Tensor, t: torch.Tensor, valid: torch.Tensor,
+          count: torch.Tensor, o: dict[str, Any], cw: Optional[torch.Tensor],
+          wt: Optional[torch.Tensor], wstat: Optional[torch.Tensor]
+          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The loss from the batch's stats (``[3+, N]``: lse, x_t, sum x, any further rows
+    ignored), and with ``use_token_scaling`` each token's factor: :func:`reference.token_terms`
+    then :func:`reference.reduce_terms`. ``t``: ``target.long()``; ``valid``:
+    ``t != ignore_index``."""
+    if (o["path"] == "triton" and cw is None and o["reduction"] != "none"
+            and not o["label_smoothing"] and not o["z_loss"] and not o["token_scaling"]):
+        # The same, bit for bit, in fewer tensor ops (each costs microseconds on the host
+        # of a small call): no product by 1 - label_smoothing = 1, no zero z-loss (adding
+        # its +0.0 turns only a -0.0 into +0.0, which the sum does anyway), the bad-target
+        # and ignored masks in two wheres of scalars.
+        lse, x_t = stats.unbind()[:2]
+        bad = t.clamp(0, o["vocab_size"] - 1) != t
+        ce = torch.where(valid, torch.where(bad, math.inf, lse - x_t), 0.0).sum()
+        return (ce / count.clamp(min=1) if o["reduction"] == "mean" else ce), None
+    ignore = o["ignore_index"]
+    stats = _first3(stats)
+    ce, zl = ref.token_terms(stats, target, vocab_size=o["vocab_size"], ignore_index=ignore,
+                             label_smoothing=o["label_smoothing"], z_loss=o["z_loss"],
+                             weight=cw, target_weight=wt,
+                             weight_sum=None if wt is None else wstat[0])
+    scale = None
+    if o["token_scaling"]:
+        scale = ref.target_probability(stats, target, vocab_size=o["vocab_size"],
+                                       ignore_index=ignore)
+        ce, zl = ce * scale, zl * scale
+    return ref.reduce_terms(ce, zl, target, count, o["reduction"], ignore, cw, wt), scale
+
+
+def _first3(stats: torch.Tensor) -> torch.Tensor:
+    """``[3, N]`` of ``[3+, N]`` stats (a slice only where there are more rows)."""
+    return stats if stats.shape[0] == 3 else stats[:3]
 
 
 def _stats_dtype(t: torch.Tensor) -> torch.dtype:
@@ -510,14 +580,20 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
         out += bias.to(out.dtype)
 
 
-def _scale(g: torch.Tensor, dout: torch.Tensor, path: str) -> None:
-    """``g *= dout`` (a scalar tensor), without a host sync; a no-op kernel when it is 1."""
-    if path == "triton" and g.is_contiguous() and ops._eager():
-        ops._launch_scale(g, dout.float().reshape(1))
-    elif path == "triton" and g.is_contiguous():
-        torch.ops.lmfuse.ce_scale_(g, dout.float().reshape(1))
-    else:
-        g.mul_(dout.to(g.dtype))
+def _scale(grads: list[torch.Tensor], dout: torch.Tensor, path: str) -> None:
+    """``g *= dout`` (a scalar tensor) for each of ``grads``, without a host sync; a no-op
+    kernel when it is 1."""
+    scale = eager = None  # formed once for every gradient
+    for g in grads:
+        if path == "triton" and g.is_contiguous():
+            if scale is None:
+                scale, eager = dout.float().reshape(1), ops._eager()
+            if eager:
+                ops._launch_scale(g, scale)
+            else:
+                torch.ops.lmfuse.ce_scale_(g, scale)
+        else:
+            g.mul_(dout.to(g.dtype))
 
 
 @register_planner(_OP)
@@ -695,11 +771,12 @@ def _apply(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, 
                                          o, cw)
         return loss.view(lead) if reduction == "none" else loss
     ops._check_targets(target, o)
-    h2d = hidden.reshape(-1, hidden.shape[-1])
+    # (Already 2-D, 1-D: no reshape, whose view would add a node to the backward.)
+    h2d = hidden if hidden.dim() == 2 else hidden.reshape(-1, hidden.shape[-1])
     if not h2d.is_contiguous():
         h2d = h2d.contiguous()
     w = weight if weight.is_contiguous() else weight.contiguous()
-    t1d = target.reshape(-1)
+    t1d = target if target.dim() == 1 else target.reshape(-1)
     if not t1d.is_contiguous():
         t1d = t1d.contiguous()
     if o["extras"]:

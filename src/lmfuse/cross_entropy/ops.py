@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import tuning
-from .._dispatch import (Plan, check_int, check_number, check_tensor, register_planner, select_impl,
-                         native_cpu, value_checks)
+from .._dispatch import (Plan, check_int, check_number, check_tensor, checked_once,
+                         native_cpu, register_planner, select_impl, value_checks)
 from .._dispatch import eager as _eager
 from .._launch import INDEX_DTYPES, cdiv, dtype_name, lazy_kernels, next_pow2
 from .._nvtx import nvtx_range
@@ -125,10 +125,10 @@ def _launch_fwd(logits, target, count, grad, vocab_start, vocab_size, ignore_ind
     its target probability ``exp(x_t - lse)``.
     """
     n, V = logits.shape
-    stats = torch.empty((5 if argmax else 4, n), dtype=torch.float32, device=logits.device)
+    stats = torch.empty(5 if argmax else 4, n, dtype=torch.float32, device=logits.device)
     if n == 0:
         return stats
-    aligned = _aligned(logits) and (grad is None or _aligned(grad))
+    aligned = _aligned(logits) and (grad is None or grad is logits or _aligned(grad))
     cfg = _config(V, logits.device, softcap is not None, logits.element_size(), aligned)
     if fused is not None and not cfg["SINGLE_BLOCK"]:
         cfg = dict(cfg, fused=_fit_fused(fused, logits.element_size(), aligned))
@@ -140,9 +140,11 @@ def _launch_fwd(logits, target, count, grad, vocab_start, vocab_size, ignore_ind
                       ARGMAX=argmax)
     if token_scale:
         common.update(TOKEN_SCALE=True)
-    args = (logits, logits.stride(0), target, stats, grad if write else logits,
-            grad.stride(0) if write else 0, count, n, V, vocab_start, vocab_size,
-            ignore_index, *_scalars(vocab_size, label_smoothing, z_loss, softcap))
+    # (No gradient: None for its pointer, which the kernels read only with WRITE_GRAD, is
+    # one tensor argument fewer to specialise at each launch.)
+    args = (logits, logits.stride(0), target, stats, grad, grad.stride(0) if write else 0,
+            count, n, V, vocab_start, vocab_size, ignore_index,
+            *_scalars(vocab_size, label_smoothing, z_loss, softcap))
     if cfg["SINGLE_BLOCK"]:
         _kernels().ce_fwd_kernel[(cdiv(n, cfg["BLOCK_M"]),)](
             *args, **common, BLOCK_M=cfg["BLOCK_M"], BLOCK_V=cfg["BLOCK_V"],
@@ -551,16 +553,28 @@ def _resolve(logits, target, ignore_index, label_smoothing, z_loss, softcap, red
     check_tensor(_OP, "logits", logits)
     if logits.dim() < 1:
         raise ValueError(f"{_OP}: logits must be [..., V], got a 0-D tensor")
+    return _resolve_logits(logits.shape, logits.dtype, logits.device, logits.requires_grad,
+                           target, ignore_index, label_smoothing, z_loss, softcap, reduction,
+                           tp_group, inplace_backward, impl, weight, return_z_loss,
+                           return_token_accuracy, return_predicted_tokens)
+
+
+def _resolve_logits(shape, dtype, device, requires_grad, target, ignore_index, label_smoothing,
+                    z_loss, softcap, reduction, tp_group, inplace_backward, impl, weight,
+                    return_z_loss, return_token_accuracy,
+                    return_predicted_tokens) -> tuple[str, str, dict[str, Any]]:
+    """:func:`_resolve` past the logits' own checks, from their shape, dtype, device and
+    ``requires_grad``: what ``linear_cross_entropy`` checks its logits-to-be with."""
     check_tensor(_OP, "target", target, dtypes=INDEX_DTYPES)
-    if tuple(target.shape) != tuple(logits.shape[:-1]):
+    if tuple(target.shape) != tuple(shape[:-1]):
         raise ValueError(
-            f"{_OP}: target must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, "
+            f"{_OP}: target must have shape logits.shape[:-1] = {tuple(shape[:-1])}, "
             f"got {tuple(target.shape)}"
         )
-    if target.device != logits.device:
+    if target.device != device:
         raise ValueError(f"{_OP}: target is on {target.device} but logits is on "
-                         f"{logits.device}; move them to one device")
-    V_local = logits.shape[-1]
+                         f"{device}; move them to one device")
+    V_local = shape[-1]
     if V_local < 1:
         raise ValueError(f"{_OP}: logits must have at least one class, got V = 0")
     if tp_group is not None and not isinstance(tp_group, torch.distributed.ProcessGroup):
@@ -570,30 +584,23 @@ def _resolve(logits, target, ignore_index, label_smoothing, z_loss, softcap, red
                return_z_loss, return_token_accuracy, return_predicted_tokens)
     # The scalar options of a training loop repeat: checked once, not every call (2 us of
     # a 3 us op on a small CPU tensor). Only immutable values pass the checks.
-    if torch.compiler.is_compiling():
-        ignore_index, ls, z, cap, returns = _scalar_options.__wrapped__(*scalars)
-    else:
-        try:
-            ignore_index, ls, z, cap, returns = _scalar_options(*scalars)
-        except TypeError:  # a bad type, or an unhashable value: the checks, uncached, say so
-            ignore_index, ls, z, cap, returns = _scalar_options.__wrapped__(*scalars)
+    ignore_index, ls, z, cap, returns = checked_once(_scalar_options, *scalars)
     world = group_size(tp_group)
     vocab_start = group_rank(tp_group) * V_local
     vocab_size = V_local * world
-    check_class_weights(_OP, "weight", weight, logits.shape[-1], "logits.shape[-1]",
-                        logits.device, "logits")
+    check_class_weights(_OP, "weight", weight, V_local, "logits.shape[-1]", device, "logits")
     argmax = return_token_accuracy or return_predicted_tokens
     if argmax and vocab_size > _MAX_ARGMAX_CLASSES:
         raise ValueError(f"{_OP}: return_token_accuracy / return_predicted_tokens take at most "
                          f"{_MAX_ARGMAX_CLASSES} classes (the kernels carry a class id in "
                          f"float32), got V = {vocab_size}")
-    path, reason = select_impl(_OP, impl, logits.device)
-    grad_needed = torch.is_grad_enabled() and logits.requires_grad
+    path, reason = select_impl(_OP, impl, device)
+    grad_needed = torch.is_grad_enabled() and requires_grad
     # float16 takes the deferred path: its gradient, scaled by the upstream gradient (the
     # loss scale of fp16 training) before rounding, must not be formed for a gradient of 1,
     # where (p - y) / count underflows float16 at large V and N.
     fused = (path == "triton" and world == 1 and reduction != "none" and grad_needed
-             and logits.dtype != torch.float16)
+             and dtype != torch.float16)
     args = dict(path=path, ignore_index=ignore_index, label_smoothing=ls, z_loss=z,
                 softcap=cap, reduction=reduction, inplace=inplace_backward,
                 tp_group=tp_group if world > 1 else None, vocab_start=vocab_start,

@@ -4,6 +4,9 @@ Read against ``reference.py``. Both work on ``x [M, H]`` with rows ``sx`` apart 
 contiguous columns; math is float32. ``w' = weight + offset`` (``HAS_WEIGHT``; 1 without a
 weight), ``rstd = 1 / sqrt(mean(x ** 2) + eps)`` per row, ``x_hat = x * rstd``.
 
+A pointer a variant does not read comes as None (``w_ptr`` without ``HAS_WEIGHT``, ``dw_ptr``
+without ``WEIGHT_GRAD``): Triton binds it as a constant, one argument fewer per launch.
+
 NaN and inf need no code of their own: a NaN in a row makes its sum of squares, rstd and
 so the whole row (and its gradients) NaN; an inf makes rstd 0 and the row ``[0, .., NaN
 (inf * 0), .., 0]``, exactly as the reference's PyTorch computes it.
@@ -96,7 +99,8 @@ def rms_norm_bwd_kernel(
     pid = tl.program_id(0)
     first = pid.to(tl.int64) * rows_per_program
     cols = tl.arange(0, BLOCK_N)
-    dw_row = dw_ptr + pid.to(tl.int64) * H
+    if WEIGHT_GRAD:  # (dw_ptr is None otherwise)
+        dw_row = dw_ptr + pid.to(tl.int64) * H
     if SINGLE_BLOCK:
         cmask = cols < H
         w = _weight(w_ptr, cols, cmask, offset, HAS_WEIGHT)

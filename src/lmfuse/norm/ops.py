@@ -14,6 +14,7 @@ with the host.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Optional
 
@@ -23,9 +24,10 @@ from .. import _pdl, tuning
 from .._dispatch import (
     Plan,
     check_number,
-    check_same_device,
     check_tensor,
+    checked_once,
     native_cpu,
+    once_differentiable,
     register_planner,
     select_impl,
 )
@@ -53,11 +55,11 @@ def _config(H: int, device: torch.device, backward: bool) -> dict[str, Any]:
     tile = tuning.single_block_tile(t, H)
     if tile is not None:
         rows, width, warps = tile
-        cfg = dict(BLOCK_M=rows, BLOCK_N=width, SINGLE_BLOCK=True, num_warps=warps)
+        cfg = {"BLOCK_M": rows, "BLOCK_N": width, "SINGLE_BLOCK": True, "num_warps": warps}
         per_sm = t["bwd_programs_per_sm"]
     else:
-        cfg = dict(BLOCK_M=t["chunk_rows"], BLOCK_N=t["chunk_block"], SINGLE_BLOCK=False,
-                   num_warps=t["chunk_warps"])
+        cfg = {"BLOCK_M": t["chunk_rows"], "BLOCK_N": t["chunk_block"], "SINGLE_BLOCK": False,
+               "num_warps": t["chunk_warps"]}
         per_sm = t["chunk_bwd_programs_per_sm"]
     if backward:
         cfg["programs_per_sm"] = per_sm
@@ -82,15 +84,14 @@ def _launch_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
     """``x [M, H]`` (unit column stride) -> ``(y [M, H] in x's dtype, rstd [M] float32)``.
     ``pdl``: launched with programmatic dependent launch (``lmfuse._pdl``; CUDA only)."""
     M, H = x.shape
-    y = torch.empty((M, H), dtype=x.dtype, device=x.device)
-    rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
+    y = x.new_empty(M, H)
+    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     if M == 0 or H == 0:
         return y, rstd
     cfg = _config(H, x.device, backward=False)
     _kernels().rms_norm_fwd_kernel[(cdiv(M, cfg["BLOCK_M"]),)](
-        x, x.stride(0), weight if weight is not None else x, y, y.stride(0), rstd, M, H,
-        eps, weight_offset, HAS_WEIGHT=weight is not None, PDL=pdl, **cfg,
-        **_pdl.launch_options(pdl))
+        x, x.stride(0), weight, y, y.stride(0), rstd, M, H, eps, weight_offset,
+        HAS_WEIGHT=weight is not None, PDL=pdl, **cfg, **_pdl.launch_options(pdl))
     return y, rstd
 
 
@@ -100,18 +101,18 @@ def _launch_bwd(x: torch.Tensor, dy: torch.Tensor, rstd: torch.Tensor,
     """``(dx [M, H] in x's dtype, dw_part [programs, H] float32)``; ``dw_part`` is ``[0]``
     unless ``weight_grad``. The weight gradient is ``dw_part.sum(0)``."""
     M, H = x.shape
-    dx = torch.empty((M, H), dtype=x.dtype, device=x.device)
+    dx = x.new_empty(M, H)
     cfg = _config(H, x.device, backward=True)
     programs, rows_per_program = _bwd_grid(M, cfg["BLOCK_M"], cfg.pop("programs_per_sm"),
                                            x.device)
     # Streamed rows add into their program's partial row in place: it starts at zero.
     alloc = torch.empty if cfg["SINGLE_BLOCK"] else torch.zeros
-    dw = alloc((programs, H) if weight_grad else (0,), dtype=torch.float32, device=x.device)
+    dw = alloc(*((programs, H) if weight_grad else (0,)), dtype=torch.float32, device=x.device)
     if M == 0 or H == 0:
         return dx, dw.zero_()
     _kernels().rms_norm_bwd_kernel[(programs,)](
-        x, x.stride(0), dy, dy.stride(0), weight if weight is not None else x, rstd,
-        dx, dx.stride(0), dw if weight_grad else dx, M, H, rows_per_program, weight_offset,
+        x, x.stride(0), dy, dy.stride(0), weight, rstd, dx, dx.stride(0),
+        dw if weight_grad else None, M, H, rows_per_program, weight_offset,
         HAS_WEIGHT=weight is not None, WEIGHT_GRAD=weight_grad, **cfg)
     return dx, dw
 
@@ -160,12 +161,13 @@ class _RMSNorm(torch.autograd.Function):
             else:
                 y, rstd = _rms_norm_fwd_op(x, weight, s["eps"], s["weight_offset"])
             ctx.s = s
-            if any(ctx.needs_input_grad[:2]):
+            needs = ctx.needs_input_grad
+            if needs[0] or needs[1]:
                 ctx.save_for_backward(x, weight, rstd)
             return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable
     def backward(ctx, dy):
         with nvtx_range(_OP, "bwd"):
             x, weight, rstd = ctx.saved_tensors
@@ -175,7 +177,9 @@ class _RMSNorm(torch.autograd.Function):
             offset = ctx.s["weight_offset"]
             if _eager():
                 dx, dw = _launch_bwd(x, dy, rstd, weight, offset, need_w)
-                dw = dw.sum(0) if need_w else None
+                # One program's partial is the sum itself: a view of it, not a reduction
+                # launch (the partials hold no -0.0, where a sum would give +0.0).
+                dw = (dw[0] if dw.shape[0] == 1 else dw.sum(0)) if need_w else None
             else:
                 dx, dw = _rms_norm_bwd_op(x, dy, rstd, weight, offset, need_w)
             dw = dw.to(weight.dtype) if need_w else None
@@ -183,6 +187,15 @@ class _RMSNorm(torch.autograd.Function):
 
 
 # --- validation, planning, the public function ---------------------------------------------------
+
+
+@functools.lru_cache(maxsize=64, typed=True)
+def _scalars(eps, weight_offset) -> tuple[float, float]:
+    """``eps`` and ``weight_offset``, validated (``typed``: ``True`` is not taken for ``1``)."""
+    eps = check_number(_OP, "eps", eps, allow_none=False)
+    if eps < 0:
+        raise ValueError(f"{_OP}: eps must be >= 0 (it is added to the mean square), got {eps}")
+    return eps, check_number(_OP, "weight_offset", weight_offset, allow_none=False)
 
 
 def _resolve(x, weight, eps, weight_offset, impl) -> tuple[str, str, dict[str, Any]]:
@@ -196,11 +209,12 @@ def _resolve(x, weight, eps, weight_offset, impl) -> tuple[str, str, dict[str, A
         if weight.shape[0] != H:
             raise ValueError(f"{_OP}: weight must be [H] = [{H}] (x's last dim, x of shape "
                              f"{tuple(x.shape)}), got {tuple(weight.shape)}")
-        check_same_device(_OP, "x", x, weight=weight)
-    eps = check_number(_OP, "eps", eps, allow_none=False)
-    if eps < 0:
-        raise ValueError(f"{_OP}: eps must be >= 0 (it is added to the mean square), got {eps}")
-    weight_offset = check_number(_OP, "weight_offset", weight_offset, allow_none=False)
+        if weight.device != x.device:
+            raise ValueError(f"{_OP}: weight is on {weight.device} but x is on {x.device}; "
+                             "move them to one device")
+    # A model's eps and offset repeat: checked once, not every call (as cross_entropy's
+    # options). A bad or unhashable value is checked uncached, which raises.
+    eps, weight_offset = checked_once(_scalars, eps, weight_offset)
     path, reason = select_impl(_OP, impl, x.device)
     if path == "triton" and x.dtype == torch.float64:
         if impl == "triton":
@@ -208,7 +222,7 @@ def _resolve(x, weight, eps, weight_offset, impl) -> tuple[str, str, dict[str, A
                             f"float64; use impl='torch'")
         path, reason = "torch", "float64 input: the reference (the kernels are for fp32/16)"
     rows = math.prod(x.shape[:-1])
-    return path, reason, dict(eps=eps, weight_offset=weight_offset, rows=rows, H=H)
+    return path, reason, {"eps": eps, "weight_offset": weight_offset, "rows": rows, "H": H}
 
 
 @register_planner(_OP)
@@ -279,8 +293,9 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps: flo
     if path == "torch":
         with nvtx_range(_OP, "fwd"):
             return rms_norm_reference(x, weight, eps=a["eps"], weight_offset=a["weight_offset"])
-    H = x.shape[-1]
-    x2 = x.reshape(a["rows"], H)
+    # 2-D x goes in as it is: no reshape, whose view would add a node to the backward.
+    flat = x.dim() == 2
+    x2 = x if flat else x.reshape(a["rows"], x.shape[-1])
     if x2.stride(-1) != 1:  # the kernels read any row stride, but columns at stride 1
         x2 = x2.contiguous()
     w = weight.contiguous() if weight is not None else None
@@ -288,8 +303,10 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps: flo
             weight is not None and weight.requires_grad))):
         # Nothing to differentiate (inference): the launch alone, no autograd node.
         with nvtx_range(_OP, "fwd"):
-            return _launch_fwd(x2, w, a["eps"], a["weight_offset"])[0].view(x.shape)
-    return _RMSNorm.apply(x2, w, a).view(x.shape)
+            y = _launch_fwd(x2, w, a["eps"], a["weight_offset"])[0]
+    else:
+        y = _RMSNorm.apply(x2, w, a)
+    return y if flat else y.view(x.shape)
 
 
 # --- self-check cases for ``lmfuse check`` -------------------------------------------------------

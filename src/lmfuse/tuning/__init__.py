@@ -73,10 +73,16 @@ def _cached_key(device: torch.device) -> str:
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of ``device``, which persistent grids are sized by; 4 for
     the CPU interpreter (so persistent loops run several tiles per program in tests)."""
+    if device.index is not None:  # (a tensor's CUDA device: no device.type string made)
+        return _indexed_sm_count(device)
     if device.type != "cuda":
         return 4
-    return _cuda_sm_count(device.index if device.index is not None else
-                          torch.cuda.current_device())
+    return _cuda_sm_count(torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _indexed_sm_count(device: torch.device) -> int:
+    return _cuda_sm_count(device.index) if device.type == "cuda" else 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,8 +116,12 @@ def single_block_tile(t: dict[str, Any], length: int) -> tuple[int, int, int] | 
     width = next_pow2(length, 16)
     if width > t["max_single_block"]:
         return None
-    warps = next((w for limit, w in t["warps_by_block"] if width <= limit),
-                 t["warps_by_block"][-1][1])
+    by_block = t["warps_by_block"]
+    for limit, warps in by_block:  # (a loop, not a generator: this runs at every launch)
+        if width <= limit:
+            break
+    else:
+        warps = by_block[-1][1]
     return max(1, t["tile_elems"] // width), width, warps
 
 
@@ -173,6 +183,13 @@ def _check_layout(devices: dict) -> None:
 
 
 _USER: dict[str, Any] = {}  # the user cache as read: {"path": Path, "data": dict}
+_GENERATION = 0  # how many times the user cache was read
+
+
+def generation() -> int:
+    """A number that changes whenever the user cache is read again (:func:`reload`): what
+    a cache of configs derived from :func:`bucket_config` is keyed on."""
+    return _GENERATION
 
 
 def _user_section(family: str, device: torch.device) -> dict[str, Any]:
@@ -184,8 +201,10 @@ def reload() -> None:
     """Read the user cache again, from the path the environment gives now (after
     ``lmfuse tune``, a hand edit, or a change of ``$LMFUSE_TUNING_CACHE``). It is read at
     import and by this only, so that lookups do no I/O."""
+    global _GENERATION
     path = user_cache_path()
     _USER.update(path=path, name=str(path), data=_read_cache(path))
+    _GENERATION += 1
 
 
 def bucket_limits(family: str) -> list[int]:
