@@ -405,3 +405,24 @@ def test_default_cpu_path_is_f_linear_and_f_cross_entropy(monkeypatch, reduction
     plan = lmfuse.explain(lmfuse.linear_cross_entropy, h, w, t, bias=b, reduction=reduction)
     assert "F.linear then F.cross_entropy" in plan.details["passes"], str(plan)
     assert "chunks" not in plan.details
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("max_chunk_bytes", [None, 512])
+def test_gradients_keep_their_dtype_under_autocast(impl: str, max_chunk_bytes) -> None:
+    # Under torch.autocast a new GEMM runs in autocast's dtype: the gradients' products must
+    # not (float32 inputs keep float32 gradients, bitwise those without autocast; in several
+    # chunks a bf16 first product then met float32 operands and raised).
+    if DEVICE.type != "cpu":
+        pytest.skip("CPU autocast case")
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(24, 16, generator=g, requires_grad=True)
+    w = torch.randn(40, 16, generator=g, requires_grad=True)
+    t = torch.randint(0, 40, (24,), generator=g)
+    kw = dict(impl=impl, max_chunk_bytes=max_chunk_bytes)
+    want = torch.autograd.grad(lmfuse.linear_cross_entropy(h, w, t, **kw), (h, w))
+    with torch.autocast("cpu", torch.bfloat16):
+        got = torch.autograd.grad(lmfuse.linear_cross_entropy(h, w, t, **kw), (h, w))
+    for a, b in zip(got, want):
+        assert a.dtype == torch.float32
+        assert torch.equal(a, b)

@@ -65,7 +65,9 @@ def config(v_local: int, device: torch.device) -> tuple[dict[str, Any], str]:
     program, ``vec`` and ``prefetch``: the barrier-free stats loop of ``ce_stream_kernel``).
     """
     cfg, source = _table_config(v_local, device, tuning.generation())
-    return dict(cfg), source
+    # Copies down to the kernel's launch dict: a caller's edit never reaches the cache.
+    kernel = cfg.get("kernel")
+    return dict(cfg, kernel=dict(kernel) if kernel is not None else None), source
 
 
 @functools.lru_cache(maxsize=64)
@@ -360,6 +362,15 @@ def _chunk_grad(logits, target, stats, w, o, cw=None, wstat=None, wz=None, wt=No
                                      weight_sum=None if wt is None else wstat[0]))
 
 
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in the operands' dtype: under ``torch.autocast`` a new product would take
+    autocast's dtype (the ``out=`` forms are exempt), and the gradients must not."""
+    if torch.is_autocast_enabled(a.device.type):
+        with torch.autocast(a.device.type, enabled=False):
+            return torch.mm(a, b)
+    return torch.mm(a, b)
+
+
 class _Grads:
     """Accumulates the gradients of hidden, weight and bias over chunks.
 
@@ -379,7 +390,7 @@ class _Grads:
         whole = r0 == 0 and r1 == self.hidden.shape[0]
         if self.needs[0]:
             if whole:
-                self.dh = torch.mm(g, self.weight)
+                self.dh = _mm(g, self.weight)
             else:
                 if self.dh is None:
                     self.dh = torch.empty_like(self.hidden)
@@ -387,7 +398,7 @@ class _Grads:
         if self.needs[1]:
             h = self.hidden if whole else self.hidden[r0:r1]
             if self.first:
-                self.dw = torch.mm(g.T, h)
+                self.dw = _mm(g.T, h)
             else:
                 self.dw.addmm_(g.T, h)
         if self.db is not None:

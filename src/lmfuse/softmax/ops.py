@@ -349,7 +349,10 @@ def fused_softmax(
         scale: multiplies ``scores`` before masking (``None`` = 1).
         mask: bool (True = masked out, Megatron's convention) or an additive float mask,
             broadcastable to ``[b, np, sq, sk]`` (``[b, 1, sq, sk]``, ``[b, 1, 1, sk]``, ...);
-            never expanded in memory. A float mask that requires grad gets its gradient.
+            never expanded in memory. A float mask that requires grad gets its gradient. A
+            boolean mask is kept for the backward (a NaN row's hidden keys are found in it),
+            as ``masked_fill`` keeps it: changing it in place before the backward raises,
+            and saved-tensor hooks see it.
         causal: query row ``i`` sees keys ``j <= i + (sk - sq)`` (bottom-right aligned, so
             ``sq < sk`` works for chunked prefill); no mask tensor is built. Needs
             ``sq <= sk``.
