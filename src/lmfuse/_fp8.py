@@ -1,7 +1,7 @@
 """fp8 rounding and saturation for the Triton kernels that store float8 values: the KV cache
-appends (attention, serving) and the activations' fp8 input store. One definition, below
-the families (it imports Triton: the kernels modules import it, nothing imported by
-``import lmfuse`` does).
+appends (attention, serving) and the fp8 input stores (activations, MoE experts). One
+definition, below the families (it imports Triton: the kernels modules import it, nothing
+imported by ``import lmfuse`` does; the torch side's cast is ``_launch.to_e4m3``).
 """
 
 from __future__ import annotations
@@ -41,3 +41,19 @@ def saturate_fp8(x, fp8_max, FP8_MANT: tl.constexpr, FP8_MIN_EXP: tl.constexpr):
 def saturate_e4m3(x):
     """``saturate_fp8`` for e4m3: +-448, 3 mantissa bits, smallest normal exponent -6."""
     return saturate_fp8(x, 448.0, 3, -6)
+
+
+@triton.jit
+def store_e4m3(ptr, v, mask):
+    """float32 ``v`` stored at ``ptr`` as float8_e4m3fn values (``saturate_e4m3``): into a
+    float8_e4m3fn buffer, NaN's bits set by hand (Triton 3.9's interpreter converts a
+    float32 NaN to e4m3 384; a GPU's conversion gives 0x7F already, and the select costs a
+    memory-bound store nothing that shows); into a wider buffer (a GPU that cannot convert
+    to float8, compute capability < 8.9) as those same values, which it holds exactly."""
+    v = saturate_e4m3(v)
+    if ptr.dtype.element_ty == tl.float8e4nv:
+        bits = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        bits = tl.where(v != v, 0x7F, bits).to(tl.uint8)
+        tl.store(ptr, bits.to(tl.float8e4nv, bitcast=True), mask=mask)
+    else:
+        tl.store(ptr, v.to(ptr.dtype.element_ty), mask=mask)

@@ -1,6 +1,7 @@
 """The small helpers every family's launcher uses: ceiling division and powers of two for
-grids and block sizes, dtype names for messages, the shared dtype sets, and the lazy import
-of a family's Triton kernels.
+grids and block sizes, dtype names for messages, the shared dtype sets, the saturating fp8
+cast and whether a GPU's kernels can convert to fp8, and the lazy import of a family's
+Triton kernels.
 
 It sits below every other module (it imports torch alone) and never imports ``triton``:
 ``import lmfuse`` works where Triton is absent (the reference path still runs); a family's
@@ -9,6 +10,7 @@ kernels module is imported on its first launch.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from types import ModuleType
 from typing import Any, Callable
@@ -16,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 __all__ = ["FLOAT_DTYPES", "KERNEL_DTYPES", "INDEX_DTYPES", "FP8_DTYPES", "cdiv", "next_pow2",
-           "is_pow2", "dtype_name", "lazy_kernels"]
+           "is_pow2", "dtype_name", "lazy_kernels", "to_e4m3", "fp8_capable"]
 
 #: The floating dtypes the ops take (``check_tensor``'s default).
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -46,6 +48,19 @@ def is_pow2(v: Any) -> bool:
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``: a dtype as messages and tables spell it."""
     return str(dtype).replace("torch.", "")
+
+
+def to_e4m3(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as float8_e4m3fn, saturated at +-448 as the kernels' own fp8 stores are (torch's
+    CUDA cast turns magnitudes above 464 into NaN); NaN stays NaN (clamp keeps it)."""
+    return t.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+@functools.lru_cache(maxsize=None)
+def fp8_capable(device: torch.device) -> bool:
+    """A CUDA device on which Triton compiles float8_e4m3fn conversions and loads (compute
+    capability 8.9 and later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def lazy_kernels(module: str, package: str) -> Callable[[], ModuleType]:

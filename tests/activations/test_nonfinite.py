@@ -242,6 +242,19 @@ def test_fp8_input_store_saturates_inf(op: Op, impl: str) -> None:
           fp8_input_store=True)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", [o for o in OPS if o.fp8], ids=lambda o: o.name)
+def test_fp8_input_store_keeps_nan(op: Op, impl: str) -> None:
+    """A NaN input stays NaN in the float8 copy the backward reads (the interpreter converts
+    a float32 NaN to e4m3 384 unless the store sets NaN's bits itself), so its gradients are
+    NaN where the reference's are."""
+    x = _x((3, 8), scale=2.0)
+    x[0, 1], x[1, 6], x[2, 0] = NAN, NAN, -1.5
+    tensors = dict(x=x, weights=torch.ones(3, 1, device=DEVICE) if op.weighted else None)
+    check(f"{op.name} fp8 NaN", op, tensors, _x((3, 4)), inf_injected=True, impls=(impl,),
+          fp8_input_store=True)
+
+
 @pytest.mark.parametrize("g, d", [(0.0, 2.0), (-2.0, 0.0), (0.5, -3.0)],
                          ids=["g0", "d0", "g0.5-d-3"])
 @pytest.mark.parametrize("impl", IMPLS)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._fp8 import saturate_e4m3
+from .._fp8 import store_e4m3
 
 GELU, SILU, QUICK_GELU, SQUARED_RELU = 0, 1, 2, 3
 
@@ -108,14 +108,6 @@ def _chain(a, up, dact, ACT: tl.constexpr):
 
 
 @triton.jit
-def _store_fp8(ptr, v, mask):
-    """float32 ``v`` stored as float8_e4m3fn: saturated at +-448 (as torch's CPU cast does;
-    its CUDA cast gives NaN above 464), rounded to nearest even, NaN kept (see
-    ``saturate_e4m3``)."""
-    tl.store(ptr, saturate_e4m3(v).to(ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def act_fwd_kernel(
     x_ptr, sx, b_ptr, w_ptr, y_ptr, sy, x8_ptr, M, N, offset, clamp, gate_mul, down_mul,
     ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_W: tl.constexpr,
@@ -132,11 +124,11 @@ def act_fwd_kernel(
     a = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
     K = 2 * N if GATED else N
     if STORE_X8:
-        _store_fp8(x8_ptr + rows[:, None] * K + cols[None, :], a, mask)
+        store_e4m3(x8_ptr + rows[:, None] * K + cols[None, :], a, mask)
     if GATED:
         b = tl.load(xp + N, mask=mask, other=0.0).to(tl.float32)
         if STORE_X8:
-            _store_fp8(x8_ptr + rows[:, None] * K + N + cols[None, :], b, mask)
+            store_e4m3(x8_ptr + rows[:, None] * K + N + cols[None, :], b, mask)
         if HAS_CLAMP:
             a = tl.minimum(a, clamp, propagate_nan=tl.PropagateNan.ALL)
             b = tl.clamp(b, -clamp, clamp, propagate_nan=tl.PropagateNan.ALL)

@@ -21,7 +21,7 @@ from .. import tuning
 from .._dispatch import eager as _eager
 from .._dispatch import (Plan, check_number, check_tensor, checked_once, native_cpu,
                          once_differentiable, register_planner, select_impl)
-from .._launch import cdiv, dtype_name, lazy_kernels, next_pow2
+from .._launch import cdiv, dtype_name, fp8_capable, lazy_kernels, next_pow2, to_e4m3
 from .._nvtx import nvtx_range
 from . import reference as ref
 
@@ -160,9 +160,7 @@ class _Saved:
                  x8: Optional[torch.Tensor] = None) -> None:
         """``x8``: x's float8 copy when the forward kernel already wrote it."""
         self.dtype, self.device, self.event, self.host = x.dtype, x.device, None, None
-        # Saturated at e4m3's largest finite value, as the forward kernel's own copy is
-        # (torch's CUDA cast turns magnitudes above 464 into NaN).
-        keep = (x8 if x8 is not None else x.clamp(-448.0, 448.0).to(_FP8)) if fp8 else x
+        keep = (x8 if x8 is not None else to_e4m3(x)) if fp8 else x
         self.device_copy = keep
         if offload and x.is_cuda:
             side = _side_stream(x.device)
@@ -183,14 +181,9 @@ class _Saved:
         if self.host is not None:
             torch.cuda.current_stream(self.device).wait_event(self.event)
             t = self.host.to(self.device, non_blocking=True)
-        if t.dtype == _FP8 and not (for_kernel and t.is_cuda and _loads_fp8(t.device)):
+        if t.dtype == _FP8 and not (for_kernel and t.is_cuda and fp8_capable(t.device)):
             t = t.to(self.dtype)
         return t
-
-
-def _loads_fp8(device: torch.device) -> bool:
-    """Triton compiles float8_e4m3fn loads for compute capability 8.9 and later only."""
-    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 @functools.lru_cache(maxsize=None)
@@ -221,7 +214,7 @@ class _Activation(torch.autograd.Function):
                 # The float8 copy for backward comes out of the forward kernel itself where
                 # the kernel can store float8 (the interpreter, or compute capability 8.9+).
                 if saving and s["fp8_input_store"] and (not x.is_cuda
-                                                         or _loads_fp8(x.device)):
+                                                         or fp8_capable(x.device)):
                     x8 = torch.empty(x.shape, dtype=_FP8, device=x.device)
                 y = _launch_fwd(x, bias, weights, s, x8)
             elif triton:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._fp8 import saturate_e4m3
+from .._fp8 import store_e4m3
 from ..activations.kernels import _act, _act_and_grad, _chain
 
 
@@ -67,16 +67,7 @@ def _store_h(ptr, v, mask, H_FP8: tl.constexpr, RTNE: tl.constexpr):
     float8 (compute capability < 8.9), into a buffer of hidden's dtype, which holds every
     e4m3 value exactly (ops.py then casts it to float8 without rounding again)."""
     if H_FP8:
-        v = saturate_e4m3(v)
-        if ptr.dtype.element_ty == tl.float8e4nv:
-            # NaN's bits set by hand: Triton 3.9's interpreter converts a float32 NaN to
-            # e4m3 384 (a GPU's conversion already gives 0x7F; the select costs it nothing
-            # that matters in a GEMM's epilogue).
-            bits = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-            bits = tl.where(v != v, 0x7F, bits).to(tl.uint8)
-            tl.store(ptr, bits.to(tl.float8e4nv, bitcast=True), mask=mask)
-        else:
-            tl.store(ptr, v.to(ptr.dtype.element_ty), mask=mask)
+        store_e4m3(ptr, v, mask)
     else:
         tl.store(ptr, _out(v, ptr.dtype.element_ty, RTNE), mask=mask)
 

@@ -37,7 +37,6 @@ gradients use the rounded ``h`` too.
 
 from __future__ import annotations
 
-import functools
 import inspect
 from typing import Any, Optional
 
@@ -48,7 +47,8 @@ from .. import tuning
 from .._dispatch import eager as _eager
 from .._dispatch import (Plan, check_number, check_tensor, interpreter_active, register_planner,
                          select_impl, value_checks)
-from .._launch import FLOAT_DTYPES, cdiv, dtype_name, lazy_kernels, next_pow2
+from .._launch import (FLOAT_DTYPES, cdiv, dtype_name, fp8_capable, lazy_kernels, next_pow2,
+                       to_e4m3)
 from .._nvtx import nvtx_range
 from ..activations.ops import ACT_IDS
 from . import reference as ref
@@ -59,20 +59,13 @@ _FP8 = torch.float8_e4m3fn
 _kernels = lazy_kernels("kernels", __package__)
 
 
-@functools.lru_cache(maxsize=None)
-def _gpu_fp8(device: torch.device) -> bool:
-    """Triton compiles float8_e4m3fn conversions and loads for compute capability 8.9 and
-    later only."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
 def _kernel_stores_fp8(device: torch.device) -> bool:
-    return interpreter_active() or _gpu_fp8(device)
+    return interpreter_active() or fp8_capable(device)
 
 
 def _kernel_loads_fp8(device: torch.device) -> bool:
     # Not in the interpreter: Triton 3.9's reads e4m3's NaN (0x7F) as 480.
-    return not interpreter_active() and _gpu_fp8(device)
+    return not interpreter_active() and fp8_capable(device)
 
 
 def _config(device: torch.device, rows: int, H: int, F: int) -> dict[str, int]:
@@ -199,9 +192,7 @@ class _Fp8StoredExpert(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w_down, down_bias, weights, s: dict[str, Any]):
         ctx.s, ctx.dtype = s, h.dtype
-        # Saturated as the kernels' copy is (torch's CUDA cast turns magnitudes above 464
-        # into NaN); clamp keeps NaN, and the cast keeps it NaN.
-        ctx.save_for_backward(h.clamp(-448.0, 448.0).to(_FP8), w_down, down_bias, weights)
+        ctx.save_for_backward(to_e4m3(h), w_down, down_bias, weights)
         return _expert_out(h, w_down, down_bias, weights, s)
 
     @staticmethod
