@@ -48,6 +48,11 @@ def _gloo_rank(rank: int, world_size: int, port: int, fn_ref: tuple[str, str, st
     try:
         fn = _load_function(*fn_ref)
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # Every rank joined before any leaves: a rank whose fn returns at once (rank 0 of a
+        # test where only rank 1 fails) would otherwise exit, taking the store it hosts
+        # with it, while a peer is still connecting ("Connection closed by peer": 1 run in
+        # a few hundred).
+        dist.barrier()
         try:
             fn(rank, world_size, *args)
         finally:
