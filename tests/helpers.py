@@ -306,3 +306,15 @@ def force_ce_launch(mp: Any, name: str) -> None:
     if config is not None:
         mp.setattr(ops, "_config", lambda V, device, softcap=False, itemsize=2, aligned=True:
                    dict(config))
+
+
+# moe_experts' activation cases: (activation, linear_offset, clamp_value, gate_up_layout)
+MOE_ACT_CASES = [
+    ("swiglu", 0.0, None, "halves"),
+    ("swiglu", 0.0, None, "interleaved"),
+    ("geglu", 0.0, None, "halves"),
+    ("geglu", 0.0, None, "interleaved"),
+    ("quick_geglu", 1.0, 0.7, "halves"),  # GPT-OSS's form, a clamp that bites
+    ("quick_geglu", 1.0, 0.7, "interleaved"),
+    ("squared_relu", 0.0, None, "halves"),
+]

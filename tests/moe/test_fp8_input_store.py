@@ -21,7 +21,7 @@ from typing import Any, Optional
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close, randn
+from helpers import MOE_ACT_CASES, assert_close, randn
 
 import lmfuse
 from lmfuse.moe.reference import expert_activation, moe_experts_reference
@@ -30,16 +30,7 @@ F32, BF16 = torch.float32, torch.bfloat16
 FP8 = torch.float8_e4m3fn
 IMPLS = ["torch", "triton"]
 NAMES = ("hidden", "router_weights", "w_gate_up", "w_down", "gate_up_bias", "down_bias")
-# (activation, linear_offset, clamp_value, layout), as test_ops.py's
-ACT_CASES = [
-    ("swiglu", 0.0, None, "halves"),
-    ("swiglu", 0.0, None, "interleaved"),
-    ("geglu", 0.0, None, "halves"),
-    ("geglu", 0.0, None, "interleaved"),
-    ("quick_geglu", 1.0, 0.7, "halves"),  # GPT-OSS's form, a clamp that bites
-    ("quick_geglu", 1.0, 0.7, "interleaved"),
-    ("squared_relu", 0.0, None, "halves"),
-]
+ACT_CASES = MOE_ACT_CASES
 
 
 def make(T: int, H: int, F: int, E: int, k: int, activation: str = "swiglu", *,

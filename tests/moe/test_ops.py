@@ -20,7 +20,7 @@ from typing import Any, Optional
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close, randn
+from helpers import MOE_ACT_CASES, assert_close, randn
 
 import lmfuse
 from lmfuse.moe.reference import moe_experts_reference
@@ -84,16 +84,7 @@ def check(inp: dict[str, Any], impl: str, what: str, **kw) -> torch.Tensor:
     return got
 
 
-# (activation, linear_offset, clamp_value, layout)
-ACT_CASES = [
-    ("swiglu", 0.0, None, "halves"),
-    ("swiglu", 0.0, None, "interleaved"),
-    ("geglu", 0.0, None, "halves"),
-    ("geglu", 0.0, None, "interleaved"),
-    ("quick_geglu", 1.0, 0.7, "halves"),  # GPT-OSS's form, a clamp that bites
-    ("quick_geglu", 1.0, 0.7, "interleaved"),
-    ("squared_relu", 0.0, None, "halves"),
-]
+ACT_CASES = MOE_ACT_CASES
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])

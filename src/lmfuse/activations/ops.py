@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from .. import tuning
 from .._dispatch import eager as _eager
-from .._dispatch import (Plan, check_number, check_tensor, checked_once, native_cpu,
-                         once_differentiable, register_planner, select_impl)
+from .._dispatch import (Plan, check_number, check_tensor, checked_once, float64_fallback,
+                         native_cpu, once_differentiable, register_planner, select_impl)
 from .._launch import cdiv, dtype_name, fp8_capable, lazy_kernels, next_pow2, to_e4m3
 from .._nvtx import nvtx_range
 from . import reference as ref
@@ -314,12 +314,7 @@ def _resolve(op: str, x, bias, weights, activation: str, gated: bool, linear_off
     # unhashable value is checked uncached, which raises.
     linear_offset, clamp_value, gate_multiplier, down_multiplier = checked_once(_options,
                                                                                 *options)
-    path, reason = select_impl(op, impl, x.device)
-    if path == "triton" and x.dtype == torch.float64:
-        if impl == "triton":
-            raise TypeError(f"{op}: the Triton path takes float32/float16/bfloat16 x, got "
-                            f"float64; use impl='torch'")
-        path, reason = "torch", "float64 input: the reference (the kernels are for fp32/16)"
+    path, reason = float64_fallback(op, impl, *select_impl(op, impl, x.device), x, "x")
     s = {"op": op, "path": path, "activation": activation, "gated": gated,
          "linear_offset": linear_offset, "clamp_value": clamp_value,
          "gate_multiplier": gate_multiplier, "down_multiplier": down_multiplier,

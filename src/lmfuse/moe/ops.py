@@ -45,8 +45,8 @@ import torch.nn.functional as F
 
 from .. import tuning
 from .._dispatch import eager as _eager
-from .._dispatch import (Plan, check_number, check_tensor, interpreter_active, register_planner,
-                         select_impl, value_checks)
+from .._dispatch import (Plan, check_number, check_tensor, float64_fallback,
+                         interpreter_active, register_planner, select_impl, value_checks)
 from .._launch import (FLOAT_DTYPES, cdiv, dtype_name, fp8_capable, lazy_kernels, next_pow2,
                        to_e4m3)
 from .._nvtx import nvtx_range
@@ -530,12 +530,8 @@ def _resolve(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias
         if lo < 0 or hi >= E:
             raise ValueError(f"{OP}: expert_ids must be in [0, E) = [0, {E}), got values in "
                              f"[{lo}, {hi}]")
-    path, reason = select_impl(OP, impl, hidden.device)
-    if path == "triton" and hidden.dtype == torch.float64:
-        if impl == "triton":
-            raise TypeError(f"{OP}: the Triton path takes float32/float16/bfloat16 hidden, "
-                            f"got float64; use impl='torch'")
-        path, reason = "torch", "float64 input: the torch path (the kernels are for fp32/16)"
+    path, reason = float64_fallback(OP, impl, *select_impl(OP, impl, hidden.device), hidden,
+                                    "hidden", fallback="the torch path")
     s = _settings(activation, gate_up_layout, linear_offset, clamp_value, fp8_input_store)
     s.update(path=path, T=T, k=expert_ids.shape[1], E=E, H=H, F=Fdim)
     return path, reason, s

@@ -26,6 +26,7 @@ from .._dispatch import (
     check_number,
     check_tensor,
     checked_once,
+    float64_fallback,
     native_cpu,
     once_differentiable,
     register_planner,
@@ -215,12 +216,7 @@ def _resolve(x, weight, eps, weight_offset, impl) -> tuple[str, str, dict[str, A
     # A model's eps and offset repeat: checked once, not every call (as cross_entropy's
     # options). A bad or unhashable value is checked uncached, which raises.
     eps, weight_offset = checked_once(_scalars, eps, weight_offset)
-    path, reason = select_impl(_OP, impl, x.device)
-    if path == "triton" and x.dtype == torch.float64:
-        if impl == "triton":
-            raise TypeError(f"{_OP}: the Triton path takes float32/float16/bfloat16 x, got "
-                            f"float64; use impl='torch'")
-        path, reason = "torch", "float64 input: the reference (the kernels are for fp32/16)"
+    path, reason = float64_fallback(_OP, impl, *select_impl(_OP, impl, x.device), x, "x")
     rows = math.prod(x.shape[:-1])
     return path, reason, {"eps": eps, "weight_offset": weight_offset, "rows": rows, "H": H}
 
