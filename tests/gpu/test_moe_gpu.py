@@ -186,9 +186,10 @@ class _ThroughFp8(torch.autograd.Function):
 
 def _rounded_reference(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias=None,
                        down_bias=None, *, activation="swiglu", linear_offset=0.0,
-                       clamp_value=None, gate_up_layout="halves"):
+                       clamp_value=None, gate_up_layout="halves", gemm_dtype=None):
     """``moe_experts_reference``'s loop (float64 here) with ``h`` rounded through float8 before
-    the activation: its gradients are those ``fp8_input_store`` promises."""
+    the activation: its gradients are those ``fp8_input_store`` promises. ``gemm_dtype``: the
+    gate/up GEMM's output rounded to it before the bias (the grouped-GEMM engine's h)."""
     from lmfuse.moe.reference import expert_activation
 
     T = expert_ids.shape[0]
@@ -198,6 +199,8 @@ def _rounded_reference(hidden, expert_ids, router_weights, w_gate_up, w_down, ga
         if token.numel() == 0:
             continue
         h = hidden[token] @ w_gate_up[e].T
+        if gemm_dtype is not None:
+            h = h.to(gemm_dtype).to(h.dtype)
         if gate_up_bias is not None:
             h = h + gate_up_bias[e]
         a = expert_activation(_ThroughFp8.apply(h), activation=activation,
@@ -217,10 +220,15 @@ FP8_SHAPES = [s for s in SHAPES if s[0] in ("mixtral-like", "gpt-oss-like", "squ
 def test_fp8_input_store_bf16(label, T, H, F, E, k, kw) -> None:
     """bf16 with ``fp8_input_store``: the forward bitwise the default's; autograd keeps h as
     float8_e4m3fn ``[T k, K2]`` (compute capability 8.9+: written by the up kernel, read as
-    float8 by the backward's first kernel); every gradient the float8-rounded oracle's within
-    bf16's tolerance."""
+    float8 by the backward's first kernel; on the grouped-GEMM engine written by its
+    activation kernel from the GEMM's bf16 output plus the bias); every gradient the
+    float8-rounded oracle's within bf16's tolerance."""
+    from lmfuse.moe import ops as moe_ops
+
     gated = kw["activation"] != "squared_relu"
     t = make(T, H, F, E, k, BF16, gated=gated)
+    grouped = moe_ops._grouped_engine(t["hidden"], t["w_gate_up"], t["w_down"], T * k,
+                                      moe_ops._config(t["hidden"].device, T * k, H, F))
     with torch.no_grad():
         plain = call(lmfuse.moe_experts, t, **kw)
     saved = []
@@ -238,13 +246,13 @@ def test_fp8_input_store_bf16(label, T, H, F, E, k, kw) -> None:
     ref = {n: (v.detach().double().requires_grad_(True)
                if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
            for n, v in t.items()}
-    want = call(_rounded_reference, ref, **kw)
+    want = call(_rounded_reference, ref, gemm_dtype=BF16 if grouped else None, **kw)
     g = torch.randn_like(out)
     got = torch.autograd.grad(out, leaves(t), g)
     exp = torch.autograd.grad(want, leaves(ref), g.double())
     for name, a, b in zip([n for n in NAMES if t[n] is not None], got, exp):
         limit = BF16 if name == "router_weights" else a.dtype
-        assert_close(a, b.to(a.dtype), limit, f"{label} fp8 d{name}")
+        assert_close(a, b.to(a.dtype), limit, f"{label} fp8 d{name} (grouped: {grouped})")
 
 
 def test_fp8_input_store_without_float8_kernels_gives_the_same_bits(monkeypatch) -> None:
@@ -276,3 +284,88 @@ def test_fp8_input_store_without_float8_kernels_gives_the_same_bits(monkeypatch)
     assert len(saved) == len(saved_old) == 1 and torch.equal(saved[0], saved_old[0])
     for a, b in zip(grads, grads_old):
         assert torch.equal(a, b)
+
+
+# --- the grouped-GEMM engine (bf16, at least grouped_mm_min_rows rows, Hopper) -------------
+
+
+@pytest.mark.parametrize("label, T, H, F, E, k, kw", [
+    ("mixtral-like", 1024, 1024, 1536, 8, 2, dict(activation="swiglu")),
+    ("gpt-oss-like", 512, 720, 720, 32, 4, dict(activation="quick_geglu", linear_offset=1.0,
+                                                 clamp_value=7.0,
+                                                 gate_up_layout="interleaved")),
+    ("squared-relu k=1", 2048, 512, 384, 8, 1, dict(activation="squared_relu"))],
+    ids=["mixtral-like", "gpt-oss-like", "squared-relu-k1"])
+def test_grouped_engine_matches_fused_kernels_and_skips_empty_experts(
+        label, T, H, F, E, k, kw, monkeypatch) -> None:
+    """The engine is taken at these sizes (counted), agrees with the row-tiled kernels and
+    the float64 reference within bf16's tolerance, and gives exact zeros to the experts that
+    receive no row (torch._grouped_mm's weight-gradient groups of no rows), GPT-OSS's
+    transposed weight views read in place."""
+    from lmfuse.moe import ops as moe_ops
+
+    gated = kw["activation"] != "squared_relu"
+    t = make(T, H, F, E, k, BF16, gated=gated)
+    with torch.no_grad():  # experts 1 and 5 get no token
+        ids = torch.rand(T, E, device=DEV)
+        ids[:, [1, 5]] = -1.0
+        t["expert_ids"] = ids.topk(k, dim=1).indices
+        if label.startswith("gpt-oss"):
+            t["w_gate_up"] = t["w_gate_up"].transpose(1, 2).contiguous().transpose(1, 2)
+            t["w_down"] = t["w_down"].transpose(1, 2).contiguous().transpose(1, 2)
+    for n in NAMES:
+        if t[n] is not None:
+            t[n].requires_grad_(True)
+    calls = []
+    real = moe_ops._backward_grouped
+    monkeypatch.setattr(moe_ops, "_backward_grouped",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    out = call(lmfuse.moe_experts, t, **kw)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, leaves(t), g)
+    assert calls == [1], "the grouped engine was not taken"
+    monkeypatch.setattr(moe_ops, "_grouped_engine", lambda *a, **kw: False)
+    fused = call(lmfuse.moe_experts, t, **kw)
+    fused_grads = torch.autograd.grad(fused, leaves(t), g)
+    ref = {n: (v.detach().double().requires_grad_(True)
+               if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+           for n, v in t.items()}
+    want = call(moe_experts_reference, ref, **kw)
+    exp = torch.autograd.grad(want, leaves(ref), g.double())
+    assert_close(out, want.to(BF16), BF16, f"{label} forward")
+    assert_close(out, fused, BF16, f"{label} forward vs fused")
+    for name, a, b, c in zip([n for n in NAMES if t[n] is not None], got, exp, fused_grads):
+        assert_close(a, b.to(a.dtype), BF16, f"{label} d{name}")
+        assert_close(a, c, BF16, f"{label} d{name} vs fused")
+        if name in ("w_gate_up", "w_down", "gate_up_bias", "down_bias"):
+            assert torch.count_nonzero(a[[1, 5]]) == 0, f"{label} d{name} of unused experts"
+
+
+def test_grouped_engine_in_a_cuda_graph_and_deterministic() -> None:
+    """Forward and backward at a training size captured once: replays with a new routing
+    equal eager calls bitwise (torch._grouped_mm reads the offsets on the device)."""
+    T, H, F, E, k = 512, 512, 768, 16, 4
+    t = make(T, H, F, E, k, BF16)
+    g = torch.randn(T, H, device=DEV, dtype=BF16)
+
+    def step():
+        out = call(lmfuse.moe_experts, t)
+        return (out, *torch.autograd.grad(out, leaves(t), g))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    with torch.no_grad():
+        ids = torch.rand(T, E, device=DEV)
+        ids[:, :2] += 1.0
+        t["expert_ids"].copy_(ids.topk(k, dim=1).indices)
+    graph.replay()
+    eager, again = step(), step()
+    for a, b, c in zip(static, eager, again):
+        assert torch.equal(a, b) and torch.equal(b, c)

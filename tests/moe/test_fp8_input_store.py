@@ -355,3 +355,32 @@ def test_explain_says_what_is_saved(impl: str) -> None:
     assert "float8_e4m3fn" in plan.details["saved for backward"], str(plan)
     plain = lmfuse.explain(lmfuse.moe_experts, *args, impl=impl)
     assert "float8" not in str(plain)
+
+
+@pytest.mark.parametrize("activation, offset, clamp, layout", [
+    ("swiglu", 0.0, None, "halves"), ("quick_geglu", 1.0, 0.7, "interleaved"),
+    ("squared_relu", 0.0, None, "halves")], ids=["swiglu", "gpt-oss", "squared_relu"])
+def test_grouped_engine(activation, offset, clamp, layout,
+                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grouped-GEMM engine (GEMMs in ``torch._grouped_mm``; forced here, as in
+    test_ops.py): its activation kernel writes the float8 copy of ``h``; fp32: the forward
+    unchanged, the gradients the oracle's; bf16: what autograd keeps is that copy."""
+    from lmfuse.moe import ops as moe_ops
+
+    monkeypatch.setattr(moe_ops, "_grouped_engine", lambda *a, **kw: True)
+    kw = dict(activation=activation, linear_offset=offset, clamp_value=clamp,
+              gate_up_layout=layout)
+    inp = make(8, 16, 12, 3, 2, activation)
+    with torch.no_grad():
+        out = call(lmfuse.moe_experts, inp, impl="triton", **kw)
+    out8 = call(lmfuse.moe_experts, inp, impl="triton", fp8_input_store=True, **kw)
+    assert torch.equal(out8, out)
+    g = randn(out.shape)
+    grads8 = torch.autograd.grad(out8, [t for _, t in leaves(inp)], g)
+    for (name, _), a, b in zip(leaves(inp), grads8, oracle_grads(inp, g, **kw)):
+        assert_close(a, b, F32, f"grouped {activation}: d{name}")
+    K2 = 16 if activation == "squared_relu" else 32  # dims at multiples of 16 bytes
+    _, saved = saved_tensors(make(8, 16, 16, 3, 2, activation, dtype=BF16), "triton",
+                             fp8_input_store=True, **kw)
+    kept = [t for t in saved if t.dim() == 2 and t.shape == (16, K2)]
+    assert [t.dtype for t in kept] == [FP8]

@@ -98,6 +98,41 @@ def _clamped(g, u, clamp, HAS_CLAMP: tl.constexpr):
 
 
 @triton.jit
+def _act_backward(h_row, dh_row, cols, mask, ds, F, offset, clamp, ACT: tl.constexpr,
+                  GATED: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_CLAMP: tl.constexpr,
+                  RTNE: tl.constexpr):
+    """The activation's backward for one tile of outputs ``cols``: ``h`` read at ``h_row``
+    (row pointers into ``[T k, K2]``, hidden's dtype or float8), ``ds`` the gradient of its
+    output (router weight applied); ``dh`` stored at ``dh_row``; returns ``a = act(h)``
+    recomputed (float32)."""
+    if GATED:
+        gcol, ucol = _gate_up_cols(cols, F, INTERLEAVED)
+        g = tl.load(h_row + gcol[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(h_row + ucol[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_CLAMP:
+            # torch.clamp's gradient: 0 where the clamp is active, and at NaN.
+            keep_g = g <= clamp
+            keep_u = (u >= -clamp) & (u <= clamp)
+        g, u = _clamped(g, u, clamp, HAS_CLAMP)
+        act, dact = _act_and_grad(g, ACT)
+        lin = u + offset
+        a = act * lin
+        dg = _chain(g, ds * lin, dact, ACT)
+        du = ds * act
+        if HAS_CLAMP:
+            dg = tl.where(keep_g, dg, 0.0)
+            du = tl.where(keep_u, du, 0.0)
+        tl.store(dh_row + gcol[None, :], _out(dg, dh_row.dtype.element_ty, RTNE), mask=mask)
+        tl.store(dh_row + ucol[None, :], _out(du, dh_row.dtype.element_ty, RTNE), mask=mask)
+    else:
+        h = tl.load(h_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        a, dact = _act_and_grad(h, ACT)
+        tl.store(dh_row + cols[None, :], _out(_chain(h, ds, dact, ACT),
+                                              dh_row.dtype.element_ty, RTNE), mask=mask)
+    return a
+
+
+@triton.jit
 def moe_up_kernel(
     X, stride_x, TOKEN, W, stride_we, stride_wn, stride_wk, BIAS, H_OUT, A_OUT, TILES,
     H, F, offset, clamp,
@@ -261,34 +296,9 @@ def moe_act_bwd_kernel(
         mask = rmask[:, None] & cmask[None, :]
         s = tl.load(SCALE + rows, mask=rmask, other=0.0)[:, None]
         ds = acc * s
-        if GATED:
-            K2 = 2 * F
-            gcol, ucol = _gate_up_cols(cols, F, INTERLEAVED)
-            h_row = HBUF + rows64[:, None] * K2
-            g = tl.load(h_row + gcol[None, :], mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(h_row + ucol[None, :], mask=mask, other=0.0).to(tl.float32)
-            if HAS_CLAMP:
-                # torch.clamp's gradient: 0 where the clamp is active, and at NaN.
-                keep_g = g <= clamp
-                keep_u = (u >= -clamp) & (u <= clamp)
-            g, u = _clamped(g, u, clamp, HAS_CLAMP)
-            act, dact = _act_and_grad(g, ACT)
-            lin = u + offset
-            a = act * lin
-            dg = _chain(g, ds * lin, dact, ACT)
-            du = ds * act
-            if HAS_CLAMP:
-                dg = tl.where(keep_g, dg, 0.0)
-                du = tl.where(keep_u, du, 0.0)
-            dh_row = DH + rows64[:, None] * K2
-            tl.store(dh_row + gcol[None, :], _out(dg, DH.dtype.element_ty, RTNE), mask=mask)
-            tl.store(dh_row + ucol[None, :], _out(du, DH.dtype.element_ty, RTNE), mask=mask)
-        else:
-            h = tl.load(HBUF + rows64[:, None] * F + cols[None, :], mask=mask,
-                        other=0.0).to(tl.float32)
-            a, dact = _act_and_grad(h, ACT)
-            tl.store(DH + rows64[:, None] * F + cols[None, :],
-                     _out(_chain(h, ds, dact, ACT), DH.dtype.element_ty, RTNE), mask=mask)
+        K2 = 2 * F if GATED else F
+        a = _act_backward(HBUF + rows64[:, None] * K2, DH + rows64[:, None] * K2, cols, mask,
+                          ds, F, offset, clamp, ACT, GATED, INTERLEAVED, HAS_CLAMP, RTNE)
         tl.store(A_OUT + rows64[:, None] * F + cols[None, :],
                  _out(a, A_OUT.dtype.element_ty, RTNE), mask=mask)
         part = tl.sum(tl.where(mask, acc * a, 0.0), axis=1)
@@ -353,13 +363,149 @@ def moe_wgrad_kernel(
 
 
 @triton.jit
-def moe_combine_kernel(Y, INV, OUT, N, k, RTNE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``OUT[t] = sum_j Y[inv[t k + j]]`` (slots in order, float32), ``Y [T k, N]``."""
+def moe_combine_kernel(Y, INV, OUT, N, k, SCALE, BIAS, EXPERT, HAS_SCALE: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, RTNE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``OUT[t] = sum_j (Y[r] + bias[expert[t k + j]]) * scale[r]``, ``r = inv[t k + j]``
+    (slots in order, float32), ``Y [T k, N]``; the bias (``BIAS [E, N]``, ``EXPERT [T k]``
+    the pairs' experts) and the scale (``SCALE [T k]`` float32, sorted order) only with
+    their flags (the grouped-GEMM forward's down bias and router weights)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     acc = tl.zeros((BLOCK_N,), tl.float32)
     for j in range(0, k):
         r = tl.load(INV + t * k + j).to(tl.int64)
-        acc += tl.load(Y + r * N + cols, mask=cmask, other=0.0).to(tl.float32)
+        y = tl.load(Y + r * N + cols, mask=cmask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            e = tl.load(EXPERT + t * k + j).to(tl.int64)
+            y += tl.load(BIAS + e * N + cols, mask=cmask, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            y *= tl.load(SCALE + r)
+        acc += y
     tl.store(OUT + t * N + cols, _out(acc, OUT.dtype.element_ty, RTNE), mask=cmask)
+
+
+# --- the grouped-GEMM engine's element-wise kernels -------------------------------------------
+# With ``torch._grouped_mm`` doing the GEMMs (``ops._grouped_engine``), what the row-tiled
+# kernels fuse into their epilogues runs here, over the GEMMs' outputs in sorted row order.
+
+
+@triton.jit
+def moe_act_kernel(
+    HBUF, H8, A_OUT, BIAS, ROW_EXPERT, rows, F, offset, clamp,
+    ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_CLAMP: tl.constexpr, WRITE_H: tl.constexpr,
+    H_FP8: tl.constexpr, RTNE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
+):
+    """``a = act(h + bias[e])`` for ``BLOCK_R`` rows and ``BLOCK_F`` activation outputs, from
+    the gate/up GEMM's output ``HBUF [T k, K2]`` (``ROW_EXPERT [T k]``: each sorted row's
+    expert, read with ``HAS_BIAS``), into ``A_OUT [T k, F]``. What the backward keeps of
+    ``h + bias``: ``WRITE_H``, written back over ``HBUF``; ``H_FP8``, as float8_e4m3fn into
+    ``H8`` (``_store_h``)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    rmask = r < rows
+    mask = rmask[:, None] & (cols < F)[None, :]
+    r64 = r.to(tl.int64)
+    K2 = 2 * F if GATED else F
+    if GATED:
+        gcol, ucol = _gate_up_cols(cols, F, INTERLEAVED)
+    else:
+        gcol = cols
+    h_row = HBUF + r64[:, None] * K2
+    g = tl.load(h_row + gcol[None, :], mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        u = tl.load(h_row + ucol[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        b_e = BIAS + tl.load(ROW_EXPERT + r, mask=rmask, other=0).to(tl.int64)[:, None] * K2
+        g += tl.load(b_e + gcol[None, :], mask=mask, other=0.0).to(tl.float32)
+        if GATED:
+            u += tl.load(b_e + ucol[None, :], mask=mask, other=0.0).to(tl.float32)
+    if WRITE_H:
+        tl.store(h_row + gcol[None, :], _out(g, HBUF.dtype.element_ty, RTNE), mask=mask)
+        if GATED:
+            tl.store(h_row + ucol[None, :], _out(u, HBUF.dtype.element_ty, RTNE), mask=mask)
+    if H_FP8:
+        h8_row = H8 + r64[:, None] * K2
+        _store_h(h8_row + gcol[None, :], g, mask, True, RTNE)
+        if GATED:
+            _store_h(h8_row + ucol[None, :], u, mask, True, RTNE)
+    if GATED:
+        g, u = _clamped(g, u, clamp, HAS_CLAMP)
+        a = _act(g, ACT) * (u + offset)
+    else:
+        a = _act(g, ACT)
+    tl.store(A_OUT + r64[:, None] * F + cols[None, :], _out(a, A_OUT.dtype.element_ty, RTNE),
+             mask=mask)
+
+
+@triton.jit
+def moe_act_bwd_rows_kernel(
+    G, HBUF, SCALE, PERM, DOUT_ROWS, DOWN_BIAS, ROW_EXPERT, DH, AS_OUT, D_RW, rows, H, F,
+    offset, clamp,
+    ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
+    HAS_CLAMP: tl.constexpr, HAS_DOWN_BIAS: tl.constexpr, NEED_RW: tl.constexpr,
+    RTNE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
+):
+    """The backward through the activation for ``BLOCK_R`` sorted rows, all ``F`` outputs
+    ``BLOCK_F`` at a time, from ``g = dout[token[r]] @ w_down[e]`` (``G [T k, F]``, before
+    the router weight ``s_r = SCALE[r]``) and ``h`` (``HBUF [T k, K2]``, hidden's dtype or
+    float8_e4m3fn): ``dh = act'(h) * g * s_r`` (``DH``), ``s_r act(h)`` (``AS_OUT [T k, F]``,
+    the down weight's gradient operand) and, with ``NEED_RW``, the router weight's gradient
+    ``<g, act(h)> + <dout[t], down_bias[e]>`` (``DOUT_ROWS [T k, H]``: dout's gathered rows)
+    stored at ``D_RW[perm[r]]`` (pair order)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < rows
+    r64 = r.to(tl.int64)
+    s = tl.load(SCALE + r, mask=rmask, other=0.0)[:, None]
+    dot = tl.zeros((BLOCK_R,), tl.float32)
+    K2 = 2 * F if GATED else F
+    h_row = HBUF + r64[:, None] * K2
+    dh_row = DH + r64[:, None] * K2
+    for f0 in range(0, F, BLOCK_F):
+        cols = f0 + tl.arange(0, BLOCK_F)
+        mask = rmask[:, None] & (cols < F)[None, :]
+        gr = tl.load(G + r64[:, None] * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        ds = gr * s
+        a = _act_backward(h_row, dh_row, cols, mask, ds, F, offset, clamp, ACT, GATED,
+                          INTERLEAVED, HAS_CLAMP, RTNE)
+        tl.store(AS_OUT + r64[:, None] * F + cols[None, :],
+                 _out(a * s, AS_OUT.dtype.element_ty, RTNE), mask=mask)
+        if NEED_RW:
+            dot += tl.sum(tl.where(mask, gr * a, 0.0), axis=1)
+    if NEED_RW:
+        if HAS_DOWN_BIAS:
+            b_e = (DOWN_BIAS
+                   + tl.load(ROW_EXPERT + r, mask=rmask, other=0).to(tl.int64)[:, None] * H)
+            for h0 in range(0, H, BLOCK_F):
+                hc = h0 + tl.arange(0, BLOCK_F)
+                m = rmask[:, None] & (hc < H)[None, :]
+                d = tl.load(DOUT_ROWS + r64[:, None] * H + hc[None, :], mask=m, other=0.0)
+                b = tl.load(b_e + hc[None, :], mask=m, other=0.0)
+                dot += tl.sum(d.to(tl.float32) * b.to(tl.float32), axis=1)
+        dest = tl.load(PERM + r, mask=rmask, other=0)
+        tl.store(D_RW + dest, dot, mask=rmask)
+
+
+@triton.jit
+def moe_segment_sum_kernel(A, SCALE, OFFSETS, OUT, N, HAS_SCALE: tl.constexpr,
+                           RTNE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``OUT[e] = sum_r A[r] * scale[r]`` over expert ``e``'s sorted rows (``A [T k, N]``
+    contiguous, ``OUT [E, N]``; zeros for an expert without rows), in row order: the bias
+    gradients of the grouped-GEMM engine, deterministic."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    e = tl.program_id(1)
+    cmask = cols < N
+    lo = tl.load(OFFSETS + e)
+    hi = tl.load(OFFSETS + e + 1)
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for r0 in range(lo, hi, BLOCK_R):
+        rr = r0 + tl.arange(0, BLOCK_R)
+        rmask = rr < hi
+        a = tl.load(A + rr.to(tl.int64)[:, None] * N + cols[None, :],
+                    mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            a *= tl.load(SCALE + rr, mask=rmask, other=0.0)[:, None]
+        acc += tl.sum(a, axis=0)
+    tl.store(OUT + e.to(tl.int64) * N + cols, _out(acc, OUT.dtype.element_ty, RTNE),
+             mask=cmask)

@@ -18,6 +18,17 @@ atomics, no ``index_add`` on CUDA).
   and biases), ``moe_down_kernel`` and ``moe_combine_kernel`` for the hidden gradient.
   Saved for backward: the inputs, the routing (a few ``[T k]`` index vectors) and ``h``;
   the activation output ``a`` is recomputed from ``h`` in the backward's first kernel.
+  The routing is one launch (``routing.route_small``) up to a few hundred pairs (decode),
+  torch ops beyond.
+* The grouped-GEMM engine of the Triton path (``_grouped_engine``: bf16 on a Hopper GPU, at
+  least ``grouped_mm_min_rows`` pairs, dims at multiples of 8): the GEMMs run as
+  ``torch._grouped_mm`` over the experts' row ranges (CUTLASS; faster than the row-tiled
+  kernels at training sizes), the work the fused kernels do in their epilogues in
+  element-wise kernels around them (``moe_act_kernel``: bias, activation, the float8 copy;
+  ``moe_act_bwd_rows_kernel``: the activation's backward and the router weights' gradient;
+  ``moe_combine_kernel``: down bias, router weight, slot sum; ``moe_segment_sum_kernel``:
+  bias gradients). Same saved tensors; ``h`` is the GEMM's output rounded to bf16 with the
+  bias then added, so with ``fp8_input_store`` it is rounded twice (as on the torch path).
 
 ``fp8_input_store=True`` keeps ``h`` as float8_e4m3fn (half of bf16's bytes) instead of in
 hidden's dtype, as the activations' option of that name keeps their input: saturated at
@@ -52,6 +63,7 @@ from .._launch import (FLOAT_DTYPES, cdiv, dtype_name, fp8_capable, lazy_kernels
 from .._nvtx import nvtx_range
 from ..activations.ops import ACT_IDS
 from . import reference as ref
+from .routing import route_small, route_small_ok
 
 OP = "moe_experts"
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -84,7 +96,9 @@ def _config(device: torch.device, rows: int, H: int, F: int) -> dict[str, int]:
         wgrad_block_m=fit(t["wgrad_block_m"], dim), wgrad_block_n=fit(t["wgrad_block_n"], dim),
         wgrad_block_k=fit(t["wgrad_block_k"], rows), wgrad_warps=t["wgrad_warps"],
         wgrad_stages=t["wgrad_stages"], combine_block=min(t["combine_block"], next_pow2(H)),
-        combine_warps=t["combine_warps"])
+        combine_warps=t["combine_warps"], grouped_mm_min_rows=t["grouped_mm_min_rows"],
+        act_block_r=t["act_block_r"], act_block_f=min(t["act_block_f"], next_pow2(max(F, 16))),
+        act_warps=t["act_warps"])
 
 
 def _dot_flags(hidden: torch.Tensor) -> dict[str, bool]:
@@ -213,14 +227,133 @@ class _Fp8StoredExpert(torch.autograd.Function):
 # --- the Triton launches -----------------------------------------------------------------------
 
 
-def _combine(y: torch.Tensor, inv: torch.Tensor, T: int, k: int, c: dict) -> torch.Tensor:
+def _combine(y: torch.Tensor, inv: torch.Tensor, T: int, k: int, c: dict,
+             scale: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+             expert: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Each token's ``k`` slot rows of ``y [T k, N]`` (sorted order) summed in slot order;
+    ``bias [E, N]`` added by the pairs' experts ``expert [T k]`` and ``scale [T k]``
+    (sorted order) multiplied first where given."""
     N = y.shape[1]
     out = torch.empty((T, N), dtype=y.dtype, device=y.device)
     if T and N:
         _kernels().moe_combine_kernel[(T, cdiv(N, c["combine_block"]))](
-            y, inv, out, N, k, RTNE=_dot_flags(y)["RTNE"], BLOCK_N=c["combine_block"],
-            num_warps=c["combine_warps"])
+            y, inv, out, N, k, scale, bias, expert, HAS_SCALE=scale is not None,
+            HAS_BIAS=bias is not None, RTNE=_dot_flags(y)["RTNE"],
+            BLOCK_N=c["combine_block"], num_warps=c["combine_warps"])
     return out
+
+
+# --- the grouped-GEMM engine ----------------------------------------------------------------
+# On Hopper, cuBLAS-class grouped GEMMs (``torch._grouped_mm``) run the training sizes' GEMMs
+# faster than the row-tiled Triton kernels (H100, bf16, Mixtral's shape: 0.66 against 0.52
+# PFLOP/s); the element-wise work those kernels fuse into their epilogues (bias,
+# activation, router weights, the router weights' gradient) then runs in
+# ``moe_act_kernel`` / ``moe_act_bwd_rows_kernel`` / ``moe_combine_kernel`` over the GEMMs'
+# outputs. Decode sizes (fewer than ``grouped_mm_min_rows`` rows) keep the fused kernels.
+
+
+def _gmm_operand(t: torch.Tensor) -> bool:
+    """A layout ``torch._grouped_mm`` takes: one of the last two dims at stride 1, the other
+    and the leading stride at multiples of 16 bytes, the data 16-byte aligned."""
+    mult = 16 // t.element_size()
+    inner = ((t.stride(-1) == 1 and t.stride(-2) % mult == 0)
+             or (t.stride(-2) == 1 and t.stride(-1) % mult == 0))
+    return inner and (t.dim() == 2 or t.stride(0) % mult == 0) and t.data_ptr() % 16 == 0
+
+
+def _grouped_engine(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                    rows: int, c: dict) -> bool:
+    """Whether this call's GEMMs go to ``torch._grouped_mm``: a Hopper (or newer) GPU,
+    bfloat16 (its fast kernels' dtype), dims at multiples of 8, at least
+    ``grouped_mm_min_rows`` rows (``T k``), weights in a layout it reads in place."""
+    if (hidden.device.type != "cuda" or interpreter_active() or hidden.dtype != torch.bfloat16
+            or rows < c["grouped_mm_min_rows"] or not hasattr(torch, "_grouped_mm")
+            or torch.cuda.get_device_capability(hidden.device)[0] < 9):
+        return False
+    H, Fdim = hidden.shape[1], w_down.shape[2]
+    return H % 8 == 0 and Fdim % 8 == 0 and _gmm_operand(w_gate_up) and _gmm_operand(w_down)
+
+
+def _gmm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm`` over the experts' row ranges: ``a [R, K] @ b[e] [K, N]`` per
+    expert (``b`` 3-D), or ``a [M, R] @ b [R, N]`` summed per expert (``b`` 2-D: ``[E, M,
+    N]``, zeros for an expert without rows)."""
+    return torch._grouped_mm(a, b, offs=offsets[1:])
+
+
+def _forward_grouped(hidden, expert_ids, w_gate_up, w_down, gate_up_bias, down_bias, s, save,
+                     route, c):
+    """``_forward`` on the grouped-GEMM engine (same outputs)."""
+    perm, token, offsets, inv, weights = route
+    T, k = expert_ids.shape
+    rows, K2, Fdim = perm.numel(), w_gate_up.shape[1], w_down.shape[2]
+    kern, rt = _kernels(), _dot_flags(hidden)["RTNE"]
+    x = hidden.index_select(0, token)
+    h = _gmm(x, w_gate_up.transpose(1, 2), offsets)
+    del x
+    fp8 = save and s["fp8_input_store"]
+    h8 = torch.empty_like(h, dtype=_FP8) if fp8 else None
+    a = hidden.new_empty((rows, Fdim))
+    ids = expert_ids.reshape(-1)
+    row_expert = ids.index_select(0, perm) if gate_up_bias is not None else None
+    br, bf = c["act_block_r"], c["act_block_f"]
+    kern.moe_act_kernel[(cdiv(rows, br), cdiv(Fdim, bf))](
+        h, h8, a, gate_up_bias, row_expert, rows, Fdim, s["linear_offset"],
+        s["clamp_value"] or 0.0, ACT=ACT_IDS[s["act"]], GATED=s["gated"],
+        INTERLEAVED=s["interleaved"], HAS_BIAS=gate_up_bias is not None,
+        HAS_CLAMP=s["clamp_value"] is not None,
+        WRITE_H=save and not fp8 and gate_up_bias is not None, H_FP8=fp8, RTNE=rt,
+        BLOCK_R=br, BLOCK_F=bf, num_warps=c["act_warps"])
+    y = _gmm(a, w_down.transpose(1, 2), offsets)
+    del a
+    out = _combine(y, inv, T, k, c, scale=weights, bias=down_bias,
+                   expert=ids if down_bias is not None else None)
+    kept = h8 if fp8 else (h if save else h.new_empty((0, K2)))
+    return out, kept, perm, token, offsets, inv, weights
+
+
+def _backward_grouped(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm,
+                      token, offsets, inv, weights, s, needs, c):
+    """``_backward`` on the grouped-GEMM engine (same outputs)."""
+    need_x, need_rw, need_wgu, need_wd, need_bgu, need_bd = needs
+    T, H = hidden.shape
+    E, K2, _ = w_gate_up.shape
+    Fdim = w_down.shape[2]
+    rows = perm.numel()
+    k = rows // T
+    kern, rt = _kernels(), _dot_flags(hidden)["RTNE"]
+    if h.dtype == _FP8 and not _kernel_loads_fp8(h.device):
+        h = h.to(hidden.dtype)  # exact: hidden's dtype holds every e4m3 value
+    d_rows = dout.index_select(0, token)
+    g = _gmm(d_rows, w_down, offsets)
+    dh = hidden.new_empty((rows, K2))
+    a_s = hidden.new_empty((rows, Fdim))
+    d_rw = torch.empty(rows, dtype=torch.float32, device=hidden.device) if need_rw else None
+    row_expert = (None if down_bias is None or not need_rw else torch.searchsorted(
+        offsets[1:], torch.arange(rows, device=hidden.device, dtype=torch.int32), right=True))
+    br, bf = c["act_block_r"], c["act_block_f"]
+    kern.moe_act_bwd_rows_kernel[(cdiv(rows, br),)](
+        g, h, weights, perm, d_rows, down_bias, row_expert, dh, a_s, d_rw, rows, H, Fdim,
+        s["linear_offset"], s["clamp_value"] or 0.0, ACT=ACT_IDS[s["act"]], GATED=s["gated"],
+        INTERLEAVED=s["interleaved"], HAS_CLAMP=s["clamp_value"] is not None,
+        HAS_DOWN_BIAS=row_expert is not None, NEED_RW=need_rw, RTNE=rt, BLOCK_R=br,
+        BLOCK_F=bf, num_warps=c["act_warps"])
+    del g
+
+    def segment_sum(t, scale):
+        out = torch.empty((E, t.shape[1]), dtype=hidden.dtype, device=hidden.device)
+        kern.moe_segment_sum_kernel[(cdiv(t.shape[1], c["combine_block"]), E)](
+            t, scale, offsets, out, t.shape[1], HAS_SCALE=scale is not None, RTNE=rt,
+            BLOCK_R=16, BLOCK_N=c["combine_block"], num_warps=c["combine_warps"])
+        return out
+
+    d_wd = _gmm(d_rows.t(), a_s, offsets) if need_wd else None
+    d_bd = segment_sum(d_rows, weights) if need_bd else None
+    del a_s, d_rows
+    d_wgu = _gmm(dh.t(), hidden.index_select(0, token), offsets) if need_wgu else None
+    d_bgu = segment_sum(dh, None) if need_bgu else None
+    d_x = _combine(_gmm(dh, w_gate_up, offsets), inv, T, k, c) if need_x else None
+    return d_x, d_rw, d_wgu, d_wd, d_bgu, d_bd
 
 
 def _forward(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias, down_bias,
@@ -233,8 +366,16 @@ def _forward(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias
     Fdim = w_down.shape[2]
     rows = T * k
     kern, c = _kernels(), _config(hidden.device, rows, H, Fdim)
-    perm, token, offsets, inv = _route(expert_ids, E)
-    weights = router_weights.reshape(-1).index_select(0, perm).to(torch.float32)
+    tiles = None
+    if route_small_ok(rows, E, c["block_m"]):  # decode sizes: one launch
+        perm, token, offsets, inv, tiles, weights = route_small(expert_ids, router_weights, E,
+                                                                c["block_m"])
+    else:
+        perm, token, offsets, inv = _route(expert_ids, E)
+        weights = router_weights.reshape(-1).index_select(0, perm).to(torch.float32)
+    if rows and _grouped_engine(hidden, w_gate_up, w_down, rows, c):
+        return _forward_grouped(hidden, expert_ids, w_gate_up, w_down, gate_up_bias, down_bias,
+                                s, save, (perm, token, offsets, inv, weights), c)
     fp8 = save and s["fp8_input_store"]
     # Where the kernel cannot convert to float8 it writes the same e4m3 values in hidden's
     # dtype, cast after it.
@@ -243,7 +384,8 @@ def _forward(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias
                          dtype=_FP8 if direct or (fp8 and rows == 0) else hidden.dtype)
     if rows == 0:
         return hidden.new_zeros((T, H)), h, perm, token, offsets, inv, weights
-    tiles = _tiles(offsets, rows, c["block_m"])
+    if tiles is None:
+        tiles = _tiles(offsets, rows, c["block_m"])
     dots = _dot_flags(hidden)
     bm, bn, bk = c["block_m"], c["block_n"], c["block_k"]
     a = hidden.new_empty((rows, Fdim))
@@ -279,6 +421,9 @@ def _backward(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm,
     rows = perm.numel()
     k = rows // T if T else 0
     kern, c = _kernels(), _config(hidden.device, rows, H, Fdim)
+    if rows and _grouped_engine(hidden, w_gate_up, w_down, rows, c):
+        return _backward_grouped(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h,
+                                 perm, token, offsets, inv, weights, s, needs, c)
     dots = _dot_flags(hidden)
     bm, bn, bk = c["block_m"], c["block_n"], c["block_k"]
     launch = dict(num_warps=c["warps"], num_stages=c["stages"])
@@ -631,9 +776,16 @@ def plan_moe_experts(*args, **kwargs) -> Plan:
         details["clamp"] = (f"gate <= {s['clamp_value']}, |up| <= {s['clamp_value']} (after "
                             f"the bias)")
     if path == "triton":
-        details["kernels"] = ("grouped GEMMs over the experts' row tiles (gate/up + activation, "
-                              "down + router weight), then the slot sum" +
-                              (" (k = 1: written in place)" if k == 1 else ""))
+        h0 = a["hidden"]
+        c = _config(h0.device, T * k, H, Fdim)
+        if T * k and _grouped_engine(h0, a["w_gate_up"], a["w_down"], T * k, c):
+            details["kernels"] = ("torch._grouped_mm for the GEMMs over the experts' row "
+                                  "ranges; bias + activation, then down bias + router weight + "
+                                  "slot sum, in element-wise kernels")
+        else:
+            details["kernels"] = ("grouped GEMMs over the experts' row tiles (gate/up + "
+                                  "activation, down + router weight), then the slot sum" +
+                                  (" (k = 1: written in place)" if k == 1 else ""))
         details["saved for backward"] = (f"inputs, routing and the gate/up output "
                                          f"[{T * k}, {(2 if gated else 1) * Fdim}] {h_dtype}")
     else:
