@@ -1,5 +1,6 @@
-"""What the NaN/inf semantics cost: the same calls timed on two source trees, run as two
-processes (``PYTHONPATH=<tree>/src``), alternated ``--rounds`` times so drift hits both::
+"""One call of every family timed on two source trees, run as two processes
+(``PYTHONPATH=<tree>/src``), alternated ``--rounds`` times so drift hits both: what a change
+costs (written for the NaN/inf semantics; also the before/after of a refactor)::
 
     git archive 7b9ea77 src | tar -x -C before    # the tree before the NaN changes
     python bench/nan_overhead.py --tree before=before/src --tree after=src --json nan.json
@@ -9,8 +10,10 @@ every tree's times are printed, with no ratio.)
 
 Each case: median of CUDA-event timings (``triton.testing.do_bench``, 25 ms warm-up,
 100 ms measured) of one call -- forward, or forward + backward -- on bf16 inputs at a
-training or serving size; decode attention as a CUDA-graph replay. The ratio is
-after / before (1.00: no cost).
+training or serving size; decode attention and MoE decode as CUDA-graph replays. The ratio
+is after / before (1.00: no cost). Cases: softmax (causal, boolean mask), cross-entropy,
+linear cross-entropy, SwiGLU, GEGLU, RMSNorm, paged decode (bf16 and fp8 caches), the MoE
+experts (Qwen3-MoE's training shape, GPT-OSS's decode).
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ def cases():
     a = rnd(16384, 2 * 14336, grad=True)
     da = rnd(16384, 14336)
     bench("swiglu fwd+bwd [16384,28672]", lambda: lmfuse.swiglu(a).backward(da))
+    bench("geglu fwd+bwd [16384,28672]", lambda: lmfuse.geglu(a).backward(da))
     a = da = None
     r = rnd(16384, 4096, grad=True)
     rw = rnd(4096, grad=True)
@@ -89,6 +93,43 @@ def cases():
     with torch.cuda.graph(graph):
         lmfuse.decode_attention(q, kc, vc, lens, block_table=table)
     bench("decode_attention B64 S4096 32/8x128 paged (graph)", graph.replay)
+    # the same with an e4m3 cache (per-head scales 1)
+    k8, v8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    ones = torch.ones(Hkv, device=dev)
+    kw8 = dict(block_table=table, k_scale=ones, v_scale=ones)
+    lmfuse.decode_attention(q, k8, v8, lens, **kw8)
+    torch.cuda.synchronize()
+    graph8 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph8):
+        lmfuse.decode_attention(q, k8, v8, lens, **kw8)
+    bench("decode_attention B64 S4096 32/8x128 paged fp8 (graph)", graph8.replay)
+    kc = vc = k8 = v8 = None
+    # mixture of experts: Qwen3-MoE's shape fwd+bwd, GPT-OSS's decode at T16 (a graph)
+    T, H, Fd, E, k = 8192, 2048, 768, 128, 8
+    xm = rnd(T, H, grad=True)
+    rl, ids = torch.randn(T, E, device=dev, generator=g).topk(k, dim=1)
+    rwm = rl.softmax(-1).to(bf16).requires_grad_(True)
+    wgu = (rnd(E, 2 * Fd, H) * H ** -0.5).requires_grad_(True)
+    wd = (rnd(E, H, Fd) * Fd ** -0.5).requires_grad_(True)
+    dym = rnd(T, H)
+    bench("moe_experts fwd+bwd T8192 H2048 F768 E128 k8", lambda: torch.autograd.grad(
+        lmfuse.moe_experts(xm, ids, rwm, wgu, wd), (xm, rwm, wgu, wd), dym))
+    xm = wgu = wd = dym = None
+    T, H, Fd, E, k = 16, 2880, 2880, 32, 4
+    xd = rnd(T, H)
+    rl, ids = torch.randn(T, E, device=dev, generator=g).topk(k, dim=1)
+    rwd = rl.softmax(-1).to(bf16)
+    wgu, wd = rnd(E, 2 * Fd, H) * H ** -0.5, rnd(E, H, Fd) * Fd ** -0.5
+    bgu, bd = rnd(E, 2 * Fd) * 0.1, rnd(E, H) * 0.1
+    moe_kw = dict(gate_up_bias=bgu, down_bias=bd, activation="quick_geglu",
+                  linear_offset=1.0, clamp_value=7.0, gate_up_layout="interleaved")
+    with torch.no_grad():
+        lmfuse.moe_experts(xd, ids, rwd, wgu, wd, **moe_kw)
+        torch.cuda.synchronize()
+        graph_moe = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph_moe):
+            lmfuse.moe_experts(xd, ids, rwd, wgu, wd, **moe_kw)
+    bench("moe_experts decode T16 H2880 F2880 E32 k4 (graph)", graph_moe.replay)
     return out
 
 

@@ -43,6 +43,8 @@ CASES = [("B64 Hq32 S4096 D128", 64, 32, 8, 4096, 128, False, None),
          ("B1 Hq32 S131072 D128 fp8", 1, 32, 8, 131072, 128, True, None),
          ("B64 Hq32 S4096 D64 fp8", 64, 32, 8, 4096, 64, True, None),
          ("B64 Hq32 S4096 D128 fp8 paged16", 64, 32, 8, 4096, 128, True, 16),
+         ("B256 Hq32 S1024 D128 fp8 paged16", 256, 32, 8, 1024, 128, True, 16),
+         ("B256 Hq32 S1024 D128 paged16", 256, 32, 8, 1024, 128, False, 16),
          ("B64 Hq32 S4096 D64", 64, 32, 8, 4096, 64, False, None),
          ("B16 Hq32 S8192 D256", 16, 32, 8, 8192, 256, False, None),
          ("B64 Hq32 S4096 D256", 64, 32, 8, 4096, 256, False, None),
@@ -131,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             # Every section that could apply to this case is overridden, so that the
             # candidate's values are the ones that run, whichever program regime it is in.
             cand = dict(block_n_by_head_dim=[[1048576, bn]], num_warps=w, num_stages=st,
-                        programs_per_sm=pp, few_programs={}, widen_v_first=wv)
+                        programs_per_sm=pp, few_programs={}, many_programs=None,
+                        short_context=None, widen_v_first=wv)
             current = dict(base, **cand)
             for section in sections:
                 current[section] = dict(current.get(section, {}), **cand)
