@@ -46,3 +46,15 @@ def test_quick_run_writes_every_case_and_row(tmp_path: Path) -> None:
     # Liger computes SwiGLU without biases only: the GPT-OSS rows say so
     decode = [r for r in rows if r["case"].startswith("gpt-oss") and r["impl"] == "liger-kernel"]
     assert decode and all("SwiGLU" in r["note"] for r in decode)
+
+
+@pytest.mark.timeout(120)
+def test_models_option_runs_those_cases_only(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "m.json"
+    assert moe_experts.main(["--quick", "--no-liger", "--models", "qwen3-moe",
+                             "--json", str(out)]) == 0
+    names = {r["case"] for r in json.loads(out.read_text())["results"]}
+    assert len(names) == 1 and next(iter(names)).startswith(CASES[1])
+    assert moe_experts.main(["--quick", "--models", "llama"]) == 2
+    assert "--models takes a comma-separated subset of gpt-oss, mixtral, qwen3-moe" in (
+        capsys.readouterr().err)

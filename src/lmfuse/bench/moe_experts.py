@@ -1,7 +1,9 @@
 """Benchmark ``lmfuse.moe_experts`` against the per-expert torch loop, transformers' experts
 implementations, Liger-Kernel and a floor.
 
-Run it as ``lmfuse bench moe_experts [--json PATH] [--plot PATH] [--quick] [--no-liger]``.
+Run it as ``lmfuse bench moe_experts [--json PATH] [--plot PATH] [--quick] [--no-liger]
+[--models mixtral,qwen3-moe,gpt-oss]`` (``--models``: those models' cases only; Liger's first
+call at a training shape autotunes for minutes, so one model a run keeps a run short).
 The cases are bf16, weights scaled by ``fan_in ** -0.5``:
 
   mixtral fwd+bwd     T 8192, H 4096, F 14336, E 8, k 2, SwiGLU, gate/up halves, no biases
@@ -63,6 +65,7 @@ figures are not GPU performance.
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple, Optional
@@ -387,16 +390,21 @@ def make_case(s: Shape, w: Weights, dtype: torch.dtype, device: torch.device,
     return Case(name, decode_bytes(s, expert_ids, elt), impls, notes)  # floor: a copy
 
 
-def build_cases(device: torch.device, quick: bool, liger: Callable[..., torch.Tensor]
-                ) -> tuple[list[Case], list[Case]]:
-    """(training cases, decode cases); their inputs stay alive for the run."""
+def build_cases(device: torch.device, quick: bool, liger: Callable[..., torch.Tensor],
+                models: Optional[set[str]] = None) -> tuple[list[Case], list[Case]]:
+    """(training cases, decode cases) of ``models`` (all if None); their inputs stay alive
+    for the run."""
     dtype = torch.float32 if quick else torch.bfloat16
     train, decode_shape, tokens = ((TRAIN_QUICK, DECODE_QUICK, DECODE_TOKENS_QUICK) if quick
                                    else (TRAIN, DECODE, DECODE_TOKENS))
     training = []
     for i, s in enumerate(train):
+        if models is not None and s.model not in models:
+            continue
         w = Weights(s, dtype, device, seed=1000 + i, requires_grad=True)
         training.append(make_case(s, w, dtype, device, liger, backward=True, seed=2000 + i))
+    if models is not None and decode_shape.model not in models:
+        return training, []
     w = Weights(decode_shape, dtype, device, seed=3000, requires_grad=False)
     decode = [make_case(decode_shape._replace(T=t), w, dtype, device, liger, backward=False,
                         seed=4000 + t) for t in tokens]
@@ -440,14 +448,27 @@ def report(results: list[Result]) -> None:
         print(f"{ours.case:<44} {ours.ms:9.4f} {floor_s} {share} {speedup}")
 
 
+def _options(p) -> None:
+    p.add_argument("--no-liger", action="store_true",
+                   help="leave Liger-Kernel's row out (its fused MoE autotunes for minutes on "
+                        "its first call at the training shapes)")
+    p.add_argument("--models", default="",
+                   help="comma-separated: mixtral, qwen3-moe, gpt-oss (default: all)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args, device, quick, env = start(
         "lmfuse bench moe_experts", __doc__, argv,
         plot_what="TFLOP/s (training) or TB/s (decode)",
-        options=lambda p: p.add_argument(
-            "--no-liger", action="store_true",
-            help="leave Liger-Kernel's row out (its fused MoE autotunes for minutes on its "
-                 "first call at the training shapes)"))
+        options=_options)
+    models = None
+    if args.models:
+        models = {m.strip() for m in args.models.split(",") if m.strip()}
+        known = {s.model for s in TRAIN} | {DECODE.model}
+        if not models or not models <= known:
+            print(f"lmfuse bench moe_experts: --models takes a comma-separated subset of "
+                  f"{', '.join(sorted(known))}; got {args.models!r}", file=sys.stderr)
+            return 2
     liger, liger_version = load_liger()
     if args.no_liger:
         liger = not_run("left out (--no-liger)")
@@ -459,9 +480,9 @@ def main(argv: list[str] | None = None) -> int:
                      if graphs else "eager calls")
     env["tbps"] = ("fwd+bwd (training) cases: TFLOP/s over the expert GEMMs' flops; "
                    "decode cases: TB/s over the selected experts' bytes and hidden in/out")
-    training, decode = build_cases(device, quick, liger)
-    # read and written: as many bytes as the largest decode case's minimum
-    copy = measure_copy(max(case.nbytes for case in decode) // 2, device)
+    training, decode = build_cases(device, quick, liger, models)
+    # read and written: as many bytes as the largest decode case's minimum (or 256 MiB)
+    copy = measure_copy(max([case.nbytes for case in decode] or [2 * 2**28]) // 2, device)
     if graphs:
         print("# decode cases: every call timed as the replay of a CUDA graph holding it "
               "(except the torch loop)")
