@@ -739,8 +739,9 @@ def cross_entropy(
         softcap: ``c`` applies ``c * tanh(logits / c)`` before everything else.
         tp_group: vocabulary parallelism: rank ``r`` of the group holds columns
             ``[r * V_local, (r + 1) * V_local)`` and ``target`` holds global ids. The
-            forward issues one all-gather of ``[3, N]`` float32 token stats; the backward
-            none. Every rank gets the full loss.
+            forward issues one all-gather of ``[3, N]`` float32 token stats (more rows with
+            ``weight`` or the argmax: see below); the backward none. Every rank gets the
+            full loss.
         inplace_backward: write the gradient over ``logits`` (which must not be needed
             again, by you or by autograd); the op then allocates nothing of size N x V.
         reduction: ``"mean"`` over non-ignored tokens (0 when all are ignored), ``"sum"``,
