@@ -424,3 +424,19 @@ def test_grouped_engine_no_grad_and_deterministic(grouped) -> None:
     for a, b in zip(*runs):
         assert torch.equal(a, b)
     assert grouped == {"fwd": 3, "bwd": 2}
+
+
+def test_grouped_engine_gate_and_operand_layouts() -> None:
+    """Off on CPU tensors (the fused kernels or the torch path run there); the layouts
+    torch._grouped_mm reads in place: row- or column-major inner dims at 16-byte multiples,
+    16-byte aligned data; not a column slice (misaligned), nor a view with no unit stride."""
+    from lmfuse.moe import ops
+
+    w = torch.randn(4, 32, 16, dtype=BF16)
+    c = ops._config(w.device, 4096, 16, 16)
+    assert not ops._grouped_engine(torch.randn(2048, 16, dtype=BF16), w, w, 4096, c)
+    assert ops._gmm_operand(w) and ops._gmm_operand(w.transpose(1, 2))
+    assert ops._gmm_operand(torch.randn(4, 16, 32, dtype=BF16).transpose(1, 2))
+    assert not ops._gmm_operand(w[:, :, 1:9])  # data 2 bytes off 16-byte alignment
+    assert not ops._gmm_operand(w[:, ::2, ::2])  # no dim at stride 1
+    assert not ops._gmm_operand(torch.randn(4, 32, 12, dtype=BF16))  # 24-byte rows

@@ -114,6 +114,26 @@ def test_one_expert_keeps_pair_order() -> None:
     assert_same(ids, make_rw(T, k), E, 16, "one expert")
 
 
+def test_ids_out_of_range_still_give_a_whole_permutation() -> None:
+    """On CUDA the ids' range is not checked by default (lmfuse.set_checks turns it on), and
+    some expert-parallel code marks dropped pairs -1 or E: such pairs belong to no expert,
+    take the rows after the experts' in pair order, and every output stays a permutation
+    (no unwritten row for a later kernel to follow); the valid pairs' routing and tiles are
+    those of the same call without the bad pairs."""
+    E = 8
+    ids = torch.tensor([[0, 8], [1, 2], [3, -1], [4, 5]], device=TEST_DEVICE)
+    rw = make_rw(4, 2)
+    perm, token, offsets, inv, tiles, weights = route_small(ids, rw, E, 16)
+    assert sorted(perm.tolist()) == list(range(8))
+    assert torch.equal(inv[perm].cpu(), torch.arange(8))
+    assert perm.tolist()[-2:] == [1, 5]  # the two bad pairs, in pair order
+    assert token.tolist() == [p // 2 for p in perm.tolist()]
+    assert torch.equal(weights, rw.reshape(-1)[perm].float())
+    assert offsets.tolist() == [0, 1, 2, 3, 4, 5, 6, 6, 6]
+    assert tiles.tolist()[:7] == [[e, r, r + 1] for e, r in
+                                  zip([0, 1, 2, 3, 4, 5], range(6))] + [[0, 0, 0]]
+
+
 def test_no_pairs() -> None:
     """No tokens: empty routing, offsets all zero, no tile slots."""
     E = 4

@@ -481,8 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     env["tbps"] = ("fwd+bwd (training) cases: TFLOP/s over the expert GEMMs' flops; "
                    "decode cases: TB/s over the selected experts' bytes and hidden in/out")
     training, decode = build_cases(device, quick, liger, models)
-    # read and written: as many bytes as the largest decode case's minimum (or 256 MiB)
-    copy = measure_copy(max([case.nbytes for case in decode] or [2 * 2**28]) // 2, device)
+    # read and written: as many bytes as the largest decode case's minimum (or 16 MiB)
+    copy = measure_copy(max([case.nbytes for case in decode] or [2 * 2**24]) // 2, device)
     if graphs:
         print("# decode cases: every call timed as the replay of a CUDA graph holding it "
               "(except the torch loop)")

@@ -97,7 +97,7 @@ def _config(device: torch.device, rows: int, H: int, F: int) -> dict[str, int]:
         wgrad_block_k=fit(t["wgrad_block_k"], rows), wgrad_warps=t["wgrad_warps"],
         wgrad_stages=t["wgrad_stages"], combine_block=min(t["combine_block"], next_pow2(H)),
         combine_warps=t["combine_warps"], grouped_mm_min_rows=t["grouped_mm_min_rows"],
-        act_block_r=t["act_block_r"], act_block_f=min(t["act_block_f"], next_pow2(max(F, 16))),
+        act_block_r=t["act_block_r"], act_block_f=min(t["act_block_f"], next_pow2(F, 16)),
         act_warps=t["act_warps"])
 
 
@@ -263,12 +263,16 @@ def _gmm_operand(t: torch.Tensor) -> bool:
 
 def _grouped_engine(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                     rows: int, c: dict) -> bool:
-    """Whether this call's GEMMs go to ``torch._grouped_mm``: a Hopper (or newer) GPU,
-    bfloat16 (its fast kernels' dtype), dims at multiples of 8, at least
-    ``grouped_mm_min_rows`` rows (``T k``), weights in a layout it reads in place."""
+    """Whether this call's GEMMs go to ``torch._grouped_mm``: a Hopper GPU (what it was
+    validated on: exact zero gradients for experts without rows, CUDA-graph capture; other
+    GPUs take torch's host-synchronising fallback loop or, on Blackwell, report nonzero
+    gradients for empty groups), bfloat16 (its fast kernels' dtype), dims at multiples of
+    8, at least ``grouped_mm_min_rows`` rows (``T k``), weights in a layout it reads in
+    place."""
     if (hidden.device.type != "cuda" or interpreter_active() or hidden.dtype != torch.bfloat16
             or rows < c["grouped_mm_min_rows"] or not hasattr(torch, "_grouped_mm")
-            or torch.cuda.get_device_capability(hidden.device)[0] < 9):
+            or torch.version.hip is not None
+            or torch.cuda.get_device_capability(hidden.device)[0] != 9):
         return False
     H, Fdim = hidden.shape[1], w_down.shape[2]
     return H % 8 == 0 and Fdim % 8 == 0 and _gmm_operand(w_gate_up) and _gmm_operand(w_down)
@@ -304,11 +308,12 @@ def _forward_grouped(hidden, expert_ids, w_gate_up, w_down, gate_up_bias, down_b
         HAS_CLAMP=s["clamp_value"] is not None,
         WRITE_H=save and not fp8 and gate_up_bias is not None, H_FP8=fp8, RTNE=rt,
         BLOCK_R=br, BLOCK_F=bf, num_warps=c["act_warps"])
+    kept = h8 if fp8 else (h if save else h.new_empty((0, K2)))
+    del h  # the bf16 GEMM output, unless kept: freed before the down GEMM's output exists
     y = _gmm(a, w_down.transpose(1, 2), offsets)
     del a
     out = _combine(y, inv, T, k, c, scale=weights, bias=down_bias,
                    expert=ids if down_bias is not None else None)
-    kept = h8 if fp8 else (h if save else h.new_empty((0, K2)))
     return out, kept, perm, token, offsets, inv, weights
 
 

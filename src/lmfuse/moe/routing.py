@@ -75,7 +75,8 @@ def route_small(expert_ids: torch.Tensor, router_weights: torch.Tensor, E: int,
 
     Args:
         expert_ids: ``[T, k]`` any integer dtype, any strides, values in ``[0, E)`` (not
-            checked here: a pair outside is left out of the sort, its rows unwritten).
+            checked here: a pair outside belongs to no expert and takes one of the rows
+            after the experts', so every output is still a whole permutation).
         router_weights: ``[T, k]`` any float dtype, any strides, on expert_ids' device.
         E: the number of experts; block_m: the row tiles' height (``route_small_ok(T k, E,
             block_m)`` must hold).

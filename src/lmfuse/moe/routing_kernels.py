@@ -38,8 +38,10 @@ def moe_route_kernel(
     rw_s1)``; ``rows = T k``; ``ROWS``, ``EP``, ``SLOTS``: powers of two covering ``rows``,
     ``E`` and ``slots``. Writes ``PERM``, ``INV`` (int64 ``[rows]``), ``TOKEN`` (int32
     ``[rows]``), ``WEIGHTS`` (float32 ``[rows]``), ``OFFSETS`` (int32 ``[E + 1]``), ``TILES``
-    (int32 ``[slots, 3]``). A pair whose id is outside ``[0, E)`` is not placed (no store
-    lands outside the outputs; its row is left unwritten)."""
+    (int32 ``[slots, 3]``). A pair whose id is outside ``[0, E)`` belongs to no expert:
+    it takes one of the rows after the experts' (in pair order), so ``perm``, ``inv``,
+    ``token`` and ``weights`` are a whole permutation whatever the ids (the torch ops
+    give such pairs rows outside every expert's range too); no tile covers it."""
     i = tl.arange(0, ROWS)
     pair = i < rows
     t = i // k
@@ -61,13 +63,15 @@ def moe_route_kernel(
     first = tl.sum(tl.where(hot, start[None, :], 0), axis=1)
     stop = tl.sum(tl.where(hot, end[None, :], 0), axis=1)
     first_tile = tl.sum(tl.where(hot, (last - per)[None, :], 0), axis=1)
-    row = first + rank - 1
     ok = rank > 0
-    tl.store(PERM + row, i.to(tl.int64), mask=ok)
-    tl.store(TOKEN + row, t, mask=ok)
+    # Pairs with no expert: the rows after the placed ones, in pair order.
+    spill = tl.cumsum((pair & ~placed).to(tl.int32), axis=0)
+    row = tl.where(ok, first + rank - 1, tl.sum(counts, axis=0) + spill - 1)
+    tl.store(PERM + row, i.to(tl.int64), mask=pair)
+    tl.store(TOKEN + row, t, mask=pair)
     w = tl.load(RW + t * rw_s0 + j * rw_s1, mask=pair, other=0.0)
-    tl.store(WEIGHTS + row, w.to(tl.float32), mask=ok)
-    tl.store(INV + i, row.to(tl.int64), mask=ok)
+    tl.store(WEIGHTS + row, w.to(tl.float32), mask=pair)
+    tl.store(INV + i, row.to(tl.int64), mask=pair)
     tl.store(OFFSETS + e, start, mask=e < E)
     tl.store(OFFSETS + E, tl.sum(counts, axis=0))
 
