@@ -507,7 +507,7 @@ def test_property_triton_matches_reference(problem: dict[str, Any], config) -> N
 
 @pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(5, 0)),
                                 dict(mask="bool"), dict(mask="additive"), dict()])
-@pytest.mark.parametrize("poison", [None, "nan", "all_minus_inf"])
+@pytest.mark.parametrize("poison", [None, "nan", "inf", "all_minus_inf"])
 def test_default_cpu_path_is_torch_softmax_with_the_reference_results(monkeypatch, kw,
                                                                       poison) -> None:
     """On CPU float32 scores without Triton (what a CPU machine without the interpreter
@@ -524,8 +524,10 @@ def test_default_cpu_path_is_torch_softmax_with_the_reference_results(monkeypatc
     monkeypatch.setattr(sm_ops, "_native_cpu", lambda *a: (calls.append(1), real(*a))[1])
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 9, 13, generator=g) * 3
-    if poison == "nan":
+    if poison == "nan":  # (not in column 0: the path's NaN check reads only that column)
         x[0, 1, 4, 6] = float("nan")
+    elif poison == "inf":
+        x[1, 0, 7, 11] = float("inf")
     elif poison == "all_minus_inf":
         x[1, 2, 8] = float("-inf")
     kw = dict(kw)
