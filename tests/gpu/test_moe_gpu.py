@@ -116,6 +116,20 @@ def test_deterministic() -> None:
         assert torch.equal(a, b)
 
 
+def _capture(step):
+    """``(graph, outputs)``: ``step`` warmed up on a side stream, then captured once."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    return graph, static
+
+
 def test_cuda_graph_replays_new_routing_like_eager() -> None:
     """Forward and backward captured once; replays with new hidden states, expert ids and
     router weights equal eager calls bitwise (the grid does not depend on the routing)."""
@@ -127,15 +141,7 @@ def test_cuda_graph_replays_new_routing_like_eager() -> None:
         out = call(lmfuse.moe_experts, t)
         return (out, *torch.autograd.grad(out, leaves(t), g))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
+    graph, static = _capture(step)
     replays = []
     for seed in (1, 2):
         torch.manual_seed(seed)
@@ -341,31 +347,31 @@ def test_grouped_engine_matches_fused_kernels_and_skips_empty_experts(
             assert torch.count_nonzero(a[[1, 5]]) == 0, f"{label} d{name} of unused experts"
 
 
-def test_grouped_engine_in_a_cuda_graph_and_deterministic() -> None:
-    """Forward and backward at a training size captured once: replays with a new routing
-    equal eager calls bitwise (torch._grouped_mm reads the offsets on the device)."""
+def test_grouped_engine_in_a_cuda_graph_and_deterministic(monkeypatch) -> None:
+    """Forward and backward at a training size captured once (on the grouped-GEMM engine:
+    counted): replays with a new routing equal eager calls bitwise (torch._grouped_mm reads
+    the offsets on the device)."""
+    from lmfuse.moe import ops as moe_ops
+
     T, H, F, E, k = 512, 512, 768, 16, 4
     t = make(T, H, F, E, k, BF16)
     g = torch.randn(T, H, device=DEV, dtype=BF16)
+    calls = []
+    real = moe_ops._forward_grouped
+    monkeypatch.setattr(moe_ops, "_forward_grouped",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
 
     def step():
         out = call(lmfuse.moe_experts, t)
         return (out, *torch.autograd.grad(out, leaves(t), g))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
+    graph, static = _capture(step)
     with torch.no_grad():
         ids = torch.rand(T, E, device=DEV)
         ids[:, :2] += 1.0
         t["expert_ids"].copy_(ids.topk(k, dim=1).indices)
     graph.replay()
     eager, again = step(), step()
+    assert calls, "the grouped engine was not taken"
     for a, b, c in zip(static, eager, again):
         assert torch.equal(a, b) and torch.equal(b, c)

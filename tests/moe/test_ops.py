@@ -440,3 +440,34 @@ def test_grouped_engine_gate_and_operand_layouts() -> None:
     assert not ops._gmm_operand(w[:, :, 1:9])  # data 2 bytes off 16-byte alignment
     assert not ops._gmm_operand(w[:, ::2, ::2])  # no dim at stride 1
     assert not ops._gmm_operand(torch.randn(4, 32, 12, dtype=BF16))  # 24-byte rows
+
+
+@pytest.mark.parametrize("engine", ["fused", "grouped"])
+def test_ids_outside_the_experts_touch_only_their_own_token(engine, monkeypatch) -> None:
+    """Expert ids outside [0, E) (a dropped-pair marker such as -1 or E; unchecked on CUDA)
+    give their own token a meaningless output and leave every other token's as the
+    reference's (both engines; the value checks off, as on CUDA). The interpreter cannot
+    see an out-of-bounds read; what keeps the grouped engine's bias reads in bounds is that
+    every sorted row's expert (``_row_expert``) lies in [0, E), also for the rows of such
+    pairs past every expert's range: asserted here."""
+    from lmfuse.moe import ops
+
+    offsets = torch.tensor([0, 2, 2, 5, 6], dtype=torch.int32)  # rows 6, 7: no expert
+    assert ops._row_expert(offsets, 8).tolist() == [0, 0, 2, 2, 2, 3, 3, 3]
+
+    if engine == "grouped":
+        monkeypatch.setattr(ops, "_grouped_engine", lambda *a, **kw: True)
+    monkeypatch.setattr(ops, "value_checks", lambda t: False)
+    inp = make(6, 16, 16, 4, 2)
+    ids = inp["expert_ids"].clone()
+    ids[2, 1], ids[4, 0] = -1, 4
+    with torch.no_grad():
+        got = lmfuse.moe_experts(inp["hidden"], ids, inp["router_weights"], inp["w_gate_up"],
+                                 inp["w_down"], gate_up_bias=inp["gate_up_bias"],
+                                 down_bias=inp["down_bias"], impl="triton")
+        keep = [0, 1, 3, 5]
+        want = moe_experts_reference(
+            inp["hidden"][keep].double(), ids[keep], inp["router_weights"][keep].double(),
+            inp["w_gate_up"].double(), inp["w_down"].double(),
+            gate_up_bias=inp["gate_up_bias"].double(), down_bias=inp["down_bias"].double())
+    assert_close(got[keep], want.float(), F32, f"{engine}: the valid tokens")

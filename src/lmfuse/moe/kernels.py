@@ -363,12 +363,13 @@ def moe_wgrad_kernel(
 
 
 @triton.jit
-def moe_combine_kernel(Y, INV, OUT, N, k, SCALE, BIAS, EXPERT, HAS_SCALE: tl.constexpr,
+def moe_combine_kernel(Y, INV, OUT, N, k, SCALE, BIAS, ROW_EXPERT, HAS_SCALE: tl.constexpr,
                        HAS_BIAS: tl.constexpr, RTNE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``OUT[t] = sum_j (Y[r] + bias[expert[t k + j]]) * scale[r]``, ``r = inv[t k + j]``
-    (slots in order, float32), ``Y [T k, N]``; the bias (``BIAS [E, N]``, ``EXPERT [T k]``
-    the pairs' experts) and the scale (``SCALE [T k]`` float32, sorted order) only with
-    their flags (the grouped-GEMM forward's down bias and router weights)."""
+    """``OUT[t] = sum_j (Y[r] + bias[row_expert[r]]) * scale[r]``, ``r = inv[t k + j]``
+    (slots in order, float32), ``Y [T k, N]``; the bias (``BIAS [E, N]``, ``ROW_EXPERT
+    [T k]`` the sorted rows' experts, always in ``[0, E)``) and the scale (``SCALE [T k]``
+    float32, sorted order) only with their flags (the grouped-GEMM forward's down bias and
+    router weights)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -377,7 +378,7 @@ def moe_combine_kernel(Y, INV, OUT, N, k, SCALE, BIAS, EXPERT, HAS_SCALE: tl.con
         r = tl.load(INV + t * k + j).to(tl.int64)
         y = tl.load(Y + r * N + cols, mask=cmask, other=0.0).to(tl.float32)
         if HAS_BIAS:
-            e = tl.load(EXPERT + t * k + j).to(tl.int64)
+            e = tl.load(ROW_EXPERT + r).to(tl.int64)
             y += tl.load(BIAS + e * N + cols, mask=cmask, other=0.0).to(tl.float32)
         if HAS_SCALE:
             y *= tl.load(SCALE + r)

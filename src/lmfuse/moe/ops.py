@@ -229,15 +229,15 @@ class _Fp8StoredExpert(torch.autograd.Function):
 
 def _combine(y: torch.Tensor, inv: torch.Tensor, T: int, k: int, c: dict,
              scale: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
-             expert: Optional[torch.Tensor] = None) -> torch.Tensor:
+             row_expert: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Each token's ``k`` slot rows of ``y [T k, N]`` (sorted order) summed in slot order;
-    ``bias [E, N]`` added by the pairs' experts ``expert [T k]`` and ``scale [T k]``
+    ``bias [E, N]`` added by the rows' experts (:func:`_row_expert`) and ``scale [T k]``
     (sorted order) multiplied first where given."""
     N = y.shape[1]
     out = torch.empty((T, N), dtype=y.dtype, device=y.device)
     if T and N:
         _kernels().moe_combine_kernel[(T, cdiv(N, c["combine_block"]))](
-            y, inv, out, N, k, scale, bias, expert, HAS_SCALE=scale is not None,
+            y, inv, out, N, k, scale, bias, row_expert, HAS_SCALE=scale is not None,
             HAS_BIAS=bias is not None, RTNE=_dot_flags(y)["RTNE"],
             BLOCK_N=c["combine_block"], num_warps=c["combine_warps"])
     return out
@@ -278,6 +278,16 @@ def _grouped_engine(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch
     return H % 8 == 0 and Fdim % 8 == 0 and _gmm_operand(w_gate_up) and _gmm_operand(w_down)
 
 
+def _row_expert(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each sorted row's expert (int64 ``[rows]``), from the offsets: always in ``[0, E)``,
+    so a bias indexed by it is never read out of bounds, even for the rows of pairs whose
+    ids lie outside ``[0, E)`` (unchecked on CUDA: rows after every expert's, whose values
+    are then garbage, as on the fused kernels' path)."""
+    E = offsets.numel() - 1
+    r = torch.arange(rows, device=offsets.device, dtype=offsets.dtype)
+    return torch.searchsorted(offsets[1:], r, right=True).clamp_(max=E - 1)
+
+
 def _gmm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm`` over the experts' row ranges: ``a [R, K] @ b[e] [K, N]`` per
     expert (``b`` 3-D), or ``a [M, R] @ b [R, N]`` summed per expert (``b`` 2-D: ``[E, M,
@@ -298,8 +308,8 @@ def _forward_grouped(hidden, expert_ids, w_gate_up, w_down, gate_up_bias, down_b
     fp8 = save and s["fp8_input_store"]
     h8 = torch.empty_like(h, dtype=_FP8) if fp8 else None
     a = hidden.new_empty((rows, Fdim))
-    ids = expert_ids.reshape(-1)
-    row_expert = ids.index_select(0, perm) if gate_up_bias is not None else None
+    biased = gate_up_bias is not None or down_bias is not None
+    row_expert = _row_expert(offsets, rows) if biased else None
     br, bf = c["act_block_r"], c["act_block_f"]
     kern.moe_act_kernel[(cdiv(rows, br), cdiv(Fdim, bf))](
         h, h8, a, gate_up_bias, row_expert, rows, Fdim, s["linear_offset"],
@@ -312,8 +322,7 @@ def _forward_grouped(hidden, expert_ids, w_gate_up, w_down, gate_up_bias, down_b
     del h  # the bf16 GEMM output, unless kept: freed before the down GEMM's output exists
     y = _gmm(a, w_down.transpose(1, 2), offsets)
     del a
-    out = _combine(y, inv, T, k, c, scale=weights, bias=down_bias,
-                   expert=ids if down_bias is not None else None)
+    out = _combine(y, inv, T, k, c, scale=weights, bias=down_bias, row_expert=row_expert)
     return out, kept, perm, token, offsets, inv, weights
 
 
@@ -334,8 +343,7 @@ def _backward_grouped(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, 
     dh = hidden.new_empty((rows, K2))
     a_s = hidden.new_empty((rows, Fdim))
     d_rw = torch.empty(rows, dtype=torch.float32, device=hidden.device) if need_rw else None
-    row_expert = (None if down_bias is None or not need_rw else torch.searchsorted(
-        offsets[1:], torch.arange(rows, device=hidden.device, dtype=torch.int32), right=True))
+    row_expert = _row_expert(offsets, rows) if down_bias is not None and need_rw else None
     br, bf = c["act_block_r"], c["act_block_f"]
     kern.moe_act_bwd_rows_kernel[(cdiv(rows, br),)](
         g, h, weights, perm, d_rows, down_bias, row_expert, dh, a_s, d_rw, rows, H, Fdim,
