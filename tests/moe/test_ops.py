@@ -15,6 +15,7 @@ no-grad path, ``explain``, bad input.
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any, Optional
 
 import numpy as np
@@ -461,7 +462,10 @@ def test_ids_outside_the_experts_touch_only_their_own_token(engine, monkeypatch)
     inp = make(6, 16, 16, 4, 2)
     ids = inp["expert_ids"].clone()
     ids[2, 1], ids[4, 0] = -1, 4
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # The bad pairs' rows hold whatever memory the GEMM left there; the interpreter's
+        # numpy may overflow on them (a warning about values the test does not read).
+        warnings.simplefilter("ignore", RuntimeWarning)
         got = lmfuse.moe_experts(inp["hidden"], ids, inp["router_weights"], inp["w_gate_up"],
                                  inp["w_down"], gate_up_bias=inp["gate_up_bias"],
                                  down_bias=inp["down_bias"], impl="triton")
