@@ -117,6 +117,46 @@ def test_gemv_kernel_matches_reference(kind: str, rows: int, dtype: torch.dtype)
         torch.testing.assert_close(got.float(), full, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 17])
+@pytest.mark.parametrize("kind", ["qkv_bias", "gated", "uneven_k"])
+def test_gemv_with_the_rms_norm_inside_matches_the_norm_then_the_gemv(
+        kind: str, rows: int, dtype: torch.dtype) -> None:
+    """``norm=(g, eps)``: the kernel RMS-norms its rows on the way in (the sum of squares in
+    the same pass over K), the reference's result: lmfuse's RMSNorm then the GEMV, in
+    float32. Rows of very different scales each get their own factor."""
+    from lmfuse.norm.reference import rms_norm_reference
+
+    g = torch.Generator().manual_seed(rows + 11)
+
+    def t(*shape):
+        return (torch.randn(*shape, generator=g) / 4).to(dtype)
+
+    K = 40 if kind == "uneven_k" else 64
+    x = t(rows, K) * torch.logspace(-2, 2, rows).to(dtype)[:, None]
+    w_norm = (1 + torch.randn(K, generator=g) / 4).to(dtype)
+    eps = 1e-5
+    gated = kind == "gated"
+    biases = None
+    if kind == "qkv_bias":
+        ws = (t(64, K), t(32, K), t(32, K))
+        biases = (t(64), t(32), t(32))
+    elif gated:
+        ws = (t(64, K), t(64, K))
+    else:
+        ws = (t(32, K),)
+    want = gemv_reference(x, ws, biases, gated=gated, norm=(w_norm, eps))
+    normed = rms_norm_reference(x.float(), w_norm.float(), eps=eps)
+    torch.testing.assert_close(
+        want.float(), gemv_reference(normed, ws, biases, gated=gated).to(dtype).float(),
+        rtol=1e-5 if dtype == torch.float32 else 2e-3, atol=1e-5)
+    got = _gemv(x, ws, biases, gated=gated, norm=(w_norm, eps))
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="does not split K"):
+        _gemv(x, ws[:1], norm=(w_norm, eps), split_k=2)
+
+
 @pytest.mark.parametrize("split", [2, 3, 4])
 @pytest.mark.parametrize("rows", [1, 17])
 @pytest.mark.parametrize("kind", ["qkv_bias", "residual", "uneven_k"])
@@ -194,6 +234,31 @@ def test_lm_head_runs_the_gemv_at_several_rows(monkeypatch: pytest.MonkeyPatch) 
     got = gen.generate(PROMPTS, max_new_tokens=4, eos_token_id=[])
     assert got == [hf_greedy(model, p, 4) for p in PROMPTS]
     assert heads and set(heads) == {len(PROMPTS)}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_one_row_steps_norm_inside_the_gemv(family: str, monkeypatch: pytest.MonkeyPatch
+                                            ) -> None:
+    """One sequence: the QKV (Qwen2: with biases) and gate/up GEMVs take the residual stream
+    and RMS-norm it themselves; the tokens stay model.generate's."""
+    import lmfuse.serving.fused as fused
+
+    model = tiny_causal_lm(family)
+    normed = []
+    real = fused._gemv
+
+    def spy(x, weights, *args, **kwargs):
+        if kwargs.get("norm") is not None:
+            normed.append((x.shape[0], len(weights)))
+        return real(x, weights, *args, **kwargs)
+
+    monkeypatch.setattr(fused, "_gemv", spy)
+    gen = Generator(model, block_len=4, num_blocks=48, impl="triton")
+    prompt = PROMPTS[2]
+    assert gen.generate([prompt], max_new_tokens=4, eos_token_id=[]) == [
+        hf_greedy(model, prompt, 4)]
+    layers = model.config.num_hidden_layers
+    assert normed.count((1, 3)) == normed.count((1, 2)) >= 3 * layers  # QKV, gate/up
 
 
 _models: dict[str, object] = {}

@@ -3,13 +3,14 @@
 A decode step runs each layer as a handful of launches over the model's own weights (read
 in place, never copied):
 
-    x = rms_norm(h)                       lmfuse RMSNorm
+    x = rms_norm(h)                       lmfuse RMSNorm (one row: inside the GEMV below,
+                                          the sum of squares gathered in its pass over K)
     qkv = x @ [Wq | Wk | Wv].T (+ b)      one GEMV launch over the three matrices
     q = rope_append(qkv)                  q/k RMSNorm (Qwen3), rotary of q and k, K/V rows
                                           written to their paged-cache blocks (fp8: scaled)
     o = decode_attention(q, cache)        lmfuse decode kernel (GQA, windows, fp8)
     h = h + o @ Wo.T                      GEMV with the residual add in its epilogue
-    x = rms_norm(h)
+    x = rms_norm(h)                       (one row: inside the next GEMV, as above)
     a = silu(x @ Wg.T) * (x @ Wu.T)       one GEMV launch: both projections and the gate
     h = h + a @ Wd.T                      GEMV with the residual add (one row; K split over
                                           programs at 2-16 and 33-64 rows), else cuBLAS addmm_
@@ -20,6 +21,11 @@ instead of the model's forward (per layer three projections, a dozen elementwise
 of rotary code, the cache append, the adds), which is what the Generator runs otherwise.
 The rotary tables (cos and sin per position, from the model's own rotary module in float32,
 so every rotary variant it computes once per position is covered) are made once.
+
+The RMSNorm inside the GEMV pays at one row only (H100, CUDA-graph replays of the
+benchmark model's step: B1 0.684 -> 0.676 ms; at 16 and 64 rows the dot tile's operand,
+scaled in registers, no longer streams straight into shared memory: B16 0.844 -> 1.09 ms,
+B64 0.99 -> 1.25).
 
 Math: float32 accumulation and element math, one rounding per stored tensor (the model's
 code rounds to its dtype between steps: the bf16 logits differ within rounding, not more).
@@ -210,30 +216,36 @@ class FusedDecoder:
         kernels = self.triton and n <= GEMV_MAX_ROWS
         h = F.embedding(ids, self.embed)
         for i, L in enumerate(self.layers):
-            x = self._rms_norm(h, L.norm_in, L.eps)
-            qkv = (self._gemv(x, L.qkv, L.qkv_bias) if kernels else
-                   torch.cat([F.linear(x, w, None if L.qkv_bias is None else L.qkv_bias[j])
-                              for j, w in enumerate(L.qkv)], dim=-1))
+            if kernels and n == 1:  # the input norm inside the GEMV (module docstring)
+                qkv = self._gemv(h, L.qkv, L.qkv_bias, norm=(L.norm_in, L.eps))
+            elif kernels:
+                qkv = self._gemv(self._rms_norm(h, L.norm_in, L.eps), L.qkv, L.qkv_bias)
+            else:
+                x = self._rms_norm(h, L.norm_in, L.eps)
+                qkv = torch.cat([F.linear(x, w, None if L.qkv_bias is None else L.qkv_bias[j])
+                                 for j, w in enumerate(L.qkv)], dim=-1)
             q = self._rope_append(qkv, L, i, table, before)
             o = self._attention(q[:, None], i, L, table, after).view(n, self.hq * self.d)
             if kernels and L.o_bias is None:
                 self._gemv(o, (L.o,), None, residual=h)
             else:
                 h = h + F.linear(o, L.o, L.o_bias)
-            x = self._rms_norm(h, L.norm_post, L.eps_post)
             if kernels and L.mlp_bias is None:
                 # The GEMV (residual epilogue) where it beats cuBLAS on the long K (H100,
                 # chained): one row (14.1 against 16.8 us), and K split over programs at 16
                 # rows (15.8 against 17.4) and 64 (17.6 against 18.6); else cuBLAS.
                 down = (n == 1 or _gemv_split(*L.down.shape, _row_tile(n), False) > 1) \
                     and _gemv_takes(n, L.down)
-                a = _gemv(x, (L.gate, L.up), None, gated=True,
+                x, norm = ((h, (L.norm_post, L.eps_post)) if n == 1 else
+                           (self._rms_norm(h, L.norm_post, L.eps_post), None))
+                a = _gemv(x, (L.gate, L.up), None, gated=True, norm=norm,
                           pdl=self.pdl if down else self.pdl_tail)
                 if down:
                     self._gemv(a, (L.down,), None, residual=h)
                 else:
                     h.addmm_(a, L.down.t())
             else:
+                x = self._rms_norm(h, L.norm_post, L.eps_post)
                 gb, ub, db = L.mlp_bias or (None, None, None)
                 a = F.silu(F.linear(x, L.gate, gb)) * F.linear(x, L.up, ub)
                 h = h + F.linear(a, L.down, db)
@@ -356,11 +368,16 @@ def _launch_rope_append(qkv, cos, sin, pos, table, k_cache, v_cache, q_norm, k_n
 
 def gemv_reference(x: torch.Tensor, weights: tuple[torch.Tensor, ...],
                    biases: tuple[Any, ...] | None = None, *, residual: torch.Tensor | None = None,
-                   gated: bool = False) -> torch.Tensor:
+                   gated: bool = False,
+                   norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """The reference of ``gemv_kernel``: ``x [n, K]`` times the concatenated ``weights``'
     rows (float32 accumulation), plus biases; ``gated``: ``silu(x W0.T) * (x W1.T)``;
-    ``residual``: ``residual + ...``. Rounded once to x's dtype."""
-    ys = [x.float() @ w.float().t() for w in weights]
+    ``residual``: ``residual + ...``; ``norm = (g, eps)``: x RMS-normed first (weight g,
+    float32, not rounded). Rounded once to x's dtype."""
+    xf = x.float()
+    if norm is not None:
+        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm[1]) * norm[0].float()
+    ys = [xf @ w.float().t() for w in weights]
     if biases is not None:
         ys = [y if b is None else y + b.float() for y, b in zip(ys, biases)]
     y = F.silu(ys[0]) * ys[1] if gated else torch.cat(ys, dim=-1)
@@ -474,12 +491,15 @@ def _split_buffers(device: torch.device, elements: int, tiles: int
 
 def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None, *,
           residual: torch.Tensor | None = None, gated: bool = False,
-          pdl: int = 0, split_k: int | None = None) -> torch.Tensor:
+          pdl: int = 0, split_k: int | None = None,
+          norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """``gemv_kernel`` launched: a new ``[n, N]`` output, or ``residual`` updated in place.
     ``pdl``: with programmatic dependent launch (``lmfuse._pdl``). ``split_k``: programs
-    per tile along K (default :func:`_gemv_split`'s; not with ``gated``)."""
-    if gated and split_k is not None and split_k > 1:
-        raise ValueError(f"{_OP}: the gated GEMV does not split K (split_k={split_k})")
+    per tile along K (default :func:`_gemv_split`'s; not with ``gated`` or ``norm``).
+    ``norm = (g, eps)``: ``x`` RMS-normed (weight ``g``) inside the kernel."""
+    if (gated or norm is not None) and split_k is not None and split_k > 1:
+        raise ValueError(f"{_OP}: the gated or normed GEMV does not split K "
+                         f"(split_k={split_k})")
     n, K = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -489,7 +509,7 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
     block_n, block_k, warps, stages = _gemv_config(n_out, K, block_m, gated, x.element_size(),
                                                    shared_memory(x.device))
     if any(v % block_n for v in ns) or n == 0:
-        return _gemv_fallback(x, weights, biases, residual, gated)
+        return _gemv_fallback(x, weights, biases, residual, gated, norm)
     if residual is not None:
         y = residual
     else:
@@ -497,7 +517,8 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
     w = list(weights) + [weights[0]] * (3 - len(weights))
     b = list(biases) if biases is not None else []
     b = b + [w[0]] * (3 - len(b))
-    split = _gemv_split(n_out, K, block_m, gated) if split_k is None else split_k
+    split = (1 if norm is not None else _gemv_split(n_out, K, block_m, gated)
+             if split_k is None else split_k)
     k_split = cdiv(cdiv(K, split), block_k) * block_k
     split = cdiv(K, k_split)  # no empty split
     grid = (n_out // block_n, cdiv(n, block_m), split)
@@ -509,13 +530,14 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
         ns[1] if len(ns) > 1 else 0, x.stride(0), y.stride(0), y.stride(0), ws, count, k_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=biases is not None,
         RESIDUAL=residual is not None, GATED=gated, EVEN_K=K % block_k == 0, PDL=pdl,
-        SPLIT_K=split,
+        SPLIT_K=split, G=None if norm is None else norm[0],
+        eps=0.0 if norm is None else float(norm[1]), NORM=norm is not None,
         num_warps=warps, num_stages=stages, **_pdl.launch_options(pdl))
     return y
 
 
-def _gemv_fallback(x, weights, biases, residual, gated):
-    out = gemv_reference(x, weights, biases, residual=residual, gated=gated)
+def _gemv_fallback(x, weights, biases, residual, gated, norm=None):
+    out = gemv_reference(x, weights, biases, residual=residual, gated=gated, norm=norm)
     if residual is not None:
         residual.copy_(out)
         return residual

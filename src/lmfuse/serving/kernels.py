@@ -94,6 +94,7 @@ def gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
     EVEN_K: tl.constexpr, PDL: tl.constexpr = 0, SPLIT_K: tl.constexpr = 1,
+    G=None, eps=0.0, NORM: tl.constexpr = False,
 ):
     """``Y[:, n] = X @ W.T`` over the concatenated output features of ``W0 | W1 | W2``
     (``N0``, ``N1`` rows: a program's ``BLOCK_N`` features lie in one matrix). GATED:
@@ -104,7 +105,11 @@ def gemv_kernel(
     K_SPLIT)`` into its float32 slot of ``WS`` (``[SPLIT_K, tiles, BLOCK_M, BLOCK_N]``), then
     counts itself in ``COUNT[tile]`` (int32, zero between launches); the tile's last
     program adds the slots in split order (the same sum whichever program comes last),
-    runs the epilogue, and sets the count back to zero."""
+    runs the epilogue, and sets the count back to zero.
+
+    NORM (SPLIT_K 1): ``X`` is the residual stream, RMS-normed with weight ``G`` on the way
+    in: ``Y = rsqrt(mean(x^2) + eps) * ((x * g) @ W.T)``, the row's sum of squares gathered
+    in the same pass over K (the norm's launch and its output's round trip saved)."""
     pdl_wait(PDL)
     pdl_start(PDL)
     pid_n = tl.program_id(0)
@@ -140,16 +145,32 @@ def gemv_kernel(
     if GATED:
         u_ptr = W1 + (local + rows).to(tl.int64)[:, None] * K + ks[None, :]
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if NORM:
+        ss = tl.zeros([BLOCK_M], tl.float32)
+        g_ptr = G + ks
     for k0 in range(k_start, k_stop, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptr)
             x = tl.load(x_ptr, mask=mmask[:, None], other=0.0)
+            if NORM:
+                g = tl.load(g_ptr)
         else:
             kmask = (ks + (k0 - k_start)) < k_stop
             w = tl.load(w_ptr, mask=kmask[None, :], other=0.0)
             x = tl.load(x_ptr, mask=mmask[:, None] & kmask[None, :], other=0.0)
+            if NORM:
+                g = tl.load(g_ptr, mask=kmask, other=0.0)
+        if NORM:
+            xn = x.to(tl.float32)
+            ss += tl.sum(xn * xn, axis=1)
+            xn = xn * g.to(tl.float32)[None, :]
+            x = xn.to(x.dtype)
+            g_ptr += BLOCK_K
         if BLOCK_M == 1:  # one row: products summed per feature (no 16-row dot tile)
-            xf = x.to(tl.float32)
+            if NORM:
+                xf = xn
+            else:
+                xf = x.to(tl.float32)
             acc += tl.sum(xf * w.to(tl.float32), axis=1)[None, :]
         else:
             acc += tl.dot(x, tl.trans(w))
@@ -165,6 +186,11 @@ def gemv_kernel(
             u_ptr += BLOCK_K
         w_ptr += BLOCK_K
         x_ptr += BLOCK_K
+    if NORM:
+        inv = tl.rsqrt(ss / K + eps)[:, None]
+        acc = acc * inv
+        if GATED:
+            acc_u = acc_u * inv
     if SPLIT_K > 1:
         # Every split's partial in its slot; the tile's last program sums them in order.
         tile = pid_m * tl.num_programs(0) + pid_n
