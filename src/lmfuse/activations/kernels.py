@@ -114,10 +114,17 @@ def act_fwd_kernel(
     HAS_CLAMP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     STORE_X8: tl.constexpr = False,
 ):
-    """``STORE_X8``: also write x as float8_e4m3fn to ``x8_ptr`` (``[M, K]`` contiguous),
+    """A one-dimensional grid of ``cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)`` programs, the
+    column tiles of a row tile consecutive: programs that run together walk x and y in
+    address order, as a copy does (H100, bias-SwiGLU [16384, 2 x 14336] bf16: 0.486 ms with
+    the row tiles consecutive, 0.460-0.465 this way; torch.compile's kernel 0.465).
+
+    ``STORE_X8``: also write x as float8_e4m3fn to ``x8_ptr`` (``[M, K]`` contiguous),
     the copy ``fp8_input_store`` keeps for backward, from the values loaded here."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_tiles = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    rows = (pid // col_tiles).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (pid % col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask, cmask = rows < M, cols < N
     mask = rmask[:, None] & cmask[None, :]
     xp = x_ptr + rows[:, None] * sx + cols[None, :]

@@ -52,7 +52,7 @@ def _launch_fwd(x, bias, weights, s, x8: Optional[torch.Tensor] = None) -> torch
     t = tuning.table("activations", x.device)
     block_n = min(next_pow2(N), t["fwd_max_block_n"])
     block_m = max(1, t["fwd_tile"] // block_n)
-    _kernels().act_fwd_kernel[(cdiv(M, block_m), cdiv(N, block_n))](
+    _kernels().act_fwd_kernel[(cdiv(M, block_m) * cdiv(N, block_n),)](
         x, x.stride(0), bias, weights, y, y.stride(0), x8, M, N, float(s["linear_offset"]),
         None if clamp is None else float(clamp), float(s["gate_multiplier"]),
         float(s["down_multiplier"]), ACT=ACT_IDS[s["activation"]], GATED=gated,

@@ -402,9 +402,11 @@ def moe_act_kernel(
     the gate/up GEMM's output ``HBUF [T k, K2]`` (``ROW_EXPERT [T k]``: each sorted row's
     expert, read with ``HAS_BIAS``), into ``A_OUT [T k, F]``. What the backward keeps of
     ``h + bias``: ``WRITE_H``, written back over ``HBUF``; ``H_FP8``, as float8_e4m3fn into
-    ``H8`` (``_store_h``)."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    ``H8`` (``_store_h``). A one-dimensional grid, a row tile's column tiles consecutive
+    (programs that run together walk memory in address order; see ``act_fwd_kernel``)."""
+    col_tiles = tl.cdiv(F, BLOCK_F)
+    r = (tl.program_id(0) // col_tiles) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = (tl.program_id(0) % col_tiles) * BLOCK_F + tl.arange(0, BLOCK_F)
     rmask = r < rows
     mask = rmask[:, None] & (cols < F)[None, :]
     r64 = r.to(tl.int64)

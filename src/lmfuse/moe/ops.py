@@ -311,7 +311,7 @@ def _forward_grouped(hidden, expert_ids, w_gate_up, w_down, gate_up_bias, down_b
     biased = gate_up_bias is not None or down_bias is not None
     row_expert = _row_expert(offsets, rows) if biased else None
     br, bf = c["act_block_r"], c["act_block_f"]
-    kern.moe_act_kernel[(cdiv(rows, br), cdiv(Fdim, bf))](
+    kern.moe_act_kernel[(cdiv(rows, br) * cdiv(Fdim, bf),)](
         h, h8, a, gate_up_bias, row_expert, rows, Fdim, s["linear_offset"],
         s["clamp_value"] or 0.0, ACT=ACT_IDS[s["act"]], GATED=s["gated"],
         INTERLEAVED=s["interleaved"], HAS_BIAS=gate_up_bias is not None,
