@@ -52,7 +52,11 @@ CASES = [("B64 Hq32 S4096 D128", 64, 32, 8, 4096, 128, False, None),
          ("B16 Hq32 S8192 D128 paged16", 16, 32, 8, 8192, 128, False, 16),
          ("B64 Hq32 S4096 D128 paged16", 64, 32, 8, 4096, 128, False, 16),
          ("B32 Hq32 S<=8192 D128 paged16 ragged", 32, 32, 8, 8192, 128, False, 16),
-         ("B8 Hq32 Hkv32 S8192 D128", 8, 32, 32, 8192, 128, False, None)]
+         ("B8 Hq32 Hkv32 S8192 D128", 8, 32, 32, 8192, 128, False, None),
+         ("B4 Hq64 S32768 D128 fp8 paged16 4 active", 4, 64, 8, 32768, 128, True, 16),
+         ("B4 Hq64 S32768 D128 paged16 4 active", 4, 64, 8, 32768, 128, False, 16)]
+# A case named "... N active" decodes N query tokens a sequence (speculative or chunked
+# decoding: each sees the keys up to its own position).
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         if wanted and not any(w == name or w in name for w in wanted):
             continue
         g = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(B, 1, Hq, D, device=dev, dtype=torch.bfloat16, generator=g)
+        words = name.split()
+        s_act = int(words[-2]) if words[-1] == "active" else 1
+        q = torch.randn(B, s_act, Hq, D, device=dev, dtype=torch.bfloat16, generator=g)
         k = torch.randn(B, S, Hkv, D, device=dev, dtype=torch.bfloat16, generator=g)
         v = torch.randn(B, S, Hkv, D, device=dev, dtype=torch.bfloat16, generator=g)
         # Ragged: lengths uniform in [1, S] (seeded), as the benchmark's ragged case.
@@ -109,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         current = dict(base)
         want = lmfuse.decode_attention(q, k, v, lens, **kw)
         row = {"case": name, "bytes": nbytes, "configs": []}
-        if not fp8:
+        if not fp8 and s_act == 1:
             kt, vt = ((sdpa_k, sdpa_v) if block_len else (k, v))
             kt, vt = kt.transpose(1, 2), vt.transpose(1, 2)  # strided [B, Hkv, S, D]
             kc, vc = kt.contiguous(), vt.contiguous()
