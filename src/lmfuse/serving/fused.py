@@ -252,7 +252,7 @@ class FusedDecoder:
         if kernels and n > 1 and self.lm_bias is None and _lm_head_gemv(self.lm_head):
             # Several rows: the GEMV's 128-feature tiles beat cuBLAS on the long vocabulary
             # (H100, CUDA-graph replays, V 128256: 16 rows 177 vs 191 us, 64 rows 185 vs
-            # 198; bench/probe_gemv.py --shapes lm_head); one row: cuBLAS (2.9 TB/s).
+            # 198; bench/sweep_gemv.py --shapes lm_head); one row: cuBLAS (2.9 TB/s).
             return self._gemv(self._rms_norm(h, self.norm, self.norm_eps), (self.lm_head,))
         x = self._rms_norm(h, self.norm, self.norm_eps, self.pdl_tail)
         return F.linear(x, self.lm_head, self.lm_bias)
@@ -401,10 +401,10 @@ def _lm_head_gemv(weight: torch.Tensor) -> bool:
 def _gemv_config(n_out: int, K: int, block_m: int, gated: bool, itemsize: int = 2,
                  smem: int | None = None) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages): the fastest CUDA-graph replays in
-    ``bench/probe_gemv.py`` on an H100 (the decode shapes of a 2048-wide model at 16 and 64
+    ``bench/sweep_gemv.py`` on an H100 (the decode shapes of a 2048-wide model at 16 and 64
     rows), kept under the shared memory the pipeline's stages take. One row
     (``block_m == 1``, no dot tile): two features a program, K in tiles of up to 2048
-    (``bench/probe_gemv_chain.py``, H100, launches chained as in a decode step: QKV 9.9 ->
+    (``bench/sweep_gemv_chain.py``, H100, launches chained as in a decode step: QKV 9.9 ->
     6.8 us, Wo 7.5 -> 5.9, gate/up 24.9 -> 24.2 against the 16-row dot tile). ``smem``:
     the device's shared memory a program may use (the stages then fit it too)."""
     if block_m == 1:
@@ -412,7 +412,7 @@ def _gemv_config(n_out: int, K: int, block_m: int, gated: bool, itemsize: int = 
     warps, stages = 4, 3
     limit = 200 * 1024
     if not gated and n_out >= LM_HEAD_MIN_FEATURES:
-        # An LM head (bench/probe_gemv.py --shapes lm_head, H100: the fastest of BLOCK_N 16
+        # An LM head (bench/sweep_gemv.py --shapes lm_head, H100: the fastest of BLOCK_N 16
         # to 128, BLOCK_K 128 to 512, 4/8 warps, 3/4/6 stages; 2.96 / 2.84 TB/s).
         block_n, block_k, stages = 128, (256 if block_m == 16 else 128), \
             (3 if block_m == 16 else 4)
@@ -422,7 +422,7 @@ def _gemv_config(n_out: int, K: int, block_m: int, gated: bool, itemsize: int = 
     else:
         block_n = 16 if n_out <= 2048 else 32 if n_out <= 16384 else 64
         block_k = 256 if block_n == 16 and block_m == 16 else 128
-        if block_m == 64:  # chained (probe_gemv_chain, H100): QKV 9.9 -> 8.4 us, Wo 9.2 -> 7.6
+        if block_m == 64:  # chained (sweep_gemv_chain, H100): QKV 9.9 -> 8.4 us, Wo 9.2 -> 7.6
             block_k, stages = 256, 4
         split = _gemv_split(n_out, K, block_m, gated)
         if block_m == 16 and split == 1 and n_out > 2048:  # QKV: 10.22 -> 8.26 us
@@ -455,7 +455,7 @@ def _row_tile(n: int) -> int:
 
 def _gemv_split(n_out: int, K: int, block_m: int, gated: bool) -> int:
     """How many programs share a tile's K range (``gemv_kernel``'s SPLIT_K), where it was
-    measured to pay (``bench/probe_gemv_chain.py --dot --split 1,2,4,8``, H100, 8 launches
+    measured to pay (``bench/sweep_gemv_chain.py --dot --split 1,2,4,8``, H100, 8 launches
     chained in a graph, a 2048-wide model): 16 rows, output 2048 (Wo, Wd): 4; 64 rows, the
     long K of Wd (8192): 2; else 1."""
     if gated:

@@ -4,7 +4,7 @@ each on its own weights (no L2 reuse), captured in one CUDA graph; per shape of 
 count, the launch options of the one-row path (``BLOCK_M = 1``: products summed per
 feature) and of the dot path, against cuBLAS chained the same way::
 
-    python bench/probe_gemv_chain.py [--rows 1] [--chain 8] [--json PATH]
+    python bench/sweep_gemv_chain.py [--rows 1] [--chain 8] [--json PATH]
 
 Prints per shape the chosen configuration (``fused._gemv_config``), the five fastest and
 cuBLAS, in us per launch and TB/s.
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from lmfuse.serving.fused import _gemv_config, _gemv_split
-from probe_gemv import launch
+from sweep_gemv import launch
 
 
 def graph_us(fn, chain: int) -> float:

@@ -5,7 +5,7 @@ launch options (times of CUDA-graph replays): the best per shape and row count, 
 cuBLAS's time for the same work (three / two launches where the kernel takes three / two
 matrices)::
 
-    python bench/probe_gemv.py [--json PATH]
+    python bench/sweep_gemv.py [--json PATH]
 """
 
 from __future__ import annotations

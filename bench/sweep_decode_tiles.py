@@ -3,7 +3,7 @@ bench generate`` model: 16 query / 4 KV heads of 128, block_len 16, 512-640 cach
 tables 64 blocks wide, bf16) at each key tile, pipeline depth, warp count and split count,
 CUDA-graph replays::
 
-    python bench/probe_decode_tiles.py [--batches 1,16,64] [--context 576] [--fp8]
+    python bench/sweep_decode_tiles.py [--batches 1,16,64] [--context 576] [--fp8]
 
 Prints one line per case (us, TB/s of the K/V bytes read) and, per batch, the fastest and
 the configuration the tables choose now.
