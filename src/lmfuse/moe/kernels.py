@@ -98,6 +98,29 @@ def _clamped(g, u, clamp, HAS_CLAMP: tl.constexpr):
 
 
 @triton.jit
+def _store_h_pair(row, gcol, ucol, g, u, mask, GATED: tl.constexpr, H_FP8: tl.constexpr,
+                  RTNE: tl.constexpr):
+    """The gate (and up) pre-activations of a tile stored at ``row + gcol`` (``+ ucol``) for
+    the backward (``_store_h``)."""
+    _store_h(row + gcol[None, :], g, mask, H_FP8, RTNE)
+    if GATED:
+        _store_h(row + ucol[None, :], u, mask, H_FP8, RTNE)
+
+
+@triton.jit
+def _gated_act(g, u, clamp, offset, ACT: tl.constexpr, GATED: tl.constexpr,
+               HAS_CLAMP: tl.constexpr):
+    """The experts' activation of the float32 pre-activations: ``act(g) * (u + offset)``
+    after the clamp when GATED (``u`` unused otherwise), ``act(g)``."""
+    if GATED:
+        g, u = _clamped(g, u, clamp, HAS_CLAMP)
+        a = _act(g, ACT) * (u + offset)
+    else:
+        a = _act(g, ACT)
+    return a
+
+
+@triton.jit
 def _act_backward(h_row, dh_row, cols, mask, ds, F, offset, clamp, ACT: tl.constexpr,
                   GATED: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_CLAMP: tl.constexpr,
                   RTNE: tl.constexpr):
@@ -186,16 +209,13 @@ def moe_up_kernel(
                 acc_u += tl.load(b_e + ucol, mask=cmask, other=0.0).to(tl.float32)[None, :]
         mask = rmask[:, None] & cmask[None, :]
         rows64 = rows.to(tl.int64)
+        if not GATED:
+            acc_u = acc_g  # (unused: one pre-activation)
+            ucol = gcol
         if STORE_H:
-            h_row = H_OUT + rows64[:, None] * K2
-            _store_h(h_row + gcol[None, :], acc_g, mask, H_FP8, RTNE)
-            if GATED:
-                _store_h(h_row + ucol[None, :], acc_u, mask, H_FP8, RTNE)
-        if GATED:
-            g, u = _clamped(acc_g, acc_u, clamp, HAS_CLAMP)
-            a = _act(g, ACT) * (u + offset)
-        else:
-            a = _act(acc_g, ACT)
+            _store_h_pair(H_OUT + rows64[:, None] * K2, gcol, ucol, acc_g, acc_u, mask, GATED,
+                          H_FP8, RTNE)
+        a = _gated_act(acc_g, acc_u, clamp, offset, ACT, GATED, HAS_CLAMP)
         tl.store(A_OUT + rows64[:, None] * F + cols[None, :],
                  _out(a, A_OUT.dtype.element_ty, RTNE), mask=mask)
 
@@ -424,20 +444,14 @@ def moe_act_kernel(
         g += tl.load(b_e + gcol[None, :], mask=mask, other=0.0).to(tl.float32)
         if GATED:
             u += tl.load(b_e + ucol[None, :], mask=mask, other=0.0).to(tl.float32)
+    if not GATED:
+        u = g  # (unused: one pre-activation)
+        ucol = gcol
     if WRITE_H:
-        tl.store(h_row + gcol[None, :], _out(g, HBUF.dtype.element_ty, RTNE), mask=mask)
-        if GATED:
-            tl.store(h_row + ucol[None, :], _out(u, HBUF.dtype.element_ty, RTNE), mask=mask)
+        _store_h_pair(h_row, gcol, ucol, g, u, mask, GATED, False, RTNE)
     if H_FP8:
-        h8_row = H8 + r64[:, None] * K2
-        _store_h(h8_row + gcol[None, :], g, mask, True, RTNE)
-        if GATED:
-            _store_h(h8_row + ucol[None, :], u, mask, True, RTNE)
-    if GATED:
-        g, u = _clamped(g, u, clamp, HAS_CLAMP)
-        a = _act(g, ACT) * (u + offset)
-    else:
-        a = _act(g, ACT)
+        _store_h_pair(H8 + r64[:, None] * K2, gcol, ucol, g, u, mask, GATED, True, RTNE)
+    a = _gated_act(g, u, clamp, offset, ACT, GATED, HAS_CLAMP)
     tl.store(A_OUT + r64[:, None] * F + cols[None, :], _out(a, A_OUT.dtype.element_ty, RTNE),
              mask=mask)
 
