@@ -124,3 +124,45 @@ def test_set_checks_switches_value_checks_on_device_tensors(monkeypatch) -> None
     assert not _dispatch.value_checks(meta) and _dispatch.value_checks(cpu)
     with pytest.raises(TypeError, match="enabled must be a bool"):
         lmfuse.set_checks(1)
+
+
+
+def _calls() -> dict:
+    """One explain() call per op that resolves its arguments into a call object."""
+    x, lg, t = randn((2, 3, 4, 6)), randn((5, 11)), torch.randint(0, 11, (5,))
+    h, w = randn((5, 8)), randn((11, 8))
+    T, H, F, E = 4, 8, 4, 3
+    q, kc = randn((2, 1, 4, 8)), randn((2, 16, 2, 8))
+    lens = torch.tensor([9, 16], dtype=torch.int32)
+    return {
+        "fused_softmax": (lmfuse.fused_softmax, (x,), dict(scale=0.5, causal=True)),
+        "rms_norm": (lmfuse.rms_norm, (h, torch.ones(8)), {}),
+        "swiglu": (lmfuse.swiglu, (h,), {}),
+        "cross_entropy": (lmfuse.cross_entropy, (lg, t), dict(label_smoothing=0.1)),
+        "linear_cross_entropy": (lmfuse.linear_cross_entropy, (h, w, t), {}),
+        "moe_experts": (lmfuse.moe_experts, (randn((T, H)), torch.randint(0, E, (T, 2)),
+                                             torch.rand(T, 2), randn((E, 2 * F, H)),
+                                             randn((E, H, F))), {}),
+        "decode_attention": (lmfuse.decode_attention, (q, kc, kc, lens), {}),
+    }
+
+
+@pytest.mark.parametrize("op", sorted(_calls()))
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_a_plan_carries_the_call_its_op_runs(op: str, impl: str) -> None:
+    """``Plan.call`` is the op's resolved call (a frozen dataclass: the object its launches
+    read), ``Plan.args`` the same fields as a dict (its public shape)."""
+    import dataclasses
+
+    from lmfuse._dispatch import ResolvedCall
+
+    fn, args, kwargs = _calls()[op]
+    plan = lmfuse.explain(fn, *args, **kwargs, impl=impl)
+    assert isinstance(plan.call, ResolvedCall) and dataclasses.is_dataclass(plan.call)
+    assert plan.args == plan.call.as_dict()
+    assert plan.args is not plan.call.as_dict()  # a new dict each time
+    name = dataclasses.fields(plan.call)[0].name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(plan.call, name, None)
+    if op == "fused_softmax":
+        assert (plan.call.scale, plan.call.right) == (0.5, 0)

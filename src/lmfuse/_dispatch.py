@@ -16,6 +16,7 @@ Each op registers a *planner* (validation + selection, no tensor work) with
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import math
@@ -124,15 +125,36 @@ def triton_support(device: torch.device) -> tuple[bool, str]:
     return False, f"device type {device.type!r} has no Triton backend in lmfuse"
 
 
+class ResolvedCall:
+    """Base of the ops' resolved calls. Each op's ``_resolve`` checks its arguments once and
+    returns a frozen dataclass of this type (``SoftmaxCall``, ``DecodeCall``, ...), defined in
+    the family's ops module, that its launches and its planner both read; a call that needs
+    a field changed makes a new one with ``dataclasses.replace``."""
+
+    __slots__ = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields by name, as a new dict (the values themselves, not copies)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
 @dataclass
 class Plan:
-    """What an op will do for a given call: the path, the reason, and op-specific facts."""
+    """What an op will do for a given call: the path, the reason, and op-specific facts.
+
+    ``call`` is the op's resolved call (the object its launches read); ``args`` its fields
+    as a dict, filled from ``call`` when not given."""
 
     op: str
     impl: str
     reason: str
     details: dict[str, Any] = field(default_factory=dict)
     args: dict[str, Any] = field(default_factory=dict, repr=False)  # resolved arguments
+    call: Any = field(default=None, repr=False, compare=False)  # the call behind ``args``
+
+    def __post_init__(self) -> None:
+        if not self.args and isinstance(self.call, ResolvedCall):
+            self.args = self.call.as_dict()
 
     def __str__(self) -> str:
         extra = "".join(f"\n  {k}: {v}" for k, v in self.details.items())

@@ -174,7 +174,7 @@ class _GatherTokens(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
-        from .distributed.collectives import all_gather_stacked, group_rank
+        from ._collectives import all_gather_stacked, group_rank
 
         ctx.rows, ctx.rank = x.shape[0], group_rank(group)
         return all_gather_stacked(x, group).flatten(0, 1)

@@ -323,7 +323,7 @@ def test_forced_splits(dtype: torch.dtype, splits: int) -> None:
     inp, out, lse = check_case(case)
     plan = lmfuse.explain(lmfuse.decode_attention, *inp.args(), **inp.kwargs(case),
                           num_splits=splits)
-    assert plan.args["splits"] == splits and plan.args["forced_splits"]
+    assert plan.call.launch.splits == splits and plan.call.launch.forced_splits
     one, one_lse = run(inp, case, splits=1)
     check(one, one_lse, *reference(inp, case), dtype, "splits=1")
     err = max_rel_err(out, one)
@@ -524,8 +524,8 @@ def test_explain_reports_path_and_split_count(monkeypatch: pytest.MonkeyPatch) -
     long = Case(lens=(512,), s_max=512, s_active=1, hq=4, hkv=1, d=16)
     inp = build(long)
     plan = lmfuse.explain(lmfuse.decode_attention, *inp.args())
-    splits = plan.args["splits"]
-    assert splits > 1 and not plan.args["forced_splits"]
+    splits = plan.call.launch.splits
+    assert splits > 1 and not plan.call.launch.forced_splits
     assert f"{splits} split(s) (heuristic" in plan.details["grid"]
     out, lse = run(inp, long, splits=None)
     assert spy.splits == [3, 1, splits]
@@ -1197,7 +1197,7 @@ def test_huge_window_and_forced_splits_are_harmless() -> None:
     got = lmfuse.decode_attention(q, k, v, lens, num_splits=10**6, impl="triton")
     assert_close(got, want, torch.float32, "num_splits 10**6")
     plan = lmfuse.explain(lmfuse.decode_attention, q, k, v, lens, num_splits=10**6)
-    assert plan.args["splits"] == 6
+    assert plan.call.launch.splits == 6
 
 
 def test_few_programs_take_their_own_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1219,16 +1219,16 @@ def test_few_programs_take_their_own_tiles(monkeypatch: pytest.MonkeyPatch) -> N
         k, v = torch.randn(B, 40, 2, 16), torch.randn(B, 40, 2, 16)
         lens = torch.full((B,), 40, dtype=torch.int32)
         plan = lmfuse.explain(lmfuse.decode_attention, q, k, v, lens)
-        assert plan.args["BLOCK_N"] == want_n, (B, plan.args["BLOCK_N"])
+        assert plan.call.launch.BLOCK_N == want_n, (B, plan.call.launch.BLOCK_N)
         # A third entry element sets the pipeline stages; else the table's num_stages.
-        assert plan.args["num_stages"] == (4 if B == 1 else table["num_stages"])
+        assert plan.call.launch.num_stages == (4 if B == 1 else table["num_stages"])
         got = lmfuse.decode_attention(q, k, v, lens, impl="triton")
         want = decode_attention_reference(q.double(), k.double(), v.double(), lens)
         assert_close(got, want, torch.float32, f"B{B} BLOCK_N {want_n}")
     (kp, vp), block_table = to_paged((k, v), [40, 40], 8)
     plan = lmfuse.explain(lmfuse.decode_attention, q[:1], kp, vp, lens[:1],
                           block_table=block_table[:1])
-    assert plan.args["BLOCK_N"] == 64
+    assert plan.call.launch.BLOCK_N == 64
 
 
 def test_table_entries_set_warps_and_fp8_paged_section(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1259,8 +1259,8 @@ def test_table_entries_set_warps_and_fp8_paged_section(monkeypatch: pytest.Monke
         q = torch.randn(B, s_active, 4 * Hkv, D)
         if caches[0].dtype == FP8:
             kw = dict(kw, k_scale=ks, v_scale=vs)
-        plan = lmfuse.explain(lmfuse.decode_attention, q, *caches, lens, **kw)
-        got_cfg = (plan.args["BLOCK_N"], plan.args["num_stages"], plan.args["num_warps"])
+        c = lmfuse.explain(lmfuse.decode_attention, q, *caches, lens, **kw).call.launch
+        got_cfg = (c.BLOCK_N, c.num_stages, c.num_warps)
         assert got_cfg == (want_n, want_stages, want_warps), (name, got_cfg)
         got = lmfuse.decode_attention(q, *caches, lens, impl="triton", **kw)
         ref_kw = {key: (val.double() if key.endswith("scale") else val)
@@ -1296,8 +1296,8 @@ def test_tiles_fit_the_devices_shared_memory(monkeypatch: pytest.MonkeyPatch) ->
         for name, caches, kw, want_tile in (("contiguous", (k, v), {}, tile),
                                             ("paged", (kp, vp), {"block_table": table_},
                                              paged_tile)):
-            plan = lmfuse.explain(lmfuse.decode_attention, q, *caches, lens, **kw)
-            assert (plan.args["BLOCK_N"], plan.args["num_stages"]) == want_tile, (name, limit)
+            c = lmfuse.explain(lmfuse.decode_attention, q, *caches, lens, **kw).call.launch
+            assert (c.BLOCK_N, c.num_stages) == want_tile, (name, limit)
             got = lmfuse.decode_attention(q, *caches, lens, impl="triton", **kw)
             assert_close(got, want, torch.float32, f"{name}, shared memory {limit}")
 
@@ -1323,9 +1323,8 @@ def test_table_many_programs_and_short_context(monkeypatch: pytest.MonkeyPatch) 
     lens = torch.tensor([96, 50], dtype=torch.int32)
     for B, want in ((2, (32, 2, 1)), (1, (16, 3, 4))):  # 4 programs: many; 2: not
         q = torch.randn(B, 1, 2 * Hkv, D)
-        plan = lmfuse.explain(lmfuse.decode_attention, q, k[:B], v[:B], lens[:B])
-        assert (plan.args["BLOCK_N"], plan.args["num_stages"],
-                plan.args["num_warps"]) == want, B
+        c = lmfuse.explain(lmfuse.decode_attention, q, k[:B], v[:B], lens[:B]).call.launch
+        assert (c.BLOCK_N, c.num_stages, c.num_warps) == want, B
         got = lmfuse.decode_attention(q, k[:B], v[:B], lens[:B], impl="triton")
         assert_close(got, decode_attention_reference(q.double(), k[:B].double(),
                                                      v[:B].double(), lens[:B]),
@@ -1333,10 +1332,10 @@ def test_table_many_programs_and_short_context(monkeypatch: pytest.MonkeyPatch) 
     (kp, vp), bt = to_paged((k, v), [96, 50], 16)  # capacity 96 keys > 64: not short
     q = torch.randn(1, 1, 2 * Hkv, D)
     plan = lmfuse.explain(lmfuse.decode_attention, q, kp, vp, lens[:1], block_table=bt[:1])
-    assert plan.args["num_stages"] == 3
+    assert plan.call.launch.num_stages == 3
     plan = lmfuse.explain(lmfuse.decode_attention, q, kp, vp, lens[:1].clamp(max=48),
                           block_table=bt[:1, :4])  # 4 blocks of 16: 64 keys
-    assert plan.args["num_stages"] == 1
+    assert plan.call.launch.num_stages == 1
 
 
 @pytest.mark.parametrize("paged", [False, True])

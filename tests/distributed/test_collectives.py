@@ -1,7 +1,7 @@
-"""``lmfuse/distributed/collectives.py``: under ``TORCH_NCCL_BLOCKING_WAIT=1`` every
-collective is issued with ``async_op=True`` and waited on (so that a timed-out NCCL
-collective raises on the waiting rank; ``tests/gpu/faults_nccl.py``), otherwise it is one
-plain synchronous call."""
+"""``lmfuse/_collectives.py`` (re-exported by ``lmfuse.distributed.collectives``): under
+``TORCH_NCCL_BLOCKING_WAIT=1`` every collective is issued with ``async_op=True`` and waited
+on (so that a timed-out NCCL collective raises on the waiting rank;
+``tests/gpu/faults_nccl.py``), otherwise it is one plain synchronous call."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from lmfuse.distributed import collectives
+from lmfuse import _collectives as collectives
 
 
 class Recorder:
@@ -54,3 +54,12 @@ def test_a_failed_wait_raises_to_the_caller(monkeypatch) -> None:
 
     with pytest.raises(RuntimeError, match="collective timed out"):
         collectives._issue(lambda *a, **k: Broken(), group=None)
+
+
+def test_the_distributed_name_reexports_the_same_functions() -> None:
+    # Outside code and the benchmarks import lmfuse.distributed.collectives; the families
+    # call lmfuse._collectives: both names must be the same functions.
+    from lmfuse.distributed import collectives as public
+
+    for name in public.__all__:
+        assert getattr(public, name) is getattr(collectives, name), name

@@ -108,7 +108,7 @@ rank's environment, a ``timeout=`` on ``init_process_group`` (or ``new_group``),
 collectives that are waited on, and a communicator that has connected (a first step, or
 NCCL_RUNTIME_CONNECT=0); then ``_abort_process_group()`` rather than
 ``destroy_process_group()``. Since those runs, lmfuse waits on its own collectives when
-TORCH_NCCL_BLOCKING_WAIT=1 is set (``lmfuse/distributed/collectives.py``: ``async_op=True``
+TORCH_NCCL_BLOCKING_WAIT=1 is set (``lmfuse/_collectives.py``: ``async_op=True``
 and ``Work.wait()``, what ``--async-wait`` does from outside); the plain run of this script
 on NCCL with that change is still to be made (the device time of that session was spent),
 ``--async-wait`` being its stand-in. On gloo none of

@@ -87,7 +87,7 @@ def test_fp8_cache_matches_reference(monkeypatch: pytest.MonkeyPatch, regime, D,
             dict(real(family, device), widen_v_first=pinned) if family == "decode_attention"
             else real(family, device)))
         plan = lmfuse.explain(lmfuse.decode_attention, q, k8, v8, lens, **kw)
-        assert plan.args["WIDEN_V_FIRST"] is pinned
+        assert plan.call.launch.WIDEN_V_FIRST is pinned
         outs[pinned] = lmfuse.decode_attention(q, k8, v8, lens, impl="triton", **kw)
     monkeypatch.setattr(tuning, "table", real)
     scale = want.abs().max().item()

@@ -116,19 +116,19 @@ def run(entry: str, impl: str, base: torch.Tensor, view: Callable, mask, offset,
 
 def grads_from_output(y, base, view, mask, offset, grad, kw) -> dict[str, torch.Tensor]:
     """The gradients a fused backward computes from its stored output ``y`` (float64)."""
-    args = lmfuse.explain(lmfuse.fused_softmax, view(base), mask=mask, softmax_offset=offset,
-                          impl="torch", **{k: v for k, v in kw.items()}).args
+    call = lmfuse.explain(lmfuse.fused_softmax, view(base), mask=mask, softmax_offset=offset,
+                          impl="torch", **{k: v for k, v in kw.items()}).call
     b, h, q, k = y.shape
-    hidden = ~visible_keys(q, k, args["left"], args["right"], y.device)
+    hidden = ~visible_keys(q, k, call.left, call.right, y.device)
     if mask is not None and mask.dtype == torch.bool:
         hidden = hidden | mask
     g = fused_softmax_backward_reference(y.detach().double(), grad, hidden)
     b64 = base.detach().double().requires_grad_(True)
-    out = {"scores": torch.autograd.grad(view(b64), b64, args["scale"] * g)[0]}
+    out = {"scores": torch.autograd.grad(view(b64), b64, call.scale * g)[0]}
     if mask is not None and mask.requires_grad:
         out["mask"] = g.sum_to_size(mask.shape)
     if offset is not None:
-        z = view(base.detach().double()) * args["scale"]
+        z = view(base.detach().double()) * call.scale
         if mask is not None and mask.dtype != torch.bool:
             z = z + mask.detach().double()
         z = z.masked_fill(hidden, -INF)

@@ -95,8 +95,8 @@ def forward_backward(impl: str, scores, mask, offset, grad_out, **kwargs):
 def hidden_positions(scores, mask, **kwargs) -> torch.Tensor:
     """[b, np, sq, sk] bool: keys a row cannot see (band or bool mask)."""
     b, h, q, k = scores.shape
-    args = lmfuse.explain(lmfuse.fused_softmax, scores, mask=mask, impl="torch", **kwargs).args
-    hidden = ~visible_keys(q, k, args["left"], args["right"], scores.device)
+    call = lmfuse.explain(lmfuse.fused_softmax, scores, mask=mask, impl="torch", **kwargs).call
+    hidden = ~visible_keys(q, k, call.left, call.right, scores.device)
     if mask is not None and mask.dtype == torch.bool:
         hidden = hidden | mask
     return hidden.expand(b, h, q, k)
@@ -110,15 +110,15 @@ def grads_from_output(y, scores, mask, offset, grad_out, **kwargs) -> dict[str, 
     ``y`` alone moves a gradient by more than a few ulps where ``grad - sum(grad * y)``
     cancels. This computes the same formula in float64 from that ``y``.
     """
-    args = lmfuse.explain(lmfuse.fused_softmax, scores, mask=mask, softmax_offset=offset,
-                          impl="torch", **kwargs).args
+    call = lmfuse.explain(lmfuse.fused_softmax, scores, mask=mask, softmax_offset=offset,
+                          impl="torch", **kwargs).call
     g = fused_softmax_backward_reference(y.double(), grad_out)
-    grads = {"d scores": (args["scale"] * g).to(y.dtype)}
+    grads = {"d scores": (call.scale * g).to(y.dtype)}
     if mask is not None and mask.requires_grad:
         grads["d mask"] = g.sum_to_size(mask.shape).to(mask.dtype)
     if offset is not None:
         b, h, q, k = scores.shape
-        z = scores.double() * args["scale"]
+        z = scores.double() * call.scale
         if mask is not None and mask.dtype != torch.bool:
             z = z + mask.double()
         z = z.masked_fill(hidden_positions(scores, mask, **kwargs), float("-inf"))

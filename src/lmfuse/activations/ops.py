@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -19,8 +20,9 @@ import torch.nn.functional as F
 
 from .. import tuning
 from .._dispatch import eager as _eager
-from .._dispatch import (Plan, check_number, check_tensor, checked_once, float64_fallback,
-                         native_cpu, once_differentiable, register_planner, select_impl)
+from .._dispatch import (Plan, ResolvedCall, check_number, check_tensor, checked_once,
+                         float64_fallback, native_cpu, once_differentiable, register_planner,
+                         select_impl)
 from .._launch import cdiv, dtype_name, fp8_capable, lazy_kernels, next_pow2, to_e4m3
 from .._nvtx import nvtx_range
 from . import reference as ref
@@ -29,6 +31,33 @@ from . import reference as ref
 ACT_IDS = {"gelu": 0, "silu": 1, "quick_gelu": 2, "squared_relu": 3}
 _FP8 = torch.float8_e4m3fn
 _kernels = lazy_kernels("kernels", __package__)
+
+
+# --- resolved calls ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ActivationSettings(ResolvedCall):
+    """What the kernels and the reference compute: the activation and its scalar options
+    (the custom ops rebuild it from their arguments)."""
+
+    activation: str  # a key of ACT_IDS
+    gated: bool  # x = [.., 2f]: act(x1) * x2
+    linear_offset: float
+    clamp_value: Optional[float]
+    gate_multiplier: float
+    down_multiplier: float
+
+
+@dataclass(frozen=True, slots=True)
+class ActivationCall(ActivationSettings):
+    """A checked call of one of the activations: its settings, the path and the saving."""
+
+    op: str  # the public function's name
+    path: str  # "triton" or "torch"
+    fp8_input_store: bool
+    cpu_offload_input: bool
+    tokens: int  # x's rows: the product of its leading dims
 
 
 # --- launches ------------------------------------------------------------------------------
@@ -40,11 +69,12 @@ _kernels = lazy_kernels("kernels", __package__)
 # None goes with its flag (HAS_BIAS, ...), so it compiles no extra variant.
 
 
-def _launch_fwd(x, bias, weights, s, x8: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _launch_fwd(x, bias, weights, s: ActivationSettings,
+                x8: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``y``; with ``x8`` (float8_e4m3fn ``[M, K]``, contiguous) the kernel also writes x's
     float8 copy there."""
     M, K = x.shape
-    gated, clamp = s["gated"], s["clamp_value"]
+    gated, clamp = s.gated, s.clamp_value
     N = K // 2 if gated else K
     y = x.new_empty(M, N)
     if M == 0 or N == 0:
@@ -53,19 +83,19 @@ def _launch_fwd(x, bias, weights, s, x8: Optional[torch.Tensor] = None) -> torch
     block_n = min(next_pow2(N), t["fwd_max_block_n"])
     block_m = max(1, t["fwd_tile"] // block_n)
     _kernels().act_fwd_kernel[(cdiv(M, block_m) * cdiv(N, block_n),)](
-        x, x.stride(0), bias, weights, y, y.stride(0), x8, M, N, float(s["linear_offset"]),
-        None if clamp is None else float(clamp), float(s["gate_multiplier"]),
-        float(s["down_multiplier"]), ACT=ACT_IDS[s["activation"]], GATED=gated,
+        x, x.stride(0), bias, weights, y, y.stride(0), x8, M, N, float(s.linear_offset),
+        None if clamp is None else float(clamp), float(s.gate_multiplier),
+        float(s.down_multiplier), ACT=ACT_IDS[s.activation], GATED=gated,
         HAS_BIAS=bias is not None, HAS_W=weights is not None, HAS_CLAMP=clamp is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, STORE_X8=x8 is not None, num_warps=t["fwd_warps"])
     return y
 
 
-def _launch_bwd(x, g, bias, weights, s, dtype, bias_grad: bool):
+def _launch_bwd(x, g, bias, weights, s: ActivationSettings, dtype, bias_grad: bool):
     """``(dx [M, K] in dtype, db_part [groups, K] float32 or None, dw_part [blocks, M]
     float32 or None)``."""
     M, K = x.shape
-    gated, clamp = s["gated"], s["clamp_value"]
+    gated, clamp = s.gated, s.clamp_value
     N = K // 2 if gated else K
     dx = torch.empty(M, K, dtype=dtype, device=x.device)
     t = tuning.table("activations", x.device)
@@ -83,9 +113,9 @@ def _launch_bwd(x, g, bias, weights, s, dtype, bias_grad: bool):
         return dx, (db.zero_() if db is not None else None), dw
     _kernels().act_bwd_kernel[(col_blocks, groups)](
         x, x.stride(0), g, g.stride(0), bias, weights, dx, dx.stride(0), db, dw, M, N,
-        rows_per_group, float(s["linear_offset"]), None if clamp is None else float(clamp),
-        float(s["gate_multiplier"]), float(s["down_multiplier"]),
-        ACT=ACT_IDS[s["activation"]], GATED=gated, HAS_BIAS=bias is not None,
+        rows_per_group, float(s.linear_offset), None if clamp is None else float(clamp),
+        float(s.gate_multiplier), float(s.down_multiplier),
+        ACT=ACT_IDS[s.activation], GATED=gated, HAS_BIAS=bias is not None,
         HAS_W=weights is not None, HAS_CLAMP=clamp is not None, BIAS_GRAD=bias_grad,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=t["bwd_warps"])
     return dx, db, dw
@@ -99,10 +129,9 @@ def _launch_bwd(x, g, bias, weights, s, dtype, bias_grad: bool):
 
 def _settings(activation: str, gated: bool, linear_offset: float,
               clamp_value: Optional[float], gate_multiplier: float = 1.0,
-              down_multiplier: float = 1.0) -> dict[str, Any]:
-    return dict(activation=activation, gated=gated, linear_offset=linear_offset,
-                clamp_value=clamp_value, gate_multiplier=gate_multiplier,
-                down_multiplier=down_multiplier)
+              down_multiplier: float = 1.0) -> ActivationSettings:
+    return ActivationSettings(activation, gated, linear_offset, clamp_value, gate_multiplier,
+                              down_multiplier)
 
 
 @torch.library.custom_op("lmfuse::act_fwd", mutates_args=())
@@ -194,42 +223,43 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 # --- autograd --------------------------------------------------------------------------------
 
 
-def _ref_options(s: dict[str, Any]) -> dict[str, Any]:
+def _ref_options(s: ActivationSettings) -> dict[str, Any]:
     """The settings ``s`` as :func:`reference.activation_reference`'s keyword arguments."""
-    return {k: s[k] for k in ("activation", "gated", "linear_offset", "clamp_value",
-                              "gate_multiplier", "down_multiplier")}
+    return dict(activation=s.activation, gated=s.gated, linear_offset=s.linear_offset,
+                clamp_value=s.clamp_value, gate_multiplier=s.gate_multiplier,
+                down_multiplier=s.down_multiplier)
 
 
 class _Activation(torch.autograd.Function):
     """``y = act(x ...)`` for ``x [M, K]``; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, x, bias, weights, s: dict[str, Any]):
-        with nvtx_range(s["op"], "fwd"):
+    def forward(ctx, x, bias, weights, s: ActivationCall):
+        with nvtx_range(s.op, "fwd"):
             needs = ctx.needs_input_grad
             saving = needs[0] or needs[1] or needs[2]
             x8 = None
-            triton = s["path"] == "triton"
+            triton = s.path == "triton"
             if triton and _eager():
                 # The float8 copy for backward comes out of the forward kernel itself where
                 # the kernel can store float8 (the interpreter, or compute capability 8.9+).
-                if saving and s["fp8_input_store"] and (not x.is_cuda
+                if saving and s.fp8_input_store and (not x.is_cuda
                                                          or fp8_capable(x.device)):
                     x8 = torch.empty(x.shape, dtype=_FP8, device=x.device)
                 y = _launch_fwd(x, bias, weights, s, x8)
             elif triton:
-                y = _act_fwd_op(x, bias, weights, s["activation"], s["gated"],
-                                s["linear_offset"], s["clamp_value"], s["gate_multiplier"],
-                                s["down_multiplier"])
+                y = _act_fwd_op(x, bias, weights, s.activation, s.gated,
+                                s.linear_offset, s.clamp_value, s.gate_multiplier,
+                                s.down_multiplier)
             else:
                 y = ref.activation_reference(x, bias, weights, **_ref_options(s))
             ctx.s = s
-            if saving and not (s["fp8_input_store"] or s["cpu_offload_input"]):
+            if saving and not (s.fp8_input_store or s.cpu_offload_input):
                 # x kept as it is: autograd's saved tensor alone, no _Saved to restore from.
                 ctx.saved = None
                 ctx.save_for_backward(x, bias, weights)
             elif saving:
-                ctx.saved = _Saved(x, s["fp8_input_store"], s["cpu_offload_input"], x8)
+                ctx.saved = _Saved(x, s.fp8_input_store, s.cpu_offload_input, x8)
                 ctx.save_for_backward(ctx.saved.device_copy, bias, weights)
                 # Autograd holds it now: no second reference here, so saved-tensor hooks
                 # (torch.autograd.graph.save_on_cpu, ...) can free the device copy.
@@ -240,11 +270,11 @@ class _Activation(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g):
         s = ctx.s
-        with nvtx_range(s["op"], "bwd"):
+        with nvtx_range(s.op, "bwd"):
             kept, bias, weights = ctx.saved_tensors
             need_x, need_b, need_w = ctx.needs_input_grad[:3]
             saved = ctx.saved
-            triton = s["path"] == "triton"
+            triton = s.path == "triton"
             if saved is None:
                 x, dtype = kept, kept.dtype
             else:
@@ -256,9 +286,9 @@ class _Activation(torch.autograd.Function):
                     db = db.sum(0) if need_b else None
                     dw = dw.sum(0) if need_w else None
                 else:
-                    dx, db, dw = _act_bwd_op(x, g.contiguous(), bias, weights, s["activation"],
-                                             s["gated"], s["linear_offset"], s["clamp_value"],
-                                             s["gate_multiplier"], s["down_multiplier"],
+                    dx, db, dw = _act_bwd_op(x, g.contiguous(), bias, weights, s.activation,
+                                             s.gated, s.linear_offset, s.clamp_value,
+                                             s.gate_multiplier, s.down_multiplier,
                                              dtype, need_b)
                 db = db.to(bias.dtype) if need_b else None
                 dw = dw.to(weights.dtype).view(weights.shape) if need_w else None
@@ -280,7 +310,7 @@ class _Activation(torch.autograd.Function):
 
 def _resolve(op: str, x, bias, weights, activation: str, gated: bool, linear_offset,
              clamp_value, fp8_input_store, cpu_offload_input, impl, gate_multiplier=1.0,
-             down_multiplier=1.0) -> tuple[str, str, dict]:
+             down_multiplier=1.0) -> tuple[str, str, ActivationCall]:
     check_tensor(op, "x", x)
     if x.dim() < 1:
         raise ValueError(f"{op}: x must have a last (hidden) dimension, got a 0-D tensor")
@@ -315,11 +345,8 @@ def _resolve(op: str, x, bias, weights, activation: str, gated: bool, linear_off
     linear_offset, clamp_value, gate_multiplier, down_multiplier = checked_once(_options,
                                                                                 *options)
     path, reason = float64_fallback(op, impl, *select_impl(op, impl, x.device), x, "x")
-    s = {"op": op, "path": path, "activation": activation, "gated": gated,
-         "linear_offset": linear_offset, "clamp_value": clamp_value,
-         "gate_multiplier": gate_multiplier, "down_multiplier": down_multiplier,
-         "fp8_input_store": fp8_input_store, "cpu_offload_input": cpu_offload_input,
-         "tokens": tokens}
+    s = ActivationCall(activation, gated, linear_offset, clamp_value, gate_multiplier,
+                       down_multiplier, op, path, fp8_input_store, cpu_offload_input, tokens)
     return path, reason, s
 
 
@@ -352,7 +379,7 @@ def _run(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp_
                        fp8_input_store, cpu_offload_input, impl, gate_multiplier,
                        down_multiplier)
     K = x.shape[-1]
-    if (native_cpu(impl, s["path"], x) and not fp8_input_store and not cpu_offload_input
+    if (native_cpu(impl, s.path, x) and not fp8_input_store and not cpu_offload_input
             and (weights is None or weights.dtype == torch.float32)):
         return _native(x, bias, weights, s)
     # 2-D x goes in as it is: no reshape, whose view would add a node to the backward.
@@ -362,7 +389,7 @@ def _run(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp_
         x2 = x2.contiguous()
     w2 = weights.reshape(-1, 1).contiguous() if weights is not None else None
     b = bias.contiguous() if bias is not None else None  # the kernels read it at stride 1
-    if s["path"] == "triton" and _eager() and not (torch.is_grad_enabled() and (
+    if s.path == "triton" and _eager() and not (torch.is_grad_enabled() and (
             x.requires_grad or (bias is not None and bias.requires_grad)
             or (weights is not None and weights.requires_grad))):
         # Nothing to differentiate (inference): the launch alone, no autograd node and no
@@ -382,15 +409,15 @@ _NATIVE = {"silu": lambda a: F.silu(a), "gelu": lambda a: F.gelu(a, approximate=
            "squared_relu": lambda a: torch.relu(a).square()}
 
 
-def _native(x, bias, weights, s: dict[str, Any]) -> torch.Tensor:
+def _native(x, bias, weights, s: ActivationCall) -> torch.Tensor:
     """The default path on CPU float32 tensors: the reference's formula in PyTorch's own
     ops, with autograd for the gradients (the plain formula's speed; the reference's
     results within rounding: GELU's constants are PyTorch's, the reference's are Megatron's
     8-digit ones). impl="torch" keeps the reference, the tests' oracle. A multiplier of 1,
     an offset of 0, no clamp cost no pass."""
-    act = _NATIVE[s["activation"]]
-    g, d, c = s["gate_multiplier"], s["down_multiplier"], s["clamp_value"]
-    if s["gated"]:
+    act = _NATIVE[s.activation]
+    g, d, c = s.gate_multiplier, s.down_multiplier, s.clamp_value
+    if s.gated:
         # chunk, not two slices: its backward is one concatenation of the halves' gradients
         # where two slices' zero-fill a [..., K] gradient each and add them (on the demo's
         # model, 0.43 ms of fills a step more than its plain twin's, under the profiler).
@@ -402,8 +429,8 @@ def _native(x, bias, weights, s: dict[str, Any]) -> torch.Tensor:
             if bias is not None:
                 b1, b2 = bias.chunk(2)
                 x1, x2 = x1 + b1, x2 + b2
-        if s["linear_offset"]:
-            x2 = x2 + s["linear_offset"]
+        if s.linear_offset:
+            x2 = x2 + s.linear_offset
         y = act(x1 * g if g != 1 else x1) * x2
     else:
         xb = x if bias is None else x + bias
@@ -423,7 +450,7 @@ def _plan(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp
                                gate_multiplier, down_multiplier)
     K = x.shape[-1]
     details = {
-        "x": f"{list(x.shape)} {dtype_name(x.dtype)}: {s['tokens']} tokens",
+        "x": f"{list(x.shape)} {dtype_name(x.dtype)}: {s.tokens} tokens",
         "activation": (f"{activation}(x1{' + b1' if bias is not None else ''}) * (x2"
                        f"{' + b2' if bias is not None else ''}"
                        f"{f' + {linear_offset}' if linear_offset else ''}), f = {K // 2}"
@@ -433,12 +460,12 @@ def _plan(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp
     }
     if clamp_value is not None:
         details["clamp"] = f"x1 <= {clamp_value}, |x2| <= {clamp_value} (before the bias)"
-    if s["gate_multiplier"] != 1 or s["down_multiplier"] != 1:
-        details["multipliers"] = (f"activation input * {s['gate_multiplier']} (after the "
-                                  f"bias), output * {s['down_multiplier']}")
+    if s.gate_multiplier != 1 or s.down_multiplier != 1:
+        details["multipliers"] = (f"activation input * {s.gate_multiplier} (after the "
+                                  f"bias), output * {s.down_multiplier}")
     if weights is not None:
         details["weights"] = f"{list(weights.shape)} {dtype_name(weights.dtype)}"
-    return Plan(op, path, reason, details, s)
+    return Plan(op, path, reason, details, call=s)
 
 
 # --- the public functions --------------------------------------------------------------------

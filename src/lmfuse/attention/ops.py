@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
 from .. import _pdl, tuning
 from .._dispatch import eager as _eager
-from .._dispatch import (Plan, check_int, check_number, check_same_device, check_tensor,
-                         interpreter_active, native_cpu, register_planner, select_impl,
-                         value_checks)
+from .._dispatch import (Plan, ResolvedCall, check_int, check_number, check_same_device,
+                         check_tensor, interpreter_active, native_cpu, register_planner,
+                         select_impl, value_checks)
 from .._launch import (FP8_DTYPES, INDEX_DTYPES, KERNEL_DTYPES, cdiv, dtype_name, lazy_kernels,
                        next_pow2)
 from .._nvtx import nvtx_range
@@ -211,9 +212,69 @@ def _check_append_values(op: str, cache_seqlens, k_cache, block_table, capacity:
     _raise_first(checks)
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeLaunch(ResolvedCall):
+    """The kernels' launch of a :func:`decode_attention` call on the Triton path: tiles,
+    the split of the context, the kernels' flags and scalar arguments (:func:`_config`)."""
+
+    BLOCK_M: int  # query rows a program (a KV head's group x s_active, up to max_block_m)
+    BLOCK_N: int  # keys a tile
+    BLOCK_D: int
+    row_blocks: int
+    splits: int  # programs a (sequence, KV head) row block splits its keys over
+    keys_per_split: int
+    forced_splits: bool  # num_splits given (else the wave model's choice)
+    DOT_F32: bool
+    F16_DOT: bool
+    WIDEN_V_FIRST: bool
+    IEEE: bool
+    num_warps: int
+    qk_scale: float  # scale * log2(e): exp2 in the kernel
+    window_arg: int
+    num_blocks: int  # the paged pool's blocks (0: contiguous)
+    num_stages: int
+    merge_warps: int
+    block_len: int  # a paged block's tokens (1: contiguous)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeCall(ResolvedCall):
+    """A checked :func:`decode_attention` call: its sizes and options, and on the Triton
+    path the kernels' launch. ``pdl``: programmatic dependent launch (``lmfuse._pdl``), set
+    by a caller with ``dataclasses.replace`` (off otherwise)."""
+
+    path: str  # "triton" or "torch"
+    reason: str
+    B: int
+    s_active: int
+    Hq: int
+    Hkv: int
+    D: int
+    capacity: int  # keys a sequence's cache holds
+    paged: bool
+    scale: float
+    window: Optional[int]  # None: unbounded, or as long as the cache
+    return_lse: bool
+    softcap: Optional[float]
+    launch: Optional[DecodeLaunch]  # None on the torch path
+    pdl: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields by name, the launch's flattened in (``pdl`` only where set)."""
+        d = {name: getattr(self, name) for name in _CALL_FIELDS}
+        if self.launch is not None:
+            d.update(self.launch.as_dict())
+        if self.pdl:
+            d["pdl"] = self.pdl
+        return d
+
+
+_CALL_FIELDS = tuple(f for f in DecodeCall.__dataclass_fields__ if f not in ("launch", "pdl"))
+
+
 def _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_size, sinks,
              k_scale, v_scale, return_lse, num_splits, impl, softcap=None, *,
-             check_values: bool = True) -> dict[str, Any]:
+             check_values: bool = True) -> DecodeCall:
     op = "decode_attention"
     check_tensor(op, "q", q, ndim=4)
     B, s_active, Hq, D = q.shape
@@ -258,40 +319,43 @@ def _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_size
     # A window as long as the cache hides nothing: dropping it keeps the kernel's int32
     # position arithmetic away from windows near 2**31.
     window = window_size if window_size is not None and window_size < capacity else None
-    s = dict(path=path, reason=reason, B=B, s_active=s_active, Hq=Hq, Hkv=Hkv, D=D,
-             capacity=capacity, paged=block_table is not None,
-             scale=1.0 / math.sqrt(D) if scale is None else scale, window=window,
-             return_lse=return_lse, softcap=softcap)
+    paged = block_table is not None
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    launch = None
     if path == "triton":
-        s.update(_config(q, k_cache, s, num_splits))
-    return s
+        launch = _config(q, k_cache, B, s_active, Hq, Hkv, D, capacity, paged, scale, window,
+                         num_splits)
+    return DecodeCall(path, reason, B, s_active, Hq, Hkv, D, capacity, paged, scale, window,
+                      return_lse, softcap, launch)
 
 
-def _config(q, k_cache, s: dict[str, Any], num_splits: Optional[int]) -> dict[str, Any]:
+def _config(q, k_cache, B: int, s_active: int, Hq: int, Hkv: int, D: int, capacity: int,
+            paged: bool, scale: float, window: Optional[int],
+            num_splits: Optional[int]) -> DecodeLaunch:
     """Tile sizes and the split count for a call (see ``tuning/*.json``,
     ``decode_attention``)."""
     t = tuning.table("decode_attention", q.device)
     fp8 = k_cache.dtype in FP8_DTYPES
-    for key, on in (("paged", s["paged"]), ("fp8", fp8), ("fp8_paged", fp8 and s["paged"])):
+    for key, on in (("paged", paged), ("fp8", fp8), ("fp8_paged", fp8 and paged)):
         if on:
             t.update(t.get(key, {}))
-    D, group = s["D"], s["Hq"] // s["Hkv"]
+    group = Hq // Hkv
     block_d = next_pow2(D, 16)
-    rows = group * s["s_active"]
+    rows = group * s_active
     block_m = min(next_pow2(rows, 16), t["max_block_m"])
     row_blocks = cdiv(rows, block_m)
     # Fewer (sequence, KV head) programs than SMs: each SM runs one or two programs of a
     # split context, so a program must keep more bytes in flight by itself (longer key tiles,
     # deeper pipelines) and extra splits cost more than they gain (measured on an H100).
-    if s["B"] * s["Hkv"] * row_blocks < tuning.sm_count(q.device):
+    if B * Hkv * row_blocks < tuning.sm_count(q.device):
         t.update(t.get("few_programs", {}))
     # Many programs (a few waves of them): shorter tiles, more resident programs an SM
     # (``many_programs``: from ``min_programs_per_sm`` programs an SM; H100, paged fp8 Hkv 8,
     # B64 S4096 and B256 S1024, 64-key tiles at 2 warps: 1.95x bf16 where 128-key tiles
     # give 1.85x / 1.67x).
     many = t.get("many_programs")
-    if many and s["B"] * s["Hkv"] * row_blocks >= (many["min_programs_per_sm"]
-                                                     * tuning.sm_count(q.device)):
+    if many and B * Hkv * row_blocks >= (many["min_programs_per_sm"]
+                                         * tuning.sm_count(q.device)):
         t.update(many)
     # Entries [head-dim limit, key tile], optionally followed by pipeline stages and warps.
     tile = next(e for e in t["block_n_by_head_dim"] if block_d <= e[0])
@@ -301,9 +365,9 @@ def _config(q, k_cache, s: dict[str, Any], num_splits: Optional[int]) -> dict[st
     num_warps = max(tile[3] if len(tile) > 3 else t["num_warps"], block_m // 16)
     # Keys a program may have to walk: the cache's capacity, or less with a window (plus
     # the tile the window's start is rounded down to).
-    span = s["capacity"]
-    if s["window"] is not None:
-        span = min(span, s["window"] + s["s_active"] + block_n)
+    span = capacity
+    if window is not None:
+        span = min(span, window + s_active + block_n)
     # Short caches (a few key tiles a program): a shallower pipeline (``short_context``:
     # its ``num_stages`` up to ``max_keys`` keys; H100, 576 paged keys at B64: 38 -> 33 us).
     short = t.get("short_context")
@@ -311,8 +375,8 @@ def _config(q, k_cache, s: dict[str, Any], num_splits: Optional[int]) -> dict[st
         num_stages = short["num_stages"]
     block_n, num_stages = _fit_shared_memory(block_n, num_stages, block_m, block_d,
                                              k_cache.element_size(), q.element_size(),
-                                             s["paged"], tuning.shared_memory(q.device))
-    programs = s["B"] * s["Hkv"] * row_blocks
+                                             paged, tuning.shared_memory(q.device))
+    programs = B * Hkv * row_blocks
     if num_splits is None:
         splits = _choose_splits(programs, span, block_n,
                                 t["programs_per_sm"] * tuning.sm_count(q.device),
@@ -329,17 +393,18 @@ def _config(q, k_cache, s: dict[str, Any], num_splits: Optional[int]) -> dict[st
     interp = q.device.type != "cuda" or interpreter_active()
     f16_dot = fp8 and q.dtype == torch.bfloat16
     dot_f32 = interp and q.dtype == torch.bfloat16 and not f16_dot  # no bf16 dots there
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, row_blocks=row_blocks,
-                splits=splits, keys_per_split=keys, forced_splits=forced, DOT_F32=dot_f32,
-                F16_DOT=f16_dot,
-                WIDEN_V_FIRST=fp8 and not interp and q.dtype != torch.float32
-                and t.get("widen_v_first", True),
-                IEEE=q.dtype == torch.float32, num_warps=num_warps,
-                qk_scale=s["scale"] * 1.4426950408889634,  # exp2 in the kernel
-                window_arg=s["window"] if s["window"] is not None else 0,
-                num_blocks=k_cache.shape[0] if s["paged"] else 0,
-                num_stages=num_stages, merge_warps=t["merge_warps"],
-                block_len=k_cache.shape[1] if s["paged"] else 1)
+    return DecodeLaunch(
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, row_blocks=row_blocks,
+        splits=splits, keys_per_split=keys, forced_splits=forced, DOT_F32=dot_f32,
+        F16_DOT=f16_dot,
+        WIDEN_V_FIRST=fp8 and not interp and q.dtype != torch.float32
+        and t.get("widen_v_first", True),
+        IEEE=q.dtype == torch.float32, num_warps=num_warps,
+        qk_scale=scale * 1.4426950408889634,  # exp2 in the kernel
+        window_arg=window if window is not None else 0,
+        num_blocks=k_cache.shape[0] if paged else 0,
+        num_stages=num_stages, merge_warps=t["merge_warps"],
+        block_len=k_cache.shape[1] if paged else 1)
 
 
 def _fit_shared_memory(block_n: int, num_stages: int, block_m: int, block_d: int,
@@ -390,18 +455,18 @@ def _choose_splits(programs: int, span: int, block_n: int, slots: int, min_keys:
 
 
 def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale,
-                   s: dict[str, Any], out=None, lse=None):
+                   s: DecodeCall, out=None, lse=None):
     """The kernels on contiguous ``q``, ``cache_seqlens``, ``block_table``, ``sinks`` and
     scales, and caches whose last dim is contiguous and whose strides are equal; into
     contiguous ``out [B, S, Hq, D]`` (any float dtype) and ``lse [B, S, Hq]`` float32 when
-    given. ``s["pdl"]`` (set by a caller, off otherwise): the kernels launched with
+    given. ``s.pdl`` (set by a caller, off otherwise): the kernels launched with
     programmatic dependent launch (``lmfuse._pdl``)."""
     B, S, Hq, D = q.shape
-    pdl = s.get("pdl", 0)
-    Hkv, splits = s["Hkv"], s["splits"]
+    pdl, c = s.pdl, s.launch
+    Hkv, splits = s.Hkv, c.splits
     if out is None:
         out = torch.empty((B, S, Hq, D), dtype=q.dtype, device=q.device)
-    if lse is None and s["return_lse"]:
+    if lse is None and s.return_lse:
         lse = torch.empty((B, S, Hq), dtype=torch.float32, device=q.device)
     if B == 0:
         return out, lse
@@ -413,28 +478,28 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_sca
     else:
         o_t, l_t = out, (lse if lse is not None else out)
     paged = block_table is not None
-    _kernels().decode_kernel[(B * Hkv, splits, s["row_blocks"])](
+    _kernels().decode_kernel[(B * Hkv, splits, c.row_blocks)](
         q, k_cache, v_cache, cache_seqlens, block_table if paged else cache_seqlens,
         sinks if sinks is not None else q, k_scale if k_scale is not None else q,
         v_scale if v_scale is not None else q, o_t, l_t,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_table.shape[1] if paged else 0, Hkv, splits, s["keys_per_split"], s["qk_scale"],
-        s["window_arg"], s["capacity"],
-        s["num_blocks"], (s["softcap"] or 0.0) * 1.4426950408889634,
-        S_ACT=S, GROUP=Hq // Hkv, D=D, BLOCK_M=s["BLOCK_M"], BLOCK_N=s["BLOCK_N"],
-        BLOCK_D=s["BLOCK_D"], PAGED=paged, BLOCK_LEN=s["block_len"],
-        HAS_WINDOW=s["window"] is not None, HAS_SINKS=sinks is not None,
+        block_table.shape[1] if paged else 0, Hkv, splits, c.keys_per_split, c.qk_scale,
+        c.window_arg, s.capacity,
+        c.num_blocks, (s.softcap or 0.0) * 1.4426950408889634,
+        S_ACT=S, GROUP=Hq // Hkv, D=D, BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N,
+        BLOCK_D=c.BLOCK_D, PAGED=paged, BLOCK_LEN=c.block_len,
+        HAS_WINDOW=s.window is not None, HAS_SINKS=sinks is not None,
         HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None,
-        WRITE_LSE=splits > 1 or lse is not None, DOT_F32=s["DOT_F32"], F16_DOT=s["F16_DOT"],
-        IEEE=s["IEEE"], NUM_STAGES=s["num_stages"], WIDEN_V_FIRST=s["WIDEN_V_FIRST"],
-        HAS_SOFTCAP=s["softcap"] is not None, num_warps=s["num_warps"], PDL=pdl,
+        WRITE_LSE=splits > 1 or lse is not None, DOT_F32=c.DOT_F32, F16_DOT=c.F16_DOT,
+        IEEE=c.IEEE, NUM_STAGES=c.num_stages, WIDEN_V_FIRST=c.WIDEN_V_FIRST,
+        HAS_SOFTCAP=s.softcap is not None, num_warps=c.num_warps, PDL=pdl,
         **_pdl.launch_options(pdl))
     if splits > 1:
-        cols = min(s["BLOCK_D"], _MERGE_COLUMNS)
+        cols = min(c.BLOCK_D, _MERGE_COLUMNS)
         _kernels().merge_kernel[(rows, cdiv(D, cols))](
             o_t, l_t, out, lse if lse is not None else out, splits, D, splits * D, 1, splits,
             D=D, BLOCK_D=cols, BLOCK_P=next_pow2(splits, 2), CHUNK_P=_merge_chunk(splits, cols),
-            WRITE_LSE=lse is not None, num_warps=s["merge_warps"], PDL=pdl,
+            WRITE_LSE=lse is not None, num_warps=c.merge_warps, PDL=pdl,
             **_pdl.launch_options(pdl))
     return out, lse
 
@@ -619,28 +684,27 @@ def decode_attention(
     s = _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_size, sinks,
                  k_scale, v_scale, return_lse, num_splits, impl, softcap)
     with nvtx_range("decode_attention", "fwd"):
-        if (native_cpu(impl, s["path"], q) and k_cache.dtype == torch.float32
-                and sinks is None and s["softcap"] is None and not return_lse):
-            out = _native_decode(q, k_cache, v_cache, cache_seqlens, block_table, s["scale"],
+        if (native_cpu(impl, s.path, q) and k_cache.dtype == torch.float32
+                and sinks is None and s.softcap is None and not return_lse):
+            out = _native_decode(q, k_cache, v_cache, cache_seqlens, block_table, s.scale,
                                  window_size)
             if out is not None:
                 return out
-        if s["path"] == "torch":
+        if s.path == "torch":
             return ref.decode_attention_reference(
-                q, k_cache, v_cache, cache_seqlens, block_table=block_table, scale=s["scale"],
+                q, k_cache, v_cache, cache_seqlens, block_table=block_table, scale=s.scale,
                 window_size=window_size, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-                return_lse=return_lse, softcap=s["softcap"])
+                return_lse=return_lse, softcap=s.softcap)
         q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale = _laid_out(
             q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale)
         if _eager():
             out, lse = _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks,
                                       k_scale, v_scale, s)
         else:
-            s["return_lse"] = True
             out, lse = _decode_op(q, k_cache, v_cache, cache_seqlens, block_table, sinks,
-                                  k_scale, v_scale, s["scale"],
+                                  k_scale, v_scale, s.scale,
                                   -1 if window_size is None else window_size, num_splits or 0,
-                                  s["softcap"] or 0.0)
+                                  s.softcap or 0.0)
         return (out, lse) if return_lse else out
 
 
@@ -723,10 +787,10 @@ def decode_attention_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     B, S, Hq, D = q.shape
     R = B * S * Hq
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if s["path"] == "torch" or not _eager():
+    if s.path == "torch" or not _eager():
         out, lse = decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
                                     scale=scale, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-                                    return_lse=True, num_splits=num_splits, impl=s["path"],
+                                    return_lse=True, num_splits=num_splits, impl=s.path,
                                     softcap=softcap)
         return torch.cat([out.to(compute).reshape(-1), lse.to(compute).reshape(-1)])
     q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale = _laid_out(
@@ -919,22 +983,23 @@ def plan_decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=Non
     s = _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_size, sinks,
                  k_scale, v_scale, return_lse, num_splits, impl, softcap,
                  check_values=check_values)
-    B, S, Hq, Hkv, D = s["B"], s["s_active"], s["Hq"], s["Hkv"], s["D"]
+    B, S, Hq, Hkv, D = s.B, s.s_active, s.Hq, s.Hkv, s.D
     cache = (f"paged [{k_cache.shape[0]} blocks x {k_cache.shape[1]}] x {block_table.shape[1]}"
-             f" blocks per sequence" if s["paged"] else f"contiguous, S_max {k_cache.shape[1]}")
+             f" blocks per sequence" if s.paged else f"contiguous, S_max {k_cache.shape[1]}")
     details = {
         "q": f"{list(q.shape)} {dtype_name(q.dtype)}: {S} active token(s), {Hq} heads, D {D}",
         "cache": (f"{cache}, {Hkv} KV heads ({Hq // Hkv} query heads each), "
                   f"{dtype_name(k_cache.dtype)}"),
     }
-    if s["path"] == "triton":
-        how = "forced" if s["forced_splits"] else "heuristic"
-        details["grid"] = (f"{B * Hkv} (sequence, KV head) x {s['splits']} split(s) ({how}, "
-                           f"<= {s['keys_per_split']} keys each) x {s['row_blocks']} row "
-                           f"block(s) of {s['BLOCK_M']}; key tiles of {s['BLOCK_N']}")
-        if s["splits"] > 1:
+    c = s.launch
+    if c is not None:  # the Triton path
+        how = "forced" if c.forced_splits else "heuristic"
+        details["grid"] = (f"{B * Hkv} (sequence, KV head) x {c.splits} split(s) ({how}, "
+                           f"<= {c.keys_per_split} keys each) x {c.row_blocks} row "
+                           f"block(s) of {c.BLOCK_M}; key tiles of {c.BLOCK_N}")
+        if c.splits > 1:
             details["merge"] = "partials (float32) merged by their LSEs in a second kernel"
-    return Plan("decode_attention", s["path"], s["reason"], details, s)
+    return Plan("decode_attention", s.path, s.reason, details, call=s)
 
 
 @register_planner("decode_attention")

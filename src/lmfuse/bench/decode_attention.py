@@ -231,7 +231,7 @@ def checked(fn: Callable[[], torch.Tensor], expected: torch.Tensor, tol: float
 def _lmfuse_call(q, k_cache, v_cache, seqlens, **kwargs) -> tuple[Callable[[], object], str]:
     """The timed lmfuse call and a note on its path (split count on the Triton path)."""
     plan = lmfuse.explain(lmfuse.decode_attention, q, k_cache, v_cache, seqlens, **kwargs)
-    how = (f"{plan.args['splits']} split(s)" if plan.impl == "triton" else "reference path")
+    how = (f"{plan.call.launch.splits} split(s)" if plan.impl == "triton" else "reference path")
     return (lambda: lmfuse.decode_attention(q, k_cache, v_cache, seqlens, **kwargs)), how
 
 

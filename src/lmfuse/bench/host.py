@@ -376,7 +376,7 @@ def softmax_spec(inp: Inputs, liger: dict) -> OpSpec:
 
     def build():
         a = resolve()[2]
-        left, right = a["left"], a["right"]
+        left, right = a.left, a.right
 
         def fwd_bwd():
             y, lse = ops._launch_fwd(sd, None, None, SCALE, left, right)
@@ -445,7 +445,7 @@ def linear_cross_entropy_spec(inp: Inputs, liger: dict) -> OpSpec:
     def checks():
         o = linear._resolve(hd, wd, t, None, IGNORE, 0.0, 0.0, None, "mean", None, "auto",
                             None)[2]
-        ops._check_targets(t, o)
+        ops._check_targets(t, o.loss)
 
     spec.checks = checks
     spec.checks_note = "cross_entropy.linear._resolve + _check_targets"

@@ -29,16 +29,17 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
 from .. import tuning
-from .._dispatch import Plan, check_tensor, native_cpu, register_planner
+from .._dispatch import Plan, ResolvedCall, check_tensor, native_cpu, register_planner
 from .._launch import cdiv, dtype_name, is_pow2
 from .._nvtx import nvtx_range
-from ..distributed.collectives import all_reduce_sum, all_reduce_sum_, group_rank
+from .._collectives import all_reduce_sum, all_reduce_sum_, group_rank
 from . import ops
 from . import reference as ref
 from .reference import linear_cross_entropy_reference as linear_cross_entropy_reference
@@ -153,11 +154,40 @@ def chunk_rows(n: int, v_local: int, itemsize: int, device: torch.device,
     return max(1, min(n, rows))
 
 
+@dataclass(frozen=True, slots=True)
+class LinearCrossEntropyCall(ResolvedCall):
+    """A checked :func:`linear_cross_entropy` call: the loss options (those of
+    :func:`lmfuse.cross_entropy` on the logits-to-be, checked by its resolution) and what
+    the chunked passes add. Its ``grad_needed`` and ``fused`` are the call's own (``loss``
+    holds cross_entropy's, for logits that need no gradient: never read here)."""
+
+    loss: ops.CrossEntropyCall
+    needs: tuple[bool, bool, bool]  # gradients for hidden, weight, bias
+    grad_needed: bool
+    max_chunk_bytes: Optional[int]
+    fused: bool  # the gradients computed in the forward
+    config: Optional[dict[str, Any]]  # the chunk and kernel config (None on the native path)
+    config_source: str
+    fp32_logits: bool  # logits_in_fp32 for a half-precision hidden
+    native: bool  # PyTorch's F.linear then F.cross_entropy
+    token_scaling: bool  # use_token_scaling
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields by name, ``loss``'s flattened in (this call's ``grad_needed`` and
+        ``fused`` over its)."""
+        d = self.loss.as_dict()
+        d.update((name, getattr(self, name)) for name in _OWN_FIELDS)
+        return d
+
+
+_OWN_FIELDS = tuple(f for f in LinearCrossEntropyCall.__dataclass_fields__ if f != "loss")
+
+
 def _resolve(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap,
              reduction, tp_group, impl, max_chunk_bytes,
              cfg=None, logits_in_fp32=False, ce_weight=None, return_z_loss=False,
              return_token_accuracy=False, return_predicted_tokens=False,
-             use_token_scaling=False) -> tuple[str, str, dict[str, Any]]:
+             use_token_scaling=False) -> tuple[str, str, LinearCrossEntropyCall]:
     check_tensor(_OP, "hidden", hidden)
     if hidden.dim() < 1:
         raise ValueError(f"{_OP}: hidden must be [..., H], got a 0-D tensor")
@@ -201,7 +231,7 @@ def _resolve(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss
                          f"got {max_chunk_bytes!r}")
     # The loss options and target checks are those of cross_entropy, for logits [..., V]
     # of hidden's dtype and device (described, not made: a tensor op costs microseconds).
-    path, reason, o = ops._resolve_logits(
+    path, reason, loss = ops._resolve_logits(
         (*hidden.shape[:-1], weight.shape[0]), hidden.dtype, hidden.device, False, target,
         ignore_index, label_smoothing, z_loss, softcap, reduction, tp_group, False, impl,
         ce_weight, return_z_loss, return_token_accuracy, return_predicted_tokens)
@@ -210,8 +240,8 @@ def _resolve(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss
     grad_needed = torch.is_grad_enabled() and any(needs)
     # The default path on CPU float32 tensors, when PyTorch's ops have every option in use:
     # F.linear then F.cross_entropy (no chunks, so no tuning lookup: 5 us of a small call).
-    native = (cfg is None and native_cpu(impl, path, hidden) and o["z_loss"] == 0.0
-              and o["softcap"] is None and o["tp_group"] is None and not o["extras"]
+    native = (cfg is None and native_cpu(impl, path, hidden) and loss.z_loss == 0.0
+              and loss.softcap is None and loss.tp_group is None and not loss.extras
               and not use_token_scaling)
     if native:
         source = "none: PyTorch's F.linear then F.cross_entropy on the whole logits"
@@ -224,24 +254,22 @@ def _resolve(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss
     fused = grad_needed and reduction != "none" and hidden.dtype != torch.float16
     # float32 logits: only half-precision inputs change (float32/float64 logits already are).
     fp32_logits = logits_in_fp32 and hidden.dtype in (torch.float16, torch.bfloat16)
-    o.update(needs=needs, grad_needed=grad_needed, max_chunk_bytes=max_chunk_bytes,
-             fused=fused, config=cfg, config_source=source, fp32_logits=fp32_logits,
-             native=native,
-             token_scaling=use_token_scaling)
-    return path, reason, o
+    return path, reason, LinearCrossEntropyCall(
+        loss, needs, grad_needed, max_chunk_bytes, fused, cfg, source, fp32_logits, native,
+        use_token_scaling)
 
 
-def _chunk_itemsize(hidden: torch.Tensor, o: dict[str, Any]) -> int:
+def _chunk_itemsize(hidden: torch.Tensor, o: LinearCrossEntropyCall) -> int:
     """Bytes a logit takes in the chunk budget: the chunk in hidden's dtype, or in float32
     plus its gradient's copy in hidden's dtype (what the weight-gradient GEMMs read)."""
-    return hidden.element_size() + (4 if o["fp32_logits"] else 0)
+    return hidden.element_size() + (4 if o.fp32_logits else 0)
 
 
-def _chunk_buffers(hidden: torch.Tensor, rows: int, v: int, o: dict[str, Any],
+def _chunk_buffers(hidden: torch.Tensor, rows: int, v: int, o: LinearCrossEntropyCall,
                    grads: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The logits chunk buffer (float32 with ``fp32_logits``) and, then, the buffer its
     gradient is rounded into for the GEMMs (``None`` otherwise: they read the chunk)."""
-    if not o["fp32_logits"]:
+    if not o.fp32_logits:
         return hidden.new_empty((rows, v)), None
     buf = torch.empty((rows, v), dtype=torch.float32, device=hidden.device)
     return buf, (hidden.new_empty((rows, v)) if grads else None)
@@ -258,18 +286,19 @@ def _grad_operand(logits: torch.Tensor, half: Optional[torch.Tensor]) -> torch.T
 def _chunk_stats(logits, target, count, o, grad: bool, mean: bool, cw=None, wstat=None):
     """Whole-vocabulary ``[3, rows]`` stats of one logits chunk (on the one-rank Triton
     path the kernel's own ``[4+, rows]``, the first three those), its tokens' first argmax
-    (``[rows]`` int64 with ``o["argmax"]``, else None), their target weights (``[rows]``
+    (``[rows]`` int64 with ``o.loss.argmax``, else None), their target weights (``[rows]``
     with class weights and ``tp_group``, else None) and, with ``grad``, its gradient in
     place: for an upstream gradient of 1 (over the mean's divisors when ``mean``; times
     each token's target probability with ``use_token_scaling``). ``cw``, ``wstat``: the
     class weights (this rank's) and their ``[2]`` stats over the whole vocabulary and
     batch (:func:`_weight_stats`), or None."""
-    ignore, ls, z, cap = o["ignore_index"], o["label_smoothing"], o["z_loss"], o["softcap"]
-    one_rank = o["tp_group"] is None
-    argmax = o["argmax"]
+    loss = o.loss
+    ignore, ls, z, cap = loss.ignore_index, loss.label_smoothing, loss.z_loss, loss.softcap
+    one_rank = loss.tp_group is None
+    argmax = loss.argmax
     eager = ops._eager()  # else through the custom ops, opaque to torch.compile
-    if o["path"] == "triton" and one_rank and grad:
-        kernel, scale = o["config"]["kernel"], o["token_scaling"]
+    if loss.path == "triton" and one_rank and grad:
+        kernel, scale = o.config["kernel"], o.token_scaling
         if eager:
             stats = ops._launch_fwd(logits, target, count, logits, 0, logits.shape[1], ignore,
                                     ls, z, cap, mean, kernel, cw, wstat, argmax, scale)
@@ -278,8 +307,8 @@ def _chunk_stats(logits, target, count, o, grad: bool, mean: bool, cw=None, wsta
                                                   mean, ops.encode_launch(kernel), cw, wstat,
                                                   argmax, scale)
         return stats, stats[4].long() if argmax else None, None
-    if o["path"] == "triton":
-        start, size = o["vocab_start"], o["vocab_size"]  # (the loss row, scaled by mean,
+    if loss.path == "triton":
+        start, size = loss.vocab_start, loss.vocab_size  # (the loss row, scaled by mean,
         stats = (ops._launch_fwd(logits, target, count, None, start, size, ignore, ls, z, cap,
                                  False, None, cw, wstat, argmax) if eager else  # is unused)
                  torch.ops.lmfuse.ce_stats(logits, target, count, start, size, ignore, ls, z,
@@ -290,68 +319,70 @@ def _chunk_stats(logits, target, count, o, grad: bool, mean: bool, cw=None, wsta
             return stats, pred, None
         stats = stats[:3]
     else:
-        stats = ref.local_token_stats(logits, target, o["vocab_start"], cap, cw)
+        stats = ref.local_token_stats(logits, target, loss.vocab_start, cap, cw)
         pred = ref.predicted_tokens(logits, target, ignore, cap) if argmax else None
     wt = None
     if not one_rank:
         top = None
         if argmax:
-            top = (ops._local_top(logits, columns, o["vocab_start"], cap)
-                   if o["path"] == "triton" else ref.local_top(logits, o["vocab_start"], cap))
-        merged = gather_stats(stats, target, count, o, False, cw, top)
+            top = (ops._local_top(logits, columns, loss.vocab_start, cap)
+                   if loss.path == "triton" else ref.local_top(logits, loss.vocab_start, cap))
+        merged = gather_stats(stats, target, count, loss, False, cw, top)
         stats, wt, pred = merged.stats[:3].contiguous(), merged.target_weight, merged.pred
     if grad:
         w, wz = _token_scales(torch.ones((), device=logits.device), stats, target, count,
                               wstat, o)
-        _chunk_grad(logits, target, stats, w, o, cw, wstat, wz, wt)
+        _chunk_grad(logits, target, stats, w, loss, cw, wstat, wz, wt)
     return stats, pred, wt
 
 
-def _weight_stats(cw: torch.Tensor, target: torch.Tensor, o: dict[str, Any]) -> torch.Tensor:
+def _weight_stats(cw: torch.Tensor, target: torch.Tensor,
+                  loss: ops.CrossEntropyCall) -> torch.Tensor:
     """``[2]`` float32: the sum of the class weights and that of the non-ignored targets'
     (a weighted mean's divisor), over the whole vocabulary: with ``tp_group`` each rank's
     share summed by one all-reduce of these two floats, before the chunks (the forward's
     gradients need the divisor from the first chunk on)."""
-    if o["tp_group"] is None:
-        return ops._class_stats(cw, target, o["ignore_index"])
-    mine = torch.stack([cw.sum(), ref.target_weights(cw, target, o["ignore_index"],
-                                                     o["vocab_start"]).sum()]).float()
-    return all_reduce_sum(mine, o["tp_group"])
+    if loss.tp_group is None:
+        return ops._class_stats(cw, target, loss.ignore_index)
+    mine = torch.stack([cw.sum(), ref.target_weights(cw, target, loss.ignore_index,
+                                                     loss.vocab_start).sum()]).float()
+    return all_reduce_sum(mine, loss.tp_group)
 
 
 def _token_scales(dout: torch.Tensor, stats: torch.Tensor, target: torch.Tensor,
                   count: torch.Tensor, wstat: Optional[torch.Tensor],
-                  o: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+                  o: LinearCrossEntropyCall) -> tuple[torch.Tensor, torch.Tensor]:
     """``(w, wz) [rows]`` float32, what the gradient kernels scale each token's gradient
     by for the upstream gradient ``dout`` (per token for ``"none"``, else a scalar): ``w``
     the (class-weighted) terms', ``wz`` the z-loss's (they differ only for a weighted
     mean: ``sum w_t`` and the token count divide them); times each token's target
     probability (from the whole-vocabulary ``stats``) with ``use_token_scaling``."""
     d = dout.float()
-    w = d.reshape(-1) if o["reduction"] == "none" else d.reshape(1).expand(target.shape[0])
+    w = d.reshape(-1) if o.loss.reduction == "none" else d.reshape(1).expand(target.shape[0])
     wz = w
-    if o["reduction"] == "mean":
+    if o.loss.reduction == "mean":
         wz = w / count.clamp(min=1)
         w = wz if wstat is None else w / torch.where(count > 0, wstat[1],
                                                      torch.ones_like(wstat[1]))
-    if o["token_scaling"]:
-        p = ref.target_probability(stats, target, vocab_size=o["vocab_size"],
-                                   ignore_index=o["ignore_index"]).float()
+    if o.token_scaling:
+        p = ref.target_probability(stats, target, vocab_size=o.loss.vocab_size,
+                                   ignore_index=o.loss.ignore_index).float()
         w, wz = w * p, wz * p
     return w, wz
 
 
-def _chunk_grad(logits, target, stats, w, o, cw=None, wstat=None, wz=None, wt=None) -> None:
+def _chunk_grad(logits, target, stats, w, loss: ops.CrossEntropyCall, cw=None, wstat=None,
+                wz=None, wt=None) -> None:
     """Overwrite a logits chunk with its gradient, from whole-vocabulary stats and the
     tokens' upstream gradients ``w [rows]`` (float32); with class weights ``cw`` (and
     ``wstat``), ``wz [rows]`` scales the z-loss's term (see :func:`_token_scales`) and,
     with ``tp_group``, ``wt [rows]`` holds the targets' weights."""
-    args = (o["vocab_start"], o["vocab_size"], o["ignore_index"], o["label_smoothing"],
-            o["z_loss"], o["softcap"])
+    args = (loss.vocab_start, loss.vocab_size, loss.ignore_index, loss.label_smoothing,
+            loss.z_loss, loss.softcap)
     opt = () if cw is None else (cw, wstat, wz, wt)
-    if o["path"] == "triton" and ops._eager():
+    if loss.path == "triton" and ops._eager():
         ops._launch_grad(logits, target, stats, w, logits, *args, *opt)
-    elif o["path"] == "triton":
+    elif loss.path == "triton":
         torch.ops.lmfuse.ce_grad_(logits, target, stats, w, *args, *opt)
     else:
         logits.copy_(ref.logits_grad(logits, target, stats[0], w, vocab_start=args[0],
@@ -421,26 +452,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """Loss of ``hidden [N, H] @ weight [V_local, H].T (+ bias)``; see the module docstring.
 
     ``cw``: class weights ``[V_local]`` (float32; float64 for float64 inputs on the torch
-    path) or None. With ``o["extras"]`` (a ``return_*`` option) it returns ``(loss, lse,
+    path) or None. With ``o.loss.extras`` (a ``return_*`` option) it returns ``(loss, lse,
     predicted, scale)``: each token's whole-vocabulary lse, its first argmax (int64, with
-    ``o["argmax"]``; an empty tensor otherwise) and its ``use_token_scaling`` factor (an
+    ``o.loss.argmax``; an empty tensor otherwise) and its ``use_token_scaling`` factor (an
     empty tensor without), none of them differentiable."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, cw, o: dict[str, Any]):
+    def forward(ctx, hidden, weight, bias, target, cw, o: LinearCrossEntropyCall):
         with nvtx_range(_OP, "fwd"):
             n = hidden.shape[0]
             rows = chunk_rows(n, weight.shape[0], _chunk_itemsize(hidden, o), hidden.device,
-                              o["max_chunk_bytes"], o["config"])
-            ignore = o["ignore_index"]
+                              o.max_chunk_bytes, o.config)
+            ignore = o.loss.ignore_index
             t = target.long()
             valid = t != ignore
             # (For int64 targets that is target != ignore: counted, not formed twice.)
             count = torch.sum(valid if t is target else target != ignore, dtype=torch.float32)
-            wstat = None if cw is None else _weight_stats(cw, target, o)
-            mean = o["reduction"] == "mean"
+            wstat = None if cw is None else _weight_stats(cw, target, o.loss)
+            mean = o.loss.reduction == "mean"
             ctx.o, ctx.rows = o, rows
-            grads = _Grads(hidden, weight, bias, o["needs"]) if o["fused"] else None
+            grads = _Grads(hidden, weight, bias, o.needs) if o.fused else None
             sdtype = _stats_dtype(hidden)
             buf, half = _chunk_buffers(hidden, min(rows, n), weight.shape[0], o,
                                        grads is not None)
@@ -458,9 +489,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             else:
                 stats = torch.empty((3, n), dtype=sdtype, device=hidden.device)
                 pred = (torch.empty((n,), dtype=torch.int64, device=hidden.device)
-                        if o["argmax"] else None)
+                        if o.loss.argmax else None)
                 wt = None  # (with tp_group: the targets' weights, from the chunks' all-gathers)
-                if cw is not None and o["tp_group"] is not None:
+                if cw is not None and o.loss.tp_group is not None:
                     wt = torch.empty((n,), dtype=sdtype, device=hidden.device)
                 for r0 in range(0, n, rows):
                     r1 = min(n, r0 + rows)
@@ -476,17 +507,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     if grads is not None:
                         grads.add(_grad_operand(logits, half), r0, r1)
             del buf, half
-            if pred is None and o["extras"]:
+            if pred is None and o.loss.extras:
                 pred = torch.empty((0,), dtype=torch.int64, device=hidden.device)
             loss, scale = _loss(stats, target, t, valid, count, o, cw, wt, wstat)
             if grads is not None:
-                ctx.save_for_backward(*(g for g in grads.finish(o["tp_group"])
+                ctx.save_for_backward(*(g for g in grads.finish(o.loss.tp_group)
                                         if g is not None))
-            elif o["grad_needed"]:
+            elif o.grad_needed:
                 ctx.save_for_backward(hidden, weight, bias, target, _first3(stats), count, cw,
                                       wstat, wt)
-            ctx.has = tuple(o["needs"])
-            if not o["extras"]:
+            ctx.has = tuple(o.needs)
+            if not o.loss.extras:
                 return loss
             lse = stats[0].clone()
             scale = stats.new_empty((0,)) if scale is None else scale
@@ -497,11 +528,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, dout, *_extras):
         with nvtx_range(_OP, "bwd"):
             o = ctx.o
-            if o["fused"]:
+            if o.fused:
                 ops._once(ctx, _OP)
                 saved = list(ctx.saved_tensors)
                 out = [saved.pop(0) if need else None for need in ctx.has]
-                _scale([g for g in out if g is not None], dout, o["path"])
+                _scale([g for g in out if g is not None], dout, o.loss.path)
                 return out[0], out[1], out[2], None, None, None
             hidden, weight, bias, target, stats, count, cw, wstat, wt = ctx.saved_tensors
             n, rows = hidden.shape[0], ctx.rows
@@ -512,44 +543,44 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 r1 = min(n, r0 + rows)
                 logits = buf[: r1 - r0]
                 _logits(hidden[r0:r1], weight, bias, out=logits)
-                _chunk_grad(logits, target[r0:r1], stats[:, r0:r1].contiguous(), w[r0:r1], o,
-                            cw, wstat, None if cw is None else wz[r0:r1],
+                _chunk_grad(logits, target[r0:r1], stats[:, r0:r1].contiguous(), w[r0:r1],
+                            o.loss, cw, wstat, None if cw is None else wz[r0:r1],
                             None if wt is None else wt[r0:r1])
                 grads.add(_grad_operand(logits, half), r0, r1)
-            dh, dw, db = grads.finish(o["tp_group"])
+            dh, dw, db = grads.finish(o.loss.tp_group)
             return dh, dw, db, None, None, None
 
 
 def _loss(stats: torch.Tensor, target: torch.Tensor, t: torch.Tensor, valid: torch.Tensor,
-          count: torch.Tensor, o: dict[str, Any], cw: Optional[torch.Tensor],
+          count: torch.Tensor, o: LinearCrossEntropyCall, cw: Optional[torch.Tensor],
           wt: Optional[torch.Tensor], wstat: Optional[torch.Tensor]
           ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The loss from the batch's stats (``[3+, N]``: lse, x_t, sum x, any further rows
     ignored), and with ``use_token_scaling`` each token's factor: :func:`reference.token_terms`
     then :func:`reference.reduce_terms`. ``t``: ``target.long()``; ``valid``:
     ``t != ignore_index``."""
-    if (o["path"] == "triton" and cw is None and o["reduction"] != "none"
-            and not o["label_smoothing"] and not o["z_loss"] and not o["token_scaling"]):
+    if (o.loss.path == "triton" and cw is None and o.loss.reduction != "none"
+            and not o.loss.label_smoothing and not o.loss.z_loss and not o.token_scaling):
         # The same, bit for bit, in fewer tensor ops (each costs microseconds on the host
         # of a small call): no product by 1 - label_smoothing = 1, no zero z-loss (adding
         # its +0.0 turns only a -0.0 into +0.0, which the sum does anyway), the bad-target
         # and ignored masks in two wheres of scalars.
         lse, x_t = stats.unbind()[:2]
-        bad = t.clamp(0, o["vocab_size"] - 1) != t
+        bad = t.clamp(0, o.loss.vocab_size - 1) != t
         ce = torch.where(valid, torch.where(bad, math.inf, lse - x_t), 0.0).sum()
-        return (ce / count.clamp(min=1) if o["reduction"] == "mean" else ce), None
-    ignore = o["ignore_index"]
+        return (ce / count.clamp(min=1) if o.loss.reduction == "mean" else ce), None
+    ignore = o.loss.ignore_index
     stats = _first3(stats)
-    ce, zl = ref.token_terms(stats, target, vocab_size=o["vocab_size"], ignore_index=ignore,
-                             label_smoothing=o["label_smoothing"], z_loss=o["z_loss"],
+    ce, zl = ref.token_terms(stats, target, vocab_size=o.loss.vocab_size, ignore_index=ignore,
+                             label_smoothing=o.loss.label_smoothing, z_loss=o.loss.z_loss,
                              weight=cw, target_weight=wt,
                              weight_sum=None if wt is None else wstat[0])
     scale = None
-    if o["token_scaling"]:
-        scale = ref.target_probability(stats, target, vocab_size=o["vocab_size"],
+    if o.token_scaling:
+        scale = ref.target_probability(stats, target, vocab_size=o.loss.vocab_size,
                                        ignore_index=ignore)
         ce, zl = ce * scale, zl * scale
-    return ref.reduce_terms(ce, zl, target, count, o["reduction"], ignore, cw, wt), scale
+    return ref.reduce_terms(ce, zl, target, count, o.loss.reduction, ignore, cw, wt), scale
 
 
 def _first3(stats: torch.Tensor) -> torch.Tensor:
@@ -636,38 +667,39 @@ def plan_linear_cross_entropy(
                                return_token_accuracy, return_predicted_tokens,
                                use_token_scaling)
     n = target.numel()
-    if o["native"]:
+    if o.native:
         details = {"hidden": f"{list(hidden.shape)} {dtype_name(hidden.dtype)}",
                    "vocabulary": str(weight.shape[0]),
-                   "passes": o["config_source"] + " (autograd for the gradients)"}
-        return Plan(_OP, path, reason + "; CPU float32: PyTorch's own ops", details, o)
+                   "passes": o.config_source + " (autograd for the gradients)"}
+        return Plan(_OP, path, reason + "; CPU float32: PyTorch's own ops", details,
+                    call=o)
     rows = chunk_rows(max(n, 1), weight.shape[0], _chunk_itemsize(hidden, o), hidden.device,
-                      max_chunk_bytes, o["config"])
+                      max_chunk_bytes, o.config)
     chunks = cdiv(n, rows)
     details = {
         "hidden": f"{list(hidden.shape)} {dtype_name(hidden.dtype)}",
-        "vocabulary": (f"{weight.shape[0]} of {o['vocab_size']} (rank {group_rank(tp_group)}, "
-                       f"one all-gather of [{3 + o['weighted'] + 2 * o['argmax']}, rows] "
+        "vocabulary": (f"{weight.shape[0]} of {o.loss.vocab_size} (rank {group_rank(tp_group)}, "
+                       f"one all-gather of [{3 + o.loss.weighted + 2 * o.loss.argmax}, rows] "
                        "stats per chunk"
-                       + (", the class weights' sums all-reduced first" if o["weighted"]
+                       + (", the class weights' sums all-reduced first" if o.loss.weighted
                           else "") + ")"
-                       if o["tp_group"] is not None else str(weight.shape[0])),
+                       if o.loss.tp_group is not None else str(weight.shape[0])),
         "chunks": (f"{chunks} x {rows} tokens; logits buffer "
                    f"{rows * weight.shape[0] * _chunk_itemsize(hidden, o) / 2**20:.1f} MiB"
                    + (" (float32 logits and their gradient in hidden's dtype)"
-                      if o["fp32_logits"] else "")),
-        "config": _describe(o["config"], o["config_source"], max_chunk_bytes),
-        "passes": ("fused: gradients in the forward, backward only rescales" if o["fused"]
+                      if o.fp32_logits else "")),
+        "config": _describe(o.config, o.config_source, max_chunk_bytes),
+        "passes": ("fused: gradients in the forward, backward only rescales" if o.fused
                    else "deferred: stats in forward, logits recomputed in backward"
-                   if o["grad_needed"] else "stats only (no gradient needed)"),
+                   if o.grad_needed else "stats only (no gradient needed)"),
     }
     extras = [name for name, on in (
-        ("class weights", o["weighted"]), ("z-loss returned", o["return_z_loss"]),
-        ("argmax in the stats pass", o["argmax"]),
-        ("token scaling", o["token_scaling"])) if on]
+        ("class weights", o.loss.weighted), ("z-loss returned", o.loss.return_z_loss),
+        ("argmax in the stats pass", o.loss.argmax),
+        ("token scaling", o.token_scaling)) if on]
     if extras:
         details["options"] = ", ".join(extras)
-    return Plan(_OP, path, reason, details, o)
+    return Plan(_OP, path, reason, details, call=o)
 
 
 def linear_cross_entropy(
@@ -771,7 +803,7 @@ def _apply(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, 
     if ce_weight is not None:  # float32 (float64 for float64 inputs on the torch path)
         f64 = hidden.dtype == torch.float64 and path != "triton"
         cw = ce_weight.to(torch.float64 if f64 else torch.float32).contiguous()
-    if o["native"]:
+    if o.native:
         # The default path on CPU float32 tensors: F.linear then F.cross_entropy (the plain
         # formula's speed; on a CPU the logits' memory is not what is scarce). impl="torch"
         # keeps the chunked reference, the tests' oracle. (No reshape of 2-D hidden: its
@@ -779,9 +811,9 @@ def _apply(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, 
         h2d = hidden if hidden.dim() == 2 else hidden.reshape(-1, hidden.shape[-1])
         loss = ops._native_cross_entropy(F.linear(h2d, weight, bias),
                                          target if target.dim() == 1 else target.reshape(-1),
-                                         o, cw)
+                                         o.loss, cw)
         return loss.view(lead) if reduction == "none" else loss
-    ops._check_targets(target, o)
+    ops._check_targets(target, o.loss)
     # (Already 2-D, 1-D: no reshape, whose view would add a node to the backward.)
     h2d = hidden if hidden.dim() == 2 else hidden.reshape(-1, hidden.shape[-1])
     if not h2d.is_contiguous():
@@ -790,10 +822,10 @@ def _apply(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, 
     t1d = target if target.dim() == 1 else target.reshape(-1)
     if not t1d.is_contiguous():
         t1d = t1d.contiguous()
-    if o["extras"]:
+    if o.loss.extras:
         loss, lse, pred, scale = _LinearCrossEntropy.apply(h2d, w, bias, t1d, cw, o)
-        return ops._with_extras(loss, lse, pred, t1d, lead, o,
-                                scale if o["token_scaling"] else None)
+        return ops._with_extras(loss, lse, pred, t1d, lead, o.loss,
+                                scale if o.token_scaling else None)
     loss = _LinearCrossEntropy.apply(h2d, w, bias, t1d, cw, o)
     return loss.view(lead) if reduction == "none" else loss
 

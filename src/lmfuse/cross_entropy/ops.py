@@ -23,6 +23,7 @@ The launches are also ``torch.library`` custom ops, which is what ``torch.compil
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import functools
@@ -31,12 +32,12 @@ import torch
 import torch.nn.functional as F
 
 from .. import tuning
-from .._dispatch import (Plan, check_int, check_number, check_tensor, checked_once,
+from .._dispatch import (Plan, ResolvedCall, check_int, check_number, check_tensor, checked_once,
                          native_cpu, register_planner, select_impl, value_checks)
 from .._dispatch import eager as _eager
 from .._launch import INDEX_DTYPES, cdiv, dtype_name, lazy_kernels, next_pow2
 from .._nvtx import nvtx_range
-from ..distributed.collectives import group_rank, group_size
+from .._collectives import group_rank, group_size
 from . import reference as ref
 from .reference import CrossEntropyOutput
 from .vocab_parallel import gather_stats, scalars
@@ -362,25 +363,25 @@ class _CrossEntropy(torch.autograd.Function):
     """Loss of ``logits [N, V_local]``; see the module docstring for the passes.
 
     ``weight``: class weights ``[V]`` (float32, float64 for float64 logits on the torch
-    path) or None. With ``o["extras"]`` (a ``return_*`` option) it returns ``(loss, lse,
-    predicted)``: each token's whole-vocabulary lse and, with ``o["argmax"]``, its first
+    path) or None. With ``o.extras`` (a ``return_*`` option) it returns ``(loss, lse,
+    predicted)``: each token's whole-vocabulary lse and, with ``o.argmax``, its first
     argmax (int64; an empty tensor otherwise), neither differentiable."""
 
     @staticmethod
-    def forward(ctx, logits, target, weight, o: dict[str, Any]):
+    def forward(ctx, logits, target, weight, o: CrossEntropyCall):
         with nvtx_range(_OP, "fwd"):
-            ls, z, cap, ignore = o["label_smoothing"], o["z_loss"], o["softcap"], o["ignore_index"]
+            ls, z, cap, ignore = o.label_smoothing, o.z_loss, o.softcap, o.ignore_index
             count = torch.sum(target != ignore, dtype=torch.float32)
-            ctx.o, ctx.fused = o, o["fused"]
-            one_rank = o["tp_group"] is None
-            mean = o["reduction"] == "mean" and one_rank
-            argmax = o["argmax"]
+            ctx.o, ctx.fused = o, o.fused
+            one_rank = o.tp_group is None
+            mean = o.reduction == "mean" and one_rank
+            argmax = o.argmax
             wstat = None if weight is None or not one_rank else _class_stats(weight, target,
                                                                               ignore)
             wt = pred = None  # (vocabulary parallel: the targets' weights, the argmax)
             opt = (weight, wstat, argmax)  # the launches' trailing arguments
-            if o["fused"]:
-                if o["inplace"]:
+            if o.fused:
+                if o.inplace:
                     stats = (_launch_fwd(logits, target, count, logits, 0, logits.shape[1], ignore,
                                          ls, z, cap, mean, None, *opt) if _eager() else
                              torch.ops.lmfuse.ce_fwd_grad_(logits, target, count, ignore, ls, z,
@@ -393,42 +394,42 @@ class _CrossEntropy(torch.autograd.Function):
                                                                 z, cap, mean, *opt))
                 ctx.save_for_backward(grad)
             else:
-                if o["path"] == "triton":
+                if o.path == "triton":
                     if not one_rank and weight is not None:  # (its loss row is not used)
                         opt = (weight, torch.ones(2, device=logits.device), argmax)
-                    args = (logits, target, count, o["vocab_start"], o["vocab_size"], ignore, ls, z,
+                    args = (logits, target, count, o.vocab_start, o.vocab_size, ignore, ls, z,
                             cap, mean)
                     stats = (_launch_fwd(logits, target, count, None, *args[3:], None, *opt)
                              if _eager() else torch.ops.lmfuse.ce_stats(*args, *opt))
                 else:
-                    stats = ref.local_token_stats(logits, target, o["vocab_start"], cap, weight)
+                    stats = ref.local_token_stats(logits, target, o.vocab_start, cap, weight)
                 if not one_rank:
                     top = None
-                    if argmax and o["path"] == "triton":
-                        top = _local_top(logits, stats[4], o["vocab_start"], cap)
+                    if argmax and o.path == "triton":
+                        top = _local_top(logits, stats[4], o.vocab_start, cap)
                     elif argmax:
-                        top = ref.local_top(logits, o["vocab_start"], cap)
+                        top = ref.local_top(logits, o.vocab_start, cap)
                     stats, wt, wstat, pred = gather_stats(stats, target, count, o,
-                                                          o["reduction"] == "mean", weight, top)
+                                                          o.reduction == "mean", weight, top)
                 ctx.save_for_backward(logits, target, stats.contiguous(), count, weight, wstat,
                                       wt)
-            if o["path"] == "triton":
+            if o.path == "triton":
                 loss = stats[3]  # the kernels' per-token loss, already / count for "mean"
-                loss = loss if o["reduction"] == "none" else loss.sum()
+                loss = loss if o.reduction == "none" else loss.sum()
             else:
-                ce, zl = ref.token_terms(stats, target, vocab_size=o["vocab_size"],
+                ce, zl = ref.token_terms(stats, target, vocab_size=o.vocab_size,
                                          ignore_index=ignore, label_smoothing=ls, z_loss=z,
                                          weight=weight, target_weight=wt,
                                          weight_sum=None if wt is None else wstat[0])
-                loss = ref.reduce_terms(ce, zl, target, count, o["reduction"], ignore, weight,
+                loss = ref.reduce_terms(ce, zl, target, count, o.reduction, ignore, weight,
                                         wt)
-            if not o["extras"]:
+            if not o.extras:
                 return loss
             if not argmax:
                 pred = torch.empty(0, dtype=torch.int64, device=logits.device)
             elif pred is not None:
                 pass  # vocabulary parallel: merged with the stats
-            elif o["path"] == "triton":
+            elif o.path == "triton":
                 pred = stats[4].long()
             else:
                 pred = ref.predicted_tokens(logits, target, ignore, cap)
@@ -452,10 +453,10 @@ class _CrossEntropy(torch.autograd.Function):
             logits, target, stats, count, weight, wstat, wt = ctx.saved_tensors
             n = logits.shape[0]
             wz = None
-            if o["reduction"] == "none":
+            if o.reduction == "none":
                 w = dout.float().contiguous()
                 wz = w
-            elif o["reduction"] == "mean":
+            elif o.reduction == "mean":
                 w = (dout.float() / count.clamp(min=1)).reshape(1).expand(n)
                 if weight is not None:  # the weighted terms over sum w_t, the z-loss over count
                     wz = w
@@ -464,11 +465,11 @@ class _CrossEntropy(torch.autograd.Function):
             else:
                 w = dout.float().reshape(1).expand(n)
                 wz = w
-            args = (o["vocab_start"], o["vocab_size"], o["ignore_index"], o["label_smoothing"],
-                    o["z_loss"], o["softcap"])
+            args = (o.vocab_start, o.vocab_size, o.ignore_index, o.label_smoothing,
+                    o.z_loss, o.softcap)
             opt = () if weight is None else (weight, wstat, wz, wt)
-            if o["path"] == "triton":
-                if o["inplace"]:
+            if o.path == "triton":
+                if o.inplace:
                     if _eager():
                         _launch_grad(logits, target, stats, w, logits, *args, *opt)
                     else:
@@ -485,7 +486,7 @@ class _CrossEntropy(torch.autograd.Function):
                                    label_smoothing=args[3], z_loss=args[4], softcap=args[5],
                                    class_weight=weight, z_weight=wz, target_weight=wt,
                                    weight_sum=None if wt is None else wstat[0])
-            if o["inplace"]:
+            if o.inplace:
                 logits.copy_(grad)
                 return logits, None, None, None
             return grad, None, None, None
@@ -521,8 +522,10 @@ def _once(ctx, op: str) -> None:
 @functools.lru_cache(maxsize=256, typed=True)
 def _scalar_options(ignore_index, label_smoothing, z_loss, softcap, reduction, inplace_backward,
                     return_z_loss, return_token_accuracy, return_predicted_tokens
-                    ) -> tuple[int, float, float, Optional[float], dict[str, bool]]:
-    """The scalar options, validated (``typed``: ``True`` is not taken for ``1``)."""
+                    ) -> tuple[int, float, float, Optional[float]]:
+    """The scalar options, validated (``typed``: ``True`` is not taken for ``1``):
+    ``(ignore_index, label_smoothing, z_loss, softcap)``; the flags are checked to be
+    bools."""
     ignore_index = check_int(_OP, "ignore_index", ignore_index)
     ls = check_number(_OP, "label_smoothing", label_smoothing, allow_none=False)
     if not 0.0 <= ls <= 1.0:
@@ -537,18 +540,45 @@ def _scalar_options(ignore_index, label_smoothing, z_loss, softcap, reduction, i
         raise ValueError(f"{_OP}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if not isinstance(inplace_backward, bool):
         raise TypeError(f"{_OP}: inplace_backward must be a bool, got {inplace_backward!r}")
-    returns = dict(return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
-                   return_predicted_tokens=return_predicted_tokens)
-    for name, flag in returns.items():
+    for name, flag in (("return_z_loss", return_z_loss),
+                       ("return_token_accuracy", return_token_accuracy),
+                       ("return_predicted_tokens", return_predicted_tokens)):
         if not isinstance(flag, bool):
             raise TypeError(f"{_OP}: {name} must be a bool, got {flag!r}")
-    return ignore_index, ls, z, cap, returns
+    return ignore_index, ls, z, cap
+
+
+@dataclass(frozen=True, slots=True)
+class CrossEntropyCall(ResolvedCall):
+    """A checked :func:`cross_entropy` call: the loss options and the pass structure, what
+    the autograd function, the launches and the planner read (and, as the loss options of
+    ``linear_cross_entropy``, :class:`~lmfuse.cross_entropy.linear.LinearCrossEntropyCall`'s
+    ``loss``)."""
+
+    path: str  # "triton" or "torch"
+    ignore_index: int
+    label_smoothing: float
+    z_loss: float
+    softcap: Optional[float]
+    reduction: str  # "mean", "sum" or "none"
+    inplace: bool  # inplace_backward
+    tp_group: Optional[Any]  # None for a group of one rank
+    vocab_start: int  # this rank's first global class
+    vocab_size: int  # the whole vocabulary, every rank's classes
+    fused: bool  # the gradient computed in the forward
+    grad_needed: bool
+    weighted: bool  # class weights given
+    argmax: bool  # return_token_accuracy or return_predicted_tokens
+    extras: bool  # any return_* option: the result is a CrossEntropyOutput
+    return_z_loss: bool
+    return_token_accuracy: bool
+    return_predicted_tokens: bool
 
 
 def _resolve(logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction,
              tp_group, inplace_backward, impl, weight=None, return_z_loss=False,
              return_token_accuracy=False,
-             return_predicted_tokens=False) -> tuple[str, str, dict[str, Any]]:
+             return_predicted_tokens=False) -> tuple[str, str, CrossEntropyCall]:
     """Validate the arguments and choose path and pass structure (no host sync on CUDA)."""
     check_tensor(_OP, "logits", logits)
     if logits.dim() < 1:
@@ -562,7 +592,7 @@ def _resolve(logits, target, ignore_index, label_smoothing, z_loss, softcap, red
 def _resolve_logits(shape, dtype, device, requires_grad, target, ignore_index, label_smoothing,
                     z_loss, softcap, reduction, tp_group, inplace_backward, impl, weight,
                     return_z_loss, return_token_accuracy,
-                    return_predicted_tokens) -> tuple[str, str, dict[str, Any]]:
+                    return_predicted_tokens) -> tuple[str, str, CrossEntropyCall]:
     """:func:`_resolve` past the logits' own checks, from their shape, dtype, device and
     ``requires_grad``: what ``linear_cross_entropy`` checks its logits-to-be with."""
     check_tensor(_OP, "target", target, dtypes=INDEX_DTYPES)
@@ -584,7 +614,7 @@ def _resolve_logits(shape, dtype, device, requires_grad, target, ignore_index, l
                return_z_loss, return_token_accuracy, return_predicted_tokens)
     # The scalar options of a training loop repeat: checked once, not every call (2 us of
     # a 3 us op on a small CPU tensor). Only immutable values pass the checks.
-    ignore_index, ls, z, cap, returns = checked_once(_scalar_options, *scalars)
+    ignore_index, ls, z, cap = checked_once(_scalar_options, *scalars)
     world = group_size(tp_group)
     vocab_start = group_rank(tp_group) * V_local
     vocab_size = V_local * world
@@ -601,13 +631,12 @@ def _resolve_logits(shape, dtype, device, requires_grad, target, ignore_index, l
     # where (p - y) / count underflows float16 at large V and N.
     fused = (path == "triton" and world == 1 and reduction != "none" and grad_needed
              and dtype != torch.float16)
-    args = dict(path=path, ignore_index=ignore_index, label_smoothing=ls, z_loss=z,
-                softcap=cap, reduction=reduction, inplace=inplace_backward,
-                tp_group=tp_group if world > 1 else None, vocab_start=vocab_start,
-                vocab_size=vocab_size, fused=fused, grad_needed=grad_needed,
-                weighted=weight is not None, argmax=argmax, extras=any(returns.values()),
-                **returns)
-    return path, reason, args
+    call = CrossEntropyCall(
+        path, ignore_index, ls, z, cap, reduction, inplace_backward,
+        tp_group if world > 1 else None, vocab_start, vocab_size, fused, grad_needed,
+        weight is not None, argmax, return_z_loss or argmax, return_z_loss,
+        return_token_accuracy, return_predicted_tokens)
+    return path, reason, call
 
 
 _MAX_ARGMAX_CLASSES = 1 << 24  # every class id is exact in float32 up to here
@@ -635,7 +664,7 @@ def check_class_weights(op: str, name: str, w: Any, V_local: int, size_of: str,
                          f"{device}; move them to one device")
 
 
-def _check_targets(target: torch.Tensor, o: dict[str, Any]) -> None:
+def _check_targets(target: torch.Tensor, o: CrossEntropyCall) -> None:
     """Out-of-range targets raise on CPU tensors, and on CUDA ones with
     ``lmfuse.set_checks(True)`` (a host sync). Not under ``torch.compile`` or CUDA-graph
     capture: the check branches on tensor data; there a bad target gets the CUDA
@@ -643,11 +672,11 @@ def _check_targets(target: torch.Tensor, o: dict[str, Any]) -> None:
     """
     if target.numel() == 0 or not value_checks(target):
         return
-    bad = ((target < 0) | (target >= o["vocab_size"])) & (target != o["ignore_index"])
+    bad = ((target < 0) | (target >= o.vocab_size)) & (target != o.ignore_index)
     if bool(bad.any()):
         raise ValueError(
             f"{_OP}: target holds {int(target[bad][0])}, which is neither ignore_index "
-            f"({o['ignore_index']}) nor a class in [0, {o['vocab_size']})"
+            f"({o.ignore_index}) nor a class in [0, {o.vocab_size})"
         )
 
 
@@ -676,20 +705,20 @@ def plan_cross_entropy(
     V = logits.shape[-1]
     details = {
         "logits": f"{list(logits.shape)} {dtype_name(logits.dtype)}",
-        "vocabulary": (f"{V} of {o['vocab_size']} (rank {group_rank(tp_group)}, one "
-                       f"all-gather of [{3 + o['weighted'] + 2 * o['argmax']}, N] stats)"
-                       if o["tp_group"] is not None else str(V)),
+        "vocabulary": (f"{V} of {o.vocab_size} (rank {group_rank(tp_group)}, one "
+                       f"all-gather of [{3 + o.weighted + 2 * o.argmax}, N] stats)"
+                       if o.tp_group is not None else str(V)),
         "passes": ("fused: stats + gradient in the forward kernel, backward only rescales"
-                   if o["fused"] else
-                   "deferred: stats in forward, gradient in backward" if o["grad_needed"]
+                   if o.fused else
+                   "deferred: stats in forward, gradient in backward" if o.grad_needed
                    else "stats only (no gradient needed)"),
     }
     if path == "triton":
         rows = logits.reshape(-1, V)  # what cross_entropy launches on, or a fresh copy
-        copied = rows.stride(-1) != 1 or (o["inplace"] and not rows.is_contiguous())
-        cfg = _config(V, logits.device, o["softcap"] is not None, logits.element_size(),
+        copied = rows.stride(-1) != 1 or (o.inplace and not rows.is_contiguous())
+        cfg = _config(V, logits.device, o.softcap is not None, logits.element_size(),
                       V % 16 == 0 if copied else _aligned(rows))
-        fused = cfg.get("fused", {}) if o["fused"] and not cfg["SINGLE_BLOCK"] else {}
+        fused = cfg.get("fused", {}) if o.fused and not cfg["SINGLE_BLOCK"] else {}
         details["kernel"] = (
             f"{cfg['BLOCK_M']} row(s) x {cfg['BLOCK_V']} per program, row in registers"
             if cfg["SINGLE_BLOCK"] else
@@ -699,16 +728,16 @@ def plan_cross_entropy(
             "gradient in one launch (the second read, last chunk first, mostly from L1)"
             if fused.get("vec") else
             f"streamed in {cfg['BLOCK_V']}-column chunks, online log-sum-exp")
-        if fused.get("slice") and o["argmax"]:
+        if fused.get("slice") and o.argmax:
             details["kernel"] = (f"streamed, a row per program in {fused['BLOCK_V']}-column "
                                  "chunks, stats and gradient in one launch (the argmax has "
                                  "no sliced launch)")
     extras = [name for name, on in (
-        ("class weights", o["weighted"]), ("z-loss returned", o["return_z_loss"]),
-        ("argmax in the stats pass", o["argmax"])) if on]
+        ("class weights", o.weighted), ("z-loss returned", o.return_z_loss),
+        ("argmax in the stats pass", o.argmax)) if on]
     if extras:
         details["options"] = ", ".join(extras)
-    return Plan(_OP, path, reason, details, o)
+    return Plan(_OP, path, reason, details, call=o)
 
 
 def cross_entropy(
@@ -801,14 +830,14 @@ def cross_entropy(
     # Rows may be strided; columns must not be. In place, the gradient is written with the
     # layout of a fresh tensor, so those logits must be contiguous. (A reshape that copied
     # is contiguous already; no data_ptr test: torch.compile cannot trace one.)
-    if logits2d.stride(-1) != 1 or (o["inplace"] and not logits2d.is_contiguous()):
+    if logits2d.stride(-1) != 1 or (o.inplace and not logits2d.is_contiguous()):
         logits2d = logits2d.contiguous()
     target1d = target if target.dim() == 1 else target.reshape(-1)
     if not target1d.is_contiguous():
         target1d = target1d.contiguous()
     if native:
         loss = _native_cross_entropy(logits2d, target1d, o, cw)
-    elif o["extras"]:
+    elif o.extras:
         return _with_extras(*_CrossEntropy.apply(logits2d, target1d, cw, o), target1d, lead, o)
     else:
         loss = _CrossEntropy.apply(logits2d, target1d, cw, o)
@@ -816,36 +845,36 @@ def cross_entropy(
 
 
 def _with_extras(loss: torch.Tensor, lse: torch.Tensor, pred: torch.Tensor,
-                 target: torch.Tensor, lead: torch.Size, o: dict[str, Any],
+                 target: torch.Tensor, lead: torch.Size, o: CrossEntropyCall,
                  token_scale: Optional[torch.Tensor] = None) -> CrossEntropyOutput:
     """The named tuple from the loss, each token's lse and argmax (see ``reference.py``);
     ``token_scale``: the tokens' z-loss factors (``use_token_scaling``)."""
-    none = o["reduction"] == "none"
-    count = torch.sum(target != o["ignore_index"], dtype=torch.float32)
-    if not o["argmax"]:
+    none = o.reduction == "none"
+    count = torch.sum(target != o.ignore_index, dtype=torch.float32)
+    if not o.argmax:
         pred = torch.zeros_like(target, dtype=torch.int64)
-    zl, right = ref.token_extras(lse.float(), pred, target, count, z_loss=o["z_loss"],
-                                 ignore_index=o["ignore_index"], reduction=o["reduction"],
+    zl, right = ref.token_extras(lse.float(), pred, target, count, z_loss=o.z_loss,
+                                 ignore_index=o.ignore_index, reduction=o.reduction,
                                  token_scale=token_scale)
-    pred = torch.where(target != o["ignore_index"], pred, torch.full_like(pred, -1))
+    pred = torch.where(target != o.ignore_index, pred, torch.full_like(pred, -1))
     return CrossEntropyOutput(
         loss.view(lead) if none else loss,
-        (zl.view(lead) if none else zl) if o["return_z_loss"] else None,
-        (right.view(lead) if none else right) if o["return_token_accuracy"] else None,
-        pred.view(lead) if o["return_predicted_tokens"] else None)
+        (zl.view(lead) if none else zl) if o.return_z_loss else None,
+        (right.view(lead) if none else right) if o.return_token_accuracy else None,
+        pred.view(lead) if o.return_predicted_tokens else None)
 
 
-def _native_cpu(logits: torch.Tensor, impl: str, o: dict[str, Any]) -> bool:
+def _native_cpu(logits: torch.Tensor, impl: str, o: CrossEntropyCall) -> bool:
     """The default path on CPU float32 logits, when PyTorch's own op has every option in
     use: ``F.cross_entropy`` (float32 already, the same formula, NaN for NaN; autograd for
     the gradient) runs at the plain op's speed. ``impl="torch"`` keeps the reference, the
     tests' oracle; z-loss, softcap, tensor parallelism and ``inplace_backward`` need it."""
-    return (native_cpu(impl, o["path"], logits) and o["z_loss"] == 0.0
-            and o["softcap"] is None and o["tp_group"] is None and not o["inplace"]
-            and not o["extras"])
+    return (native_cpu(impl, o.path, logits) and o.z_loss == 0.0
+            and o.softcap is None and o.tp_group is None and not o.inplace
+            and not o.extras)
 
 
-def _native_cross_entropy(logits: torch.Tensor, target: torch.Tensor, o: dict[str, Any],
+def _native_cross_entropy(logits: torch.Tensor, target: torch.Tensor, o: CrossEntropyCall,
                           weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.cross_entropy`` with lmfuse's reductions; an out-of-range target (PyTorch's
     ``IndexError``) raises lmfuse's ``ValueError``, nothing computed."""
@@ -856,18 +885,18 @@ def _native_cross_entropy(logits: torch.Tensor, target: torch.Tensor, o: dict[st
         raise
 
 
-def _native_loss(logits: torch.Tensor, target: torch.Tensor, o: dict[str, Any],
+def _native_loss(logits: torch.Tensor, target: torch.Tensor, o: CrossEntropyCall,
                  weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-    kw = dict(ignore_index=o["ignore_index"], label_smoothing=o["label_smoothing"],
+    kw = dict(ignore_index=o.ignore_index, label_smoothing=o.label_smoothing,
               weight=weight)
     target = target.long()  # lmfuse takes int32 ids too; PyTorch's op only int64
-    if o["reduction"] == "none":
+    if o.reduction == "none":
         return F.cross_entropy(logits, target, reduction="none", **kw)
-    if o["reduction"] == "mean":
+    if o.reduction == "mean":
         loss = F.cross_entropy(logits, target, reduction="mean", **kw)
         # A mean over no token is 0, where PyTorch's is 0 / 0: looked for only when the
         # mean came out NaN (one scalar test instead of a pass over the targets).
-        if not bool(loss.isnan()) or bool((target != o["ignore_index"]).any()):
+        if not bool(loss.isnan()) or bool((target != o.ignore_index).any()):
             return loss
     # "sum", or a mean over no token
     return F.cross_entropy(logits, target, reduction="sum", **kw)

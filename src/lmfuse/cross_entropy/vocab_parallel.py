@@ -16,14 +16,17 @@ into the first maximum of the whole row. Still one collective.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
 
 from .._dispatch import eager
 from .._launch import cdiv, lazy_kernels
-from ..distributed.collectives import all_gather_stacked
+from .._collectives import all_gather_stacked
 from . import reference as ref
+
+if TYPE_CHECKING:  # (ops imports this module: the annotation only)
+    from .ops import CrossEntropyCall
 
 
 class Merged(NamedTuple):
@@ -85,10 +88,10 @@ def _(gathered, target, count, vocab_size, ignore_index, label_smoothing, z_loss
 
 
 def gather_stats(stats: torch.Tensor, target: torch.Tensor, count: torch.Tensor,
-                 o: dict[str, Any], mean: bool, weight: Optional[torch.Tensor] = None,
+                 o: CrossEntropyCall, mean: bool, weight: Optional[torch.Tensor] = None,
                  top: Optional[torch.Tensor] = None) -> Merged:
     """Whole-vocabulary stats from this rank's ``stats[:3]``, with one all-gather over
-    ``o["tp_group"]``. Triton path: the merge and the token loss (scaled by ``1 / count``
+    ``o.tp_group``. Triton path: the merge and the token loss (scaled by ``1 / count``
     when ``mean``; with class weights, the weighted terms by ``1 / sum w_t``) in one
     launch, ``[4, N]`` like the forward kernels' stats; torch path: the reference merge,
     ``[3, N]``.
@@ -100,30 +103,30 @@ def gather_stats(stats: torch.Tensor, target: torch.Tensor, count: torch.Tensor,
     n = target.shape[0]
     rows = [stats[0], stats[1], stats[2]]
     if weight is not None:
-        rows.append(ref.target_weights(weight, target, o["ignore_index"],
-                                       o["vocab_start"]).to(stats.dtype))
+        rows.append(ref.target_weights(weight, target, o.ignore_index,
+                                       o.vocab_start).to(stats.dtype))
     if top is not None:
         rows += [top[0].to(stats.dtype), top[1].to(stats.dtype)]
     local = torch.stack(rows)
     if weight is not None:  # one float more: this shard's sum of weights
         local = torch.cat([local.reshape(-1), weight.sum().to(stats.dtype).reshape(1)])
-    gathered = all_gather_stacked(local, o["tp_group"])
+    gathered = all_gather_stacked(local, o.tp_group)
     S = len(rows)
     parts = gathered if weight is None else gathered[:, :S * n].view(gathered.shape[0], S, n)
     target_weight = wstat = None
     if weight is not None:
         target_weight = parts[:, 3].sum(dim=0)
-        valid = target.long() != o["ignore_index"]
+        valid = target.long() != o.ignore_index
         wstat = torch.stack([gathered[:, S * n].sum(),
                              torch.where(valid, target_weight,
                                          torch.zeros_like(target_weight)).sum()])
-    if o["path"] != "triton":
+    if o.path != "triton":
         pred = None if top is None else ref.merge_predictions(parts[:, S - 2], parts[:, S - 1])
         return Merged(ref.merge_token_stats(parts[:, :3]), target_weight, wstat, pred)
     if weight is not None:
         target_weight, wstat = target_weight.float().contiguous(), wstat.float()
-    args = (gathered, target, count, o["vocab_size"], o["ignore_index"],
-            o["label_smoothing"], o["z_loss"], mean)
+    args = (gathered, target, count, o.vocab_size, o.ignore_index,
+            o.label_smoothing, o.z_loss, mean)
     if weight is not None or top is not None:
         args += (target_weight, wstat, top is not None)
     merged = _launch_merge(*args) if eager() else torch.ops.lmfuse.ce_merge(*args)

@@ -4,8 +4,8 @@ the KV-cache sharding planner, through ``torch.distributed`` process groups only
 Each name is imported from its submodule on first use, so importing one part (the planner,
 which ``import lmfuse`` does) does not import the others and what they build on (the
 attention ops). The collectives every parallel op issues (the losses'
-vocabulary-parallel forms included) are in ``lmfuse.distributed.collectives``, which imports
-nothing of lmfuse's.
+vocabulary-parallel forms included) live below the families, in ``lmfuse._collectives``;
+``lmfuse.distributed.collectives`` re-exports them.
 """
 
 from __future__ import annotations

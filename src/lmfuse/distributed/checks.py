@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from .._dispatch import check_same_device, check_tensor
 from .._launch import FLOAT_DTYPES, INDEX_DTYPES, dtype_name
-from .collectives import all_gather_stacked, group_size
+from .._collectives import all_gather_stacked, group_size
 
 _DTYPE_CODES = FLOAT_DTYPES  # a query dtype's code is its index here, the same on every rank
 _MESSAGE_BYTES = 240

@@ -51,7 +51,7 @@ from ..attention.ops import (decode_attention, decode_attention_partials, kv_cac
                              plan_decode_attention)
 from .checks import (check_lengths, check_no_grad, check_on_all_ranks, dtype_code, meta_device,
                      wrap_errors)
-from .collectives import all_gather_stacked, all_reduce_sum, group_rank, group_size
+from .._collectives import all_gather_stacked, all_reduce_sum, group_rank, group_size
 
 # --- layout ---------------------------------------------------------------------------------
 

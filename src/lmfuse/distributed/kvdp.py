@@ -34,7 +34,7 @@ it, and, with several active tokens, its all-reduce of the ``[B_r]`` counts unle
 ``cache_seqlens`` is given. No
 backward. ``exchange`` picks the two over ``group``: ``"all_gather"`` (the default) as
 above, each moving ``W`` times the bytes a rank keeps; or ``"all_to_all"``
-(:func:`~lmfuse.distributed.collectives.all_to_all_stacked`), each moving only those: step 1
+(:func:`~lmfuse._collectives.all_to_all_stacked`), each moving only those: step 1
 sends rank ``r`` the rows of ``q`` for ``r``'s sequences (padded to ``ceil(B / W)`` rows),
 step 3 sends rank ``w`` its heads of this rank's output rows (and the LSE column). The
 attention sees the same inputs either way, so the results are equal bit for bit; which is
@@ -51,8 +51,8 @@ import torch
 from .._dispatch import check_int, check_tensor
 from .._launch import cdiv
 from ..attention.ops import decode_attention, kv_cache_append, plan_decode_attention
-from .collectives import (all_gather_stacked, all_reduce_sum, all_to_all_stacked, group_rank,
-                          group_size)
+from .._collectives import (all_gather_stacked, all_reduce_sum, all_to_all_stacked, group_rank,
+                            group_size)
 from .checks import (check_lengths, check_no_grad, check_on_all_ranks, dtype_code, meta_device,
                      wrap_errors)
 from .cp import CP_FIELDS, cp_attention_local, cp_cache_append, validate_cp

@@ -49,6 +49,7 @@ gradients use the rounded ``h`` too.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -56,7 +57,7 @@ import torch.nn.functional as F
 
 from .. import tuning
 from .._dispatch import eager as _eager
-from .._dispatch import (Plan, check_number, check_tensor, float64_fallback,
+from .._dispatch import (Plan, ResolvedCall, check_number, check_tensor, float64_fallback,
                          interpreter_active, register_planner, select_impl, value_checks)
 from .._launch import (FLOAT_DTYPES, cdiv, dtype_name, fp8_capable, lazy_kernels, next_pow2,
                        to_e4m3)
@@ -149,11 +150,41 @@ def _tiles(offsets: torch.Tensor, rows: int, block_m: int) -> torch.Tensor:
                         torch.where(used, end, zero)], 1).to(torch.int32).contiguous()
 
 
+# --- resolved calls --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class MoESettings(ResolvedCall):
+    """What the kernels and the torch path compute: the activation and its options (the
+    custom ops rebuild it from their arguments, :func:`_settings`)."""
+
+    activation: str  # the public name: "swiglu", "geglu", "quick_geglu", "squared_relu"
+    act: str  # its activation function, a key of ACT_IDS
+    gated: bool
+    gate_up_layout: str  # "halves" or "interleaved"
+    interleaved: bool  # gated and "interleaved"
+    linear_offset: float
+    clamp_value: Optional[float]
+    fp8_input_store: bool
+
+
+@dataclass(frozen=True, slots=True)
+class MoECall(MoESettings):
+    """A checked :func:`moe_experts` call: its settings, the path and the sizes."""
+
+    path: str  # "triton" or "torch"
+    T: int  # tokens
+    k: int  # experts a token
+    E: int  # experts
+    H: int  # hidden size
+    F: int  # the experts' intermediate size
+
+
 # --- the torch path --------------------------------------------------------------------------
 
 
 def _torch_path(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias,
-                down_bias, s: dict[str, Any]) -> torch.Tensor:
+                down_bias, s: MoECall) -> torch.Tensor:
     T, k = expert_ids.shape
     E, H = w_gate_up.shape[0], hidden.shape[1]
     compute = torch.float64 if hidden.dtype == torch.float64 else torch.float32
@@ -170,7 +201,7 @@ def _torch_path(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_b
     bd = down_bias.unbind(0) if down_bias is not None else [None] * E
     # fp8_input_store: each expert's activation, down projection and router weight as one
     # autograd function that keeps h as float8 (what a gradient needs of them, not more).
-    fp8 = s["fp8_input_store"] and torch.is_grad_enabled()
+    fp8 = s.fp8_input_store and torch.is_grad_enabled()
     ys, start = [], 0
     for e, n in enumerate(counts):
         if n == 0:
@@ -189,11 +220,11 @@ def _torch_path(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_b
     return y.index_select(0, inv).view(T, k, H).sum(1).to(hidden.dtype)
 
 
-def _expert_out(h, w_down, down_bias, weights, s: dict[str, Any]) -> torch.Tensor:
+def _expert_out(h, w_down, down_bias, weights, s: MoESettings) -> torch.Tensor:
     """One expert's weighted output rows ``(act(h) @ w_down.T + down_bias) * weights`` in
     the compute dtype (``weights`` already in it), from its gate/up output ``h [n, K2]``."""
-    a = ref.expert_activation(h, activation=s["activation"], linear_offset=s["linear_offset"],
-                              clamp_value=s["clamp_value"], gate_up_layout=s["gate_up_layout"])
+    a = ref.expert_activation(h, activation=s.activation, linear_offset=s.linear_offset,
+                              clamp_value=s.clamp_value, gate_up_layout=s.gate_up_layout)
     return F.linear(a, w_down, down_bias).to(weights.dtype) * weights[:, None]
 
 
@@ -204,7 +235,7 @@ class _Fp8StoredExpert(torch.autograd.Function):
     the Triton path's backward does: every gradient is that of the rounded ``h``."""
 
     @staticmethod
-    def forward(ctx, h, w_down, down_bias, weights, s: dict[str, Any]):
+    def forward(ctx, h, w_down, down_bias, weights, s: MoESettings):
         ctx.s, ctx.dtype = s, h.dtype
         ctx.save_for_backward(to_e4m3(h), w_down, down_bias, weights)
         return _expert_out(h, w_down, down_bias, weights, s)
@@ -305,17 +336,17 @@ def _forward_grouped(hidden, expert_ids, w_gate_up, w_down, gate_up_bias, down_b
     x = hidden.index_select(0, token)
     h = _gmm(x, w_gate_up.transpose(1, 2), offsets)
     del x
-    fp8 = save and s["fp8_input_store"]
+    fp8 = save and s.fp8_input_store
     h8 = torch.empty_like(h, dtype=_FP8) if fp8 else None
     a = hidden.new_empty((rows, Fdim))
     biased = gate_up_bias is not None or down_bias is not None
     row_expert = _row_expert(offsets, rows) if biased else None
     br, bf = c["act_block_r"], c["act_block_f"]
     kern.moe_act_kernel[(cdiv(rows, br) * cdiv(Fdim, bf),)](
-        h, h8, a, gate_up_bias, row_expert, rows, Fdim, s["linear_offset"],
-        s["clamp_value"] or 0.0, ACT=ACT_IDS[s["act"]], GATED=s["gated"],
-        INTERLEAVED=s["interleaved"], HAS_BIAS=gate_up_bias is not None,
-        HAS_CLAMP=s["clamp_value"] is not None,
+        h, h8, a, gate_up_bias, row_expert, rows, Fdim, s.linear_offset,
+        s.clamp_value or 0.0, ACT=ACT_IDS[s.act], GATED=s.gated,
+        INTERLEAVED=s.interleaved, HAS_BIAS=gate_up_bias is not None,
+        HAS_CLAMP=s.clamp_value is not None,
         WRITE_H=save and not fp8 and gate_up_bias is not None, H_FP8=fp8, RTNE=rt,
         BLOCK_R=br, BLOCK_F=bf, num_warps=c["act_warps"])
     kept = h8 if fp8 else (h if save else h.new_empty((0, K2)))
@@ -347,8 +378,8 @@ def _backward_grouped(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, 
     br, bf = c["act_block_r"], c["act_block_f"]
     kern.moe_act_bwd_rows_kernel[(cdiv(rows, br),)](
         g, h, weights, perm, d_rows, down_bias, row_expert, dh, a_s, d_rw, rows, H, Fdim,
-        s["linear_offset"], s["clamp_value"] or 0.0, ACT=ACT_IDS[s["act"]], GATED=s["gated"],
-        INTERLEAVED=s["interleaved"], HAS_CLAMP=s["clamp_value"] is not None,
+        s.linear_offset, s.clamp_value or 0.0, ACT=ACT_IDS[s.act], GATED=s.gated,
+        INTERLEAVED=s.interleaved, HAS_CLAMP=s.clamp_value is not None,
         HAS_DOWN_BIAS=row_expert is not None, NEED_RW=need_rw, RTNE=rt, BLOCK_R=br,
         BLOCK_F=bf, num_warps=c["act_warps"])
     del g
@@ -370,7 +401,7 @@ def _backward_grouped(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, 
 
 
 def _forward(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias, down_bias,
-             s: dict[str, Any], save: bool):
+             s: MoESettings, save: bool):
     """``(out [T, H], h [T k, K2] (or [0, K2] without save; float8_e4m3fn with
     ``fp8_input_store``), perm, token, offsets, inv, weights [T k] float32 in sorted
     order)``."""
@@ -389,7 +420,7 @@ def _forward(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias
     if rows and _grouped_engine(hidden, w_gate_up, w_down, rows, c):
         return _forward_grouped(hidden, expert_ids, w_gate_up, w_down, gate_up_bias, down_bias,
                                 s, save, (perm, token, offsets, inv, weights), c)
-    fp8 = save and s["fp8_input_store"]
+    fp8 = save and s.fp8_input_store
     # Where the kernel cannot convert to float8 it writes the same e4m3 values in hidden's
     # dtype, cast after it.
     direct = fp8 and _kernel_stores_fp8(hidden.device)
@@ -405,9 +436,9 @@ def _forward(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias
     kern.moe_up_kernel[(tiles.shape[0], cdiv(Fdim, bn))](
         hidden, hidden.stride(0), token, w_gate_up, *w_gate_up.stride(),
         gate_up_bias if gate_up_bias is not None else hidden, h, a, tiles, H, Fdim,
-        s["linear_offset"], s["clamp_value"] or 0.0,
-        ACT=ACT_IDS[s["act"]], GATED=s["gated"], INTERLEAVED=s["interleaved"],
-        HAS_BIAS=gate_up_bias is not None, HAS_CLAMP=s["clamp_value"] is not None,
+        s.linear_offset, s.clamp_value or 0.0,
+        ACT=ACT_IDS[s.act], GATED=s.gated, INTERLEAVED=s.interleaved,
+        HAS_BIAS=gate_up_bias is not None, HAS_CLAMP=s.clamp_value is not None,
         STORE_H=save, H_FP8=fp8, **dots, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=c["warps"], num_stages=c["stages"])
     if fp8 and not direct:
@@ -424,7 +455,7 @@ def _forward(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias
 
 
 def _backward(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm, token,
-              offsets, inv, weights, s: dict[str, Any], needs: tuple[bool, ...]):
+              offsets, inv, weights, s: MoESettings, needs: tuple[bool, ...]):
     """Gradients ``(hidden, router weights [T k] float32 in pair order, w_gate_up, w_down,
     gate_up_bias, down_bias)``, ``None`` where ``needs`` (same order) is False."""
     need_x, need_rw, need_wgu, need_wd, need_bgu, need_bd = needs
@@ -451,9 +482,9 @@ def _backward(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm,
         kern.moe_act_bwd_kernel[(tiles.shape[0], f_tiles)](
             dout, dout.stride(0), token, w_down, w_down.stride(0), w_down.stride(1),
             w_down.stride(2), down_bias if down_bias is not None else dout, h, weights, dh, a,
-            dw_part, tiles, rows, H, Fdim, s["linear_offset"], s["clamp_value"] or 0.0,
-            ACT=ACT_IDS[s["act"]], GATED=s["gated"], INTERLEAVED=s["interleaved"],
-            HAS_CLAMP=s["clamp_value"] is not None, HAS_DOWN_BIAS=down_bias is not None,
+            dw_part, tiles, rows, H, Fdim, s.linear_offset, s.clamp_value or 0.0,
+            ACT=ACT_IDS[s.act], GATED=s.gated, INTERLEAVED=s.interleaved,
+            HAS_CLAMP=s.clamp_value is not None, HAS_DOWN_BIAS=down_bias is not None,
             **dots, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **launch)
     d_rw = None
     if need_rw:
@@ -505,13 +536,14 @@ def _backward(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm,
 
 
 def _settings(activation: str, gate_up_layout: str, linear_offset: float,
-              clamp_value: Optional[float], fp8_input_store: bool = False) -> dict[str, Any]:
+              clamp_value: Optional[float], fp8_input_store: bool = False,
+              *call: Any) -> MoESettings:
+    """The settings; with ``call`` (``path, T, k, E, H, F``) the whole :class:`MoECall`."""
     act, gated = ref.ACTIVATIONS[activation]
-    return dict(activation=activation, act=act, gated=gated, gate_up_layout=gate_up_layout,
-                interleaved=gated and gate_up_layout == "interleaved",
-                linear_offset=float(linear_offset),
-                clamp_value=None if clamp_value is None else float(clamp_value),
-                fp8_input_store=fp8_input_store)
+    fields = (activation, act, gated, gate_up_layout, gated and gate_up_layout == "interleaved",
+              float(linear_offset), None if clamp_value is None else float(clamp_value),
+              fp8_input_store)
+    return MoECall(*fields, *call) if call else MoESettings(*fields)
 
 
 @torch.library.custom_op("lmfuse::moe_experts_fwd", mutates_args=())
@@ -570,8 +602,8 @@ def _(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm, token, 
 # --- autograd ---------------------------------------------------------------------------------
 
 
-def _op_args(s: dict[str, Any]) -> tuple:
-    return s["activation"], s["gate_up_layout"], s["linear_offset"], s["clamp_value"]
+def _op_args(s: MoESettings) -> tuple:
+    return s.activation, s.gate_up_layout, s.linear_offset, s.clamp_value
 
 
 class _MoEExperts(torch.autograd.Function):
@@ -579,7 +611,7 @@ class _MoEExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias,
-                down_bias, s: dict[str, Any]):
+                down_bias, s: MoECall):
         with nvtx_range(OP, "fwd"):
             args = (hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias,
                     down_bias)
@@ -587,7 +619,7 @@ class _MoEExperts(torch.autograd.Function):
                 out, h, perm, token, offsets, inv, weights = _forward(*args, s, True)
             else:
                 out, h, perm, token, offsets, inv, weights = _fwd_op(
-                    *args, *_op_args(s), s["fp8_input_store"], True)
+                    *args, *_op_args(s), s.fp8_input_store, True)
             ctx.s = s
             ctx.rw_dtype = router_weights.dtype
             ctx.save_for_backward(hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm,
@@ -608,7 +640,7 @@ class _MoEExperts(torch.autograd.Function):
                 grads = [g if need else None for g, need in
                          zip(_bwd_op(dout, *saved, *_op_args(ctx.s), list(needs)), needs)]
             d_x, d_rw, d_wgu, d_wd, d_bgu, d_bd = grads
-            T, k = ctx.s["T"], ctx.s["k"]
+            T, k = ctx.s.T, ctx.s.k
             if d_rw is not None:
                 d_rw = d_rw.view(T, k).to(ctx.rw_dtype)
             return d_x, None, d_rw, d_wgu, d_wd, d_bgu, d_bd, None
@@ -619,7 +651,7 @@ class _MoEExperts(torch.autograd.Function):
 
 def _resolve(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias, down_bias,
              activation, linear_offset, clamp_value, gate_up_layout, impl,
-             fp8_input_store=False) -> tuple[str, str, dict[str, Any]]:
+             fp8_input_store=False) -> tuple[str, str, MoECall]:
     check_tensor(OP, "hidden", hidden, ndim=2)
     check_tensor(OP, "expert_ids", expert_ids, ndim=2, dtypes=_INT_DTYPES)
     check_tensor(OP, "router_weights", router_weights, ndim=2, dtypes=FLOAT_DTYPES)
@@ -690,8 +722,8 @@ def _resolve(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias
                              f"[{lo}, {hi}]")
     path, reason = float64_fallback(OP, impl, *select_impl(OP, impl, hidden.device), hidden,
                                     "hidden", fallback="the torch path")
-    s = _settings(activation, gate_up_layout, linear_offset, clamp_value, fp8_input_store)
-    s.update(path=path, T=T, k=expert_ids.shape[1], E=E, H=H, F=Fdim)
+    s = _settings(activation, gate_up_layout, linear_offset, clamp_value, fp8_input_store,
+                  path, T, expert_ids.shape[1], E, H, Fdim)
     return path, reason, s
 
 
@@ -774,19 +806,19 @@ def plan_moe_experts(*args, **kwargs) -> Plan:
                                a["w_gate_up"], a["w_down"], a["gate_up_bias"], a["down_bias"],
                                a["activation"], a["linear_offset"], a["clamp_value"],
                                a["gate_up_layout"], a["impl"], a["fp8_input_store"])
-    T, k, E, H, Fdim = s["T"], s["k"], s["E"], s["H"], s["F"]
+    T, k, E, H, Fdim = s.T, s.k, s.E, s.H, s.F
     dtype = dtype_name(a["hidden"].dtype)
     details = {
         "routing": f"{T} tokens x {k} slots over {E} experts (H {H}, F {Fdim}, {dtype}): "
                    f"one stable sort of the {T * k} pairs by expert",
     }
-    gated = s["gated"]
-    h_dtype = "float8_e4m3fn" if s["fp8_input_store"] else dtype
-    lin = f" + {s['linear_offset']}" if s["linear_offset"] else ""
-    details["activation"] = (f"{s['act']}(gate) * (up{lin}), gate/up {s['gate_up_layout']}"
-                             if gated else s["act"])
-    if s["clamp_value"] is not None:
-        details["clamp"] = (f"gate <= {s['clamp_value']}, |up| <= {s['clamp_value']} (after "
+    gated = s.gated
+    h_dtype = "float8_e4m3fn" if s.fp8_input_store else dtype
+    lin = f" + {s.linear_offset}" if s.linear_offset else ""
+    details["activation"] = (f"{s.act}(gate) * (up{lin}), gate/up {s.gate_up_layout}"
+                             if gated else s.act)
+    if s.clamp_value is not None:
+        details["clamp"] = (f"gate <= {s.clamp_value}, |up| <= {s.clamp_value} (after "
                             f"the bias)")
     if path == "triton":
         h0 = a["hidden"]
@@ -803,10 +835,10 @@ def plan_moe_experts(*args, **kwargs) -> Plan:
                                          f"[{T * k}, {(2 if gated else 1) * Fdim}] {h_dtype}")
     else:
         details["torch"] = "per-expert F.linear on contiguous slices; reads the counts on the host"
-        if s["fp8_input_store"]:
+        if s.fp8_input_store:
             details["saved for backward"] = (f"the gate/up output [{T * k}, "
                                              f"{(2 if gated else 1) * Fdim}] as float8_e4m3fn")
-    return Plan(OP, path, reason, details, s)
+    return Plan(OP, path, reason, details, call=s)
 
 
 def checks(device: torch.device, dtypes) -> list:

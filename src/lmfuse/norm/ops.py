@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -23,6 +24,7 @@ import torch
 from .. import _pdl, tuning
 from .._dispatch import (
     Plan,
+    ResolvedCall,
     check_number,
     check_tensor,
     checked_once,
@@ -155,12 +157,12 @@ class _RMSNorm(torch.autograd.Function):
     """``y = rms_norm(x, weight)`` for ``x [M, H]`` on the Triton path."""
 
     @staticmethod
-    def forward(ctx, x, weight, s: dict[str, Any]):
+    def forward(ctx, x, weight, s: NormCall):
         with nvtx_range(_OP, "fwd"):
             if _eager():
-                y, rstd = _launch_fwd(x, weight, s["eps"], s["weight_offset"])
+                y, rstd = _launch_fwd(x, weight, s.eps, s.weight_offset)
             else:
-                y, rstd = _rms_norm_fwd_op(x, weight, s["eps"], s["weight_offset"])
+                y, rstd = _rms_norm_fwd_op(x, weight, s.eps, s.weight_offset)
             ctx.s = s
             needs = ctx.needs_input_grad
             if needs[0] or needs[1]:
@@ -175,7 +177,7 @@ class _RMSNorm(torch.autograd.Function):
             need_x, need_w = ctx.needs_input_grad[:2]
             if dy.stride(-1) != 1:  # any row stride is read as is, even 0 (expanded)
                 dy = dy.contiguous()
-            offset = ctx.s["weight_offset"]
+            offset = ctx.s.weight_offset
             if _eager():
                 dx, dw = _launch_bwd(x, dy, rstd, weight, offset, need_w)
                 # One program's partial is the sum itself: a view of it, not a reduction
@@ -199,7 +201,17 @@ def _scalars(eps, weight_offset) -> tuple[float, float]:
     return eps, check_number(_OP, "weight_offset", weight_offset, allow_none=False)
 
 
-def _resolve(x, weight, eps, weight_offset, impl) -> tuple[str, str, dict[str, Any]]:
+@dataclass(frozen=True, slots=True)
+class NormCall(ResolvedCall):
+    """A checked :func:`rms_norm` call: what the launches and the planner read."""
+
+    eps: float
+    weight_offset: float
+    rows: int  # the product of x's leading dims
+    H: int  # x's last dim
+
+
+def _resolve(x, weight, eps, weight_offset, impl) -> tuple[str, str, NormCall]:
     """Validate the arguments and choose the path; cheap and traceable by torch.compile."""
     check_tensor(_OP, "x", x)
     if x.dim() < 1:
@@ -218,7 +230,7 @@ def _resolve(x, weight, eps, weight_offset, impl) -> tuple[str, str, dict[str, A
     eps, weight_offset = checked_once(_scalars, eps, weight_offset)
     path, reason = float64_fallback(_OP, impl, *select_impl(_OP, impl, x.device), x, "x")
     rows = math.prod(x.shape[:-1])
-    return path, reason, {"eps": eps, "weight_offset": weight_offset, "rows": rows, "H": H}
+    return path, reason, NormCall(eps, weight_offset, rows, H)
 
 
 @register_planner(_OP)
@@ -226,13 +238,13 @@ def plan_rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps
                   weight_offset: float = 0.0, impl: str = "auto") -> Plan:
     """What :func:`rms_norm` would do with these arguments (validated the same way)."""
     path, reason, a = _resolve(x, weight, eps, weight_offset, impl)
-    H = a["H"]
+    H = a.H
     scale = ("none (no weight)" if weight is None else
-             f"weight + {a['weight_offset']:g}" if a["weight_offset"] else "weight")
+             f"weight + {a.weight_offset:g}" if a.weight_offset else "weight")
     details = {
-        "x": f"{list(x.shape)} {dtype_name(x.dtype)}: {a['rows']} rows of {H}",
+        "x": f"{list(x.shape)} {dtype_name(x.dtype)}: {a.rows} rows of {H}",
         "scale": scale,
-        "eps": a["eps"],
+        "eps": a.eps,
     }
     if weight is not None:
         details["weight"] = f"[{H}] {dtype_name(weight.dtype)}"
@@ -242,7 +254,7 @@ def plan_rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps
             f"one pass, {fwd['BLOCK_M']} row(s) x {fwd['BLOCK_N']} columns per program"
             if fwd["SINGLE_BLOCK"] else
             f"streamed in {fwd['BLOCK_N']}-column tiles, {fwd['BLOCK_M']} row(s) per program")
-        programs, per = _bwd_grid(a["rows"], bwd["BLOCK_M"], bwd["programs_per_sm"], x.device)
+        programs, per = _bwd_grid(a.rows, bwd["BLOCK_M"], bwd["programs_per_sm"], x.device)
         details["backward"] = (
             f"{programs} program(s) of {per} rows, "
             + (f"{bwd['BLOCK_M']} x {bwd['BLOCK_N']} tiles" if bwd["SINGLE_BLOCK"] else
@@ -250,7 +262,7 @@ def plan_rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps
             + ("; weight gradient: float32 partial per program, summed" if weight is not None
                else ""))
         details["saved for backward"] = "x, weight, rstd [rows] float32"
-    return Plan(_OP, path, reason, details, a)
+    return Plan(_OP, path, reason, details, call=a)
 
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps: float = 1e-6,
@@ -283,15 +295,15 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps: flo
     if native_cpu(impl, path, x) and (weight is None or weight.dtype == torch.float32):
         # The default path on CPU float32 (no Triton): PyTorch's own op, the same float32
         # formula and NaN/inf behaviour as the reference without its dtype round trips.
-        if weight is not None and a["weight_offset"]:
-            weight = weight + a["weight_offset"]
-        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, a["eps"])
+        if weight is not None and a.weight_offset:
+            weight = weight + a.weight_offset
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, a.eps)
     if path == "torch":
         with nvtx_range(_OP, "fwd"):
-            return rms_norm_reference(x, weight, eps=a["eps"], weight_offset=a["weight_offset"])
+            return rms_norm_reference(x, weight, eps=a.eps, weight_offset=a.weight_offset)
     # 2-D x goes in as it is: no reshape, whose view would add a node to the backward.
     flat = x.dim() == 2
-    x2 = x if flat else x.reshape(a["rows"], x.shape[-1])
+    x2 = x if flat else x.reshape(a.rows, x.shape[-1])
     if x2.stride(-1) != 1:  # the kernels read any row stride, but columns at stride 1
         x2 = x2.contiguous()
     w = weight.contiguous() if weight is not None else None
@@ -299,7 +311,7 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps: flo
             weight is not None and weight.requires_grad))):
         # Nothing to differentiate (inference): the launch alone, no autograd node.
         with nvtx_range(_OP, "fwd"):
-            y = _launch_fwd(x2, w, a["eps"], a["weight_offset"])[0]
+            y = _launch_fwd(x2, w, a.eps, a.weight_offset)[0]
     else:
         y = _RMSNorm.apply(x2, w, a)
     return y if flat else y.view(x.shape)

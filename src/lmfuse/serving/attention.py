@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ..attention.kv_cache import PagedKVCache
 from ..attention.ops import decode_attention, kv_cache_append
-from ..distributed.collectives import all_gather_stacked, group_rank, group_size
+from .._collectives import all_gather_stacked, group_rank, group_size
 from ..distributed.cp import cp_cache_append, cp_decode_attention
 from ..distributed.kvdp import kvdp_decode_attention
 

@@ -41,7 +41,7 @@ B64 0.93 -> 0.90 ms, the same tokens). ``LMFUSE_PDL=0`` turns it off.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -284,7 +284,7 @@ class FusedDecoder:
         # inputs are laid out as it wants them: contiguous q, table and lengths).
         s = _resolve(*args, table, L.scale, L.window, None, kw["k_scale"], kw["v_scale"],
                      False, None, self.impl)
-        s["pdl"] = self.pdl_attention
+        s = replace(s, pdl=self.pdl_attention)
         return _launch_decode(*args, table, None, kw["k_scale"], kw["v_scale"], s)[0]
 
     def _rope_append(self, qkv: torch.Tensor, L: _Layer, i: int, table: torch.Tensor,

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..attention.kv_cache import PagedKVCache
-from ..distributed.collectives import group_rank, group_size
+from .._collectives import group_rank, group_size
 from .request import OP, Request
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import struct
-
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -17,6 +17,7 @@ import torch
 from .. import tuning
 from .._dispatch import (
     Plan,
+    ResolvedCall,
     check_int,
     check_number,
     check_same_device,
@@ -282,8 +283,20 @@ def check_inputs(scores, mask, softmax_offset, *, op: str = _OP,
     return kind
 
 
+@dataclass(frozen=True, slots=True)
+class SoftmaxCall(ResolvedCall):
+    """A checked :func:`fused_softmax` call: what the launches and the planner read."""
+
+    scale: float  # 1.0 for scale=None
+    mask: Optional[torch.Tensor]
+    mask_kind: Optional[str]  # None, "bool" or "additive"
+    left: int  # the band: keys p - left .. p + right (UNBOUNDED: no bound)
+    right: int
+    softmax_offset: Optional[torch.Tensor]
+
+
 def _resolve(scores, scale, mask, causal, window_size, softmax_offset, softmax_in_fp32,
-             impl) -> tuple[str, str, dict[str, Any]]:
+             impl) -> tuple[str, str, SoftmaxCall]:
     """Validate the arguments and choose the path; cheap and traceable by torch.compile."""
     mask_kind = check_inputs(scores, mask, softmax_offset)
     b, np_, sq, sk = scores.shape
@@ -292,9 +305,9 @@ def _resolve(scores, scale, mask, causal, window_size, softmax_offset, softmax_i
     if not isinstance(softmax_in_fp32, bool):
         raise TypeError(f"{_OP}: softmax_in_fp32 must be a bool, got {softmax_in_fp32!r}")
     path, reason = select_impl(_OP, impl, scores.device)
-    args = dict(scale=1.0 if scale is None else scale, mask=mask, mask_kind=mask_kind,
-                left=left, right=right, softmax_offset=softmax_offset)
-    return path, reason, args
+    call = SoftmaxCall(1.0 if scale is None else scale, mask, mask_kind, left, right,
+                       softmax_offset)
+    return path, reason, call
 
 
 @register_planner(_OP)
@@ -312,10 +325,10 @@ def plan_fused_softmax(
     """What :func:`fused_softmax` would do with these arguments (validated the same way)."""
     path, reason, a = _resolve(scores, scale, mask, causal, window_size, softmax_offset,
                                softmax_in_fp32, impl)
-    left, right, sk = a["left"], a["right"], scores.shape[-1]
+    left, right, sk = a.left, a.right, scores.shape[-1]
     details = {
         "scores": f"{list(scores.shape)} {dtype_name(scores.dtype)}",
-        "mask": a["mask_kind"] or "none",
+        "mask": a.mask_kind or "none",
         "band": "none" if (left, right) == (UNBOUNDED, UNBOUNDED) else
                 f"keys p-{left if left < UNBOUNDED else 'inf'} .. "
                 f"p+{right if right < UNBOUNDED else 'inf'}",
@@ -328,7 +341,7 @@ def plan_fused_softmax(
             if cfg["SINGLE_BLOCK"]
             else f"chunked online softmax, {cfg['BLOCK_N']}-key chunks"
         )
-    return Plan(_OP, path, reason, details, a)
+    return Plan(_OP, path, reason, details, call=a)
 
 
 def fused_softmax(
@@ -381,17 +394,17 @@ def fused_softmax(
     path, _, a = _resolve(scores, scale, mask, causal, window_size, softmax_offset,
                           softmax_in_fp32, impl)
     with nvtx_range(_OP, "fwd"):
-        if native_cpu(impl, path, scores) and a["softmax_offset"] is None:
+        if native_cpu(impl, path, scores) and a.softmax_offset is None:
             y = _native_cpu(scores, a)
             if y is not None:
                 return y
         if path == "torch":
             return fused_softmax_reference(
-                scores, scale=a["scale"], mask=a["mask"], left=a["left"], right=a["right"],
-                softmax_offset=a["softmax_offset"],
+                scores, scale=a.scale, mask=a.mask, left=a.left, right=a.right,
+                softmax_offset=a.softmax_offset,
             )
         y, _ = torch.ops.lmfuse.softmax_fwd(
-            scores, a["mask"], a["softmax_offset"], a["scale"], a["left"], a["right"]
+            scores, a.mask, a.softmax_offset, a.scale, a.left, a.right
         )
     return y
 
@@ -401,7 +414,7 @@ def _hidden_band(sq: int, sk: int, left: int, right: int) -> torch.Tensor:
     return ~visible_keys(sq, sk, left, right, torch.device("cpu"))
 
 
-def _native_cpu(scores: torch.Tensor, a: dict[str, Any]) -> Optional[torch.Tensor]:
+def _native_cpu(scores: torch.Tensor, a: SoftmaxCall) -> Optional[torch.Tensor]:
     """The default path on CPU float32 scores: ``torch.softmax`` of the masked, scaled
     scores (PyTorch's own ops: the plain formula's speed, autograd for the gradient). That
     is the spec itself, NaN rows included (a NaN or +inf logit: NaN everywhere forward,
@@ -416,11 +429,11 @@ def _native_cpu(scores: torch.Tensor, a: dict[str, Any]) -> Optional[torch.Tenso
     check reads 1 / sk of the output, not all of it.
     ``impl="torch"`` always runs the reference, the tests' oracle."""
     sq, sk = scores.shape[-2:]
-    z = scores * a["scale"] if a["scale"] != 1.0 else scores
+    z = scores * a.scale if a.scale != 1.0 else scores
     hidden = None
-    if a["left"] < UNBOUNDED or a["right"] < UNBOUNDED:
-        hidden = _hidden_band(sq, sk, a["left"], a["right"])
-    mask = a["mask"]
+    if a.left < UNBOUNDED or a.right < UNBOUNDED:
+        hidden = _hidden_band(sq, sk, a.left, a.right)
+    mask = a.mask
     if mask is not None and mask.dtype == torch.bool:
         hidden = mask if hidden is None else hidden | mask
     elif mask is not None:
