@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from .. import tuning
 from .._dispatch import eager as _eager
-from .._dispatch import (Plan, ResolvedCall, check_number, check_tensor, checked_once,
+from .._dispatch import (Plan, ResolvedCall, check_number, check_tensor, checked_once, cpu_fast,
                          float64_fallback, native_cpu, once_differentiable, register_planner,
                          select_impl)
 from .._launch import cdiv, dtype_name, fp8_capable, lazy_kernels, next_pow2, to_e4m3
@@ -409,6 +409,13 @@ _NATIVE = {"silu": lambda a: F.silu(a), "gelu": lambda a: F.gelu(a, approximate=
            "squared_relu": lambda a: torch.relu(a).square()}
 
 
+def _cpu_fast_halves(x: torch.Tensor) -> bool:
+    """A gated op's common CPU call may skip the resolved call: float32 ``x`` on the CPU
+    whose last dim splits into two non-empty halves (``cpu_fast``; every other call takes
+    ``_run``, whose checks and errors apply)."""
+    return cpu_fast(x) and x.dim() > 0 and x.shape[-1] > 0 and x.shape[-1] % 2 == 0
+
+
 def _native(x, bias, weights, s: ActivationCall) -> torch.Tensor:
     """The default path on CPU float32 tensors: the reference's formula in PyTorch's own
     ops, with autograd for the gradients (the plain formula's speed; the reference's
@@ -517,6 +524,12 @@ def swiglu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
     float8 stores it: NaN stays NaN, ``+-inf`` is saturated to ``+-448`` (float8_e4m3fn has
     no infinity).
     """
+    if (impl == "auto" and bias is None and clamp_value is None and fp8_input_store is False
+            and cpu_offload_input is False and type(gate_multiplier) is float
+            and gate_multiplier == 1.0 and type(down_multiplier) is float
+            and down_multiplier == 1.0 and _cpu_fast_halves(x)):
+        a, b = x.chunk(2, -1)  # the common CPU call: _native's formula at once
+        return F.silu(a) * b
     return _run("swiglu", x, bias, None, "silu", True, clamp_value=clamp_value,
                 fp8_input_store=fp8_input_store, cpu_offload_input=cpu_offload_input,
                 impl=impl, gate_multiplier=gate_multiplier, down_multiplier=down_multiplier)
@@ -526,6 +539,10 @@ def geglu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
           fp8_input_store: bool = False, cpu_offload_input: bool = False,
           impl: str = "auto") -> torch.Tensor:
     """``gelu_tanh(x1) * x2``; arguments, and NaN / inf behaviour, as :func:`swiglu`."""
+    if (impl == "auto" and bias is None and fp8_input_store is False
+            and cpu_offload_input is False and _cpu_fast_halves(x)):
+        a, b = x.chunk(2, -1)  # the common CPU call: _native's formula at once
+        return F.gelu(a, approximate="tanh") * b
     return _run("geglu", x, bias, None, "gelu", True, fp8_input_store=fp8_input_store,
                 cpu_offload_input=cpu_offload_input, impl=impl)
 

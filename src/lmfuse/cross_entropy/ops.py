@@ -27,13 +27,14 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
 
 from .. import tuning
 from .._dispatch import (Plan, ResolvedCall, check_int, check_number, check_tensor, checked_once,
-                         native_cpu, register_planner, select_impl, value_checks)
+                         cpu_fast, native_cpu, register_planner, select_impl, value_checks)
 from .._dispatch import eager as _eager
 from .._launch import INDEX_DTYPES, cdiv, dtype_name, lazy_kernels, next_pow2
 from .._nvtx import nvtx_range
@@ -813,6 +814,12 @@ def cross_entropy(
         token_accuracy, predicted_tokens)``, None for the fields not asked for; only the
         loss is differentiable.
     """
+    if (impl == "auto" and weight is None and z_loss == 0.0 and softcap is None
+            and tp_group is None and not inplace_backward and not return_z_loss
+            and not return_token_accuracy and not return_predicted_tokens and cpu_fast(logits)):
+        loss = _cpu_fast_loss(logits, target, ignore_index, label_smoothing, reduction)
+        if loss is not None:
+            return loss
     path, _, o = _resolve(logits, target, ignore_index, label_smoothing, z_loss, softcap,
                           reduction, tp_group, inplace_backward, impl, weight, return_z_loss,
                           return_token_accuracy, return_predicted_tokens)
@@ -862,6 +869,37 @@ def _with_extras(loss: torch.Tensor, lse: torch.Tensor, pred: torch.Tensor,
         (zl.view(lead) if none else zl) if o.return_z_loss else None,
         (right.view(lead) if none else right) if o.return_token_accuracy else None,
         pred.view(lead) if o.return_predicted_tokens else None)
+
+
+# PyTorch's reduction codes (torch.nn._reduction.get_enum), for its op called directly.
+_REDUCTION_CODES = {"none": 0, "mean": 1, "sum": 2}
+
+
+def _cpu_fast_loss(logits: torch.Tensor, target: torch.Tensor, ignore_index: Any,
+                   label_smoothing: Any, reduction: Any) -> Optional[torch.Tensor]:
+    """The loss of the common CPU call (float32 ``[N, V]`` logits, int64 ``[N]`` targets,
+    the options in their plain types and ranges) straight from PyTorch's op, with what
+    :func:`_native_loss` adds; None for any other call, which then takes the full path
+    (its checks, its errors: an out-of-range target gives its ``ValueError``). The same
+    result as that path, at ``F.cross_entropy``'s host cost (its Python layer skipped)."""
+    if not (type(target) is torch.Tensor and target.dtype is torch.int64 and target.is_cpu
+            and logits.dim() == 2 and target.dim() == 1 and logits.shape[0] == target.shape[0]
+            and logits.shape[1] > 0 and logits.stride(1) == 1 and type(ignore_index) is int
+            and type(label_smoothing) is float and 0.0 <= label_smoothing <= 1.0
+            and reduction in _REDUCTION_CODES):
+        return None
+    loss_fn = torch._C._nn.cross_entropy_loss
+    try:
+        loss = loss_fn(logits, target, None, _REDUCTION_CODES[reduction], ignore_index,
+                       label_smoothing)
+    except IndexError:  # an out-of-range target: the full path says which
+        return None
+    # A mean over no token is 0 (PyTorch's: 0 / 0): looked for only when the mean is NaN
+    # (the scalar read as a Python float: a sixth of a tensor test's host time).
+    if (reduction == "mean" and math.isnan(loss.item())
+            and not bool((target != ignore_index).any())):
+        return loss_fn(logits, target, None, 2, ignore_index, label_smoothing)
+    return loss
 
 
 def _native_cpu(logits: torch.Tensor, impl: str, o: CrossEntropyCall) -> bool:

@@ -28,6 +28,7 @@ from .._dispatch import (
     check_number,
     check_tensor,
     checked_once,
+    cpu_fast,
     float64_fallback,
     native_cpu,
     once_differentiable,
@@ -291,6 +292,14 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps: flo
     column) makes that row (column) NaN; an inf makes its row's ``rstd`` 0, so the row is 0
     except NaN (``inf * 0``) at the inf; gradients likewise (a NaN row's are NaN).
     """
+    if (impl == "auto" and type(eps) is float and 0.0 <= eps < math.inf
+            and type(weight_offset) is float and weight_offset == 0.0 and cpu_fast(x)
+            and x.dim() > 0 and (weight is None or (
+                type(weight) is torch.Tensor and weight.dtype is torch.float32
+                and weight.is_cpu and weight.shape == x.shape[-1:]))):
+        # The common CPU call (float32, a float32 weight or none, no offset): PyTorch's op
+        # at once, as the path below would run it, without the resolved call.
+        return torch.rms_norm(x, x.shape[-1:], weight, eps)
     path, _, a = _resolve(x, weight, eps, weight_offset, impl)
     if native_cpu(impl, path, x) and (weight is None or weight.dtype == torch.float32):
         # The default path on CPU float32 (no Triton): PyTorch's own op, the same float32

@@ -8,6 +8,7 @@ kernels as opaque nodes instead of breaking the graph, and nothing syncs with th
 from __future__ import annotations
 
 import functools
+import math
 import struct
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -22,6 +23,7 @@ from .._dispatch import (
     check_number,
     check_same_device,
     check_tensor,
+    cpu_fast,
     native_cpu,
     register_planner,
     select_impl,
@@ -391,6 +393,12 @@ def fused_softmax(
     read. The one deviation: a row whose keys are all hidden or ``-inf`` is zeros (PyTorch:
     NaN), whatever the sink. See :mod:`lmfuse.softmax.reference`.
     """
+    if (impl == "auto" and mask is None and window_size is None and softmax_offset is None
+            and softmax_in_fp32 is True and (causal is True or causal is False)
+            and cpu_fast(scores)):
+        y = _cpu_fast_softmax(scores, scale, causal)
+        if y is not None:
+            return y
     path, _, a = _resolve(scores, scale, mask, causal, window_size, softmax_offset,
                           softmax_in_fp32, impl)
     with nvtx_range(_OP, "fwd"):
@@ -412,6 +420,26 @@ def fused_softmax(
 @functools.lru_cache(maxsize=64)
 def _hidden_band(sq: int, sk: int, left: int, right: int) -> torch.Tensor:
     return ~visible_keys(sq, sk, left, right, torch.device("cpu"))
+
+
+def _cpu_fast_softmax(scores: torch.Tensor, scale: Any, causal: bool
+                      ) -> Optional[torch.Tensor]:
+    """The common CPU call (float32 ``[b, np, sq, sk]`` scores, a finite float scale or none,
+    causal or not, nothing else) as :func:`_native_cpu` computes it, without the resolved
+    call; None for any other call or a NaN row (the full path then checks and decides)."""
+    if scores.dim() != 4 or not (scale is None or (type(scale) is float
+                                                  and math.isfinite(scale))):
+        return None
+    sq, sk = scores.shape[-2:]
+    if causal and sq > sk:
+        return None
+    z = scores * scale if scale is not None and scale != 1.0 else scores
+    if causal and sq > 0 and sk > 1:
+        z = z.masked_fill(_hidden_band(sq, sk, UNBOUNDED, 0), float("-inf"))
+    y = torch.softmax(z, dim=-1)
+    if sk and math.isnan(y.detach()[..., 0].sum().item()):
+        return None
+    return y
 
 
 def _native_cpu(scores: torch.Tensor, a: SoftmaxCall) -> Optional[torch.Tensor]:
@@ -441,7 +469,7 @@ def _native_cpu(scores: torch.Tensor, a: SoftmaxCall) -> Optional[torch.Tensor]:
     if hidden is not None:
         z = z.masked_fill(hidden, float("-inf"))
     y = torch.softmax(z, dim=-1)
-    if sk and bool(y.detach()[..., 0].sum().isnan()):
+    if sk and math.isnan(y.detach()[..., 0].sum().item()):
         return None
     return y
 

@@ -1,0 +1,162 @@
+"""The ops' CPU fast paths: the common call on float32 CPU tensors, where Triton's interpreter
+is off (a CPU machine's default), skips the resolved call and runs PyTorch's op at once
+(``lmfuse._dispatch.cpu_fast``). Each must give what the full path gives -- the reference's
+results within rounding, the same NaN, the same gradients -- and leave every other call,
+bad input included, to the full path and its errors. CI runs with the interpreter on, so
+these tests turn it off for the call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lmfuse
+from lmfuse.activations import ops as act_ops
+from lmfuse.cross_entropy import ops as ce_ops
+from lmfuse.norm import ops as norm_ops
+from lmfuse.softmax import ops as sm_ops
+
+
+@pytest.fixture
+def no_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def _spy(monkeypatch, module, name):
+    """Counts the calls of ``module.name`` (the full path's resolution)."""
+    calls = []
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    return calls
+
+
+def _grads(fn, *inputs):
+    xs = [x.clone().requires_grad_(True) for x in inputs]
+    y = fn(*xs)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+    return y.detach(), torch.autograd.grad(y, xs, g)
+
+
+def _close(got, want, tol=1e-5):
+    (y1, g1), (y2, g2) = got, want
+    torch.testing.assert_close(y1, y2, rtol=tol, atol=tol, equal_nan=True)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol, equal_nan=True)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_cross_entropy_fast_path_is_the_full_path(no_interpreter, monkeypatch, reduction,
+                                                   smoothing):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 7, generator=g) * 3
+    t = torch.randint(0, 7, (12,), generator=g)
+    t[::4] = -100
+    resolved = _spy(monkeypatch, ce_ops, "_resolve")
+    got = _grads(lambda x: lmfuse.cross_entropy(x, t, label_smoothing=smoothing,
+                                                reduction=reduction), x)
+    assert not resolved  # the fast path answered
+    want = _grads(lambda x: lmfuse.cross_entropy(x, t, label_smoothing=smoothing,
+                                                 reduction=reduction, impl="torch"), x)
+    _close(got, want)
+
+
+def test_cross_entropy_fast_path_mean_over_no_token_and_nan(no_interpreter):
+    x = torch.randn(4, 5)
+    t = torch.full((4,), -100)
+    loss = lmfuse.cross_entropy(x, t)
+    assert loss.item() == 0.0  # lmfuse's 0, not PyTorch's 0 / 0
+    x[1, 2] = float("nan")
+    t = torch.tensor([0, 1, 2, 3])
+    assert lmfuse.cross_entropy(x, t).isnan()
+
+
+def test_cross_entropy_fast_path_leaves_bad_input_to_the_full_path(no_interpreter):
+    x = torch.randn(4, 5)
+    with pytest.raises(ValueError, match="target"):
+        lmfuse.cross_entropy(x, torch.tensor([0, 1, 5, 2]))
+    with pytest.raises(ValueError, match="reduction"):
+        lmfuse.cross_entropy(x, torch.tensor([0, 1, 2, 3]), reduction="avg")
+    with pytest.raises((ValueError, TypeError), match="label_smoothing"):
+        lmfuse.cross_entropy(x, torch.tensor([0, 1, 2, 3]), label_smoothing=1.5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("scale", [None, 0.5])
+def test_softmax_fast_path_is_the_full_path(no_interpreter, monkeypatch, causal, scale):
+    x = torch.randn(2, 3, 5, 8, generator=torch.Generator().manual_seed(2)) * 3
+    resolved = _spy(monkeypatch, sm_ops, "_resolve")
+    got = _grads(lambda s: lmfuse.fused_softmax(s, scale=scale, causal=causal), x)
+    assert not resolved
+    want = _grads(lambda s: lmfuse.fused_softmax(s, scale=scale, causal=causal,
+                                                 impl="torch"), x)
+    _close(got, want)
+
+
+@pytest.mark.parametrize("poison", ["nan", "all_minus_inf"])
+def test_softmax_fast_path_gives_nan_rows_to_the_full_path(no_interpreter, poison):
+    """A NaN row out of torch.softmax (a NaN logit, or a row of nothing visible) sends the
+    call to the full path: NaN rows as PyTorch's, dead rows zeros, as the reference."""
+    x = torch.randn(1, 2, 4, 6, generator=torch.Generator().manual_seed(3))
+    if poison == "nan":
+        x[0, 1, 2, 3] = float("nan")
+    else:
+        x[0, 0, 1] = float("-inf")
+    got = _grads(lambda s: lmfuse.fused_softmax(s, scale=0.7), x)
+    want = _grads(lambda s: lmfuse.fused_softmax(s, scale=0.7, impl="torch"), x)
+    _close(got, want)
+
+
+def test_softmax_fast_path_leaves_bad_input_to_the_full_path(no_interpreter):
+    with pytest.raises(ValueError, match="sq <= sk"):
+        lmfuse.fused_softmax(torch.randn(1, 1, 5, 3), causal=True)
+    with pytest.raises(ValueError, match="finite"):
+        lmfuse.fused_softmax(torch.randn(1, 1, 2, 3), scale=float("inf"))
+    with pytest.raises(ValueError):
+        lmfuse.fused_softmax(torch.randn(2, 3))
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rms_norm_fast_path_is_the_full_path(no_interpreter, monkeypatch, weighted):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 4, 16, generator=g)
+    w = torch.randn(16, generator=g) if weighted else None
+    resolved = _spy(monkeypatch, norm_ops, "_resolve")
+    if weighted:
+        got = _grads(lambda x, w: lmfuse.rms_norm(x, w, eps=1e-5), x, w)
+    else:
+        got = _grads(lambda x: lmfuse.rms_norm(x, eps=1e-5), x)
+    assert not resolved
+    if weighted:
+        want = _grads(lambda x, w: lmfuse.rms_norm(x, w, eps=1e-5, impl="torch"), x, w)
+    else:
+        want = _grads(lambda x: lmfuse.rms_norm(x, eps=1e-5, impl="torch"), x)
+    _close(got, want)
+
+
+def test_rms_norm_fast_path_leaves_bad_input_to_the_full_path(no_interpreter):
+    with pytest.raises(ValueError, match="weight"):
+        lmfuse.rms_norm(torch.randn(2, 8), torch.randn(4))
+    with pytest.raises(ValueError, match="eps"):
+        lmfuse.rms_norm(torch.randn(2, 8), eps=-1.0)
+
+
+@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+def test_gated_fast_paths_are_the_full_path(no_interpreter, monkeypatch, op):
+    x = torch.randn(5, 2, 12, generator=torch.Generator().manual_seed(5)) * 2
+    x[0, 0, 0] = float("nan")
+    x[1, 1, 7] = float("inf")
+    resolved = _spy(monkeypatch, act_ops, "_resolve")
+    got = _grads(getattr(lmfuse, op), x)
+    assert not resolved
+    want = _grads(lambda x: getattr(lmfuse, op)(x, impl="torch"), x)
+    _close(got, want, tol=1e-5 if op == "swiglu" else 1e-4)
+
+
+def test_gated_fast_paths_leave_bad_input_to_the_full_path(no_interpreter):
+    with pytest.raises(ValueError, match="even"):
+        lmfuse.swiglu(torch.randn(3, 5))
+    with pytest.raises(ValueError, match="0-D"):
+        lmfuse.geglu(torch.tensor(1.0))
+    with pytest.raises(TypeError, match="gate_multiplier"):
+        lmfuse.swiglu(torch.randn(3, 4), gate_multiplier=True)
