@@ -20,7 +20,7 @@ from helpers import TEST_DEVICE as DEVICE
 from helpers import value_checks_on
 
 import lmfuse
-from lmfuse.cross_entropy import linear
+from lmfuse.cross_entropy import linear, linear_config
 from lmfuse.cross_entropy.linear import linear_cross_entropy_reference
 
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
@@ -224,13 +224,13 @@ def test_default_chunk_budget_from_tuning_table() -> None:
     """The default budget is the tuning table's ``chunk_bytes``, independent of N; rows
     are rounded down to the table's ``row_multiple`` (128: 1046 rows -> 1024). (The CPU's
     table, default.json, whatever the test device: no tensor is made.)"""
-    cfg, _ = linear.config(128256, torch.device("cpu"))
+    cfg, _ = linear_config.config(128256, torch.device("cpu"))
     assert cfg["chunk_bytes"] == 256 * 2**20 and cfg["row_multiple"] == 128
     V = 128256
     for n in (1, 1000, 10**6, 10**8):
-        rows = linear.chunk_rows(n, V, 2, torch.device("cpu"))
+        rows = linear_config.chunk_rows(n, V, 2, torch.device("cpu"))
         assert rows == min(n, 1024)
-    assert linear.chunk_rows(10, 10**9, 4, torch.device("cpu")) == 1
+    assert linear_config.chunk_rows(10, 10**9, 4, torch.device("cpu")) == 1
 
 
 @pytest.mark.parametrize("impl", IMPLS)

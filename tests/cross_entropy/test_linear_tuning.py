@@ -12,9 +12,10 @@ import torch
 
 import lmfuse
 from lmfuse import cli, tuning
-from lmfuse.cross_entropy import linear, ops
+from lmfuse.cross_entropy import linear, linear_config, ops
 from lmfuse.cross_entropy import tune as ce_tune
-from lmfuse.cross_entropy.linear import check_config, linear_cross_entropy_reference
+from lmfuse.cross_entropy.linear import linear_cross_entropy_reference
+from lmfuse.cross_entropy.linear_config import check_config, chunk_rows
 from lmfuse.tuning import sweep
 
 CPU = torch.device("cpu")
@@ -90,10 +91,10 @@ def test_bad_cache_entry_is_rejected_before_any_launch(tuning_cache, monkeypatch
 
 def test_row_multiple_rounds_chunks_down() -> None:
     cfg = dict(GOOD, chunk_bytes=1000 * 4 * 10, row_multiple=4)
-    assert linear.chunk_rows(100, 1000, 4, CPU, None, cfg) == 8
-    assert linear.chunk_rows(5, 1000, 4, CPU, None, cfg) == 5       # at most n
-    assert linear.chunk_rows(100, 1000, 4, CPU, 1000 * 4 * 3, cfg) == 3  # fewer than 4: as is
-    assert linear.chunk_rows(100, 10**6, 4, CPU, None, cfg) == 1     # at least one
+    assert chunk_rows(100, 1000, 4, CPU, None, cfg) == 8
+    assert chunk_rows(5, 1000, 4, CPU, None, cfg) == 5       # at most n
+    assert chunk_rows(100, 1000, 4, CPU, 1000 * 4 * 3, cfg) == 3  # fewer than 4: as is
+    assert chunk_rows(100, 10**6, 4, CPU, None, cfg) == 1     # at least one
 
 
 def test_cache_entry_drives_the_chunking(tuning_cache, monkeypatch) -> None:
@@ -204,7 +205,7 @@ def test_tune_records_the_fastest_per_bucket(tuning_cache) -> None:
     assert {k: entry[1][k] for k in res["best"]} == res["best"]
     assert entry[1]["measured"]["ms"] == round(res["ms"], 4)
     assert entry[1]["measured"]["shape"] == [12, 8, 40]
-    assert linear.config(40, CPU)[0] == res["best"]
+    assert linear_config.config(40, CPU)[0] == res["best"]
     assert any("recorded in" in line for line in logs)
 
 

@@ -133,7 +133,8 @@ import lmfuse  # noqa: E402
 from lmfuse import megatron  # noqa: E402
 from lmfuse._dispatch import interpreter_active  # noqa: E402
 from lmfuse.cross_entropy import CrossEntropyOutput, plan_linear_cross_entropy  # noqa: E402
-from lmfuse.cross_entropy.linear import chunk_rows, linear_cross_entropy_reference  # noqa: E402
+from lmfuse.cross_entropy.linear import linear_cross_entropy_reference  # noqa: E402
+from lmfuse.cross_entropy.linear_config import chunk_rows  # noqa: E402
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 I32, I64 = torch.int32, torch.int64

@@ -1,6 +1,6 @@
 """Triton kernel of the decode-attention block's elementwise stages: per-head RMSNorm of q
 and k, the rotary embedding, and the KV-cache append, in one pass over the fused QKV
-projection's output (see ``block.py`` for the launch and the reference).
+projection's output (see ``block.py`` for the launch, ``reference.py`` for the reference).
 
 * ``qk_norm_rope_append_kernel``: one program per ``(token, head)`` of the ``Hq + Hkv``
   query and key heads of one active token ``(b, i)``. The QKV row of a token is laid out

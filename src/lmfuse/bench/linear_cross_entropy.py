@@ -63,7 +63,7 @@ import lmfuse
 from lmfuse._launch import cdiv, dtype_name
 from lmfuse.bench.common import (Case, Result, bench_ms, dist_version, finish, run_cases, start,
                                  unavailable)
-from lmfuse.cross_entropy.linear import chunk_rows
+from lmfuse.cross_entropy.linear_config import chunk_rows
 
 IGNORE = -100
 FLOOR = "floor (3 GEMMs)"

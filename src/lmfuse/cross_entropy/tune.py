@@ -10,7 +10,7 @@ import torch
 
 from .. import tuning
 from .._launch import dtype_name
-from . import linear
+from . import linear, linear_config
 
 _OP = linear._OP
 
@@ -63,7 +63,7 @@ def tune(shapes=TUNE_SHAPES, dtype: torch.dtype = torch.bfloat16,
 
     ``timer(fn) -> ms`` defaults to CUDA events (:func:`lmfuse.tuning.sweep.cuda_timer`);
     candidates over ``max_chunk_bytes`` are not tried, and every candidate passes
-    :func:`~lmfuse.cross_entropy.linear.check_config` first.
+    :func:`~lmfuse.cross_entropy.linear_config.check_config` first.
     """
     from ..tuning import sweep
 
@@ -86,12 +86,12 @@ def tune(shapes=TUNE_SHAPES, dtype: torch.dtype = torch.bfloat16,
             linear._apply(h, w, t, None, -100, 0.0, 0.0, None, "mean", None, impl, None,
                    cfg).backward()
 
-        start, source = linear.config(V, device)
+        start, source = linear_config.config(V, device)
         start = dict(start, chunk_bytes=min(start["chunk_bytes"], max_chunk_bytes))
         log(f"{_OP} N={N} H={H} V={V} {dtype_name(dtype)} (start: {source})")
         out = sweep.coordinate_sweep(start, tune_stages(V, device, max_chunk_bytes), run,
-                                     lambda c: linear.check_config(c, "a tuning candidate"), timer,
-                                     log, prefer=lambda c: c["chunk_bytes"],
+                                     lambda c: linear_config.check_config(c, "a tuning candidate"),
+                                     timer, log, prefer=lambda c: c["chunk_bytes"],
                                      tolerance=TUNE_TOLERANCE, confirm=3)
         best = {k: out.best[k] for k in ("chunk_bytes", "row_multiple", "kernel")}
         result = dict(shape=[N, H, V], dtype=dtype_name(dtype),
