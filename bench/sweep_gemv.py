@@ -22,6 +22,16 @@ from lmfuse.serving.fused import _split_buffers
 from lmfuse.serving.kernels import gemv_kernel
 
 
+# The ``lmfuse bench generate`` model's decode GEMVs: name -> (the matrices' [N, K], gated,
+# with the residual add). Also what ``sweep_gemv_chain.py`` chains.
+H, FF, HQ, HKV, D, VOCAB = 2048, 8192, 16, 4, 128, 128256
+SHAPES = {"qkv": ([(HQ * D, H), (HKV * D, H), (HKV * D, H)], False, False),
+          "o": ([(H, HQ * D)], False, True),
+          "gate_up": ([(FF, H), (FF, H)], True, False),
+          "down": ([(H, FF)], False, True),
+          "lm_head": ([(VOCAB, H)], False, False)}
+
+
 def launch(x, ws, y, r, gated, bn, bk, warps, stages, bm=None, split=1):
     """``gemv_kernel`` with these options; ``split``: programs per tile along K."""
     n, K = x.shape
@@ -50,20 +60,15 @@ def main() -> int:
                     help="of qkv, o, gate_up, down, lm_head (vocabulary 128256)")
     a = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
-    H, FF, HQ, HKV, D = 2048, 8192, 16, 4, 128
     g = torch.Generator(device=dev).manual_seed(0)
 
     def mat(n, k):
         return (torch.randn(n, k, device=dev, generator=g) / k ** 0.5).to(dt)
 
-    shapes = {"qkv": ([mat(HQ * D, H), mat(HKV * D, H), mat(HKV * D, H)], False, False),
-              "o": ([mat(H, HQ * D)], False, True),
-              "gate_up": ([mat(FF, H), mat(FF, H)], True, False),
-              "down": ([mat(H, FF)], False, True),
-              "lm_head": ([mat(128256, H)], False, False)}
-    shapes = {k: shapes[k] for k in a.shapes.split(",")}
     rows = []
-    for name, (ws, gated, residual) in shapes.items():
+    for name in a.shapes.split(","):
+        dims, gated, residual = SHAPES[name]
+        ws = [mat(*d) for d in dims]
         K = ws[0].shape[1]
         nbytes = sum(w.numel() * w.element_size() for w in ws)
         for n in (int(v) for v in a.rows.split(",")):

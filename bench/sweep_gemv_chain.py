@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from lmfuse.serving.fused import _gemv_config, _gemv_split
-from sweep_gemv import launch
+from sweep_gemv import SHAPES, launch
 
 
 def graph_us(fn, chain: int) -> float:
@@ -59,19 +59,14 @@ def main() -> int:
                     help="row tiles the dot sweep tries, e.g. 16,32,64 (default: the chosen)")
     a = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
-    H, FF, HQ, HKV, D = 2048, 8192, 16, 4, 128
     g = torch.Generator(device=dev).manual_seed(0)
 
     def mat(n, k):
         return (torch.randn(n, k, device=dev, generator=g) / k ** 0.5).to(dt)
 
-    kinds = {"qkv": ([(HQ * D, H), (HKV * D, H), (HKV * D, H)], False, False),
-             "o": ([(H, HQ * D)], False, True),
-             "gate_up": ([(FF, H), (FF, H)], True, False),
-             "down": ([(H, FF)], False, True)}
     rows = []
     for name in a.shapes.split(","):
-        dims, gated, residual = kinds[name]
+        dims, gated, residual = SHAPES[name]
         sets = [[mat(*d) for d in dims] for _ in range(a.chain)]
         K = dims[0][1]
         nbytes = sum(d[0] * d[1] * 2 for d in dims)

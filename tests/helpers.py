@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -163,6 +163,21 @@ TINY_LM = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                max_position_embeddings=256)
 TINY_LM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
                     "gpt_oss")
+
+
+def capture_graph(fn: Callable[[], Any]) -> tuple[Any, Any]:
+    """``fn`` run three times on a side stream (warm-up: compilation, allocator pools), then
+    captured in a CUDA graph: ``(graph, the captured call's result)``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
 
 
 def tiny_causal_lm(model_type: str, seed: int = 0, **overrides: Any) -> Any:

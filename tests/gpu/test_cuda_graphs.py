@@ -32,10 +32,10 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import pytest
 import torch
+from helpers import capture_graph
 
 import lmfuse
 from lmfuse import megatron
@@ -137,20 +137,6 @@ def _refresh_params(module: torch.nn.Module | None) -> None:
             p.copy_(new.to(p.dtype))
 
 
-def capture(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
-    """``fn`` run three times on a side stream (warm-up: compilation, allocator pools), then
-    captured in a CUDA graph: ``(graph, the captured call's result)``."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
 def check_graph(case: Case) -> str:
     """Capture ``case``'s step, replay it on new data and compare with eager; returns the
     summary line."""
@@ -180,7 +166,7 @@ def check_graph(case: Case) -> str:
 
     # Detached: the captured autograd graph (its AccumulateGrad nodes, made on the capture
     # stream) must not outlive the capture into the eager calls below.
-    graph, static_out = capture(lambda: tuple(t.detach() for t in step()))
+    graph, static_out = capture_graph(lambda: tuple(t.detach() for t in step()))
 
     names = [f"output {k}" for k in range(len(static_out) - len(leaves))]
     names += [f"grad of input {i}" for i in case.wrt] + [f"grad of {n}" for n, _ in named]
@@ -570,7 +556,7 @@ def test_paged_decode_loop_replays_like_eager(cache_dtype: torch.dtype) -> None:
                        v_scale=v_scale)
 
     load(pool.reserve(seqs, 1, max_blocks=width))
-    graph, y = capture(decode)
+    graph, y = capture_graph(decode)
     outputs = []
     for t in range(steps):
         if t:

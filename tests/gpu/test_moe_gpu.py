@@ -19,7 +19,7 @@ import os
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, capture_graph
 
 import lmfuse
 from lmfuse.moe.reference import moe_experts_reference
@@ -116,20 +116,6 @@ def test_deterministic() -> None:
         assert torch.equal(a, b)
 
 
-def _capture(step):
-    """``(graph, outputs)``: ``step`` warmed up on a side stream, then captured once."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
-    return graph, static
-
-
 def test_cuda_graph_replays_new_routing_like_eager() -> None:
     """Forward and backward captured once; replays with new hidden states, expert ids and
     router weights equal eager calls bitwise (the grid does not depend on the routing)."""
@@ -141,7 +127,7 @@ def test_cuda_graph_replays_new_routing_like_eager() -> None:
         out = call(lmfuse.moe_experts, t)
         return (out, *torch.autograd.grad(out, leaves(t), g))
 
-    graph, static = _capture(step)
+    graph, static = capture_graph(step)
     replays = []
     for seed in (1, 2):
         torch.manual_seed(seed)
@@ -365,7 +351,7 @@ def test_grouped_engine_in_a_cuda_graph_and_deterministic(monkeypatch) -> None:
         out = call(lmfuse.moe_experts, t)
         return (out, *torch.autograd.grad(out, leaves(t), g))
 
-    graph, static = _capture(step)
+    graph, static = capture_graph(step)
     with torch.no_grad():
         ids = torch.rand(T, E, device=DEV)
         ids[:, :2] += 1.0

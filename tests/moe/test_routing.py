@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import TEST_DEVICE
+from helpers import TEST_DEVICE, capture_graph
 
 from lmfuse.moe import ops, routing
 from lmfuse.moe.routing import MAX_ELEMENTS, MAX_ROWS, route_small, route_small_ok
@@ -190,15 +190,7 @@ def test_cuda_graph_replay() -> None:
     """Captured once, replayed on new ids and weights: equal to the torch ops on them."""
     T, k, E, block_m = 16, 4, 32, 16
     ids, rw = make_ids(T, k, E, True), make_rw(T, k)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            route_small(ids, rw, E, block_m)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = route_small(ids, rw, E, block_m)
+    graph, out = capture_graph(lambda: route_small(ids, rw, E, block_m))
     for _ in range(2):
         ids.copy_(make_ids(T, k, E, True))
         rw.copy_(make_rw(T, k))

@@ -529,7 +529,7 @@ def swiglu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
             and gate_multiplier == 1.0 and type(down_multiplier) is float
             and down_multiplier == 1.0 and _cpu_fast_halves(x)):
         a, b = x.chunk(2, -1)  # the common CPU call: _native's formula at once
-        return F.silu(a) * b
+        return _NATIVE["silu"](a) * b
     return _run("swiglu", x, bias, None, "silu", True, clamp_value=clamp_value,
                 fp8_input_store=fp8_input_store, cpu_offload_input=cpu_offload_input,
                 impl=impl, gate_multiplier=gate_multiplier, down_multiplier=down_multiplier)
@@ -542,7 +542,7 @@ def geglu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
     if (impl == "auto" and bias is None and fp8_input_store is False
             and cpu_offload_input is False and _cpu_fast_halves(x)):
         a, b = x.chunk(2, -1)  # the common CPU call: _native's formula at once
-        return F.gelu(a, approximate="tanh") * b
+        return _NATIVE["gelu"](a) * b
     return _run("geglu", x, bias, None, "gelu", True, fp8_input_store=fp8_input_store,
                 cpu_offload_input=cpu_offload_input, impl=impl)
 

@@ -871,35 +871,22 @@ def _with_extras(loss: torch.Tensor, lse: torch.Tensor, pred: torch.Tensor,
         pred.view(lead) if o.return_predicted_tokens else None)
 
 
-# PyTorch's reduction codes (torch.nn._reduction.get_enum), for its op called directly.
-_REDUCTION_CODES = {"none": 0, "mean": 1, "sum": 2}
-
-
 def _cpu_fast_loss(logits: torch.Tensor, target: torch.Tensor, ignore_index: Any,
                    label_smoothing: Any, reduction: Any) -> Optional[torch.Tensor]:
     """The loss of the common CPU call (float32 ``[N, V]`` logits, int64 ``[N]`` targets,
-    the options in their plain types and ranges) straight from PyTorch's op, with what
-    :func:`_native_loss` adds; None for any other call, which then takes the full path
-    (its checks, its errors: an out-of-range target gives its ``ValueError``). The same
-    result as that path, at ``F.cross_entropy``'s host cost (its Python layer skipped)."""
+    the options in their plain types and ranges) by :func:`_native_loss` without the
+    resolved call; None for any other call, which then takes the full path (its checks, its
+    errors: an out-of-range target gives its ``ValueError``)."""
     if not (type(target) is torch.Tensor and target.dtype is torch.int64 and target.is_cpu
             and logits.dim() == 2 and target.dim() == 1 and logits.shape[0] == target.shape[0]
             and logits.shape[1] > 0 and logits.stride(1) == 1 and type(ignore_index) is int
             and type(label_smoothing) is float and 0.0 <= label_smoothing <= 1.0
-            and reduction in _REDUCTION_CODES):
+            and reduction in _REDUCTIONS):
         return None
-    loss_fn = torch._C._nn.cross_entropy_loss
     try:
-        loss = loss_fn(logits, target, None, _REDUCTION_CODES[reduction], ignore_index,
-                       label_smoothing)
+        return _native_loss(logits, target, ignore_index, label_smoothing, reduction)
     except IndexError:  # an out-of-range target: the full path says which
         return None
-    # A mean over no token is 0 (PyTorch's: 0 / 0): looked for only when the mean is NaN
-    # (the scalar read as a Python float: a sixth of a tensor test's host time).
-    if (reduction == "mean" and math.isnan(loss.item())
-            and not bool((target != ignore_index).any())):
-        return loss_fn(logits, target, None, 2, ignore_index, label_smoothing)
-    return loss
 
 
 def _native_cpu(logits: torch.Tensor, impl: str, o: CrossEntropyCall) -> bool:
@@ -917,24 +904,26 @@ def _native_cross_entropy(logits: torch.Tensor, target: torch.Tensor, o: CrossEn
     """``F.cross_entropy`` with lmfuse's reductions; an out-of-range target (PyTorch's
     ``IndexError``) raises lmfuse's ``ValueError``, nothing computed."""
     try:
-        return _native_loss(logits, target, o, weight)
+        return _native_loss(logits, target, o.ignore_index, o.label_smoothing, o.reduction,
+                            weight)
     except IndexError:
         _check_targets(target, o)
         raise
 
 
-def _native_loss(logits: torch.Tensor, target: torch.Tensor, o: CrossEntropyCall,
+def _native_loss(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
+                 label_smoothing: float, reduction: str,
                  weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-    kw = dict(ignore_index=o.ignore_index, label_smoothing=o.label_smoothing,
-              weight=weight)
+    kw = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, weight=weight)
     target = target.long()  # lmfuse takes int32 ids too; PyTorch's op only int64
-    if o.reduction == "none":
+    if reduction == "none":
         return F.cross_entropy(logits, target, reduction="none", **kw)
-    if o.reduction == "mean":
+    if reduction == "mean":
         loss = F.cross_entropy(logits, target, reduction="mean", **kw)
         # A mean over no token is 0, where PyTorch's is 0 / 0: looked for only when the
-        # mean came out NaN (one scalar test instead of a pass over the targets).
-        if not bool(loss.isnan()) or bool((target != o.ignore_index).any()):
+        # mean came out NaN (the scalar read as a Python float, a sixth of a tensor test's
+        # host time; no pass over the targets).
+        if not math.isnan(loss.item()) or bool((target != ignore_index).any()):
             return loss
     # "sum", or a mean over no token
     return F.cross_entropy(logits, target, reduction="sum", **kw)

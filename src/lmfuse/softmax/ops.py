@@ -425,21 +425,16 @@ def _hidden_band(sq: int, sk: int, left: int, right: int) -> torch.Tensor:
 def _cpu_fast_softmax(scores: torch.Tensor, scale: Any, causal: bool
                       ) -> Optional[torch.Tensor]:
     """The common CPU call (float32 ``[b, np, sq, sk]`` scores, a finite float scale or none,
-    causal or not, nothing else) as :func:`_native_cpu` computes it, without the resolved
-    call; None for any other call or a NaN row (the full path then checks and decides)."""
+    causal or not, nothing else): :func:`_native_cpu` on a call made here without the full
+    checks; None for any other call or a NaN row (the full path then checks and decides)."""
     if scores.dim() != 4 or not (scale is None or (type(scale) is float
                                                   and math.isfinite(scale))):
         return None
-    sq, sk = scores.shape[-2:]
-    if causal and sq > sk:
+    if causal and scores.shape[-2] > scores.shape[-1]:
         return None
-    z = scores * scale if scale is not None and scale != 1.0 else scores
-    if causal and sq > 0 and sk > 1:
-        z = z.masked_fill(_hidden_band(sq, sk, UNBOUNDED, 0), float("-inf"))
-    y = torch.softmax(z, dim=-1)
-    if sk and math.isnan(y.detach()[..., 0].sum().item()):
-        return None
-    return y
+    call = SoftmaxCall(1.0 if scale is None else scale, None, None, UNBOUNDED,
+                       0 if causal else UNBOUNDED, None)
+    return _native_cpu(scores, call)
 
 
 def _native_cpu(scores: torch.Tensor, a: SoftmaxCall) -> Optional[torch.Tensor]:
