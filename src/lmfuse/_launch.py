@@ -1,7 +1,8 @@
 """The small helpers every family's launcher uses: ceiling division and powers of two for
 grids and block sizes, dtype names for messages, the shared dtype sets, the saturating fp8
-cast and whether a GPU's kernels can convert to fp8, and the lazy import of a family's
-Triton kernels.
+cast and whether a GPU's kernels can convert to fp8, the lazy import of a family's Triton
+kernels, and :func:`kernel_op`, the one way a launch is called: directly when eager, through
+its ``torch.library`` custom op under ``torch.compile``.
 
 It sits below every other module (it imports torch alone) and never imports ``triton``:
 ``import lmfuse`` works where Triton is absent (the reference path still runs); a family's
@@ -18,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 __all__ = ["FLOAT_DTYPES", "KERNEL_DTYPES", "INDEX_DTYPES", "FP8_DTYPES", "cdiv", "next_pow2",
-           "is_pow2", "dtype_name", "lazy_kernels", "to_e4m3", "fp8_capable"]
+           "is_pow2", "dtype_name", "lazy_kernels", "kernel_op", "to_e4m3", "fp8_capable"]
 
 #: The floating dtypes the ops take (``check_tensor``'s default).
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -79,3 +80,37 @@ def lazy_kernels(module: str, package: str) -> Callable[[], ModuleType]:
         return loaded
 
     return kernels
+
+
+def kernel_op(name: str, fake: Callable[..., Any], *,
+              mutates_args: tuple[str, ...] = ()) -> Callable[[Callable[..., Any]], Any]:
+    """Register a launch function as the custom op ``lmfuse::name`` and return what the ops
+    call in its place: the launch itself when eager (the dispatcher costs tens of
+    microseconds a call), the custom op while ``torch.compile`` traces (an opaque node, so
+    the graph does not break). ``fake`` computes the outputs' shapes for tracing;
+    ``mutates_args`` names the arguments written in place.
+
+    The launch takes what a custom op can (tensors, optional tensors, numbers, bools,
+    strings, dtypes), fully annotated, and returns new tensors (or None); the same body runs
+    both ways, so eager and compiled calls compute alike. The result keeps the custom op as
+    ``.op`` (for ``torch.library.opcheck``) and the plain function as ``.launch``::
+
+        @kernel_op("rms_norm_fwd", fake=lambda x, w, eps: ...)
+        def _launch_fwd(x: torch.Tensor, w: Optional[torch.Tensor], eps: float) -> ...:
+            ...
+    """
+
+    def register(launch: Callable[..., Any]) -> Callable[..., Any]:
+        op = torch.library.custom_op(f"lmfuse::{name}", launch, mutates_args=mutates_args)
+        op.register_fake(fake)
+
+        @functools.wraps(launch)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():
+                return op(*args, **kwargs)
+            return launch(*args, **kwargs)
+
+        call.op, call.launch = op, launch
+        return call
+
+    return register

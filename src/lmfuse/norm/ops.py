@@ -35,8 +35,7 @@ from .._dispatch import (
     register_planner,
     select_impl,
 )
-from .._dispatch import eager as _eager
-from .._launch import cdiv, dtype_name, lazy_kernels
+from .._launch import cdiv, dtype_name, kernel_op, lazy_kernels
 from .._nvtx import nvtx_range
 from .reference import rms_norm_reference
 
@@ -83,6 +82,11 @@ def _bwd_grid(M: int, block_m: int, programs_per_sm: int, device: torch.device
 # --- launches --------------------------------------------------------------------------------
 
 
+def _fwd_fake(x, weight, eps, weight_offset, pdl=0):
+    return x.new_empty(x.shape), x.new_empty((x.shape[0],), dtype=torch.float32)
+
+
+@kernel_op("rms_norm_fwd", _fwd_fake)
 def _launch_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
                 weight_offset: float, pdl: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, H]`` (unit column stride) -> ``(y [M, H] in x's dtype, rstd [M] float32)``.
@@ -99,56 +103,42 @@ def _launch_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
     return y, rstd
 
 
+def _bwd_fake(x, dy, rstd, weight, weight_offset, weight_grad):
+    return (x.new_empty(x.shape),
+            x.new_empty((x.shape[1] if weight_grad else 0,), dtype=torch.float32))
+
+
+@kernel_op("rms_norm_bwd", _bwd_fake)
 def _launch_bwd(x: torch.Tensor, dy: torch.Tensor, rstd: torch.Tensor,
                 weight: Optional[torch.Tensor], weight_offset: float,
                 weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dx [M, H] in x's dtype, dw_part [programs, H] float32)``; ``dw_part`` is ``[0]``
-    unless ``weight_grad``. The weight gradient is ``dw_part.sum(0)``."""
+    """``(dx [M, H] in x's dtype, dw [H] float32)``; ``dw`` is empty unless
+    ``weight_grad``. Each program adds its rows' weight gradient into a float32 partial row
+    of its own, and the partials are summed after (one program's partial is the sum itself:
+    a view of it, not a reduction launch; the partials hold no -0.0, where a sum would give
+    +0.0)."""
     M, H = x.shape
     dx = x.new_empty(M, H)
     cfg = _config(H, x.device, backward=True)
     programs, rows_per_program = _bwd_grid(M, cfg["BLOCK_M"], cfg.pop("programs_per_sm"),
                                            x.device)
-    # Streamed rows add into their program's partial row in place: it starts at zero.
-    alloc = torch.empty if cfg["SINGLE_BLOCK"] else torch.zeros
-    dw = alloc(*((programs, H) if weight_grad else (0,)), dtype=torch.float32, device=x.device)
+    if not weight_grad:
+        dw = torch.empty(0, dtype=torch.float32, device=x.device)
+    elif M == 0 or H == 0:
+        dw = torch.zeros(H, dtype=torch.float32, device=x.device)
+    else:
+        # Streamed rows add into their program's partial row in place: it starts at zero.
+        alloc = torch.empty if cfg["SINGLE_BLOCK"] else torch.zeros
+        dw = alloc(programs, H, dtype=torch.float32, device=x.device)
     if M == 0 or H == 0:
-        return dx, dw.zero_()
+        return dx, dw
     _kernels().rms_norm_bwd_kernel[(programs,)](
         x, x.stride(0), dy, dy.stride(0), weight, rstd, dx, dx.stride(0),
         dw if weight_grad else None, M, H, rows_per_program, weight_offset,
         HAS_WEIGHT=weight is not None, WEIGHT_GRAD=weight_grad, **cfg)
+    if weight_grad:
+        dw = dw[0] if programs == 1 else dw.sum(0)
     return dx, dw
-
-
-# The launches as torch.library custom ops, for torch.compile (eager calls launch directly,
-# skipping the dispatcher). The backward op returns the weight gradient already summed
-# over the programs' partials, so its outputs' shapes follow from the inputs'.
-
-
-@torch.library.custom_op("lmfuse::rms_norm_fwd", mutates_args=())
-def _rms_norm_fwd_op(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
-                     weight_offset: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch_fwd(x, weight, eps, weight_offset)
-
-
-@_rms_norm_fwd_op.register_fake
-def _(x, weight, eps, weight_offset):
-    return x.new_empty(x.shape), x.new_empty((x.shape[0],), dtype=torch.float32)
-
-
-@torch.library.custom_op("lmfuse::rms_norm_bwd", mutates_args=())
-def _rms_norm_bwd_op(x: torch.Tensor, dy: torch.Tensor, rstd: torch.Tensor,
-                     weight: Optional[torch.Tensor], weight_offset: float,
-                     weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    dx, dw = _launch_bwd(x, dy, rstd, weight, weight_offset, weight_grad)
-    return dx, (dw.sum(0) if weight_grad else dw)
-
-
-@_rms_norm_bwd_op.register_fake
-def _(x, dy, rstd, weight, weight_offset, weight_grad):
-    return (x.new_empty(x.shape),
-            x.new_empty((x.shape[1] if weight_grad else 0,), dtype=torch.float32))
 
 
 # --- autograd ----------------------------------------------------------------------------------
@@ -160,10 +150,7 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, s: NormCall):
         with nvtx_range(_OP, "fwd"):
-            if _eager():
-                y, rstd = _launch_fwd(x, weight, s.eps, s.weight_offset)
-            else:
-                y, rstd = _rms_norm_fwd_op(x, weight, s.eps, s.weight_offset)
+            y, rstd = _launch_fwd(x, weight, s.eps, s.weight_offset)
             ctx.s = s
             needs = ctx.needs_input_grad
             if needs[0] or needs[1]:
@@ -179,13 +166,7 @@ class _RMSNorm(torch.autograd.Function):
             if dy.stride(-1) != 1:  # any row stride is read as is, even 0 (expanded)
                 dy = dy.contiguous()
             offset = ctx.s.weight_offset
-            if _eager():
-                dx, dw = _launch_bwd(x, dy, rstd, weight, offset, need_w)
-                # One program's partial is the sum itself: a view of it, not a reduction
-                # launch (the partials hold no -0.0, where a sum would give +0.0).
-                dw = (dw[0] if dw.shape[0] == 1 else dw.sum(0)) if need_w else None
-            else:
-                dx, dw = _rms_norm_bwd_op(x, dy, rstd, weight, offset, need_w)
+            dx, dw = _launch_bwd(x, dy, rstd, weight, offset, need_w)
             dw = dw.to(weight.dtype) if need_w else None
             return (dx if need_x else None), dw, None
 
@@ -316,7 +297,7 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps: flo
     if x2.stride(-1) != 1:  # the kernels read any row stride, but columns at stride 1
         x2 = x2.contiguous()
     w = weight.contiguous() if weight is not None else None
-    if _eager() and not (torch.is_grad_enabled() and (x.requires_grad or (
+    if not (torch.is_grad_enabled() and (x.requires_grad or (
             weight is not None and weight.requires_grad))):
         # Nothing to differentiate (inference): the launch alone, no autograd node.
         with nvtx_range(_OP, "fwd"):

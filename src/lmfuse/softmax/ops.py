@@ -1,8 +1,9 @@
 """``fused_softmax``: validation, dispatch, launch configuration and autograd.
 
-The Triton path is two ``torch.library`` custom ops (``lmfuse::softmax_fwd`` and
-``lmfuse::softmax_bwd``) joined by ``register_autograd``, so ``torch.compile`` treats the
-kernels as opaque nodes instead of breaking the graph, and nothing syncs with the host.
+The Triton path's two launches are ``torch.library`` custom ops (``lmfuse::softmax_fwd`` and
+``lmfuse::softmax_bwd``, through :func:`lmfuse._launch.kernel_op`: called directly when
+eager, as opaque nodes under ``torch.compile``), joined by an ``autograd.Function`` as in
+every family; nothing syncs with the host.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from .._dispatch import (
     register_planner,
     select_impl,
 )
-from .._launch import cdiv, dtype_name, lazy_kernels
+from .._dispatch import once_differentiable
+from .._launch import cdiv, dtype_name, kernel_op, lazy_kernels
 from .._nvtx import nvtx_range
 from .reference import UNBOUNDED, fused_softmax_reference, visible_keys
 
@@ -72,7 +74,18 @@ def _mask_operand(mask, shape, placeholder):
     return m, m.stride()
 
 
-def _launch_fwd(scores, mask, softmax_offset, scale, left, right):
+def _fwd_fake(scores, mask, softmax_offset, scale, left, right):
+    n = scores.shape[0] * scores.shape[1] * scores.shape[2] if softmax_offset is not None else 0
+    lse_dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
+    return scores.new_empty(scores.shape), scores.new_empty((n,), dtype=lse_dtype)
+
+
+@kernel_op("softmax_fwd", _fwd_fake)
+def _launch_fwd(scores: torch.Tensor, mask: Optional[torch.Tensor],
+                softmax_offset: Optional[torch.Tensor], scale: float, left: int,
+                right: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, lse)``: the probabilities and, with a sink, each row's log-sum-exp (the
+    backward's sink gradient reads it; empty without one)."""
     b, np_, sq, sk = scores.shape
     y = torch.empty((b, np_, sq, sk), dtype=scores.dtype, device=scores.device)
     n_rows = b * np_ * sq
@@ -97,7 +110,17 @@ def _launch_fwd(scores, mask, softmax_offset, scale, left, right):
     return y, lse
 
 
-def _launch_bwd(dy, y, lse, softmax_offset, scale, left, right, unscaled_fp32, mask=None):
+def _bwd_fake(dy, y, lse, softmax_offset, scale, left, right, unscaled_fp32, mask=None):
+    dx = y.new_empty(y.shape, dtype=torch.float32 if unscaled_fp32 else y.dtype)
+    n = y.shape[0] * y.shape[1] * y.shape[2] if softmax_offset is not None else 0
+    return dx, lse.new_empty((n,))
+
+
+@kernel_op("softmax_bwd", _bwd_fake)
+def _launch_bwd(dy: torch.Tensor, y: torch.Tensor, lse: torch.Tensor,
+                softmax_offset: Optional[torch.Tensor], scale: float, left: int, right: int,
+                unscaled_fp32: bool, mask: Optional[torch.Tensor] = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx, d offset per row)``; ``mask``: the forward's boolean mask (or None; a float
     mask hides nothing), read only for rows whose gradient is NaN."""
     b, np_, sq, sk = y.shape
@@ -130,87 +153,43 @@ def _launch_bwd(dy, y, lse, softmax_offset, scale, left, right, unscaled_fp32, m
     return dx, drow
 
 
-# --- torch.library custom ops -----------------------------------------------------------
+# --- autograd ---------------------------------------------------------------------------
 
 
-@torch.library.custom_op("lmfuse::softmax_fwd", mutates_args=())
-def _softmax_fwd(
-    scores: torch.Tensor,
-    mask: Optional[torch.Tensor],
-    softmax_offset: Optional[torch.Tensor],
-    scale: float,
-    left: int,
-    right: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch_fwd(scores, mask, softmax_offset, scale, left, right)
+class _Softmax(torch.autograd.Function):
+    """``y = softmax(scale * scores + mask)`` on the Triton path; see :func:`fused_softmax`."""
 
+    @staticmethod
+    def forward(ctx, scores, mask, softmax_offset, scale: float, left: int, right: int):
+        y, lse = _launch_fwd(scores, mask, softmax_offset, scale, left, right)
+        # A boolean mask is kept for the backward (a reference, no copy): the hidden keys of
+        # a NaN row hold NaN in y, and it finds them there.
+        bool_mask = mask if mask is not None and mask.dtype == torch.bool else None
+        ctx.save_for_backward(y, lse, softmax_offset, bool_mask)
+        ctx.scale, ctx.left, ctx.right = scale, left, right
+        # An additive float mask (ALiBi, relative-position bias) may be learnable.
+        ctx.mask_grad = ctx.needs_input_grad[1]
+        if ctx.mask_grad:
+            ctx.mask_shape, ctx.mask_dtype = mask.shape, mask.dtype
+        return y
 
-@_softmax_fwd.register_fake
-def _(scores, mask, softmax_offset, scale, left, right):
-    b, np_, sq, sk = scores.shape
-    y = scores.new_empty((b, np_, sq, sk))
-    n = b * np_ * sq if softmax_offset is not None else 0
-    lse = scores.new_empty((n,), dtype=torch.float64 if scores.dtype == torch.float64
-                           else torch.float32)
-    return y, lse
-
-
-@torch.library.custom_op("lmfuse::softmax_bwd", mutates_args=())
-def _softmax_bwd(
-    dy: torch.Tensor,
-    y: torch.Tensor,
-    lse: torch.Tensor,
-    softmax_offset: Optional[torch.Tensor],
-    scale: float,
-    left: int,
-    right: int,
-    unscaled_fp32: bool,
-    mask: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch_bwd(dy, y, lse, softmax_offset, scale, left, right, unscaled_fp32, mask)
-
-
-@_softmax_bwd.register_fake
-def _(dy, y, lse, softmax_offset, scale, left, right, unscaled_fp32, mask=None):
-    dx = y.new_empty(y.shape, dtype=torch.float32 if unscaled_fp32 else y.dtype)
-    n = y.shape[0] * y.shape[1] * y.shape[2] if softmax_offset is not None else 0
-    return dx, lse.new_empty((n,))
-
-
-def _setup_context(ctx, inputs, output):
-    scores, mask, softmax_offset, scale, left, right = inputs
-    y, lse = output
-    # A boolean mask is kept for the backward (a reference, no copy): the hidden keys of a
-    # NaN row hold NaN in y, and it finds them there.
-    bool_mask = mask if mask is not None and mask.dtype == torch.bool else None
-    ctx.save_for_backward(y, lse, softmax_offset, bool_mask)
-    ctx.scale, ctx.left, ctx.right = scale, left, right
-    # An additive float mask (ALiBi, relative-position bias) may be learnable.
-    ctx.mask_shape = mask.shape if mask is not None and mask.requires_grad else None
-    ctx.mask_dtype = mask.dtype if mask is not None else None
-
-
-def _backward(ctx, dy, _dlse):
-    with nvtx_range(_OP, "bwd"):
-        y, lse, softmax_offset, bool_mask = ctx.saved_tensors
-        mask_grad = ctx.mask_shape is not None
-        dx, drow = torch.ops.lmfuse.softmax_bwd(
-            dy, y, lse, softmax_offset, ctx.scale, ctx.left, ctx.right, mask_grad, bool_mask
-        )
-        dmask = doffset = None
-        if mask_grad:
-            # The kernel wrote g = d loss / d (scale * x + mask), in float32.
-            dmask = dx.sum_to_size(ctx.mask_shape).to(ctx.mask_dtype)
-            dx = (dx * ctx.scale).to(y.dtype)
-        if softmax_offset is not None and softmax_offset.requires_grad:
-            b, np_, sq, _ = y.shape
-            doffset = drow.view(b, np_, sq).sum(dim=(0, 2)).to(softmax_offset.dtype)
-        return dx, dmask, doffset, None, None, None
-
-
-torch.library.register_autograd(
-    "lmfuse::softmax_fwd", _backward, setup_context=_setup_context
-)
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        with nvtx_range(_OP, "bwd"):
+            y, lse, softmax_offset, bool_mask = ctx.saved_tensors
+            need_x, mask_grad, need_offset = ctx.needs_input_grad[:3]
+            dx, drow = _launch_bwd(dy, y, lse, softmax_offset, ctx.scale, ctx.left, ctx.right,
+                                   mask_grad, bool_mask)
+            dmask = doffset = None
+            if mask_grad:
+                # The kernel wrote g = d loss / d (scale * x + mask), in float32.
+                dmask = dx.sum_to_size(ctx.mask_shape).to(ctx.mask_dtype)
+                dx = (dx * ctx.scale).to(y.dtype)
+            if need_offset:
+                b, np_, sq, _ = y.shape
+                doffset = drow.view(b, np_, sq).sum(dim=(0, 2)).to(softmax_offset.dtype)
+            return (dx if need_x else None), dmask, doffset, None, None, None
 
 
 # --- validation and planning -------------------------------------------------------------
@@ -411,10 +390,11 @@ def fused_softmax(
                 scores, scale=a.scale, mask=a.mask, left=a.left, right=a.right,
                 softmax_offset=a.softmax_offset,
             )
-        y, _ = torch.ops.lmfuse.softmax_fwd(
-            scores, a.mask, a.softmax_offset, a.scale, a.left, a.right
-        )
-    return y
+        if torch.is_grad_enabled() and (scores.requires_grad or any(
+                t is not None and t.requires_grad for t in (a.mask, a.softmax_offset))):
+            return _Softmax.apply(scores, a.mask, a.softmax_offset, a.scale, a.left, a.right)
+        # Nothing to differentiate (inference): the launch alone, no autograd node.
+        return _launch_fwd(scores, a.mask, a.softmax_offset, a.scale, a.left, a.right)[0]
 
 
 @functools.lru_cache(maxsize=64)
