@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from .. import tuning
-from .._dispatch import eager as _eager
 from .._dispatch import (Plan, ResolvedCall, check_number, check_tensor, checked_once, cpu_fast,
                          float64_fallback, native_cpu, once_differentiable, register_planner,
                          select_impl)
-from .._launch import cdiv, dtype_name, fp8_capable, lazy_kernels, next_pow2, to_e4m3
+from .._launch import (cdiv, dtype_name, fp8_capable, kernel_op, lazy_kernels, next_pow2,
+                       to_e4m3)
 from .._nvtx import nvtx_range
 from . import reference as ref
 
@@ -37,9 +37,9 @@ _kernels = lazy_kernels("kernels", __package__)
 
 
 @dataclass(frozen=True, slots=True)
-class ActivationSettings(ResolvedCall):
-    """What the kernels and the reference compute: the activation and its scalar options
-    (the custom ops rebuild it from their arguments)."""
+class ActivationCall(ResolvedCall):
+    """A checked call of one of the activations: what the kernels and the reference compute
+    (the activation and its scalar options), the path and the saving."""
 
     activation: str  # a key of ACT_IDS
     gated: bool  # x = [.., 2f]: act(x1) * x2
@@ -47,17 +47,16 @@ class ActivationSettings(ResolvedCall):
     clamp_value: Optional[float]
     gate_multiplier: float
     down_multiplier: float
-
-
-@dataclass(frozen=True, slots=True)
-class ActivationCall(ActivationSettings):
-    """A checked call of one of the activations: its settings, the path and the saving."""
-
     op: str  # the public function's name
     path: str  # "triton" or "torch"
     fp8_input_store: bool
     cpu_offload_input: bool
     tokens: int  # x's rows: the product of its leading dims
+
+    def kernel_args(self) -> tuple[str, bool, float, Optional[float], float, float]:
+        """The options the launches take, in their order (after the tensors)."""
+        return (self.activation, self.gated, self.linear_offset, self.clamp_value,
+                self.gate_multiplier, self.down_multiplier)
 
 
 # --- launches ------------------------------------------------------------------------------
@@ -69,12 +68,19 @@ class ActivationCall(ActivationSettings):
 # None goes with its flag (HAS_BIAS, ...), so it compiles no extra variant.
 
 
-def _launch_fwd(x, bias, weights, s: ActivationSettings,
+def _fwd_fake(x, bias, weights, activation, gated, linear_offset, clamp_value,
+              gate_multiplier, down_multiplier, x8=None):
+    return x.new_empty((x.shape[0], x.shape[1] // 2 if gated else x.shape[1]))
+
+
+@kernel_op("act_fwd", _fwd_fake, mutates_args=("x8",))
+def _launch_fwd(x: torch.Tensor, bias: Optional[torch.Tensor], weights: Optional[torch.Tensor],
+                activation: str, gated: bool, linear_offset: float, clamp_value: Optional[float],
+                gate_multiplier: float, down_multiplier: float,
                 x8: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``y``; with ``x8`` (float8_e4m3fn ``[M, K]``, contiguous) the kernel also writes x's
     float8 copy there."""
     M, K = x.shape
-    gated, clamp = s.gated, s.clamp_value
     N = K // 2 if gated else K
     y = x.new_empty(M, N)
     if M == 0 or N == 0:
@@ -83,19 +89,32 @@ def _launch_fwd(x, bias, weights, s: ActivationSettings,
     block_n = min(next_pow2(N), t["fwd_max_block_n"])
     block_m = max(1, t["fwd_tile"] // block_n)
     _kernels().act_fwd_kernel[(cdiv(M, block_m) * cdiv(N, block_n),)](
-        x, x.stride(0), bias, weights, y, y.stride(0), x8, M, N, float(s.linear_offset),
-        None if clamp is None else float(clamp), float(s.gate_multiplier),
-        float(s.down_multiplier), ACT=ACT_IDS[s.activation], GATED=gated,
-        HAS_BIAS=bias is not None, HAS_W=weights is not None, HAS_CLAMP=clamp is not None,
+        x, x.stride(0), bias, weights, y, y.stride(0), x8, M, N, float(linear_offset),
+        None if clamp_value is None else float(clamp_value), float(gate_multiplier),
+        float(down_multiplier), ACT=ACT_IDS[activation], GATED=gated,
+        HAS_BIAS=bias is not None, HAS_W=weights is not None, HAS_CLAMP=clamp_value is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, STORE_X8=x8 is not None, num_warps=t["fwd_warps"])
     return y
 
 
-def _launch_bwd(x, g, bias, weights, s: ActivationSettings, dtype, bias_grad: bool):
-    """``(dx [M, K] in dtype, db_part [groups, K] float32 or None, dw_part [blocks, M]
-    float32 or None)``."""
+def _bwd_fake(x, g, bias, weights, activation, gated, linear_offset, clamp_value,
+              gate_multiplier, down_multiplier, dtype, bias_grad):
     M, K = x.shape
-    gated, clamp = s.gated, s.clamp_value
+    return (x.new_empty((M, K), dtype=dtype),
+            x.new_empty((K if bias_grad else 0,), dtype=torch.float32),
+            x.new_empty((M if weights is not None else 0,), dtype=torch.float32))
+
+
+@kernel_op("act_bwd", _bwd_fake)
+def _launch_bwd(x: torch.Tensor, g: torch.Tensor, bias: Optional[torch.Tensor],
+                weights: Optional[torch.Tensor], activation: str, gated: bool,
+                linear_offset: float, clamp_value: Optional[float], gate_multiplier: float,
+                down_multiplier: float, dtype: torch.dtype,
+                bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx [M, K] in dtype, db [K] float32, dw [M] float32)``: ``db`` empty unless
+    ``bias_grad``, ``dw`` empty without weights. The kernel writes them as float32 partials
+    (a row group's bias gradient, a column block's weight gradient), summed here."""
+    M, K = x.shape
     N = K // 2 if gated else K
     dx = torch.empty(M, K, dtype=dtype, device=x.device)
     t = tuning.table("activations", x.device)
@@ -110,66 +129,20 @@ def _launch_bwd(x, g, bias, weights, s: ActivationSettings, dtype, bias_grad: bo
     dw = (torch.empty(col_blocks, M, dtype=torch.float32, device=x.device)
           if weights is not None else None)
     if M == 0 or N == 0:
-        return dx, (db.zero_() if db is not None else None), dw
-    _kernels().act_bwd_kernel[(col_blocks, groups)](
-        x, x.stride(0), g, g.stride(0), bias, weights, dx, dx.stride(0), db, dw, M, N,
-        rows_per_group, float(s.linear_offset), None if clamp is None else float(clamp),
-        float(s.gate_multiplier), float(s.down_multiplier),
-        ACT=ACT_IDS[s.activation], GATED=gated, HAS_BIAS=bias is not None,
-        HAS_W=weights is not None, HAS_CLAMP=clamp is not None, BIAS_GRAD=bias_grad,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=t["bwd_warps"])
-    return dx, db, dw
-
-
-# The launches as torch.library custom ops, so torch.compile sees opaque nodes (eager calls
-# launch directly). The backward op returns the bias and weight gradients already summed
-# over their partials (float32; empty when not asked for), so its outputs' shapes follow
-# from the inputs'.
-
-
-def _settings(activation: str, gated: bool, linear_offset: float,
-              clamp_value: Optional[float], gate_multiplier: float = 1.0,
-              down_multiplier: float = 1.0) -> ActivationSettings:
-    return ActivationSettings(activation, gated, linear_offset, clamp_value, gate_multiplier,
-                              down_multiplier)
-
-
-@torch.library.custom_op("lmfuse::act_fwd", mutates_args=())
-def _act_fwd_op(x: torch.Tensor, bias: Optional[torch.Tensor], weights: Optional[torch.Tensor],
-                activation: str, gated: bool, linear_offset: float,
-                clamp_value: Optional[float], gate_multiplier: float,
-                down_multiplier: float) -> torch.Tensor:
-    return _launch_fwd(x, bias, weights, _settings(activation, gated, linear_offset,
-                                                   clamp_value, gate_multiplier,
-                                                   down_multiplier))
-
-
-@_act_fwd_op.register_fake
-def _(x, bias, weights, activation, gated, linear_offset, clamp_value, gate_multiplier,
-      down_multiplier):
-    return x.new_empty((x.shape[0], x.shape[1] // 2 if gated else x.shape[1]))
-
-
-@torch.library.custom_op("lmfuse::act_bwd", mutates_args=())
-def _act_bwd_op(x: torch.Tensor, g: torch.Tensor, bias: Optional[torch.Tensor],
-                weights: Optional[torch.Tensor], activation: str, gated: bool,
-                linear_offset: float, clamp_value: Optional[float], gate_multiplier: float,
-                down_multiplier: float, dtype: torch.dtype,
-                bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dx, db, dw = _launch_bwd(x, g, bias, weights,
-                             _settings(activation, gated, linear_offset, clamp_value,
-                                       gate_multiplier, down_multiplier), dtype, bias_grad)
+        if db is not None:
+            db.zero_()
+    else:
+        _kernels().act_bwd_kernel[(col_blocks, groups)](
+            x, x.stride(0), g, g.stride(0), bias, weights, dx, dx.stride(0), db, dw, M, N,
+            rows_per_group, float(linear_offset),
+            None if clamp_value is None else float(clamp_value),
+            float(gate_multiplier), float(down_multiplier),
+            ACT=ACT_IDS[activation], GATED=gated, HAS_BIAS=bias is not None,
+            HAS_W=weights is not None, HAS_CLAMP=clamp_value is not None, BIAS_GRAD=bias_grad,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=t["bwd_warps"])
+    # (Two empties, not one: a custom op's outputs may not alias one another.)
     return (dx, db.sum(0) if db is not None else x.new_empty((0,), dtype=torch.float32),
             dw.sum(0) if dw is not None else x.new_empty((0,), dtype=torch.float32))
-
-
-@_act_bwd_op.register_fake
-def _(x, g, bias, weights, activation, gated, linear_offset, clamp_value, gate_multiplier,
-      down_multiplier, dtype, bias_grad):
-    M, K = x.shape
-    return (x.new_empty((M, K), dtype=dtype),
-            x.new_empty((K if bias_grad else 0,), dtype=torch.float32),
-            x.new_empty((M if weights is not None else 0,), dtype=torch.float32))
 
 
 # --- saving the input ----------------------------------------------------------------------
@@ -223,7 +196,7 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 # --- autograd --------------------------------------------------------------------------------
 
 
-def _ref_options(s: ActivationSettings) -> dict[str, Any]:
+def _ref_options(s: ActivationCall) -> dict[str, Any]:
     """The settings ``s`` as :func:`reference.activation_reference`'s keyword arguments."""
     return dict(activation=s.activation, gated=s.gated, linear_offset=s.linear_offset,
                 clamp_value=s.clamp_value, gate_multiplier=s.gate_multiplier,
@@ -239,18 +212,13 @@ class _Activation(torch.autograd.Function):
             needs = ctx.needs_input_grad
             saving = needs[0] or needs[1] or needs[2]
             x8 = None
-            triton = s.path == "triton"
-            if triton and _eager():
+            if s.path == "triton":
                 # The float8 copy for backward comes out of the forward kernel itself where
                 # the kernel can store float8 (the interpreter, or compute capability 8.9+).
                 if saving and s.fp8_input_store and (not x.is_cuda
                                                          or fp8_capable(x.device)):
                     x8 = torch.empty(x.shape, dtype=_FP8, device=x.device)
-                y = _launch_fwd(x, bias, weights, s, x8)
-            elif triton:
-                y = _act_fwd_op(x, bias, weights, s.activation, s.gated,
-                                s.linear_offset, s.clamp_value, s.gate_multiplier,
-                                s.down_multiplier)
+                y = _launch_fwd(x, bias, weights, *s.kernel_args(), x8)
             else:
                 y = ref.activation_reference(x, bias, weights, **_ref_options(s))
             ctx.s = s
@@ -280,16 +248,8 @@ class _Activation(torch.autograd.Function):
             else:
                 x, dtype = saved.restore(kept, for_kernel=triton), saved.dtype
             if triton:
-                if _eager():
-                    dx, db, dw = _launch_bwd(x, g.contiguous(), bias, weights, s, dtype,
-                                             need_b)
-                    db = db.sum(0) if need_b else None
-                    dw = dw.sum(0) if need_w else None
-                else:
-                    dx, db, dw = _act_bwd_op(x, g.contiguous(), bias, weights, s.activation,
-                                             s.gated, s.linear_offset, s.clamp_value,
-                                             s.gate_multiplier, s.down_multiplier,
-                                             dtype, need_b)
+                dx, db, dw = _launch_bwd(x, g.contiguous(), bias, weights, *s.kernel_args(),
+                                         dtype, need_b)
                 db = db.to(bias.dtype) if need_b else None
                 dw = dw.to(weights.dtype).view(weights.shape) if need_w else None
                 return (dx if need_x else None), db, dw, None
@@ -389,13 +349,13 @@ def _run(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp_
         x2 = x2.contiguous()
     w2 = weights.reshape(-1, 1).contiguous() if weights is not None else None
     b = bias.contiguous() if bias is not None else None  # the kernels read it at stride 1
-    if s.path == "triton" and _eager() and not (torch.is_grad_enabled() and (
+    if s.path == "triton" and not (torch.is_grad_enabled() and (
             x.requires_grad or (bias is not None and bias.requires_grad)
             or (weights is not None and weights.requires_grad))):
         # Nothing to differentiate (inference): the launch alone, no autograd node and no
         # saved input, which halves the host time of a small call.
         with nvtx_range(op, "fwd"):
-            y = _launch_fwd(x2, b, w2, s)
+            y = _launch_fwd(x2, b, w2, *s.kernel_args())
     else:
         y = _Activation.apply(x2, b, w2, s)
     return y if flat else y.view(*x.shape[:-1], y.shape[-1])

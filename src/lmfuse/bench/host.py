@@ -339,13 +339,13 @@ def activation_spec(name: str, inp: Inputs, liger: dict) -> OpSpec:
     spec.checks, spec.checks_note = resolve, "activations.ops._resolve"
 
     def build():
-        s = resolve()[2]
+        a = resolve()[2].kernel_args()
 
         def fwd_bwd():
-            ops._launch_fwd(xd, bd, wd, s)
-            return ops._launch_bwd(xd, g, bd, wd, s, xd.dtype, bd is not None)
+            ops._launch_fwd(xd, bd, wd, *a)
+            return ops._launch_bwd(xd, g, bd, wd, *a, xd.dtype, bd is not None)
 
-        return {"fwd": lambda: ops._launch_fwd(xd, bd, wd, s), "fwd+bwd": fwd_bwd}
+        return {"fwd": lambda: ops._launch_fwd(xd, bd, wd, *a), "fwd+bwd": fwd_bwd}
 
     return _launch_rows(spec, inp, build, "activations.ops._launch_fwd (+ _launch_bwd)")
 

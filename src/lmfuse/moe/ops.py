@@ -48,6 +48,7 @@ gradients use the rounded ``h`` too.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -56,11 +57,10 @@ import torch
 import torch.nn.functional as F
 
 from .. import tuning
-from .._dispatch import eager as _eager
 from .._dispatch import (Plan, ResolvedCall, check_number, check_tensor, float64_fallback,
                          interpreter_active, register_planner, select_impl, value_checks)
-from .._launch import (FLOAT_DTYPES, cdiv, dtype_name, fp8_capable, lazy_kernels, next_pow2,
-                       to_e4m3)
+from .._launch import (FLOAT_DTYPES, cdiv, dtype_name, fp8_capable, kernel_op, lazy_kernels,
+                       next_pow2, to_e4m3)
 from .._nvtx import nvtx_range
 from ..activations.ops import ACT_IDS
 from . import reference as ref
@@ -531,8 +531,9 @@ def _backward(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm,
     return (d_x, d_rw, d_wgu, d_wd, d_bgu if need_bgu else None, d_bd if need_bd else None)
 
 
-# The launches as torch.library custom ops, so torch.compile sees two opaque nodes (eager
-# calls run the same Python directly). Gradients not asked for come back empty.
+# The two launches (each a whole pass of the engine) as kernel_op custom ops: called
+# directly when eager, as two opaque nodes under torch.compile. They take the settings as
+# plain arguments and rebuild them (cached); gradients not asked for come back empty.
 
 
 def _settings(activation: str, gate_up_layout: str, linear_offset: float,
@@ -546,21 +547,16 @@ def _settings(activation: str, gate_up_layout: str, linear_offset: float,
     return MoECall(*fields, *call) if call else MoESettings(*fields)
 
 
-@torch.library.custom_op("lmfuse::moe_experts_fwd", mutates_args=())
-def _fwd_op(hidden: torch.Tensor, expert_ids: torch.Tensor, router_weights: torch.Tensor,
-            w_gate_up: torch.Tensor, w_down: torch.Tensor, gate_up_bias: Optional[torch.Tensor],
-            down_bias: Optional[torch.Tensor], activation: str, gate_up_layout: str,
-            linear_offset: float, clamp_value: Optional[float], fp8_input_store: bool,
-            save: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                 torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _forward(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias,
-                    down_bias, _settings(activation, gate_up_layout, linear_offset,
-                                         clamp_value, fp8_input_store), save)
+_launch_settings = functools.lru_cache(maxsize=64)(_settings)
 
 
-@_fwd_op.register_fake
-def _(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias, down_bias,
-      activation, gate_up_layout, linear_offset, clamp_value, fp8_input_store, save):
+def _op_args(s: MoESettings) -> tuple:
+    """The settings as the launches take them."""
+    return s.activation, s.gate_up_layout, s.linear_offset, s.clamp_value, s.fp8_input_store
+
+
+def _fwd_fake(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias, down_bias,
+              activation, gate_up_layout, linear_offset, clamp_value, fp8_input_store, save):
     T, k = expert_ids.shape
     rows, E = T * k, w_gate_up.shape[0]
     index = dict(dtype=torch.int64)
@@ -572,25 +568,23 @@ def _(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias, down_
             hidden.new_empty((rows,), dtype=torch.float32))
 
 
-@torch.library.custom_op("lmfuse::moe_experts_bwd", mutates_args=())
-def _bwd_op(dout: torch.Tensor, hidden: torch.Tensor, w_gate_up: torch.Tensor,
-            w_down: torch.Tensor, gate_up_bias: Optional[torch.Tensor],
-            down_bias: Optional[torch.Tensor], h: torch.Tensor, perm: torch.Tensor,
-            token: torch.Tensor, offsets: torch.Tensor, inv: torch.Tensor,
-            weights: torch.Tensor, activation: str, gate_up_layout: str, linear_offset: float,
-            clamp_value: Optional[float], needs: list[bool]) -> list[torch.Tensor]:
-    grads = _backward(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm,
-                      token, offsets, inv, weights,
-                      _settings(activation, gate_up_layout, linear_offset, clamp_value),
-                      tuple(needs))
-    return [g if g is not None else
-            hidden.new_empty((0,), dtype=torch.float32 if i == 1 else hidden.dtype)
-            for i, g in enumerate(grads)]
+@kernel_op("moe_experts_fwd", _fwd_fake)
+def _launch_fwd(hidden: torch.Tensor, expert_ids: torch.Tensor, router_weights: torch.Tensor,
+                w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                gate_up_bias: Optional[torch.Tensor], down_bias: Optional[torch.Tensor],
+                activation: str, gate_up_layout: str, linear_offset: float,
+                clamp_value: Optional[float], fp8_input_store: bool,
+                save: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                     torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_forward`'s outputs."""
+    return _forward(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias,
+                    down_bias, _launch_settings(activation, gate_up_layout, linear_offset,
+                                                clamp_value, fp8_input_store), save)
 
 
-@_bwd_op.register_fake
-def _(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm, token, offsets, inv,
-      weights, activation, gate_up_layout, linear_offset, clamp_value, needs):
+def _bwd_fake(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm, token, offsets,
+              inv, weights, activation, gate_up_layout, linear_offset, clamp_value,
+              fp8_input_store, needs):
     shapes = (hidden.shape, perm.shape, w_gate_up.shape, w_down.shape,
               gate_up_bias.shape if gate_up_bias is not None else (0,),
               down_bias.shape if down_bias is not None else (0,))
@@ -599,11 +593,25 @@ def _(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm, token, 
             for i, (shape, need) in enumerate(zip(shapes, needs))]
 
 
+@kernel_op("moe_experts_bwd", _bwd_fake)
+def _launch_bwd(dout: torch.Tensor, hidden: torch.Tensor, w_gate_up: torch.Tensor,
+                w_down: torch.Tensor, gate_up_bias: Optional[torch.Tensor],
+                down_bias: Optional[torch.Tensor], h: torch.Tensor, perm: torch.Tensor,
+                token: torch.Tensor, offsets: torch.Tensor, inv: torch.Tensor,
+                weights: torch.Tensor, activation: str, gate_up_layout: str,
+                linear_offset: float, clamp_value: Optional[float], fp8_input_store: bool,
+                needs: list[bool]) -> list[torch.Tensor]:
+    """:func:`_backward`'s gradients, empty where ``needs`` is False."""
+    grads = _backward(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm,
+                      token, offsets, inv, weights,
+                      _launch_settings(activation, gate_up_layout, linear_offset, clamp_value,
+                                       fp8_input_store), tuple(needs))
+    return [g if g is not None else
+            hidden.new_empty((0,), dtype=torch.float32 if i == 1 else hidden.dtype)
+            for i, g in enumerate(grads)]
+
+
 # --- autograd ---------------------------------------------------------------------------------
-
-
-def _op_args(s: MoESettings) -> tuple:
-    return s.activation, s.gate_up_layout, s.linear_offset, s.clamp_value
 
 
 class _MoEExperts(torch.autograd.Function):
@@ -615,11 +623,8 @@ class _MoEExperts(torch.autograd.Function):
         with nvtx_range(OP, "fwd"):
             args = (hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias,
                     down_bias)
-            if _eager():
-                out, h, perm, token, offsets, inv, weights = _forward(*args, s, True)
-            else:
-                out, h, perm, token, offsets, inv, weights = _fwd_op(
-                    *args, *_op_args(s), s.fp8_input_store, True)
+            out, h, perm, token, offsets, inv, weights = _launch_fwd(*args, *_op_args(s),
+                                                                     True)
             ctx.s = s
             ctx.rw_dtype = router_weights.dtype
             ctx.save_for_backward(hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm,
@@ -634,11 +639,8 @@ class _MoEExperts(torch.autograd.Function):
             n = ctx.needs_input_grad
             needs = (n[0], n[2], n[3], n[4], n[5], n[6])
             dout = dout.contiguous()
-            if _eager():
-                grads = _backward(dout, *saved, ctx.s, needs)
-            else:
-                grads = [g if need else None for g, need in
-                         zip(_bwd_op(dout, *saved, *_op_args(ctx.s), list(needs)), needs)]
+            grads = [g if need else None for g, need in
+                     zip(_launch_bwd(dout, *saved, *_op_args(ctx.s), list(needs)), needs)]
             d_x, d_rw, d_wgu, d_wd, d_bgu, d_bd = grads
             T, k = ctx.s.T, ctx.s.k
             if d_rw is not None:
@@ -786,11 +788,11 @@ def moe_experts(
     gate_up_bias = gate_up_bias.contiguous() if gate_up_bias is not None else None
     down_bias = down_bias.contiguous() if down_bias is not None else None
     args = (hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias, down_bias)
-    if _eager() and not (torch.is_grad_enabled() and any(
+    if not (torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in args)):
         # Nothing to differentiate (inference, decoding): no autograd node, no h stored.
         with nvtx_range(OP, "fwd"):
-            return _forward(*args, s, False)[0]
+            return _launch_fwd(*args, *_op_args(s), False)[0]
     return _MoEExperts.apply(*args, s)
 
 
