@@ -323,6 +323,18 @@ def force_ce_launch(mp: Any, name: str) -> None:
                    dict(config))
 
 
+def ce_through_custom_ops(mp: Any) -> None:
+    """Make the cross-entropy launches under the monkeypatch ``mp`` go through their
+    ``torch.library`` custom ops, as compiled code does (eager calls run them directly), so
+    a dispatch mode sees them and every argument crosses the ops' schemas."""
+    from lmfuse.cross_entropy import ops, vocab_parallel
+
+    for module in (ops, vocab_parallel):
+        for name, launch in list(vars(module).items()):  # each kernel_op's result
+            if isinstance(getattr(launch, "op", None), torch.library.CustomOpDef):
+                mp.setattr(module, name, launch.op)
+
+
 # moe_experts' activation cases: (activation, linear_offset, clamp_value, gate_up_layout)
 MOE_ACT_CASES = [
     ("swiglu", 0.0, None, "halves"),

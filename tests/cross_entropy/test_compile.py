@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import randn
+from helpers import ce_through_custom_ops, randn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lmfuse
@@ -81,7 +81,7 @@ def test_compile_fullgraph_matches_eager(reduction: str, inplace: bool) -> None:
 def through_custom_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     """Eager calls launch the kernels directly (no dispatcher); make them take the custom
     ops, as compiled code does, so a dispatch mode can see them."""
-    monkeypatch.setattr(ce_ops, "_eager", lambda: False)
+    ce_through_custom_ops(monkeypatch)
 
 
 @pytest.mark.parametrize("reduction, inplace", CASES)
@@ -91,7 +91,7 @@ def test_custom_op_path_equals_direct_launches(reduction: str, inplace: bool,
     f = loss_fn(reduction, inplace)
     loss = f(leaf, target)
     loss.backward(grad_out)
-    monkeypatch.setattr(ce_ops, "_eager", lambda: False)
+    ce_through_custom_ops(monkeypatch)
     leaf_op = leaf.detach().clone().requires_grad_(True)
     loss_op = f(leaf_op, target)
     loss_op.backward(grad_out)
@@ -169,8 +169,9 @@ def test_linear_custom_ops_carry_the_kernel_override(monkeypatch: pytest.MonkeyP
     cfg = {"chunk_bytes": 45 * 4 * 8, "row_multiple": 1, "kernel": kernel}
     h, w, b, t = linear_inputs(bias=False)
     results = []
-    for eager in (True, False):
-        monkeypatch.setattr(ce_ops, "_eager", lambda: eager)
+    for via_ops in (False, True):
+        if via_ops:
+            ce_through_custom_ops(monkeypatch)
         leaves = [x.detach().clone().requires_grad_(True) for x in (h, w)]
         loss = linear._apply(*leaves, t, None, -100, 0.0, 0.0, None, "sum", None, "triton",
                              None, cfg)
@@ -202,6 +203,9 @@ def test_linear_compile_with_a_cached_kernel_override(tuning_cache, streamed_sho
 
 @pytest.mark.parametrize("fused", [None, {"BLOCK_V": 4096, "num_warps": 8, "programs_per_sm": 4},
                                    {"BLOCK_V": 16, "num_warps": 1, "programs_per_sm": 0.5,
-                                    "slice": 32, "lag": 2}])
+                                    "slice": 32, "lag": 2},
+                                   # (flags as a JSON cache may hold them: true for 1)
+                                   {"BLOCK_V": 32, "num_warps": 2, "programs_per_sm": 1e-5,
+                                    "hints": True, "vec": 8, "prefetch": True}])
 def test_launch_encoding_round_trips(fused) -> None:
     assert ce_ops.decode_launch(ce_ops.encode_launch(fused)) == fused

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_close, randn
+from helpers import assert_close, ce_through_custom_ops, randn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lmfuse import megatron
@@ -98,9 +98,7 @@ class _Names(TorchDispatchMode):
 @pytest.mark.parametrize("name", ["fused_vocab_parallel_cross_entropy",
                                   "vocab_parallel_cross_entropy"])
 def test_runs_the_triton_kernels(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from lmfuse.cross_entropy import ops as ce_ops
-
-    monkeypatch.setattr(ce_ops, "_eager", lambda: False)  # through the custom ops
+    ce_through_custom_ops(monkeypatch)
     logits = randn((2, 3, 9), requires_grad=True)
     target = torch.randint(0, 9, (2, 3))
     with _Names() as rec:

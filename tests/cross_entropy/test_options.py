@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import TEST_DEVICE as DEVICE
-from helpers import CE_LAUNCHES, assert_close, force_ce_launch, randn
+from helpers import CE_LAUNCHES, assert_close, ce_through_custom_ops, force_ce_launch, randn
 
 import lmfuse
 from lmfuse._dispatch import select_impl as _select_impl
@@ -370,8 +370,9 @@ def test_custom_ops_carry_weights_and_argmax(monkeypatch: pytest.MonkeyPatch) ->
         kw = dict(weight=weight, label_smoothing=0.1, z_loss=1e-3, reduction=reduction,
                   inplace_backward=inplace, **RETURNS)
         results = []
-        for eager in (True, False):
-            monkeypatch.setattr(ops, "_eager", lambda: eager)
+        for via_ops in (False, True):
+            if via_ops:
+                ce_through_custom_ops(monkeypatch)
             out, dx = run("triton", logits, target, torch.ones(target.shape)
                           if reduction == "none" else torch.tensor(2.0), **kw)
             results.append((*out, dx))

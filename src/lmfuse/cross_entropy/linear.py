@@ -197,23 +197,16 @@ def _chunk_stats(logits, target, count, o, grad: bool, mean: bool, cw=None, wsta
     ignore, ls, z, cap = loss.ignore_index, loss.label_smoothing, loss.z_loss, loss.softcap
     one_rank = loss.tp_group is None
     argmax = loss.argmax
-    eager = ops._eager()  # else through the custom ops, opaque to torch.compile
     if loss.path == "triton" and one_rank and grad:
-        kernel, scale = o.config["kernel"], o.token_scaling
-        if eager:
-            stats = ops._launch_fwd(logits, target, count, logits, 0, logits.shape[1], ignore,
-                                    ls, z, cap, mean, kernel, cw, wstat, argmax, scale)
-        else:
-            stats = torch.ops.lmfuse.ce_fwd_grad_(logits, target, count, ignore, ls, z, cap,
-                                                  mean, ops.encode_launch(kernel), cw, wstat,
-                                                  argmax, scale)
+        # The config's CE launch travels as a string (a custom op takes no dict).
+        stats = ops._fwd_grad_(logits, target, count, ignore, ls, z, cap, mean,
+                               ops.encode_launch(o.config["kernel"]), cw, wstat, argmax,
+                               o.token_scaling)
         return stats, stats[4].long() if argmax else None, None
     if loss.path == "triton":
-        start, size = loss.vocab_start, loss.vocab_size  # (the loss row, scaled by mean,
-        stats = (ops._launch_fwd(logits, target, count, None, start, size, ignore, ls, z, cap,
-                                 False, None, cw, wstat, argmax) if eager else  # is unused)
-                 torch.ops.lmfuse.ce_stats(logits, target, count, start, size, ignore, ls, z,
-                                           cap, False, cw, wstat, argmax))
+        # (The loss row, scaled by mean, is unused.)
+        stats = ops._stats(logits, target, count, loss.vocab_start, loss.vocab_size, ignore,
+                           ls, z, cap, False, cw, wstat, argmax)
         columns = stats[4] if argmax else None
         pred = columns.long() if argmax else None
         if one_rank:
@@ -281,10 +274,8 @@ def _chunk_grad(logits, target, stats, w, loss: ops.CrossEntropyCall, cw=None, w
     args = (loss.vocab_start, loss.vocab_size, loss.ignore_index, loss.label_smoothing,
             loss.z_loss, loss.softcap)
     opt = () if cw is None else (cw, wstat, wz, wt)
-    if loss.path == "triton" and ops._eager():
-        ops._launch_grad(logits, target, stats, w, logits, *args, *opt)
-    elif loss.path == "triton":
-        torch.ops.lmfuse.ce_grad_(logits, target, stats, w, *args, *opt)
+    if loss.path == "triton":
+        ops._grad_(logits, target, stats, w, *args, *opt)
     else:
         logits.copy_(ref.logits_grad(logits, target, stats[0], w, vocab_start=args[0],
                                      vocab_size=args[1], ignore_index=args[2],
@@ -526,15 +517,12 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
 def _scale(grads: list[torch.Tensor], dout: torch.Tensor, path: str) -> None:
     """``g *= dout`` (a scalar tensor) for each of ``grads``, without a host sync; a no-op
     kernel when it is 1."""
-    scale = eager = None  # formed once for every gradient
+    scale = None  # formed once for every gradient
     for g in grads:
         if path == "triton" and g.is_contiguous():
             if scale is None:
-                scale, eager = dout.float().reshape(1), ops._eager()
-            if eager:
-                ops._launch_scale(g, scale)
-            else:
-                torch.ops.lmfuse.ce_scale_(g, scale)
+                scale = dout.float().reshape(1)
+            ops._launch_scale(g, scale)
         else:
             g.mul_(dout.to(g.dtype))
 

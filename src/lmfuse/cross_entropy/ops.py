@@ -17,8 +17,9 @@ Two pass structures, chosen per call (``lmfuse.explain`` says which):
 
 With ``inplace_backward=True`` the gradient is written over the logits.
 
-The launches are also ``torch.library`` custom ops, which is what ``torch.compile`` sees
-(opaque nodes); eager calls launch directly and skip the dispatcher's overhead.
+Each launch is also a ``torch.library`` custom op (:func:`lmfuse._launch.kernel_op`), which
+is what ``torch.compile`` sees (opaque nodes); eager calls run the same function directly
+and skip the dispatcher's overhead.
 """
 
 from __future__ import annotations
@@ -35,8 +36,7 @@ import torch.nn.functional as F
 from .. import tuning
 from .._dispatch import (Plan, ResolvedCall, check_int, check_number, check_tensor, checked_once,
                          cpu_fast, native_cpu, register_planner, select_impl, value_checks)
-from .._dispatch import eager as _eager
-from .._launch import INDEX_DTYPES, cdiv, dtype_name, lazy_kernels, next_pow2
+from .._launch import INDEX_DTYPES, cdiv, dtype_name, kernel_op, lazy_kernels, next_pow2
 from .._nvtx import nvtx_range
 from .._collectives import group_rank, group_size
 from . import reference as ref
@@ -219,66 +219,62 @@ def _launch_grad(logits, target, stats, w, grad, vocab_start, vocab_size, ignore
             num_warps=cfg["num_warps"], **extra)
 
 
-def _launch_scale(grad, scale):
-    n = grad.numel()
-    if n:
-        block = 4096
-        grid = min(cdiv(n, block), 4 * tuning.sm_count(grad.device))
-        _kernels().ce_scale_kernel[(grid,)](grad, scale, n, BLOCK=block, num_warps=8)
+# The launches the autograd functions call, each registered as its custom op by kernel_op
+# (called directly when eager, through the op under torch.compile): each allocates and
+# returns its outputs, or writes the argument it names in mutates_args.
 
 
-# The launches as torch.library custom ops, so torch.compile sees opaque nodes. Eager
-# calls skip the dispatcher (tens of microseconds a call) and launch directly.
+def _stats_fake(logits, target, count, vocab_start, vocab_size, ignore_index,
+                label_smoothing, z_loss, softcap, mean, weight=None, wstat=None, argmax=False):
+    return logits.new_empty((5 if argmax else 4, logits.shape[0]), dtype=torch.float32)
 
 
-@torch.library.custom_op("lmfuse::ce_stats", mutates_args=())
-def _ce_stats(logits: torch.Tensor, target: torch.Tensor, count: torch.Tensor,
-              vocab_start: int, vocab_size: int, ignore_index: int, label_smoothing: float,
-              z_loss: float, softcap: Optional[float], mean: bool,
-              weight: Optional[torch.Tensor] = None, wstat: Optional[torch.Tensor] = None,
-              argmax: bool = False) -> torch.Tensor:
+@kernel_op("ce_stats", _stats_fake)
+def _stats(logits: torch.Tensor, target: torch.Tensor, count: torch.Tensor, vocab_start: int,
+           vocab_size: int, ignore_index: int, label_smoothing: float, z_loss: float,
+           softcap: Optional[float], mean: bool, weight: Optional[torch.Tensor] = None,
+           wstat: Optional[torch.Tensor] = None, argmax: bool = False) -> torch.Tensor:
+    """The stats alone (:func:`_launch_fwd` without a gradient): the deferred forward."""
     return _launch_fwd(logits, target, count, None, vocab_start, vocab_size, ignore_index,
                        label_smoothing, z_loss, softcap, mean, None, weight, wstat, argmax)
 
 
-@_ce_stats.register_fake
-def _(logits, target, count, vocab_start, vocab_size, ignore_index, label_smoothing, z_loss,
-      softcap, mean, weight=None, wstat=None, argmax=False):
-    return logits.new_empty((5 if argmax else 4, logits.shape[0]), dtype=torch.float32)
+def _fwd_grad_fake(logits, target, count, ignore_index, label_smoothing, z_loss, softcap, mean,
+                   weight=None, wstat=None, argmax=False):
+    return (logits.new_empty((5 if argmax else 4, logits.shape[0]), dtype=torch.float32),
+            torch.empty_like(logits, memory_format=torch.contiguous_format))
 
 
-def _fwd_grad(logits, target, count, ignore_index, label_smoothing, z_loss, softcap, mean,
-              weight=None, wstat=None, argmax=False):
+@kernel_op("ce_fwd_grad", _fwd_grad_fake)
+def _fwd_grad(logits: torch.Tensor, target: torch.Tensor, count: torch.Tensor,
+              ignore_index: int, label_smoothing: float, z_loss: float,
+              softcap: Optional[float], mean: bool, weight: Optional[torch.Tensor] = None,
+              wstat: Optional[torch.Tensor] = None,
+              argmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(stats, gradient)`` of one rank's whole rows, the gradient in a new tensor: the
+    fused forward."""
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
     stats = _launch_fwd(logits, target, count, grad, 0, logits.shape[1], ignore_index,
                         label_smoothing, z_loss, softcap, mean, None, weight, wstat, argmax)
     return stats, grad
 
 
-@torch.library.custom_op("lmfuse::ce_fwd_grad", mutates_args=())
-def _ce_fwd_grad(logits: torch.Tensor, target: torch.Tensor, count: torch.Tensor,
-                 ignore_index: int, label_smoothing: float, z_loss: float,
-                 softcap: Optional[float], mean: bool, weight: Optional[torch.Tensor] = None,
-                 wstat: Optional[torch.Tensor] = None,
-                 argmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fwd_grad(logits, target, count, ignore_index, label_smoothing, z_loss, softcap,
-                     mean, weight, wstat, argmax)
+def _fwd_grad_inplace_fake(logits, target, count, ignore_index, label_smoothing, z_loss,
+                           softcap, mean, launch="", weight=None, wstat=None, argmax=False,
+                           token_scale=False):
+    return logits.new_empty((5 if argmax else 4, logits.shape[0]), dtype=torch.float32)
 
 
-@_ce_fwd_grad.register_fake
-def _(logits, target, count, ignore_index, label_smoothing, z_loss, softcap, mean,
-      weight=None, wstat=None, argmax=False):
-    return (logits.new_empty((5 if argmax else 4, logits.shape[0]), dtype=torch.float32),
-            torch.empty_like(logits, memory_format=torch.contiguous_format))
-
-
-@torch.library.custom_op("lmfuse::ce_fwd_grad_", mutates_args=("logits",))
-def _ce_fwd_grad_(logits: torch.Tensor, target: torch.Tensor, count: torch.Tensor,
-                  ignore_index: int, label_smoothing: float, z_loss: float,
-                  softcap: Optional[float], mean: bool, launch: str = "",
-                  weight: Optional[torch.Tensor] = None, wstat: Optional[torch.Tensor] = None,
-                  argmax: bool = False, token_scale: bool = False) -> torch.Tensor:
-    """``launch``: ``_launch_fwd``'s ``fused`` override, encoded by :func:`encode_launch`."""
+@kernel_op("ce_fwd_grad_", _fwd_grad_inplace_fake, mutates_args=("logits",))
+def _fwd_grad_(logits: torch.Tensor, target: torch.Tensor, count: torch.Tensor,
+               ignore_index: int, label_smoothing: float, z_loss: float,
+               softcap: Optional[float], mean: bool, launch: str = "",
+               weight: Optional[torch.Tensor] = None, wstat: Optional[torch.Tensor] = None,
+               argmax: bool = False, token_scale: bool = False) -> torch.Tensor:
+    """The stats, the gradient written over the logits: the fused forward with
+    ``inplace_backward``, and ``linear_cross_entropy``'s chunks. ``launch``:
+    ``_launch_fwd``'s ``fused`` override, encoded by :func:`encode_launch` (a custom op
+    takes no dict)."""
     # Every kernel reads a row (or, sliced, a slice) in full before it writes any of its
     # gradient and the target's column is rewritten from the saved x_t: the gradient can
     # overwrite the logits.
@@ -289,65 +285,73 @@ def _ce_fwd_grad_(logits: torch.Tensor, target: torch.Tensor, count: torch.Tenso
 
 def encode_launch(fused: Optional[dict[str, Any]]) -> str:
     """A launch override as a custom op's string argument: ``"BLOCK_V=4096,num_warps=8"``
-    (``""`` for none). Plain string formatting, so torch.compile traces it."""
-    return ",".join(f"{k}={v}" for k, v in fused.items()) if fused else ""
+    (``""`` for none; a bool flag as 0 or 1). Plain string formatting, so torch.compile
+    traces it."""
+    if not fused:
+        return ""
+    return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in fused.items())
 
 
 def decode_launch(text: str) -> Optional[dict[str, Any]]:
+    """The override :func:`encode_launch` encoded (ints as ints, other numbers as floats)."""
     if not text:
         return None
     pairs = (item.split("=") for item in text.split(","))
-    return {k: float(v) if "." in v else int(v) for k, v in pairs}
+    return {k: _number(v) for k, v in pairs}
 
 
-@_ce_fwd_grad_.register_fake
-def _(logits, target, count, ignore_index, label_smoothing, z_loss, softcap, mean, launch="",
-      weight=None, wstat=None, argmax=False, token_scale=False):
-    return logits.new_empty((5 if argmax else 4, logits.shape[0]), dtype=torch.float32)
+def _number(text: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
 
 
-@torch.library.custom_op("lmfuse::ce_grad", mutates_args=())
-def _ce_grad(logits: torch.Tensor, target: torch.Tensor, stats: torch.Tensor, w: torch.Tensor,
-             vocab_start: int, vocab_size: int, ignore_index: int, label_smoothing: float,
-             z_loss: float, softcap: Optional[float], weight: Optional[torch.Tensor] = None,
-             wstat: Optional[torch.Tensor] = None, wz: Optional[torch.Tensor] = None,
-             wt: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _grad_fake(logits, target, stats, w, vocab_start, vocab_size, ignore_index,
+               label_smoothing, z_loss, softcap, weight=None, wstat=None, wz=None, wt=None):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+@kernel_op("ce_grad", _grad_fake)
+def _grad(logits: torch.Tensor, target: torch.Tensor, stats: torch.Tensor, w: torch.Tensor,
+          vocab_start: int, vocab_size: int, ignore_index: int, label_smoothing: float,
+          z_loss: float, softcap: Optional[float], weight: Optional[torch.Tensor] = None,
+          wstat: Optional[torch.Tensor] = None, wz: Optional[torch.Tensor] = None,
+          wt: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The deferred backward's gradient (:func:`_launch_grad`) in a new tensor."""
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
     _launch_grad(logits, target, stats, w, grad, vocab_start, vocab_size, ignore_index,
                  label_smoothing, z_loss, softcap, weight, wstat, wz, wt)
     return grad
 
 
-@_ce_grad.register_fake
-def _(logits, target, stats, w, vocab_start, vocab_size, ignore_index, label_smoothing, z_loss,
-      softcap, weight=None, wstat=None, wz=None, wt=None):
-    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+def _grad_inplace_fake(logits, target, stats, w, vocab_start, vocab_size, ignore_index,
+                       label_smoothing, z_loss, softcap, weight=None, wstat=None, wz=None,
+                       wt=None):
+    return None
 
 
-@torch.library.custom_op("lmfuse::ce_grad_", mutates_args=("logits",))
-def _ce_grad_(logits: torch.Tensor, target: torch.Tensor, stats: torch.Tensor, w: torch.Tensor,
-              vocab_start: int, vocab_size: int, ignore_index: int, label_smoothing: float,
-              z_loss: float, softcap: Optional[float], weight: Optional[torch.Tensor] = None,
-              wstat: Optional[torch.Tensor] = None, wz: Optional[torch.Tensor] = None,
-              wt: Optional[torch.Tensor] = None) -> None:
+@kernel_op("ce_grad_", _grad_inplace_fake, mutates_args=("logits",))
+def _grad_(logits: torch.Tensor, target: torch.Tensor, stats: torch.Tensor, w: torch.Tensor,
+           vocab_start: int, vocab_size: int, ignore_index: int, label_smoothing: float,
+           z_loss: float, softcap: Optional[float], weight: Optional[torch.Tensor] = None,
+           wstat: Optional[torch.Tensor] = None, wz: Optional[torch.Tensor] = None,
+           wt: Optional[torch.Tensor] = None) -> None:
+    """The deferred backward's gradient written over the logits (``inplace_backward``, and
+    ``linear_cross_entropy``'s chunks)."""
     _launch_grad(logits, target, stats, w, logits, vocab_start, vocab_size, ignore_index,
                  label_smoothing, z_loss, softcap, weight, wstat, wz, wt)
 
 
-@_ce_grad_.register_fake
-def _(logits, target, stats, w, vocab_start, vocab_size, ignore_index, label_smoothing, z_loss,
-      softcap, weight=None, wstat=None, wz=None, wt=None):
-    return None
-
-
-@torch.library.custom_op("lmfuse::ce_scale_", mutates_args=("grad",))
-def _ce_scale_(grad: torch.Tensor, scale: torch.Tensor) -> None:
-    _launch_scale(grad, scale)
-
-
-@_ce_scale_.register_fake
-def _(grad, scale):
-    return None
+@kernel_op("ce_scale_", lambda grad, scale: None, mutates_args=("grad",))
+def _launch_scale(grad: torch.Tensor, scale: torch.Tensor) -> None:
+    """``grad *= scale[0]`` in place (float32 math, rounded to ``grad``'s dtype): the fused
+    path's backward. A kernel that returns at once when the scale is 1."""
+    n = grad.numel()
+    if n:
+        block = 4096
+        grid = min(cdiv(n, block), 4 * tuning.sm_count(grad.device))
+        _kernels().ce_scale_kernel[(grid,)](grad, scale, n, BLOCK=block, num_warps=8)
 
 
 # --- autograd ---------------------------------------------------------------------------
@@ -383,25 +387,19 @@ class _CrossEntropy(torch.autograd.Function):
             opt = (weight, wstat, argmax)  # the launches' trailing arguments
             if o.fused:
                 if o.inplace:
-                    stats = (_launch_fwd(logits, target, count, logits, 0, logits.shape[1], ignore,
-                                         ls, z, cap, mean, None, *opt) if _eager() else
-                             torch.ops.lmfuse.ce_fwd_grad_(logits, target, count, ignore, ls, z,
-                                                           cap, mean, "", *opt))
+                    stats = _fwd_grad_(logits, target, count, ignore, ls, z, cap, mean, "",
+                                       *opt)
                     grad = logits
                 else:
-                    stats, grad = (_fwd_grad(logits, target, count, ignore, ls, z, cap, mean,
-                                             *opt) if _eager() else
-                                   torch.ops.lmfuse.ce_fwd_grad(logits, target, count, ignore, ls,
-                                                                z, cap, mean, *opt))
+                    stats, grad = _fwd_grad(logits, target, count, ignore, ls, z, cap, mean,
+                                            *opt)
                 ctx.save_for_backward(grad)
             else:
                 if o.path == "triton":
                     if not one_rank and weight is not None:  # (its loss row is not used)
                         opt = (weight, torch.ones(2, device=logits.device), argmax)
-                    args = (logits, target, count, o.vocab_start, o.vocab_size, ignore, ls, z,
-                            cap, mean)
-                    stats = (_launch_fwd(logits, target, count, None, *args[3:], None, *opt)
-                             if _eager() else torch.ops.lmfuse.ce_stats(*args, *opt))
+                    stats = _stats(logits, target, count, o.vocab_start, o.vocab_size, ignore,
+                                   ls, z, cap, mean, *opt)
                 else:
                     stats = ref.local_token_stats(logits, target, o.vocab_start, cap, weight)
                 if not one_rank:
@@ -445,11 +443,7 @@ class _CrossEntropy(torch.autograd.Function):
             if ctx.fused:
                 _once(ctx, _OP)
                 (grad,) = ctx.saved_tensors
-                scale = dout.float().reshape(1)
-                if _eager():
-                    _launch_scale(grad, scale)
-                else:
-                    torch.ops.lmfuse.ce_scale_(grad, scale)
+                _launch_scale(grad, dout.float().reshape(1))
                 return grad, None, None, None
             logits, target, stats, count, weight, wstat, wt = ctx.saved_tensors
             n = logits.shape[0]
@@ -471,17 +465,9 @@ class _CrossEntropy(torch.autograd.Function):
             opt = () if weight is None else (weight, wstat, wz, wt)
             if o.path == "triton":
                 if o.inplace:
-                    if _eager():
-                        _launch_grad(logits, target, stats, w, logits, *args, *opt)
-                    else:
-                        torch.ops.lmfuse.ce_grad_(logits, target, stats, w, *args, *opt)
+                    _grad_(logits, target, stats, w, *args, *opt)
                     return logits, None, None, None
-                if _eager():
-                    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-                    _launch_grad(logits, target, stats, w, grad, *args, *opt)
-                    return grad, None, None, None
-                return (torch.ops.lmfuse.ce_grad(logits, target, stats, w, *args, *opt), None,
-                        None, None)
+                return _grad(logits, target, stats, w, *args, *opt), None, None, None
             grad = ref.logits_grad(logits, target, stats[0], w, vocab_start=args[0],
                                    vocab_size=args[1], ignore_index=args[2],
                                    label_smoothing=args[3], z_loss=args[4], softcap=args[5],

@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
 
-from .._dispatch import eager
-from .._launch import cdiv, lazy_kernels
+from .._launch import cdiv, kernel_op, lazy_kernels
 from .._collectives import all_gather_stacked
 from . import reference as ref
 
@@ -51,11 +50,21 @@ def scalars(vocab_size: int, label_smoothing: float, z_loss: float,
     return (label_smoothing / vocab_size, 1.0 - label_smoothing, 2.0 * z_loss,
             1.0 if softcap is None else softcap)
 
-def _launch_merge(gathered, target, count, vocab_size, ignore_index, label_smoothing, z_loss,
-                  mean, target_weight=None, wstat=None, argmax=False):
+
+def _merge_fake(gathered, target, count, vocab_size, ignore_index, label_smoothing, z_loss,
+                mean, target_weight=None, wstat=None, argmax=False):
+    return gathered.new_empty((5 if argmax else 4, target.shape[0]), dtype=torch.float32)
+
+
+@kernel_op("ce_merge", _merge_fake)
+def _launch_merge(gathered: torch.Tensor, target: torch.Tensor, count: torch.Tensor,
+                  vocab_size: int, ignore_index: int, label_smoothing: float, z_loss: float,
+                  mean: bool, target_weight: Optional[torch.Tensor] = None,
+                  wstat: Optional[torch.Tensor] = None, argmax: bool = False) -> torch.Tensor:
     """``[4, N]`` whole-vocabulary stats and token loss from every rank's ``[world, 3, N]``
     (``[world, S * N (+ 1)]`` with the options' rows: see ``ce_merge_kernel``); with
-    ``argmax`` ``[5, N]``, the predicted class (float32) last."""
+    ``argmax`` ``[5, N]``, the predicted class (float32) last. The custom op
+    ``lmfuse::ce_merge`` (:func:`lmfuse._launch.kernel_op`)."""
     weighted = target_weight is not None
     rows = 3 + weighted + 2 * argmax
     world, n = gathered.shape[0], target.shape[0]
@@ -70,21 +79,6 @@ def _launch_merge(gathered, target, count, vocab_size, ignore_index, label_smoot
             *scalars(vocab_size, label_smoothing, z_loss, None)[:3],
             HAS_SMOOTHING=label_smoothing > 0, MEAN=mean, BLOCK=block, num_warps=4, **extra)
     return stats
-
-
-@torch.library.custom_op("lmfuse::ce_merge", mutates_args=())
-def _ce_merge(gathered: torch.Tensor, target: torch.Tensor, count: torch.Tensor,
-              vocab_size: int, ignore_index: int, label_smoothing: float, z_loss: float,
-              mean: bool, target_weight: Optional[torch.Tensor] = None,
-              wstat: Optional[torch.Tensor] = None, argmax: bool = False) -> torch.Tensor:
-    return _launch_merge(gathered, target, count, vocab_size, ignore_index, label_smoothing,
-                         z_loss, mean, target_weight, wstat, argmax)
-
-
-@_ce_merge.register_fake
-def _(gathered, target, count, vocab_size, ignore_index, label_smoothing, z_loss, mean,
-      target_weight=None, wstat=None, argmax=False):
-    return gathered.new_empty((5 if argmax else 4, target.shape[0]), dtype=torch.float32)
 
 
 def gather_stats(stats: torch.Tensor, target: torch.Tensor, count: torch.Tensor,
@@ -129,6 +123,6 @@ def gather_stats(stats: torch.Tensor, target: torch.Tensor, count: torch.Tensor,
             o.label_smoothing, o.z_loss, mean)
     if weight is not None or top is not None:
         args += (target_weight, wstat, top is not None)
-    merged = _launch_merge(*args) if eager() else torch.ops.lmfuse.ce_merge(*args)
+    merged = _launch_merge(*args)
     return Merged(merged[:4], target_weight, wstat,
                   merged[4].long() if top is not None else None)
