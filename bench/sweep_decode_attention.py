@@ -51,6 +51,11 @@ CASES = [("B64 Hq32 S4096 D128", 64, 32, 8, 4096, 128, False, None),
          ("B1 Hq32 S131072 D128 paged16", 1, 32, 8, 131072, 128, False, 16),
          ("B16 Hq32 S8192 D128 paged16", 16, 32, 8, 8192, 128, False, 16),
          ("B64 Hq32 S4096 D128 paged16", 64, 32, 8, 4096, 128, False, 16),
+         # Short contexts: the Generator's decode (16/4 heads, prompts of 512) and Hkv 8.
+         ("B64 Hq32 S576 D128 paged16", 64, 32, 8, 576, 128, False, 16),
+         ("B64 Hq16 Hkv4 S576 D128 paged16", 64, 16, 4, 576, 128, False, 16),
+         ("B16 Hq16 Hkv4 S576 D128 paged16", 16, 16, 4, 576, 128, False, 16),
+         ("B1 Hq16 Hkv4 S576 D128 paged16", 1, 16, 4, 576, 128, False, 16),
          ("B32 Hq32 S<=8192 D128 paged16 ragged", 32, 32, 8, 8192, 128, False, 16),
          ("B8 Hq32 Hkv32 S8192 D128", 8, 32, 32, 8192, 128, False, None),
          ("B4 Hq64 S32768 D128 fp8 paged16 4 active", 4, 64, 8, 32768, 128, True, 16),
@@ -157,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                                        widen_v_first=wv, ms=ms, err=err, note=note))
         done = [c for c in row["configs"] if c["ms"] and not c["note"]]
         done.sort(key=lambda c: c["ms"])
-        for c in done[:5]:
+        for c in done[:8]:
             print(f"   block_n {c['block_n']:>3} warps {c['warps']} stages {c['stages']} "
                   f"ppsm {c['ppsm']} widen_v_first {int(c['widen_v_first'])}: "
                   f"{c['ms']:.4f} ms ({nbytes / c['ms'] / 1e9:.2f} TB/s)")
