@@ -79,13 +79,6 @@ def value_checks(t: torch.Tensor) -> bool:
     return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
-def eager() -> bool:
-    """False while ``torch.compile`` traces: ops then call their launches through their
-    ``torch.library`` custom ops (opaque graph nodes) instead of launching directly (which
-    skips the dispatcher's tens of microseconds per call)."""
-    return not torch.compiler.is_compiling()
-
-
 def once_differentiable(backward: Callable[..., Any]) -> Callable[..., Any]:
     """``torch.autograd.function.once_differentiable`` for a backward, without its cost in
     the usual case: a backward runs with grad mode off unless the graph is being

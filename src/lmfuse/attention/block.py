@@ -35,9 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._dispatch import (IMPLS, eager, check_int, check_number, check_same_device, check_tensor,
+from .._dispatch import (IMPLS, check_int, check_number, check_same_device, check_tensor,
                          select_impl)
-from .._launch import FP8_DTYPES, INDEX_DTYPES, KERNEL_DTYPES, dtype_name, lazy_kernels, next_pow2
+from .._launch import (FP8_DTYPES, INDEX_DTYPES, KERNEL_DTYPES, dtype_name, kernel_op,
+                       lazy_kernels, next_pow2)
 from . import ops
 from ..norm.ops import rms_norm
 from .reference import decode_attention_block_reference as decode_attention_block_reference
@@ -122,9 +123,22 @@ def _config(D: int, half_r: int, device: torch.device) -> dict[str, Any]:
                 num_warps=max(1, min(4, block_d // 128)))
 
 
-def _launch_prologue(qkv, k_cache, v_cache, cache_seqlens, q_norm_weight, k_norm_weight,
-                     inv_freq, positions, block_table, k_scale, v_scale, Hq: int, Hkv: int,
-                     eps: float, interleaved: bool, capacity: int) -> torch.Tensor:
+def _prologue_fake(qkv, k_cache, v_cache, cache_seqlens, q_norm_weight, k_norm_weight,
+                   inv_freq, positions, block_table, k_scale, v_scale, Hq, Hkv, eps,
+                   interleaved, capacity):
+    B, s_active, width = qkv.shape
+    return qkv.new_empty((B, s_active, Hq, width // (Hq + 2 * Hkv)))
+
+
+@kernel_op("qk_norm_rope_append_", _prologue_fake, mutates_args=("k_cache", "v_cache"))
+def _launch_prologue(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     cache_seqlens: torch.Tensor, q_norm_weight: Optional[torch.Tensor],
+                     k_norm_weight: Optional[torch.Tensor], inv_freq: Optional[torch.Tensor],
+                     positions: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
+                     k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor], Hq: int,
+                     Hkv: int, eps: float, interleaved: bool, capacity: int) -> torch.Tensor:
+    """The fused stage's launch on the layouts :func:`_run_prologue` makes: returns a new
+    ``q [B, s_active, Hq, D]`` and writes k and v into the caches in place."""
     B, s_active, width = qkv.shape
     D = width // (Hq + 2 * Hkv)
     q = torch.empty((B, s_active, Hq, D), dtype=qkv.dtype, device=qkv.device)
@@ -162,27 +176,6 @@ def _launch_prologue(qkv, k_cache, v_cache, cache_seqlens, q_norm_weight, k_norm
     return q
 
 
-# A torch.library custom op, so torch.compile sees one opaque node; eager calls launch
-# directly.
-@torch.library.custom_op("lmfuse::qk_norm_rope_append_", mutates_args=("k_cache", "v_cache"))
-def _prologue_op(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 cache_seqlens: torch.Tensor, q_norm_weight: Optional[torch.Tensor],
-                 k_norm_weight: Optional[torch.Tensor], inv_freq: Optional[torch.Tensor],
-                 positions: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
-                 k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor], Hq: int,
-                 Hkv: int, eps: float, interleaved: bool, capacity: int) -> torch.Tensor:
-    return _launch_prologue(qkv, k_cache, v_cache, cache_seqlens, q_norm_weight,
-                            k_norm_weight, inv_freq, positions, block_table, k_scale, v_scale,
-                            Hq, Hkv, eps, interleaved, capacity)
-
-
-@_prologue_op.register_fake
-def _(qkv, k_cache, v_cache, cache_seqlens, q_norm_weight, k_norm_weight, inv_freq, positions,
-      block_table, k_scale, v_scale, Hq, Hkv, eps, interleaved, capacity):
-    B, s_active, width = qkv.shape
-    return qkv.new_empty((B, s_active, Hq, width // (Hq + 2 * Hkv)))
-
-
 def _run_prologue(qkv, k_cache, v_cache, cache_seqlens, q_norm_weight, k_norm_weight,
                   inv_freq, positions, block_table, k_scale, v_scale, Hq, Hkv, eps,
                   interleaved, capacity) -> torch.Tensor:
@@ -196,12 +189,9 @@ def _run_prologue(qkv, k_cache, v_cache, cache_seqlens, q_norm_weight, k_norm_we
         for t in (q_norm_weight, k_norm_weight, inv_freq, k_scale, v_scale))
     if block_table is not None and block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
-    args = (qkv, k_cache, v_cache, cache_seqlens, q_norm_weight, k_norm_weight, inv_freq,
-            positions, block_table, k_scale, v_scale, Hq, Hkv, float(eps), bool(interleaved),
-            capacity)
-    if not eager():
-        return _prologue_op(*args)
-    return _launch_prologue(*args)
+    return _launch_prologue(qkv, k_cache, v_cache, cache_seqlens, q_norm_weight, k_norm_weight,
+                            inv_freq, positions, block_table, k_scale, v_scale, Hq, Hkv,
+                            float(eps), bool(interleaved), capacity)
 
 
 def qk_norm_rope_append(

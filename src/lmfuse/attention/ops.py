@@ -4,7 +4,9 @@ validation, dispatch and launches.
 Decode attention is an inference op: it has no backward (ask for ``impl="torch"`` to
 differentiate through the reference). The Triton path never synchronises with the host:
 the split count comes from the shapes (the cache's capacity, not the lengths in
-``cache_seqlens``), so a call can be captured in a CUDA graph.
+``cache_seqlens``), so a call can be captured in a CUDA graph. Its launches are
+``torch.library`` custom ops through :func:`lmfuse._launch.kernel_op`: called directly when
+eager, opaque graph nodes under ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -17,12 +19,11 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import _pdl, tuning
-from .._dispatch import eager as _eager
 from .._dispatch import (Plan, ResolvedCall, check_int, check_number, check_same_device,
                          check_tensor, interpreter_active, native_cpu, register_planner,
                          select_impl, value_checks)
-from .._launch import (FP8_DTYPES, INDEX_DTYPES, KERNEL_DTYPES, cdiv, dtype_name, lazy_kernels,
-                       next_pow2)
+from .._launch import (FP8_DTYPES, INDEX_DTYPES, KERNEL_DTYPES, cdiv, dtype_name, kernel_op,
+                       lazy_kernels, next_pow2)
 from .._nvtx import nvtx_range
 from . import reference as ref
 
@@ -275,6 +276,20 @@ _CALL_FIELDS = tuple(f for f in DecodeCall.__dataclass_fields__ if f not in ("la
 def _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_size, sinks,
              k_scale, v_scale, return_lse, num_splits, impl, softcap=None, *,
              check_values: bool = True) -> DecodeCall:
+    """The checked call: :func:`_validate`, then :func:`_call` on the path it chose."""
+    path, reason, scale, softcap = _validate(
+        q, k_cache, v_cache, cache_seqlens, block_table, scale, window_size, sinks, k_scale,
+        v_scale, return_lse, num_splits, impl, softcap, check_values=check_values)
+    return _call(q, k_cache, block_table, scale, window_size, return_lse, num_splits, softcap,
+                 path, reason)
+
+
+def _validate(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_size, sinks,
+              k_scale, v_scale, return_lse, num_splits, impl, softcap=None, *,
+              check_values: bool = True) -> tuple[str, str, float, Optional[float]]:
+    """Every check of a :func:`decode_attention` call's arguments (their values too with
+    ``check_values``, see :func:`_check_decode_values`), and the path. Returns ``(path,
+    reason, scale, softcap)``, the scale defaulted to ``1 / sqrt(D)``."""
     op = "decode_attention"
     check_tensor(op, "q", q, ndim=4)
     B, s_active, Hq, D = q.shape
@@ -316,11 +331,24 @@ def _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_size
             q.requires_grad or (sinks is not None and sinks.requires_grad)):
         raise ValueError(f"{op}: the Triton path has no backward (decode attention is an "
                          "inference op); run it under torch.no_grad() or use impl='torch'")
+    return path, reason, 1.0 / math.sqrt(D) if scale is None else scale, softcap
+
+
+def _call(q, k_cache, block_table, scale: float, window_size: Optional[int], return_lse: bool,
+          num_splits: Optional[int], softcap: Optional[float], path: str = "triton",
+          reason: str = "") -> DecodeCall:
+    """The :class:`DecodeCall` of arguments already validated: the sizes from the shapes, and
+    on the Triton path the launch (:func:`_config`). :func:`_resolve` builds it after the
+    checks; the ops :func:`_decode` and :func:`_decode_partials` build it from their own
+    arguments alone, validating nothing again (their callers validated the arguments, a
+    compiled call while tracing)."""
+    B, s_active, Hq, D = q.shape
+    _, rows, Hkv, _ = k_cache.shape
+    paged = block_table is not None
+    capacity = block_table.shape[1] * rows if paged else rows
     # A window as long as the cache hides nothing: dropping it keeps the kernel's int32
     # position arithmetic away from windows near 2**31.
     window = window_size if window_size is not None and window_size < capacity else None
-    paged = block_table is not None
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
     launch = None
     if path == "triton":
         launch = _config(q, k_cache, B, s_active, Hq, Hkv, D, capacity, paged, scale, window,
@@ -457,11 +485,13 @@ def _choose_splits(programs: int, span: int, block_n: int, slots: int, min_keys:
 
 def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale,
                    s: DecodeCall, out=None, lse=None):
-    """The kernels on contiguous ``q``, ``cache_seqlens``, ``block_table``, ``sinks`` and
-    scales, and caches whose last dim is contiguous and whose strides are equal; into
-    contiguous ``out [B, S, Hq, D]`` (any float dtype) and ``lse [B, S, Hq]`` float32 when
-    given. ``s.pdl`` (set by a caller, off otherwise): the kernels launched with
-    programmatic dependent launch (``lmfuse._pdl``)."""
+    """The kernels of the resolved call ``s`` on contiguous ``q``, ``cache_seqlens``,
+    ``block_table``, ``sinks`` and scales, and caches whose last dim is contiguous and whose
+    strides are equal; into contiguous ``out [B, S, Hq, D]`` (any float dtype) and ``lse
+    [B, S, Hq]`` float32 when given. ``s.pdl`` (set by a caller, off otherwise): the kernels
+    launched with programmatic dependent launch (``lmfuse._pdl``). The public functions
+    reach it through their ops (:func:`_decode`, :func:`_decode_partials`); a caller that
+    holds a resolved call launches it directly (the serving decode step, with ``pdl``)."""
     B, S, Hq, D = q.shape
     pdl, c = s.pdl, s.launch
     Hkv, splits = s.Hkv, c.splits
@@ -516,24 +546,47 @@ def _merge_chunk(parts: int, block_d: int) -> int:
     return min(next_pow2(parts, 2), max(2, 4096 // block_d))
 
 
-def _launch_merge(outs, lses, out, lse, num_warps: int = 4) -> None:
-    """``outs [P, R, D]`` and ``lses [P, R]`` (any strides but D's = 1) into contiguous
-    ``out [R, D]`` and ``lse [R]``."""
+def _merge_fake(outs, lses, out_dtype):
+    dtype = out_dtype if out_dtype in KERNEL_DTYPES else outs.dtype
+    return (outs.new_empty(outs.shape[1:], dtype=dtype),
+            lses.new_empty(lses.shape[1:], dtype=torch.float32))
+
+
+@kernel_op("merge_attention_states", _merge_fake)
+def _launch_merge(outs: torch.Tensor, lses: torch.Tensor,
+                  out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``outs [P, R, D]`` and ``lses [P, R]`` (any strides but D's = 1) merged into new
+    contiguous ``(out [R, D], lse [R] float32)``. The kernel stores ``out`` in ``out_dtype``
+    where it can (a kernel dtype: no cast after); otherwise ``out`` is in outs' dtype and the
+    caller casts it."""
     P, R, D = outs.shape
+    out = outs.new_empty((R, D), dtype=out_dtype if out_dtype in KERNEL_DTYPES else outs.dtype)
+    lse = lses.new_empty((R,), dtype=torch.float32)
     if R == 0 or D == 0:
-        if lse is not None and R:
+        if R:
             lse.copy_(ref.logsumexp(lses.float(), 0))
-        return
+        return out, lse
     cols = min(next_pow2(D, 16), _MERGE_COLUMNS)
     _kernels().merge_kernel[(R, cdiv(D, cols))](
-        outs, lses, out, lse if lse is not None else out, P,
-        outs.stride(0), outs.stride(1), lses.stride(0), lses.stride(1),
+        outs, lses, out, lse, P, outs.stride(0), outs.stride(1), lses.stride(0), lses.stride(1),
         D=D, BLOCK_D=cols, BLOCK_P=next_pow2(P, 2), CHUNK_P=_merge_chunk(P, cols),
-        WRITE_LSE=lse is not None, num_warps=num_warps)
+        WRITE_LSE=True, num_warps=4)
+    return out, lse
 
 
-def _launch_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale,
-                   v_scale, capacity: int) -> None:
+@kernel_op("kv_cache_append_", lambda *args, **kwargs: None,
+           mutates_args=("k_cache", "v_cache"))
+def _launch_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
+                   v_new: torch.Tensor, cache_seqlens: torch.Tensor,
+                   block_table: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
+                   v_scale: Optional[torch.Tensor], capacity: int, check: bool = False) -> None:
+    """Write ``k_new``, ``v_new`` into the caches in place. ``check``: run the value checks
+    here first (:func:`_check_append_values`). A compiled call passes it: its checks at the
+    API boundary were skipped while tracing, so the graph runs them here, on the values of
+    each run; an eager call has run them already."""
+    if check:
+        _check_append_values("kv_cache_append", cache_seqlens, k_cache, block_table, capacity,
+                             k_new.shape[1], k_scale, v_scale)
     B, s_new, Hkv, D = k_new.shape
     if B * s_new == 0 or Hkv * D == 0:
         return
@@ -554,57 +607,60 @@ def _launch_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k
         HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None, num_warps=4)
 
 
-# torch.library custom ops, so torch.compile sees opaque nodes; eager calls launch directly.
+# Decode attention's ops take primitives (a custom op cannot take a DecodeCall) and build
+# the call from them and the shapes (:func:`_call`): the public functions validate before
+# calling them (``_validate``; a compiled call while tracing), so nothing is validated
+# twice. ``check``: run the value checks here, as for the append.
 
 
-@torch.library.custom_op("lmfuse::decode_attention", mutates_args=())
-def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
-               sinks: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
-               v_scale: Optional[torch.Tensor], scale: float, window: int,
-               num_splits: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
-    s = _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale,
-                 None if window < 0 else window, sinks, k_scale, v_scale, True,
-                 num_splits or None, "triton", softcap or None)
-    return _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale,
-                          v_scale, s)
+def _decode_fake(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale,
+                 scale, window_size, num_splits, softcap, return_lse, check):
+    out = torch.empty_like(q)
+    return [out, q.new_empty(q.shape[:3], dtype=torch.float32)] if return_lse else [out]
 
 
-@_decode_op.register_fake
-def _(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale, scale, window,
-      num_splits, softcap):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+@kernel_op("decode_attention", _decode_fake)
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
+            sinks: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
+            v_scale: Optional[torch.Tensor], scale: float, window_size: Optional[int],
+            num_splits: Optional[int], softcap: Optional[float], return_lse: bool,
+            check: bool) -> list[torch.Tensor]:
+    """:func:`decode_attention` on the Triton path, on inputs laid out by :func:`_laid_out`:
+    ``[out]``, or ``[out, lse]`` with ``return_lse``. A list because an op cannot return
+    None in a tuple, and a call without the LSE should not allocate one."""
+    s = _call(q, k_cache, block_table, scale, window_size, return_lse, num_splits, softcap)
+    if check:
+        _check_decode_values("decode_attention", cache_seqlens, k_cache, block_table,
+                             s.capacity, k_scale, v_scale)
+    out, lse = _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale,
+                              v_scale, s)
+    return [out] if lse is None else [out, lse]
 
 
-@torch.library.custom_op("lmfuse::kv_cache_append_", mutates_args=("k_cache", "v_cache"))
-def _append_op(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
-               v_new: torch.Tensor, cache_seqlens: torch.Tensor,
-               block_table: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
-               v_scale: Optional[torch.Tensor], capacity: int) -> None:
-    # Traced calls skip the checks at the boundary; the compiled graph runs them here.
-    _check_append_values("kv_cache_append", cache_seqlens, k_cache, block_table, capacity,
-                         k_new.shape[1], k_scale, v_scale)
-    _launch_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale,
-                   v_scale, capacity)
+def _partials_fake(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale,
+                   scale, num_splits, softcap, check):
+    return q.new_empty((q.numel() // q.shape[-1] * (q.shape[-1] + 1),), dtype=torch.float32)
 
 
-@_append_op.register_fake
-def _(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale, v_scale, capacity):
-    return None
-
-
-@torch.library.custom_op("lmfuse::merge_attention_states", mutates_args=())
-def _merge_op(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    P, R, D = outs.shape
-    out = outs.new_empty((R, D))
-    lse = lses.new_empty((R,), dtype=torch.float32)
-    _launch_merge(outs, lses, out, lse)
-    return out, lse
-
-
-@_merge_op.register_fake
-def _(outs, lses):
-    return outs.new_empty(outs.shape[1:]), lses.new_empty(lses.shape[1:], dtype=torch.float32)
+@kernel_op("decode_attention_partials", _partials_fake)
+def _decode_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
+                     sinks: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
+                     v_scale: Optional[torch.Tensor], scale: float, num_splits: Optional[int],
+                     softcap: Optional[float], check: bool) -> torch.Tensor:
+    """:func:`decode_attention_partials` on the Triton path: the kernels write the flat
+    float32 ``[outputs | LSEs]`` directly."""
+    s = _call(q, k_cache, block_table, scale, None, True, num_splits, softcap)
+    if check:
+        _check_decode_values("decode_attention", cache_seqlens, k_cache, block_table,
+                             s.capacity, k_scale, v_scale)
+    B, S, Hq, D = q.shape
+    R = B * S * Hq
+    states = torch.empty(R * (D + 1), dtype=torch.float32, device=q.device)
+    _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale, s,
+                   out=states[:R * D].view(B, S, Hq, D), lse=states[R * D:].view(B, S, Hq))
+    return states
 
 
 # --- public functions -------------------------------------------------------------------------
@@ -682,31 +738,29 @@ def decode_attention(
     ``[0, num_blocks)`` (-1 included) are skipped, as if masked out; scales are used as given
     (a zero ``k_scale`` makes every score 0, a zero ``v_scale`` the output 0).
     """
-    s = _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_size, sinks,
-                 k_scale, v_scale, return_lse, num_splits, impl, softcap)
+    path, _, scale, softcap = _validate(q, k_cache, v_cache, cache_seqlens, block_table, scale,
+                                        window_size, sinks, k_scale, v_scale, return_lse,
+                                        num_splits, impl, softcap)
     with nvtx_range("decode_attention", "fwd"):
-        if (native_cpu(impl, s.path, q) and k_cache.dtype == torch.float32
-                and sinks is None and s.softcap is None and not return_lse):
-            out = _native_decode(q, k_cache, v_cache, cache_seqlens, block_table, s.scale,
+        if (native_cpu(impl, path, q) and k_cache.dtype == torch.float32
+                and sinks is None and softcap is None and not return_lse):
+            out = _native_decode(q, k_cache, v_cache, cache_seqlens, block_table, scale,
                                  window_size)
             if out is not None:
                 return out
-        if s.path == "torch":
+        if path == "torch":
             return ref.decode_attention_reference(
-                q, k_cache, v_cache, cache_seqlens, block_table=block_table, scale=s.scale,
+                q, k_cache, v_cache, cache_seqlens, block_table=block_table, scale=scale,
                 window_size=window_size, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-                return_lse=return_lse, softcap=s.softcap)
+                return_lse=return_lse, softcap=softcap)
         q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale = _laid_out(
             q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale)
-        if _eager():
-            out, lse = _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks,
-                                      k_scale, v_scale, s)
-        else:
-            out, lse = _decode_op(q, k_cache, v_cache, cache_seqlens, block_table, sinks,
-                                  k_scale, v_scale, s.scale,
-                                  -1 if window_size is None else window_size, num_splits or 0,
-                                  s.softcap or 0.0)
-        return (out, lse) if return_lse else out
+        # A compiled call checks the values inside the op, at run time (``_validate`` skipped
+        # them while tracing); an eager call has checked them already.
+        res = _decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale,
+                      scale, window_size, num_splits, softcap, return_lse,
+                      check=torch.compiler.is_compiling())
+        return (res[0], res[1]) if return_lse else res[0]
 
 
 def _native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -783,25 +837,23 @@ def decode_attention_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     ``[B, s_active, Hq]`` order), float32 (float64 for float64 ``q``). On the Triton path
     the kernels write it directly: no copy of the output, no cast, no concatenation. Inputs,
     their checks and NaN/inf as for :func:`decode_attention`."""
-    s = _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, None, sinks,
-                 k_scale, v_scale, True, num_splits, impl, softcap)
-    B, S, Hq, D = q.shape
-    R = B * S * Hq
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if s.path == "torch" or not _eager():
-        out, lse = decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
-                                    scale=scale, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-                                    return_lse=True, num_splits=num_splits, impl=s.path,
-                                    softcap=softcap)
-        return torch.cat([out.to(compute).reshape(-1), lse.to(compute).reshape(-1)])
-    q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale = _laid_out(
-        q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale)
-    states = torch.empty(R * (D + 1), dtype=compute, device=q.device)
+    path, _, scale, softcap = _validate(q, k_cache, v_cache, cache_seqlens, block_table, scale,
+                                        None, sinks, k_scale, v_scale, True, num_splits, impl,
+                                        softcap)
     with nvtx_range("decode_attention", "fwd"):
-        _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale,
-                       s, out=states[:R * D].view(B, S, Hq, D),
-                       lse=states[R * D:].view(B, S, Hq))
-    return states
+        if path == "torch":
+            out, lse = ref.decode_attention_reference(
+                q, k_cache, v_cache, cache_seqlens, block_table=block_table, scale=scale,
+                sinks=sinks, k_scale=k_scale, v_scale=v_scale, return_lse=True,
+                softcap=softcap)
+            compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+            return torch.cat([out.to(compute).reshape(-1), lse.to(compute).reshape(-1)])
+        q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale = _laid_out(
+            q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale)
+        # Values checked inside the op when compiled, as in decode_attention.
+        return _decode_partials(q, k_cache, v_cache, cache_seqlens, block_table, sinks,
+                                k_scale, v_scale, scale, num_splits, softcap,
+                                check=torch.compiler.is_compiling())
 
 
 def _resolve_merge(outs, lses, impl) -> tuple[str, str]:
@@ -864,12 +916,8 @@ def merge_attention_states(outs: torch.Tensor, lses: torch.Tensor, *,
         if outs3.stride(-1) != 1:
             outs3 = outs3.contiguous()
         lses2 = lses.reshape(P, -1)
-        if _eager() and dtype in KERNEL_DTYPES:
-            out = outs.new_empty((outs3.shape[1], D), dtype=dtype)
-            lse = lses.new_empty((outs3.shape[1],), dtype=torch.float32)
-            _launch_merge(outs3, lses2, out, lse)
-        else:
-            out, lse = _merge_op(outs3, lses2)
+        out, lse = _launch_merge(outs3, lses2, dtype)
+        if out.dtype != dtype:  # not a dtype the kernel stores (float64, float8)
             out = out.to(dtype)
         return out.view(*lead, D), lse.view(lead)
 
@@ -960,12 +1008,10 @@ def kv_cache_append(
         cache_seqlens = cache_seqlens.contiguous()
         k_scale = k_scale.contiguous() if k_scale is not None else None
         v_scale = v_scale.contiguous() if v_scale is not None else None
-        if _eager():
-            _launch_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale,
-                           v_scale, capacity)
-        else:
-            _append_op(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale,
-                       v_scale, capacity)
+        # A compiled call checks the values inside the op, at run time (they were skipped
+        # above while tracing); an eager call has checked them already.
+        _launch_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale,
+                       v_scale, capacity, check=torch.compiler.is_compiling())
         return None
 
 
