@@ -134,6 +134,26 @@ def test_rms_norm_fast_path_is_the_full_path(no_interpreter, monkeypatch, weight
     _close(got, want)
 
 
+def test_rms_norm_fast_path_takes_a_module_weight(no_interpreter, monkeypatch):
+    """A module's weight is an ``nn.Parameter`` (a tensor subclass the fast path takes as
+    it is: ``lmfuse.RMSNorm`` and models' own norms call with one)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 5, 16, generator=g, requires_grad=True)
+    norm = lmfuse.RMSNorm(16, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(16, generator=g))
+    resolved = _spy(monkeypatch, norm_ops, "_resolve")
+    y = lmfuse.rms_norm(x, norm.weight, eps=1e-5)
+    assert not resolved
+    y.backward(torch.ones_like(y))
+    want_x = x.detach().clone().requires_grad_(True)
+    want_w = norm.weight.detach().clone().requires_grad_(True)
+    want = lmfuse.rms_norm(want_x, want_w, eps=1e-5, impl="torch")
+    want.backward(torch.ones_like(want))
+    _close((y.detach(), (x.grad, norm.weight.grad)),
+           (want.detach(), (want_x.grad, want_w.grad)))
+
+
 def test_rms_norm_fast_path_leaves_bad_input_to_the_full_path(no_interpreter):
     with pytest.raises(ValueError, match="weight"):
         lmfuse.rms_norm(torch.randn(2, 8), torch.randn(4))

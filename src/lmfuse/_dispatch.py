@@ -105,13 +105,18 @@ def native_cpu(impl: str, path: str, t: torch.Tensor) -> bool:
             and t.dtype == torch.float32 and not torch.compiler.is_compiling())
 
 
+#: The tensor types the CPU fast paths take as they are: plain tensors and parameters (a
+#: module's weights); any other subclass takes the full path, whose checks apply.
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def cpu_fast(t: torch.Tensor) -> bool:
     """Whether an ``impl="auto"`` call on ``t`` takes :func:`native_cpu`'s path for sure: a
     float32 CPU tensor, out of ``torch.compile``, Triton's interpreter off (so the choice is
     the reference, which PyTorch's op stands in for). The ops' CPU fast paths ask this
     before any other work: with every option at its default, such a call is PyTorch's op
     after a few checks of its own, at the plain op's host cost."""
-    return (type(t) is torch.Tensor and t.is_cpu and t.dtype is torch.float32
+    return (type(t) in PLAIN_TENSORS and t.is_cpu and t.dtype is torch.float32
             and not (_HAS_TRITON and interpreter_active())
             and not torch.compiler.is_compiling())
 

@@ -23,6 +23,7 @@ import torch
 
 from .. import _pdl, tuning
 from .._dispatch import (
+    PLAIN_TENSORS,
     Plan,
     ResolvedCall,
     check_number,
@@ -276,7 +277,7 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps: flo
     if (impl == "auto" and type(eps) is float and 0.0 <= eps < math.inf
             and type(weight_offset) is float and weight_offset == 0.0 and cpu_fast(x)
             and x.dim() > 0 and (weight is None or (
-                type(weight) is torch.Tensor and weight.dtype is torch.float32
+                type(weight) in PLAIN_TENSORS and weight.dtype is torch.float32
                 and weight.is_cpu and weight.shape == x.shape[-1:]))):
         # The common CPU call (float32, a float32 weight or none, no offset): PyTorch's op
         # at once, as the path below would run it, without the resolved call.
