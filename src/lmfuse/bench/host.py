@@ -64,8 +64,8 @@ Rows:
 Every row gives its time as a multiple of lmfuse's call in the same mode (``x lmfuse``;
 for the breakdown rows, the share of the call). The breakdown printed at the end, per op:
 ``fwd = checks + launch + rest`` (rest: the glue between them -- reshapes, contiguity
-tests, NVTX ranges, and for ``fused_softmax``, whose eager call goes through its
-``torch.library`` custom op, the dispatcher; the other ops launch directly when eager),
+tests, NVTX ranges; every op launches directly when eager, its ``torch.library`` custom op
+being what ``torch.compile`` sees),
 ``autograd = fwd (grad) - fwd`` (the graph node, the tensors saved for backward), ``over
 launches = fwd+bwd - its launch-only row`` (checks, autograd, backward's engine). The
 target -- lmfuse's call at most Liger's, in every mode where Liger runs -- is judged only

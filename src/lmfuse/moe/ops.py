@@ -156,7 +156,7 @@ def _tiles(offsets: torch.Tensor, rows: int, block_m: int) -> torch.Tensor:
 @dataclass(frozen=True, slots=True)
 class MoESettings(ResolvedCall):
     """What the kernels and the torch path compute: the activation and its options (the
-    custom ops rebuild it from their arguments, :func:`_settings`)."""
+    launches rebuild it from their plain arguments, :func:`_settings`, cached)."""
 
     activation: str  # the public name: "swiglu", "geglu", "quick_geglu", "squared_relu"
     act: str  # its activation function, a key of ACT_IDS
