@@ -397,14 +397,14 @@ def test_forward_kernel_writes_a_saturated_fp8_copy(gated: bool, dtype: torch.dt
     ``x.clamp(-448, 448).to(float8_e4m3fn)``: saturated, ties rounded to even, subnormals
     kept. (NaN: see the next test; Triton 3.9's interpreter stores a float32 NaN as fp8
     384, where the GPU's conversion keeps it NaN.)"""
-    from lmfuse.activations.ops import _launch_fwd
+    from lmfuse.activations.ops import _launch_fwd_x8
 
     x = (randn((37, 48), F32) * torch.logspace(-4, 3, 48)).to(dtype)
     # Saturation, ties between neighbours (3.375: 3.25 | 3.5; 0.06640625: two fp8
     # neighbours apart by 2**-7 in the subnormal-adjacent range), an exact value, -0.
     x[0, :6] = torch.tensor([500.0, -1e4, 3.375, 0.06640625, 448.0, -0.0]).to(dtype)
     x8 = torch.empty(x.shape, dtype=FP8)
-    _launch_fwd(x, None, None, "silu" if gated else "gelu", gated, 0.0, None, 1.0, 1.0, x8)
+    _launch_fwd_x8(x, None, None, "silu" if gated else "gelu", gated, 0.0, None, 1.0, 1.0, x8)
     want = x.clamp(-448.0, 448.0).to(FP8)
     assert torch.equal(x8.view(torch.uint8), want.view(torch.uint8)), (
         f"{dtype}: {(x8.float() - want.float()).abs().max()}")

@@ -68,18 +68,12 @@ class ActivationCall(ResolvedCall):
 # None goes with its flag (HAS_BIAS, ...), so it compiles no extra variant.
 
 
-def _fwd_fake(x, bias, weights, activation, gated, linear_offset, clamp_value,
-              gate_multiplier, down_multiplier, x8=None):
-    return x.new_empty((x.shape[0], x.shape[1] // 2 if gated else x.shape[1]))
-
-
-@kernel_op("act_fwd", _fwd_fake, mutates_args=("x8",))
-def _launch_fwd(x: torch.Tensor, bias: Optional[torch.Tensor], weights: Optional[torch.Tensor],
-                activation: str, gated: bool, linear_offset: float, clamp_value: Optional[float],
-                gate_multiplier: float, down_multiplier: float,
-                x8: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``y``; with ``x8`` (float8_e4m3fn ``[M, K]``, contiguous) the kernel also writes x's
-    float8 copy there."""
+def _fwd(x: torch.Tensor, bias: Optional[torch.Tensor], weights: Optional[torch.Tensor],
+         activation: str, gated: bool, linear_offset: float, clamp_value: Optional[float],
+         gate_multiplier: float, down_multiplier: float,
+         x8: Optional[torch.Tensor]) -> torch.Tensor:
+    """The forward kernel: ``y``; with ``x8`` (float8_e4m3fn ``[M, K]``, contiguous) it also
+    writes x's float8 copy there."""
     M, K = x.shape
     N = K // 2 if gated else K
     y = x.new_empty(M, N)
@@ -95,6 +89,34 @@ def _launch_fwd(x: torch.Tensor, bias: Optional[torch.Tensor], weights: Optional
         HAS_BIAS=bias is not None, HAS_W=weights is not None, HAS_CLAMP=clamp_value is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, STORE_X8=x8 is not None, num_warps=t["fwd_warps"])
     return y
+
+
+def _fwd_fake(x, bias, weights, activation, gated, linear_offset, clamp_value,
+              gate_multiplier, down_multiplier, x8=None):
+    return x.new_empty((x.shape[0], x.shape[1] // 2 if gated else x.shape[1]))
+
+
+# Two ops, with and without the float8 copy: a mutated argument that may be None trips
+# torch 2.11's functionalization under torch.compile (an IndexError while tracing).
+
+
+@kernel_op("act_fwd", _fwd_fake)
+def _launch_fwd(x: torch.Tensor, bias: Optional[torch.Tensor], weights: Optional[torch.Tensor],
+                activation: str, gated: bool, linear_offset: float, clamp_value: Optional[float],
+                gate_multiplier: float, down_multiplier: float) -> torch.Tensor:
+    """``y`` (:func:`_fwd` without the float8 copy)."""
+    return _fwd(x, bias, weights, activation, gated, linear_offset, clamp_value,
+                gate_multiplier, down_multiplier, None)
+
+
+@kernel_op("act_fwd_x8", _fwd_fake, mutates_args=("x8",))
+def _launch_fwd_x8(x: torch.Tensor, bias: Optional[torch.Tensor],
+                   weights: Optional[torch.Tensor], activation: str, gated: bool,
+                   linear_offset: float, clamp_value: Optional[float], gate_multiplier: float,
+                   down_multiplier: float, x8: torch.Tensor) -> torch.Tensor:
+    """``y``, and x's float8 copy written into ``x8`` (``fp8_input_store``)."""
+    return _fwd(x, bias, weights, activation, gated, linear_offset, clamp_value,
+                gate_multiplier, down_multiplier, x8)
 
 
 def _bwd_fake(x, g, bias, weights, activation, gated, linear_offset, clamp_value,
@@ -218,7 +240,9 @@ class _Activation(torch.autograd.Function):
                 if saving and s.fp8_input_store and (not x.is_cuda
                                                          or fp8_capable(x.device)):
                     x8 = torch.empty(x.shape, dtype=_FP8, device=x.device)
-                y = _launch_fwd(x, bias, weights, *s.kernel_args(), x8)
+                    y = _launch_fwd_x8(x, bias, weights, *s.kernel_args(), x8)
+                else:
+                    y = _launch_fwd(x, bias, weights, *s.kernel_args())
             else:
                 y = ref.activation_reference(x, bias, weights, **_ref_options(s))
             ctx.s = s
