@@ -32,13 +32,36 @@ SHAPES = {"qkv": ([(HQ * D, H), (HKV * D, H), (HKV * D, H)], False, False),
           "lm_head": ([(VOCAB, H)], False, False)}
 
 
+def dot_rows(n: int) -> int:
+    """The dot path's row tile for ``n`` rows (BLOCK_M: 16, 32 or 64)."""
+    return 16 if n <= 16 else 32 if n <= 32 else 64
+
+
+def fits(bm: int, bn: int, bk: int, stages: int, gated: bool) -> bool:
+    """Whether a launch's pipelined tiles fit 220 KiB of shared memory (bf16)."""
+    return (bm + (2 if gated else 1) * bn) * bk * 2 * stages <= 220 * 1024
+
+
+def weights(dims, g: torch.Generator) -> list[torch.Tensor]:
+    """Random bf16 matrices of these ``[N, K]`` shapes, scaled by ``K ** -0.5``."""
+    return [(torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).to(torch.bfloat16)
+            for n, k in dims]
+
+
+def reference(x, ws, gated: bool) -> torch.Tensor:
+    """The GEMV's output in float32 (without the residual)."""
+    if gated:
+        return F.silu(x.float() @ ws[0].float().t()) * (x.float() @ ws[1].float().t())
+    return torch.cat([x.float() @ w.float().t() for w in ws], -1)
+
+
 def launch(x, ws, y, r, gated, bn, bk, warps, stages, bm=None, split=1):
     """``gemv_kernel`` with these options; ``split``: programs per tile along K."""
     n, K = x.shape
     ns = [w.shape[0] for w in ws]
     n_out = ns[0] if gated else sum(ns)
     w = list(ws) + [ws[0]] * (3 - len(ws))
-    bm = bm or (16 if n <= 16 else 32 if n <= 32 else 64)
+    bm = bm or dot_rows(n)
     k_split = -(-(-(-K // split)) // bk) * bk
     split = -(-K // k_split)
     grid = (n_out // bn, -(-n // bm), split)
@@ -61,14 +84,10 @@ def main() -> int:
     a = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
-
-    def mat(n, k):
-        return (torch.randn(n, k, device=dev, generator=g) / k ** 0.5).to(dt)
-
     rows = []
     for name in a.shapes.split(","):
         dims, gated, residual = SHAPES[name]
-        ws = [mat(*d) for d in dims]
+        ws = weights(dims, g)
         K = ws[0].shape[1]
         nbytes = sum(w.numel() * w.element_size() for w in ws)
         for n in (int(v) for v in a.rows.split(",")):
@@ -84,17 +103,14 @@ def main() -> int:
                     return torch.addmm(r, x, ws[0].t())
                 return [F.linear(x, w) for w in ws]
 
-            want = (F.silu(x.float() @ ws[0].float().t()) * (x.float() @ ws[1].float().t())
-                    if gated else torch.cat([x.float() @ w.float().t() for w in ws], -1))
+            want = reference(x, ws, gated)
             if residual:
                 want = want + r.float()
             t_blas = triton.testing.do_bench_cudagraph(blas, rep=50)
             best = None
             for bn, bk, warps, stages in itertools.product((16, 32, 64, 128), (128, 256, 512),
                                                            (4, 8), (3, 4, 6)):
-                bm = 16 if n <= 16 else 32 if n <= 32 else 64
-                tiles = 2 if gated else 1
-                if (bm + tiles * bn) * bk * 2 * stages > 220 * 1024:
+                if not fits(dot_rows(n), bn, bk, stages, gated):
                     continue
                 try:
                     rr = None if r is None else r.clone()

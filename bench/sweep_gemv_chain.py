@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from lmfuse.serving.fused import _gemv_config, _gemv_split
-from sweep_gemv import SHAPES, launch
+from sweep_gemv import SHAPES, dot_rows, fits, launch, reference, weights
 
 
 def graph_us(fn, chain: int) -> float:
@@ -60,14 +60,10 @@ def main() -> int:
     a = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
-
-    def mat(n, k):
-        return (torch.randn(n, k, device=dev, generator=g) / k ** 0.5).to(dt)
-
     rows = []
     for name in a.shapes.split(","):
         dims, gated, residual = SHAPES[name]
-        sets = [[mat(*d) for d in dims] for _ in range(a.chain)]
+        sets = [weights(dims, g) for _ in range(a.chain)]
         K = dims[0][1]
         nbytes = sum(d[0] * d[1] * 2 for d in dims)
         for n in (int(v) for v in a.rows.split(",")):
@@ -76,8 +72,7 @@ def main() -> int:
             y = torch.empty(n, n_out, device=dev, dtype=dt)
             r = torch.randn(n, n_out, device=dev, dtype=dt)
             ws = sets[0]
-            want = (F.silu(x.float() @ ws[0].float().t()) * (x.float() @ ws[1].float().t())
-                    if gated else torch.cat([x.float() @ w.float().t() for w in ws], -1))
+            want = reference(x, ws, gated)
 
             def blas():
                 for ws in sets:
@@ -90,7 +85,7 @@ def main() -> int:
 
             t_blas = graph_us(blas, a.chain)
             results = []
-            bm_dot = 16 if n <= 16 else 32 if n <= 32 else 64
+            bm_dot = dot_rows(n)
             chosen = _gemv_config(n_out, K, bm_dot, gated)
             configs = [(bm_dot,) + chosen + ("chosen", _gemv_split(n_out, K, bm_dot, gated))]
             if a.dot:
@@ -104,8 +99,7 @@ def main() -> int:
                 configs += [(1, bn, bk, w, st, "m1", 1) for bn, bk, w, st in itertools.product(
                     (2, 4, 8), (512, 1024, 2048), (4, 8), (2, 3, 4))]
             for bm, bn, bk, warps, stages, kind, split in configs:
-                tiles = 2 if gated else 1
-                if (bm + tiles * bn) * bk * 2 * stages > 220 * 1024 or n_out % bn:
+                if not fits(bm, bn, bk, stages, gated) or n_out % bn:
                     continue
                 try:
                     out = torch.zeros_like(y)
