@@ -304,3 +304,25 @@ def test_stats_bytes_per_token_and_close() -> None:
     assert not gen.has_unfinished() and not gen.cache.k_caches
     with pytest.raises(RuntimeError, match="closed"):
         gen.step()
+
+
+def test_a_reserved_steps_inputs_come_as_one_packed_vector() -> None:
+    """A decode graph takes a full batch's step with one copy: ``_packed`` gives the step's
+    table, lengths before and after as the one int32 vector ``reserve`` packed them in, and
+    None for tensors that do not lie so."""
+    from lmfuse import PagedKVCache
+    from lmfuse.serving.runner import _packed
+
+    cache = PagedKVCache(num_blocks=8, block_len=4, kv_heads=1, head_dim=4,
+                         dtype=torch.float32, device="cpu", num_layers=1)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    cache.reserve([a, b], [5, 2])
+    step = cache.reserve([a, b], 1, max_blocks=3)
+    flat = _packed(step)
+    assert flat is not None
+    assert flat.tolist() == (step.block_table.flatten().tolist() + step.seqlens_before.tolist()
+                             + step.seqlens.tolist())
+    assert flat.tolist()[-4:] == [5, 2, 6, 3]
+    apart = step._replace(seqlens=step.seqlens.clone())
+    assert _packed(apart) is None
+    assert _packed(step._replace(block_table=step.block_table.clone())) is None

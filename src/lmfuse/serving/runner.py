@@ -408,9 +408,13 @@ class _DecodeGraph:
         self.batch, self.width = batch, width
         self.ids = torch.zeros((batch, 1), dtype=torch.int64, device=dev)
         self.pos = torch.zeros((batch, 1), dtype=torch.int64, device=dev)
-        self.table = torch.full((batch, width), -1, dtype=torch.int32, device=dev)
-        self.before = torch.zeros(batch, dtype=torch.int32, device=dev)
-        self.after = torch.zeros(batch, dtype=torch.int32, device=dev)
+        # table | before | after in one buffer, laid out as PagedKVCache.reserve packs a
+        # step's: a full batch's step comes in with one copy.
+        self.packed = torch.zeros(batch * (width + 2), dtype=torch.int32, device=dev)
+        self.table = self.packed[:batch * width].view(batch, width)
+        self.table.fill_(-1)
+        self.before = self.packed[batch * width:batch * (width + 1)]
+        self.after = self.packed[batch * (width + 1):]
         ctx = StepContext(runner.cache, "decode", runner.impl, block_table=self.table,
                           seqlens_before=self.before, seqlens=self.after)
 
@@ -427,16 +431,25 @@ class _DecodeGraph:
 
     def run(self, host: torch.Tensor | None, step: DecodeStep, n: int,
             ids: torch.Tensor | None = None) -> torch.Tensor:
+        # Each copy here is a launch on the stream before the replay: as few as may be (the
+        # fused layers read no positions but ``before``).
+        positions = self.runner.fused is None
         if ids is not None:  # the tokens are on the device already; positions from the step
             self.ids[:n, 0].copy_(ids)
-            self.pos[:n, 0].copy_(step.seqlens_before)
+            if positions:
+                self.pos[:n, 0].copy_(step.seqlens_before)
         else:
             host = host.to(self.ids.device, non_blocking=True)
             self.ids[:n, 0].copy_(host[0])
-            self.pos[:n, 0].copy_(host[1])
-        self.table[:n].copy_(step.block_table)
-        self.before[:n].copy_(step.seqlens_before)
-        self.after[:n].copy_(step.seqlens)
+            if positions:
+                self.pos[:n, 0].copy_(host[1])
+        packed = _packed(step) if n == self.batch else None
+        if packed is not None:
+            self.packed.copy_(packed)
+        else:
+            self.table[:n].copy_(step.block_table)
+            self.before[:n].copy_(step.seqlens_before)
+            self.after[:n].copy_(step.seqlens)
         if n < self.batch:  # rows of an earlier, larger batch: blank them
             self.table[n:].fill_(-1)
             self.before[n:].zero_()
@@ -444,6 +457,22 @@ class _DecodeGraph:
         self.graph.replay()
         self.runner._greedy = self.tokens[:n]
         return self.logits[:n]
+
+
+def _packed(step: DecodeStep) -> torch.Tensor | None:
+    """The step's ``block_table | seqlens_before | seqlens`` as one int32 vector where they
+    lie so in one buffer (as :meth:`PagedKVCache.reserve` makes them), else None."""
+    table, before, after = step.block_table, step.seqlens_before, step.seqlens
+    n, size = table.numel(), table.element_size()
+    if not (table.dtype == before.dtype == after.dtype == torch.int32
+            and table.is_contiguous() and before.is_contiguous() and after.is_contiguous()
+            and before.data_ptr() == table.data_ptr() + n * size
+            and after.data_ptr() == before.data_ptr() + before.numel() * size
+            and before.untyped_storage().data_ptr() == table.untyped_storage().data_ptr()
+            and after.untyped_storage().data_ptr() == table.untyped_storage().data_ptr()):
+        return None
+    return table.as_strided((n + before.numel() + after.numel(),), (1,),
+                            table.storage_offset())
 
 
 def _capture(runner: ModelRunner, forward: Any, pool: Any) -> tuple[Any, torch.Tensor,
