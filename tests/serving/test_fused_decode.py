@@ -188,6 +188,59 @@ def test_split_k_gemv_matches_reference(kind: str, rows: int, split: int) -> Non
         _gemv(x, (ws[0], ws[0]), gated=True, split_k=2)
 
 
+@pytest.mark.parametrize("rows", [3, 17])
+@pytest.mark.parametrize("dtype,cache_dtype,bias", [
+    (torch.float32, torch.float32, False), (torch.float32, torch.float32, True),
+    (torch.float16, torch.float16, True), (torch.float32, torch.float8_e4m3fn, False)])
+def test_qkv_gemv_rotates_and_appends_itself(rows: int, dtype: torch.dtype,
+                                             cache_dtype: torch.dtype, bias: bool) -> None:
+    """``rope=``: the QKV GEMV's epilogue does ``rope_append``'s work (heads of 32 dims, so
+    a program's 16 dims of each half pair up): the queries and the written cache slots are
+    the reference's (the float32 projections rotated, as the kernel does not round them
+    between), a padding row (block -1) writes nothing, nothing else is touched."""
+    from lmfuse.serving.fused import RopeAppend
+
+    hq, hkv, d, bl, K = 4, 2, 32, 4, 64
+    nb = 3 * rows  # every row's blocks its own
+    g = torch.Generator().manual_seed(rows)
+
+    def t(*shape):
+        return (torch.randn(*shape, generator=g) / 4).to(dtype)
+
+    x = t(rows, K)
+    ws = (t(hq * d, K), t(hkv * d, K), t(hkv * d, K))
+    biases = (t(hq * d), t(hkv * d), t(hkv * d)) if bias else None
+    angles = torch.randn(40, d // 2, generator=g, dtype=torch.float64)
+    cos, sin = angles.cos().float(), angles.sin().float()
+    pos = torch.randint(0, 3 * bl, (rows,), generator=g, dtype=torch.int32)
+    table = torch.randperm(nb, generator=g).view(rows, 3).to(torch.int32)
+    table[1] = -1  # a padding row
+    fp8 = cache_dtype == torch.float8_e4m3fn
+    ks = torch.rand(hkv, generator=g) + 0.5 if fp8 else None
+    vs = torch.rand(hkv, generator=g) + 0.5 if fp8 else None
+    got_caches, want_caches = [], []
+    for caches in (got_caches, want_caches):
+        caches += [torch.full((nb, bl, hkv, d), 0.25).to(cache_dtype) for _ in range(2)]
+    r = RopeAppend(cos, sin, pos, table, *got_caches, ks, vs, hq, hkv, d)
+    q = _gemv(x, ws, biases, rope=r)
+    qkv = gemv_reference(x.float(), ws, biases)
+    want = rope_append_reference(qkv, cos, sin, pos, table, *want_caches, None, None, 0.0,
+                                 ks, vs, hq, hkv, d).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(q.view(rows, hq, d), want, rtol=tol, atol=tol)
+    for a, b in zip(got_caches, want_caches):
+        if fp8:  # the float32 sums add in another order: where one lies on a rounding
+            # boundary of e4m3 the two may store neighbours (2^-3 apart, relative, at most)
+            assert (a.float() == b.float()).float().mean() > 0.95
+            torch.testing.assert_close(a.float(), b.float(), rtol=0.125, atol=0)
+        else:
+            torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+    written = (got_caches[0].float() != 0.25).any(-1).any(-1).nonzero()  # (block, slot)
+    assert len(written) == rows - 1  # every real row's slot, and not the padding row's
+    with pytest.raises(ValueError, match="takes Wq, Wk, Wv"):
+        _gemv(x, ws[:2], rope=r)
+
+
 @pytest.mark.parametrize("kind", ["gated", "residual"])
 def test_one_row_gemv_walks_a_long_k(kind: str) -> None:
     """One row takes the no-dot path with K tiles of 2048: a K of two tiles and a ragged
@@ -254,6 +307,35 @@ def test_one_row_steps_norm_inside_the_gemv(family: str, monkeypatch: pytest.Mon
         hf_greedy(model, prompt, 4)]
     layers = model.config.num_hidden_layers
     assert normed.count((1, 3)) == normed.count((1, 2)) >= 3 * layers  # QKV, gate/up
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_several_row_steps_rotate_and_append_in_the_qkv_gemv(
+        family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several sequences, heads of 32 dims: the QKV GEMV (Qwen2: with biases) rotates q and
+    k and writes k and v to the cache itself, no rope_append launch; the tokens stay
+    model.generate's."""
+    import lmfuse.serving.fused as fused
+
+    model = tiny_causal_lm(family, head_dim=32)
+    appends, rotating = [], []
+    real_append, real_gemv = fused._launch_rope_append, fused._gemv
+
+    def append_spy(qkv, *args, **kwargs):
+        appends.append(qkv.shape[0])
+        return real_append(qkv, *args, **kwargs)
+
+    def gemv_spy(x, weights, *args, **kwargs):
+        if kwargs.get("rope") is not None:
+            rotating.append(x.shape[0])
+        return real_gemv(x, weights, *args, **kwargs)
+
+    monkeypatch.setattr(fused, "_launch_rope_append", append_spy)
+    monkeypatch.setattr(fused, "_gemv", gemv_spy)
+    gen = Generator(model, block_len=4, num_blocks=48, impl="triton")
+    got = gen.generate(PROMPTS, max_new_tokens=4, eos_token_id=[])
+    assert got == [hf_greedy(model, p, 4) for p in PROMPTS]
+    assert rotating and all(n > 1 for n in rotating) and all(n == 1 for n in appends)
 
 
 _models: dict[str, object] = {}

@@ -7,7 +7,12 @@ in place, never copied):
                                           the sum of squares gathered in its pass over K)
     qkv = x @ [Wq | Wk | Wv].T (+ b)      one GEMV launch over the three matrices
     q = rope_append(qkv)                  q/k RMSNorm (Qwen3), rotary of q and k, K/V rows
-                                          written to their paged-cache blocks (fp8: scaled)
+                                          written to their paged-cache blocks (fp8: scaled);
+                                          several rows without a q/k norm: in the QKV
+                                          GEMV's epilogue (a program holds the 16-dim
+                                          tiles of both halves of a head that rotate
+                                          together; H100 step B16 0.852 -> 0.823 ms, B64
+                                          1.002 -> 0.999)
     o = decode_attention(q, cache)        lmfuse decode kernel (GQA, windows, fp8)
     h = h + o @ Wo.T                      GEMV with the residual add in its epilogue
     x = rms_norm(h)                       (one row: inside the next GEMV, as above)
@@ -153,6 +158,8 @@ class FusedDecoder:
         half = self.d // 2
         # The rotary kernel holds a head's halves in one power-of-two tile.
         self.rope_kernel = self.triton and self.d % 2 == 0 and half & (half - 1) == 0
+        # Several rows: the QKV GEMV rotates and appends itself (models without a q/k norm).
+        self.rope_gemv = self.rope_kernel and _rope_gemv_takes(2, self.d)
         self.embed = inner.embed_tokens.weight
         head = model.get_output_embeddings()
         self.lm_head, self.lm_bias = head.weight, getattr(head, "bias", None)
@@ -218,13 +225,21 @@ class FusedDecoder:
         for i, L in enumerate(self.layers):
             if kernels and n == 1:  # the input norm inside the GEMV (module docstring)
                 qkv = self._gemv(h, L.qkv, L.qkv_bias, norm=(L.norm_in, L.eps))
+            elif kernels and self.rope_gemv and L.q_norm is None:  # rotary + append inside
+                rope = RopeAppend(self.cos, self.sin, before, table, self.cache.k_caches[i],
+                                  self.cache.v_caches[i], self.cache.k_scales[i],
+                                  self.cache.v_scales[i], self.hq, self.hkv, self.d)
+                q = self._gemv(self._rms_norm(h, L.norm_in, L.eps), L.qkv, L.qkv_bias,
+                               rope=rope).view(n, self.hq, self.d)
+                qkv = None
             elif kernels:
                 qkv = self._gemv(self._rms_norm(h, L.norm_in, L.eps), L.qkv, L.qkv_bias)
             else:
                 x = self._rms_norm(h, L.norm_in, L.eps)
                 qkv = torch.cat([F.linear(x, w, None if L.qkv_bias is None else L.qkv_bias[j])
                                  for j, w in enumerate(L.qkv)], dim=-1)
-            q = self._rope_append(qkv, L, i, table, before)
+            if qkv is not None:
+                q = self._rope_append(qkv, L, i, table, before)
             o = self._attention(q[:, None], i, L, table, after).view(n, self.hq * self.d)
             if kernels and L.o_bias is None:
                 self._gemv(o, (L.o,), None, residual=h)
@@ -399,14 +414,15 @@ def _lm_head_gemv(weight: torch.Tensor) -> bool:
 
 
 def _gemv_config(n_out: int, K: int, block_m: int, gated: bool, itemsize: int = 2,
-                 smem: int | None = None) -> tuple[int, int, int, int]:
+                 smem: int | None = None, rope: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages): the fastest CUDA-graph replays in
     ``bench/sweep_gemv.py`` on an H100 (the decode shapes of a 2048-wide model at 16 and 64
     rows), kept under the shared memory the pipeline's stages take. One row
     (``block_m == 1``, no dot tile): two features a program, K in tiles of up to 2048
     (``bench/sweep_gemv_chain.py``, H100, launches chained as in a decode step: QKV 9.9 ->
     6.8 us, Wo 7.5 -> 5.9, gate/up 24.9 -> 24.2 against the 16-row dot tile). ``smem``:
-    the device's shared memory a program may use (the stages then fit it too)."""
+    the device's shared memory a program may use (the stages then fit it too). ``rope``:
+    the QKV GEMV with the rotation inside (``BLOCK_N`` features of each half of a head)."""
     if block_m == 1:
         return 2, min(2048, next_pow2(K, 16)), 4, 3
     warps, stages = 4, 3
@@ -431,9 +447,11 @@ def _gemv_config(n_out: int, K: int, block_m: int, gated: bool, itemsize: int = 
             block_n, block_k, stages = (64 if K <= 2048 else 32), 128, 4
         elif block_m == 64 and split > 1:  # Wd 17.64 us (cuBLAS 18.63)
             block_n, block_k, stages = 32, 256, 4
+    if rope:
+        block_n = 16
     if smem is not None:
         limit = min(limit, smem - 8 * 1024)  # room for the kernel's own scratch
-    tiles = 2 if gated else 1
+    tiles = 2 if gated or rope else 1
     while block_k > 64 and (block_m + tiles * block_n) * block_k * itemsize * stages > limit:
         block_k //= 2
     while stages > 2 and (block_m + tiles * block_n) * block_k * itemsize * stages > limit:
@@ -489,17 +507,47 @@ def _split_buffers(device: torch.device, elements: int, tiles: int
     return _SPLIT_BUFFERS[key]
 
 
+@dataclass(frozen=True)
+class RopeAppend:
+    """What the QKV GEMV needs to rotate q and k and append k and v itself (the arguments
+    of :func:`rope_append_reference` but ``qkv`` and the q/k norm, which it does not do)."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    pos: torch.Tensor
+    table: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k_scale: Any
+    v_scale: Any
+    hq: int
+    hkv: int
+    d: int
+
+
+def _rope_gemv_takes(n: int, d: int) -> bool:
+    """Whether the QKV GEMV of ``n`` rows can rotate and append itself (several rows, and a
+    head's half a multiple of its 16-dim tiles)."""
+    return 1 < n <= GEMV_MAX_ROWS and d % 2 == 0 and (d // 2) % 16 == 0
+
+
 def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None, *,
           residual: torch.Tensor | None = None, gated: bool = False,
           pdl: int = 0, split_k: int | None = None,
-          norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+          norm: tuple[torch.Tensor, float] | None = None,
+          rope: RopeAppend | None = None) -> torch.Tensor:
     """``gemv_kernel`` launched: a new ``[n, N]`` output, or ``residual`` updated in place.
     ``pdl``: with programmatic dependent launch (``lmfuse._pdl``). ``split_k``: programs
-    per tile along K (default :func:`_gemv_split`'s; not with ``gated`` or ``norm``).
-    ``norm = (g, eps)``: ``x`` RMS-normed (weight ``g``) inside the kernel."""
-    if (gated or norm is not None) and split_k is not None and split_k > 1:
-        raise ValueError(f"{_OP}: the gated or normed GEMV does not split K "
+    per tile along K (default :func:`_gemv_split`'s; not with ``gated``, ``norm`` or
+    ``rope``). ``norm = (g, eps)``: ``x`` RMS-normed (weight ``g``) inside the kernel.
+    ``rope`` (``weights`` = Wq, Wk, Wv): the projections' rotary and cache append inside
+    (:func:`rope_append_reference` of the float32 projections); returns the rotated
+    queries ``[n, hq d]``."""
+    if (gated or norm is not None or rope is not None) and split_k is not None \
+            and split_k > 1:
+        raise ValueError(f"{_OP}: the gated, normed or rotating GEMV does not split K "
                          f"(split_k={split_k})")
+    if rope is not None:
+        return _gemv_rope(x, weights, biases, rope, pdl)
     n, K = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -532,6 +580,43 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
         RESIDUAL=residual is not None, GATED=gated, EVEN_K=K % block_k == 0, PDL=pdl,
         SPLIT_K=split, G=None if norm is None else norm[0],
         eps=0.0 if norm is None else float(norm[1]), NORM=norm is not None,
+        num_warps=warps, num_stages=stages, **_pdl.launch_options(pdl))
+    return y
+
+
+def _gemv_rope(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any,
+               r: RopeAppend, pdl: int) -> torch.Tensor:
+    n, K = x.shape
+    ns = [w.shape[0] for w in weights]
+    if ns != [r.hq * r.d, r.hkv * r.d, r.hkv * r.d]:
+        raise ValueError(f"{_OP}: the rotating GEMV takes Wq, Wk, Wv of {r.hq}, {r.hkv}, "
+                         f"{r.hkv} heads of {r.d} (got {ns} rows)")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    n_out = sum(ns)
+    block_m = _row_tile(n)
+    block_n, block_k, warps, stages = _gemv_config(n_out, K, block_m, False, x.element_size(),
+                                                   shared_memory(x.device), rope=True)
+    if not _rope_gemv_takes(n, r.d) or (r.d // 2) % block_n:
+        qkv = gemv_reference(x.float(), weights, biases)  # float32, as the kernel's
+        q = rope_append_reference(qkv, r.cos, r.sin, r.pos, r.table, r.k_cache, r.v_cache,
+                                  None, None, 0.0, r.k_scale, r.v_scale, r.hq, r.hkv, r.d)
+        return q.to(x.dtype).view(n, r.hq * r.d)
+    y = torch.empty((n, ns[0]), dtype=x.dtype, device=x.device)
+    fp8 = r.k_cache.dtype == torch.float8_e4m3fn
+    b = list(biases) if biases is not None else [weights[0]] * 3
+    kc, vc = r.k_cache, r.v_cache
+    grid = (n_out // (2 * block_n), cdiv(n, block_m), 1)
+    _kernels().gemv_kernel[grid](
+        x, weights[0], weights[1], weights[2], b[0], b[1], b[2], y, y, n, K, ns[0], ns[1],
+        x.stride(0), y.stride(0), y.stride(0), y, y, K,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=biases is not None,
+        RESIDUAL=False, GATED=False, EVEN_K=K % block_k == 0, PDL=pdl,
+        ROPE=True, HALF=r.d // 2, COS=r.cos, SIN=r.sin, POS=r.pos, TABLE=r.table, KC=kc,
+        VC=vc, K_SCALE=r.k_scale if fp8 else r.cos, V_SCALE=r.v_scale if fp8 else r.cos,
+        stride_kblk=kc.stride(0), stride_krow=kc.stride(1), stride_vblk=vc.stride(0),
+        stride_vrow=vc.stride(1), stride_tb=r.table.stride(0), num_blocks=kc.shape[0],
+        positions=r.cos.shape[0], BLOCK_LEN=kc.shape[1], FP8=fp8,
         num_warps=warps, num_stages=stages, **_pdl.launch_options(pdl))
     return y
 

@@ -95,6 +95,10 @@ def gemv_kernel(
     HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
     EVEN_K: tl.constexpr, PDL: tl.constexpr = 0, SPLIT_K: tl.constexpr = 1,
     G=None, eps=0.0, NORM: tl.constexpr = False,
+    ROPE: tl.constexpr = False, HALF: tl.constexpr = 1, COS=None, SIN=None, POS=None,
+    TABLE=None, KC=None, VC=None, K_SCALE=None, V_SCALE=None, stride_kblk=0, stride_krow=0,
+    stride_vblk=0, stride_vrow=0, stride_tb=0, num_blocks=0, positions=1,
+    BLOCK_LEN: tl.constexpr = 1, FP8: tl.constexpr = False,
 ):
     """``Y[:, n] = X @ W.T`` over the concatenated output features of ``W0 | W1 | W2``
     (``N0``, ``N1`` rows: a program's ``BLOCK_N`` features lie in one matrix). GATED:
@@ -109,7 +113,14 @@ def gemv_kernel(
 
     NORM (SPLIT_K 1): ``X`` is the residual stream, RMS-normed with weight ``G`` on the way
     in: ``Y = rsqrt(mean(x^2) + eps) * ((x * g) @ W.T)``, the row's sum of squares gathered
-    in the same pass over K (the norm's launch and its output's round trip saved)."""
+    in the same pass over K (the norm's launch and its output's round trip saved).
+
+    ROPE (several rows, SPLIT_K 1, ``W0 | W1 | W2`` = Wq | Wk | Wv of heads of ``2 HALF``
+    features): ``rope_append_kernel`` in the epilogue. A program's features are ``BLOCK_N``
+    dims of a head's first half and the ``BLOCK_N`` dims ``HALF`` after them (two
+    accumulators, as GATED's), so it rotates its own pairs: queries to ``Y`` (``[M, N0]``),
+    keys and values to their cache blocks at position ``POS[m]`` (``TABLE``; fp8 scaled by
+    ``K_SCALE`` / ``V_SCALE``). One launch and one ``qkv`` round trip fewer a layer."""
     pdl_wait(PDL)
     pdl_start(PDL)
     pid_n = tl.program_id(0)
@@ -126,6 +137,9 @@ def gemv_kernel(
     ks = ks + k_start
     ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mmask = ms < M
+    if ROPE:  # BLOCK_N dims of one head's first half (and, in acc_u, their partners)
+        tiles_per_half = HALF // BLOCK_N
+        n0 = (pid_n // tiles_per_half) * (2 * HALF) + (pid_n % tiles_per_half) * BLOCK_N
     # Which matrix this program's features belong to, and their rows in it.
     if GATED:
         W = W0
@@ -144,6 +158,9 @@ def gemv_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if GATED:
         u_ptr = W1 + (local + rows).to(tl.int64)[:, None] * K + ks[None, :]
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if ROPE:
+        u_ptr = W + (local + HALF + rows).to(tl.int64)[:, None] * K + ks[None, :]
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if NORM:
         ss = tl.zeros([BLOCK_M], tl.float32)
@@ -174,7 +191,7 @@ def gemv_kernel(
             acc += tl.sum(xf * w.to(tl.float32), axis=1)[None, :]
         else:
             acc += tl.dot(x, tl.trans(w))
-        if GATED:
+        if GATED or ROPE:
             if EVEN_K:
                 u = tl.load(u_ptr)
             else:
@@ -191,7 +208,12 @@ def gemv_kernel(
         acc = acc * inv
         if GATED:
             acc_u = acc_u * inv
-    if SPLIT_K > 1:
+    if ROPE:
+        _rope_epilogue(acc, acc_u, B0, B1, B2, Y, N0, N1, stride_ym, n0, local, rows, ms,
+                       mmask, COS, SIN, POS, TABLE, KC, VC, K_SCALE, V_SCALE, stride_kblk,
+                       stride_krow, stride_vblk, stride_vrow, stride_tb, num_blocks,
+                       positions, HAS_BIAS, HALF, BLOCK_LEN, FP8)
+    elif SPLIT_K > 1:
         # Every split's partial in its slot; the tile's last program sums them in order.
         tile = pid_m * tl.num_programs(0) + pid_n
         tiles = tl.num_programs(0) * tl.num_programs(1)
@@ -211,6 +233,58 @@ def gemv_kernel(
     else:
         _gemv_epilogue(acc, acc_u if GATED else acc, B0, B1, B2, R, Y, N0, N1, stride_rm,
                        stride_ym, n0, local, rows, ms, mmask, HAS_BIAS, RESIDUAL, GATED)
+
+
+@triton.jit
+def _rope_epilogue(acc, acc_u, B0, B1, B2, Y, N0, N1, stride_ym, n0, local, rows, ms, mmask,
+                   COS, SIN, POS, TABLE, KC, VC, K_SCALE, V_SCALE, stride_kblk, stride_krow,
+                   stride_vblk, stride_vrow, stride_tb, num_blocks, positions,
+                   HAS_BIAS: tl.constexpr, HALF: tl.constexpr, BLOCK_LEN: tl.constexpr,
+                   FP8: tl.constexpr):
+    """ROPE's epilogue (see ``gemv_kernel``): biases, the rotation of q and k (float32, as
+    ``rope_append_kernel``), then the stores."""
+    if HAS_BIAS:
+        if n0 < N0:
+            bias = B0
+        elif n0 < N0 + N1:
+            bias = B1
+        else:
+            bias = B2
+        acc += tl.load(bias + local + rows).to(tl.float32)[None, :]
+        acc_u += tl.load(bias + local + HALF + rows).to(tl.float32)[None, :]
+    pos = tl.load(POS + ms, mask=mmask, other=0).to(tl.int64)
+    i = (local % (2 * HALF)) + rows  # the dims of the head's first half
+    y1 = acc
+    y2 = acc_u
+    if n0 < N0 + N1:  # q or k: rotated
+        angle = tl.minimum(tl.maximum(pos, 0), positions - 1)  # the table's rows only
+        c = tl.load(COS + angle[:, None] * HALF + i[None, :])
+        s = tl.load(SIN + angle[:, None] * HALF + i[None, :])
+        y1 = acc * c - acc_u * s
+        y2 = acc_u * c + acc * s
+    if n0 < N0:
+        out = Y + ms.to(tl.int64)[:, None] * stride_ym + (n0 + rows)[None, :]
+        tl.store(out, y1.to(Y.dtype.element_ty), mask=mmask[:, None])
+        tl.store(out + HALF, y2.to(Y.dtype.element_ty), mask=mmask[:, None])
+    else:
+        blk = tl.load(TABLE + ms.to(tl.int64) * stride_tb + pos // BLOCK_LEN, mask=mmask,
+                      other=-1)
+        ok = (mmask & (blk >= 0) & (blk < num_blocks))[:, None]  # padding rows: nothing
+        off = pos % BLOCK_LEN
+        j = local // (2 * HALF)  # the KV head
+        if n0 < N0 + N1:
+            at = KC + blk.to(tl.int64) * stride_kblk + off * stride_krow + j * (2 * HALF)
+            scale_ptr = K_SCALE
+        else:
+            at = VC + blk.to(tl.int64) * stride_vblk + off * stride_vrow + j * (2 * HALF)
+            scale_ptr = V_SCALE
+        at = at[:, None] + i[None, :]
+        if FP8:
+            sc = tl.load(scale_ptr + j).to(tl.float32)
+            y1 = saturate_e4m3(tl.div_rn(y1, sc))
+            y2 = saturate_e4m3(tl.div_rn(y2, sc))
+        tl.store(at, y1.to(at.dtype.element_ty), mask=ok)
+        tl.store(at + HALF, y2.to(at.dtype.element_ty), mask=ok)
 
 
 @triton.jit
