@@ -180,3 +180,52 @@ def test_gated_fast_paths_leave_bad_input_to_the_full_path(no_interpreter):
         lmfuse.geglu(torch.tensor(1.0))
     with pytest.raises(TypeError, match="gate_multiplier"):
         lmfuse.swiglu(torch.randn(3, 4), gate_multiplier=True)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_linear_cross_entropy_fast_path_is_the_full_path(no_interpreter, monkeypatch,
+                                                          reduction, smoothing):
+    from lmfuse.cross_entropy import linear as lce
+
+    g = torch.Generator().manual_seed(6)
+    h = torch.randn(12, 8, generator=g)
+    w = torch.randn(7, 8, generator=g) / 2
+    t = torch.randint(0, 7, (12,), generator=g)
+    t[::5] = -100
+    resolved = _spy(monkeypatch, lce, "_resolve")
+    got = _grads(lambda h, w: lmfuse.linear_cross_entropy(
+        h, w, t, label_smoothing=smoothing, reduction=reduction), h, w)
+    assert not resolved  # the fast path answered
+    want = _grads(lambda h, w: lmfuse.linear_cross_entropy(
+        h, w, t, label_smoothing=smoothing, reduction=reduction, impl="torch"), h, w)
+    _close(got, want)
+    assert lmfuse.linear_cross_entropy(h, w, torch.full((12,), -100)).item() == 0.0
+
+
+def test_linear_cross_entropy_fast_path_leaves_bad_input_to_the_full_path(no_interpreter):
+    h, w = torch.randn(4, 8), torch.randn(5, 8)
+    with pytest.raises(ValueError, match="target"):
+        lmfuse.linear_cross_entropy(h, w, torch.tensor([0, 1, 5, 2]))
+    with pytest.raises(ValueError, match="weight"):
+        lmfuse.linear_cross_entropy(h, torch.randn(5, 6), torch.tensor([0, 1, 2, 3]))
+    with pytest.raises(ValueError, match="reduction"):
+        lmfuse.linear_cross_entropy(h, w, torch.tensor([0, 1, 2, 3]), reduction="avg")
+
+
+def test_fused_mlp_fast_path_is_the_unfused_module(no_interpreter, monkeypatch):
+    """FusedMLP's common CPU call (SwiGLU, no options) runs fc1, silu * up, fc2 at once:
+    the module's reference forward and gradients; any other call keeps its checks."""
+    from lmfuse.activations import mlp as mlp_module
+
+    torch.manual_seed(7)
+    m = lmfuse.FusedMLP(16, 24, "swiglu", bias=False)
+    x = torch.randn(3, 5, 16)
+    checked = _spy(monkeypatch, mlp_module.FusedMLP, "_check")
+    got = _grads(m, x)
+    assert not checked
+    want = _grads(m.reference_forward, x)
+    _close(got, want)
+    with pytest.raises(ValueError, match="hidden_size"):
+        m(torch.randn(3, 15))
+    assert checked  # a bad input went to the checks

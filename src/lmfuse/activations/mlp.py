@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._dispatch import check_number, check_tensor
+from .._dispatch import check_number, check_tensor, cpu_fast
 from . import ops
 from .reference import activation_reference
 
@@ -139,6 +139,14 @@ class FusedMLP(nn.Module):
         """``x [..., hidden_size]`` in the parameters' dtype (or any float dtype under
         ``torch.autocast``) -> ``[..., hidden_size]``. NaN and inf propagate as through the
         unfused ``fc2(act(fc1(x)))``."""
+        if (weights is None and self.activation == "swiglu" and self.impl == "auto"
+                and self.bias1 is None and self.fp8_input_store is False
+                and self.gate_multiplier == 1.0 and self.down_multiplier == 1.0
+                and cpu_fast(x) and x.dim() > 0 and x.shape[-1] == self.fc1.in_features
+                and self.fc1.weight.is_cpu and self.fc1.weight.dtype is torch.float32):
+            # The common CPU call: what the checks and swiglu's own CPU path would run.
+            a, b = self.fc1(x).chunk(2, -1)
+            return self.fc2(F.silu(a) * b)
         self._check(x, weights)
         return self.fc2(self._activate(self.fc1(x), weights))
 

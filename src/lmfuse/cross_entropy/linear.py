@@ -41,7 +41,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from .._dispatch import Plan, ResolvedCall, check_tensor, native_cpu, register_planner
+from .._dispatch import (PLAIN_TENSORS, Plan, ResolvedCall, check_tensor, cpu_fast, native_cpu,
+                         register_planner)
 from .._launch import cdiv, dtype_name
 from .._nvtx import nvtx_range
 from .._collectives import all_reduce_sum, all_reduce_sum_, group_rank
@@ -668,6 +669,21 @@ def linear_cross_entropy(
         z_loss, token_accuracy, predicted_tokens)``, None where not asked; only the loss
         is differentiable.
     """
+    if (impl == "auto" and bias is None and z_loss == 0.0 and softcap is None
+            and tp_group is None and max_chunk_bytes is None and logits_in_fp32 is False
+            and ce_weight is None and return_z_loss is False
+            and return_token_accuracy is False and return_predicted_tokens is False
+            and use_token_scaling is False and cpu_fast(hidden) and hidden.dim() == 2
+            and type(weight) in PLAIN_TENSORS and weight.is_cpu
+            and weight.dtype is torch.float32 and weight.dim() == 2
+            and weight.shape[0] > 0 and weight.shape[1] == hidden.shape[1]):
+        # The common CPU call: the native path's F.linear then F.cross_entropy without the
+        # resolved call (None from the loss for any call its checks would refuse: the full
+        # path then runs and raises its error).
+        loss = ops._cpu_fast_loss(F.linear(hidden, weight), target, ignore_index,
+                                  label_smoothing, reduction)
+        if loss is not None:
+            return loss
     return _apply(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap,
                   reduction, tp_group, impl, max_chunk_bytes, None, logits_in_fp32,
                   ce_weight=ce_weight, return_z_loss=return_z_loss,

@@ -442,7 +442,10 @@ def _native_cpu(scores: torch.Tensor, a: SoftmaxCall) -> Optional[torch.Tensor]:
     elif mask is not None:
         z = z + mask
     if hidden is not None:
-        z = z.masked_fill(hidden, float("-inf"))
+        # In place where z is this call's own tensor (the product's backward needs neither
+        # it nor its values): one [.., sq, sk] copy fewer than the plain formula's.
+        z = z.masked_fill_(hidden, float("-inf")) if z is not scores else \
+            z.masked_fill(hidden, float("-inf"))
     y = torch.softmax(z, dim=-1)
     if sk and math.isnan(y.detach()[..., 0].sum().item()):
         return None
