@@ -444,3 +444,31 @@ def test_abort_and_eos_while_a_step_runs_ahead() -> None:
     stop = full[2].index(eos) + 1 if eos in full[2] else 8
     assert got[rids[2]] == full[2][:stop]
     assert gen.cache.num_free_blocks == 48 and not gen.has_unfinished()
+
+
+@pytest.mark.parametrize("rows", [3, 17])
+def test_lm_head_gemv_gives_torch_argmax_of_its_logits(rows: int) -> None:
+    """``argmax=True``: the logits as without it, and each row's argmax from the tiles as
+    they are stored: torch.argmax's, with ties across and within tiles, NaN (it wins) and
+    inf."""
+    g = torch.Generator().manual_seed(rows)
+    K, V = 32, 512  # four 128-feature tiles
+    x = torch.randn(rows, K, generator=g)
+    w = torch.randn(V, K, generator=g) / 4
+    w[300] = w[17]  # the same logits in columns 17 and 300 (a tie across tiles)...
+    w[18] = w[17]  # ...and 18 (within one)
+    x[0] = w[17] * 8  # row 0's best: column 17 (the first of the three)
+    w[450, :] = 0.0
+    y_plain = _gemv(x, (w,))
+    y, tokens = _gemv(x, (w,), argmax=True)
+    torch.testing.assert_close(y, y_plain, rtol=0, atol=0)
+    assert tokens.dtype == torch.int64 and tokens.tolist() == torch.argmax(y, -1).tolist()
+    assert tokens[0] == 17
+    x2 = x.clone()
+    x2[1, 0] = float("nan")  # a NaN input: every logit of row 1 NaN, argmax column 0
+    w2 = w.clone()
+    w2[200, 0] = float("inf")  # row 2: +inf at 200 (or NaN where x[2, 0] is 0 or < 0)
+    y2, t2 = _gemv(x2, (w2,), argmax=True)
+    assert t2.tolist() == torch.argmax(y2, -1).tolist()
+    with pytest.raises(ValueError, match="argmax"):
+        _gemv(x, (w, w), argmax=True)

@@ -61,6 +61,7 @@ from ..attention.reference import kv_cache_append_reference
 from ..norm.ops import _launch_fwd as _launch_rms_norm
 from ..norm.ops import rms_norm
 from ..tuning import shared_memory
+from .sampling import greedy, merge_argmax
 
 #: ``config.model_type`` values whose decode runs the fused layers.
 FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -157,6 +158,8 @@ class FusedDecoder:
         self.d = cache.head_dim
         half = self.d // 2
         # The rotary kernel holds a head's halves in one power-of-two tile.
+        # Greedy tokens from the LM head GEMV's tiles (forward(..., argmax=True)).
+        self.gemv_argmax = True
         self.rope_kernel = self.triton and self.d % 2 == 0 and half & (half - 1) == 0
         # Several rows: the QKV GEMV rotates and appends itself (models without a q/k norm).
         self.rope_gemv = self.rope_kernel and _rope_gemv_takes(2, self.d)
@@ -215,10 +218,12 @@ class FusedDecoder:
     # --- the forward ------------------------------------------------------------------------
 
     def forward(self, ids: torch.Tensor, table: torch.Tensor, before: torch.Tensor,
-                after: torch.Tensor) -> torch.Tensor:
+                after: torch.Tensor, argmax: bool = False) -> Any:
         """Logits ``[n, V]`` of one token per row: ``ids [n]`` at position ``before[n]``
         (its K/V written there), rows over ``block_table`` with ``after`` keys after the
-        step. Padding rows (block -1, length 0) write and read nothing."""
+        step. Padding rows (block -1, length 0) write and read nothing. ``argmax``:
+        ``(logits, their greedy tokens)``, the tokens from the LM head's GEMV tiles where
+        it runs (no pass over the logits)."""
         n = ids.shape[0]
         kernels = self.triton and n <= GEMV_MAX_ROWS
         h = F.embedding(ids, self.embed)
@@ -268,9 +273,14 @@ class FusedDecoder:
             # Several rows: the GEMV's 128-feature tiles beat cuBLAS on the long vocabulary
             # (H100, CUDA-graph replays, V 128256: 16 rows 177 vs 191 us, 64 rows 185 vs
             # 198; bench/sweep_gemv.py --shapes lm_head); one row: cuBLAS (2.9 TB/s).
-            return self._gemv(self._rms_norm(h, self.norm, self.norm_eps), (self.lm_head,))
-        x = self._rms_norm(h, self.norm, self.norm_eps, self.pdl_tail)
-        return F.linear(x, self.lm_head, self.lm_bias)
+            x = self._rms_norm(h, self.norm, self.norm_eps)
+            if argmax and self.gemv_argmax:
+                return self._gemv(x, (self.lm_head,), argmax=True)
+            logits = self._gemv(x, (self.lm_head,))
+        else:
+            x = self._rms_norm(h, self.norm, self.norm_eps, self.pdl_tail)
+            logits = F.linear(x, self.lm_head, self.lm_bias)
+        return (logits, greedy(logits)) if argmax else logits
 
     def _rms_norm(self, h: torch.Tensor, w: torch.Tensor, eps: float,
                   pdl: int | None = None) -> torch.Tensor:
@@ -534,14 +544,16 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
           residual: torch.Tensor | None = None, gated: bool = False,
           pdl: int = 0, split_k: int | None = None,
           norm: tuple[torch.Tensor, float] | None = None,
-          rope: RopeAppend | None = None) -> torch.Tensor:
+          rope: RopeAppend | None = None, argmax: bool = False) -> Any:
     """``gemv_kernel`` launched: a new ``[n, N]`` output, or ``residual`` updated in place.
     ``pdl``: with programmatic dependent launch (``lmfuse._pdl``). ``split_k``: programs
     per tile along K (default :func:`_gemv_split`'s; not with ``gated``, ``norm`` or
     ``rope``). ``norm = (g, eps)``: ``x`` RMS-normed (weight ``g``) inside the kernel.
     ``rope`` (``weights`` = Wq, Wk, Wv): the projections' rotary and cache append inside
     (:func:`rope_append_reference` of the float32 projections); returns the rotated
-    queries ``[n, hq d]``."""
+    queries ``[n, hq d]``. ``argmax`` (one matrix, no residual, not gated): returns ``(y,
+    each row's argmax)``, int64 ``[n]`` as ``torch.argmax`` of ``y`` gives it (ties and NaN
+    included), taken from the tiles as they are stored."""
     if (gated or norm is not None or rope is not None) and split_k is not None \
             and split_k > 1:
         raise ValueError(f"{_OP}: the gated, normed or rotating GEMV does not split K "
@@ -556,8 +568,11 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
     block_m = _row_tile(n)
     block_n, block_k, warps, stages = _gemv_config(n_out, K, block_m, gated, x.element_size(),
                                                    shared_memory(x.device))
+    if argmax and (len(weights) != 1 or residual is not None or gated):
+        raise ValueError(f"{_OP}: the GEMV's argmax takes one matrix, no residual, not gated")
     if any(v % block_n for v in ns) or n == 0:
-        return _gemv_fallback(x, weights, biases, residual, gated, norm)
+        y = _gemv_fallback(x, weights, biases, residual, gated, norm)
+        return (y, torch.argmax(y, -1)) if argmax else y
     if residual is not None:
         y = residual
     else:
@@ -565,7 +580,9 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
     w = list(weights) + [weights[0]] * (3 - len(weights))
     b = list(biases) if biases is not None else []
     b = b + [w[0]] * (3 - len(b))
-    split = (1 if norm is not None else _gemv_split(n_out, K, block_m, gated)
+    if argmax and split_k is not None and split_k > 1:
+        raise ValueError(f"{_OP}: the GEMV's argmax does not split K (split_k={split_k})")
+    split = (1 if norm is not None or argmax else _gemv_split(n_out, K, block_m, gated)
              if split_k is None else split_k)
     k_split = cdiv(cdiv(K, split), block_k) * block_k
     split = cdiv(K, k_split)  # no empty split
@@ -573,6 +590,10 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
     tiles = grid[0] * grid[1]
     ws, count = (_split_buffers(x.device, split * tiles * block_m * block_n, tiles)
                  if split > 1 else (y, y))
+    aval = aidx = None
+    if argmax:  # each row's first maximum per tile, merged below
+        aval = torch.empty((n, grid[0]), dtype=torch.float32, device=x.device)
+        aidx = torch.empty((n, grid[0]), dtype=torch.int32, device=x.device)
     _kernels().gemv_kernel[grid](
         x, w[0], w[1], w[2], b[0], b[1], b[2], y, y, n, K, ns[0],
         ns[1] if len(ns) > 1 else 0, x.stride(0), y.stride(0), y.stride(0), ws, count, k_split,
@@ -580,7 +601,10 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
         RESIDUAL=residual is not None, GATED=gated, EVEN_K=K % block_k == 0, PDL=pdl,
         SPLIT_K=split, G=None if norm is None else norm[0],
         eps=0.0 if norm is None else float(norm[1]), NORM=norm is not None,
+        AVAL=aval, AIDX=aidx, ARGMAX=argmax,
         num_warps=warps, num_stages=stages, **_pdl.launch_options(pdl))
+    if argmax:
+        return y, merge_argmax(aval, aidx, n_out)
     return y
 
 

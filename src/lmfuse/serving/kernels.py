@@ -99,6 +99,7 @@ def gemv_kernel(
     TABLE=None, KC=None, VC=None, K_SCALE=None, V_SCALE=None, stride_kblk=0, stride_krow=0,
     stride_vblk=0, stride_vrow=0, stride_tb=0, num_blocks=0, positions=1,
     BLOCK_LEN: tl.constexpr = 1, FP8: tl.constexpr = False,
+    AVAL=None, AIDX=None, ARGMAX: tl.constexpr = False,
 ):
     """``Y[:, n] = X @ W.T`` over the concatenated output features of ``W0 | W1 | W2``
     (``N0``, ``N1`` rows: a program's ``BLOCK_N`` features lie in one matrix). GATED:
@@ -120,7 +121,12 @@ def gemv_kernel(
     dims of a head's first half and the ``BLOCK_N`` dims ``HALF`` after them (two
     accumulators, as GATED's), so it rotates its own pairs: queries to ``Y`` (``[M, N0]``),
     keys and values to their cache blocks at position ``POS[m]`` (``TABLE``; fp8 scaled by
-    ``K_SCALE`` / ``V_SCALE``). One launch and one ``qkv`` round trip fewer a layer."""
+    ``K_SCALE`` / ``V_SCALE``). One launch and one ``qkv`` round trip fewer a layer.
+
+    ARGMAX (one matrix, no residual, SPLIT_K 1; an LM head): each tile's first maximum of
+    each row as ``argmax_chunk_kernel`` gives a chunk's (of the stored, rounded values; NaN
+    above everything) to ``AVAL`` / ``AIDX`` ``[M, tiles]``, which ``argmax_merge_kernel``
+    reduces: greedy decoding's pass over the logits saved."""
     pdl_wait(PDL)
     pdl_start(PDL)
     pid_n = tl.program_id(0)
@@ -231,8 +237,20 @@ def gemv_kernel(
             _gemv_epilogue(acc, acc, B0, B1, B2, R, Y, N0, N1, stride_rm, stride_ym, n0,
                            local, rows, ms, mmask, HAS_BIAS, RESIDUAL, False)
     else:
-        _gemv_epilogue(acc, acc_u if GATED else acc, B0, B1, B2, R, Y, N0, N1, stride_rm,
-                       stride_ym, n0, local, rows, ms, mmask, HAS_BIAS, RESIDUAL, GATED)
+        y = _gemv_epilogue(acc, acc_u if GATED else acc, B0, B1, B2, R, Y, N0, N1, stride_rm,
+                           stride_ym, n0, local, rows, ms, mmask, HAS_BIAS, RESIDUAL, GATED)
+        if ARGMAX:
+            yf = y.to(tl.float32)
+            cols = (n0 + rows)[None, :]
+            big = N0  # no column
+            isn = yf != yf
+            nan_i = tl.min(tl.where(isn, cols, big), 1)
+            v = tl.max(tl.where(isn, float("-inf"), yf), 1)
+            i = tl.min(tl.where(yf == v[:, None], cols, big), 1)
+            has_nan = nan_i < big
+            at = ms.to(tl.int64) * tl.num_programs(0) + pid_n
+            tl.store(AVAL + at, tl.where(has_nan, float("nan"), v), mask=mmask)
+            tl.store(AIDX + at, tl.where(has_nan, nan_i, i), mask=mmask)
 
 
 @triton.jit
@@ -310,8 +328,10 @@ def _gemv_epilogue(acc, acc_u, B0, B1, B2, R, Y, N0, N1, stride_rm, stride_ym, n
         res = tl.load(R + ms.to(tl.int64)[:, None] * stride_rm + out_cols[None, :],
                       mask=mmask[:, None], other=0.0)
         acc += res.to(tl.float32)
-    tl.store(Y + ms.to(tl.int64)[:, None] * stride_ym + out_cols[None, :],
-             acc.to(Y.dtype.element_ty), mask=mmask[:, None])
+    y = acc.to(Y.dtype.element_ty)
+    tl.store(Y + ms.to(tl.int64)[:, None] * stride_ym + out_cols[None, :], y,
+             mask=mmask[:, None])
+    return y
 
 
 @triton.jit

@@ -213,13 +213,12 @@ class ModelRunner:
             ids = self._host_inputs(requests)[0].to(self.device, non_blocking=True)
         if self.fused is not None:
             with torch.inference_mode():
-                logits = self.fused.forward(ids, step.block_table, step.seqlens_before,
-                                            step.seqlens)
-        else:
-            ctx = StepContext(self.cache, "decode", self.impl, block_table=step.block_table,
-                              seqlens_before=step.seqlens_before, seqlens=step.seqlens)
-            pos = step.seqlens_before.to(torch.int64)
-            logits = self._forward(ids.to(torch.int64)[:, None], pos[:, None], ctx, 1)[:, -1]
+                return self.fused.forward(ids, step.block_table, step.seqlens_before,
+                                          step.seqlens, argmax=True)[1]
+        ctx = StepContext(self.cache, "decode", self.impl, block_table=step.block_table,
+                          seqlens_before=step.seqlens_before, seqlens=step.seqlens)
+        pos = step.seqlens_before.to(torch.int64)
+        logits = self._forward(ids.to(torch.int64)[:, None], pos[:, None], ctx, 1)[:, -1]
         return greedy(logits)
 
     @staticmethod
@@ -419,10 +418,10 @@ class _DecodeGraph:
                           seqlens_before=self.before, seqlens=self.after)
 
         def forward() -> torch.Tensor:
-            if runner.fused is not None:
+            if runner.fused is not None:  # (logits, greedy tokens)
                 with torch.inference_mode():
                     return runner.fused.forward(self.ids[:, 0], self.table, self.before,
-                                                self.after)
+                                                self.after, argmax=True)
             return runner._forward(self.ids, self.pos, ctx, 1)[:, -1]
 
         # The padding rows write nothing (block -1) and read nothing (length 0).
@@ -487,14 +486,19 @@ def _capture(runner: ModelRunner, forward: Any, pool: Any) -> tuple[Any, torch.T
     stream.wait_stream(torch.cuda.current_stream(dev))
     with _capturable_experts(runner.config), fused_norms_and_mlps(runner.model, runner.impl):
         with torch.cuda.stream(stream):
-            greedy(forward())
-            greedy(forward())
+            for _ in range(2):
+                _with_tokens(forward())
         torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            logits = forward()
-            tokens = greedy(logits)  # greedy rows need nothing more
+            logits, tokens = _with_tokens(forward())  # greedy rows need nothing more
     return graph, logits, tokens
+
+
+def _with_tokens(out: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode forward's ``(logits, greedy tokens)``: as it returned them, or its logits
+    and their argmax."""
+    return out if isinstance(out, tuple) else (out, greedy(out))
 
 
 def _pack(fields: dict[str, Any]) -> tuple[torch.Tensor, dict[str, tuple[int, tuple]]]:

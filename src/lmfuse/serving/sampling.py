@@ -101,11 +101,23 @@ def argmax_rows(logits: torch.Tensor, block: int = 1024) -> torch.Tensor:
     chunks = cdiv(V, chunk)
     val = torch.empty((n, chunks), dtype=torch.float32, device=logits.device)
     idx = torch.empty((n, chunks), dtype=torch.int32, device=logits.device)
-    kern = _kernels()
-    kern.argmax_chunk_kernel[(n, chunks)](logits, val, idx, V, logits.stride(0), chunk, chunks,
-                                          BLOCK=block, num_warps=4)
-    kern.argmax_merge_kernel[(n,)](val, idx, out, chunks, V, BLOCK_C=next_pow2(chunks, 2),
-                                   num_warps=1)
+    _kernels().argmax_chunk_kernel[(n, chunks)](logits, val, idx, V, logits.stride(0), chunk,
+                                                chunks, BLOCK=block, num_warps=4)
+    return merge_argmax(val, idx, V, out)
+
+
+def merge_argmax(val: torch.Tensor, idx: torch.Tensor, V: int,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's argmax (int64 ``[n]``) from its chunks' first maxima ``val [n, chunks]``
+    float32 and their columns ``idx`` int32, chunks in column order (NaN above everything):
+    the second half of :func:`argmax_rows`, also what the decode step's LM-head GEMV leaves
+    (``_gemv(..., argmax=True)``)."""
+    n, chunks = val.shape
+    if out is None:
+        out = torch.empty(n, dtype=torch.int64, device=val.device)
+    if n:
+        _kernels().argmax_merge_kernel[(n,)](val, idx, out, chunks, V,
+                                             BLOCK_C=next_pow2(chunks, 2), num_warps=1)
     return out
 
 
