@@ -431,3 +431,29 @@ def test_blocks_needed_counts_what_reserve_takes() -> None:
     assert cache.num_free_blocks == free
     cache.reserve([a, b], [3, 7])
     assert cache.num_free_blocks == free - 4
+
+
+def test_reserve_writes_its_step_into_a_given_buffer() -> None:
+    """``out``: the step's table, lengths before and after land in the caller's buffer (a
+    decode graph's inputs), the step's tensors views of it, the same values as without;
+    a buffer of another size, dtype or kind is refused before anything changes."""
+    cache = PagedKVCache(num_blocks=8, block_len=4, kv_heads=1, head_dim=4,
+                         dtype=torch.float32, device="cpu", num_layers=1)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    cache.reserve([a, b], [5, 2])
+    twin = PagedKVCache(num_blocks=8, block_len=4, kv_heads=1, head_dim=4,
+                        dtype=torch.float32, device="cpu", num_layers=1)
+    ta, tb = twin.add_sequence(), twin.add_sequence()
+    twin.reserve([ta, tb], [5, 2])
+    for bad in (torch.zeros(9, dtype=torch.int32), torch.zeros(10, dtype=torch.int64),
+                torch.zeros(2, 5, dtype=torch.int32), [0] * 10):
+        with pytest.raises(ValueError, match="out must be"):
+            cache.reserve([a, b], 1, max_blocks=3, out=bad)
+    assert cache.seqlen(a) == 5 and cache.seqlen(b) == 2  # nothing reserved
+    out = torch.full((10,), -7, dtype=torch.int32)
+    step = cache.reserve([a, b], 1, max_blocks=3, out=out)
+    want = twin.reserve([ta, tb], 1, max_blocks=3)
+    for got, ref in zip(step[:3], want[:3]):
+        assert torch.equal(got, ref)
+        assert got.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+    assert out.tolist()[-4:] == [5, 2, 6, 3]

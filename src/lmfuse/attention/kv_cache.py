@@ -264,7 +264,8 @@ class PagedKVCache:
 
     def reserve(self, seq_ids: Union[int, Sequence[int]],
                 num_tokens: Union[int, Sequence[int]] = 1, *,
-                max_blocks: Optional[int] = None) -> DecodeStep:
+                max_blocks: Optional[int] = None,
+                out: Optional[torch.Tensor] = None) -> DecodeStep:
         """Make room for ``num_tokens`` more tokens in each of ``seq_ids``, all or nothing.
 
         Args:
@@ -272,6 +273,10 @@ class PagedKVCache:
             num_tokens: tokens to add, one int for all or a list of ``n``.
             max_blocks: pad ``block_table`` to this many columns (fixed shapes, e.g. for
                 CUDA graphs); default: the most blocks any listed sequence holds.
+            out: a contiguous int32 vector of ``n * (max_blocks + 2)`` elements on the
+                cache's device that receives the step (``block_table``, ``seqlens_before``
+                and ``seqlens`` one after the other, as views of it): a CUDA graph's input
+                buffer, which the step's one copy then fills directly.
         Returns:
             A :class:`DecodeStep`: ``block_table [n, max_blocks]``, ``seqlens_before [n]``
             and ``seqlens [n]`` (int32, on the cache's device).
@@ -286,9 +291,18 @@ class PagedKVCache:
         widest = max((cdiv(self._lens[s] + n, self.block_len) for s, n in zip(ids, counts)),
                      default=0)
         width = self._width(op, max_blocks, widest)
+        if out is not None and not (
+                isinstance(out, torch.Tensor) and out.dtype == torch.int32
+                and out.device == self.device and out.dim() == 1 and out.is_contiguous()
+                and out.numel() == len(ids) * (width + 2)):
+            got = (f"{out.dtype} {tuple(out.shape)} on {out.device}"
+                   if isinstance(out, torch.Tensor) else type(out).__name__)
+            raise ValueError(f"{_OP}.{op}: out must be a contiguous int32 vector of n * "
+                             f"(width + 2) = {len(ids) * (width + 2)} elements on "
+                             f"{self.device}, got {got}")
         before = [self._lens[s] for s in ids]
         self._grow(ids, counts)
-        return self._step(ids, width, before, tuple(counts))
+        return self._step(ids, width, before, tuple(counts), out)
 
     def extend(self, seq_ids: Union[int, Sequence[int]],
                num_tokens: Union[int, Sequence[int]] = 1) -> None:
@@ -390,7 +404,7 @@ class PagedKVCache:
         return max_blocks
 
     def _step(self, ids: list[int], width: int, before: list[int],
-              counts: tuple[int, ...]) -> DecodeStep:
+              counts: tuple[int, ...], out: Optional[torch.Tensor] = None) -> DecodeStep:
         n = len(ids)
         # One buffer (table | before | after), one host-to-device copy, three contiguous views.
         # array.array fills it at C speed (torch.tensor(list) is ~3x slower for long tables).
@@ -405,7 +419,10 @@ class PagedKVCache:
                   else torch.empty(0, dtype=torch.int32))
         if self.device.type == "cuda":  # from pinned memory the copy does not wait for the GPU
             packed = packed.pin_memory()
-        packed = packed.to(self.device, non_blocking=True)
+        if out is not None:
+            packed = out.copy_(packed, non_blocking=True)
+        else:
+            packed = packed.to(self.device, non_blocking=True)
         table = packed[:n * width].view(n, width)
         return DecodeStep(table, packed[n * width:n * width + n], packed[n * width + n:],
                           tuple(ids), counts)

@@ -355,9 +355,12 @@ class Generator:
                        or len(r.output) + 1 >= r.params.max_new_tokens for r in reqs)
                 or reqs != self.scheduler.running):
             return None
+        width = self.scheduler.width(ahead=1)
+        # Straight into the decode graph's input buffer where one will replay the step.
+        out = self.runner.step_buffer(len(reqs), width)
+        kw = {} if out is None else {"out": out}
         try:
-            step = self._pool.reserve([r.seq_id for r in reqs], 1,
-                                      max_blocks=self.scheduler.width(ahead=1))
+            step = self._pool.reserve([r.seq_id for r in reqs], 1, max_blocks=width, **kw)
         except KVCacheFullError:
             return None
         tokens = self.runner.decode_ahead(reqs, step, ids=current.tokens)

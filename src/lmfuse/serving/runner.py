@@ -221,6 +221,16 @@ class ModelRunner:
         logits = self._forward(ids.to(torch.int64)[:, None], pos[:, None], ctx, 1)[:, -1]
         return greedy(logits)
 
+    def step_buffer(self, n: int, width: int | None) -> torch.Tensor | None:
+        """The input buffer of the decode graph that a step of ``n`` rows and ``width``
+        blocks will replay, where it holds exactly such a step (a full batch bucket, the
+        graph captured already): :meth:`PagedKVCache.reserve`'s ``out``. None otherwise."""
+        if (self.sharded or not self.graphs_on or width is None or n > self.max_batch
+                or _bucket(n, self.max_batch) != n):
+            return None
+        graph = self._graphs.get((n, width))
+        return graph.packed if isinstance(graph, _DecodeGraph) else None
+
     @staticmethod
     def _host_inputs(requests: list[Request]) -> torch.Tensor:
         """``[2, n]`` int64: each request's last token and its position (pinned memory on a
@@ -444,7 +454,8 @@ class _DecodeGraph:
                 self.pos[:n, 0].copy_(host[1])
         packed = _packed(step) if n == self.batch else None
         if packed is not None:
-            self.packed.copy_(packed)
+            if packed.data_ptr() != self.packed.data_ptr():  # else reserve wrote it here
+                self.packed.copy_(packed)
         else:
             self.table[:n].copy_(step.block_table)
             self.before[:n].copy_(step.seqlens_before)
