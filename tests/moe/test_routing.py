@@ -197,3 +197,19 @@ def test_cuda_graph_replay() -> None:
         graph.replay()
         for name, g, w in zip(NAMES, out, expected(ids, rw, E, block_m)):
             assert torch.equal(g, w), f"replay: {name}"
+
+
+def test_torch_ops_route_puts_ids_out_of_range_after_the_experts() -> None:
+    """``ops._route`` (the training sizes' routing) agrees with ``route_small`` on pairs
+    outside ``[0, E)``: no expert's, after the experts' rows in pair order."""
+    E = 8
+    ids = torch.tensor([[0, 8], [1, 2], [3, -1], [4, 5], [-7, 1000]], device=TEST_DEVICE)
+    perm, token, offsets, inv = ops._route(ids, E)
+    assert perm.tolist() == [0, 2, 3, 4, 6, 7, 1, 5, 8, 9]
+    assert offsets.tolist() == [0, 1, 2, 3, 4, 5, 6, 6, 6]
+    assert token.tolist() == [p // 2 for p in perm.tolist()]
+    assert torch.equal(inv[perm].cpu(), torch.arange(10))
+    small = route_small(ids[:4], make_rw(4, 2), E, 16)
+    want = ops._route(ids[:4], E)
+    for g, w in zip(small[:4], want):
+        assert torch.equal(g, w)

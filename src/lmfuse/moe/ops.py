@@ -118,13 +118,22 @@ def _route(expert_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, ...]:
     """``(perm, token, offsets, inv)`` for ``expert_ids [T, k]``: sorted row ``r`` is pair
     ``perm[r] = t k + j`` of token ``token[r] = t`` (int32); expert ``e`` owns the rows
     ``offsets[e] .. offsets[e + 1]`` (int32 ``[E + 1]``); ``inv`` is ``perm``'s inverse
-    (pair -> sorted row). Torch ops on the device, no host synchronisation."""
+    (pair -> sorted row). Pairs whose id lies outside ``[0, E)`` belong to no expert and
+    take the rows after the experts', in pair order (as :func:`routing.route_small`). Torch
+    ops on the device, no host synchronisation; the sort's keys are the ids narrowed to 16
+    bits (the radix sort's passes a quarter of 64-bit keys')."""
     k = expert_ids.shape[1]
-    ids = expert_ids.reshape(-1).to(torch.int64)
-    perm = torch.argsort(ids, stable=True)
+    narrow = torch.int16 if E < 2**15 - 1 else torch.int32
+    # Negative ids and ids >= E become E (after every expert), then the narrow key.
+    ids = expert_ids.reshape(-1)
+    if ids.dtype.is_signed:
+        keys = torch.remainder(ids.clamp(-1, E), E + 1).to(narrow)
+    else:  # uint8: nothing negative
+        keys = ids.clamp(max=E).to(narrow)
+    sorted_keys, perm = torch.sort(keys, stable=True)
     token = torch.div(perm, k, rounding_mode="floor").to(torch.int32)
-    bounds = torch.arange(E + 1, device=ids.device, dtype=torch.int64)
-    offsets = torch.searchsorted(ids[perm], bounds).to(torch.int32)
+    bounds = torch.arange(E + 1, device=keys.device, dtype=narrow)
+    offsets = torch.searchsorted(sorted_keys, bounds).to(torch.int32)
     inv = torch.empty_like(perm)
     inv.scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
     return perm, token, offsets, inv
