@@ -219,3 +219,46 @@ def test_split_k_gemv_on_the_gpu_and_in_a_graph(rows: int, split: int) -> None:
         graph.replay()
         eager = _gemv(x2, (w,), residual=r2.clone(), split_k=split)
         assert torch.equal(rs, eager), step
+
+
+@pytest.mark.parametrize("rows", [4, 64])
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+def test_rotating_qkv_gemv_on_the_gpu(rows: int, cache: str) -> None:
+    """The QKV GEMV that rotates q and k and appends k and v itself (the decode step's at
+    several rows), compiled, at the benchmark model's shapes (16/4 heads of 128, hidden
+    2048, blocks of 16 scattered in the pool): the queries and the written cache slots
+    against ``rope_append_reference`` of the float32 projections; fp8 slots at most one
+    e4m3 step apart (the float32 sums add in another order) and mostly equal."""
+    from lmfuse.serving.fused import RopeAppend, _gemv, gemv_reference, rope_append_reference
+
+    hq, hkv, d, K, bl = 16, 4, 128, 2048, 16
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, K, device="cuda", generator=g).bfloat16()
+    ws = tuple((torch.randn(h * d, K, device="cuda", generator=g) / 45).bfloat16()
+               for h in (hq, hkv, hkv))
+    angles = torch.randn(4096, d // 2, device="cuda", generator=g, dtype=torch.float64)
+    cos, sin = angles.cos().float(), angles.sin().float()
+    nb = 8 * rows
+    pos = torch.randint(0, 8 * bl, (rows,), device="cuda", generator=g, dtype=torch.int32)
+    table = torch.randperm(nb, device="cuda", generator=g).view(rows, 8).to(torch.int32)
+    table[1] = -1  # a padding row
+    dtype = torch.float8_e4m3fn if cache == "fp8" else torch.bfloat16
+    scales = ((torch.rand(hkv, device="cuda", generator=g) + 0.5,
+               torch.rand(hkv, device="cuda", generator=g) + 0.5) if cache == "fp8"
+              else (None, None))
+    got_c = [torch.zeros(nb, bl, hkv, d, device="cuda").to(dtype) for _ in range(2)]
+    want_c = [c.clone() for c in got_c]
+    q = _gemv(x, ws, rope=RopeAppend(cos, sin, pos, table, *got_c, *scales, hq, hkv, d))
+    want = rope_append_reference(gemv_reference(x.float(), ws), cos, sin, pos, table,
+                                 *want_c, None, None, 0.0, *scales, hq, hkv, d)
+    err = ((q.float().view(rows, hq, d) - want.float()).abs().max()
+           / want.float().abs().max()).item()
+    assert err < 1e-2, err
+    for a, b in zip(got_c, want_c):
+        a, b = a.float(), b.float()
+        if cache == "fp8":
+            assert (a == b).float().mean() > 0.95
+            torch.testing.assert_close(a, b, rtol=0.125, atol=0)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+    assert (got_c[0].float() != 0).any(-1).any(-1).sum() == rows - 1  # the padding row: none
