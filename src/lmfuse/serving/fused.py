@@ -20,7 +20,9 @@ in place, never copied):
     h = h + a @ Wd.T                      GEMV with the residual add (one row; K split over
                                           programs at 2-16 and 33-64 rows), else cuBLAS addmm_
     logits = rms_norm(h) @ W_lm.T         GEMV of 128-feature tiles at 2-64 rows for a long
-                                          vocabulary; cuBLAS at one row (copy rate there)
+                                          vocabulary, each tile's row maxima stored beside
+                                          it for the greedy tokens (no argmax pass over
+                                          the logits); cuBLAS at one row (copy rate there)
 
 instead of the model's forward (per layer three projections, a dozen elementwise launches
 of rotary code, the cache append, the adds), which is what the Generator runs otherwise.
@@ -158,11 +160,11 @@ class FusedDecoder:
         self.d = cache.head_dim
         half = self.d // 2
         # The rotary kernel holds a head's halves in one power-of-two tile.
-        # Greedy tokens from the LM head GEMV's tiles (forward(..., argmax=True)).
-        self.gemv_argmax = True
         self.rope_kernel = self.triton and self.d % 2 == 0 and half & (half - 1) == 0
         # Several rows: the QKV GEMV rotates and appends itself (models without a q/k norm).
         self.rope_gemv = self.rope_kernel and _rope_gemv_takes(2, self.d)
+        # Greedy tokens from the LM head GEMV's tiles (forward(..., argmax=True)).
+        self.gemv_argmax = True
         self.embed = inner.embed_tokens.weight
         head = model.get_output_embeddings()
         self.lm_head, self.lm_bias = head.weight, getattr(head, "bias", None)
