@@ -10,7 +10,8 @@
   (separate tensors, read in place) share one launch and one output row (Q, K and V); the
   epilogue may add a bias, add the residual stream (``y = r + x @ W.T``, in place), or
   gate two matrices (``silu(x @ Wg.T) * (x @ Wu.T)``: the gated MLP's two projections and
-  its activation in one pass).
+  its activation in one pass), do ``rope_append_kernel``'s work on the QKV projections
+  (ROPE), or leave each tile's row maxima for the greedy tokens (ARGMAX).
 
 Float32 accumulation and math; one rounding to the output dtype.
 """
