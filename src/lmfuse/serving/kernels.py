@@ -241,17 +241,11 @@ def gemv_kernel(
         y = _gemv_epilogue(acc, acc_u if GATED else acc, B0, B1, B2, R, Y, N0, N1, stride_rm,
                            stride_ym, n0, local, rows, ms, mmask, HAS_BIAS, RESIDUAL, GATED)
         if ARGMAX:
-            yf = y.to(tl.float32)
             cols = (n0 + rows)[None, :]
-            big = N0  # no column
-            isn = yf != yf
-            nan_i = tl.min(tl.where(isn, cols, big), 1)
-            v = tl.max(tl.where(isn, float("-inf"), yf), 1)
-            i = tl.min(tl.where(yf == v[:, None], cols, big), 1)
-            has_nan = nan_i < big
+            v, i = _first_max(y.to(tl.float32), cols, cols < N0, N0)
             at = ms.to(tl.int64) * tl.num_programs(0) + pid_n
-            tl.store(AVAL + at, tl.where(has_nan, float("nan"), v), mask=mmask)
-            tl.store(AIDX + at, tl.where(has_nan, nan_i, i), mask=mmask)
+            tl.store(AVAL + at, v, mask=mmask)
+            tl.store(AIDX + at, i, mask=mmask)
 
 
 @triton.jit
@@ -336,6 +330,19 @@ def _gemv_epilogue(acc, acc_u, B0, B1, B2, R, Y, N0, N1, stride_rm, stride_ym, n
 
 
 @triton.jit
+def _first_max(x, at, valid, none):
+    """``torch.argmax``'s pick along axis 1 of ``x [R, C]`` among its ``valid`` entries, as
+    ``(value, at of it)`` (``[R]`` each): the first NaN (value NaN) where a row has one,
+    else the first of its largest; ``(-inf, none)`` where it has no valid entry."""
+    isn = (x != x) & valid
+    nan_at = tl.min(tl.where(isn, at, none), 1)
+    top = tl.max(tl.where(isn | ~valid, float("-inf"), x), 1)
+    top_at = tl.min(tl.where((x == top[:, None]) & valid, at, none), 1)
+    has_nan = nan_at < none
+    return tl.where(has_nan, float("nan"), top), tl.where(has_nan, nan_at, top_at)
+
+
+@triton.jit
 def argmax_chunk_kernel(X, VAL, IDX, V, stride_x, chunk, num_chunks, BLOCK: tl.constexpr):
     """Program ``(r, c)``: the maximum of row ``r``'s columns ``[c * chunk, (c + 1) *
     chunk)`` and its first column, as ``argmax`` sees them (NaN above everything: the first
@@ -344,24 +351,21 @@ def argmax_chunk_kernel(X, VAL, IDX, V, stride_x, chunk, num_chunks, BLOCK: tl.c
     c = tl.program_id(1)
     start = c * chunk
     stop = tl.minimum(start + chunk, V)
-    big = V  # no column
-    best_v = float("-inf")
-    best_i = big
-    nan_i = big
+    best_v = tl.full([1], float("-inf"), tl.float32)
+    best_i = tl.full([1], V, tl.int32)  # no column yet
     for off in range(0, chunk, BLOCK):
-        cols = start + off + tl.arange(0, BLOCK)
+        cols = (start + off + tl.arange(0, BLOCK))[None, :]
         m = cols < stop
         x = tl.load(X + r * stride_x + cols, mask=m, other=float("-inf")).to(tl.float32)
-        isn = (x != x) & m
-        nan_i = tl.minimum(nan_i, tl.min(tl.where(isn, cols, big), 0))
-        v = tl.max(tl.where(isn, float("-inf"), x), 0)
-        i = tl.min(tl.where((x == v) & m, cols, big), 0)
-        take = (v > best_v) | (best_i == big)  # ties keep the earlier column
+        v, i = _first_max(x, cols, m, V)
+        # a later block wins with a larger value, or with the first NaN (ties keep the
+        # earlier column; a NaN already taken stays)
+        take = (best_i == V) | (v > best_v) | ((v != v) & (best_v == best_v))
         best_i = tl.where(take, i, best_i)
-        best_v = tl.maximum(best_v, v)
-    has_nan = nan_i < big
-    tl.store(VAL + r * num_chunks + c, tl.where(has_nan, float("nan"), best_v))
-    tl.store(IDX + r * num_chunks + c, tl.where(has_nan, nan_i, best_i))
+        best_v = tl.where(take, v, best_v)
+    one = tl.arange(0, 1)
+    tl.store(VAL + r * num_chunks + c + one, best_v)
+    tl.store(IDX + r * num_chunks + c + one, best_i)
 
 
 @triton.jit
@@ -369,12 +373,9 @@ def argmax_merge_kernel(VAL, IDX, OUT, num_chunks, V, BLOCK_C: tl.constexpr):
     """Row ``r``'s argmax from its chunks' (in column order): the first NaN chunk's column,
     else the first chunk holding the largest value's."""
     r = tl.program_id(0).to(tl.int64)
-    cs = tl.arange(0, BLOCK_C)
+    cs = tl.arange(0, BLOCK_C)[None, :]
     m = cs < num_chunks
     v = tl.load(VAL + r * num_chunks + cs, mask=m, other=float("-inf"))
     i = tl.load(IDX + r * num_chunks + cs, mask=m, other=V)
-    isn = (v != v) & m
-    first_nan = tl.min(tl.where(isn, i, V), 0)
-    top = tl.max(tl.where(isn, float("-inf"), v), 0)
-    first_top = tl.min(tl.where((v == top) & m, i, V), 0)
-    tl.store(OUT + r, tl.where(first_nan < V, first_nan, first_top).to(tl.int64))
+    _, best = _first_max(v, i, m, V)
+    tl.store(OUT + r + tl.arange(0, 1), best.to(tl.int64))
