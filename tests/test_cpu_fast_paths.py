@@ -229,3 +229,128 @@ def test_fused_mlp_fast_path_is_the_unfused_module(no_interpreter, monkeypatch):
     with pytest.raises(ValueError, match="hidden_size"):
         m(torch.randn(3, 15))
     assert checked  # a bad input went to the checks
+
+
+# --- the fast paths' own backwards ------------------------------------------------------------
+# Softmax, SwiGLU and GEGLU write the plain formula's gradient with fewer passes (the same
+# PyTorch ops, in place where autograd makes new tensors): equal bit for bit, NaN and inf
+# included, upstream as well. RMSNorm's is the closed form: within rounding, NaN where the
+# formula's is.
+
+
+def _poisoned(shape, seed, **at):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 2
+    for value, where in at.items():
+        x[where] = {"nan": float("nan"), "inf": float("inf"), "ninf": float("-inf")}[value]
+    return x
+
+
+def _both(fn, plain, *inputs, dy):
+    """(output, grads) of the fast path and of the plain formula through autograd."""
+    out = []
+    for f in (fn, plain):
+        xs = [x.clone().requires_grad_(True) for x in inputs]
+        y = f(*xs)
+        out.append((y, torch.autograd.grad(y, xs, dy), y.grad_fn))
+    return out
+
+
+def _equal(a, b):
+    return torch.equal(a.nan_to_num(1e30, 1e31, -1e31), b.nan_to_num(1e30, 1e31, -1e31))
+
+
+@pytest.mark.parametrize("case", ["causal", "plain", "bool_mask", "float_mask", "scale_1"])
+def test_softmax_cpu_backward_is_the_formulas_bit_for_bit(no_interpreter, case):
+    shape = (2, 3, 5, 7)
+    s = torch.randn(shape, generator=torch.Generator().manual_seed(6)) * 3
+    dy = _poisoned(shape, 7, inf=(0, 1, 0, 6), nan=(1, 2, 3, 0))  # at a hidden key, a seen one
+    mask = torch.rand(2, 1, 5, 7, generator=torch.Generator().manual_seed(8)) < 0.3
+    mask[..., 0] = False  # no dead row (those take the reference)
+    add = torch.randn(2, 1, 5, 7, generator=torch.Generator().manual_seed(9))
+    scale = 1.0 if case == "scale_1" else 0.4
+    hidden = torch.ones(5, 7, dtype=torch.bool).triu(3)
+    kw = dict(scale=scale, causal=case in ("causal", "scale_1"),
+              mask={"bool_mask": mask, "float_mask": add}.get(case))
+
+    def plain(x):
+        z = x * scale
+        if case == "float_mask":
+            z = z + add
+        if kw["causal"]:
+            z = z.masked_fill(hidden, float("-inf"))
+        if case == "bool_mask":
+            z = z.masked_fill(mask, float("-inf"))
+        return torch.softmax(z, -1)
+
+    (y1, g1, node), (y2, g2, _) = _both(lambda x: lmfuse.fused_softmax(x, **kw), plain, s,
+                                        dy=dy)
+    assert "SoftmaxCPU" in type(node).__name__
+    assert torch.equal(y1, y2) and _equal(g1[0], g2[0])
+
+
+@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+def test_gated_cpu_backward_is_the_formulas_bit_for_bit(no_interpreter, op):
+    x = _poisoned((4, 3, 10), 10, nan=(0, 0, 1), inf=(1, 2, 7), ninf=(2, 1, 3))
+    dy = _poisoned((4, 3, 5), 11, inf=(3, 0, 4))
+    act = {"swiglu": torch.nn.functional.silu,
+           "geglu": lambda a: torch.nn.functional.gelu(a, approximate="tanh")}[op]
+    (y1, g1, node), (y2, g2, _) = _both(getattr(lmfuse, op),
+                                        lambda x: (lambda a, b: act(a) * b)(*x.chunk(2, -1)),
+                                        x, dy=dy)
+    assert "GatedCPU" in type(node).__name__
+    assert _equal(y1, y2) and _equal(g1[0], g2[0])
+    with torch.no_grad():  # nothing to differentiate: no autograd node
+        assert getattr(lmfuse, op)(x).grad_fn is None
+
+
+@pytest.mark.parametrize("shape", [(6, 16), (2, 3, 8), (8,), (0, 4), (3, 0)])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rms_norm_cpu_backward_is_the_formulas(no_interpreter, shape, weighted):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(12))
+    if x.numel() > 4:
+        x.view(-1)[1] = float("nan")
+        x.view(-1)[-2] = float("inf")
+    w = torch.randn(shape[-1], generator=torch.Generator().manual_seed(13))
+    dy = torch.randn(shape, generator=torch.Generator().manual_seed(14))
+
+    def plain(x, w=None):
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return y * w if w is not None else y
+
+    inputs = (x, w) if weighted else (x,)
+    (y1, g1, node), (y2, g2, _) = _both(lambda *t: lmfuse.rms_norm(*t, eps=1e-6), plain,
+                                        *inputs, dy=dy)
+    assert "RMSNormCPU" in type(node).__name__
+    assert _equal(y1, y2)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
+        assert torch.equal(a.isnan(), b.isnan())
+
+
+def test_cpu_backwards_save_through_autograd_and_refuse_a_second(no_interpreter):
+    """What their backwards read goes through save_for_backward (an in-place change of it
+    after the forward raises instead of giving a wrong gradient: softmax's output,
+    SwiGLU's input; RMSNorm's keeps neither, so changing them changes nothing), and a
+    double backward is refused, as on every lmfuse path."""
+    x = torch.randn(4, 4, requires_grad=True)
+    y = lmfuse.fused_softmax(x.view(1, 1, 4, 4) * 1.0, causal=True)
+    y.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    h = x * 1.0
+    y = lmfuse.swiglu(h)
+    h.mul_(0.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    w, dy = torch.randn(4), torch.randn(4, 4)
+    (want,) = torch.autograd.grad(lmfuse.rms_norm(x, w), x, dy)
+    h = x * 1.0
+    y = lmfuse.rms_norm(h, w)
+    h.mul_(0.0)
+    (got,) = torch.autograd.grad(y, x, dy)
+    assert torch.equal(got, want)
+    for call in (lambda x: lmfuse.fused_softmax(x.view(1, 1, 4, 4), causal=True),
+                 lmfuse.swiglu, lambda x: lmfuse.rms_norm(x, w)):
+        (gx,) = torch.autograd.grad(call(x).pow(2).sum(), x, create_graph=True)
+        with pytest.raises(RuntimeError):
+            gx.sum().backward()

@@ -393,6 +393,48 @@ _NATIVE = {"silu": lambda a: F.silu(a), "gelu": lambda a: F.gelu(a, approximate=
            "squared_relu": lambda a: torch.relu(a).square()}
 
 
+# Their backwards, writing into ``out`` (the activation half of the input's gradient).
+_NATIVE_BACKWARD = {
+    "silu": lambda g, a, out: torch.ops.aten.silu_backward.grad_input(g, a, grad_input=out),
+    "gelu": lambda g, a, out: torch.ops.aten.gelu_backward.grad_input(
+        g, a, approximate="tanh", grad_input=out)}
+
+
+class _GatedCPU(torch.autograd.Function):
+    """``act(x1) * x2`` for the gated ops' common CPU call: PyTorch's own forward and
+    activation backward, the two halves' gradients written straight into one ``[..., 2f]``
+    tensor (autograd through ``chunk`` makes them apart and then concatenates them: one more
+    pass over the whole gradient). The plain formula's values and gradients, bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x, act):
+        a, b = x.chunk(2, -1)
+        s = _NATIVE[act](a)
+        ctx.save_for_backward(x, s)
+        ctx.act = act
+        return s * b
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, s = ctx.saved_tensors
+        a, b = x.chunk(2, -1)
+        dx = torch.empty_like(x)
+        da, db = dx.chunk(2, -1)
+        torch.mul(dy, s, out=db)
+        _NATIVE_BACKWARD[ctx.act](dy * b, a, da)
+        return dx, None
+
+
+def _cpu_gated(x: torch.Tensor, act: str) -> torch.Tensor:
+    """The common CPU call of SwiGLU / GEGLU (``act`` "silu" / "gelu"): the plain formula,
+    through :class:`_GatedCPU` where a gradient will be taken."""
+    if x.requires_grad and torch.is_grad_enabled():
+        return _GatedCPU.apply(x, act)
+    a, b = x.chunk(2, -1)
+    return _NATIVE[act](a) * b
+
+
 def _cpu_fast_halves(x: torch.Tensor) -> bool:
     """A gated op's common CPU call may skip the resolved call: float32 ``x`` on the CPU
     whose last dim splits into two non-empty halves (``cpu_fast``; every other call takes
@@ -512,8 +554,7 @@ def swiglu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
             and cpu_offload_input is False and type(gate_multiplier) is float
             and gate_multiplier == 1.0 and type(down_multiplier) is float
             and down_multiplier == 1.0 and _cpu_fast_halves(x)):
-        a, b = x.chunk(2, -1)  # the common CPU call: _native's formula at once
-        return _NATIVE["silu"](a) * b
+        return _cpu_gated(x, "silu")  # the common CPU call: _native's formula at once
     return _run("swiglu", x, bias, None, "silu", True, clamp_value=clamp_value,
                 fp8_input_store=fp8_input_store, cpu_offload_input=cpu_offload_input,
                 impl=impl, gate_multiplier=gate_multiplier, down_multiplier=down_multiplier)
@@ -525,8 +566,7 @@ def geglu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
     """``gelu_tanh(x1) * x2``; arguments, and NaN / inf behaviour, as :func:`swiglu`."""
     if (impl == "auto" and bias is None and fp8_input_store is False
             and cpu_offload_input is False and _cpu_fast_halves(x)):
-        a, b = x.chunk(2, -1)  # the common CPU call: _native's formula at once
-        return _NATIVE["gelu"](a) * b
+        return _cpu_gated(x, "gelu")  # the common CPU call: _native's formula at once
     return _run("geglu", x, bias, None, "gelu", True, fp8_input_store=fp8_input_store,
                 cpu_offload_input=cpu_offload_input, impl=impl)
 

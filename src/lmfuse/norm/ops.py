@@ -248,6 +248,38 @@ def plan_rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps
     return Plan(_OP, path, reason, details, call=a)
 
 
+
+class _RMSNormCPU(torch.autograd.Function):
+    """The common CPU call with a gradient to take: ``torch.rms_norm``'s formula forward
+    (``xh = x * rsqrt(mean(x^2) + eps)``, ``y = xh * w``) and its gradient in closed form,
+    ``dx = rstd * (g - xh * mean(g * xh))`` with ``g = dy * w``, ``dw = sum(dy * xh)`` over
+    the rows: four passes over ``[..., H]`` where autograd through the formula's six ops
+    takes about twice as many (and keeps ``x`` as well as ``xh``). NaN and inf reach the
+    gradients as through the formula (a NaN row's are NaN)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))
+        xh = x * rstd
+        ctx.save_for_backward(xh, rstd, weight)
+        return xh * weight if weight is not None else xh
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        xh, rstd, weight = ctx.saved_tensors
+        g = dy * weight if weight is not None else dy
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            c = (g * xh).mean(-1, keepdim=True)
+            dx = torch.addcmul(g, xh, c, value=-1.0).mul_(rstd)
+        if weight is not None and ctx.needs_input_grad[1]:
+            dw = dy * xh
+            if dw.dim() > 1:
+                dw = dw.sum(tuple(range(dw.dim() - 1)))
+        return dx, dw, None
+
+
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps: float = 1e-6,
              weight_offset: float = 0.0, impl: str = "auto") -> torch.Tensor:
     """RMSNorm over the last dim: ``x / sqrt(mean(x ** 2) + eps) * (weight + weight_offset)``.
@@ -280,7 +312,11 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps: flo
                 type(weight) in PLAIN_TENSORS and weight.dtype is torch.float32
                 and weight.is_cpu and weight.shape == x.shape[-1:]))):
         # The common CPU call (float32, a float32 weight or none, no offset): PyTorch's op
-        # at once, as the path below would run it, without the resolved call.
+        # at once, as the path below would run it, without the resolved call; its own
+        # backward where a gradient will be taken (_RMSNormCPU).
+        if torch.is_grad_enabled() and (x.requires_grad or (
+                weight is not None and weight.requires_grad)):
+            return _RMSNormCPU.apply(x, weight, eps)
         return torch.rms_norm(x, x.shape[-1:], weight, eps)
     path, _, a = _resolve(x, weight, eps, weight_offset, impl)
     if native_cpu(impl, path, x) and (weight is None or weight.dtype == torch.float32):

@@ -419,7 +419,8 @@ def _cpu_fast_softmax(scores: torch.Tensor, scale: Any, causal: bool
 
 def _native_cpu(scores: torch.Tensor, a: SoftmaxCall) -> Optional[torch.Tensor]:
     """The default path on CPU float32 scores: ``torch.softmax`` of the masked, scaled
-    scores (PyTorch's own ops: the plain formula's speed, autograd for the gradient). That
+    scores (PyTorch's own ops: the plain formula's speed; its gradient by ``_SoftmaxCPU``,
+    bit for bit the formula's, with fewer passes). That
     is the spec itself, NaN rows included (a NaN or +inf logit: NaN everywhere forward,
     masked_fill's zero gradient at hidden keys), except a row whose keys are all hidden or
     -inf: NaN here, zeros in the spec. Both kinds come out as rows of NaN, and zeroing the
@@ -432,25 +433,61 @@ def _native_cpu(scores: torch.Tensor, a: SoftmaxCall) -> Optional[torch.Tensor]:
     check reads 1 / sk of the output, not all of it.
     ``impl="torch"`` always runs the reference, the tests' oracle."""
     sq, sk = scores.shape[-2:]
-    z = scores * a.scale if a.scale != 1.0 else scores
-    hidden = None
+    hidden = add = None
     if a.left < UNBOUNDED or a.right < UNBOUNDED:
         hidden = _hidden_band(sq, sk, a.left, a.right)
-    mask = a.mask
-    if mask is not None and mask.dtype == torch.bool:
-        hidden = mask if hidden is None else hidden | mask
-    elif mask is not None:
-        z = z + mask
+    if a.mask is not None and a.mask.dtype == torch.bool:
+        hidden = a.mask if hidden is None else hidden | a.mask
+    elif a.mask is not None:
+        add = a.mask
+    if (scores.requires_grad and torch.is_grad_enabled()
+            and not (add is not None and add.requires_grad)):
+        y = _SoftmaxCPU.apply(scores, a.scale, hidden, add)
+    else:
+        y = torch.softmax(_masked_scores(scores, a.scale, hidden, add), dim=-1)
+    if sk and math.isnan(y.detach()[..., 0].sum().item()):
+        return None
+    return y
+
+
+
+def _masked_scores(scores: torch.Tensor, scale: float, hidden: Optional[torch.Tensor],
+                   add: Optional[torch.Tensor]) -> torch.Tensor:
+    """``scores * scale + add`` with the ``hidden`` keys at -inf (``_native_cpu``)."""
+    z = scores * scale if scale != 1.0 else scores
+    if add is not None:
+        z = z + add
     if hidden is not None:
         # In place where z is this call's own tensor (the product's backward needs neither
         # it nor its values): one [.., sq, sk] copy fewer than the plain formula's.
         z = z.masked_fill_(hidden, float("-inf")) if z is not scores else \
             z.masked_fill(hidden, float("-inf"))
-    y = torch.softmax(z, dim=-1)
-    if sk and math.isnan(y.detach()[..., 0].sum().item()):
-        return None
-    return y
+    return z
 
+
+class _SoftmaxCPU(torch.autograd.Function):
+    """``_native_cpu``'s autograd where the scores need a gradient: the forward as without
+    one, the backward PyTorch's softmax backward with the hidden keys' gradient zeroed and
+    the scale applied in place on its output (autograd through the formula makes a new
+    tensor for each of the three steps). The plain formula's gradient, bit for bit."""
+
+    @staticmethod
+    def forward(ctx, scores, scale, hidden, add):
+        y = torch.softmax(_masked_scores(scores, scale, hidden, add), dim=-1)
+        ctx.save_for_backward(y, hidden)
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        y, hidden = ctx.saved_tensors
+        dz = torch._softmax_backward_data(dy, y, -1, y.dtype)
+        if hidden is not None:
+            dz.masked_fill_(hidden, 0.0)
+        if ctx.scale != 1.0:
+            dz.mul_(ctx.scale)
+        return dz, None, None, None
 
 # --- self-check cases for ``lmfuse check`` -----------------------------------------------
 
