@@ -23,6 +23,10 @@ from lmfuse.serving.fused import _gemv_config, _gemv_split
 from sweep_gemv import SHAPES, dot_rows, fits, launch, reference, weights
 
 
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
 def graph_us(fn, chain: int) -> float:
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -57,6 +61,8 @@ def main() -> int:
                     help="K splits the dot sweep tries (not gated), e.g. 1,2,4,8")
     ap.add_argument("--block-m", default="",
                     help="row tiles the dot sweep tries, e.g. 16,32,64 (default: the chosen)")
+    ap.add_argument("--block-n", default="32,64,128", help="feature tiles the dot sweep tries")
+    ap.add_argument("--warps", default="4", help="warps the dot sweep tries, e.g. 4,8")
     a = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -92,8 +98,8 @@ def main() -> int:
                 bms = [int(v) for v in a.block_m.split(",")] if a.block_m else [bm_dot]
                 splits = [1] if gated else [int(v) for v in a.split.split(",")]
                 configs += [(bm, bn, bk, w, st, f"dot/{sp}", sp) for bm, bn, bk, w, st, sp in
-                            itertools.product(bms, (32, 64, 128), (128, 256), (4,),
-                                              (3, 4), splits)
+                            itertools.product(bms, _ints(a.block_n), (128, 256),
+                                              _ints(a.warps), (3, 4), splits)
                             if bm <= bm_dot]
             if n == 1:
                 configs += [(1, bn, bk, w, st, "m1", 1) for bn, bk, w, st in itertools.product(
