@@ -242,7 +242,7 @@ def gemv_kernel(
                            stride_ym, n0, local, rows, ms, mmask, HAS_BIAS, RESIDUAL, GATED)
         if ARGMAX:
             cols = (n0 + rows)[None, :]
-            v, i = _first_max(y.to(tl.float32), cols, cols < N0, N0)
+            v, i = _first_max(y.to(tl.float32), cols, N0)
             at = ms.to(tl.int64) * tl.num_programs(0) + pid_n
             tl.store(AVAL + at, v, mask=mmask)
             tl.store(AIDX + at, i, mask=mmask)
@@ -330,14 +330,14 @@ def _gemv_epilogue(acc, acc_u, B0, B1, B2, R, Y, N0, N1, stride_rm, stride_ym, n
 
 
 @triton.jit
-def _first_max(x, at, valid, none):
-    """``torch.argmax``'s pick along axis 1 of ``x [R, C]`` among its ``valid`` entries, as
-    ``(value, at of it)`` (``[R]`` each): the first NaN (value NaN) where a row has one,
-    else the first of its largest; ``(-inf, none)`` where it has no valid entry."""
-    isn = (x != x) & valid
+def _first_max(x, at, none):
+    """``torch.argmax``'s pick along axis 1 of ``x [R, C]``, as ``(value, at of it)`` (``[R]``
+    each): the first NaN (value NaN) where a row has one, else the first of its largest.
+    Entries outside the data must hold -inf and an ``at`` above every real entry's."""
+    isn = x != x
     nan_at = tl.min(tl.where(isn, at, none), 1)
-    top = tl.max(tl.where(isn | ~valid, float("-inf"), x), 1)
-    top_at = tl.min(tl.where((x == top[:, None]) & valid, at, none), 1)
+    top = tl.max(tl.where(isn, float("-inf"), x), 1)
+    top_at = tl.min(tl.where(x == top[:, None], at, none), 1)
     has_nan = nan_at < none
     return tl.where(has_nan, float("nan"), top), tl.where(has_nan, nan_at, top_at)
 
@@ -357,7 +357,7 @@ def argmax_chunk_kernel(X, VAL, IDX, V, stride_x, chunk, num_chunks, BLOCK: tl.c
         cols = (start + off + tl.arange(0, BLOCK))[None, :]
         m = cols < stop
         x = tl.load(X + r * stride_x + cols, mask=m, other=float("-inf")).to(tl.float32)
-        v, i = _first_max(x, cols, m, V)
+        v, i = _first_max(x, cols, V)  # (a block past the chunk: all -inf, never taken)
         # a later block wins with a larger value, or with the first NaN (ties keep the
         # earlier column; a NaN already taken stays)
         take = (best_i == V) | (v > best_v) | ((v != v) & (best_v == best_v))
@@ -377,5 +377,5 @@ def argmax_merge_kernel(VAL, IDX, OUT, num_chunks, V, BLOCK_C: tl.constexpr):
     m = cs < num_chunks
     v = tl.load(VAL + r * num_chunks + cs, mask=m, other=float("-inf"))
     i = tl.load(IDX + r * num_chunks + cs, mask=m, other=V)
-    _, best = _first_max(v, i, m, V)
+    _, best = _first_max(v, i, V)
     tl.store(OUT + r + tl.arange(0, 1), best.to(tl.int64))
