@@ -354,3 +354,36 @@ def test_cpu_backwards_save_through_autograd_and_refuse_a_second(no_interpreter)
         (gx,) = torch.autograd.grad(call(x).pow(2).sum(), x, create_graph=True)
         with pytest.raises(RuntimeError):
             gx.sum().backward()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("case", ["plain", "ignored", "nan", "all_ignored"])
+def test_cross_entropy_cpu_backward_on_large_logits(no_interpreter, monkeypatch, reduction,
+                                                    case):
+    """From ``_CPU_OWN_BACKWARD`` elements the loss takes its own backward (the softmax
+    minus the one-hot): F.cross_entropy's gradient within rounding, NaN where its is (an
+    ignored row's NaN too), a mean over no token 0 with a zero gradient; below, PyTorch's."""
+    monkeypatch.setattr(ce_ops, "_CPU_OWN_BACKWARD", 9 * 13)
+    g = torch.Generator().manual_seed(15)
+    x = torch.randn(9, 13, generator=g) * 3
+    t = torch.randint(0, 13, (9,), generator=g)
+    if case == "ignored":
+        t[::3] = -100
+    elif case == "nan":
+        x[2, 4], x[5, 1], t[5] = float("nan"), float("inf"), -100
+    elif case == "all_ignored":
+        t[:] = -100
+    dy = torch.tensor(1.7)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got = lmfuse.cross_entropy(x1, t, reduction=reduction)
+    got.backward(dy)
+    want = torch.nn.functional.cross_entropy(x2, t, reduction=reduction)
+    if case == "all_ignored" and reduction == "mean":  # lmfuse: 0, not PyTorch's 0 / 0
+        want = torch.nn.functional.cross_entropy(x2, t, reduction="sum")
+    want.backward(dy)
+    assert "CrossEntropyCPU" in type(got.grad_fn).__name__
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, equal_nan=True)
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-6, atol=1e-7, equal_nan=True)
+    assert torch.equal(x1.grad.isnan(), x2.grad.isnan())
+    small = lmfuse.cross_entropy(x[:8].clone().requires_grad_(), t[:8], reduction=reduction)
+    assert "CrossEntropyCPU" not in type(small.grad_fn).__name__
