@@ -248,7 +248,6 @@ def plan_rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps
     return Plan(_OP, path, reason, details, call=a)
 
 
-
 class _RMSNormCPU(torch.autograd.Function):
     """The common CPU call with a gradient to take: ``torch.rms_norm``'s formula forward
     (``xh = x * rsqrt(mean(x^2) + eps)``, ``y = xh * w``) and its gradient in closed form,

@@ -450,7 +450,6 @@ def _native_cpu(scores: torch.Tensor, a: SoftmaxCall) -> Optional[torch.Tensor]:
     return y
 
 
-
 def _masked_scores(scores: torch.Tensor, scale: float, hidden: Optional[torch.Tensor],
                    add: Optional[torch.Tensor]) -> torch.Tensor:
     """``scores * scale + add`` with the ``hidden`` keys at -inf (``_native_cpu``)."""
@@ -488,6 +487,7 @@ class _SoftmaxCPU(torch.autograd.Function):
         if ctx.scale != 1.0:
             dz.mul_(ctx.scale)
         return dz, None, None, None
+
 
 # --- self-check cases for ``lmfuse check`` -----------------------------------------------
 
