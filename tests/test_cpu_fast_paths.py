@@ -387,3 +387,21 @@ def test_cross_entropy_cpu_backward_on_large_logits(no_interpreter, monkeypatch,
     assert torch.equal(x1.grad.isnan(), x2.grad.isnan())
     small = lmfuse.cross_entropy(x[:8].clone().requires_grad_(), t[:8], reduction=reduction)
     assert "CrossEntropyCPU" not in type(small.grad_fn).__name__
+
+
+def test_rms_norm_native_path_with_an_offset_takes_the_own_backward(no_interpreter):
+    """Gemma's ``(1 + w)`` (weight_offset=1.0) goes past the fast path to the native one,
+    which takes the same backward: the formula's gradients, for x and the weight."""
+    g = torch.Generator().manual_seed(16)
+    x, w = torch.randn(3, 5, 8, generator=g), torch.randn(8, generator=g)
+    dy = torch.randn(3, 5, 8, generator=g)
+
+    def plain(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (w + 1.0)
+
+    (y1, g1, node), (y2, g2, _) = _both(
+        lambda x, w: lmfuse.rms_norm(x, w, eps=1e-6, weight_offset=1.0), plain, x, w, dy=dy)
+    assert "RMSNormCPU" in type(node).__name__
+    torch.testing.assert_close(y1, y2, rtol=1e-6, atol=1e-6)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

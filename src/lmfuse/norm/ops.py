@@ -279,6 +279,15 @@ class _RMSNormCPU(torch.autograd.Function):
         return dx, dw, None
 
 
+def _cpu_rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """PyTorch's RMSNorm of float32 CPU tensors; where a gradient will be taken, through
+    :class:`_RMSNormCPU`."""
+    if torch.is_grad_enabled() and (x.requires_grad or (
+            weight is not None and weight.requires_grad)):
+        return _RMSNormCPU.apply(x, weight, eps)
+    return torch.rms_norm(x, x.shape[-1:], weight, eps)
+
+
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps: float = 1e-6,
              weight_offset: float = 0.0, impl: str = "auto") -> torch.Tensor:
     """RMSNorm over the last dim: ``x / sqrt(mean(x ** 2) + eps) * (weight + weight_offset)``.
@@ -310,20 +319,16 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps: flo
             and x.dim() > 0 and (weight is None or (
                 type(weight) in PLAIN_TENSORS and weight.dtype is torch.float32
                 and weight.is_cpu and weight.shape == x.shape[-1:]))):
-        # The common CPU call (float32, a float32 weight or none, no offset): PyTorch's op
-        # at once, as the path below would run it, without the resolved call; its own
-        # backward where a gradient will be taken (_RMSNormCPU).
-        if torch.is_grad_enabled() and (x.requires_grad or (
-                weight is not None and weight.requires_grad)):
-            return _RMSNormCPU.apply(x, weight, eps)
-        return torch.rms_norm(x, x.shape[-1:], weight, eps)
+        # The common CPU call (float32, a float32 weight or none, no offset): the path
+        # below at once, without the resolved call.
+        return _cpu_rms_norm(x, weight, eps)
     path, _, a = _resolve(x, weight, eps, weight_offset, impl)
     if native_cpu(impl, path, x) and (weight is None or weight.dtype == torch.float32):
         # The default path on CPU float32 (no Triton): PyTorch's own op, the same float32
         # formula and NaN/inf behaviour as the reference without its dtype round trips.
         if weight is not None and a.weight_offset:
             weight = weight + a.weight_offset
-        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, a.eps)
+        return _cpu_rms_norm(x, weight, a.eps)
     if path == "torch":
         with nvtx_range(_OP, "fwd"):
             return rms_norm_reference(x, weight, eps=a.eps, weight_offset=a.weight_offset)
