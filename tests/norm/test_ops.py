@@ -364,15 +364,15 @@ def test_signature_and_exports() -> None:
 def test_default_cpu_path_is_torch_rms_norm_with_the_reference_results(
         monkeypatch: pytest.MonkeyPatch, weighted: bool, offset: float, poison) -> None:
     """On CPU float32 without Triton (what a CPU machine without the interpreter picks) the
-    default path is ``torch.nn.functional.rms_norm``; outputs and gradients equal the
-    reference's, NaN and inf included."""
+    default path is PyTorch's RMSNorm (``_cpu_rms_norm``: its gradient by ``_RMSNormCPU``);
+    outputs and gradients equal the reference's, NaN and inf included."""
     from lmfuse._dispatch import select_impl
 
     monkeypatch.setattr(norm_ops, "select_impl", lambda op, impl, device: (
         ("torch", "test: no Triton") if impl == "auto" else select_impl(op, impl, device)))
     calls = []
-    real = torch.nn.functional.rms_norm
-    monkeypatch.setattr(torch.nn.functional, "rms_norm",
+    real = norm_ops._cpu_rms_norm
+    monkeypatch.setattr(norm_ops, "_cpu_rms_norm",
                         lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, 24, generator=g) * 2
