@@ -387,6 +387,10 @@ def test_cross_entropy_cpu_backward_on_large_logits(no_interpreter, monkeypatch,
     assert torch.equal(x1.grad.isnan(), x2.grad.isnan())
     small = lmfuse.cross_entropy(x[:8].clone().requires_grad_(), t[:8], reduction=reduction)
     assert "CrossEntropyCPU" not in type(small.grad_fn).__name__
+    bad = t.clone()
+    bad[0] = 13  # out of range: lmfuse's error, as on the other paths
+    with pytest.raises(ValueError, match="neither ignore_index"):
+        lmfuse.cross_entropy(x.clone().requires_grad_(), bad, reduction=reduction)
 
 
 def test_rms_norm_native_path_with_an_offset_takes_the_own_backward(no_interpreter):

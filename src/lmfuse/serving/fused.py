@@ -163,8 +163,6 @@ class FusedDecoder:
         self.rope_kernel = self.triton and self.d % 2 == 0 and half & (half - 1) == 0
         # Several rows: the QKV GEMV rotates and appends itself (models without a q/k norm).
         self.rope_gemv = self.rope_kernel and _rope_gemv_takes(2, self.d)
-        # Greedy tokens from the LM head GEMV's tiles (forward(..., argmax=True)).
-        self.gemv_argmax = True
         self.embed = inner.embed_tokens.weight
         head = model.get_output_embeddings()
         self.lm_head, self.lm_bias = head.weight, getattr(head, "bias", None)
@@ -276,7 +274,7 @@ class FusedDecoder:
             # (H100, CUDA-graph replays, V 128256: 16 rows 177 vs 191 us, 64 rows 185 vs
             # 198; bench/sweep_gemv.py --shapes lm_head); one row: cuBLAS (2.9 TB/s).
             x = self._rms_norm(h, self.norm, self.norm_eps)
-            if argmax and self.gemv_argmax:
+            if argmax:  # the greedy tokens from the GEMV's tiles
                 return self._gemv(x, (self.lm_head,), argmax=True)
             logits = self._gemv(x, (self.lm_head,))
         else:

@@ -357,7 +357,7 @@ def argmax_chunk_kernel(X, VAL, IDX, V, stride_x, chunk, num_chunks, BLOCK: tl.c
         cols = (start + off + tl.arange(0, BLOCK))[None, :]
         m = cols < stop
         x = tl.load(X + r * stride_x + cols, mask=m, other=float("-inf")).to(tl.float32)
-        v, i = _first_max(x, cols, V)  # (a block past the chunk: all -inf, never taken)
+        v, i = _first_max(x, cols, V)  # (a block wholly past V: all -inf, never taken)
         # a later block wins with a larger value, or with the first NaN (ties keep the
         # earlier column; a NaN already taken stays)
         take = (best_i == V) | (v > best_v) | ((v != v) & (best_v == best_v))
