@@ -213,3 +213,100 @@ def test_torch_ops_route_puts_ids_out_of_range_after_the_experts() -> None:
     want = ops._route(ids[:4], E)
     for g, w in zip(small[:4], want):
         assert torch.equal(g, w)
+
+
+# --- route_large: the three-launch counting sort of the training sizes ------------------------
+
+LARGE_NAMES = ("perm", "token", "offsets", "inv", "weights")
+
+
+def assert_large_same(ids: torch.Tensor, rw: torch.Tensor, E: int, what: str) -> None:
+    got = routing.route_large(ids, rw, E)
+    perm, token, offsets, inv = ops._route(ids, E)
+    want = (perm, token, offsets, inv, rw.reshape(-1).index_select(0, perm).to(torch.float32))
+    for name, g, w in zip(LARGE_NAMES, got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape, (
+            f"{what}: {name} is {g.dtype} {tuple(g.shape)}, expected {w.dtype} {tuple(w.shape)}")
+        assert torch.equal(g, w), f"{what}: {name}\n got {g.tolist()}\nwant {w.tolist()}"
+
+
+@pytest.mark.parametrize("T, k, E", [(40, 8, 128), (37, 2, 8), (100, 1, 1), (30, 4, 127),
+                                     (3, 2, 4), (64, 2, 16)])
+def test_large_matches_torch_ops(T: int, k: int, E: int, monkeypatch) -> None:
+    """Bit for bit the torch ops', over several blocks (blocks of 64 pairs here, so that the
+    interpreter's sort stays quick): ties, empty experts, a last block part full, one
+    expert, ``E + 1`` a power of two (the out-of-range key fills the last padded bin)."""
+    monkeypatch.setattr(routing, "LARGE_BLOCK", 64)
+    for distinct in (False, True):
+        if distinct and k > E:
+            continue
+        assert_large_same(make_ids(T, k, E, distinct), make_rw(T, k), E,
+                          f"T {T} k {k} E {E} distinct {distinct}")
+
+
+def test_large_at_its_own_block_size() -> None:
+    """The real block (1024 pairs): two blocks, the second part full."""
+    assert routing.LARGE_BLOCK == 1024
+    assert_large_same(make_ids(160, 8, 128, True), make_rw(160, 8), 128, "Qwen3-MoE-like")
+
+
+@pytest.mark.parametrize("id_dtype", ID_DTYPES + (torch.int8, torch.uint8))
+def test_large_dtypes_strides_and_ids_out_of_range(id_dtype, monkeypatch) -> None:
+    """Any integer ids and float weights, non-contiguous; ids outside ``[0, E)`` (negative,
+    ``E``, far beyond) go after the experts' rows in pair order, as the torch ops put them."""
+    monkeypatch.setattr(routing, "LARGE_BLOCK", 64)
+    T, k, E = 50, 3, 9
+    ids = make_ids(2 * T, k, E, False, id_dtype)[::2]
+    ids[::7, 0] = E
+    if id_dtype.is_signed:
+        ids[::5, 1] = -1
+        ids[3, 2] = 100
+    rw = make_rw(k, 2 * T, torch.bfloat16).t()[::2]
+    assert not ids.is_contiguous() and not rw.is_contiguous()
+    assert_large_same(ids, rw, E, f"{id_dtype}")
+
+
+def test_large_no_pairs_three_launches_and_limits(monkeypatch) -> None:
+    perm, token, offsets, inv, weights = routing.route_large(
+        make_ids(0, 2, 4, False), make_rw(0, 2), 4)
+    assert perm.numel() == token.numel() == inv.numel() == weights.numel() == 0
+    assert offsets.tolist() == [0] * 5
+    kernels = routing._kernels()
+    launched = []
+
+    class Counting:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            launched.append((self.name, grid))
+            return getattr(kernels, self.name)[grid]
+
+    names = ("moe_count_kernel", "moe_base_kernel", "moe_place_kernel")
+    monkeypatch.setattr(routing, "_kernels",
+                        lambda: SimpleNamespace(**{n: Counting(n) for n in names}))
+    monkeypatch.setattr(routing, "LARGE_BLOCK", 64)
+    assert_large_same(make_ids(100, 2, 8, True), make_rw(100, 2), 8, "counted")
+    assert launched == [("moe_count_kernel", (4,)), ("moe_base_kernel", (1,)),
+                        ("moe_place_kernel", (4,))]
+    for E in (0, 2**15):
+        with pytest.raises(ValueError, match="E must be"):
+            routing.route_large(make_ids(4, 1, 1, False), make_rw(4, 1), E)
+
+
+@pytest.mark.skipif(
+    TEST_DEVICE.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="a CUDA graph needs a CUDA GPU and the Triton compiler (LMFUSE_GPU_TESTS=1)")
+def test_large_cuda_graph_replay() -> None:
+    """No host synchronisation: captured once, replayed on new ids and weights."""
+    T, k, E = 1024, 8, 128
+    ids, rw = make_ids(T, k, E, True), make_rw(T, k)
+    graph, out = capture_graph(lambda: routing.route_large(ids, rw, E))
+    for _ in range(2):
+        ids.copy_(make_ids(T, k, E, True))
+        rw.copy_(make_rw(T, k))
+        graph.replay()
+        perm, token, offsets, inv = ops._route(ids, E)
+        want = (perm, token, offsets, inv, rw.reshape(-1)[perm].float())
+        for name, g, w in zip(LARGE_NAMES, out, want):
+            assert torch.equal(g, w), f"replay: {name}"

@@ -23,7 +23,7 @@ import torch
 
 from .._launch import cdiv, lazy_kernels, next_pow2
 
-__all__ = ["MAX_ROWS", "MAX_ELEMENTS", "route_small_ok", "route_small"]
+__all__ = ["MAX_ROWS", "MAX_ELEMENTS", "route_small_ok", "route_small", "route_large"]
 
 #: The most (token, slot) pairs ``T k`` the one-program kernel takes.
 MAX_ROWS = 1024
@@ -113,3 +113,44 @@ def route_small(expert_ids: torch.Tensor, router_weights: torch.Tensor, E: int,
         perm, token, offsets, inv, tiles, weights, rows, k, E, slots, block_m,
         ROWS=c.ROWS, EP=c.EP, SLOTS=c.SLOTS, num_warps=c.warps)
     return perm, token, offsets, inv, tiles, weights
+
+
+#: The pairs a block of the three-launch routing sorts in registers.
+LARGE_BLOCK = 1024
+#: Elements of ``[CHUNK, EP]`` count tiles ``moe_base_kernel`` scans at a time.
+_BASE_ELEMENTS = 8192
+
+
+def route_large(expert_ids: torch.Tensor, router_weights: torch.Tensor,
+                E: int) -> tuple[torch.Tensor, ...]:
+    """:func:`route_small`'s ``(perm, token, offsets, inv, weights)`` (no tile table) for any
+    number of pairs, in three launches (a counting sort over blocks of ``LARGE_BLOCK``
+    pairs: count, scan, place; see ``routing_kernels.py``) instead of about a dozen torch
+    ops. Equal to ``ops._route(expert_ids, E)`` and the router weights in sorted order,
+    bit for bit; no host synchronisation. ``E`` below ``2^15``."""
+    T, k = expert_ids.shape
+    rows = T * k
+    if not 1 <= E < 2**15:
+        raise ValueError(f"route_large: E must be in [1, 2^15), got {E}")
+    dev = expert_ids.device
+    perm = torch.empty(rows, dtype=torch.int64, device=dev)
+    inv = torch.empty(rows, dtype=torch.int64, device=dev)
+    token = torch.empty(rows, dtype=torch.int32, device=dev)
+    weights = torch.empty(rows, dtype=torch.float32, device=dev)
+    offsets = torch.zeros(E + 1, dtype=torch.int32, device=dev)
+    if rows == 0:
+        return perm, token, offsets, inv, weights
+    EP = next_pow2(E + 1)
+    blocks = cdiv(rows, LARGE_BLOCK)
+    counts = torch.empty((blocks, EP), dtype=torch.int32, device=dev)
+    delta = torch.empty_like(counts)
+    kern, ids_st, rw_st = _kernels(), expert_ids.stride(), router_weights.stride()
+    kern.moe_count_kernel[(blocks,)](expert_ids, *ids_st, counts, rows, k, E, EP=EP,
+                                     BLOCK=LARGE_BLOCK, num_warps=4)
+    chunk = min(next_pow2(blocks), max(1, _BASE_ELEMENTS // EP))
+    kern.moe_base_kernel[(1,)](counts, delta, offsets, blocks, E, EP=EP, CHUNK=chunk,
+                               num_warps=8)
+    kern.moe_place_kernel[(blocks,)](
+        expert_ids, *ids_st, router_weights, *rw_st, delta, perm, token, inv, weights, rows,
+        k, E, EP=EP, BLOCK=LARGE_BLOCK, LOG_BLOCK=LARGE_BLOCK.bit_length() - 1, num_warps=4)
+    return perm, token, offsets, inv, weights

@@ -87,3 +87,87 @@ def moe_route_kernel(
     tl.store(TILES + s * 3, zero, mask=unused)
     tl.store(TILES + s * 3 + 1, zero, mask=unused)
     tl.store(TILES + s * 3 + 2, zero, mask=unused)
+
+
+# --- training sizes: a counting sort in three launches -----------------------------------------
+# Past the one-program kernel's limits, the pairs are cut into blocks of ``BLOCK`` (a power of
+# two). ``moe_count_kernel`` counts each block's pairs by expert key (``E`` for a pair with no
+# expert), ``moe_base_kernel`` turns the counts into each (block, key)'s first sorted row, and
+# ``moe_place_kernel`` sorts each block's pairs by (key, pair) and writes every pair at its
+# block's base for its key plus its rank there: a stable sort by expert, as ``torch.sort``'s.
+
+
+@triton.jit
+def _keys(IDS, ids_s0, ids_s1, i, pair, k, E):
+    """Each pair's sort key: its expert, ``E`` for an id outside ``[0, E)`` (checked in the
+    ids' own dtype) and for the padding past the last pair."""
+    t = i // k
+    ids = tl.load(IDS + t * ids_s0 + (i - t * k) * ids_s1, mask=pair, other=0)
+    return tl.where(pair & (ids >= 0) & (ids < E), ids, E).to(tl.int32)
+
+
+@triton.jit
+def moe_count_kernel(IDS, ids_s0, ids_s1, COUNTS, rows, k, E, EP: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """``COUNTS [blocks, EP]`` int32: block ``b``'s pairs of each key (``EP``: a power of two
+    above ``E``; the padding past ``rows`` not counted)."""
+    b = tl.program_id(0)
+    i = b * BLOCK + tl.arange(0, BLOCK)
+    pair = i < rows
+    key = _keys(IDS, ids_s0, ids_s1, i, pair, k, E)
+    counts = tl.histogram(key, EP)
+    e = tl.arange(0, EP)
+    pad = tl.sum((~pair).to(tl.int32), axis=0)
+    counts = counts - tl.where(e == E, pad, 0)
+    tl.store(COUNTS + b * EP + e, counts)
+
+
+@triton.jit
+def moe_base_kernel(COUNTS, DELTA, OFFSETS, blocks, E, EP: tl.constexpr,
+                    CHUNK: tl.constexpr):
+    """One program. ``DELTA [blocks, EP]`` int32: the sorted row of block ``b``'s first pair of
+    key ``e``, less the pairs of smaller keys in that block (so the pair at position ``p`` of
+    the block's key order goes to row ``DELTA[b, e] + p``); ``OFFSETS [E + 1]``: each
+    expert's first row, then the pairs with an expert."""
+    e = tl.arange(0, EP)
+    total = tl.zeros([EP], dtype=tl.int32)
+    for b0 in range(0, blocks, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        c = tl.load(COUNTS + b[:, None] * EP + e[None, :], mask=(b < blocks)[:, None], other=0)
+        total += tl.sum(c, axis=0)
+    start = tl.cumsum(total, axis=0) - total
+    tl.store(OFFSETS + e, start, mask=e <= E)
+    run = start
+    for b0 in range(0, blocks, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        m = (b < blocks)[:, None]
+        c = tl.load(COUNTS + b[:, None] * EP + e[None, :], mask=m, other=0)
+        base = run[None, :] + tl.cumsum(c, axis=0) - c
+        local = tl.cumsum(c, axis=1) - c
+        tl.store(DELTA + b[:, None] * EP + e[None, :], base - local, mask=m)
+        run += tl.sum(c, axis=0)
+
+
+@triton.jit
+def moe_place_kernel(IDS, ids_s0, ids_s1, RW, rw_s0, rw_s1, DELTA, PERM, TOKEN, INV, WEIGHTS,
+                     rows, k, E, EP: tl.constexpr, BLOCK: tl.constexpr,
+                     LOG_BLOCK: tl.constexpr):
+    """Block ``b``'s pairs sorted by ``key * BLOCK + position`` (the padding last): the pair at
+    position ``p`` of that order goes to sorted row ``DELTA[b, key] + p``. Writes ``PERM``,
+    ``INV`` (int64), ``TOKEN`` (int32) and ``WEIGHTS`` (float32) as ``moe_route_kernel``."""
+    b = tl.program_id(0)
+    pos = tl.arange(0, BLOCK)
+    i = b * BLOCK + pos
+    pair = i < rows
+    key = _keys(IDS, ids_s0, ids_s1, i, pair, k, E)
+    order = tl.sort(tl.where(pair, key * BLOCK + pos, EP * BLOCK + pos))
+    p_key = order >> LOG_BLOCK
+    src = b * BLOCK + (order & (BLOCK - 1))
+    ok = src < rows
+    row = tl.load(DELTA + b * EP + p_key, mask=ok, other=0) + pos
+    t = src // k
+    tl.store(PERM + row, src.to(tl.int64), mask=ok)
+    tl.store(TOKEN + row, t, mask=ok)
+    tl.store(INV + src, row.to(tl.int64), mask=ok)
+    w = tl.load(RW + t * rw_s0 + (src - t * k) * rw_s1, mask=ok, other=0.0)
+    tl.store(WEIGHTS + row, w.to(tl.float32), mask=ok)
