@@ -427,6 +427,45 @@ def test_grouped_engine_no_grad_and_deterministic(grouped) -> None:
     assert grouped == {"fwd": 3, "bwd": 2}
 
 
+def test_spread_equals_index_select() -> None:
+    """``moe_spread_kernel`` (the grouped engine's row gather, walked in token order) gives
+    ``index_select(0, token)``: rows at a padded stride, ids out of range, k = 1 and 3."""
+    from lmfuse.moe import ops
+
+    for T, N, k, E in ((13, 40, 3, 4), (7, 16, 1, 2)):
+        base = randn((T, N + 8), BF16)
+        x = base[:, :N]
+        ids = torch.randint(0, E, (T, k))
+        ids[2, 0] = E  # no expert's: still a whole permutation
+        perm, token, offsets, inv = ops._route(ids, E)
+        c = dict(ops._config(x.device, T * k, N, N), spread_block_t=4, spread_block_n=16)
+        assert torch.equal(ops._spread(x, inv, k, c), x.index_select(0, token))
+
+
+def test_large_routing_in_moe_experts(monkeypatch) -> None:
+    """Past ``route_small``'s limits the Triton path routes with ``route_large`` (the
+    interpreter keeps the torch ops, cheaper there: switched on here) and gives the same
+    output and gradients bit for bit."""
+    from lmfuse.moe import ops, routing
+
+    monkeypatch.setattr(routing, "LARGE_BLOCK", 64)
+    inp = make(40, 16, 8, 70, 4)  # 160 pairs over 70 experts: past route_small_ok
+    assert not routing.route_small_ok(160, 70, ops._config(inp["hidden"].device, 160, 16,
+                                                           8)["block_m"])
+    runs = []
+    for on in (False, True):
+        monkeypatch.setattr(ops, "_LARGE_ROUTE_IN_INTERPRETER", on)
+        seen = []
+        monkeypatch.setattr(ops, "route_large",
+                            lambda *a, **kw: seen.append(1) or routing.route_large(*a, **kw))
+        out = call(lmfuse.moe_experts, inp, impl="triton")
+        runs.append((out, *torch.autograd.grad(out, [t for _, t in leaves(inp)],
+                                               torch.ones_like(out))))
+        assert seen == ([1] if on else [])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 def test_grouped_engine_gate_and_operand_layouts() -> None:
     """Off on CPU tensors (the fused kernels or the torch path run there); the layouts
     torch._grouped_mm reads in place: row- or column-major inner dims at 16-byte multiples,

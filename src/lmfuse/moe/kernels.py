@@ -526,3 +526,21 @@ def moe_segment_sum_kernel(A, SCALE, OFFSETS, OUT, N, HAS_SCALE: tl.constexpr,
         acc += tl.sum(a, axis=0)
     tl.store(OUT + e.to(tl.int64) * N + cols, _out(acc, OUT.dtype.element_ty, RTNE),
              mask=cmask)
+
+
+@triton.jit
+def moe_spread_kernel(X, x_s0, INV, Y, T, N, k, BLOCK_T: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    """``Y[inv[t k + j]] = X[t]`` for every slot ``j``: the tokens' rows in sorted order
+    (``Y [T k, N]``), what ``X.index_select(0, token)`` gives, walked in token order so each
+    row of ``X`` is read from memory once and written ``k`` times (the index_select's
+    reads in sorted order come back from memory about as often as they are written)."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tmask = t < T
+    mask = tmask[:, None] & (cols < N)[None, :]
+    t64 = t.to(tl.int64)
+    v = tl.load(X + t64[:, None] * x_s0 + cols[None, :], mask=mask)
+    for j in range(0, k):
+        r = tl.load(INV + t64 * k + j, mask=tmask, other=0).to(tl.int64)
+        tl.store(Y + r[:, None] * N + cols[None, :], v, mask=mask)

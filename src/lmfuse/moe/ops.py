@@ -19,7 +19,7 @@ atomics, no ``index_add`` on CUDA).
   Saved for backward: the inputs, the routing (a few ``[T k]`` index vectors) and ``h``;
   the activation output ``a`` is recomputed from ``h`` in the backward's first kernel.
   The routing is one launch (``routing.route_small``) up to a few hundred pairs (decode),
-  torch ops beyond.
+  three beyond (``routing.route_large``; torch ops in Triton's interpreter).
 * The grouped-GEMM engine of the Triton path (``_grouped_engine``: bf16 on a Hopper GPU, at
   least ``grouped_mm_min_rows`` pairs, dims at multiples of 8): the GEMMs run as
   ``torch._grouped_mm`` over the experts' row ranges (CUTLASS; faster than the row-tiled
@@ -27,7 +27,7 @@ atomics, no ``index_add`` on CUDA).
   element-wise kernels around them (``moe_act_kernel``: bias, activation, the float8 copy;
   ``moe_act_bwd_rows_kernel``: the activation's backward and the router weights' gradient;
   ``moe_combine_kernel``: down bias, router weight, slot sum; ``moe_segment_sum_kernel``:
-  bias gradients). Same saved tensors; ``h`` is the GEMM's output rounded to bf16 with the
+  bias gradients; ``moe_spread_kernel``: the tokens' rows, and dout's, in sorted order). Same saved tensors; ``h`` is the GEMM's output rounded to bf16 with the
   bias then added, so with ``fp8_input_store`` it is rounded twice (as on the torch path).
 
 ``fp8_input_store=True`` keeps ``h`` as float8_e4m3fn (half of bf16's bytes) instead of in
@@ -64,7 +64,7 @@ from .._launch import (FLOAT_DTYPES, cdiv, dtype_name, fp8_capable, kernel_op, l
 from .._nvtx import nvtx_range
 from ..activations.ops import ACT_IDS
 from . import reference as ref
-from .routing import route_small, route_small_ok
+from .routing import route_large, route_small, route_small_ok
 
 OP = "moe_experts"
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -99,7 +99,8 @@ def _config(device: torch.device, rows: int, H: int, F: int) -> dict[str, int]:
         wgrad_stages=t["wgrad_stages"], combine_block=min(t["combine_block"], next_pow2(H)),
         combine_warps=t["combine_warps"], grouped_mm_min_rows=t["grouped_mm_min_rows"],
         act_block_r=t["act_block_r"], act_block_f=min(t["act_block_f"], next_pow2(F, 16)),
-        act_warps=t["act_warps"])
+        act_warps=t["act_warps"], act_bwd_block_r=t["act_bwd_block_r"], spread_block_t=t["spread_block_t"],
+        spread_block_n=t["spread_block_n"], spread_warps=t["spread_warps"])
 
 
 def _dot_flags(hidden: torch.Tensor) -> dict[str, bool]:
@@ -157,6 +158,10 @@ def _tiles(offsets: torch.Tensor, rows: int, block_m: int) -> torch.Tensor:
     zero = torch.zeros_like(start)
     return torch.stack([torch.where(used, e, zero), torch.where(used, start, zero),
                         torch.where(used, end, zero)], 1).to(torch.int32).contiguous()
+
+
+#: Tests switch ``route_large`` on in the interpreter.
+_LARGE_ROUTE_IN_INTERPRETER = False
 
 
 # --- resolved calls --------------------------------------------------------------------------
@@ -328,6 +333,21 @@ def _row_expert(offsets: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.searchsorted(offsets[1:], r, right=True).clamp_(max=E - 1)
 
 
+def _spread(x: torch.Tensor, inv: torch.Tensor, k: int, c: dict) -> torch.Tensor:
+    """``x.index_select(0, token)``: the tokens' rows ``x [T, N]`` (rows at any stride) in
+    sorted order, ``[T k, N]``, by ``moe_spread_kernel``, which reads each token's row once
+    and writes it to its ``k`` sorted rows ``inv[t k + j]`` (H100, Qwen3-MoE's 65536 x 2048
+    bf16 rows: 0.113 ms against index_select's 0.164)."""
+    T, N = x.shape
+    y = x.new_empty((T * k, N))
+    if T and N:
+        bt, bn = c["spread_block_t"], min(c["spread_block_n"], next_pow2(N))
+        _kernels().moe_spread_kernel[(cdiv(T, bt), cdiv(N, bn))](
+            x, x.stride(0), inv, y, T, N, k, BLOCK_T=bt, BLOCK_N=bn,
+            num_warps=c["spread_warps"])
+    return y
+
+
 def _gmm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm`` over the experts' row ranges: ``a [R, K] @ b[e] [K, N]`` per
     expert (``b`` 3-D), or ``a [M, R] @ b [R, N]`` summed per expert (``b`` 2-D: ``[E, M,
@@ -342,7 +362,7 @@ def _forward_grouped(hidden, expert_ids, w_gate_up, w_down, gate_up_bias, down_b
     T, k = expert_ids.shape
     rows, K2, Fdim = perm.numel(), w_gate_up.shape[1], w_down.shape[2]
     kern, rt = _kernels(), _dot_flags(hidden)["RTNE"]
-    x = hidden.index_select(0, token)
+    x = _spread(hidden, inv, k, c)
     h = _gmm(x, w_gate_up.transpose(1, 2), offsets)
     del x
     fp8 = save and s.fp8_input_store
@@ -378,13 +398,13 @@ def _backward_grouped(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, 
     kern, rt = _kernels(), _dot_flags(hidden)["RTNE"]
     if h.dtype == _FP8 and not _kernel_loads_fp8(h.device):
         h = h.to(hidden.dtype)  # exact: hidden's dtype holds every e4m3 value
-    d_rows = dout.index_select(0, token)
+    d_rows = _spread(dout, inv, k, c)
     g = _gmm(d_rows, w_down, offsets)
     dh = hidden.new_empty((rows, K2))
     a_s = hidden.new_empty((rows, Fdim))
     d_rw = torch.empty(rows, dtype=torch.float32, device=hidden.device) if need_rw else None
     row_expert = _row_expert(offsets, rows) if down_bias is not None and need_rw else None
-    br, bf = c["act_block_r"], c["act_block_f"]
+    br, bf = c["act_bwd_block_r"], c["act_block_f"]
     kern.moe_act_bwd_rows_kernel[(cdiv(rows, br),)](
         g, h, weights, perm, d_rows, down_bias, row_expert, dh, a_s, d_rw, rows, H, Fdim,
         s.linear_offset, s.clamp_value or 0.0, ACT=ACT_IDS[s.act], GATED=s.gated,
@@ -403,7 +423,9 @@ def _backward_grouped(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, 
     d_wd = _gmm(d_rows.t(), a_s, offsets) if need_wd else None
     d_bd = segment_sum(d_rows, weights) if need_bd else None
     del a_s, d_rows
-    d_wgu = _gmm(dh.t(), hidden.index_select(0, token), offsets) if need_wgu else None
+    # The tokens' rows again (not kept from the forward: [T k, H] more memory, for about
+    # 2% of Qwen3-MoE's step; see BENCHMARKS).
+    d_wgu = _gmm(dh.t(), _spread(hidden, inv, k, c), offsets) if need_wgu else None
     d_bgu = segment_sum(dh, None) if need_bgu else None
     d_x = _combine(_gmm(dh, w_gate_up, offsets), inv, T, k, c) if need_x else None
     return d_x, d_rw, d_wgu, d_wd, d_bgu, d_bd
@@ -423,7 +445,9 @@ def _forward(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias
     if route_small_ok(rows, E, c["block_m"]):  # decode sizes: one launch
         perm, token, offsets, inv, tiles, weights = route_small(expert_ids, router_weights, E,
                                                                 c["block_m"])
-    else:
+    elif not interpreter_active() or _LARGE_ROUTE_IN_INTERPRETER:  # three launches
+        perm, token, offsets, inv, weights = route_large(expert_ids, router_weights, E)
+    else:  # the interpreter: torch ops, which cost it far less than the kernels' sort
         perm, token, offsets, inv = _route(expert_ids, E)
         weights = router_weights.reshape(-1).index_select(0, perm).to(torch.float32)
     if rows and _grouped_engine(hidden, w_gate_up, w_down, rows, c):
