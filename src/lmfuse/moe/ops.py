@@ -27,8 +27,9 @@ atomics, no ``index_add`` on CUDA).
   element-wise kernels around them (``moe_act_kernel``: bias, activation, the float8 copy;
   ``moe_act_bwd_rows_kernel``: the activation's backward and the router weights' gradient;
   ``moe_combine_kernel``: down bias, router weight, slot sum; ``moe_segment_sum_kernel``:
-  bias gradients; ``moe_spread_kernel``: the tokens' rows, and dout's, in sorted order). Same saved tensors; ``h`` is the GEMM's output rounded to bf16 with the
-  bias then added, so with ``fp8_input_store`` it is rounded twice (as on the torch path).
+  bias gradients; ``moe_spread_kernel``: the tokens' rows, and dout's, in sorted order).
+  Same saved tensors; ``h`` is the GEMM's output rounded to bf16 with the bias then added,
+  so with ``fp8_input_store`` it is rounded twice (as on the torch path).
 
 ``fp8_input_store=True`` keeps ``h`` as float8_e4m3fn (half of bf16's bytes) instead of in
 hidden's dtype, as the activations' option of that name keeps their input: saturated at
@@ -99,8 +100,9 @@ def _config(device: torch.device, rows: int, H: int, F: int) -> dict[str, int]:
         wgrad_stages=t["wgrad_stages"], combine_block=min(t["combine_block"], next_pow2(H)),
         combine_warps=t["combine_warps"], grouped_mm_min_rows=t["grouped_mm_min_rows"],
         act_block_r=t["act_block_r"], act_block_f=min(t["act_block_f"], next_pow2(F, 16)),
-        act_warps=t["act_warps"], act_bwd_block_r=t["act_bwd_block_r"], spread_block_t=t["spread_block_t"],
-        spread_block_n=t["spread_block_n"], spread_warps=t["spread_warps"])
+        act_warps=t["act_warps"], act_bwd_block_r=t["act_bwd_block_r"],
+        spread_block_t=t["spread_block_t"], spread_block_n=t["spread_block_n"],
+        spread_warps=t["spread_warps"])
 
 
 def _dot_flags(hidden: torch.Tensor) -> dict[str, bool]:
