@@ -466,6 +466,23 @@ def test_large_routing_in_moe_experts(monkeypatch) -> None:
         assert torch.equal(a, b)
 
 
+def test_experts_beyond_the_large_routing_take_the_torch_ops(monkeypatch) -> None:
+    """``route_large`` sorts keys below 2^15: with more experts the torch ops route."""
+    from lmfuse.moe import ops
+
+    monkeypatch.setattr(ops, "_LARGE_ROUTE_IN_INTERPRETER", True)
+    monkeypatch.setattr(ops, "route_large", None)  # must not be reached
+    E = 2**15
+    inp = make(3, 16, 8, 2, 1, "squared_relu", bias=False,
+               ids=torch.tensor([[E - 1], [5], [E - 1]]))
+    for name, shape in (("w_gate_up", (E, 8, 16)), ("w_down", (E, 16, 8))):
+        inp[name] = randn(shape, F32, scale=0.25)
+    with torch.no_grad():
+        got = call(lmfuse.moe_experts, inp, impl="triton", activation="squared_relu")
+        want = call(moe_experts_reference, inp, activation="squared_relu")
+    assert_close(got, want, F32, "2^15 experts")
+
+
 def test_grouped_engine_gate_and_operand_layouts() -> None:
     """Off on CPU tensors (the fused kernels or the torch path run there); the layouts
     torch._grouped_mm reads in place: row- or column-major inner dims at 16-byte multiples,

@@ -447,7 +447,7 @@ def _forward(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias
     if route_small_ok(rows, E, c["block_m"]):  # decode sizes: one launch
         perm, token, offsets, inv, tiles, weights = route_small(expert_ids, router_weights, E,
                                                                 c["block_m"])
-    elif not interpreter_active() or _LARGE_ROUTE_IN_INTERPRETER:  # three launches
+    elif E < 2**15 and (not interpreter_active() or _LARGE_ROUTE_IN_INTERPRETER):  # 3 launches
         perm, token, offsets, inv, weights = route_large(expert_ids, router_weights, E)
     else:  # the interpreter: torch ops, which cost it far less than the kernels' sort
         perm, token, offsets, inv = _route(expert_ids, E)
