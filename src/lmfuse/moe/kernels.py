@@ -1,8 +1,9 @@
 """Triton kernels of the mixture-of-experts MLP: grouped GEMMs over the experts' token rows.
 
-The ``T * k`` (token, slot) pairs are sorted by expert once (``ops.py``, torch ops): row
-``r`` of the sorted order belongs to token ``token[r]``, and expert ``e`` owns the rows
-``offsets[e] .. offsets[e + 1]``. Two kinds of grouped GEMM walk them:
+The ``T * k`` (token, slot) pairs are sorted by expert once (``routing.py``'s kernels; torch
+ops in the interpreter): row ``r`` of the sorted order belongs to token ``token[r]``, and
+expert ``e`` owns the rows ``offsets[e] .. offsets[e + 1]``. Two kinds of grouped GEMM walk
+them:
 
 * **Row-tiled** (``moe_up_kernel``, ``moe_down_kernel``, ``moe_act_bwd_kernel``): the grid is
   ``(row tiles, N tiles)``. Row tile ``i`` is a slot of the tile table ``tiles [slots, 3]``
