@@ -288,6 +288,30 @@ def test_softmax_cpu_backward_is_the_formulas_bit_for_bit(no_interpreter, case):
     assert torch.equal(y1, y2) and _equal(g1[0], g2[0])
 
 
+@pytest.mark.parametrize("poison", ["nan", "inf", "ninf"])
+def test_softmax_band_bias_at_poisoned_hidden_keys(no_interpreter, poison):
+    """The band masks (causal, windows) are added as a -inf / 0 bias, not masked_fill'd: a
+    NaN or +inf score at a hidden key then makes its row NaN, which goes to the reference,
+    so the output and gradient are still the plain formula's, the hidden key ignored (to
+    the reference's rounding; a -inf there stays on the fast path, bit for bit)."""
+    shape = (2, 2, 5, 6)
+    s = _poisoned(shape, 11, **{poison: (1, 0, 2, 4)})  # row 2 sees keys 0..3
+    dy = torch.randn(shape, generator=torch.Generator().manual_seed(12))
+    hidden = torch.ones(5, 6, dtype=torch.bool).triu(2)
+
+    def plain(x):
+        return torch.softmax((x * 0.5).masked_fill(hidden, float("-inf")), -1)
+
+    (y1, g1, node), (y2, g2, _) = _both(
+        lambda x: lmfuse.fused_softmax(x, scale=0.5, causal=True), plain, s, dy=dy)
+    assert not y1.isnan().any() and not g1[0].isnan().any()
+    if poison == "ninf":
+        assert "SoftmaxCPU" in type(node).__name__
+        assert torch.equal(y1, y2) and _equal(g1[0], g2[0])
+    else:
+        _close((y1, g1), (y2, g2))
+
+
 @pytest.mark.parametrize("op", ["swiglu", "geglu"])
 def test_gated_cpu_backward_is_the_formulas_bit_for_bit(no_interpreter, op):
     x = _poisoned((4, 3, 10), 10, nan=(0, 0, 1), inf=(1, 2, 7), ninf=(2, 1, 3))

@@ -402,6 +402,15 @@ def _hidden_band(sq: int, sk: int, left: int, right: int) -> torch.Tensor:
     return ~visible_keys(sq, sk, left, right, torch.device("cpu"))
 
 
+@functools.lru_cache(maxsize=64)
+def _band_bias(sq: int, sk: int, left: int, right: int) -> torch.Tensor:
+    """The band's hidden keys as a float32 bias: -inf hidden, 0 visible. Adding it is a
+    fraction of ``masked_fill``'s time with a broadcast bool mask (2 CPU threads, [8, 4, 64,
+    64]: 10 against 73 us) and gives the same scores, except where a hidden key is +inf or
+    NaN: its row turns NaN, which ``_native_cpu`` hands to the reference."""
+    return torch.zeros(sq, sk).masked_fill_(_hidden_band(sq, sk, left, right), float("-inf"))
+
+
 def _cpu_fast_softmax(scores: torch.Tensor, scale: Any, causal: bool
                       ) -> Optional[torch.Tensor]:
     """The common CPU call (float32 ``[b, np, sq, sk]`` scores, a finite float scale or none,
@@ -433,30 +442,36 @@ def _native_cpu(scores: torch.Tensor, a: SoftmaxCall) -> Optional[torch.Tensor]:
     check reads 1 / sk of the output, not all of it.
     ``impl="torch"`` always runs the reference, the tests' oracle."""
     sq, sk = scores.shape[-2:]
-    hidden = add = None
+    hidden = add = band = None
     if a.left < UNBOUNDED or a.right < UNBOUNDED:
         hidden = _hidden_band(sq, sk, a.left, a.right)
+        band = _band_bias(sq, sk, a.left, a.right)
     if a.mask is not None and a.mask.dtype == torch.bool:
         hidden = a.mask if hidden is None else hidden | a.mask
+        band = None  # the combined mask, by masked_fill
     elif a.mask is not None:
         add = a.mask
     if (scores.requires_grad and torch.is_grad_enabled()
             and not (add is not None and add.requires_grad)):
-        y = _SoftmaxCPU.apply(scores, a.scale, hidden, add)
+        y = _SoftmaxCPU.apply(scores, a.scale, hidden, add, band)
     else:
-        y = torch.softmax(_masked_scores(scores, a.scale, hidden, add), dim=-1)
+        y = torch.softmax(_masked_scores(scores, a.scale, hidden, add, band), dim=-1)
     if sk and math.isnan(y.detach()[..., 0].sum().item()):
         return None
     return y
 
 
 def _masked_scores(scores: torch.Tensor, scale: float, hidden: Optional[torch.Tensor],
-                   add: Optional[torch.Tensor]) -> torch.Tensor:
-    """``scores * scale + add`` with the ``hidden`` keys at -inf (``_native_cpu``)."""
+                   add: Optional[torch.Tensor], band: Optional[torch.Tensor] = None
+                   ) -> torch.Tensor:
+    """``scores * scale + add`` with the ``hidden`` keys at -inf (``_native_cpu``); where the
+    hidden keys are a band alone, by adding its bias ``band`` (``_band_bias``)."""
     z = scores * scale if scale != 1.0 else scores
     if add is not None:
         z = z + add
-    if hidden is not None:
+    if band is not None:
+        z = z.add_(band) if z is not scores else z + band
+    elif hidden is not None:
         # In place where z is this call's own tensor (the product's backward needs neither
         # it nor its values): one [.., sq, sk] copy fewer than the plain formula's.
         z = z.masked_fill_(hidden, float("-inf")) if z is not scores else \
@@ -471,10 +486,10 @@ class _SoftmaxCPU(torch.autograd.Function):
     tensor for each of the three steps). The plain formula's gradient, bit for bit."""
 
     @staticmethod
-    def forward(ctx, scores, scale, hidden, add):
-        y = torch.softmax(_masked_scores(scores, scale, hidden, add), dim=-1)
+    def forward(ctx, scores, scale, hidden, add, band):
+        y = torch.softmax(_masked_scores(scores, scale, hidden, add, band), dim=-1)
         ctx.save_for_backward(y, hidden)
-        ctx.scale = scale
+        ctx.scale, ctx.band = scale, band is not None
         return y
 
     @staticmethod
@@ -482,11 +497,14 @@ class _SoftmaxCPU(torch.autograd.Function):
     def backward(ctx, dy):
         y, hidden = ctx.saved_tensors
         dz = torch._softmax_backward_data(dy, y, -1, y.dtype)
-        if hidden is not None:
+        # At a hidden key y is 0, so dz = y (dy - sum(y dy)) is 0 there (of either sign)
+        # unless it is NaN (a NaN or inf in dy, an overflow): with a band mask the zeroing
+        # is needed only then, and one sum over dz tells (a NaN anywhere makes it NaN).
+        if hidden is not None and (not ctx.band or math.isnan(dz.sum().item())):
             dz.masked_fill_(hidden, 0.0)
         if ctx.scale != 1.0:
             dz.mul_(ctx.scale)
-        return dz, None, None, None
+        return dz, None, None, None, None
 
 
 # --- self-check cases for ``lmfuse check`` -----------------------------------------------
