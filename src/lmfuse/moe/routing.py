@@ -8,11 +8,12 @@ as the expert GEMMs' copy of the selected experts' weights. ``moe_route_kernel``
 (``routing_kernels.py``) does all of it in one program whose largest live tensors are the
 pairs' one-hot rows over the experts, ``[ROWS, EP]`` (``ROWS``, ``EP``: powers of two
 covering the pairs and the experts). :func:`route_small_ok` bounds them at ``MAX_ELEMENTS``
-elements and the pairs at ``MAX_ROWS``; larger problems take the torch ops, whose launches
-then matter less.
+elements and the pairs at ``MAX_ROWS``; larger problems take :func:`route_large`, a
+counting sort in three launches (count, scan, place), where the dozen torch ops' own GPU
+time would show (H100, 65,536 pairs over 128 experts: 24 against about 60 us).
 
 No host synchronisation: the outputs' shapes follow from ``T``, ``k``, ``E`` and ``block_m``
-alone, so a CUDA graph captures the launch.
+alone, so a CUDA graph captures the launches.
 """
 
 from __future__ import annotations
@@ -137,9 +138,9 @@ def route_large(expert_ids: torch.Tensor, router_weights: torch.Tensor,
     inv = torch.empty(rows, dtype=torch.int64, device=dev)
     token = torch.empty(rows, dtype=torch.int32, device=dev)
     weights = torch.empty(rows, dtype=torch.float32, device=dev)
-    offsets = torch.zeros(E + 1, dtype=torch.int32, device=dev)
     if rows == 0:
-        return perm, token, offsets, inv, weights
+        return perm, token, torch.zeros(E + 1, dtype=torch.int32, device=dev), inv, weights
+    offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)  # moe_base_kernel fills it
     EP = next_pow2(E + 1)
     blocks = cdiv(rows, LARGE_BLOCK)
     counts = torch.empty((blocks, EP), dtype=torch.int32, device=dev)
