@@ -901,16 +901,17 @@ def _native_cross_entropy(logits: torch.Tensor, target: torch.Tensor, o: CrossEn
 def _native_loss(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
                  label_smoothing: float, reduction: str,
                  weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-    kw = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, weight=weight)
-    target = target.long()  # lmfuse takes int32 ids too; PyTorch's op only int64
+    if target.dtype is not torch.int64:
+        target = target.long()  # lmfuse takes int32 ids too; PyTorch's op only int64
     if reduction == "none":
-        return F.cross_entropy(logits, target, reduction="none", **kw)
-    own = (weight is None and label_smoothing == 0.0 and logits.dim() == 2
-           and logits.numel() >= _CPU_OWN_BACKWARD and logits.requires_grad
-           and torch.is_grad_enabled())
+        return F.cross_entropy(logits, target, weight, None, ignore_index, None, "none",
+                               label_smoothing)
+    own = (logits.numel() >= _CPU_OWN_BACKWARD and weight is None and label_smoothing == 0.0
+           and logits.dim() == 2 and logits.requires_grad and torch.is_grad_enabled())
     if reduction == "mean":
         loss = (_CrossEntropyCPU.apply(logits, target, ignore_index, "mean") if own
-                else F.cross_entropy(logits, target, reduction="mean", **kw))
+                else F.cross_entropy(logits, target, weight, None, ignore_index, None, "mean",
+                                     label_smoothing))
         # A mean over no token is 0, where PyTorch's is 0 / 0: looked for only when the
         # mean came out NaN (the scalar read as a Python float, a sixth of a tensor test's
         # host time; no pass over the targets).
@@ -919,7 +920,8 @@ def _native_loss(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
     # "sum", or a mean over no token
     if own:
         return _CrossEntropyCPU.apply(logits, target, ignore_index, "sum")
-    return F.cross_entropy(logits, target, reduction="sum", **kw)
+    return F.cross_entropy(logits, target, weight, None, ignore_index, None, "sum",
+                           label_smoothing)
 
 
 # Logits of this many elements and more take the CPU loss's own backward: the softmax minus
