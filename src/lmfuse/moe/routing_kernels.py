@@ -1,7 +1,8 @@
-"""Triton kernel of the MoE routing for small problems: the stable sort of the ``T * k``
-(token, slot) pairs by expert, its inverse, the experts' row offsets, the row-tile table and
-the router weights in sorted order, in one program (see ``routing.py`` for the launch, the
-size limits and the torch ops it equals).
+"""Triton kernels of the MoE routing: the stable sort of the ``T * k`` (token, slot) pairs by
+expert, its inverse, the experts' row offsets, the row-tile table and the router weights in
+sorted order, in one program for small problems (``moe_route_kernel``), in three launches
+for larger ones (the counting sort at the end of this file; see ``routing.py`` for the
+launches, the size limits and the torch ops they equal).
 
 ``moe_route_kernel`` holds every pair in registers. Pair ``i``'s one-hot row over the
 (padded) experts, ``hot [ROWS, EP]``, summed down the pairs (``tl.cumsum`` along axis 0)
