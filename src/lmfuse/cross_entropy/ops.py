@@ -903,6 +903,8 @@ def _native_loss(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
                  weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     if target.dtype is not torch.int64:
         target = target.long()  # lmfuse takes int32 ids too; PyTorch's op only int64
+    # F.cross_entropy's arguments by position (input, target, weight, size_average,
+    # ignore_index, reduce, reduction, label_smoothing): no keyword dict built a call.
     if reduction == "none":
         return F.cross_entropy(logits, target, weight, None, ignore_index, None, "none",
                                label_smoothing)

@@ -389,7 +389,7 @@ def _forward_grouped(hidden, expert_ids, w_gate_up, w_down, gate_up_bias, down_b
 
 
 def _backward_grouped(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm,
-                      token, offsets, inv, weights, s, needs, c):
+                      offsets, inv, weights, s, needs, c):
     """``_backward`` on the grouped-GEMM engine (same outputs)."""
     need_x, need_rw, need_wgu, need_wd, need_bgu, need_bd = needs
     T, H = hidden.shape
@@ -502,7 +502,7 @@ def _backward(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm,
     kern, c = _kernels(), _config(hidden.device, rows, H, Fdim)
     if rows and _grouped_engine(hidden, w_gate_up, w_down, rows, c):
         return _backward_grouped(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h,
-                                 perm, token, offsets, inv, weights, s, needs, c)
+                                 perm, offsets, inv, weights, s, needs, c)
     dots = _dot_flags(hidden)
     bm, bn, bk = c["block_m"], c["block_n"], c["block_k"]
     launch = dict(num_warps=c["warps"], num_stages=c["stages"])

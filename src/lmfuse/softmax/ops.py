@@ -405,7 +405,7 @@ def _hidden_band(sq: int, sk: int, left: int, right: int) -> torch.Tensor:
 @functools.lru_cache(maxsize=64)
 def _band_bias(sq: int, sk: int, left: int, right: int) -> torch.Tensor:
     """The band's hidden keys as a float32 bias: -inf hidden, 0 visible. Adding it is a
-    fraction of ``masked_fill``'s time with a broadcast bool mask (2 CPU threads, [8, 4, 64,
+    fraction of ``masked_fill``'s time with a broadcast bool mask (one CPU thread, [8, 4, 64,
     64]: 10 against 73 us) and gives the same scores, except where a hidden key is +inf or
     NaN: its row turns NaN, which ``_native_cpu`` hands to the reference."""
     return torch.zeros(sq, sk).masked_fill_(_hidden_band(sq, sk, left, right), float("-inf"))
@@ -429,7 +429,7 @@ def _cpu_fast_softmax(scores: torch.Tensor, scale: Any, causal: bool
 def _native_cpu(scores: torch.Tensor, a: SoftmaxCall) -> Optional[torch.Tensor]:
     """The default path on CPU float32 scores: ``torch.softmax`` of the masked, scaled
     scores (PyTorch's own ops: the plain formula's speed; its gradient by ``_SoftmaxCPU``,
-    bit for bit the formula's, with fewer passes). That
+    the formula's values with fewer passes). That
     is the spec itself, NaN rows included (a NaN or +inf logit: NaN everywhere forward,
     masked_fill's zero gradient at hidden keys), except a row whose keys are all hidden or
     -inf: NaN here, zeros in the spec. Both kinds come out as rows of NaN, and zeroing the
@@ -483,7 +483,9 @@ class _SoftmaxCPU(torch.autograd.Function):
     """``_native_cpu``'s autograd where the scores need a gradient: the forward as without
     one, the backward PyTorch's softmax backward with the hidden keys' gradient zeroed and
     the scale applied in place on its output (autograd through the formula makes a new
-    tensor for each of the three steps). The plain formula's gradient, bit for bit."""
+    tensor for each of the three steps). The plain formula's gradient, bit for bit, but for
+    the sign of a hidden key's zero under a band mask (``-0.0`` where ``y (dy - sum)`` is a
+    negative zero; ``masked_fill`` writes ``+0.0``)."""
 
     @staticmethod
     def forward(ctx, scores, scale, hidden, add, band):
