@@ -19,6 +19,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from helpers import TINY_LM_FAMILIES, tiny_causal_lm
 from lmfuse.serving import Generator
@@ -219,6 +220,54 @@ def test_split_k_gemv_on_the_gpu_and_in_a_graph(rows: int, split: int) -> None:
         graph.replay()
         eager = _gemv(x2, (w,), residual=r2.clone(), split_k=split)
         assert torch.equal(rs, eager), step
+
+
+@pytest.mark.parametrize("rows, split", [(16, 4), (64, 2), (5, 1), (40, 1)])
+def test_prenorm_gemv_on_the_gpu_and_in_a_graph(rows: int, split: int) -> None:
+    """The residual GEMV leaving the next RMSNorm's work (``prenorm``), as the decode step
+    launches Wo and Wd, bf16: h against float32 math, ``h * g`` and each row's rsqrt
+    factor (from its tiles' sums of squares) as ``prenorm_reference`` gives them from the
+    stored h; the gated GEMV that takes them (``row_scale``) against float32 ``rms_norm(h)``
+    then the gated projections; captured in a CUDA graph and replayed on new inputs,
+    bitwise the eager result."""
+    from lmfuse.norm.reference import rms_norm_reference
+    from lmfuse.serving.fused import _gemv, prenorm_reference
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    w = (torch.randn(2048, 8192, device="cuda", generator=g) / 90).bfloat16()
+    x = torch.randn(rows, 8192, device="cuda", generator=g).bfloat16()
+    r = torch.randn(rows, 2048, device="cuda", generator=g).bfloat16()
+    gain = (1 + torch.randn(2048, device="cuda", generator=g) / 4).bfloat16()
+    wg, wu = ((torch.randn(4096, 2048, device="cuda", generator=g) / 45).bfloat16()
+              for _ in range(2))
+    eps = 1e-5
+
+    def step(x, r):
+        h, xw, rn = _gemv(x, (w,), residual=r, prenorm=(gain, eps), split_k=split)
+        return h, xw, rn.ss, _gemv(xw, (wg, wu), gated=True, row_scale=rn)
+
+    h, xw, ss, a = step(x, r.clone())
+    want = x.float() @ w.float().t() + r.float()
+    assert ((h.float() - want).abs().max() / want.abs().max()).item() < 1e-2
+    want_xw, want_rs = prenorm_reference(h, gain, eps)
+    assert torch.equal(xw, want_xw)
+    torch.testing.assert_close(torch.rsqrt(ss.sum(-1) / 2048 + eps), want_rs, rtol=1e-5, atol=0)
+    normed = rms_norm_reference(h.float(), gain.float(), eps=eps)
+    want_a = F.silu(normed @ wg.float().t()) * (normed @ wu.float().t())
+    assert ((a.float() - want_a).abs().max() / want_a.abs().max()).item() < 2e-2
+    xs, rs_in = x.clone(), r.clone()
+    step(xs, rs_in.clone())  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(xs, rs_in)
+    for k in range(3):
+        x2 = torch.randn(rows, 8192, device="cuda", generator=g).bfloat16()
+        r2 = torch.randn(rows, 2048, device="cuda", generator=g).bfloat16()
+        xs.copy_(x2)
+        rs_in.copy_(r2)
+        graph.replay()
+        eager = step(x2, r2.clone())
+        assert all(torch.equal(a, b) for a, b in zip(out, eager)), k
 
 
 @pytest.mark.parametrize("rows", [4, 64])

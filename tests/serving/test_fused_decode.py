@@ -10,7 +10,7 @@ from helpers import hf_greedy, tiny_causal_lm
 
 from lmfuse.serving import Generator
 from lmfuse.serving.fused import (_gemv, _launch_rope_append, gemv_reference,
-                                  rope_append_reference)
+                                  prenorm_reference, rope_append_reference)
 from lmfuse.serving.sampling import argmax_rows, greedy
 
 HQ, HKV, D, BL, NB = 4, 2, 16, 4, 12
@@ -186,6 +186,91 @@ def test_split_k_gemv_matches_reference(kind: str, rows: int, split: int) -> Non
     assert all(int(count.abs().sum()) == 0 for _, count in fused._SPLIT_BUFFERS.values())
     with pytest.raises(ValueError, match="does not split K"):
         _gemv(x, (ws[0], ws[0]), gated=True, split_k=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows,split", [(3, 1), (3, 4), (17, 1), (17, 2), (40, 3)])
+def test_residual_gemv_leaves_the_next_norm_to_the_gemv_after_it(
+        rows: int, split: int, dtype: torch.dtype) -> None:
+    """``prenorm=(g, eps)``: the residual GEMV (K split or not) also returns ``h * g`` and
+    its tiles' sums of squares of the h it stored, whose factors ``rsqrt(mean(h^2) +
+    eps)`` are the reference's (bitwise the same on a second launch); the GEMVs that take
+    them (``row_scale``: plain with biases, gated) give the GEMV of ``rms_norm(h)``, rows
+    of very different scales each with their own factor."""
+    from lmfuse.norm.reference import rms_norm_reference
+
+    g = torch.Generator().manual_seed(rows * 10 + split)
+
+    def t(*shape):
+        return (torch.randn(*shape, generator=g) / 4).to(dtype)
+
+    H, K, eps = 128, 96, 1e-5
+    x, w = t(rows, K), t(H, K)
+    h0 = t(rows, H) * torch.logspace(-2, 2, rows).to(dtype)[:, None]
+    gain = 1 + t(H)
+    first = None
+    for _ in range(2):
+        h = h0.clone()
+        got_h, xw, rn = _gemv(x, (w,), residual=h, prenorm=(gain, eps), split_k=split)
+        rs = rn.scale()
+        assert got_h.data_ptr() == h.data_ptr()
+        torch.testing.assert_close(got_h, gemv_reference(x, (w,), residual=h0),
+                                   rtol=1e-5 if dtype == torch.float32 else 2e-3, atol=1e-5)
+        want_xw, want_rs = prenorm_reference(got_h, gain, eps)
+        assert torch.equal(xw, want_xw) and rs.dtype == torch.float32
+        torch.testing.assert_close(rs, want_rs, rtol=1e-6, atol=0)
+        assert first is None or (torch.equal(rn.ss, first[0]) and torch.equal(got_h, first[1]))
+        first = (rn.ss, got_h)
+    normed = rms_norm_reference(got_h.float(), gain.float(), eps=eps)
+    for ws, biases, gated in (((t(64, H), t(32, H)), (t(64), t(32)), False),
+                              ((t(64, H), t(64, H)), None, True)):
+        got = _gemv(xw, ws, biases, gated=gated, row_scale=rn)
+        want = gemv_reference(xw, ws, biases, gated=gated, row_scale=rs)
+        tol = 1e-5 if dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+        if dtype == torch.float32:  # the GEMV of the norm's output (float16 rounds x * g)
+            torch.testing.assert_close(got, gemv_reference(normed, ws, biases, gated=gated),
+                                       rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="prenorm takes a residual"):
+        _gemv(x, (w,), prenorm=(gain, eps))
+
+
+def test_several_row_steps_launch_one_rms_norm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several sequences (the LM head on the GEMV): a step launches one RMSNorm, the first
+    layer's input norm; the other norms' work rides in the residual GEMVs before them
+    (``prenorm``) and the GEMVs after them (``row_scale``). The tokens stay
+    model.generate's."""
+    import lmfuse.serving.fused as fused
+
+    monkeypatch.setattr(fused, "LM_HEAD_MIN_FEATURES", 128)
+    model = tiny_causal_lm("llama", vocab_size=256)
+    norms, steps, scaled = [], [], []
+    real_norm, real_forward, real_gemv = (fused._launch_rms_norm, fused.FusedDecoder.forward,
+                                          fused._gemv)
+
+    def norm_spy(h, *args, **kwargs):
+        norms.append(h.shape[0])
+        return real_norm(h, *args, **kwargs)
+
+    def forward_spy(self, ids, *args, **kwargs):
+        steps.append(ids.shape[0])
+        return real_forward(self, ids, *args, **kwargs)
+
+    def gemv_spy(x, weights, *args, **kwargs):
+        if kwargs.get("row_scale") is not None:
+            scaled.append(len(weights))
+        return real_gemv(x, weights, *args, **kwargs)
+
+    monkeypatch.setattr(fused, "_launch_rms_norm", norm_spy)
+    monkeypatch.setattr(fused.FusedDecoder, "forward", forward_spy)
+    monkeypatch.setattr(fused, "_gemv", gemv_spy)
+    gen = Generator(model, block_len=4, num_blocks=48, impl="triton")
+    got = gen.generate(PROMPTS, max_new_tokens=4, eos_token_id=[])
+    assert got == [hf_greedy(model, p, 4) for p in PROMPTS]
+    layers = model.config.num_hidden_layers
+    assert steps and set(steps) == {len(PROMPTS)} and norms == steps
+    # per step: QKV of layers 1.. (3 matrices), every gate/up (2), the LM head (1)
+    assert sorted(scaled) == sorted(([3] * (layers - 1) + [2] * layers + [1]) * len(steps))
 
 
 @pytest.mark.parametrize("rows", [3, 17])

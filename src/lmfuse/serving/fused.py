@@ -4,7 +4,9 @@ A decode step runs each layer as a handful of launches over the model's own weig
 in place, never copied):
 
     x = rms_norm(h)                       lmfuse RMSNorm (one row: inside the GEMV below,
-                                          the sum of squares gathered in its pass over K)
+                                          the sum of squares gathered in its pass over K;
+                                          several rows: left by the GEMV that wrote h, see
+                                          below, but in the first layer)
     qkv = x @ [Wq | Wk | Wv].T (+ b)      one GEMV launch over the three matrices
     q = rope_append(qkv)                  q/k RMSNorm (Qwen3), rotary of q and k, K/V rows
                                           written to their paged-cache blocks (fp8: scaled);
@@ -15,7 +17,8 @@ in place, never copied):
                                           1.002 -> 0.999)
     o = decode_attention(q, cache)        lmfuse decode kernel (GQA, windows, fp8)
     h = h + o @ Wo.T                      GEMV with the residual add in its epilogue
-    x = rms_norm(h)                       (one row: inside the next GEMV, as above)
+    x = rms_norm(h)                       (one row: inside the next GEMV, as above;
+                                          several rows: in the GEMVs around it, below)
     a = silu(x @ Wg.T) * (x @ Wu.T)       one GEMV launch: both projections and the gate
     h = h + a @ Wd.T                      GEMV with the residual add (one row; K split over
                                           programs at 2-16 and 33-64 rows), else cuBLAS addmm_
@@ -32,7 +35,16 @@ so every rotary variant it computes once per position is covered) are made once.
 The RMSNorm inside the GEMV pays at one row only (H100, CUDA-graph replays of the
 benchmark model's step: B1 0.684 -> 0.676 ms; at 16 and 64 rows the dot tile's operand,
 scaled in registers, no longer streams straight into shared memory: B16 0.844 -> 1.09 ms,
-B64 0.99 -> 1.25).
+B64 0.99 -> 1.25). At several rows the norm is split around the dot instead: the residual
+GEMV that writes ``h`` (Wo, Wd) also stores ``h * g`` (the norm's weight applied, rounded
+to the model's dtype) and each tile's sums of squares of its rows (``prenorm``); the GEMV
+that takes the norm's output (QKV, gate/up, the LM head) reads ``h * g`` as its operand
+and scales each row's products by ``rsqrt(mean(h^2) + eps)``, its tiles' sums added in
+order (``row_scale``). ``x @ W.T = r * ((h * g) @ W.T)``: one rounding of the operand as
+before, at another place. Only the first layer's input norm is launched (H100, whole
+steps, two rounds each: B16 0.818 / 0.826 -> 0.799 / 0.795 ms, B64 0.994 / 0.996 ->
+0.990 / 0.981). A last-tile reduction of the sums inside the residual GEMV (counted with
+an atomic) cost more than the norm's launch it saved (B64 0.99 -> 1.04 ms).
 
 Math: float32 accumulation and element math, one rounding per stored tensor (the model's
 code rounds to its dtype between steps: the bf16 logits differ within rounding, not more).
@@ -226,19 +238,26 @@ class FusedDecoder:
         it runs (no pass over the logits)."""
         n = ids.shape[0]
         kernels = self.triton and n <= GEMV_MAX_ROWS
+        lm_gemv = kernels and n > 1 and self.lm_bias is None and _lm_head_gemv(self.lm_head)
         h = F.embedding(ids, self.embed)
+        # Several rows: (x * g, rsqrt(mean(x^2) + eps)) of the next RMSNorm, left by the GEMV
+        # that wrote h (its PRENORM epilogue), for the GEMV that takes the norm's output.
+        pre = None
         for i, L in enumerate(self.layers):
             if kernels and n == 1:  # the input norm inside the GEMV (module docstring)
                 qkv = self._gemv(h, L.qkv, L.qkv_bias, norm=(L.norm_in, L.eps))
-            elif kernels and self.rope_gemv and L.q_norm is None:  # rotary + append inside
-                rope = RopeAppend(self.cos, self.sin, before, table, self.cache.k_caches[i],
-                                  self.cache.v_caches[i], self.cache.k_scales[i],
-                                  self.cache.v_scales[i], self.hq, self.hkv, self.d)
-                q = self._gemv(self._rms_norm(h, L.norm_in, L.eps), L.qkv, L.qkv_bias,
-                               rope=rope).view(n, self.hq, self.d)
-                qkv = None
             elif kernels:
-                qkv = self._gemv(self._rms_norm(h, L.norm_in, L.eps), L.qkv, L.qkv_bias)
+                x, rs = pre or (self._rms_norm(h, L.norm_in, L.eps), None)
+                if self.rope_gemv and L.q_norm is None:  # rotary + append inside
+                    rope = RopeAppend(self.cos, self.sin, before, table,
+                                      self.cache.k_caches[i], self.cache.v_caches[i],
+                                      self.cache.k_scales[i], self.cache.v_scales[i],
+                                      self.hq, self.hkv, self.d)
+                    q = self._gemv(x, L.qkv, L.qkv_bias, rope=rope,
+                                   row_scale=rs).view(n, self.hq, self.d)
+                    qkv = None
+                else:
+                    qkv = self._gemv(x, L.qkv, L.qkv_bias, row_scale=rs)
             else:
                 x = self._rms_norm(h, L.norm_in, L.eps)
                 qkv = torch.cat([F.linear(x, w, None if L.qkv_bias is None else L.qkv_bias[j])
@@ -246,8 +265,13 @@ class FusedDecoder:
             if qkv is not None:
                 q = self._rope_append(qkv, L, i, table, before)
             o = self._attention(q[:, None], i, L, table, after).view(n, self.hq * self.d)
+            pre = None
             if kernels and L.o_bias is None:
-                self._gemv(o, (L.o,), None, residual=h)
+                if n > 1 and L.mlp_bias is None:  # the post-attention norm's work inside
+                    pre = self._gemv(o, (L.o,), None, residual=h,
+                                     prenorm=(L.norm_post, L.eps_post))[1:]
+                else:
+                    self._gemv(o, (L.o,), None, residual=h)
             else:
                 h = h + F.linear(o, L.o, L.o_bias)
             if kernels and L.mlp_bias is None:
@@ -256,11 +280,22 @@ class FusedDecoder:
                 # rows (15.8 against 17.4) and 64 (17.6 against 18.6); else cuBLAS.
                 down = (n == 1 or _gemv_split(*L.down.shape, _row_tile(n), False) > 1) \
                     and _gemv_takes(n, L.down)
-                x, norm = ((h, (L.norm_post, L.eps_post)) if n == 1 else
-                           (self._rms_norm(h, L.norm_post, L.eps_post), None))
-                a = _gemv(x, (L.gate, L.up), None, gated=True, norm=norm,
+                norm = rs = None
+                if n == 1:
+                    x, norm = h, (L.norm_post, L.eps_post)
+                else:
+                    x, rs = pre or (self._rms_norm(h, L.norm_post, L.eps_post), None)
+                a = _gemv(x, (L.gate, L.up), None, gated=True, norm=norm, row_scale=rs,
                           pdl=self.pdl if down else self.pdl_tail)
-                if down:
+                # the next norm (the next layer's input norm, or the final one before the
+                # LM head's GEMV) inside the down GEMV
+                nxt = ((self.layers[i + 1].norm_in, self.layers[i + 1].eps)
+                       if i + 1 < len(self.layers) else
+                       (self.norm, self.norm_eps) if lm_gemv else None)
+                pre = None
+                if down and n > 1 and nxt is not None:
+                    pre = self._gemv(a, (L.down,), None, residual=h, prenorm=nxt)[1:]
+                elif down:
                     self._gemv(a, (L.down,), None, residual=h)
                 else:
                     h.addmm_(a, L.down.t())
@@ -269,14 +304,14 @@ class FusedDecoder:
                 gb, ub, db = L.mlp_bias or (None, None, None)
                 a = F.silu(F.linear(x, L.gate, gb)) * F.linear(x, L.up, ub)
                 h = h + F.linear(a, L.down, db)
-        if kernels and n > 1 and self.lm_bias is None and _lm_head_gemv(self.lm_head):
+        if lm_gemv:
             # Several rows: the GEMV's 128-feature tiles beat cuBLAS on the long vocabulary
             # (H100, CUDA-graph replays, V 128256: 16 rows 177 vs 191 us, 64 rows 185 vs
             # 198; bench/sweep_gemv.py --shapes lm_head); one row: cuBLAS (2.9 TB/s).
-            x = self._rms_norm(h, self.norm, self.norm_eps)
+            x, rs = pre or (self._rms_norm(h, self.norm, self.norm_eps), None)
             if argmax:  # the greedy tokens from the GEMV's tiles
-                return self._gemv(x, (self.lm_head,), argmax=True)
-            logits = self._gemv(x, (self.lm_head,))
+                return self._gemv(x, (self.lm_head,), argmax=True, row_scale=rs)
+            logits = self._gemv(x, (self.lm_head,), row_scale=rs)
         else:
             x = self._rms_norm(h, self.norm, self.norm_eps, self.pdl_tail)
             logits = F.linear(x, self.lm_head, self.lm_bias)
@@ -394,21 +429,50 @@ def _launch_rope_append(qkv, cos, sin, pos, table, k_cache, v_cache, q_norm, k_n
 def gemv_reference(x: torch.Tensor, weights: tuple[torch.Tensor, ...],
                    biases: tuple[Any, ...] | None = None, *, residual: torch.Tensor | None = None,
                    gated: bool = False,
-                   norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                   norm: tuple[torch.Tensor, float] | None = None,
+                   row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The reference of ``gemv_kernel``: ``x [n, K]`` times the concatenated ``weights``'
     rows (float32 accumulation), plus biases; ``gated``: ``silu(x W0.T) * (x W1.T)``;
     ``residual``: ``residual + ...``; ``norm = (g, eps)``: x RMS-normed first (weight g,
-    float32, not rounded). Rounded once to x's dtype."""
+    float32, not rounded); ``row_scale [n]``: each row's products scaled by it (before
+    the biases). Rounded once to x's dtype."""
     xf = x.float()
     if norm is not None:
         xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm[1]) * norm[0].float()
     ys = [xf @ w.float().t() for w in weights]
+    if row_scale is not None:
+        ys = [y * row_scale.float()[:, None] for y in ys]
     if biases is not None:
         ys = [y if b is None else y + b.float() for y, b in zip(ys, biases)]
     y = F.silu(ys[0]) * ys[1] if gated else torch.cat(ys, dim=-1)
     if residual is not None:
         y = y + residual.float()
     return y.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class RowNorm:
+    """What a GEMV needs to RMS-norm its input rows itself (``row_scale``): the residual
+    stream's sums of squares ``ss [n, tiles]`` float32 (per row, in parts to be added in
+    order), over ``features`` features, and the norm's ``eps``."""
+    ss: torch.Tensor
+    features: int
+    eps: float
+
+    def scale(self) -> torch.Tensor:
+        """Each row's ``rsqrt(mean(h^2) + eps)``, float32 ``[n]``."""
+        return torch.rsqrt(self.ss.sum(-1) / self.features + self.eps)
+
+
+def prenorm_reference(h: torch.Tensor, g: torch.Tensor, eps: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference of ``gemv_kernel``'s PRENORM outputs for the residual stream ``h [n,
+    H]`` and the next RMSNorm's weight ``g`` and ``eps``: ``(h * g`` rounded to h's dtype,
+    ``rsqrt(mean(h^2) + eps)`` float32 ``[n])``, so that ``gemv_reference(h * g, W,
+    row_scale=r)`` is the GEMV of ``rms_norm(h)`` (``h * r * g``, ``r`` taken out of the
+    dot)."""
+    hf = h.float()
+    return (hf * g.float()).to(h.dtype), torch.rsqrt(hf.square().mean(-1) + eps)
 
 
 #: Output features from which a matrix counts as an LM head (a vocabulary) for the GEMV.
@@ -544,7 +608,9 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
           residual: torch.Tensor | None = None, gated: bool = False,
           pdl: int = 0, split_k: int | None = None,
           norm: tuple[torch.Tensor, float] | None = None,
-          rope: RopeAppend | None = None, argmax: bool = False) -> Any:
+          rope: RopeAppend | None = None, argmax: bool = False,
+          prenorm: tuple[torch.Tensor, float] | None = None,
+          row_scale: RowNorm | None = None) -> Any:
     """``gemv_kernel`` launched: a new ``[n, N]`` output, or ``residual`` updated in place.
     ``pdl``: with programmatic dependent launch (``lmfuse._pdl``). ``split_k``: programs
     per tile along K (default :func:`_gemv_split`'s; not with ``gated``, ``norm`` or
@@ -553,13 +619,21 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
     (:func:`rope_append_reference` of the float32 projections); returns the rotated
     queries ``[n, hq d]``. ``argmax`` (one matrix, no residual, not gated): returns ``(y,
     each row's argmax)``, int64 ``[n]`` as ``torch.argmax`` of ``y`` gives it (ties and NaN
-    included), taken from the tiles as they are stored."""
+    included), taken from the tiles as they are stored. ``prenorm = (g, eps)`` (with
+    ``residual``, one matrix, not ``norm``): returns ``(h, xw, rs)``, the updated residual
+    stream, ``h * g`` and its :class:`RowNorm` (:func:`prenorm_reference`); ``row_scale``
+    (a :class:`RowNorm`): each row's products scaled by its factor, so that ``_gemv(xw, W,
+    row_scale=rn)`` is the GEMV of ``rms_norm(h)``."""
     if (gated or norm is not None or rope is not None) and split_k is not None \
             and split_k > 1:
         raise ValueError(f"{_OP}: the gated, normed or rotating GEMV does not split K "
                          f"(split_k={split_k})")
+    if prenorm is not None and (residual is None or len(weights) != 1 or norm is not None
+                                or argmax):
+        raise ValueError(f"{_OP}: the GEMV's prenorm takes a residual, one matrix, no norm "
+                         "and no argmax")
     if rope is not None:
-        return _gemv_rope(x, weights, biases, rope, pdl)
+        return _gemv_rope(x, weights, biases, rope, pdl, row_scale)
     n, K = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -571,7 +645,11 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
     if argmax and (len(weights) != 1 or residual is not None or gated):
         raise ValueError(f"{_OP}: the GEMV's argmax takes one matrix, no residual, not gated")
     if any(v % block_n for v in ns) or n == 0:
-        y = _gemv_fallback(x, weights, biases, residual, gated, norm)
+        y = _gemv_fallback(x, weights, biases, residual, gated, norm,
+                           None if row_scale is None else row_scale.scale())
+        if prenorm is not None:
+            return y, prenorm_reference(y, *prenorm)[0], RowNorm(
+                y.float().square().sum(-1, keepdim=True), n_out, float(prenorm[1]))
         return (y, torch.argmax(y, -1)) if argmax else y
     if residual is not None:
         y = residual
@@ -594,22 +672,44 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
     if argmax:  # each row's first maximum per tile, merged below
         aval = torch.empty((n, grid[0]), dtype=torch.float32, device=x.device)
         aidx = torch.empty((n, grid[0]), dtype=torch.int32, device=x.device)
+    xw = ss = None
+    if prenorm is not None:
+        G, eps = prenorm
+        xw = torch.empty_like(y)
+        ss = torch.empty((n, grid[0]), dtype=torch.float32, device=x.device)
+    elif row_scale is not None:
+        ss = row_scale.ss
     _kernels().gemv_kernel[grid](
         x, w[0], w[1], w[2], b[0], b[1], b[2], y, y, n, K, ns[0],
         ns[1] if len(ns) > 1 else 0, x.stride(0), y.stride(0), y.stride(0), ws, count, k_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=biases is not None,
         RESIDUAL=residual is not None, GATED=gated, EVEN_K=K % block_k == 0, PDL=pdl,
-        SPLIT_K=split, G=None if norm is None else norm[0],
-        eps=0.0 if norm is None else float(norm[1]), NORM=norm is not None,
+        SPLIT_K=split, G=norm[0] if norm is not None else G if prenorm is not None else None,
+        eps=float(norm[1]) if norm is not None else float(eps) if prenorm is not None
+        else row_scale.eps if row_scale is not None else 0.0,
+        NORM=norm is not None,
         AVAL=aval, AIDX=aidx, ARGMAX=argmax,
+        PRENORM=prenorm is not None, XW=xw, stride_xw=0 if xw is None else xw.stride(0),
+        **_row_norm_args(ss, row_scale), ROW_SCALE=row_scale is not None,
         num_warps=warps, num_stages=stages, **_pdl.launch_options(pdl))
     if argmax:
         return y, merge_argmax(aval, aidx, n_out)
+    if prenorm is not None:
+        return y, xw, RowNorm(ss, n_out, float(eps))
     return y
 
 
+def _row_norm_args(ss: torch.Tensor | None, rn: RowNorm | None) -> dict[str, Any]:
+    """``gemv_kernel``'s arguments for the sums of squares ``ss`` it writes (PRENORM) or
+    the :class:`RowNorm` it reads (ROW_SCALE)."""
+    if rn is not None:
+        return dict(SS=rn.ss, ss_tiles=rn.ss.shape[1], norm_n=rn.features,
+                    BLOCK_T=next_pow2(rn.ss.shape[1], 1))
+    return dict(SS=ss, ss_tiles=1 if ss is None else ss.shape[1])
+
+
 def _gemv_rope(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any,
-               r: RopeAppend, pdl: int) -> torch.Tensor:
+               r: RopeAppend, pdl: int, row_scale: RowNorm | None = None) -> torch.Tensor:
     n, K = x.shape
     ns = [w.shape[0] for w in weights]
     if ns != [r.hq * r.d, r.hkv * r.d, r.hkv * r.d]:
@@ -622,7 +722,8 @@ def _gemv_rope(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any,
     block_n, block_k, warps, stages = _gemv_config(n_out, K, block_m, False, x.element_size(),
                                                    shared_memory(x.device), rope=True)
     if not _rope_gemv_takes(n, r.d) or (r.d // 2) % block_n:
-        qkv = gemv_reference(x.float(), weights, biases)  # float32, as the kernel's
+        qkv = gemv_reference(x.float(), weights, biases,  # float32, as the kernel's
+                             row_scale=None if row_scale is None else row_scale.scale())
         q = rope_append_reference(qkv, r.cos, r.sin, r.pos, r.table, r.k_cache, r.v_cache,
                                   None, None, 0.0, r.k_scale, r.v_scale, r.hq, r.hkv, r.d)
         return q.to(x.dtype).view(n, r.hq * r.d)
@@ -641,12 +742,15 @@ def _gemv_rope(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any,
         stride_kblk=kc.stride(0), stride_krow=kc.stride(1), stride_vblk=vc.stride(0),
         stride_vrow=vc.stride(1), stride_tb=r.table.stride(0), num_blocks=kc.shape[0],
         positions=r.cos.shape[0], BLOCK_LEN=kc.shape[1], FP8=fp8,
-        num_warps=warps, num_stages=stages, **_pdl.launch_options(pdl))
+        ROW_SCALE=row_scale is not None, **_row_norm_args(None, row_scale),
+        eps=0.0 if row_scale is None else row_scale.eps, num_warps=warps, num_stages=stages,
+        **_pdl.launch_options(pdl))
     return y
 
 
-def _gemv_fallback(x, weights, biases, residual, gated, norm=None):
-    out = gemv_reference(x, weights, biases, residual=residual, gated=gated, norm=norm)
+def _gemv_fallback(x, weights, biases, residual, gated, norm=None, row_scale=None):
+    out = gemv_reference(x, weights, biases, residual=residual, gated=gated, norm=norm,
+                         row_scale=row_scale)
     if residual is not None:
         residual.copy_(out)
         return residual

@@ -101,6 +101,8 @@ def gemv_kernel(
     stride_vblk=0, stride_vrow=0, stride_tb=0, num_blocks=0, positions=1,
     BLOCK_LEN: tl.constexpr = 1, FP8: tl.constexpr = False,
     AVAL=None, AIDX=None, ARGMAX: tl.constexpr = False,
+    PRENORM: tl.constexpr = False, XW=None, stride_xw=0, SS=None, ss_tiles=1, norm_n=1,
+    BLOCK_T: tl.constexpr = 1, ROW_SCALE: tl.constexpr = False,
 ):
     """``Y[:, n] = X @ W.T`` over the concatenated output features of ``W0 | W1 | W2``
     (``N0``, ``N1`` rows: a program's ``BLOCK_N`` features lie in one matrix). GATED:
@@ -127,7 +129,18 @@ def gemv_kernel(
     ARGMAX (one matrix, no residual, SPLIT_K 1; an LM head): each tile's first maximum of
     each row as ``argmax_chunk_kernel`` gives a chunk's (of the stored, rounded values; NaN
     above everything) to ``AVAL`` / ``AIDX`` ``[M, tiles]``, which ``argmax_merge_kernel``
-    reduces: greedy decoding's pass over the logits saved."""
+    reduces: greedy decoding's pass over the logits saved.
+
+    PRENORM (RESIDUAL, one matrix, not NORM; several rows): the next RMSNorm's work on the
+    new residual stream ``h = Y``, left for the GEMV that takes the norm's output (the
+    norm's launch saved): ``XW = h * G`` (each stored value of ``h`` times the norm's
+    weight, rounded to ``XW``'s dtype), and each tile's sums of squares of its rows'
+    stored values in ``SS [M, tiles]`` float32.
+
+    ROW_SCALE (with ``X = XW`` and ``SS`` of a PRENORM launch of ``ss_tiles`` tiles over
+    ``norm_n`` features): each row's products scaled by ``rsqrt(mean(h^2) + eps)``, its
+    partial sums added in tile order, before the bias and the epilogue: the GEMV of the
+    normed rows, ``rms_norm(h) @ W.T``."""
     pdl_wait(PDL)
     pdl_start(PDL)
     pid_n = tl.program_id(0)
@@ -172,6 +185,11 @@ def gemv_kernel(
     if NORM:
         ss = tl.zeros([BLOCK_M], tl.float32)
         g_ptr = G + ks
+    if ROW_SCALE:  # (taken before the loop or after it: the same time, H100)
+        t = tl.arange(0, BLOCK_T)
+        part = tl.load(SS + ms.to(tl.int64)[:, None] * ss_tiles + t[None, :],
+                       mask=mmask[:, None] & (t < ss_tiles)[None, :], other=0.0)
+        xs = tl.rsqrt(tl.sum(part, axis=1) / norm_n + eps)[:, None]
     for k0 in range(k_start, k_stop, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptr)
@@ -215,6 +233,10 @@ def gemv_kernel(
         acc = acc * inv
         if GATED:
             acc_u = acc_u * inv
+    if ROW_SCALE:
+        acc = acc * xs
+        if GATED or ROPE:
+            acc_u = acc_u * xs
     if ROPE:
         _rope_epilogue(acc, acc_u, B0, B1, B2, Y, N0, N1, stride_ym, n0, local, rows, ms,
                        mmask, COS, SIN, POS, TABLE, KC, VC, K_SCALE, V_SCALE, stride_kblk,
@@ -235,17 +257,33 @@ def gemv_kernel(
                 acc += tl.load(WS + (s * tiles + tile).to(tl.int64) * (BLOCK_M * BLOCK_N)
                                + cell, cache_modifier=".cg")
             tl.store(COUNT + tile, 0)
-            _gemv_epilogue(acc, acc, B0, B1, B2, R, Y, N0, N1, stride_rm, stride_ym, n0,
-                           local, rows, ms, mmask, HAS_BIAS, RESIDUAL, False)
+            y = _gemv_epilogue(acc, acc, B0, B1, B2, R, Y, N0, N1, stride_rm, stride_ym, n0,
+                               local, rows, ms, mmask, HAS_BIAS, RESIDUAL, False)
+            if PRENORM:
+                _prenorm_epilogue(y, G, XW, SS, stride_xw, n0 + rows, ms, mmask, pid_n,
+                                  tl.num_programs(0))
     else:
         y = _gemv_epilogue(acc, acc_u if GATED else acc, B0, B1, B2, R, Y, N0, N1, stride_rm,
                            stride_ym, n0, local, rows, ms, mmask, HAS_BIAS, RESIDUAL, GATED)
+        if PRENORM:
+            _prenorm_epilogue(y, G, XW, SS, stride_xw, n0 + rows, ms, mmask, pid_n,
+                              tl.num_programs(0))
         if ARGMAX:
             cols = (n0 + rows)[None, :]
             v, i = _first_max(y.to(tl.float32), cols, N0)
             at = ms.to(tl.int64) * tl.num_programs(0) + pid_n
             tl.store(AVAL + at, v, mask=mmask)
             tl.store(AIDX + at, i, mask=mmask)
+
+
+@triton.jit
+def _prenorm_epilogue(y, G, XW, SS, stride_xw, cols, ms, mmask, pid_n, tiles):
+    """PRENORM's epilogue (see ``gemv_kernel``) of the stored tile ``y`` of ``h``."""
+    hv = y.to(tl.float32)
+    tl.store(SS + ms.to(tl.int64) * tiles + pid_n, tl.sum(hv * hv, axis=1), mask=mmask)
+    g = tl.load(G + cols).to(tl.float32)
+    tl.store(XW + ms.to(tl.int64)[:, None] * stride_xw + cols[None, :],
+             (hv * g[None, :]).to(XW.dtype.element_ty), mask=mmask[:, None])
 
 
 @triton.jit
