@@ -207,19 +207,29 @@ def test_split_k_gemv_on_the_gpu_and_in_a_graph(rows: int, split: int) -> None:
     got = _gemv(x, (w,), residual=r.clone(), split_k=split)
     err = ((got.float() - want).abs().max() / want.abs().max()).item()
     assert err < 1e-2, err
+    _assert_replays_are_eager(lambda x, r: (_gemv(x, (w,), residual=r, split_k=split),),
+                              x, r, g)
+
+
+def _assert_replays_are_eager(step, x: torch.Tensor, r: torch.Tensor,
+                              g: torch.Generator) -> None:
+    """``step(x, r)`` (a tuple of tensors; ``r`` may be updated in place) captured in a
+    CUDA graph, after a warm-up outside the capture, and replayed on new inputs copied
+    into its buffers: each replay's outputs bitwise ``step``'s eager ones on those
+    inputs."""
     xs, rs = x.clone(), r.clone()
+    step(xs, rs.clone())
     graph = torch.cuda.CUDAGraph()
-    _gemv(xs, (w,), residual=rs.clone(), split_k=split)  # warm-up outside the capture
     with torch.cuda.graph(graph):
-        _gemv(xs, (w,), residual=rs, split_k=split)
-    for step in range(3):
-        x2 = torch.randn(rows, 8192, device="cuda", generator=g).bfloat16()
-        r2 = torch.randn(rows, 2048, device="cuda", generator=g).bfloat16()
+        out = step(xs, rs)
+    for k in range(3):
+        x2 = torch.randn(x.shape, device="cuda", generator=g).to(x.dtype)
+        r2 = torch.randn(r.shape, device="cuda", generator=g).to(r.dtype)
         xs.copy_(x2)
         rs.copy_(r2)
         graph.replay()
-        eager = _gemv(x2, (w,), residual=r2.clone(), split_k=split)
-        assert torch.equal(rs, eager), step
+        eager = step(x2, r2.clone())
+        assert all(torch.equal(a, b) for a, b in zip(out, eager)), k
 
 
 @pytest.mark.parametrize("rows, split", [(16, 4), (64, 2), (5, 1), (40, 1)])
@@ -255,19 +265,7 @@ def test_prenorm_gemv_on_the_gpu_and_in_a_graph(rows: int, split: int) -> None:
     normed = rms_norm_reference(h.float(), gain.float(), eps=eps)
     want_a = F.silu(normed @ wg.float().t()) * (normed @ wu.float().t())
     assert ((a.float() - want_a).abs().max() / want_a.abs().max()).item() < 2e-2
-    xs, rs_in = x.clone(), r.clone()
-    step(xs, rs_in.clone())  # warm-up outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step(xs, rs_in)
-    for k in range(3):
-        x2 = torch.randn(rows, 8192, device="cuda", generator=g).bfloat16()
-        r2 = torch.randn(rows, 2048, device="cuda", generator=g).bfloat16()
-        xs.copy_(x2)
-        rs_in.copy_(r2)
-        graph.replay()
-        eager = step(x2, r2.clone())
-        assert all(torch.equal(a, b) for a, b in zip(out, eager)), k
+    _assert_replays_are_eager(step, x, r, g)
 
 
 @pytest.mark.parametrize("rows", [4, 64])
