@@ -235,6 +235,8 @@ def test_residual_gemv_leaves_the_next_norm_to_the_gemv_after_it(
                                        rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="prenorm takes a residual"):
         _gemv(x, (w,), prenorm=(gain, eps))
+    with pytest.raises(ValueError, match="row_scale takes neither"):
+        _gemv(xw, (w.t().contiguous(),), norm=(gain, eps), row_scale=rn)
 
 
 def test_several_row_steps_launch_one_rms_norm(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -240,8 +240,8 @@ class FusedDecoder:
         kernels = self.triton and n <= GEMV_MAX_ROWS
         lm_gemv = kernels and n > 1 and self.lm_bias is None and _lm_head_gemv(self.lm_head)
         h = F.embedding(ids, self.embed)
-        # Several rows: (x * g, rsqrt(mean(x^2) + eps)) of the next RMSNorm, left by the GEMV
-        # that wrote h (its PRENORM epilogue), for the GEMV that takes the norm's output.
+        # Several rows: (h * g, its RowNorm) of the next RMSNorm, left by the GEMV that wrote
+        # h (its prenorm epilogue) for the GEMV that takes the norm's output (row_scale).
         pre = None
         for i, L in enumerate(self.layers):
             if kernels and n == 1:  # the input norm inside the GEMV (module docstring)
@@ -622,7 +622,7 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
     queries ``[n, hq d]``. ``argmax`` (one matrix, no residual, not gated): returns ``(y,
     each row's argmax)``, int64 ``[n]`` as ``torch.argmax`` of ``y`` gives it (ties and NaN
     included), taken from the tiles as they are stored. ``prenorm = (g, eps)`` (with
-    ``residual``, one matrix, not ``norm``): returns ``(h, xw, rs)``, the updated residual
+    ``residual``, one matrix, not ``norm``): returns ``(h, xw, rn)``, the updated residual
     stream, ``h * g`` and its :class:`RowNorm` (:func:`prenorm_reference`); ``row_scale``
     (a :class:`RowNorm`): each row's products scaled by its factor, so that ``_gemv(xw, W,
     row_scale=rn)`` is the GEMV of ``rms_norm(h)``."""
@@ -634,6 +634,8 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
                                 or argmax):
         raise ValueError(f"{_OP}: the GEMV's prenorm takes a residual, one matrix, no norm "
                          "and no argmax")
+    if row_scale is not None and (norm is not None or prenorm is not None):
+        raise ValueError(f"{_OP}: the GEMV's row_scale takes neither norm nor prenorm")
     if rope is not None:
         return _gemv_rope(x, weights, biases, rope, pdl, row_scale)
     n, K = x.shape
@@ -674,22 +676,23 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
     if argmax:  # each row's first maximum per tile, merged below
         aval = torch.empty((n, grid[0]), dtype=torch.float32, device=x.device)
         aidx = torch.empty((n, grid[0]), dtype=torch.int32, device=x.device)
-    xw = ss = None
-    if prenorm is not None:
-        G, eps = prenorm
+    # The norm's weight and eps: of the norm inside (NORM), or of the next one (PRENORM);
+    # the RowNorm's eps (ROW_SCALE).
+    G, eps, xw, ss = None, 0.0, None, None
+    if norm is not None:
+        G, eps = norm[0], float(norm[1])
+    elif prenorm is not None:
+        G, eps = prenorm[0], float(prenorm[1])
         xw = torch.empty_like(y)
         ss = torch.empty((n, grid[0]), dtype=torch.float32, device=x.device)
-    elif row_scale is not None:
-        ss = row_scale.ss
+    if row_scale is not None:
+        eps, ss = row_scale.eps, row_scale.ss
     _kernels().gemv_kernel[grid](
         x, w[0], w[1], w[2], b[0], b[1], b[2], y, y, n, K, ns[0],
         ns[1] if len(ns) > 1 else 0, x.stride(0), y.stride(0), y.stride(0), ws, count, k_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=biases is not None,
         RESIDUAL=residual is not None, GATED=gated, EVEN_K=K % block_k == 0, PDL=pdl,
-        SPLIT_K=split, G=norm[0] if norm is not None else G if prenorm is not None else None,
-        eps=float(norm[1]) if norm is not None else float(eps) if prenorm is not None
-        else row_scale.eps if row_scale is not None else 0.0,
-        NORM=norm is not None,
+        SPLIT_K=split, G=G, eps=eps, NORM=norm is not None,
         AVAL=aval, AIDX=aidx, ARGMAX=argmax,
         PRENORM=prenorm is not None, XW=xw, stride_xw=0 if xw is None else xw.stride(0),
         **_row_norm_args(ss, row_scale), ROW_SCALE=row_scale is not None,
@@ -697,7 +700,7 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
     if argmax:
         return y, merge_argmax(aval, aidx, n_out)
     if prenorm is not None:
-        return y, xw, RowNorm(ss, n_out, float(eps))
+        return y, xw, RowNorm(ss, n_out, eps)
     return y
 
 
