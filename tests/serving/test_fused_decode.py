@@ -239,6 +239,26 @@ def test_residual_gemv_leaves_the_next_norm_to_the_gemv_after_it(
         _gemv(xw, (w.t().contiguous(),), norm=(gain, eps), row_scale=rn)
 
 
+def test_split_norm_keeps_nan_and_inf_rows_as_the_norm_does() -> None:
+    """A row of h holding +inf or NaN: the GEMV after ``prenorm`` gives that row NaN, as the
+    RMSNorm then the GEMV do (an infinite mean square makes the factor 0, and inf * 0 is
+    NaN); the other rows are untouched."""
+    from lmfuse.norm.reference import rms_norm_reference
+
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(4, 64, generator=g) / 4, torch.randn(128, 64, generator=g) / 8
+    h0 = torch.randn(4, 128, generator=g)
+    h0[1, 5], h0[2, 9] = float("inf"), float("nan")
+    gain, eps = 1 + torch.randn(128, generator=g) / 4, 1e-5
+    h = h0.clone()
+    got_h, xw, rn = _gemv(x, (w,), residual=h, prenorm=(gain, eps))
+    wg = torch.randn(64, 128, generator=g) / 8
+    got = _gemv(xw, (wg,), row_scale=rn)
+    want = gemv_reference(rms_norm_reference(got_h, gain, eps=eps), (wg,))
+    assert got[1:3].isnan().all() and want[1:3].isnan().all()
+    torch.testing.assert_close(got[[0, 3]], want[[0, 3]], rtol=1e-5, atol=1e-5)
+
+
 def test_several_row_steps_launch_one_rms_norm(monkeypatch: pytest.MonkeyPatch) -> None:
     """Several sequences (the LM head on the GEMV): a step launches one RMSNorm, the first
     layer's input norm; the other norms' work rides in the residual GEMVs before them
