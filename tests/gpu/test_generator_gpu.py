@@ -268,6 +268,45 @@ def test_prenorm_gemv_on_the_gpu_and_in_a_graph(rows: int, split: int) -> None:
     _assert_replays_are_eager(step, x, r, g)
 
 
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_embedding_gather_and_greedy_head_with_pdl_in_a_graph(rows: int) -> None:
+    """The step's first and last kernels as it launches them on a Hopper GPU (programmatic
+    dependent launch where the device has it), bf16: the gather's rows, ``h * g`` and the
+    first norm's factors against ``embed_prenorm_reference``; the LM-head GEMV taking them
+    (``row_scale``, ``argmax``) gives ``torch.argmax`` of its logits; captured in a CUDA
+    graph and replayed on new ids, bitwise the eager result."""
+    from lmfuse import _pdl
+    from lmfuse.serving.fused import _embed, _gemv, embed_prenorm_reference
+
+    pdl = _pdl.mode(torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    table = torch.randn(4096, 2048, device="cuda", generator=g).bfloat16()
+    gain = (1 + torch.randn(2048, device="cuda", generator=g) / 4).bfloat16()
+    w = (torch.randn(8192, 2048, device="cuda", generator=g) / 45).bfloat16()
+    eps = 1e-5
+
+    def step(ids):
+        h, xw, rn = _embed(ids, table, (gain, eps), pdl=pdl)
+        y, tok = _gemv(xw, (w,), row_scale=rn, argmax=True, pdl=pdl)
+        return h, xw, rn.ss, y, tok, _embed(ids, table, pdl=pdl)
+
+    ids = torch.randint(0, 4096, (rows,), device="cuda", generator=g)
+    h, xw, ss, y, tok, plain = step(ids)
+    want_h, want_xw, want_rs = embed_prenorm_reference(ids, table, gain, eps)
+    assert torch.equal(h, want_h) and torch.equal(plain, want_h) and torch.equal(xw, want_xw)
+    torch.testing.assert_close(torch.rsqrt(ss.sum(-1) / 2048 + eps), want_rs, rtol=1e-5, atol=0)
+    assert torch.equal(tok, torch.argmax(y, -1))
+    buf = ids.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(buf)
+    for k in range(3):
+        buf.copy_(torch.randint(0, 4096, (rows,), device="cuda", generator=g))
+        graph.replay()
+        eager = step(buf.clone())
+        assert all(torch.equal(a, b) for a, b in zip(out, eager)), k
+
+
 @pytest.mark.parametrize("rows", [4, 64])
 @pytest.mark.parametrize("cache", ["bf16", "fp8"])
 def test_rotating_qkv_gemv_on_the_gpu(rows: int, cache: str) -> None:

@@ -259,11 +259,40 @@ def test_split_norm_keeps_nan_and_inf_rows_as_the_norm_does() -> None:
     torch.testing.assert_close(got[[0, 3]], want[[0, 3]], rtol=1e-5, atol=1e-5)
 
 
-def test_several_row_steps_launch_one_rms_norm(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Several sequences (the LM head on the GEMV): a step launches one RMSNorm, the first
-    layer's input norm; the other norms' work rides in the residual GEMVs before them
-    (``prenorm``) and the GEMVs after them (``row_scale``). The tokens stay
-    model.generate's."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows,H", [(1, 64), (5, 40), (3, 2600)])
+def test_embedding_gather_leaves_the_first_norm_to_the_gemv_after_it(
+        rows: int, H: int, dtype: torch.dtype) -> None:
+    """``_embed``: the step's rows ``table[ids]`` in a new tensor (ids repeated, in any
+    order), with ``prenorm`` also ``h * g`` and a RowNorm whose factors are the
+    reference's, so the GEMV after it gives the GEMV of ``rms_norm(h)``; H = 2600 loops
+    over two feature blocks, H = 40 masks a partial one."""
+    from lmfuse.norm.reference import rms_norm_reference
+    from lmfuse.serving.fused import _embed, embed_prenorm_reference
+
+    g = torch.Generator().manual_seed(rows * 7 + H)
+    table = (torch.randn(11, H, generator=g) * torch.logspace(-2, 2, 11)[:, None]).to(dtype)
+    ids = torch.tensor([3, 10, 3, 0, 7][:rows], dtype=torch.int64)
+    gain, eps = (1 + torch.randn(H, generator=g) / 4).to(dtype), 1e-5
+    h = _embed(ids, table)
+    assert torch.equal(h, table[ids]) and h.data_ptr() != table.data_ptr()
+    h, xw, rn = _embed(ids.to(torch.int32), table, (gain, eps))
+    want_h, want_xw, want_rs = embed_prenorm_reference(ids, table, gain, eps)
+    assert torch.equal(h, want_h) and torch.equal(xw, want_xw)
+    assert rn.ss.shape == (rows, 1) and rn.ss.dtype == torch.float32 and rn.features == H
+    torch.testing.assert_close(rn.scale(), want_rs, rtol=1e-6, atol=0)
+    w = (torch.randn(32, H, generator=g) / 8).to(dtype)
+    got = _gemv(xw, (w,), row_scale=rn)
+    want = gemv_reference(rms_norm_reference(h.float(), gain.float(), eps=eps), (w,))
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+def test_several_row_steps_launch_no_rms_norm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several sequences (the LM head on the GEMV): a step launches no RMSNorm; the first
+    layer's input norm rides in the embedding gather, the others in the residual GEMVs
+    before them (``prenorm``), and all in the GEMVs after them (``row_scale``). The tokens
+    stay model.generate's."""
     import lmfuse.serving.fused as fused
 
     monkeypatch.setattr(fused, "LM_HEAD_MIN_FEATURES", 128)
@@ -292,9 +321,9 @@ def test_several_row_steps_launch_one_rms_norm(monkeypatch: pytest.MonkeyPatch) 
     got = gen.generate(PROMPTS, max_new_tokens=4, eos_token_id=[])
     assert got == [hf_greedy(model, p, 4) for p in PROMPTS]
     layers = model.config.num_hidden_layers
-    assert steps and set(steps) == {len(PROMPTS)} and norms == steps
-    # per step: QKV of layers 1.. (3 matrices), every gate/up (2), the LM head (1)
-    assert sorted(scaled) == sorted(([3] * (layers - 1) + [2] * layers + [1]) * len(steps))
+    assert steps and set(steps) == {len(PROMPTS)} and norms == []
+    # per step: every QKV (3 matrices), every gate/up (2), the LM head (1)
+    assert sorted(scaled) == sorted(([3] * layers + [2] * layers + [1]) * len(steps))
 
 
 @pytest.mark.parametrize("rows", [3, 17])
@@ -579,5 +608,11 @@ def test_lm_head_gemv_gives_torch_argmax_of_its_logits(rows: int) -> None:
     w2[200, 0] = float("inf")  # row 2: +inf at 200 (or NaN where x[2, 0] is 0 or < 0)
     y2, t2 = _gemv(x2, (w2,), argmax=True)
     assert t2.tolist() == torch.argmax(y2, -1).tolist()
+    # tokens=: written into the given buffer (a decode graph's ids, the next step's input)
+    buf = torch.full((rows, 1), -1, dtype=torch.int64)
+    _, t3 = _gemv(x2, (w2,), argmax=True, tokens=buf[:, 0])
+    assert t3.data_ptr() == buf.data_ptr() and buf[:, 0].tolist() == t2.tolist()
+    assert greedy(y2, out=buf[:, 0]).data_ptr() == buf.data_ptr()
+    assert buf[:, 0].tolist() == t2.tolist()
     with pytest.raises(ValueError, match="argmax"):
         _gemv(x, (w, w), argmax=True)

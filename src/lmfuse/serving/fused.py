@@ -41,10 +41,12 @@ to the model's dtype) and each tile's sums of squares of its rows (``prenorm``);
 that takes the norm's output (QKV, gate/up, the LM head) reads ``h * g`` as its operand
 and scales each row's products by ``rsqrt(mean(h^2) + eps)``, its tiles' sums added in
 order (``row_scale``). ``x @ W.T = r * ((h * g) @ W.T)``: one rounding of the operand as
-before, at another place. Only the first layer's input norm is launched (H100, whole
-steps, two rounds each: B16 0.818 / 0.826 -> 0.799 / 0.795 ms, B64 0.994 / 0.996 ->
-0.990 / 0.981). A last-tile reduction of the sums inside the residual GEMV (counted with
-an atomic) cost more than the norm's launch it saved (B64 0.99 -> 1.04 ms).
+before, at another place (H100, whole steps, two rounds each: B16 0.818 / 0.826 ->
+0.799 / 0.795 ms, B64 0.994 / 0.996 -> 0.990 / 0.981). The first layer's input norm is
+done the same way by the token embeddings' gather (``embed_kernel``), so no RMSNorm is
+launched (B16 0.797 / 0.796 -> 0.784 / 0.781 ms). A last-tile reduction of the sums
+inside the residual GEMV (counted with an atomic) cost more than the norm's launch it
+saved (B64 0.99 -> 1.04 ms).
 
 Math: float32 accumulation and element math, one rounding per stored tensor (the model's
 code rounds to its dtype between steps: the bf16 logits differ within rounding, not more).
@@ -230,19 +232,27 @@ class FusedDecoder:
     # --- the forward ------------------------------------------------------------------------
 
     def forward(self, ids: torch.Tensor, table: torch.Tensor, before: torch.Tensor,
-                after: torch.Tensor, argmax: bool = False) -> Any:
+                after: torch.Tensor, argmax: bool = False,
+                tokens: torch.Tensor | None = None) -> Any:
         """Logits ``[n, V]`` of one token per row: ``ids [n]`` at position ``before[n]``
         (its K/V written there), rows over ``block_table`` with ``after`` keys after the
         step. Padding rows (block -1, length 0) write and read nothing. ``argmax``:
         ``(logits, their greedy tokens)``, the tokens from the LM head's GEMV tiles where
-        it runs (no pass over the logits)."""
+        it runs (no pass over the logits), written into ``tokens`` (int64 ``[n]``) where
+        given: it may be ``ids`` itself (read before), so that a captured step's output is
+        the next step's input."""
         n = ids.shape[0]
         kernels = self.triton and n <= GEMV_MAX_ROWS
         lm_gemv = kernels and n > 1 and self.lm_bias is None and _lm_head_gemv(self.lm_head)
-        h = F.embedding(ids, self.embed)
-        # Several rows: (h * g, its RowNorm) of the next RMSNorm, left by the GEMV that wrote
-        # h (its prenorm epilogue) for the GEMV that takes the norm's output (row_scale).
+        # Several rows: (h * g, its RowNorm) of the next RMSNorm, left by the kernel that
+        # wrote h (the gather, a residual GEMV's prenorm epilogue) for the GEMV that takes
+        # the norm's output (row_scale).
         pre = None
+        if kernels and n > 1:
+            h, *pre = _embed(ids, self.embed, (self.layers[0].norm_in, self.layers[0].eps),
+                             self.pdl)
+        else:
+            h = F.embedding(ids, self.embed)
         for i, L in enumerate(self.layers):
             if kernels and n == 1:  # the input norm inside the GEMV (module docstring)
                 qkv = self._gemv(h, L.qkv, L.qkv_bias, norm=(L.norm_in, L.eps))
@@ -310,12 +320,13 @@ class FusedDecoder:
             # 198; bench/sweep_gemv.py --shapes lm_head); one row: cuBLAS (2.9 TB/s).
             x, rs = pre or (self._rms_norm(h, self.norm, self.norm_eps), None)
             if argmax:  # the greedy tokens from the GEMV's tiles
-                return self._gemv(x, (self.lm_head,), argmax=True, row_scale=rs)
+                return self._gemv(x, (self.lm_head,), argmax=True, row_scale=rs,
+                                  tokens=tokens)
             logits = self._gemv(x, (self.lm_head,), row_scale=rs)
         else:
             x = self._rms_norm(h, self.norm, self.norm_eps, self.pdl_tail)
             logits = F.linear(x, self.lm_head, self.lm_bias)
-        return (logits, greedy(logits)) if argmax else logits
+        return (logits, greedy(logits, out=tokens)) if argmax else logits
 
     def _rms_norm(self, h: torch.Tensor, w: torch.Tensor, eps: float,
                   pdl: int | None = None) -> torch.Tensor:
@@ -475,6 +486,38 @@ def prenorm_reference(h: torch.Tensor, g: torch.Tensor, eps: float
     return (hf * g.float()).to(h.dtype), torch.rsqrt(hf.square().mean(-1) + eps)
 
 
+def embed_prenorm_reference(ids: torch.Tensor, table: torch.Tensor, g: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference of ``embed_kernel`` with PRENORM: the rows ``h = table[ids]`` and
+    :func:`prenorm_reference`'s ``(h * g, rsqrt(mean(h^2) + eps))`` of them."""
+    h = table[ids.long()]
+    return (h, *prenorm_reference(h, g, eps))
+
+
+def _embed(ids: torch.Tensor, table: torch.Tensor,
+           prenorm: tuple[torch.Tensor, float] | None = None, pdl: int = 0) -> Any:
+    """The step's residual stream: a new ``[n, H]`` tensor of the rows ``table[ids]``
+    (``embed_kernel``; the engine checked the ids). ``prenorm = (g, eps)``: returns ``(h,
+    xw, rn)`` as ``_gemv``'s prenorm does, the first RMSNorm's work done in the gather."""
+    n, H = ids.shape[0], table.shape[1]
+    if table.stride(1) != 1 or n == 0:
+        h = table[ids.long()]
+        if prenorm is None:
+            return h
+        return h, prenorm_reference(h, *prenorm)[0], RowNorm(
+            h.float().square().sum(-1, keepdim=True), H, float(prenorm[1]))
+    h = torch.empty((n, H), dtype=table.dtype, device=table.device)
+    xw = ss = None
+    if prenorm is not None:
+        xw = torch.empty_like(h)
+        ss = torch.empty((n, 1), dtype=torch.float32, device=h.device)
+    _kernels().embed_kernel[(n,)](
+        ids, table, h if prenorm is None else prenorm[0], h, xw, ss, H, table.stride(0),
+        h.stride(0), BLOCK=min(next_pow2(H, 16), 2048), PRENORM=prenorm is not None,
+        PDL=pdl, num_warps=4, **_pdl.launch_options(pdl))
+    return h if prenorm is None else (h, xw, RowNorm(ss, H, float(prenorm[1])))
+
+
 #: Output features from which a matrix counts as an LM head (a vocabulary) for the GEMV.
 LM_HEAD_MIN_FEATURES = 65536
 
@@ -612,7 +655,7 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
           norm: tuple[torch.Tensor, float] | None = None,
           rope: RopeAppend | None = None, argmax: bool = False,
           prenorm: tuple[torch.Tensor, float] | None = None,
-          row_scale: RowNorm | None = None) -> Any:
+          row_scale: RowNorm | None = None, tokens: torch.Tensor | None = None) -> Any:
     """``gemv_kernel`` launched: a new ``[n, N]`` output, or ``residual`` updated in place.
     ``pdl``: with programmatic dependent launch (``lmfuse._pdl``). ``split_k``: programs
     per tile along K (default :func:`_gemv_split`'s; not with ``gated``, ``norm`` or
@@ -621,9 +664,10 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
     (:func:`rope_append_reference` of the float32 projections); returns the rotated
     queries ``[n, hq d]``. ``argmax`` (one matrix, no residual, not gated): returns ``(y,
     each row's argmax)``, int64 ``[n]`` as ``torch.argmax`` of ``y`` gives it (ties and NaN
-    included), taken from the tiles as they are stored. ``prenorm = (g, eps)`` (with
-    ``residual``, one matrix, not ``norm``): returns ``(h, xw, rn)``, the updated residual
-    stream, ``h * g`` and its :class:`RowNorm` (:func:`prenorm_reference`); ``row_scale``
+    included), taken from the tiles as they are stored, in ``tokens`` where given.
+    ``prenorm = (g, eps)`` (with ``residual``, one matrix, not ``norm``): returns ``(h, xw,
+    rn)``, the updated residual stream, ``h * g`` and its :class:`RowNorm`
+    (:func:`prenorm_reference`); ``row_scale``
     (a :class:`RowNorm`): each row's products scaled by its factor, so that ``_gemv(xw, W,
     row_scale=rn)`` is the GEMV of ``rms_norm(h)``."""
     if (gated or norm is not None or rope is not None) and split_k is not None \
@@ -654,7 +698,7 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
         if prenorm is not None:
             return y, prenorm_reference(y, *prenorm)[0], RowNorm(
                 y.float().square().sum(-1, keepdim=True), n_out, float(prenorm[1]))
-        return (y, torch.argmax(y, -1)) if argmax else y
+        return (y, torch.argmax(y, -1, out=tokens)) if argmax else y
     if residual is not None:
         y = residual
     else:
@@ -698,7 +742,7 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
         **_row_norm_args(ss, row_scale), ROW_SCALE=row_scale is not None,
         num_warps=warps, num_stages=stages, **_pdl.launch_options(pdl))
     if argmax:
-        return y, merge_argmax(aval, aidx, n_out)
+        return y, merge_argmax(aval, aidx, n_out, out=tokens, pdl=pdl)
     if prenorm is not None:
         return y, xw, RowNorm(ss, n_out, eps)
     return y

@@ -12,6 +12,8 @@
   gate two matrices (``silu(x @ Wg.T) * (x @ Wu.T)``: the gated MLP's two projections and
   its activation in one pass), do ``rope_append_kernel``'s work on the QKV projections
   (ROPE), or leave each tile's row maxima for the greedy tokens (ARGMAX).
+* ``embed_kernel``: the step's token embeddings gathered, with the first RMSNorm's work
+  (``h * g`` and the sums of squares) that ``gemv_kernel``'s PRENORM does for the others.
 
 Float32 accumulation and math; one rounding to the output dtype.
 """
@@ -407,9 +409,12 @@ def argmax_chunk_kernel(X, VAL, IDX, V, stride_x, chunk, num_chunks, BLOCK: tl.c
 
 
 @triton.jit
-def argmax_merge_kernel(VAL, IDX, OUT, num_chunks, V, BLOCK_C: tl.constexpr):
+def argmax_merge_kernel(VAL, IDX, OUT, num_chunks, V, BLOCK_C: tl.constexpr,
+                        PDL: tl.constexpr = 0):
     """Row ``r``'s argmax from its chunks' (in column order): the first NaN chunk's column,
     else the first chunk holding the largest value's."""
+    pdl_wait(PDL)
+    pdl_start(PDL)
     r = tl.program_id(0).to(tl.int64)
     cs = tl.arange(0, BLOCK_C)[None, :]
     m = cs < num_chunks
@@ -417,3 +422,29 @@ def argmax_merge_kernel(VAL, IDX, OUT, num_chunks, V, BLOCK_C: tl.constexpr):
     i = tl.load(IDX + r * num_chunks + cs, mask=m, other=V)
     _, best = _first_max(v, i, V)
     tl.store(OUT + r + tl.arange(0, 1), best.to(tl.int64))
+
+
+@triton.jit
+def embed_kernel(IDS, E, G, H, XW, SS, features, stride_e, stride_h, BLOCK: tl.constexpr,
+                 PRENORM: tl.constexpr, PDL: tl.constexpr = 0):
+    """Row ``r`` of the residual stream: ``H[r] = E[IDS[r]]`` (the token's embedding row);
+    PRENORM: also ``XW[r] = H[r] * G`` (the first RMSNorm's weight applied, one rounding)
+    and ``SS[r]`` the float32 sum of its squares, as ``gemv_kernel``'s PRENORM leaves them
+    for the GEMV after it (one tile)."""
+    pdl_wait(PDL)
+    pdl_start(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    src = E + tl.load(IDS + r).to(tl.int64) * stride_e
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for f0 in range(0, features, BLOCK):
+        cols = f0 + tl.arange(0, BLOCK)
+        m = cols < features
+        x = tl.load(src + cols, mask=m, other=0.0)
+        tl.store(H + r * stride_h + cols, x, mask=m)
+        if PRENORM:
+            xf = x.to(tl.float32)
+            g = tl.load(G + cols, mask=m, other=0.0).to(tl.float32)
+            tl.store(XW + r * stride_h + cols, (xf * g).to(XW.dtype.element_ty), mask=m)
+            acc += xf * xf
+    if PRENORM:
+        tl.store(SS + r + tl.arange(0, 1), tl.sum(acc, axis=0))

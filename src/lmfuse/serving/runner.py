@@ -430,8 +430,11 @@ class _DecodeGraph:
         def forward() -> torch.Tensor:
             if runner.fused is not None:  # (logits, greedy tokens)
                 with torch.inference_mode():
+                    # the tokens written over the ids (read first): a step run ahead on
+                    # the last one's tokens (ids=) needs no copy before its replay
                     return runner.fused.forward(self.ids[:, 0], self.table, self.before,
-                                                self.after, argmax=True)
+                                                self.after, argmax=True,
+                                                tokens=self.ids[:, 0])
             return runner._forward(self.ids, self.pos, ctx, 1)[:, -1]
 
         # The padding rows write nothing (block -1) and read nothing (length 0).
@@ -444,7 +447,8 @@ class _DecodeGraph:
         # fused layers read no positions but ``before``).
         positions = self.runner.fused is None
         if ids is not None:  # the tokens are on the device already; positions from the step
-            self.ids[:n, 0].copy_(ids)
+            if ids.data_ptr() != self.ids.data_ptr():  # else this graph's last output
+                self.ids[:n, 0].copy_(ids)
             if positions:
                 self.pos[:n, 0].copy_(step.seqlens_before)
         else:

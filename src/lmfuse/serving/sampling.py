@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .. import _pdl
 from .._dispatch import triton_available
 from .._launch import cdiv, lazy_kernels, next_pow2
 from .request import SamplingParams
@@ -75,16 +76,18 @@ def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     return x
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """``argmax(logits, -1)`` (the first of equal maxima; NaN counts as the largest). On
-    CUDA two Triton launches (:func:`argmax_rows`): one row's argmax alone keeps a few SMs
-    busy (36 us for a 128256-token vocabulary at batch 1 on an H100)."""
+def greedy(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``argmax(logits, -1)`` (the first of equal maxima; NaN counts as the largest), in
+    ``out`` (int64 ``[n]``) where given. On CUDA two Triton launches (:func:`argmax_rows`):
+    one row's argmax alone keeps a few SMs busy (36 us for a 128256-token vocabulary at
+    batch 1 on an H100)."""
     if logits.is_cuda and triton_available() and logits.shape[1] > 0:
-        return argmax_rows(logits)
-    return torch.argmax(logits, dim=-1)
+        return argmax_rows(logits, out=out)
+    return torch.argmax(logits, dim=-1, out=out)
 
 
-def argmax_rows(logits: torch.Tensor, block: int = 1024) -> torch.Tensor:
+def argmax_rows(logits: torch.Tensor, block: int = 1024,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """``argmax(logits, -1)`` of ``[n, V]`` (``V >= 1``, unit column stride) as int64
     ``[n]``, by Triton: the rows cut into chunks that about a thousand programs reduce side
     by side (each chunk's first maximum, NaN above everything), then one program a row
@@ -93,7 +96,8 @@ def argmax_rows(logits: torch.Tensor, block: int = 1024) -> torch.Tensor:
     n, V = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(n, dtype=torch.int64, device=logits.device)
     if n == 0:
         return out
     want = max(1, min(256, cdiv(1024, n)))  # chunks a row
@@ -107,17 +111,19 @@ def argmax_rows(logits: torch.Tensor, block: int = 1024) -> torch.Tensor:
 
 
 def merge_argmax(val: torch.Tensor, idx: torch.Tensor, V: int,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, pdl: int = 0) -> torch.Tensor:
     """Each row's argmax (int64 ``[n]``) from its chunks' first maxima ``val [n, chunks]``
     float32 and their columns ``idx`` int32, chunks in column order (NaN above everything):
     the second half of :func:`argmax_rows`, also what the decode step's LM-head GEMV leaves
-    (``_gemv(..., argmax=True)``)."""
+    (``_gemv(..., argmax=True)``; ``pdl``: launched with programmatic dependent launch,
+    ``lmfuse._pdl``)."""
     n, chunks = val.shape
     if out is None:
         out = torch.empty(n, dtype=torch.int64, device=val.device)
     if n:
         _kernels().argmax_merge_kernel[(n,)](val, idx, out, chunks, V,
-                                             BLOCK_C=next_pow2(chunks, 2), num_warps=1)
+                                             BLOCK_C=next_pow2(chunks, 2), PDL=pdl,
+                                             num_warps=1, **_pdl.launch_options(pdl))
     return out
 
 
