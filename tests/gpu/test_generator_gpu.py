@@ -307,6 +307,37 @@ def test_embedding_gather_and_greedy_head_with_pdl_in_a_graph(rows: int) -> None
         assert all(torch.equal(a, b) for a, b in zip(out, eager)), k
 
 
+def test_decode_step_inputs_and_tokens_cross_the_bus_on_the_compute_queue() -> None:
+    """A CUDA cache's ``reserve`` into pinned host memory (``out``): the step's tensors are
+    views of it with the values a device reserve gives; ``bus_copy`` brings them to the
+    GPU and a device tensor back to pinned memory on the current stream (a side stream
+    here, ordered after a kernel that writes the source)."""
+    from lmfuse.attention.kv_cache import PagedKVCache
+    from lmfuse.serving.runner import bus_copy, bus_copies
+
+    assert bus_copies(torch.device("cuda"))
+    caches = [PagedKVCache(num_blocks=64, block_len=16, kv_heads=2, head_dim=64,
+                           dtype=torch.bfloat16, device="cuda", num_layers=1) for _ in "ab"]
+    ids = [[c.add_sequence() for _ in range(5)] for c in caches]
+    for c, s in zip(caches, ids):
+        c.reserve(s, [40, 3, 16, 0, 77])
+    host = torch.empty(5 * (8 + 2), dtype=torch.int32, pin_memory=True)
+    got = caches[0].reserve(ids[0], 1, max_blocks=8, out=host)
+    want = caches[1].reserve(ids[1], 1, max_blocks=8)
+    dev = torch.full_like(host, -9, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        bus_copy(dev, host)
+        for a, b in zip(got[:3], want[:3]):
+            assert a.device.type == "cpu" and a.untyped_storage().data_ptr() == host.data_ptr()
+            assert torch.equal(a, b.cpu())
+        tokens = torch.arange(64, device="cuda") * 3  # written by a kernel just before
+        back = torch.empty(64, dtype=torch.int64, pin_memory=True)
+        bus_copy(back, tokens)
+    stream.synchronize()
+    assert torch.equal(dev.cpu(), host) and back.tolist() == list(range(0, 192, 3))
+
+
 @pytest.mark.parametrize("rows", [4, 64])
 @pytest.mark.parametrize("cache", ["bf16", "fp8"])
 def test_rotating_qkv_gemv_on_the_gpu(rows: int, cache: str) -> None:

@@ -616,3 +616,19 @@ def test_lm_head_gemv_gives_torch_argmax_of_its_logits(rows: int) -> None:
     assert buf[:, 0].tolist() == t2.tolist()
     with pytest.raises(ValueError, match="argmax"):
         _gemv(x, (w, w), argmax=True)
+
+
+@pytest.mark.parametrize("n,dtype", [(1, torch.int64), (37, torch.int32), (2500, torch.int32)])
+def test_bus_copy_copies_flat_tensors(n: int, dtype: torch.dtype) -> None:
+    """``bus_copy`` (the decode step's copies to and from pinned host memory on the GPU's
+    compute queue; here in the interpreter): the elements copied, several programs where
+    the tensor is long; tensors of other sizes or dtypes, or strided, are refused."""
+    from lmfuse.serving.runner import bus_copy
+
+    src = torch.randint(-5, 1 << 20, (n,), dtype=dtype)
+    dst = torch.full((n,), -1, dtype=dtype)
+    assert bus_copy(dst, src) is dst and torch.equal(dst, src)
+    strided = [torch.zeros(2 * n, dtype=dtype)[::2]] if n > 1 else []
+    for bad in [torch.zeros(n + 1, dtype=dtype), torch.zeros(n, dtype=torch.float32)] + strided:
+        with pytest.raises(ValueError, match="bus_copy"):
+            bus_copy(bad, src)

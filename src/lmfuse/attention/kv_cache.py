@@ -276,7 +276,9 @@ class PagedKVCache:
             out: a contiguous int32 vector of ``n * (max_blocks + 2)`` elements on the
                 cache's device that receives the step (``block_table``, ``seqlens_before``
                 and ``seqlens`` one after the other, as views of it): a CUDA graph's input
-                buffer, which the step's one copy then fills directly.
+                buffer, which the step's one copy then fills directly. For a CUDA cache it
+                may be pinned host memory instead, written on the host (no copy: the
+                step's tensors are then views of it, for the caller to bring over).
         Returns:
             A :class:`DecodeStep`: ``block_table [n, max_blocks]``, ``seqlens_before [n]``
             and ``seqlens [n]`` (int32, on the cache's device).
@@ -293,13 +295,18 @@ class PagedKVCache:
         width = self._width(op, max_blocks, widest)
         if out is not None and not (
                 isinstance(out, torch.Tensor) and out.dtype == torch.int32
-                and out.device == self.device and out.dim() == 1 and out.is_contiguous()
+                and (out.device == self.device or (self.device.type == "cuda"
+                                                   and out.device.type == "cpu"
+                                                   and out.is_pinned()))
+                and out.dim() == 1 and out.is_contiguous()
                 and out.numel() == len(ids) * (width + 2)):
             got = (f"{out.dtype} {tuple(out.shape)} on {out.device}"
                    if isinstance(out, torch.Tensor) else type(out).__name__)
+            where = f"{self.device}" + (" or pinned host memory" if self.device.type == "cuda"
+                                        else "")
             raise ValueError(f"{_OP}.{op}: out must be a contiguous int32 vector of n * "
-                             f"(width + 2) = {len(ids) * (width + 2)} elements on "
-                             f"{self.device}, got {got}")
+                             f"(width + 2) = {len(ids) * (width + 2)} elements on {where}, "
+                             f"got {got}")
         before = [self._lens[s] for s in ids]
         self._grow(ids, counts)
         return self._step(ids, width, before, tuple(counts), out)
@@ -417,12 +424,13 @@ class PagedKVCache:
         buf.extend(self._lens[s] for s in ids)
         packed = (torch.frombuffer(buf, dtype=torch.int32) if buf
                   else torch.empty(0, dtype=torch.int32))
-        if self.device.type == "cuda":  # from pinned memory the copy does not wait for the GPU
-            packed = packed.pin_memory()
-        if out is not None:
-            packed = out.copy_(packed, non_blocking=True)
+        if out is not None and out.device.type != self.device.type:  # pinned host memory
+            packed = out.copy_(packed)
         else:
-            packed = packed.to(self.device, non_blocking=True)
+            if self.device.type == "cuda":  # from pinned memory the copy does not wait
+                packed = packed.pin_memory()
+            packed = (out.copy_(packed, non_blocking=True) if out is not None
+                      else packed.to(self.device, non_blocking=True))
         table = packed[:n * width].view(n, width)
         return DecodeStep(table, packed[n * width:n * width + n], packed[n * width + n:],
                           tuple(ids), counts)

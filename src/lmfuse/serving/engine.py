@@ -14,7 +14,7 @@ from .._launch import KERNEL_DTYPES
 from ..attention.kv_cache import KVCacheFullError, PagedKVCache
 from .attention import ATTENTION_NAME, paged_attention
 from .request import OP, Request, SamplingParams, Status
-from .runner import ModelRunner
+from .runner import ModelRunner, bus_copies, bus_copy
 from .sharded import BatchShards, ContextShards
 from .sampling import sample
 from .scheduler import Scheduler
@@ -365,7 +365,7 @@ class Generator:
             return None
         tokens = self.runner.decode_ahead(reqs, step, ids=current.tokens)
         self._steps["decode"] += 1
-        return _Inflight.launch(list(reqs), tokens)
+        return _Inflight.launch(list(reqs), tokens, keep=out)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                  temperature: float = 0.0, top_k: int | None = None,
@@ -434,20 +434,26 @@ class Generator:
 
 class _Inflight:
     """A greedy decode step launched and not yet read: its requests (the batch's rows) and
-    its argmax tokens on the device, copied to pinned host memory behind an event."""
+    its argmax tokens on the device, copied to pinned host memory behind an event (on the
+    compute queue where :func:`bus_copies`). ``keep``: host memory the step reads on the
+    GPU (its pinned input buffer), held until the step is read."""
 
-    def __init__(self, requests: list[Request], tokens: torch.Tensor) -> None:
-        self.requests, self.tokens = requests, tokens
+    def __init__(self, requests: list[Request], tokens: torch.Tensor, keep: Any = None) -> None:
+        self.requests, self.tokens, self.keep = requests, tokens, keep
         self.host: torch.Tensor | None = None
         self.event: Any = None
         self.live = True  # some row's request still runs
 
     @classmethod
-    def launch(cls, requests: list[Request], tokens: torch.Tensor) -> _Inflight:
-        step = cls(requests, tokens)
+    def launch(cls, requests: list[Request], tokens: torch.Tensor,
+               keep: Any = None) -> _Inflight:
+        step = cls(requests, tokens, keep)
         if tokens.is_cuda:
             step.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            step.host.copy_(tokens, non_blocking=True)
+            if bus_copies(tokens.device) and tokens.is_contiguous():
+                bus_copy(step.host, tokens)
+            else:
+                step.host.copy_(tokens, non_blocking=True)
             step.event = torch.cuda.Event()
             step.event.record()
         return step
@@ -456,6 +462,7 @@ class _Inflight:
         if self.event is None:
             return self.tokens.tolist()
         self.event.synchronize()
+        self.keep = None  # the GPU is done with it
         return self.host.tolist()
 
     def drop_finished(self) -> None:

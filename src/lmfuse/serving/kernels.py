@@ -12,6 +12,8 @@
   gate two matrices (``silu(x @ Wg.T) * (x @ Wu.T)``: the gated MLP's two projections and
   its activation in one pass), do ``rope_append_kernel``'s work on the QKV projections
   (ROPE), or leave each tile's row maxima for the greedy tokens (ARGMAX).
+* ``copy_kernel``: a flat copy between the GPU and pinned host memory on the compute
+  queue (``runner.bus_copy``).
 * ``embed_kernel``: the step's token embeddings gathered, with the first RMSNorm's work
   (``h * g`` and the sums of squares) that ``gemv_kernel``'s PRENORM does for the others.
 
@@ -448,3 +450,12 @@ def embed_kernel(IDS, E, G, H, XW, SS, features, stride_e, stride_h, BLOCK: tl.c
             acc += xf * xf
     if PRENORM:
         tl.store(SS + r + tl.arange(0, 1), tl.sum(acc, axis=0))
+
+
+@triton.jit
+def copy_kernel(SRC, DST, numel, BLOCK: tl.constexpr):
+    """``DST[:numel] = SRC[:numel]`` (one dtype); either side may be pinned host memory,
+    read or written over the bus."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < numel
+    tl.store(DST + offs, tl.load(SRC + offs, mask=m), mask=m)
