@@ -452,10 +452,10 @@ def embed_kernel(IDS, E, G, H, XW, SS, features, stride_e, stride_h, BLOCK: tl.c
         tl.store(SS + r + tl.arange(0, 1), tl.sum(acc, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel"])
 def copy_kernel(SRC, DST, numel, BLOCK: tl.constexpr):
     """``DST[:numel] = SRC[:numel]`` (one dtype); either side may be pinned host memory,
-    read or written over the bus."""
+    read or written over the bus. One compilation a dtype: a serving step's sizes vary."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < numel
     tl.store(DST + offs, tl.load(SRC + offs, mask=m), mask=m)

@@ -71,8 +71,7 @@ def bus_copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
                          f"{tuple(dst.shape)} and {src.dtype} {tuple(src.shape)}")
     n = dst.numel()
     if n:
-        block = min(next_pow2(n, 16), 1024)
-        _kernels().copy_kernel[(cdiv(n, block),)](src, dst, n, BLOCK=block, num_warps=4)
+        _kernels().copy_kernel[(cdiv(n, 1024),)](src, dst, n, BLOCK=1024, num_warps=4)
     return dst
 
 
