@@ -29,6 +29,17 @@ def test_select_impl_reasons_name_the_cause() -> None:
     assert "reference" in select_impl("op_x", "torch", CPU)[1].lower()
 
 
+def test_interpreter_state_follows_the_environment_as_it_changes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read at every call (through os.environ's backing dict): set, changed, removed."""
+    for value, want in (("1", True), (" ON ", True), ("0", False), ("yes", True),
+                        ("no", False)):
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+        assert interpreter_active() is want, value
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert interpreter_active() is False
+
+
 @pytest.mark.parametrize("impl", ["cuda", "TRITON", "", None, 1], ids=repr)
 def test_select_impl_bad_impl_raises_naming_it(impl: object) -> None:
     with pytest.raises(ValueError, match=r"op_x: impl must be one of") as exc:
