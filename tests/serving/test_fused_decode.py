@@ -559,6 +559,30 @@ def test_lookahead_runs_ahead_and_gives_the_same_tokens() -> None:
         assert gen.cache.num_free_blocks == 48
 
 
+def test_a_step_dropped_unread_keeps_its_input_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The request ends on an end-of-sequence token while the next step runs ahead: that
+    step is dropped unread but held, with the buffer its inputs were written to (on a GPU
+    pinned memory a copy kernel may not have read yet), until close() waits for it."""
+    model = _model("llama")
+    full = hf_greedy(model, PROMPTS[0], 8)
+    eos = full[2]
+    gen = Generator(model, block_len=4, num_blocks=48, impl="torch")
+    bufs = []
+
+    def step_buffer(n, width):
+        if width is None:
+            return None
+        bufs.append(torch.empty(n * (width + 2), dtype=torch.int32))
+        return bufs[-1]
+
+    monkeypatch.setattr(gen.runner, "step_buffer", step_buffer)
+    assert gen.generate([PROMPTS[0]], max_new_tokens=8, eos_token_id=eos) == [full[:3]]
+    assert gen._inflight is None and gen._retired is not None
+    assert bufs and gen._retired.keep is bufs[-1]
+    gen.close()
+    assert gen._retired is None and gen._inflight is None
+
+
 def test_abort_and_eos_while_a_step_runs_ahead() -> None:
     """A request aborted, and one ending on an end-of-sequence token, while the next step
     is already launched: their extra tokens are dropped, the others' tokens are HF's, and

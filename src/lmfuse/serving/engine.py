@@ -142,6 +142,9 @@ class Generator:
         self._steps = {"prefill": 0, "decode": 0}
         self._closed = False
         self._inflight: _Inflight | None = None  # a decode step launched, not yet read
+        # One launched and dropped unread (its requests all finished): held, with the pinned
+        # input its GPU copy reads, until a later step's read has waited past it.
+        self._retired: _Inflight | None = None
         #: Greedy decode steps run one ahead (see :meth:`step`); False: each step is read
         #: before the next is prepared (for hooks that inspect every step's logits).
         self.lookahead = True
@@ -178,9 +181,10 @@ class Generator:
     def close(self) -> None:
         """Drop every request, the captured graphs and the block pool (their memory goes back
         to PyTorch's allocator); the Generator cannot be used afterwards."""
-        if self._inflight is not None:
-            self._inflight.read()
-            self._inflight = None
+        for step in (self._retired, self._inflight):
+            if step is not None:
+                step.read()
+        self._inflight = self._retired = None
         for rid in list(self._requests):
             self.abort(rid)
         self.runner._graphs.clear()
@@ -303,7 +307,7 @@ class Generator:
         if self._inflight is not None:  # requests that just finished have no next token
             self._inflight.drop_finished()
             if not self._inflight.live:
-                self._inflight = None
+                self._retired, self._inflight = self._inflight, None
         return out
 
     def _run(self, batch: Any) -> list[tuple[int, list[int], bool]]:

@@ -77,8 +77,9 @@ def bus_copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 
 def bus_copies(device: torch.device) -> bool:
     """Whether copies between ``device`` and pinned host memory around decode steps go
-    through :func:`bus_copy` (a CUDA device and the Triton compiler)."""
-    return device.type == "cuda" and triton_available() and not interpreter_active()
+    through :func:`bus_copy` (a CUDA device, the current one, and the Triton compiler)."""
+    return (device.type == "cuda" and triton_available() and not interpreter_active()
+            and device.index in (None, torch.cuda.current_device()))
 
 
 class ModelRunner:
