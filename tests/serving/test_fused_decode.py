@@ -286,6 +286,13 @@ def test_embedding_gather_leaves_the_first_norm_to_the_gemv_after_it(
     want = gemv_reference(rms_norm_reference(h.float(), gain.float(), eps=eps), (w,))
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    # a table with strided columns, and no rows: the same outputs without the kernel
+    strided = torch.empty(11, 2 * H, dtype=dtype)[:, ::2].copy_(table)
+    h2, xw2, rn2 = _embed(ids, strided, (gain, eps))
+    assert torch.equal(h2, h) and torch.equal(xw2, xw)
+    torch.testing.assert_close(rn2.scale(), rn.scale(), rtol=1e-6, atol=0)
+    h0, xw0, rn0 = _embed(ids[:0], table, (gain, eps))
+    assert h0.shape == xw0.shape == (0, H) and rn0.ss.shape == (0, 1)
 
 
 def test_several_row_steps_launch_no_rms_norm(monkeypatch: pytest.MonkeyPatch) -> None:
