@@ -38,6 +38,10 @@ def test_interpreter_state_follows_the_environment_as_it_changes(
         assert interpreter_active() is want, value
     monkeypatch.delenv("TRITON_INTERPRET")
     assert interpreter_active() is False
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import os
+    monkeypatch.setattr(os, "environ", {"TRITON_INTERPRET": "0"})  # os.environ replaced
+    assert interpreter_active() is False
 
 
 @pytest.mark.parametrize("impl", ["cuda", "TRITON", "", None, 1], ids=repr)

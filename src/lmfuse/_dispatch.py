@@ -42,8 +42,9 @@ def triton_available() -> bool:
 
 # CPython's dict behind os.environ (kept in step with it by os.environ's own methods) and
 # the variable's key in it: read directly, a lookup costs 0.05 us against os.environ.get's
-# 0.5, which every CPU fast path of the ops pays once a call. Elsewhere, and while
-# torch.compile traces, os.environ.get.
+# 0.5, which every CPU fast path of the ops pays once a call. Elsewhere, with os.environ
+# replaced (a mock), and while torch.compile traces, os.environ.get.
+_ENVIRON = os.environ
 _ENV_DATA = getattr(os.environ, "_data", None)
 _INTERPRET_KEY = (os.environ.encodekey("TRITON_INTERPRET")
                   if _ENV_DATA is not None and hasattr(os.environ, "encodekey") else None)
@@ -51,7 +52,8 @@ _INTERPRET_KEY = (os.environ.encodekey("TRITON_INTERPRET")
 
 def interpreter_active() -> bool:
     """True when Triton kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
-    if _INTERPRET_KEY is not None and not torch.compiler.is_compiling():
+    if (_INTERPRET_KEY is not None and os.environ is _ENVIRON
+            and not torch.compiler.is_compiling()):
         raw = _ENV_DATA.get(_INTERPRET_KEY)
         return raw is not None and _truthy(raw)
     return _truthy(os.environ.get("TRITON_INTERPRET", "0"))

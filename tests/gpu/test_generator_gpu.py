@@ -326,6 +326,7 @@ def test_decode_step_inputs_and_tokens_cross_the_bus_on_the_compute_queue() -> N
     want = caches[1].reserve(ids[1], 1, max_blocks=8)
     dev = torch.full_like(host, -9, device="cuda")
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # dev's fill, want's copies
     with torch.cuda.stream(stream):
         bus_copy(dev, host)
         for a, b in zip(got[:3], want[:3]):

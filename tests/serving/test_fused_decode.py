@@ -276,6 +276,7 @@ def test_embedding_gather_leaves_the_first_norm_to_the_gemv_after_it(
     gain, eps = (1 + torch.randn(H, generator=g) / 4).to(dtype), 1e-5
     h = _embed(ids, table)
     assert torch.equal(h, table[ids]) and h.data_ptr() != table.data_ptr()
+    assert torch.equal(_embed(torch.stack([ids, ids.flip(0)], 1)[:, 0], table), table[ids])
     h, xw, rn = _embed(ids.to(torch.int32), table, (gain, eps))
     want_h, want_xw, want_rs = embed_prenorm_reference(ids, table, gain, eps)
     assert torch.equal(h, want_h) and torch.equal(xw, want_xw)
@@ -645,6 +646,10 @@ def test_lm_head_gemv_gives_torch_argmax_of_its_logits(rows: int) -> None:
     assert t3.data_ptr() == buf.data_ptr() and buf[:, 0].tolist() == t2.tolist()
     assert greedy(y2, out=buf[:, 0]).data_ptr() == buf.data_ptr()
     assert buf[:, 0].tolist() == t2.tolist()
+    for bad in (torch.empty(rows, 2, dtype=torch.int64)[:, 0],
+                torch.empty(rows, dtype=torch.int32), torch.empty(rows + 1, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="merge_argmax: out must be"):
+            _gemv(x2, (w2,), argmax=True, tokens=bad)
     with pytest.raises(ValueError, match="argmax"):
         _gemv(x, (w, w), argmax=True)
 

@@ -38,7 +38,9 @@ class KVCacheFullError(RuntimeError):
 class DecodeStep(NamedTuple):
     """What one :meth:`PagedKVCache.reserve` made room for, for ``n`` sequences.
 
-    The tensors are on the cache's device; ``seq_ids`` and ``num_tokens`` are host values.
+    The tensors are on the cache's device (views of pinned host memory where
+    :meth:`PagedKVCache.reserve` was given such an ``out``); ``seq_ids`` and ``num_tokens``
+    are host values.
     A step stays valid until one of its sequences is reserved again, truncated or freed.
     """
 
@@ -281,7 +283,8 @@ class PagedKVCache:
                 step's tensors are then views of it, for the caller to bring over).
         Returns:
             A :class:`DecodeStep`: ``block_table [n, max_blocks]``, ``seqlens_before [n]``
-            and ``seqlens [n]`` (int32, on the cache's device).
+            and ``seqlens [n]`` (int32, on the cache's device, or views of a pinned
+            ``out``).
         Raises:
             KVCacheFullError: if the blocks needed (new ones plus copy-on-write copies of
                 shared partial blocks) exceed the free ones; nothing is changed then.

@@ -447,6 +447,7 @@ class _Inflight:
         self.host: torch.Tensor | None = None
         self.event: Any = None
         self.live = True  # some row's request still runs
+        self.read_done = False
 
     @classmethod
     def launch(cls, requests: list[Request], tokens: torch.Tensor,
@@ -459,15 +460,25 @@ class _Inflight:
             else:
                 step.host.copy_(tokens, non_blocking=True)
             step.event = torch.cuda.Event()
-            step.event.record()
+            step.event.record(torch.cuda.current_stream(tokens.device))
         return step
 
     def read(self) -> list[int]:
         if self.event is None:
             return self.tokens.tolist()
         self.event.synchronize()
-        self.keep = None  # the GPU is done with it
+        self.keep, self.read_done = None, True  # the GPU is done with it
         return self.host.tolist()
+
+    def __del__(self) -> None:
+        # Pinned memory the GPU reads or writes by bus_copy, unknown to PyTorch's pinned
+        # allocator: not handed back (to be reused) before the step is done, even when the
+        # step is dropped unread (an exception, a Generator never closed).
+        if self.event is not None and not self.read_done:
+            try:
+                self.event.synchronize()
+            except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to protect
+                pass
 
     def drop_finished(self) -> None:
         """Forget the rows whose requests are no longer running (their tokens are

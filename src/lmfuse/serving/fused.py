@@ -500,6 +500,8 @@ def _embed(ids: torch.Tensor, table: torch.Tensor,
     (``embed_kernel``; the engine checked the ids). ``prenorm = (g, eps)``: returns ``(h,
     xw, rn)`` as ``_gemv``'s prenorm does, the first RMSNorm's work done in the gather."""
     n, H = ids.shape[0], table.shape[1]
+    if ids.stride(0) != 1:
+        ids = ids.contiguous()
     if table.stride(1) != 1 or n == 0:
         h = table[ids.long()]
         if prenorm is None:

@@ -12,13 +12,14 @@ CUDA graphs (``cuda_graphs=True`` on a CUDA device): a decode forward is capture
 capture's split-KV layout suits the lengths it serves. A step copies its token ids,
 positions, block table and lengths into the graph's static buffers (rows past the batch
 get block -1 and length 0: they write nothing and attend over nothing), replays, and reads
-the logits of its rows. A greedy step run ahead on a CUDA device moves its inputs and its
-tokens through pinned host memory by small Triton copies on the compute queue
-(:func:`bus_copy`), its input tokens being the last replay's own output: the GPU idles
-about 9 us between steps instead of 13-28 with copy-engine transfers (H100, B64: steps
-0.979 -> 0.970 ms). In the captured forward the RMSNorms and gated MLPs of the families
-``apply_lmfuse`` supports run lmfuse's fused kernels (``fused_norms_and_mlps``; the model
-is as before afterwards), mixture-of-experts experts ``lmfuse.moe_experts`` where
+the logits of its rows. A greedy step of the fused decode layers run ahead in a full batch
+bucket whose graph is captured moves its inputs and its tokens through pinned host memory
+by small Triton copies on the compute queue (:func:`bus_copy`), its input tokens being the
+last replay's own output: the GPU idles about 9 us between steps instead of 13-28 with
+copy-engine transfers (H100, B64: steps 0.979 -> 0.970 ms). Other steps copy as before.
+In the captured forward the RMSNorms and gated MLPs of the families ``apply_lmfuse``
+supports run lmfuse's fused kernels (``fused_norms_and_mlps``; the model is as before
+afterwards), mixture-of-experts experts ``lmfuse.moe_experts`` where
 ``apply_lmfuse`` takes them (Mixtral, Qwen2/3-MoE, OLMoE, Granite-MoE, GPT-OSS), and other
 experts transformers' capturable ``batched_mm`` implementation.
 A model whose decode forward cannot be captured (a host sync in it) falls back to eager
@@ -59,16 +60,21 @@ _kernels = lazy_kernels("kernels", __package__)
 
 def bus_copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """``dst.copy_(src)`` by a Triton kernel on the current stream, for contiguous tensors
-    of one dtype and size of which one may be pinned host memory (the other on the GPU):
-    the copy stays on the GPU's compute queue. A copy-engine transfer between a decode
-    step's kernels costs a hand-over each way (H100, B64 steps profiled: the tokens'
-    device-to-host copy began 2-9 us after the step's last kernel, the next step's inputs'
-    host-to-device copy 2-10 us after that, its first kernel 2-6 us after that: 13-28 us
-    idle a step)."""
+    of one dtype and size, each on the current CUDA device or in pinned host memory: the
+    copy stays on the GPU's compute queue (nothing tells PyTorch's pinned-memory allocator
+    of it: the caller keeps the host side alive until the stream has passed the copy). A
+    copy-engine transfer between a decode step's kernels costs a hand-over each way (H100,
+    B64 steps profiled: the tokens' device-to-host copy began 2-9 us after the step's last
+    kernel, the next step's inputs' host-to-device copy 2-10 us after that, its first
+    kernel 2-6 us after that: 13-28 us idle a step)."""
     if (dst.dtype != src.dtype or dst.numel() != src.numel() or not dst.is_contiguous()
             or not src.is_contiguous()):
         raise ValueError(f"bus_copy: contiguous tensors of one dtype and size, got {dst.dtype} "
                          f"{tuple(dst.shape)} and {src.dtype} {tuple(src.shape)}")
+    if any(t.is_cuda and t.device.index != torch.cuda.current_device() for t in (dst, src)):
+        raise ValueError(f"bus_copy: CUDA tensors on the current device "
+                         f"(cuda:{torch.cuda.current_device()}), got {dst.device} and "
+                         f"{src.device}")
     n = dst.numel()
     if n:
         _kernels().copy_kernel[(cdiv(n, 1024),)](src, dst, n, BLOCK=1024, num_warps=4)
@@ -258,15 +264,18 @@ class ModelRunner:
         ``width`` blocks that a captured decode graph will replay: the graph's input buffer
         where it holds exactly such a step (a full batch bucket, the graph captured
         already); on a CUDA device with the Triton compiler a new pinned host buffer
-        instead, which the replay copies in on the compute queue (:func:`bus_copy`; keep
-        it alive until the step has been read). None otherwise."""
+        instead for the fused decode layers, which the replay copies in on the compute
+        queue (:func:`bus_copy`; keep it alive until the step has been read). None
+        otherwise."""
         if (self.sharded or not self.graphs_on or width is None or n > self.max_batch
                 or _bucket(n, self.max_batch) != n):
             return None
         graph = self._graphs.get((n, width))
         if not isinstance(graph, _DecodeGraph):
             return None
-        if bus_copies(self.device):
+        # (the fused layers only: the model's own forward also copies the positions, which
+        # from host memory would wait for the stream)
+        if self.fused is not None and bus_copies(self.device):
             return torch.empty(graph.packed.shape, dtype=torch.int32, pin_memory=True)
         return graph.packed
 
@@ -470,10 +479,14 @@ class _DecodeGraph:
             if runner.fused is not None:  # (logits, greedy tokens)
                 with torch.inference_mode():
                     # the tokens written over the ids (read first): a step run ahead on
-                    # the last one's tokens (ids=) needs no copy before its replay
-                    return runner.fused.forward(self.ids[:, 0], self.table, self.before,
-                                                self.after, argmax=True,
-                                                tokens=self.ids[:, 0])
+                    # the last one's tokens (ids=) needs no copy before its replay. Not
+                    # where the LM head has more rows than the embedding table: the
+                    # padding rows' tokens are gathered by the next replay too.
+                    fused = runner.fused
+                    alias = fused.lm_head.shape[0] <= fused.embed.shape[0]
+                    return fused.forward(self.ids[:, 0], self.table, self.before,
+                                         self.after, argmax=True,
+                                         tokens=self.ids[:, 0] if alias else None)
             return runner._forward(self.ids, self.pos, ctx, 1)[:, -1]
 
         # The padding rows write nothing (block -1) and read nothing (length 0).

@@ -120,6 +120,9 @@ def merge_argmax(val: torch.Tensor, idx: torch.Tensor, V: int,
     n, chunks = val.shape
     if out is None:
         out = torch.empty(n, dtype=torch.int64, device=val.device)
+    elif out.shape != (n,) or out.dtype != torch.int64 or out.stride(0) != 1:
+        raise ValueError(f"merge_argmax: out must be a contiguous int64 [{n}], got "
+                         f"{out.dtype} {tuple(out.shape)} of strides {out.stride()}")
     if n:
         _kernels().argmax_merge_kernel[(n,)](val, idx, out, chunks, V,
                                              BLOCK_C=next_pow2(chunks, 2), PDL=pdl,
