@@ -567,28 +567,45 @@ def test_lookahead_runs_ahead_and_gives_the_same_tokens() -> None:
         assert gen.cache.num_free_blocks == 48
 
 
-def test_a_step_dropped_unread_keeps_its_input_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_step_dropped_unread_waits_for_its_event(monkeypatch: pytest.MonkeyPatch) -> None:
     """The request ends on an end-of-sequence token while the next step runs ahead: that
-    step is dropped unread but held, with the buffer its inputs were written to (on a GPU
-    pinned memory a copy kernel may not have read yet), until close() waits for it."""
+    step is dropped unread, and when it is collected it waits for its event first (on a
+    GPU its pinned input and token buffers may still be in use by its copy kernels); a
+    step that was read does not wait again."""
+    import lmfuse.serving.engine as engine
+
+    waited = []
+
+    class Event:  # what torch.cuda.Event gives a step on a GPU
+        def synchronize(self):
+            waited.append(self)
+
+    launch = engine._Inflight.launch
+
+    def launch_with_event(requests, tokens, keep=None):
+        step = launch(requests, tokens, keep)
+        step.event, step.host = Event(), tokens.clone()
+        return step
+
+    monkeypatch.setattr(engine._Inflight, "launch", staticmethod(launch_with_event))
     model = _model("llama")
     full = hf_greedy(model, PROMPTS[0], 8)
     eos = full[2]
     gen = Generator(model, block_len=4, num_blocks=48, impl="torch")
-    bufs = []
-
-    def step_buffer(n, width):
-        if width is None:
-            return None
-        bufs.append(torch.empty(n * (width + 2), dtype=torch.int32))
-        return bufs[-1]
-
-    monkeypatch.setattr(gen.runner, "step_buffer", step_buffer)
+    launched = []
+    real_chain = gen._chain
+    monkeypatch.setattr(gen, "_chain", lambda cur: launched.append(real_chain(cur)) or
+                        launched[-1])
     assert gen.generate([PROMPTS[0]], max_new_tokens=8, eos_token_id=eos) == [full[:3]]
-    assert gen._inflight is None and gen._retired is not None
-    assert bufs and gen._retired.keep is bufs[-1]
-    gen.close()
-    assert gen._retired is None and gen._inflight is None
+    assert gen._inflight is None
+    steps = [s for s in launched if s is not None]
+    dropped = [s for s in steps if not s.read_done]
+    assert len(dropped) == 1 and len(steps) > 1  # the step after the end-of-sequence token
+    events = [s.event for s in steps]
+    assert [waited.count(e) for e in events] == [0 if s in dropped else 1 for s in steps]
+    launched.clear()
+    del steps, dropped
+    assert [waited.count(e) for e in events] == [1] * len(events)  # the dropped one waited
 
 
 def test_abort_and_eos_while_a_step_runs_ahead() -> None:

@@ -142,9 +142,6 @@ class Generator:
         self._steps = {"prefill": 0, "decode": 0}
         self._closed = False
         self._inflight: _Inflight | None = None  # a decode step launched, not yet read
-        # One launched and dropped unread (its requests all finished): held, with the pinned
-        # input its GPU copy reads, until a later step's read has waited past it.
-        self._retired: _Inflight | None = None
         #: Greedy decode steps run one ahead (see :meth:`step`); False: each step is read
         #: before the next is prepared (for hooks that inspect every step's logits).
         self.lookahead = True
@@ -181,10 +178,9 @@ class Generator:
     def close(self) -> None:
         """Drop every request, the captured graphs and the block pool (their memory goes back
         to PyTorch's allocator); the Generator cannot be used afterwards."""
-        for step in (self._retired, self._inflight):
-            if step is not None:
-                step.read()
-        self._inflight = self._retired = None
+        if self._inflight is not None:
+            self._inflight.read()
+            self._inflight = None
         for rid in list(self._requests):
             self.abort(rid)
         self.runner._graphs.clear()
@@ -307,7 +303,7 @@ class Generator:
         if self._inflight is not None:  # requests that just finished have no next token
             self._inflight.drop_finished()
             if not self._inflight.live:
-                self._retired, self._inflight = self._inflight, None
+                self._inflight = None  # (unread: see _Inflight.__del__)
         return out
 
     def _run(self, batch: Any) -> list[tuple[int, list[int], bool]]:
@@ -440,7 +436,9 @@ class _Inflight:
     """A greedy decode step launched and not yet read: its requests (the batch's rows) and
     its argmax tokens on the device, copied to pinned host memory behind an event (on the
     compute queue where :func:`bus_copies`). ``keep``: host memory the step reads on the
-    GPU (its pinned input buffer), held until the step is read."""
+    GPU (its pinned input buffer), held until the step is read. A step dropped unread (its
+    requests all finished) waits for its event when it is collected: its pinned buffers are
+    unknown to PyTorch's pinned allocator, which would hand them out again at once."""
 
     def __init__(self, requests: list[Request], tokens: torch.Tensor, keep: Any = None) -> None:
         self.requests, self.tokens, self.keep = requests, tokens, keep
@@ -471,9 +469,6 @@ class _Inflight:
         return self.host.tolist()
 
     def __del__(self) -> None:
-        # Pinned memory the GPU reads or writes by bus_copy, unknown to PyTorch's pinned
-        # allocator: not handed back (to be reused) before the step is done, even when the
-        # step is dropped unread (an exception, a Generator never closed).
         if self.event is not None and not self.read_done:
             try:
                 self.event.synchronize()

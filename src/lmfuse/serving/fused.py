@@ -494,6 +494,14 @@ def embed_prenorm_reference(ids: torch.Tensor, table: torch.Tensor, g: torch.Ten
     return (h, *prenorm_reference(h, g, eps))
 
 
+def _prenorm_unfused(h: torch.Tensor, prenorm: tuple[torch.Tensor, float]
+                     ) -> tuple[torch.Tensor, RowNorm]:
+    """``(h * g, its RowNorm)`` of the stored ``h [n, H]`` by torch ops (one sum a row),
+    where a kernel that would leave them does not run."""
+    return prenorm_reference(h, *prenorm)[0], RowNorm(
+        h.float().square().sum(-1, keepdim=True), h.shape[1], float(prenorm[1]))
+
+
 def _embed(ids: torch.Tensor, table: torch.Tensor,
            prenorm: tuple[torch.Tensor, float] | None = None, pdl: int = 0) -> Any:
     """The step's residual stream: a new ``[n, H]`` tensor of the rows ``table[ids]``
@@ -504,17 +512,14 @@ def _embed(ids: torch.Tensor, table: torch.Tensor,
         ids = ids.contiguous()
     if table.stride(1) != 1 or n == 0:
         h = table[ids.long()]
-        if prenorm is None:
-            return h
-        return h, prenorm_reference(h, *prenorm)[0], RowNorm(
-            h.float().square().sum(-1, keepdim=True), H, float(prenorm[1]))
+        return h if prenorm is None else (h, *_prenorm_unfused(h, prenorm))
     h = torch.empty((n, H), dtype=table.dtype, device=table.device)
     xw = ss = None
     if prenorm is not None:
         xw = torch.empty_like(h)
         ss = torch.empty((n, 1), dtype=torch.float32, device=h.device)
     _kernels().embed_kernel[(n,)](
-        ids, table, h if prenorm is None else prenorm[0], h, xw, ss, H, table.stride(0),
+        ids, table, None if prenorm is None else prenorm[0], h, xw, ss, H, table.stride(0),
         h.stride(0), BLOCK=min(next_pow2(H, 16), 2048), PRENORM=prenorm is not None,
         PDL=pdl, num_warps=4, **_pdl.launch_options(pdl))
     return h if prenorm is None else (h, xw, RowNorm(ss, H, float(prenorm[1])))
@@ -698,8 +703,7 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
         y = _gemv_fallback(x, weights, biases, residual, gated, norm,
                            None if row_scale is None else row_scale.scale())
         if prenorm is not None:
-            return y, prenorm_reference(y, *prenorm)[0], RowNorm(
-                y.float().square().sum(-1, keepdim=True), n_out, float(prenorm[1]))
+            return (y, *_prenorm_unfused(y, prenorm))
         return (y, torch.argmax(y, -1, out=tokens)) if argmax else y
     if residual is not None:
         y = residual
@@ -751,12 +755,12 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
 
 
 def _row_norm_args(ss: torch.Tensor | None, rn: RowNorm | None) -> dict[str, Any]:
-    """``gemv_kernel``'s arguments for the sums of squares ``ss`` it writes (PRENORM) or
-    the :class:`RowNorm` it reads (ROW_SCALE)."""
+    """``gemv_kernel``'s arguments for the sums of squares ``ss`` it writes (PRENORM, one
+    column a program along N) or the :class:`RowNorm` it reads (ROW_SCALE)."""
     if rn is not None:
         return dict(SS=rn.ss, ss_tiles=rn.ss.shape[1], norm_n=rn.features,
                     BLOCK_T=next_pow2(rn.ss.shape[1], 1))
-    return dict(SS=ss, ss_tiles=1 if ss is None else ss.shape[1])
+    return dict(SS=ss)
 
 
 def _gemv_rope(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any,

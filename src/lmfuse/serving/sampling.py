@@ -89,10 +89,10 @@ def greedy(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
 def argmax_rows(logits: torch.Tensor, block: int = 1024,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """``argmax(logits, -1)`` of ``[n, V]`` (``V >= 1``, unit column stride) as int64
-    ``[n]``, by Triton: the rows cut into chunks that about a thousand programs reduce side
-    by side (each chunk's first maximum, NaN above everything), then one program a row
-    takes the first chunk holding the row's best. Exactly ``torch.argmax``, ties and NaN
-    included."""
+    ``[n]`` (in ``out`` where given), by Triton: the rows cut into chunks that about a
+    thousand programs reduce side by side (each chunk's first maximum, NaN above
+    everything), then one program a row takes the first chunk holding the row's best.
+    Exactly ``torch.argmax``, ties and NaN included."""
     n, V = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
