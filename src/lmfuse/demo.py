@@ -720,7 +720,8 @@ def generate_lmfuse(llama: Any, prompts: list[list[int]], new_tokens: int, *,
             gen.generate(prompts, max_new_tokens=new_tokens, eos_token_id=[])))
         sampled = (gen.generate(prompts, max_new_tokens=new_tokens, temperature=temperature,
                                 seed=seed, eos_token_id=[]) if sample else None)
-        graphs, failure = gen.stats["cuda_graphs"], gen.runner.graph_failure
+        st = gen.stats
+        graphs, failure = st["cuda_graphs"] - st["prefill_graphs"], gen.runner.graph_failure
     finally:
         gen.close()
     return Decoded(tokens, len(prompts) * new_tokens / elapsed, _memory_peak(device, mark),

@@ -119,6 +119,41 @@ def test_bf16_decode_logits_and_greedy_agreement() -> None:
     assert worst <= BF16_LOGITS_TOL, report
 
 
+def test_prefill_graphs_replay_the_eager_prefill() -> None:
+    """Fused prefills captured per (tokens, sequences, width) bucket give the logits of the
+    same padded prefill run eagerly (bitwise), and the model's own forward's within the
+    stated tolerance; the first tokens are their argmax."""
+    model = _bf16_model()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 32000, (n,), generator=g).tolist() for n in (1, 17, 200, 513)]
+    runs = {}
+    for graphs in (True, False):
+        gen = Generator(model, block_len=16, num_blocks=1024, cuda_graphs=graphs)
+        gen.runner.pad_prefill = True
+        seen: list[torch.Tensor] = []
+        prefill = gen.runner.prefill
+
+        def recording(*args, **kwargs):
+            logits = prefill(*args, **kwargs)
+            seen.append(logits.clone())
+            return logits
+
+        gen.runner.prefill = recording
+        first = gen.generate(prompts, max_new_tokens=1, eos_token_id=[])
+        runs[graphs] = seen, first, gen.stats
+    (graph, first, stats), (eager, first_eager, _) = runs[True], runs[False]
+    assert stats["graph_failures"] == 0 and stats["prefill_steps"] == 1
+    assert stats["cuda_graphs"] == stats["prefill_graphs"] == 1  # no decode step
+    assert len(graph) == len(eager) == 1 and torch.equal(graph[0], eager[0])
+    assert first == first_eager == [[int(t)] for t in graph[0].float().argmax(-1)]
+    for i, p in enumerate(prompts):
+        with torch.inference_mode():
+            ref = model(input_ids=torch.tensor([p], device="cuda"),
+                        use_cache=False).logits[0, -1].float()
+        err = float((graph[0][i].float() - ref).abs().max() / ref.abs().max())
+        assert err <= BF16_LOGITS_TOL, (len(p), err)
+
+
 @pytest.mark.parametrize("n,V", [(1, 128256), (64, 128256), (3, 50001), (300, 1000)])
 def test_greedy_argmax_kernel_is_torch_argmax(n, V):
     """The decode step's Triton argmax (``sampling.argmax_rows``) at vocabulary sizes: the

@@ -305,20 +305,27 @@ def test_several_row_steps_launch_no_rms_norm(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(fused, "LM_HEAD_MIN_FEATURES", 128)
     model = tiny_causal_lm("llama", vocab_size=256)
-    norms, steps, scaled = [], [], []
+    norms, steps, scaled, prefills = [], [], [], []
     real_norm, real_forward, real_gemv = (fused._launch_rms_norm, fused.FusedDecoder.forward,
                                           fused._gemv)
 
     def norm_spy(h, *args, **kwargs):
-        norms.append(h.shape[0])
+        if not prefills[-1:] == [True]:
+            norms.append(h.shape[0])
         return real_norm(h, *args, **kwargs)
 
     def forward_spy(self, ids, *args, **kwargs):
-        steps.append(ids.shape[0])
-        return real_forward(self, ids, *args, **kwargs)
+        prefill = kwargs.get("prefill") is not None  # the prompts' forward
+        prefills.append(prefill)
+        try:
+            if not prefill:
+                steps.append(ids.shape[0])
+            return real_forward(self, ids, *args, **kwargs)
+        finally:
+            prefills[-1] = False
 
     def gemv_spy(x, weights, *args, **kwargs):
-        if kwargs.get("row_scale") is not None:
+        if kwargs.get("row_scale") is not None and not prefills[-1:] == [True]:
             scaled.append(len(weights))
         return real_gemv(x, weights, *args, **kwargs)
 
@@ -505,6 +512,82 @@ def test_model_decode_path_still_gives_hf_tokens(family: str) -> None:
     assert gen.runner.decode_path == "model" and gen.runner.fused is None
     got = gen.generate(PROMPTS, max_new_tokens=6, eos_token_id=[])
     assert got == [hf_greedy(model, p, 6) for p in PROMPTS]
+
+
+def _prefills(gen: Generator, monkeypatch: pytest.MonkeyPatch) -> tuple[list, dict]:
+    """Serve a prompt, then two more (one extending the first: its full blocks shared) on
+    ``gen``: (each prefill step's logits, each prompt's new tokens)."""
+    import lmfuse.serving.engine as engine_module
+
+    seen, real = [], engine_module.sample
+
+    def spy(logits, params, counters):
+        if not seen or len(seen) < 2 and gen.stats["prefill_steps"] == 2:
+            seen.append(logits.detach().float().clone())
+        return real(logits, params, counters)
+
+    monkeypatch.setattr(engine_module, "sample", spy)
+    gen.lookahead = False
+    first = list(range(20, 34))
+    prompts = [first, first + [40, 41, 42], [7, 8, 9]]
+    out: dict[int, list[int]] = {}
+    rids = [gen.add_request(prompts[0], max_new_tokens=4, eos_token_id=[])]
+    out.update((rid, toks) for rid, toks, _ in gen.step())  # the first prompt's prefill
+    rids += [gen.add_request(p, max_new_tokens=4, eos_token_id=[]) for p in prompts[1:]]
+    while gen.has_unfinished():
+        for rid, toks, _ in gen.step():
+            out[rid] = out.get(rid, []) + toks
+    assert gen.stats["prefill_steps"] == 2 and gen.scheduler.shared_tokens == 12
+    return seen, {i: out[rid] for i, rid in enumerate(rids)} | {"prompts": prompts}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("impl,pad,chunk", [("torch", False, None), ("triton", False, None),
+                                            ("triton", True, None), ("triton", False, 3),
+                                            ("triton", True, 3)])
+def test_prefill_runs_the_fused_layers_with_the_models_logits(
+        family: str, impl: str, pad: bool, chunk: int | None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill runs the fused layers on the Triton path (a row per prompt token over its
+    sequence's blocks, the queries in chunks; the rows padded to a CUDA graph's buckets or
+    not: padding rows write and read nothing) and gives the logits of the model's own
+    forward; a prompt whose first blocks another sequence holds reads them from the cache.
+    The tokens stay model.generate's."""
+    import lmfuse.serving.fused as fused
+
+    model = _model(family)
+    kept = []
+    real_forward = fused.FusedDecoder.forward
+
+    def forward_spy(self, ids, *args, **kwargs):
+        if kwargs.get("prefill") is not None:
+            pf = kwargs["prefill"]
+            kept.append((ids.shape[0], pf.keep.shape[0], pf.lengths.shape[0]))
+        return real_forward(self, ids, *args, **kwargs)
+
+    monkeypatch.setattr(fused.FusedDecoder, "forward", forward_spy)
+    ref = Generator(model, block_len=4, num_blocks=48, impl="torch", decode_path="model")
+    want, _ = _prefills(ref, monkeypatch)
+    assert kept == []
+    gen = Generator(model, block_len=4, num_blocks=48, impl=impl)
+    gen.runner.pad_prefill = pad
+    if chunk is not None:  # several chunks a prompt, the first reaching before its tokens
+        gen.runner.fused.chunk = chunk
+    got, tokens = _prefills(gen, monkeypatch)
+    # 14 tokens, then 5 + 3 (12 of the second prompt's cached), in chunks of 64 / 2 (the
+    # query heads a KV head serves) = 32 positions: padded to 16 rows, 1 and 2 sequences and
+    # 16 / 32 + sequences chunks; else as they are. The torch path: the model's forward.
+    # With chunks of 3: 5, then 2 + 1 chunks; padded: 16 // 3 + sequences.
+    if chunk is None:
+        assert kept == ([] if impl == "torch" else [(16, 1, 1), (16, 2, 2)] if pad
+                        else [(14, 1, 1), (8, 2, 2)])
+    else:
+        assert kept == ([(16, 1, 6), (16, 2, 7)] if pad else [(14, 1, 5), (8, 2, 3)])
+    assert len(got) == len(want) == 2
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    prompts = tokens.pop("prompts")
+    assert [tokens[i] for i in range(3)] == [hf_greedy(model, p, 4) for p in prompts]
 
 
 @pytest.mark.parametrize("family,path", [("llama", "fused"), ("mistral", "fused"),

@@ -132,7 +132,9 @@ def test_fp8_cache_logits_close_to_the_float32_cache(monkeypatch: pytest.MonkeyP
     cache on the same tokens (teacher-forced: the fp8 run is fed the float32 run's
     tokens): every decode step's logits within 5% (max relative error over the logits);
     e4m3 keeps 3 mantissa bits, about 6% relative error per element, averaged down by the
-    attention sums. The prefill reads no cache: its logits are the same."""
+    attention sums. The prefill attends over the cache too where the fused layers run it
+    (llama: a row per prompt token over the paged blocks), so its logits are held to the
+    same bound."""
     model = model_of("llama")
     steps: list[tuple[torch.Tensor, torch.Tensor]] = []
     forced: list[torch.Tensor] = []
@@ -156,8 +158,7 @@ def test_fp8_cache_logits_close_to_the_float32_cache(monkeypatch: pytest.MonkeyP
     assert fp8.cache.dtype == torch.float8_e4m3fn
     assert any(float((s - 1).abs().max()) > 0 for s in fp8.cache.k_scales), "not calibrated"
     assert len(steps) == len(reference) == NEW
-    assert max_rel_err(steps[0][0], reference[0][0]) < 1e-5
-    errors = [max_rel_err(a, b) for (a, _), (b, _) in zip(steps[1:], reference[1:])]
+    errors = [max_rel_err(a, b) for (a, _), (b, _) in zip(steps, reference)]
     assert 0 < max(errors) < 0.05, errors
 
 
@@ -296,7 +297,8 @@ def test_stats_bytes_per_token_and_close() -> None:
     gen.generate(PROMPTS[:2], max_new_tokens=3, eos_token_id=[])
     st = gen.stats
     assert st["prefill_steps"] == 1 and st["decode_steps"] == 2 and st["preemptions"] == 0
-    assert st["free_blocks"] == st["num_blocks"] == 32 and st["cuda_graphs"] == 0
+    assert st["free_blocks"] == st["num_blocks"] == 32
+    assert st["cuda_graphs"] == st["prefill_graphs"] == 0
     assert Generator.kv_bytes_per_token(model.config, torch.float32) == gen.bytes_per_token
     assert Generator.kv_bytes_per_token(model.config, "fp8") == gen.bytes_per_token // 4
     gen.add_request([1, 2], max_new_tokens=2)

@@ -316,7 +316,8 @@ def _lmfuse_decode(model: Any, prompts: list[list[int]], new: int, args: argpars
 
 def _replay_ms(gen: Generator, batch: int, device: torch.device) -> float | None:
     """Median ms of a replay of the widest graph captured for ``batch`` rows (CUDA)."""
-    graphs = [g for g in gen.runner._graphs.values() if g.batch >= batch]
+    graphs = [g for k, g in gen.runner._graphs.items()
+              if k[0] != "prefill" and g.batch >= batch]
     if not graphs or device.type != "cuda":
         return None
     g = max(graphs, key=lambda g: (-g.batch, g.width))
@@ -612,7 +613,10 @@ def mixed_rows(model: Any, args: argparse.Namespace, device: torch.device, passe
         gen = Generator(model, block_len=args.block_len, impl=args.impl)
         gen.lookahead = args.lookahead
         pool = gen.cache.num_blocks * args.block_len * gen.bytes_per_token / 2**30
-        return timed(lambda: lmfuse_serve(gen, work)) | dict(note=f"pool {pool:.2f} GiB")
+        try:
+            return timed(lambda: lmfuse_serve(gen, work)) | dict(note=f"pool {pool:.2f} GiB")
+        finally:
+            gen.close()  # its pool and graphs freed before a peer sizes its cache
 
     runs = {"lmfuse": lmfuse}
     if "hf" in args.peers:

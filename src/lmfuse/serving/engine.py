@@ -51,8 +51,9 @@ class Generator:
             ``"fp8"``: e4m3 with per-layer, per-KV-head scales taken from the first
             prefill's largest magnitudes).
         max_batch: most requests decoded together.
-        cuda_graphs: capture the decode step per batch bucket (CUDA, not with
-            ``impl="torch"``, whose checks read values on the host).
+        cuda_graphs: capture the decode step per batch bucket, and the fused layers'
+            prefills per size bucket (CUDA, not with ``impl="torch"``, whose checks read
+            values on the host).
         kvdp_group, cp_group: split the KV cache by batch (each sequence on one rank) or by
             context (each sequence's round-robin blocks over the ranks) over a process group
             (``torchrun``, one Generator per rank, every rank given the same requests): see
@@ -167,11 +168,13 @@ class Generator:
     @property
     def stats(self) -> dict[str, Any]:
         """Counters since construction: steps of each kind, preemptions, prompt tokens
-        taken from shared blocks, decode graphs captured and failed captures."""
+        taken from shared blocks, CUDA graphs captured (decode steps and prefills; the
+        prefills' alone in ``prefill_graphs``) and failed captures."""
         return {"prefill_steps": self._steps["prefill"], "decode_steps": self._steps["decode"],
                 "preemptions": self.scheduler.preemptions,
                 "shared_prompt_tokens": self.scheduler.shared_tokens,
                 "cuda_graphs": len(self.runner._graphs),
+                "prefill_graphs": sum(k[0] == "prefill" for k in self.runner._graphs),
                 "graph_failures": self.runner.graph_failures,
                 "free_blocks": self.cache.num_free_blocks, "num_blocks": self.cache.num_blocks}
 
@@ -422,7 +425,7 @@ class Generator:
         # step's real prefill then overwrites the same rows with the calibrated ones.
         AttentionInterface.register(ATTENTION_NAME, probe)
         try:
-            self.runner.prefill(reqs, new)
+            self.runner.prefill(reqs, new, model=True)  # the probe sees the model's K/V
         finally:
             AttentionInterface.register(ATTENTION_NAME, paged_attention)
         for layer in range(self.num_layers):

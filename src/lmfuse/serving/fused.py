@@ -141,6 +141,24 @@ class _Layer:
     window: int | None
 
 
+@dataclass
+class Prefill:
+    """How a prefill's token rows attend and which rows it keeps. The queries go to the
+    decode kernel in chunks of ``C`` consecutive positions of one sequence, the last at
+    ``lengths[c] - 1`` (``C`` of them share each key tile's load, where a row per token
+    reads its sequence's keys once per token); a chunk's slots before its sequence's first
+    new token hold any row (their outputs are dropped). ``slots [R * C]`` int64: the token
+    row of each chunk slot; ``table [R, W]`` int32 and ``lengths [R]`` int32: each chunk's
+    sequence's blocks and its last position + 1 (a padding chunk: -1 and 0); ``rows [T]``
+    int64: each token row's slot; ``keep [m]`` int64: the rows whose logits are returned."""
+
+    slots: torch.Tensor
+    table: torch.Tensor
+    lengths: torch.Tensor
+    rows: torch.Tensor
+    keep: torch.Tensor
+
+
 class FusedDecoder:
     """The fused decode forward of ``model`` over ``cache`` (see the module docstring)."""
 
@@ -172,6 +190,9 @@ class FusedDecoder:
         self.hq = int(config.num_attention_heads)
         self.hkv = cache.kv_heads
         self.d = cache.head_dim
+        # A prefill's query chunk: the decode kernel's 64 query rows a program (a KV head's
+        # group x the chunk's positions).
+        self.chunk = max(1, 64 // (self.hq // self.hkv))
         half = self.d // 2
         # The rotary kernel holds a head's halves in one power-of-two tile.
         self.rope_kernel = self.triton and self.d % 2 == 0 and half & (half - 1) == 0
@@ -232,18 +253,28 @@ class FusedDecoder:
     # --- the forward ------------------------------------------------------------------------
 
     def forward(self, ids: torch.Tensor, table: torch.Tensor, before: torch.Tensor,
-                after: torch.Tensor, argmax: bool = False,
-                tokens: torch.Tensor | None = None) -> Any:
+                after: torch.Tensor | None, argmax: bool = False,
+                tokens: torch.Tensor | None = None, prefill: Prefill | None = None) -> Any:
         """Logits ``[n, V]`` of one token per row: ``ids [n]`` at position ``before[n]``
         (its K/V written there), rows over ``block_table`` with ``after`` keys after the
         step. Padding rows (block -1, length 0) write and read nothing. ``argmax``:
         ``(logits, their greedy tokens)``, the tokens from the LM head's GEMV tiles where
         it runs (no pass over the logits), written into ``tokens`` (int64 ``[n]``) where
         given: it may be ``ids`` itself (read before), so that a captured step's output is
-        the next step's input."""
+        the next step's input.
+
+        A prefill (``prefill``, ``after`` unused) is the same forward over its tokens: each
+        row one token of a prompt, its sequence's block table and its position in
+        ``before``; every row's K/V is written before any row attends, and the queries
+        attend in chunks of consecutive positions of one sequence (:class:`Prefill`), each
+        token over its sequence's keys up to its own (causal); the logits are those of
+        ``prefill.keep``'s rows (each prompt's last)."""
         n = ids.shape[0]
         kernels = self.triton and n <= GEMV_MAX_ROWS
-        lm_gemv = kernels and n > 1 and self.lm_bias is None and _lm_head_gemv(self.lm_head)
+        keep = None if prefill is None else prefill.keep
+        rows = n if keep is None else keep.shape[0]
+        lm_gemv = (kernels and rows > 1 and self.lm_bias is None
+                   and _lm_head_gemv(self.lm_head))
         # Several rows: (h * g, its RowNorm) of the next RMSNorm, left by the kernel that
         # wrote h (the gather, a residual GEMV's prenorm epilogue) for the GEMV that takes
         # the norm's output (row_scale).
@@ -274,7 +305,14 @@ class FusedDecoder:
                                  for j, w in enumerate(L.qkv)], dim=-1)
             if qkv is not None:
                 q = self._rope_append(qkv, L, i, table, before)
-            o = self._attention(q[:, None], i, L, table, after).view(n, self.hq * self.d)
+            if prefill is None:
+                o = self._attention(q[:, None], i, L, table, after).view(n, self.hq * self.d)
+            else:  # chunks of a sequence's consecutive tokens attend together
+                chunks = prefill.lengths.shape[0]
+                qc = q.reshape(n, -1).index_select(0, prefill.slots)
+                o = self._attention(qc.view(chunks, -1, self.hq, self.d), i, L,
+                                    prefill.table, prefill.lengths)
+                o = o.view(-1, self.hq * self.d).index_select(0, prefill.rows)
             pre = None
             if kernels and L.o_bias is None:
                 if n > 1 and L.mlp_bias is None:  # the post-attention norm's work inside
@@ -301,7 +339,7 @@ class FusedDecoder:
                 # LM head's GEMV) inside the down GEMV
                 nxt = ((self.layers[i + 1].norm_in, self.layers[i + 1].eps)
                        if i + 1 < len(self.layers) else
-                       (self.norm, self.norm_eps) if lm_gemv else None)
+                       (self.norm, self.norm_eps) if lm_gemv and keep is None else None)
                 pre = None
                 if down and n > 1 and nxt is not None:
                     pre = self._gemv(a, (L.down,), None, residual=h, prenorm=nxt)[1:]
@@ -314,6 +352,8 @@ class FusedDecoder:
                 gb, ub, db = L.mlp_bias or (None, None, None)
                 a = F.silu(F.linear(x, L.gate, gb)) * F.linear(x, L.up, ub)
                 h = h + F.linear(a, L.down, db)
+        if keep is not None:
+            h = h.index_select(0, keep)
         if lm_gemv:
             # Several rows: the GEMV's 128-feature tiles beat cuBLAS on the long vocabulary
             # (H100, CUDA-graph replays, V 128256: 16 rows 177 vs 191 us, 64 rows 185 vs

@@ -25,6 +25,17 @@ experts transformers' capturable ``batched_mm`` implementation.
 A model whose decode forward cannot be captured (a host sync in it) falls back to eager
 decode steps, with a warning.
 
+Prefill of the families with fused decode layers, on the Triton path, runs those layers
+too (``FusedDecoder.forward`` with a :class:`~.fused.Prefill`): a row per prompt token
+over its sequence's block table (the K/V rows written by the rotary kernel), the queries
+through the decode kernel in chunks of consecutive positions of one sequence (64 query
+rows a program), the LM head over each prompt's last row only. With CUDA graphs it is
+captured per (tokens, sequences, chunks, table width) bucket, powers of two, on first use
+(up to 8192 tokens, 16 sequences and 64 graphs; beyond, eagerly). H100, the benchmark
+model, one prompt, against the model's forward (host-bound: about 40 launches a layer):
+64 tokens 8.2 -> 1.2 ms, 1024 tokens 9.4 -> 3.9 ms, 4096 tokens 18.1 -> 14.3 ms.
+Otherwise the model's forward prefills (its own code for every family; the CPU path too).
+
 Over a split cache (``sharded.py``) on an NCCL group the decode step is captured as well,
 its collectives inside: per (batch bucket, rows per rank for KVDP, table width) key, the
 step's inputs packed in one int64 buffer (one host-to-device copy a step). The keys come
@@ -50,12 +61,18 @@ from .._launch import cdiv, lazy_kernels, next_pow2
 from ..attention.kv_cache import DecodeStep, PagedKVCache
 from ..integrations.transformers import fused_norms_and_mlps
 from .attention import ATTENTION_NAME, Segment, StepContext, register
-from .fused import FusedDecoder, unsupported
+from .fused import FusedDecoder, Prefill, unsupported
 from .sampling import greedy
 from .request import Request
 from .sharded import BatchShards, ContextShards, pad_table
 
 _kernels = lazy_kernels("kernels", __package__)
+# Prefills captured in CUDA graphs: at most this many token rows and sequences (longer
+# ones run eagerly: the host's launches are small beside their GPU time), and at most this
+# many graphs (each keeps its logits, [sequences, V], in the graphs' memory pool).
+_PREFILL_GRAPH_TOKENS = 8192
+_PREFILL_GRAPH_SEQS = 16
+_PREFILL_GRAPHS = 64
 
 
 def bus_copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
@@ -114,6 +131,9 @@ class ModelRunner:
         #: Sharded decode steps padded to the batch buckets of the CUDA graphs even when
         #: they run eagerly (the padded layout is then exercised without a GPU: tests).
         self.pad_sharded = self.graphs_on
+        #: Fused prefills padded to the buckets of their CUDA graphs (likewise).
+        self.pad_prefill = self.graphs_on
+        self.prefill_graphs = 0  # prefill keys captured (or tried)
         self.max_batch = max_batch
         self._graphs: dict[tuple, _DecodeGraph | _ShardedGraph] = {}
         self._pool = None
@@ -156,10 +176,14 @@ class ModelRunner:
 
     # --- prefill ------------------------------------------------------------------------
 
-    def prefill(self, requests: list[Request], new: list[list[int]]) -> torch.Tensor:
+    def prefill(self, requests: list[Request], new: list[list[int]],
+                model: bool = False) -> torch.Tensor:
         """Compute ``new[i]`` (the tokens of request ``i`` from position
         ``num_cached``) for every request in one packed forward, writing their K/V into
-        the requests' blocks; the logits ``[n, V]`` at each request's last token."""
+        the requests' blocks; the logits ``[n, V]`` at each request's last token. Through
+        the fused layers where they decode (``model``: the model's own forward)."""
+        if self.fused is not None and self.fused.triton and not model:
+            return self._prefill_fused(requests, new)
         bl = self.cache.block_len
         if self.shards is not None:
             self.shards.sync(set(self.scheduled.sequences))
@@ -203,6 +227,47 @@ class ModelRunner:
         keep = torch.tensor(last, dtype=torch.int64).to(dev, non_blocking=True)
         logits = self._forward(host[0][None], host[1][None], ctx, keep)
         return logits[0]
+
+    def _prefill_fused(self, requests: list[Request], new: list[list[int]]) -> torch.Tensor:
+        """:meth:`prefill` through the fused layers (``FusedDecoder.forward``, a row per
+        token over its sequence's block table, the queries in chunks), in a CUDA graph per
+        (tokens, sequences, chunks, table width) bucket where graphs are on: the model's
+        forward (about 40 launches a layer) bound a prefill on the host (H100, the
+        benchmark model: 8-11 ms for a 64-token prompt), and the fused layers' eager
+        launches still do (about 5 ms; 1.2 ms in a graph)."""
+        pad = self.pad_prefill
+        buf, shape = _prefill_inputs(self.cache, requests, new, self.fused.chunk, pad)
+        n = len(requests)
+        key = ("prefill", *shape)
+        if (pad and self.graphs_on and shape[0] <= _PREFILL_GRAPH_TOKENS
+                and shape[1] <= _PREFILL_GRAPH_SEQS
+                and (key in self._graphs or self.prefill_graphs < _PREFILL_GRAPHS)):
+            if key not in self._graphs:
+                self.prefill_graphs += 1
+            graph = self._graph(key,
+                                lambda pool: _PrefillGraph(self, shape, pool))
+            if graph is not None:
+                return graph.run(buf, n)
+        return self._prefill_forward(buf.to(self.device, non_blocking=True), shape)[:n]
+
+    def _prefill_forward(self, buf: torch.Tensor, shape: tuple[int, int, int, int]
+                         ) -> torch.Tensor:
+        """The fused prefill over a :func:`_prefill_inputs` buffer on the device: the logits
+        ``[seqs, V]`` of each sequence's last token (padding sequences: any row's)."""
+        tokens, seqs, chunks, width = shape
+        c = self.fused.chunk
+        ids, pos, seq = buf[:3 * tokens].view(3, tokens)
+        at = 3 * tokens
+        keep, rows = buf[at:at + seqs], buf[at + seqs:at + seqs + tokens]
+        at += seqs + tokens
+        slots = buf[at:at + chunks * c]
+        ends, owner = buf[at + chunks * c:at + chunks * (c + 2)].view(2, chunks)
+        tables = buf[at + chunks * (c + 2):].view(seqs + 1, width).to(torch.int32)
+        prefill = Prefill(slots, tables.index_select(0, owner), ends.to(torch.int32), rows,
+                          keep)
+        with torch.inference_mode():
+            return self.fused.forward(ids, tables.index_select(0, seq), pos.to(torch.int32),
+                                      None, prefill=prefill)
 
     # --- decode ---------------------------------------------------------------------------
 
@@ -426,6 +491,63 @@ class ModelRunner:
         return self._graphs[key]
 
 
+def _prefill_inputs(cache: PagedKVCache, requests: list[Request], new: list[list[int]],
+                    chunk: int, pad: bool) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
+    """A fused prefill's inputs in one int64 host buffer (pinned on a CUDA host), in order:
+    per token row its id, position and sequence; each sequence's last row; each token
+    row's chunk slot; per chunk of ``chunk`` positions (:class:`~.fused.Prefill`) the token
+    row of each slot, then its last position + 1 and its sequence; the sequences' block
+    tables ``[seqs + 1, width]`` (-1 padded, the last row blank). ``pad``: tokens (at least
+    16), sequences and width rounded up to powers of two and chunks to ``tokens / chunk +
+    seqs`` (enough for any split): padding rows and chunks in the blank sequence, at
+    position 0 and length 0 (they write and read nothing). Returns (buffer, (tokens, seqs,
+    chunks, width))."""
+    q = "q"
+    ids, pos, seq, last = array.array(q), array.array(q), array.array(q), array.array(q)
+    slots, ends, owner = array.array(q), array.array(q), array.array(q)
+    where = array.array(q)  # each token row's slot
+    for i, (req, toks) in enumerate(zip(requests, new)):
+        first, k, row = req.num_cached, len(toks), len(ids)
+        ids.extend(toks)
+        pos.extend(range(first, first + k))
+        seq.extend(array.array(q, [i]) * k)
+        last.append(row + k - 1)
+        # chunks end at the last token and step back; the first may start before the
+        # sequence's new tokens (those slots hold row 0)
+        n_chunks = cdiv(k, chunk)
+        base = len(ends)
+        for c in range(n_chunks):
+            end = first + k - (n_chunks - c - 1) * chunk  # one past the chunk's last
+            lo = end - chunk
+            slots.extend(row + p - first if p >= first else 0 for p in range(lo, end))
+            ends.append(end)
+            owner.append(i)
+        start = (base + n_chunks) * chunk - k  # the slot of the first new token
+        where.extend(range(start, start + k))
+    tables = [cache.block_ids(r.seq_id) for r in requests]
+    count, seqs, chunks, width = len(ids), len(requests), len(ends), max(map(len, tables))
+    tokens = count
+    if pad:
+        tokens, seqs, width = next_pow2(max(count, 16)), next_pow2(seqs), next_pow2(width)
+        chunks = tokens // chunk + seqs
+    def zeros(k: int) -> array.array:
+        return array.array(q, bytes(8 * k))
+
+    blank = zeros(tokens - count)
+    flat = ids + blank + pos + blank + seq + array.array(q, [seqs]) * (tokens - count)
+    flat += last + zeros(seqs - len(last)) + where + blank
+    flat += slots + zeros((chunks - len(ends)) * chunk)
+    flat += ends + zeros(chunks - len(ends))
+    flat += owner + array.array(q, [seqs]) * (chunks - len(ends))
+    for t in tables:
+        flat.extend(t)
+        flat += array.array(q, [-1]) * (width - len(t))
+    flat += array.array(q, [-1]) * (width * (seqs + 1 - len(tables)))
+    host = torch.frombuffer(flat, dtype=torch.int64)
+    return ((host.pin_memory() if cache.device.type == "cuda" else host),
+            (tokens, seqs, chunks, width))
+
+
 def _bucket(n: int, max_batch: int) -> int:
     """The captured batch size that serves ``n`` rows: 1, 2, 4, 8, 16, 32, 48, ..."""
     for b in (1, 2, 4, 8, 16):
@@ -522,6 +644,33 @@ class _DecodeGraph:
             self.table[n:].fill_(-1)
             self.before[n:].zero_()
             self.after[n:].zero_()
+        self.graph.replay()
+        self.runner._greedy = self.tokens[:n]
+        return self.logits[:n]
+
+
+class _PrefillGraph:
+    """A fused prefill of ``tokens`` rows, ``seqs`` sequences and ``width``-block tables,
+    captured: its inputs one static int64 buffer (:func:`_prefill_inputs`' layout)."""
+
+    def __init__(self, runner: ModelRunner, shape: tuple[int, int, int, int],
+                 pool: Any) -> None:
+        self.shape = tokens, seqs, chunks, width = shape
+        c = runner.fused.chunk
+        self.buf = torch.zeros(4 * tokens + seqs + chunks * (c + 2) + (seqs + 1) * width,
+                               dtype=torch.int64, device=runner.device)
+        # captured over padding alone: the tables blank, every row and chunk in the blank
+        # sequence
+        self.buf[2 * tokens:3 * tokens] = seqs
+        self.buf[-(seqs + 1) * width:] = -1
+        at = 4 * tokens + seqs + chunks * (c + 1)
+        self.buf[at:at + chunks] = seqs
+        self.graph, self.logits, self.tokens = _capture(
+            runner, lambda: runner._prefill_forward(self.buf, self.shape), pool)
+        self.runner = runner
+
+    def run(self, host: torch.Tensor, n: int) -> torch.Tensor:
+        self.buf.copy_(host, non_blocking=True)
         self.graph.replay()
         self.runner._greedy = self.tokens[:n]
         return self.logits[:n]
