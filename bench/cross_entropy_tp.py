@@ -73,9 +73,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-from common import (PeerUnavailable, Result, copy_tbps, dist_version, environment,  # noqa: E402
-                    peak_extra_mib, unavailable)
+from lmfuse.bench.common import (PeerUnavailable, Result, copy_tbps,  # noqa: E402
+                                 dist_version, environment, peak_extra_mib, unavailable)
 
 IGNORE = -100
 GRAD_ROWS = 256  # rows of each gradient compared with lmfuse's

@@ -60,7 +60,7 @@ ranks 0 .. N-1 form the group, the others wait), the rows:
 Calls are eager by default, so host time counts where it exceeds the GPU's (at N = 8 a
 rank's share of the work is small and a step can be launch-bound). ``--graphs`` (CUDA
 only) times every call, the collectives included, as the replay of a CUDA graph holding it
-(``bench/decode_attention.py``'s ``as_graph``), as a server capturing its decode step sees
+(``lmfuse.bench.decode_attention``'s ``as_graph``), as a server capturing its decode step sees
 it. The JSON (rank 0's ``--json``) holds every row with the per-rank medians and
 differences, the isolated collective times, the environment (device, versions, date,
 world size, NCCL version, the command) and the copy.
@@ -87,9 +87,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Result, environment, measure_copy, peak_extra_mib
 from cross_entropy_tp import _collective_counter, _fmt, _summary, all_agree, write_json
-from decode_attention import _tolerance, as_graph, max_rel_diff
+
+from lmfuse.bench.common import Result, environment, measure_copy, peak_extra_mib
+from lmfuse.bench.decode_attention import _tolerance, as_graph, max_rel_diff
 
 import lmfuse
 from lmfuse.distributed import (

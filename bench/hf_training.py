@@ -30,8 +30,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Result, bench_ms, dist_version, environment, print_table  # noqa: E402
+from lmfuse.bench.common import Result, bench_ms, dist_version, environment, print_table
 
 
 def _gemma_text(dims: dict) -> dict:

@@ -43,7 +43,8 @@ import torch.distributed as dist
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 import cross_entropy_tp as tp  # noqa: E402  (sets NCCL_NVLS_ENABLE=0 before torch's use)
-from common import Result, copy_tbps, dist_version, environment, unavailable  # noqa: E402
+from lmfuse.bench.common import (Result, copy_tbps, dist_version, environment,  # noqa: E402
+                                 unavailable)
 
 IGNORE = tp.IGNORE
 

@@ -49,11 +49,7 @@ from typing import Any, Callable
 
 import torch
 
-try:  # the benchmark harness, in the package where it ships there
-    from lmfuse.bench.common import Result, dist_version, environment, print_table
-except ImportError:  # bench/common.py
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import Result, dist_version, environment, print_table
+from lmfuse.bench.common import Result, dist_version, environment, print_table
 
 # Parameters whose gradient agreement the JSON lists by name (the last layer's index is
 # filled in from --layers).

@@ -39,17 +39,14 @@ import itertools
 import json
 import math
 import os
-import sys
 import time
-from pathlib import Path
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before lmfuse defines its kernels
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_ms, environment  # noqa: E402
+from lmfuse.bench.common import bench_ms, environment  # noqa: E402
 
 import lmfuse  # noqa: E402
 from lmfuse import tuning  # noqa: E402

@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_attention import as_graph, to_fp8, to_paged  # noqa: E402
+from lmfuse.bench.decode_attention import as_graph, to_fp8, to_paged  # noqa: E402
 
 import lmfuse  # noqa: E402
 from lmfuse import tuning  # noqa: E402

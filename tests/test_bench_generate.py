@@ -1,4 +1,4 @@
-"""``bench/generate.py --quick`` on the CPU: the smoke run of the generation benchmark (a
+"""``lmfuse bench generate --quick`` on the CPU: the smoke run of the generation benchmark (a
 tiny Llama, float32) writes the rows it promises -- the bandwidth floor, lmfuse's
 ``Generator`` and HF ``generate`` with positive times, greedy tokens equal between them --
 labelled as a smoke run, not performance. The Generator runs its torch path here
@@ -7,21 +7,16 @@ over the same steps (tests/serving/ runs the Generator's Triton path)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "generate.py"
-
 
 def load_bench():
-    # The checkout's shim (bench/generate.py), which hands out lmfuse.bench.generate.
-    spec = importlib.util.spec_from_file_location("lmfuse_bench_generate", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from lmfuse.bench import generate
+
+    return generate
 
 
 @pytest.mark.timeout(120)

@@ -8,8 +8,8 @@
     lmfuse generate MODEL_DIR --prompt TEXT
                              continue prompts with a local Hugging Face checkpoint on the
                              paged KV cache (``lmfuse generate --help``)
-    lmfuse bench softmax     time lmfuse against its peers (lmfuse/bench/softmax.py; from a
-                             checkout also ``python3 bench/softmax.py``)
+    lmfuse bench softmax     time lmfuse against its peers (lmfuse/bench/softmax.py; also
+                             ``python -m lmfuse.bench.softmax``)
     lmfuse plan              how to shard a decode KV cache: TP, KVDP, CP or a mix
     lmfuse tune linear_cross_entropy
                              sweep launch configs on this GPU; record the fastest in the
@@ -194,7 +194,7 @@ def _dtype_list(text: str) -> list[torch.dtype]:
 
 def _bench_script(family: str) -> Path:
     """The harness behind ``lmfuse bench FAMILY``: ``lmfuse/bench/FAMILY.py``, shipped in
-    the package (a checkout's ``bench/FAMILY.py`` runs the same module)."""
+    the package."""
     return Path(__file__).resolve().parent / "bench" / f"{family}.py"
 
 

@@ -1,7 +1,7 @@
 """Shared benchmark harness: timing, the copy-bandwidth ceiling, memory, tables, JSON, plots.
 
-Each family's harness (``lmfuse/bench/<family>.py``, run by ``lmfuse bench <family>`` or,
-from a checkout, ``python3 bench/<family>.py``) builds a list of cases; every case times
+Each family's harness (``lmfuse/bench/<family>.py``, run by ``lmfuse bench <family>`` or
+``python -m lmfuse.bench.<family>``) builds a list of cases; every case times
 lmfuse and its peers in the same process, so the ratios compare like with like.
 """
 

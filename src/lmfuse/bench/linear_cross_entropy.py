@@ -2,7 +2,7 @@
 eager, torch.compile, Liger-Kernel and Apple's Cut Cross-Entropy.
 
 Run it as ``lmfuse bench linear_cross_entropy [--json PATH] [--plot PATH] [--quick]`` or
-``python bench/linear_cross_entropy.py ...``. Each case is bf16 hidden states
+``python -m lmfuse.bench.linear_cross_entropy ...``. Each case is bf16 hidden states
 ``[N, H]``, H = 4096, a classifier ``weight [V, H]``, targets random with about 5% ignored
 (-100), ``reduction="mean"``, timed forward+backward: ``torch.autograd.grad(loss, [hidden,
 weight])`` (the upstream gradient 1 of ``loss.backward()``). Shapes: N = 8192 with
