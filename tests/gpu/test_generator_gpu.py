@@ -56,8 +56,11 @@ def test_greedy_tokens_with_cuda_graphs(family: str) -> None:
     gen = Generator(model, block_len=4, num_blocks=256)
     got = gen.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[])
     assert got == want
-    assert gen.stats["graph_failures"] == 0, gen.runner.graph_failure
-    assert gen.stats["cuda_graphs"] > 0
+    st = gen.stats
+    assert st["graph_failures"] == 0, gen.runner.graph_failure
+    assert st["cuda_graphs"] - st["prefill_graphs"] > 0  # the decode steps'
+    # the fused families' prefills in graphs too
+    assert (st["prefill_graphs"] > 0) == (gen.runner.decode_path == "fused")
 
 
 def _bf16_model():

@@ -515,7 +515,7 @@ def test_model_decode_path_still_gives_hf_tokens(family: str) -> None:
 
 
 def _prefills(gen: Generator, monkeypatch: pytest.MonkeyPatch) -> tuple[list, dict]:
-    """Serve a prompt, then two more (one extending the first: its full blocks shared) on
+    """Serve a prompt, then three more (one extending the first: its full blocks shared) on
     ``gen``: (each prefill step's logits, each prompt's new tokens)."""
     import lmfuse.serving.engine as engine_module
 
@@ -529,7 +529,7 @@ def _prefills(gen: Generator, monkeypatch: pytest.MonkeyPatch) -> tuple[list, di
     monkeypatch.setattr(engine_module, "sample", spy)
     gen.lookahead = False
     first = list(range(20, 34))
-    prompts = [first, first + [40, 41, 42], [7, 8, 9]]
+    prompts = [first, first + [40, 41, 42], [7, 8, 9], [11, 12]]
     out: dict[int, list[int]] = {}
     rids = [gen.add_request(prompts[0], max_new_tokens=4, eos_token_id=[])]
     out.update((rid, toks) for rid, toks, _ in gen.step())  # the first prompt's prefill
@@ -541,21 +541,27 @@ def _prefills(gen: Generator, monkeypatch: pytest.MonkeyPatch) -> tuple[list, di
     return seen, {i: out[rid] for i, rid in enumerate(rids)} | {"prompts": prompts}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("impl,pad,chunk", [("torch", False, None), ("triton", False, None),
-                                            ("triton", True, None), ("triton", False, 3),
-                                            ("triton", True, 3)])
+@pytest.mark.parametrize("family,impl,pad,chunk", [
+    ("llama", "torch", False, None), ("llama", "triton", True, None),
+    ("llama", "triton", False, 3)] + [
+    (family, "triton", pad, chunk) for family in ("llama", "qwen3", "mistral")
+    for pad, chunk in ((False, None), (True, 3))])
 def test_prefill_runs_the_fused_layers_with_the_models_logits(
         family: str, impl: str, pad: bool, chunk: int | None,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A prefill runs the fused layers on the Triton path (a row per prompt token over its
     sequence's blocks, the queries in chunks; the rows padded to a CUDA graph's buckets or
-    not: padding rows write and read nothing) and gives the logits of the model's own
-    forward; a prompt whose first blocks another sequence holds reads them from the cache.
-    The tokens stay model.generate's."""
+    not: padding rows and sequences write and read nothing) and gives the logits of the
+    model's own forward (mistral: a window of 6 keys); a prompt whose first blocks another
+    sequence holds reads them from the cache; the LM head's GEMV takes the kept rows. The
+    tokens stay model.generate's."""
     import lmfuse.serving.fused as fused
 
-    model = _model(family)
+    monkeypatch.setattr(fused, "LM_HEAD_MIN_FEATURES", 128)
+    key = f"{family}-v256"
+    if key not in _models:
+        _models[key] = tiny_causal_lm(family, vocab_size=256)
+    model = _models[key]
     kept = []
     real_forward = fused.FusedDecoder.forward
 
@@ -574,20 +580,20 @@ def test_prefill_runs_the_fused_layers_with_the_models_logits(
     if chunk is not None:  # several chunks a prompt, the first reaching before its tokens
         gen.runner.fused.chunk = chunk
     got, tokens = _prefills(gen, monkeypatch)
-    # 14 tokens, then 5 + 3 (12 of the second prompt's cached), in chunks of 64 / 2 (the
-    # query heads a KV head serves) = 32 positions: padded to 16 rows, 1 and 2 sequences and
+    # 14 tokens, then 5 + 3 + 2 (12 of the second prompt's cached), in chunks of 64 / 2 (the
+    # query heads a KV head serves) = 32 positions: padded to 16 rows, 1 and 4 sequences and
     # 16 / 32 + sequences chunks; else as they are. The torch path: the model's forward.
-    # With chunks of 3: 5, then 2 + 1 chunks; padded: 16 // 3 + sequences.
+    # With chunks of 3: 5, then 2 + 1 + 1 chunks; padded: 16 // 3 + sequences.
     if chunk is None:
-        assert kept == ([] if impl == "torch" else [(16, 1, 1), (16, 2, 2)] if pad
-                        else [(14, 1, 1), (8, 2, 2)])
+        assert kept == ([] if impl == "torch" else [(16, 1, 1), (16, 4, 4)] if pad
+                        else [(14, 1, 1), (10, 3, 3)])
     else:
-        assert kept == ([(16, 1, 6), (16, 2, 7)] if pad else [(14, 1, 5), (8, 2, 3)])
+        assert kept == ([(16, 1, 6), (16, 4, 9)] if pad else [(14, 1, 5), (10, 3, 4)])
     assert len(got) == len(want) == 2
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     prompts = tokens.pop("prompts")
-    assert [tokens[i] for i in range(3)] == [hf_greedy(model, p, 4) for p in prompts]
+    assert [tokens[i] for i in range(4)] == [hf_greedy(model, p, 4) for p in prompts]
 
 
 @pytest.mark.parametrize("family,path", [("llama", "fused"), ("mistral", "fused"),

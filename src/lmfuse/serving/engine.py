@@ -49,7 +49,8 @@ class Generator:
         memory_fraction: share of the free GPU memory the pool may take.
         kv_dtype: the cache's dtype (default the model's; ``torch.float8_e4m3fn`` or
             ``"fp8"``: e4m3 with per-layer, per-KV-head scales taken from the first
-            prefill's largest magnitudes).
+            prefill's largest magnitudes; where the fused layers prefill, the prompt's own
+            attention reads the e4m3 cache too, as the decode steps do).
         max_batch: most requests decoded together.
         cuda_graphs: capture the decode step per batch bucket, and the fused layers'
             prefills per size bucket (CUDA, not with ``impl="torch"``, whose checks read

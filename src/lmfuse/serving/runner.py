@@ -31,7 +31,8 @@ over its sequence's block table (the K/V rows written by the rotary kernel), the
 through the decode kernel in chunks of consecutive positions of one sequence (64 query
 rows a program), the LM head over each prompt's last row only. With CUDA graphs it is
 captured per (tokens, sequences, chunks, table width) bucket, powers of two, on first use
-(up to 8192 tokens, 16 sequences and 64 graphs; beyond, eagerly). H100, the benchmark
+(up to 8192 tokens, 16 sequences and 64 graphs; beyond, eagerly and unpadded; a failed
+capture turns off the prefills' graphs only, with a warning). H100, the benchmark
 model, one prompt, against the model's forward (host-bound: about 40 launches a layer):
 64 tokens 8.2 -> 1.2 ms, 1024 tokens 9.4 -> 3.9 ms, 4096 tokens 18.1 -> 14.3 ms.
 Otherwise the model's forward prefills (its own code for every family; the CPU path too).
@@ -152,9 +153,12 @@ class ModelRunner:
         #: Sharded decode steps padded to the batch buckets of the CUDA graphs even when
         #: they run eagerly (the padded layout is then exercised without a GPU: tests).
         self.pad_sharded = self.graphs_on
-        #: Fused prefills padded to the buckets of their CUDA graphs (likewise).
-        self.pad_prefill = self.graphs_on
-        self.prefill_graphs = 0  # prefill keys captured (or tried)
+        #: Fused prefills padded to the buckets of their CUDA graphs even when they run
+        #: eagerly (likewise; tests).
+        self.pad_prefill = False
+        # Prefills in CUDA graphs: off after a failed capture (decode graphs stay on).
+        self.prefill_graphs_on = True
+        self._prefill_keys = 0  # prefill graph keys captured or tried
         self.max_batch = max_batch
         self._graphs: dict[tuple, _DecodeGraph | _ShardedGraph] = {}
         self._pool = None
@@ -256,17 +260,17 @@ class ModelRunner:
         forward (about 40 launches a layer) bound a prefill on the host (H100, the
         benchmark model: 8-11 ms for a 64-token prompt), and the fused layers' eager
         launches still do (about 5 ms; 1.2 ms in a graph)."""
-        pad = self.pad_prefill
-        buf, shape = _prefill_inputs(self.cache, requests, new, self.fused.chunk, pad)
         n = len(requests)
+        tokens = next_pow2(max(sum(map(len, new)), 16))
+        # padded to a graph's bucket only where one runs it (else padding is wasted work)
+        graphs = (self.graphs_on and self.prefill_graphs_on and tokens <= _PREFILL_GRAPH_TOKENS
+                  and next_pow2(n) <= _PREFILL_GRAPH_SEQS)
+        buf, shape = _prefill_inputs(self.cache, requests, new, self.fused.chunk,
+                                     self.pad_prefill or graphs)
         key = ("prefill", *shape)
-        if (pad and self.graphs_on and shape[0] <= _PREFILL_GRAPH_TOKENS
-                and shape[1] <= _PREFILL_GRAPH_SEQS
-                and (key in self._graphs or self.prefill_graphs < _PREFILL_GRAPHS)):
-            if key not in self._graphs:
-                self.prefill_graphs += 1
-            graph = self._graph(key,
-                                lambda pool: _PrefillGraph(self, shape, pool))
+        if graphs and (key in self._graphs or self._prefill_keys < _PREFILL_GRAPHS):
+            self._prefill_keys += key not in self._graphs
+            graph = self._graph(key, lambda pool: _PrefillGraph(self, shape, pool))
             if graph is not None:
                 return graph.run(buf, n)
         return self._prefill_forward(buf.to(self.device, non_blocking=True), shape)[:n]
@@ -492,11 +496,20 @@ class ModelRunner:
                                      else _DecodeGraph(self, *key, self._pool))
             except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly
                 self.graph_failures += 1
-                self.graphs_on = False
+                prefill = key[0] == "prefill"
+                if prefill:
+                    self.prefill_graphs_on = False
+                else:
+                    self.graphs_on = False
                 frames = traceback.extract_tb(e.__traceback__)
                 where = (f" at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}"
                          if frames else "")
                 self.graph_failure = f"{type(e).__name__}: {e}{where}"
+                if prefill:
+                    warnings.warn(f"lmfuse.serving: a prefill could not be captured in a CUDA "
+                                  f"graph ({self.graph_failure}); prefilling eagerly",
+                                  RuntimeWarning, stacklevel=3)
+                    return None
                 if self.sharded:
                     # Over a split cache a rank cannot go eager alone: its next steps would
                     # issue other collectives than its peers' warm-ups and replays (a hang,
