@@ -596,6 +596,24 @@ def test_prefill_runs_the_fused_layers_with_the_models_logits(
     assert [tokens[i] for i in range(4)] == [hf_greedy(model, p, 4) for p in prompts]
 
 
+def test_a_failed_prefill_capture_leaves_decode_graphs_on() -> None:
+    """A prefill graph that cannot be captured turns off the prefills' graphs alone, with
+    a warning that says so; the decode steps keep theirs."""
+    gen = Generator(_model("llama"), block_len=4, num_blocks=16, impl="triton")
+    runner = gen.runner
+    runner.graphs_on = True  # as on a GPU
+    runner._pool = object()  # (a CPU build has no graph pools)
+
+    def broken(pool):
+        raise RuntimeError("no capture here")
+
+    with pytest.warns(RuntimeWarning, match="a prefill could not be captured in a CUDA "
+                                            "graph .*no capture here.*prefilling eagerly"):
+        assert runner._graph(("prefill", 16, 1, 1, 1), broken) is None
+    assert runner.graphs_on and not runner.prefill_graphs_on
+    assert runner.graph_failures == 1 and gen.stats["graph_failures"] == 1
+
+
 @pytest.mark.parametrize("family,path", [("llama", "fused"), ("mistral", "fused"),
                                          ("qwen2", "fused"), ("qwen3", "fused"),
                                          ("gemma", "model"), ("gemma2", "model"),
