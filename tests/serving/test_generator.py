@@ -101,6 +101,31 @@ def test_preemption_in_a_small_pool_keeps_the_tokens(impl: str) -> None:
     assert got == [want(family, p, 14) for p in prompts]
 
 
+@pytest.mark.parametrize("family,impl", [("llama", "triton"), ("mistral", "triton"),
+                                         ("llama", "torch"), ("gemma2", "torch")])
+def test_long_prompts_prefilled_in_chunks_keep_the_tokens(family: str, impl: str) -> None:
+    """``max_prefill_tokens=5``: the 7- and 20-token prompts are prefilled in chunks of 5
+    (each over the cache its earlier chunks wrote; mistral and gemma2 with windows of 6
+    keys), a decode step of the running requests between two chunks; HF's tokens."""
+    gen = Generator(model_of(family), block_len=4, num_blocks=64, impl=impl,
+                    max_prefill_tokens=5)
+    chunks = []
+    prefill = gen.runner.prefill
+
+    def recording(requests, new, *args, **kwargs):
+        chunks.append([len(t) for t in new])
+        return prefill(requests, new, *args, **kwargs)
+
+    gen.runner.prefill = recording
+    got = gen.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[])
+    assert got == [want(family, p) for p in PROMPTS]
+    # 7 = 5 + 2; then the 1-token prompt (the 20-token one over the budget left); 20 in
+    # four chunks; then the 5-token prompt
+    assert chunks == [[5], [2], [1], [5], [5], [5], [5], [5]]
+    assert gen.stats["prefill_steps"] == 8 and not gen.has_unfinished()
+    assert gen.cache.num_free_blocks == gen.cache.num_blocks
+
+
 def test_eos_stops_a_request_and_is_included() -> None:
     family = "mistral"
     full = want(family, PROMPTS[2])

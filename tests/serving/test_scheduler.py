@@ -118,3 +118,80 @@ def test_batch_buckets() -> None:
     assert [_bucket(n, 256) for n in (1, 2, 3, 5, 9, 16, 17, 33, 250)] == [
         1, 2, 4, 8, 16, 16, 32, 48, 256]
     assert _bucket(3, 3) == 3 and _bucket(20, 20) == 20
+
+
+def drive(s: Scheduler, steps: int) -> list:
+    """``steps`` steps of the engine's bookkeeping, a long prompt's chunks included: the
+    batches."""
+    out = []
+    for _ in range(steps):
+        batch = s.schedule()
+        if batch is None:
+            break
+        out.append(batch)
+        if batch.partial:  # a chunk before the prompt's last: cached, no token
+            batch.requests[0].num_cached += len(batch.new[0])
+            continue
+        for r in list(batch.requests):
+            r.num_cached = r.length
+            if batch.kind == "prefill":
+                s.register_prefix(r)
+            r.output.append(1)
+            if len(r.output) == r.params.max_new_tokens:
+                s.finish(r)
+    return out
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_with_decode_steps_between() -> None:
+    s = make(max_prefill_tokens=4)
+    a, b = request(0, [1, 2, 3]), request(1, list(range(10, 21)))  # 3 and 11 tokens
+    s.add(a)
+    drive(s, 1)
+    s.add(b)
+    batches = drive(s, 6)
+    assert [(x.kind, x.partial) for x in batches] == [
+        ("prefill", True), ("decode", False), ("prefill", True), ("decode", False),
+        ("prefill", False), ("decode", False)]
+    assert [x.new[0] for x in batches if x.kind == "prefill"] == [
+        b.prompt[:4], b.prompt[4:8], b.prompt[8:]]
+    # b stays out of the decode batches until its last chunk; its blocks were all reserved
+    # when it was admitted
+    assert [x.requests for x in batches if x.kind == "decode"] == [[a], [a], [a, b]]
+    assert s.prefilling is None and s.running == [a, b] and b.num_cached == 12
+    # a prompt within the budget is not split
+    c = request(2, [5, 6, 7, 8])
+    s.add(c)
+    (batch,) = drive(s, 1)
+    assert batch.requests == [c] and not batch.partial
+
+
+def test_chunks_off_prefill_a_long_prompt_whole() -> None:
+    s = make(max_prefill_tokens=4, chunk_prefill=False)
+    b = request(1, list(range(10, 21)))
+    s.add(b)
+    (batch,) = drive(s, 1)
+    assert batch.new == [b.prompt] and not batch.partial and s.prefilling is None
+
+
+def test_a_prompt_between_chunks_is_aborted_or_requeued() -> None:
+    s = make(max_prefill_tokens=4)
+    b = request(1, list(range(10, 21)))
+    s.add(b)
+    drive(s, 1)
+    assert s.prefilling is b and s.cache.num_free_blocks == 16 - 3
+    s.abort(b)
+    assert s.prefilling is None and not s.has_unfinished()
+    assert s.cache.num_free_blocks == 16 and b.status == Status.FINISHED
+    # A running request that cannot grow takes the prefilling one's blocks: it goes back to
+    # the front of the queue, prefilled again later (chunks of one token: eleven of them,
+    # a decode step between two).
+    s = make(num_blocks=6, max_prefill_tokens=1)  # a at full length: all 6 blocks
+    a, b = request(0, [1, 2, 3], 20), request(1, list(range(10, 21)), 2)
+    s.add(a)
+    drive(s, 1)
+    s.add(b)
+    drive(s, 30)
+    assert b.preemptions >= 1 and s.preemptions == b.preemptions and a.preemptions == 0
+    drive(s, 200)
+    assert not s.has_unfinished() and len(a.output) == 20 and len(b.output) == 2
+    assert s.cache.num_free_blocks == 6

@@ -62,15 +62,17 @@ class Generator:
             decode step runs the model's forward (CUDA graphs with the collectives inside
             on an NCCL group); ``kvdp_group`` needs the query heads to divide over the ranks,
             ``cp_group`` refuses models with sliding-window layers. One of the two.
-        max_prefill_tokens: new tokens computed in one prefill step (a longer prompt runs
-            alone).
+        max_prefill_tokens: new tokens computed in one prefill step; a longer prompt is
+            prefilled in chunks of that many, one a step, with a decode step of the running
+            requests between two (over a split cache: whole, alone).
         prefix_sharing: share the full blocks of identical prompt prefixes.
         decode_path: how decode steps run the model. ``"auto"`` (default): the fused
             decode layers (``fused.py``: a few launches per layer over the model's own
             weights; Llama, Mistral, Qwen2, Qwen3, single process) where they apply, else
             the model's forward with lmfuse's paged attention; ``"fused"``: the fused layers
             or a ``ValueError`` saying why not; ``"model"``: always the model's forward.
-            Prefill always runs the model's forward.
+            Prefills run the fused layers where decode steps do, on the Triton path (a
+            GPU, or Triton's interpreter), else the model's forward.
         impl: the kernels' path, as every lmfuse op (``"auto"``: Triton on CUDA).
     """
 
@@ -134,7 +136,8 @@ class Generator:
         self.scheduler = Scheduler(self._pool, max_batch=max_batch,
                                    max_prefill_tokens=max_prefill_tokens,
                                    prefix_sharing=prefix_sharing,
-                                   max_blocks=self._pool.num_blocks)
+                                   max_blocks=self._pool.num_blocks,
+                                   chunk_prefill=cp_group is None and kvdp_group is None)
         self.runner = ModelRunner(model, self.cache, impl=impl, cuda_graphs=cuda_graphs,
                                   max_batch=max_batch, shards=self.shards,
                                   batch_shards=batch_shards, scheduled=self._pool,
@@ -281,7 +284,8 @@ class Generator:
 
     def step(self) -> list[tuple[int, list[int], bool]]:
         """Run one prefill or decode step: ``[(request id, new token ids, finished)]`` for
-        every request that advanced (finished ones are then forgotten).
+        every request that advanced (finished ones are then forgotten; none for a long
+        prompt's chunk before its last).
 
         Greedy decode steps run ahead (``lookahead``): a step's tokens stay on the device
         while the next step (fed those tokens there) is prepared and launched, and are read
@@ -316,6 +320,10 @@ class Generator:
             if self._calibrate:
                 self._calibrate_fp8(reqs, batch.new)
             logits = self.runner.prefill(reqs, batch.new)
+            if batch.partial:  # a long prompt's chunk before its last: no token yet
+                self.runner.take_greedy()
+                reqs[0].num_cached += len(batch.new[0])
+                return []
         else:
             logits = self.runner.decode(reqs, batch.step)
         argmax = self.runner.take_greedy()
@@ -354,7 +362,8 @@ class Generator:
         (none reaches its ``max_new_tokens`` there, none was aborted) and the pool has the
         next token's blocks (else the next call schedules, and preempts, as usual)."""
         reqs = current.requests
-        if (self.scheduler.waiting or not self._chainable(reqs)
+        if (self.scheduler.waiting or self.scheduler.prefilling is not None
+                or not self._chainable(reqs)
                 or any(r.status != Status.RUNNING
                        or len(r.output) + 1 >= r.params.max_new_tokens for r in reqs)
                 or reqs != self.scheduler.running):

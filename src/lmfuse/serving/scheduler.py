@@ -3,7 +3,9 @@
 Each step is a **prefill** of waiting requests or a **decode** of the running ones:
 
 * If requests wait and the batch has room, the oldest ones are admitted (in arrival
-  order, up to ``max_prefill_tokens`` new tokens unless the first alone is larger): each
+  order, up to ``max_prefill_tokens`` new tokens; a longer first one is prefilled in
+  chunks of that many, one a step, a decode step of the running requests between two
+  chunks, where ``chunk_prefill``; else whole): each
   gets a sequence in the :class:`~lmfuse.PagedKVCache`, sharing the full blocks of the
   longest prefix another live sequence already holds (``fork`` then ``truncate``: the
   shared blocks are reference-counted, never copied), and room for the rest of its
@@ -39,15 +41,22 @@ class Batch:
     requests: list[Request]
     new: list[list[int]] = field(default_factory=list)  # prefill: the tokens to compute
     step: object = None  # decode: the DecodeStep from PagedKVCache.reserve
+    partial: bool = False  # prefill: a chunk before the prompt's last (no token comes)
 
 
 class Scheduler:
     def __init__(self, cache: PagedKVCache, *, max_batch: int, max_prefill_tokens: int,
-                 prefix_sharing: bool = True, max_blocks: int | None = None) -> None:
+                 prefix_sharing: bool = True, max_blocks: int | None = None,
+                 chunk_prefill: bool = True) -> None:
         self.cache = cache
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
         self.prefix_sharing = prefix_sharing
+        self.chunk_prefill = chunk_prefill
+        # A request admitted whose prompt is prefilled in chunks (its blocks all reserved;
+        # not in ``running`` until its last chunk), and the last step's kind.
+        self.prefilling: Request | None = None
+        self._last = "decode"
         self.max_blocks = max_blocks  # pad decode block tables to this width (None: as needed)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -63,7 +72,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilling)
 
     def finish(self, request: Request) -> None:
         request.status = Status.FINISHED
@@ -73,6 +82,9 @@ class Scheduler:
     def abort(self, request: Request) -> None:
         if request in self.running:
             self.running.remove(request)
+            self._release(request)
+        elif request is self.prefilling:
+            self.prefilling = None
             self._release(request)
         elif request in self.waiting:
             self.waiting.remove(request)
@@ -92,12 +104,17 @@ class Scheduler:
 
     def schedule(self) -> Batch | None:
         """The next step's batch (its blocks reserved), or None when nothing is left."""
-        batch = self._admit() if self.waiting else None
+        batch = None
+        if self.prefilling is not None:  # its next chunk, a decode step between two
+            if not (self.running and self._last == "prefill"):
+                batch = self._next_chunk()
+        elif self.waiting:
+            batch = self._admit()
+        if batch is None and self.running:
+            batch = self._grow()
         if batch is not None:
-            return batch
-        if not self.running:
-            return None
-        return self._grow()
+            self._last = batch.kind
+        return batch
 
     def _admit(self) -> Batch | None:
         admitted: list[Request] = []
@@ -111,6 +128,7 @@ class Scheduler:
             if admitted and todo > budget:
                 self._drop(seq)
                 break
+            chunked = not admitted and todo > budget and self.chunk_prefill
             try:
                 self.cache.reserve(seq, todo)
             except KVCacheFullError:
@@ -124,6 +142,9 @@ class Scheduler:
             self.waiting.popleft()
             req.seq_id, req.num_cached, req.status = seq, cached, Status.RUNNING
             self.shared_tokens += cached
+            if chunked:  # its first chunk alone
+                self.prefilling = req
+                return self._next_chunk()
             admitted.append(req)
             new.append(tokens[cached:])
             budget -= todo
@@ -135,6 +156,18 @@ class Scheduler:
     def _drop(self, seq: int) -> None:
         self.cache.free(seq)
 
+    def _next_chunk(self) -> Batch:
+        """The prefilling request's next ``max_prefill_tokens`` tokens (the caller adds
+        them to its ``num_cached`` once computed); with its last it joins ``running``."""
+        req = self.prefilling
+        start = req.num_cached
+        stop = min(req.length, start + self.max_prefill_tokens)
+        partial = stop < req.length
+        if not partial:
+            self.prefilling = None
+            self.running.append(req)
+        return Batch("prefill", [req], [req.tokens[start:stop]], partial=partial)
+
     def _grow(self) -> Batch:
         while True:
             ids = [r.seq_id for r in self.running]
@@ -142,6 +175,10 @@ class Scheduler:
                 step = self.cache.reserve(ids, 1, max_blocks=self.width())
                 return Batch("decode", list(self.running), step=step)
             except KVCacheFullError:
+                if self.prefilling is not None:  # the latest admitted: back to the queue
+                    req, self.prefilling = self.prefilling, None
+                    self._requeue(req)
+                    continue
                 if len(self.running) == 1:  # cannot happen: a request's length fits the pool
                     raise
                 self._preempt(self.running[-1])
@@ -158,6 +195,9 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self._requeue(request)
+
+    def _requeue(self, request: Request) -> None:
         self._release(request)
         request.status = Status.WAITING
         request.preemptions += 1
