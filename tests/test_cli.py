@@ -189,10 +189,9 @@ def test_check_exits_1_when_a_case_fails(capsys: pytest.CaptureFixture[str],
 def test_bench_harnesses_ship_in_the_package(family: str) -> None:
     """``lmfuse bench`` works from an installed package: each harness is a module of
     lmfuse.bench."""
-    path = cli._bench_script(family)
-    assert path.is_file() and path.parent == Path(lmfuse.__file__).resolve().parent / "bench"
     module = importlib.import_module(f"lmfuse.bench.{family}")
-    assert Path(module.__file__).resolve() == path
+    path = Path(module.__file__).resolve()
+    assert path == Path(lmfuse.__file__).resolve().parent / "bench" / f"{family}.py"
     assert cli._bench_main(family) is module.main
 
 

@@ -266,4 +266,4 @@ def test_device_cuda_without_cuda_is_an_error(capsys, checkpoint) -> None:
 
 def test_bench_generate_is_a_bench_family() -> None:
     assert "generate" in cli.FAMILIES
-    assert cli._bench_script("generate").name == "generate.py"
+    assert cli._bench_main("generate").__module__ == "lmfuse.bench.generate"

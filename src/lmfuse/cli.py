@@ -192,12 +192,6 @@ def _dtype_list(text: str) -> list[torch.dtype]:
     return [DTYPES[n] for n in names]
 
 
-def _bench_script(family: str) -> Path:
-    """The harness behind ``lmfuse bench FAMILY``: ``lmfuse/bench/FAMILY.py``, shipped in
-    the package."""
-    return Path(__file__).resolve().parent / "bench" / f"{family}.py"
-
-
 def _bench_main(family: str) -> Callable[[list[str]], Optional[int]]:
     return importlib.import_module(f"lmfuse.bench.{family}").main
 
