@@ -564,9 +564,7 @@ def _prefill_inputs(cache: PagedKVCache, requests: list[Request], new: list[list
     if pad:
         tokens, seqs, width = next_pow2(max(count, 16)), next_pow2(seqs), next_pow2(width)
         chunks = tokens // chunk + seqs
-    def zeros(k: int) -> array.array:
-        return array.array(q, bytes(8 * k))
-
+    zeros = _zeros
     blank = zeros(tokens - count)
     flat = ids + blank + pos + blank + seq + array.array(q, [seqs]) * (tokens - count)
     flat += last + zeros(seqs - len(last)) + where + blank
@@ -580,6 +578,11 @@ def _prefill_inputs(cache: PagedKVCache, requests: list[Request], new: list[list
     host = torch.frombuffer(flat, dtype=torch.int64)
     return ((host.pin_memory() if cache.device.type == "cuda" else host),
             (tokens, seqs, chunks, width))
+
+
+def _zeros(k: int) -> array.array:
+    """``k`` int64 zeros."""
+    return array.array("q", bytes(8 * k))
 
 
 def _bucket(n: int, max_batch: int) -> int:
