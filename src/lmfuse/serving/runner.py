@@ -260,15 +260,19 @@ class ModelRunner:
         forward (about 40 launches a layer) bound a prefill on the host (H100, the
         benchmark model: 8-11 ms for a 64-token prompt), and the fused layers' eager
         launches still do (about 5 ms; 1.2 ms in a graph)."""
-        n = len(requests)
-        tokens = next_pow2(max(sum(map(len, new)), 16))
-        # padded to a graph's bucket only where one runs it (else padding is wasted work)
-        graphs = (self.graphs_on and self.prefill_graphs_on and tokens <= _PREFILL_GRAPH_TOKENS
-                  and next_pow2(n) <= _PREFILL_GRAPH_SEQS)
-        buf, shape = _prefill_inputs(self.cache, requests, new, self.fused.chunk,
-                                     self.pad_prefill or graphs)
+        n, chunk = len(requests), self.fused.chunk
+        tables = [self.cache.block_ids(r.seq_id) for r in requests]
+        shape = _prefill_shape(new, tables, chunk, True)
         key = ("prefill", *shape)
-        if graphs and (key in self._graphs or self._prefill_keys < _PREFILL_GRAPHS):
+        graphs = (self.graphs_on and self.prefill_graphs_on
+                  and shape[0] <= _PREFILL_GRAPH_TOKENS and shape[1] <= _PREFILL_GRAPH_SEQS
+                  and (key in self._graphs or self._prefill_keys < _PREFILL_GRAPHS))
+        if not (graphs or self.pad_prefill):  # padding is wasted work without a graph
+            shape = _prefill_shape(new, tables, chunk, False)
+        buf = _prefill_inputs(requests, new, tables, chunk, shape)
+        if self.device.type == "cuda":  # from pinned memory the copy does not wait
+            buf = buf.pin_memory()
+        if graphs:
             self._prefill_keys += key not in self._graphs
             graph = self._graph(key, lambda pool: _PrefillGraph(self, shape, pool))
             if graph is not None:
@@ -525,17 +529,29 @@ class ModelRunner:
         return self._graphs[key]
 
 
-def _prefill_inputs(cache: PagedKVCache, requests: list[Request], new: list[list[int]],
-                    chunk: int, pad: bool) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
-    """A fused prefill's inputs in one int64 host buffer (pinned on a CUDA host), in order:
-    per token row its id, position and sequence; each sequence's last row; each token
-    row's chunk slot; per chunk of ``chunk`` positions (:class:`~.fused.Prefill`) the token
-    row of each slot, then its last position + 1 and its sequence; the sequences' block
-    tables ``[seqs + 1, width]`` (-1 padded, the last row blank). ``pad``: tokens (at least
-    16), sequences and width rounded up to powers of two and chunks to ``tokens / chunk +
-    seqs`` (enough for any split): padding rows and chunks in the blank sequence, at
-    position 0 and length 0 (they write and read nothing). Returns (buffer, (tokens, seqs,
-    chunks, width))."""
+def _prefill_shape(new: list[list[int]], tables: list[list[int]], chunk: int,
+                   pad: bool) -> tuple[int, int, int, int]:
+    """(tokens, sequences, chunks, table width) of a fused prefill of ``new[i]`` tokens
+    over the block tables ``tables[i]`` in chunks of ``chunk`` positions; ``pad``: the
+    bucket of its CUDA graph: tokens (at least 16), sequences and width rounded up to powers
+    of two, chunks ``tokens / chunk + sequences`` (enough for any split)."""
+    count, seqs, width = sum(map(len, new)), len(new), max(map(len, tables))
+    if not pad:
+        return count, seqs, sum(cdiv(len(t), chunk) for t in new), width
+    tokens, seqs = next_pow2(max(count, 16)), next_pow2(seqs)
+    return tokens, seqs, tokens // chunk + seqs, next_pow2(width)
+
+
+def _prefill_inputs(requests: list[Request], new: list[list[int]], tables: list[list[int]],
+                    chunk: int, shape: tuple[int, int, int, int]) -> torch.Tensor:
+    """A fused prefill's inputs at ``shape`` (:func:`_prefill_shape`) in one int64 host
+    buffer, in order: per token row its id, position and sequence; each sequence's last
+    row; each token row's chunk slot; per chunk of ``chunk`` positions
+    (:class:`~.fused.Prefill`) the token row of each slot, then its last position + 1 and
+    its sequence; the sequences' block tables ``[sequences + 1, width]`` (-1 padded, the
+    last row blank). Padding rows and chunks sit in the blank sequence at position 0 with
+    length 0 (they write and read nothing); no requests: a buffer of padding alone."""
+    tokens, seqs, chunks, width = shape
     q = "q"
     ids, pos, seq, last = array.array(q), array.array(q), array.array(q), array.array(q)
     slots, ends, owner = array.array(q), array.array(q), array.array(q)
@@ -558,26 +574,18 @@ def _prefill_inputs(cache: PagedKVCache, requests: list[Request], new: list[list
             owner.append(i)
         start = (base + n_chunks) * chunk - k  # the slot of the first new token
         where.extend(range(start, start + k))
-    tables = [cache.block_ids(r.seq_id) for r in requests]
-    count, seqs, chunks, width = len(ids), len(requests), len(ends), max(map(len, tables))
-    tokens = count
-    if pad:
-        tokens, seqs, width = next_pow2(max(count, 16)), next_pow2(seqs), next_pow2(width)
-        chunks = tokens // chunk + seqs
-    zeros = _zeros
-    blank = zeros(tokens - count)
+    count = len(ids)
+    blank = _zeros(tokens - count)
     flat = ids + blank + pos + blank + seq + array.array(q, [seqs]) * (tokens - count)
-    flat += last + zeros(seqs - len(last)) + where + blank
-    flat += slots + zeros((chunks - len(ends)) * chunk)
-    flat += ends + zeros(chunks - len(ends))
+    flat += last + _zeros(seqs - len(last)) + where + blank
+    flat += slots + _zeros((chunks - len(ends)) * chunk)
+    flat += ends + _zeros(chunks - len(ends))
     flat += owner + array.array(q, [seqs]) * (chunks - len(ends))
     for t in tables:
         flat.extend(t)
         flat += array.array(q, [-1]) * (width - len(t))
     flat += array.array(q, [-1]) * (width * (seqs + 1 - len(tables)))
-    host = torch.frombuffer(flat, dtype=torch.int64)
-    return ((host.pin_memory() if cache.device.type == "cuda" else host),
-            (tokens, seqs, chunks, width))
+    return torch.frombuffer(flat, dtype=torch.int64)
 
 
 def _zeros(k: int) -> array.array:
@@ -692,16 +700,9 @@ class _PrefillGraph:
 
     def __init__(self, runner: ModelRunner, shape: tuple[int, int, int, int],
                  pool: Any) -> None:
-        self.shape = tokens, seqs, chunks, width = shape
-        c = runner.fused.chunk
-        self.buf = torch.zeros(4 * tokens + seqs + chunks * (c + 2) + (seqs + 1) * width,
-                               dtype=torch.int64, device=runner.device)
-        # captured over padding alone: the tables blank, every row and chunk in the blank
-        # sequence
-        self.buf[2 * tokens:3 * tokens] = seqs
-        self.buf[-(seqs + 1) * width:] = -1
-        at = 4 * tokens + seqs + chunks * (c + 1)
-        self.buf[at:at + chunks] = seqs
+        self.shape = shape
+        # captured over padding alone
+        self.buf = _prefill_inputs([], [], [], runner.fused.chunk, shape).to(runner.device)
         self.graph, self.logits, self.tokens = _capture(
             runner, lambda: runner._prefill_forward(self.buf, self.shape), pool)
         self.runner = runner
