@@ -63,13 +63,38 @@ def test_greedy_tokens_with_cuda_graphs(family: str) -> None:
     assert (st["prefill_graphs"] > 0) == (gen.runner.decode_path == "fused")
 
 
-def _bf16_model():
+def test_graphs_share_one_logits_buffer_and_sampling_reads_it() -> None:
+    """Every captured graph (decode buckets, prefills) writes its logits into one buffer;
+    a sampled run (top_k=1: the greedy token, drawn from the logits, not the graph's
+    argmax) over batches that grow and shrink reads the right rows of it."""
+    model = tiny_causal_lm("llama").cuda()
+    want = [_hf(model, p, n) for p, n in zip(PROMPTS, (NEW, 3, NEW, 7))]
+    gen = Generator(model, block_len=4, num_blocks=256)
+    rids = [gen.add_request(PROMPTS[0], max_new_tokens=NEW, temperature=1.0, top_k=1, seed=1)]
+    out: dict[int, list[int]] = {rids[0]: []}
+    steps = 0
+    while gen.has_unfinished():
+        if steps in (2, 3, 5):  # join mid-run: batches of 2, 3 and 4 rows
+            i = len(rids)
+            rids.append(gen.add_request(PROMPTS[i], max_new_tokens=(NEW, 3, NEW, 7)[i],
+                                        temperature=1.0, top_k=1, seed=i))
+            out[rids[-1]] = []
+        for rid, toks, _ in gen.step():
+            out[rid].extend(toks)
+        steps += 1
+    assert [out[r] for r in rids] == want
+    graphs = gen.runner._graphs.values()
+    assert len(graphs) >= 3 and gen.stats["prefill_graphs"] > 0
+    assert len({g.logits.untyped_storage().data_ptr() for g in graphs}) == 1
+
+
+def _bf16_model(max_position_embeddings: int = 4096):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model("llama", hidden_size=1024, intermediate_size=2816,
                                   num_hidden_layers=4, num_attention_heads=8,
                                   num_key_value_heads=2, vocab_size=32000,
-                                  max_position_embeddings=4096)
+                                  max_position_embeddings=max_position_embeddings)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
@@ -155,6 +180,45 @@ def test_prefill_graphs_replay_the_eager_prefill() -> None:
                         use_cache=False).logits[0, -1].float()
         err = float((graph[0][i].float() - ref).abs().max() / ref.abs().max())
         assert err <= BF16_LOGITS_TOL, (len(p), err)
+
+
+def test_long_prompt_prefilled_in_chunks() -> None:
+    """A 32K-token prompt prefilled in chunks of ``max_prefill_tokens`` (8192), a short
+    request decoding between them: the last chunk's logits within the stated tolerance of
+    the model's forward over the whole prompt, its tokens and the short request's those
+    of ``model.generate``."""
+    model = _bf16_model(max_position_embeddings=40960)
+    g = torch.Generator().manual_seed(2)
+    long = torch.randint(0, 32000, (32768,), generator=g).tolist()
+    short = [5, 6, 7]
+    gen = Generator(model, block_len=16, num_blocks=2400)
+    seen: list[torch.Tensor] = []
+    prefill = gen.runner.prefill
+
+    def recording(*args, **kwargs):
+        logits = prefill(*args, **kwargs)
+        seen.append(logits.float().clone())
+        return logits
+
+    gen.runner.prefill = recording
+    rids = [gen.add_request(short, max_new_tokens=12), gen.add_request(long, max_new_tokens=1)]
+    out: dict[int, list[int]] = {r: [] for r in rids}
+    order = []
+    while gen.has_unfinished():
+        for rid, toks, _ in gen.step():
+            out[rid].extend(toks)
+            order.append(rid)
+    st = gen.stats
+    assert st["graph_failures"] == 0, gen.runner.graph_failure
+    assert len(seen) == 5  # the short prompt, the long one's four chunks
+    assert order.index(rids[1]) > order.index(rids[0]) + 2  # the short one decoded between
+    with torch.inference_mode():
+        ref = model(input_ids=torch.tensor([long], device="cuda"), use_cache=False,
+                    logits_to_keep=1).logits[0, -1].float()
+    err = float((seen[-1][0] - ref).abs().max() / ref.abs().max())
+    assert err <= BF16_LOGITS_TOL, err
+    assert out[rids[1]] == [int(seen[-1][0].argmax())]
+    assert out[rids[0]] == _hf(model, short, 12)
 
 
 @pytest.mark.parametrize("n,V", [(1, 128256), (64, 128256), (3, 50001), (300, 1000)])

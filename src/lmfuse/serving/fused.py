@@ -254,7 +254,8 @@ class FusedDecoder:
 
     def forward(self, ids: torch.Tensor, table: torch.Tensor, before: torch.Tensor,
                 after: torch.Tensor | None, argmax: bool = False,
-                tokens: torch.Tensor | None = None, prefill: Prefill | None = None) -> Any:
+                tokens: torch.Tensor | None = None, prefill: Prefill | None = None,
+                out: torch.Tensor | None = None) -> Any:
         """Logits ``[n, V]`` of one token per row: ``ids [n]`` at position ``before[n]``
         (its K/V written there), rows over ``block_table`` with ``after`` keys after the
         step. Padding rows (block -1, length 0) write and read nothing. ``argmax``:
@@ -268,7 +269,9 @@ class FusedDecoder:
         ``before``; every row's K/V is written before any row attends, and the queries
         attend in chunks of consecutive positions of one sequence (:class:`Prefill`), each
         token over its sequence's keys up to its own (causal); the logits are those of
-        ``prefill.keep``'s rows (each prompt's last)."""
+        ``prefill.keep``'s rows (each prompt's last). ``out``: a contiguous ``[rows, V]``
+        tensor of the logits' dtype that the LM head writes them into (a captured step's
+        output in a buffer all of a runner's graphs share)."""
         n = ids.shape[0]
         kernels = self.triton and n <= GEMV_MAX_ROWS
         keep = None if prefill is None else prefill.keep
@@ -361,11 +364,16 @@ class FusedDecoder:
             x, rs = pre or (self._rms_norm(h, self.norm, self.norm_eps), None)
             if argmax:  # the greedy tokens from the GEMV's tiles
                 return self._gemv(x, (self.lm_head,), argmax=True, row_scale=rs,
-                                  tokens=tokens)
-            logits = self._gemv(x, (self.lm_head,), row_scale=rs)
+                                  tokens=tokens, out=out)
+            logits = self._gemv(x, (self.lm_head,), row_scale=rs, out=out)
         else:
             x = self._rms_norm(h, self.norm, self.norm_eps, self.pdl_tail)
-            logits = F.linear(x, self.lm_head, self.lm_bias)
+            if out is None:
+                logits = F.linear(x, self.lm_head, self.lm_bias)
+            elif self.lm_bias is None:
+                logits = torch.mm(x, self.lm_head.t(), out=out)
+            else:
+                logits = torch.addmm(self.lm_bias, x, self.lm_head.t(), out=out)
         return (logits, greedy(logits, out=tokens)) if argmax else logits
 
     def _rms_norm(self, h: torch.Tensor, w: torch.Tensor, eps: float,
@@ -702,8 +710,10 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
           norm: tuple[torch.Tensor, float] | None = None,
           rope: RopeAppend | None = None, argmax: bool = False,
           prenorm: tuple[torch.Tensor, float] | None = None,
-          row_scale: RowNorm | None = None, tokens: torch.Tensor | None = None) -> Any:
-    """``gemv_kernel`` launched: a new ``[n, N]`` output, or ``residual`` updated in place.
+          row_scale: RowNorm | None = None, tokens: torch.Tensor | None = None,
+          out: torch.Tensor | None = None) -> Any:
+    """``gemv_kernel`` launched: a new ``[n, N]`` output (in ``out`` where given, a
+    contiguous tensor of ``x``'s dtype), or ``residual`` updated in place.
     ``pdl``: with programmatic dependent launch (``lmfuse._pdl``). ``split_k``: programs
     per tile along K (default :func:`_gemv_split`'s; not with ``gated``, ``norm`` or
     ``rope``). ``norm = (g, eps)``: ``x`` RMS-normed (weight ``g``) inside the kernel.
@@ -742,11 +752,15 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
     if any(v % block_n for v in ns) or n == 0:
         y = _gemv_fallback(x, weights, biases, residual, gated, norm,
                            None if row_scale is None else row_scale.scale())
+        if out is not None:
+            y = out.copy_(y)
         if prenorm is not None:
             return (y, *_prenorm_unfused(y, prenorm))
         return (y, torch.argmax(y, -1, out=tokens)) if argmax else y
     if residual is not None:
         y = residual
+    elif out is not None:
+        y = out
     else:
         y = torch.empty((n, n_out), dtype=x.dtype, device=x.device)
     w = list(weights) + [weights[0]] * (3 - len(weights))

@@ -12,11 +12,13 @@ CUDA graphs (``cuda_graphs=True`` on a CUDA device): a decode forward is capture
 capture's split-KV layout suits the lengths it serves. A step copies its token ids,
 positions, block table and lengths into the graph's static buffers (rows past the batch
 get block -1 and length 0: they write nothing and attend over nothing), replays, and reads
-the logits of its rows. A greedy step of the fused decode layers run ahead in a full batch
-bucket whose graph is captured moves its inputs and its tokens through pinned host memory
-by small Triton copies on the compute queue (:func:`bus_copy`), its input tokens being the
-last replay's own output: the GPU idles about 9 us between steps instead of 13-28 with
-copy-engine transfers (H100, B64: steps 0.979 -> 0.970 ms). Other steps copy as before.
+the logits of its rows (every graph writes them into one buffer of the largest bucket's
+rows, valid until the next replay). A greedy step of the fused decode layers run ahead in
+a full batch bucket whose graph is captured moves its inputs and its tokens through pinned
+host memory by small Triton copies on the compute queue (:func:`bus_copy`), its input
+tokens being the last replay's own output: the GPU idles about 9 us between steps instead
+of 13-28 with copy-engine transfers (H100, B64: steps 0.979 -> 0.970 ms). Other steps
+copy as before.
 In the captured forward the RMSNorms and gated MLPs of the families ``apply_lmfuse``
 supports run lmfuse's fused kernels (``fused_norms_and_mlps``; the model is as before
 afterwards), mixture-of-experts experts ``lmfuse.moe_experts`` where
@@ -70,7 +72,7 @@ from .sharded import BatchShards, ContextShards, pad_table
 _kernels = lazy_kernels("kernels", __package__)
 # Prefills captured in CUDA graphs: at most this many token rows and sequences (longer
 # ones run eagerly: the host's launches are small beside their GPU time), and at most this
-# many graphs (each keeps its logits, [sequences, V], in the graphs' memory pool).
+# many graphs.
 _PREFILL_GRAPH_TOKENS = 8192
 _PREFILL_GRAPH_SEQS = 16
 _PREFILL_GRAPHS = 64
@@ -162,6 +164,7 @@ class ModelRunner:
         self.max_batch = max_batch
         self._graphs: dict[tuple, _DecodeGraph | _ShardedGraph] = {}
         self._pool = None
+        self._logits_buf: torch.Tensor | None = None  # the graphs' logits (_logits_out)
         self.graph_failures = 0
         self.graph_failure: str | None = None  # the last capture failure, where it arose
         # The fused decode layers (fused.py) where the model's family has them and the
@@ -279,10 +282,11 @@ class ModelRunner:
                 return graph.run(buf, n)
         return self._prefill_forward(buf.to(self.device, non_blocking=True), shape)[:n]
 
-    def _prefill_forward(self, buf: torch.Tensor, shape: tuple[int, int, int, int]
-                         ) -> torch.Tensor:
+    def _prefill_forward(self, buf: torch.Tensor, shape: tuple[int, int, int, int],
+                         out: torch.Tensor | None = None) -> torch.Tensor:
         """The fused prefill over a :func:`_prefill_inputs` buffer on the device: the logits
-        ``[seqs, V]`` of each sequence's last token (padding sequences: any row's)."""
+        ``[seqs, V]`` of each sequence's last token (padding sequences: any row's), in
+        ``out`` where given."""
         tokens, seqs, chunks, width = shape
         c = self.fused.chunk
         ids, pos, seq = buf[:3 * tokens].view(3, tokens)
@@ -296,7 +300,7 @@ class ModelRunner:
                           keep)
         with torch.inference_mode():
             return self.fused.forward(ids, tables.index_select(0, seq), pos.to(torch.int32),
-                                      None, prefill=prefill)
+                                      None, prefill=prefill, out=out)
 
     # --- decode ---------------------------------------------------------------------------
 
@@ -487,6 +491,21 @@ class ModelRunner:
                               pad_src=views["pad_src"], out_index=views["out_index"], **common)
         return self._forward(views["ids"][:, None], views["pos"][:, None], ctx, 1)[:, -1]
 
+    def _logits_out(self, like: torch.Tensor) -> torch.Tensor:
+        """The first ``len(like)`` rows of the buffer every captured graph writes its
+        logits into (replays run one at a time on one stream, and each step's logits are
+        read before the next step's replay), shaped and typed as ``like``: allocated for
+        the largest batch bucket (or prefill sequences) on first use, again only for a
+        larger or other shape."""
+        rows, cols = like.shape
+        buf = self._logits_buf
+        if buf is None or buf.shape[0] < rows or buf.shape[1] != cols or buf.dtype != like.dtype:
+            most = max(rows, _bucket(self.max_batch, self.max_batch), _PREFILL_GRAPH_SEQS,
+                       0 if buf is None or buf.shape[1] != cols else buf.shape[0])
+            self._logits_buf = buf = torch.empty((most, cols), dtype=like.dtype,
+                                                 device=like.device)
+        return buf[:rows]
+
     def _graph(self, key: tuple, make: Any = None) -> _DecodeGraph | _ShardedGraph | None:
         """The graph of ``key`` (captured now if new: ``make(pool)``, by default a
         ``_DecodeGraph`` of ``key = (batch, width)``); None once a capture failed. Over a
@@ -642,7 +661,7 @@ class _DecodeGraph:
         ctx = StepContext(runner.cache, "decode", runner.impl, block_table=self.table,
                           seqlens_before=self.before, seqlens=self.after)
 
-        def forward() -> torch.Tensor:
+        def forward(out: torch.Tensor | None = None) -> Any:
             if runner.fused is not None:  # (logits, greedy tokens)
                 with torch.inference_mode():
                     # the tokens written over the ids (read first): a step run ahead on
@@ -653,7 +672,7 @@ class _DecodeGraph:
                     alias = fused.lm_head.shape[0] <= fused.embed.shape[0]
                     return fused.forward(self.ids[:, 0], self.table, self.before,
                                          self.after, argmax=True,
-                                         tokens=self.ids[:, 0] if alias else None)
+                                         tokens=self.ids[:, 0] if alias else None, out=out)
             return runner._forward(self.ids, self.pos, ctx, 1)[:, -1]
 
         # The padding rows write nothing (block -1) and read nothing (length 0).
@@ -704,7 +723,7 @@ class _PrefillGraph:
         # captured over padding alone
         self.buf = _prefill_inputs([], [], [], runner.fused.chunk, shape).to(runner.device)
         self.graph, self.logits, self.tokens = _capture(
-            runner, lambda: runner._prefill_forward(self.buf, self.shape), pool)
+            runner, lambda out=None: runner._prefill_forward(self.buf, self.shape, out), pool)
         self.runner = runner
 
     def run(self, host: torch.Tensor, n: int) -> torch.Tensor:
@@ -732,11 +751,15 @@ def _packed(step: DecodeStep) -> torch.Tensor | None:
 
 def _capture(runner: ModelRunner, forward: Any, pool: Any) -> tuple[Any, torch.Tensor,
                                                                     torch.Tensor]:
-    """``forward()`` (a decode forward over static buffers) and its argmax captured in a
-    CUDA graph: (graph, logits, tokens). Warmed up first on a side stream (lazy
-    initialisations, Triton compilations, communicators). In the graph the norms and gated
-    MLPs run lmfuse's fused kernels (fewer launches; a launch costs no host time there),
-    the experts a capturable implementation."""
+    """``forward(out=None)`` (a decode forward over static buffers) and its argmax
+    captured in a CUDA graph: (graph, logits, tokens). Warmed up first on a side stream
+    (lazy initialisations, Triton compilations, communicators). In the graph the norms and
+    gated MLPs run lmfuse's fused kernels (fewer launches; a launch costs no host time
+    there), the experts a capturable implementation. The logits land in the runner's one
+    logits buffer (:meth:`ModelRunner._logits_out`: written there by ``forward(out)`` where
+    it can, else copied), so that the graphs' outputs take ``[rows, V]`` once, not once a
+    graph (B256 over the benchmark's 128K vocabulary: 64 MB a graph, and a graph per batch
+    bucket and table width)."""
     dev = runner.device
     _warm_bus_copies(dev)
     stream = torch.cuda.Stream(dev)
@@ -744,11 +767,15 @@ def _capture(runner: ModelRunner, forward: Any, pool: Any) -> tuple[Any, torch.T
     with _capturable_experts(runner.config), fused_norms_and_mlps(runner.model, runner.impl):
         with torch.cuda.stream(stream):
             for _ in range(2):
-                _with_tokens(forward())
+                logits, _ = _with_tokens(forward())
+        out = runner._logits_out(logits)
+        del logits
         torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            logits, tokens = _with_tokens(forward())  # greedy rows need nothing more
+            logits, tokens = _with_tokens(forward(out))  # greedy rows need nothing more
+            if logits.data_ptr() != out.data_ptr():
+                logits = out.copy_(logits)
     return graph, logits, tokens
 
 
@@ -797,7 +824,7 @@ class _ShardedGraph:
         views["table"].fill_(-1)  # the warm-up and capture write and read nothing
         self.ids = views["ids"]
         self.graph, self.logits, self.tokens = _capture(
-            runner, lambda: runner._sharded_forward(views), pool)
+            runner, lambda out=None: runner._sharded_forward(views), pool)
         self.runner = runner
 
     def run(self, host: torch.Tensor, n: int, ids: torch.Tensor | None = None
