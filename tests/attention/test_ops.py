@@ -500,6 +500,21 @@ class _SplitSpy:
         return Launcher()
 
 
+def test_split_chooser_counts_whole_key_tiles() -> None:
+    """The heuristic's splits hold whole key tiles: a cache's last, partial tile may be a
+    split of its own (656 keys in 128-key tiles: 6 splits of one tile, where splitting the
+    keys themselves allowed 5 and rounded each to 2 tiles, 3 splits); never fewer than
+    ``min_keys_per_split`` keys a split, nor more splits than tiles or ``max_splits``."""
+    choose = ops._choose_splits
+    assert choose(4, 656, 128, 264, 128, 128, 128) == 6
+    assert choose(4, 1024, 128, 264, 128, 128, 128) == 8  # whole tiles: as before
+    assert choose(4, 656, 128, 264, 256, 128, 128) == 3  # 2 tiles (256 keys) a split
+    assert choose(4, 656, 128, 264, 128, 128, 4) == 3  # 4 would leave one empty
+    assert choose(4, 100, 128, 264, 128, 128, 128) == 1  # one tile
+    assert choose(4, 0, 128, 264, 128, 128, 128) == 1
+    assert choose(4096, 656, 128, 264, 128, 128, 128) == 1  # programs fill the GPU
+
+
 def test_explain_reports_path_and_split_count(monkeypatch: pytest.MonkeyPatch) -> None:
     """explain names the Triton path and the split count, forced or heuristic, and that is
     the count the call runs."""
