@@ -596,6 +596,45 @@ def test_prefill_runs_the_fused_layers_with_the_models_logits(
     assert [tokens[i] for i in range(4)] == [hf_greedy(model, p, 4) for p in prompts]
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_rows_past_the_gemv_run_cublas_with_fused_epilogues(
+        family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forwards of more rows than the GEMV takes (long prefills; here any over 2) run the
+    projections' GEMMs into one buffer (qwen2: with the QKV biases), the residual adds in
+    the GEMMs and the MLP through lmfuse's swiglu: the prefill logits of the model's own
+    forward and model.generate's tokens, prefills and decode steps alike."""
+    import lmfuse.serving.fused as fused
+
+    monkeypatch.setattr(fused, "GEMV_MAX_ROWS", 2)
+    model = tiny_causal_lm(family, vocab_size=256)
+    torch.manual_seed(3)
+    with torch.no_grad():  # biases that matter (a fresh model's are zeros)
+        for layer in model.model.layers:
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                bias = getattr(layer.self_attn, proj).bias
+                if bias is not None:
+                    bias.normal_(0.0, 0.5)
+    calls = {"swiglu": 0, "linears": 0}
+    for name in calls:
+        real = getattr(fused, name if name == "swiglu" else "_linears")
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(fused, name if name == "swiglu" else "_linears", spy)
+    ref = Generator(model, block_len=4, num_blocks=48, impl="torch", decode_path="model")
+    want, _ = _prefills(ref, monkeypatch)
+    assert calls == {"swiglu": 0, "linears": 0}
+    gen = Generator(model, block_len=4, num_blocks=48, impl="triton")
+    got, tokens = _prefills(gen, monkeypatch)
+    layers = model.config.num_hidden_layers
+    assert calls["swiglu"] >= 2 * layers and calls["linears"] == 2 * calls["swiglu"]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    prompts = tokens.pop("prompts")
+    assert [tokens[i] for i in range(4)] == [hf_greedy(model, p, 4) for p in prompts]
+
+
 def test_a_failed_prefill_capture_leaves_decode_graphs_on() -> None:
     """A prefill graph that cannot be captured turns off the prefills' graphs alone, with
     a warning that says so; the decode steps keep theirs."""
