@@ -35,11 +35,18 @@ def _rope_case(dtype: torch.dtype, cache_dtype: torch.dtype, norm: bool, seed: i
 
 # fp8 without the q/k norm only: the norm's sums round in another order in the two, and a
 # 1-ulp difference may round to another e4m3 value; without it the bytes must be equal.
+@pytest.mark.parametrize("rows_from", [64, 0], ids=["row-a-program", "rows-a-program"])
 @pytest.mark.parametrize("dtype,cache_dtype,norm", [
     (torch.float32, torch.float32, False), (torch.float32, torch.float32, True),
     (torch.float16, torch.float16, False), (torch.float16, torch.float16, True),
     (torch.float32, torch.float8_e4m3fn, False)])
-def test_rope_append_kernel_matches_reference(dtype, cache_dtype, norm) -> None:
+def test_rope_append_kernel_matches_reference(dtype, cache_dtype, norm, rows_from,
+                                              monkeypatch) -> None:
+    """A row a program (decode steps) or several (past ``_ROPE_ROWS_FROM`` rows, here
+    any: the 4 rows in one program of 16, its other slots masked)."""
+    import lmfuse.serving.fused as fused
+
+    monkeypatch.setattr(fused, "_ROPE_ROWS_FROM", rows_from)
     qkv, cos, sin, pos, table, qn, kn, ks, vs = _rope_case(dtype, cache_dtype, norm)
     caches = []
     outs = []
@@ -59,6 +66,35 @@ def test_rope_append_kernel_matches_reference(dtype, cache_dtype, norm) -> None:
     written = (caches[0][0].abs().sum(dim=(2, 3)) > 0).nonzero().tolist()
     assert sorted(written) == [[0, 1], [2, 1], [3, 0]]
     assert not torch.equal(outs[0][1], qkv[1, :HQ * D].view(HQ, D).to(outs[0].dtype))
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_rope_append_kernel_many_rows_a_program(norm: bool) -> None:
+    """A prefill's rows (here 70, past ``_ROPE_ROWS_FROM``: programs of 16 rows, the last
+    one part full), each a position of one of three sequences, some rows padding (block
+    -1): the reference's queries and cache, bitwise in float32."""
+    g = torch.Generator().manual_seed(5)
+    n, nb, bl = 70, 40, 4
+    qkv = torch.randn(n, (HQ + 2 * HKV) * D, generator=g)
+    angles = torch.randn(80, D // 2, generator=g, dtype=torch.float64)
+    cos, sin = angles.cos().float(), angles.sin().float()
+    seq = torch.arange(n) % 3
+    pos = (torch.arange(n) // 3).to(torch.int32)
+    blocks = torch.randperm(nb, generator=g)[:3 * 8].view(3, 8).to(torch.int32)
+    table = blocks[seq]
+    table[n - 5:] = -1  # padding rows
+    qn = torch.randn(D, generator=g) if norm else None
+    kn = torch.randn(D, generator=g) if norm else None
+    caches, outs = [], []
+    for run in (_launch_rope_append, rope_append_reference):
+        kc, vc = torch.zeros(nb, bl, HKV, D), torch.zeros(nb, bl, HKV, D)
+        outs.append(run(qkv, cos, sin, pos, table, kc, vc, qn, kn, 1e-6, None, None, HQ,
+                        HKV, D))
+        caches.append((kc, vc))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+    for a, b in zip(caches[0], caches[1]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert int((caches[0][0].abs().sum(dim=(2, 3)) > 0).sum()) == n - 5
 
 
 def test_rope_append_reference_is_the_rotate_half_formula() -> None:

@@ -496,6 +496,9 @@ def rope_append_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return q.to(qkv.dtype)
 
 
+_ROPE_ROWS_FROM = 64  # more rows than this: several a program
+
+
 def _launch_rope_append(qkv, cos, sin, pos, table, k_cache, v_cache, q_norm, k_norm, eps,
                         k_scale, v_scale, hq, hkv, d, pdl=0) -> torch.Tensor:
     n = qkv.shape[0]
@@ -504,14 +507,17 @@ def _launch_rope_append(qkv, cos, sin, pos, table, k_cache, v_cache, q_norm, k_n
         return q
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     norm = q_norm is not None
-    _kernels().rope_append_kernel[(n, hq + hkv)](
+    # A row a program for a decode step's few; 16 for a prefill's many (H100, 4096 rows of
+    # 24 heads of 128: a program per row and head took 99 us)
+    rows = 1 if n <= _ROPE_ROWS_FROM else 16
+    _kernels().rope_append_kernel[(cdiv(n, rows), hq + hkv)](
         qkv, q, k_cache, v_cache, cos, sin, pos, table,
         q_norm if norm else qkv, k_norm if norm else qkv,
         k_scale if fp8 else cos, v_scale if fp8 else cos,
         qkv.stride(0), q.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-        v_cache.stride(1), table.stride(0), k_cache.shape[0], cos.shape[0], float(eps),
+        v_cache.stride(1), table.stride(0), k_cache.shape[0], cos.shape[0], float(eps), n,
         HQ=hq, HKV=hkv, D=d, HALF=d // 2, BLOCK_LEN=k_cache.shape[1], QK_NORM=norm, FP8=fp8,
-        PDL=pdl, num_warps=1, **_pdl.launch_options(pdl))
+        PDL=pdl, ROWS=rows, num_warps=1 if rows == 1 else 4, **_pdl.launch_options(pdl))
     return q
 
 

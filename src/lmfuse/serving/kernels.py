@@ -33,62 +33,68 @@ from .._fp8 import saturate_e4m3
 def rope_append_kernel(
     QKV, QOUT, KC, VC, COS, SIN, POS, TABLE, QNW, KNW, K_SCALE, V_SCALE,
     stride_b, stride_ob, stride_kblk, stride_krow, stride_vblk, stride_vrow, stride_tb,
-    num_blocks, positions, eps,
+    num_blocks, positions, eps, n_rows,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     BLOCK_LEN: tl.constexpr, QK_NORM: tl.constexpr, FP8: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = 0, ROWS: tl.constexpr = 1,
 ):
     """``QKV [B, (HQ + 2 HKV) * D]`` rows (q heads, k heads, v heads), ``POS [B]`` the
     token's position (also where it goes in its sequence), ``COS``/``SIN [P, HALF]``
-    float32 (rotate-half convention: dims ``i`` and ``i + HALF`` rotate together)."""
+    float32 (rotate-half convention: dims ``i`` and ``i + HALF`` rotate together). A
+    program takes ``ROWS`` rows (of ``n_rows``) of one head: one for a decode step's few,
+    more for a long prefill's (a program per row and head ran at about 0.5 TB/s there)."""
     pdl_wait(PDL)
     pdl_start(PDL)
-    b = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     h = tl.program_id(1)
     i = tl.arange(0, HALF)
-    pos = tl.load(POS + b).to(tl.int64)
+    live = b < n_rows
+    pos = tl.load(POS + b, mask=live, other=0).to(tl.int64)
     angle = tl.minimum(tl.maximum(pos, 0), positions - 1)  # the table's rows only
-    row = QKV + b * stride_b + h * D
-    x1 = tl.load(row + i).to(tl.float32)
-    x2 = tl.load(row + HALF + i).to(tl.float32)
+    row = QKV + b[:, None] * stride_b + h * D + i[None, :]
+    m2 = live[:, None]
+    x1 = tl.load(row, mask=m2, other=0.0).to(tl.float32)
+    x2 = tl.load(row + HALF, mask=m2, other=0.0).to(tl.float32)
     if QK_NORM:  # per-head RMSNorm of q and k (Qwen3) before the rotation
-        r = 1.0 / tl.sqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D + eps)
+        r = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + eps)
         if h < HQ:
             w1 = tl.load(QNW + i).to(tl.float32)
             w2 = tl.load(QNW + HALF + i).to(tl.float32)
         else:
             w1 = tl.load(KNW + i).to(tl.float32)
             w2 = tl.load(KNW + HALF + i).to(tl.float32)
-        x1 = x1 * r * w1
-        x2 = x2 * r * w2
-    c = tl.load(COS + angle * HALF + i)
-    s = tl.load(SIN + angle * HALF + i)
+        x1 = x1 * r[:, None] * w1[None, :]
+        x2 = x2 * r[:, None] * w2[None, :]
+    c = tl.load(COS + angle[:, None] * HALF + i[None, :], mask=m2, other=0.0)
+    s = tl.load(SIN + angle[:, None] * HALF + i[None, :], mask=m2, other=0.0)
     y1 = x1 * c - x2 * s
     y2 = x2 * c + x1 * s
     if h < HQ:
-        out = QOUT + b * stride_ob + h * D
-        tl.store(out + i, y1.to(QOUT.dtype.element_ty))
-        tl.store(out + HALF + i, y2.to(QOUT.dtype.element_ty))
+        out = QOUT + b[:, None] * stride_ob + h * D + i[None, :]
+        tl.store(out, y1.to(QOUT.dtype.element_ty), mask=m2)
+        tl.store(out + HALF, y2.to(QOUT.dtype.element_ty), mask=m2)
     else:
         j = h - HQ
-        blk = tl.load(TABLE + b * stride_tb + pos // BLOCK_LEN)
-        if (blk >= 0) & (blk < num_blocks):  # a padding row (block -1) writes nothing
-            off = pos % BLOCK_LEN
-            v1 = tl.load(row + HKV * D + i).to(tl.float32)
-            v2 = tl.load(row + HKV * D + HALF + i).to(tl.float32)
-            if FP8:
-                ks = tl.load(K_SCALE + j).to(tl.float32)
-                vs = tl.load(V_SCALE + j).to(tl.float32)
-                y1 = saturate_e4m3(tl.div_rn(y1, ks))
-                y2 = saturate_e4m3(tl.div_rn(y2, ks))
-                v1 = saturate_e4m3(tl.div_rn(v1, vs))
-                v2 = saturate_e4m3(tl.div_rn(v2, vs))
-            k_at = KC + blk.to(tl.int64) * stride_kblk + off * stride_krow + j * D
-            v_at = VC + blk.to(tl.int64) * stride_vblk + off * stride_vrow + j * D
-            tl.store(k_at + i, y1.to(KC.dtype.element_ty))
-            tl.store(k_at + HALF + i, y2.to(KC.dtype.element_ty))
-            tl.store(v_at + i, v1.to(VC.dtype.element_ty))
-            tl.store(v_at + HALF + i, v2.to(VC.dtype.element_ty))
+        blk = tl.load(TABLE + b * stride_tb + pos // BLOCK_LEN, mask=live, other=-1)
+        ok = (live & (blk >= 0) & (blk < num_blocks))[:, None]  # a padding row: no write
+        off = pos % BLOCK_LEN
+        v1 = tl.load(row + HKV * D, mask=ok, other=0.0).to(tl.float32)
+        v2 = tl.load(row + HKV * D + HALF, mask=ok, other=0.0).to(tl.float32)
+        if FP8:
+            ks = tl.load(K_SCALE + j).to(tl.float32)
+            vs = tl.load(V_SCALE + j).to(tl.float32)
+            y1 = saturate_e4m3(tl.div_rn(y1, ks))
+            y2 = saturate_e4m3(tl.div_rn(y2, ks))
+            v1 = saturate_e4m3(tl.div_rn(v1, vs))
+            v2 = saturate_e4m3(tl.div_rn(v2, vs))
+        k_at = (KC + blk.to(tl.int64)[:, None] * stride_kblk + off[:, None] * stride_krow
+                + j * D + i[None, :])
+        v_at = (VC + blk.to(tl.int64)[:, None] * stride_vblk + off[:, None] * stride_vrow
+                + j * D + i[None, :])
+        tl.store(k_at, y1.to(KC.dtype.element_ty), mask=ok)
+        tl.store(k_at + HALF, y2.to(KC.dtype.element_ty), mask=ok)
+        tl.store(v_at, v1.to(VC.dtype.element_ty), mask=ok)
+        tl.store(v_at + HALF, v2.to(VC.dtype.element_ty), mask=ok)
 
 
 @triton.jit
