@@ -86,6 +86,8 @@ def test_graphs_share_one_logits_buffer_and_sampling_reads_it() -> None:
     graphs = gen.runner._graphs.values()
     assert len(graphs) >= 3 and gen.stats["prefill_graphs"] > 0
     assert len({g.logits.untyped_storage().data_ptr() for g in graphs}) == 1
+    gen.close()  # the buffer goes back with the graphs
+    assert gen.runner._logits_buf is None and not gen.runner._graphs
 
 
 def _bf16_model(max_position_embeddings: int = 4096):

@@ -192,6 +192,7 @@ class Generator:
             self.abort(rid)
         self.runner._graphs.clear()
         self.runner._pool = None
+        self.runner._logits_buf = None
         self.cache.k_caches.clear()
         self.cache.v_caches.clear()
         self._closed = True

@@ -306,20 +306,25 @@ class FusedDecoder:
                 else:
                     qkv = self._gemv(x, L.qkv, L.qkv_bias, row_scale=rs)
             elif self.triton:  # more rows than the GEMV takes: cuBLAS into one buffer
-                qkv = _linears(self._rms_norm(h, L.norm_in, L.eps), L.qkv, L.qkv_bias)
+                qkv = _linears(self._rms_norm(h, L.norm_in, L.eps, self.pdl_tail), L.qkv,
+                               L.qkv_bias)
             else:
                 x = self._rms_norm(h, L.norm_in, L.eps)
                 qkv = torch.cat([F.linear(x, w, None if L.qkv_bias is None else L.qkv_bias[j])
                                  for j, w in enumerate(L.qkv)], dim=-1)
             if qkv is not None:
                 q = self._rope_append(qkv, L, i, table, before)
+            # (cuBLAS's Wo after it past the GEMV's rows or with a bias: launched once it
+            # has ended)
+            tail = not kernels or L.o_bias is not None
             if prefill is None:
-                o = self._attention(q[:, None], i, L, table, after).view(n, self.hq * self.d)
+                o = self._attention(q[:, None], i, L, table, after, tail).view(
+                    n, self.hq * self.d)
             else:  # chunks of a sequence's consecutive tokens attend together
                 chunks = prefill.lengths.shape[0]
                 qc = q.reshape(n, -1).index_select(0, prefill.slots)
                 o = self._attention(qc.view(chunks, -1, self.hq, self.d), i, L,
-                                    prefill.table, prefill.lengths)
+                                    prefill.table, prefill.lengths, tail)
                 o = o.view(-1, self.hq * self.d).index_select(0, prefill.rows)
             pre = None
             if kernels and L.o_bias is None:
@@ -361,7 +366,7 @@ class FusedDecoder:
                 # Large prefills: gate and up into the halves of one buffer, lmfuse's swiglu
                 # (one pass, where SiLU and the product took two), the residual in the down
                 # GEMM (H100, 8 x 1024 tokens: about 0.13 ms a layer of separate passes).
-                x = self._rms_norm(h, L.norm_post, L.eps_post)
+                x = self._rms_norm(h, L.norm_post, L.eps_post, self.pdl_tail)
                 a = swiglu(_linears(x, (L.gate, L.up), None), impl=self.impl)
                 h.addmm_(a, L.down.t())
             else:
@@ -401,7 +406,9 @@ class FusedDecoder:
         return _gemv(x, weights, biases, pdl=self.pdl, **kw)
 
     def _attention(self, q: torch.Tensor, i: int, L: _Layer, table: torch.Tensor,
-                   after: torch.Tensor) -> torch.Tensor:
+                   after: torch.Tensor, tail: bool = False) -> torch.Tensor:
+        """``tail``: a library's kernel follows (PDL's mode 2: it launches once this
+        one's programs have exited)."""
         cache = self.cache
         args = (q, cache.k_caches[i], cache.v_caches[i], after)
         kw = dict(block_table=table, scale=L.scale, window_size=L.window,
@@ -417,7 +424,8 @@ class FusedDecoder:
         # inputs are laid out as it wants them: contiguous q, table and lengths).
         s = _resolve(*args, table, L.scale, L.window, None, kw["k_scale"], kw["v_scale"],
                      False, None, self.impl)
-        s = replace(s, pdl=self.pdl_attention)
+        s = replace(s, pdl=self.pdl_tail if tail and self.pdl_attention else
+                    self.pdl_attention)
         return _launch_decode(*args, table, None, kw["k_scale"], kw["v_scale"], s)[0]
 
     def _rope_append(self, qkv: torch.Tensor, L: _Layer, i: int, table: torch.Tensor,
