@@ -45,6 +45,10 @@ def test_quick_run_writes_the_expected_rows(tmp_path: Path,
         assert f"tokens = lmfuse's in {batch}/{batch}" in hf["note"]
         for impl in ("hf static+compile", "hf generate_batch"):  # a row, run or failed
             assert (step, impl) in by or (e2e, impl) in by
+    for case in ("prefill 1x4", "prefill 2x12"):  # the smoke run's prefill cases
+        lm, model_path = by[(case, "lmfuse")], by[(case, "lmfuse model path")]
+        assert lm["ms"] > 0 and lm["ratio"] == 1.0 and "prompt tok/s" in lm["note"]
+        assert model_path["ms"] > 0 and model_path["ratio"] > 0
     mixed = [r for r in rows if r["case"].startswith("mixed 6 req")]
     assert {r["impl"] for r in mixed} >= {"lmfuse", "hf generate (batches of 4)"}
     assert all(r["ms"] > 0 and "req/s" in r["note"] for r in mixed if r["impl"] == "lmfuse")

@@ -38,6 +38,13 @@ transformers' continuous batching through the manager ``model.generate_batch`` w
 (``init_continuous_batching``, ``warmup``, ``add_request``, ``get_result``; CUDA graphs on
 where there is CUDA; its cache sized by its own default), after one untimed pass.
 
+``prefill NxT``: per ``--prefills`` entry, ms of one ``step()`` that prefills N prompts of T
+tokens (each asks for one token, so the step ends them), synchronised; the median of five,
+after two untimed ``generate()`` calls of the same prompts (compilations, graph captures):
+``lmfuse`` (the fused layers where the family has them, in CUDA graphs per size bucket) and
+``lmfuse model path`` (``decode_path="model"``: the model's own forward). Notes: prompt
+tokens/s. ``--no-prefill`` skips them.
+
 ``mixed``: ``--requests`` requests (256), prompt lengths uniform in 64..1024 and output
 lengths in 16..256 (seeded), arriving as a Poisson process of ``--rate`` per second (100; 0:
 all at once) in wall-clock time: none starts before its arrival. Each implementation serves
@@ -56,9 +63,10 @@ beyond the pool too). A peer that fails gives a row with the error. On a CPU (or
 ``--quick``) a tiny model runs tiny sizes in float32, single-threaded: a smoke test of the
 script, NOT performance. On a GPU, in parts (each well under 10 minutes):
 
-    lmfuse bench generate --no-mixed --eager --json decode.json
+    lmfuse bench generate --no-mixed --no-prefill --eager --json decode.json
+    lmfuse bench generate --no-decode --no-mixed --peers "" --json prefill.json
     lmfuse bench generate --no-mixed --context 4096 --batches 16,64 --kv-dtype fp8 --json fp8.json
-    lmfuse bench generate --no-decode --json mixed.json
+    lmfuse bench generate --no-decode --no-prefill --json mixed.json
 """
 
 from __future__ import annotations
@@ -98,6 +106,8 @@ SIZES = {
     "rate": (100.0, 400.0, "mixed arrivals per second, Poisson (0: all at once)"),
     "hf_batch": (32, 4, "prompts per HF generate call in the mixed workload"),
     "reps": (3, 2, "timed repetitions of whole generate calls (the fastest is kept)"),
+    "prefills": ("1x64,1x1024,1x4096,8x1024", "1x4,2x12",
+                 "prefill cases, NxT (N prompts of T tokens), comma-separated"),
 }
 
 
@@ -139,8 +149,20 @@ def _dtype(text: str) -> str:
 
 
 # How each SIZES option is read (the rest: integers >= 1).
+def _prefills(text: str) -> list[tuple[int, int]]:
+    try:
+        cases = [tuple(int(v) for v in c.split("x")) for c in text.split(",")]
+    except ValueError:
+        cases = []
+    if not cases or any(len(c) != 2 or min(c) < 1 for c in cases):
+        raise argparse.ArgumentTypeError(f"expected comma-separated NxT cases of positive "
+                                         f"integers (e.g. 1x1024,8x512), got {text!r}")
+    return cases
+
+
 SIZE_TYPES = {"dtype": _dtype, "new_tokens": int_range(2), "batches": _batches,
-              "prompt_range": _lo_hi, "output_range": _lo_hi, "rate": _rate}
+              "prompt_range": _lo_hi, "output_range": _lo_hi, "rate": _rate,
+              "prefills": _prefills}
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -166,6 +188,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     add("--peers", default=",".join(PEERS), help=f"peers to run (default {','.join(PEERS)})")
     add("--decode", action=argparse.BooleanOptionalAction, default=True,
         help="the decode cases (default on)")
+    add("--prefill", action=argparse.BooleanOptionalAction, default=True,
+        help="the prefill cases (default on)")
     add("--mixed", action=argparse.BooleanOptionalAction, default=True,
         help="the mixed workload with arrivals (default on)")
     add("--json", type=output_file, help="write the environment and every row as JSON here")
@@ -205,7 +229,8 @@ def build_model(args: argparse.Namespace, device: torch.device) -> Any:
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
         vocab_size=args.vocab, tie_word_embeddings=False, attn_implementation="sdpa",
         max_position_embeddings=max(8192, args.context + args.new_tokens + 16,
-                                    args.prompt_range[1] + args.output_range[1] + 16))
+                                    args.prompt_range[1] + args.output_range[1] + 16,
+                                    max(t for _, t in args.prefills) + 16))
     torch.manual_seed(0)
     with torch.device(device):
         model = transformers.LlamaForCausalLM(config)
@@ -570,6 +595,49 @@ def decode_rows(model: Any, batch: int, args: argparse.Namespace, device: torch.
     return steps + e2e
 
 
+def prefill_rows(model: Any, args: argparse.Namespace, device: torch.device) -> list[Result]:
+    """The ``prefill NxT`` rows (module docstring)."""
+    rows: list[Result] = []
+    for n, T in args.prefills:
+        g = torch.Generator().manual_seed(args.seed + 7 * n + T)
+        prompts = torch.randint(1, args.vocab, (n, T), generator=g).tolist()
+        case, base = f"prefill {n}x{T}", None
+        for impl, path in (("lmfuse", "auto"), ("lmfuse model path", "model")):
+            try:
+                ms = _prefill_ms(model, prompts, args, device, path)
+            except Exception as exc:
+                rows.append(failed(case, impl, exc))
+                continue
+            base = base or ms
+            rows.append(Result(case, impl, ms, ratio=ms / base,
+                               note=f"{n * T / ms * 1e3:,.0f} prompt tok/s"))
+        free(device)
+    print_table(rows, header=False)
+    return rows
+
+
+def _prefill_ms(model: Any, prompts: list[list[int]], args: argparse.Namespace,
+                device: torch.device, path: str) -> float:
+    per_seq = cdiv(len(prompts[0]) + 1, args.block_len) + 1
+    gen = Generator(model, block_len=args.block_len, num_blocks=len(prompts) * per_seq,
+                    impl=args.impl, decode_path=path, max_batch=max(256, len(prompts)),
+                    max_prefill_tokens=max(8192, sum(map(len, prompts))))
+    kw = dict(max_new_tokens=1, eos_token_id=[])
+    try:
+        for _ in range(2):  # compilations, graph captures
+            gen.generate(prompts, **kw)
+        times = []
+        for _ in range(5):
+            for p in prompts:
+                gen.add_request(p, **kw)
+            times.append(wall_ms(gen.step, device)[0])
+            while gen.has_unfinished():  # nothing left: each request asked for one token
+                gen.step()
+        return statistics.median(times)
+    finally:
+        gen.close()
+
+
 def _same(r: dict, want: list[list[int]] | None) -> str:
     """How many sequences are identical to ``want``'s, and the mean share of tokens before
     the first difference (greedy decoding of random weights meets near-ties)."""
@@ -703,6 +771,8 @@ def run(args: argparse.Namespace, device: torch.device, quick: bool, env: dict) 
     rows: list[Result] = []
     for batch in args.batches if args.decode else []:
         rows += decode_rows(model, batch, args, device, floors, copy["tbps"], tokps)
+    if args.prefill:
+        rows += prefill_rows(model, args, device)
     if args.mixed:  # two untimed passes first, but in a smoke run: a pass whose arrivals
         # batch the requests otherwise meets new batch shapes, whose CUDA graphs and
         # kernel variants are made in the pass (H100, a fresh Triton cache: 5.47 against
