@@ -69,9 +69,13 @@ def test_train_loss_falls_below_uniform(trained):
     assert sorted(losses) == [1, 10, 20, 30], stdout
     assert all(math.isfinite(v) for v in losses.values())
     # A fresh model guesses about uniformly (ln 256 = 5.55 nats a byte); 30 steps learn the
-    # byte frequencies at least.
+    # byte frequencies at least. Each logged loss is one random batch of a corpus made of
+    # lmfuse's own sources (it changes with every commit): steps 10 and 30 are compared with
+    # the first, not with each other, as batches differ by some 0.3 nats once the byte
+    # frequencies are learnt (30 above 10 at one commit: 3.49 against 3.35).
     assert losses[1] > math.log(256) - 0.5
-    assert losses[30] < math.log(256) - 1.5 and losses[30] < losses[10] < losses[1], losses
+    assert losses[30] < math.log(256) - 1.5, losses
+    assert losses[30] < losses[1] - 1.5 and losses[10] < losses[1], losses
 
 
 def test_checkpoint_round_trips(ex, trained, tmp_path):
