@@ -471,7 +471,7 @@ def _choose_splits(programs: int, span: int, block_n: int, slots: int, min_keys:
     fixed cost per program (``split_cost_keys``, in keys), over ``s`` with at least
     ``min_keys_per_split`` keys per split, counted in whole tiles (a short cache's last,
     partial tile may be a split of its own: 656 paged keys in 128-key tiles split 6 ways,
-    not 3 of 256; H100, the Generator's B1 step 0.677 -> 0.660 ms). Ties go to fewer
+    not 3 of 256; H100, the Generator's B1 step 0.677 -> 0.659 ms). Ties go to fewer
     splits (less merging)."""
     tiles = cdiv(max(span, 1), block_n)
     best, best_cost = 1, None

@@ -148,7 +148,6 @@ def _dtype(text: str) -> str:
     return text
 
 
-# How each SIZES option is read (the rest: integers >= 1).
 def _prefills(text: str) -> list[tuple[int, int]]:
     try:
         cases = [tuple(int(v) for v in c.split("x")) for c in text.split(",")]
@@ -160,6 +159,7 @@ def _prefills(text: str) -> list[tuple[int, int]]:
     return cases
 
 
+# How each SIZES option is read (the rest: integers >= 1).
 SIZE_TYPES = {"dtype": _dtype, "new_tokens": int_range(2), "batches": _batches,
               "prompt_range": _lo_hi, "output_range": _lo_hi, "rate": _rate,
               "prefills": _prefills}

@@ -160,7 +160,6 @@ class ModelRunner:
         self.pad_prefill = False
         # Prefills in CUDA graphs: off after a failed capture (decode graphs stay on).
         self.prefill_graphs_on = True
-        self._prefill_keys = 0  # prefill graph keys captured or tried
         self.max_batch = max_batch
         self._graphs: dict[tuple, _DecodeGraph | _ShardedGraph] = {}
         self._pool = None
@@ -269,14 +268,14 @@ class ModelRunner:
         key = ("prefill", *shape)
         graphs = (self.graphs_on and self.prefill_graphs_on
                   and shape[0] <= _PREFILL_GRAPH_TOKENS and shape[1] <= _PREFILL_GRAPH_SEQS
-                  and (key in self._graphs or self._prefill_keys < _PREFILL_GRAPHS))
+                  and (key in self._graphs  # a new one while fewer than the cap exist
+                       or sum(k[0] == "prefill" for k in self._graphs) < _PREFILL_GRAPHS))
         if not (graphs or self.pad_prefill):  # padding is wasted work without a graph
             shape = _prefill_shape(new, tables, chunk, False)
         buf = _prefill_inputs(requests, new, tables, chunk, shape)
         if self.device.type == "cuda":  # from pinned memory the copy does not wait
             buf = buf.pin_memory()
         if graphs:
-            self._prefill_keys += key not in self._graphs
             graph = self._graph(key, lambda pool: _PrefillGraph(self, shape, pool))
             if graph is not None:
                 return graph.run(buf, n)
