@@ -6,7 +6,8 @@ tokens. End of sequence is *matched*, not disabled: the saved ``generation_confi
 ``eos_token_id`` is a token the first prompt reaches greedily at its third step, so both
 ``model.generate`` (which reads that config) and the command stop there, and the other
 prompt runs to ``--max-new-tokens``. Errors exit 2 with one ``lmfuse generate: ...`` line
-and no traceback; Ctrl-C exits 130 quietly; progress shows on a terminal only.
+and no traceback; Ctrl-C exits 130 quietly; progress shows on a terminal only. The command
+runs as on a CPU without the suite's Triton interpreter (PyTorch's path).
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ def _tokenizer():
                                                        special_tokens=[("<s>", 1)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>",
                                    eos_token="</s>", chat_template=CHAT_TEMPLATE)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_users_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command as a CPU user runs it: PyTorch's path, not Triton's interpreter (which
+    the suite turns on; the serving tests hold the kernels' paths to ``model.generate``)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
 @pytest.fixture(scope="module")

@@ -62,7 +62,10 @@ FAMILIES = {
     "llama4_text": {},
     # Falcon-H1 multiplies its logits, and its MLPs scale their gate and output: the loss
     # applies the former, the fused SwiGLU (gate_multiplier, down_multiplier) the latter.
-    "falcon_h1": {"lm_head_multiplier": 0.5, "mlp_multipliers": [0.5, 2.0]},
+    # Its Mamba-2 mixers at tiny sizes (the defaults: 128 heads, 1024 channels, 256 states).
+    "falcon_h1": {"lm_head_multiplier": 0.5, "mlp_multipliers": [0.5, 2.0],
+                  "mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_state": 8,
+                  "mamba_chunk_size": 16},
     # two experts of two: with one, the renormalised routing weight is 1 and the router's
     # gradient mere rounding noise
     "mixtral": {"num_local_experts": 2, "num_experts_per_tok": 2},
@@ -638,7 +641,12 @@ _LINEAR_ATTENTION = {"layer_types": ["linear_attention", "full_attention"],
                      "linear_num_key_heads": 2, "linear_num_value_heads": 2,
                      "linear_key_head_dim": 8, "linear_value_head_dim": 8}
 _MOE = {"num_experts": 2, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+# Gemma 4's per-layer input embeddings and its full-attention layers' heads at tiny sizes
+# (the defaults, a 262144 x 256 table a layer and heads of 512, made each test 15-20 s).
+_GEMMA4_TEXT = {"vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8,
+                "global_head_dim": 16}
 VLM_SUBCONFIGS = {
+    "gemma4": (_GEMMA4_TEXT, {}),
     "glm4v": (_MROPE, _QWEN_VISION),
     "glm4v_moe": ({**_MROPE, "n_routed_experts": 2, "num_experts_per_tok": 2,
                    "moe_intermediate_size": 16, "first_k_dense_replace": 1}, _QWEN_VISION),
@@ -939,7 +947,7 @@ MORE_FAMILIES = {
     "qwen3_vl_text": {},
     "qwen3_vl_moe_text": {"num_experts": 2, "num_experts_per_tok": 2,
                           "moe_intermediate_size": 16},
-    "gemma4_text": {},
+    "gemma4_text": _GEMMA4_TEXT,
     # Mllama's text model with a cross-attention layer (fed vision states below)
     "mllama_text_model": {"cross_attention_layers": [1]},
     # Pixtral's vision encoder (fed images below) with SiLU gated MLPs; transformers'
