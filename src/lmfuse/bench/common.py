@@ -46,6 +46,9 @@ class Case:
     # A callable note is called after the run.
     notes: dict[str, str | Callable[[], str]] = field(default_factory=dict)
     overhead: dict[str, Callable[[], object]] = field(default_factory=dict)
+    # Calls each thunk makes (a CUDA graph of several back to back): its time is divided by
+    # them. No overhead thunks with more than one.
+    calls: int = 1
 
 
 def bench_ms(fn: Callable[[], object], device: torch.device, warmup: int = 50,
@@ -97,7 +100,7 @@ def run_cases(cases: list[Case], device: torch.device, reference_impl: str = "lm
         rows = []
         for impl, fn in case.impls.items():
             try:
-                ms = bench_ms(fn, device)
+                ms = bench_ms(fn, device) / case.calls
                 mem = peak_extra_mib(fn, device)
                 note = case.notes.get(impl, "")
                 note = note() if callable(note) else note  # a note known after the run

@@ -5,7 +5,11 @@ Run it as ``lmfuse bench decode_attention [--json PATH] [--plot PATH] [--quick]
 the substrings (``--cases B64``, ``--cases paged16,ragged``; ``--cases "B16 Hq32 S8192 s1
 contiguous"`` runs the bf16/fp8 pair the fp8 target compares). ``--graphs`` times every call
 (lmfuse's and the peers') as the replay of a CUDA graph holding it: GPU time without the
-host's launch overhead, as a server that captures its decode step sees it. The cases are
+host's launch overhead, as a server that captures its decode step sees it; each replay
+still pays the graph's own launch (about 14 us on an H100). ``--graph-calls N`` (with
+``--graphs``) captures N calls back to back in each graph and gives a call's share: the
+kernels' time without any launch, as ``triton.testing.do_bench_cudagraph`` times (issue
+22's own figures were taken so). The cases are
 bf16, D = 128,
 Hkv = 8, every sequence full (length = capacity = S) unless said otherwise:
 
@@ -67,7 +71,7 @@ import torch.nn.functional as F
 import lmfuse
 from lmfuse._launch import cdiv
 from lmfuse.bench.common import Case, Result, finish, measure_copy, run_cases, start
-from lmfuse.cli import ArgumentParser
+from lmfuse.cli import ArgumentParser, int_range
 
 PAGED_SHARE_OF_COPY = 0.90  # paged TB/s at least this share of the copy's (roles below)
 PAGED_COPY_ROLES = ("batch", "long")
@@ -305,9 +309,10 @@ def build_shape(shape: Shape, layouts: list[str], dtype: torch.dtype, device: to
     return cases, info
 
 
-def as_graph(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` captured in a CUDA graph (after two warm-up calls on a side stream), returned
-    as the graph's replay: what a server that captures its decode step pays per call."""
+def as_graph(fn: Callable[[], object], calls: int = 1) -> Callable[[], object]:
+    """``fn`` captured ``calls`` times in a CUDA graph (after two warm-up calls on a side
+    stream), returned as the graph's replay: what a server that captures its decode step
+    pays per call (``calls`` of them, back to back)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -316,7 +321,8 @@ def as_graph(fn: Callable[[], object]) -> Callable[[], object]:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(calls):
+            fn()
 
     def replay(fn=fn):  # keeps fn, and the tensors it holds that the graph reads, alive
         graph.replay()
@@ -435,14 +441,18 @@ def main(argv: list[str] | None = None) -> int:
     pre = ArgumentParser(prog="lmfuse bench decode_attention", add_help=False)
     pre.add_argument("--cases", action="append", default=[])
     pre.add_argument("--graphs", action="store_true")
+    pre.add_argument("--graph-calls", type=int_range(1, 1000), default=1)
     own, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
     filters = [f.strip() for text in own.cases for f in text.split(",") if f.strip()]
     args, device, quick, env = start("lmfuse bench decode_attention", __doc__, rest)
     if filters:
         env["cases"] = ",".join(filters)
     graphs = own.graphs and device.type == "cuda"
-    env["timing"] = ("CUDA-graph replay of each call (GPU time, no host overhead)" if graphs
-                     else "eager calls (GPU time or host time, whichever is longer)")
+    calls = own.graph_calls if graphs else 1
+    env["timing"] = ("eager calls (GPU time or host time, whichever is longer)" if not graphs
+                     else "CUDA-graph replay of each call (GPU time, no host overhead)"
+                     if calls == 1 else f"CUDA graphs of {calls} calls back to back, a "
+                     "call's share (GPU time, no launch)")
     shapes = QUICK if quick else FULL
     names = [s.name(lay) for s in shapes for lay in s.layouts]
     if not any(_wanted(n, filters) for n in names):
@@ -459,9 +469,11 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         cases, info = build_cases(device, quick, filters)
         if graphs:
-            print("# --graphs: every call timed as the replay of a CUDA graph holding it")
+            print("# --graphs: every call timed as the replay of a CUDA graph holding it"
+                  + (f" ({calls} back to back, a call's share)" if calls > 1 else ""))
             for case in cases:
-                case.impls = {impl: as_graph(fn) for impl, fn in case.impls.items()}
+                case.impls = {impl: as_graph(fn, calls) for impl, fn in case.impls.items()}
+                case.calls = calls
         if device.type == "cuda":
             print(f"# inputs: {torch.cuda.memory_allocated(device) / 2**30:.1f} GiB on the GPU")
         results = run_cases(cases, device)

@@ -1,0 +1,48 @@
+"""``lmfuse bench decode_attention --quick`` on the CPU (Triton's interpreter, tests/conftest.py)
+as a smoke run, not performance: the rows it promises, the timing it says it used, and a
+case timed as several calls back to back (``--graph-calls``) reported as one call's share."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import run_cli
+
+from lmfuse.bench import common, decode_attention
+
+
+@pytest.mark.timeout(120)
+def test_quick_run_writes_a_row_per_case_and_impl(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "d.json"
+    # On the CPU --graphs has nothing to capture: the calls are timed eagerly, and said so.
+    assert decode_attention.main(["--quick", "--graphs", "--graph-calls", "4", "--json",
+                                  str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["environment"]["timing"].startswith("eager calls")
+    rows = data["results"]
+    cases = {r["case"] for r in rows}
+    assert len(cases) >= 5
+    lmfuse = [r for r in rows if r["impl"] == "lmfuse"]
+    assert {r["case"] for r in lmfuse} == cases  # an lmfuse row in every case
+    assert all(r["ms"] and r["ms"] > 0 for r in lmfuse)
+    assert "copy" in {r["impl"] for r in rows}
+    capsys.readouterr()
+
+
+def test_a_case_of_several_calls_reports_one_calls_share(monkeypatch) -> None:
+    monkeypatch.setattr(common, "bench_ms", lambda fn, device: 8.0)
+    case = common.Case("c", nbytes=4_000_000, impls={"lmfuse": lambda: None}, calls=4)
+    (row,) = common.run_cases([case], torch.device("cpu"))
+    assert row.ms == 2.0 and row.tbps == pytest.approx(4e6 / 2.0 / 1e9)
+
+
+def test_graph_calls_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "bench", "decode_attention", "--graphs",
+                             "--graph-calls", "0")
+    assert code == 2 and out == ""
+    assert "argument --graph-calls: must be >= 1, got 0" in err
+    assert len(err.strip().splitlines()) <= 2  # usage and one message, no traceback
