@@ -47,7 +47,7 @@ class Case:
     notes: dict[str, str | Callable[[], str]] = field(default_factory=dict)
     overhead: dict[str, Callable[[], object]] = field(default_factory=dict)
     # Calls each thunk makes (a CUDA graph of several back to back): its time is divided by
-    # them. No overhead thunks with more than one.
+    # them (run_cases refuses overhead thunks with more than one).
     calls: int = 1
 
 
@@ -97,6 +97,9 @@ def run_cases(cases: list[Case], device: torch.device, reference_impl: str = "lm
               ) -> list[Result]:
     results = []
     for case in cases:
+        if case.calls != 1 and case.overhead:
+            raise ValueError(f"{case.name}: overhead thunks are timed a call at a time; the "
+                             f"case's thunks make {case.calls}")
         rows = []
         for impl, fn in case.impls.items():
             try:
