@@ -22,10 +22,13 @@ from typing import Any, Callable, Optional
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from helpers import assert_close, max_rel_err, randn, to_paged
 
 import lmfuse
 from lmfuse.attention import ops
+from lmfuse.attention.decode_kernels import _split_keys
 from lmfuse.attention.reference import decode_attention_reference
 
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
@@ -513,6 +516,59 @@ def test_split_chooser_counts_whole_key_tiles() -> None:
     assert choose(4, 100, 128, 264, 128, 128, 128) == 1  # one tile
     assert choose(4, 0, 128, 264, 128, 128, 128) == 1
     assert choose(4096, 656, 128, 264, 128, 128, 128) == 1  # programs fill the GPU
+
+
+@triton.jit
+def _split_keys_probe(BASE, LEN, OUT, num_splits, keys_per_split, BLOCK_N: tl.constexpr,
+                      EVEN_TILES: tl.constexpr):
+    i, split = tl.program_id(0), tl.program_id(1)
+    start, end = _split_keys(tl.load(BASE + i), tl.load(LEN + i), split, num_splits,
+                             keys_per_split, BLOCK_N, EVEN_TILES)
+    tl.store(OUT + (i * num_splits + split) * 2, start)
+    tl.store(OUT + (i * num_splits + split) * 2 + 1, end)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 4, 7])
+def test_split_keys_deal_a_sequences_own_tiles(splits: int) -> None:
+    """The heuristic's splits (EVEN_TILES) cut each sequence's own keys ``[base, L)``: the
+    ranges follow one another from ``base`` to ``L``, each whole tiles but the last, their
+    tile counts within one of each other, so a sequence shorter than the capacity leaves no
+    split empty while it has a tile for each; a forced count's ranges are consecutive
+    ``keys_per_split`` pieces, cut at ``L``."""
+    bn = 16
+    cases = [(0, 0), (0, 1), (0, 16), (0, 17), (0, 100), (0, 160), (32, 33), (48, 250),
+             (0, 656), (64, 64)]
+    base = torch.tensor([b for b, _ in cases], dtype=torch.int32)
+    lens = torch.tensor([n for _, n in cases], dtype=torch.int32)
+    for even, kps in ((True, 0), (False, 21)):
+        out = torch.zeros((len(cases), splits, 2), dtype=torch.int32)
+        _split_keys_probe[(len(cases), splits)](base, lens, out, splits, kps, BLOCK_N=bn,
+                                                EVEN_TILES=even)
+        for (b, n), got in zip(cases, out.tolist()):
+            if not even:
+                want = [(min(b + s * kps, n), min(b + (s + 1) * kps, n)) for s in range(splits)]
+                got = [(min(st, n), en) for st, en in got]  # an empty range's start: unused
+                assert [(st, max(en, st)) for st, en in got] == [
+                    (st, max(en, st)) for st, en in want], (b, n, got)
+                continue
+            assert got[0][0] == b and got[-1][1] == n, (b, n, got)
+            assert all(got[s][1] == got[s + 1][0] for s in range(splits - 1)), (b, n, got)
+            tiles = [-(-(en - st) // bn) for st, en in got]
+            assert all(st % bn == 0 for st, _ in got), (b, n, got)
+            assert max(tiles) - min(tiles) <= 1 and sum(tiles) == -(-(n - b) // bn), (b, n, got)
+
+
+@pytest.mark.parametrize("block_len", [None, 8])
+def test_heuristic_splits_of_sequences_shorter_than_the_cache(block_len) -> None:
+    """Sequences far shorter than the capacity, split by the heuristic: every split holds
+    some of each sequence's keys; the result is the reference's."""
+    case = Case(lens=(300, 77), s_max=1024, s_active=1, hq=4, hkv=1, d=16,
+                block_len=block_len)
+    inp = build(case)
+    plan = lmfuse.explain(lmfuse.decode_attention, *inp.args(), **inp.kwargs(case))
+    assert plan.call.launch.splits > 1 and not plan.call.launch.forced_splits
+    out, lse = run(inp, case, splits=None)
+    check(out, lse, *reference(inp, case), F32, "heuristic splits, short sequences")
 
 
 def test_explain_reports_path_and_split_count(monkeypatch: pytest.MonkeyPatch) -> None:

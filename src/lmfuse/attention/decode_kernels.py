@@ -61,6 +61,26 @@ def _kv_rows(TABLE, b, stride_tb, offs, valid, stride_blk, stride_row, num_block
 
 
 @triton.jit
+def _split_keys(base, L, split, num_splits, keys_per_split, BLOCK_N: tl.constexpr,
+                EVEN_TILES: tl.constexpr):
+    """``[start, end)``: the keys of ``[base, L)`` that split ``split`` of ``num_splits``
+    walks (``base`` a multiple of ``BLOCK_N``). ``EVEN_TILES``: the sequence's own key
+    tiles dealt out evenly, split ``s`` taking tiles ``[s T / n, (s + 1) T / n)`` of its
+    ``T``, so a sequence shorter than the cache's capacity (a serving batch's table is as
+    wide as its longest sequence, or wider) keeps every split busy instead of leaving the
+    last ones empty; otherwise consecutive pieces of ``keys_per_split`` keys (a forced
+    split count's, not whole tiles)."""
+    if EVEN_TILES:
+        tiles = (L - base + BLOCK_N - 1) // BLOCK_N
+        start = base + (split * tiles // num_splits) * BLOCK_N
+        end = tl.minimum(base + ((split + 1) * tiles // num_splits) * BLOCK_N, L)
+    else:
+        start = base + split * keys_per_split
+        end = tl.minimum(start + keys_per_split, L)
+    return start, end
+
+
+@triton.jit
 def _widened_here(x):
     """``x`` unchanged, through an identity the layout passes cannot move a conversion
     across (an instruction they must treat as having effects). Triton 3.6 otherwise moves
@@ -86,6 +106,7 @@ def decode_kernel(
     WRITE_LSE: tl.constexpr, DOT_F32: tl.constexpr,
     F16_DOT: tl.constexpr, IEEE: tl.constexpr, NUM_STAGES: tl.constexpr,
     WIDEN_V_FIRST: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PDL: tl.constexpr = 0,
+    EVEN_TILES: tl.constexpr = 0,
 ):
     pdl_wait(PDL)  # PDL: launched early in a decode step's chain (lmfuse._pdl)
     pdl_start(PDL)
@@ -126,14 +147,13 @@ def decode_kernel(
                                                                           1.0)))), 1.0)
         q = (qf / q_row_scale[:, None]).to(tl.float16)
 
-    # The keys any row sees: [lo, L). Splits cut [lo rounded down to a tile, L) into
-    # keys_per_split pieces (a multiple of BLOCK_N unless the split count is forced, so
-    # tiles stay aligned to the cache).
+    # The keys any row sees: [lo, L), cut into the splits' ranges from lo rounded down to a
+    # tile (see _split_keys).
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(L - S_ACT - window, 0)
-    start = (lo // BLOCK_N) * BLOCK_N + split * keys_per_split
-    end = tl.minimum(start + keys_per_split, L)
+    start, end = _split_keys((lo // BLOCK_N) * BLOCK_N, L, split, num_splits, keys_per_split,
+                             BLOCK_N, EVEN_TILES)
 
     scale = qk_scale
     if HAS_K_SCALE:

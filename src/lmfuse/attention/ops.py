@@ -529,7 +529,7 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_sca
         WRITE_LSE=splits > 1 or lse is not None, DOT_F32=c.DOT_F32, F16_DOT=c.F16_DOT,
         IEEE=c.IEEE, NUM_STAGES=c.num_stages, WIDEN_V_FIRST=c.WIDEN_V_FIRST,
         HAS_SOFTCAP=s.softcap is not None, num_warps=c.num_warps, PDL=pdl,
-        **_pdl.launch_options(pdl))
+        EVEN_TILES=splits > 1 and not c.forced_splits, **_pdl.launch_options(pdl))
     if splits > 1:
         cols = min(c.BLOCK_D, _MERGE_COLUMNS)
         _kernels().merge_kernel[(rows, cdiv(D, cols))](
