@@ -46,3 +46,28 @@ def test_graph_calls_must_be_positive(capsys: pytest.CaptureFixture[str]) -> Non
     assert code == 2 and out == ""
     assert "argument --graph-calls: must be >= 1, got 0" in err
     assert len(err.strip().splitlines()) <= 2  # usage and one message, no traceback
+
+
+@pytest.mark.parametrize("role, paged, speedup, verdict", [
+    ("fp8", False, 1.75, "met"),  # contiguous split-KV: issue 22's restated 1.7x
+    ("long", False, 1.69, "MISSED"),
+    ("batch", False, 1.75, "MISSED"),  # contiguous B64: 1.8x
+    ("batch", True, 1.89, "MISSED"),  # paged B64: 1.9x
+    ("many", True, 1.91, "met"),
+    ("multi", True, 1.71, "met"),
+])
+def test_fp8_targets_by_shape(role: str, paged: bool, speedup: float, verdict: str,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Each fp8 row is judged against its bf16 twin at its shape's target: contiguous 1.8x
+    at the batch shape and 1.7x at the split-KV ones; paged 1.9x at the batch shapes and
+    1.7x at the others."""
+    layout = "paged16" if paged else "contiguous"
+    bf16, fp8 = f"X {layout}", f"X {layout} fp8"
+    results = [common.Result(bf16, "lmfuse", speedup, 1.0),
+               common.Result(fp8, "lmfuse", 1.0, 1.0)]
+    info = {bf16: decode_attention.CaseInfo(role, paged, False, 1, True),
+            fp8: decode_attention.CaseInfo(role, paged, True, 1, True)}
+    decode_attention.check_targets(results, info, 0.0, judge=True)
+    assert f"fp8 {speedup:.2f}x bf16 tokens/s" in results[1].note
+    assert results[1].note.endswith(f": {verdict}"), results[1].note
+    capsys.readouterr()
