@@ -712,8 +712,9 @@ def decode_attention(
         k_scale, v_scale: ``[Hkv]`` dequantisation scales of an fp8 cache, finite and > 0.
         return_lse: also return the natural-log LSE ``[B, s_active, Hq]`` float32 (sink
             included), mergeable by :func:`merge_attention_states`.
-        num_splits: force the number of key splits (flash-decoding); default: chosen from
-            B, Hkv, the capacity and the SM count.
+        num_splits: force the number of key splits (flash-decoding: consecutive equal
+            pieces of the capacity); default: chosen from B, Hkv, the capacity and the SM
+            count, each sequence's own key tiles then dealt out evenly over the splits.
         softcap: ``c > 0``: each score ``x = scale * q . k`` becomes ``c * tanh(x / c)``
             (Gemma 2's attention-logit soft-capping); sinks are not capped.
     Returns:
