@@ -58,7 +58,9 @@ CASES = [("B64 Hq32 S4096 D128", 64, 32, 8, 4096, 128, False, None),
          ("B32 Hq32 S<=8192 D128 paged16 ragged", 32, 32, 8, 8192, 128, False, 16),
          ("B8 Hq32 Hkv32 S8192 D128", 8, 32, 32, 8192, 128, False, None),
          ("B4 Hq64 S32768 D128 fp8 paged16 4 active", 4, 64, 8, 32768, 128, True, 16),
-         ("B4 Hq64 S32768 D128 paged16 4 active", 4, 64, 8, 32768, 128, False, 16)]
+         ("B4 Hq64 S32768 D128 paged16 4 active", 4, 64, 8, 32768, 128, False, 16),
+         ("B16 Hq32 S8192 D128 fp8 paged16", 16, 32, 8, 8192, 128, True, 16),
+         ("B1 Hq64 S131072 D128 fp8 paged16", 1, 64, 8, 131072, 128, True, 16)]
 # A case named "... N active" decodes N query tokens a sequence (speculative or chunked
 # decoding: each sees the keys up to its own position).
 
@@ -66,7 +68,8 @@ CASES = [("B64 Hq32 S4096 D128", 64, 32, 8, 4096, 128, False, None),
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
-    parser.add_argument("--cases", default="", help="comma-separated substrings of case names")
+    parser.add_argument("--cases", default="",
+                        help="comma-separated substrings of case names ('=NAME': that case only)")
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--block-n", default="32,64,128")
     parser.add_argument("--stages", default="2,3,4")
@@ -94,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                                            else real(family, device))
     out = {"device": torch.cuda.get_device_name(), "base": base, "cases": []}
     for name, B, Hq, Hkv, S, D, fp8, block_len in CASES:
-        if wanted and not any(w == name or w in name for w in wanted):
+        if wanted and not any(w[1:] == name if w.startswith("=") else w in name
+                              for w in wanted):
             continue
         g = torch.Generator(device="cuda").manual_seed(0)
         words = name.split()
