@@ -123,6 +123,23 @@ def test_device_tables_use_the_default_limits() -> None:
                 assert all(b[0] in limits for b in section["buckets"]), (path.name, family)
 
 
+def test_device_decode_sections_state_every_regime_of_the_default() -> None:
+    """A device table's decode-attention section replaces default.json's whole (the merge
+    is one level deep), so each one it overrides must name every key the default's has
+    (``null`` to turn a regime off): a regime added to default.json later (the paged
+    ``many_programs``, say) is then not lost on that device without anyone choosing so."""
+    here = Path(tuning.__file__).parent
+    default = json.loads((here / "default.json").read_text())["decode_attention"]
+    for path in here.glob("*.json"):
+        section = json.loads(path.read_text()).get("decode_attention", {})
+        if path.name == "default.json":
+            continue
+        for key, value in section.items():
+            if isinstance(default.get(key), dict) and value is not None:
+                missing = sorted(set(default[key]) - set(value))
+                assert not missing, (path.name, key, missing)
+
+
 @pytest.mark.parametrize("text", [
     '{"version": 1, "devices": {"cpu": []}}',
     '{"version": 1, "devices": {"cpu": {"linear_cross_entropy": {"buckets": [[65536]]}}}}',
