@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -64,22 +65,222 @@ def fp8_capable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def lazy_kernels(module: str, package: str) -> Callable[[], ModuleType]:
+def lazy_kernels(module: str, package: str) -> Callable[[], Any]:
     """A function returning the kernels module ``package.module``, imported on its first call
     and kept. Triton reads ``TRITON_INTERPRET`` when a kernel is defined, and ``lmfuse``
     must import without triton: so no family imports its kernels at import time.
 
     A family binds it once, ``_kernels = lazy_kernels("kernels", __package__)``, and
-    launches ``_kernels().some_kernel[grid](...)`` (tests may replace ``_kernels``)."""
-    loaded: ModuleType | None = None
+    launches ``_kernels().some_kernel[grid](...)`` (tests may replace ``_kernels``). What it
+    returns reads as the module; its JIT kernels launch through :class:`FastLaunch`."""
+    loaded: Any = None
 
-    def kernels() -> ModuleType:
+    def kernels() -> Any:
         nonlocal loaded
         if loaded is None:
-            loaded = importlib.import_module(f".{module}", package)
+            loaded = _Kernels(importlib.import_module(f".{module}", package))
         return loaded
 
     return kernels
+
+
+class _Kernels:
+    """A kernels module as the launchers see it: each attribute the module's own, but a
+    ``triton.jit`` kernel wrapped in :class:`FastLaunch` (looked up once, then kept here)."""
+
+    def __init__(self, module: ModuleType) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._module, name)
+        if _FAST and _jit_class() is not None and type(value) is _jit_class():
+            value = FastLaunch(value)
+        setattr(self, name, value)
+        return value
+
+
+# --- the launch's host path ------------------------------------------------------------------
+#
+# Triton's ``kernel[grid](...)`` binds and specialises every argument, builds its cache key,
+# reads its settings and launch hooks, then calls the compiled kernel's launcher: about 32
+# us a launch on an H100 host (2026-11-27, triton 3.6), of which the launcher itself is 11.
+# FastLaunch keeps each compiled kernel under a key of what Triton specialises on and calls
+# the launcher directly after the first launch.
+
+#: Off (``LMFUSE_FAST_LAUNCH=0``): kernels are not wrapped; set False later, the wrapped ones
+#: launch through Triton (``lmfuse bench host``'s comparison row).
+_FAST = os.environ.get("LMFUSE_FAST_LAUNCH", "1").strip() not in ("0", "off", "false", "no")
+_CHECK = os.environ.get("LMFUSE_FAST_LAUNCH", "").strip() == "check"
+_MISSING = object()
+
+
+@functools.lru_cache(maxsize=None)
+def _jit_class() -> Any:
+    """Triton's ``JITFunction`` when its ``run`` launches the compiled kernel the way
+    :class:`FastLaunch` does (checked in its source once), else None (plain launches)."""
+    try:
+        import inspect
+
+        from triton.runtime.jit import JITFunction
+
+        source = inspect.getsource(JITFunction.run)
+    except Exception:  # no triton, or no source to check: the plain launch
+        return None
+    if ("kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata,"
+            " launch_metadata" not in " ".join(source.split())):
+        return None
+    return JITFunction
+
+
+@functools.lru_cache(maxsize=None)
+def _runtime_knobs() -> Any:
+    from triton import knobs
+
+    return knobs.runtime
+
+
+def _runtime_hooks() -> tuple[Any, Any]:
+    runtime = _runtime_knobs()
+    return runtime.launch_enter_hook, runtime.launch_exit_hook
+
+
+def _hooked() -> bool:
+    """Whether a launch hook is set (a profiler's): then launches take Triton's path. Triton
+    keeps them as None or as chains of calls (``knobs.HookChain``), empty when unset."""
+    enter, exit_ = _runtime_hooks()
+    return bool((enter is not None and getattr(enter, "calls", True))
+                or (exit_ is not None and getattr(exit_, "calls", True)))
+
+
+def _current_device() -> int:
+    return torch.cuda.current_device()
+
+
+def _raw_stream(device: int) -> int:
+    """The current CUDA stream's handle on ``device`` (what Triton's own launch takes)."""
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
+class FastLaunch:
+    """A ``triton.jit`` kernel launched as ``kernel[grid](*args, **kwargs)``, as Triton's own,
+    but with the compiled kernel kept under a key of what Triton specialises a launch on:
+    each constexpr's value; a tensor's dtype and whether its address is a multiple of 16; an
+    int's kind (32 or 64 bits), whether it is 1 and whether a multiple of 16; the type of a
+    float; None; a bool's value; the launch options (``num_warps``, ...); the current
+    device. The first launch of a key goes through Triton (which compiles), the next ones
+    straight to the compiled kernel's launcher on the current stream. The key is never
+    coarser than Triton's specialisation (``LMFUSE_FAST_LAUNCH=check`` asserts, on every
+    launch, that the kernel it picks is the one Triton would; ``=0`` turns the path off).
+    An argument of another type, a missing one, a callable grid or a launch hook set (a
+    profiler's) take Triton's path."""
+
+    __slots__ = ("kernel", "_names", "_index", "_constexpr", "_tail", "_compiled")
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        params = kernel.params
+        self._names = tuple(p.name for p in params)
+        self._index = {name: i for i, name in enumerate(self._names)}
+        self._constexpr = tuple(bool(p.is_constexpr) for p in params)
+        # After i positional arguments: the other parameters' names and defaults, in order.
+        defaults = [(p.name, p.default if p.has_default else _MISSING) for p in params]
+        self._tail = tuple(tuple(defaults[i:]) for i in range(len(params) + 1))
+        self._compiled: dict[tuple, Any] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.kernel, name)
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def key(self, args: tuple, kwargs: dict) -> tuple[Optional[tuple], Any]:
+        """``(key, values)``: the cache key (None: an argument this path does not take, for
+        Triton's path) and every parameter's value in order. A parameter left to its
+        default is not in the key: which ones are is (the count of positional arguments
+        and the names given)."""
+        n = len(args)
+        if n > len(self._names):
+            return None, []
+        key: list = [_current_device(), n]
+        append = key.append
+        constexpr = self._constexpr
+        for i, v in enumerate(args):
+            kind = type(v)
+            if constexpr[i] or v is None or kind is bool:
+                append(v)
+            elif kind is torch.Tensor:
+                append((v.dtype, not v.data_ptr() & 15))
+            elif kind is int:
+                append((-2147483648 <= v <= 2147483647, v == 1, not v & 15, v >= 1 << 63))
+            elif kind is float:
+                append(float)
+            else:
+                k = _spec(v)
+                if k is _MISSING:
+                    return None, []
+                append(k)
+        index = self._index
+        for name, v in kwargs.items():
+            i = index.get(name)
+            if i is None or constexpr[i]:  # a launch option (num_warps, ...) or a constexpr
+                append((name, v))
+                continue
+            k = _spec(v)
+            if k is _MISSING or i < n:  # (given twice: Triton's error)
+                return None, []
+            append((name, k))
+        tail = self._tail[n]
+        if tail:
+            values = list(args)
+            for name, default in tail:
+                v = kwargs.get(name, default)
+                if v is _MISSING:
+                    return None, []
+                values.append(v)
+        else:
+            values = args
+        try:
+            return tuple(key), values
+        except TypeError:  # pragma: no cover - an unhashable constexpr
+            return None, []
+
+    def launch(self, grid: Any, args: tuple, kwargs: dict) -> Any:
+        if not _FAST or callable(grid) or _hooked() or self.kernel.pre_run_hooks:
+            return self.kernel[grid](*args, **kwargs)
+        key, values = self.key(args, kwargs)
+        compiled = self._compiled.get(key) if key is not None else None
+        if compiled is None:
+            compiled = self.kernel[grid](*args, **kwargs)
+            if key is not None and compiled is not None:
+                self._compiled[key] = compiled
+            return compiled
+        if _CHECK:  # Triton's own launch, which must have picked the same compilation
+            used = self.kernel[grid](*args, **kwargs)
+            assert used is compiled, (f"FastLaunch keeps another compilation of "
+                                      f"{self.kernel.fn.__name__} than Triton picks")
+            return compiled
+        n = len(grid)
+        compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
+                     _raw_stream(key[0]), compiled.function, compiled.packed_metadata, None,
+                     None, None, *values)
+        return compiled
+
+
+def _spec(v: Any) -> Any:
+    """What Triton specialises a non-constexpr argument on (``_MISSING``: a type it is not
+    known here how Triton takes)."""
+    kind = type(v)
+    if kind is torch.Tensor:
+        return v.dtype, not v.data_ptr() & 15
+    if kind is int:
+        return -2147483648 <= v <= 2147483647, v == 1, not v & 15, v >= 1 << 63
+    if kind is float:
+        return float
+    if v is None or kind is bool:
+        return v
+    if isinstance(v, torch.Tensor):
+        return v.dtype, not v.data_ptr() & 15
+    return _MISSING
 
 
 def kernel_op(name: str, fake: Callable[..., Any], *,

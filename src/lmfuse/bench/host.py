@@ -60,6 +60,10 @@ Rows:
                        the interpretation, so record it, conclude nothing);
                        ``linear_cross_entropy`` has none (its chunk loop of GEMMs and
                        cross-entropy launches lives in its autograd function)
+  lmfuse, Triton's     every mode, on a GPU: the same call with its kernels launched by
+  launch               Triton's ``kernel[grid](...)`` instead of ``_launch.FastLaunch``
+                       (which calls the compiled kernel's launcher directly after the
+                       first launch): what that path saves, measured turn by turn
 
 Every row gives its time as a multiple of lmfuse's call in the same mode (``x lmfuse``;
 for the breakdown rows, the share of the call). The breakdown printed at the end, per op:
@@ -89,6 +93,7 @@ import torch
 import torch.nn.functional as F
 
 import lmfuse
+from lmfuse import _launch
 from lmfuse._dispatch import interpreter_active, select_impl, triton_support
 from lmfuse.bench.common import (PeerUnavailable, Result, dist_version, finish, plot, start,
                                  unavailable)
@@ -96,6 +101,7 @@ from lmfuse.bench.common import (PeerUnavailable, Result, dist_version, finish, 
 MODES = ("fwd", "fwd (grad)", "fwd+bwd")
 CHECKS = "lmfuse checks only"
 LAUNCH = "lmfuse launch only"
+TRITON = "lmfuse, Triton's launch"
 LIGER = "liger-kernel"
 EPS = 1e-6
 SCALE = 0.125  # fused_softmax's scale
@@ -679,6 +685,19 @@ def time_rows(thunks: dict[str, Callable[[], object]], device: torch.device, gra
     return out
 
 
+def _triton_launch(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with lmfuse's kernels launched through Triton's own path, not ``FastLaunch``."""
+
+    def call() -> object:
+        _launch._FAST = False
+        try:
+            return fn()
+        finally:
+            _launch._FAST = True
+
+    return call
+
+
 def run_op(spec: OpSpec, mode: str, device: torch.device, timing: Timing
            ) -> list[HostResult]:
     """The rows of one op in one mode; a row that does not run says why."""
@@ -693,6 +712,10 @@ def run_op(spec: OpSpec, mode: str, device: torch.device, timing: Timing
         notes[LAUNCH] = spec.launch_note
         if mode in spec.launch:
             thunks[LAUNCH] = spec.launch[mode]
+    if _launch._jit_class() is not None and device.type == "cuda" and _launch._FAST:
+        extra.append(TRITON)
+        notes[TRITON] = "the same call, its kernels launched by Triton's kernel[grid](...)"
+        thunks[TRITON] = _triton_launch(thunks["lmfuse"])
     timed = time_rows(thunks, device, grad=mode != "fwd", timing=timing)
     base = timed.get("lmfuse")
     base = base if isinstance(base, float) else None
