@@ -40,7 +40,7 @@ def triton_key(values: list, constexpr: list, options: dict) -> tuple:
     key = []
     for v, c in zip(values, constexpr):
         if c or v is None or isinstance(v, bool):
-            key.append(v)
+            key.append(repr(v) if isinstance(v, list) else v)
         elif isinstance(v, torch.Tensor):
             key.append((v.dtype, v.data_ptr() % 16 == 0))
         elif isinstance(v, int):
@@ -156,6 +156,18 @@ def test_floats_values_and_unaligned_pointers_by_the_same_key_share_a_compilatio
     assert len(jit.slow) == 1 and len(jit.cache) == 1
 
 
+def test_every_argument_by_name_or_by_position(fast) -> None:
+    f, jit, _ = fast
+    x, y = torch.zeros(64), torch.zeros(64)
+    by_name = f[(1,)](X=x, Y=y, n=40, scale=0.5, flag=True, B=8)
+    assert f[(2,)](X=x, Y=y, n=56, scale=0.25, flag=True, B=8) is by_name
+    assert list(by_name.calls[0][9:]) == [x, y, 56, 0.25, True, 8, None]
+    positional = f[(1,)](x, y, 40, 0.5, True, 8, 3)  # the constexprs too, by position
+    assert f[(1,)](x, y, 56, 0.5, True, 8, 3) is positional
+    assert f[(1,)](x, y, 56, 0.5, True, 8, 4) is not positional  # EXTRA: a constexpr's value
+    assert len(positional.calls) == 1 and len(jit.slow) == 3
+
+
 def test_what_it_does_not_take_goes_through_triton(fast, monkeypatch) -> None:
     f, jit, _ = fast
     x, y = torch.zeros(64), torch.zeros(64)
@@ -167,12 +179,14 @@ def test_what_it_does_not_take_goes_through_triton(fast, monkeypatch) -> None:
         f[(1,)](x, y, 40, 0.5)  # a missing argument: Triton's own error
     with pytest.raises(TypeError):
         f[(1,)](x, y, 40, 0.5, True, n=3)  # given twice
-    assert len(jit.slow) == 4
+    for _ in range(2):
+        f[(1,)](x, y, 40, 0.5, True, EXTRA=[1, 2])  # an unhashable constexpr
+    assert len(jit.slow) == 6
     chain = type("HookChain", (), {"calls": []})()  # Triton 3.6's unset hooks: empty chains
     monkeypatch.setattr(_launch, "_runtime_hooks", lambda: (chain, chain))
     f[(1,)](x, y, 40, 0.5, True)
     f[(1,)](x, y, 40, 0.5, True)
-    assert len(jit.slow) == 5
+    assert len(jit.slow) == 7
     chain.calls.append(print)  # a profiler's hook
     f[(1,)](x, y, 40, 0.5, True)
     monkeypatch.setattr(_launch, "_runtime_hooks", lambda: (None, print))
@@ -180,7 +194,7 @@ def test_what_it_does_not_take_goes_through_triton(fast, monkeypatch) -> None:
     monkeypatch.setattr(_launch, "_runtime_hooks", lambda: (None, None))
     jit.pre_run_hooks.append(print)
     f[(1,)](x, y, 40, 0.5, True)
-    assert len(jit.slow) == 8
+    assert len(jit.slow) == 10
 
 
 def test_check_mode_asserts_the_compilation_triton_picks(fast, monkeypatch) -> None:

@@ -174,17 +174,17 @@ class FastLaunch:
     An argument of another type, a missing one, a callable grid or a launch hook set (a
     profiler's) take Triton's path."""
 
-    __slots__ = ("kernel", "_names", "_index", "_constexpr", "_tail", "_compiled")
+    __slots__ = ("kernel", "_names", "_constexpr", "_defaults", "_plans", "_compiled")
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
         params = kernel.params
         self._names = tuple(p.name for p in params)
-        self._index = {name: i for i, name in enumerate(self._names)}
         self._constexpr = tuple(bool(p.is_constexpr) for p in params)
-        # After i positional arguments: the other parameters' names and defaults, in order.
-        defaults = [(p.name, p.default if p.has_default else _MISSING) for p in params]
-        self._tail = tuple(tuple(defaults[i:]) for i in range(len(params) + 1))
+        self._defaults = tuple(p.default if p.has_default else _MISSING for p in params)
+        # (positional count, keyword names) -> the function making (key, values) for such a
+        # call, or None where Triton's path must take it (a name given twice, one missing).
+        self._plans: dict[tuple, Any] = {}
         self._compiled: dict[tuple, Any] = {}
 
     def __getattr__(self, name: str) -> Any:
@@ -194,61 +194,67 @@ class FastLaunch:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def key(self, args: tuple, kwargs: dict) -> tuple[Optional[tuple], Any]:
-        """``(key, values)``: the cache key (None: an argument this path does not take, for
+        """``(key, values)``: the cache key (None: a call this path does not take, for
         Triton's path) and every parameter's value in order. A parameter left to its
         default is not in the key: which ones are is (the count of positional arguments
         and the names given)."""
-        n = len(args)
-        if n > len(self._names):
-            return None, []
-        key: list = [_current_device(), n]
-        append = key.append
-        constexpr = self._constexpr
-        for i, v in enumerate(args):
-            kind = type(v)
-            if constexpr[i] or v is None or kind is bool:
-                append(v)
-            elif kind is torch.Tensor:
-                append((v.dtype, not v.data_ptr() & 15))
-            elif kind is int:
-                append((-2147483648 <= v <= 2147483647, v == 1, not v & 15, v >= 1 << 63))
-            elif kind is float:
-                append(float)
-            else:
-                k = _spec(v)
-                if k is _MISSING:
-                    return None, []
-                append(k)
-        index = self._index
-        for name, v in kwargs.items():
-            i = index.get(name)
-            if i is None or constexpr[i]:  # a launch option (num_warps, ...) or a constexpr
-                append((name, v))
-                continue
-            k = _spec(v)
-            if k is _MISSING or i < n:  # (given twice: Triton's error)
-                return None, []
-            append((name, k))
-        tail = self._tail[n]
-        if tail:
-            values = list(args)
-            for name, default in tail:
-                v = kwargs.get(name, default)
-                if v is _MISSING:
-                    return None, []
-                values.append(v)
-        else:
-            values = args
+        shape = (len(args), tuple(kwargs))
+        plan = self._plans.get(shape, _MISSING)
+        if plan is _MISSING:
+            plan = self._plans[shape] = self._plan(*shape)
+        if plan is None:
+            return None, ()
         try:
-            return tuple(key), values
-        except TypeError:  # pragma: no cover - an unhashable constexpr
-            return None, []
+            return plan(args, kwargs, _current_device())
+        except _Unknown:
+            return None, ()
+
+    def _plan(self, n: int, given: tuple[str, ...]) -> Any:
+        """Python source for calls of ``n`` positional arguments and the keywords
+        ``given``, compiled once: each argument's part of the key written out (no loop,
+        no per-argument call for tensors), like Triton's own binder."""
+        names, constexpr = self._names, self._constexpr
+        if n > len(names) or any(names.index(g) < n for g in given if g in names):
+            return None
+        def part(v: str, const: bool) -> str:
+            return v if const else (
+                f"(({v}.dtype, not {v}.data_ptr() & 15) if type({v}) is T else "
+                f"(-2147483648 <= {v} <= 2147483647, {v} == 1, not {v} & 15, {v} >= 1 << 63) "
+                f"if type({v}) is I else {v} if {v} is None or type({v}) is B else S({v}))")
+
+        local = {g: f"k{j}" for j, g in enumerate(given)}
+        key = [part(f"a{i}", constexpr[i]) for i in range(n)]
+        for g in given:  # a launch option (num_warps, ...) as it is
+            i = names.index(g) if g in names else None
+            key.append(part(local[g], i is None or constexpr[i]))
+        values = [f"a{i}" for i in range(n)]
+        env: dict[str, Any] = {"T": torch.Tensor, "B": bool, "I": int, "S": _spec}
+        for i in range(n, len(names)):
+            if names[i] in given:
+                values.append(local[names[i]])
+            elif self._defaults[i] is _MISSING:
+                return None  # missing: Triton's error
+            else:
+                env[f"d{i}"] = self._defaults[i]
+                values.append(f"d{i}")
+        lines = ["def plan(a, k, dev):"]
+        if n:
+            lines.append(f"    {''.join(f'a{i}, ' for i in range(n))}= a")
+        lines += [f"    {local[g]} = k[{g!r}]" for g in given]
+        lines.append(f"    return (dev, {n}, {given!r}, {''.join(p + ', ' for p in key)}), "
+                     f"({''.join(v + ', ' for v in values)})")
+        source = "\n".join(lines) + "\n"
+        exec(source, env)  # noqa: S102 - code made here, from the kernel's parameter names
+        return env["plan"]
 
     def launch(self, grid: Any, args: tuple, kwargs: dict) -> Any:
         if not _FAST or callable(grid) or _hooked() or self.kernel.pre_run_hooks:
             return self.kernel[grid](*args, **kwargs)
         key, values = self.key(args, kwargs)
-        compiled = self._compiled.get(key) if key is not None else None
+        try:
+            compiled = self._compiled.get(key) if key is not None else None
+        except TypeError:  # an unhashable constexpr
+            key = compiled = None
         if compiled is None:
             compiled = self.kernel[grid](*args, **kwargs)
             if key is not None and compiled is not None:
@@ -266,9 +272,13 @@ class FastLaunch:
         return compiled
 
 
+class _Unknown(Exception):
+    """An argument of a type :func:`_spec` does not know how Triton specialises."""
+
+
 def _spec(v: Any) -> Any:
-    """What Triton specialises a non-constexpr argument on (``_MISSING``: a type it is not
-    known here how Triton takes)."""
+    """What Triton specialises a non-constexpr argument on (raises ``_Unknown`` for a type it
+    is not known here how Triton takes)."""
     kind = type(v)
     if kind is torch.Tensor:
         return v.dtype, not v.data_ptr() & 15
@@ -280,7 +290,7 @@ def _spec(v: Any) -> Any:
         return v
     if isinstance(v, torch.Tensor):
         return v.dtype, not v.data_ptr() & 15
-    return _MISSING
+    raise _Unknown
 
 
 def kernel_op(name: str, fake: Callable[..., Any], *,
