@@ -234,14 +234,14 @@ def test_the_installed_triton_launches_as_fast_launch_expects() -> None:
     assert not isinstance(ops._kernels().act_fwd_kernel, FastLaunch)
 
 
-def test_switched_off_after_wrapping_launches_through_triton(fast, monkeypatch) -> None:
-    """``_FAST`` set False (``lmfuse bench host``'s comparison row): every launch is Triton's."""
+def test_switched_off_after_wrapping_launches_through_triton(fast) -> None:
+    """Inside ``triton_launches()`` (``lmfuse bench host``'s comparison row) every launch is
+    Triton's; after it, direct again."""
     f, jit, _ = fast
     x, y = torch.zeros(64), torch.zeros(64)
     first = f[(1,)](x, y, 40, 0.5, True)
-    monkeypatch.setattr(_launch, "_FAST", False)
-    f[(1,)](x, y, 40, 0.5, True)
+    with _launch.triton_launches():
+        f[(1,)](x, y, 40, 0.5, True)
     assert len(jit.slow) == 2 and first.calls == []
-    monkeypatch.setattr(_launch, "_FAST", True)
     f[(1,)](x, y, 40, 0.5, True)
     assert len(jit.slow) == 2 and len(first.calls) == 1

@@ -11,11 +11,12 @@ kernels module is imported on its first launch.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
 from types import ModuleType
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -107,8 +108,8 @@ class _Kernels:
 # FastLaunch keeps each compiled kernel under a key of what Triton specialises on and calls
 # the launcher directly after the first launch.
 
-#: Off (``LMFUSE_FAST_LAUNCH=0``): kernels are not wrapped; set False later, the wrapped ones
-#: launch through Triton (``lmfuse bench host``'s comparison row).
+#: Off (``LMFUSE_FAST_LAUNCH=0``): kernels are not wrapped; off inside
+#: :func:`triton_launches`, the wrapped ones launch through Triton.
 _FAST = os.environ.get("LMFUSE_FAST_LAUNCH", "1").strip() not in ("0", "off", "false", "no")
 _CHECK = os.environ.get("LMFUSE_FAST_LAUNCH", "").strip() == "check"
 _MISSING = object()
@@ -130,6 +131,24 @@ def _jit_class() -> Any:
             " launch_metadata" not in " ".join(source.split())):
         return None
     return JITFunction
+
+
+def fast_launches() -> bool:
+    """Whether kernels launch through :class:`FastLaunch` (on, and the installed Triton
+    launches the way it expects)."""
+    return _FAST and _jit_class() is not None
+
+
+@contextlib.contextmanager
+def triton_launches() -> Iterator[None]:
+    """Inside, every kernel launches through Triton's own ``kernel[grid](...)`` (what
+    ``lmfuse bench host`` compares :class:`FastLaunch` against)."""
+    global _FAST
+    before, _FAST = _FAST, False
+    try:
+        yield
+    finally:
+        _FAST = before
 
 
 @functools.lru_cache(maxsize=None)

@@ -689,11 +689,8 @@ def _triton_launch(fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` with lmfuse's kernels launched through Triton's own path, not ``FastLaunch``."""
 
     def call() -> object:
-        _launch._FAST = False
-        try:
+        with _launch.triton_launches():
             return fn()
-        finally:
-            _launch._FAST = True
 
     return call
 
@@ -712,7 +709,7 @@ def run_op(spec: OpSpec, mode: str, device: torch.device, timing: Timing
         notes[LAUNCH] = spec.launch_note
         if mode in spec.launch:
             thunks[LAUNCH] = spec.launch[mode]
-    if _launch._jit_class() is not None and device.type == "cuda" and _launch._FAST:
+    if device.type == "cuda" and _launch.fast_launches():
         extra.append(TRITON)
         notes[TRITON] = "the same call, its kernels launched by Triton's kernel[grid](...)"
         thunks[TRITON] = _triton_launch(thunks["lmfuse"])
