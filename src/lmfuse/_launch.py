@@ -1,12 +1,14 @@
 """The small helpers every family's launcher uses: ceiling division and powers of two for
 grids and block sizes, dtype names for messages, the shared dtype sets, the saturating fp8
 cast and whether a GPU's kernels can convert to fp8, the lazy import of a family's Triton
-kernels, and :func:`kernel_op`, the one way a launch is called: directly when eager, through
-its ``torch.library`` custom op under ``torch.compile``.
+kernels (each kernel launched through :class:`FastLaunch`, which skips Triton's per-launch
+binding once a specialisation has compiled), and :func:`kernel_op`, the one way a launch is
+called: directly when eager, through its ``torch.library`` custom op under
+``torch.compile``.
 
-It sits below every other module (it imports torch alone) and never imports ``triton``:
-``import lmfuse`` works where Triton is absent (the reference path still runs); a family's
-kernels module is imported on its first launch.
+It sits below every other module (it imports torch alone) and never imports ``triton`` at
+import time: ``import lmfuse`` works where Triton is absent (the reference path still runs);
+a family's kernels module (and Triton) is imported on its first launch.
 """
 
 from __future__ import annotations
@@ -229,9 +231,10 @@ class FastLaunch:
             return None, ()
 
     def _plan(self, n: int, given: tuple[str, ...]) -> Any:
-        """Python source for calls of ``n`` positional arguments and the keywords
-        ``given``, compiled once: each argument's part of the key written out (no loop,
-        no per-argument call for tensors), like Triton's own binder."""
+        """The function making ``(key, values)`` for calls of ``n`` positional arguments and
+        the keywords ``given``: its source written here and compiled once, each argument's
+        part of the key inline (no loop, no call for a tensor or an int), as Triton's own
+        binder is made."""
         names, constexpr = self._names, self._constexpr
         if n > len(names) or any(names.index(g) < n for g in given if g in names):
             return None
