@@ -220,7 +220,9 @@ def test_kernels_modules_wrap_only_jit_kernels(monkeypatch) -> None:
     assert loaded.k is loaded.k  # wrapped once
     assert loaded.BLOCK == 128 and loaded.helper is len
     assert _launch.lazy_kernels("fake_kernels", "lmfuse")() is not loaded  # one per binding
-    monkeypatch.setattr(_launch, "_FAST", False)
+    with _launch.triton_launches():  # looked up first in there: wrapped all the same
+        assert isinstance(_launch.lazy_kernels("fake_kernels", "lmfuse")().k, FastLaunch)
+    monkeypatch.setattr(_launch, "_ENABLED", False)  # LMFUSE_FAST_LAUNCH=0
     assert _launch.lazy_kernels("fake_kernels", "lmfuse")().k is module.k
 
 

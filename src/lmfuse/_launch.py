@@ -96,7 +96,7 @@ class _Kernels:
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._module, name)
-        if _FAST and _jit_class() is not None and type(value) is _jit_class():
+        if _ENABLED and _jit_class() is not None and type(value) is _jit_class():
             value = FastLaunch(value)
         setattr(self, name, value)
         return value
@@ -110,9 +110,10 @@ class _Kernels:
 # FastLaunch keeps each compiled kernel under a key of what Triton specialises on and calls
 # the launcher directly after the first launch.
 
-#: Off (``LMFUSE_FAST_LAUNCH=0``): kernels are not wrapped; off inside
-#: :func:`triton_launches`, the wrapped ones launch through Triton.
-_FAST = os.environ.get("LMFUSE_FAST_LAUNCH", "1").strip() not in ("0", "off", "false", "no")
+#: ``LMFUSE_FAST_LAUNCH=0``: kernels are not wrapped at all.
+_ENABLED = os.environ.get("LMFUSE_FAST_LAUNCH", "1").strip() not in ("0", "off", "false", "no")
+#: Off inside :func:`triton_launches`: the wrapped kernels launch through Triton.
+_FAST = _ENABLED
 _CHECK = os.environ.get("LMFUSE_FAST_LAUNCH", "").strip() == "check"
 _MISSING = object()
 
