@@ -35,14 +35,16 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 import lmfuse
-from lmfuse.bench.common import (Case, Result, dist_version, finish, measure_copy,
-                                 relative_differences, run_cases, start, unavailable)
+from lmfuse.bench.common import (Case, Result, compile_per_shape, dist_version, finish,
+                                 measure_copy, relative_differences, run_cases, start, timed_call,
+                                 unavailable)
 
 ActFn = Callable[..., torch.Tensor]  # (x, bias or None, weights or None) -> output
 
@@ -70,12 +72,7 @@ def eager_activation(x, bias=None, weights=None, *, activation: str, gated: bool
     return out.to(x.dtype)
 
 
-# Every case is a new specialisation of the same function: let dynamo keep them all rather
-# than fall back to eager after its default of 8.
-for _name in ("recompile_limit", "cache_size_limit"):
-    if hasattr(torch._dynamo.config, _name):
-        setattr(torch._dynamo.config, _name, 256)
-_compiled = torch.compile(eager_activation, fullgraph=True, dynamic=False)
+_compiled = compile_per_shape(eager_activation)
 
 
 class Op(NamedTuple):
@@ -172,15 +169,8 @@ def make_case(data: Inputs, name: str, megatron: tuple[ActFn, str], *, backward:
         x, bias, weights = (t.detach() if t is not None else None
                             for t in (data.x, data.bias, data.weights))
 
-    def timed(fn: ActFn) -> Callable[[], object]:
-        if backward:
-            return lambda: torch.autograd.grad(fn(x, bias, weights), inputs, data.g)
-
-        def forward():
-            with torch.no_grad():
-                return fn(x, bias, weights)
-
-        return forward
+    timed = partial(timed_call, args=(x, bias, weights), backward=backward, wrt=inputs,
+                    grad=data.g)
 
     formula = {"activation": op.activation, "gated": op.gated}
     megatron_fn, megatron_note = megatron

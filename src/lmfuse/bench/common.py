@@ -51,6 +51,30 @@ class Case:
     calls: int = 1
 
 
+def compile_per_shape(fn: Callable, limit: int = 256, fullgraph: bool = True) -> Callable:
+    """``torch.compile(fn, dynamic=False)`` for a harness's torch.compile row. Every case is a
+    new specialisation of the same function: dynamo is let keep ``limit`` of them rather
+    than fall back to eager after its default of 8."""
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, limit)
+    return torch.compile(fn, fullgraph=fullgraph, dynamic=False)
+
+
+def timed_call(fn: Callable[..., object], args: tuple, backward: bool, wrt=(), grad=None
+               ) -> Callable[[], object]:
+    """The thunk a case times: ``fn(*args)`` under ``torch.no_grad()``, or with ``backward``
+    the forward and ``torch.autograd.grad`` of its output w.r.t. ``wrt`` under ``grad``."""
+    if backward:
+        return lambda: torch.autograd.grad(fn(*args), wrt, grad)
+
+    def forward():
+        with torch.no_grad():
+            return fn(*args)
+
+    return forward
+
+
 def bench_ms(fn: Callable[[], object], device: torch.device, warmup: int = 50,
              rep: int = 200) -> float:
     """Median milliseconds of ``fn`` (CUDA events via triton's do_bench on GPU, which runs

@@ -46,8 +46,8 @@ import torch.nn.functional as F
 
 import lmfuse
 from lmfuse._launch import cdiv, dtype_name
-from lmfuse.bench.common import (Case, Result, dist_version, finish, measure_copy, run_cases,
-                                 start, unavailable)
+from lmfuse.bench.common import (Case, Result, compile_per_shape, dist_version, finish,
+                                 measure_copy, run_cases, start, unavailable)
 
 IGNORE = -100
 OPTIONS = {"label_smoothing": 0.1, "z_loss": 1e-4, "softcap": 30.0}
@@ -69,12 +69,7 @@ def eager_cross_entropy(logits, target, label_smoothing=0.0, z_loss=0.0, softcap
     return loss.sum() / valid.sum().clamp(min=1)
 
 
-# Every case is a new specialisation of the same function: let dynamo keep them all rather
-# than fall back to eager after its default of 8.
-for _name in ("recompile_limit", "cache_size_limit"):
-    if hasattr(torch._dynamo.config, _name):
-        setattr(torch._dynamo.config, _name, 256)
-_compiled = torch.compile(eager_cross_entropy, fullgraph=True, dynamic=False)
+_compiled = compile_per_shape(eager_cross_entropy)
 
 
 def _liger() -> tuple[LossFn, str]:

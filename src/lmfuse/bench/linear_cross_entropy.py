@@ -61,8 +61,8 @@ import torch.nn.functional as F
 
 import lmfuse
 from lmfuse._launch import cdiv, dtype_name
-from lmfuse.bench.common import (Case, Result, bench_ms, dist_version, finish, run_cases, start,
-                                 unavailable)
+from lmfuse.bench.common import (Case, Result, bench_ms, compile_per_shape, dist_version, finish,
+                                 run_cases, start, unavailable)
 from lmfuse.cross_entropy.linear_config import chunk_rows
 
 IGNORE = -100
@@ -79,12 +79,7 @@ def eager_linear_cross_entropy(hidden, weight, target):
     return F.cross_entropy((hidden @ weight.T).float(), target, ignore_index=IGNORE)
 
 
-# Every case is a new specialisation of the same function: let dynamo keep them all rather
-# than fall back to eager after its default of 8.
-for _name in ("recompile_limit", "cache_size_limit"):
-    if hasattr(torch._dynamo.config, _name):
-        setattr(torch._dynamo.config, _name, 256)
-_compiled = torch.compile(eager_linear_cross_entropy, fullgraph=True, dynamic=False)
+_compiled = compile_per_shape(eager_linear_cross_entropy)
 
 
 def _liger() -> tuple[LossFn, str]:

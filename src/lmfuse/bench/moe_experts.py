@@ -75,9 +75,8 @@ import torch.nn.functional as F
 
 import lmfuse
 from lmfuse._launch import dtype_name
-from lmfuse.bench.common import (Case, PeerUnavailable, Result, dist_version, finish,
-                                 measure_copy, relative_differences, run_cases, start,
-                                 unavailable)
+from lmfuse.bench.common import (Case, PeerUnavailable, Result, dist_version, finish, measure_copy,
+                                 relative_differences, run_cases, start, timed_call, unavailable)
 from lmfuse.bench.decode_attention import as_graph
 
 # (hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias, down_bias) -> out
@@ -336,21 +335,13 @@ def make_case(s: Shape, w: Weights, dtype: torch.dtype, device: torch.device,
     expert_ids, router_weights = route(s.T, s.E, s.k, dtype, device, gen)
     args = (hidden, expert_ids, router_weights, w.w_gate_up, w.w_down, w.gate_up_bias,
             w.down_bias)
+    grad, wrt = None, ()
     if backward:
         hidden.requires_grad_(True)
         router_weights.requires_grad_(True)
         grad = torch.randn(s.T, s.H, generator=gen, dtype=dtype, device=device)
         wrt = [hidden, *w.tensors()[:2], router_weights, *w.tensors()[2:]]
-
-    def timed(fn: ExpertsFn) -> Callable[[], object]:
-        if backward:
-            return lambda: torch.autograd.grad(fn(*args), wrt, grad)
-
-        def forward():
-            with torch.no_grad():
-                return fn(*args)
-
-        return forward
+    timed = partial(timed_call, args=args, backward=backward, wrt=wrt, grad=grad)
 
     settings = s.settings()
     plan = lmfuse.explain(lmfuse.moe_experts, *args[:5], gate_up_bias=w.gate_up_bias,

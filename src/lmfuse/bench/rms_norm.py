@@ -24,12 +24,14 @@ gradients) and flags one over 1e-2 (1e-5 in float32). Hugging Face's formula rou
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
 import lmfuse
-from lmfuse.bench.common import (Case, Result, dist_version, finish, measure_copy,
-                                 relative_differences, run_cases, start, unavailable)
+from lmfuse.bench.common import (Case, Result, compile_per_shape, dist_version, finish,
+                                 measure_copy, relative_differences, run_cases, start, timed_call,
+                                 unavailable)
 
 EPS = 1e-6
 NormFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, weight) -> y
@@ -42,11 +44,7 @@ def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
-# Every shape is a new specialisation of the same function: let dynamo keep them all.
-for _name in ("recompile_limit", "cache_size_limit"):
-    if hasattr(torch._dynamo.config, _name):
-        setattr(torch._dynamo.config, _name, 64)
-_compiled = torch.compile(hf_rms_norm, fullgraph=True, dynamic=False)
+_compiled = compile_per_shape(hf_rms_norm, 64)
 
 
 def load_liger() -> tuple[NormFn, str, str]:
@@ -89,15 +87,7 @@ def make_case(n: int, H: int, dtype: torch.dtype, device: torch.device, liger: N
         x.requires_grad_(True)
         w.requires_grad_(True)
 
-    def timed(fn: NormFn) -> Callable[[], object]:
-        if backward:
-            return lambda: torch.autograd.grad(fn(x, w), [x, w], g)
-
-        def forward():
-            with torch.no_grad():
-                return fn(x, w)
-
-        return forward
+    timed = partial(timed_call, args=(x, w), backward=backward, wrt=[x, w], grad=g)
 
     nbytes = minimal_bytes(n, H, x.element_size(), backward)
     impls = {

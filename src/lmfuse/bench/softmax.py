@@ -13,7 +13,7 @@ import torch
 
 import lmfuse
 from lmfuse._launch import dtype_name
-from lmfuse.bench.common import Case, finish, measure_copy, run_cases, start
+from lmfuse.bench.common import Case, compile_per_shape, finish, measure_copy, run_cases, start
 
 
 def eager_softmax(x, scale, causal=False, mask=None, offset=None):
@@ -31,12 +31,7 @@ def eager_softmax(x, scale, causal=False, mask=None, offset=None):
     return torch.softmax(z, dim=-1).to(x.dtype)
 
 
-# Every case is a new specialisation of the same function: let dynamo keep them all rather
-# than fall back to eager after its default of 8.
-for _name in ("recompile_limit", "cache_size_limit"):
-    if hasattr(torch._dynamo.config, _name):
-        setattr(torch._dynamo.config, _name, 256)
-_compiled = torch.compile(eager_softmax, dynamic=False)
+_compiled = compile_per_shape(eager_softmax, fullgraph=False)
 
 
 def _megatron(causal: bool, scale: float, dtype: torch.dtype):
