@@ -48,15 +48,16 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
 
 
-def int_range(minimum: int, maximum: Optional[int] = None) -> Callable[[str], int]:
-    """An argparse ``type``: an integer in ``[minimum, maximum]``."""
+def int_range(minimum: Optional[int] = None,
+              maximum: Optional[int] = None) -> Callable[[str], int]:
+    """An argparse ``type``: an integer in ``[minimum, maximum]`` (None: unbounded)."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
+        if minimum is not None and value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
         if maximum is not None and value > maximum:
             raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {value}")

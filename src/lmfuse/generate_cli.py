@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from lmfuse.cli import int_range
+
 PROG = "lmfuse generate"
 #: ``lmfuse generate --help``'s description: this docstring as plain text.
 DESCRIPTION = (__doc__.replace(":class:`lmfuse.serving.Generator`", "lmfuse.serving.Generator")
@@ -50,23 +52,6 @@ class UsageError(Exception):
 
 
 # --- options ---------------------------------------------------------------------------
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
 
 
 def _finite(text: str) -> float:
@@ -102,19 +87,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a prompt (repeatable)")
     parser.add_argument("--prompts-file", metavar="F",
                         help="more prompts, one per line (blank lines skipped); '-': stdin")
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N",
+    parser.add_argument("--max-new-tokens", type=int_range(1), default=128, metavar="N",
                         help="most tokens generated per prompt (default 128)")
     parser.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default="auto",
                         help="the KV cache's dtype (default auto: the model's; fp8: e4m3 "
                         "with per-head scales)")
     parser.add_argument("--temperature", type=_temperature, default=0.0, metavar="T",
                         help="0: greedy (default); above 0: sample")
-    parser.add_argument("--top-k", type=_positive_int, default=None, metavar="K",
+    parser.add_argument("--top-k", type=int_range(1), default=None, metavar="K",
                         help="sample among the K most likely tokens (needs --temperature > 0)")
     parser.add_argument("--top-p", type=_top_p, default=None, metavar="P",
                         help="sample among the smallest set of tokens of probability >= P "
                         "(needs --temperature > 0)")
-    parser.add_argument("--seed", type=_int, default=None, metavar="S",
+    parser.add_argument("--seed", type=int_range(), default=None, metavar="S",
                         help="sampling seed (prompt i uses S + i; default random)")
     parser.add_argument("--dtype", choices=tuple(DTYPE_CHOICES), default="auto",
                         help="the model's dtype (default auto: the checkpoint's)")
@@ -125,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(off by default)")
     parser.add_argument("--no-graphs", action="store_true",
                         help="decode without CUDA graphs")
-    parser.add_argument("--num-blocks", type=_positive_int, default=None, metavar="N",
+    parser.add_argument("--num-blocks", type=int_range(1), default=None, metavar="N",
                         help=f"KV cache blocks of {BLOCK_LEN} tokens (default: on CUDA 90%% of "
                         "the free memory; on the CPU what the prompts need)")
     parser.add_argument("--chat", action="store_true",
