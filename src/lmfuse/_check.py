@@ -9,7 +9,7 @@ gradient of every differentiable input under one random upstream gradient.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -57,6 +57,21 @@ class CheckCase:
     inputs: Callable[[], Sequence[torch.Tensor]]
     call: Callable[..., torch.Tensor]
     plan: Callable[..., Plan]
+
+
+def op_case(op: str, label: str, dtype: torch.dtype, shape: tuple[int, ...],
+            inputs: Callable[[], Sequence[torch.Tensor]], fn: Callable[..., torch.Tensor],
+            planner: Callable[..., Plan], *args: Any, **kwargs: Any) -> CheckCase:
+    """The :class:`CheckCase` of ``fn(*inputs, *args, impl=impl, **kwargs)``, planned by
+    ``planner(*inputs, *args, **kwargs)``: the op's inputs first, then what stays fixed."""
+
+    def call(impl: str, *xs: torch.Tensor) -> torch.Tensor:
+        return fn(*xs, *args, impl=impl, **kwargs)
+
+    def plan(*xs: torch.Tensor) -> Plan:
+        return planner(*xs, *args, **kwargs)
+
+    return CheckCase(op, label, dtype, shape, inputs, call, plan)
 
 
 @dataclass

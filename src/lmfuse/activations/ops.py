@@ -657,7 +657,7 @@ plan_weighted_squared_relu = _planner(weighted_squared_relu, "squared_relu", Fal
 
 def checks(device: torch.device, dtypes) -> list:
     """Fresh random cases of every activation, for :mod:`lmfuse._check`."""
-    from .._check import CheckCase
+    from .._check import op_case
 
     small = device.type != "cuda"
     M, f = (9, 100) if small else (1000, 3000)
@@ -673,13 +673,7 @@ def checks(device: torch.device, dtypes) -> list:
                 xs.append(torch.randn(K, device=device).to(dtype).requires_grad_(True))
             return xs
 
-        def call(impl, *xs):
-            return fn(*xs, impl=impl, **kw)
-
-        def plan(*xs):
-            return planner(*xs, **kw)
-
-        return CheckCase(op, label, dtype, (M, K), inputs, call, plan)
+        return op_case(op, label, dtype, (M, K), inputs, fn, planner, **kw)
 
     cases = []
     for dtype in dtypes:

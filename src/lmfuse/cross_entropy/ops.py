@@ -965,7 +965,7 @@ class _CrossEntropyCPU(torch.autograd.Function):
 
 def checks(device: torch.device, dtypes) -> list:
     """Fresh random cases covering every option, for :mod:`lmfuse._check`."""
-    from .._check import CheckCase
+    from .._check import op_case
 
     small = device.type != "cuda"
     n, vs = (37, (45, 5000, 20000)) if small else (1024, (32000, 128256))
@@ -977,13 +977,8 @@ def checks(device: torch.device, dtypes) -> list:
         def inputs():
             return [(torch.randn(n, V, device=device) * 3).to(dtype).requires_grad_(True)]
 
-        def call(impl, x):
-            return cross_entropy(x, target, impl=impl, **kw)
-
-        def plan(x):
-            return plan_cross_entropy(x, target, **kw)
-
-        return CheckCase(_OP, label, dtype, (n, V), inputs, call, plan)
+        return op_case(_OP, label, dtype, (n, V), inputs, cross_entropy, plan_cross_entropy,
+                       target, **kw)
 
     cases = []
     for dtype in dtypes:

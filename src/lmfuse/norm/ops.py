@@ -354,7 +354,7 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps: flo
 def checks(device: torch.device, dtypes) -> list:
     """Fresh random cases of every variant (weight or not, Gemma's offset, streamed rows),
     for :mod:`lmfuse._check`."""
-    from .._check import CheckCase
+    from .._check import op_case
 
     small = device.type != "cuda"
     shapes = {"plain": (9, 100) if small else (1000, 4096),
@@ -371,13 +371,7 @@ def checks(device: torch.device, dtypes) -> list:
                 t.append(w.to(dtype if weight == "same" else weight).requires_grad_(True))
             return t
 
-        def call(impl, *t):
-            return rms_norm(*t, impl=impl, **kw)
-
-        def plan(*t):
-            return plan_rms_norm(*t, **kw)
-
-        return CheckCase(_OP, label, dtype, shape, inputs, call, plan)
+        return op_case(_OP, label, dtype, shape, inputs, rms_norm, plan_rms_norm, **kw)
 
     cases = []
     for dtype in dtypes:
