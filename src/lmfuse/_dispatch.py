@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import inspect
 import math
 import os
 from dataclasses import dataclass, field
@@ -254,6 +255,28 @@ def register_planner(name: str) -> Callable[[Callable[..., Plan]], Callable[...,
     def wrap(fn: Callable[..., Plan]) -> Callable[..., Plan]:
         _PLANNERS[name] = fn
         return fn
+
+    return wrap
+
+
+def planner_of(fn: Callable[..., Any]) -> Callable[[Callable[..., Plan]], Callable[..., Plan]]:
+    """Register the decorated ``plan(**arguments) -> Plan`` as the planner of public op ``fn``.
+    The planner takes ``fn``'s own arguments, bound by ``fn``'s signature with its defaults
+    filled in, so it accepts and refuses what the op does (a ``TypeError`` prefixed with the
+    op's name) and the op's signature is written once."""
+    sig = inspect.signature(fn)
+
+    def wrap(body: Callable[..., Plan]) -> Callable[..., Plan]:
+        @functools.wraps(body)
+        def plan(*args: Any, **kwargs: Any) -> Plan:
+            try:
+                bound = sig.bind(*args, **kwargs)
+            except TypeError as e:
+                raise TypeError(f"{fn.__name__}: {e}") from None
+            bound.apply_defaults()
+            return body(**bound.arguments)
+
+        return register_planner(fn.__name__)(plan)
 
     return wrap
 

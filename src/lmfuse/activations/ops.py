@@ -11,7 +11,6 @@ autograd in the backward.
 from __future__ import annotations
 
 import functools
-import inspect
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 
 from .. import tuning
 from .._dispatch import (Plan, ResolvedCall, check_number, check_tensor, checked_once, cpu_fast,
-                         float64_fallback, native_cpu, once_differentiable, register_planner,
+                         float64_fallback, native_cpu, once_differentiable, planner_of,
                          select_impl)
 from .._launch import (cdiv, dtype_name, fp8_capable, kernel_op, lazy_kernels, next_pow2,
                        to_e4m3)
@@ -626,23 +625,13 @@ def weighted_squared_relu(x: torch.Tensor, weights: torch.Tensor, *,
 
 
 def _planner(fn, activation: str, gated: bool):
-    """Register the planner of public function ``fn``: its arguments bound by ``fn``'s own
-    signature (so ``explain`` refuses what the op refuses), then :func:`_plan`."""
-    sig = inspect.signature(fn)
+    """Register the planner of public function ``fn`` (:func:`planner_of`): :func:`_plan`."""
 
-    def plan(*args, **kwargs) -> Plan:
-        try:
-            bound = sig.bind(*args, **kwargs)
-        except TypeError as e:
-            raise TypeError(f"{fn.__name__}: {e}") from None
-        bound.apply_defaults()
-        a = dict(bound.arguments)
-        return _plan(fn.__name__, a.pop("x"), a.pop("bias", None), a.pop("weights", None),
-                     activation, gated, **a)
+    def plan(x, bias=None, weights=None, **a) -> Plan:
+        return _plan(fn.__name__, x, bias, weights, activation, gated, **a)
 
     plan.__name__ = f"plan_{fn.__name__}"
-    register_planner(fn.__name__)(plan)
-    return plan
+    return planner_of(fn)(plan)
 
 
 plan_bias_gelu = _planner(bias_gelu, "gelu", False)

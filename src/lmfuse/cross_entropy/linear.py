@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from .._dispatch import (PLAIN_TENSORS, Plan, ResolvedCall, check_tensor, cpu_fast, native_cpu,
-                         register_planner)
+                         planner_of)
 from .._launch import cdiv, dtype_name
 from .._nvtx import nvtx_range
 from .._collectives import all_reduce_sum, all_reduce_sum_, group_rank
@@ -528,70 +528,6 @@ def _scale(grads: list[torch.Tensor], dout: torch.Tensor, path: str) -> None:
             g.mul_(dout.to(g.dtype))
 
 
-@register_planner(_OP)
-def plan_linear_cross_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    *,
-    bias: Optional[torch.Tensor] = None,
-    ignore_index: int = -100,
-    label_smoothing: float = 0.0,
-    z_loss: float = 0.0,
-    softcap: Optional[float] = None,
-    reduction: str = "mean",
-    tp_group: Optional[Any] = None,
-    impl: str = "auto",
-    max_chunk_bytes: Optional[int] = None,
-    logits_in_fp32: bool = False,
-    ce_weight: Optional[torch.Tensor] = None,
-    return_z_loss: bool = False,
-    return_token_accuracy: bool = False,
-    return_predicted_tokens: bool = False,
-    use_token_scaling: bool = False,
-) -> Plan:
-    """What :func:`linear_cross_entropy` would do with these arguments."""
-    path, reason, o = _resolve(hidden, weight, target, bias, ignore_index, label_smoothing,
-                               z_loss, softcap, reduction, tp_group, impl, max_chunk_bytes,
-                               None, logits_in_fp32, ce_weight, return_z_loss,
-                               return_token_accuracy, return_predicted_tokens,
-                               use_token_scaling)
-    n = target.numel()
-    if o.native:
-        details = {"hidden": f"{list(hidden.shape)} {dtype_name(hidden.dtype)}",
-                   "vocabulary": str(weight.shape[0]),
-                   "passes": o.config_source + " (autograd for the gradients)"}
-        return Plan(_OP, path, reason + "; CPU float32: PyTorch's own ops", details,
-                    call=o)
-    rows = chunk_rows(max(n, 1), weight.shape[0], _chunk_itemsize(hidden, o), hidden.device,
-                      max_chunk_bytes, o.config)
-    chunks = cdiv(n, rows)
-    details = {
-        "hidden": f"{list(hidden.shape)} {dtype_name(hidden.dtype)}",
-        "vocabulary": (f"{weight.shape[0]} of {o.loss.vocab_size} (rank {group_rank(tp_group)}, "
-                       f"one all-gather of [{3 + o.loss.weighted + 2 * o.loss.argmax}, rows] "
-                       "stats per chunk"
-                       + (", the class weights' sums all-reduced first" if o.loss.weighted
-                          else "") + ")"
-                       if o.loss.tp_group is not None else str(weight.shape[0])),
-        "chunks": (f"{chunks} x {rows} tokens; logits buffer "
-                   f"{rows * weight.shape[0] * _chunk_itemsize(hidden, o) / 2**20:.1f} MiB"
-                   + (" (float32 logits and their gradient in hidden's dtype)"
-                      if o.fp32_logits else "")),
-        "config": _describe(o.config, o.config_source, max_chunk_bytes),
-        "passes": ("fused: gradients in the forward, backward only rescales" if o.fused
-                   else "deferred: stats in forward, logits recomputed in backward"
-                   if o.grad_needed else "stats only (no gradient needed)"),
-    }
-    extras = [name for name, on in (
-        ("class weights", o.loss.weighted), ("z-loss returned", o.loss.return_z_loss),
-        ("argmax in the stats pass", o.loss.argmax),
-        ("token scaling", o.token_scaling)) if on]
-    if extras:
-        details["options"] = ", ".join(extras)
-    return Plan(_OP, path, reason, details, call=o)
-
-
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -690,6 +626,48 @@ def linear_cross_entropy(
                   return_token_accuracy=return_token_accuracy,
                   return_predicted_tokens=return_predicted_tokens,
                   use_token_scaling=use_token_scaling)
+
+
+@planner_of(linear_cross_entropy)
+def plan_linear_cross_entropy(**a: Any) -> Plan:
+    """What :func:`linear_cross_entropy` would do with these arguments."""
+    path, reason, o = _resolve(**a)
+    hidden, weight, max_chunk_bytes = a["hidden"], a["weight"], a["max_chunk_bytes"]
+    target, tp_group = a["target"], a["tp_group"]
+    n = target.numel()
+    if o.native:
+        details = {"hidden": f"{list(hidden.shape)} {dtype_name(hidden.dtype)}",
+                   "vocabulary": str(weight.shape[0]),
+                   "passes": o.config_source + " (autograd for the gradients)"}
+        return Plan(_OP, path, reason + "; CPU float32: PyTorch's own ops", details,
+                    call=o)
+    rows = chunk_rows(max(n, 1), weight.shape[0], _chunk_itemsize(hidden, o), hidden.device,
+                      max_chunk_bytes, o.config)
+    chunks = cdiv(n, rows)
+    details = {
+        "hidden": f"{list(hidden.shape)} {dtype_name(hidden.dtype)}",
+        "vocabulary": (f"{weight.shape[0]} of {o.loss.vocab_size} (rank {group_rank(tp_group)}, "
+                       f"one all-gather of [{3 + o.loss.weighted + 2 * o.loss.argmax}, rows] "
+                       "stats per chunk"
+                       + (", the class weights' sums all-reduced first" if o.loss.weighted
+                          else "") + ")"
+                       if o.loss.tp_group is not None else str(weight.shape[0])),
+        "chunks": (f"{chunks} x {rows} tokens; logits buffer "
+                   f"{rows * weight.shape[0] * _chunk_itemsize(hidden, o) / 2**20:.1f} MiB"
+                   + (" (float32 logits and their gradient in hidden's dtype)"
+                      if o.fp32_logits else "")),
+        "config": _describe(o.config, o.config_source, max_chunk_bytes),
+        "passes": ("fused: gradients in the forward, backward only rescales" if o.fused
+                   else "deferred: stats in forward, logits recomputed in backward"
+                   if o.grad_needed else "stats only (no gradient needed)"),
+    }
+    extras = [name for name, on in (
+        ("class weights", o.loss.weighted), ("z-loss returned", o.loss.return_z_loss),
+        ("argmax in the stats pass", o.loss.argmax),
+        ("token scaling", o.token_scaling)) if on]
+    if extras:
+        details["options"] = ", ".join(extras)
+    return Plan(_OP, path, reason, details, call=o)
 
 
 def _apply(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap,

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from .. import tuning
 from .._dispatch import (Plan, ResolvedCall, check_int, check_number, check_tensor, checked_once,
-                         cpu_fast, native_cpu, once_differentiable, register_planner,
+                         cpu_fast, native_cpu, once_differentiable, planner_of,
                          select_impl, value_checks)
 from .._launch import INDEX_DTYPES, cdiv, dtype_name, kernel_op, lazy_kernels, next_pow2
 from .._nvtx import nvtx_range
@@ -668,66 +668,6 @@ def _check_targets(target: torch.Tensor, o: CrossEntropyCall) -> None:
         )
 
 
-@register_planner(_OP)
-def plan_cross_entropy(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    *,
-    ignore_index: int = -100,
-    label_smoothing: float = 0.0,
-    z_loss: float = 0.0,
-    softcap: Optional[float] = None,
-    reduction: str = "mean",
-    tp_group: Optional[Any] = None,
-    inplace_backward: bool = False,
-    weight: Optional[torch.Tensor] = None,
-    return_z_loss: bool = False,
-    return_token_accuracy: bool = False,
-    return_predicted_tokens: bool = False,
-    impl: str = "auto",
-) -> Plan:
-    """What :func:`cross_entropy` would do with these arguments (validated the same way)."""
-    path, reason, o = _resolve(logits, target, ignore_index, label_smoothing, z_loss,
-                               softcap, reduction, tp_group, inplace_backward, impl, weight,
-                               return_z_loss, return_token_accuracy, return_predicted_tokens)
-    V = logits.shape[-1]
-    details = {
-        "logits": f"{list(logits.shape)} {dtype_name(logits.dtype)}",
-        "vocabulary": (f"{V} of {o.vocab_size} (rank {group_rank(tp_group)}, one "
-                       f"all-gather of [{3 + o.weighted + 2 * o.argmax}, N] stats)"
-                       if o.tp_group is not None else str(V)),
-        "passes": ("fused: stats + gradient in the forward kernel, backward only rescales"
-                   if o.fused else
-                   "deferred: stats in forward, gradient in backward" if o.grad_needed
-                   else "stats only (no gradient needed)"),
-    }
-    if path == "triton":
-        rows = logits.reshape(-1, V)  # what cross_entropy launches on, or a fresh copy
-        copied = rows.stride(-1) != 1 or (o.inplace and not rows.is_contiguous())
-        cfg = _config(V, logits.device, o.softcap is not None, logits.element_size(),
-                      V % 16 == 0 if copied else _aligned(rows))
-        fused = cfg.get("fused", {}) if o.fused and not cfg["SINGLE_BLOCK"] else {}
-        details["kernel"] = (
-            f"{cfg['BLOCK_M']} row(s) x {cfg['BLOCK_V']} per program, row in registers"
-            if cfg["SINGLE_BLOCK"] else
-            f"rows in {fused['slice']}-column slices, stats and gradient in one launch"
-            if fused.get("slice") else
-            f"streamed, a row per program in {fused['BLOCK_V']}-column chunks, stats and "
-            "gradient in one launch (the second read, last chunk first, mostly from L1)"
-            if fused.get("vec") else
-            f"streamed in {cfg['BLOCK_V']}-column chunks, online log-sum-exp")
-        if fused.get("slice") and o.argmax:
-            details["kernel"] = (f"streamed, a row per program in {fused['BLOCK_V']}-column "
-                                 "chunks, stats and gradient in one launch (the argmax has "
-                                 "no sliced launch)")
-    extras = [name for name, on in (
-        ("class weights", o.weighted), ("z-loss returned", o.return_z_loss),
-        ("argmax in the stats pass", o.argmax)) if on]
-    if extras:
-        details["options"] = ", ".join(extras)
-    return Plan(_OP, path, reason, details, call=o)
-
-
 def cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -836,6 +776,49 @@ def cross_entropy(
     else:
         loss = _CrossEntropy.apply(logits2d, target1d, cw, o)
     return loss.view(lead) if reduction == "none" else loss
+
+
+@planner_of(cross_entropy)
+def plan_cross_entropy(**a: Any) -> Plan:
+    """What :func:`cross_entropy` would do with these arguments (validated the same way)."""
+    path, reason, o = _resolve(**a)
+    logits, tp_group = a["logits"], a["tp_group"]
+    V = logits.shape[-1]
+    details = {
+        "logits": f"{list(logits.shape)} {dtype_name(logits.dtype)}",
+        "vocabulary": (f"{V} of {o.vocab_size} (rank {group_rank(tp_group)}, one "
+                       f"all-gather of [{3 + o.weighted + 2 * o.argmax}, N] stats)"
+                       if o.tp_group is not None else str(V)),
+        "passes": ("fused: stats + gradient in the forward kernel, backward only rescales"
+                   if o.fused else
+                   "deferred: stats in forward, gradient in backward" if o.grad_needed
+                   else "stats only (no gradient needed)"),
+    }
+    if path == "triton":
+        rows = logits.reshape(-1, V)  # what cross_entropy launches on, or a fresh copy
+        copied = rows.stride(-1) != 1 or (o.inplace and not rows.is_contiguous())
+        cfg = _config(V, logits.device, o.softcap is not None, logits.element_size(),
+                      V % 16 == 0 if copied else _aligned(rows))
+        fused = cfg.get("fused", {}) if o.fused and not cfg["SINGLE_BLOCK"] else {}
+        details["kernel"] = (
+            f"{cfg['BLOCK_M']} row(s) x {cfg['BLOCK_V']} per program, row in registers"
+            if cfg["SINGLE_BLOCK"] else
+            f"rows in {fused['slice']}-column slices, stats and gradient in one launch"
+            if fused.get("slice") else
+            f"streamed, a row per program in {fused['BLOCK_V']}-column chunks, stats and "
+            "gradient in one launch (the second read, last chunk first, mostly from L1)"
+            if fused.get("vec") else
+            f"streamed in {cfg['BLOCK_V']}-column chunks, online log-sum-exp")
+        if fused.get("slice") and o.argmax:
+            details["kernel"] = (f"streamed, a row per program in {fused['BLOCK_V']}-column "
+                                 "chunks, stats and gradient in one launch (the argmax has "
+                                 "no sliced launch)")
+    extras = [name for name, on in (
+        ("class weights", o.weighted), ("z-loss returned", o.return_z_loss),
+        ("argmax in the stats pass", o.argmax)) if on]
+    if extras:
+        details["options"] = ", ".join(extras)
+    return Plan(_OP, path, reason, details, call=o)
 
 
 def _with_extras(loss: torch.Tensor, lse: torch.Tensor, pred: torch.Tensor,

@@ -50,7 +50,6 @@ gradients use the rounded ``h`` too.
 from __future__ import annotations
 
 import functools
-import inspect
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -59,7 +58,7 @@ import torch.nn.functional as F
 
 from .. import tuning
 from .._dispatch import (Plan, ResolvedCall, check_number, check_tensor, float64_fallback,
-                         interpreter_active, register_planner, select_impl, value_checks)
+                         interpreter_active, planner_of, select_impl, value_checks)
 from .._launch import (FLOAT_DTYPES, cdiv, dtype_name, fp8_capable, kernel_op, lazy_kernels,
                        next_pow2, to_e4m3)
 from .._nvtx import nvtx_range
@@ -831,18 +830,9 @@ def moe_experts(
     return _MoEExperts.apply(*args, s)
 
 
-@register_planner(OP)
-def plan_moe_experts(*args, **kwargs) -> Plan:
-    try:
-        bound = inspect.signature(moe_experts).bind(*args, **kwargs)
-    except TypeError as e:
-        raise TypeError(f"{OP}: {e}") from None
-    bound.apply_defaults()
-    a = bound.arguments
-    path, reason, s = _resolve(a["hidden"], a["expert_ids"], a["router_weights"],
-                               a["w_gate_up"], a["w_down"], a["gate_up_bias"], a["down_bias"],
-                               a["activation"], a["linear_offset"], a["clamp_value"],
-                               a["gate_up_layout"], a["impl"], a["fp8_input_store"])
+@planner_of(moe_experts)
+def plan_moe_experts(**a) -> Plan:
+    path, reason, s = _resolve(**a)
     T, k, E, H, Fdim = s.T, s.k, s.E, s.H, s.F
     dtype = dtype_name(a["hidden"].dtype)
     details = {

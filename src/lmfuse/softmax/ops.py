@@ -26,7 +26,7 @@ from .._dispatch import (
     check_tensor,
     cpu_fast,
     native_cpu,
-    register_planner,
+    planner_of,
     select_impl,
 )
 from .._dispatch import once_differentiable
@@ -291,40 +291,6 @@ def _resolve(scores, scale, mask, causal, window_size, softmax_offset, softmax_i
     return path, reason, call
 
 
-@register_planner(_OP)
-def plan_fused_softmax(
-    scores: torch.Tensor,
-    *,
-    scale: float | None = None,
-    mask: torch.Tensor | None = None,
-    causal: bool = False,
-    window_size: int | tuple[int, int] | None = None,
-    softmax_offset: torch.Tensor | None = None,
-    softmax_in_fp32: bool = True,
-    impl: str = "auto",
-) -> Plan:
-    """What :func:`fused_softmax` would do with these arguments (validated the same way)."""
-    path, reason, a = _resolve(scores, scale, mask, causal, window_size, softmax_offset,
-                               softmax_in_fp32, impl)
-    left, right, sk = a.left, a.right, scores.shape[-1]
-    details = {
-        "scores": f"{list(scores.shape)} {dtype_name(scores.dtype)}",
-        "mask": a.mask_kind or "none",
-        "band": "none" if (left, right) == (UNBOUNDED, UNBOUNDED) else
-                f"keys p-{left if left < UNBOUNDED else 'inf'} .. "
-                f"p+{right if right < UNBOUNDED else 'inf'}",
-        "softmax_offset": softmax_offset is not None,
-    }
-    if path == "triton" and sk > 0:
-        cfg = _config(sk, scores.dtype, scores.device)
-        details["kernel"] = (
-            f"one pass, {cfg['BLOCK_M']} row(s) x {cfg['BLOCK_N']} keys per program"
-            if cfg["SINGLE_BLOCK"]
-            else f"chunked online softmax, {cfg['BLOCK_N']}-key chunks"
-        )
-    return Plan(_OP, path, reason, details, call=a)
-
-
 def fused_softmax(
     scores: torch.Tensor,
     *,
@@ -395,6 +361,30 @@ def fused_softmax(
             return _Softmax.apply(scores, a.mask, a.softmax_offset, a.scale, a.left, a.right)
         # Nothing to differentiate (inference): the launch alone, no autograd node.
         return _launch_fwd(scores, a.mask, a.softmax_offset, a.scale, a.left, a.right)[0]
+
+
+@planner_of(fused_softmax)
+def plan_fused_softmax(**a: Any) -> Plan:
+    """What :func:`fused_softmax` would do with these arguments (validated the same way)."""
+    path, reason, c = _resolve(**a)
+    scores, left, right = a["scores"], c.left, c.right
+    sk = scores.shape[-1]
+    details = {
+        "scores": f"{list(scores.shape)} {dtype_name(scores.dtype)}",
+        "mask": c.mask_kind or "none",
+        "band": "none" if (left, right) == (UNBOUNDED, UNBOUNDED) else
+                f"keys p-{left if left < UNBOUNDED else 'inf'} .. "
+                f"p+{right if right < UNBOUNDED else 'inf'}",
+        "softmax_offset": c.softmax_offset is not None,
+    }
+    if path == "triton" and sk > 0:
+        cfg = _config(sk, scores.dtype, scores.device)
+        details["kernel"] = (
+            f"one pass, {cfg['BLOCK_M']} row(s) x {cfg['BLOCK_N']} keys per program"
+            if cfg["SINGLE_BLOCK"]
+            else f"chunked online softmax, {cfg['BLOCK_N']}-key chunks"
+        )
+    return Plan(_OP, path, reason, details, call=c)
 
 
 @functools.lru_cache(maxsize=64)
