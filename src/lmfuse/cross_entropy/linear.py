@@ -41,8 +41,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from .._dispatch import (PLAIN_TENSORS, Plan, ResolvedCall, check_tensor, cpu_fast, native_cpu,
-                         planner_of)
+from .._dispatch import (PLAIN_TENSORS, Plan, ResolvedCall, check_same_device, check_tensor,
+                         cpu_fast, native_cpu, planner_of)
 from .._launch import cdiv, dtype_name
 from .._nvtx import nvtx_range
 from .._collectives import all_reduce_sum, all_reduce_sum_, group_rank
@@ -111,10 +111,7 @@ def _resolve(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss
         if bias.shape[0] != weight.shape[0]:
             raise ValueError(f"{_OP}: bias must be [V] with V = weight.shape[0] = "
                              f"{weight.shape[0]}, got {tuple(bias.shape)}")
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and t.device != hidden.device:
-            raise ValueError(f"{_OP}: {name} is on {t.device} but hidden is on "
-                             f"{hidden.device}; move them to one device")
+    check_same_device(_OP, "hidden", hidden, weight=weight, bias=bias)
     if not (type(logits_in_fp32) is bool and type(return_z_loss) is bool
             and type(return_token_accuracy) is bool and type(return_predicted_tokens) is bool
             and type(use_token_scaling) is bool):

@@ -57,8 +57,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import tuning
-from .._dispatch import (Plan, ResolvedCall, check_number, check_tensor, float64_fallback,
-                         interpreter_active, planner_of, select_impl, value_checks)
+from .._dispatch import (Plan, ResolvedCall, check_number, check_same_device, check_tensor,
+                         float64_fallback, interpreter_active, planner_of, select_impl,
+                         value_checks)
 from .._launch import (FLOAT_DTYPES, cdiv, dtype_name, fp8_capable, kernel_op, lazy_kernels,
                        next_pow2, to_e4m3)
 from .._nvtx import nvtx_range
@@ -735,12 +736,9 @@ def _resolve(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias
         if t is not None and t.dtype != hidden.dtype:
             raise TypeError(f"{OP}: {name} must have hidden's dtype {hidden.dtype}, got "
                             f"{t.dtype}")
-    for name, t in (("expert_ids", expert_ids), ("router_weights", router_weights),
-                    ("w_gate_up", w_gate_up), ("w_down", w_down),
-                    ("gate_up_bias", gate_up_bias), ("down_bias", down_bias)):
-        if t is not None and t.device != hidden.device:
-            raise ValueError(f"{OP}: {name} is on {t.device} but hidden is on "
-                             f"{hidden.device}; move them to one device")
+    check_same_device(OP, "hidden", hidden, expert_ids=expert_ids, router_weights=router_weights,
+                      w_gate_up=w_gate_up, w_down=w_down, gate_up_bias=gate_up_bias,
+                      down_bias=down_bias)
     linear_offset = check_number(OP, "linear_offset", linear_offset, allow_none=False)
     if check_number(OP, "clamp_value", clamp_value) is not None and not clamp_value > 0:
         raise ValueError(f"{OP}: clamp_value must be positive (gate <= c, -c <= up <= c), "

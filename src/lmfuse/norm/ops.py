@@ -27,6 +27,7 @@ from .._dispatch import (
     Plan,
     ResolvedCall,
     check_number,
+    check_same_device,
     check_tensor,
     checked_once,
     cpu_fast,
@@ -205,9 +206,7 @@ def _resolve(x, weight, eps, weight_offset, impl) -> tuple[str, str, NormCall]:
         if weight.shape[0] != H:
             raise ValueError(f"{_OP}: weight must be [H] = [{H}] (x's last dim, x of shape "
                              f"{tuple(x.shape)}), got {tuple(weight.shape)}")
-        if weight.device != x.device:
-            raise ValueError(f"{_OP}: weight is on {weight.device} but x is on {x.device}; "
-                             "move them to one device")
+        check_same_device(_OP, "x", x, weight=weight)
     # A model's eps and offset repeat: checked once, not every call (as cross_entropy's
     # options). A bad or unhashable value is checked uncached, which raises.
     eps, weight_offset = checked_once(_scalars, eps, weight_offset)
