@@ -39,13 +39,13 @@ __all__ = [
 ]
 
 
-def _as_4d(name: str, x: torch.Tensor) -> torch.Tensor:
+def _as_4d(name: str, x: torch.Tensor, dims: tuple[int, ...] = (3, 4),
+           shapes: str = "[b, np, sq, sk] or [attn_batches, sq, sk]") -> torch.Tensor:
+    """``inputs`` (``dims``-D: ``shapes``) as ``[b, np, sq, sk]``: a 3-D one is one batch."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: inputs must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() not in (3, 4):
-        shape = tuple(x.shape)
-        raise ValueError(f"{name}: inputs must be [b, np, sq, sk] or [attn_batches, sq, sk], "
-                         f"got {shape}")
+    if x.dim() not in dims:
+        raise ValueError(f"{name}: inputs must be {shapes}, got {tuple(x.shape)}")
     return x.unsqueeze(0) if x.dim() == 3 else x
 
 
@@ -54,16 +54,8 @@ def scaled_upper_triang_masked_softmax(inputs: torch.Tensor, scale: float) -> to
 
     Megatron requires ``sq == sk``; here ``sq <= sk`` works (bottom-right aligned).
     """
-    if not isinstance(inputs, torch.Tensor):
-        raise TypeError("scaled_upper_triang_masked_softmax: inputs must be a torch.Tensor, "
-                        f"got {type(inputs).__name__}")
-    if inputs.dim() != 3:
-        shape = tuple(inputs.shape)
-        raise ValueError(
-            f"scaled_upper_triang_masked_softmax: inputs must be [attn_batches, sq, sk], "
-            f"got {shape}"
-        )
-    return fused_softmax(inputs.unsqueeze(0), scale=scale, causal=True).squeeze(0)
+    x = _as_4d("scaled_upper_triang_masked_softmax", inputs, (3,), "[attn_batches, sq, sk]")
+    return fused_softmax(x, scale=scale, causal=True).squeeze(0)
 
 
 def scaled_masked_softmax(inputs: torch.Tensor, mask: torch.Tensor | None,
