@@ -1097,21 +1097,19 @@ def checks(device: torch.device, dtypes) -> list:
                 xs += [torch.rand(Hkv, device=device) + 0.5, torch.rand(Hkv, device=device) + 0.5]
             return xs
 
-        def call(impl, q, k, v, lens, *rest):
+        def options(rest):  # the inputs after the lengths: the table, then the scales
             table = rest[0] if block_len else None
             scales = rest[1:] if block_len else rest
+            ks, vs = (scales[0], scales[1]) if fp8 else (None, None)
+            return dict(block_table=table, k_scale=ks, v_scale=vs, **kw)
+
+        def call(impl, q, k, v, lens, *rest):
             if fp8:  # the harness widens inputs for the reference; the cache stays float8
                 k, v = k.to(FP8_DTYPES[0]), v.to(FP8_DTYPES[0])
-            ks, vs = (scales[0], scales[1]) if fp8 else (None, None)
-            return decode_attention(q, k, v, lens, block_table=table, k_scale=ks, v_scale=vs,
-                                    impl=impl, **kw)
+            return decode_attention(q, k, v, lens, impl=impl, **options(rest))
 
         def plan(q, k, v, lens, *rest):
-            table = rest[0] if block_len else None
-            scales = rest[1:] if block_len else rest
-            ks, vs = (scales[0], scales[1]) if fp8 else (None, None)
-            return plan_decode_attention(q, k, v, lens, block_table=table, k_scale=ks,
-                                         v_scale=vs, **kw)
+            return plan_decode_attention(q, k, v, lens, **options(rest))
 
         return CheckCase("decode_attention", label, dtype, (B, s_active, Hq, D), inputs, call,
                          plan)
