@@ -276,6 +276,7 @@ def planner_of(fn: Callable[..., Any]) -> Callable[[Callable[..., Plan]], Callab
             bound.apply_defaults()
             return body(**bound.arguments)
 
+        plan.__signature__ = sig.replace(return_annotation=Plan)  # the op's, for help()
         return register_planner(fn.__name__)(plan)
 
     return wrap
