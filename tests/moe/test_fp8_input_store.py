@@ -384,3 +384,39 @@ def test_grouped_engine(activation, offset, clamp, layout,
                              fp8_input_store=True, **kw)
     kept = [t for t in saved if t.dim() == 2 and t.shape == (16, K2)]
     assert [t.dtype for t in kept] == [FP8]
+
+
+def test_torch_path_gemm_dtype_rounds_only_the_kept_copy() -> None:
+    """The oracle's knob (``_torch_path``'s ``gemm_dtype``, which ``lmfuse check`` uses for
+    the grouped-GEMM engine's bf16 calls): the forward unchanged bit for bit; the float8
+    copy kept for the backward is that of the gate/up GEMM's output rounded to bf16 before
+    the bias; the gradients those of that rounded copy."""
+    from lmfuse.moe import ops as moe_ops
+
+    inp = make(6, 16, 8, 3, 2)
+    args = [inp[n] for n in ("hidden", "expert_ids", "router_weights", "w_gate_up", "w_down",
+                             "gate_up_bias", "down_bias")]
+    s = moe_ops._resolve(*args, "swiglu", 0.0, None, "halves", "torch", True)[2]
+    plain = moe_ops._torch_path(*args, s)
+    seen = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = moe_ops._torch_path(*args, s, BF16)
+    assert torch.equal(out, plain)
+    kept = torch.cat([t for t in seen if t.dtype == FP8])
+    hidden, ids, _, w_gu, _, b_gu, _ = args
+    rows = []
+    for e in range(w_gu.shape[0]):  # the sorted order: expert by expert, tokens in order
+        token = (ids == e).nonzero(as_tuple=True)[0]
+        h = (hidden[token] @ w_gu[e].T).to(BF16).to(F32) + b_gu[e]
+        rows.append(through_fp8(h.detach()))
+    assert torch.equal(kept.to(F32), torch.cat(rows))
+    # The gradients: those of the copy rounded so, not of the one rounded from float32.
+    g = randn(out.shape)
+    got = torch.autograd.grad(out, [t for _, t in leaves(inp)], g)
+    single = torch.autograd.grad(plain, [t for _, t in leaves(inp)], g)
+    assert any(not torch.equal(a, b) for a, b in zip(got, single))

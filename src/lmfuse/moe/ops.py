@@ -200,7 +200,12 @@ class MoECall(MoESettings):
 
 
 def _torch_path(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias,
-                down_bias, s: MoECall) -> torch.Tensor:
+                down_bias, s: MoECall, gemm_dtype: Optional[torch.dtype] = None
+                ) -> torch.Tensor:
+    """The per-expert loop. ``gemm_dtype`` (an oracle's knob, with ``fp8_input_store``):
+    the float8 copy of ``h`` made from the gate/up GEMM's output rounded to it before the
+    bias, as the grouped-GEMM engine rounds (see the module docstring); the forward is not
+    changed by it."""
     T, k = expert_ids.shape
     E, H = w_gate_up.shape[0], hidden.shape[1]
     compute = torch.float64 if hidden.dtype == torch.float64 else torch.float32
@@ -225,7 +230,11 @@ def _torch_path(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_b
         h = F.linear(x[start:start + n], wgu[e], bgu[e])
         w = weights[start:start + n]
         if fp8:
-            ys.append(_Fp8StoredExpert.apply(h, wd[e], bd[e], w, s))
+            kept = h
+            if gemm_dtype is not None:
+                kept = F.linear(x[start:start + n], wgu[e]).to(gemm_dtype).to(h.dtype)
+                kept = kept if bgu[e] is None else kept + bgu[e]
+            ys.append(_Fp8StoredExpert.apply(h, wd[e], bd[e], w, s, kept.detach()))
         else:
             ys.append(_expert_out(h, wd[e], bd[e], w, s))
         start += n
@@ -251,9 +260,11 @@ class _Fp8StoredExpert(torch.autograd.Function):
     the Triton path's backward does: every gradient is that of the rounded ``h``."""
 
     @staticmethod
-    def forward(ctx, h, w_down, down_bias, weights, s: MoESettings):
+    def forward(ctx, h, w_down, down_bias, weights, s: MoESettings, kept):
+        """``kept``: the values whose float8 copy is kept (``h``, or an oracle's rounding
+        of it, ``_torch_path``'s ``gemm_dtype``)."""
         ctx.s, ctx.dtype = s, h.dtype
-        ctx.save_for_backward(to_e4m3(h), w_down, down_bias, weights)
+        ctx.save_for_backward(to_e4m3(kept), w_down, down_bias, weights)
         return _expert_out(h, w_down, down_bias, weights, s)
 
     @staticmethod
@@ -268,7 +279,7 @@ class _Fp8StoredExpert(torch.autograd.Function):
             y = _expert_out(*leaves, ctx.s)
             wanted = [t for t, need in zip(leaves, needs) if need]
             got = iter(torch.autograd.grad(y, wanted, dy) if wanted else ())
-        return (*(next(got) if need else None for need in needs), None)
+        return (*(next(got) if need else None for need in needs), None, None)
 
 
 # --- the Triton launches -----------------------------------------------------------------------
@@ -878,6 +889,15 @@ def checks(device: torch.device, dtypes) -> list:
     def case(label, dtype, k, activation, bias, **kw):
         K2 = 2 * Fdim if ref.ACTIVATIONS[activation][1] else Fdim
         ids = torch.stack([torch.randperm(E, device=device)[:k] for _ in range(T)])
+        # The grouped-GEMM engine keeps the float8 copy of h rounded through its bf16 GEMM
+        # output (module docstring): the float64 oracle rounds the same way.
+        gemm_dtype = None
+        if kw.get("fp8_input_store") and _grouped_engine(
+                torch.empty(T, H, dtype=dtype, device=device),
+                torch.empty(E, K2, H, dtype=dtype, device=device),
+                torch.empty(E, H, Fdim, dtype=dtype, device=device), T * k,
+                _config(device, T * k, H, Fdim)):
+            gemm_dtype = dtype
 
         def inputs():
             t = [torch.randn(T, H, device=device).to(dtype),
@@ -895,6 +915,13 @@ def checks(device: torch.device, dtypes) -> list:
 
         def call(impl, *t):
             args, extra = split(t)
+            if impl == "torch" and gemm_dtype is not None:
+                biases = (extra.get("gate_up_bias"), extra.get("down_bias"))
+                o = {"linear_offset": 0.0, "clamp_value": None, "gate_up_layout": "halves",
+                     **kw}
+                s = _resolve(*args, *biases, activation, o["linear_offset"],
+                             o["clamp_value"], o["gate_up_layout"], "torch", True)[2]
+                return _torch_path(*args, *biases, s, gemm_dtype)
             return moe_experts(*args, activation=activation, impl=impl, **extra, **kw)
 
         def plan(*t):
