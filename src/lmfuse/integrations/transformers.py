@@ -166,11 +166,16 @@ def _family_of(model: torch.nn.Module) -> _Family | None:
     return _Family(norms, frozenset(mlps), experts)
 
 
-def _one_input(m: torch.nn.Module) -> bool:
-    """``m.forward`` takes exactly one argument (the hidden states)."""
+def _positional_inputs(m: torch.nn.Module, n: int) -> bool:
+    """``m.forward`` takes exactly ``n`` arguments, each of them positional: one for a norm
+    or an MLP (the hidden states); three for an experts module, ``(hidden_states,
+    top_k_index, top_k_weights)``, the routing being the caller's and the gather and the
+    weighted sum the module's (not Llama 4's experts, which take tokens already sorted by
+    expert and scaled by their router weights)."""
     params = list(_signature(type(m)).parameters.values())[1:]
-    return len(params) == 1 and params[0].kind in (inspect.Parameter.POSITIONAL_ONLY,
-                                                   inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return len(params) == n and all(p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                               inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                                    for p in params)
 
 
 def _probe_input(m: torch.nn.Module, width: int) -> torch.Tensor | None:
@@ -199,7 +204,7 @@ def _probe_norm(m: torch.nn.Module) -> float | None:
     """0.0 or 1.0 when ``m`` computes an RMSNorm with that weight offset, else None."""
     weight, eps = getattr(m, "weight", None), _norm_eps(m)
     if not (isinstance(weight, torch.nn.Parameter) and weight.dim() == 1 and eps is not None
-            and _one_input(m) and _instance_forward(m) in (None, _rms_norm_forward)):
+            and _positional_inputs(m, 1) and _instance_forward(m) in (None, _rms_norm_forward)):
         return None
     x = _probe_input(m, weight.shape[0])
     if x is None:
@@ -224,8 +229,8 @@ def _probe_mlp(m: torch.nn.Module) -> bool:
     no multipliers)."""
     gate = getattr(m, "gate_proj", None)
     multipliers = _mlp_multipliers(m)
-    if not (isinstance(gate, torch.nn.Linear) and _one_input(m) and multipliers is not None
-            and _instance_forward(m) in (None, _gated_mlp_forward)):
+    if not (isinstance(gate, torch.nn.Linear) and _positional_inputs(m, 1)
+            and multipliers is not None and _instance_forward(m) in (None, _gated_mlp_forward)):
         return False
     g, d = multipliers
     if (g, d) != (1.0, 1.0) and _gated_activation(m.act_fn) != "swiglu":
@@ -254,13 +259,8 @@ def _mlp_multipliers(m: torch.nn.Module) -> tuple[float, float] | None:
     """``(gate_multiplier, down_multiplier)`` of gated MLP ``m``: Falcon-H1's attributes of
     these names (which scale ``gate_proj``'s output and ``down_proj``'s), 1.0 for one the
     module lacks; None when one is there but not a finite int or float."""
-    values = []
-    for name in ("gate_multiplier", "down_multiplier"):
-        v = getattr(m, name, 1.0)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            return None
-        values.append(float(v))
-    return values[0], values[1]
+    g, d = (_number(getattr(m, name, 1.0)) for name in ("gate_multiplier", "down_multiplier"))
+    return None if g is None or d is None else (g, d)
 
 
 # --- RMSNorm -----------------------------------------------------------------------------------
@@ -431,19 +431,10 @@ def _layout_summary(layout: _ExpertsLayout) -> str:
 
 
 def _number(v: Any) -> float | None:
+    """``v`` as a float when it is a finite int or float (not a bool), else None."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         return None
     return float(v)
-
-
-def _three_inputs(m: torch.nn.Module) -> bool:
-    """``m.forward`` takes ``(hidden_states, top_k_index, top_k_weights)``: the routing is
-    the caller's, the gather and the weighted sum the module's (not Llama 4's experts, which
-    take tokens already sorted by expert and scaled by their router weights)."""
-    params = list(_signature(type(m)).parameters.values())[1:]
-    return len(params) == 3 and all(p.kind in (inspect.Parameter.POSITIONAL_ONLY,
-                                               inspect.Parameter.POSITIONAL_OR_KEYWORD)
-                                    for p in params)
 
 
 def _experts_layout(m: torch.nn.Module) -> _ExpertsLayout | str | None:
@@ -463,7 +454,7 @@ def _experts_layout(m: torch.nn.Module) -> _ExpertsLayout | str | None:
     """
     gate_up, down = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
     if not (isinstance(gate_up, torch.nn.Parameter) and isinstance(down, torch.nn.Parameter)
-            and gate_up.dim() == 3 and down.dim() == 3 and _three_inputs(m)):
+            and gate_up.dim() == 3 and down.dim() == 3 and _positional_inputs(m, 3)):
         return None
     if getattr(m, "has_gate", True) is not True:
         return "experts without a gate projection"
@@ -803,7 +794,10 @@ def _instance_forward(m: torch.nn.Module) -> Any:
     return fwd.fn if isinstance(fwd, _Forward) else fwd
 
 
-def _set_forward(m: torch.nn.Module, fn: Any) -> None:
+def _set_forward(m: torch.nn.Module, fn: Any, **settings: Any) -> None:
+    """Patch ``m``'s forward to run ``fn``, which reads ``settings`` as ``m._lmfuse_<name>``."""
+    for name, value in settings.items():
+        setattr(m, f"_lmfuse_{name}", value)
     m.forward = _Forward(fn, m)
 
 
@@ -813,10 +807,7 @@ def _patch_norm(m: torch.nn.Module, offset: float, impl: str, fallback: int) -> 
     if not (isinstance(weight, torch.nn.Parameter) and weight.dim() == 1
             and _norm_eps(m) is not None):
         return False
-    m._lmfuse_weight_offset = offset
-    m._lmfuse_impl = impl
-    m._lmfuse_fallback_tokens = fallback
-    _set_forward(m, _rms_norm_forward)
+    _set_forward(m, _rms_norm_forward, weight_offset=offset, impl=impl, fallback_tokens=fallback)
     return True
 
 
@@ -828,10 +819,8 @@ def _patch_mlp(m: torch.nn.Module, impl: str, fallback: int) -> str | None:
     activation = _gated_activation(m.act_fn)
     if activation is None:
         return _activation_name(m.act_fn)
-    m._lmfuse_activation = activation
-    m._lmfuse_impl = impl
-    m._lmfuse_fallback_tokens = fallback
-    _set_forward(m, _gated_mlp_forward)
+    _set_forward(m, _gated_mlp_forward, activation=activation, impl=impl,
+                 fallback_tokens=fallback)
     return activation
 
 
@@ -841,9 +830,7 @@ def _patch_experts(m: torch.nn.Module, impl: str) -> str:
     layout = _experts_layout(m)
     if not isinstance(layout, _ExpertsLayout):
         return layout or "not an experts module"
-    m._lmfuse_experts = layout
-    m._lmfuse_impl = impl
-    _set_forward(m, _experts_forward)
+    _set_forward(m, _experts_forward, experts=layout, impl=impl)
     return ""
 
 
@@ -1078,8 +1065,7 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
                           f"loss needs transformers' own forward, a base model at .model and "
                           f"an nn.Linear lm_head", stacklevel=2)
         else:
-            model._lmfuse_impl = impl
-            _set_forward(model, _causal_lm_forward)
+            _set_forward(model, _causal_lm_forward, impl=impl)
 
     if unsupported:
         warnings.warn(f"{op}: {len(unsupported)} MLP(s) left unpatched: lmfuse fuses SiLU and "
