@@ -33,14 +33,12 @@ import argparse
 import math
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 
 import lmfuse
-from lmfuse.demo import ModelConfig, TinyGPT
+from lmfuse.demo import DTYPES, ModelConfig, TinyGPT, load_text
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # AdamW on float16 weights underflows (eps, squared gradients) and turns them to NaN.
 FP16_TRAINING = ("--dtype fp16 cannot train here: float16 needs float32 master weights and "
                  "loss scaling, which this example leaves out; train in bf16 or fp32")
@@ -50,13 +48,9 @@ FP16_TRAINING = ("--dtype fp16 cannot train here: float16 needs float32 master w
 
 
 def load_bytes(path: str | None = None) -> torch.Tensor:
-    """The corpus as a 1-D int64 tensor of byte values: ``path``, or lmfuse's sources."""
-    if path is not None:
-        raw = Path(path).read_bytes()
-    else:
-        files = sorted(Path(lmfuse.__file__).resolve().parent.rglob("*.py"))
-        raw = b"\n".join(f.read_bytes() for f in files)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
+    """The corpus as a 1-D int64 tensor of byte values: ``path``, or lmfuse's sources (as
+    ``lmfuse demo`` reads them)."""
+    return torch.frombuffer(bytearray(load_text(path)[0]), dtype=torch.uint8).long()
 
 
 def random_batch(data: torch.Tensor, batch: int, seq: int,

@@ -52,12 +52,12 @@ from torch import nn
 
 import lmfuse
 from lmfuse.attention.block import rope_inv_freq
+from lmfuse.cli import DTYPES, ArgumentParser, missing_package
 
 VOCAB = 256  # bytes
 NORM_EPS = 1e-6
 ROPE_THETA = 10000.0
 BLOCK_LEN = 16  # tokens per block of the Generator's KV cache
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # Decode-path logits against the full forward's, relative to the largest logit: float32
 # rounding; half precision's (each path rounds its activations differently).
 LOGIT_TOLERANCE = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 5e-2}
@@ -253,8 +253,6 @@ def check_config(cfg: DemoConfig,
     for i, prompt in enumerate(prompts):
         if not isinstance(prompt, str) or not prompt:
             raise ValueError(f"{name('prompts')} number {i + 1} is empty")
-    from lmfuse.cli import missing_package
-
     missing = missing_package("transformers", "decoding through lmfuse.serving.Generator "
                               "(a transformers model)", "'transformers>=5,<6'")
     if missing:
@@ -295,8 +293,6 @@ def _device(text: str, name: Callable[[str], str]) -> torch.device:
 def _check_plot(path: str, name: Callable[[str], str]) -> None:
     """``--plot PATH`` needs matplotlib, a directory to write into and a format matplotlib
     writes: said before training, not after it."""
-    from lmfuse.cli import missing_package
-
     missing = missing_package("matplotlib", name("plot"), "'lmfuse[plot]' (or matplotlib)")
     if missing:
         raise ValueError(missing)
@@ -955,8 +951,6 @@ def _flag(key: str) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from lmfuse.cli import ArgumentParser
-
     d = DemoConfig()
     cpu, gpu = DEFAULTS["cpu"], DEFAULTS["cuda"]
 
