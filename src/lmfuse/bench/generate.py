@@ -346,10 +346,7 @@ def _replay_ms(gen: Generator, batch: int, device: torch.device) -> float | None
     if not graphs or device.type != "cuda":
         return None
     g = max(graphs, key=lambda g: (-g.batch, g.width))
-    times = []
-    for _ in range(20):
-        times.append(wall_ms(g.graph.replay, device)[0])
-    return statistics.median(times)
+    return statistics.median(wall_ms(g.graph.replay, device)[0] for _ in range(20))
 
 
 def lmfuse_serve(gen: Generator, work: dict) -> dict:
