@@ -449,10 +449,48 @@ def test_one_row_gemv_walks_a_long_k(kind: str) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_lm_head_runs_the_gemv_at_one_row_with_the_norm_inside(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One sequence: the LM head's GEMV (256-feature tiles) takes the residual stream with
+    the final RMSNorm inside and gives the greedy tokens from its tiles; no RMSNorm is
+    launched in a decode step; the tokens stay model.generate's."""
+    import lmfuse.serving.fused as fused
+
+    monkeypatch.setattr(fused, "LM_HEAD_MIN_FEATURES", 128)
+    model = tiny_causal_lm("llama", vocab_size=256)
+    assert fused._gemv_config(256, 64, 1, False)[:3] == (256, 128, 16)
+    assert fused._gemv_config(384, 64, 1, False)[:3] == (64, 128, 8)  # not 256 x k
+    heads, norms, stepping = [], [], []
+    real_gemv, real_norm, real_forward = (fused._gemv, fused._launch_rms_norm,
+                                          fused.FusedDecoder.forward)
+
+    def gemv_spy(x, weights, *args, **kwargs):
+        if weights[0] is model.lm_head.weight:
+            heads.append((x.shape[0], kwargs.get("norm") is not None, kwargs.get("argmax")))
+        return real_gemv(x, weights, *args, **kwargs)
+
+    def norm_spy(h, *args, **kwargs):
+        if stepping[-1:] == [True]:
+            norms.append(h.shape[0])
+        return real_norm(h, *args, **kwargs)
+
+    def forward_spy(self, ids, *args, **kwargs):
+        stepping.append(kwargs.get("prefill") is None)
+        return real_forward(self, ids, *args, **kwargs)
+
+    monkeypatch.setattr(fused, "_gemv", gemv_spy)
+    monkeypatch.setattr(fused, "_launch_rms_norm", norm_spy)
+    monkeypatch.setattr(fused.FusedDecoder, "forward", forward_spy)
+    gen = Generator(model, block_len=4, num_blocks=48, impl="triton")
+    got = gen.generate(PROMPTS[:1], max_new_tokens=4, eos_token_id=[])
+    assert got == [hf_greedy(model, PROMPTS[0], 4)]
+    assert (1, True, True) in heads and norms == []
+
+
 def test_lm_head_runs_the_gemv_at_several_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """A vocabulary counted as an LM head (the threshold lowered to this tiny one's 256)
-    runs the GEMV's 128-feature tiles at several rows (cuBLAS at one): the tokens stay
-    model.generate's, and the GEMV did compute the logits."""
+    runs the GEMV's 128-feature tiles at several rows: the tokens stay model.generate's,
+    and the GEMV did compute the logits."""
     import lmfuse.serving.fused as fused
 
     monkeypatch.setattr(fused, "LM_HEAD_MIN_FEATURES", 128)
@@ -815,7 +853,7 @@ def test_abort_and_eos_while_a_step_runs_ahead() -> None:
     assert gen.cache.num_free_blocks == 48 and not gen.has_unfinished()
 
 
-@pytest.mark.parametrize("rows", [3, 17])
+@pytest.mark.parametrize("rows", [1, 3, 17])
 def test_lm_head_gemv_gives_torch_argmax_of_its_logits(rows: int) -> None:
     """``argmax=True``: the logits as without it, and each row's argmax from the tiles as
     they are stored: torch.argmax's, with ties across and within tiles, NaN (it wins) and
@@ -834,7 +872,7 @@ def test_lm_head_gemv_gives_torch_argmax_of_its_logits(rows: int) -> None:
     assert tokens.dtype == torch.int64 and tokens.tolist() == torch.argmax(y, -1).tolist()
     assert tokens[0] == 17
     x2 = x.clone()
-    x2[1, 0] = float("nan")  # a NaN input: every logit of row 1 NaN, argmax column 0
+    x2[-1, 0] = float("nan")  # a NaN input: every logit of the last row NaN, argmax column 0
     w2 = w.clone()
     w2[200, 0] = float("inf")  # row 2: +inf at 200 (or NaN where x[2, 0] is 0 or < 0)
     y2, t2 = _gemv(x2, (w2,), argmax=True)

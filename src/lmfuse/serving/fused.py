@@ -22,10 +22,11 @@ in place, never copied):
     a = silu(x @ Wg.T) * (x @ Wu.T)       one GEMV launch: both projections and the gate
     h = h + a @ Wd.T                      GEMV with the residual add (one row; K split over
                                           programs at 2-16 and 33-64 rows), else cuBLAS addmm_
-    logits = rms_norm(h) @ W_lm.T         GEMV of 128-feature tiles at 2-64 rows for a long
-                                          vocabulary, each tile's row maxima stored beside
-                                          it for the greedy tokens (no argmax pass over
-                                          the logits); cuBLAS at one row (copy rate there)
+    logits = rms_norm(h) @ W_lm.T         GEMV for a long vocabulary (128-feature tiles at
+                                          2-64 rows; one row: 256-feature tiles, the norm
+                                          inside), each tile's row maxima stored beside it
+                                          for the greedy tokens (no argmax pass over the
+                                          logits)
 
 instead of the model's forward (per layer three projections, a dozen elementwise launches
 of rotary code, the cache append, the adds), which is what the Generator runs otherwise.
@@ -278,9 +279,7 @@ class FusedDecoder:
         n = ids.shape[0]
         kernels = self.triton and n <= GEMV_MAX_ROWS
         keep = None if prefill is None else prefill.keep
-        rows = n if keep is None else keep.shape[0]
-        lm_gemv = (kernels and rows > 1 and self.lm_bias is None
-                   and _lm_head_gemv(self.lm_head))
+        lm_gemv = kernels and self.lm_bias is None and _lm_head_gemv(self.lm_head)
         # Several rows: (h * g, its RowNorm) of the next RMSNorm, left by the kernel that
         # wrote h (the gather, a residual GEMV's prenorm epilogue) for the GEMV that takes
         # the norm's output (row_scale).
@@ -378,14 +377,19 @@ class FusedDecoder:
         if keep is not None:
             h = h.index_select(0, keep)
         if lm_gemv:
-            # Several rows: the GEMV's 128-feature tiles beat cuBLAS on the long vocabulary
-            # (H100, CUDA-graph replays, V 128256: 16 rows 177 vs 191 us, 64 rows 185 vs
-            # 198; bench/sweep_gemv.py --shapes lm_head); one row: cuBLAS (2.9 TB/s).
-            x, rs = pre or (self._rms_norm(h, self.norm, self.norm_eps), None)
+            # The GEMV's tiles beat cuBLAS on the long vocabulary (H100, CUDA-graph replays,
+            # V 128256: 16 rows 177 vs 191 us, 64 rows 185 vs 198, bench/sweep_gemv.py
+            # --shapes lm_head; one row, the final norm inside, 178.7 vs 193.3 us with the
+            # norm and the argmax, _gemv_config).
+            norm = None
+            if h.shape[0] == 1 and pre is None:
+                x, rs, norm = h, None, (self.norm, self.norm_eps)
+            else:
+                x, rs = pre or (self._rms_norm(h, self.norm, self.norm_eps), None)
             if argmax:  # the greedy tokens from the GEMV's tiles
-                return self._gemv(x, (self.lm_head,), argmax=True, row_scale=rs,
+                return self._gemv(x, (self.lm_head,), argmax=True, row_scale=rs, norm=norm,
                                   tokens=tokens, out=out)
-            logits = self._gemv(x, (self.lm_head,), row_scale=rs, out=out)
+            logits = self._gemv(x, (self.lm_head,), row_scale=rs, norm=norm, out=out)
         else:
             x = self._rms_norm(h, self.norm, self.norm_eps, self.pdl_tail)
             if out is None:
@@ -625,7 +629,7 @@ LM_HEAD_MIN_FEATURES = 65536
 
 
 def _lm_head_gemv(weight: torch.Tensor) -> bool:
-    """Whether the decode step's LM head runs the GEMV kernel (several rows): a vocabulary
+    """Whether the decode step's LM head runs the GEMV kernel: a vocabulary
     of at least :data:`LM_HEAD_MIN_FEATURES` in whole 128-feature tiles, a contiguous
     matrix."""
     return (weight.shape[0] >= LM_HEAD_MIN_FEATURES and weight.shape[0] % 128 == 0
@@ -642,11 +646,19 @@ def _gemv_config(n_out: int, K: int, block_m: int, gated: bool, itemsize: int = 
     6.8 us, Wo 7.5 -> 5.9, gate/up 24.9 -> 24.2 against the 16-row dot tile). ``smem``:
     the device's shared memory a program may use (the stages then fit it too). ``rope``:
     the QKV GEMV with the rotation inside (``BLOCK_N`` features of each half of a head)."""
-    if block_m == 1:
+    lm_head = not gated and n_out >= LM_HEAD_MIN_FEATURES
+    if block_m == 1 and not lm_head:
         return 2, min(2048, next_pow2(K, 16)), 4, 3
     warps, stages = 4, 3
     limit = 200 * 1024
-    if not gated and n_out >= LM_HEAD_MIN_FEATURES:
+    if lm_head and block_m == 1:
+        # One row (a scratch sweep of BLOCK_N 8-256, BLOCK_K 32-512, 4-16 warps, H100, V
+        # 128256, K 2048, graphs of 20: with the final norm and the argmax inside, 178.7 us
+        # at 256 x 128 and 16 warps, 182.7 at 64 x 128 and 8, against 193.3 for the
+        # RMSNorm, cuBLAS and the argmax's two launches).
+        block_n, block_k, warps = (256, 128, 16) if n_out % 256 == 0 else (64, 128, 8)
+        limit = 220 * 1024
+    elif lm_head:
         # An LM head (bench/sweep_gemv.py --shapes lm_head, H100: the fastest of BLOCK_N 16
         # to 128, BLOCK_K 128 to 512, 4/8 warps, 3/4/6 stages; 2.96 / 2.84 TB/s). 64 rows:
         # 2 stages, two programs an SM (a scratch sweep with BLOCK_N 256 and 2-6 stages,
