@@ -420,3 +420,26 @@ def test_torch_path_gemm_dtype_rounds_only_the_kept_copy() -> None:
     got = torch.autograd.grad(out, [t for _, t in leaves(inp)], g)
     single = torch.autograd.grad(plain, [t for _, t in leaves(inp)], g)
     assert any(not torch.equal(a, b) for a, b in zip(got, single))
+
+
+def test_check_case_oracle_rounds_as_the_grouped_engine(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """``lmfuse check``'s bf16 fp8-store case where the grouped-GEMM engine runs (forced here,
+    its kernels in the interpreter): its float64 oracle is the torch path with the knob
+    (the call resolved by the op's own planner), and the case passes at bf16's bound."""
+    from lmfuse import _check
+    from lmfuse.moe import ops as moe_ops
+
+    monkeypatch.setattr(moe_ops, "_grouped_engine", lambda *a, **kw: True)
+    knob = []
+    real = moe_ops._torch_path
+
+    def spy(*args):
+        knob.append(args[8] if len(args) > 8 else None)
+        return real(*args)
+
+    monkeypatch.setattr(moe_ops, "_torch_path", spy)
+    case = next(c for c in moe_ops.checks(torch.device("cpu"), [BF16])
+                if c.label == "swiglu+bias fp8 store")
+    result = _check.run_case(case)
+    assert knob == [BF16] and result.ok, (knob, result)

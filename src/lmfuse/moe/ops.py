@@ -915,13 +915,11 @@ def checks(device: torch.device, dtypes) -> list:
 
         def call(impl, *t):
             args, extra = split(t)
-            if impl == "torch" and gemm_dtype is not None:
-                biases = (extra.get("gate_up_bias"), extra.get("down_bias"))
-                o = {"linear_offset": 0.0, "clamp_value": None, "gate_up_layout": "halves",
-                     **kw}
-                s = _resolve(*args, *biases, activation, o["linear_offset"],
-                             o["clamp_value"], o["gate_up_layout"], "torch", True)[2]
-                return _torch_path(*args, *biases, s, gemm_dtype)
+            if impl == "torch" and gemm_dtype is not None:  # the call as the op resolves it
+                s = plan_moe_experts(*args, activation=activation, impl="torch", **extra,
+                                     **kw).call
+                return _torch_path(*args, extra.get("gate_up_bias"), extra.get("down_bias"),
+                                   s, gemm_dtype)
             return moe_experts(*args, activation=activation, impl=impl, **extra, **kw)
 
         def plan(*t):
