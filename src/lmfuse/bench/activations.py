@@ -42,9 +42,9 @@ import torch
 import torch.nn.functional as F
 
 import lmfuse
-from lmfuse.bench.common import (Case, Result, compile_per_shape, dist_version, finish,
-                                 measure_copy, relative_differences, run_cases, start, timed_call,
-                                 unavailable)
+from lmfuse.bench.common import (Case, Result, cell, compile_per_shape, dist_version, finish,
+                                 measure_copy, print_peers, relative_differences, run_cases,
+                                 start, timed_call, unavailable)
 
 ActFn = Callable[..., torch.Tensor]  # (x, bias or None, weights or None) -> output
 
@@ -182,8 +182,7 @@ def make_case(data: Inputs, name: str, megatron: tuple[ActFn, str], *, backward:
     }
     notes = {"torch": "float32 math", "torch.compile": "fullgraph, of the torch row",
              "megatron-core": megatron_note}
-    for impl, diff in relative_differences(impls, x.dtype).items():
-        notes[impl] = f"{notes[impl]}; {diff}"
+    relative_differences(impls, x.dtype, notes=notes)
     mode = "fwd+bwd" if backward else "fwd"
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(x.dtype, "fp32")
     return Case(f"{name} {mode} [{data.n}, {data.K}] {dtype}", data.minimal_bytes(backward),
@@ -216,11 +215,9 @@ def make_fp8_store_cases(data: Inputs, megatron: tuple[ActFn, str]) -> list[Case
         else:
             impls = {k: (lambda f=f: torch.autograd.grad(f(x, bias), [x, bias], g))
                      for k, f in calls.items()}
-        case_notes = dict(notes)
-        for impl, diff in relative_differences(impls, x.dtype).items():
-            if impl == "lmfuse (no fp8 store)":  # its gradients are not rounded through fp8
-                diff = diff.replace(", CHECK", ", the fp8 store's rounding")
-            case_notes[impl] = f"{case_notes.get(impl, '')}; {diff}".lstrip("; ")
+        case_notes = relative_differences(impls, x.dtype, notes=dict(notes))
+        plain = "lmfuse (no fp8 store)"  # its gradients are not rounded through fp8
+        case_notes[plain] = case_notes[plain].replace(", CHECK", ", the fp8 store's rounding")
         cases.append(Case(f"bias_swiglu-fp8-store {mode} [{n}, {K}] {dtype}", nbytes, impls,
                           case_notes))
     return cases
@@ -270,16 +267,14 @@ def check_targets(results: list[Result], copy_bw: float, judge: bool) -> None:
             verdict = verdict.split(":")[0] + ": not judged off the GPU"
         elif verdict:
             ours.note = f"{ours.note}; target {verdict}".lstrip("; ")
-        share_s = "-" if share is None else f"{share:6.2f}"
-        speedup_s = "-" if speedup is None else f"{speedup:17.2f}"
-        print(f"{ours.case:<44} {ours.tbps:6.2f} {share_s:>6} {speedup_s:>17}  {verdict}")
+        print(f"{ours.case:<44} {ours.tbps:6.2f} {cell(share, '6.2f')} "
+              f"{cell(speedup, '17.2f')}  {verdict}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args, device, quick, env = start("lmfuse bench activations", __doc__, argv)
     megatron, megatron_version = load_megatron()
-    env["megatron-core"] = megatron_version
-    print(f"# peers: megatron-core {megatron_version}")
+    print_peers(env, {"megatron-core": megatron_version})
     cases, swiglu_fwd_bytes = build_cases(device, quick, megatron)
     # read and written: the bias-SwiGLU forward's bytes
     copy = measure_copy(swiglu_fwd_bytes // 2, device)

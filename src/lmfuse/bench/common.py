@@ -136,8 +136,7 @@ def run_cases(cases: list[Case], device: torch.device, reference_impl: str = "lm
                     note = f"{note}; {extra:.3f} ms overhead subtracted".lstrip("; ")
                     ms = ms - extra if ms > extra else None  # None: lost in the noise
             except Exception as exc:  # a peer that cannot run a case is reported, not fatal
-                why = " ".join(str(exc).split())  # one line, whatever the exception's text
-                ms, mem, note = None, None, f"failed: {type(exc).__name__}: {why}"[:160]
+                ms, mem, note = None, None, failure(exc)
             tbps = case.nbytes / ms / 1e9 if ms else None
             rows.append(Result(case.name, impl, ms, tbps, None, mem, note))
             if device.type == "cuda":
@@ -150,8 +149,19 @@ def run_cases(cases: list[Case], device: torch.device, reference_impl: str = "lm
     return results
 
 
+def failure(exc: BaseException, limit: int = 160) -> str:
+    """A row's note for ``exc``: its type and text on one line, at most ``limit`` characters."""
+    why = " ".join(str(exc).split())  # one line, whatever the exception's text
+    return f"failed: {type(exc).__name__}: {why}"[:limit]
+
+
 def _fmt(v: float | None, spec: str) -> str:
     return "-" if v is None else format(v, spec)
+
+
+def cell(v: float | None, spec: str) -> str:
+    """``v`` in ``spec``; None as a ``-`` as wide as ``spec`` makes a number."""
+    return "-".rjust(len(format(0.0, spec))) if v is None else format(v, spec)
 
 
 def print_table(rows: list[Result], header: bool = True) -> None:
@@ -201,9 +211,9 @@ def write_json(path: str, env: dict, copy: dict, results: list[Result]) -> None:
 def plot(path: str, results: list[Result], title: str, *,
          value: Callable[[Result], float | None] = lambda r: r.tbps,
          ylabel: str = "achieved TB/s (minimal bytes)", impls: list[str] | None = None,
-         case_width: float = 1.6) -> None:
+         case_width: float = 1.6, log: bool = False) -> None:
     """Bars of ``value`` per case and implementation (default: every implementation's
-    achieved TB/s)."""
+    achieved TB/s; ``log``: on a log scale)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -220,8 +230,7 @@ def plot(path: str, results: list[Result], title: str, *,
     ax.set_xticks([k + 0.4 - width / 2 for k in range(len(cases))])
     ax.set_xticklabels(cases, rotation=30 if case_width > 1 else 60, ha="right",
                        fontsize=7 if case_width > 1 else 6)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set(ylabel=ylabel, title=title, yscale="log" if log else "linear")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -232,14 +241,22 @@ class PeerUnavailable(RuntimeError):
     """A peer library that cannot run here (not installed, or its import fails)."""
 
 
-def unavailable(exc: Exception) -> Callable[..., object]:
-    """A stand-in for a peer that cannot run here: every call raises (before any collective,
-    on every rank alike), and the result row notes why."""
+def unavailable(why: Exception | str) -> Callable[..., object]:
+    """A stand-in for a peer or row that cannot run here: every call raises (before any
+    collective, on every rank alike), and the result row notes why (the exception's type and
+    text, or the sentence ``why``)."""
+    message = why if isinstance(why, str) else f"{type(why).__name__}: {why}"
 
     def fail(*args, **kwargs):
-        raise PeerUnavailable(f"{type(exc).__name__}: {exc}")
+        raise PeerUnavailable(message)
 
     return fail
+
+
+def print_peers(env: dict, versions: dict[str, str]) -> None:
+    """The peers' versions into ``env`` and onto the ``# peers:`` line."""
+    env.update(versions)
+    print("# peers: " + ", ".join(f"{name} {v}" for name, v in versions.items()))
 
 
 def dist_version(dist: str) -> str:
@@ -302,30 +319,80 @@ def measure_copy(nbytes: int, device: torch.device) -> dict:
 
 
 def finish(args: argparse.Namespace, env: dict, copy: dict, results: list[Result],
-           title: str) -> int:
-    """Write the ``--json`` and ``--plot`` outputs asked for; the exit code."""
+           title: str, **plot_options) -> int:
+    """Write the ``--json`` and ``--plot`` outputs asked for (``plot_options``: what
+    :func:`plot` draws); the exit code."""
     if args.json:
         write_json(args.json, env, copy, results)
     if args.plot:
-        plot(args.plot, results, title)
+        plot(args.plot, results, title, **plot_options)
     return 0
 
 
+def add_copy_rows(cases: list[Case], device: torch.device, impl: str = "copy",
+                  note: str = "device-to-device, same bytes (half read, half written)") -> None:
+    """A row ``impl`` in each case copying its bytes (half read, half written), from buffers
+    shared by all of them (sized for the largest)."""
+    if not cases:
+        return
+    elems = max(case.nbytes for case in cases) // 4  # bf16 elements: half of the bytes
+    src = torch.empty(elems, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    for case in cases:
+        n = case.nbytes // 4
+        case.impls[impl] = lambda n=n: dst[:n].copy_(src[:n])
+        case.notes[impl] = note
+
+
+class LossCheck:
+    """Notes, on each row's first call, how far its loss is from lmfuse's (which runs first)
+    when over 1e-4; with ``reference`` (the loss lmfuse should give, computed apart),
+    lmfuse's distance from it, always. ``run_cases`` reads a case's notes after timing it,
+    so the note is printed."""
+
+    def __init__(self, notes: dict[str, str], reference: Callable[[], float] | None = None):
+        self.notes, self.reference = notes, reference
+        self.lmfuse: float | None = None
+        self.seen: set[str] = set()
+
+    def __call__(self, impl: str, loss: torch.Tensor) -> None:
+        if impl in self.seen:
+            return
+        self.seen.add(impl)
+        value = float(loss.detach())
+        if impl == "lmfuse":
+            self.lmfuse = value
+            if self.reference is not None:
+                self._note(impl, f"loss vs torch: rel. diff {_rel(value, self.reference()):.0e}")
+        elif self.lmfuse is not None and (rel := _rel(value, self.lmfuse)) > 1e-4:
+            self._note(impl, f"loss rel. diff {rel:.0e}")
+
+    def _note(self, impl: str, text: str) -> None:
+        self.notes[impl] = "; ".join(p for p in (self.notes.get(impl, ""), text) if p)
+
+
+def _rel(value: float, reference: float) -> float:
+    return abs(value - reference) / max(abs(reference), 1e-30)
+
+
 def relative_differences(impls: dict[str, Callable[[], object]], dtype: torch.dtype,
-                         reference: str = "lmfuse") -> dict[str, str]:
+                         reference: str = "lmfuse", notes: dict[str, str] | None = None
+                         ) -> dict[str, str]:
     """Runs each impl once and notes ``||a - b|| / ||b||`` against ``reference``'s result
     (over several tensors, the largest); flags one above the dtype's tolerance. An impl
-    that fails here gets no note: its timing fails the same way and notes why."""
+    that fails here gets no note: its timing fails the same way and notes why. With
+    ``notes``, each note is appended to the impl's there (after a ``; ``), and ``notes`` is
+    returned."""
     tol = 1e-5 if dtype == torch.float32 else 1e-2
 
     def as_list(result) -> list[torch.Tensor]:
         return list(result) if isinstance(result, (tuple, list)) else [result]
 
+    notes = {} if notes is None else notes
     try:
         expected = as_list(impls[reference]())
     except Exception:
-        return {}
-    notes = {}
+        return notes
     for impl, fn in impls.items():
         if impl == reference:
             continue
@@ -336,6 +403,7 @@ def relative_differences(impls: dict[str, Callable[[], object]], dtype: torch.dt
         rel = max(float(torch.linalg.vector_norm(a.float() - b.float()) /
                         torch.linalg.vector_norm(b.float()).clamp(min=1e-30))
                   for a, b in zip(got, expected, strict=True))
-        notes[impl] = f"rel. diff {rel:.1e}" + (f" > {tol:.0e}, CHECK" if rel > tol else "")
+        diff = f"rel. diff {rel:.1e}" + (f" > {tol:.0e}, CHECK" if rel > tol else "")
+        notes[impl] = "; ".join(p for p in (notes.get(impl, ""), diff) if p)
         del got
     return notes

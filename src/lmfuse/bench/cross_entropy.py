@@ -46,8 +46,8 @@ import torch.nn.functional as F
 
 import lmfuse
 from lmfuse._launch import cdiv, dtype_name
-from lmfuse.bench.common import (Case, Result, compile_per_shape, dist_version, finish,
-                                 measure_copy, run_cases, start, unavailable)
+from lmfuse.bench.common import (Case, LossCheck, Result, cell, compile_per_shape, dist_version,
+                                 finish, measure_copy, print_peers, run_cases, start, unavailable)
 
 IGNORE = -100
 OPTIONS = {"label_smoothing": 0.1, "z_loss": 1e-4, "softcap": 30.0}
@@ -133,26 +133,6 @@ class Inputs:
     def restore(self) -> None:
         with torch.no_grad():
             self.scratch.copy_(self.logits)
-
-
-class LossCheck:
-    """Notes, on each impl's first call, how far its loss is from lmfuse's (which runs
-    first). ``run_cases`` reads a case's notes after timing it, so the note is printed."""
-
-    def __init__(self, notes: dict[str, str]):
-        self.notes, self.reference, self.seen = notes, None, set()
-
-    def __call__(self, impl: str, loss: torch.Tensor) -> None:
-        if impl in self.seen:
-            return
-        self.seen.add(impl)
-        value = float(loss.detach())
-        if impl == "lmfuse":
-            self.reference = value
-        elif self.reference is not None:
-            rel = abs(value - self.reference) / max(abs(self.reference), 1e-30)
-            if rel > 1e-4:
-                self.notes[impl] = f"{self.notes.get(impl, '')}; loss rel. diff {rel:.0e}"
 
 
 class CECase(Case):
@@ -271,8 +251,7 @@ def print_targets(cases: list[CECase], results: list[Result], copy_bw: float) ->
         mem, target = ours.peak_extra_mib, case.target_mib
         verdict = ("" if mem is None else
                    "  ok" if mem <= target + case.state_mib else "  OVER")
-        mem_s = "-" if mem is None else f"{mem:9.1f}"
-        print(f"{case.name:<44} {ours.tbps:6.2f} {share:>6}  {peer} {mem_s:>9} "
+        print(f"{case.name:<44} {ours.tbps:6.2f} {share:>6}  {peer} {cell(mem, '9.1f')} "
               f"{target:9.1f}{verdict}")
 
 
@@ -280,9 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     args, device, quick, env = start("lmfuse bench cross_entropy", __doc__, argv)
     owns_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     peers = load_peers(device)
-    versions = {name: v for name, (_, v) in peers.items()}
-    env.update(versions)
-    print("# peers: " + ", ".join(f"{name} {v}" for name, v in versions.items()))
+    print_peers(env, {name: v for name, (_, v) in peers.items()})
     copy = measure_copy(8192 * 128256 * 2 if not quick else 32 * 5000 * 4, device)
     print("# TB/s over minimal bytes (fwd+bwd: read logits + write gradient; fwd: read "
           "logits); x lmfuse = ms / lmfuse ms (> 1: lmfuse is faster); peak MiB: allocated "

@@ -70,7 +70,8 @@ import torch.nn.functional as F
 
 import lmfuse
 from lmfuse._launch import cdiv
-from lmfuse.bench.common import Case, Result, finish, measure_copy, run_cases, start
+from lmfuse.bench.common import (Case, Result, add_copy_rows, cell, finish, measure_copy,
+                                 run_cases, start)
 from lmfuse.cli import ArgumentParser, int_range
 
 PAGED_SHARE_OF_COPY = 0.90  # paged TB/s at least this share of the copy's (roles below)
@@ -233,11 +234,18 @@ def checked(fn: Callable[[], torch.Tensor], expected: torch.Tensor, tol: float
     return f"max rel diff vs sdpa {rel:.1e}" + ("" if ok else f" > {tol:.0e}, CHECK"), ok
 
 
-def _lmfuse_call(q, k_cache, v_cache, seqlens, **kwargs) -> tuple[Callable[[], object], str]:
-    """The timed lmfuse call and a note on its path (split count on the Triton path)."""
+def _lmfuse_call(q, k_cache, v_cache, seqlens, expected: torch.Tensor, tol: float,
+                 against: str = "", **kwargs) -> tuple[Callable[[], object], str, bool]:
+    """The timed lmfuse call, its note (its path: the split count on the Triton path; then
+    ``against``, and its check against ``expected``), and whether the check passed."""
     plan = lmfuse.explain(lmfuse.decode_attention, q, k_cache, v_cache, seqlens, **kwargs)
     how = (f"{plan.call.launch.splits} split(s)" if plan.impl == "triton" else "reference path")
-    return (lambda: lmfuse.decode_attention(q, k_cache, v_cache, seqlens, **kwargs)), how
+
+    def call():
+        return lmfuse.decode_attention(q, k_cache, v_cache, seqlens, **kwargs)
+
+    note, ok = checked(call, expected, tol)
+    return call, f"{how}; {against}{note}", ok
 
 
 def build_shape(shape: Shape, layouts: list[str], dtype: torch.dtype, device: torch.device
@@ -270,15 +278,11 @@ def build_shape(shape: Shape, layouts: list[str], dtype: torch.dtype, device: to
                                          block_len)
                 k8, v8 = k8.view(torch.float8_e4m3fn), v8.view(torch.float8_e4m3fn)
                 paging = {"block_table": table}
-            impls["lmfuse"], how = _lmfuse_call(q, k8, v8, seqlens, k_scale=k_scale,
-                                                v_scale=v_scale, **paging)
-            notes["lmfuse"], ok = checked(impls["lmfuse"], want, tol)
-            notes["lmfuse"] = f"{how}; sdpa on the dequantised cache; {notes['lmfuse']}"
-            kv_elt = 1
+            impls["lmfuse"], notes["lmfuse"], ok = _lmfuse_call(
+                q, k8, v8, seqlens, want, tol, "sdpa on the dequantised cache; ",
+                k_scale=k_scale, v_scale=v_scale, **paging)
         elif block_len is None:
-            impls["lmfuse"], how = _lmfuse_call(q, k, v, seqlens)
-            notes["lmfuse"], ok = checked(impls["lmfuse"], expected, tol)
-            notes["lmfuse"] = f"{how}; {notes['lmfuse']}"
+            impls["lmfuse"], notes["lmfuse"], ok = _lmfuse_call(q, k, v, seqlens, expected, tol)
             k_view, v_view = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, S, D] views
             impls["sdpa"] = partial(sdpa, q, k_view, v_view, mask)
             notes["sdpa"] = "k/v [B, Hkv, S, D] strided views" + (
@@ -287,12 +291,10 @@ def build_shape(shape: Shape, layouts: list[str], dtype: torch.dtype, device: to
                                            mask)
             note, _ = checked(impls["sdpa (BHSD)"], expected, tol)
             notes["sdpa (BHSD)"] = f"contiguous [B, Hkv, S, D] copies; {note}"
-            kv_elt = k.element_size()
         else:
             k_pool, v_pool, table = to_paged(k, v, lengths, block_len)
-            impls["lmfuse"], how = _lmfuse_call(q, k_pool, v_pool, seqlens, block_table=table)
-            notes["lmfuse"], ok = checked(impls["lmfuse"], expected, tol)
-            notes["lmfuse"] = f"{how}; {notes['lmfuse']}"
+            impls["lmfuse"], notes["lmfuse"], ok = _lmfuse_call(
+                q, k_pool, v_pool, seqlens, expected, tol, block_table=table)
 
             def gather_sdpa(q=q, k_pool=k_pool, v_pool=v_pool, table=table):
                 # -1 padding indexes the pool's last block: read, then masked out
@@ -303,7 +305,7 @@ def build_shape(shape: Shape, layouts: list[str], dtype: torch.dtype, device: to
             impls["gather + sdpa"] = gather_sdpa
             note, _ = checked(gather_sdpa, expected, tol)
             notes["gather + sdpa"] = f"pool[block_table] -> [B, S, Hkv, D], then sdpa; {note}"
-            kv_elt = k.element_size()
+        kv_elt = 1 if fp8 else k.element_size()
         kv_bytes = sum(min(L, S) for L in lengths) * Hkv * D * 2 * kv_elt
         cases.append(Case(name, kv_bytes + qo_bytes, impls, notes))
         info[name] = CaseInfo(shape.role, block_len is not None, fp8, B * s, ok)
@@ -329,20 +331,6 @@ def as_graph(fn: Callable[[], object], calls: int = 1) -> Callable[[], object]:
         graph.replay()
 
     return replay
-
-
-def add_copy_rows(cases: list[Case], device: torch.device) -> None:
-    """A ``copy`` row in each case moving its bytes (half read, half written), from buffers
-    shared by all cases (sized for the largest)."""
-    if not cases:
-        return
-    elems = max(case.nbytes for case in cases) // 4  # bf16 elements: half of the bytes
-    src = torch.empty(elems, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    for case in cases:
-        n = case.nbytes // 4
-        case.impls["copy"] = lambda n=n: dst[:n].copy_(src[:n])
-        case.notes["copy"] = "device-to-device, same bytes (half read, half written)"
 
 
 def _wanted(name: str, filters: list[str]) -> bool:
@@ -425,13 +413,10 @@ def check_targets(results: list[Result], info: dict[str, CaseInfo], copy_bw: flo
             texts.append(f"{text}: {_verdict(ok)}")
         if judge and texts:
             ours.note = f"{ours.note}; target " + "; ".join(texts)
-        tbps_s = "-" if not ran else f"{ours.tbps:6.2f}"
-        share_s = "-" if share is None else f"{share:6.2f}"
         peer_s = (f"{fastest.impl:<14} {fastest.ratio:8.2f}" if fastest
                   else f"{'-':<14} {'-':>8}")
-        tokens_s = "-" if tokens is None else f"{tokens / 1e3:9.1f}"
-        print(f"{name:<44} {tbps_s:>6} {share_s:>6} {peer_s} {tokens_s:>9}  "
-              + "; ".join(texts))
+        print(f"{name:<44} {cell(ours.tbps if ran else None, '6.2f')} {cell(share, '6.2f')} "
+              f"{peer_s} {cell(tokens and tokens / 1e3, '9.1f')}  " + "; ".join(texts))
     if judge:
         print(f"# targets: {tally['met']} met, {tally['MISSED']} missed")
 

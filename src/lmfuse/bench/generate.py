@@ -84,8 +84,8 @@ from typing import Any, Callable
 import torch
 
 from lmfuse._launch import cdiv
-from lmfuse.bench.common import (Result, check_plot, dist_version, measure_copy, parser,
-                                 print_table, start, write_json)
+from lmfuse.bench.common import (Result, check_plot, dist_version, failure, finish, measure_copy,
+                                 parser, print_table, start)
 from lmfuse.cli import int_range, missing_package, output_file, seed
 from lmfuse.serving import Generator
 
@@ -287,8 +287,7 @@ def free(device: torch.device) -> None:
 
 
 def failed(case: str, impl: str, exc: BaseException) -> Result:
-    why = " ".join(str(exc).split())
-    return Result(case, impl, None, note=f"failed: {type(exc).__name__}: {why}"[:200])
+    return Result(case, impl, None, note=failure(exc, 200))
 
 
 # --- lmfuse ----------------------------------------------------------------------------------
@@ -711,29 +710,6 @@ def mixed_rows(model: Any, args: argparse.Namespace, device: torch.device, passe
     return rows
 
 
-def plot_tokens(path: str, rows: list[Result], tokps: dict, title: str) -> None:
-    import matplotlib  # parse() made sure it is installed
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cases = list(dict.fromkeys(r.case for r in rows))
-    impls = list(dict.fromkeys(r.impl for r in rows))
-    fig, ax = plt.subplots(figsize=(max(8, 1.8 * len(cases)), 5))
-    width = 0.8 / max(len(impls), 1)
-    for i, impl in enumerate(impls):
-        ax.bar([k + i * width for k in range(len(cases))],
-               [tokps.get((c, impl), 0) for c in cases], width, label=impl)
-    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(cases))])
-    ax.set_xticklabels(cases, rotation=30, ha="right", fontsize=7)
-    ax.set(ylabel="tokens/s (decode: per step; end to end, mixed: whole run)", yscale="log",
-           title=title)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
-
-
 def main(argv: list[str] | None = None) -> int:
     args, common = parse(sys.argv[1:] if argv is None else list(argv))
     _, device, quick, env = start("lmfuse bench generate", __doc__, common)
@@ -778,11 +754,9 @@ def run(args: argparse.Namespace, device: torch.device, quick: bool, env: dict) 
     if smoke:
         print("# SMOKE RUN: not performance")
     env["tokens_per_s"] = [dict(case=c, impl=i, tokens_per_s=v) for (c, i), v in tokps.items()]
-    if args.json:
-        write_json(args.json, env, copy, rows)
-    if args.plot:
-        plot_tokens(args.plot, rows, tokps, f"generate on {env['device']}")
-    return 0
+    return finish(args, env, copy, rows, f"generate on {env['device']}",
+                  value=lambda r: tokps.get((r.case, r.impl)), case_width=1.8, log=True,
+                  ylabel="tokens/s (decode: per step; end to end, mixed: whole run)")
 
 
 if __name__ == "__main__":

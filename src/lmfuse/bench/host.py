@@ -80,7 +80,6 @@ on a GPU outside the interpreter, and written into lmfuse's note. The JSON's row
 
 from __future__ import annotations
 
-import argparse
 import gc
 import importlib
 import statistics
@@ -95,8 +94,8 @@ import torch.nn.functional as F
 import lmfuse
 from lmfuse import _launch
 from lmfuse._dispatch import interpreter_active, select_impl, triton_support
-from lmfuse.bench.common import (PeerUnavailable, Result, dist_version, finish, plot, start,
-                                 unavailable)
+from lmfuse.bench.common import (PeerUnavailable, Result, cell, dist_version, failure, finish,
+                                 print_peers, start, unavailable)
 
 MODES = ("fwd", "fwd (grad)", "fwd+bwd")
 CHECKS = "lmfuse checks only"
@@ -638,10 +637,9 @@ def _sync(device: torch.device) -> None:
 
 
 def _why(exc: Exception) -> str:
-    text = " ".join(str(exc).split())
     if isinstance(exc, PeerUnavailable):
-        return f"unavailable: {text}"[:160]
-    return f"failed: {type(exc).__name__}: {text}"[:160]
+        return f"unavailable: {' '.join(str(exc).split())}"[:160]
+    return failure(exc)
 
 
 def time_rows(thunks: dict[str, Callable[[], object]], device: torch.device, grad: bool,
@@ -729,15 +727,11 @@ def run_op(spec: OpSpec, mode: str, device: torch.device, timing: Timing
     return rows
 
 
-def _fmt(v: Optional[float], spec: str = "7.1f") -> str:
-    return "-".rjust(len(format(0.0, spec))) if v is None else format(v, spec)
-
-
 def print_rows(rows: list[HostResult], header: bool) -> None:
     if header:
         print(f"{'case':<36} {'impl':<20} {'us/call':>9} {'x lmfuse':>8}  note")
     for r in rows:
-        print(f"{r.case:<36} {r.impl:<20} {_fmt(r.us, '9.1f')} {_fmt(r.ratio, '8.2f')}  "
+        print(f"{r.case:<36} {r.impl:<20} {cell(r.us, '9.1f')} {cell(r.ratio, '8.2f')}  "
               f"{r.note}", flush=True)
 
 
@@ -793,15 +787,9 @@ def breakdown(results: list[HostResult], specs: list[OpSpec], judge: bool) -> di
         out[op] = d
         values = (fwd, checks, launch, d["rest"], d["autograd"], fb, fb_launch,
                   d["fwd_bwd_over_launches"], d["torch"], d["liger"])
-        print(f"{op:<24}" + "".join(f" {_fmt(v, '8.1f')}" for v in values)
+        print(f"{op:<24}" + "".join(f" {cell(v, '8.1f')}" for v in values)
               + f"  {verdict or '-'}")
     return out
-
-
-def plot_us(path: str, results: list[HostResult], title: str) -> None:
-    """Bars of host microseconds per call: every case, lmfuse, torch and Liger-Kernel."""
-    plot(path, results, title, value=lambda r: r.us, ylabel="host us per call",
-         impls=["lmfuse", "torch", LIGER], case_width=0.5)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -813,11 +801,10 @@ def main(argv: list[str] | None = None) -> int:
               Timing(15, 100, 5))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     liger, liger_version = load_liger()
-    env["liger-kernel"] = liger_version
-    print(f"# peers: liger-kernel {liger_version}")
+    print_peers(env, {"liger-kernel": liger_version})
     specs = build_specs(Inputs(device, dtype, triton), liger)
     env.update(smoke=smoke, rounds=timing.rounds, calls_per_round=timing.calls,
-               dtype=str(dtype).replace("torch.", ""),
+               dtype=_launch.dtype_name(dtype),
                inputs={s.name: s.inputs for s in specs})
     for s in specs:
         print(f"# {s.name}: {s.inputs}")
@@ -841,12 +828,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         torch.set_num_threads(threads)
     env["breakdown"] = breakdown(results, specs, judge=device.type == "cuda" and not smoke)
-    title = f"host time per call on {env['device']}"
-    plot_path = args.plot
-    code = finish(argparse.Namespace(**{**vars(args), "plot": None}), env, {}, results, title)
-    if plot_path:
-        plot_us(plot_path, results, title)
-    return code
+    # The plot: host microseconds per call of every case, lmfuse, torch and Liger-Kernel.
+    return finish(args, env, {}, results, f"host time per call on {env['device']}",
+                  value=lambda r: r.us, ylabel="host us per call",
+                  impls=["lmfuse", "torch", LIGER], case_width=0.5)
 
 
 if __name__ == "__main__":

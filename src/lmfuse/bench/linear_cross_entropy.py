@@ -61,8 +61,8 @@ import torch.nn.functional as F
 
 import lmfuse
 from lmfuse._launch import cdiv, dtype_name
-from lmfuse.bench.common import (Case, Result, bench_ms, compile_per_shape, dist_version, finish,
-                                 run_cases, start, unavailable)
+from lmfuse.bench.common import (Case, LossCheck, Result, bench_ms, cell, compile_per_shape,
+                                 dist_version, finish, print_peers, run_cases, start, unavailable)
 from lmfuse.cross_entropy.linear_config import chunk_rows
 
 IGNORE = -100
@@ -188,40 +188,6 @@ def torch_loss(d: Inputs, max_chunk_bytes: int = 2**30) -> float:
         return float(total / count)
 
 
-class LossCheck:
-    """On each row's first call: lmfuse's loss against the torch expression's (always in
-    lmfuse's note), every other row's against lmfuse's (noted over 1e-4). lmfuse runs
-    first, and ``run_cases`` reads a row's note after timing it, so the note is printed."""
-
-    def __init__(self, notes: dict[str, str], reference: Callable[[], float]):
-        self.notes, self.reference = notes, reference
-        self.lmfuse: float | None = None
-        self.seen: set[str] = set()
-
-    def __call__(self, impl: str, loss: torch.Tensor) -> None:
-        if impl in self.seen:
-            return
-        self.seen.add(impl)
-        value = float(loss.detach())
-        if impl == "lmfuse":
-            self.lmfuse = value
-            rel = _rel(value, self.reference())
-            self.notes[impl] = _join(self.notes.get(impl, ""),
-                                     f"loss vs torch: rel. diff {rel:.0e}")
-        elif self.lmfuse is not None:
-            rel = _rel(value, self.lmfuse)
-            if rel > 1e-4:
-                self.notes[impl] = _join(self.notes.get(impl, ""), f"loss rel. diff {rel:.0e}")
-
-
-def _rel(value: float, reference: float) -> float:
-    return abs(value - reference) / max(abs(reference), 1e-30)
-
-
-def _join(*parts: str) -> str:
-    return "; ".join(p for p in parts if p)
-
-
 class LCECase(Case):
     """A case with what the summary needs: the shape, the floor's ``G`` size and lmfuse's
     memory budget (the gradients of hidden and weight plus one logits chunk)."""
@@ -308,10 +274,6 @@ def build_cases(device: torch.device, quick: bool, peers: dict[str, LossFn],
     return [make_case(ws, peers, peer_notes, n, H, V) for n, V in shapes]
 
 
-def _cell(v: float | None, spec: str, width: int) -> str:
-    return f"{'-':>{width}}" if v is None else format(v, f"{width}{spec}")
-
-
 def print_targets(cases: list[LCECase], results: list[Result]) -> None:
     """lmfuse per case: time against the floor's, peak memory against its budget and CCE's."""
     print(f"\n# lmfuse against its targets: time as a multiple of the floor's (the three "
@@ -332,18 +294,17 @@ def print_targets(cases: list[LCECase], results: list[Result]) -> None:
         mem = ours.peak_extra_mib
         cce_mem = cce.peak_extra_mib if cce and cce.ms else None
         x_cce = mem / cce_mem if (mem is not None and cce_mem) else None
-        print(f"{case.name:<44} {ours.ms:9.4f} {_cell(floor_ms, '.4f', 9)} "
-              f"{_cell(x_floor, '.3f', 7)} {verdict:<4} {_cell(mem, '.1f', 9)} "
-              f"{case.budget_mib:9.1f} {_cell(cce_mem, '.1f', 9)} {_cell(x_cce, '.2f', 6)}")
+        print(f"{case.name:<44} {ours.ms:9.4f} {cell(floor_ms, '9.4f')} "
+              f"{cell(x_floor, '7.3f')} {verdict:<4} {cell(mem, '9.1f')} "
+              f"{case.budget_mib:9.1f} {cell(cce_mem, '9.1f')} {cell(x_cce, '6.2f')}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args, device, quick, env = start("lmfuse bench linear_cross_entropy", __doc__, argv,
                                      plot_what="achieved TFLOP/s")
     peers, versions, peer_notes = load_peers()
-    env.update(versions)
+    print_peers(env, versions)
     env["tbps"] = "TFLOP/s over the three GEMMs' 6 N V H flops (this op is compute-bound)"
-    print("# peers: " + ", ".join(f"{name} {v}" for name, v in versions.items()))
     print("# forward+backward (grads of hidden and weight); the TB/s column is TFLOP/s over "
           "6 N V H flops; x lmfuse = ms / lmfuse ms (> 1: lmfuse is faster); peak MiB: "
           "allocated beyond the inputs, gradients included")

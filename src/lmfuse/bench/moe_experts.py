@@ -75,8 +75,9 @@ import torch.nn.functional as F
 
 import lmfuse
 from lmfuse._launch import dtype_name
-from lmfuse.bench.common import (Case, PeerUnavailable, Result, dist_version, finish, measure_copy,
-                                 relative_differences, run_cases, start, timed_call, unavailable)
+from lmfuse.bench.common import (Case, PeerUnavailable, Result, add_copy_rows, cell, dist_version,
+                                 finish, measure_copy, print_peers, relative_differences,
+                                 run_cases, start, timed_call, unavailable)
 from lmfuse.bench.decode_attention import as_graph
 
 # (hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias, down_bias) -> out
@@ -231,15 +232,6 @@ def load_liger() -> tuple[Callable[..., torch.Tensor], str]:
     return LigerFusedMoEFunction.apply, dist_version("liger-kernel")
 
 
-def not_run(why: str) -> Callable[..., object]:
-    """A row that is not run here, and says why."""
-
-    def fail(*args, **kwargs):
-        raise PeerUnavailable(why)
-
-    return fail
-
-
 # --- inputs and floors ---------------------------------------------------------------------
 
 
@@ -308,20 +300,6 @@ def decode_bytes(s: Shape, expert_ids: torch.Tensor, elt: int) -> int:
     return (used * per_expert + 2 * s.T * s.H) * elt
 
 
-def add_copy_floors(cases: list[Case], device: torch.device) -> None:
-    """A ``floor`` row in each decode case copying its bytes (half read, half written),
-    from buffers shared by all of them (sized for the largest)."""
-    if not cases:
-        return
-    elems = max(case.nbytes for case in cases) // 4  # 2-byte elements: half of the bytes
-    src = torch.empty(elems, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    for case in cases:
-        n = case.nbytes // 4
-        case.impls[FLOOR] = lambda n=n: dst[:n].copy_(src[:n])
-        case.notes[FLOOR] = "device-to-device copy of the minimal bytes (half read, half written)"
-
-
 # --- cases ---------------------------------------------------------------------------------
 
 
@@ -358,8 +336,8 @@ def make_case(s: Shape, w: Weights, dtype: torch.dtype, device: torch.device,
     for impl in HF_IMPLS:
         row = f"hf {impl}"
         if impl == "batched_mm" and gathered > BATCHED_MM_MAX_BYTES:
-            impls[row] = not_run(f"not run: batched_mm gathers each pair's expert weights, "
-                                 f"{gathered / 2**30:,.0f} GiB here")
+            impls[row] = unavailable(f"not run: batched_mm gathers each pair's expert "
+                                     f"weights, {gathered / 2**30:,.0f} GiB here")
             continue
         fn, notes[row] = hf_experts(s, impl)
         impls[row] = timed(fn)
@@ -368,10 +346,9 @@ def make_case(s: Shape, w: Weights, dtype: torch.dtype, device: torch.device,
         impls[LIGER] = timed(lambda h, i, r, a, b, ba, bb: liger(h, a, b, ids32, r))
         notes[LIGER] = "LigerFusedMoEFunction"
     else:
-        impls[LIGER] = not_run("LigerFusedMoEFunction computes SwiGLU (gate/up halves) "
-                               "without biases only")
-    for impl, diff in relative_differences(impls, dtype).items():
-        notes[impl] = f"{notes.get(impl, '')}; {diff}".lstrip("; ")
+        impls[LIGER] = unavailable("LigerFusedMoEFunction computes SwiGLU (gate/up "
+                                   "halves) without biases only")
+    relative_differences(impls, dtype, notes=notes)
     mode = "fwd+bwd" if backward else "decode"
     name = (f"{s.model} {mode} T{s.T} H{s.H} F{s.F} E{s.E} k{s.k} {dtype_name(dtype)}")
     if backward:  # training: compute-bound, the dense GEMMs are the floor
@@ -399,7 +376,8 @@ def build_cases(device: torch.device, quick: bool, liger: Callable[..., torch.Te
     w = Weights(decode_shape, dtype, device, seed=3000, requires_grad=False)
     decode = [make_case(decode_shape._replace(T=t), w, dtype, device, liger, backward=False,
                         seed=4000 + t) for t in tokens]
-    add_copy_floors(decode, device)
+    add_copy_rows(decode, device, FLOOR,
+                  "device-to-device copy of the minimal bytes (half read, half written)")
     return training, decode
 
 
@@ -417,8 +395,8 @@ def capture_graphs(cases: list[Case]) -> None:
                 pass
             except Exception as exc:  # e.g. a host synchronisation inside the call
                 torch.cuda.synchronize()
-                case.impls[impl] = not_run(f"CUDA graph capture failed: "
-                                           f"{type(exc).__name__}: {exc}")
+                case.impls[impl] = unavailable(f"CUDA graph capture failed: "
+                                               f"{type(exc).__name__}: {exc}")
 
 
 def report(results: list[Result]) -> None:
@@ -433,10 +411,10 @@ def report(results: list[Result]) -> None:
             continue
         floor, loop = rows.get(FLOOR), rows.get(LOOP)
         floor_ms = floor.ms if floor is not None else None
-        share = f"{floor_ms / ours.ms:12.2f}" if floor_ms else f"{'-':>12}"
-        speedup = f"{loop.ratio:7.2f}" if loop is not None and loop.ratio else f"{'-':>7}"
-        floor_s = f"{floor_ms:9.4f}" if floor_ms else f"{'-':>9}"
-        print(f"{ours.case:<44} {ours.ms:9.4f} {floor_s} {share} {speedup}")
+        share = floor_ms / ours.ms if floor_ms else None
+        speedup = loop.ratio if loop is not None and loop.ratio else None
+        print(f"{ours.case:<44} {ours.ms:9.4f} {cell(floor_ms or None, '9.4f')} "
+              f"{cell(share, '12.2f')} {cell(speedup, '7.2f')}")
 
 
 def _options(p) -> None:
@@ -462,10 +440,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     liger, liger_version = load_liger()
     if args.no_liger:
-        liger = not_run("left out (--no-liger)")
-    versions = {"transformers": dist_version("transformers"), "liger-kernel": liger_version}
-    env.update(versions)
-    print("# peers: " + ", ".join(f"{name} {v}" for name, v in versions.items()))
+        liger = unavailable("left out (--no-liger)")
+    print_peers(env, {"transformers": dist_version("transformers"), "liger-kernel": liger_version})
     graphs = device.type == "cuda"
     env["timing"] = ("decode cases: CUDA-graph replay of each call (the torch loop eager)"
                      if graphs else "eager calls")

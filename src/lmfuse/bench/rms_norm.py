@@ -29,9 +29,9 @@ from functools import partial
 import torch
 
 import lmfuse
-from lmfuse.bench.common import (Case, Result, compile_per_shape, dist_version, finish,
-                                 measure_copy, relative_differences, run_cases, start, timed_call,
-                                 unavailable)
+from lmfuse.bench.common import (Case, Result, add_copy_rows, compile_per_shape, dist_version,
+                                 finish, measure_copy, print_peers, relative_differences,
+                                 run_cases, start, timed_call, unavailable)
 
 EPS = 1e-6
 NormFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, weight) -> y
@@ -71,13 +71,6 @@ def minimal_bytes(n: int, H: int, elt: int, backward: bool) -> int:
     return fwd + ((3 * n * H + 2 * H) * elt if backward else 0)
 
 
-def copy_of(nbytes: int, device: torch.device) -> Callable[[], object]:
-    """A device-to-device copy reading ``nbytes / 2`` and writing as many."""
-    src = torch.empty(nbytes // 4, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    return lambda: dst.copy_(src)
-
-
 def make_case(n: int, H: int, dtype: torch.dtype, device: torch.device, liger: NormFn,
               liger_note: str, *, backward: bool) -> Case:
     x = torch.randn(n, H, dtype=dtype, device=device)
@@ -98,13 +91,12 @@ def make_case(n: int, H: int, dtype: torch.dtype, device: torch.device, liger: N
     }
     notes = {"torch": "HF Llama formula", "torch.compile": "fullgraph, of the torch row",
              "liger-kernel": liger_note}
-    for impl, diff in relative_differences(impls, dtype).items():
-        notes[impl] = f"{notes[impl]}; {diff}"
-    impls["copy"] = copy_of(nbytes, device)
-    notes["copy"] = "device-to-device copy of the minimal bytes"
+    relative_differences(impls, dtype, notes=notes)
     mode = "fwd+bwd" if backward else "fwd"
     name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
-    return Case(f"rms_norm {mode} [{n}, {H}] {name}", nbytes, impls, notes)
+    case = Case(f"rms_norm {mode} [{n}, {H}] {name}", nbytes, impls, notes)
+    add_copy_rows([case], device, note="device-to-device copy of the minimal bytes")
+    return case
 
 
 def report(results: list[Result]) -> None:
@@ -121,8 +113,7 @@ def report(results: list[Result]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args, device, quick, env = start("lmfuse bench rms_norm", __doc__, argv)
     liger, liger_note, liger_version = load_liger()
-    env["liger-kernel"] = liger_version
-    print(f"# peers: liger-kernel {liger_version}")
+    print_peers(env, {"liger-kernel": liger_version})
     dtype = torch.float32 if quick else torch.bfloat16
     shapes = [(64, 512), (64, 1000)] if quick else [(16384, 4096), (16384, 8192)]
     cases = [make_case(n, H, dtype, device, liger, liger_note, backward=bw)
