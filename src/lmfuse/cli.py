@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import math
 import os
 import platform
 import sys
@@ -68,6 +69,55 @@ def int_range(minimum: Optional[int] = None,
 
 #: ``--seed``: what ``torch.manual_seed`` takes, from 0.
 seed = int_range(0, 2**63 - 1)
+
+
+def number_range(minimum: float, maximum: float = math.inf, *, above: bool = False,
+                 note: str = "") -> Callable[[str], float]:
+    """An argparse ``type``: a finite number ``>= minimum`` (``> minimum`` when ``above``)
+    and ``<= maximum``; ``note`` follows the range in the error."""
+    bounds = (f"{'>' if above else '>='} {minimum:g}" if maximum == math.inf
+              else f"in {'(' if above else '['}{minimum:g}, {maximum:g}]")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be finite, got {text!r}")
+        if not (minimum < value if above else minimum <= value) or value > maximum:
+            raise argparse.ArgumentTypeError(f"must be {bounds}{note}, got {value}")
+        return value
+
+    return parse
+
+
+def int_list(count: Optional[int] = None, form: str = "comma-separated integers",
+             minimum: int = 1) -> Callable[[str], tuple[int, ...]]:
+    """An argparse ``type``: ``count`` comma-separated integers (None: any number), each
+    ``>= minimum``; ``form`` names what is expected in the error."""
+
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(v) for v in text.split(","))
+        except ValueError:
+            values = ()
+        if not values or len(values) != (count or len(values)):
+            raise argparse.ArgumentTypeError(f"expected {form}, got {text!r}")
+        if min(values) < minimum:
+            raise argparse.ArgumentTypeError(f"each must be >= {minimum}, got {text!r}")
+        return values
+
+    return parse
+
+
+def dtype_name(text: str) -> str:
+    """An argparse ``type``: a name of :data:`DTYPES` (an unknown one is a usage error, not
+    a KeyError)."""
+    if text not in DTYPES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; choose one of "
+                                         f"{', '.join(DTYPES)}")
+    return text
 
 
 def output_file(text: str) -> str:
@@ -184,13 +234,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _dtype_list(text: str) -> list[torch.dtype]:
-    """``--dtypes fp32,bf16`` -> dtypes; an unknown name is a usage error, not a KeyError."""
-    names = text.split(",")
-    unknown = [n for n in names if n not in DTYPES]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown dtype(s) {', '.join(map(repr, unknown))}; choose from {', '.join(DTYPES)}")
-    return [DTYPES[n] for n in names]
+    """``--dtypes fp32,bf16`` -> dtypes."""
+    return [DTYPES[dtype_name(name)] for name in text.split(",")]
 
 
 def _bench_main(family: str) -> Callable[[list[str]], Optional[int]]:
@@ -210,17 +255,6 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     return int(bench_main(rest) or 0)
 
 
-def _shape(text: str) -> tuple[int, int, int]:
-    """``--shape 8192,4096,128256`` -> (N, H, V)."""
-    try:
-        n, h, v = (int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N,H,V (three ints), got {text!r}") from None
-    if min(n, h, v) < 1:
-        raise argparse.ArgumentTypeError(f"N, H and V must be positive, got {text!r}")
-    return n, h, v
-
-
 def cmd_tune(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("lmfuse tune: no CUDA device here; tuning times kernels on the GPU it tunes "
@@ -232,7 +266,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from lmfuse.cross_entropy import tune
 
     shapes = args.shape or list(tune.TUNE_SHAPES)
-    results = tune.tune(shapes, args.dtype, torch.device("cuda"),
+    results = tune.tune(shapes, DTYPES[args.dtype], torch.device("cuda"),
                         max_chunk_bytes=args.max_chunk_mib * 2**20, record=not args.dry_run)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(
@@ -255,13 +289,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps(plan.to_dict(), indent=1) if args.json else plan)
     return 0
-
-
-def _one_dtype(text: str) -> torch.dtype:
-    if text not in DTYPES:
-        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; choose one of "
-                                         f"{', '.join(DTYPES)}")
-    return DTYPES[text]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -320,10 +347,10 @@ def _main(argv: list[str] | None) -> int:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     tune = sub.add_parser("tune", help="sweep launch configs on this GPU, record the best")
     tune.add_argument("family", choices=TUNABLE)
-    tune.add_argument("--shape", type=_shape, action="append",
+    tune.add_argument("--shape", type=int_list(3, "N,H,V (three ints)"), action="append",
                       help="N,H,V to tune (repeatable; default: N=8192, H=4096, "
                            "V=32000/128256/262144); the result serves V's bucket")
-    tune.add_argument("--dtype", type=_one_dtype, default="bf16",
+    tune.add_argument("--dtype", type=dtype_name, default="bf16",
                       help="fp32, fp16 or bf16 (default bf16)")
     tune.add_argument("--max-chunk-mib", type=int_range(1), default=512,
                       help="largest logits chunk budget to try, in MiB (default 512: "

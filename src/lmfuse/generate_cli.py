@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from lmfuse.cli import int_range
+from lmfuse.cli import int_range, number_range
 
 PROG = "lmfuse generate"
 #: ``lmfuse generate --help``'s description: this docstring as plain text.
@@ -54,30 +54,6 @@ class UsageError(Exception):
 # --- options ---------------------------------------------------------------------------
 
 
-def _finite(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be finite, got {text!r}")
-    return value
-
-
-def _temperature(text: str) -> float:
-    value = _finite(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0: greedy), got {value}")
-    return value
-
-
-def _top_p(text: str) -> float:
-    value = _finite(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``lmfuse generate`` on ``parser`` (its subparser)."""
     parser.add_argument("model_dir", metavar="MODEL_DIR",
@@ -92,11 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default="auto",
                         help="the KV cache's dtype (default auto: the model's; fp8: e4m3 "
                         "with per-head scales)")
-    parser.add_argument("--temperature", type=_temperature, default=0.0, metavar="T",
-                        help="0: greedy (default); above 0: sample")
+    parser.add_argument("--temperature", type=number_range(0, note=" (0: greedy)"), default=0.0,
+                        metavar="T", help="0: greedy (default); above 0: sample")
     parser.add_argument("--top-k", type=int_range(1), default=None, metavar="K",
                         help="sample among the K most likely tokens (needs --temperature > 0)")
-    parser.add_argument("--top-p", type=_top_p, default=None, metavar="P",
+    parser.add_argument("--top-p", type=number_range(0, 1, above=True), default=None, metavar="P",
                         help="sample among the smallest set of tokens of probability >= P "
                         "(needs --temperature > 0)")
     parser.add_argument("--seed", type=int_range(), default=None, metavar="S",

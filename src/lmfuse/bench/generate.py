@@ -73,7 +73,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import random
 import statistics
 import sys
@@ -86,10 +85,10 @@ import torch
 from lmfuse._launch import cdiv
 from lmfuse.bench.common import (Result, check_plot, dist_version, failure, finish, measure_copy,
                                  parser, print_table, start)
-from lmfuse.cli import int_range, missing_package, output_file, seed
+from lmfuse.cli import (DTYPES, dtype_name, int_list, int_range, missing_package, number_range,
+                        output_file, seed)
 from lmfuse.serving import Generator
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PEERS = ("hf", "hf-static", "hf-cb")
 # option: (default, --quick default (also on a CPU), help)
 SIZES = {
@@ -111,41 +110,11 @@ SIZES = {
 }
 
 
-def _batches(text: str) -> list[int]:
-    try:
-        values = [int(b) for b in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}"
-                                         ) from None
-    if min(values) < 1:
-        raise argparse.ArgumentTypeError(f"every batch must be >= 1, got {text!r}")
-    return values
-
-
-def _lo_hi(text: str) -> tuple[int, int]:
-    try:
-        lo, hi = (int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected LO,HI (two integers), got {text!r}") from None
-    if not 1 <= lo <= hi:
+def _lo_hi(text: str) -> tuple[int, ...]:
+    lo, hi = int_list(2, "LO,HI (two integers)")(text)
+    if lo > hi:
         raise argparse.ArgumentTypeError(f"need 1 <= LO <= HI, got {text!r}")
     return lo, hi
-
-
-def _rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return value
-
-
-def _dtype(text: str) -> str:
-    if text not in DTYPES:
-        raise argparse.ArgumentTypeError(f"choose one of {', '.join(DTYPES)}, got {text!r}")
-    return text
 
 
 def _prefills(text: str) -> list[tuple[int, int]]:
@@ -160,8 +129,8 @@ def _prefills(text: str) -> list[tuple[int, int]]:
 
 
 # How each SIZES option is read (the rest: integers >= 1).
-SIZE_TYPES = {"dtype": _dtype, "new_tokens": int_range(2), "batches": _batches,
-              "prompt_range": _lo_hi, "output_range": _lo_hi, "rate": _rate,
+SIZE_TYPES = {"dtype": dtype_name, "new_tokens": int_range(2), "batches": int_list(),
+              "prompt_range": _lo_hi, "output_range": _lo_hi, "rate": number_range(0),
               "prefills": _prefills}
 
 
