@@ -121,6 +121,7 @@ from ..activations import (bias_gelu, geglu, quick_geglu, squared_relu, swiglu,
 from ..cross_entropy import cross_entropy
 from ..norm import rms_norm as _rms_norm
 from ..softmax import AttnMaskType, FusedScaleMaskSoftmax
+from . import _activation_name, _check_flags, _Forward, _instance_attr
 
 __all__ = ["patch"]
 
@@ -128,29 +129,6 @@ _TE_MODULES = ("transformer_engine", "megatron.core.extensions.transformer_engin
 
 
 # --- instance-level forwards -------------------------------------------------------------------
-
-
-class _Forward:
-    """A patched module's ``forward`` (or other method): calls ``fn(module, *args, **kwargs)``.
-
-    An object of a module-level class, not a bound method or a closure, so that a patched
-    model deep-copies (the copy's attribute is bound to the copy's module) and pickles.
-    """
-
-    __slots__ = ("fn", "module")
-
-    def __init__(self, fn: Any, module: torch.nn.Module) -> None:
-        self.fn, self.module = fn, module
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(self.module, *args, **kwargs)
-
-
-def _instance_attr(m: torch.nn.Module, name: str) -> Any:
-    """What ``m``'s instance attribute ``name`` runs: an lmfuse patch's function, another
-    library's replacement as it is, or ``None`` (the class's method runs)."""
-    attr = m.__dict__.get(name)
-    return attr.fn if isinstance(attr, _Forward) else attr
 
 
 def _set(m: torch.nn.Module, name: str, fn: Any) -> None:
@@ -253,10 +231,6 @@ def _megatron_functions() -> dict[str, tuple[Any, ...]]:
                       get("megatron.core.transformer.utils", "openai_gelu")),
     }
     return {k: tuple(f for f in v if f is not None) for k, v in found.items()}
-
-
-def _activation_name(act: Any) -> str:
-    return getattr(act, "__name__", None) or type(act).__name__
 
 
 def _mlp_kind(mlp: Any, fns: dict[str, tuple[Any, ...]]) -> tuple[Optional[str], str]:
@@ -563,10 +537,7 @@ def patch(model: torch.nn.Module, *, softmax: bool = True, activations: bool = T
             ``transformer_impl="transformer_engine"``; only TE's norms are tolerated).
     """
     op = "patch"
-    for name, flag in (("softmax", softmax), ("activations", activations),
-                       ("rms_norm", rms_norm), ("loss", loss)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{op}: {name} must be a bool, got {flag!r}")
+    _check_flags(op, softmax=softmax, activations=activations, rms_norm=rms_norm, loss=loss)
     if isinstance(model, (list, tuple)):
         raise TypeError(f"{op}: model must be one Megatron-Core model, got a "
                         f"{type(model).__name__} (Megatron's model chunks?): call patch on "

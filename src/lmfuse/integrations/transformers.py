@@ -42,6 +42,8 @@ from ..activations.reference import QUICK_GELU_K
 from ..cross_entropy import linear_cross_entropy as _linear_cross_entropy
 from ..moe import moe_experts as _moe_experts
 from ..norm import rms_norm as _rms_norm
+from . import _activation_name, _check_flags, _instance_attr
+from . import _Forward as _PatchedMethod
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "apply_lmfuse"]
 
@@ -195,8 +197,9 @@ def _error(a: torch.Tensor, b: torch.Tensor) -> float:
 _PROBE_TOL = 1e-2  # half precision rounds to 4e-3; a different formula is off by far more
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return _error(a, b) <= _PROBE_TOL
+def _close(y: Any, want: torch.Tensor) -> bool:
+    """``y`` is a tensor of ``want``'s shape, within :data:`_PROBE_TOL` of it."""
+    return isinstance(y, torch.Tensor) and y.shape == want.shape and _error(y, want) <= _PROBE_TOL
 
 
 @torch.no_grad()
@@ -204,7 +207,7 @@ def _probe_norm(m: torch.nn.Module) -> float | None:
     """0.0 or 1.0 when ``m`` computes an RMSNorm with that weight offset, else None."""
     weight, eps = getattr(m, "weight", None), _norm_eps(m)
     if not (isinstance(weight, torch.nn.Parameter) and weight.dim() == 1 and eps is not None
-            and _positional_inputs(m, 1) and _instance_forward(m) in (None, _rms_norm_forward)):
+            and _positional_inputs(m, 1) and _instance_attr(m) in (None, _rms_norm_forward)):
         return None
     x = _probe_input(m, weight.shape[0])
     if x is None:
@@ -230,7 +233,7 @@ def _probe_mlp(m: torch.nn.Module) -> bool:
     gate = getattr(m, "gate_proj", None)
     multipliers = _mlp_multipliers(m)
     if not (isinstance(gate, torch.nn.Linear) and _positional_inputs(m, 1)
-            and multipliers is not None and _instance_forward(m) in (None, _gated_mlp_forward)):
+            and multipliers is not None and _instance_attr(m) in (None, _gated_mlp_forward)):
         return False
     g, d = multipliers
     if (g, d) != (1.0, 1.0) and _gated_activation(m.act_fn) != "swiglu":
@@ -245,7 +248,7 @@ def _probe_mlp(m: torch.nn.Module) -> bool:
         for xs in (x, x * (_PROBE_PEAK / peak) if peak > 0 else x):
             y = m(xs)
             want = m.down_proj(m.act_fn(m.gate_proj(xs) * g) * m.up_proj(xs)) * d
-            if not (isinstance(y, torch.Tensor) and y.shape == want.shape and _close(y, want)):
+            if not _close(y, want):
                 return False
     except Exception:  # noqa: BLE001 - another structure
         return False
@@ -407,10 +410,6 @@ def _gated_activation(act: Any) -> str | None:
     return None
 
 
-def _activation_name(act: Any) -> str:
-    return getattr(act, "__name__", None) or type(act).__name__
-
-
 # --- mixture-of-experts experts ----------------------------------------------------------------
 
 
@@ -552,7 +551,7 @@ def _probe_experts(m: torch.nn.Module, layout: _ExpertsLayout) -> bool:
         want = _moe_experts(x, ids, w, **args, impl="torch")
     except Exception:  # noqa: BLE001 - another signature or structure
         return False
-    return isinstance(y, torch.Tensor) and y.shape == want.shape and _close(y, want)
+    return _close(y, want)
 
 
 def _experts_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -762,22 +761,12 @@ def _forward_with_loss(model: Any, a: dict[str, Any], var_kw: str | None) -> Any
 # --- applying the patch ------------------------------------------------------------------------
 
 
-class _Forward:
-    """A patched module's ``forward``: calls ``fn(module, *args, **kwargs)``.
+class _Forward(_PatchedMethod):
+    """A patched module's ``forward`` (pickled whole with the model by ``torch.save``) that
+    shows transformers the signature it inspects (generation's ``logits_to_keep`` support,
+    the Trainer's column filter): the class's own forward's."""
 
-    An object of a module-level class, not a bound method or a closure, so that a patched
-    model deep-copies (the copy's forward is bound to the copy's module), pickles (whole-model
-    ``torch.save``), and shows transformers the signature it inspects (generation's
-    ``logits_to_keep`` support, the Trainer's column filter): the class's own forward's.
-    """
-
-    __slots__ = ("fn", "module")
-
-    def __init__(self, fn: Any, module: torch.nn.Module) -> None:
-        self.fn, self.module = fn, module
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(self.module, *args, **kwargs)
+    __slots__ = ()
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -785,13 +774,6 @@ class _Forward:
                                                               _experts_forward)
                else inspect.signature(self.fn))
         return sig.replace(parameters=list(sig.parameters.values())[1:])
-
-
-def _instance_forward(m: torch.nn.Module) -> Any:
-    """What ``m``'s instance-level ``forward`` runs: the function of an lmfuse patch, another
-    library's replacement as it is, or ``None`` (the class's forward runs)."""
-    fwd = m.__dict__.get("forward")
-    return fwd.fn if isinstance(fwd, _Forward) else fwd
 
 
 def _set_forward(m: torch.nn.Module, fn: Any, **settings: Any) -> None:
@@ -834,6 +816,7 @@ def _patch_experts(m: torch.nn.Module, impl: str) -> str:
     return ""
 
 
+_PATCHES = (_rms_norm_forward, _gated_mlp_forward, _experts_forward)  # what lmfuse patches run
 _PATCH_ATTRS = ("forward", "_lmfuse_weight_offset", "_lmfuse_impl", "_lmfuse_fallback_tokens",
                 "_lmfuse_activation", "_lmfuse_experts")
 
@@ -855,9 +838,8 @@ def fused_norms_and_mlps(model: torch.nn.Module, impl: str = "auto") -> Iterator
             cls = type(m).__name__
             if cls not in family.norms and cls not in family.mlps and cls not in family.experts:
                 continue
-            current = _instance_forward(m)
-            if current is not None and current not in (_rms_norm_forward, _gated_mlp_forward,
-                                                       _experts_forward):
+            current = _instance_attr(m)
+            if current is not None and current not in _PATCHES:
                 continue  # another library's forward: left alone
             before = {a: m.__dict__[a] for a in _PATCH_ATTRS if a in m.__dict__}
             if current is _experts_forward:  # apply_lmfuse ran it through moe_experts already
@@ -886,20 +868,20 @@ def fused_norms_and_mlps(model: torch.nn.Module, impl: str = "auto") -> Iterator
 
 
 def _summary(model: torch.nn.Module, family: _Family, impl: str) -> dict[str, Any]:
-    norms, swiglu_mlps, geglu_mlps, unpatched = [], [], [], {}
+    norms, swiglu_mlps, geglu_mlps, experts, unpatched = [], [], [], [], {}
     for name, m in model.named_modules():
-        fn = _instance_forward(m)
+        fn = _instance_attr(m)
         if fn is _rms_norm_forward:
             norms.append(name)
         elif fn is _gated_mlp_forward:
             (swiglu_mlps if m._lmfuse_activation == "swiglu" else geglu_mlps).append(name)
+        elif fn is _experts_forward:
+            experts.append(name)
         elif type(m).__name__ in family.mlps and _gated_activation(m.act_fn) is None:
             unpatched[name] = _activation_name(m.act_fn)
-    experts = [name for name, m in model.named_modules()
-               if _instance_forward(m) is _experts_forward]
     return {"impl": impl, "rms_norm": norms, "swiglu": swiglu_mlps, "geglu": geglu_mlps,
             "mlp_unsupported_activation": unpatched, "moe_experts": experts,
-            "fused_linear_cross_entropy": _instance_forward(model) is _causal_lm_forward}
+            "fused_linear_cross_entropy": _instance_attr(model) is _causal_lm_forward}
 
 
 def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool = True,
@@ -1010,11 +992,8 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{op}: model must be a torch.nn.Module (a loaded transformers model), "
                         f"got {type(model).__name__}")
-    for name, flag in (("rms_norm", rms_norm), ("swiglu", swiglu),
-                       ("fused_linear_cross_entropy", fused_linear_cross_entropy),
-                       ("experts", experts)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{op}: {name} must be a bool, got {flag!r}")
+    _check_flags(op, rms_norm=rms_norm, swiglu=swiglu,
+                 fused_linear_cross_entropy=fused_linear_cross_entropy, experts=experts)
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
     if (isinstance(inference_fallback_tokens, bool) or not isinstance(
@@ -1035,9 +1014,8 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
         cls = type(m).__name__
         if cls not in family.norms and cls not in family.mlps and cls not in family.experts:
             continue
-        current = _instance_forward(m)
-        if current is not None and current not in (_rms_norm_forward, _gated_mlp_forward,
-                                                   _experts_forward):
+        current = _instance_attr(m)
+        if current is not None and current not in _PATCHES:
             foreign.append(name)
             continue
         if cls in family.norms and rms_norm:
@@ -1052,7 +1030,7 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
                 experts_left[name] = why
 
     if fused_linear_cross_entropy and hasattr(model, "lm_head"):
-        current = _instance_forward(model)
+        current = _instance_attr(model)
         original = type(model).forward
         if current is _causal_lm_forward:
             model._lmfuse_impl = impl
