@@ -52,6 +52,7 @@ from torch import nn
 
 import lmfuse
 from lmfuse.attention.block import rope_inv_freq
+from lmfuse.bench.common import Memory, wall_ms
 from lmfuse.cli import DTYPES, ArgumentParser, missing_package
 
 VOCAB = 256  # bytes
@@ -90,9 +91,8 @@ DEFAULTS = {
     # Sizes at which the kernels, not the launches, set the pace: the fused softmax and
     # linear cross-entropy against 16 x [1024, 1024] score matrices a sequence and a 256-way
     # head over 8K tokens a step (2.54x the plain model's tokens/s on an H100, BENCHMARKS.md);
-    # decoding 8 prompts x 128 tokens through 8 layers, where the
-    # plain generate launches every kernel of a step from Python and the Generator replays
-    # one CUDA graph a step.
+    # decoding 8 prompts x 128 tokens through 8 layers, where the plain generate launches
+    # every kernel of a step from Python and the Generator replays one CUDA graph a step.
     "cuda": Defaults(steps=200, d_model=1024, n_layers=8, n_heads=16, ffn=4096, seq_len=1024,
                      batch=8, lr=3e-4, new_tokens=128, prompts=8),
 }
@@ -259,7 +259,11 @@ def check_config(cfg: DemoConfig,
         raise ValueError(missing)
     if cfg.plot is not None:
         _check_plot(cfg.plot, name)
-    text, source = _read_text(cfg.text, name)
+    try:
+        text, source = load_text(cfg.text)
+    except OSError as exc:
+        raise ValueError(f"{name('text')} {cfg.text}: cannot read it: "
+                         f"{exc.strerror or exc}") from None
     if len(text) < cfg.seq_len + 2:
         raise ValueError(f"{name('seq_len')} {cfg.seq_len} needs a text of at least "
                          f"{cfg.seq_len + 2} bytes; {source} has {len(text):,}")
@@ -307,14 +311,6 @@ def _check_plot(path: str, name: Callable[[str], str]) -> None:
         if suffix not in formats:
             raise ValueError(f"{name('plot')} {path!r}: matplotlib cannot write .{suffix} "
                              f"files; use one of .{', .'.join(sorted(formats))}")
-
-
-def _read_text(path: Optional[str], name: Callable[[str], str]) -> tuple[bytes, str]:
-    try:
-        return load_text(path)
-    except OSError as exc:
-        raise ValueError(f"{name('text')} {path}: cannot read it: "
-                         f"{exc.strerror or exc}") from None
 
 
 # --- the model -------------------------------------------------------------------------------
@@ -544,8 +540,8 @@ def train(model: TinyGPT, batches, cfg: DemoConfig, device: torch.device, name: 
         torch.cuda.reset_peak_memory_stats(device)
     skip = min(3, cfg.steps - 1)  # first steps compile kernels: not in tokens/s
     tokens_per_step = cfg.batch * cfg.seq_len
-    timed, t_start = 0.0, time.perf_counter()
-    window_t, window_n = time.perf_counter(), 0
+    t_start = window_t = time.perf_counter()
+    window_n = 0
     bar = _progress_bar(cfg.steps, name, not cfg.quiet)
     rate = 0.0
     for step, (x, y) in enumerate(batches):
@@ -577,8 +573,8 @@ def train(model: TinyGPT, batches, cfg: DemoConfig, device: torch.device, name: 
     if bar is not None:
         bar.close()
     _sync(device)
-    timed = time.perf_counter() - t_start
-    stats.tokens_per_s = (cfg.steps - skip) * tokens_per_step / max(timed, 1e-9)
+    stats.tokens_per_s = (cfg.steps - skip) * tokens_per_step / max(
+        time.perf_counter() - t_start, 1e-9)
     if device.type == "cuda":
         stats.peak_mib = torch.cuda.max_memory_allocated(device) / 2**20
     return stats
@@ -638,9 +634,8 @@ def as_llama(model: TinyGPT, max_positions: int) -> Any:
     for layer, ours in zip(llama.model.layers, model.layers):
         attn, qkv = layer.self_attn, ours.attn.qkv.weight
         share(layer.input_layernorm, ours.attn.input_norm_weight)
-        share(attn.q_proj, qkv[:d])
-        share(attn.k_proj, qkv[d:2 * d])
-        share(attn.v_proj, qkv[2 * d:])
+        for proj, rows in zip((attn.q_proj, attn.k_proj, attn.v_proj), qkv.split(d)):
+            share(proj, rows)
         share(attn.o_proj, ours.attn.out.weight)
         share(layer.post_attention_layernorm, ours.mlp_norm.weight)
         share(layer.mlp.gate_proj, ours.mlp.fc1.weight[:ffn])
@@ -671,28 +666,6 @@ class Decoded:
     graph_failure: Optional[str] = None
 
 
-def _timed(device: torch.device, call: Callable[[], Any]) -> float:
-    _sync(device)
-    t0 = time.perf_counter()
-    call()
-    _sync(device)
-    return max(time.perf_counter() - t0, 1e-9)
-
-
-def _memory_mark(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 0
-    _sync(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    return torch.cuda.memory_allocated(device)
-
-
-def _memory_peak(device: torch.device, mark: int) -> Optional[float]:
-    if device.type != "cuda":
-        return None
-    return (torch.cuda.max_memory_allocated(device) - mark) / 2**20
-
-
 def generate_lmfuse(llama: Any, prompts: list[list[int]], new_tokens: int, *,
                     impl: str = "auto", sample: bool = False, temperature: float = 1.0,
                     seed: int = 0) -> Decoded:
@@ -705,22 +678,22 @@ def generate_lmfuse(llama: Any, prompts: list[list[int]], new_tokens: int, *,
 
     device = next(llama.parameters()).device
     longest = max(map(len, prompts)) + new_tokens
-    mark = _memory_mark(device)
+    mem = Memory(device)
+    mem.start()
     blocks = len(prompts) * -(-longest // BLOCK_LEN)  # the pool: exactly what they need
     gen = Generator(llama, block_len=BLOCK_LEN, num_blocks=blocks, max_batch=len(prompts),
                     impl=impl)
-    timed: list[list[int]] = []
     try:
         tokens, step_logits = _greedy_with_logits(gen, prompts, new_tokens)
-        elapsed = _timed(device, lambda: timed.extend(
-            gen.generate(prompts, max_new_tokens=new_tokens, eos_token_id=[])))
+        ms, timed = wall_ms(lambda: gen.generate(prompts, max_new_tokens=new_tokens,
+                                                 eos_token_id=[]), device)
         sampled = (gen.generate(prompts, max_new_tokens=new_tokens, temperature=temperature,
                                 seed=seed, eos_token_id=[]) if sample else None)
         st = gen.stats
         graphs, failure = st["cuda_graphs"] - st["prefill_graphs"], gen.runner.graph_failure
     finally:
         gen.close()
-    return Decoded(tokens, len(prompts) * new_tokens / elapsed, _memory_peak(device, mark),
+    return Decoded(tokens, len(prompts) * new_tokens / max(ms, 1e-6) * 1e3, mem.peak_mib(),
                    step_logits, timed, sampled, graphs, failure)
 
 
@@ -774,10 +747,11 @@ def generate_plain(llama: Any, prompts: list[list[int]], new_tokens: int) -> Dec
         return llama.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
                               do_sample=False, use_cache=True, pad_token_id=0)
 
-    mark = _memory_mark(device)
+    mem = Memory(device)
+    mem.start()
     tokens = call()[:, width:].tolist()
-    elapsed = _timed(device, call)
-    return Decoded(tokens, n * new_tokens / elapsed, _memory_peak(device, mark))
+    ms, _ = wall_ms(call, device)
+    return Decoded(tokens, n * new_tokens / max(ms, 1e-6) * 1e3, mem.peak_mib())
 
 
 @torch.no_grad()

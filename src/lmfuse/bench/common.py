@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import gc
 import json
 import platform
 import sys
+import time
 from pathlib import Path
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -83,8 +85,6 @@ def bench_ms(fn: Callable[[], object], device: torch.device, warmup: int = 50,
         from triton.testing import do_bench
 
         return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
-    import time
-
     fn()
     times = []
     for _ in range(5):
@@ -106,6 +106,44 @@ def peak_extra_mib(fn: Callable[[], object], device: torch.device) -> float | No
     torch.cuda.synchronize(device)
     del out
     return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+
+
+def wall_ms(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    """Wall-clock ms of ``fn()`` between device synchronisations, and its result."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) * 1e3, out
+
+
+class Memory:
+    """The most memory allocated since ``start()`` beyond what was allocated then, in MiB
+    (CUDA; None elsewhere). ``start()`` also frees what is garbage."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.base = device, 0
+
+    def start(self) -> None:
+        free(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+
+    def peak_mib(self) -> float | None:
+        if self.device.type != "cuda":
+            return None
+        return (torch.cuda.max_memory_allocated(self.device) - self.base) / 2**20
+
+
+def free(device: torch.device) -> None:
+    """Collect garbage and give the allocator's cached blocks back (before a peer sizes its
+    cache from the free memory)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def copy_tbps(nbytes: int, device: torch.device) -> tuple[float, float]:

@@ -72,7 +72,6 @@ script, NOT performance. On a GPU, in parts (each well under 10 minutes):
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 import statistics
 import sys
@@ -83,8 +82,8 @@ from typing import Any, Callable
 import torch
 
 from lmfuse._launch import cdiv
-from lmfuse.bench.common import (Result, check_plot, dist_version, failure, finish, measure_copy,
-                                 parser, print_table, start)
+from lmfuse.bench.common import (Memory, Result, check_plot, dist_version, failure, finish, free,
+                                 measure_copy, parser, print_table, start, wall_ms)
 from lmfuse.cli import (DTYPES, dtype_name, int_list, int_range, missing_package, number_range,
                         output_file, seed)
 from lmfuse.serving import Generator
@@ -215,44 +214,6 @@ def weight_bytes(model: Any) -> int:
     emb = model.get_input_embeddings().weight
     tied = emb is model.get_output_embeddings().weight
     return sum(p.numel() * p.element_size() for p in model.parameters() if p is not emb or tied)
-
-
-def wall_ms(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
-    """Wall-clock ms of ``fn()`` between device synchronisations, and its result."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - t0) * 1e3, out
-
-
-class Memory:
-    """The most memory allocated since ``start()`` beyond what was allocated then, in MiB
-    (CUDA; None elsewhere). ``start()`` also frees what is garbage."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.base = device, 0
-
-    def start(self) -> None:
-        free(self.device)
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.base = torch.cuda.memory_allocated(self.device)
-
-    def peak_mib(self) -> float | None:
-        if self.device.type != "cuda":
-            return None
-        return (torch.cuda.max_memory_allocated(self.device) - self.base) / 2**20
-
-
-def free(device: torch.device) -> None:
-    """Collect garbage and give the allocator's cached blocks back (before a peer sizes its
-    cache from the free memory)."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def failed(case: str, impl: str, exc: BaseException) -> Result:
