@@ -36,6 +36,9 @@ import torch
 FAMILIES = ("softmax", "cross_entropy", "linear_cross_entropy", "activations", "decode_attention",
             "rms_norm", "moe_experts", "generate", "host")
 TUNABLE = ("linear_cross_entropy",)
+#: The modules whose ``checks(device, dtypes)`` ``lmfuse check`` runs, in order.
+CHECKED = ("softmax.ops", "cross_entropy.ops", "cross_entropy.linear", "activations.ops",
+           "attention.ops", "norm.ops", "moe.ops")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -144,15 +147,6 @@ def _best_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _use_interpreter_on_cpu() -> None:
-    """On a machine without CUDA, run the Triton kernels in Triton's interpreter.
-
-    Must happen before any lmfuse kernel is defined: Triton reads the variable then.
-    """
-    if not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
 def cmd_info(args: argparse.Namespace) -> int:
     import lmfuse
     from lmfuse._dispatch import interpreter_active, triton_available
@@ -193,44 +187,22 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    _use_interpreter_on_cpu()
+    # Without CUDA, the Triton kernels run in Triton's interpreter: set before any lmfuse
+    # kernel is defined (Triton reads the variable then).
+    if not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     from lmfuse._check import run_all
     from lmfuse._dispatch import interpreter_active
-    from lmfuse.cross_entropy import ops as cross_entropy_ops
-    from lmfuse.softmax import ops as softmax_ops
 
     device = _best_device()
-    dtypes = args.dtypes
     where = device.type if device.type == "cuda" else (
         "cpu, Triton kernels in the interpreter" if interpreter_active() else "cpu, reference only")
     print(f"lmfuse check on {where}: each op against its float64 reference")
     torch.manual_seed(args.seed)
-    from lmfuse.cross_entropy import linear as linear_ce
-
-    from lmfuse.activations import ops as activation_ops
-    from lmfuse.attention import ops as attention_ops
-    from lmfuse.moe import ops as moe_ops
-    from lmfuse.norm import ops as norm_ops
-
-    cases = (softmax_ops.checks(device, dtypes) + cross_entropy_ops.checks(device, dtypes)
-             + linear_ce.checks(device, dtypes) + activation_ops.checks(device, dtypes)
-             + attention_ops.checks(device, dtypes) + norm_ops.checks(device, dtypes)
-             + moe_ops.checks(device, dtypes))
-    ok = run_all(cases)
+    ok = run_all([case for module in CHECKED for case in importlib.import_module(
+        f"lmfuse.{module}").checks(device, args.dtypes)])
     print("all checks passed" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1
-
-
-def cmd_demo(rest: list[str]) -> int:
-    from lmfuse.demo import main as demo_main
-
-    return demo_main(rest)
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    from lmfuse.generate_cli import run
-
-    return run(args)
 
 
 def _dtype_list(text: str) -> list[torch.dtype]:
@@ -302,7 +274,7 @@ def _main(argv: list[str] | None) -> int:
     parser = ArgumentParser(prog="lmfuse", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="versions, devices and the path each op takes")
+    sub.add_parser("info", help="versions, devices and the path each op takes")
     check = sub.add_parser("check", help="every op against its reference, on the best device")
     check.add_argument("--dtypes", type=_dtype_list, default="fp32,fp16,bf16",
                        help="comma-separated: fp32,fp16,bf16")
@@ -361,12 +333,13 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "bench":
         return cmd_bench(args, args.options + rest)
     if args.command == "demo":
-        return cmd_demo(rest)
+        from lmfuse.demo import main as demo_main
+
+        return demo_main(rest)
     if rest:
-        verbs = {"info": info, "check": check, "plan": plan, "tune": tune, "generate": generate}
-        verbs[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
     return {"info": cmd_info, "check": cmd_check, "plan": cmd_plan,
-            "tune": cmd_tune, "generate": cmd_generate}[args.command](args)
+            "tune": cmd_tune, "generate": generate_cli.run}[args.command](args)
 
 
 if __name__ == "__main__":

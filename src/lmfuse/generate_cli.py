@@ -321,8 +321,7 @@ class _Progress:
     plain status line without tqdm; nothing otherwise."""
 
     def __init__(self, total: int) -> None:
-        self.bar = None
-        self.plain = False
+        self.bar, self.plain = None, False
         self.total, self.done = total, 0
         self.start = self.shown = time.perf_counter()
         if not _stderr_is_tty():
