@@ -107,13 +107,10 @@ class Shape(NamedTuple):
                 + (" ragged" if self.ragged else ""))
 
 
+EVERY_LAYOUT = ("contiguous", "contiguous fp8", "paged16", "paged16 fp8", "paged64", "paged64 fp8")
 FULL = [
-    Shape("batch", B=64, Hq=32, S=4096,
-          layouts=("contiguous", "contiguous fp8", "paged16", "paged16 fp8", "paged64",
-                   "paged64 fp8")),
-    Shape("long", B=1, Hq=32, S=131072,
-          layouts=("contiguous", "contiguous fp8", "paged16", "paged16 fp8", "paged64",
-                   "paged64 fp8")),
+    Shape("batch", B=64, Hq=32, S=4096, layouts=EVERY_LAYOUT),
+    Shape("long", B=1, Hq=32, S=131072, layouts=EVERY_LAYOUT),
     Shape("long", B=1, Hq=64, S=131072, layouts=("paged16", "paged16 fp8")),
     Shape("multi", B=4, Hq=64, S=32768, s_active=4,
           layouts=("contiguous", "paged16", "paged16 fp8")),
@@ -353,10 +350,6 @@ def build_cases(device: torch.device, quick: bool, filters: list[str]
     return cases, info
 
 
-def _verdict(ok: Optional[bool]) -> str:
-    return "met" if ok else "MISSED"
-
-
 def check_targets(results: list[Result], info: dict[str, CaseInfo], copy_bw: float,
                   judge: bool) -> None:
     """Prints, per case, lmfuse's TB/s as a share of the copy's, the fastest peer's time as
@@ -409,8 +402,9 @@ def check_targets(results: list[Result], info: dict[str, CaseInfo], copy_bw: flo
                 continue
             if not meta.check_ok:
                 ok, text = False, f"{text} (output check failed)"
-            tally[_verdict(ok)] += 1
-            texts.append(f"{text}: {_verdict(ok)}")
+            verdict = "met" if ok else "MISSED"
+            tally[verdict] += 1
+            texts.append(f"{text}: {verdict}")
         if judge and texts:
             ours.note = f"{ours.note}; target " + "; ".join(texts)
         peer_s = (f"{fastest.impl:<14} {fastest.ratio:8.2f}" if fastest

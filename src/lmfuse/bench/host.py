@@ -169,8 +169,12 @@ def _detached(args: tuple) -> tuple:
     return tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
 
 
-def _path(op: str, device: torch.device) -> str:
-    return "path " + select_impl(op, "auto", device)[0]
+def _spec(inp: Inputs, name: str, inputs: str, ours: Call, plain: Call, formula: str,
+          grad: Optional[torch.Tensor], training: bool = True) -> OpSpec:
+    """Op ``name``'s ``lmfuse`` row (noted with the path it takes here) and ``torch`` row."""
+    return OpSpec(name, inputs, {"lmfuse": ours, "torch": plain},
+                  {"lmfuse": "path " + select_impl(name, "auto", inp.device)[0],
+                   "torch": formula}, grad, training)
 
 
 # --- Liger-Kernel --------------------------------------------------------------------------
@@ -247,11 +251,9 @@ def rms_norm_spec(inp: Inputs, liger: dict) -> OpSpec:
     def plain(x, w):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w
 
-    spec = OpSpec("rms_norm", f"x [{n}, {H}], weight [{H}]",
-                  {"lmfuse": Call(lambda x, w: lmfuse.rms_norm(x, w, eps=EPS), (x, w)),
-                   "torch": Call(plain, (x, w))},
-                  {"lmfuse": _path("rms_norm", inp.device),
-                   "torch": "x * rsqrt(x.pow(2).mean(-1) + eps) * w"}, g)
+    spec = _spec(inp, "rms_norm", f"x [{n}, {H}], weight [{H}]",
+                 Call(lambda x, w: lmfuse.rms_norm(x, w, eps=EPS), (x, w)), Call(plain, (x, w)),
+                 "x * rsqrt(x.pow(2).mean(-1) + eps) * w", g)
     _with_liger(spec, liger, (x.detach().clone().requires_grad_(True),
                               w.detach().clone().requires_grad_(True)))
     xd, wd = x.detach(), w.detach()
@@ -330,9 +332,8 @@ def activation_spec(name: str, inp: Inputs, liger: dict) -> OpSpec:
 
     shapes = f"x [{n}, {K}]" + (f", bias [{K}]" if b is not None else "") + (
         f", weights [{n}, 1]" if w is not None else "")
-    spec = OpSpec(name, shapes, {"lmfuse": Call(act.call, (x, b, w)),
-                                 "torch": Call(plain, (x, b, w))},
-                  {"lmfuse": _path(name, inp.device), "torch": act.formula}, g)
+    spec = _spec(inp, name, shapes, Call(act.call, (x, b, w)), Call(plain, (x, b, w)),
+                 act.formula, g)
     if name in liger:
         _with_liger(spec, liger, (inp.randn(n, f, grad=True), inp.randn(n, f, grad=True), None))
     xd, bd, wd = _detached((x, b, w))
@@ -366,12 +367,9 @@ def softmax_spec(inp: Inputs, liger: dict) -> OpSpec:
     def plain(s):
         return torch.softmax((s * SCALE).masked_fill(hidden, float("-inf")), -1)
 
-    spec = OpSpec("fused_softmax", f"scores [{b}, {np_}, {sq}, {sk}], causal, scale {SCALE}",
-                  {"lmfuse": Call(lambda s: lmfuse.fused_softmax(s, scale=SCALE, causal=True),
-                                  (s,)),
-                   "torch": Call(plain, (s,))},
-                  {"lmfuse": _path("fused_softmax", inp.device),
-                   "torch": "softmax((s * scale).masked_fill(causal, -inf), -1)"}, g)
+    spec = _spec(inp, "fused_softmax", f"scores [{b}, {np_}, {sq}, {sk}], causal, scale {SCALE}",
+                 Call(lambda s: lmfuse.fused_softmax(s, scale=SCALE, causal=True), (s,)),
+                 Call(plain, (s,)), "softmax((s * scale).masked_fill(causal, -inf), -1)", g)
     sd = s.detach()
 
     def resolve():
@@ -399,11 +397,9 @@ def cross_entropy_spec(inp: Inputs, liger: dict) -> OpSpec:
     n, V = ROWS, VOCAB
     x = inp.randn(n, V, grad=True)
     t = torch.randint(0, V, (n,), device=inp.device)
-    spec = OpSpec("cross_entropy", f"logits [{n}, {V}], target [{n}]",
-                  {"lmfuse": Call(lmfuse.cross_entropy, (x, t)),
-                   "torch": Call(F.cross_entropy, (x, t))},
-                  {"lmfuse": _path("cross_entropy", inp.device),
-                   "torch": "F.cross_entropy(logits, target)"}, None)
+    spec = _spec(inp, "cross_entropy", f"logits [{n}, {V}], target [{n}]",
+                 Call(lmfuse.cross_entropy, (x, t)), Call(F.cross_entropy, (x, t)),
+                 "F.cross_entropy(logits, target)", None)
     # Liger writes the gradient over its logits: its own copy.
     _with_liger(spec, liger, (x.detach().clone().requires_grad_(True), t))
     xd = x.detach()
@@ -438,11 +434,11 @@ def linear_cross_entropy_spec(inp: Inputs, liger: dict) -> OpSpec:
     h = inp.randn(n, H, grad=True)
     w = inp.randn(V, H, scale=H ** -0.5, grad=True)
     t = torch.randint(0, V, (n,), device=inp.device)
-    spec = OpSpec("linear_cross_entropy", f"hidden [{n}, {H}], weight [{V}, {H}], target [{n}]",
-                  {"lmfuse": Call(lmfuse.linear_cross_entropy, (h, w, t)),
-                   "torch": Call(lambda h, w, t: F.cross_entropy(F.linear(h, w), t), (h, w, t))},
-                  {"lmfuse": _path("linear_cross_entropy", inp.device),
-                   "torch": "F.cross_entropy(F.linear(hidden, weight), target)"}, None)
+    spec = _spec(inp, "linear_cross_entropy",
+                 f"hidden [{n}, {H}], weight [{V}, {H}], target [{n}]",
+                 Call(lmfuse.linear_cross_entropy, (h, w, t)),
+                 Call(lambda h, w, t: F.cross_entropy(F.linear(h, w), t), (h, w, t)),
+                 "F.cross_entropy(F.linear(hidden, weight), target)", None)
     _with_liger(spec, liger, (h.detach().clone().requires_grad_(True),
                               w.detach().clone().requires_grad_(True), t))
     hd, wd = h.detach(), w.detach()
@@ -477,12 +473,10 @@ def moe_spec(inp: Inputs, liger: dict) -> OpSpec:
         return (y * rw.unsqueeze(-1)).sum(1)
 
     args = (hidden, ids, rw, wgu, wdn)
-    spec = OpSpec("moe_experts",
-                  f"hidden [{T}, {H}], expert_ids [{T}, {k}], E {E}, F {Fd}, swiglu",
-                  {"lmfuse": Call(lmfuse.moe_experts, args), "torch": Call(plain, args)},
-                  {"lmfuse": _path("moe_experts", inp.device),
-                   "torch": "einsum with w[expert_ids] gathered per (token, slot), no host "
-                            "sync"}, g)
+    spec = _spec(inp, "moe_experts",
+                 f"hidden [{T}, {H}], expert_ids [{T}, {k}], E {E}, F {Fd}, swiglu",
+                 Call(lmfuse.moe_experts, args), Call(plain, args),
+                 "einsum with w[expert_ids] gathered per (token, slot), no host sync", g)
     hd, _, rwd, wgud, wdd = _detached(args)
 
     def resolve():
@@ -520,13 +514,10 @@ def decode_spec(inp: Inputs, liger: dict) -> OpSpec:
                                               vc.transpose(1, 2), enable_gqa=Hq != Hkv
                                               ).transpose(1, 2)
 
-    spec = OpSpec("decode_attention",
-                  f"q [{B}, 1, {Hq}, {D}], caches [{B}, {S}, {Hkv}, {D}] full",
-                  {"lmfuse": Call(lmfuse.decode_attention, (q, kc, vc, lens)),
-                   "torch": Call(plain, (q, kc, vc))},
-                  {"lmfuse": _path("decode_attention", inp.device),
-                   "torch": "SDPA over the cache's transposed views (enable_gqa)"}, None,
-                  training=False)
+    spec = _spec(inp, "decode_attention",
+                 f"q [{B}, 1, {Hq}, {D}], caches [{B}, {S}, {Hkv}, {D}] full",
+                 Call(lmfuse.decode_attention, (q, kc, vc, lens)), Call(plain, (q, kc, vc)),
+                 "SDPA over the cache's transposed views (enable_gqa)", None, training=False)
 
     def resolve():
         return ops._resolve(q, kc, vc, lens, None, None, None, None, None, None, False, None,
@@ -554,13 +545,11 @@ def append_spec(inp: Inputs, liger: dict) -> OpSpec:
         kc.index_copy_(1, pos, kn)
         vc.index_copy_(1, pos, vn)
 
-    spec = OpSpec("kv_cache_append",
-                  f"k_new, v_new [{B}, 1, {Hkv}, {D}] into caches [{B}, {S}, {Hkv}, {D}]",
-                  {"lmfuse": Call(lmfuse.kv_cache_append, (kc, vc, kn, vn, lens)),
-                   "torch": Call(plain, (kc, vc, kn, vn))},
-                  {"lmfuse": _path("kv_cache_append", inp.device),
-                   "torch": "k_cache.index_copy_(1, pos, k_new), the same for v"}, None,
-                  training=False)
+    spec = _spec(inp, "kv_cache_append",
+                 f"k_new, v_new [{B}, 1, {Hkv}, {D}] into caches [{B}, {S}, {Hkv}, {D}]",
+                 Call(lmfuse.kv_cache_append, (kc, vc, kn, vn, lens)),
+                 Call(plain, (kc, vc, kn, vn)),
+                 "k_cache.index_copy_(1, pos, k_new), the same for v", None, training=False)
     spec.checks_note = ("none: kv_cache_append checks inline (no separate resolve "
                         "function)")
 
@@ -581,12 +570,9 @@ def merge_spec(inp: Inputs, liger: dict) -> OpSpec:
         lse = torch.logsumexp(lses, 0)
         return (torch.exp(lses - lse).unsqueeze(-1) * outs).sum(0), lse
 
-    spec = OpSpec("merge_attention_states", f"outs [{P}, {R}, {D}], lses [{P}, {R}] float32",
-                  {"lmfuse": Call(lmfuse.merge_attention_states, (outs, lses)),
-                   "torch": Call(plain, (outs, lses))},
-                  {"lmfuse": _path("merge_attention_states", inp.device),
-                   "torch": "logsumexp over the partials, exp-weighted sum"}, None,
-                  training=False)
+    spec = _spec(inp, "merge_attention_states", f"outs [{P}, {R}, {D}], lses [{P}, {R}] float32",
+                 Call(lmfuse.merge_attention_states, (outs, lses)), Call(plain, (outs, lses)),
+                 "logsumexp over the partials, exp-weighted sum", None, training=False)
     spec.checks = lambda: ops._resolve_merge(outs, lses, "auto")
     spec.checks_note = "attention.ops._resolve_merge"
 

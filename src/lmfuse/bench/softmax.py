@@ -101,18 +101,10 @@ def build_cases(device: torch.device, quick: bool) -> list[Case]:
         return [make_case(s, torch.float32, device, kind=k, backward=bw)
                 for k in ("causal", "plain") for bw in (False, True)]
     a, big, long_rows = (4, 32, 2048, 2048), (1, 16, 8192, 8192), (2, 8, 128, 65536)
-    return [
-        make_case(a, bf16, device, kind="causal", backward=False),
-        make_case(a, bf16, device, kind="causal", backward=True),
-        make_case(a, bf16, device, kind="plain", backward=False),
-        make_case(a, bf16, device, kind="plain", backward=True),
-        make_case(a, bf16, device, kind="padding", backward=False),
-        make_case(a, bf16, device, kind="causal+sink", backward=True),
-        make_case(big, bf16, device, kind="causal", backward=False),
-        make_case(big, bf16, device, kind="causal", backward=True),
-        make_case(big, bf16, device, kind="plain", backward=False),
-        make_case(long_rows, bf16, device, kind="plain", backward=False),
-    ]
+    cases = [(a, "causal", False), (a, "causal", True), (a, "plain", False), (a, "plain", True),
+             (a, "padding", False), (a, "causal+sink", True), (big, "causal", False),
+             (big, "causal", True), (big, "plain", False), (long_rows, "plain", False)]
+    return [make_case(s, bf16, device, kind=k, backward=bw) for s, k, bw in cases]
 
 
 def main(argv: list[str] | None = None) -> int:
