@@ -74,7 +74,7 @@ def test_bucket_config_layers(tuning_cache, monkeypatch) -> None:
                              "buckets": [[10, {}], [100, {"row_multiple": 4}]]}},
         "h100": {FAMILY: {"chunk_bytes": 200, "buckets": [[100, {"chunk_bytes": 300}]]}},
     }
-    monkeypatch.setattr(tuning, "_load", lambda key: tables.get(key, {}))
+    monkeypatch.setattr(tuning, "_TABLES", tables)
     monkeypatch.setattr(tuning, "_cached_key", lambda device: "h100")
     assert tuning.bucket_config(FAMILY, CPU, 5)[0] == {
         "chunk_bytes": 200, "row_multiple": 1, "kernel": None}

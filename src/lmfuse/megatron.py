@@ -269,16 +269,11 @@ def bias_swiglu_impl(input: torch.Tensor, bias, fp8_input_store: bool = False,
     _tokens_2d_or_3d("bias_swiglu_impl", input)
     clamp = _megatron_clamp(clamp_value)
     if clamp is not None and bias is not None:
-        return act.swiglu(_biased_fp32(input, bias), None, fp8_input_store=fp8_input_store,
+        return act.swiglu(input.float() + bias.float(), None, fp8_input_store=fp8_input_store,
                           cpu_offload_input=cpu_offload_input,
                           clamp_value=clamp).to(input.dtype)
     return act.swiglu(input, bias, fp8_input_store=fp8_input_store,
                       cpu_offload_input=cpu_offload_input, clamp_value=clamp)
-
-
-def _biased_fp32(input: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """``input + bias`` in float32 (Megatron's clamped SwiGLU adds its bias unrounded)."""
-    return input.float() + bias.float()
 
 
 def bias_geglu_impl(input: torch.Tensor, bias) -> torch.Tensor:
@@ -294,7 +289,7 @@ def weighted_bias_swiglu_impl(input: torch.Tensor, bias, weights: torch.Tensor,
     _tokens_2d_or_3d("weighted_bias_swiglu_impl", input)
     clamp = _megatron_clamp(clamp_value)
     if clamp is not None and bias is not None:
-        return act.weighted_swiglu(_biased_fp32(input, bias), weights, None,
+        return act.weighted_swiglu(input.float() + bias.float(), weights, None,
                                    fp8_input_store=fp8_input_store,
                                    clamp_value=clamp).to(input.dtype)
     return act.weighted_swiglu(input, weights, bias, fp8_input_store=fp8_input_store,

@@ -54,14 +54,10 @@ _TABLES: dict[str, dict[str, Any]] = {
     path.stem: json.loads(path.read_text()) for path in sorted(_HERE.glob("*.json"))}
 
 
-def _load(key: str) -> dict[str, Any]:
-    return _TABLES.get(key, {})
-
-
 def table(family: str, device: torch.device) -> dict[str, Any]:
     """The tuning section for ``family`` on ``device``: the device's values over the defaults."""
-    merged = dict(_load("default").get(family, {}))
-    merged.update(_load(_cached_key(device)).get(family, {}))
+    merged = dict(_TABLES["default"].get(family, {}))
+    merged.update(_TABLES.get(_cached_key(device), {}).get(family, {}))
     return merged
 
 
@@ -209,7 +205,7 @@ def reload() -> None:
 
 def bucket_limits(family: str) -> list[int]:
     """The ascending bucket limits of ``family`` (from ``default.json``)."""
-    return [int(limit) for limit, _ in _load("default")[family]["buckets"]]
+    return [int(limit) for limit, _ in _TABLES["default"][family]["buckets"]]
 
 
 def bucket_of(family: str, size: int) -> int:
@@ -228,9 +224,9 @@ def bucket_config(family: str, device: torch.device, size: int) -> tuple[dict[st
     """
     limit = bucket_of(family, size)
     key = _cached_key(device)
-    layers = [("default.json", _load("default").get(family, {}))]
+    layers = [("default.json", _TABLES["default"].get(family, {}))]
     if key not in ("default", "cpu"):
-        layers.append((f"{key}.json", _load(key).get(family, {})))
+        layers.append((f"{key}.json", _TABLES.get(key, {}).get(family, {})))
     layers.append(("user cache " + _USER["name"], _user_section(family, device)))
     config: dict[str, Any] = {}
     sources = []
