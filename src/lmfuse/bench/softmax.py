@@ -49,14 +49,6 @@ def _megatron(causal: bool, scale: float, dtype: torch.dtype):
     )
 
 
-def _visible(b, np_, sq, sk, causal):
-    if not causal:
-        return b * np_ * sq * sk
-    # query i sees keys 0 .. i + sk - sq
-    per_head = sum(min(sk, i + sk - sq + 1) for i in range(sq))
-    return b * np_ * per_head
-
-
 def make_case(shape, dtype, device, *, kind: str, backward: bool) -> Case:
     b, np_, sq, sk = shape
     scale = 1.0 / 8.0
@@ -69,7 +61,9 @@ def make_case(shape, dtype, device, *, kind: str, backward: bool) -> Case:
     if kind == "causal+sink":
         offset = torch.randn(np_, device=device, dtype=torch.float32).requires_grad_(backward)
     elt = x.element_size()
-    n, v = b * np_ * sq * sk, _visible(b, np_, sq, sk, causal)
+    # visible keys: causal query i sees keys 0 .. i + sk - sq
+    n = b * np_ * sq * sk
+    v = b * np_ * sum(min(sk, i + sk - sq + 1) for i in range(sq)) if causal else n
     nbytes = (v + n) * elt + ((2 * v + n) * elt if backward else 0)
 
     def wrap(f):

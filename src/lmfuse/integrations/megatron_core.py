@@ -470,10 +470,11 @@ def _te_class(m: torch.nn.Module) -> Optional[type]:
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The model inside Megatron's (or torch's) wrappers: DDP, Float16Module, FSDP hold it
     at ``.module``."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.transformer.module import MegatronModule
 
     seen = 0
-    while (seen < 8 and not _is_language_model(model)
+    while (seen < 8 and not isinstance(model, LanguageModule)
            and isinstance(getattr(model, "module", None), torch.nn.Module)
            and not isinstance(model, torch.nn.ModuleList)):
         model, seen = model.module, seen + 1
@@ -482,12 +483,6 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
                         f"MegatronModule holding its modules, wrapped or not), got "
                         f"{type(model).__module__}.{type(model).__name__}")
     return model
-
-
-def _is_language_model(m: Any) -> bool:
-    from megatron.core.models.common.language_module.language_module import LanguageModule
-
-    return isinstance(m, LanguageModule)
 
 
 def _megatron_version() -> str:

@@ -161,8 +161,9 @@ def _family_of(model: torch.nn.Module) -> _Family | None:
             layout = _experts_layout(m)
             if isinstance(layout, _ExpertsLayout):
                 experts[cls.__name__] = "" if _probe_experts(m, layout) else (
-                    "computes another formula than moe_experts with "
-                    f"{_layout_summary(layout)}")
+                    "computes another formula than moe_experts with activation="
+                    f"{layout.activation}, linear_offset={layout.linear_offset}, clamp_value="
+                    f"{layout.clamp_value}, gate_up_layout={layout.gate_up_layout}")
             elif layout is not None:
                 experts[cls.__name__] = layout
     return _Family(norms, frozenset(mlps), experts)
@@ -422,11 +423,6 @@ class _ExpertsLayout(NamedTuple):
     linear_offset: float
     clamp_value: float | None
     gate_up_layout: str  # "halves" or "interleaved"
-
-
-def _layout_summary(layout: _ExpertsLayout) -> str:
-    return (f"activation={layout.activation}, linear_offset={layout.linear_offset}, "
-            f"clamp_value={layout.clamp_value}, gate_up_layout={layout.gate_up_layout}")
 
 
 def _number(v: Any) -> float | None:
@@ -725,10 +721,6 @@ def _fields_of(c: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(c)) if dataclasses.is_dataclass(c) else ()
 
 
-def _output_fields(cls: type) -> tuple[str, ...]:
-    return _fields_of(_output_class(cls))
-
-
 def _forward_with_loss(model: Any, a: dict[str, Any], var_kw: str | None) -> Any:
     """The causal LM's forward with labels: base model, then the fused loss; ``logits=None``.
 
@@ -752,8 +744,9 @@ def _forward_with_loss(model: Any, a: dict[str, Any], var_kw: str | None) -> Any
         ignore_index=extra.get("ignore_index", -100),
         softcap=_final_softcap(model),
         impl=model._lmfuse_impl, logits_scaling=_logits_scaling(model))
-    out = _output_class(type(model))(loss=loss, logits=None, **{
-        name: getattr(outputs, name) for name in _output_fields(type(model))
+    output_class = _output_class(type(model))
+    out = output_class(loss=loss, logits=None, **{
+        name: getattr(outputs, name) for name in _fields_of(output_class)
         if name not in ("loss", "logits", "aux_loss") and hasattr(outputs, name)})
     return out if return_dict else out.to_tuple()
 
