@@ -368,3 +368,10 @@ def check_int(op: str, name: str, value: Any, *, minimum: int | None = None) -> 
     if minimum is not None and value < minimum:
         raise ValueError(f"{op}: {name} must be >= {minimum}, got {value}")
     return value
+
+
+def check_choice(op: str, name: str, value: Any, choices: Sequence[str]) -> str:
+    """``value`` if it is one of the strings ``choices``, else ``ValueError`` naming them."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{op}: {name} must be one of {tuple(choices)}, got {value!r}")
+    return value

@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import tuning
-from .._dispatch import (Plan, ResolvedCall, check_int, check_number, check_tensor, checked_once,
-                         cpu_fast, native_cpu, once_differentiable, planner_of,
-                         select_impl, value_checks)
+from .._dispatch import (Plan, ResolvedCall, check_choice, check_int, check_number,
+                         check_tensor, checked_once, cpu_fast, native_cpu, once_differentiable,
+                         planner_of, select_impl, value_checks)
 from .._launch import INDEX_DTYPES, cdiv, dtype_name, kernel_op, lazy_kernels, next_pow2
 from .._nvtx import nvtx_range
 from .._collectives import group_rank, group_size
@@ -524,8 +524,7 @@ def _scalar_options(ignore_index, label_smoothing, z_loss, softcap, reduction, i
     cap = check_number(_OP, "softcap", softcap)
     if cap is not None and cap <= 0:
         raise ValueError(f"{_OP}: softcap must be None or > 0, got {cap}")
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"{_OP}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    check_choice(_OP, "reduction", reduction, _REDUCTIONS)
     if not isinstance(inplace_backward, bool):
         raise TypeError(f"{_OP}: inplace_backward must be a bool, got {inplace_backward!r}")
     for name, flag in (("return_z_loss", return_z_loss),

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .._dispatch import IMPLS, check_int, check_number, check_tensor
+from .._dispatch import IMPLS, check_choice, check_int, check_number, check_tensor
 from .ops import rms_norm
 
 
@@ -42,8 +42,7 @@ class RMSNorm(nn.Module):
         if not isinstance(elementwise_affine, bool):
             raise TypeError(f"{op}: elementwise_affine must be a bool, got "
                             f"{elementwise_affine!r}")
-        if not isinstance(impl, str) or impl not in IMPLS:
-            raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
+        check_choice(op, "impl", impl, IMPLS)
         self.elementwise_affine = elementwise_affine
         self.impl = impl
         if elementwise_affine:

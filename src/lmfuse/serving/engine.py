@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .._dispatch import IMPLS, check_int, check_number
+from .._dispatch import IMPLS, check_choice, check_int, check_number
 from .._launch import KERNEL_DTYPES
 from ..attention.kv_cache import KVCacheFullError, PagedKVCache
 from .attention import ATTENTION_NAME, paged_attention
@@ -88,11 +88,8 @@ class Generator:
         fraction = check_number(OP, "memory_fraction", memory_fraction, allow_none=False)
         if not 0.0 < fraction <= 1.0:
             raise ValueError(f"{OP}: memory_fraction must be in (0, 1], got {memory_fraction}")
-        if not isinstance(impl, str) or impl not in IMPLS:
-            raise ValueError(f"{OP}: impl must be one of {IMPLS}, got {impl!r}")
-        if decode_path not in DECODE_PATHS:
-            raise ValueError(f"{OP}: decode_path must be one of {DECODE_PATHS}, got "
-                             f"{decode_path!r}")
+        check_choice(OP, "impl", impl, IMPLS)
+        check_choice(OP, "decode_path", decode_path, DECODE_PATHS)
         if kvdp_group is not None and cp_group is not None:
             raise ValueError(f"{OP}: pass kvdp_group or cp_group, not both")
         if cp_group is not None:
