@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._dispatch import (IMPLS, check_int, check_number, check_same_device, check_tensor,
-                         select_impl)
+from .._dispatch import (IMPLS, check_choice, check_int, check_number, check_same_device,
+                         check_tensor, select_impl)
 from .._launch import (FP8_DTYPES, INDEX_DTYPES, KERNEL_DTYPES, dtype_name, kernel_op,
                        lazy_kernels, next_pow2)
 from . import ops
@@ -65,9 +65,6 @@ def _check_step(op: str, dtype: torch.dtype, B: int, s_active: int, Hq: int, Hkv
     if Hkv_cache != Hkv:
         raise ValueError(f"{op}: the caches have {Hkv_cache} KV heads but num_kv_heads is "
                          f"{Hkv}: k_cache {tuple(k_cache.shape)}")
-    if k_cache.dtype != v_cache.dtype:
-        raise TypeError(f"{op}: k_cache is {dtype_name(k_cache.dtype)} but v_cache is "
-                        f"{dtype_name(v_cache.dtype)}; they must have one dtype")
     ops._check_seqlens(op, cache_seqlens, B)
     ops._check_scales(op, k_scale, v_scale, Hkv, k_cache.dtype)
     if positions is not None:
@@ -292,14 +289,6 @@ def qk_norm_rope_append(
 # --- the module -------------------------------------------------------------------------------
 
 
-def _positive_int(op: str, name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{op}: {name} must be >= 1, got {value}")
-    return value
-
-
 class DecodeAttentionBlock(nn.Module):
     """The attention block of a decoding step: RMSNorm -> fused QKV projection -> per-head
     q/k RMSNorm -> rotary embedding -> KV-cache append -> decode attention -> output
@@ -369,9 +358,9 @@ class DecodeAttentionBlock(nn.Module):
                  impl: str = "auto") -> None:
         super().__init__()
         op = "DecodeAttentionBlock"
-        hidden_size = _positive_int(op, "hidden_size", hidden_size)
-        num_heads = _positive_int(op, "num_heads", num_heads)
-        num_kv_heads = _positive_int(op, "num_kv_heads", num_kv_heads)
+        hidden_size = check_int(op, "hidden_size", hidden_size, minimum=1)
+        num_heads = check_int(op, "num_heads", num_heads, minimum=1)
+        num_kv_heads = check_int(op, "num_kv_heads", num_kv_heads, minimum=1)
         if num_heads % num_kv_heads:
             raise ValueError(f"{op}: num_heads ({num_heads}) must be a multiple of "
                              f"num_kv_heads ({num_kv_heads}) (GQA)")
@@ -380,15 +369,15 @@ class DecodeAttentionBlock(nn.Module):
                 raise ValueError(f"{op}: hidden_size ({hidden_size}) is not a multiple of "
                                  f"num_heads ({num_heads}); pass head_dim")
             head_dim = hidden_size // num_heads
-        head_dim = _positive_int(op, "head_dim", head_dim)
+        head_dim = check_int(op, "head_dim", head_dim, minimum=1)
         for name, flag in (("input_norm", input_norm), ("qk_norm", qk_norm), ("rope", rope),
                            ("rope_interleaved", rope_interleaved), ("qkv_bias", qkv_bias),
                            ("out_bias", out_bias), ("sinks", sinks)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{op}: {name} must be a bool, got {type(flag).__name__}")
         if rope:
-            rotary_dim = head_dim if rotary_dim is None else _positive_int(
-                op, "rotary_dim", rotary_dim)
+            rotary_dim = head_dim if rotary_dim is None else check_int(
+                op, "rotary_dim", rotary_dim, minimum=1)
             if rotary_dim % 2 or rotary_dim > head_dim:
                 raise ValueError(f"{op}: rotary_dim must be even and <= head_dim "
                                  f"({head_dim}), got {rotary_dim}")
@@ -403,8 +392,7 @@ class DecodeAttentionBlock(nn.Module):
         if window_size is not None:
             check_int(op, "window_size", window_size, minimum=0)
         scale = check_number(op, "scale", scale)
-        if not isinstance(impl, str) or impl not in IMPLS:
-            raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
+        check_choice(op, "impl", impl, IMPLS)
 
         self.hidden_size, self.num_heads, self.num_kv_heads = hidden_size, num_heads, num_kv_heads
         self.head_dim = head_dim
