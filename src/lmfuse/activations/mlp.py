@@ -8,17 +8,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._dispatch import check_number, check_tensor, cpu_fast
+from .._dispatch import check_choice, check_number, check_tensor, cpu_fast
 from . import ops
 from .reference import activation_reference
 
-# name -> (reference activation, gated, takes a bias, weighted op or None)
+# name -> (reference activation, gated, takes a bias, op, weighted op or None)
 _KINDS = {
-    "gelu": ("gelu", False, True, None),
-    "swiglu": ("silu", True, True, ops.weighted_swiglu),
-    "geglu": ("gelu", True, True, None),
-    "quick_geglu": ("quick_gelu", True, True, ops.weighted_quick_geglu),
-    "squared_relu": ("squared_relu", False, False, ops.weighted_squared_relu),
+    "gelu": ("gelu", False, True, ops.bias_gelu, None),
+    "swiglu": ("silu", True, True, ops.swiglu, ops.weighted_swiglu),
+    "geglu": ("gelu", True, True, ops.geglu, None),
+    "quick_geglu": ("quick_gelu", True, True, ops.quick_geglu, ops.weighted_quick_geglu),
+    "squared_relu": ("squared_relu", False, False, ops.squared_relu, ops.weighted_squared_relu),
 }
 
 
@@ -52,9 +52,7 @@ class FusedMLP(nn.Module):
                  gate_multiplier: float = 1.0, down_multiplier: float = 1.0,
                  impl: str = "auto", device=None, dtype=None) -> None:
         super().__init__()
-        if activation not in _KINDS:
-            raise ValueError(f"FusedMLP: activation must be one of {sorted(_KINDS)}, "
-                             f"got {activation!r}")
+        check_choice("FusedMLP", "activation", activation, tuple(_KINDS))
         for name, v in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"FusedMLP: {name} must be a positive int, got {v!r}")
@@ -75,7 +73,7 @@ class FusedMLP(nn.Module):
         self.linear_offset, self.clamp_value = linear_offset, clamp_value
         self.fp8_input_store = fp8_input_store
         self.gate_multiplier, self.down_multiplier = gate_multiplier, down_multiplier
-        act, gated, fused_bias, _ = _KINDS[activation]
+        act, gated, fused_bias, _, _ = _KINDS[activation]
         width = 2 * ffn_hidden_size if gated else ffn_hidden_size
         kw = dict(device=device, dtype=dtype)
         self.fc1 = nn.Linear(hidden_size, width, bias=bias and not fused_bias, **kw)
@@ -94,19 +92,14 @@ class FusedMLP(nn.Module):
                         down_multiplier=self.down_multiplier)
         if name in ("swiglu", "geglu", "quick_geglu"):
             opts["fp8_input_store"] = self.fp8_input_store
-        weighted = _KINDS[name][3]
-        if weights is not None:
-            if weighted is None:
-                raise ValueError(f"FusedMLP: per-token weights need a weighted activation "
-                                 f"(swiglu, quick_geglu, squared_relu), got {name!r}")
-            if name == "squared_relu":
-                return weighted(h, weights, impl=self.impl)
-            return weighted(h, weights, bias1, impl=self.impl, **opts)
-        fn = {"gelu": ops.bias_gelu, "swiglu": ops.swiglu, "geglu": ops.geglu,
-              "quick_geglu": ops.quick_geglu}.get(name)
-        if fn is None:
-            return ops.squared_relu(h, impl=self.impl)
-        return fn(h, bias1, impl=self.impl, **opts)
+        _, _, fused_bias, fn, weighted = _KINDS[name]
+        args = [h] if weights is None else [h, weights]
+        if weights is not None and weighted is None:
+            raise ValueError(f"FusedMLP: per-token weights need a weighted activation "
+                             f"(swiglu, quick_geglu, squared_relu), got {name!r}")
+        if fused_bias:  # (squared ReLU takes none: fc1 adds it)
+            args.append(bias1)
+        return (fn if weights is None else weighted)(*args, impl=self.impl, **opts)
 
     def _check(self, x: torch.Tensor, weights: Optional[torch.Tensor]) -> None:
         """x (and the routing weights) against the module's parameters: errors name the
@@ -153,7 +146,7 @@ class FusedMLP(nn.Module):
                           weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The same module unfused (plain torch, the activation's reference): what
         ``forward`` must equal, outputs and gradients."""
-        act, gated, _, _ = _KINDS[self.activation]
+        act, gated, _, _, _ = _KINDS[self.activation]
         h = F.linear(x, self.fc1.weight, self.fc1.bias)
         w = None if weights is None else weights.reshape(-1, 1)
         y = activation_reference(h, self.bias1, w, activation=act, gated=gated,
