@@ -527,22 +527,19 @@ class ModelRunner:
                 where = (f" at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}"
                          if frames else "")
                 self.graph_failure = f"{type(e).__name__}: {e}{where}"
-                if prefill:
-                    warnings.warn(f"lmfuse.serving: a prefill could not be captured in a CUDA "
-                                  f"graph ({self.graph_failure}); prefilling eagerly",
-                                  RuntimeWarning, stacklevel=3)
-                    return None
-                if self.sharded:
+                what, how = ("a prefill", "prefilling") if prefill else ("the decode step",
+                                                                           "decoding")
+                if self.sharded:  # (decode steps: the fused prefills do not run sharded)
                     # Over a split cache a rank cannot go eager alone: its next steps would
                     # issue other collectives than its peers' warm-ups and replays (a hang,
                     # or partials paired with padding). Raise on this rank.
                     raise RuntimeError(
-                        f"lmfuse.serving: the decode step could not be captured in a CUDA "
-                        f"graph ({self.graph_failure}); over a split cache every rank must "
+                        f"lmfuse.serving: {what} could not be captured in a CUDA graph "
+                        f"({self.graph_failure}); over a split cache every rank must "
                         "capture alike: pass cuda_graphs=False to decode eagerly") from e
-                warnings.warn(f"lmfuse.serving: the decode step could not be captured in a "
-                              f"CUDA graph ({self.graph_failure}); decoding eagerly",
-                              RuntimeWarning, stacklevel=3)
+                warnings.warn(f"lmfuse.serving: {what} could not be captured in a CUDA graph "
+                              f"({self.graph_failure}); {how} eagerly", RuntimeWarning,
+                              stacklevel=3)
                 return None
         return self._graphs[key]
 

@@ -126,18 +126,18 @@ class Scheduler:
             seq, cached = self._place(tokens)
             todo = len(tokens) - cached
             if admitted and todo > budget:
-                self._drop(seq)
+                self.cache.free(seq)
                 break
             chunked = not admitted and todo > budget and self.chunk_prefill
             try:
                 self.cache.reserve(seq, todo)
             except KVCacheFullError:
-                self._drop(seq)
+                self.cache.free(seq)
                 break
             # Keep a block of growth for every running request (and this one).
             if self.cache.num_free_blocks < len(self.running) + len(admitted) + 1 and (
                     self.running or admitted):
-                self._drop(seq)
+                self.cache.free(seq)
                 break
             self.waiting.popleft()
             req.seq_id, req.num_cached, req.status = seq, cached, Status.RUNNING
@@ -152,9 +152,6 @@ class Scheduler:
             return None
         self.running.extend(admitted)
         return Batch("prefill", admitted, new)
-
-    def _drop(self, seq: int) -> None:
-        self.cache.free(seq)
 
     def _next_chunk(self) -> Batch:
         """The prefilling request's next ``max_prefill_tokens`` tokens (the caller adds
@@ -181,7 +178,7 @@ class Scheduler:
                     continue
                 if len(self.running) == 1:  # cannot happen: a request's length fits the pool
                     raise
-                self._preempt(self.running[-1])
+                self._requeue(self.running.pop())
 
     def width(self, ahead: int = 0) -> int | None:
         """The block-table width of the running requests' next decode step (a power of two,
@@ -192,10 +189,6 @@ class Scheduler:
         bl = self.cache.block_len
         widest = max(cdiv(r.num_cached + 1 + ahead, bl) for r in self.running)
         return min(next_pow2(widest), self.max_blocks) if widest <= self.max_blocks else None
-
-    def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
-        self._requeue(request)
 
     def _requeue(self, request: Request) -> None:
         self._release(request)
