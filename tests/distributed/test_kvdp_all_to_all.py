@@ -155,7 +155,7 @@ def check_bad_exchange(f: Failures, group: Any, rank: int, world: int) -> None:
     rank, or differing, raises on every rank with ``check_ranks`` (after its all-gather)."""
     p = full_problem(5, [7, 9, 4, 6], 1, 2 * world, 2, 10, F32)
     q, k, v, lens, _, _, _ = kvdp_share(p, 4, rank, world, 2, None, 5)
-    accepted = r"exchange must be one of 'all_gather', 'all_to_all', got "
+    accepted = r"exchange must be one of \('all_gather', 'all_to_all'\), got "
     for bad in ("alltoall", None):
         raises(f, f"decode exchange={bad!r}", lambda bad=bad: kvdp_decode_attention(
             q, k, v, lens, group=group, exchange=bad), ValueError, accepted + repr(bad), 0)

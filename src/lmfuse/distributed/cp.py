@@ -121,10 +121,7 @@ def cp_cache_append(
         raise ValueError(f"{op}: k_new {tuple(k_new.shape)} and v_new {tuple(v_new.shape)} "
                          "must have one shape")
     B, s_new, Hkv, D = k_new.shape
-    check_tensor(op, "cache_seqlens", cache_seqlens, ndim=1, dtypes=INDEX_DTYPES)
-    if cache_seqlens.shape[0] != B:
-        raise ValueError(f"{op}: cache_seqlens must be [B={B}], got "
-                         f"{tuple(cache_seqlens.shape)}")
+    check_lengths(op, "cache_seqlens", cache_seqlens, B, k_new, ref_name="k_new")
     check_int(op, "cp_block", cp_block, minimum=1)
     check_tensor(op, "k_cache_shard", k_cache_shard, ndim=4, dtypes=None)
     check_tensor(op, "v_cache_shard", v_cache_shard, ndim=4, dtypes=None)
@@ -315,19 +312,17 @@ def validate_cp(op: str, q, k_cache_shard, v_cache_shard, seqlens_shard, cache_s
     check_lengths(op, seqlens_name, seqlens_shard, B, q)
     if cache_seqlens is not None:
         check_lengths(op, "cache_seqlens", cache_seqlens, B, q)
-    wrap_errors(op, lambda: plan_decode_attention(
-        q, k_cache_shard, v_cache_shard, seqlens_shard, block_table=block_table_shard,
-        scale=scale, window_size=window_size, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-        return_lse=return_lse, num_splits=num_splits, impl=impl, softcap=softcap))
-    if check_values:
-        _check_share(op, seqlens_name, seqlens_shard, cache_seqlens, rank, world, cp_block)
-        # The lengths, block ids and scales against the shard (decode_attention's value
-        # checks), here so that a bad rank's error reaches every rank.
+    # With check_values, then the counts against cache_seqlens and the lengths, block ids
+    # and scales against the shard (decode_attention's value checks), here so that a bad
+    # rank's error reaches every rank.
+    for values in (False, True) if check_values else (False,):
+        if values:
+            _check_share(op, seqlens_name, seqlens_shard, cache_seqlens, rank, world, cp_block)
         wrap_errors(op, lambda: plan_decode_attention(
             q, k_cache_shard, v_cache_shard, seqlens_shard, block_table=block_table_shard,
             scale=scale, window_size=window_size, sinks=sinks, k_scale=k_scale,
             v_scale=v_scale, return_lse=return_lse, num_splits=num_splits, impl=impl,
-            softcap=softcap, check_values=True))
+            softcap=softcap, check_values=values))
     return [world, B, S, Hq, D, k_cache_shard.shape[2], dtype_code(q.dtype), cp_block,
             sinks is not None, cache_seqlens is not None, return_lse]
 

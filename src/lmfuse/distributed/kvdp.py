@@ -48,7 +48,7 @@ from typing import Any, Optional
 
 import torch
 
-from .._dispatch import check_int, check_tensor
+from .._dispatch import check_choice, check_int, check_tensor
 from .._launch import cdiv
 from ..attention.ops import decode_attention, kv_cache_append, plan_decode_attention
 from .._collectives import (all_gather_stacked, all_reduce_sum, all_to_all_stacked, group_rank,
@@ -62,14 +62,6 @@ _FIELDS = ("group size", "batch B", "s_active", "local query heads Hq_local", "h
            "cp_group (given or not)", "cache_seqlens (given or not)", "exchange")
 
 EXCHANGES = ("all_gather", "all_to_all")
-
-
-def _check_exchange(op: str, exchange: Any) -> int:
-    """``exchange``'s index in :data:`EXCHANGES`, or a ValueError naming the accepted values."""
-    if not isinstance(exchange, str) or exchange not in EXCHANGES:
-        raise ValueError(f"{op}: exchange must be one of {', '.join(map(repr, EXCHANGES))}, "
-                         f"got {exchange!r}")
-    return EXCHANGES.index(exchange)
 
 
 def kvdp_batch_range(batch: int, group: Any) -> tuple[int, int]:
@@ -246,7 +238,7 @@ def kvdp_decode_attention(
               v_scale=v_scale, return_lse=return_lse, num_splits=num_splits, impl=impl,
               softcap=softcap)
     if world == 1 and cp_group is None:
-        _check_exchange(op, exchange)
+        check_choice(op, "exchange", exchange, EXCHANGES)
         check_tensor(op, "q", q, ndim=4)
         _check_local_lengths(op, seqlens_local, cache_seqlens, q.shape[0], group, q, "q")
         return decode_attention(q, k_cache_local, v_cache_local, seqlens_local,
@@ -256,7 +248,7 @@ def kvdp_decode_attention(
     cp_facts: list[list[int]] = []  # validate_cp's, for the check over cp_group
 
     def validate() -> list[int]:
-        exchange_code = _check_exchange(op, exchange)
+        exchange_code = EXCHANGES.index(check_choice(op, "exchange", exchange, EXCHANGES))
         check_tensor(op, "q", q, ndim=4)
         check_no_grad(op, q, sinks)
         B, S, Hq_local, D = q.shape
@@ -371,7 +363,7 @@ def kvdp_cache_append(
     ``kvdp_batch_range(B, group)`` of ``k_new``/``v_new``.
     """
     op = "kvdp_cache_append"
-    _check_exchange(op, exchange)
+    check_choice(op, "exchange", exchange, EXCHANGES)
     check_tensor(op, "k_new", k_new, ndim=4)
     check_tensor(op, "v_new", v_new, ndim=4)
     if k_new.shape != v_new.shape or k_new.dtype != v_new.dtype:
@@ -391,16 +383,11 @@ def kvdp_cache_append(
                                         seqlens_local, block_table=block_table_local, **kw))
     if cp_group is not None:
         check_int(op, "cp_block", cp_block, minimum=1)
-    if world > 1 and exchange == "all_gather":
-        both = all_gather_stacked(torch.stack([k_new, v_new]), group)  # [W, 2, B, s, H, D]
-        both = both.transpose(0, 1)
-        k_new, v_new = _own_rows(both[0], start, stop), _own_rows(both[1], start, stop)
-    elif world > 1:
-        # Row r sent: rank r's sequences; row w received: rank w's KV heads of ours.
-        both = _rows_by_rank(torch.stack([k_new, v_new], dim=1), world)  # [W, most, 2, ...]
-        both = all_to_all_stacked(both, group)[:, :stop - start]  # [W, B_r, 2, s, H, D]
-        k_new = _own_rows(both[:, :, 0], 0, stop - start)
-        v_new = _own_rows(both[:, :, 1], 0, stop - start)
+    if world > 1:  # K and V side by side as 2 * Hkv_local heads: the queries' one exchange
+        both = _exchange_queries(torch.cat([k_new, v_new], dim=2), group, exchange)
+        both = both.view(stop - start, s_new, world, 2, Hkv_local, D)
+        k_new, v_new = (both[:, :, :, i].reshape(stop - start, s_new, world * Hkv_local, D)
+                        for i in (0, 1))
     if group_size(cp_group) == 1:  # no cp_group, or a one-rank one: whole sequences here
         kv_cache_append(k_cache_local, v_cache_local, k_new, v_new, seqlens_local,
                         block_table=block_table_local, **kw)
