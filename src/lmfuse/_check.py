@@ -61,15 +61,23 @@ class CheckCase:
 
 def op_case(op: str, label: str, dtype: torch.dtype, shape: tuple[int, ...],
             inputs: Callable[[], Sequence[torch.Tensor]], fn: Callable[..., torch.Tensor],
-            planner: Callable[..., Plan], *args: Any, **kwargs: Any) -> CheckCase:
+            planner: Callable[..., Plan], *args: Any, keywords: Sequence[str] = (),
+            **kwargs: Any) -> CheckCase:
     """The :class:`CheckCase` of ``fn(*inputs, *args, impl=impl, **kwargs)``, planned by
-    ``planner(*inputs, *args, **kwargs)``: the op's inputs first, then what stays fixed."""
+    ``planner(*inputs, *args, **kwargs)``: the op's inputs first, then what stays fixed.
+    ``keywords``: the names of the last inputs, which go by keyword."""
+
+    def split(xs: Sequence[torch.Tensor]) -> tuple[Sequence[torch.Tensor], dict[str, Any]]:
+        n = len(xs) - len(keywords)
+        return xs[:n], dict(zip(keywords, xs[n:]), **kwargs)
 
     def call(impl: str, *xs: torch.Tensor) -> torch.Tensor:
-        return fn(*xs, *args, impl=impl, **kwargs)
+        given, named = split(xs)
+        return fn(*given, *args, impl=impl, **named)
 
     def plan(*xs: torch.Tensor) -> Plan:
-        return planner(*xs, *args, **kwargs)
+        given, named = split(xs)
+        return planner(*given, *args, **named)
 
     return CheckCase(op, label, dtype, shape, inputs, call, plan)
 

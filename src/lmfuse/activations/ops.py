@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from .. import tuning
 from .._dispatch import (Plan, ResolvedCall, check_number, check_tensor, checked_once, cpu_fast,
-                         float64_fallback, native_cpu, once_differentiable, planner_of,
-                         select_impl)
+                         explain, float64_fallback, native_cpu, once_differentiable,
+                         planner_of, select_impl)
 from .._launch import (cdiv, dtype_name, fp8_capable, kernel_op, lazy_kernels, next_pow2,
                        to_e4m3)
 from .._nvtx import nvtx_range
@@ -651,7 +651,7 @@ def checks(device: torch.device, dtypes) -> list:
     small = device.type != "cuda"
     M, f = (9, 100) if small else (1000, 3000)
 
-    def case(op, fn, planner, label, dtype, gated, weighted, bias, **kw):
+    def case(fn, label, dtype, gated, weighted, bias, **kw):
         K = 2 * f if gated else f
 
         def inputs():
@@ -662,27 +662,24 @@ def checks(device: torch.device, dtypes) -> list:
                 xs.append(torch.randn(K, device=device).to(dtype).requires_grad_(True))
             return xs
 
-        return op_case(op, label, dtype, (M, K), inputs, fn, planner, **kw)
+        # (planned by its registered planner, through explain)
+        return op_case(fn.__name__, label, dtype, (M, K), inputs, fn,
+                       functools.partial(explain, fn), **kw)
 
     cases = []
     for dtype in dtypes:
         cases += [
-            case("bias_gelu", bias_gelu, plan_bias_gelu, "bias", dtype, False, False, True),
-            case("swiglu", swiglu, plan_swiglu, "bias", dtype, True, False, True),
-            case("swiglu", swiglu, plan_swiglu, "fp8 store", dtype, True, False, False,
-                 fp8_input_store=True),
-            case("swiglu", swiglu, plan_swiglu, "multipliers", dtype, True, False, True,
-                 gate_multiplier=0.5, down_multiplier=2.0),
-            case("geglu", geglu, plan_geglu, "bias", dtype, True, False, True),
-            case("quick_geglu", quick_geglu, plan_quick_geglu, "offset+clamp", dtype, True,
-                 False, True, linear_offset=1.0, clamp_value=1.5),
-            case("weighted_swiglu", weighted_swiglu, plan_weighted_swiglu, "fp32 weights",
-                 dtype, True, True, False),
-            case("weighted_quick_geglu", weighted_quick_geglu, plan_weighted_quick_geglu,
-                 "clamp", dtype, True, True, False, clamp_value=2.0),
-            case("squared_relu", squared_relu, plan_squared_relu, "plain", dtype, False, False,
-                 False),
-            case("weighted_squared_relu", weighted_squared_relu, plan_weighted_squared_relu,
-                 "fp32 weights", dtype, False, True, False),
+            case(bias_gelu, "bias", dtype, False, False, True),
+            case(swiglu, "bias", dtype, True, False, True),
+            case(swiglu, "fp8 store", dtype, True, False, False, fp8_input_store=True),
+            case(swiglu, "multipliers", dtype, True, False, True, gate_multiplier=0.5,
+                 down_multiplier=2.0),
+            case(geglu, "bias", dtype, True, False, True),
+            case(quick_geglu, "offset+clamp", dtype, True, False, True, linear_offset=1.0,
+                 clamp_value=1.5),
+            case(weighted_swiglu, "fp32 weights", dtype, True, True, False),
+            case(weighted_quick_geglu, "clamp", dtype, True, True, False, clamp_value=2.0),
+            case(squared_relu, "plain", dtype, False, False, False),
+            case(weighted_squared_relu, "fp32 weights", dtype, False, True, False),
         ]
     return cases

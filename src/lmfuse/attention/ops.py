@@ -1070,7 +1070,7 @@ def plan_merge_attention_states(outs, lses, *, impl="auto") -> Plan:
 
 def checks(device: torch.device, dtypes) -> list:
     """Fresh random cases of decode attention and the merge, for :mod:`lmfuse._check`."""
-    from .._check import CheckCase
+    from .._check import CheckCase, op_case
 
     small = device.type != "cuda"
     B, S, Hq, Hkv, D = (3, 70, 8, 2, 32) if small else (4, 3000, 32, 8, 128)
@@ -1097,22 +1097,15 @@ def checks(device: torch.device, dtypes) -> list:
                 xs += [torch.rand(Hkv, device=device) + 0.5, torch.rand(Hkv, device=device) + 0.5]
             return xs
 
-        def options(rest):  # the inputs after the lengths: the table, then the scales
-            table = rest[0] if block_len else None
-            scales = rest[1:] if block_len else rest
-            ks, vs = (scales[0], scales[1]) if fp8 else (None, None)
-            return dict(block_table=table, k_scale=ks, v_scale=vs, **kw)
-
-        def call(impl, q, k, v, lens, *rest):
+        def attend(q, k, v, lens, **options):
             if fp8:  # the harness widens inputs for the reference; the cache stays float8
                 k, v = k.to(FP8_DTYPES[0]), v.to(FP8_DTYPES[0])
-            return decode_attention(q, k, v, lens, impl=impl, **options(rest))
+            return decode_attention(q, k, v, lens, **options)
 
-        def plan(q, k, v, lens, *rest):
-            return plan_decode_attention(q, k, v, lens, **options(rest))
-
-        return CheckCase("decode_attention", label, dtype, (B, s_active, Hq, D), inputs, call,
-                         plan)
+        # the inputs after the lengths: the table, then the scales
+        keywords = ("block_table",) * bool(block_len) + ("k_scale", "v_scale") * fp8
+        return op_case("decode_attention", label, dtype, (B, s_active, Hq, D), inputs, attend,
+                       plan_decode_attention, keywords=keywords, **kw)
 
     def merge_case(dtype):
         P, R = 4, 3 * Hq

@@ -712,7 +712,7 @@ def _apply(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, 
 
 def checks(device: torch.device, dtypes) -> list:
     """Fresh random cases covering the options, for :mod:`lmfuse._check`."""
-    from .._check import CheckCase
+    from .._check import op_case
 
     small = device.type != "cuda"
     n, H, vs = (37, 16, (45, 3000)) if small else (1024, 512, (32000, 128256))
@@ -726,13 +726,8 @@ def checks(device: torch.device, dtypes) -> list:
                     (torch.randn(V, H, device=device) / H ** 0.5).to(dtype)
                     .requires_grad_(True)]
 
-        def call(impl, h, w):
-            return linear_cross_entropy(h, w, target, impl=impl, max_chunk_bytes=V * 256, **kw)
-
-        def plan(h, w):
-            return plan_linear_cross_entropy(h, w, target, **kw)
-
-        return CheckCase(_OP, label, dtype, (n, H, V), inputs, call, plan)
+        return op_case(_OP, label, dtype, (n, H, V), inputs, linear_cross_entropy,
+                       plan_linear_cross_entropy, target, max_chunk_bytes=V * 256, **kw)
 
     cases = []
     for dtype in dtypes:

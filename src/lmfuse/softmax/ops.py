@@ -504,42 +504,25 @@ class _SoftmaxCPU(torch.autograd.Function):
 
 def checks(device: torch.device, dtypes) -> list:
     """Fresh random cases covering every mask kind, for :mod:`lmfuse._check`."""
-    from .._check import CheckCase
+    from .._check import op_case
 
     small = device.type != "cuda"
     shapes = {"plain": (2, 3, 17, 45) if small else (2, 8, 256, 1000),
               "long row (chunked)": (1, 1, 2, 20000) if small else (1, 4, 8, 70000)}
 
-    def case(label, shape, dtype, **kw):
+    def case(label, shape, dtype, offset=False, mask=None, **kw):
         b, np_, sq, sk = shape
-        with_offset = kw.pop("offset", False)
-        with_mask = kw.pop("mask", None)
 
         def inputs():
             t = [torch.randn(shape, dtype=dtype, device=device, requires_grad=True)]
-            if with_offset:
+            if offset:
                 t.append(torch.randn(np_, dtype=dtype, device=device, requires_grad=True))
             return t
 
-        mask = None
-        if with_mask == "bool":
-            mask = torch.rand(b, 1, sq, sk, device=device) < 0.3
-        elif with_mask == "padding":
-            mask = torch.rand(b, 1, 1, sk, device=device) < 0.3
-
-        def kwargs(rest):
-            extra = dict(kw, mask=mask, scale=0.125)
-            if with_offset:
-                extra["softmax_offset"] = rest[0]
-            return extra
-
-        def call(impl, x, *rest):
-            return fused_softmax(x, impl=impl, **kwargs(rest))
-
-        def plan(x, *rest):
-            return plan_fused_softmax(x, **kwargs(rest))
-
-        return CheckCase(_OP, label, dtype, shape, inputs, call, plan)
+        if mask is not None:  # "bool" [b, 1, sq, sk] or "padding" [b, 1, 1, sk]
+            kw["mask"] = torch.rand(b, 1, sq if mask == "bool" else 1, sk, device=device) < 0.3
+        return op_case(_OP, label, dtype, shape, inputs, fused_softmax, plan_fused_softmax,
+                       keywords=("softmax_offset",) if offset else (), scale=0.125, **kw)
 
     cases = []
     for dtype in dtypes:
