@@ -34,7 +34,7 @@ from .._dispatch import (
     float64_fallback,
     native_cpu,
     once_differentiable,
-    register_planner,
+    planner_of,
     select_impl,
 )
 from .._launch import cdiv, dtype_name, kernel_op, lazy_kernels
@@ -215,38 +215,6 @@ def _resolve(x, weight, eps, weight_offset, impl) -> tuple[str, str, NormCall]:
     return path, reason, NormCall(eps, weight_offset, rows, H)
 
 
-@register_planner(_OP)
-def plan_rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps: float = 1e-6,
-                  weight_offset: float = 0.0, impl: str = "auto") -> Plan:
-    """What :func:`rms_norm` would do with these arguments (validated the same way)."""
-    path, reason, a = _resolve(x, weight, eps, weight_offset, impl)
-    H = a.H
-    scale = ("none (no weight)" if weight is None else
-             f"weight + {a.weight_offset:g}" if a.weight_offset else "weight")
-    details = {
-        "x": f"{list(x.shape)} {dtype_name(x.dtype)}: {a.rows} rows of {H}",
-        "scale": scale,
-        "eps": a.eps,
-    }
-    if weight is not None:
-        details["weight"] = f"[{H}] {dtype_name(weight.dtype)}"
-    if path == "triton" and H > 0:
-        fwd, bwd = _config(H, x.device, False), _config(H, x.device, True)
-        details["forward"] = (
-            f"one pass, {fwd['BLOCK_M']} row(s) x {fwd['BLOCK_N']} columns per program"
-            if fwd["SINGLE_BLOCK"] else
-            f"streamed in {fwd['BLOCK_N']}-column tiles, {fwd['BLOCK_M']} row(s) per program")
-        programs, per = _bwd_grid(a.rows, bwd["BLOCK_M"], bwd["programs_per_sm"], x.device)
-        details["backward"] = (
-            f"{programs} program(s) of {per} rows, "
-            + (f"{bwd['BLOCK_M']} x {bwd['BLOCK_N']} tiles" if bwd["SINGLE_BLOCK"] else
-               f"streamed in {bwd['BLOCK_N']}-column tiles")
-            + ("; weight gradient: float32 partial per program, summed" if weight is not None
-               else ""))
-        details["saved for backward"] = "x, weight, rstd [rows] float32"
-    return Plan(_OP, path, reason, details, call=a)
-
-
 class _RMSNormCPU(torch.autograd.Function):
     """The common CPU call with a gradient to take: ``torch.rms_norm``'s formula forward
     (``xh = x * rsqrt(mean(x^2) + eps)``, ``y = xh * w``) and its gradient in closed form,
@@ -345,6 +313,37 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps: flo
     else:
         y = _RMSNorm.apply(x2, w, a)
     return y if flat else y.view(x.shape)
+
+
+@planner_of(rms_norm)
+def plan_rms_norm(x, weight, eps, weight_offset, impl) -> Plan:
+    """What :func:`rms_norm` would do with these arguments (validated the same way)."""
+    path, reason, a = _resolve(x, weight, eps, weight_offset, impl)
+    H = a.H
+    scale = ("none (no weight)" if weight is None else
+             f"weight + {a.weight_offset:g}" if a.weight_offset else "weight")
+    details = {
+        "x": f"{list(x.shape)} {dtype_name(x.dtype)}: {a.rows} rows of {H}",
+        "scale": scale,
+        "eps": a.eps,
+    }
+    if weight is not None:
+        details["weight"] = f"[{H}] {dtype_name(weight.dtype)}"
+    if path == "triton" and H > 0:
+        fwd, bwd = _config(H, x.device, False), _config(H, x.device, True)
+        details["forward"] = (
+            f"one pass, {fwd['BLOCK_M']} row(s) x {fwd['BLOCK_N']} columns per program"
+            if fwd["SINGLE_BLOCK"] else
+            f"streamed in {fwd['BLOCK_N']}-column tiles, {fwd['BLOCK_M']} row(s) per program")
+        programs, per = _bwd_grid(a.rows, bwd["BLOCK_M"], bwd["programs_per_sm"], x.device)
+        details["backward"] = (
+            f"{programs} program(s) of {per} rows, "
+            + (f"{bwd['BLOCK_M']} x {bwd['BLOCK_N']} tiles" if bwd["SINGLE_BLOCK"] else
+               f"streamed in {bwd['BLOCK_N']}-column tiles")
+            + ("; weight gradient: float32 partial per program, summed" if weight is not None
+               else ""))
+        details["saved for backward"] = "x, weight, rstd [rows] float32"
+    return Plan(_OP, path, reason, details, call=a)
 
 
 # --- self-check cases for ``lmfuse check`` -------------------------------------------------------
