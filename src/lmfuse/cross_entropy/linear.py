@@ -632,9 +632,9 @@ def plan_linear_cross_entropy(**a: Any) -> Plan:
     hidden, weight, max_chunk_bytes = a["hidden"], a["weight"], a["max_chunk_bytes"]
     target, tp_group = a["target"], a["tp_group"]
     n = target.numel()
+    shape = f"{list(hidden.shape)} {dtype_name(hidden.dtype)}"
     if o.native:
-        details = {"hidden": f"{list(hidden.shape)} {dtype_name(hidden.dtype)}",
-                   "vocabulary": str(weight.shape[0]),
+        details = {"hidden": shape, "vocabulary": str(weight.shape[0]),
                    "passes": o.config_source + " (autograd for the gradients)"}
         return Plan(_OP, path, reason + "; CPU float32: PyTorch's own ops", details,
                     call=o)
@@ -642,7 +642,7 @@ def plan_linear_cross_entropy(**a: Any) -> Plan:
                       max_chunk_bytes, o.config)
     chunks = cdiv(n, rows)
     details = {
-        "hidden": f"{list(hidden.shape)} {dtype_name(hidden.dtype)}",
+        "hidden": shape,
         "vocabulary": (f"{weight.shape[0]} of {o.loss.vocab_size} (rank {group_rank(tp_group)}, "
                        f"one all-gather of [{3 + o.loss.weighted + 2 * o.loss.argmax}, rows] "
                        "stats per chunk"

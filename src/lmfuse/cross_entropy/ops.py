@@ -308,12 +308,8 @@ def _number(text: str) -> int | float:
         return float(text)
 
 
-def _grad_fake(logits, target, stats, w, vocab_start, vocab_size, ignore_index,
-               label_smoothing, z_loss, softcap, weight=None, wstat=None, wz=None, wt=None):
-    return torch.empty_like(logits, memory_format=torch.contiguous_format)
-
-
-@kernel_op("ce_grad", _grad_fake)
+@kernel_op("ce_grad", lambda logits, *args, **kwargs: torch.empty_like(
+    logits, memory_format=torch.contiguous_format))
 def _grad(logits: torch.Tensor, target: torch.Tensor, stats: torch.Tensor, w: torch.Tensor,
           vocab_start: int, vocab_size: int, ignore_index: int, label_smoothing: float,
           z_loss: float, softcap: Optional[float], weight: Optional[torch.Tensor] = None,
@@ -326,13 +322,7 @@ def _grad(logits: torch.Tensor, target: torch.Tensor, stats: torch.Tensor, w: to
     return grad
 
 
-def _grad_inplace_fake(logits, target, stats, w, vocab_start, vocab_size, ignore_index,
-                       label_smoothing, z_loss, softcap, weight=None, wstat=None, wz=None,
-                       wt=None):
-    return None
-
-
-@kernel_op("ce_grad_", _grad_inplace_fake, mutates_args=("logits",))
+@kernel_op("ce_grad_", lambda *args, **kwargs: None, mutates_args=("logits",))
 def _grad_(logits: torch.Tensor, target: torch.Tensor, stats: torch.Tensor, w: torch.Tensor,
            vocab_start: int, vocab_size: int, ignore_index: int, label_smoothing: float,
            z_loss: float, softcap: Optional[float], weight: Optional[torch.Tensor] = None,
@@ -474,10 +464,7 @@ class _CrossEntropy(torch.autograd.Function):
                                    label_smoothing=args[3], z_loss=args[4], softcap=args[5],
                                    class_weight=weight, z_weight=wz, target_weight=wt,
                                    weight_sum=None if wt is None else wstat[0])
-            if o.inplace:
-                logits.copy_(grad)
-                return logits, None, None, None
-            return grad, None, None, None
+            return (logits.copy_(grad) if o.inplace else grad), None, None, None
 
 
 def _local_top(logits: torch.Tensor, columns: torch.Tensor, vocab_start: int,
@@ -799,19 +786,17 @@ def plan_cross_entropy(**a: Any) -> Plan:
         cfg = _config(V, logits.device, o.softcap is not None, logits.element_size(),
                       V % 16 == 0 if copied else _aligned(rows))
         fused = cfg.get("fused", {}) if o.fused and not cfg["SINGLE_BLOCK"] else {}
+        whole_rows = (f"streamed, a row per program in {fused.get('BLOCK_V')}-column chunks, "
+                      "stats and gradient in one launch")
         details["kernel"] = (
             f"{cfg['BLOCK_M']} row(s) x {cfg['BLOCK_V']} per program, row in registers"
             if cfg["SINGLE_BLOCK"] else
-            f"rows in {fused['slice']}-column slices, stats and gradient in one launch"
+            f"{whole_rows} (the argmax has no sliced launch)" if fused.get("slice") and o.argmax
+            else f"rows in {fused['slice']}-column slices, stats and gradient in one launch"
             if fused.get("slice") else
-            f"streamed, a row per program in {fused['BLOCK_V']}-column chunks, stats and "
-            "gradient in one launch (the second read, last chunk first, mostly from L1)"
+            f"{whole_rows} (the second read, last chunk first, mostly from L1)"
             if fused.get("vec") else
             f"streamed in {cfg['BLOCK_V']}-column chunks, online log-sum-exp")
-        if fused.get("slice") and o.argmax:
-            details["kernel"] = (f"streamed, a row per program in {fused['BLOCK_V']}-column "
-                                 "chunks, stats and gradient in one launch (the argmax has "
-                                 "no sliced launch)")
     extras = [name for name, on in (
         ("class weights", o.weighted), ("z-loss returned", o.return_z_loss),
         ("argmax in the stats pass", o.argmax)) if on]
