@@ -848,11 +848,10 @@ def plan_moe_experts(**a) -> Plan:
         "routing": f"{T} tokens x {k} slots over {E} experts (H {H}, F {Fdim}, {dtype}): "
                    f"one stable sort of the {T * k} pairs by expert",
     }
-    gated = s.gated
-    h_dtype = "float8_e4m3fn" if s.fp8_input_store else dtype
+    h = f"the gate/up output [{T * k}, {(2 if s.gated else 1) * Fdim}]"
     lin = f" + {s.linear_offset}" if s.linear_offset else ""
     details["activation"] = (f"{s.act}(gate) * (up{lin}), gate/up {s.gate_up_layout}"
-                             if gated else s.act)
+                             if s.gated else s.act)
     if s.clamp_value is not None:
         details["clamp"] = (f"gate <= {s.clamp_value}, |up| <= {s.clamp_value} (after "
                             f"the bias)")
@@ -867,13 +866,12 @@ def plan_moe_experts(**a) -> Plan:
             details["kernels"] = ("grouped GEMMs over the experts' row tiles (gate/up + "
                                   "activation, down + router weight), then the slot sum" +
                                   (" (k = 1: written in place)" if k == 1 else ""))
-        details["saved for backward"] = (f"inputs, routing and the gate/up output "
-                                         f"[{T * k}, {(2 if gated else 1) * Fdim}] {h_dtype}")
+        details["saved for backward"] = (f"inputs, routing and {h} "
+                                         f"{'float8_e4m3fn' if s.fp8_input_store else dtype}")
     else:
         details["torch"] = "per-expert F.linear on contiguous slices; reads the counts on the host"
         if s.fp8_input_store:
-            details["saved for backward"] = (f"the gate/up output [{T * k}, "
-                                             f"{(2 if gated else 1) * Fdim}] as float8_e4m3fn")
+            details["saved for backward"] = f"{h} as float8_e4m3fn"
     return Plan(OP, path, reason, details, call=s)
 
 
@@ -881,7 +879,7 @@ def checks(device: torch.device, dtypes) -> list:
     """Fresh random cases (SwiGLU with biases, GPT-OSS's clamped interleaved Quick-GEGLU,
     top-1 squared ReLU; SwiGLU with ``fp8_input_store`` in fp16/bf16), for
     :mod:`lmfuse._check`."""
-    from .._check import CheckCase
+    from .._check import op_case
 
     small = device.type != "cuda"
     T, H, Fdim, E = (9, 32, 24, 4) if small else (512, 1024, 768, 8)
@@ -907,26 +905,19 @@ def checks(device: torch.device, dtypes) -> list:
             if bias:
                 t += [(torch.randn(E, K2, device=device) * 0.3).to(dtype),
                       (torch.randn(E, H, device=device) * 0.3).to(dtype)]
-            return [x.requires_grad_(True) for x in t]
+            t = [x.requires_grad_(True) for x in t]
+            return [t[0], ids, *t[1:]]
 
-        def split(t):
-            extra = dict(gate_up_bias=t[4], down_bias=t[5]) if bias else {}
-            return (t[0], ids, *t[1:4]), extra
-
-        def call(impl, *t):
-            args, extra = split(t)
+        def experts(*args, impl, **options):
             if impl == "torch" and gemm_dtype is not None:  # the call as the op resolves it
-                s = plan_moe_experts(*args, activation=activation, impl="torch", **extra,
-                                     **kw).call
-                return _torch_path(*args, extra.get("gate_up_bias"), extra.get("down_bias"),
-                                   s, gemm_dtype)
-            return moe_experts(*args, activation=activation, impl=impl, **extra, **kw)
+                s = plan_moe_experts(*args, impl="torch", **options).call
+                return _torch_path(*args, options.get("gate_up_bias"),
+                                   options.get("down_bias"), s, gemm_dtype)
+            return moe_experts(*args, impl=impl, **options)
 
-        def plan(*t):
-            args, extra = split(t)
-            return plan_moe_experts(*args, activation=activation, **extra, **kw)
-
-        return CheckCase(OP, label, dtype, (T, H, Fdim, E, k), inputs, call, plan)
+        return op_case(OP, label, dtype, (T, H, Fdim, E, k), inputs, experts, plan_moe_experts,
+                       keywords=("gate_up_bias", "down_bias") if bias else (),
+                       activation=activation, **kw)
 
     cases = []
     for dtype in dtypes:
