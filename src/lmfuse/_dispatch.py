@@ -206,12 +206,12 @@ def select_impl(op: str, impl: str, device: torch.device) -> tuple[str, str]:
     return _select_cached(op, impl, device.type, os.environ.get("TRITON_INTERPRET", "0"))
 
 
-def float64_fallback(op: str, impl: str, path: str, reason: str, t: torch.Tensor, name: str,
+def float64_fallback(op: str, impl: str, path: str, reason: str, dtype: torch.dtype, name: str,
                      fallback: str = "the reference") -> tuple[str, str]:
     """``(path, reason)`` from :func:`select_impl` for the families whose kernels compute in
-    float32/float16/bfloat16: a float64 ``t`` (the argument ``name``) takes the ``fallback``
+    float32/float16/bfloat16: a float64 argument ``name`` (``dtype``) takes the ``fallback``
     path instead of Triton, and raises ``TypeError`` when ``impl="triton"`` asked for it."""
-    if path == "triton" and t.dtype == torch.float64:
+    if path == "triton" and dtype == torch.float64:
         if impl == "triton":
             raise TypeError(f"{op}: the Triton path takes float32/float16/bfloat16 {name}, "
                             f"got float64; use impl='torch'")

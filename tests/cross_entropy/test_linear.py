@@ -116,6 +116,28 @@ def test_half_precision(impl: str, dtype: torch.dtype, reduction: str) -> None:
           z_loss=1e-3, softcap=10.0, max_chunk_bytes=45 * 2 * 4)
 
 
+@pytest.mark.parametrize("impl", ["auto", "torch"])
+def test_float64_inputs_take_float64_math(impl: str) -> None:
+    """float64 hidden/weight/bias: the torch path's float64 math (the kernels compute in
+    float32), loss and gradients equal to the float64 reference to float64 rounding; the
+    Triton path refuses them."""
+    h, w, b, t = inputs(12, 32, 160, bias=True, scale=2.0)
+    cw = torch.rand(160, dtype=F32) + 0.5
+    grad_out = torch.tensor(1.5, dtype=F64)
+    kw = dict(label_smoothing=0.1, z_loss=1e-2, softcap=3.0)
+    loss, grads = run(impl, h, w, b, t, F64, grad_out, ce_weight=cw.to(DEVICE), **kw)
+    rloss, rgrads = reference(h, w, b, t, grad_out, ce_weight=cw.double(), **kw)
+    assert loss.dtype == F64
+    assert (loss - rloss).abs().item() <= 1e-12 * rloss.abs().item()
+    for name, g, r in zip(("hidden", "weight", "bias"), grads, rgrads):
+        assert g.dtype == F64
+        err = (g - r).abs().max().item()
+        assert err <= 1e-12 * r.abs().max().item(), f"{name}: {err:.3e}"
+    with pytest.raises(TypeError, match="linear_cross_entropy: the Triton path takes "
+                       "float32/float16/bfloat16 hidden, got float64"):
+        run("triton", h, w, b, t, F64)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_long_rows_streamed_kernels(impl: str) -> None:
     """V past the single-block limit of the cross-entropy kernels (V = 20000)."""

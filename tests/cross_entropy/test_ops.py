@@ -810,18 +810,33 @@ def test_empty_batch(impl: str, reduction: str, shape: tuple[int, ...]) -> None:
     assert leaf.grad is not None and leaf.grad.shape == shape
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_float64_logits(impl: str) -> None:
+@pytest.mark.parametrize("impl", ["auto", "torch"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+def test_float64_logits(impl: str, weighted: bool) -> None:
+    """float64 logits take float64 math (the torch path; the kernels compute in float32):
+    loss and gradient float64, equal to the float64 reference to float64 rounding."""
     logits = randn((4, 13), F64, scale=2.0)
     target = make_target((4,), 13)
-    loss, dx, _ = run(impl, logits, target, torch.tensor(1.5), label_smoothing=0.1,
-                      z_loss=0.01, softcap=4.0)
-    loss_ref, dx_ref = expected(logits, target, torch.tensor(1.5), label_smoothing=0.1,
-                                z_loss=0.01, softcap=4.0)
-    # The loss is float32 math on every path; the gradient comes back in float64.
-    assert_close(loss.double(), loss_ref, F32, f"{impl} float64: loss")
-    assert dx.dtype == F64
-    assert_close(dx, dx_ref, F32, f"{impl} float64: d logits")
+    kw: dict[str, Any] = dict(label_smoothing=0.1, z_loss=0.01, softcap=4.0)
+    if weighted:
+        kw["weight"] = torch.rand(13, dtype=F32) + 0.5  # used in float64 for float64 logits
+    loss, dx, _ = run(impl, logits, target, torch.tensor(1.5), **kw)
+    x = logits.clone().requires_grad_(True)
+    w = kw.pop("weight", None)
+    loss_ref = cross_entropy_reference(x, target, weight=None if w is None else w.double(), **kw)
+    (dx_ref,) = torch.autograd.grad(loss_ref, x, torch.tensor(1.5, dtype=F64))
+    assert loss.dtype == F64 and dx.dtype == F64
+    assert_close(loss, loss_ref, F64, f"{impl} float64: loss")
+    assert_close(dx, dx_ref, F64, f"{impl} float64: d logits")
+    assert "float64" in lmfuse.explain("cross_entropy", logits.to(DEVICE),
+                                       target.to(DEVICE)).reason
+
+
+def test_float64_logits_refused_by_triton() -> None:
+    logits, target = randn((4, 13), F64).to(DEVICE), make_target((4,), 13).to(DEVICE)
+    with pytest.raises(TypeError, match="cross_entropy: the Triton path takes "
+                       "float32/float16/bfloat16 logits, got float64"):
+        lmfuse.cross_entropy(logits, target, impl="triton")
 
 
 # --- targets ------------------------------------------------------------------------------

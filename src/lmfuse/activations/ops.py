@@ -327,7 +327,7 @@ def _resolve(op: str, x, bias, weights, activation: str, gated: bool, linear_off
     # unhashable value is checked uncached, which raises.
     linear_offset, clamp_value, gate_multiplier, down_multiplier = checked_once(_options,
                                                                                 *options)
-    path, reason = float64_fallback(op, impl, *select_impl(op, impl, x.device), x, "x")
+    path, reason = float64_fallback(op, impl, *select_impl(op, impl, x.device), x.dtype, "x")
     s = ActivationCall(activation, gated, linear_offset, clamp_value, gate_multiplier,
                        down_multiplier, op, path, fp8_input_store, cpu_offload_input, tokens)
     return path, reason, s

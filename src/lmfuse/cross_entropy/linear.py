@@ -133,7 +133,8 @@ def _resolve(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss
     path, reason, loss = ops._resolve_logits(
         (*hidden.shape[:-1], weight.shape[0]), hidden.dtype, hidden.device, False, target,
         ignore_index, label_smoothing, z_loss, softcap, reduction, tp_group, False, impl,
-        ce_weight, return_z_loss, return_token_accuracy, return_predicted_tokens)
+        ce_weight, return_z_loss, return_token_accuracy, return_predicted_tokens,
+        (_OP, "hidden"))
     needs = (hidden.requires_grad, weight.requires_grad,
              bias is not None and bias.requires_grad)
     grad_needed = torch.is_grad_enabled() and any(needs)
@@ -230,26 +231,28 @@ def _chunk_stats(logits, target, count, o, grad: bool, mean: bool, cw=None, wsta
 
 def _weight_stats(cw: torch.Tensor, target: torch.Tensor,
                   loss: ops.CrossEntropyCall) -> torch.Tensor:
-    """``[2]`` float32: the sum of the class weights and that of the non-ignored targets'
-    (a weighted mean's divisor), over the whole vocabulary: with ``tp_group`` each rank's
-    share summed by one all-reduce of these two floats, before the chunks (the forward's
-    gradients need the divisor from the first chunk on)."""
+    """``[2]`` float32 (float64 for float64 ``cw``): the sum of the class weights and that
+    of the non-ignored targets' (a weighted mean's divisor), over the whole vocabulary:
+    with ``tp_group`` each rank's share summed by one all-reduce of these two floats, before
+    the chunks (the forward's gradients need the divisor from the first chunk on)."""
     if loss.tp_group is None:
         return ops._class_stats(cw, target, loss.ignore_index)
     mine = torch.stack([cw.sum(), ref.target_weights(cw, target, loss.ignore_index,
-                                                     loss.vocab_start).sum()]).float()
-    return all_reduce_sum(mine, loss.tp_group)
+                                                     loss.vocab_start).sum()])
+    return all_reduce_sum(mine if mine.dtype == torch.float64 else mine.float(), loss.tp_group)
 
 
 def _token_scales(dout: torch.Tensor, stats: torch.Tensor, target: torch.Tensor,
                   count: torch.Tensor, wstat: Optional[torch.Tensor],
                   o: LinearCrossEntropyCall) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(w, wz) [rows]`` float32, what the gradient kernels scale each token's gradient
+    """``(w, wz) [rows]`` float32 (``stats``' dtype: float64 on the torch path for float64
+    inputs), what the gradient kernels scale each token's gradient
     by for the upstream gradient ``dout`` (per token for ``"none"``, else a scalar): ``w``
     the (class-weighted) terms', ``wz`` the z-loss's (they differ only for a weighted
     mean: ``sum w_t`` and the token count divide them); times each token's target
     probability (from the whole-vocabulary ``stats``) with ``use_token_scaling``."""
-    d = dout.float()
+    d = dout.to(stats.dtype)
+    count = count.to(stats.dtype)
     w = d.reshape(-1) if o.loss.reduction == "none" else d.reshape(1).expand(target.shape[0])
     wz = w
     if o.loss.reduction == "mean":
@@ -258,7 +261,7 @@ def _token_scales(dout: torch.Tensor, stats: torch.Tensor, target: torch.Tensor,
                                                      torch.ones_like(wstat[1]))
     if o.token_scaling:
         p = ref.target_probability(stats, target, vocab_size=o.loss.vocab_size,
-                                   ignore_index=o.loss.ignore_index).float()
+                                   ignore_index=o.loss.ignore_index).to(stats.dtype)
         w, wz = w * p, wz * p
     return w, wz
 
@@ -341,11 +344,11 @@ class _Grads:
 class _LinearCrossEntropy(torch.autograd.Function):
     """Loss of ``hidden [N, H] @ weight [V_local, H].T (+ bias)``; see the module docstring.
 
-    ``cw``: class weights ``[V_local]`` (float32; float64 for float64 inputs on the torch
-    path) or None. With ``o.loss.extras`` (a ``return_*`` option) it returns ``(loss, lse,
-    predicted, scale)``: each token's whole-vocabulary lse, its first argmax (int64, with
-    ``o.loss.argmax``; an empty tensor otherwise) and its ``use_token_scaling`` factor (an
-    empty tensor without), none of them differentiable."""
+    ``cw``: class weights ``[V_local]`` (float32; float64 for float64 inputs) or None. With
+    ``o.loss.extras`` (a ``return_*`` option) it returns ``(loss, lse, predicted, scale)``:
+    each token's whole-vocabulary lse, its first argmax (int64, with ``o.loss.argmax``; an
+    empty tensor otherwise) and its ``use_token_scaling`` factor (an empty tensor without),
+    none of them differentiable."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, cw, o: LinearCrossEntropyCall):
@@ -577,12 +580,12 @@ def linear_cross_entropy(
             gradient is rounded to the inputs' dtype only for the GEMMs that make ``hidden``'s
             and ``weight``'s gradients. The chunk budget then counts 4 bytes a logit more
             (fewer rows a chunk). No effect on float32/float64 inputs.
-        ce_weight: class weights ``[V_local]`` (any float dtype, used in float32; with
-            ``tp_group`` this rank's shard), ``weight`` of :func:`lmfuse.cross_entropy`
-            (``weight`` here is the projection): each token's loss is scaled by its
-            target's weight, label smoothing weighs class ``j`` by ``ce_weight[j]``, a mean
-            divides by the sum of the non-ignored targets' weights; the z-loss is not
-            weighted. No gradient.
+        ce_weight: class weights ``[V_local]`` (any float dtype, used in float32, float64 for
+            float64 inputs; with ``tp_group`` this rank's shard), ``weight`` of
+            :func:`lmfuse.cross_entropy` (``weight`` here is the projection): each token's loss
+            is scaled by its target's weight, label smoothing weighs class ``j`` by
+            ``ce_weight[j]``, a mean divides by the sum of the non-ignored targets' weights;
+            the z-loss is not weighted. No gradient.
         return_z_loss, return_token_accuracy, return_predicted_tokens: as for
             :func:`lmfuse.cross_entropy`; the argmax is taken in the pass that reduces
             each logits chunk (no extra read).
@@ -597,10 +600,11 @@ def linear_cross_entropy(
     and every gradient NaN.
 
     Returns:
-        float32 loss: a scalar, or per-token ``[...]`` for ``reduction="none"``. With any
-        ``return_*`` set, a :class:`~lmfuse.cross_entropy.CrossEntropyOutput` ``(loss,
-        z_loss, token_accuracy, predicted_tokens)``, None where not asked; only the loss
-        is differentiable.
+        float32 loss (float64, on the torch path, for float64 inputs: the kernels compute in
+        float32, and ``impl="triton"`` raises ``TypeError`` for them): a scalar, or per-token
+        ``[...]`` for ``reduction="none"``. With any ``return_*`` set, a
+        :class:`~lmfuse.cross_entropy.CrossEntropyOutput` ``(loss, z_loss, token_accuracy,
+        predicted_tokens)``, None where not asked; only the loss is differentiable.
     """
     if (impl == "auto" and bias is None and z_loss == 0.0 and softcap is None
             and tp_group is None and max_chunk_bytes is None and logits_in_fp32 is False
@@ -680,8 +684,8 @@ def _apply(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, 
                           return_predicted_tokens, use_token_scaling)
     lead = target.shape
     cw = None
-    if ce_weight is not None:  # float32 (float64 for float64 inputs on the torch path)
-        f64 = hidden.dtype == torch.float64 and path != "triton"
+    if ce_weight is not None:  # float32 (float64 for float64 inputs)
+        f64 = hidden.dtype == torch.float64
         cw = ce_weight.to(torch.float64 if f64 else torch.float32).contiguous()
     if o.native:
         # The default path on CPU float32 tensors: F.linear then F.cross_entropy (the plain

@@ -35,8 +35,8 @@ import torch.nn.functional as F
 
 from .. import tuning
 from .._dispatch import (Plan, ResolvedCall, check_choice, check_int, check_number,
-                         check_tensor, checked_once, cpu_fast, native_cpu, once_differentiable,
-                         planner_of, select_impl, value_checks)
+                         check_tensor, checked_once, cpu_fast, float64_fallback, native_cpu,
+                         once_differentiable, planner_of, select_impl, value_checks)
 from .._launch import INDEX_DTYPES, cdiv, dtype_name, kernel_op, lazy_kernels, next_pow2
 from .._nvtx import nvtx_range
 from .._collectives import group_rank, group_size
@@ -349,19 +349,20 @@ def _launch_scale(grad: torch.Tensor, scale: torch.Tensor) -> None:
 
 
 def _class_stats(weight: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """``[2]`` float32 for the kernels' class weights: the weights' sum and the sum of the
-    non-ignored targets' weights (a weighted mean's divisor). No host sync."""
-    return torch.stack([weight.sum(), ref.target_weights(weight, target, ignore_index).sum()]
-                       ).float()
+    """``[2]`` float32 (float64 for float64 ``weight``) for the kernels' class weights: the
+    weights' sum and the sum of the non-ignored targets' weights (a weighted mean's
+    divisor). No host sync."""
+    stats = torch.stack([weight.sum(), ref.target_weights(weight, target, ignore_index).sum()])
+    return stats if stats.dtype == torch.float64 else stats.float()
 
 
 class _CrossEntropy(torch.autograd.Function):
     """Loss of ``logits [N, V_local]``; see the module docstring for the passes.
 
-    ``weight``: class weights ``[V]`` (float32, float64 for float64 logits on the torch
-    path) or None. With ``o.extras`` (a ``return_*`` option) it returns ``(loss, lse,
-    predicted)``: each token's whole-vocabulary lse and, with ``o.argmax``, its first
-    argmax (int64; an empty tensor otherwise), neither differentiable."""
+    ``weight``: class weights ``[V]`` (float32, float64 for float64 logits) or None. With
+    ``o.extras`` (a ``return_*`` option) it returns ``(loss, lse, predicted)``: each
+    token's whole-vocabulary lse and, with ``o.argmax``, its first argmax (int64; an empty
+    tensor otherwise), neither differentiable."""
 
     @staticmethod
     def forward(ctx, logits, target, weight, o: CrossEntropyCall):
@@ -439,17 +440,19 @@ class _CrossEntropy(torch.autograd.Function):
             logits, target, stats, count, weight, wstat, wt = ctx.saved_tensors
             n = logits.shape[0]
             wz = None
+            # float32 (float64 for float64 logits, which take the torch path)
+            dout = dout.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
             if o.reduction == "none":
-                w = dout.float().contiguous()
+                w = dout.contiguous()
                 wz = w
             elif o.reduction == "mean":
-                w = (dout.float() / count.clamp(min=1)).reshape(1).expand(n)
+                w = (dout / count.clamp(min=1)).reshape(1).expand(n)
                 if weight is not None:  # the weighted terms over sum w_t, the z-loss over count
                     wz = w
                     w_sum = torch.where(count > 0, wstat[1], torch.ones_like(wstat[1]))
-                    w = (dout.float() / w_sum).reshape(1).expand(n)
+                    w = (dout / w_sum).reshape(1).expand(n)
             else:
-                w = dout.float().reshape(1).expand(n)
+                w = dout.reshape(1).expand(n)
                 wz = w
             args = (o.vocab_start, o.vocab_size, o.ignore_index, o.label_smoothing,
                     o.z_loss, o.softcap)
@@ -565,10 +568,12 @@ def _resolve(logits, target, ignore_index, label_smoothing, z_loss, softcap, red
 
 def _resolve_logits(shape, dtype, device, requires_grad, target, ignore_index, label_smoothing,
                     z_loss, softcap, reduction, tp_group, inplace_backward, impl, weight,
-                    return_z_loss, return_token_accuracy,
-                    return_predicted_tokens) -> tuple[str, str, CrossEntropyCall]:
+                    return_z_loss, return_token_accuracy, return_predicted_tokens,
+                    owner: tuple[str, str] = (_OP, "logits"),
+                    ) -> tuple[str, str, CrossEntropyCall]:
     """:func:`_resolve` past the logits' own checks, from their shape, dtype, device and
-    ``requires_grad``: what ``linear_cross_entropy`` checks its logits-to-be with."""
+    ``requires_grad``: what ``linear_cross_entropy`` checks its logits-to-be with (``owner``:
+    the op and the argument whose dtype is ``dtype``, for the float64 message)."""
     check_tensor(_OP, "target", target, dtypes=INDEX_DTYPES)
     if tuple(target.shape) != tuple(shape[:-1]):
         raise ValueError(
@@ -598,7 +603,9 @@ def _resolve_logits(shape, dtype, device, requires_grad, target, ignore_index, l
         raise ValueError(f"{_OP}: return_token_accuracy / return_predicted_tokens take at most "
                          f"{_MAX_ARGMAX_CLASSES} classes (the kernels carry a class id in "
                          f"float32), got V = {vocab_size}")
-    path, reason = select_impl(_OP, impl, device)
+    # float64: the torch path's float64 math (the kernels compute in float32).
+    path, reason = float64_fallback(owner[0], impl, *select_impl(_OP, impl, device), dtype,
+                                    owner[1])
     grad_needed = torch.is_grad_enabled() and requires_grad
     # float16 takes the deferred path: its gradient, scaled by the upstream gradient (the
     # loss scale of fp16 training) before rounding, must not be formed for a gradient of 1,
@@ -689,12 +696,12 @@ def cross_entropy(
             again, by you or by autograd); the op then allocates nothing of size N x V.
         reduction: ``"mean"`` over non-ignored tokens (0 when all are ignored), ``"sum"``,
             or ``"none"`` (float32 per-token losses of ``target``'s shape, 0 where ignored).
-        weight: class weights ``[V]`` (any float dtype, used in float32), as in
-            ``F.cross_entropy``: the token's loss is scaled by ``weight[target]`` and label
-            smoothing weighs class ``j`` by ``weight[j]``; ``"mean"`` divides by the sum
-            of ``weight[target]`` over non-ignored tokens. The z-loss is not weighted (and
-            a mean divides it by the token count), as in Liger-Kernel. ``weight`` gets no
-            gradient.
+        weight: class weights ``[V]`` (any float dtype, used in float32; float64 for float64
+            logits), as in ``F.cross_entropy``: the token's loss is scaled by
+            ``weight[target]`` and label smoothing weighs class ``j`` by ``weight[j]``;
+            ``"mean"`` divides by the sum of ``weight[target]`` over non-ignored tokens. The
+            z-loss is not weighted (and a mean divides it by the token count), as in
+            Liger-Kernel. ``weight`` gets no gradient.
         return_z_loss: also return the z-loss term, reduced as the loss (it is included
             in the loss).
         return_token_accuracy: also return the fraction of non-ignored tokens whose argmax
@@ -722,10 +729,12 @@ def cross_entropy(
     the token stats in the one all-gather.
 
     Returns:
-        float32 loss: a scalar, or per-token ``[...]`` for ``reduction="none"``. With any
-        ``return_*`` set, a :class:`CrossEntropyOutput` named tuple ``(loss, z_loss,
-        token_accuracy, predicted_tokens)``, None for the fields not asked for; only the
-        loss is differentiable.
+        float32 loss (float64, on the torch path, for float64 inputs: the kernels compute in
+        float32, and ``impl="triton"`` raises ``TypeError`` for them): a scalar, or per-token
+        ``[...]`` for ``reduction="none"``. With any ``return_*`` set, a
+        :class:`CrossEntropyOutput` named tuple ``(loss, z_loss, token_accuracy,
+        predicted_tokens)``, None for the fields not asked for; only the loss is
+        differentiable.
     """
     if (impl == "auto" and weight is None and z_loss == 0.0 and softcap is None
             and tp_group is None and not inplace_backward and not return_z_loss
@@ -737,8 +746,8 @@ def cross_entropy(
                           reduction, tp_group, inplace_backward, impl, weight, return_z_loss,
                           return_token_accuracy, return_predicted_tokens)
     cw = None
-    if weight is not None:  # float32 (float64 for float64 logits on the torch path)
-        f64 = logits.dtype == torch.float64 and path != "triton"
+    if weight is not None:  # float32 (float64 for float64 logits)
+        f64 = logits.dtype == torch.float64
         cw = weight.to(torch.float64 if f64 else torch.float32).contiguous()
     native = _native_cpu(logits, impl, o)
     if not native:  # (PyTorch's op checks the targets itself: see _native_cross_entropy)

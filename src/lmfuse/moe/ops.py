@@ -765,8 +765,8 @@ def _resolve(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias
         if lo < 0 or hi >= E:
             raise ValueError(f"{OP}: expert_ids must be in [0, E) = [0, {E}), got values in "
                              f"[{lo}, {hi}]")
-    path, reason = float64_fallback(OP, impl, *select_impl(OP, impl, hidden.device), hidden,
-                                    "hidden", fallback="the torch path")
+    path, reason = float64_fallback(OP, impl, *select_impl(OP, impl, hidden.device),
+                                    hidden.dtype, "hidden", fallback="the torch path")
     s = _settings(activation, gate_up_layout, linear_offset, clamp_value, fp8_input_store,
                   path, T, expert_ids.shape[1], E, H, Fdim)
     return path, reason, s

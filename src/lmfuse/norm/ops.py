@@ -210,7 +210,7 @@ def _resolve(x, weight, eps, weight_offset, impl) -> tuple[str, str, NormCall]:
     # A model's eps and offset repeat: checked once, not every call (as cross_entropy's
     # options). A bad or unhashable value is checked uncached, which raises.
     eps, weight_offset = checked_once(_scalars, eps, weight_offset)
-    path, reason = float64_fallback(_OP, impl, *select_impl(_OP, impl, x.device), x, "x")
+    path, reason = float64_fallback(_OP, impl, *select_impl(_OP, impl, x.device), x.dtype, "x")
     rows = math.prod(x.shape[:-1])
     return path, reason, NormCall(eps, weight_offset, rows, H)
 
