@@ -818,11 +818,10 @@ def test_float64_logits(impl: str, weighted: bool) -> None:
     logits = randn((4, 13), F64, scale=2.0)
     target = make_target((4,), 13)
     kw: dict[str, Any] = dict(label_smoothing=0.1, z_loss=0.01, softcap=4.0)
-    if weighted:
-        kw["weight"] = torch.rand(13, dtype=F32) + 0.5  # used in float64 for float64 logits
-    loss, dx, _ = run(impl, logits, target, torch.tensor(1.5), **kw)
+    w = torch.rand(13, dtype=F32) + 0.5 if weighted else None  # used in float64 here
+    loss, dx, _ = run(impl, logits, target, torch.tensor(1.5),
+                      weight=None if w is None else w.to(DEVICE), **kw)
     x = logits.clone().requires_grad_(True)
-    w = kw.pop("weight", None)
     loss_ref = cross_entropy_reference(x, target, weight=None if w is None else w.double(), **kw)
     (dx_ref,) = torch.autograd.grad(loss_ref, x, torch.tensor(1.5, dtype=F64))
     assert loss.dtype == F64 and dx.dtype == F64
