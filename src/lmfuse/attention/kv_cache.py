@@ -65,7 +65,7 @@ class PagedKVCache:
         num_layers: number of per-layer ``K``/``V`` pools.
         k_scale, v_scale: fp8 caches only: ``[kv_heads]`` positive dequantisation scales
             (value = stored * scale), one tensor for all layers or a list with one per
-            layer; default ones.
+            layer; default ones (a tensor of its own for each layer, K and V).
 
     Attributes:
         k_caches, v_caches: ``num_layers`` tensors ``[num_blocks, block_len, kv_heads,
@@ -121,9 +121,9 @@ class PagedKVCache:
                 raise ValueError(f"{_OP}: {name} applies to float8_e4m3fn caches only; this "
                                  f"cache is {dtype_name(self.dtype)}")
             return [None] * self.num_layers
-        if scale is None:
-            ones = torch.ones(self.kv_heads, dtype=torch.float32, device=self.device)
-            return [ones] * self.num_layers
+        if scale is None:  # one tensor a layer (a caller may calibrate them in place)
+            return [torch.ones(self.kv_heads, dtype=torch.float32, device=self.device)
+                    for _ in range(self.num_layers)]
         if isinstance(scale, torch.Tensor):
             scale = [scale] * self.num_layers
         elif not isinstance(scale, (list, tuple)) or len(scale) != self.num_layers:
@@ -196,13 +196,10 @@ class PagedKVCache:
             raise TypeError(f"{_OP}.{op}: a sequence id must be an int, got "
                             f"{type(seq_id).__name__} {seq_id!r}")
         if seq_id not in self._lens:
-            raise ValueError(f"{_OP}.{op}: unknown sequence id {seq_id} (live ids: "
-                             f"{self._some_ids()})")
+            ids = list(self._lens)
+            live = str(ids) if len(ids) <= 16 else f"{str(ids[:16])[:-1]}, ...] ({len(ids)} in all)"
+            raise ValueError(f"{_OP}.{op}: unknown sequence id {seq_id} (live ids: {live})")
         return seq_id
-
-    def _some_ids(self) -> str:
-        ids = list(self._lens)
-        return str(ids) if len(ids) <= 16 else f"{str(ids[:16])[:-1]}, ...] ({len(ids)} in all)"
 
     def _ids(self, op: str, seq_ids: Union[int, Sequence[int]]) -> list[int]:
         if isinstance(seq_ids, int) and not isinstance(seq_ids, bool):
@@ -290,9 +287,7 @@ class PagedKVCache:
                 shared partial blocks) exceed the free ones; nothing is changed then.
         """
         op = "reserve"
-        ids = self._ids(op, seq_ids)
-        counts = self._counts(op, num_tokens, len(ids))
-        self._check_room(op, ids, counts)
+        ids, counts = self._check_room(op, seq_ids, num_tokens)
         widest = max((cdiv(self._lens[s] + n, self.block_len) for s, n in zip(ids, counts)),
                      default=0)
         width = self._width(op, max_blocks, widest)
@@ -319,19 +314,20 @@ class PagedKVCache:
         """:meth:`reserve` without its :class:`DecodeStep`: the blocks only (host
         bookkeeping, no device copy), for callers that build their step's inputs
         themselves (read them back with :meth:`block_ids` and :meth:`seqlen`)."""
-        op = "extend"
+        self._grow(*self._check_room("extend", seq_ids, num_tokens))
+
+    def _check_room(self, op: str, seq_ids: Union[int, Sequence[int]],
+                    num_tokens: Union[int, Sequence[int]]) -> tuple[list[int], list[int]]:
+        """The checked ``(ids, counts)`` of a reservation the pool has room for."""
         ids = self._ids(op, seq_ids)
         counts = self._counts(op, num_tokens, len(ids))
-        self._check_room(op, ids, counts)
-        self._grow(ids, counts)
-
-    def _check_room(self, op: str, ids: list[int], counts: list[int]) -> None:
         grow, copies = self._needed(ids, counts)
         if grow + copies > len(self._free):
             raise KVCacheFullError(
                 f"{_OP}.{op}: {grow + copies} blocks needed ({grow} new, {copies} "
                 f"copy-on-write) for {sum(counts)} tokens in {len(ids)} sequences, but only "
                 f"{len(self._free)} of {self.num_blocks} are free; nothing was reserved")
+        return ids, counts
 
     def _grow(self, ids: list[int], counts: list[int]) -> None:
         """Add the blocks (and copy-on-write copies) ``counts`` more tokens need; the room

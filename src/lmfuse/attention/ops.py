@@ -643,12 +643,8 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return [out] if lse is None else [out, lse]
 
 
-def _partials_fake(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale,
-                   scale, num_splits, softcap, check):
-    return q.new_empty((q.numel() // q.shape[-1] * (q.shape[-1] + 1),), dtype=torch.float32)
-
-
-@kernel_op("decode_attention_partials", _partials_fake)
+@kernel_op("decode_attention_partials", lambda q, *args, **kwargs: q.new_empty(
+    (q.numel() // q.shape[-1] * (q.shape[-1] + 1),), dtype=torch.float32))
 def _decode_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
                      sinks: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
@@ -1070,7 +1066,7 @@ def plan_merge_attention_states(outs, lses, *, impl="auto") -> Plan:
 
 def checks(device: torch.device, dtypes) -> list:
     """Fresh random cases of decode attention and the merge, for :mod:`lmfuse._check`."""
-    from .._check import CheckCase, op_case
+    from .._check import op_case
 
     small = device.type != "cuda"
     B, S, Hq, Hkv, D = (3, 70, 8, 2, 32) if small else (4, 3000, 32, 8, 128)
@@ -1115,11 +1111,9 @@ def checks(device: torch.device, dtypes) -> list:
             lses[0, 0] = float("-inf")
             return [torch.randn(P, B, R, D, device=device).to(dtype), lses]
 
-        def call(impl, outs, lses):
-            return merge_attention_states(outs, lses, impl=impl)[0]
-
-        return CheckCase("merge_attn_states", "4 partials", dtype, (P, B, R, D), inputs,
-                         call, plan_merge_attention_states)
+        return op_case("merge_attn_states", "4 partials", dtype, (P, B, R, D), inputs,
+                       lambda *a, **kw: merge_attention_states(*a, **kw)[0],
+                       plan_merge_attention_states)
 
     cases = []
     for dtype in dtypes:

@@ -171,18 +171,14 @@ def kv_cache_append_reference(k_cache, v_cache, k_new, v_new, cache_seqlens, *,
     if int(pos.min()) < 0:
         raise ValueError(f"kv_cache_append: cache_seqlens must be >= 0, got "
                          f"{int(cache_seqlens.min())}")
+    capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+    if int(pos.max()) >= capacity:
+        raise ValueError(f"kv_cache_append: positions up to {int(pos.max())} do not fit the "
+                         f"cache's {capacity} rows per sequence")
     if block_table is None:
-        capacity = k_cache.shape[1]
-        if int(pos.max()) >= capacity:
-            raise ValueError(f"kv_cache_append: positions up to {int(pos.max())} do not fit a "
-                             f"cache of {capacity} rows per sequence")
         index = (torch.arange(B, device=k_new.device)[:, None].expand(B, s_new), pos)
     else:
         block_len = k_cache.shape[1]
-        capacity = block_table.shape[1] * block_len
-        if int(pos.max()) >= capacity:
-            raise ValueError(f"kv_cache_append: positions up to {int(pos.max())} do not fit "
-                             f"{block_table.shape[1]} blocks of {block_len} per sequence")
         blk = block_table.long().gather(1, pos // block_len)
         if int(blk.min()) < 0 or int(blk.max()) >= k_cache.shape[0]:
             raise ValueError("kv_cache_append: a new token falls in a block whose id is -1 "
