@@ -87,10 +87,8 @@ def wrap_errors(prefix: str, fn: Callable[[], Any]) -> Any:
     """``fn()``, with ``prefix`` put before the message of a ValueError/TypeError."""
     try:
         return fn()
-    except ValueError as e:
-        raise ValueError(f"{prefix}: {e}") from None
-    except TypeError as e:
-        raise TypeError(f"{prefix}: {e}") from None
+    except (ValueError, TypeError) as e:
+        raise (ValueError if isinstance(e, ValueError) else TypeError)(f"{prefix}: {e}") from None
 
 
 def check_lengths(op: str, name: str, t: Any, batch: int, ref: torch.Tensor, *,

@@ -64,11 +64,6 @@ def _local_count(positions: torch.Tensor, rank: int, world: int, cp_block: int) 
     return (x // cycle) * cp_block + (x % cycle - rank * cp_block).clamp(0, cp_block)
 
 
-def _global_position(local: torch.Tensor, rank: int, world: int, cp_block: int) -> torch.Tensor:
-    """The global position of rank ``rank``'s local position ``local``."""
-    return (local // cp_block) * (cp_block * world) + rank * cp_block + local % cp_block
-
-
 def cp_shard_seqlens(cache_seqlens: torch.Tensor, *, group: Any,
                      cp_block: int = 1) -> torch.Tensor:
     """``[B]`` int64: how many tokens of each sequence this rank's shard holds, for global
@@ -121,7 +116,10 @@ def cp_cache_append(
         raise ValueError(f"{op}: k_new {tuple(k_new.shape)} and v_new {tuple(v_new.shape)} "
                          "must have one shape")
     B, s_new, Hkv, D = k_new.shape
-    check_lengths(op, "cache_seqlens", cache_seqlens, B, k_new, ref_name="k_new")
+    check_tensor(op, "cache_seqlens", cache_seqlens, ndim=1, dtypes=INDEX_DTYPES)
+    if cache_seqlens.shape[0] != B:
+        raise ValueError(f"{op}: cache_seqlens must be [B={B}], got "
+                         f"{tuple(cache_seqlens.shape)}")
     check_int(op, "cp_block", cp_block, minimum=1)
     check_tensor(op, "k_cache_shard", k_cache_shard, ndim=4, dtypes=None)
     check_tensor(op, "v_cache_shard", v_cache_shard, ndim=4, dtypes=None)
@@ -211,7 +209,7 @@ def _tail_partial(q, k_cache, v_cache, cache_seqlens, len0, count, block_table, 
     local = len0[:, None] + torch.arange(T, device=device)  # [B, T]
     valid = local < count[:, None]
     token_pos = cache_seqlens.long()[:, None] - S + torch.arange(S, device=device)  # [B, S]
-    key_pos = _global_position(local, rank, world, cp_block)
+    key_pos = (local // cp_block) * (cp_block * world) + rank * cp_block + local % cp_block
     seen = valid[:, None, :] & (key_pos[:, None, :] <= token_pos[:, :, None])  # [B, S, T]
     rows = k_cache.shape[1]
     if rows == 0 or (block_table is not None and 0 in (block_table.shape[1], k_cache.shape[0])):
@@ -242,7 +240,8 @@ def _tail_partial(q, k_cache, v_cache, cache_seqlens, len0, count, block_table, 
 
 def _partial(q, k_cache, v_cache, cache_seqlens, block_table, scale, sinks, k_scale, v_scale,
              num_splits, impl, rank: int, world: int, cp_block: int, compute, softcap=None):
-    """This rank's exact partial ``(out, lse)`` over its local keys, in ``compute``."""
+    """This rank's exact partial ``(out, lse)`` over its local keys, in ``compute``, for
+    ``s_active > 1`` (one active token takes ``decode_attention_partials``)."""
     B, S, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     G = Hq // Hkv
@@ -251,9 +250,6 @@ def _partial(q, k_cache, v_cache, cache_seqlens, block_table, scale, sinks, k_sc
     len0 = _local_count(lengths - S + 1, rank, world, cp_block)
     kw = dict(block_table=block_table, scale=scale, k_scale=k_scale, v_scale=v_scale,
               return_lse=True, num_splits=num_splits, impl=impl, softcap=softcap)
-    if S == 1:
-        out, lse = decode_attention(q, k_cache, v_cache, len0, sinks=sinks, **kw)
-        return out.to(compute), lse.to(compute)
     # The keys every active token sees, in one s_active = 1 call: the tokens go into the
     # head dim ordered [Hkv, s_active, G], so head h' still reads KV head h' // (s_active * G).
     folded = q.view(B, S, Hkv, G, D).transpose(1, 2).reshape(B, 1, Hkv * S * G, D)

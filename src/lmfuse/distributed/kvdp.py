@@ -107,28 +107,14 @@ def _batch_from_ranks(y: torch.Tensor, batch: int) -> torch.Tensor:
                       y[extra:, :base].reshape((world - extra) * base, *rest)])
 
 
-def _pad_rows(local: torch.Tensor, most: int) -> torch.Tensor:
-    """``local [B_r, ...]`` zero-padded to ``[most, ...]``."""
-    if local.shape[0] == most:
-        return local
-    return torch.cat([local, local.new_zeros((most - local.shape[0], *local.shape[1:]))])
-
-
-def _gather_batch(local: torch.Tensor, batch: int, group: Any) -> torch.Tensor:
-    """Every rank's ``local [B_w, ...]`` rows (the split of :func:`kvdp_batch_range`), in
-    sequence order: ``[batch, ...]``, from one all-gather of rows padded to ``ceil(B/W)``."""
-    most = cdiv(batch, group_size(group))
-    return _batch_from_ranks(all_gather_stacked(_pad_rows(local, most), group), batch)
-
-
-def _exchange_queries(q: torch.Tensor, group: Any, exchange: str) -> torch.Tensor:
+def _exchange_queries(q: torch.Tensor, group: Any, exchange: str, world: int, start: int,
+                      stop: int) -> torch.Tensor:
     """Step 1: ``q [B, s, H, D]`` (this rank's heads, every sequence) -> ``[B_r, s, W * H,
-    D]`` (this rank's sequences, every rank's heads, rank-major)."""
-    start, stop = kvdp_batch_range(q.shape[0], group)
+    D]`` (this rank's sequences ``[start, stop)``, every rank's heads, rank-major)."""
     if exchange == "all_gather":
         return _own_rows(all_gather_stacked(q, group), start, stop)
     # Row r of the send buffer: rank r's sequences; row w received: rank w's heads of ours.
-    received = all_to_all_stacked(_rows_by_rank(q, group_size(group)), group)
+    received = all_to_all_stacked(_rows_by_rank(q, world), group)
     return _own_rows(received, 0, stop - start)
 
 
@@ -140,11 +126,14 @@ def _exchange_outputs(local: torch.Tensor, batch: int, group: Any,
     _, S, WH, E = local.shape
     H = WH // world
     most = cdiv(batch, world)
-    if exchange == "all_gather":
-        return _gather_batch(local, batch, group)[:, :, rank * H:(rank + 1) * H]
+    padded = local if local.shape[0] == most else torch.cat(  # zero rows up to most
+        [local, local.new_zeros((most - local.shape[0], *local.shape[1:]))])
+    if exchange == "all_gather":  # every rank's rows, in sequence order; this rank's heads
+        every = _batch_from_ranks(all_gather_stacked(padded, group), batch)
+        return every[:, :, rank * H:(rank + 1) * H]
     # Row w of the send buffer: rank w's heads of our (padded) rows; row w received: our
     # heads of rank w's rows.
-    send = _pad_rows(local, most).reshape(most, S, world, H, E).permute(2, 0, 1, 3, 4)
+    send = padded.reshape(most, S, world, H, E).permute(2, 0, 1, 3, 4)
     return _batch_from_ranks(all_to_all_stacked(send, group), batch)
 
 
@@ -293,7 +282,8 @@ def kvdp_decode_attention(
         check_on_all_ranks(f"{op} over cp_group", cp_group, True, meta_device(cp_group, q),
                            CP_FIELDS, validate_over_cp)
     B, S, Hq_local, D = q.shape
-    q_local = _exchange_queries(q, group, exchange) if world > 1 else q
+    q_local = (_exchange_queries(q, group, exchange, world, *kvdp_batch_range(B, group))
+               if world > 1 else q)
     if cp_world == 1:  # no cp_group, or a one-rank one: the local cache holds everything
         res = decode_attention(q_local, k_cache_local, v_cache_local, seqlens_local,
                                block_table=block_table_local, **kw)
@@ -384,10 +374,10 @@ def kvdp_cache_append(
     if cp_group is not None:
         check_int(op, "cp_block", cp_block, minimum=1)
     if world > 1:  # K and V side by side as 2 * Hkv_local heads: the queries' one exchange
-        both = _exchange_queries(torch.cat([k_new, v_new], dim=2), group, exchange)
-        both = both.view(stop - start, s_new, world, 2, Hkv_local, D)
-        k_new, v_new = (both[:, :, :, i].reshape(stop - start, s_new, world * Hkv_local, D)
-                        for i in (0, 1))
+        both = _exchange_queries(torch.cat([k_new, v_new], dim=2), group, exchange, world,
+                                 start, stop).view(stop - start, s_new, world, 2, Hkv_local, D)
+        k_new = both[:, :, :, 0].reshape(stop - start, s_new, world * Hkv_local, D)
+        v_new = both[:, :, :, 1].reshape(stop - start, s_new, world * Hkv_local, D)
     if group_size(cp_group) == 1:  # no cp_group, or a one-rank one: whole sequences here
         kv_cache_append(k_cache_local, v_cache_local, k_new, v_new, seqlens_local,
                         block_table=block_table_local, **kw)

@@ -199,11 +199,11 @@ def format_bytes(n: int) -> str:
     """``1536`` -> ``"1.50 KiB"``; binary units."""
     if n < 1024:
         return f"{n} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
+    for unit in ("KiB", "MiB", "GiB"):
         n /= 1024
-        if n < 1024 or unit == "TiB":
+        if n < 1024:
             return f"{n:.2f} {unit}"
-    raise AssertionError("unreachable")
+    return f"{n / 1024:.2f} TiB"
 
 
 def resolve_dtype(dtype: Any, name: str = "dtype") -> torch.dtype:
@@ -308,9 +308,19 @@ def plan_sharding(batch: int, q_heads: int, kv_heads: int, ranks: int, context_l
 
     options = (m.vanilla(), m.split("KVDP", r, 1), m.split("CP", 1, r),
                m.split("recommended", kvdp, cp))
-    model = _cost_model(cost_model)
-    if model is not None:
-        options = tuple(_predicted(m, o, model) for o in options)
+    from .cost_model import CostModel
+
+    model = CostModel.load(cost_model) if isinstance(cost_model, (str, Path)) else cost_model
+    if not (model is None or isinstance(model, CostModel)):
+        raise TypeError(f"{OP}: cost_model must be a CostModel, a results file's path or None, "
+                        f"got {type(cost_model).__name__}")
+    if model is not None:  # each option's predicted layer (and step) time
+        parts = [model.layer_ms(kvdp=o.kvdp, cp=o.cp, batch=m.B, s_active=m.s,
+                                q_local=m.Hq // m.N, h_attn=m.Hq // o.tp, head_dim=m.D,
+                                kv_bytes=o.kv_bytes_per_rank / m.L, act_bytes=m.a)
+                 for o in options]
+        options = tuple(replace(o, predicted_layer_ms=p, predicted_step_ms=p["total"] * m.L)
+                        for o, p in zip(options, parts))
     best = options[-1]
     reason = _reason(m, options, tp, r, rule_kvdp, hbm)
     inputs = {"batch": batch, "q_heads": q_heads, "kv_heads": kv_heads, "ranks": ranks,
@@ -323,25 +333,6 @@ def plan_sharding(batch: int, q_heads: int, kv_heads: int, ranks: int, context_l
                         collective_bytes_per_step=best.collective_bytes_per_step,
                         options=options, reason=reason, inputs=inputs,
                         cost_model=None if model is None else model.summary())
-
-
-def _cost_model(cost_model: Any) -> Any:
-    from .cost_model import CostModel
-
-    if cost_model is None or isinstance(cost_model, CostModel):
-        return cost_model
-    if isinstance(cost_model, (str, Path)):
-        return CostModel.load(cost_model)
-    raise TypeError(f"{OP}: cost_model must be a CostModel, a results file's path or None, "
-                    f"got {type(cost_model).__name__}")
-
-
-def _predicted(m: _Model, o: ShardingOption, model: Any) -> ShardingOption:
-    """``o`` with its predicted layer (and step) time."""
-    parts = model.layer_ms(kvdp=o.kvdp, cp=o.cp, batch=m.B, s_active=m.s,
-                           q_local=m.Hq // m.N, h_attn=m.Hq // o.tp, head_dim=m.D,
-                           kv_bytes=o.kv_bytes_per_rank / m.L, act_bytes=m.a)
-    return replace(o, predicted_layer_ms=parts, predicted_step_ms=parts["total"] * m.L)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
