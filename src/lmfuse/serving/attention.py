@@ -24,6 +24,7 @@ No mask is built: the interface's mask function is absent, so ``transformers`` p
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -228,15 +229,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     return out
 
 
-_registered = False
-
-
+@functools.cache
 def register() -> None:
     """Add :func:`paged_attention` to ``transformers``' ``AttentionInterface`` (once)."""
-    global _registered
-    if _registered:
-        return
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION_NAME, paged_attention)
-    _registered = True

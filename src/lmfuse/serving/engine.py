@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from .._collectives import group_size
 from .._dispatch import IMPLS, check_choice, check_int, check_number
 from .._launch import KERNEL_DTYPES
 from ..attention.kv_cache import KVCacheFullError, PagedKVCache
@@ -96,7 +98,11 @@ class Generator:
             _check_cp(model, config, cp_group)
             prefix_sharing = False
         if kvdp_group is not None:
-            _check_kvdp(config, kvdp_group)
+            _check_initialised("kvdp_group")
+            if config.num_attention_heads % group_size(kvdp_group):
+                raise ValueError(f"{OP}: kvdp_group of {group_size(kvdp_group)} ranks needs the "
+                                 f"query heads ({config.num_attention_heads}) to divide over "
+                                 "them")
             prefix_sharing = False
         param = next(model.parameters())
         self.model, self.config = model, config
@@ -116,14 +122,10 @@ class Generator:
             if group is not None:  # every rank's scheduler counts the same pool
                 num_blocks = _group_min(num_blocks, group, self.device)
         num_blocks = check_int(OP, "num_blocks", num_blocks, minimum=1)
-        fp8 = self.kv_dtype == torch.float8_e4m3fn
-        scales = ([torch.ones(self.kv_heads, device=self.device) for _ in
-                   range(self.num_layers)] if fp8 else None)
+        # (an fp8 cache's scales: ones, a tensor each, calibrated by the first prefill)
         self.cache = PagedKVCache(num_blocks, block_len, self.kv_heads, self.head_dim,
-                                  self.kv_dtype, self.device, num_layers=self.num_layers,
-                                  k_scale=scales, v_scale=[s.clone() for s in scales]
-                                  if fp8 else None)
-        self._calibrate = fp8
+                                  self.kv_dtype, self.device, num_layers=self.num_layers)
+        self._calibrate = self.kv_dtype == torch.float8_e4m3fn
         self.shards = None if cp_group is None else ContextShards(cp_group, self.cache)
         batch_shards = None if kvdp_group is None else BatchShards(kvdp_group, self.cache)
         # What the scheduler counts: the pool itself; with a CP-split cache a virtual pool
@@ -223,10 +225,12 @@ class Generator:
             eos_token_id=self._default_eos if eos_token_id is None else eos_token_id,
             seed=seed, vocab_size=self.vocab_size)
         self._check_fits(len(tokens), params.max_new_tokens, "prompt")
+        return self._enqueue(tokens, params)
+
+    def _enqueue(self, tokens: list[int], params: SamplingParams) -> int:
         rid = self._next_rid
         self._next_rid += 1
-        req = Request(rid, tokens, params)
-        self._requests[rid] = req
+        self._requests[rid] = req = Request(rid, tokens, params)
         self.scheduler.add(req)
         return rid
 
@@ -239,12 +243,11 @@ class Generator:
         if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
             raise TypeError(f"{OP}: {name} must be a list of token ids (ints), got "
                             f"{type(prompt).__name__}")
-        tokens = []
-        for t in prompt:
+        tokens = list(prompt)
+        for t in tokens:
             if isinstance(t, bool) or not isinstance(t, int):
                 raise TypeError(f"{OP}: {name} must hold ints (token ids), got "
                                 f"{type(t).__name__} {t!r}")
-            tokens.append(t)
         if not tokens:
             raise ValueError(f"{OP}: {name} is empty; a prompt needs at least one token")
         bad = [t for t in tokens if not 0 <= t < self.vocab_size]
@@ -400,11 +403,7 @@ class Generator:
             seed=seed, vocab_size=self.vocab_size)
         for i, p in enumerate(checked):
             self._check_fits(len(p), params.max_new_tokens, f"prompts[{i}]")
-        base = params.seed
-        rids = [self.add_request(p, max_new_tokens=params.max_new_tokens,
-                                 temperature=params.temperature, top_k=params.top_k,
-                                 top_p=params.top_p, eos_token_id=sorted(params.eos_token_ids),
-                                 seed=base + i)
+        rids = [self._enqueue(p, replace(params, seed=(params.seed + i) % (1 << 63)))
                 for i, p in enumerate(checked)]
         results: dict[int, list[int]] = {rid: [] for rid in rids}
         while self.has_unfinished():
@@ -436,11 +435,9 @@ class Generator:
             self.runner.prefill(reqs, new, model=True)  # the probe sees the model's K/V
         finally:
             AttentionInterface.register(ATTENTION_NAME, paged_attention)
-        for layer in range(self.num_layers):
-            for name, scales in (("k", self.cache.k_scales), ("v", self.cache.v_scales)):
-                top = amax[name][layer]
-                scale = torch.where(top > 0, top * 2.0 / _FP8_MAX, torch.ones_like(top))
-                scales[layer].copy_(scale.to(scales[layer].device))
+        for scales, tops in ((self.cache.k_scales, amax["k"]), (self.cache.v_scales, amax["v"])):
+            for scale, top in zip(scales, tops):  # (one per layer)
+                scale.copy_(torch.where(top > 0, top * 2.0 / _FP8_MAX, torch.ones_like(top)))
 
 
 class _Inflight:
@@ -524,16 +521,6 @@ def _check_initialised(name: str) -> None:
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(f"{OP}: {name} needs torch.distributed initialised "
                          "(init_process_group) on every rank")
-
-
-def _check_kvdp(config: Any, kvdp_group: Any) -> None:
-    _check_initialised("kvdp_group")
-    import torch.distributed as dist
-
-    world = dist.get_world_size(kvdp_group)
-    if config.num_attention_heads % world:
-        raise ValueError(f"{OP}: kvdp_group of {world} ranks needs the query heads "
-                         f"({config.num_attention_heads}) to divide over them")
 
 
 def _check_cp(model: Any, config: Any, cp_group: Any) -> None:

@@ -73,7 +73,7 @@ import torch.nn.functional as F
 
 from .. import _pdl
 from .._dispatch import select_impl
-from .._launch import KERNEL_DTYPES, cdiv, lazy_kernels, next_pow2
+from .._launch import KERNEL_DTYPES, cdiv, is_pow2, lazy_kernels, next_pow2
 from ..attention.kv_cache import PagedKVCache
 from ..activations import swiglu
 from ..attention.ops import _launch_decode, _native_decode, _resolve, decode_attention
@@ -197,14 +197,18 @@ class FusedDecoder:
         # A prefill's query chunk: the decode kernel's 64 query rows a program (a KV head's
         # group x the chunk's positions).
         self.chunk = max(1, 64 // (self.hq // self.hkv))
-        half = self.d // 2
         # The rotary kernel holds a head's halves in one power-of-two tile.
-        self.rope_kernel = self.triton and self.d % 2 == 0 and half & (half - 1) == 0
+        self.rope_kernel = self.triton and self.d % 2 == 0 and is_pow2(self.d // 2)
         # Several rows: the QKV GEMV rotates and appends itself (models without a q/k norm).
         self.rope_gemv = self.rope_kernel and _rope_gemv_takes(2, self.d)
         self.embed = inner.embed_tokens.weight
         head = model.get_output_embeddings()
         self.lm_head, self.lm_bias = head.weight, getattr(head, "bias", None)
+        # The LM head's GEMV: a vocabulary of at least LM_HEAD_MIN_FEATURES in whole
+        # 128-feature tiles, a contiguous matrix, no bias.
+        V = self.lm_head.shape[0]
+        self.lm_gemv = (self.lm_bias is None and V >= LM_HEAD_MIN_FEATURES and V % 128 == 0
+                        and self.lm_head.is_contiguous())
         self.norm, self.norm_eps = inner.norm.weight, _eps(inner.norm)
         self.layers = [self._layer(i, layer, config) for i, layer in enumerate(inner.layers)]
         limit = getattr(config, "max_position_embeddings", None) or (1 << 20)
@@ -213,7 +217,7 @@ class FusedDecoder:
 
     def _layer(self, i: int, layer: Any, config: Any) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
-        biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+        qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
         mlp_b = [mlp.gate_proj.bias, mlp.up_proj.bias, mlp.down_proj.bias]
         window = getattr(attn, "sliding_window", None)
         if config.model_type == "mistral":
@@ -222,11 +226,9 @@ class FusedDecoder:
         return _Layer(
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
             _eps(layer.input_layernorm), _eps(layer.post_attention_layernorm),
-            (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
-            None if all(b is None for b in biases) else tuple(
-                b if b is not None else torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
-                for b, w in zip(biases, (attn.q_proj.weight, attn.k_proj.weight,
-                                         attn.v_proj.weight))),
+            tuple(m.weight for m in qkv),
+            None if all(m.bias is None for m in qkv) else tuple(
+                m.weight.new_zeros(m.weight.shape[0]) if m.bias is None else m.bias for m in qkv),
             attn.o_proj.weight, attn.o_proj.bias,
             mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
             None if all(b is None for b in mlp_b) else tuple(mlp_b),
@@ -279,7 +281,7 @@ class FusedDecoder:
         n = ids.shape[0]
         kernels = self.triton and n <= GEMV_MAX_ROWS
         keep = None if prefill is None else prefill.keep
-        lm_gemv = kernels and self.lm_bias is None and _lm_head_gemv(self.lm_head)
+        lm_gemv = kernels and self.lm_gemv
         # Several rows: (h * g, its RowNorm) of the next RMSNorm, left by the kernel that
         # wrote h (the gather, a residual GEMV's prenorm epilogue) for the GEMV that takes
         # the norm's output (row_scale).
@@ -339,9 +341,11 @@ class FusedDecoder:
             if kernels and L.mlp_bias is None:
                 # The GEMV (residual epilogue) where it beats cuBLAS on the long K (H100,
                 # chained): one row (14.1 against 16.8 us), and K split over programs at 16
-                # rows (15.8 against 17.4) and 64 (17.6 against 18.6); else cuBLAS.
-                down = (n == 1 or _gemv_split(*L.down.shape, _row_tile(n), False) > 1) \
-                    and _gemv_takes(n, L.down)
+                # rows (15.8 against 17.4) and 64 (17.6 against 18.6); else cuBLAS. (Whole
+                # feature tiles: else _gemv's float32 fallback.)
+                tile = _row_tile(n)
+                down = ((n == 1 or _gemv_split(*L.down.shape, tile, False) > 1)
+                        and L.down.shape[0] % _gemv_config(*L.down.shape, tile, False)[0] == 0)
                 norm = rs = None
                 if n == 1:
                     x, norm = h, (L.norm_post, L.eps_post)
@@ -628,14 +632,6 @@ def _embed(ids: torch.Tensor, table: torch.Tensor,
 LM_HEAD_MIN_FEATURES = 65536
 
 
-def _lm_head_gemv(weight: torch.Tensor) -> bool:
-    """Whether the decode step's LM head runs the GEMV kernel: a vocabulary
-    of at least :data:`LM_HEAD_MIN_FEATURES` in whole 128-feature tiles, a contiguous
-    matrix."""
-    return (weight.shape[0] >= LM_HEAD_MIN_FEATURES and weight.shape[0] % 128 == 0
-            and weight.is_contiguous())
-
-
 def _gemv_config(n_out: int, K: int, block_m: int, gated: bool, itemsize: int = 2,
                  smem: int | None = None, rope: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages): the fastest CUDA-graph replays in
@@ -690,13 +686,6 @@ def _gemv_config(n_out: int, K: int, block_m: int, gated: bool, itemsize: int = 
     while stages > 2 and (block_m + tiles * block_n) * block_k * itemsize * stages > limit:
         stages -= 1
     return block_n, block_k, warps, stages
-
-
-def _gemv_takes(n: int, weight: torch.Tensor) -> bool:
-    """Whether :func:`_gemv` runs its kernel for ``n`` rows of ``weight`` (whole feature
-    tiles), not its float32 fallback."""
-    block_n = _gemv_config(weight.shape[0], weight.shape[1], _row_tile(n), False)[0]
-    return weight.shape[0] % block_n == 0
 
 
 def _row_tile(n: int) -> int:
@@ -809,8 +798,10 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
     if argmax and (len(weights) != 1 or residual is not None or gated):
         raise ValueError(f"{_OP}: the GEMV's argmax takes one matrix, no residual, not gated")
     if any(v % block_n for v in ns) or n == 0:
-        y = _gemv_fallback(x, weights, biases, residual, gated, norm,
-                           None if row_scale is None else row_scale.scale())
+        y = gemv_reference(x, weights, biases, residual=residual, gated=gated, norm=norm,
+                           row_scale=None if row_scale is None else row_scale.scale())
+        if residual is not None:
+            y = residual.copy_(y)
         if out is not None:
             y = out.copy_(y)
         if prenorm is not None:
@@ -914,12 +905,3 @@ def _gemv_rope(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any,
         eps=0.0 if row_scale is None else row_scale.eps, num_warps=warps, num_stages=stages,
         **_pdl.launch_options(pdl))
     return y
-
-
-def _gemv_fallback(x, weights, biases, residual, gated, norm=None, row_scale=None):
-    out = gemv_reference(x, weights, biases, residual=residual, gated=gated, norm=norm,
-                         row_scale=row_scale)
-    if residual is not None:
-        residual.copy_(out)
-        return residual
-    return out

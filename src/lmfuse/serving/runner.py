@@ -169,11 +169,10 @@ class ModelRunner:
         # The fused decode layers (fused.py) where the model's family has them and the
         # cache is not split; otherwise the model's own forward decodes.
         self.fused: FusedDecoder | None = None
-        sharded = self.sharded
-        if decode_path == "fused" and sharded:
+        if decode_path == "fused" and self.sharded:
             raise ValueError("Generator: decode_path='fused' does not run over a split KV "
                              "cache (kvdp_group / cp_group) yet; use 'auto' or 'model'")
-        if decode_path == "fused" or (decode_path == "auto" and not sharded
+        if decode_path == "fused" or (decode_path == "auto" and not self.sharded
                                       and unsupported(model) is None):
             self.fused = FusedDecoder(model, cache, impl)
         self.decode_path = "fused" if self.fused is not None else "model"
@@ -228,13 +227,12 @@ class ModelRunner:
                          else self.cache.block_ids(bs.local(req.seq_id)))
             else:
                 table = self.cache.block_ids(req.seq_id)
-            for i, t in enumerate(toks):
-                p = req.num_cached + i
-                ids.append(t)
-                pos.append(p)
-                if self.shards is None:
-                    blocks.append(table[p // bl] if table else -1)
-                    offsets.append(p % bl)
+            positions = range(req.num_cached, req.num_cached + len(toks))
+            ids += toks
+            pos += positions
+            if self.shards is None:
+                blocks += [table[p // bl] if table else -1 for p in positions]
+                offsets += [p % bl for p in positions]
             segments.append(Segment(start, len(ids), req.num_cached,
                                     torch.tensor(table, dtype=torch.int64)))
             last.append(len(ids) - 1)

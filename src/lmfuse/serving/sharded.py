@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..attention.kv_cache import PagedKVCache
+from ..attention.kv_cache import KVCacheFullError, PagedKVCache
 from .._collectives import group_rank, group_size
 from .request import OP, Request
 
@@ -173,17 +173,15 @@ class BatchShards:
                 ) -> None:
         """Room for ``num_tokens`` more in each sequence, on its owner; all or nothing over
         every pool (``KVCacheFullError`` when one pool lacks blocks)."""
-        from ..attention.kv_cache import KVCacheFullError
-
         ids = [seq_ids] if isinstance(seq_ids, int) else list(seq_ids)
         counts = (list(num_tokens) if isinstance(num_tokens, (list, tuple))
                   else [num_tokens] * len(ids))
         by_pool: dict[int, tuple[list[int], list[int]]] = {}
         for s, n in zip(ids, counts):
             owner, local = self._where[s]
-            by_pool.setdefault(owner, ([], []))
-            by_pool[owner][0].append(local)
-            by_pool[owner][1].append(n)
+            locs, ns = by_pool.setdefault(owner, ([], []))
+            locs.append(local)
+            ns.append(n)
         for owner, (locs, ns) in by_pool.items():
             need = self.pools[owner].blocks_needed(locs, ns)
             if need > self.pools[owner].num_free_blocks:
