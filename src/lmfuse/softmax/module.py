@@ -109,9 +109,8 @@ class FusedScaleMaskSoftmax(nn.Module):
 
         if not self.scaled_masked_softmax_fusion or not triton_available():
             return False
-        if mask is not None and isinstance(mask, torch.Tensor):
-            return mask.is_cuda or interpreter_active()
-        return torch.cuda.is_available() or interpreter_active()
+        on_gpu = mask.is_cuda if isinstance(mask, torch.Tensor) else torch.cuda.is_available()
+        return on_gpu or interpreter_active()
 
     def forward(
         self,

@@ -239,14 +239,9 @@ def check_inputs(scores, mask, softmax_offset, *, op: str = _OP,
                 f"got {mask.dtype}"
             )
         check_same_device(op, scores_name, scores, mask=mask)
-        try:
-            torch.broadcast_shapes(mask.shape, scores.shape)
-            ok = mask.dim() <= 4 and all(
-                m in (1, s) for m, s in zip(mask.shape[::-1], scores.shape[::-1])
-            )
-        except RuntimeError:
-            ok = False
-        if not ok:
+        # (each trailing dim 1 or the scores': broadcastable, and to their shape)
+        if mask.dim() > 4 or not all(
+                m in (1, s) for m, s in zip(mask.shape[::-1], scores.shape[::-1])):
             raise ValueError(
                 f"{op}: mask of shape {tuple(mask.shape)} is not broadcastable to {scores_name} "
                 f"{tuple(scores.shape)}; expected [b|1, np|1, sq|1, sk|1] with [b, np, sq, sk] "
@@ -340,8 +335,14 @@ def fused_softmax(
     """
     if (impl == "auto" and mask is None and window_size is None and softmax_offset is None
             and softmax_in_fp32 is True and (causal is True or causal is False)
-            and cpu_fast(scores)):
-        y = _cpu_fast_softmax(scores, scale, causal)
+            and cpu_fast(scores) and scores.dim() == 4
+            and (scale is None or (type(scale) is float and math.isfinite(scale)))
+            and not (causal and scores.shape[-2] > scores.shape[-1])):
+        # The common CPU call (float32 scores, a finite float scale or none, causal or not,
+        # nothing else): _native_cpu on a call made here without the full checks (None for
+        # a NaN row: the full path then checks and decides).
+        y = _native_cpu(scores, SoftmaxCall(1.0 if scale is None else scale, None, None,
+                                            UNBOUNDED, 0 if causal else UNBOUNDED, None))
         if y is not None:
             return y
     path, _, a = _resolve(scores, scale, mask, causal, window_size, softmax_offset,
@@ -399,21 +400,6 @@ def _band_bias(sq: int, sk: int, left: int, right: int) -> torch.Tensor:
     64]: 10 against 73 us) and gives the same scores, except where a hidden key is +inf or
     NaN: its row turns NaN, which ``_native_cpu`` hands to the reference."""
     return torch.zeros(sq, sk).masked_fill_(_hidden_band(sq, sk, left, right), float("-inf"))
-
-
-def _cpu_fast_softmax(scores: torch.Tensor, scale: Any, causal: bool
-                      ) -> Optional[torch.Tensor]:
-    """The common CPU call (float32 ``[b, np, sq, sk]`` scores, a finite float scale or none,
-    causal or not, nothing else): :func:`_native_cpu` on a call made here without the full
-    checks; None for any other call or a NaN row (the full path then checks and decides)."""
-    if scores.dim() != 4 or not (scale is None or (type(scale) is float
-                                                  and math.isfinite(scale))):
-        return None
-    if causal and scores.shape[-2] > scores.shape[-1]:
-        return None
-    call = SoftmaxCall(1.0 if scale is None else scale, None, None, UNBOUNDED,
-                       0 if causal else UNBOUNDED, None)
-    return _native_cpu(scores, call)
 
 
 def _native_cpu(scores: torch.Tensor, a: SoftmaxCall) -> Optional[torch.Tensor]:
