@@ -126,9 +126,8 @@ def chunk_rows(n: int, v_local: int, itemsize: int, device: torch.device,
 
 
 def _describe(cfg: dict[str, Any], source: str, max_chunk_bytes: Optional[int]) -> str:
-    budget = (f"chunk budget {max_chunk_bytes / 2**20:.1f} MiB (max_chunk_bytes)"
-              if max_chunk_bytes is not None else
-              f"chunk budget {cfg['chunk_bytes'] / 2**20:.1f} MiB")
+    budget = (f"chunk budget {(max_chunk_bytes or cfg['chunk_bytes']) / 2**20:.1f} MiB"
+              + (" (max_chunk_bytes)" if max_chunk_bytes is not None else ""))
     kernel = ("table default" if cfg["kernel"] is None else
               ", ".join(f"{k}={v}" for k, v in cfg["kernel"].items()))
     return (f"{budget}, rows a multiple of {cfg['row_multiple']}, CE kernel {kernel} "

@@ -95,9 +95,6 @@ def _aligned(x: torch.Tensor) -> bool:
     return x.shape[-1] % 16 == 0 and x.stride(-2) % 16 == 0 and x.data_ptr() % 16 == 0
 
 
-_scalars = scalars  # the kernels' float arguments (vocab_parallel.scalars)
-
-
 # --- kernel launches, as custom ops ------------------------------------------------------
 
 
@@ -147,7 +144,7 @@ def _launch_fwd(logits, target, count, grad, vocab_start, vocab_size, ignore_ind
     # one tensor argument fewer to specialise at each launch.)
     args = (logits, logits.stride(0), target, stats, grad, grad.stride(0) if write else 0,
             count, n, V, vocab_start, vocab_size, ignore_index,
-            *_scalars(vocab_size, label_smoothing, z_loss, softcap))
+            *scalars(vocab_size, label_smoothing, z_loss, softcap))
     if cfg["SINGLE_BLOCK"]:
         _kernels().ce_fwd_kernel[(cdiv(n, cfg["BLOCK_M"]),)](
             *args, **common, BLOCK_M=cfg["BLOCK_M"], BLOCK_V=cfg["BLOCK_V"],
@@ -182,7 +179,7 @@ def _launch_slices(logits, target, count, grad, stats, ignore_index, label_smoot
     _kernels().ce_slices_kernel[(grid,)](
         logits, logits.stride(0), target, parts, counters[1:], counters[:1], stats, grad,
         grad.stride(0), count, n, V, ignore_index,
-        *_scalars(V, label_smoothing, z_loss, softcap), slices, width, lag,
+        *scalars(V, label_smoothing, z_loss, softcap), slices, width, lag,
         HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0, MEAN=mean,
         SLICES_P2=next_pow2(slices, 2), BLOCK_V=block,
         HINTS=bool(f.get("hints", 0)), num_warps=f["num_warps"],
@@ -204,7 +201,7 @@ def _launch_grad(logits, target, stats, w, grad, vocab_start, vocab_size, ignore
     cfg = _config(V, logits.device)
     args = (logits, logits.stride(0), target, stats, w, w.stride(0), grad, grad.stride(0),
             n, V, vocab_start, vocab_size, ignore_index,
-            *_scalars(vocab_size, label_smoothing, z_loss, softcap))
+            *scalars(vocab_size, label_smoothing, z_loss, softcap))
     extra = {} if weight is None else dict(
         cw_ptr=weight, wstat_ptr=wstat, wz_ptr=wz, stride_wz=wz.stride(0), HAS_WEIGHT=True,
         HAS_SMOOTHING=label_smoothing > 0)

@@ -138,13 +138,10 @@ def cross_entropy_reference(
     pred = predicted_tokens(x2d, t, ignore_index, softcap)
     extra = token_extras(stats[0], pred, t, count, z_loss=z_loss, ignore_index=ignore_index,
                          reduction=reduction, token_scale=scale)
-    return CrossEntropyOutput(
-        loss,
-        extra[0].view(target.shape) if return_z_loss and reduction == "none" else
-        extra[0] if return_z_loss else None,
-        extra[1].view(target.shape) if return_token_accuracy and reduction == "none" else
-        extra[1] if return_token_accuracy else None,
-        pred.view(target.shape) if return_predicted_tokens else None)
+    zl, right = (x.view(target.shape) if reduction == "none" else x for x in extra)
+    return CrossEntropyOutput(loss, zl if return_z_loss else None,
+                              right if return_token_accuracy else None,
+                              pred.view(target.shape) if return_predicted_tokens else None)
 
 
 def reduce_terms(ce: torch.Tensor, zl: torch.Tensor, target: torch.Tensor,

@@ -45,9 +45,8 @@ def tune_stages(v_local: int, device: torch.device, max_chunk_bytes: int) -> lis
         budgets.append(b)
         b *= 2
     stages = [("chunk_bytes", budgets or [max_chunk_bytes]), ("row_multiple", [1, 64, 128, 256])]
-    streamed = tuning.single_block_tile(tuning.table("cross_entropy", device), v_local) is None
-    if streamed:
-        stages.append(("kernel", list(_KERNEL_CANDIDATES)))
+    if tuning.single_block_tile(tuning.table("cross_entropy", device), v_local) is None:
+        stages.append(("kernel", list(_KERNEL_CANDIDATES)))  # streamed rows
     return stages
 
 
