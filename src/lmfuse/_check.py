@@ -123,13 +123,9 @@ def run_case(case: CheckCase) -> CheckResult:
 def run_all(cases: Sequence[CheckCase], out=print) -> bool:
     """Run every case, one table row each as it finishes (columns as wide as the longest
     entry); True when all pass. An op without a gradient shows ``-`` in that column."""
-
-    def shape_name(case: CheckCase) -> str:
-        return "x".join(map(str, case.shape))
-
     widths = [max([len(title)] + [len(f(c)) for c in cases]) for title, f in (
         ("op", lambda c: c.op), ("case", lambda c: c.label),
-        ("dtype", lambda c: dtype_name(c.dtype)), ("shape", shape_name))]
+        ("dtype", lambda c: dtype_name(c.dtype)), ("shape", lambda c: "x".join(map(str, c.shape))))]
 
     def row(op: str, label: str, dtype: str, shape: str, impl: str, fwd: str, grad: str,
             result: str) -> str:

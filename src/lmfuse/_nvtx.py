@@ -35,10 +35,6 @@ def enable(on: bool, record: Optional[list[str]] = None) -> None:
     _ENABLED, _record = bool(on), record
 
 
-def enabled() -> bool:
-    return _ENABLED
-
-
 @functools.lru_cache(maxsize=None)
 def _nvtx_usable() -> bool:
     # CPU builds of torch ship torch.cuda.nvtx stubs that raise when called.
