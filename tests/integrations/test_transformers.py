@@ -971,7 +971,8 @@ OWN_ROUNDING = ("gemma4_text", "gemma4")
 # float32 gradients ill-conditioned (with transformers 5.24, the unpatched float32 model's
 # are 9.8e-6 from its float64 twin's, at the tolerance, and any change of rounding in the
 # norms, MLPs or experts moves them as much). HF's grouped_mm experts take no float64: the
-# eager experts there.
+# eager experts there. (lmfuse's ops run their torch paths in float64; the other families
+# check the Triton paths of the same patches in float32.)
 IN_FLOAT64 = ("qwen3_5_moe_text",)
 
 

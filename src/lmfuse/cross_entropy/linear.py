@@ -231,15 +231,13 @@ def _chunk_stats(logits, target, count, o, grad: bool, mean: bool, cw=None, wsta
 
 def _weight_stats(cw: torch.Tensor, target: torch.Tensor,
                   loss: ops.CrossEntropyCall) -> torch.Tensor:
-    """``[2]`` float32 (float64 for float64 ``cw``): the sum of the class weights and that
-    of the non-ignored targets' (a weighted mean's divisor), over the whole vocabulary:
-    with ``tp_group`` each rank's share summed by one all-reduce of these two floats, before
-    the chunks (the forward's gradients need the divisor from the first chunk on)."""
-    if loss.tp_group is None:
-        return ops._class_stats(cw, target, loss.ignore_index)
-    mine = torch.stack([cw.sum(), ref.target_weights(cw, target, loss.ignore_index,
-                                                     loss.vocab_start).sum()])
-    return all_reduce_sum(mine if mine.dtype == torch.float64 else mine.float(), loss.tp_group)
+    """``[2]`` in ``cw``'s dtype (float32; float64 for float64 inputs): the sum of the class
+    weights and that of the non-ignored targets' (a weighted mean's divisor), over the whole
+    vocabulary: with ``tp_group`` each rank's share summed by one all-reduce of these two
+    floats, before the chunks (the forward's gradients need the divisor from the first chunk
+    on)."""
+    mine = ops._class_stats(cw, target, loss.ignore_index, loss.vocab_start)
+    return mine if loss.tp_group is None else all_reduce_sum(mine, loss.tp_group)
 
 
 def _token_scales(dout: torch.Tensor, stats: torch.Tensor, target: torch.Tensor,

@@ -345,12 +345,13 @@ def _launch_scale(grad: torch.Tensor, scale: torch.Tensor) -> None:
 # --- autograd ---------------------------------------------------------------------------
 
 
-def _class_stats(weight: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """``[2]`` float32 (float64 for float64 ``weight``) for the kernels' class weights: the
-    weights' sum and the sum of the non-ignored targets' weights (a weighted mean's
-    divisor). No host sync."""
-    stats = torch.stack([weight.sum(), ref.target_weights(weight, target, ignore_index).sum()])
-    return stats if stats.dtype == torch.float64 else stats.float()
+def _class_stats(weight: torch.Tensor, target: torch.Tensor, ignore_index: int,
+                 vocab_start: int = 0) -> torch.Tensor:
+    """``[2]`` in ``weight``'s dtype (the op's float32, or float64 for float64 logits): the
+    sum of ``weight`` and that of the non-ignored targets' weights among its columns from
+    ``vocab_start`` on (a weighted mean's divisor). No host sync."""
+    return torch.stack([weight.sum(),
+                        ref.target_weights(weight, target, ignore_index, vocab_start).sum()])
 
 
 class _CrossEntropy(torch.autograd.Function):
