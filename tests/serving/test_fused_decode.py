@@ -43,10 +43,12 @@ def _rope_case(dtype: torch.dtype, cache_dtype: torch.dtype, norm: bool, seed: i
 def test_rope_append_kernel_matches_reference(dtype, cache_dtype, norm, rows_from,
                                               monkeypatch) -> None:
     """A row a program (decode steps) or several (past ``_ROPE_ROWS_FROM`` rows, here
-    any: the 4 rows in one program of 16, its other slots masked)."""
+    any: the 4 rows in one program of 16, its other slots masked): the GPU's programs, not
+    the interpreter's one per head."""
     import lmfuse.serving.fused as fused
 
     monkeypatch.setattr(fused, "_ROPE_ROWS_FROM", rows_from)
+    monkeypatch.setattr(fused, "_GPU_TILES_IN_INTERPRETER", True)
     qkv, cos, sin, pos, table, qn, kn, ks, vs = _rope_case(dtype, cache_dtype, norm)
     caches = []
     outs = []
@@ -428,6 +430,32 @@ def test_qkv_gemv_rotates_and_appends_itself(rows: int, dtype: torch.dtype,
     assert len(written) == rows - 1  # every real row's slot, and not the padding row's
     with pytest.raises(ValueError, match="takes Wq, Wk, Wv"):
         _gemv(x, ws[:2], rope=r)
+
+
+@pytest.mark.parametrize("kind", ["qkv_bias", "gated", "residual", "uneven_k"])
+def test_one_row_gemv_gpu_tiles_equal_the_interpreters(
+        kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At one row the interpreter widens the GEMV's feature tiles (fewer programs for it to
+    run one by one); the GPU's (two features a program) run the same code to the same
+    bits: plain, with the RMSNorm inside, and (one matrix) with the argmax."""
+    import lmfuse.serving.fused as fused
+
+    x, ws, biases, residual, gated, t = _gemv_case(kind, 1, torch.float32, 5)
+    g = (1 + t(x.shape[1]), 1e-5)
+    runs = []
+    for gpu in (False, True):
+        monkeypatch.setattr(fused, "_GPU_TILES_IN_INTERPRETER", gpu)
+        r = None if residual is None else residual.clone()
+        got = [_gemv(x, ws, biases, residual=r, gated=gated).clone()]
+        if residual is None:
+            got.append(_gemv(x, ws, biases, gated=gated, norm=g))
+        if len(ws) == 1 and residual is None:
+            got.extend(_gemv(x, ws, argmax=True))
+        runs.append(got)
+    want = gemv_reference(x, ws, biases, residual=residual, gated=gated)
+    torch.testing.assert_close(runs[0][0], want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("kind", ["gated", "residual"])
@@ -859,7 +887,7 @@ def test_lm_head_gemv_gives_torch_argmax_of_its_logits(rows: int) -> None:
     they are stored: torch.argmax's, with ties across and within tiles, NaN (it wins) and
     inf."""
     g = torch.Generator().manual_seed(rows)
-    K, V = 32, 512  # four 128-feature tiles
+    K, V = 32, 512  # several feature tiles (the interpreter's 64 at one row, else 128)
     x = torch.randn(rows, K, generator=g)
     w = torch.randn(V, K, generator=g) / 4
     w[300] = w[17]  # the same logits in columns 17 and 300 (a tie across tiles)...

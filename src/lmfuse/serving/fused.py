@@ -72,7 +72,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _pdl
-from .._dispatch import select_impl
+from .._dispatch import interpreter_active, select_impl
 from .._launch import KERNEL_DTYPES, cdiv, is_pow2, lazy_kernels, next_pow2
 from ..attention.kv_cache import PagedKVCache
 from ..activations import swiglu
@@ -515,6 +515,16 @@ def rope_append_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 _ROPE_ROWS_FROM = 64  # more rows than this: several a program
 
+#: Triton's interpreter runs a launch's programs one after another, each costing it about
+#: 15-30 ms whatever its tile's width (numpy does a tile's lanes at once): there the
+#: one-row GEMV and the rotary append take wider tiles (fewer programs, the same kernel
+#: code) unless this is set, as a test does to run the GPU's tiles in the interpreter.
+_GPU_TILES_IN_INTERPRETER = False
+
+
+def _interpreter_tiles() -> bool:
+    return not _GPU_TILES_IN_INTERPRETER and interpreter_active()
+
 
 def _launch_rope_append(qkv, cos, sin, pos, table, k_cache, v_cache, q_norm, k_norm, eps,
                         k_scale, v_scale, hq, hkv, d, pdl=0) -> torch.Tensor:
@@ -527,6 +537,8 @@ def _launch_rope_append(qkv, cos, sin, pos, table, k_cache, v_cache, q_norm, k_n
     # A row a program for a decode step's few; 16 for a prefill's many (H100, 4096 rows of
     # 24 heads of 128: a program per row and head took 99 us)
     rows = 1 if n <= _ROPE_ROWS_FROM else 16
+    if _interpreter_tiles():
+        rows = min(next_pow2(n), 64)
     _kernels().rope_append_kernel[(cdiv(n, rows), hq + hkv)](
         qkv, q, k_cache, v_cache, cos, sin, pos, table,
         q_norm if norm else qkv, k_norm if norm else qkv,
@@ -797,6 +809,9 @@ def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None
                                                    shared_memory(x.device))
     if argmax and (len(weights) != 1 or residual is not None or gated):
         raise ValueError(f"{_OP}: the GEMV's argmax takes one matrix, no residual, not gated")
+    if block_m == 1 and block_n < 64 and _interpreter_tiles():
+        while block_n < 64 and not any(v % (2 * block_n) for v in ns):
+            block_n *= 2
     if any(v % block_n for v in ns) or n == 0:
         y = gemv_reference(x, weights, biases, residual=residual, gated=gated, norm=norm,
                            row_scale=None if row_scale is None else row_scale.scale())
