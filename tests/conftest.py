@@ -35,8 +35,11 @@ for _dir in (str(_TESTS_DIR / "distributed"), str(_TESTS_DIR)):
     if _dir not in sys.path:
         sys.path.insert(0, _dir)
 
+import fast_interpreter  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+fast_interpreter.install()  # Triton's interpreter without its repeated language swaps
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 # "ci" (the default): few examples, the same ones every run, no example database written

@@ -40,6 +40,7 @@ _CHILD_ENV = {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
 # What the ranks import, imported once by the fork server (a module that fails to import
 # there is imported by the rank that needs it, as before).
 _PRELOAD = ["torch", "torch.distributed", "numpy", "pytest", "transformers", "helpers", "spawn",
+            "fast_interpreter", "triton.runtime.interpreter",
             "lmfuse", "lmfuse.serving", "lmfuse.distributed", "lmfuse.megatron",
             "transformers.models.llama.modeling_llama",
             "transformers.models.qwen3.modeling_qwen3",
@@ -60,6 +61,9 @@ def _gloo_rank(rank: int, world_size: int, port: int, fn_ref: tuple[str, str, st
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     try:
+        import fast_interpreter
+
+        fast_interpreter.install()  # as conftest.py does in the test process
         fn = _load_function(*fn_ref)
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         # Every rank joined before any leaves: a rank whose fn returns at once (rank 0 of a

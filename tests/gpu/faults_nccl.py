@@ -447,6 +447,9 @@ def worker(args: argparse.Namespace) -> int:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
+        import fast_interpreter  # tests/: the interpreter as the CPU suite runs it
+
+        fast_interpreter.install()
         device = torch.device("cpu")
     extra = dict(device_id=device) if args.backend == "nccl" else {}
     dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout),
