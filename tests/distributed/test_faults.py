@@ -71,7 +71,7 @@ CHECK_RANKS = [s.name for s in faults.SCENARIOS if s.bad_input]
 @pytest.mark.timeout(180)
 def test_a_rank_that_raises_mid_step_makes_every_rank_raise_within_the_timeout() -> None:
     assert len(RAISING) >= 7
-    results = _run(RAISING, jobs=4)
+    results = _run(RAISING, jobs=len(RAISING))
     for result in results:
         faulty = result["faulty_rank"]
         for row in result["ranks"]:
