@@ -449,8 +449,9 @@ def test_large_routing_in_moe_experts(monkeypatch) -> None:
     from lmfuse.moe import ops, routing
 
     monkeypatch.setattr(routing, "LARGE_BLOCK", 64)
-    inp = make(40, 16, 8, 70, 4)  # 160 pairs over 70 experts: past route_small_ok
-    assert not routing.route_small_ok(160, 70, ops._config(inp["hidden"].device, 160, 16,
+    monkeypatch.setattr(routing, "MAX_ELEMENTS", 4096)  # route_small's limit, lowered
+    inp = make(40, 16, 8, 20, 4)  # 160 pairs over 20 experts: past the lowered limit
+    assert not routing.route_small_ok(160, 20, ops._config(inp["hidden"].device, 160, 16,
                                                            8)["block_m"])
     runs = []
     for on in (False, True):

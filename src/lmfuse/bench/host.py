@@ -19,7 +19,7 @@ turns round by round (drift hits them alike), Python's garbage collector off whi
 (as ``timeit`` does), in microseconds per call. ``--quick`` (the default on the CPU): 5
 rounds of 20. On the CPU the figures include the computation, which there is not
 asynchronous; in Triton's interpreter (``TRITON_INTERPRET=1``) each launch runs the kernel
-on the CPU, so the run is a smoke test (3 rounds of 2) whose figures say nothing about a
+on the CPU, so the run is a smoke test (2 rounds of 1) whose figures say nothing about a
 GPU's host time. The CPU runs with one intra-op thread (a parallel region that waits for
 a thread the OS has descheduled costs milliseconds on a loaded machine; the setting is
 restored after the run).
@@ -783,7 +783,7 @@ def main(argv: list[str] | None = None) -> int:
                                      plot_what="host microseconds per call")
     triton = triton_support(device)
     smoke = triton[0] and interpreter_active()
-    timing = (Timing(3, 2, 1) if smoke else Timing(5, 20, 3) if quick else
+    timing = (Timing(2, 1, 1) if smoke else Timing(5, 20, 3) if quick else
               Timing(15, 100, 5))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     liger, liger_version = load_liger()
