@@ -65,8 +65,8 @@ def _check_step(op: str, dtype: torch.dtype, B: int, s_active: int, Hq: int, Hkv
     if Hkv_cache != Hkv:
         raise ValueError(f"{op}: the caches have {Hkv_cache} KV heads but num_kv_heads is "
                          f"{Hkv}: k_cache {tuple(k_cache.shape)}")
-    ops._check_seqlens(op, cache_seqlens, B)
-    ops._check_scales(op, k_scale, v_scale, Hkv, k_cache.dtype)
+    ops.check_seqlens(op, cache_seqlens, B)
+    ops.check_scales(op, k_scale, v_scale, Hkv, k_cache.dtype)
     if positions is not None:
         check_tensor(op, "positions", positions, ndim=2, dtypes=INDEX_DTYPES)
         if tuple(positions.shape) != (B, s_active):
@@ -85,12 +85,12 @@ def _check_step_values(op: str, path: str, s_active: int, k_cache, cache_seqlens
     ``attend`` the attention over ``cache_seqlens + s_active`` tokens. Before anything is
     written: a refused call leaves the cache as it was."""
     force = path == "torch"
-    ops._check_append_values(op, cache_seqlens, k_cache, block_table, capacity, s_active,
-                             k_scale, v_scale, force=force)
-    if attend and ops._checking(cache_seqlens, force):
-        ops._check_decode_values(op, cache_seqlens, k_cache, block_table, capacity, None, None,
-                                 name="cache_seqlens + s_active",
-                                 lengths=cache_seqlens.long() + s_active, force=force)
+    ops.check_append_values(op, cache_seqlens, k_cache, block_table, capacity, s_active,
+                            k_scale, v_scale, force=force)
+    if attend and ops.checking_values(cache_seqlens, force):
+        ops.check_decode_values(op, cache_seqlens, k_cache, block_table, capacity, None, None,
+                                name="cache_seqlens + s_active",
+                                lengths=cache_seqlens.long() + s_active, force=force)
 
 
 def _select(op: str, impl: str, device: torch.device, dtype: torch.dtype, k_cache,

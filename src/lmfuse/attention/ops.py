@@ -33,22 +33,25 @@ _kernels = lazy_kernels("decode_kernels", __package__)
 # --- validation ------------------------------------------------------------------------------
 
 
-def check_cache(op: str, q_dtype, k_cache, v_cache, block_table, B: int, Hq: int, D: int):
-    """Shared by decode_attention, kv_cache_append and ``block.DecodeAttentionBlock`` (the
-    attention package's one cache check): the two caches, their layout and the block
+def check_cache(op: str, q_dtype, k_cache, v_cache, block_table, B: int, Hq: int, D: int,
+                names: tuple[str, str, str] = ("k_cache", "v_cache", "block_table")):
+    """Shared by decode_attention, kv_cache_append, ``block.DecodeAttentionBlock`` and
+    ``cp_cache_append`` (the attention package's one cache check; ``names``: the three
+    arguments' names in the caller's errors): the two caches, their layout and the block
     table. Returns ``(Hkv, capacity per sequence)``."""
-    check_tensor(op, "k_cache", k_cache, ndim=4, dtypes=None)
-    check_tensor(op, "v_cache", v_cache, ndim=4, dtypes=None)
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+    kn, vn, tn = names
+    check_tensor(op, kn, k_cache, ndim=4, dtypes=None)
+    check_tensor(op, vn, v_cache, ndim=4, dtypes=None)
+    for name, c in ((kn, k_cache), (vn, v_cache)):
         if c.dtype not in FP8_DTYPES and c.dtype != q_dtype:
             raise TypeError(f"{op}: {name} must have the queries' dtype "
                             f"{dtype_name(q_dtype)} or be float8_e4m3fn, got "
                             f"{dtype_name(c.dtype)}")
     if k_cache.dtype != v_cache.dtype:
-        raise TypeError(f"{op}: k_cache is {dtype_name(k_cache.dtype)} but v_cache is "
+        raise TypeError(f"{op}: {kn} is {dtype_name(k_cache.dtype)} but {vn} is "
                         f"{dtype_name(v_cache.dtype)}; they must have one dtype")
     if k_cache.shape != v_cache.shape:
-        raise ValueError(f"{op}: k_cache {tuple(k_cache.shape)} and v_cache "
+        raise ValueError(f"{op}: {kn} {tuple(k_cache.shape)} and {vn} "
                          f"{tuple(v_cache.shape)} must have one shape")
     n0, rows, Hkv, Dk = k_cache.shape
     if Dk != D:
@@ -60,25 +63,25 @@ def check_cache(op: str, q_dtype, k_cache, v_cache, block_table, B: int, Hq: int
         if n0 != B:
             raise ValueError(f"{op}: a contiguous cache [B, S_max, Hkv, D] must have B = {B} "
                              f"rows (the queries' batch), got {tuple(k_cache.shape)}; pass "
-                             f"block_table for a paged cache [num_blocks, block_len, Hkv, D]")
+                             f"{tn} for a paged cache [num_blocks, block_len, Hkv, D]")
         return Hkv, rows
-    check_tensor(op, "block_table", block_table, ndim=2, dtypes=INDEX_DTYPES)
+    check_tensor(op, tn, block_table, ndim=2, dtypes=INDEX_DTYPES)
     if block_table.shape[0] != B:
-        raise ValueError(f"{op}: block_table must be [B={B}, max_blocks], got "
+        raise ValueError(f"{op}: {tn} must be [B={B}, max_blocks], got "
                          f"{tuple(block_table.shape)}")
     if rows == 0:
         raise ValueError(f"{op}: a paged cache's block_len (dim 1) must be >= 1, got 0")
     return Hkv, block_table.shape[1] * rows
 
 
-def _check_seqlens(op: str, cache_seqlens, B: int) -> None:
+def check_seqlens(op: str, cache_seqlens, B: int) -> None:
     check_tensor(op, "cache_seqlens", cache_seqlens, ndim=1, dtypes=INDEX_DTYPES)
     if cache_seqlens.shape[0] != B:
         raise ValueError(f"{op}: cache_seqlens must be [B={B}], got "
                          f"{tuple(cache_seqlens.shape)}")
 
 
-def _check_scales(op: str, k_scale, v_scale, Hkv: int, cache_dtype) -> None:
+def check_scales(op: str, k_scale, v_scale, Hkv: int, cache_dtype) -> None:
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         if s is not None:
             if cache_dtype not in FP8_DTYPES:
@@ -151,19 +154,19 @@ def _block_checks(op: str, block_table, num_blocks: int, first, stop, rows,
     return [(bad, message)]
 
 
-def _checking(t: torch.Tensor, force: bool) -> bool:
+def checking_values(t: torch.Tensor, force: bool) -> bool:
     """Whether to check values: ``value_checks(t)``, or ``force`` (the reference path) unless
     compiling."""
     return value_checks(t) or (force and not torch.compiler.is_compiling())
 
 
-def _check_decode_values(op: str, cache_seqlens, k_cache, block_table, capacity: int,
-                         k_scale, v_scale, *, name: str = "cache_seqlens",
-                         lengths: Optional[torch.Tensor] = None, force: bool = False) -> None:
+def check_decode_values(op: str, cache_seqlens, k_cache, block_table, capacity: int,
+                        k_scale, v_scale, *, name: str = "cache_seqlens",
+                        lengths: Optional[torch.Tensor] = None, force: bool = False) -> None:
     """What decode attention reads: ``0 <= lengths[b] <= capacity``, the blocks holding a
     sequence's ``lengths[b]`` tokens in the pool, fp8 scales finite and > 0. ``lengths``
     (default ``cache_seqlens``) is named ``name`` in messages."""
-    if not _checking(cache_seqlens, force):
+    if not checking_values(cache_seqlens, force):
         return
     L = (cache_seqlens if lengths is None else lengths).long()
     checks: list[_Check] = [((L < 0) | (L > capacity), lambda b: (
@@ -180,13 +183,13 @@ def _check_decode_values(op: str, cache_seqlens, k_cache, block_table, capacity:
     _raise_first(checks)
 
 
-def _check_append_values(op: str, cache_seqlens, k_cache, block_table, capacity: int,
-                         s_new: int, k_scale, v_scale, *, force: bool = False) -> None:
+def check_append_values(op: str, cache_seqlens, k_cache, block_table, capacity: int,
+                        s_new: int, k_scale, v_scale, *, force: bool = False) -> None:
     """What an append writes: ``cache_seqlens[b] >= 0`` and ``cache_seqlens[b] + s_new <=
     capacity``, the blocks of those positions in the pool, fp8 scales finite and > 0. A
     paged row of only -1 is a padding row (nothing is written: padded batches, tokens another
     rank owns): only its length's sign is checked."""
-    if not _checking(cache_seqlens, force):
+    if not checking_values(cache_seqlens, force):
         return
     L = cache_seqlens.long()
     live = torch.ones_like(L, dtype=torch.bool)
@@ -288,7 +291,7 @@ def _validate(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_siz
               k_scale, v_scale, return_lse, num_splits, impl, softcap=None, *,
               check_values: bool = True) -> tuple[str, str, float, Optional[float]]:
     """Every check of a :func:`decode_attention` call's arguments (their values too with
-    ``check_values``, see :func:`_check_decode_values`), and the path. Returns ``(path,
+    ``check_values``, see :func:`check_decode_values`), and the path. Returns ``(path,
     reason, scale, softcap)``, the scale defaulted to ``1 / sqrt(D)``."""
     op = "decode_attention"
     check_tensor(op, "q", q, ndim=4)
@@ -299,7 +302,7 @@ def _validate(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_siz
     if D == 0:
         raise ValueError(f"{op}: q's head dim D must be >= 1, got {tuple(q.shape)}")
     Hkv, capacity = check_cache(op, q.dtype, k_cache, v_cache, block_table, B, Hq, D)
-    _check_seqlens(op, cache_seqlens, B)
+    check_seqlens(op, cache_seqlens, B)
     scale = check_number(op, "scale", scale)
     if window_size is not None:
         check_int(op, "window_size", window_size, minimum=0)
@@ -307,7 +310,7 @@ def _validate(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_siz
         check_tensor(op, "sinks", sinks, ndim=1)
         if sinks.shape[0] != Hq:
             raise ValueError(f"{op}: sinks must be [Hq={Hq}], got {tuple(sinks.shape)}")
-    _check_scales(op, k_scale, v_scale, Hkv, k_cache.dtype)
+    check_scales(op, k_scale, v_scale, Hkv, k_cache.dtype)
     if num_splits is not None:
         check_int(op, "num_splits", num_splits, minimum=1)
     softcap = check_number(op, "softcap", softcap)
@@ -325,8 +328,8 @@ def _validate(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_siz
                             f"{dtype_name(q.dtype)}; use impl='torch'")
         path, reason = "torch", f"{dtype_name(q.dtype)} queries: the reference"
     if check_values:
-        _check_decode_values(op, cache_seqlens, k_cache, block_table, capacity, k_scale,
-                             v_scale, force=path == "torch")
+        check_decode_values(op, cache_seqlens, k_cache, block_table, capacity, k_scale,
+                            v_scale, force=path == "torch")
     if path == "triton" and torch.is_grad_enabled() and (
             q.requires_grad or (sinks is not None and sinks.requires_grad)):
         raise ValueError(f"{op}: the Triton path has no backward (decode attention is an "
@@ -586,12 +589,12 @@ def _launch_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Te
                    block_table: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
                    v_scale: Optional[torch.Tensor], capacity: int, check: bool = False) -> None:
     """Write ``k_new``, ``v_new`` into the caches in place. ``check``: run the value checks
-    here first (:func:`_check_append_values`). A compiled call passes it: its checks at the
+    here first (:func:`check_append_values`). A compiled call passes it: its checks at the
     API boundary were skipped while tracing, so the graph runs them here, on the values of
     each run; an eager call has run them already."""
     if check:
-        _check_append_values("kv_cache_append", cache_seqlens, k_cache, block_table, capacity,
-                             k_new.shape[1], k_scale, v_scale)
+        check_append_values("kv_cache_append", cache_seqlens, k_cache, block_table, capacity,
+                            k_new.shape[1], k_scale, v_scale)
     B, s_new, Hkv, D = k_new.shape
     if B * s_new == 0 or Hkv * D == 0:
         return
@@ -636,8 +639,8 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     None in a tuple, and a call without the LSE should not allocate one."""
     s = _call(q, k_cache, block_table, scale, window_size, return_lse, num_splits, softcap)
     if check:
-        _check_decode_values("decode_attention", cache_seqlens, k_cache, block_table,
-                             s.capacity, k_scale, v_scale)
+        check_decode_values("decode_attention", cache_seqlens, k_cache, block_table,
+                            s.capacity, k_scale, v_scale)
     out, lse = _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale,
                               v_scale, s)
     return [out] if lse is None else [out, lse]
@@ -654,8 +657,8 @@ def _decode_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     float32 ``[outputs | LSEs]`` directly."""
     s = _call(q, k_cache, block_table, scale, None, True, num_splits, softcap)
     if check:
-        _check_decode_values("decode_attention", cache_seqlens, k_cache, block_table,
-                             s.capacity, k_scale, v_scale)
+        check_decode_values("decode_attention", cache_seqlens, k_cache, block_table,
+                            s.capacity, k_scale, v_scale)
     B, S, Hq, D = q.shape
     R = B * S * Hq
     states = torch.empty(R * (D + 1), dtype=torch.float32, device=q.device)
@@ -978,8 +981,8 @@ def kv_cache_append(
     Hkv, capacity = check_cache(op, k_new.dtype, k_cache, v_cache, block_table, B, None, D)
     if Hkv != Hkv_new:
         raise ValueError(f"{op}: k_new has {Hkv_new} KV heads but the caches have {Hkv}")
-    _check_seqlens(op, cache_seqlens, B)
-    _check_scales(op, k_scale, v_scale, Hkv, k_cache.dtype)
+    check_seqlens(op, cache_seqlens, B)
+    check_scales(op, k_scale, v_scale, Hkv, k_cache.dtype)
     check_same_device(op, "k_cache", k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new,
                       cache_seqlens=cache_seqlens, block_table=block_table, k_scale=k_scale,
                       v_scale=v_scale)
@@ -989,8 +992,8 @@ def kv_cache_append(
             raise TypeError(f"{op}: impl='triton' appends float32/float16/bfloat16 rows, got "
                             f"{dtype_name(k_new.dtype)}; use impl='torch'")
         path = "torch"
-    _check_append_values(op, cache_seqlens, k_cache, block_table, capacity, s_new, k_scale,
-                         v_scale, force=path == "torch")
+    check_append_values(op, cache_seqlens, k_cache, block_table, capacity, s_new, k_scale,
+                        v_scale, force=path == "torch")
     with nvtx_range("kv_cache_append", "fwd"):
         if path == "torch":
             ref.kv_cache_append_reference(k_cache, v_cache, k_new, v_new, cache_seqlens,

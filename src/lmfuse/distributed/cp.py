@@ -46,8 +46,8 @@ import torch
 
 from .._dispatch import check_int, check_tensor, select_impl
 from .._launch import INDEX_DTYPES, KERNEL_DTYPES
-from ..attention.ops import (decode_attention, decode_attention_partials, kv_cache_append,
-                             merge_attention_states,
+from ..attention.ops import (check_cache, check_seqlens, decode_attention,
+                             decode_attention_partials, kv_cache_append, merge_attention_states,
                              plan_decode_attention)
 from .checks import (check_lengths, check_no_grad, check_on_all_ranks, dtype_code, meta_device,
                      wrap_errors)
@@ -116,31 +116,15 @@ def cp_cache_append(
         raise ValueError(f"{op}: k_new {tuple(k_new.shape)} and v_new {tuple(v_new.shape)} "
                          "must have one shape")
     B, s_new, Hkv, D = k_new.shape
-    check_tensor(op, "cache_seqlens", cache_seqlens, ndim=1, dtypes=INDEX_DTYPES)
-    if cache_seqlens.shape[0] != B:
-        raise ValueError(f"{op}: cache_seqlens must be [B={B}], got "
-                         f"{tuple(cache_seqlens.shape)}")
+    check_seqlens(op, cache_seqlens, B)
     check_int(op, "cp_block", cp_block, minimum=1)
-    check_tensor(op, "k_cache_shard", k_cache_shard, ndim=4, dtypes=None)
-    check_tensor(op, "v_cache_shard", v_cache_shard, ndim=4, dtypes=None)
-    if k_cache_shard.shape != v_cache_shard.shape:
-        raise ValueError(f"{op}: k_cache_shard {tuple(k_cache_shard.shape)} and v_cache_shard "
-                         f"{tuple(v_cache_shard.shape)} must have one shape")
-    if tuple(k_cache_shard.shape[2:]) != (Hkv, D):
+    shard_hkv, _ = check_cache(op, k_new.dtype, k_cache_shard, v_cache_shard,
+                               block_table_shard, B, None, D,
+                               names=("k_cache_shard", "v_cache_shard", "block_table_shard"))
+    if shard_hkv != Hkv:
         raise ValueError(f"{op}: the shard's [Hkv, D] is {list(k_cache_shard.shape[2:])} but "
                          f"k_new's is {[Hkv, D]}")
     world, rank = group_size(group), group_rank(group)
-    if block_table_shard is None:
-        if k_cache_shard.shape[0] != B:
-            raise ValueError(f"{op}: a contiguous shard [B, S_local, Hkv, D] must have B = {B} "
-                             f"rows, got {tuple(k_cache_shard.shape)}; pass block_table_shard "
-                             "for a paged shard")
-    else:
-        check_tensor(op, "block_table_shard", block_table_shard, ndim=2,
-                     dtypes=INDEX_DTYPES)
-        if block_table_shard.shape[0] != B:
-            raise ValueError(f"{op}: block_table_shard must be [B={B}, max_blocks], got "
-                             f"{tuple(block_table_shard.shape)}")
     if world == 1:
         kv_cache_append(k_cache_shard, v_cache_shard, k_new, v_new, cache_seqlens,
                         block_table=block_table_shard, k_scale=k_scale, v_scale=v_scale,
