@@ -1,6 +1,7 @@
 """The import order of docs/ARCHITECTURE.md, checked on the source: the leaves import nothing
-of lmfuse, and no family imports the rooms above the families (the sharded decode, serving,
-the integrations, the command line). Every import statement counts, function-level ones too
+of lmfuse, no family imports the rooms above the families (the sharded decode, serving,
+the integrations, the command line), and every import between the package's rooms points
+down the whole order (no cycle). Every import statement counts, function-level ones too
 (a lazy import is still a dependency)."""
 
 from __future__ import annotations
@@ -16,7 +17,29 @@ ROOT = Path(lmfuse.__file__).parent
 FAMILIES = ("softmax", "norm", "activations", "cross_entropy", "attention", "moe")
 ABOVE_FAMILIES = ("distributed", "serving", "integrations", "megatron", "cli", "demo",
                   "generate_cli", "bench")
-LEAVES = ("_launch.py", "_fp8.py", "_collectives.py")
+LEAVES = ("_launch.py", "_fp8.py", "_collectives.py", "_cli_args.py")
+# docs/ARCHITECTURE.md's order, a rank per room: a room imports only rooms of lower rank.
+# "" is the package itself (lmfuse/__init__.py); integrations/megatron_core.py is
+# lmfuse.megatron's patch and counts as that room.
+RANKS = {
+    "_launch": 0, "_fp8": 0, "_collectives": 0, "_cli_args": 0,
+    "_dispatch": 1, "tuning": 1, "_nvtx": 1, "_pdl": 1.5, "_check": 1.5,
+    "softmax": 2, "norm": 2, "activations": 2, "cross_entropy": 2,
+    "attention": 3, "moe": 3,
+    "distributed": 4,
+    "": 5, "integrations": 5,
+    "megatron": 6, "serving": 6,
+    "bench": 7,
+    "demo": 8, "generate_cli": 8,
+    "cli": 9,
+    "__main__": 10,
+}
+
+
+def room(dotted: str) -> str:
+    """The room of a module named below ``lmfuse`` (``"integrations.megatron_core"``)."""
+    return "megatron" if dotted.startswith("integrations.megatron_core") else \
+        dotted.split(".")[0]
 
 
 def lmfuse_imports(path: Path) -> set[str]:
@@ -50,3 +73,21 @@ def test_families_import_nothing_above_them(family: str) -> None:
             top = name.split(".")[0]
             assert top not in ABOVE_FAMILIES, (
                 f"{path.relative_to(ROOT)} imports lmfuse.{name}, a room above the families")
+
+
+def test_every_room_imports_only_rooms_below_it() -> None:
+    paths = sorted(ROOT.rglob("*.py"))
+    rooms = set()
+    wrong = []
+    for path in paths:
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+        here = room(".".join(parts))
+        rooms.add(here)
+        for name in lmfuse_imports(path):
+            there = room(name)
+            if there != here and RANKS[there] >= RANKS[here]:
+                wrong.append(f"{path.relative_to(ROOT)} ({here}) imports lmfuse.{name} "
+                             f"({there})")
+    assert rooms <= set(RANKS), f"rooms with no place in the order: {rooms - set(RANKS)}"
+    assert not wrong, "\n".join(wrong)

@@ -24,14 +24,16 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import math
 import os
 import platform
 import sys
 from pathlib import Path
-from typing import Callable, NoReturn, Optional
+from typing import Callable, Optional
 
 import torch
+
+from ._cli_args import (DTYPES, ArgumentParser, dtype_name, int_list, int_range,  # noqa: F401
+                        missing_package, number_range, output_file, seed)
 
 FAMILIES = ("softmax", "cross_entropy", "linear_cross_entropy", "activations", "decode_attention",
             "rms_norm", "moe_experts", "generate", "host")
@@ -39,108 +41,6 @@ TUNABLE = ("linear_cross_entropy",)
 #: The modules whose ``checks(device, dtypes)`` ``lmfuse check`` runs, in order.
 CHECKED = ("softmax.ops", "cross_entropy.ops", "cross_entropy.linear", "activations.ops",
            "attention.ops", "norm.ops", "moe.ops")
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse with one-line errors: ``PROG: MESSAGE (see `PROG --help`)`` on stderr, exit
-    status 2. (argparse's own prints the usage block first, which buries the message.)
-    Subparsers inherit it; ``lmfuse demo`` and the bench harnesses use it too."""
-
-    def error(self, message: str) -> NoReturn:
-        message = " ".join(message.split())
-        self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
-
-
-def int_range(minimum: Optional[int] = None,
-              maximum: Optional[int] = None) -> Callable[[str], int]:
-    """An argparse ``type``: an integer in ``[minimum, maximum]`` (None: unbounded)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if minimum is not None and value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        if maximum is not None and value > maximum:
-            raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {value}")
-        return value
-
-    return parse
-
-
-#: ``--seed``: what ``torch.manual_seed`` takes, from 0.
-seed = int_range(0, 2**63 - 1)
-
-
-def number_range(minimum: float, maximum: float = math.inf, *, above: bool = False,
-                 note: str = "") -> Callable[[str], float]:
-    """An argparse ``type``: a finite number ``>= minimum`` (``> minimum`` when ``above``)
-    and ``<= maximum``; ``note`` follows the range in the error."""
-    bounds = (f"{'>' if above else '>='} {minimum:g}" if maximum == math.inf
-              else f"in {'(' if above else '['}{minimum:g}, {maximum:g}]")
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"must be finite, got {text!r}")
-        if not (minimum < value if above else minimum <= value) or value > maximum:
-            raise argparse.ArgumentTypeError(f"must be {bounds}{note}, got {value}")
-        return value
-
-    return parse
-
-
-def int_list(count: Optional[int] = None, form: str = "comma-separated integers",
-             minimum: int = 1) -> Callable[[str], tuple[int, ...]]:
-    """An argparse ``type``: ``count`` comma-separated integers (None: any number), each
-    ``>= minimum``; ``form`` names what is expected in the error."""
-
-    def parse(text: str) -> tuple[int, ...]:
-        try:
-            values = tuple(int(v) for v in text.split(","))
-        except ValueError:
-            values = ()
-        if not values or len(values) != (count or len(values)):
-            raise argparse.ArgumentTypeError(f"expected {form}, got {text!r}")
-        if min(values) < minimum:
-            raise argparse.ArgumentTypeError(f"each must be >= {minimum}, got {text!r}")
-        return values
-
-    return parse
-
-
-def dtype_name(text: str) -> str:
-    """An argparse ``type``: a name of :data:`DTYPES` (an unknown one is a usage error, not
-    a KeyError)."""
-    if text not in DTYPES:
-        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; choose one of "
-                                         f"{', '.join(DTYPES)}")
-    return text
-
-
-def output_file(text: str) -> str:
-    """An argparse ``type``: a file to write, in a directory that exists (so a long run does
-    not fail at its end)."""
-    parent = Path(text).parent
-    if not text or not parent.is_dir():
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: no directory {str(parent)!r}")
-    return text
-
-
-def missing_package(module: str, needed_by: str, install: str) -> Optional[str]:
-    """None when ``module`` can be imported; else the line saying that ``needed_by`` needs
-    it and what to install (``install``: the pip argument)."""
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        found = False
-    return None if found else (f"{needed_by} needs {module}, which is not installed here: "
-                               f"pip install {install}")
 
 
 def _best_device() -> torch.device:

@@ -53,7 +53,7 @@ from torch import nn
 import lmfuse
 from lmfuse.attention.block import rope_inv_freq
 from lmfuse.bench.common import Memory, wall_ms
-from lmfuse.cli import DTYPES, ArgumentParser, missing_package
+from lmfuse._cli_args import DTYPES, ArgumentParser, missing_package
 
 VOCAB = 256  # bytes
 NORM_EPS = 1e-6

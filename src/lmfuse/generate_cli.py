@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from lmfuse.cli import int_range, number_range
+from lmfuse._cli_args import int_range, number_range
 
 PROG = "lmfuse generate"
 #: ``lmfuse generate --help``'s description: this docstring as plain text.

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from lmfuse.cli import ArgumentParser, missing_package, output_file
+from lmfuse._cli_args import ArgumentParser, missing_package, output_file
 
 
 @dataclass

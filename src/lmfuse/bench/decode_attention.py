@@ -72,7 +72,7 @@ import lmfuse
 from lmfuse._launch import cdiv
 from lmfuse.bench.common import (Case, Result, add_copy_rows, cell, finish, measure_copy,
                                  run_cases, start)
-from lmfuse.cli import ArgumentParser, int_range
+from lmfuse._cli_args import ArgumentParser, int_range
 
 PAGED_SHARE_OF_COPY = 0.90  # paged TB/s at least this share of the copy's (roles below)
 PAGED_COPY_ROLES = ("batch", "long")

@@ -84,8 +84,8 @@ import torch
 from lmfuse._launch import cdiv
 from lmfuse.bench.common import (Memory, Result, check_plot, dist_version, failure, finish, free,
                                  measure_copy, parser, print_table, start, wall_ms)
-from lmfuse.cli import (DTYPES, dtype_name, int_list, int_range, missing_package, number_range,
-                        output_file, seed)
+from lmfuse._cli_args import (DTYPES, dtype_name, int_list, int_range, missing_package,
+                              number_range, output_file, seed)
 from lmfuse.serving import Generator
 
 PEERS = ("hf", "hf-static", "hf-cb")
