@@ -91,3 +91,31 @@ def test_every_room_imports_only_rooms_below_it() -> None:
                              f"({there})")
     assert rooms <= set(RANKS), f"rooms with no place in the order: {rooms - set(RANKS)}"
     assert not wrong, "\n".join(wrong)
+
+
+def test_no_private_names_across_rooms() -> None:
+    """A room takes another room's public names only (``from ..attention.ops import
+    _resolve`` would tie it to that module's internals); the leaves' helpers count as
+    public whatever their module's name."""
+    wrong = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+        here = room(".".join(parts))
+        package = path.relative_to(ROOT).parent.parts
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or not node.module:
+                continue
+            if node.level:
+                base = package[:len(package) - node.level + 1]
+                name = ".".join((*base, *node.module.split(".")))
+            elif node.module.startswith("lmfuse."):
+                name = node.module[len("lmfuse."):]
+            else:
+                continue
+            if room(name) == here:
+                continue
+            private = [a.name for a in node.names if a.name.startswith("_")]
+            if private:
+                wrong.append(f"{path.relative_to(ROOT)} takes {private} from lmfuse.{name}")
+    assert not wrong, "\n".join(wrong)

@@ -1425,8 +1425,8 @@ def test_default_cpu_path_is_one_sdpa_with_the_reference_results(
     monkeypatch.setattr(ops, "select_impl", lambda op, impl, device: (
         ("torch", "test: no Triton") if impl == "auto" else select_impl(op, impl, device)))
     calls = []
-    real = ops._native_decode
-    monkeypatch.setattr(ops, "_native_decode",
+    real = ops.native_decode
+    monkeypatch.setattr(ops, "native_decode",
                         lambda *a: (lambda out: (calls.append(out is not None), out)[1])(
                             real(*a)))
     g = torch.Generator().manual_seed(s_active)

@@ -65,7 +65,9 @@ def _tanh(z):
 
 
 @triton.jit
-def _act(a, ACT: tl.constexpr):
+def activate(a, ACT: tl.constexpr):
+    """The activation of code ``ACT`` (``ops.ACT_CODES``) on float32 ``a``; shared with the
+    MoE experts' kernels, as are :func:`activate_and_grad` and :func:`chain_grad`."""
     if ACT == 0:
         t = _tanh(0.79788456 * a * (1.0 + 0.044715 * a * a))
         return 0.5 * a * (1.0 + t)
@@ -79,7 +81,7 @@ def _act(a, ACT: tl.constexpr):
 
 
 @triton.jit
-def _act_and_grad(a, ACT: tl.constexpr):
+def activate_and_grad(a, ACT: tl.constexpr):
     """(act(a), act'(a))."""
     if ACT == 0:
         t = _tanh(0.79788456 * a * (1.0 + 0.044715 * a * a))
@@ -97,7 +99,7 @@ def _act_and_grad(a, ACT: tl.constexpr):
 
 
 @triton.jit
-def _chain(a, up, dact, ACT: tl.constexpr):
+def chain_grad(a, up, dact, ACT: tl.constexpr):
     """``up * act'(a)`` for the upstream factor ``up``. ReLU's gradient is a select in PyTorch
     (``threshold_backward``), not a product: where ``a <= 0`` it is exactly 0 even when
     ``up`` is NaN or inf (a NaN routing weight, an inf linear half)."""
@@ -142,11 +144,11 @@ def act_fwd_kernel(
         if HAS_BIAS:
             a += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
             b += tl.load(b_ptr + N + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        y = _act(a * gate_mul, ACT) * (b + offset) * down_mul
+        y = activate(a * gate_mul, ACT) * (b + offset) * down_mul
     else:
         if HAS_BIAS:
             a += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        y = _act(a * gate_mul, ACT) * down_mul
+        y = activate(a * gate_mul, ACT) * down_mul
     if HAS_W:
         y *= tl.load(w_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
     tl.store(y_ptr + rows[:, None] * sy + cols[None, :], y.to(y_ptr.dtype.element_ty),
@@ -199,9 +201,9 @@ def act_bwd_kernel(
                 a += bias_a
                 b += bias_b
             u = a * gate_mul
-            act, dact = _act_and_grad(u, ACT)
+            act, dact = activate_and_grad(u, ACT)
             lin = b + offset
-            da = _chain(u, gw * lin * gate_mul, dact, ACT)
+            da = chain_grad(u, gw * lin * gate_mul, dact, ACT)
             dlin = gw * act
             if BIAS_GRAD:  # the bias is added after the clamp: its gradient is not clamped
                 db_a += tl.where(mask, da, 0.0)
@@ -218,8 +220,8 @@ def act_bwd_kernel(
             if HAS_BIAS:
                 a += bias_a
             u = a * gate_mul
-            act, dact = _act_and_grad(u, ACT)
-            da = _chain(u, gw * gate_mul, dact, ACT)
+            act, dact = activate_and_grad(u, ACT)
+            da = chain_grad(u, gw * gate_mul, dact, ACT)
             tl.store(dxp, da.to(dx_ptr.dtype.element_ty), mask=mask)
             if HAS_W:
                 part = tl.sum(tl.where(mask, act * g, 0.0), axis=1)

@@ -26,7 +26,7 @@ from .._launch import (cdiv, dtype_name, fp8_capable, kernel_op, lazy_kernels, n
 from .._nvtx import nvtx_range
 from . import reference as ref
 
-#: The kernels' activation codes (``_act`` in kernels.py), shared with the MoE experts.
+#: The kernels' activation codes (``activate`` in kernels.py), shared with the MoE experts.
 ACT_IDS = {"gelu": 0, "silu": 1, "quick_gelu": 2, "squared_relu": 3}
 _FP8 = torch.float8_e4m3fn
 _kernels = lazy_kernels("kernels", __package__)

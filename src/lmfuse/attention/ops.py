@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -749,7 +749,7 @@ def decode_attention(
     with nvtx_range("decode_attention", "fwd"):
         if (native_cpu(impl, path, q) and k_cache.dtype == torch.float32
                 and sinks is None and softcap is None and not return_lse):
-            out = _native_decode(q, k_cache, v_cache, cache_seqlens, block_table, scale,
+            out = native_decode(q, k_cache, v_cache, cache_seqlens, block_table, scale,
                                  window_size)
             if out is not None:
                 return out
@@ -768,9 +768,25 @@ def decode_attention(
         return (res[0], res[1]) if return_lse else res[0]
 
 
-def _native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   lengths: torch.Tensor, block_table: Optional[torch.Tensor], scale: float,
-                   window: Optional[int]) -> Optional[torch.Tensor]:
+def launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
+                            scale: Optional[float], window_size: Optional[int],
+                            k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
+                            impl: str, pdl: int = 0) -> torch.Tensor:
+    """:func:`decode_attention`'s checks and kernels for a caller that lays out its inputs as
+    the kernels read them (contiguous ``q``, ``cache_seqlens`` and ``block_table``; no sinks,
+    softcap, LSE or forced splits), with programmatic dependent launch ``pdl``
+    (``lmfuse._pdl``), which the public signature does not take: the Generator's decode step.
+    Triton path only (``impl`` ``"auto"`` or ``"triton"`` where it runs)."""
+    s = _resolve(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_size, None,
+                 k_scale, v_scale, False, None, impl)
+    return _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, None, k_scale,
+                          v_scale, replace(s, pdl=pdl))[0]
+
+
+def native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  lengths: torch.Tensor, block_table: Optional[torch.Tensor], scale: float,
+                  window: Optional[int]) -> Optional[torch.Tensor]:
     """The default path on CPU float32 caches (no Triton; no sinks, softcap, LSE or fp8):
     the whole batch in one ``scaled_dot_product_attention`` over the gathered keys, where the
     reference loops over sequences and tokens (the Generator's CPU decode step spent half

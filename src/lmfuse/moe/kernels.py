@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .._fp8 import store_e4m3
-from ..activations.kernels import _act, _act_and_grad, _chain
+from ..activations.kernels import activate, activate_and_grad, chain_grad
 
 
 @triton.jit
@@ -115,9 +115,9 @@ def _gated_act(g, u, clamp, offset, ACT: tl.constexpr, GATED: tl.constexpr,
     after the clamp when GATED (``u`` unused otherwise), ``act(g)``."""
     if GATED:
         g, u = _clamped(g, u, clamp, HAS_CLAMP)
-        a = _act(g, ACT) * (u + offset)
+        a = activate(g, ACT) * (u + offset)
     else:
-        a = _act(g, ACT)
+        a = activate(g, ACT)
     return a
 
 
@@ -138,10 +138,10 @@ def _act_backward(h_row, dh_row, cols, mask, ds, F, offset, clamp, ACT: tl.const
             keep_g = g <= clamp
             keep_u = (u >= -clamp) & (u <= clamp)
         g, u = _clamped(g, u, clamp, HAS_CLAMP)
-        act, dact = _act_and_grad(g, ACT)
+        act, dact = activate_and_grad(g, ACT)
         lin = u + offset
         a = act * lin
-        dg = _chain(g, ds * lin, dact, ACT)
+        dg = chain_grad(g, ds * lin, dact, ACT)
         du = ds * act
         if HAS_CLAMP:
             dg = tl.where(keep_g, dg, 0.0)
@@ -150,8 +150,8 @@ def _act_backward(h_row, dh_row, cols, mask, ds, F, offset, clamp, ACT: tl.const
         tl.store(dh_row + ucol[None, :], _out(du, dh_row.dtype.element_ty, RTNE), mask=mask)
     else:
         h = tl.load(h_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        a, dact = _act_and_grad(h, ACT)
-        tl.store(dh_row + cols[None, :], _out(_chain(h, ds, dact, ACT),
+        a, dact = activate_and_grad(h, ACT)
+        tl.store(dh_row + cols[None, :], _out(chain_grad(h, ds, dact, ACT),
                                               dh_row.dtype.element_ty, RTNE), mask=mask)
     return a
 

@@ -89,8 +89,8 @@ def _fwd_fake(x, weight, eps, weight_offset, pdl=0):
 
 
 @kernel_op("rms_norm_fwd", _fwd_fake)
-def _launch_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
-                weight_offset: float, pdl: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def launch_rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
+                    weight_offset: float, pdl: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, H]`` (unit column stride) -> ``(y [M, H] in x's dtype, rstd [M] float32)``.
     ``pdl``: launched with programmatic dependent launch (``lmfuse._pdl``; CUDA only)."""
     M, H = x.shape
@@ -152,7 +152,7 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, s: NormCall):
         with nvtx_range(_OP, "fwd"):
-            y, rstd = _launch_fwd(x, weight, s.eps, s.weight_offset)
+            y, rstd = launch_rms_norm(x, weight, s.eps, s.weight_offset)
             ctx.s = s
             needs = ctx.needs_input_grad
             if needs[0] or needs[1]:
@@ -309,7 +309,7 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps: flo
             weight is not None and weight.requires_grad))):
         # Nothing to differentiate (inference): the launch alone, no autograd node.
         with nvtx_range(_OP, "fwd"):
-            y = _launch_fwd(x2, w, a.eps, a.weight_offset)[0]
+            y = launch_rms_norm(x2, w, a.eps, a.weight_offset)[0]
     else:
         y = _RMSNorm.apply(x2, w, a)
     return y if flat else y.view(x.shape)

@@ -65,7 +65,7 @@ B64 0.93 -> 0.90 ms, the same tokens). ``LMFUSE_PDL=0`` turns it off.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -76,9 +76,9 @@ from .._dispatch import interpreter_active, select_impl
 from .._launch import KERNEL_DTYPES, cdiv, is_pow2, lazy_kernels, next_pow2
 from ..attention.kv_cache import PagedKVCache
 from ..activations import swiglu
-from ..attention.ops import _launch_decode, _native_decode, _resolve, decode_attention
+from ..attention.ops import decode_attention, launch_decode_attention, native_decode
 from ..attention.reference import kv_cache_append_reference
-from ..norm.ops import _launch_fwd as _launch_rms_norm
+from ..norm.ops import launch_rms_norm as _launch_rms_norm
 from ..norm.ops import rms_norm
 from ..tuning import shared_memory
 from .sampling import greedy, merge_argmax
@@ -423,19 +423,17 @@ class FusedDecoder:
         kw = dict(block_table=table, scale=L.scale, window_size=L.window,
                   k_scale=cache.k_scales[i], v_scale=cache.v_scales[i])
         if self.native and q.dtype == torch.float32:
-            out = _native_decode(q, cache.k_caches[i], cache.v_caches[i], after, table,
-                                 L.scale, L.window)
+            out = native_decode(q, cache.k_caches[i], cache.v_caches[i], after, table,
+                                L.scale, L.window)
             if out is not None:
                 return out
         if not self.triton:
             return decode_attention(*args, **kw, impl=self.impl)
         # The op's own launch, with the PDL flag its public signature does not take (the
         # inputs are laid out as it wants them: contiguous q, table and lengths).
-        s = _resolve(*args, table, L.scale, L.window, None, kw["k_scale"], kw["v_scale"],
-                     False, None, self.impl)
-        s = replace(s, pdl=self.pdl_tail if tail and self.pdl_attention else
-                    self.pdl_attention)
-        return _launch_decode(*args, table, None, kw["k_scale"], kw["v_scale"], s)[0]
+        return launch_decode_attention(
+            *args, table, L.scale, L.window, kw["k_scale"], kw["v_scale"], self.impl,
+            pdl=self.pdl_tail if tail and self.pdl_attention else self.pdl_attention)
 
     def _rope_append(self, qkv: torch.Tensor, L: _Layer, i: int, table: torch.Tensor,
                      before: torch.Tensor) -> torch.Tensor:
