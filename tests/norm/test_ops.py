@@ -248,7 +248,7 @@ def test_gradcheck_float64_torch_path() -> None:
 
 def test_triton_forward_saves_the_reference_rstd() -> None:
     x = randn((4, 3, 50), BF16)
-    y, rstd = norm_ops._launch_fwd(x.reshape(12, 50), None, 1e-5, 0.0)
+    y, rstd = norm_ops.launch_rms_norm(x.reshape(12, 50), None, 1e-5, 0.0)
     assert rstd.dtype == F32 and rstd.shape == (12,)
     assert torch.allclose(rstd, rms_norm_rstd_reference(x, 1e-5).reshape(12), rtol=1e-6)
 

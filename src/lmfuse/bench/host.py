@@ -262,12 +262,12 @@ def rms_norm_spec(inp: Inputs, liger: dict) -> OpSpec:
 
     def build():
         def fwd_bwd():
-            _, rstd = ops._launch_fwd(xd, wd, EPS, 0.0)
+            _, rstd = ops.launch_rms_norm(xd, wd, EPS, 0.0)
             return ops._launch_bwd(xd, g, rstd, wd, 0.0, True)
 
-        return {"fwd": lambda: ops._launch_fwd(xd, wd, EPS, 0.0), "fwd+bwd": fwd_bwd}
+        return {"fwd": lambda: ops.launch_rms_norm(xd, wd, EPS, 0.0), "fwd+bwd": fwd_bwd}
 
-    return _launch_rows(spec, inp, build, "norm.ops._launch_fwd (+ _launch_bwd)")
+    return _launch_rows(spec, inp, build, "norm.ops.launch_rms_norm (+ _launch_bwd)")
 
 
 def _quick_gelu(a: torch.Tensor) -> torch.Tensor:
