@@ -1,6 +1,6 @@
 """``tests/fast_interpreter.py``: the suite's interpreter skips a ``@triton.jit`` helper's
-language swap inside a launch, and nothing else changes: the kernel's results, the
-builtins put back after the launch, and a helper that sees a module its kernel does not."""
+language swap inside a launch, and nothing else changes: the kernel's results, and the
+builtins put back after the launch."""
 
 from __future__ import annotations
 

@@ -750,7 +750,7 @@ def decode_attention(
         if (native_cpu(impl, path, q) and k_cache.dtype == torch.float32
                 and sinks is None and softcap is None and not return_lse):
             out = native_decode(q, k_cache, v_cache, cache_seqlens, block_table, scale,
-                                 window_size)
+                                window_size)
             if out is not None:
                 return out
         if path == "torch":
