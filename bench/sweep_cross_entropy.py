@@ -5,7 +5,7 @@
 For bf16 logits ``[8192, V]`` (V = 32000, 128256, 262144; targets ~5% ignored) it times
 ``lmfuse.cross_entropy`` forward+backward (``autograd.grad(loss, logits)``: the fused
 pass) and forward only (the stats pass), each under values of the ``cross_entropy``
-tuning table laid over the device's (``lmfuse.tuning.table`` is patched, so ``_config``
+tuning table laid over the device's (``lmfuse.tuning.overlay``, so ``_config``
 derives the launch exactly as it would from a JSON file):
 
 * single block, the row held in registers (where ``next_pow2(V) <= 65536``):
@@ -110,6 +110,16 @@ def streamed_points(V: int, backward: bool, grid: Grid, table: dict) -> list[dic
     return [{**streamed, **p} for p in grid.stats]
 
 
+def launch_record(cfg: ops.CEConfig) -> dict:
+    """What the op launches (``ops._config``'s answer) as this sweep's JSON records it."""
+    t = cfg.tiles
+    rec = dict(BLOCK_M=t.block_m, BLOCK_V=t.block_n, SINGLE_BLOCK=t.single,
+               num_warps=t.num_warps)
+    if not t.single:
+        rec.update(programs_per_sm=cfg.programs_per_sm, fused=cfg.fused.entry())
+    return rec
+
+
 def effective(launch: dict, backward: bool):
     """What the launch of one case depends on (two configs equal here time the same)."""
     if launch["SINGLE_BLOCK"]:
@@ -147,24 +157,21 @@ class Sweep:
     def measure(self, overrides: dict, reference: bool = False) -> dict:
         table = {**self.base, **overrides}
         rec: dict = {"table": overrides, "values": table, "reference": reference}
-        orig = tuning.table
-        tuning.table = lambda family, device: (
-            {**orig(family, device), **overrides} if family == FAMILY else orig(family, device))
         try:
-            try:
-                rec["launch"] = ops._config(self.V, self.device)
-            except Exception as exc:  # a table _config cannot read
-                rec.update(ms=None, tbps=None, ok=False,
-                           error=f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:300])
-            else:
-                key = effective(rec["launch"], self.backward)
-                seen = next((r for r in self.records if r.get("launch") and
-                             effective(r["launch"], self.backward) == key), None)
-                if seen is not None:  # resolves to a launch already timed
-                    return seen
-                self._time(rec)
+            with tuning.overlay(FAMILY, overrides):
+                try:
+                    rec["launch"] = launch_record(ops._config(self.V, self.device))
+                except Exception as exc:  # a table _config cannot read
+                    rec.update(ms=None, tbps=None, ok=False,
+                               error=f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:300])
+                else:
+                    key = effective(rec["launch"], self.backward)
+                    seen = next((r for r in self.records if r.get("launch") and
+                                 effective(r["launch"], self.backward) == key), None)
+                    if seen is not None:  # resolves to a launch already timed
+                        return seen
+                    self._time(rec)
         finally:
-            tuning.table = orig
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         rec["desc"] = describe(rec.get("launch"), self.backward, reference)

@@ -56,6 +56,7 @@ the training shapes of time / that shape's best, else over the decode T). Withou
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -148,7 +149,7 @@ class Table:
         capped by the problem): two candidates with one launch are timed once."""
         self.set(values)
         try:
-            return dict(ops._config(self.device, rows, H, F))
+            return dataclasses.asdict(ops._config(self.device, rows, H, F))
         except TypeError:  # _config's signature changed: the values themselves
             return {**self.base, **values}
 

@@ -13,28 +13,34 @@ import torch
 from triton.testing import do_bench
 
 import lmfuse
-import lmfuse.softmax.ops as ops
+from lmfuse import tuning
+
+
+def _table_values(cfg: dict) -> dict:
+    """The ``softmax`` table values under which the op launches ``cfg`` (its rows' width
+    is ``BLOCK_N`` for a single tile): laid over the table, the op's own lookup runs it."""
+    if cfg["SINGLE_BLOCK"]:
+        return dict(max_single_block=cfg["BLOCK_N"], tile_elems=cfg["BLOCK_M"] * cfg["BLOCK_N"],
+                    warps_by_block=[[cfg["BLOCK_N"], cfg["num_warps"]]])
+    return dict(max_single_block=0, chunk_block=cfg["BLOCK_N"], chunk_warps=cfg["num_warps"])
 
 
 def sweep(shape, causal, backward, configs):
     x = torch.randn(shape, dtype=torch.bfloat16, device="cuda", requires_grad=backward)
     g = torch.randn_like(x)
     out = []
-    orig = ops._config
     for cfg in configs:
-        ops._config = lambda sk, dtype, device, cfg=cfg: dict(cfg)
         try:
-            if backward:
-                y = lmfuse.fused_softmax(x, scale=0.125, causal=causal)
-                fn = lambda: torch.autograd.grad(y, x, g, retain_graph=True)  # noqa: E731
-            else:
-                fn = lambda: lmfuse.fused_softmax(x, scale=0.125, causal=causal)  # noqa: E731
-            ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+            with tuning.overlay("softmax", _table_values(cfg)):
+                if backward:
+                    y = lmfuse.fused_softmax(x, scale=0.125, causal=causal)
+                    fn = lambda: torch.autograd.grad(y, x, g, retain_graph=True)  # noqa: E731
+                else:
+                    fn = lambda: lmfuse.fused_softmax(x, scale=0.125, causal=causal)  # noqa: E731
+                ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
         except Exception as exc:  # an infeasible config (registers, shared memory)
             ms = float("nan")
             print("  failed", cfg, type(exc).__name__)
-        finally:
-            ops._config = orig
         out.append({**cfg, "ms": ms})
         print(f"{str(shape):<24} causal={causal!s:<5} bwd={backward!s:<5} {cfg} {ms:.4f} ms",
               flush=True)

@@ -96,7 +96,7 @@ def tuning_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 def streamed_short_rows(monkeypatch: pytest.MonkeyPatch) -> list:
     """Cross-entropy rows longer than 16 are streamed (the table's ``max_single_block``
     lowered), so the streamed kernels run at small V; returns the list that receives the
-    launch config (``fused`` dict) of every slices-kernel launch."""
+    launch (``ops.StreamLaunch``) of every slices-kernel launch."""
     from lmfuse import tuning
     from lmfuse.cross_entropy import ops
 

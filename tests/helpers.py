@@ -312,6 +312,24 @@ CE_LAUNCHES: dict[str, Any] = {
 }
 
 
+def ce_config(config: dict[str, Any]) -> Any:
+    """The ``cross_entropy.ops.CEConfig`` a launch dict (``BLOCK_M``, ``BLOCK_V``,
+    ``SINGLE_BLOCK``, ``num_warps`` and, for streamed rows, ``fused``: a table entry)
+    describes, for forcing ``ops._config``. Streamed rows without ``fused`` take the stats
+    chunks' block and warps for the gradient pass too, and the table's programs per SM."""
+    from lmfuse import tuning
+    from lmfuse.cross_entropy.ops import CEConfig, StreamLaunch
+
+    tiles = tuning.RowTiles(config["BLOCK_M"], config["BLOCK_V"], config["SINGLE_BLOCK"],
+                            config["num_warps"])
+    if tiles.single:
+        return CEConfig(tiles)
+    per_sm = tuning.table("cross_entropy", torch.device("cpu"))["programs_per_sm"]
+    fused = config.get("fused") or dict(BLOCK_V=tiles.block_n, num_warps=tiles.num_warps,
+                                        programs_per_sm=per_sm)
+    return CEConfig(tiles, per_sm, StreamLaunch.of(fused))
+
+
 def force_ce_launch(mp: Any, name: str) -> None:
     """Make every cross-entropy call under the monkeypatch ``mp`` take launch ``name`` of
     :data:`CE_LAUNCHES` (``"table"``: the tuning table's, unchanged)."""
@@ -319,8 +337,9 @@ def force_ce_launch(mp: Any, name: str) -> None:
 
     config = CE_LAUNCHES[name]
     if config is not None:
+        forced = ce_config(config)
         mp.setattr(ops, "_config", lambda V, device, softcap=False, itemsize=2, aligned=True:
-                   dict(config))
+                   forced)
 
 
 def ce_through_custom_ops(mp: Any) -> None:

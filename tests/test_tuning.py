@@ -22,12 +22,17 @@ TABLE = {"max_single_block": 4096, "tile_elems": 2048,
     (1025, (1, 2048, 8)),     # the next warps bucket
     (4096, (1, 4096, 8)),     # rows wider than tile_elems still get one row per tile
 ])
-def test_single_block_tile(length: int, expected: tuple[int, int, int]) -> None:
-    assert tuning.single_block_tile(TABLE, length) == expected
+def test_row_tiles_single(length: int, expected: tuple[int, int, int]) -> None:
+    assert tuning.row_tiles(TABLE, length) == tuning.RowTiles(*expected[:2], True, expected[2])
 
 
-def test_single_block_tile_none_past_the_limit() -> None:
-    assert tuning.single_block_tile(TABLE, 4097) is None
+def test_row_tiles_streamed_past_the_limit() -> None:
+    streamed = dict(TABLE, chunk_block=1024, chunk_warps=8)
+    assert tuning.row_tiles(streamed, 4097) == tuning.RowTiles(1, 1024, False, 8)
+    assert tuning.row_tiles(dict(streamed, chunk_rows=4), 4097) == tuning.RowTiles(
+        4, 1024, False, 8)
+    assert tuning.row_tiles(streamed, 4097).meta() == dict(
+        BLOCK_M=1, BLOCK_N=1024, SINGLE_BLOCK=False, num_warps=8)
 
 
 def test_cpu_tables_have_every_family_key() -> None:
@@ -175,3 +180,20 @@ def test_concurrent_records_keep_every_bucket(tuning_cache) -> None:
     limits = [b[0] for b in data["devices"]["cpu"][FAMILY]["buckets"]]
     assert limits == [16384, 65536, 196608, 2**40]
     assert not list(tuning_cache.parent.glob("*.tmp"))
+
+
+def test_overlay_lays_values_over_a_section_while_active() -> None:
+    cpu = torch.device("cpu")
+    before = tuning.table("softmax", cpu)
+    with tuning.overlay("softmax", {"chunk_block": 512, "new_key": 1}):
+        assert tuning.table("softmax", cpu) == {**before, "chunk_block": 512, "new_key": 1}
+        with tuning.overlay("softmax", {"chunk_warps": 2}):
+            assert tuning.table("softmax", cpu)["chunk_block"] == 512
+            assert tuning.table("softmax", cpu)["chunk_warps"] == 2
+        assert tuning.table("softmax", cpu)["chunk_warps"] == before["chunk_warps"]
+        assert tuning.table("cross_entropy", cpu) == {**tuning.table("cross_entropy", cpu)}
+        assert "new_key" not in tuning.table("cross_entropy", cpu)
+    assert tuning.table("softmax", cpu) == before
+    with pytest.raises(RuntimeError), tuning.overlay("softmax", {"chunk_block": 64}):
+        raise RuntimeError("the block fails")
+    assert tuning.table("softmax", cpu) == before

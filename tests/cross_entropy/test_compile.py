@@ -176,7 +176,8 @@ def test_linear_custom_ops_carry_the_kernel_override(monkeypatch: pytest.MonkeyP
         loss = linear._apply(*leaves, t, None, -100, 0.0, 0.0, None, "sum", None, "triton",
                              None, cfg)
         results.append((loss, *torch.autograd.grad(loss, leaves)))
-    assert launched == [kernel] * 6  # 3 chunks, eagerly and through lmfuse::ce_fwd_grad_
+    # 3 chunks, eagerly and through lmfuse::ce_fwd_grad_
+    assert launched == [ce_ops.StreamLaunch.of(kernel)] * 6
     for direct, via_ops in zip(*results):
         assert torch.equal(direct, via_ops)
 
@@ -196,7 +197,8 @@ def test_linear_compile_with_a_cached_kernel_override(tuning_cache, streamed_sho
         leaves = [x.detach().clone().requires_grad_(True) for x in (h, w)]
         loss = fn(*leaves, None, t)
         results.append((loss, *torch.autograd.grad(loss, leaves)))
-    assert streamed_short_rows and all(k == kernel for k in streamed_short_rows)
+    assert streamed_short_rows and all(k == ce_ops.StreamLaunch.of(kernel)
+                                       for k in streamed_short_rows)
     for eager, comp in zip(*results):
         assert torch.equal(eager, comp)
 
@@ -208,4 +210,9 @@ def test_linear_compile_with_a_cached_kernel_override(tuning_cache, streamed_sho
                                    {"BLOCK_V": 32, "num_warps": 2, "programs_per_sm": 1e-5,
                                     "hints": True, "vec": 8, "prefetch": True}])
 def test_launch_encoding_round_trips(fused) -> None:
-    assert ce_ops.decode_launch(ce_ops.encode_launch(fused)) == fused
+    if fused is None:
+        assert ce_ops.StreamLaunch.decode("") is None
+        return
+    launch = ce_ops.StreamLaunch.of(fused)
+    assert ce_ops.StreamLaunch.decode(launch.encode()) == launch
+    assert ce_ops.StreamLaunch.of(launch.entry()) == launch

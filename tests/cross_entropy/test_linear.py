@@ -247,7 +247,7 @@ def test_default_chunk_budget_from_tuning_table() -> None:
     are rounded down to the table's ``row_multiple`` (128: 1046 rows -> 1024). (The CPU's
     table, default.json, whatever the test device: no tensor is made.)"""
     cfg, _ = linear_config.config(128256, torch.device("cpu"))
-    assert cfg["chunk_bytes"] == 256 * 2**20 and cfg["row_multiple"] == 128
+    assert cfg.chunk_bytes == 256 * 2**20 and cfg.row_multiple == 128
     V = 128256
     for n in (1, 1000, 10**6, 10**8):
         rows = linear_config.chunk_rows(n, V, 2, torch.device("cpu"))

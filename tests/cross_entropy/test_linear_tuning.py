@@ -90,7 +90,7 @@ def test_bad_cache_entry_is_rejected_before_any_launch(tuning_cache, monkeypatch
 
 
 def test_row_multiple_rounds_chunks_down() -> None:
-    cfg = dict(GOOD, chunk_bytes=1000 * 4 * 10, row_multiple=4)
+    cfg = linear_config.LCEConfig.of(dict(GOOD, chunk_bytes=1000 * 4 * 10, row_multiple=4))
     assert chunk_rows(100, 1000, 4, CPU, None, cfg) == 8
     assert chunk_rows(5, 1000, 4, CPU, None, cfg) == 5       # at most n
     assert chunk_rows(100, 1000, 4, CPU, 1000 * 4 * 3, cfg) == 3  # fewer than 4: as is
@@ -132,7 +132,7 @@ def test_kernel_override_reaches_the_streamed_kernel(streamed_short_rows) -> Non
     loss = linear._apply(h, w, t, None, -100, 0.1, 0.0, None, "mean", None, "triton", None,
                          dict(GOOD, kernel=kernel))
     dh, dw = torch.autograd.grad(loss, (h, w))
-    assert launched and launched[0] == kernel
+    assert launched and launched[0] == ops.StreamLaunch.of(kernel)
     h64, w64 = h.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
     ref = linear_cross_entropy_reference(h64, w64, t, label_smoothing=0.1)
     rdh, rdw = torch.autograd.grad(ref, (h64, w64))
@@ -205,7 +205,7 @@ def test_tune_records_the_fastest_per_bucket(tuning_cache) -> None:
     assert {k: entry[1][k] for k in res["best"]} == res["best"]
     assert entry[1]["measured"]["ms"] == round(res["ms"], 4)
     assert entry[1]["measured"]["shape"] == [12, 8, 40]
-    assert linear_config.config(40, CPU)[0] == res["best"]
+    assert linear_config.config(40, CPU)[0] == linear_config.LCEConfig.of(res["best"])
     assert any("recorded in" in line for line in logs)
 
 

@@ -26,13 +26,14 @@ path stay on the CPU.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import TEST_DEVICE as DEVICE
-from helpers import assert_close, randn, value_checks_on
+from helpers import assert_close, ce_config, randn, value_checks_on
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -69,7 +70,8 @@ STREAM_VEC_NO_PREFETCH = dict(CHUNKED, fused=dict(BLOCK_V=32, num_warps=2, progr
 
 def forced(config: dict[str, Any]) -> Any:
     """An ``ops._config`` stand-in that returns ``config`` whatever the row."""
-    return lambda V, device, softcap=False, itemsize=2, aligned=True: dict(config)
+    forced = ce_config(config)
+    return lambda V, device, softcap=False, itemsize=2, aligned=True: forced
 
 
 def make_target(shape: tuple[int, ...], V: int, dtype: torch.dtype = torch.int64,
@@ -221,8 +223,8 @@ def test_shapes(impl: str, V: int, lead: tuple[int, ...], target_dtype: torch.dt
 def test_long_rows_default_streamed_kernel(impl: str, dtype: torch.dtype, reduction: str) -> None:
     """V past the default single-block limit: the streamed (chunked) kernels, unforced."""
     V = 40000
-    cfg = ops._config(V, DEVICE)
-    assert not cfg["SINGLE_BLOCK"] and cfg["BLOCK_V"] < V
+    tiles = ops._config(V, DEVICE).tiles
+    assert not tiles.single and tiles.block_n < V
     logits = randn((3, V), dtype, scale=2.0)
     target = torch.tensor([V - 1, IGNORE, 12345])
     grad_out = upstream(reduction, target)
@@ -343,13 +345,14 @@ def test_fused_launch_by_row_bytes_and_alignment(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(ops.tuning, "table", lambda family, device: VEC_TABLE)
     cpu = torch.device("cpu")
 
-    def fused(V: int, itemsize: int, aligned: bool) -> dict[str, Any]:
-        return ops._config(V, cpu, False, itemsize, aligned)["fused"]
+    def fused(V: int, itemsize: int, aligned: bool) -> ops.StreamLaunch:
+        return ops._config(V, cpu, False, itemsize, aligned).fused
 
-    assert fused(48, 2, True) == dict(VEC_TABLE["fused"][0][1])
-    assert fused(48, 2, False) == VEC_TABLE["fused"][1][1]
-    assert fused(32, 4, True) == dict(VEC_TABLE["fused"][0][1], BLOCK_V=16)  # 64 bytes / 2
-    assert fused(48, 4, True) == VEC_TABLE["fused"][2][1]  # 96 "2-byte columns": slices
+    entries = [ops.StreamLaunch.of(e) for _, e in VEC_TABLE["fused"]]
+    assert fused(48, 2, True) == entries[0]
+    assert fused(48, 2, False) == entries[1]
+    assert fused(32, 4, True) == replace(entries[0], block_v=16)  # 64 bytes / 2
+    assert fused(48, 4, True) == entries[2]  # 96 "2-byte columns": slices
     assert VEC_TABLE["fused"][0][1]["BLOCK_V"] == 32  # the table itself is not modified
 
 
@@ -418,7 +421,7 @@ def test_fused_override_with_vec_on_unaligned_rows(monkeypatch: pytest.MonkeyPat
         xd, td = x.to(DEVICE), t.to(DEVICE)
         g = torch.empty_like(xd)
         stats = ops._launch_fwd(xd, td, (td != IGNORE).sum().float(), g, 0, V, IGNORE, 0.0,
-                                0.0, None, True, fused=f)
+                                0.0, None, True, fused=ops.StreamLaunch.of(f))
         (_, _, meta), = spy.launches
         assert (meta["VEC"], meta["PREFETCH"], meta["BLOCK_V"]) == expect, meta
         ref = F.cross_entropy(x.double(), t, ignore_index=IGNORE, reduction="none")

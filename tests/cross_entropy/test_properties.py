@@ -38,7 +38,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import SCALE, assert_close
+from helpers import SCALE, assert_close, ce_config
 from helpers import TEST_DEVICE as DEVICE
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -100,8 +100,9 @@ def launch_config(name: str, V: int) -> dict[str, Any] | None:
 
 def force(mp: pytest.MonkeyPatch, config: dict[str, Any] | None) -> None:
     if config is not None:
+        forced = ce_config(config)
         mp.setattr(ops, "_config", lambda V, device, softcap=False, itemsize=2, aligned=True:
-                   dict(config))
+                   forced)
 
 
 def numpy_errors(forms_nan: bool):

@@ -15,6 +15,7 @@ no-grad path, ``explain``, bad input.
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 import warnings
 from typing import Any, Optional
 
@@ -438,7 +439,7 @@ def test_spread_equals_index_select() -> None:
         ids = torch.randint(0, E, (T, k))
         ids[2, 0] = E  # no expert's: still a whole permutation
         perm, token, offsets, inv = ops._route(ids, E)
-        c = dict(ops._config(x.device, T * k, N, N), spread_block_t=4, spread_block_n=16)
+        c = replace(ops._config(x.device, T * k, N, N), spread_block_t=4, spread_block_n=16)
         assert torch.equal(ops._spread(x, inv, k, c), x.index_select(0, token))
 
 
@@ -452,7 +453,7 @@ def test_large_routing_in_moe_experts(monkeypatch) -> None:
     monkeypatch.setattr(routing, "MAX_ELEMENTS", 4096)  # route_small's limit, lowered
     inp = make(40, 16, 8, 20, 4)  # 160 pairs over 20 experts: past the lowered limit
     assert not routing.route_small_ok(160, 20, ops._config(inp["hidden"].device, 160, 16,
-                                                           8)["block_m"])
+                                                           8).block_m)
     runs = []
     for on in (False, True):
         monkeypatch.setattr(ops, "_LARGE_ROUTE_IN_INTERPRETER", on)

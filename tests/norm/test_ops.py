@@ -65,9 +65,9 @@ def small_tiles(monkeypatch: pytest.MonkeyPatch) -> list:
     real_launch = norm_ops._launch_bwd
 
     def spy(x, dy, rstd, weight, weight_offset, weight_grad):
-        cfg = norm_ops._config(x.shape[1], x.device, backward=True)
-        grid = norm_ops._bwd_grid(x.shape[0], cfg["BLOCK_M"], cfg["programs_per_sm"], x.device)
-        launches.append((*grid, cfg["SINGLE_BLOCK"]))
+        tiles, per_sm = norm_ops._config(x.shape[1], x.device)
+        grid = norm_ops._bwd_grid(x.shape[0], tiles.block_m, per_sm, x.device)
+        launches.append((*grid, tiles.single))
         return real_launch(x, dy, rstd, weight, weight_offset, weight_grad)
 
     monkeypatch.setattr(norm_ops, "_launch_bwd", spy)
@@ -140,7 +140,7 @@ def test_streamed_rows(small_tiles: list, shape, offset: float, with_weight: boo
 
 def test_streamed_row_of_65536() -> None:
     """A real wide row with the default table: past the single-tile limit, so streamed."""
-    assert not norm_ops._config(65536, torch.device("cpu"), backward=False)["SINGLE_BLOCK"]
+    assert not norm_ops._config(65536, torch.device("cpu"))[0].single
     x = randn((2, 65536), F32)
     check("H 65536", x, randn((65536,), F32), randn((2, 65536), F32), "triton")
 

@@ -40,15 +40,16 @@ import lmfuse
 from lmfuse import megatron
 from lmfuse._dispatch import interpreter_active
 from lmfuse.softmax import ops
+from lmfuse.tuning import RowTiles
 from lmfuse.softmax.reference import fused_softmax_backward_reference, visible_keys
 
 F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
 NAN, INF = math.nan, math.inf
 
 
-CHUNKED = dict(BLOCK_M=1, BLOCK_N=16, SINGLE_BLOCK=False, num_warps=4)
-CHUNKED_TILE4 = dict(BLOCK_M=4, BLOCK_N=16, SINGLE_BLOCK=False, num_warps=4)
-TILE4 = dict(BLOCK_M=4, BLOCK_N=64, SINGLE_BLOCK=True, num_warps=4)
+CHUNKED = RowTiles(block_m=1, block_n=16, single=False, num_warps=4)
+CHUNKED_TILE4 = RowTiles(block_m=4, block_n=16, single=False, num_warps=4)
+TILE4 = RowTiles(block_m=4, block_n=64, single=True, num_warps=4)
 
 
 def rnd(shape, dtype: torch.dtype = F32, *, scale: float = 1.0,
@@ -160,7 +161,7 @@ def check(entry: str, base, view, mask, offset, grad, kw, what: str, *,
     for impl in impls:
         with pytest.MonkeyPatch.context() as mp:
             if config is not None:
-                mp.setattr(ops, "_config", lambda sk, dt, device: dict(config))
+                mp.setattr(ops, "_config", lambda sk, device: config)
             with numpy_errors(inf_injected):
                 y, g = run(entry, impl, base, view, mask, offset, grad, kw)
         tag = f"{what} [{impl}]"
@@ -187,7 +188,7 @@ PATHS = [pytest.param("torch", None, id="torch"),
 def softmax(x, impl, config=None, **kw):
     with pytest.MonkeyPatch.context() as mp:
         if config is not None:
-            mp.setattr(ops, "_config", lambda sk, dt, device: dict(config))
+            mp.setattr(ops, "_config", lambda sk, device: config)
         return lmfuse.fused_softmax(x, impl=impl, **kw)
 
 

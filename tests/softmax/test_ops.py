@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import lmfuse
 from lmfuse.softmax import ops
+from lmfuse.tuning import RowTiles
 from lmfuse.softmax.reference import fused_softmax_backward_reference, visible_keys
 
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
@@ -26,9 +27,9 @@ DTYPES = [pytest.param(d, id=str(d).replace("torch.", "")) for d in (F32, F16, B
 
 # Launch configurations forced through ops._config, for paths the default table only
 # takes at large sk or never at these small shapes.
-CHUNKED = dict(BLOCK_M=1, BLOCK_N=16, SINGLE_BLOCK=False, num_warps=4)
-TILE4 = dict(BLOCK_M=4, BLOCK_N=64, SINGLE_BLOCK=True, num_warps=4)
-CHUNKED_TILE4 = dict(BLOCK_M=4, BLOCK_N=16, SINGLE_BLOCK=False, num_warps=4)
+CHUNKED = RowTiles(block_m=1, block_n=16, single=False, num_warps=4)
+TILE4 = RowTiles(block_m=4, block_n=64, single=True, num_warps=4)
+CHUNKED_TILE4 = RowTiles(block_m=4, block_n=16, single=False, num_warps=4)
 
 MASK_SHAPES: dict[str, Callable[[int, int, int, int], tuple[int, ...]]] = {
     "b1qk": lambda b, h, q, k: (b, 1, q, k),
@@ -228,8 +229,8 @@ def test_float32_offset_with_bfloat16_scores() -> None:
          offset=True),
 ], ids=lambda c: c.id)
 def test_long_row_single_block(case: Case, dtype: torch.dtype) -> None:
-    cfg = ops._config(case.shape[-1], dtype, torch.device("cpu"))
-    assert cfg["SINGLE_BLOCK"] and cfg["BLOCK_N"] >= case.shape[-1]
+    tiles = ops._config(case.shape[-1], torch.device("cpu"))
+    assert tiles.single and tiles.block_n >= case.shape[-1]
     scores, mask, offset, grad_out = make_inputs(case, dtype)
     check_against_reference(f"{case.id} {dtype}", dtype, scores, mask, offset, grad_out,
                             **case.kwargs())
@@ -242,16 +243,16 @@ def test_long_row_single_block(case: Case, dtype: torch.dtype) -> None:
 ], ids=lambda c: c.id)
 def test_very_long_row_default_chunked(case: Case) -> None:
     """The default table's chunked path at the issue's longest rows, unforced."""
-    cfg = ops._config(case.shape[-1], F32, torch.device("cpu"))
-    assert not cfg["SINGLE_BLOCK"] and cfg["BLOCK_N"] < case.shape[-1]
+    tiles = ops._config(case.shape[-1], torch.device("cpu"))
+    assert not tiles.single and tiles.block_n < case.shape[-1]
     scores, mask, offset, grad_out = make_inputs(case, F32)
     check_against_reference(f"{case.id} float32", F32, scores, mask, offset, grad_out,
                             **case.kwargs())
 
 
 def test_default_config_goes_chunked_past_max_single_block() -> None:
-    cfg = ops._config(1 << 20, F32, torch.device("cpu"))
-    assert cfg["SINGLE_BLOCK"] is False and cfg["BLOCK_M"] == 1
+    tiles = ops._config(1 << 20, torch.device("cpu"))
+    assert tiles.single is False and tiles.block_m == 1
     plan = lmfuse.explain(lmfuse.fused_softmax, torch.empty(1, 1, 1, 1 << 15))
     assert "chunked" in plan.details["kernel"]
 
@@ -282,7 +283,7 @@ CONFIGS = [pytest.param(CHUNKED, id="chunked-M1"),
 def test_forced_launch_configs(monkeypatch: pytest.MonkeyPatch, case: Case,
                                config: dict[str, Any]) -> None:
     """The online-softmax chunk loops and multi-row tiles (tail tile: rows % 4 != 0)."""
-    monkeypatch.setattr(ops, "_config", lambda sk, dtype, device: dict(config))
+    monkeypatch.setattr(ops, "_config", lambda sk, device: config)
     scores, mask, offset, grad_out = make_inputs(case, F32)
     check_against_reference(f"{case.id} {config}", F32, scores, mask, offset, grad_out,
                             **case.kwargs())
@@ -290,7 +291,7 @@ def test_forced_launch_configs(monkeypatch: pytest.MonkeyPatch, case: Case,
 
 @pytest.mark.parametrize("dtype", [pytest.param(F16, id="fp16"), pytest.param(BF16, id="bf16")])
 def test_chunked_half_precision(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
-    monkeypatch.setattr(ops, "_config", lambda sk, dt, device: dict(CHUNKED))
+    monkeypatch.setattr(ops, "_config", lambda sk, device: CHUNKED)
     case = Case("chunked-causal+sink", (1, 2, 3, 37), causal=True, offset=True)
     scores, mask, offset, grad_out = make_inputs(case, dtype)
     check_against_reference(f"{case.id} {dtype}", dtype, scores, mask, offset, grad_out,
@@ -500,7 +501,7 @@ def test_property_triton_matches_reference(problem: dict[str, Any], config) -> N
     scores, mask, offset, grad_out = make_inputs(case, F32)
     with pytest.MonkeyPatch.context() as mp:
         if config is not None:
-            mp.setattr(ops, "_config", lambda sk, dtype, device: dict(config))
+            mp.setattr(ops, "_config", lambda sk, device: config)
         check_against_reference(f"{problem} config={config}", F32, scores, mask, offset,
                                 grad_out, **case.kwargs())
 

@@ -112,14 +112,6 @@ def _select(op: str, impl: str, device: torch.device, dtype: torch.dtype, k_cach
 # --- the fused stage: launch and public function ---------------------------------------------
 
 
-def _config(D: int, half_r: int, device: torch.device) -> dict[str, Any]:
-    """Block sizes of the fused stage (one head row per program: no tuning table entry; a
-    warp per 128 elements of the row)."""
-    block_d = next_pow2(D, 16)
-    return dict(BLOCK_R=next_pow2(half_r, 2), BLOCK_T=next_pow2(D - 2 * half_r, 2), BLOCK_D=block_d,
-                num_warps=max(1, min(4, block_d // 128)))
-
-
 def _prologue_fake(qkv, k_cache, v_cache, cache_seqlens, q_norm_weight, k_norm_weight,
                    inv_freq, positions, block_table, k_scale, v_scale, Hq, Hkv, eps,
                    interleaved, capacity):
@@ -142,7 +134,8 @@ def _launch_prologue(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     if B * s_active == 0 or D == 0:
         return q
     half_r = 0 if inv_freq is None else inv_freq.numel()
-    cfg = _config(D, half_r, qkv.device)
+    # One head row a program (no tuning table entry): a warp per 128 elements of the row.
+    block_d = next_pow2(D, 16)
     paged = block_table is not None
     fp8 = k_cache.dtype in FP8_DTYPES
     qk_norm = q_norm_weight is not None
@@ -162,14 +155,14 @@ def _launch_prologue(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         positions.stride(1) if positions is not None else 0,
         s_active, Hq, Hkv, capacity, k_cache.shape[0] if paged else 0, float(eps),
         float(torch.finfo(k_cache.dtype).max) if fp8 else 0.0,
-        D=D, HALF_R=half_r, BLOCK_R=cfg["BLOCK_R"], BLOCK_T=cfg["BLOCK_T"],
-        BLOCK_D=cfg["BLOCK_D"], QK_NORM=qk_norm, ROPE=inv_freq is not None,
+        D=D, HALF_R=half_r, BLOCK_R=next_pow2(half_r, 2), BLOCK_T=next_pow2(D - 2 * half_r, 2),
+        BLOCK_D=block_d, QK_NORM=qk_norm, ROPE=inv_freq is not None,
         INTERLEAVED=bool(interleaved), HAS_POS=positions is not None, PAGED=paged,
         BLOCK_LEN=k_cache.shape[1] if paged else 1, FP8=fp8,
         FP8_MANT=_FP8_BITS[k_cache.dtype][0] if fp8 else 0,
         FP8_MIN_EXP=_FP8_BITS[k_cache.dtype][1] if fp8 else 0,
         HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None,
-        num_warps=cfg["num_warps"])
+        num_warps=max(1, min(4, block_d // 128)))
     return q
 
 

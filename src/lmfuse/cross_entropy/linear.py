@@ -48,7 +48,7 @@ from .._nvtx import nvtx_range
 from .._collectives import all_reduce_sum, all_reduce_sum_, group_rank
 from . import ops
 from . import reference as ref
-from .linear_config import _OP, _describe
+from .linear_config import _OP, LCEConfig, _describe
 from .linear_config import check_config as check_config
 from .linear_config import chunk_rows as chunk_rows
 from .linear_config import config as config
@@ -68,7 +68,7 @@ class LinearCrossEntropyCall(ResolvedCall):
     grad_needed: bool
     max_chunk_bytes: Optional[int]
     fused: bool  # the gradients computed in the forward
-    config: Optional[dict[str, Any]]  # the chunk and kernel config (None on the native path)
+    config: Optional[LCEConfig]  # the chunk and kernel config (None on the native path)
     config_source: str
     fp32_logits: bool  # logits_in_fp32 for a half-precision hidden
     native: bool  # PyTorch's F.linear then F.cross_entropy
@@ -148,7 +148,7 @@ def _resolve(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss
     elif cfg is None:
         cfg, source = config(weight.shape[0], hidden.device)
     else:
-        cfg, source = check_config(cfg, "the caller"), "the caller"
+        cfg, source = LCEConfig.of(check_config(cfg, "the caller")), "the caller"
     # float16: gradients in backward, scaled by the upstream gradient (a loss scale) before
     # they are rounded; computed in the forward for a gradient of 1, they would underflow.
     fused = grad_needed and reduction != "none" and hidden.dtype != torch.float16
@@ -197,10 +197,10 @@ def _chunk_stats(logits, target, count, o, grad: bool, mean: bool, cw=None, wsta
     one_rank = loss.tp_group is None
     argmax = loss.argmax
     if loss.path == "triton" and one_rank and grad:
-        # The config's CE launch travels as a string (a custom op takes no dict).
-        stats = ops._fwd_grad_(logits, target, count, ignore, ls, z, cap, mean,
-                               ops.encode_launch(o.config["kernel"]), cw, wstat, argmax,
-                               o.token_scaling)
+        # The config's CE launch travels as a string (a custom op takes no object).
+        launch = "" if o.config.kernel is None else o.config.kernel.encode()
+        stats = ops._fwd_grad_(logits, target, count, ignore, ls, z, cap, mean, launch, cw,
+                               wstat, argmax, o.token_scaling)
         return stats, stats[4].long() if argmax else None, None
     if loss.path == "triton":
         # (The loss row, scaled by mean, is unused.)

@@ -10,12 +10,14 @@ cache's entries is ``tune.py``.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from .. import tuning
 from .._launch import is_pow2
+from .ops import StreamLaunch
 
 _OP = "linear_cross_entropy"  # the op's name in messages, and its key in the tuning tables
 
@@ -23,33 +25,53 @@ _KERNEL_KEYS = ("BLOCK_V", "num_warps", "programs_per_sm")
 _MAX_VALUES_PER_THREAD = 64  # fp32 row values a thread holds per tile; more spill registers
 
 
-def config(v_local: int, device: torch.device) -> tuple[dict[str, Any], str]:
+@dataclass(frozen=True, slots=True)
+class LCEConfig:
+    """A checked config of the chunked op: ``chunk_bytes`` (the logits chunk budget),
+    ``row_multiple`` (chunk rows are rounded down to a multiple of it, for GEMM tiles) and
+    ``kernel`` (``None``, or the launch of the cross-entropy kernel's stats-and-gradient
+    pass over rows longer than ``cross_entropy.max_single_block``; see
+    :class:`~lmfuse.cross_entropy.ops.StreamLaunch`). :meth:`entry` is its JSON form."""
+
+    chunk_bytes: int
+    row_multiple: int
+    kernel: Optional[StreamLaunch]
+
+    @classmethod
+    def of(cls, cfg: dict[str, Any]) -> LCEConfig:
+        """From an entry :func:`check_config` passed."""
+        k = cfg.get("kernel")
+        return cls(cfg["chunk_bytes"], cfg["row_multiple"],
+                   None if k is None else StreamLaunch.of(k))
+
+    def entry(self) -> dict[str, Any]:
+        """The config as a tuning table or the user cache holds it."""
+        return dict(chunk_bytes=self.chunk_bytes, row_multiple=self.row_multiple,
+                    kernel=None if self.kernel is None else self.kernel.entry())
+
+
+def config(v_local: int, device: torch.device) -> tuple[LCEConfig, str]:
     """``(config, source)`` of the chunked op for ``v_local`` vocabulary rows on ``device``:
     the shape bucket's entry from the tuning tables and the ``lmfuse tune`` user cache
     (see :func:`lmfuse.tuning.bucket_config`), checked by :func:`check_config`.
 
-    Keys: ``chunk_bytes`` (the logits chunk budget), ``row_multiple`` (chunk rows are
-    rounded down to a multiple of it, for GEMM tiles) and ``kernel`` (``None``, or the
-    launch config of the cross-entropy kernel's stats-and-gradient pass over rows longer
-    than ``cross_entropy.max_single_block``: ``BLOCK_V``, ``num_warps``,
-    ``programs_per_sm``, and optionally ``slice``, ``lag`` and ``hints``: 1 for L2 eviction
-    hints on the logits and a streaming store of the gradient; or, for whole rows a
-    program, ``vec`` and ``prefetch``: the barrier-free stats loop of ``ce_stream_kernel``).
+    The entry's keys: ``chunk_bytes``, ``row_multiple`` and ``kernel`` (``null``, or the
+    launch's ``BLOCK_V``, ``num_warps``, ``programs_per_sm``, and optionally ``slice``,
+    ``lag`` and ``hints``: 1 for L2 eviction hints on the logits and a streaming store of
+    the gradient; or, for whole rows a program, ``vec`` and ``prefetch``: the barrier-free
+    stats loop of ``ce_stream_kernel``).
     """
-    cfg, source = _table_config(v_local, device, tuning.generation())
-    # Copies down to the kernel's launch dict: a caller's edit never reaches the cache.
-    kernel = cfg.get("kernel")
-    return dict(cfg, kernel=dict(kernel) if kernel is not None else None), source
+    return _table_config(v_local, device, tuning.generation())
 
 
 @functools.lru_cache(maxsize=64)
 def _table_config(v_local: int, device: torch.device, generation: int
-                  ) -> tuple[dict[str, Any], str]:
+                  ) -> tuple[LCEConfig, str]:
     # Looked up and checked once per vocabulary and device (its layers, the checks and, on
     # CUDA, the device's name cost tens of microseconds a call on a slow host), again after
     # the user cache is read again (``generation``).
     cfg, source = tuning.bucket_config(_OP, device, v_local)
-    return check_config(cfg, source), source
+    return LCEConfig.of(check_config(cfg, source)), source
 
 
 def check_config(cfg: dict[str, Any], source: str = "config") -> dict[str, Any]:
@@ -112,23 +134,23 @@ def check_config(cfg: dict[str, Any], source: str = "config") -> dict[str, Any]:
 
 
 def chunk_rows(n: int, v_local: int, itemsize: int, device: torch.device,
-               max_chunk_bytes: Optional[int] = None, cfg: Optional[dict] = None) -> int:
+               max_chunk_bytes: Optional[int] = None, cfg: Optional[LCEConfig] = None) -> int:
     """Tokens per chunk: as many as the budget (``max_chunk_bytes``, else ``cfg``'s or the
     device's tuning table's ``chunk_bytes``) holds of ``[rows, v_local]`` logits, rounded
     down to the config's ``row_multiple`` when that leaves any, at least 1, at most ``n``."""
     if cfg is None:
         cfg = config(v_local, device)[0]
-    budget = cfg["chunk_bytes"] if max_chunk_bytes is None else max_chunk_bytes
+    budget = cfg.chunk_bytes if max_chunk_bytes is None else max_chunk_bytes
     rows = budget // max(1, v_local * itemsize)
-    if rows >= cfg["row_multiple"]:
-        rows -= rows % cfg["row_multiple"]
+    if rows >= cfg.row_multiple:
+        rows -= rows % cfg.row_multiple
     return max(1, min(n, rows))
 
 
-def _describe(cfg: dict[str, Any], source: str, max_chunk_bytes: Optional[int]) -> str:
-    budget = (f"chunk budget {(max_chunk_bytes or cfg['chunk_bytes']) / 2**20:.1f} MiB"
+def _describe(cfg: LCEConfig, source: str, max_chunk_bytes: Optional[int]) -> str:
+    budget = (f"chunk budget {(max_chunk_bytes or cfg.chunk_bytes) / 2**20:.1f} MiB"
               + (" (max_chunk_bytes)" if max_chunk_bytes is not None else ""))
-    kernel = ("table default" if cfg["kernel"] is None else
-              ", ".join(f"{k}={v}" for k, v in cfg["kernel"].items()))
-    return (f"{budget}, rows a multiple of {cfg['row_multiple']}, CE kernel {kernel} "
+    kernel = ("table default" if cfg.kernel is None else
+              ", ".join(f"{k}={v}" for k, v in cfg.kernel.entry().items()))
+    return (f"{budget}, rows a multiple of {cfg.row_multiple}, CE kernel {kernel} "
             f"(from {source})")

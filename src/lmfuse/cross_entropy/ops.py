@@ -24,7 +24,7 @@ and skip the dispatcher's overhead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import functools
@@ -49,9 +49,89 @@ _REDUCTIONS = ("mean", "sum", "none")
 _kernels = lazy_kernels("kernels", __package__)
 
 
+@dataclass(frozen=True, slots=True)
+class StreamLaunch:
+    """One launch of the stats-and-gradient pass over rows streamed in chunks (rows longer
+    than the table's ``max_single_block``): an entry of a tuning table's ``fused`` list or
+    ``linear_cross_entropy``'s ``kernel`` config, whose JSON keys are ``BLOCK_V``,
+    ``num_warps``, ``programs_per_sm`` and, optionally, ``hints`` (L2 eviction hints on the
+    logits and a streaming store of the gradient), ``slice`` and ``lag`` (rows in slices of
+    ``slice`` columns, ``ce_slices_kernel``; phase B trails phase A by ``lag`` rows of
+    slices) or ``vec`` and ``prefetch`` (whole rows a program, ``ce_stream_kernel``'s
+    barrier-free stats loop). Without ``slice`` a program streams whole rows."""
+
+    block_v: int
+    num_warps: int
+    programs_per_sm: float
+    hints: bool = False
+    slice: int = 0
+    lag: int = 1
+    vec: int = 0
+    prefetch: bool = False
+
+    @classmethod
+    def of(cls, entry: dict[str, Any]) -> StreamLaunch:
+        """The launch a table entry (a JSON object; flags as 0/1 or bools) describes."""
+        return cls(entry["BLOCK_V"], entry["num_warps"], entry["programs_per_sm"],
+                   bool(entry.get("hints", 0)), entry.get("slice", 0), entry.get("lag", 1),
+                   entry.get("vec", 0), bool(entry.get("prefetch", 0)))
+
+    def entry(self) -> dict[str, Any]:
+        """The launch as a table entry: the three keys and the options it sets (``lag``
+        with ``slice``; flags as 0/1)."""
+        e: dict[str, Any] = dict(BLOCK_V=self.block_v, num_warps=self.num_warps,
+                                 programs_per_sm=self.programs_per_sm)
+        if self.hints:
+            e["hints"] = 1
+        if self.slice:
+            e.update(slice=self.slice, lag=self.lag)
+        if self.vec:
+            e["vec"] = self.vec
+        if self.prefetch:
+            e["prefetch"] = 1
+        return e
+
+    def fit(self, itemsize: int, aligned: bool) -> StreamLaunch:
+        """This launch for rows of ``itemsize``-byte logits: a ``vec`` launch's ``block_v``
+        counts 2-byte logits (halved for float32), and unaligned rows get the plain stats
+        loop at the same geometry (``vec`` is fast only on aligned rows)."""
+        if not self.vec:
+            return self
+        if aligned:
+            return replace(self, block_v=max(self.vec, self.block_v * 2 // itemsize))
+        return replace(self, vec=0, prefetch=False)
+
+    def encode(self) -> str:
+        """The launch as a custom op's string argument (a custom op takes no object):
+        its eight fields, comma-separated. Plain string formatting, so torch.compile
+        traces it."""
+        return (f"{self.block_v},{self.num_warps},{self.programs_per_sm},{int(self.hints)},"
+                f"{self.slice},{self.lag},{self.vec},{int(self.prefetch)}")
+
+    @classmethod
+    def decode(cls, text: str) -> Optional[StreamLaunch]:
+        """The launch :meth:`encode` wrote (``None`` for ``""``)."""
+        if not text:
+            return None
+        v = text.split(",")
+        return cls(int(v[0]), int(v[1]), _number(v[2]), v[3] == "1", int(v[4]), int(v[5]),
+                   int(v[6]), v[7] == "1")
+
+
+@dataclass(frozen=True, slots=True)
+class CEConfig:
+    """The launches of one row length: ``tiles`` (the row in registers, ``tiles.single``;
+    else the stats-only pass's chunks) and, for streamed rows, the persistent passes'
+    ``programs_per_sm`` and the stats-and-gradient pass's ``fused`` launch."""
+
+    tiles: tuning.RowTiles
+    programs_per_sm: float = 0
+    fused: Optional[StreamLaunch] = None
+
+
 def _config(V: int, device: torch.device, softcap: bool = False, itemsize: int = 2,
-            aligned: bool = True) -> dict[str, Any]:
-    """Block sizes and warps for rows of ``V`` logits, from the device's tuning table. With
+            aligned: bool = True) -> CEConfig:
+    """The launches for rows of ``V`` logits, from the device's tuning table. With
     ``softcap`` the stats-and-gradient pass (compute-bound then: a tanh and its derivative
     per element) takes the table's ``fused_softcap`` launches where it has them.
 
@@ -62,31 +142,14 @@ def _config(V: int, device: torch.device, softcap: bool = False, itemsize: int =
     their masked loads are scalar otherwise, many times slower; the next entry of the list
     that fits is taken instead."""
     t = tuning.table("cross_entropy", device)
-    tile = tuning.single_block_tile(t, V)
-    if tile is not None:
-        rows, width, warps = tile
-        return dict(BLOCK_M=rows, BLOCK_V=width, SINGLE_BLOCK=True, num_warps=warps)
+    tiles = tuning.row_tiles(t, V)
+    if tiles.single:
+        return CEConfig(tiles)
     # Streamed rows: the stats-only pass wants many programs in flight; the fused pass
     # (which reads each row twice) wants few enough rows in flight for L2 to keep them.
     fused = next(f for limit, f in t.get("fused_softcap" if softcap else "fused", t["fused"])
                  if V * itemsize // 2 <= limit and (aligned or not f.get("vec")))
-    return dict(BLOCK_M=1, BLOCK_V=t["chunk_block"], SINGLE_BLOCK=False,
-                num_warps=t["chunk_warps"], programs_per_sm=t["programs_per_sm"],
-                fused=_fit_fused(fused, itemsize, aligned))
-
-
-def _fit_fused(f: dict[str, Any], itemsize: int, aligned: bool) -> dict[str, Any]:
-    """A fused launch (a table's entry or a caller's override) for these rows: a ``vec``
-    launch's ``BLOCK_V`` counts 2-byte logits (halved for float32), and unaligned rows get
-    the plain stats loop at the same geometry (``vec`` is fast only on aligned rows)."""
-    f = dict(f)
-    if f.get("vec"):
-        if aligned:
-            f["BLOCK_V"] = max(f["vec"], f["BLOCK_V"] * 2 // itemsize)
-        else:
-            f.pop("vec")
-            f.pop("prefetch", None)
-    return f
+    return CEConfig(tiles, t["programs_per_sm"], StreamLaunch.of(fused).fit(itemsize, aligned))
 
 
 def _aligned(x: torch.Tensor) -> bool:
@@ -98,10 +161,8 @@ def _aligned(x: torch.Tensor) -> bool:
 # --- kernel launches, as custom ops ------------------------------------------------------
 
 
-def _persistent_grid(n: int, cfg: dict[str, Any], device: torch.device) -> int:
-    per_sm = cfg.get("programs_per_sm") or tuning.table("cross_entropy", device)[
-        "programs_per_sm"]
-    return min(n, max(1, int(per_sm * tuning.sm_count(device))))
+def _persistent_grid(n: int, programs_per_sm: float, device: torch.device) -> int:
+    return min(n, max(1, int(programs_per_sm * tuning.sm_count(device))))
 
 
 def _launch_fwd(logits, target, count, grad, vocab_start, vocab_size, ignore_index,
@@ -112,9 +173,8 @@ def _launch_fwd(logits, target, count, grad, vocab_start, vocab_size, ignore_ind
     The loss row (0 where ignored) is the whole loss only on one rank; it is scaled by
     ``1 / max(count, 1)`` when ``mean``, and so is the gradient. ``fused`` replaces the
     table's launch config of the stats-and-gradient pass over streamed rows (rows longer
-    than ``max_single_block``): ``BLOCK_V``, ``num_warps``, ``programs_per_sm``, ``hints``
-    and, for the slices kernel, ``slice`` and ``lag``, or, for whole rows a program,
-    ``vec`` and ``prefetch`` (see :func:`_fit_fused`).
+    than ``max_single_block``), a :class:`StreamLaunch` (fitted to these rows by its
+    :meth:`~StreamLaunch.fit`).
 
     ``weight``: class weights ``[V]`` float32 and ``wstat`` ``[2]`` = (their sum, the sum
     of the non-ignored targets'): the third stat is then ``sum w x`` and a mean divides
@@ -130,8 +190,9 @@ def _launch_fwd(logits, target, count, grad, vocab_start, vocab_size, ignore_ind
         return stats
     aligned = _aligned(logits) and (grad is None or grad is logits or _aligned(grad))
     cfg = _config(V, logits.device, softcap is not None, logits.element_size(), aligned)
-    if fused is not None and not cfg["SINGLE_BLOCK"]:
-        cfg = dict(cfg, fused=_fit_fused(fused, logits.element_size(), aligned))
+    tiles = cfg.tiles
+    if fused is not None and not tiles.single:
+        cfg = replace(cfg, fused=fused.fit(logits.element_size(), aligned))
     write = grad is not None
     common = dict(HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0,
                   WRITE_GRAD=write, MEAN=mean)
@@ -145,44 +206,44 @@ def _launch_fwd(logits, target, count, grad, vocab_start, vocab_size, ignore_ind
     args = (logits, logits.stride(0), target, stats, grad, grad.stride(0) if write else 0,
             count, n, V, vocab_start, vocab_size, ignore_index,
             *scalars(vocab_size, label_smoothing, z_loss, softcap))
-    if cfg["SINGLE_BLOCK"]:
-        _kernels().ce_fwd_kernel[(cdiv(n, cfg["BLOCK_M"]),)](
-            *args, **common, BLOCK_M=cfg["BLOCK_M"], BLOCK_V=cfg["BLOCK_V"],
-            num_warps=cfg["num_warps"])
-    elif write and cfg.get("fused", {}).get("slice") and not argmax:
+    if tiles.single:
+        _kernels().ce_fwd_kernel[(cdiv(n, tiles.block_m),)](
+            *args, **common, BLOCK_M=tiles.block_m, BLOCK_V=tiles.block_n,
+            num_warps=tiles.num_warps)
+    elif write and cfg.fused.slice and not argmax:
         _launch_slices(logits, target, count, grad, stats, ignore_index, label_smoothing,
-                       z_loss, softcap, mean, cfg["fused"],
+                       z_loss, softcap, mean, cfg.fused,
                        **({} if weight is None else dict(weight=weight, wstat=wstat)),
                        **({} if not token_scale else dict(token_scale=True)))
-    else:  # persistent: a few programs per SM loop over the rows
-        if write and "fused" in cfg:
-            cfg = dict(cfg, **{k: v for k, v in cfg["fused"].items()
-                               if k not in ("slice", "lag")})
-        vec = cfg.get("vec", 0) if write else 0
-        _kernels().ce_stream_kernel[(_persistent_grid(n, cfg, logits.device),)](
-            *args, **common, BLOCK_V=cfg["BLOCK_V"], HINTS=write and bool(cfg.get("hints", 0)),
-            VEC=vec, PREFETCH=bool(vec and cfg.get("prefetch", 0)), num_warps=cfg["num_warps"])
+    elif write:  # persistent: a few programs per SM loop over the rows (sliced: whole rows
+        f = cfg.fused  # at the slices' block and warps)
+        _kernels().ce_stream_kernel[(_persistent_grid(n, f.programs_per_sm, logits.device),)](
+            *args, **common, BLOCK_V=f.block_v, HINTS=f.hints, VEC=f.vec,
+            PREFETCH=bool(f.vec and f.prefetch), num_warps=f.num_warps)
+    else:
+        _kernels().ce_stream_kernel[(_persistent_grid(n, cfg.programs_per_sm, logits.device),)](
+            *args, **common, BLOCK_V=tiles.block_n, HINTS=False, VEC=0, PREFETCH=False,
+            num_warps=tiles.num_warps)
     return stats
 
 
 def _launch_slices(logits, target, count, grad, stats, ignore_index, label_smoothing, z_loss,
-                   softcap, mean, f, weight=None, wstat=None, token_scale=False):
+                   softcap, mean, f: StreamLaunch, weight=None, wstat=None, token_scale=False):
     """Stats and gradient of long rows in one launch, rows in slices (``ce_slices_kernel``)."""
     n, V = logits.shape
-    block = f["BLOCK_V"]
-    width = cdiv(min(f["slice"], V), block) * block
+    block = f.block_v
+    width = cdiv(min(f.slice, V), block) * block
     slices = cdiv(V, width)
-    lag = f["lag"] * slices  # phase B trails phase A by this many tiles (>= slices)
+    lag = f.lag * slices  # phase B trails phase A by this many tiles (>= slices)
     parts = torch.empty((n * slices * 4,), dtype=torch.float32, device=logits.device)
     counters = torch.zeros((n + 1,), dtype=torch.int32, device=logits.device)
-    grid = min(n * slices + lag, max(1, int(f["programs_per_sm"] * tuning.sm_count(logits.device))))
+    grid = min(n * slices + lag, max(1, int(f.programs_per_sm * tuning.sm_count(logits.device))))
     _kernels().ce_slices_kernel[(grid,)](
         logits, logits.stride(0), target, parts, counters[1:], counters[:1], stats, grad,
         grad.stride(0), count, n, V, ignore_index,
         *scalars(V, label_smoothing, z_loss, softcap), slices, width, lag,
         HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0, MEAN=mean,
-        SLICES_P2=next_pow2(slices, 2), BLOCK_V=block,
-        HINTS=bool(f.get("hints", 0)), num_warps=f["num_warps"],
+        SLICES_P2=next_pow2(slices, 2), BLOCK_V=block, HINTS=f.hints, num_warps=f.num_warps,
         **({} if weight is None else dict(cw_ptr=weight, wstat_ptr=wstat, HAS_WEIGHT=True)),
         **({} if not token_scale else dict(TOKEN_SCALE=True)),
     )
@@ -207,14 +268,16 @@ def _launch_grad(logits, target, stats, w, grad, vocab_start, vocab_size, ignore
         HAS_SMOOTHING=label_smoothing > 0)
     if wt is not None:
         extra.update(wt_ptr=wt, TARGET_WEIGHT=True)
-    if cfg["SINGLE_BLOCK"]:
-        _kernels().ce_grad_kernel[(cdiv(n, cfg["BLOCK_M"]),)](
-            *args, HAS_SOFTCAP=softcap is not None, BLOCK_M=cfg["BLOCK_M"],
-            BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"], **extra)
+    tiles = cfg.tiles
+    if tiles.single:
+        _kernels().ce_grad_kernel[(cdiv(n, tiles.block_m),)](
+            *args, HAS_SOFTCAP=softcap is not None, BLOCK_M=tiles.block_m,
+            BLOCK_V=tiles.block_n, num_warps=tiles.num_warps, **extra)
     else:
-        _kernels().ce_stream_grad_kernel[(_persistent_grid(n, cfg, logits.device),)](
-            *args, HAS_SOFTCAP=softcap is not None, BLOCK_V=cfg["BLOCK_V"],
-            num_warps=cfg["num_warps"], **extra)
+        _kernels().ce_stream_grad_kernel[(_persistent_grid(n, cfg.programs_per_sm,
+                                                           logits.device),)](
+            *args, HAS_SOFTCAP=softcap is not None, BLOCK_V=tiles.block_n,
+            num_warps=tiles.num_warps, **extra)
 
 
 # The launches the autograd functions call, each registered as its custom op by kernel_op
@@ -271,31 +334,14 @@ def _fwd_grad_(logits: torch.Tensor, target: torch.Tensor, count: torch.Tensor,
                argmax: bool = False, token_scale: bool = False) -> torch.Tensor:
     """The stats, the gradient written over the logits: the fused forward with
     ``inplace_backward``, and ``linear_cross_entropy``'s chunks. ``launch``:
-    ``_launch_fwd``'s ``fused`` override, encoded by :func:`encode_launch` (a custom op
-    takes no dict)."""
+    ``_launch_fwd``'s ``fused`` override, encoded by :meth:`StreamLaunch.encode` (a custom
+    op takes no object)."""
     # Every kernel reads a row (or, sliced, a slice) in full before it writes any of its
     # gradient and the target's column is rewritten from the saved x_t: the gradient can
     # overwrite the logits.
     return _launch_fwd(logits, target, count, logits, 0, logits.shape[1], ignore_index,
-                       label_smoothing, z_loss, softcap, mean, decode_launch(launch), weight,
+                       label_smoothing, z_loss, softcap, mean, StreamLaunch.decode(launch), weight,
                        wstat, argmax, token_scale)
-
-
-def encode_launch(fused: Optional[dict[str, Any]]) -> str:
-    """A launch override as a custom op's string argument: ``"BLOCK_V=4096,num_warps=8"``
-    (``""`` for none; a bool flag as 0 or 1). Plain string formatting, so torch.compile
-    traces it."""
-    if not fused:
-        return ""
-    return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in fused.items())
-
-
-def decode_launch(text: str) -> Optional[dict[str, Any]]:
-    """The override :func:`encode_launch` encoded (ints as ints, other numbers as floats)."""
-    if not text:
-        return None
-    pairs = (item.split("=") for item in text.split(","))
-    return {k: _number(v) for k, v in pairs}
 
 
 def _number(text: str) -> int | float:
@@ -792,18 +838,19 @@ def plan_cross_entropy(**a: Any) -> Plan:
         copied = rows.stride(-1) != 1 or (o.inplace and not rows.is_contiguous())
         cfg = _config(V, logits.device, o.softcap is not None, logits.element_size(),
                       V % 16 == 0 if copied else _aligned(rows))
-        fused = cfg.get("fused", {}) if o.fused and not cfg["SINGLE_BLOCK"] else {}
-        whole_rows = (f"streamed, a row per program in {fused.get('BLOCK_V')}-column chunks, "
+        tiles = cfg.tiles
+        f = cfg.fused if o.fused and not tiles.single else None
+        whole_rows = (f"streamed, a row per program in {f and f.block_v}-column chunks, "
                       "stats and gradient in one launch")
         details["kernel"] = (
-            f"{cfg['BLOCK_M']} row(s) x {cfg['BLOCK_V']} per program, row in registers"
-            if cfg["SINGLE_BLOCK"] else
-            f"{whole_rows} (the argmax has no sliced launch)" if fused.get("slice") and o.argmax
-            else f"rows in {fused['slice']}-column slices, stats and gradient in one launch"
-            if fused.get("slice") else
+            f"{tiles.block_m} row(s) x {tiles.block_n} per program, row in registers"
+            if tiles.single else
+            f"{whole_rows} (the argmax has no sliced launch)" if f and f.slice and o.argmax
+            else f"rows in {f.slice}-column slices, stats and gradient in one launch"
+            if f and f.slice else
             f"{whole_rows} (the second read, last chunk first, mostly from L1)"
-            if fused.get("vec") else
-            f"streamed in {cfg['BLOCK_V']}-column chunks, online log-sum-exp")
+            if f and f.vec else
+            f"streamed in {tiles.block_n}-column chunks, online log-sum-exp")
     extras = [name for name, on in (
         ("class weights", o.weighted), ("z-loss returned", o.return_z_loss),
         ("argmax in the stats pass", o.argmax)) if on]

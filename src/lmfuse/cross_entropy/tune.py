@@ -45,7 +45,7 @@ def tune_stages(v_local: int, device: torch.device, max_chunk_bytes: int) -> lis
         budgets.append(b)
         b *= 2
     stages = [("chunk_bytes", budgets or [max_chunk_bytes]), ("row_multiple", [1, 64, 128, 256])]
-    if tuning.single_block_tile(tuning.table("cross_entropy", device), v_local) is None:
+    if not tuning.row_tiles(tuning.table("cross_entropy", device), v_local).single:
         stages.append(("kernel", list(_KERNEL_CANDIDATES)))  # streamed rows
     return stages
 
@@ -86,7 +86,7 @@ def tune(shapes=TUNE_SHAPES, dtype: torch.dtype = torch.bfloat16,
                    cfg).backward()
 
         start, source = linear_config.config(V, device)
-        start = dict(start, chunk_bytes=min(start["chunk_bytes"], max_chunk_bytes))
+        start = dict(start.entry(), chunk_bytes=min(start.chunk_bytes, max_chunk_bytes))
         log(f"{_OP} N={N} H={H} V={V} {dtype_name(dtype)} (start: {source})")
         out = sweep.coordinate_sweep(start, tune_stages(V, device, max_chunk_bytes), run,
                                      lambda c: linear_config.check_config(c, "a tuning candidate"),

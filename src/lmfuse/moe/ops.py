@@ -82,17 +82,60 @@ def _kernel_loads_fp8(device: torch.device) -> bool:
     return not interpreter_active() and fp8_capable(device)
 
 
-def _config(device: torch.device, rows: int, H: int, F: int) -> dict[str, int]:
-    """Launch parameters: the ``moe_experts`` section of the device's tuning table, each
-    block size capped by the power of two covering its dimension (at least 16, ``tl.dot``'s
-    smallest tile). ``rows = T k``."""
+@dataclass(frozen=True, slots=True)
+class MoELaunch:
+    """The launches of one call's sizes (the ``moe_experts`` tuning section's keys, block
+    sizes capped by the problem): the row-tiled GEMM kernels' tiles (``block_m/n/k``,
+    ``warps``, ``stages``; up, down and act_bwd share them), the weight-gradient kernel's
+    (``wgrad_*``), the slot sum's (``combine_*``), and, on the grouped-GEMM engine (at
+    least ``grouped_mm_min_rows`` rows), its element-wise kernels' (``act_*``,
+    ``act_bwd_block_r``, ``spread_*``)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    wgrad_block_m: int
+    wgrad_block_n: int
+    wgrad_block_k: int
+    wgrad_warps: int
+    wgrad_stages: int
+    combine_block: int
+    combine_warps: int
+    grouped_mm_min_rows: int
+    act_block_r: int
+    act_block_f: int
+    act_warps: int
+    act_bwd_block_r: int
+    spread_block_t: int
+    spread_block_n: int
+    spread_warps: int
+
+    def gemm(self) -> dict[str, int]:
+        """The row-tiled GEMM kernels' meta-parameters."""
+        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k,
+                    num_warps=self.warps, num_stages=self.stages)
+
+    def wgrad(self) -> dict[str, int]:
+        """The weight-gradient kernel's meta-parameters."""
+        return dict(BLOCK_M=self.wgrad_block_m, BLOCK_N=self.wgrad_block_n,
+                    BLOCK_K=self.wgrad_block_k, num_warps=self.wgrad_warps,
+                    num_stages=self.wgrad_stages)
+
+
+def _config(device: torch.device, rows: int, H: int, F: int) -> MoELaunch:
+    """The launches for ``rows = T k`` pairs of hidden size ``H`` and intermediate size
+    ``F``: the ``moe_experts`` section of the device's tuning table, each GEMM block size
+    capped by the power of two covering its dimension (at least 16, ``tl.dot``'s smallest
+    tile)."""
     t = tuning.table("moe_experts", device)
 
     def fit(limit: int, n: int) -> int:
         return max(16, min(limit, next_pow2(n)))
 
     dim = max(H, F)
-    return dict(
+    return MoELaunch(
         block_m=fit(t["block_m"], rows), block_n=fit(t["block_n"], dim),
         block_k=fit(t["block_k"], dim), warps=t["warps"], stages=t["stages"],
         wgrad_block_m=fit(t["wgrad_block_m"], dim), wgrad_block_n=fit(t["wgrad_block_n"], dim),
@@ -285,7 +328,7 @@ class _Fp8StoredExpert(torch.autograd.Function):
 # --- the Triton launches -----------------------------------------------------------------------
 
 
-def _combine(y: torch.Tensor, inv: torch.Tensor, T: int, k: int, c: dict,
+def _combine(y: torch.Tensor, inv: torch.Tensor, T: int, k: int, c: MoELaunch,
              scale: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
              row_expert: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Each token's ``k`` slot rows of ``y [T k, N]`` (sorted order) summed in slot order;
@@ -294,10 +337,10 @@ def _combine(y: torch.Tensor, inv: torch.Tensor, T: int, k: int, c: dict,
     N = y.shape[1]
     out = torch.empty((T, N), dtype=y.dtype, device=y.device)
     if T and N:
-        _kernels().moe_combine_kernel[(T, cdiv(N, c["combine_block"]))](
+        _kernels().moe_combine_kernel[(T, cdiv(N, c.combine_block))](
             y, inv, out, N, k, scale, bias, row_expert, HAS_SCALE=scale is not None,
             HAS_BIAS=bias is not None, RTNE=_dot_flags(y)["RTNE"],
-            BLOCK_N=c["combine_block"], num_warps=c["combine_warps"])
+            BLOCK_N=c.combine_block, num_warps=c.combine_warps)
     return out
 
 
@@ -320,7 +363,7 @@ def _gmm_operand(t: torch.Tensor) -> bool:
 
 
 def _grouped_engine(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                    rows: int, c: dict) -> bool:
+                    rows: int, c: MoELaunch) -> bool:
     """Whether this call's GEMMs go to ``torch._grouped_mm``: a Hopper GPU (what it was
     validated on: exact zero gradients for experts without rows, CUDA-graph capture; other
     GPUs take torch's host-synchronising fallback loop or, on Blackwell, report nonzero
@@ -328,7 +371,7 @@ def _grouped_engine(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch
     8, at least ``grouped_mm_min_rows`` rows (``T k``), weights in a layout it reads in
     place."""
     if (hidden.device.type != "cuda" or interpreter_active() or hidden.dtype != torch.bfloat16
-            or rows < c["grouped_mm_min_rows"] or not hasattr(torch, "_grouped_mm")
+            or rows < c.grouped_mm_min_rows or not hasattr(torch, "_grouped_mm")
             or torch.version.hip is not None
             or torch.cuda.get_device_capability(hidden.device)[0] != 9):
         return False
@@ -346,7 +389,7 @@ def _row_expert(offsets: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.searchsorted(offsets[1:], r, right=True).clamp_(max=E - 1)
 
 
-def _spread(x: torch.Tensor, inv: torch.Tensor, k: int, c: dict) -> torch.Tensor:
+def _spread(x: torch.Tensor, inv: torch.Tensor, k: int, c: MoELaunch) -> torch.Tensor:
     """``x.index_select(0, token)``: the tokens' rows ``x [T, N]`` (rows at any stride) in
     sorted order, ``[T k, N]``, by ``moe_spread_kernel``, which reads each token's row once
     and writes it to its ``k`` sorted rows ``inv[t k + j]`` (H100, Qwen3-MoE's 65536 x 2048
@@ -354,10 +397,10 @@ def _spread(x: torch.Tensor, inv: torch.Tensor, k: int, c: dict) -> torch.Tensor
     T, N = x.shape
     y = x.new_empty((T * k, N))
     if T and N:
-        bt, bn = c["spread_block_t"], min(c["spread_block_n"], next_pow2(N))
+        bt, bn = c.spread_block_t, min(c.spread_block_n, next_pow2(N))
         _kernels().moe_spread_kernel[(cdiv(T, bt), cdiv(N, bn))](
             x, x.stride(0), inv, y, T, N, k, BLOCK_T=bt, BLOCK_N=bn,
-            num_warps=c["spread_warps"])
+            num_warps=c.spread_warps)
     return y
 
 
@@ -383,14 +426,14 @@ def _forward_grouped(hidden, expert_ids, w_gate_up, w_down, gate_up_bias, down_b
     a = hidden.new_empty((rows, Fdim))
     biased = gate_up_bias is not None or down_bias is not None
     row_expert = _row_expert(offsets, rows) if biased else None
-    br, bf = c["act_block_r"], c["act_block_f"]
+    br, bf = c.act_block_r, c.act_block_f
     kern.moe_act_kernel[(cdiv(rows, br) * cdiv(Fdim, bf),)](
         h, h8, a, gate_up_bias, row_expert, rows, Fdim, s.linear_offset,
         s.clamp_value or 0.0, ACT=ACT_IDS[s.act], GATED=s.gated,
         INTERLEAVED=s.interleaved, HAS_BIAS=gate_up_bias is not None,
         HAS_CLAMP=s.clamp_value is not None,
         WRITE_H=save and not fp8 and gate_up_bias is not None, H_FP8=fp8, RTNE=rt,
-        BLOCK_R=br, BLOCK_F=bf, num_warps=c["act_warps"])
+        BLOCK_R=br, BLOCK_F=bf, num_warps=c.act_warps)
     kept = h8 if fp8 else (h if save else h.new_empty((0, K2)))
     del h  # the bf16 GEMM output, unless kept: freed before the down GEMM's output exists
     y = _gmm(a, w_down.transpose(1, 2), offsets)
@@ -417,20 +460,20 @@ def _backward_grouped(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, 
     a_s = hidden.new_empty((rows, Fdim))
     d_rw = torch.empty(rows, dtype=torch.float32, device=hidden.device) if need_rw else None
     row_expert = _row_expert(offsets, rows) if down_bias is not None and need_rw else None
-    br, bf = c["act_bwd_block_r"], c["act_block_f"]
+    br, bf = c.act_bwd_block_r, c.act_block_f
     kern.moe_act_bwd_rows_kernel[(cdiv(rows, br),)](
         g, h, weights, perm, d_rows, down_bias, row_expert, dh, a_s, d_rw, rows, H, Fdim,
         s.linear_offset, s.clamp_value or 0.0, ACT=ACT_IDS[s.act], GATED=s.gated,
         INTERLEAVED=s.interleaved, HAS_CLAMP=s.clamp_value is not None,
         HAS_DOWN_BIAS=row_expert is not None, NEED_RW=need_rw, RTNE=rt, BLOCK_R=br,
-        BLOCK_F=bf, num_warps=c["act_warps"])
+        BLOCK_F=bf, num_warps=c.act_warps)
     del g
 
     def segment_sum(t, scale):
         out = torch.empty((E, t.shape[1]), dtype=hidden.dtype, device=hidden.device)
-        kern.moe_segment_sum_kernel[(cdiv(t.shape[1], c["combine_block"]), E)](
+        kern.moe_segment_sum_kernel[(cdiv(t.shape[1], c.combine_block), E)](
             t, scale, offsets, out, t.shape[1], HAS_SCALE=scale is not None, RTNE=rt,
-            BLOCK_R=16, BLOCK_N=c["combine_block"], num_warps=c["combine_warps"])
+            BLOCK_R=16, BLOCK_N=c.combine_block, num_warps=c.combine_warps)
         return out
 
     d_wd = _gmm(d_rows.t(), a_s, offsets) if need_wd else None
@@ -455,9 +498,9 @@ def _forward(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias
     rows = T * k
     kern, c = _kernels(), _config(hidden.device, rows, H, Fdim)
     tiles = None
-    if route_small_ok(rows, E, c["block_m"]):  # decode sizes: one launch
+    if route_small_ok(rows, E, c.block_m):  # decode sizes: one launch
         perm, token, offsets, inv, tiles, weights = route_small(expert_ids, router_weights, E,
-                                                                c["block_m"])
+                                                                c.block_m)
     elif E < 2**15 and (not interpreter_active() or _LARGE_ROUTE_IN_INTERPRETER):  # 3 launches
         perm, token, offsets, inv, weights = route_large(expert_ids, router_weights, E)
     else:  # the interpreter: torch ops, which cost it far less than the kernels' sort
@@ -475,9 +518,8 @@ def _forward(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias
     if rows == 0:
         return hidden.new_zeros((T, H)), h, perm, token, offsets, inv, weights
     if tiles is None:
-        tiles = _tiles(offsets, rows, c["block_m"])
-    dots = _dot_flags(hidden)
-    bm, bn, bk = c["block_m"], c["block_n"], c["block_k"]
+        tiles = _tiles(offsets, rows, c.block_m)
+    dots, gemm, bn = _dot_flags(hidden), c.gemm(), c.block_n
     a = hidden.new_empty((rows, Fdim))
     kern.moe_up_kernel[(tiles.shape[0], cdiv(Fdim, bn))](
         hidden, hidden.stride(0), token, w_gate_up, *w_gate_up.stride(),
@@ -485,8 +527,7 @@ def _forward(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias
         s.linear_offset, s.clamp_value or 0.0,
         ACT=ACT_IDS[s.act], GATED=s.gated, INTERLEAVED=s.interleaved,
         HAS_BIAS=gate_up_bias is not None, HAS_CLAMP=s.clamp_value is not None,
-        STORE_H=save, H_FP8=fp8, **dots, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=c["warps"], num_stages=c["stages"])
+        STORE_H=save, H_FP8=fp8, **dots, **gemm)
     if fp8 and not direct:
         h = h.to(_FP8)  # e4m3 values already: an exact cast
     scatter = k == 1
@@ -495,7 +536,7 @@ def _forward(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias
         a, a.stride(0), w_down, w_down.stride(0), w_down.stride(2), w_down.stride(1),
         down_bias if down_bias is not None else a, weights, token, y, y.stride(0), tiles,
         H, Fdim, HAS_BIAS=down_bias is not None, HAS_SCALE=True, SCATTER=scatter, **dots,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=c["warps"], num_stages=c["stages"])
+        **gemm)
     out = y if scatter else _combine(y, inv, T, k, c)
     return out, h, perm, token, offsets, inv, weights
 
@@ -514,16 +555,14 @@ def _backward(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm,
     if rows and _grouped_engine(hidden, w_gate_up, w_down, rows, c):
         return _backward_grouped(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h,
                                  perm, offsets, inv, weights, s, needs, c)
-    dots = _dot_flags(hidden)
-    bm, bn, bk = c["block_m"], c["block_n"], c["block_k"]
-    launch = dict(num_warps=c["warps"], num_stages=c["stages"])
+    dots, gemm, bn = _dot_flags(hidden), c.gemm(), c.block_n
     if h.dtype == _FP8 and not _kernel_loads_fp8(h.device):
         h = h.to(hidden.dtype)  # exact: hidden's dtype holds every e4m3 value
     dh = hidden.new_empty((rows, K2))
     a = hidden.new_empty((rows, Fdim))
     f_tiles = cdiv(Fdim, bn)
     dw_part = torch.empty((f_tiles, rows), dtype=torch.float32, device=hidden.device)
-    tiles = _tiles(offsets, rows, bm)
+    tiles = _tiles(offsets, rows, c.block_m)
     if rows:
         kern.moe_act_bwd_kernel[(tiles.shape[0], f_tiles)](
             dout, dout.stride(0), token, w_down, w_down.stride(0), w_down.stride(1),
@@ -531,17 +570,15 @@ def _backward(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm,
             dw_part, tiles, rows, H, Fdim, s.linear_offset, s.clamp_value or 0.0,
             ACT=ACT_IDS[s.act], GATED=s.gated, INTERLEAVED=s.interleaved,
             HAS_CLAMP=s.clamp_value is not None, HAS_DOWN_BIAS=down_bias is not None,
-            **dots, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **launch)
+            **dots, **gemm)
     d_rw = None
     if need_rw:
         d_rw = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         d_rw[perm] = dw_part.sum(0)
-    wgrad = dict(**dots, BLOCK_M=c["wgrad_block_m"], BLOCK_N=c["wgrad_block_n"],
-                 BLOCK_K=c["wgrad_block_k"], num_warps=c["wgrad_warps"],
-                 num_stages=c["wgrad_stages"])
+    wgrad = dict(**dots, **c.wgrad())
 
     def wgrad_grid(M: int, N: int) -> tuple[int, int]:
-        return (cdiv(M, c["wgrad_block_m"]) * cdiv(N, c["wgrad_block_n"]), E)
+        return (cdiv(M, c.wgrad_block_m) * cdiv(N, c.wgrad_block_n), E)
 
     d_wd = d_bd = None
     if need_wd or need_bd:
@@ -569,8 +606,7 @@ def _backward(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm,
             kern.moe_down_kernel[(tiles.shape[0], cdiv(H, bn))](
                 dh, dh.stride(0), w_gate_up, w_gate_up.stride(0), w_gate_up.stride(1),
                 w_gate_up.stride(2), dh, weights, token, dx, dx.stride(0), tiles, H, K2,
-                HAS_BIAS=False, HAS_SCALE=False, SCATTER=scatter, **dots, BLOCK_M=bm,
-                BLOCK_N=bn, BLOCK_K=bk, **launch)
+                HAS_BIAS=False, HAS_SCALE=False, SCATTER=scatter, **dots, **gemm)
         else:
             dx.zero_()
         d_x = dx if scatter or not rows else _combine(dx, inv, T, k, c)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -45,30 +45,21 @@ _OP = "rms_norm"
 _kernels = lazy_kernels("kernels", __package__)
 
 
-def _config(H: int, device: torch.device, backward: bool) -> dict[str, Any]:
-    """Launch parameters for rows of ``H`` values, from the ``rms_norm`` tuning section.
+def _config(H: int, device: torch.device) -> tuple[tuning.RowTiles, int]:
+    """``(tiles, backward programs per SM)`` for rows of ``H`` values, from the
+    ``rms_norm`` tuning section.
 
     A row up to ``max_single_block`` wide is one register tile, ``tile_elems // width``
     rows per program, with ``warps_by_block`` warps; a wider one is streamed in
     ``chunk_block``-column tiles, ``chunk_rows`` rows at a time, with ``chunk_warps``. The
-    backward also takes its number of programs per SM (``bwd_programs_per_sm``, or
-    ``chunk_bwd_programs_per_sm`` when streamed). (On an H100, bf16: a single tile beats
+    backward's number of programs per SM is ``bwd_programs_per_sm``, or
+    ``chunk_bwd_programs_per_sm`` when streamed. (On an H100, bf16: a single tile beats
     streaming up to 16384 columns, forward and backward; 2 backward programs per SM are
     best at H = 4096 and within 2% of the best at 8192 to 16384.)
     """
     t = tuning.table("rms_norm", device)
-    tile = tuning.single_block_tile(t, H)
-    if tile is not None:
-        rows, width, warps = tile
-        cfg = {"BLOCK_M": rows, "BLOCK_N": width, "SINGLE_BLOCK": True, "num_warps": warps}
-        per_sm = t["bwd_programs_per_sm"]
-    else:
-        cfg = {"BLOCK_M": t["chunk_rows"], "BLOCK_N": t["chunk_block"], "SINGLE_BLOCK": False,
-               "num_warps": t["chunk_warps"]}
-        per_sm = t["chunk_bwd_programs_per_sm"]
-    if backward:
-        cfg["programs_per_sm"] = per_sm
-    return cfg
+    tiles = tuning.row_tiles(t, H)
+    return tiles, t["bwd_programs_per_sm" if tiles.single else "chunk_bwd_programs_per_sm"]
 
 
 def _bwd_grid(M: int, block_m: int, programs_per_sm: int, device: torch.device
@@ -98,10 +89,10 @@ def launch_rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     if M == 0 or H == 0:
         return y, rstd
-    cfg = _config(H, x.device, backward=False)
-    _kernels().rms_norm_fwd_kernel[(cdiv(M, cfg["BLOCK_M"]),)](
+    tiles = _config(H, x.device)[0]
+    _kernels().rms_norm_fwd_kernel[(cdiv(M, tiles.block_m),)](
         x, x.stride(0), weight, y, y.stride(0), rstd, M, H, eps, weight_offset,
-        HAS_WEIGHT=weight is not None, PDL=pdl, **cfg, **_pdl.launch_options(pdl))
+        HAS_WEIGHT=weight is not None, PDL=pdl, **tiles.meta(), **_pdl.launch_options(pdl))
     return y, rstd
 
 
@@ -121,23 +112,22 @@ def _launch_bwd(x: torch.Tensor, dy: torch.Tensor, rstd: torch.Tensor,
     +0.0)."""
     M, H = x.shape
     dx = x.new_empty(M, H)
-    cfg = _config(H, x.device, backward=True)
-    programs, rows_per_program = _bwd_grid(M, cfg["BLOCK_M"], cfg.pop("programs_per_sm"),
-                                           x.device)
+    tiles, per_sm = _config(H, x.device)
+    programs, rows_per_program = _bwd_grid(M, tiles.block_m, per_sm, x.device)
     if not weight_grad:
         dw = torch.empty(0, dtype=torch.float32, device=x.device)
     elif M == 0 or H == 0:
         dw = torch.zeros(H, dtype=torch.float32, device=x.device)
     else:
         # Streamed rows add into their program's partial row in place: it starts at zero.
-        alloc = torch.empty if cfg["SINGLE_BLOCK"] else torch.zeros
+        alloc = torch.empty if tiles.single else torch.zeros
         dw = alloc(programs, H, dtype=torch.float32, device=x.device)
     if M == 0 or H == 0:
         return dx, dw
     _kernels().rms_norm_bwd_kernel[(programs,)](
         x, x.stride(0), dy, dy.stride(0), weight, rstd, dx, dx.stride(0),
         dw if weight_grad else None, M, H, rows_per_program, weight_offset,
-        HAS_WEIGHT=weight is not None, WEIGHT_GRAD=weight_grad, **cfg)
+        HAS_WEIGHT=weight is not None, WEIGHT_GRAD=weight_grad, **tiles.meta())
     if weight_grad:
         dw = dw[0] if programs == 1 else dw.sum(0)
     return dx, dw
@@ -330,16 +320,16 @@ def plan_rms_norm(x, weight, eps, weight_offset, impl) -> Plan:
     if weight is not None:
         details["weight"] = f"[{H}] {dtype_name(weight.dtype)}"
     if path == "triton" and H > 0:
-        fwd, bwd = _config(H, x.device, False), _config(H, x.device, True)
+        tiles, per_sm = _config(H, x.device)
         details["forward"] = (
-            f"one pass, {fwd['BLOCK_M']} row(s) x {fwd['BLOCK_N']} columns per program"
-            if fwd["SINGLE_BLOCK"] else
-            f"streamed in {fwd['BLOCK_N']}-column tiles, {fwd['BLOCK_M']} row(s) per program")
-        programs, per = _bwd_grid(a.rows, bwd["BLOCK_M"], bwd["programs_per_sm"], x.device)
+            f"one pass, {tiles.block_m} row(s) x {tiles.block_n} columns per program"
+            if tiles.single else
+            f"streamed in {tiles.block_n}-column tiles, {tiles.block_m} row(s) per program")
+        programs, per = _bwd_grid(a.rows, tiles.block_m, per_sm, x.device)
         details["backward"] = (
             f"{programs} program(s) of {per} rows, "
-            + (f"{bwd['BLOCK_M']} x {bwd['BLOCK_N']} tiles" if bwd["SINGLE_BLOCK"] else
-               f"streamed in {bwd['BLOCK_N']}-column tiles")
+            + (f"{tiles.block_m} x {tiles.block_n} tiles" if tiles.single else
+               f"streamed in {tiles.block_n}-column tiles")
             + ("; weight gradient: float32 partial per program, summed" if weight is not None
                else ""))
         details["saved for backward"] = "x, weight, rstd [rows] float32"

@@ -38,15 +38,9 @@ _OP = "fused_softmax"
 _kernels = lazy_kernels("kernels", __package__)
 
 
-def _config(sk: int, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+def _config(sk: int, device: torch.device) -> tuning.RowTiles:
     """Block sizes and warps for rows of ``sk`` keys, from the device's tuning table."""
-    t = tuning.table("softmax", device)
-    tile = tuning.single_block_tile(t, sk)
-    if tile is not None:
-        rows, width, warps = tile
-        return dict(BLOCK_M=rows, BLOCK_N=width, SINGLE_BLOCK=True, num_warps=warps)
-    return dict(BLOCK_M=1, BLOCK_N=t["chunk_block"], SINGLE_BLOCK=False,
-                num_warps=t["chunk_warps"])
+    return tuning.row_tiles(tuning.table("softmax", device), sk)
 
 
 def _split_scale(scale: float) -> tuple[float, float]:
@@ -96,8 +90,8 @@ def _launch_fwd(scores: torch.Tensor, mask: Optional[torch.Tensor],
         return y, lse
     kind = 0 if mask is None else 1 if mask.dtype == torch.bool else 2
     m, m_strides = _mask_operand(mask, (b, np_, sq, sk), scores)
-    cfg = _config(sk, scores.dtype, scores.device)
-    grid = (cdiv(n_rows, cfg["BLOCK_M"]),)
+    tiles = _config(sk, scores.device)
+    grid = (cdiv(n_rows, tiles.block_m),)
     _kernels().softmax_fwd_kernel[grid](
         scores, y, m, softmax_offset if softmax_offset is not None else scores, lse,
         n_rows, np_, sq, sk,
@@ -105,7 +99,7 @@ def _launch_fwd(scores: torch.Tensor, mask: Optional[torch.Tensor],
         *_split_scale(scale), left, right,
         BANDED=left < UNBOUNDED or right < UNBOUNDED, MASK_KIND=kind,
         HAS_OFFSET=softmax_offset is not None, STORE_LSE=softmax_offset is not None,
-        COMPUTE=_compute_dtype(scores.dtype), **cfg,
+        COMPUTE=_compute_dtype(scores.dtype), **tiles.meta(),
     )
     return y, lse
 
@@ -137,8 +131,8 @@ def _launch_bwd(dy: torch.Tensor, y: torch.Tensor, lse: torch.Tensor,
             per_head = torch.where(sink == float("-inf"), 0.0, sink * 0.0)
             drow.view(b, np_, sq).copy_(per_head.view(1, np_, 1).expand(b, np_, sq))
         return dx, drow
-    cfg = _config(sk, y.dtype, y.device)
-    grid = (cdiv(n_rows, cfg["BLOCK_M"]),)
+    tiles = _config(sk, y.device)
+    grid = (cdiv(n_rows, tiles.block_m),)
     off = softmax_offset if softmax_offset is not None else y
     bool_mask = mask if mask is not None and mask.dtype == torch.bool else None
     m, m_strides = _mask_operand(bool_mask, (b, np_, sq, sk), y)
@@ -148,7 +142,7 @@ def _launch_bwd(dy: torch.Tensor, y: torch.Tensor, lse: torch.Tensor,
         *dy.stride(), *m_strides,
         *_split_scale(1.0 if unscaled_fp32 else scale), left, right,
         BANDED=left < UNBOUNDED or right < UNBOUNDED, BOOL_MASK=bool_mask is not None,
-        HAS_OFFSET=softmax_offset is not None, COMPUTE=_compute_dtype(y.dtype), **cfg,
+        HAS_OFFSET=softmax_offset is not None, COMPUTE=_compute_dtype(y.dtype), **tiles.meta(),
     )
     return dx, drow
 
@@ -379,12 +373,10 @@ def plan_fused_softmax(**a: Any) -> Plan:
         "softmax_offset": c.softmax_offset is not None,
     }
     if path == "triton" and sk > 0:
-        cfg = _config(sk, scores.dtype, scores.device)
+        tiles = _config(sk, scores.device)
         details["kernel"] = (
-            f"one pass, {cfg['BLOCK_M']} row(s) x {cfg['BLOCK_N']} keys per program"
-            if cfg["SINGLE_BLOCK"]
-            else f"chunked online softmax, {cfg['BLOCK_N']}-key chunks"
-        )
+            f"one pass, {tiles.block_m} row(s) x {tiles.block_n} keys per program"
+            if tiles.single else f"chunked online softmax, {tiles.block_n}-key chunks")
     return Plan(_OP, path, reason, details, call=c)
 
 

@@ -23,6 +23,7 @@ import os
 import tempfile
 import threading
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,11 +55,33 @@ _TABLES: dict[str, dict[str, Any]] = {
     path.stem: json.loads(path.read_text()) for path in sorted(_HERE.glob("*.json"))}
 
 
+_OVERLAYS: dict[str, dict[str, Any]] = {}  # family -> values laid over every device's
+
+
 def table(family: str, device: torch.device) -> dict[str, Any]:
-    """The tuning section for ``family`` on ``device``: the device's values over the defaults."""
+    """The tuning section for ``family`` on ``device``: the device's values over the defaults
+    (and an :func:`overlay`'s over both while one is active)."""
     merged = dict(_TABLES["default"].get(family, {}))
     merged.update(_TABLES.get(_cached_key(device), {}).get(family, {}))
+    if _OVERLAYS:
+        merged.update(_OVERLAYS.get(family, {}))
     return merged
+
+
+@contextlib.contextmanager
+def overlay(family: str, values: dict[str, Any]):
+    """Lay ``values`` over ``family``'s section (every device's) while the block runs: the
+    ops read them through their own lookups, so the sweeps time candidate values on the
+    code path users run. Overlays nest; the section is as before once the block ends."""
+    before = _OVERLAYS.get(family)
+    _OVERLAYS[family] = {**(before or {}), **values}
+    try:
+        yield
+    finally:
+        if before is None:
+            del _OVERLAYS[family]
+        else:
+            _OVERLAYS[family] = before
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,23 +125,43 @@ def _cuda_shared_memory(index: int) -> int:
                or props.shared_memory_per_block)
 
 
-def single_block_tile(t: dict[str, Any], length: int) -> tuple[int, int, int] | None:
-    """``(rows per tile, width, warps)`` for rows of ``length`` held in one register tile.
+@dataclass(frozen=True, slots=True)
+class RowTiles:
+    """How a row-wise kernel (softmax, RMSNorm, cross-entropy) covers rows of one length:
+    ``block_m`` rows of ``block_n`` columns a program with ``num_warps`` warps, the whole row
+    in one register tile (``single``) or streamed in ``block_n``-column chunks."""
 
-    ``width`` is the next power of two >= ``length`` (at least 16). ``None`` when that is
-    above the table's ``max_single_block``: such rows are streamed in chunks instead.
-    Reads ``max_single_block``, ``tile_elems`` and ``warps_by_block`` of section ``t``.
+    block_m: int
+    block_n: int
+    single: bool
+    num_warps: int
+
+    def meta(self) -> dict[str, Any]:
+        """The launch's meta-parameters as the row kernels name them (``BLOCK_M``,
+        ``BLOCK_N``, ``SINGLE_BLOCK``, ``num_warps``)."""
+        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, SINGLE_BLOCK=self.single,
+                    num_warps=self.num_warps)
+
+
+def row_tiles(t: dict[str, Any], length: int) -> RowTiles:
+    """The tiles for rows of ``length`` from a family's section ``t``.
+
+    One register tile when ``width``, the next power of two >= ``length`` (at least 16), is
+    at most the table's ``max_single_block``: ``tile_elems // width`` rows (at least 1) a
+    program, the warps of ``warps_by_block``'s first entry whose limit holds ``width``
+    (its last entry's past them all). Wider rows are streamed: ``chunk_rows`` (1 when the
+    section has none) rows of ``chunk_block`` columns a program, ``chunk_warps`` warps.
     """
     width = next_pow2(length, 16)
     if width > t["max_single_block"]:
-        return None
+        return RowTiles(t.get("chunk_rows", 1), t["chunk_block"], False, t["chunk_warps"])
     by_block = t["warps_by_block"]
     for limit, warps in by_block:  # (a loop, not a generator: this runs at every launch)
         if width <= limit:
             break
     else:
         warps = by_block[-1][1]
-    return max(1, t["tile_elems"] // width), width, warps
+    return RowTiles(max(1, t["tile_elems"] // width), width, True, warps)
 
 
 # --- shape buckets and the user cache ----------------------------------------------------
