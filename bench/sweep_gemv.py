@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from lmfuse.serving.fused import _split_buffers
+from lmfuse.serving.fused_ops import split_buffers
 from lmfuse.serving.kernels import gemv_kernel
 
 
@@ -66,7 +66,7 @@ def launch(x, ws, y, r, gated, bn, bk, warps, stages, bm=None, split=1):
     split = -(-K // k_split)
     grid = (n_out // bn, -(-n // bm), split)
     tiles = grid[0] * grid[1]
-    wsp, count = (_split_buffers(x.device, split * tiles * bm * bn, tiles) if split > 1
+    wsp, count = (split_buffers(x.device, split * tiles * bm * bn, tiles) if split > 1
                   else (y, y))
     gemv_kernel[grid](
         x, w[0], w[1], w[2], w[0], w[0], w[0], y if r is None else r, y, n, K, ns[0],

@@ -6,7 +6,7 @@ feature) and of the dot path, against cuBLAS chained the same way::
 
     python bench/sweep_gemv_chain.py [--rows 1] [--chain 8] [--json PATH]
 
-Prints per shape the chosen configuration (``fused._gemv_config``), the five fastest and
+Prints per shape the chosen configuration (``fused_ops.gemv_config``), the five fastest and
 cuBLAS, in us per launch and TB/s.
 """
 
@@ -19,7 +19,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from lmfuse.serving.fused import _gemv_config, _gemv_split
+from lmfuse.serving.fused_ops import gemv_config, gemv_split
 from sweep_gemv import SHAPES, dot_rows, fits, launch, reference, weights
 
 
@@ -92,8 +92,8 @@ def main() -> int:
             t_blas = graph_us(blas, a.chain)
             results = []
             bm_dot = dot_rows(n)
-            chosen = _gemv_config(n_out, K, bm_dot, gated)
-            configs = [(bm_dot,) + chosen + ("chosen", _gemv_split(n_out, K, bm_dot, gated))]
+            chosen = gemv_config(n_out, K, bm_dot, gated)
+            configs = [(bm_dot,) + chosen + ("chosen", gemv_split(n_out, K, bm_dot, gated))]
             if a.dot:
                 bms = [int(v) for v in a.block_m.split(",")] if a.block_m else [bm_dot]
                 splits = [1] if gated else [int(v) for v in a.split.split(",")]

@@ -284,9 +284,9 @@ def test_sharded_generator_steps_in_cuda_graphs(split: str, nccl_world_of_one) -
 def test_lm_head_gemv_greedy_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """The LM head through the GEMV's 128-feature tiles (the vocabulary threshold lowered to
     a tiny model's 256; several rows), compiled: model.generate's tokens."""
-    import lmfuse.serving.fused as fused
+    import lmfuse.serving.fused_ops as fused_ops
 
-    monkeypatch.setattr(fused, "LM_HEAD_MIN_FEATURES", 128)
+    monkeypatch.setattr(fused_ops, "LM_HEAD_MIN_FEATURES", 128)
     model = tiny_causal_lm("llama", vocab_size=256).cuda()
     want = [_hf(model, p, NEW) for p in PROMPTS]
     gen = Generator(model, block_len=4, num_blocks=256)
@@ -301,7 +301,7 @@ def test_split_k_gemv_on_the_gpu_and_in_a_graph(rows: int, split: int) -> None:
     residual added in place, against float32 math; then captured in a CUDA graph and
     replayed on new inputs (the counts return to zero between launches), bitwise the eager
     result each time."""
-    from lmfuse.serving.fused import _gemv
+    from lmfuse.serving.fused_ops import gemv as _gemv
 
     g = torch.Generator(device="cuda").manual_seed(rows)
     w = (torch.randn(2048, 8192, device="cuda", generator=g) / 90).bfloat16()
@@ -345,7 +345,8 @@ def test_prenorm_gemv_on_the_gpu_and_in_a_graph(rows: int, split: int) -> None:
     then the gated projections; captured in a CUDA graph and replayed on new inputs,
     bitwise the eager result."""
     from lmfuse.norm.reference import rms_norm_reference
-    from lmfuse.serving.fused import _gemv, prenorm_reference
+    from lmfuse.serving.fused_ops import gemv as _gemv
+    from lmfuse.serving.fused_reference import prenorm_reference
 
     g = torch.Generator(device="cuda").manual_seed(rows)
     w = (torch.randn(2048, 8192, device="cuda", generator=g) / 90).bfloat16()
@@ -380,7 +381,9 @@ def test_embedding_gather_and_greedy_head_with_pdl_in_a_graph(rows: int) -> None
     (``row_scale``, ``argmax``) gives ``torch.argmax`` of its logits; captured in a CUDA
     graph and replayed on new ids, bitwise the eager result."""
     from lmfuse import _pdl
-    from lmfuse.serving.fused import _embed, _gemv, embed_prenorm_reference
+    from lmfuse.serving.fused_ops import embed as _embed
+    from lmfuse.serving.fused_ops import gemv as _gemv
+    from lmfuse.serving.fused_reference import embed_prenorm_reference
 
     pdl = _pdl.mode(torch.device("cuda"))
     g = torch.Generator(device="cuda").manual_seed(rows)
@@ -451,7 +454,9 @@ def test_rotating_qkv_gemv_on_the_gpu(rows: int, cache: str) -> None:
     2048, blocks of 16 scattered in the pool): the queries and the written cache slots
     against ``rope_append_reference`` of the float32 projections; fp8 slots at most one
     e4m3 step apart (the float32 sums add in another order) and mostly equal."""
-    from lmfuse.serving.fused import RopeAppend, _gemv, gemv_reference, rope_append_reference
+    from lmfuse.serving.fused_ops import RopeAppend
+    from lmfuse.serving.fused_ops import gemv as _gemv
+    from lmfuse.serving.fused_reference import gemv_reference, rope_append_reference
 
     hq, hkv, d, K, bl = 16, 4, 128, 2048, 16
     g = torch.Generator(device="cuda").manual_seed(rows)

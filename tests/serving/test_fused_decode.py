@@ -9,8 +9,10 @@ import torch
 from helpers import hf_greedy, tiny_causal_lm
 
 from lmfuse.serving import Generator
-from lmfuse.serving.fused import (_gemv, _launch_rope_append, gemv_reference,
-                                  prenorm_reference, rope_append_reference)
+from lmfuse.serving.fused_ops import gemv as _gemv
+from lmfuse.serving.fused_ops import launch_rope_append as _launch_rope_append
+from lmfuse.serving.fused_reference import (gemv_reference, prenorm_reference,
+                                            rope_append_reference)
 from lmfuse.serving.sampling import argmax_rows, greedy
 
 HQ, HKV, D, BL, NB = 4, 2, 16, 4, 12
@@ -45,10 +47,10 @@ def test_rope_append_kernel_matches_reference(dtype, cache_dtype, norm, rows_fro
     """A row a program (decode steps) or several (past ``_ROPE_ROWS_FROM`` rows, here
     any: the 4 rows in one program of 16, its other slots masked): the GPU's programs, not
     the interpreter's one per head."""
-    import lmfuse.serving.fused as fused
+    import lmfuse.serving.fused_ops as fused_ops
 
-    monkeypatch.setattr(fused, "_ROPE_ROWS_FROM", rows_from)
-    monkeypatch.setattr(fused, "_GPU_TILES_IN_INTERPRETER", True)
+    monkeypatch.setattr(fused_ops, "_ROPE_ROWS_FROM", rows_from)
+    monkeypatch.setattr(fused_ops, "_GPU_TILES_IN_INTERPRETER", True)
     qkv, cos, sin, pos, table, qn, kn, ks, vs = _rope_case(dtype, cache_dtype, norm)
     caches = []
     outs = []
@@ -197,7 +199,7 @@ def test_split_k_gemv_matches_reference(kind: str, rows: int, split: int) -> Non
     """K split over programs (their float32 partials summed in split order by each tile's
     last program): the reference's result, bitwise the same on a second launch (the same
     sum whichever program comes last), the counts back to zero."""
-    import lmfuse.serving.fused as fused
+    import lmfuse.serving.fused_ops as fused_ops
 
     g = torch.Generator().manual_seed(rows + split)
 
@@ -221,7 +223,7 @@ def test_split_k_gemv_matches_reference(kind: str, rows: int, split: int) -> Non
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert first is None or torch.equal(got, first)
         first = got
-    assert all(int(count.abs().sum()) == 0 for _, count in fused._SPLIT_BUFFERS.values())
+    assert all(int(count.abs().sum()) == 0 for _, count in fused_ops._SPLIT_BUFFERS.values())
     with pytest.raises(ValueError, match="does not split K"):
         _gemv(x, (ws[0], ws[0]), gated=True, split_k=2)
 
@@ -306,7 +308,8 @@ def test_embedding_gather_leaves_the_first_norm_to_the_gemv_after_it(
     reference's, so the GEMV after it gives the GEMV of ``rms_norm(h)``; H = 2600 loops
     over two feature blocks, H = 40 masks a partial one."""
     from lmfuse.norm.reference import rms_norm_reference
-    from lmfuse.serving.fused import _embed, embed_prenorm_reference
+    from lmfuse.serving.fused_ops import embed as _embed
+    from lmfuse.serving.fused_reference import embed_prenorm_reference
 
     g = torch.Generator().manual_seed(rows * 7 + H)
     table = (torch.randn(11, H, generator=g) * torch.logspace(-2, 2, 11)[:, None]).to(dtype)
@@ -340,12 +343,13 @@ def test_several_row_steps_launch_no_rms_norm(monkeypatch: pytest.MonkeyPatch) -
     before them (``prenorm``), and all in the GEMVs after them (``row_scale``). The tokens
     stay model.generate's."""
     import lmfuse.serving.fused as fused
+    import lmfuse.serving.fused_ops as fused_ops
 
-    monkeypatch.setattr(fused, "LM_HEAD_MIN_FEATURES", 128)
+    monkeypatch.setattr(fused_ops, "LM_HEAD_MIN_FEATURES", 128)
     model = tiny_causal_lm("llama", vocab_size=256)
     norms, steps, scaled, prefills = [], [], [], []
     real_norm, real_forward, real_gemv = (fused._launch_rms_norm, fused.FusedDecoder.forward,
-                                          fused._gemv)
+                                          fused_ops.gemv)
 
     def norm_spy(h, *args, **kwargs):
         if not prefills[-1:] == [True]:
@@ -369,7 +373,7 @@ def test_several_row_steps_launch_no_rms_norm(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(fused, "_launch_rms_norm", norm_spy)
     monkeypatch.setattr(fused.FusedDecoder, "forward", forward_spy)
-    monkeypatch.setattr(fused, "_gemv", gemv_spy)
+    monkeypatch.setattr(fused_ops, "gemv", gemv_spy)
     gen = Generator(model, block_len=4, num_blocks=48, impl="triton")
     got = gen.generate(PROMPTS, max_new_tokens=4, eos_token_id=[])
     assert got == [hf_greedy(model, p, 4) for p in PROMPTS]
@@ -389,7 +393,7 @@ def test_qkv_gemv_rotates_and_appends_itself(rows: int, dtype: torch.dtype,
     a program's 16 dims of each half pair up): the queries and the written cache slots are
     the reference's (the float32 projections rotated, as the kernel does not round them
     between), a padding row (block -1) writes nothing, nothing else is touched."""
-    from lmfuse.serving.fused import RopeAppend
+    from lmfuse.serving.fused_ops import RopeAppend
 
     hq, hkv, d, bl, K = 4, 2, 32, 4, 64
     nb = 3 * rows  # every row's blocks its own
@@ -438,13 +442,13 @@ def test_one_row_gemv_gpu_tiles_equal_the_interpreters(
     """At one row the interpreter widens the GEMV's feature tiles (fewer programs for it to
     run one by one); the GPU's (two features a program) run the same code to the same
     bits: plain, with the RMSNorm inside, and (one matrix) with the argmax."""
-    import lmfuse.serving.fused as fused
+    import lmfuse.serving.fused_ops as fused_ops
 
     x, ws, biases, residual, gated, t = _gemv_case(kind, 1, torch.float32, 5)
     g = (1 + t(x.shape[1]), 1e-5)
     runs = []
     for gpu in (False, True):
-        monkeypatch.setattr(fused, "_GPU_TILES_IN_INTERPRETER", gpu)
+        monkeypatch.setattr(fused_ops, "_GPU_TILES_IN_INTERPRETER", gpu)
         r = None if residual is None else residual.clone()
         got = [_gemv(x, ws, biases, residual=r, gated=gated).clone()]
         if residual is None:
@@ -483,13 +487,14 @@ def test_lm_head_runs_the_gemv_at_one_row_with_the_norm_inside(
     the final RMSNorm inside and gives the greedy tokens from its tiles; no RMSNorm is
     launched in a decode step; the tokens stay model.generate's."""
     import lmfuse.serving.fused as fused
+    import lmfuse.serving.fused_ops as fused_ops
 
-    monkeypatch.setattr(fused, "LM_HEAD_MIN_FEATURES", 128)
+    monkeypatch.setattr(fused_ops, "LM_HEAD_MIN_FEATURES", 128)
     model = tiny_causal_lm("llama", vocab_size=256)
-    assert fused._gemv_config(256, 64, 1, False)[:3] == (256, 128, 16)
-    assert fused._gemv_config(384, 64, 1, False)[:3] == (64, 128, 8)  # not 256 x k
+    assert fused_ops.gemv_config(256, 64, 1, False)[:3] == (256, 128, 16)
+    assert fused_ops.gemv_config(384, 64, 1, False)[:3] == (64, 128, 8)  # not 256 x k
     heads, norms, stepping = [], [], []
-    real_gemv, real_norm, real_forward = (fused._gemv, fused._launch_rms_norm,
+    real_gemv, real_norm, real_forward = (fused_ops.gemv, fused._launch_rms_norm,
                                           fused.FusedDecoder.forward)
 
     def gemv_spy(x, weights, *args, **kwargs):
@@ -506,7 +511,7 @@ def test_lm_head_runs_the_gemv_at_one_row_with_the_norm_inside(
         stepping.append(kwargs.get("prefill") is None)
         return real_forward(self, ids, *args, **kwargs)
 
-    monkeypatch.setattr(fused, "_gemv", gemv_spy)
+    monkeypatch.setattr(fused_ops, "gemv", gemv_spy)
     monkeypatch.setattr(fused, "_launch_rms_norm", norm_spy)
     monkeypatch.setattr(fused.FusedDecoder, "forward", forward_spy)
     gen = Generator(model, block_len=4, num_blocks=48, impl="triton")
@@ -519,20 +524,20 @@ def test_lm_head_runs_the_gemv_at_several_rows(monkeypatch: pytest.MonkeyPatch) 
     """A vocabulary counted as an LM head (the threshold lowered to this tiny one's 256)
     runs the GEMV's 128-feature tiles at several rows: the tokens stay model.generate's,
     and the GEMV did compute the logits."""
-    import lmfuse.serving.fused as fused
+    import lmfuse.serving.fused_ops as fused_ops
 
-    monkeypatch.setattr(fused, "LM_HEAD_MIN_FEATURES", 128)
+    monkeypatch.setattr(fused_ops, "LM_HEAD_MIN_FEATURES", 128)
     model = tiny_causal_lm("llama", vocab_size=256)
-    assert fused._gemv_config(256, 64, 16, False)[0] == 128
+    assert fused_ops.gemv_config(256, 64, 16, False)[0] == 128
     heads = []
-    real = fused._gemv
+    real = fused_ops.gemv
 
     def spy(x, weights, *args, **kwargs):
         if weights[0] is model.lm_head.weight:
             heads.append(x.shape[0])
         return real(x, weights, *args, **kwargs)
 
-    monkeypatch.setattr(fused, "_gemv", spy)
+    monkeypatch.setattr(fused_ops, "gemv", spy)
     gen = Generator(model, block_len=4, num_blocks=48, impl="triton")
     got = gen.generate(PROMPTS, max_new_tokens=4, eos_token_id=[])
     assert got == [hf_greedy(model, p, 4) for p in PROMPTS]
@@ -544,18 +549,18 @@ def test_one_row_steps_norm_inside_the_gemv(family: str, monkeypatch: pytest.Mon
                                             ) -> None:
     """One sequence: the QKV (Qwen2: with biases) and gate/up GEMVs take the residual stream
     and RMS-norm it themselves; the tokens stay model.generate's."""
-    import lmfuse.serving.fused as fused
+    import lmfuse.serving.fused_ops as fused_ops
 
     model = tiny_causal_lm(family)
     normed = []
-    real = fused._gemv
+    real = fused_ops.gemv
 
     def spy(x, weights, *args, **kwargs):
         if kwargs.get("norm") is not None:
             normed.append((x.shape[0], len(weights)))
         return real(x, weights, *args, **kwargs)
 
-    monkeypatch.setattr(fused, "_gemv", spy)
+    monkeypatch.setattr(fused_ops, "gemv", spy)
     gen = Generator(model, block_len=4, num_blocks=48, impl="triton")
     prompt = PROMPTS[2]
     assert gen.generate([prompt], max_new_tokens=4, eos_token_id=[]) == [
@@ -570,11 +575,11 @@ def test_several_row_steps_rotate_and_append_in_the_qkv_gemv(
     """Several sequences, heads of 32 dims: the QKV GEMV (Qwen2: with biases) rotates q and
     k and writes k and v to the cache itself, no rope_append launch; the tokens stay
     model.generate's."""
-    import lmfuse.serving.fused as fused
+    import lmfuse.serving.fused_ops as fused_ops
 
     model = tiny_causal_lm(family, head_dim=32)
     appends, rotating = [], []
-    real_append, real_gemv = fused._launch_rope_append, fused._gemv
+    real_append, real_gemv = fused_ops.launch_rope_append, fused_ops.gemv
 
     def append_spy(qkv, *args, **kwargs):
         appends.append(qkv.shape[0])
@@ -585,8 +590,8 @@ def test_several_row_steps_rotate_and_append_in_the_qkv_gemv(
             rotating.append(x.shape[0])
         return real_gemv(x, weights, *args, **kwargs)
 
-    monkeypatch.setattr(fused, "_launch_rope_append", append_spy)
-    monkeypatch.setattr(fused, "_gemv", gemv_spy)
+    monkeypatch.setattr(fused_ops, "launch_rope_append", append_spy)
+    monkeypatch.setattr(fused_ops, "gemv", gemv_spy)
     gen = Generator(model, block_len=4, num_blocks=48, impl="triton")
     got = gen.generate(PROMPTS, max_new_tokens=4, eos_token_id=[])
     assert got == [hf_greedy(model, p, 4) for p in PROMPTS]
@@ -658,8 +663,9 @@ def test_prefill_runs_the_fused_layers_with_the_models_logits(
     sequence holds reads them from the cache; the LM head's GEMV takes the kept rows. The
     tokens stay model.generate's."""
     import lmfuse.serving.fused as fused
+    import lmfuse.serving.fused_ops as fused_ops
 
-    monkeypatch.setattr(fused, "LM_HEAD_MIN_FEATURES", 128)
+    monkeypatch.setattr(fused_ops, "LM_HEAD_MIN_FEATURES", 128)
     key = f"{family}-v256"
     if key not in _models:
         _models[key] = tiny_causal_lm(family, vocab_size=256)
@@ -706,8 +712,9 @@ def test_rows_past_the_gemv_run_cublas_with_fused_epilogues(
     the GEMMs and the MLP through lmfuse's swiglu: the prefill logits of the model's own
     forward and model.generate's tokens, prefills and decode steps alike."""
     import lmfuse.serving.fused as fused
+    import lmfuse.serving.fused_ops as fused_ops
 
-    monkeypatch.setattr(fused, "GEMV_MAX_ROWS", 2)
+    monkeypatch.setattr(fused_ops, "GEMV_MAX_ROWS", 2)
     model = tiny_causal_lm(family, vocab_size=256)
     torch.manual_seed(3)
     with torch.no_grad():  # biases that matter (a fresh model's are zeros)

@@ -53,7 +53,7 @@ Math: float32 accumulation and element math, one rounding per stored tensor (the
 code rounds to its dtype between steps: the bf16 logits differ within rounding, not more).
 On the CPU, or with ``impl="torch"``, each step is the same formula in plain PyTorch
 (``F.linear`` in the model's dtype, float32 rotary), the reference and test oracle of the
-kernels. The GEMV kernels serve up to :data:`GEMV_MAX_ROWS` rows; larger batches (long
+kernels. The GEMV kernels serve up to :data:`fused_ops.GEMV_MAX_ROWS` rows; larger batches (long
 prefills) use cuBLAS, each projection group's GEMMs writing the columns of one buffer, the
 residual adds in the GEMMs' epilogues and the MLP's activation through lmfuse's swiglu.
 
@@ -72,25 +72,23 @@ import torch
 import torch.nn.functional as F
 
 from .. import _pdl
-from .._dispatch import interpreter_active, select_impl
-from .._launch import KERNEL_DTYPES, cdiv, is_pow2, lazy_kernels, next_pow2
+from .._dispatch import select_impl
+from .._launch import KERNEL_DTYPES, is_pow2
 from ..attention.kv_cache import PagedKVCache
 from ..activations import swiglu
 from ..attention.ops import decode_attention, launch_decode_attention, native_decode
-from ..attention.reference import kv_cache_append_reference
 from ..norm.ops import launch_rms_norm as _launch_rms_norm
 from ..norm.ops import rms_norm
-from ..tuning import shared_memory
-from .sampling import greedy, merge_argmax
+from . import fused_ops
+from .fused_ops import RopeAppend
+from .fused_reference import rope_append_reference
+from .sampling import greedy
 
 #: ``config.model_type`` values whose decode runs the fused layers.
 FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Rotary variants whose angles depend on the position alone (a table per position holds them).
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
-#: Most rows the GEMV kernels take; more go through cuBLAS.
-GEMV_MAX_ROWS = 64
 _OP = "Generator"
-_kernels = lazy_kernels("kernels", __package__)
 
 
 def unsupported(model: Any) -> str | None:
@@ -200,15 +198,15 @@ class FusedDecoder:
         # The rotary kernel holds a head's halves in one power-of-two tile.
         self.rope_kernel = self.triton and self.d % 2 == 0 and is_pow2(self.d // 2)
         # Several rows: the QKV GEMV rotates and appends itself (models without a q/k norm).
-        self.rope_gemv = self.rope_kernel and _rope_gemv_takes(2, self.d)
+        self.rope_gemv = self.rope_kernel and fused_ops.rope_gemv_takes(2, self.d)
         self.embed = inner.embed_tokens.weight
         head = model.get_output_embeddings()
         self.lm_head, self.lm_bias = head.weight, getattr(head, "bias", None)
         # The LM head's GEMV: a vocabulary of at least LM_HEAD_MIN_FEATURES in whole
         # 128-feature tiles, a contiguous matrix, no bias.
         V = self.lm_head.shape[0]
-        self.lm_gemv = (self.lm_bias is None and V >= LM_HEAD_MIN_FEATURES and V % 128 == 0
-                        and self.lm_head.is_contiguous())
+        self.lm_gemv = (self.lm_bias is None and V >= fused_ops.LM_HEAD_MIN_FEATURES
+                        and V % 128 == 0 and self.lm_head.is_contiguous())
         self.norm, self.norm_eps = inner.norm.weight, _eps(inner.norm)
         self.layers = [self._layer(i, layer, config) for i, layer in enumerate(inner.layers)]
         limit = getattr(config, "max_position_embeddings", None) or (1 << 20)
@@ -279,7 +277,7 @@ class FusedDecoder:
         tensor of the logits' dtype that the LM head writes them into (a captured step's
         output in a buffer all of a runner's graphs share)."""
         n = ids.shape[0]
-        kernels = self.triton and n <= GEMV_MAX_ROWS
+        kernels = self.triton and n <= fused_ops.GEMV_MAX_ROWS
         keep = None if prefill is None else prefill.keep
         lm_gemv = kernels and self.lm_gemv
         # Several rows: (h * g, its RowNorm) of the next RMSNorm, left by the kernel that
@@ -287,7 +285,8 @@ class FusedDecoder:
         # the norm's output (row_scale).
         pre = None
         if kernels and n > 1:
-            h, *pre = _embed(ids, self.embed, (self.layers[0].norm_in, self.layers[0].eps),
+            h, *pre = fused_ops.embed(ids, self.embed,
+                                      (self.layers[0].norm_in, self.layers[0].eps),
                              self.pdl)
         else:
             h = F.embedding(ids, self.embed)
@@ -342,16 +341,17 @@ class FusedDecoder:
                 # The GEMV (residual epilogue) where it beats cuBLAS on the long K (H100,
                 # chained): one row (14.1 against 16.8 us), and K split over programs at 16
                 # rows (15.8 against 17.4) and 64 (17.6 against 18.6); else cuBLAS. (Whole
-                # feature tiles: else _gemv's float32 fallback.)
-                tile = _row_tile(n)
-                down = ((n == 1 or _gemv_split(*L.down.shape, tile, False) > 1)
-                        and L.down.shape[0] % _gemv_config(*L.down.shape, tile, False)[0] == 0)
+                # feature tiles: else fused_ops.gemv's float32 fallback.)
+                tile = fused_ops.row_tile(n)
+                down = ((n == 1 or fused_ops.gemv_split(*L.down.shape, tile, False) > 1)
+                        and L.down.shape[0] % fused_ops.gemv_config(*L.down.shape, tile,
+                                                                    False)[0] == 0)
                 norm = rs = None
                 if n == 1:
                     x, norm = h, (L.norm_post, L.eps_post)
                 else:
                     x, rs = pre or (self._rms_norm(h, L.norm_post, L.eps_post), None)
-                a = _gemv(x, (L.gate, L.up), None, gated=True, norm=norm, row_scale=rs,
+                a = fused_ops.gemv(x, (L.gate, L.up), None, gated=True, norm=norm, row_scale=rs,
                           pdl=self.pdl if down else self.pdl_tail)
                 # the next norm (the next layer's input norm, or the final one before the
                 # LM head's GEMV) inside the down GEMV
@@ -384,7 +384,7 @@ class FusedDecoder:
             # The GEMV's tiles beat cuBLAS on the long vocabulary (H100, CUDA-graph replays,
             # V 128256: 16 rows 177 vs 191 us, 64 rows 185 vs 198, bench/sweep_gemv.py
             # --shapes lm_head; one row, the final norm inside, 178.7 vs 193.3 us with the
-            # norm and the argmax, _gemv_config).
+            # norm and the argmax, fused_ops.gemv_config).
             norm = None
             if h.shape[0] == 1 and pre is None:
                 x, rs, norm = h, None, (self.norm, self.norm_eps)
@@ -412,7 +412,7 @@ class FusedDecoder:
 
     def _gemv(self, x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None,
               **kw: Any) -> torch.Tensor:
-        return _gemv(x, weights, biases, pdl=self.pdl, **kw)
+        return fused_ops.gemv(x, weights, biases, pdl=self.pdl, **kw)
 
     def _attention(self, q: torch.Tensor, i: int, L: _Layer, table: torch.Tensor,
                    after: torch.Tensor, tail: bool = False) -> torch.Tensor:
@@ -439,7 +439,7 @@ class FusedDecoder:
                      before: torch.Tensor) -> torch.Tensor:
         cache = self.cache
         if self.rope_kernel:
-            return _launch_rope_append(qkv, self.cos, self.sin, before, table,
+            return fused_ops.launch_rope_append(qkv, self.cos, self.sin, before, table,
                                        cache.k_caches[i], cache.v_caches[i], L.q_norm,
                                        L.k_norm, L.qk_eps, cache.k_scales[i],
                                        cache.v_scales[i], self.hq, self.hkv, self.d, self.pdl)
@@ -473,448 +473,3 @@ def _eps(norm: Any) -> float:
         if isinstance(v, (int, float)):
             return float(v)
     return 1e-6
-
-
-# --- rotary + cache append -------------------------------------------------------------------
-
-def rope_append_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                          pos: torch.Tensor, table: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, q_norm: torch.Tensor | None,
-                          k_norm: torch.Tensor | None, eps: float, k_scale: Any, v_scale: Any,
-                          hq: int, hkv: int, d: int) -> torch.Tensor:
-    """The reference of ``rope_append_kernel``: ``qkv [n, (hq + 2 hkv) d]`` -> the rotated
-    queries ``[n, hq, d]`` in qkv's dtype; the rotated keys and the values written at
-    position ``pos[b]`` of row ``b``'s blocks (``table``; a row whose block there is -1
-    writes nothing). Float32 math, one rounding per stored value."""
-    n = qkv.shape[0]
-    x = qkv.float().view(n, hq + 2 * hkv, d)
-    q, k, v = x[:, :hq], x[:, hq:hq + hkv], x[:, hq + hkv:]
-    if q_norm is not None:
-        q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + eps) * q_norm.float()
-        k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps) * k_norm.float()
-    p = pos.long()
-    c, s = cos[p][:, None], sin[p][:, None]
-
-    def rotate(t: torch.Tensor) -> torch.Tensor:
-        t1, t2 = t[..., :d // 2], t[..., d // 2:]
-        return torch.cat([t1 * c - t2 * s, t2 * c + t1 * s], dim=-1)
-
-    q, k = rotate(q), rotate(k)
-    # An fp8 cache quantises the float32 values (as the kernel); others take the rounded
-    # ones. A padding row (its block -1) writes nothing.
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    k, v = (k, v) if fp8 else (k.to(k_cache.dtype), v.to(v_cache.dtype))
-    # The append's reference itself: the engine built the positions and the table (the
-    # public op's value checks cost as much as the write on a small CPU step).
-    kv_cache_append_reference(k_cache, v_cache, k[:, None], v[:, None], pos, block_table=table,
-                              k_scale=k_scale, v_scale=v_scale)
-    return q.to(qkv.dtype)
-
-
-_ROPE_ROWS_FROM = 64  # more rows than this: several a program
-
-#: Triton's interpreter runs a launch's programs one after another, each costing it about
-#: 15-30 ms whatever its tile's width (numpy does a tile's lanes at once): there the
-#: one-row GEMV and the rotary append take wider tiles (fewer programs, the same kernel
-#: code) unless this is set, as a test does to run the GPU's tiles in the interpreter.
-_GPU_TILES_IN_INTERPRETER = False
-
-
-def _interpreter_tiles() -> bool:
-    return not _GPU_TILES_IN_INTERPRETER and interpreter_active()
-
-
-def _launch_rope_append(qkv, cos, sin, pos, table, k_cache, v_cache, q_norm, k_norm, eps,
-                        k_scale, v_scale, hq, hkv, d, pdl=0) -> torch.Tensor:
-    n = qkv.shape[0]
-    q = torch.empty((n, hq, d), dtype=qkv.dtype, device=qkv.device)
-    if n == 0:
-        return q
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    norm = q_norm is not None
-    # A row a program for a decode step's few; 16 for a prefill's many (H100, 4096 rows of
-    # 24 heads of 128: a program per row and head took 99 us)
-    rows = 1 if n <= _ROPE_ROWS_FROM else 16
-    if _interpreter_tiles():
-        rows = min(next_pow2(n), 64)
-    _kernels().rope_append_kernel[(cdiv(n, rows), hq + hkv)](
-        qkv, q, k_cache, v_cache, cos, sin, pos, table,
-        q_norm if norm else qkv, k_norm if norm else qkv,
-        k_scale if fp8 else cos, v_scale if fp8 else cos,
-        qkv.stride(0), q.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-        v_cache.stride(1), table.stride(0), k_cache.shape[0], cos.shape[0], float(eps), n,
-        HQ=hq, HKV=hkv, D=d, HALF=d // 2, BLOCK_LEN=k_cache.shape[1], QK_NORM=norm, FP8=fp8,
-        PDL=pdl, ROWS=rows, num_warps=1 if rows == 1 else 4, **_pdl.launch_options(pdl))
-    return q
-
-
-# --- GEMV ----------------------------------------------------------------------------------------
-
-def gemv_reference(x: torch.Tensor, weights: tuple[torch.Tensor, ...],
-                   biases: tuple[Any, ...] | None = None, *, residual: torch.Tensor | None = None,
-                   gated: bool = False,
-                   norm: tuple[torch.Tensor, float] | None = None,
-                   row_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The reference of ``gemv_kernel``: ``x [n, K]`` times the concatenated ``weights``'
-    rows (float32 accumulation), plus biases; ``gated``: ``silu(x W0.T) * (x W1.T)``;
-    ``residual``: ``residual + ...``; ``norm = (g, eps)``: x RMS-normed first (weight g,
-    float32, not rounded); ``row_scale [n]``: each row's products scaled by it (before
-    the biases). Rounded once to x's dtype."""
-    xf = x.float()
-    if norm is not None:
-        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm[1]) * norm[0].float()
-    ys = [xf @ w.float().t() for w in weights]
-    if row_scale is not None:
-        ys = [y * row_scale.float()[:, None] for y in ys]
-    if biases is not None:
-        ys = [y if b is None else y + b.float() for y, b in zip(ys, biases)]
-    y = F.silu(ys[0]) * ys[1] if gated else torch.cat(ys, dim=-1)
-    if residual is not None:
-        y = y + residual.float()
-    return y.to(x.dtype)
-
-
-@dataclass(frozen=True)
-class RowNorm:
-    """What a GEMV needs to RMS-norm its input rows itself (``row_scale``): the residual
-    stream's sums of squares ``ss [n, tiles]`` float32 (per row, in parts to be added in
-    order), over ``features`` features, and the norm's ``eps``."""
-    ss: torch.Tensor
-    features: int
-    eps: float
-
-    def scale(self) -> torch.Tensor:
-        """Each row's ``rsqrt(mean(h^2) + eps)``, float32 ``[n]``."""
-        return torch.rsqrt(self.ss.sum(-1) / self.features + self.eps)
-
-
-def prenorm_reference(h: torch.Tensor, g: torch.Tensor, eps: float
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference of ``gemv_kernel``'s PRENORM outputs for the residual stream ``h [n,
-    H]`` and the next RMSNorm's weight ``g`` and ``eps``: ``(h * g`` rounded to h's dtype,
-    ``rsqrt(mean(h^2) + eps)`` float32 ``[n])``, so that ``gemv_reference(h * g, W,
-    row_scale=r)`` is the GEMV of ``rms_norm(h)`` (``h * r * g``, ``r`` taken out of the
-    dot)."""
-    hf = h.float()
-    return (hf * g.float()).to(h.dtype), torch.rsqrt(hf.square().mean(-1) + eps)
-
-
-def embed_prenorm_reference(ids: torch.Tensor, table: torch.Tensor, g: torch.Tensor,
-                            eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The reference of ``embed_kernel`` with PRENORM: the rows ``h = table[ids]`` and
-    :func:`prenorm_reference`'s ``(h * g, rsqrt(mean(h^2) + eps))`` of them."""
-    h = table[ids.long()]
-    return (h, *prenorm_reference(h, g, eps))
-
-
-def _prenorm_unfused(h: torch.Tensor, prenorm: tuple[torch.Tensor, float]
-                     ) -> tuple[torch.Tensor, RowNorm]:
-    """``(h * g, its RowNorm)`` of the stored ``h [n, H]`` by torch ops (one sum a row),
-    where a kernel that would leave them does not run."""
-    return prenorm_reference(h, *prenorm)[0], RowNorm(
-        h.float().square().sum(-1, keepdim=True), h.shape[1], float(prenorm[1]))
-
-
-def _embed(ids: torch.Tensor, table: torch.Tensor,
-           prenorm: tuple[torch.Tensor, float] | None = None, pdl: int = 0) -> Any:
-    """The step's residual stream: a new ``[n, H]`` tensor of the rows ``table[ids]``
-    (``embed_kernel``; the engine checked the ids). ``prenorm = (g, eps)``: returns ``(h,
-    xw, rn)`` as ``_gemv``'s prenorm does, the first RMSNorm's work done in the gather."""
-    n, H = ids.shape[0], table.shape[1]
-    if ids.stride(0) != 1:
-        ids = ids.contiguous()
-    if table.stride(1) != 1 or n == 0:
-        h = table[ids.long()]
-        return h if prenorm is None else (h, *_prenorm_unfused(h, prenorm))
-    h = torch.empty((n, H), dtype=table.dtype, device=table.device)
-    xw = ss = None
-    if prenorm is not None:
-        xw = torch.empty_like(h)
-        ss = torch.empty((n, 1), dtype=torch.float32, device=h.device)
-    _kernels().embed_kernel[(n,)](
-        ids, table, None if prenorm is None else prenorm[0], h, xw, ss, H, table.stride(0),
-        h.stride(0), BLOCK=min(next_pow2(H, 16), 2048), PRENORM=prenorm is not None,
-        PDL=pdl, num_warps=4, **_pdl.launch_options(pdl))
-    return h if prenorm is None else (h, xw, RowNorm(ss, H, float(prenorm[1])))
-
-
-#: Output features from which a matrix counts as an LM head (a vocabulary) for the GEMV.
-LM_HEAD_MIN_FEATURES = 65536
-
-
-def _gemv_config(n_out: int, K: int, block_m: int, gated: bool, itemsize: int = 2,
-                 smem: int | None = None, rope: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages): the fastest CUDA-graph replays in
-    ``bench/sweep_gemv.py`` on an H100 (the decode shapes of a 2048-wide model at 16 and 64
-    rows), kept under the shared memory the pipeline's stages take. One row
-    (``block_m == 1``, no dot tile): two features a program, K in tiles of up to 2048
-    (``bench/sweep_gemv_chain.py``, H100, launches chained as in a decode step: QKV 9.9 ->
-    6.8 us, Wo 7.5 -> 5.9, gate/up 24.9 -> 24.2 against the 16-row dot tile). ``smem``:
-    the device's shared memory a program may use (the stages then fit it too). ``rope``:
-    the QKV GEMV with the rotation inside (``BLOCK_N`` features of each half of a head)."""
-    lm_head = not gated and n_out >= LM_HEAD_MIN_FEATURES
-    if block_m == 1 and not lm_head:
-        return 2, min(2048, next_pow2(K, 16)), 4, 3
-    warps, stages = 4, 3
-    limit = 200 * 1024
-    if lm_head and block_m == 1:
-        # One row (a scratch sweep of BLOCK_N 8-256, BLOCK_K 32-512, 4-16 warps, H100, V
-        # 128256, K 2048, graphs of 20: with the final norm and the argmax inside, 178.7 us
-        # at 256 x 128 and 16 warps, 182.7 at 64 x 128 and 8, against 193.3 for the
-        # RMSNorm, cuBLAS and the argmax's two launches).
-        block_n, block_k, warps = (256, 128, 16) if n_out % 256 == 0 else (64, 128, 8)
-        limit = 220 * 1024
-    elif lm_head:
-        # An LM head (bench/sweep_gemv.py --shapes lm_head, H100: the fastest of BLOCK_N 16
-        # to 128, BLOCK_K 128 to 512, 4/8 warps, 3/4/6 stages; 2.96 / 2.84 TB/s). 64 rows:
-        # 2 stages, two programs an SM (a scratch sweep with BLOCK_N 256 and 2-6 stages,
-        # 2026-11-27: 183.1 against 185.8 us at 4 stages).
-        block_n, block_k, stages = 128, (256 if block_m == 16 else 128), \
-            (3 if block_m == 16 else 2)
-        limit = 220 * 1024
-    elif gated:
-        block_n, block_k = (32 if block_m == 16 else 64), 128
-    else:
-        block_n = 16 if n_out <= 2048 else 32 if n_out <= 16384 else 64
-        block_k = 256 if block_n == 16 and block_m == 16 else 128
-        if block_m == 64:  # chained (sweep_gemv_chain, H100): QKV 9.9 -> 8.4 us, Wo 9.2 -> 7.6
-            block_k, stages = 256, 4
-        split = _gemv_split(n_out, K, block_m, gated)
-        if block_m == 16 and split == 1 and n_out > 2048:  # QKV: 10.22 -> 8.26 us
-            block_k, stages = 256, 4
-        elif block_m == 16 and split > 1:  # Wo 7.71 -> 7.08 us, Wd 15.84 (cuBLAS 17.4)
-            block_n, block_k, stages = (64 if K <= 2048 else 32), 128, 4
-        elif block_m == 64 and split > 1:  # Wd 17.64 us (cuBLAS 18.63)
-            block_n, block_k, stages = 32, 256, 4
-    if rope:
-        block_n = 16
-    if smem is not None:
-        limit = min(limit, smem - 8 * 1024)  # room for the kernel's own scratch
-    tiles = 2 if gated or rope else 1
-    while block_k > 64 and (block_m + tiles * block_n) * block_k * itemsize * stages > limit:
-        block_k //= 2
-    while stages > 2 and (block_m + tiles * block_n) * block_k * itemsize * stages > limit:
-        stages -= 1
-    return block_n, block_k, warps, stages
-
-
-def _row_tile(n: int) -> int:
-    """The GEMV's row tile (BLOCK_M) for ``n`` rows: 1 (no dot tile), 16, 32 or 64."""
-    return 1 if n == 1 else 16 if n <= 16 else 32 if n <= 32 else 64
-
-
-def _gemv_split(n_out: int, K: int, block_m: int, gated: bool) -> int:
-    """How many programs share a tile's K range (``gemv_kernel``'s SPLIT_K), where it was
-    measured to pay (``bench/sweep_gemv_chain.py --dot --split 1,2,4,8``, H100, 8 launches
-    chained in a graph, a 2048-wide model): 16 rows, output 2048 (Wo, Wd): 4; 64 rows, the
-    long K of Wd (8192): 2; else 1."""
-    if gated:
-        return 1
-    if block_m == 16 and n_out <= 2048:
-        return 4
-    if block_m == 64 and n_out <= 2048 and K >= 4 * n_out:
-        return 2
-    return 1
-
-
-# (device, workspace elements, tiles) -> (float32 partials, int32 counts): kept for the
-# process's life (CUDA graphs hold their addresses; the counts return to zero after each
-# launch, so any later launch may use them). Launches that share them must not overlap:
-# the decode steps of one process run on one stream at a time (a graph's capture stream
-# included), which orders them. Not keyed by stream: a graph is captured on another stream
-# than its warm-up ran on, and must find the warm-up's buffers.
-_SPLIT_BUFFERS: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _split_buffers(device: torch.device, elements: int, tiles: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    key = (str(device), elements, tiles)
-    if key not in _SPLIT_BUFFERS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # The zeroed counts would only be recorded, not set: warm up before capturing.
-            raise RuntimeError(f"{_OP}: a split-K GEMV of a new shape inside a CUDA-graph "
-                               "capture; run it once before capturing")
-        _SPLIT_BUFFERS[key] = (torch.empty(elements, dtype=torch.float32, device=device),
-                               torch.zeros(tiles, dtype=torch.int32, device=device))
-    return _SPLIT_BUFFERS[key]
-
-
-@dataclass(frozen=True)
-class RopeAppend:
-    """What the QKV GEMV needs to rotate q and k and append k and v itself (the arguments
-    of :func:`rope_append_reference` but ``qkv`` and the q/k norm, which it does not do)."""
-    cos: torch.Tensor
-    sin: torch.Tensor
-    pos: torch.Tensor
-    table: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    k_scale: Any
-    v_scale: Any
-    hq: int
-    hkv: int
-    d: int
-
-
-def _rope_gemv_takes(n: int, d: int) -> bool:
-    """Whether the QKV GEMV of ``n`` rows can rotate and append itself (several rows, and a
-    head's half a multiple of its 16-dim tiles)."""
-    return 1 < n <= GEMV_MAX_ROWS and d % 2 == 0 and (d // 2) % 16 == 0
-
-
-def _gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None, *,
-          residual: torch.Tensor | None = None, gated: bool = False,
-          pdl: int = 0, split_k: int | None = None,
-          norm: tuple[torch.Tensor, float] | None = None,
-          rope: RopeAppend | None = None, argmax: bool = False,
-          prenorm: tuple[torch.Tensor, float] | None = None,
-          row_scale: RowNorm | None = None, tokens: torch.Tensor | None = None,
-          out: torch.Tensor | None = None) -> Any:
-    """``gemv_kernel`` launched: a new ``[n, N]`` output (in ``out`` where given, a
-    contiguous tensor of ``x``'s dtype), or ``residual`` updated in place.
-    ``pdl``: with programmatic dependent launch (``lmfuse._pdl``). ``split_k``: programs
-    per tile along K (default :func:`_gemv_split`'s; not with ``gated``, ``norm`` or
-    ``rope``). ``norm = (g, eps)``: ``x`` RMS-normed (weight ``g``) inside the kernel.
-    ``rope`` (``weights`` = Wq, Wk, Wv): the projections' rotary and cache append inside
-    (:func:`rope_append_reference` of the float32 projections); returns the rotated
-    queries ``[n, hq d]``. ``argmax`` (one matrix, no residual, not gated): returns ``(y,
-    each row's argmax)``, int64 ``[n]`` as ``torch.argmax`` of ``y`` gives it (ties and NaN
-    included), taken from the tiles as they are stored, in ``tokens`` where given.
-    ``prenorm = (g, eps)`` (with ``residual``, one matrix, not ``norm``): returns ``(h, xw,
-    rn)``, the updated residual stream, ``h * g`` and its :class:`RowNorm`
-    (:func:`prenorm_reference`); ``row_scale``
-    (a :class:`RowNorm`): each row's products scaled by its factor, so that ``_gemv(xw, W,
-    row_scale=rn)`` is the GEMV of ``rms_norm(h)``."""
-    if (gated or norm is not None or rope is not None) and split_k is not None \
-            and split_k > 1:
-        raise ValueError(f"{_OP}: the gated, normed or rotating GEMV does not split K "
-                         f"(split_k={split_k})")
-    if prenorm is not None and (residual is None or len(weights) != 1 or norm is not None
-                                or argmax):
-        raise ValueError(f"{_OP}: the GEMV's prenorm takes a residual, one matrix, no norm "
-                         "and no argmax")
-    if row_scale is not None and (norm is not None or prenorm is not None):
-        raise ValueError(f"{_OP}: the GEMV's row_scale takes neither norm nor prenorm")
-    if rope is not None:
-        return _gemv_rope(x, weights, biases, rope, pdl, row_scale)
-    n, K = x.shape
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    ns = [w.shape[0] for w in weights]
-    n_out = ns[0] if gated else sum(ns)
-    block_m = _row_tile(n)
-    block_n, block_k, warps, stages = _gemv_config(n_out, K, block_m, gated, x.element_size(),
-                                                   shared_memory(x.device))
-    if argmax and (len(weights) != 1 or residual is not None or gated):
-        raise ValueError(f"{_OP}: the GEMV's argmax takes one matrix, no residual, not gated")
-    if block_m == 1 and block_n < 64 and _interpreter_tiles():
-        while block_n < 64 and not any(v % (2 * block_n) for v in ns):
-            block_n *= 2
-    if any(v % block_n for v in ns) or n == 0:
-        y = gemv_reference(x, weights, biases, residual=residual, gated=gated, norm=norm,
-                           row_scale=None if row_scale is None else row_scale.scale())
-        if residual is not None:
-            y = residual.copy_(y)
-        if out is not None:
-            y = out.copy_(y)
-        if prenorm is not None:
-            return (y, *_prenorm_unfused(y, prenorm))
-        return (y, torch.argmax(y, -1, out=tokens)) if argmax else y
-    if residual is not None:
-        y = residual
-    elif out is not None:
-        y = out
-    else:
-        y = torch.empty((n, n_out), dtype=x.dtype, device=x.device)
-    w = list(weights) + [weights[0]] * (3 - len(weights))
-    b = list(biases) if biases is not None else []
-    b = b + [w[0]] * (3 - len(b))
-    if argmax and split_k is not None and split_k > 1:
-        raise ValueError(f"{_OP}: the GEMV's argmax does not split K (split_k={split_k})")
-    split = (1 if norm is not None or argmax else _gemv_split(n_out, K, block_m, gated)
-             if split_k is None else split_k)
-    k_split = cdiv(cdiv(K, split), block_k) * block_k
-    split = cdiv(K, k_split)  # no empty split
-    grid = (n_out // block_n, cdiv(n, block_m), split)
-    tiles = grid[0] * grid[1]
-    ws, count = (_split_buffers(x.device, split * tiles * block_m * block_n, tiles)
-                 if split > 1 else (y, y))
-    aval = aidx = None
-    if argmax:  # each row's first maximum per tile, merged below
-        aval = torch.empty((n, grid[0]), dtype=torch.float32, device=x.device)
-        aidx = torch.empty((n, grid[0]), dtype=torch.int32, device=x.device)
-    # The norm's weight and eps: of the norm inside (NORM), or of the next one (PRENORM);
-    # the RowNorm's eps (ROW_SCALE).
-    G, eps, xw, ss = None, 0.0, None, None
-    if norm is not None:
-        G, eps = norm[0], float(norm[1])
-    elif prenorm is not None:
-        G, eps = prenorm[0], float(prenorm[1])
-        xw = torch.empty_like(y)
-        ss = torch.empty((n, grid[0]), dtype=torch.float32, device=x.device)
-    if row_scale is not None:
-        eps, ss = row_scale.eps, row_scale.ss
-    _kernels().gemv_kernel[grid](
-        x, w[0], w[1], w[2], b[0], b[1], b[2], y, y, n, K, ns[0],
-        ns[1] if len(ns) > 1 else 0, x.stride(0), y.stride(0), y.stride(0), ws, count, k_split,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=biases is not None,
-        RESIDUAL=residual is not None, GATED=gated, EVEN_K=K % block_k == 0, PDL=pdl,
-        SPLIT_K=split, G=G, eps=eps, NORM=norm is not None,
-        AVAL=aval, AIDX=aidx, ARGMAX=argmax,
-        PRENORM=prenorm is not None, XW=xw, stride_xw=0 if xw is None else xw.stride(0),
-        **_row_norm_args(ss, row_scale), ROW_SCALE=row_scale is not None,
-        num_warps=warps, num_stages=stages, **_pdl.launch_options(pdl))
-    if argmax:
-        return y, merge_argmax(aval, aidx, n_out, out=tokens, pdl=pdl)
-    if prenorm is not None:
-        return y, xw, RowNorm(ss, n_out, eps)
-    return y
-
-
-def _row_norm_args(ss: torch.Tensor | None, rn: RowNorm | None) -> dict[str, Any]:
-    """``gemv_kernel``'s arguments for the sums of squares ``ss`` it writes (PRENORM, one
-    column a program along N) or the :class:`RowNorm` it reads (ROW_SCALE)."""
-    if rn is not None:
-        return dict(SS=rn.ss, ss_tiles=rn.ss.shape[1], norm_n=rn.features,
-                    BLOCK_T=next_pow2(rn.ss.shape[1], 1))
-    return dict(SS=ss)
-
-
-def _gemv_rope(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any,
-               r: RopeAppend, pdl: int, row_scale: RowNorm | None = None) -> torch.Tensor:
-    n, K = x.shape
-    ns = [w.shape[0] for w in weights]
-    if ns != [r.hq * r.d, r.hkv * r.d, r.hkv * r.d]:
-        raise ValueError(f"{_OP}: the rotating GEMV takes Wq, Wk, Wv of {r.hq}, {r.hkv}, "
-                         f"{r.hkv} heads of {r.d} (got {ns} rows)")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    n_out = sum(ns)
-    block_m = _row_tile(n)
-    block_n, block_k, warps, stages = _gemv_config(n_out, K, block_m, False, x.element_size(),
-                                                   shared_memory(x.device), rope=True)
-    if not _rope_gemv_takes(n, r.d) or (r.d // 2) % block_n:
-        qkv = gemv_reference(x.float(), weights, biases,  # float32, as the kernel's
-                             row_scale=None if row_scale is None else row_scale.scale())
-        q = rope_append_reference(qkv, r.cos, r.sin, r.pos, r.table, r.k_cache, r.v_cache,
-                                  None, None, 0.0, r.k_scale, r.v_scale, r.hq, r.hkv, r.d)
-        return q.to(x.dtype).view(n, r.hq * r.d)
-    y = torch.empty((n, ns[0]), dtype=x.dtype, device=x.device)
-    fp8 = r.k_cache.dtype == torch.float8_e4m3fn
-    b = list(biases) if biases is not None else [weights[0]] * 3
-    kc, vc = r.k_cache, r.v_cache
-    grid = (n_out // (2 * block_n), cdiv(n, block_m), 1)
-    _kernels().gemv_kernel[grid](
-        x, weights[0], weights[1], weights[2], b[0], b[1], b[2], y, y, n, K, ns[0], ns[1],
-        x.stride(0), y.stride(0), y.stride(0), y, y, K,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=biases is not None,
-        RESIDUAL=False, GATED=False, EVEN_K=K % block_k == 0, PDL=pdl,
-        ROPE=True, HALF=r.d // 2, COS=r.cos, SIN=r.sin, POS=r.pos, TABLE=r.table, KC=kc,
-        VC=vc, K_SCALE=r.k_scale if fp8 else r.cos, V_SCALE=r.v_scale if fp8 else r.cos,
-        stride_kblk=kc.stride(0), stride_krow=kc.stride(1), stride_vblk=vc.stride(0),
-        stride_vrow=vc.stride(1), stride_tb=r.table.stride(0), num_blocks=kc.shape[0],
-        positions=r.cos.shape[0], BLOCK_LEN=kc.shape[1], FP8=fp8,
-        ROW_SCALE=row_scale is not None, **_row_norm_args(None, row_scale),
-        eps=0.0 if row_scale is None else row_scale.eps, num_warps=warps, num_stages=stages,
-        **_pdl.launch_options(pdl))
-    return y

@@ -1,0 +1,394 @@
+"""The launches of the Generator's fused decode layers (``fused.py``): the rotary + cache
+append (``rope_append_kernel``), the token embeddings' gather (``embed_kernel``) and the
+GEMV (``gemv_kernel``, its split-K and rotary variants), with their tile choices. Their
+references are in ``fused_reference.py``, the kernels in ``kernels.py``; the module that
+chains them into a decode step is ``fused.py``'s :class:`~lmfuse.serving.fused.FusedDecoder`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import _pdl
+from .._dispatch import interpreter_active
+from .._launch import cdiv, lazy_kernels, next_pow2
+from ..tuning import shared_memory
+from .fused_reference import gemv_reference, prenorm_reference, rope_append_reference
+from .sampling import merge_argmax
+
+#: Most rows the GEMV kernels take; more go through cuBLAS.
+GEMV_MAX_ROWS = 64
+_OP = "Generator"
+_kernels = lazy_kernels("kernels", __package__)
+
+
+# --- rotary + cache append -------------------------------------------------------------------
+
+_ROPE_ROWS_FROM = 64  # more rows than this: several a program
+
+#: Triton's interpreter runs a launch's programs one after another, each costing it about
+#: 15-30 ms whatever its tile's width (numpy does a tile's lanes at once): there the
+#: one-row GEMV and the rotary append take wider tiles (fewer programs, the same kernel
+#: code) unless this is set, as a test does to run the GPU's tiles in the interpreter.
+_GPU_TILES_IN_INTERPRETER = False
+
+
+def _interpreter_tiles() -> bool:
+    return not _GPU_TILES_IN_INTERPRETER and interpreter_active()
+
+
+def launch_rope_append(qkv, cos, sin, pos, table, k_cache, v_cache, q_norm, k_norm, eps,
+                        k_scale, v_scale, hq, hkv, d, pdl=0) -> torch.Tensor:
+    n = qkv.shape[0]
+    q = torch.empty((n, hq, d), dtype=qkv.dtype, device=qkv.device)
+    if n == 0:
+        return q
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    norm = q_norm is not None
+    # A row a program for a decode step's few; 16 for a prefill's many (H100, 4096 rows of
+    # 24 heads of 128: a program per row and head took 99 us)
+    rows = 1 if n <= _ROPE_ROWS_FROM else 16
+    if _interpreter_tiles():
+        rows = min(next_pow2(n), 64)
+    _kernels().rope_append_kernel[(cdiv(n, rows), hq + hkv)](
+        qkv, q, k_cache, v_cache, cos, sin, pos, table,
+        q_norm if norm else qkv, k_norm if norm else qkv,
+        k_scale if fp8 else cos, v_scale if fp8 else cos,
+        qkv.stride(0), q.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), table.stride(0), k_cache.shape[0], cos.shape[0], float(eps), n,
+        HQ=hq, HKV=hkv, D=d, HALF=d // 2, BLOCK_LEN=k_cache.shape[1], QK_NORM=norm, FP8=fp8,
+        PDL=pdl, ROWS=rows, num_warps=1 if rows == 1 else 4, **_pdl.launch_options(pdl))
+    return q
+
+
+# --- GEMV ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowNorm:
+    """What a GEMV needs to RMS-norm its input rows itself (``row_scale``): the residual
+    stream's sums of squares ``ss [n, tiles]`` float32 (per row, in parts to be added in
+    order), over ``features`` features, and the norm's ``eps``."""
+    ss: torch.Tensor
+    features: int
+    eps: float
+
+    def scale(self) -> torch.Tensor:
+        """Each row's ``rsqrt(mean(h^2) + eps)``, float32 ``[n]``."""
+        return torch.rsqrt(self.ss.sum(-1) / self.features + self.eps)
+
+
+def _prenorm_unfused(h: torch.Tensor, prenorm: tuple[torch.Tensor, float]
+                     ) -> tuple[torch.Tensor, RowNorm]:
+    """``(h * g, its RowNorm)`` of the stored ``h [n, H]`` by torch ops (one sum a row),
+    where a kernel that would leave them does not run."""
+    return prenorm_reference(h, *prenorm)[0], RowNorm(
+        h.float().square().sum(-1, keepdim=True), h.shape[1], float(prenorm[1]))
+
+
+def embed(ids: torch.Tensor, table: torch.Tensor,
+           prenorm: tuple[torch.Tensor, float] | None = None, pdl: int = 0) -> Any:
+    """The step's residual stream: a new ``[n, H]`` tensor of the rows ``table[ids]``
+    (``embed_kernel``; the engine checked the ids). ``prenorm = (g, eps)``: returns ``(h,
+    xw, rn)`` as ``gemv``'s prenorm does, the first RMSNorm's work done in the gather."""
+    n, H = ids.shape[0], table.shape[1]
+    if ids.stride(0) != 1:
+        ids = ids.contiguous()
+    if table.stride(1) != 1 or n == 0:
+        h = table[ids.long()]
+        return h if prenorm is None else (h, *_prenorm_unfused(h, prenorm))
+    h = torch.empty((n, H), dtype=table.dtype, device=table.device)
+    xw = ss = None
+    if prenorm is not None:
+        xw = torch.empty_like(h)
+        ss = torch.empty((n, 1), dtype=torch.float32, device=h.device)
+    _kernels().embed_kernel[(n,)](
+        ids, table, None if prenorm is None else prenorm[0], h, xw, ss, H, table.stride(0),
+        h.stride(0), BLOCK=min(next_pow2(H, 16), 2048), PRENORM=prenorm is not None,
+        PDL=pdl, num_warps=4, **_pdl.launch_options(pdl))
+    return h if prenorm is None else (h, xw, RowNorm(ss, H, float(prenorm[1])))
+
+
+#: Output features from which a matrix counts as an LM head (a vocabulary) for the GEMV.
+LM_HEAD_MIN_FEATURES = 65536
+
+
+def gemv_config(n_out: int, K: int, block_m: int, gated: bool, itemsize: int = 2,
+                 smem: int | None = None, rope: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages): the fastest CUDA-graph replays in
+    ``bench/sweep_gemv.py`` on an H100 (the decode shapes of a 2048-wide model at 16 and 64
+    rows), kept under the shared memory the pipeline's stages take. One row
+    (``block_m == 1``, no dot tile): two features a program, K in tiles of up to 2048
+    (``bench/sweep_gemv_chain.py``, H100, launches chained as in a decode step: QKV 9.9 ->
+    6.8 us, Wo 7.5 -> 5.9, gate/up 24.9 -> 24.2 against the 16-row dot tile). ``smem``:
+    the device's shared memory a program may use (the stages then fit it too). ``rope``:
+    the QKV GEMV with the rotation inside (``BLOCK_N`` features of each half of a head)."""
+    lm_head = not gated and n_out >= LM_HEAD_MIN_FEATURES
+    if block_m == 1 and not lm_head:
+        return 2, min(2048, next_pow2(K, 16)), 4, 3
+    warps, stages = 4, 3
+    limit = 200 * 1024
+    if lm_head and block_m == 1:
+        # One row (a scratch sweep of BLOCK_N 8-256, BLOCK_K 32-512, 4-16 warps, H100, V
+        # 128256, K 2048, graphs of 20: with the final norm and the argmax inside, 178.7 us
+        # at 256 x 128 and 16 warps, 182.7 at 64 x 128 and 8, against 193.3 for the
+        # RMSNorm, cuBLAS and the argmax's two launches).
+        block_n, block_k, warps = (256, 128, 16) if n_out % 256 == 0 else (64, 128, 8)
+        limit = 220 * 1024
+    elif lm_head:
+        # An LM head (bench/sweep_gemv.py --shapes lm_head, H100: the fastest of BLOCK_N 16
+        # to 128, BLOCK_K 128 to 512, 4/8 warps, 3/4/6 stages; 2.96 / 2.84 TB/s). 64 rows:
+        # 2 stages, two programs an SM (a scratch sweep with BLOCK_N 256 and 2-6 stages,
+        # 2026-11-27: 183.1 against 185.8 us at 4 stages).
+        block_n, block_k, stages = 128, (256 if block_m == 16 else 128), \
+            (3 if block_m == 16 else 2)
+        limit = 220 * 1024
+    elif gated:
+        block_n, block_k = (32 if block_m == 16 else 64), 128
+    else:
+        block_n = 16 if n_out <= 2048 else 32 if n_out <= 16384 else 64
+        block_k = 256 if block_n == 16 and block_m == 16 else 128
+        if block_m == 64:  # chained (sweep_gemv_chain, H100): QKV 9.9 -> 8.4 us, Wo 9.2 -> 7.6
+            block_k, stages = 256, 4
+        split = gemv_split(n_out, K, block_m, gated)
+        if block_m == 16 and split == 1 and n_out > 2048:  # QKV: 10.22 -> 8.26 us
+            block_k, stages = 256, 4
+        elif block_m == 16 and split > 1:  # Wo 7.71 -> 7.08 us, Wd 15.84 (cuBLAS 17.4)
+            block_n, block_k, stages = (64 if K <= 2048 else 32), 128, 4
+        elif block_m == 64 and split > 1:  # Wd 17.64 us (cuBLAS 18.63)
+            block_n, block_k, stages = 32, 256, 4
+    if rope:
+        block_n = 16
+    if smem is not None:
+        limit = min(limit, smem - 8 * 1024)  # room for the kernel's own scratch
+    tiles = 2 if gated or rope else 1
+    while block_k > 64 and (block_m + tiles * block_n) * block_k * itemsize * stages > limit:
+        block_k //= 2
+    while stages > 2 and (block_m + tiles * block_n) * block_k * itemsize * stages > limit:
+        stages -= 1
+    return block_n, block_k, warps, stages
+
+
+def row_tile(n: int) -> int:
+    """The GEMV's row tile (BLOCK_M) for ``n`` rows: 1 (no dot tile), 16, 32 or 64."""
+    return 1 if n == 1 else 16 if n <= 16 else 32 if n <= 32 else 64
+
+
+def gemv_split(n_out: int, K: int, block_m: int, gated: bool) -> int:
+    """How many programs share a tile's K range (``gemv_kernel``'s SPLIT_K), where it was
+    measured to pay (``bench/sweep_gemv_chain.py --dot --split 1,2,4,8``, H100, 8 launches
+    chained in a graph, a 2048-wide model): 16 rows, output 2048 (Wo, Wd): 4; 64 rows, the
+    long K of Wd (8192): 2; else 1."""
+    if gated:
+        return 1
+    if block_m == 16 and n_out <= 2048:
+        return 4
+    if block_m == 64 and n_out <= 2048 and K >= 4 * n_out:
+        return 2
+    return 1
+
+
+# (device, workspace elements, tiles) -> (float32 partials, int32 counts): kept for the
+# process's life (CUDA graphs hold their addresses; the counts return to zero after each
+# launch, so any later launch may use them). Launches that share them must not overlap:
+# the decode steps of one process run on one stream at a time (a graph's capture stream
+# included), which orders them. Not keyed by stream: a graph is captured on another stream
+# than its warm-up ran on, and must find the warm-up's buffers.
+_SPLIT_BUFFERS: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def split_buffers(device: torch.device, elements: int, tiles: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (str(device), elements, tiles)
+    if key not in _SPLIT_BUFFERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # The zeroed counts would only be recorded, not set: warm up before capturing.
+            raise RuntimeError(f"{_OP}: a split-K GEMV of a new shape inside a CUDA-graph "
+                               "capture; run it once before capturing")
+        _SPLIT_BUFFERS[key] = (torch.empty(elements, dtype=torch.float32, device=device),
+                               torch.zeros(tiles, dtype=torch.int32, device=device))
+    return _SPLIT_BUFFERS[key]
+
+
+@dataclass(frozen=True)
+class RopeAppend:
+    """What the QKV GEMV needs to rotate q and k and append k and v itself (the arguments
+    of :func:`rope_append_reference` but ``qkv`` and the q/k norm, which it does not do)."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    pos: torch.Tensor
+    table: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k_scale: Any
+    v_scale: Any
+    hq: int
+    hkv: int
+    d: int
+
+
+def rope_gemv_takes(n: int, d: int) -> bool:
+    """Whether the QKV GEMV of ``n`` rows can rotate and append itself (several rows, and a
+    head's half a multiple of its 16-dim tiles)."""
+    return 1 < n <= GEMV_MAX_ROWS and d % 2 == 0 and (d // 2) % 16 == 0
+
+
+def gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None, *,
+          residual: torch.Tensor | None = None, gated: bool = False,
+          pdl: int = 0, split_k: int | None = None,
+          norm: tuple[torch.Tensor, float] | None = None,
+          rope: RopeAppend | None = None, argmax: bool = False,
+          prenorm: tuple[torch.Tensor, float] | None = None,
+          row_scale: RowNorm | None = None, tokens: torch.Tensor | None = None,
+          out: torch.Tensor | None = None) -> Any:
+    """``gemv_kernel`` launched: a new ``[n, N]`` output (in ``out`` where given, a
+    contiguous tensor of ``x``'s dtype), or ``residual`` updated in place.
+    ``pdl``: with programmatic dependent launch (``lmfuse._pdl``). ``split_k``: programs
+    per tile along K (default :func:`gemv_split`'s; not with ``gated``, ``norm`` or
+    ``rope``). ``norm = (g, eps)``: ``x`` RMS-normed (weight ``g``) inside the kernel.
+    ``rope`` (``weights`` = Wq, Wk, Wv): the projections' rotary and cache append inside
+    (:func:`rope_append_reference` of the float32 projections); returns the rotated
+    queries ``[n, hq d]``. ``argmax`` (one matrix, no residual, not gated): returns ``(y,
+    each row's argmax)``, int64 ``[n]`` as ``torch.argmax`` of ``y`` gives it (ties and NaN
+    included), taken from the tiles as they are stored, in ``tokens`` where given.
+    ``prenorm = (g, eps)`` (with ``residual``, one matrix, not ``norm``): returns ``(h, xw,
+    rn)``, the updated residual stream, ``h * g`` and its :class:`RowNorm`
+    (:func:`prenorm_reference`); ``row_scale``
+    (a :class:`RowNorm`): each row's products scaled by its factor, so that ``gemv(xw, W,
+    row_scale=rn)`` is the GEMV of ``rms_norm(h)``."""
+    if (gated or norm is not None or rope is not None) and split_k is not None \
+            and split_k > 1:
+        raise ValueError(f"{_OP}: the gated, normed or rotating GEMV does not split K "
+                         f"(split_k={split_k})")
+    if prenorm is not None and (residual is None or len(weights) != 1 or norm is not None
+                                or argmax):
+        raise ValueError(f"{_OP}: the GEMV's prenorm takes a residual, one matrix, no norm "
+                         "and no argmax")
+    if row_scale is not None and (norm is not None or prenorm is not None):
+        raise ValueError(f"{_OP}: the GEMV's row_scale takes neither norm nor prenorm")
+    if rope is not None:
+        return _gemv_rope(x, weights, biases, rope, pdl, row_scale)
+    n, K = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    ns = [w.shape[0] for w in weights]
+    n_out = ns[0] if gated else sum(ns)
+    block_m = row_tile(n)
+    block_n, block_k, warps, stages = gemv_config(n_out, K, block_m, gated, x.element_size(),
+                                                   shared_memory(x.device))
+    if argmax and (len(weights) != 1 or residual is not None or gated):
+        raise ValueError(f"{_OP}: the GEMV's argmax takes one matrix, no residual, not gated")
+    if block_m == 1 and block_n < 64 and _interpreter_tiles():
+        while block_n < 64 and not any(v % (2 * block_n) for v in ns):
+            block_n *= 2
+    if any(v % block_n for v in ns) or n == 0:
+        y = gemv_reference(x, weights, biases, residual=residual, gated=gated, norm=norm,
+                           row_scale=None if row_scale is None else row_scale.scale())
+        if residual is not None:
+            y = residual.copy_(y)
+        if out is not None:
+            y = out.copy_(y)
+        if prenorm is not None:
+            return (y, *_prenorm_unfused(y, prenorm))
+        return (y, torch.argmax(y, -1, out=tokens)) if argmax else y
+    if residual is not None:
+        y = residual
+    elif out is not None:
+        y = out
+    else:
+        y = torch.empty((n, n_out), dtype=x.dtype, device=x.device)
+    w = list(weights) + [weights[0]] * (3 - len(weights))
+    b = list(biases) if biases is not None else []
+    b = b + [w[0]] * (3 - len(b))
+    if argmax and split_k is not None and split_k > 1:
+        raise ValueError(f"{_OP}: the GEMV's argmax does not split K (split_k={split_k})")
+    split = (1 if norm is not None or argmax else gemv_split(n_out, K, block_m, gated)
+             if split_k is None else split_k)
+    k_split = cdiv(cdiv(K, split), block_k) * block_k
+    split = cdiv(K, k_split)  # no empty split
+    grid = (n_out // block_n, cdiv(n, block_m), split)
+    tiles = grid[0] * grid[1]
+    ws, count = (split_buffers(x.device, split * tiles * block_m * block_n, tiles)
+                 if split > 1 else (y, y))
+    aval = aidx = None
+    if argmax:  # each row's first maximum per tile, merged below
+        aval = torch.empty((n, grid[0]), dtype=torch.float32, device=x.device)
+        aidx = torch.empty((n, grid[0]), dtype=torch.int32, device=x.device)
+    # The norm's weight and eps: of the norm inside (NORM), or of the next one (PRENORM);
+    # the RowNorm's eps (ROW_SCALE).
+    G, eps, xw, ss = None, 0.0, None, None
+    if norm is not None:
+        G, eps = norm[0], float(norm[1])
+    elif prenorm is not None:
+        G, eps = prenorm[0], float(prenorm[1])
+        xw = torch.empty_like(y)
+        ss = torch.empty((n, grid[0]), dtype=torch.float32, device=x.device)
+    if row_scale is not None:
+        eps, ss = row_scale.eps, row_scale.ss
+    _kernels().gemv_kernel[grid](
+        x, w[0], w[1], w[2], b[0], b[1], b[2], y, y, n, K, ns[0],
+        ns[1] if len(ns) > 1 else 0, x.stride(0), y.stride(0), y.stride(0), ws, count, k_split,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=biases is not None,
+        RESIDUAL=residual is not None, GATED=gated, EVEN_K=K % block_k == 0, PDL=pdl,
+        SPLIT_K=split, G=G, eps=eps, NORM=norm is not None,
+        AVAL=aval, AIDX=aidx, ARGMAX=argmax,
+        PRENORM=prenorm is not None, XW=xw, stride_xw=0 if xw is None else xw.stride(0),
+        **_row_norm_args(ss, row_scale), ROW_SCALE=row_scale is not None,
+        num_warps=warps, num_stages=stages, **_pdl.launch_options(pdl))
+    if argmax:
+        return y, merge_argmax(aval, aidx, n_out, out=tokens, pdl=pdl)
+    if prenorm is not None:
+        return y, xw, RowNorm(ss, n_out, eps)
+    return y
+
+
+def _row_norm_args(ss: torch.Tensor | None, rn: RowNorm | None) -> dict[str, Any]:
+    """``gemv_kernel``'s arguments for the sums of squares ``ss`` it writes (PRENORM, one
+    column a program along N) or the :class:`RowNorm` it reads (ROW_SCALE)."""
+    if rn is not None:
+        return dict(SS=rn.ss, ss_tiles=rn.ss.shape[1], norm_n=rn.features,
+                    BLOCK_T=next_pow2(rn.ss.shape[1], 1))
+    return dict(SS=ss)
+
+
+def _gemv_rope(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any,
+               r: RopeAppend, pdl: int, row_scale: RowNorm | None = None) -> torch.Tensor:
+    n, K = x.shape
+    ns = [w.shape[0] for w in weights]
+    if ns != [r.hq * r.d, r.hkv * r.d, r.hkv * r.d]:
+        raise ValueError(f"{_OP}: the rotating GEMV takes Wq, Wk, Wv of {r.hq}, {r.hkv}, "
+                         f"{r.hkv} heads of {r.d} (got {ns} rows)")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    n_out = sum(ns)
+    block_m = row_tile(n)
+    block_n, block_k, warps, stages = gemv_config(n_out, K, block_m, False, x.element_size(),
+                                                   shared_memory(x.device), rope=True)
+    if not rope_gemv_takes(n, r.d) or (r.d // 2) % block_n:
+        qkv = gemv_reference(x.float(), weights, biases,  # float32, as the kernel's
+                             row_scale=None if row_scale is None else row_scale.scale())
+        q = rope_append_reference(qkv, r.cos, r.sin, r.pos, r.table, r.k_cache, r.v_cache,
+                                  None, None, 0.0, r.k_scale, r.v_scale, r.hq, r.hkv, r.d)
+        return q.to(x.dtype).view(n, r.hq * r.d)
+    y = torch.empty((n, ns[0]), dtype=x.dtype, device=x.device)
+    fp8 = r.k_cache.dtype == torch.float8_e4m3fn
+    b = list(biases) if biases is not None else [weights[0]] * 3
+    kc, vc = r.k_cache, r.v_cache
+    grid = (n_out // (2 * block_n), cdiv(n, block_m), 1)
+    _kernels().gemv_kernel[grid](
+        x, weights[0], weights[1], weights[2], b[0], b[1], b[2], y, y, n, K, ns[0], ns[1],
+        x.stride(0), y.stride(0), y.stride(0), y, y, K,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=biases is not None,
+        RESIDUAL=False, GATED=False, EVEN_K=K % block_k == 0, PDL=pdl,
+        ROPE=True, HALF=r.d // 2, COS=r.cos, SIN=r.sin, POS=r.pos, TABLE=r.table, KC=kc,
+        VC=vc, K_SCALE=r.k_scale if fp8 else r.cos, V_SCALE=r.v_scale if fp8 else r.cos,
+        stride_kblk=kc.stride(0), stride_krow=kc.stride(1), stride_vblk=vc.stride(0),
+        stride_vrow=vc.stride(1), stride_tb=r.table.stride(0), num_blocks=kc.shape[0],
+        positions=r.cos.shape[0], BLOCK_LEN=kc.shape[1], FP8=fp8,
+        ROW_SCALE=row_scale is not None, **_row_norm_args(None, row_scale),
+        eps=0.0 if row_scale is None else row_scale.eps, num_warps=warps, num_stages=stages,
+        **_pdl.launch_options(pdl))
+    return y
