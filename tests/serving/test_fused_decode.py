@@ -940,3 +940,49 @@ def test_bus_copy_copies_flat_tensors(n: int, dtype: torch.dtype) -> None:
     for bad in [torch.zeros(n + 1, dtype=dtype), torch.zeros(n, dtype=torch.float32)] + strided:
         with pytest.raises(ValueError, match="bus_copy"):
             bus_copy(bad, src)
+
+
+# (n_out, K, row tile, gated) -> (the tiles, the K split) on the default table: one case per
+# entry of its ``gemv`` section (the H100's measured choices).
+GEMV_TABLE_CASES = [
+    ((2048, 2048, 1, False), (2, 2048, 4, 3), 1),      # one row, no dot tile
+    ((8192, 2048, 1, True), (2, 2048, 4, 3), 1),
+    ((128256, 2048, 1, False), (256, 128, 16, 3), 1),  # LM head, one row
+    ((128064, 2048, 1, False), (64, 128, 8, 3), 1),    # ... not a multiple of 256
+    ((128256, 2048, 16, False), (128, 256, 4, 3), 1),
+    ((128256, 2048, 64, False), (128, 128, 4, 2), 1),
+    ((8192, 2048, 16, True), (32, 128, 4, 3), 1),      # gate/up
+    ((8192, 2048, 64, True), (64, 128, 4, 3), 1),
+    ((2048, 2048, 16, False), (64, 128, 4, 4), 4),     # Wo: K split in 4
+    ((2048, 8192, 16, False), (32, 128, 4, 4), 4),     # Wd
+    ((6144, 2048, 16, False), (32, 256, 4, 4), 1),     # QKV
+    ((2048, 8192, 64, False), (32, 256, 4, 4), 2),
+    ((6144, 2048, 64, False), (32, 256, 4, 4), 1),
+    ((6144, 2048, 32, False), (32, 128, 4, 3), 1),
+]
+
+
+@pytest.mark.parametrize("args, tiles, split", GEMV_TABLE_CASES)
+def test_gemv_tiles_from_the_tuning_table(args, tiles, split) -> None:
+    import lmfuse.serving.fused_ops as fused_ops
+
+    assert fused_ops.gemv_config(*args) == tiles
+    assert fused_ops.gemv_split(*args) == split
+
+
+def test_gemv_tiles_fit_shared_memory_and_follow_an_overlay() -> None:
+    """The stages fit the device's shared memory (block_k, then stages, shrink); the rotary
+    GEMV takes 16 features; values laid over the table are read at the next call (the
+    lookup's cache is keyed on the tables' generation)."""
+    import lmfuse.serving.fused_ops as fused_ops
+    from lmfuse import tuning
+
+    assert fused_ops.gemv_config(6144, 2048, 16, False, 2, None, True) == (16, 256, 4, 4)
+    assert fused_ops.gemv_config(8192, 2048, 64, True, 2, 49152) == (64, 64, 4, 2)
+    only = [{"kind": ["plain", "gated", "lm_head"], "block_n": 8, "block_k": 64, "warps": 2,
+             "stages": 2}]
+    with tuning.overlay("gemv", {"tiles": only, "split_k": []}):
+        assert fused_ops.gemv_config(2048, 2048, 16, False) == (8, 64, 2, 2)
+        assert fused_ops.gemv_split(2048, 2048, 16, False) == 1
+    assert fused_ops.gemv_config(2048, 2048, 16, False) == (64, 128, 4, 4)
+    assert fused_ops.gemv_split(2048, 2048, 16, False) == 4

@@ -343,9 +343,10 @@ class FusedDecoder:
                 # rows (15.8 against 17.4) and 64 (17.6 against 18.6); else cuBLAS. (Whole
                 # feature tiles: else fused_ops.gemv's float32 fallback.)
                 tile = fused_ops.row_tile(n)
-                down = ((n == 1 or fused_ops.gemv_split(*L.down.shape, tile, False) > 1)
-                        and L.down.shape[0] % fused_ops.gemv_config(*L.down.shape, tile,
-                                                                    False)[0] == 0)
+                down = ((n == 1 or fused_ops.gemv_split(*L.down.shape, tile, False,
+                                                        self.device) > 1)
+                        and L.down.shape[0] % fused_ops.gemv_config(
+                            *L.down.shape, tile, False, device=self.device)[0] == 0)
                 norm = rs = None
                 if n == 1:
                     x, norm = h, (L.norm_post, L.eps_post)

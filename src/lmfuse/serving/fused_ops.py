@@ -7,15 +7,15 @@ chains them into a decode step is ``fused.py``'s :class:`~lmfuse.serving.fused.F
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .. import _pdl
+from .. import _pdl, tuning
 from .._dispatch import interpreter_active
 from .._launch import cdiv, lazy_kernels, next_pow2
-from ..tuning import shared_memory
 from .fused_reference import gemv_reference, prenorm_reference, rope_append_reference
 from .sampling import merge_argmax
 
@@ -23,6 +23,7 @@ from .sampling import merge_argmax
 GEMV_MAX_ROWS = 64
 _OP = "Generator"
 _kernels = lazy_kernels("kernels", __package__)
+_CPU = torch.device("cpu")  # (the default table's values)
 
 
 # --- rotary + cache append -------------------------------------------------------------------
@@ -117,51 +118,52 @@ LM_HEAD_MIN_FEATURES = 65536
 
 
 def gemv_config(n_out: int, K: int, block_m: int, gated: bool, itemsize: int = 2,
-                 smem: int | None = None, rope: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages): the fastest CUDA-graph replays in
-    ``bench/sweep_gemv.py`` on an H100 (the decode shapes of a 2048-wide model at 16 and 64
-    rows), kept under the shared memory the pipeline's stages take. One row
-    (``block_m == 1``, no dot tile): two features a program, K in tiles of up to 2048
-    (``bench/sweep_gemv_chain.py``, H100, launches chained as in a decode step: QKV 9.9 ->
-    6.8 us, Wo 7.5 -> 5.9, gate/up 24.9 -> 24.2 against the 16-row dot tile). ``smem``:
-    the device's shared memory a program may use (the stages then fit it too). ``rope``:
-    the QKV GEMV with the rotation inside (``BLOCK_N`` features of each half of a head)."""
-    lm_head = not gated and n_out >= LM_HEAD_MIN_FEATURES
-    if block_m == 1 and not lm_head:
-        return 2, min(2048, next_pow2(K, 16)), 4, 3
-    warps, stages = 4, 3
-    limit = 200 * 1024
-    if lm_head and block_m == 1:
-        # One row (a scratch sweep of BLOCK_N 8-256, BLOCK_K 32-512, 4-16 warps, H100, V
-        # 128256, K 2048, graphs of 20: with the final norm and the argmax inside, 178.7 us
-        # at 256 x 128 and 16 warps, 182.7 at 64 x 128 and 8, against 193.3 for the
-        # RMSNorm, cuBLAS and the argmax's two launches).
-        block_n, block_k, warps = (256, 128, 16) if n_out % 256 == 0 else (64, 128, 8)
-        limit = 220 * 1024
-    elif lm_head:
-        # An LM head (bench/sweep_gemv.py --shapes lm_head, H100: the fastest of BLOCK_N 16
-        # to 128, BLOCK_K 128 to 512, 4/8 warps, 3/4/6 stages; 2.96 / 2.84 TB/s). 64 rows:
-        # 2 stages, two programs an SM (a scratch sweep with BLOCK_N 256 and 2-6 stages,
-        # 2026-11-27: 183.1 against 185.8 us at 4 stages).
-        block_n, block_k, stages = 128, (256 if block_m == 16 else 128), \
-            (3 if block_m == 16 else 2)
-        limit = 220 * 1024
-    elif gated:
-        block_n, block_k = (32 if block_m == 16 else 64), 128
-    else:
-        block_n = 16 if n_out <= 2048 else 32 if n_out <= 16384 else 64
-        block_k = 256 if block_n == 16 and block_m == 16 else 128
-        if block_m == 64:  # chained (sweep_gemv_chain, H100): QKV 9.9 -> 8.4 us, Wo 9.2 -> 7.6
-            block_k, stages = 256, 4
-        split = gemv_split(n_out, K, block_m, gated)
-        if block_m == 16 and split == 1 and n_out > 2048:  # QKV: 10.22 -> 8.26 us
-            block_k, stages = 256, 4
-        elif block_m == 16 and split > 1:  # Wo 7.71 -> 7.08 us, Wd 15.84 (cuBLAS 17.4)
-            block_n, block_k, stages = (64 if K <= 2048 else 32), 128, 4
-        elif block_m == 64 and split > 1:  # Wd 17.64 us (cuBLAS 18.63)
-            block_n, block_k, stages = 32, 256, 4
+                smem: int | None = None, rope: bool = False,
+                device: torch.device = _CPU) -> tuple[int, int, int, int]:
+    """``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` of a GEMV of ``K`` inputs to ``n_out``
+    outputs (``gated``: two matrices of that many) at row tile ``block_m``, from the
+    ``gemv`` section of ``device``'s tuning table: the first entry of its ``tiles`` whose
+    conditions hold (``kind``: "lm_head" for one matrix of at least
+    :data:`LM_HEAD_MIN_FEATURES` outputs, "gated", else "plain"; ``rows``: the row tiles;
+    ``split_k``: whether :func:`gemv_split` splits K; ``max_k``; ``features_multiple``).
+    An entry without ``block_n`` takes ``block_n_by_features``; ``cap_k`` caps ``block_k`` at
+    K's power of two; ``dot: 0`` (one row, no dot tile) has no pipeline to fit. Otherwise
+    ``rope`` (the QKV GEMV with the rotation inside) takes ``rope_block_n`` features of
+    each half of a head, and ``block_k``, then the stages, shrink until the stages' tiles
+    fit the entry's ``smem_limit`` (the section's by default) and ``smem`` (the device's
+    shared memory a program may use, less 8 KiB for the kernel's scratch).
+
+    The values are the fastest CUDA-graph replays of ``bench/sweep_gemv.py`` and, chained
+    as in a decode step, ``bench/sweep_gemv_chain.py`` on an H100 (a 2048-wide model at 1,
+    16 and 64 rows; the LM head at V 128256); BENCHMARKS.md has the figures."""
+    return _gemv_config(n_out, K, block_m, gated, itemsize, smem, rope, device,
+                        LM_HEAD_MIN_FEATURES, tuning.generation())
+
+
+def _kind(n_out: int, gated: bool, lm_head_min: int) -> str:
+    return "gated" if gated else "lm_head" if n_out >= lm_head_min else "plain"
+
+
+@functools.lru_cache(maxsize=256)
+def _gemv_config(n_out, K, block_m, gated, itemsize, smem, rope, device, lm_head_min,
+                 generation) -> tuple[int, int, int, int]:
+    t = tuning.table("gemv", device)
+    kind = _kind(n_out, gated, lm_head_min)
+    split = _gemv_split(n_out, K, block_m, gated, device, lm_head_min, generation) > 1
+    e = next(e for e in t["tiles"]
+             if kind in e["kind"] and block_m in e.get("rows", (block_m,))
+             and e.get("split_k", split) == split and K <= e.get("max_k", K)
+             and n_out % e.get("features_multiple", 1) == 0)
+    block_n = e.get("block_n") or next(b for limit, b in t["block_n_by_features"]
+                                       if n_out <= limit)
+    block_k, warps, stages = e["block_k"], e["warps"], e["stages"]
+    if e.get("cap_k"):
+        block_k = min(block_k, next_pow2(K, 16))
+    if not e.get("dot", 1):
+        return block_n, block_k, warps, stages
     if rope:
-        block_n = 16
+        block_n = t["rope_block_n"]
+    limit = e.get("smem_limit", t["smem_limit"])
     if smem is not None:
         limit = min(limit, smem - 8 * 1024)  # room for the kernel's own scratch
     tiles = 2 if gated or rope else 1
@@ -177,18 +179,24 @@ def row_tile(n: int) -> int:
     return 1 if n == 1 else 16 if n <= 16 else 32 if n <= 32 else 64
 
 
-def gemv_split(n_out: int, K: int, block_m: int, gated: bool) -> int:
-    """How many programs share a tile's K range (``gemv_kernel``'s SPLIT_K), where it was
-    measured to pay (``bench/sweep_gemv_chain.py --dot --split 1,2,4,8``, H100, 8 launches
-    chained in a graph, a 2048-wide model): 16 rows, output 2048 (Wo, Wd): 4; 64 rows, the
-    long K of Wd (8192): 2; else 1."""
-    if gated:
-        return 1
-    if block_m == 16 and n_out <= 2048:
-        return 4
-    if block_m == 64 and n_out <= 2048 and K >= 4 * n_out:
-        return 2
-    return 1
+def gemv_split(n_out: int, K: int, block_m: int, gated: bool,
+               device: torch.device = _CPU) -> int:
+    """How many programs share a tile's K range (``gemv_kernel``'s SPLIT_K): the first
+    entry of the ``gemv`` section's ``split_k`` whose ``kind``, ``rows``, ``max_features``
+    and ``min_k_per_feature`` hold, else 1. Where it was measured to pay
+    (``bench/sweep_gemv_chain.py --dot --split 1,2,4,8``, H100, 8 launches chained in a
+    graph, a 2048-wide model): 16 rows, output 2048 (Wo, Wd): 4; 64 rows, the long K of Wd
+    (8192): 2."""
+    return _gemv_split(n_out, K, block_m, gated, device, LM_HEAD_MIN_FEATURES,
+                       tuning.generation())
+
+
+@functools.lru_cache(maxsize=256)
+def _gemv_split(n_out, K, block_m, gated, device, lm_head_min, generation) -> int:
+    kind = _kind(n_out, gated, lm_head_min)
+    return next((e["split"] for e in tuning.table("gemv", device)["split_k"]
+                 if kind in e["kind"] and block_m in e["rows"] and n_out <= e["max_features"]
+                 and K >= e.get("min_k_per_feature", 0) * n_out), 1)
 
 
 # (device, workspace elements, tiles) -> (float32 partials, int32 counts): kept for the
@@ -278,7 +286,8 @@ def gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None,
     n_out = ns[0] if gated else sum(ns)
     block_m = row_tile(n)
     block_n, block_k, warps, stages = gemv_config(n_out, K, block_m, gated, x.element_size(),
-                                                   shared_memory(x.device))
+                                                  tuning.shared_memory(x.device),
+                                                  device=x.device)
     if argmax and (len(weights) != 1 or residual is not None or gated):
         raise ValueError(f"{_OP}: the GEMV's argmax takes one matrix, no residual, not gated")
     if block_m == 1 and block_n < 64 and _interpreter_tiles():
@@ -305,7 +314,7 @@ def gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None,
     b = b + [w[0]] * (3 - len(b))
     if argmax and split_k is not None and split_k > 1:
         raise ValueError(f"{_OP}: the GEMV's argmax does not split K (split_k={split_k})")
-    split = (1 if norm is not None or argmax else gemv_split(n_out, K, block_m, gated)
+    split = (1 if norm is not None or argmax else gemv_split(n_out, K, block_m, gated, x.device)
              if split_k is None else split_k)
     k_split = cdiv(cdiv(K, split), block_k) * block_k
     split = cdiv(K, k_split)  # no empty split
@@ -366,7 +375,8 @@ def _gemv_rope(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any,
     n_out = sum(ns)
     block_m = row_tile(n)
     block_n, block_k, warps, stages = gemv_config(n_out, K, block_m, False, x.element_size(),
-                                                   shared_memory(x.device), rope=True)
+                                                  tuning.shared_memory(x.device), rope=True,
+                                                  device=x.device)
     if not rope_gemv_takes(n, r.d) or (r.d // 2) % block_n:
         qkv = gemv_reference(x.float(), weights, biases,  # float32, as the kernel's
                              row_scale=None if row_scale is None else row_scale.scale())

@@ -73,8 +73,10 @@ def overlay(family: str, values: dict[str, Any]):
     """Lay ``values`` over ``family``'s section (every device's) while the block runs: the
     ops read them through their own lookups, so the sweeps time candidate values on the
     code path users run. Overlays nest; the section is as before once the block ends."""
+    global _GENERATION
     before = _OVERLAYS.get(family)
     _OVERLAYS[family] = {**(before or {}), **values}
+    _GENERATION += 1
     try:
         yield
     finally:
@@ -82,6 +84,7 @@ def overlay(family: str, values: dict[str, Any]):
             del _OVERLAYS[family]
         else:
             _OVERLAYS[family] = before
+        _GENERATION += 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -226,8 +229,9 @@ _GENERATION = 0  # how many times the user cache was read
 
 
 def generation() -> int:
-    """A number that changes whenever the user cache is read again (:func:`reload`): what
-    a cache of configs derived from :func:`bucket_config` is keyed on."""
+    """A number that changes whenever the user cache is read again (:func:`reload`) and
+    when an :func:`overlay` begins or ends: what a cache of configs derived from the
+    tables is keyed on."""
     return _GENERATION
 
 
