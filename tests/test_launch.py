@@ -247,3 +247,11 @@ def test_switched_off_after_wrapping_launches_through_triton(fast) -> None:
     assert len(jit.slow) == 2 and first.calls == []
     f[(1,)](x, y, 40, 0.5, True)
     assert len(jit.slow) == 2 and len(first.calls) == 1
+
+
+def test_dtype_names_one_map() -> None:
+    from lmfuse._launch import DTYPE_NAMES, dtype_named
+
+    assert dtype_named(" BF16 ") is torch.bfloat16 and dtype_named("torch.float16") is torch.float16
+    assert dtype_named("fp8") is torch.float8_e4m3fn and dtype_named("int8") is None
+    assert all(dtype_named(name) is dtype for name, dtype in DTYPE_NAMES.items())

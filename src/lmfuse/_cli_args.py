@@ -11,9 +11,10 @@ import math
 from pathlib import Path
 from typing import Callable, NoReturn, Optional
 
-import torch
+from ._launch import DTYPE_NAMES
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+#: The model dtypes the command lines take, by their short names.
+DTYPES = {name: DTYPE_NAMES[name] for name in ("fp32", "fp16", "bf16")}
 
 
 class ArgumentParser(argparse.ArgumentParser):

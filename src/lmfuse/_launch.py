@@ -23,7 +23,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 __all__ = ["FLOAT_DTYPES", "KERNEL_DTYPES", "INDEX_DTYPES", "FP8_DTYPES", "cdiv", "next_pow2",
-           "is_pow2", "dtype_name", "lazy_kernels", "kernel_op", "to_e4m3", "fp8_capable"]
+           "is_pow2", "dtype_name", "DTYPE_NAMES", "dtype_named", "lazy_kernels", "kernel_op",
+           "to_e4m3", "fp8_capable"]
 
 #: The floating dtypes the ops take (``check_tensor``'s default).
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -48,6 +49,25 @@ def next_pow2(n: int, minimum: int = 1) -> int:
 def is_pow2(v: Any) -> bool:
     """True for a positive ``int`` (not a bool) that is a power of two."""
     return isinstance(v, int) and not isinstance(v, bool) and v > 0 and v & (v - 1) == 0
+
+
+#: The names a dtype may be given by (command lines, the planner, the Generator's
+#: ``kv_dtype``), lower case; ``"fp8"`` is ``float8_e4m3fn``. Each user takes the subset it
+#: accepts.
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp8": torch.float8_e4m3fn, "e4m3": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "e5m2": torch.float8_e5m2, "fp8_e5m2": torch.float8_e5m2, "float8_e5m2": torch.float8_e5m2,
+}
+
+
+def dtype_named(text: str) -> torch.dtype | None:
+    """The dtype :data:`DTYPE_NAMES` gives ``text`` (any case, ``"torch."`` allowed), or
+    None."""
+    return DTYPE_NAMES.get(text.strip().lower().removeprefix("torch."))
 
 
 def dtype_name(dtype: torch.dtype) -> str:

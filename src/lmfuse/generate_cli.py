@@ -33,14 +33,14 @@ from typing import Any
 
 import torch
 
-from lmfuse._cli_args import int_range, number_range
+from lmfuse._cli_args import DTYPES, int_range, number_range
 
 PROG = "lmfuse generate"
 #: ``lmfuse generate --help``'s description: this docstring as plain text.
 DESCRIPTION = (__doc__.replace(":class:`lmfuse.serving.Generator`", "lmfuse.serving.Generator")
                .replace("``", ""))
-DTYPE_CHOICES = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16,
-                 "fp32": torch.float32}
+DTYPE_CHOICES = {"auto": "auto", "bf16": DTYPES["bf16"], "fp16": DTYPES["fp16"],
+                 "fp32": DTYPES["fp32"]}
 KV_DTYPE_CHOICES = ("auto", "fp8", "bf16", "fp16", "fp32")
 BLOCK_LEN = 16  # the Generator's default
 CPU_MAX_BLOCKS = 4096  # the Generator's default pool on the CPU

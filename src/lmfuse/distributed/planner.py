@@ -71,20 +71,12 @@ from typing import Any
 import torch
 
 from .._dispatch import check_int, check_number
-from .._launch import dtype_name
+from .._launch import DTYPE_NAMES, dtype_name, dtype_named
 
 OP = "plan_sharding"
 MAX_ACTIVE = 8  # decode_attention's s_active range is 1..8
 LSE_BYTES = 4  # partial outputs and log-sum-exps are merged in float32
 
-_DTYPE_NAMES: dict[str, torch.dtype] = {
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp8": torch.float8_e4m3fn, "e4m3": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "e5m2": torch.float8_e5m2, "fp8_e5m2": torch.float8_e5m2, "float8_e5m2": torch.float8_e5m2,
-}
 _SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
           torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
@@ -210,11 +202,11 @@ def resolve_dtype(dtype: Any, name: str = "dtype") -> torch.dtype:
     """A floating torch dtype, or one of its names (``"bf16"``, ``"fp8"``, ``"float16"``,
     ``"torch.bfloat16"``, ...; ``"fp8"`` is ``float8_e4m3fn``)."""
     if isinstance(dtype, str):
-        key = dtype.strip().lower().removeprefix("torch.")
-        if key not in _DTYPE_NAMES:
+        named = dtype_named(dtype)
+        if named is None:
             raise ValueError(f"{OP}: unknown {name} {dtype!r}; choose a torch floating dtype "
-                             f"or one of {', '.join(_DTYPE_NAMES)}")
-        return _DTYPE_NAMES[key]
+                             f"or one of {', '.join(DTYPE_NAMES)}")
+        return named
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"{OP}: {name} must be a torch.dtype or a string such as 'bf16', "
                         f"got {type(dtype).__name__} {dtype!r}")

@@ -12,7 +12,7 @@ import torch
 
 from .._collectives import group_size
 from .._dispatch import IMPLS, check_choice, check_int, check_number
-from .._launch import KERNEL_DTYPES
+from .._launch import DTYPE_NAMES, KERNEL_DTYPES, dtype_named
 from ..attention.kv_cache import KVCacheFullError, PagedKVCache
 from .attention import ATTENTION_NAME, paged_attention
 from .request import OP, Request, SamplingParams, Status
@@ -24,10 +24,8 @@ from .scheduler import Scheduler
 #: ``config.model_type`` values the Generator takes.
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma",
                                           "gemma2", "gemma3_text", "gpt_oss")
-_KV_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-              "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32,
-              "fp8": torch.float8_e4m3fn, "e4m3": torch.float8_e4m3fn,
-              "float8_e4m3fn": torch.float8_e4m3fn}
+#: The KV cache dtypes the Generator takes (by any of their names in ``DTYPE_NAMES``).
+_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 #: ``decode_path`` values: fused decode layers where the family has them, else the
 #: model's forward ("auto"); always the fused layers (an error where they cannot run); the
 #: model's own forward ("model").
@@ -540,12 +538,13 @@ def _kv_dtype(kv_dtype: Any, model_dtype: torch.dtype) -> torch.dtype:
     if kv_dtype is None:
         return model_dtype if model_dtype in KERNEL_DTYPES else torch.float32
     if isinstance(kv_dtype, str):
-        key = kv_dtype.strip().lower().removeprefix("torch.")
-        if key not in _KV_DTYPES:
-            raise ValueError(f"{OP}: kv_dtype must be one of {sorted(_KV_DTYPES)} or a torch "
-                             f"dtype, got {kv_dtype!r}")
-        return _KV_DTYPES[key]
-    if kv_dtype not in set(_KV_DTYPES.values()):
+        named = dtype_named(kv_dtype)
+        if named not in _KV_DTYPES:
+            names = sorted(n for n, d in DTYPE_NAMES.items() if d in _KV_DTYPES)
+            raise ValueError(f"{OP}: kv_dtype must be one of {names} or a torch dtype, got "
+                             f"{kv_dtype!r}")
+        return named
+    if kv_dtype not in _KV_DTYPES:
         raise TypeError(f"{OP}: kv_dtype must be float32, float16, bfloat16 or "
                         f"float8_e4m3fn, got {kv_dtype!r}")
     return kv_dtype
