@@ -181,3 +181,17 @@ def test_a_plan_carries_the_call_its_op_runs(op: str, impl: str) -> None:
         setattr(plan.call, name, None)
     if op == "fused_softmax":
         assert (plan.call.scale, plan.call.right) == (0.5, 0)
+
+
+@pytest.mark.parametrize("name", sorted(registered_ops()))
+def test_every_planner_binds_its_ops_signature(name: str) -> None:
+    """Each op's planner takes the op's own arguments (``planner_of``): an unknown keyword
+    is a TypeError naming the op, before anything is checked or resolved."""
+    import inspect
+
+    op = getattr(lmfuse, name, None) or getattr(lmfuse.megatron, name, None)
+    assert op is not None, name
+    required = [p for p in inspect.signature(op).parameters.values()
+                if p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD]
+    with pytest.raises(TypeError, match=rf"^{name}: .*'no_such_argument'"):
+        lmfuse.explain(op, *[None] * len(required), no_such_argument=1)

@@ -20,7 +20,7 @@ import torch
 
 from .. import _pdl, tuning
 from .._dispatch import (Plan, ResolvedCall, check_int, check_number, check_same_device,
-                         check_tensor, interpreter_active, native_cpu, register_planner,
+                         check_tensor, interpreter_active, native_cpu, planner_of,
                          select_impl, value_checks)
 from .._launch import (FP8_DTYPES, INDEX_DTYPES, KERNEL_DTYPES, cdiv, dtype_name, kernel_op,
                        lazy_kernels, next_pow2)
@@ -1070,13 +1070,13 @@ def plan_decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=Non
     return Plan("decode_attention", s.path, s.reason, details, call=s)
 
 
-@register_planner("decode_attention")
-def _explain_decode_attention(*args: Any, **kwargs: Any) -> Plan:
-    return plan_decode_attention(*args, **kwargs, check_values=True)
+@planner_of(decode_attention)
+def _explain_decode_attention(**a: Any) -> Plan:
+    return plan_decode_attention(**a, check_values=True)
 
 
-@register_planner("merge_attention_states")
-def plan_merge_attention_states(outs, lses, *, impl="auto") -> Plan:
+@planner_of(merge_attention_states)
+def plan_merge_attention_states(outs, lses, out_dtype, impl) -> Plan:
     path, reason = _resolve_merge(outs, lses, impl)
     return Plan("merge_attention_states", path, reason,
                 {"states": f"{outs.shape[0]} partial(s) of {list(outs.shape[1:])} "
