@@ -1,9 +1,9 @@
 """One call of every family timed on two source trees, run as two processes
 (``PYTHONPATH=<tree>/src``), alternated ``--rounds`` times so drift hits both: what a change
-costs (written for the NaN/inf semantics; also the before/after of a refactor)::
+costs (the NaN/inf semantics' cost, a refactor's "no op slower")::
 
-    git archive 7b9ea77 src | tar -x -C before    # the tree before the NaN changes
-    python bench/nan_overhead.py --tree before=before/src --tree after=src --json nan.json
+    git archive 7b9ea77 src | tar -x -C before    # the tree before the change
+    python bench/before_after.py --tree before=before/src --tree after=src --json ba.json
 
 (``--cases softmax`` times the softmax cases alone; with more than two ``--tree`` options
 every tree's times are printed, with no ratio.)
