@@ -3,8 +3,9 @@ process group's timeout, and nothing hangs (``tests/gpu/faults_nccl.py``'s scena
 the CPU).
 
 The scenarios and their machinery are ``tests/gpu/faults_nccl.py``'s (run there on NCCL):
-each scenario starts fresh rank processes (subprocesses with torchrun's environment, the
-Triton interpreter on, one OpenMP thread), with a 5 s process-group timeout; a step of
+each scenario starts fresh rank processes (here forked from ``spawn``'s fork server, its
+modules preloaded, with torchrun's environment, the Triton interpreter on, one thread;
+on the GPU new interpreters), with a 5 s process-group timeout; a step of
 ``kvdp_decode_attention``, ``cp_decode_attention`` and vocabulary-parallel
 ``cross_entropy`` forward and backward, in which one rank raises (at a given collective
 of an op, between two ops, or in the backward); every rank reports what it raised and
@@ -27,6 +28,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import spawn
 
 TIMEOUT = 5.0  # the ranks' process-group timeout, seconds
 MARGIN = 5.0  # how much later than that a healthy rank may raise (CPU contention)
@@ -46,6 +48,9 @@ def _load_faults() -> ModuleType:
 
 
 faults = _load_faults()
+# The ranks fork from spawn_gloo's fork server (torch, transformers and lmfuse imported once)
+# instead of starting interpreters that import them each: seconds of CPU a rank.
+faults.LAUNCH = spawn.fork_main
 
 
 def _args(jobs: int) -> argparse.Namespace:

@@ -564,6 +564,12 @@ def _log_tail(path: Path, chars: int = 1500) -> str:
     return ""
 
 
+#: ``LAUNCH(main, argv, env, log_path)`` -> a ``Popen``-like process running ``main(argv)``
+#: in place of a new interpreter running this script (None: ``subprocess.Popen``). The CPU
+#: tests set it to fork the ranks from their preloaded fork server.
+LAUNCH: Any = None
+
+
 def run_scenario(scn: Scenario, world: int, args: argparse.Namespace,
                  ports: set[int]) -> dict[str, Any]:
     """Starts the ranks of one scenario, waits for them (killing any still alive at the
@@ -576,13 +582,17 @@ def run_scenario(scn: Scenario, world: int, args: argparse.Namespace,
            "--grace", str(args.grace), "--startup", str(args.startup),
            "--dump-stacks", str(args.dump_stacks), "--cleanup", args.cleanup]
     cmd += [flag for flag, on in (("--cold", args.cold), ("--async-wait", args.async_wait)) if on]
-    procs: list[subprocess.Popen] = []
+    procs: list[Any] = []
     killed: set[int] = set()
     ended: dict[int, float] = {}
     began = time.time()
     deadline = began + args.startup
     try:
         for r in range(world):
+            if LAUNCH is not None:
+                procs.append(LAUNCH(main, cmd[2:], rank_env(r, world, port, args),
+                                    str(tmp / f"rank{r}.log")))
+                continue
             with open(tmp / f"rank{r}.log", "wb") as log:
                 procs.append(subprocess.Popen(cmd, env=rank_env(r, world, port, args),
                                               stdout=log, stderr=subprocess.STDOUT,
