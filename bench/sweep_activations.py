@@ -6,10 +6,11 @@ tuning/*.json's ``activations`` section).
 For bias-SwiGLU and bias-GEGLU on bf16 ``x [16384, 2 * 14336]`` it times the forward under
 each forward candidate (``fwd_tile`` elements per program, ``fwd_max_block_n`` columns at
 most, ``fwd_warps``) and forward+backward under each backward candidate (``bwd_tile``,
-``bwd_max_block_n``, ``bwd_warps``, ``bwd_programs_per_sm``) with the table's forward, by
-patching ``lmfuse.tuning.table`` as a JSON file would. Each candidate's output and x's
-gradient must equal the table's bitwise (the configs only re-tile elementwise math); the
-bias gradient, whose float32 partials follow the row grouping, within 1e-2 (bf16).
+``bwd_max_block_n``, ``bwd_warps``, ``bwd_programs_per_sm``) with the table's forward,
+each laid over the table (``lmfuse.tuning.overlay``) as a JSON file would. Each candidate's
+output and x's gradient must equal the table's bitwise (the configs only re-tile elementwise
+math); the bias gradient, whose float32 partials follow the row grouping, within 1e-2
+(bf16).
 """
 
 from __future__ import annotations
@@ -40,38 +41,32 @@ def main(argv: list[str] | None = None) -> int:
         print("sweep_activations: needs a CUDA device", file=sys.stderr)
         return 2
     base = tuning.table("activations", torch.device("cuda"))
-    real = tuning.table
-    current = dict(base)
-    tuning.table = lambda family, device: current if family == "activations" else real(
-        family, device)
     M, f = 16384, 14336
     x = torch.randn(M, 2 * f, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     b = torch.randn(2 * f, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(M, f, device="cuda", dtype=torch.bfloat16)
     out = {"device": torch.cuda.get_device_name(), "base": base, "fwd": [], "bwd": []}
     for name, fn in (("swiglu", lmfuse.swiglu), ("geglu", lmfuse.geglu)):
-        current.clear()
-        current.update(base)
         with torch.no_grad():
             ref = fn(x, b)
         for tile, max_n, warps in FWD:
-            current.update(fwd_tile=tile, fwd_max_block_n=max_n, fwd_warps=warps)
-            with torch.no_grad():
+            with tuning.overlay("activations", dict(fwd_tile=tile, fwd_max_block_n=max_n,
+                                                    fwd_warps=warps)), torch.no_grad():
                 ok = torch.equal(fn(x, b), ref)
                 ms = do_bench(lambda: fn(x, b), warmup=25, rep=100, return_mode="median")
             out["fwd"].append(dict(op=name, tile=tile, max_n=max_n, warps=warps, ms=ms, ok=ok))
             print(f"{name} fwd tile={tile} max_n={max_n} warps={warps}: {ms:.4f} ms"
                   f"{'' if ok else ' WRONG'}", flush=True)
-        current.update({k: base[k] for k in ("fwd_tile", "fwd_max_block_n", "fwd_warps")})
         rx, rb = torch.autograd.grad(fn(x, b), (x, b), g)
         for tile, max_n, warps, per_sm in BWD:
-            current.update(bwd_tile=tile, bwd_max_block_n=max_n, bwd_warps=warps,
-                           bwd_programs_per_sm=per_sm)
-            dx, db = torch.autograd.grad(fn(x, b), (x, b), g)
-            ok = torch.equal(dx, rx) and torch.allclose(db.float(), rb.float(), rtol=1e-2,
-                                                        atol=1e-2)
-            ms = do_bench(lambda: torch.autograd.grad(fn(x, b), (x, b), g), warmup=25,
-                          rep=100, return_mode="median")
+            with tuning.overlay("activations", dict(bwd_tile=tile, bwd_max_block_n=max_n,
+                                                    bwd_warps=warps,
+                                                    bwd_programs_per_sm=per_sm)):
+                dx, db = torch.autograd.grad(fn(x, b), (x, b), g)
+                ok = torch.equal(dx, rx) and torch.allclose(db.float(), rb.float(), rtol=1e-2,
+                                                            atol=1e-2)
+                ms = do_bench(lambda: torch.autograd.grad(fn(x, b), (x, b), g), warmup=25,
+                              rep=100, return_mode="median")
             out["bwd"].append(dict(op=name, tile=tile, max_n=max_n, warps=warps,
                                    per_sm=per_sm, ms=ms, ok=ok))
             print(f"{name} fwd+bwd tile={tile} max_n={max_n} warps={warps} per_sm={per_sm}: "
