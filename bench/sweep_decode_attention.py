@@ -7,8 +7,8 @@ Cases: bf16 shapes where lmfuse is closest to SDPA (B64 S4096, B1 S131072, B16 S
 D = 64, 128 and 256), the fp8 cache at B16 S8192 and B64 S4096 (D 64 and 128, and paged),
 and paged caches (block_len 16) of the first three (``--cases`` picks some by name). Each
 candidate (key tile ``block_n``, ``num_warps``, ``num_stages``, ``programs_per_sm`` for
-the split count, and for fp8 caches ``widen_v_first``) is set by patching
-``lmfuse.tuning.table`` as a JSON file would, in every section the case's lookup applies,
+the split count, and for fp8 caches ``widen_v_first``) is laid over the table by
+``lmfuse.tuning.overlay`` as a JSON file would, in every section the case's lookup applies,
 and timed as the replay of a CUDA graph holding the call (GPU time, no launch overhead, as
 ``lmfuse bench decode_attention --graphs``). Every candidate's output must match the table
 config's within 2e-2 (bf16).
@@ -92,10 +92,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dev = torch.device("cuda")
     base = tuning.table("decode_attention", dev)
-    real = tuning.table
-    current: dict = dict(base)
-    tuning.table = lambda family, device: (dict(current) if family == "decode_attention"
-                                           else real(family, device))
     out = {"device": torch.cuda.get_device_name(), "base": base, "cases": []}
     for name, B, Hq, Hkv, S, D, fp8, block_len in CASES:
         if wanted and not any(w[1:] == name if w.startswith("=") else w in name
@@ -121,7 +117,6 @@ def main(argv: list[str] | None = None) -> int:
             sdpa_k, sdpa_v = k, v
             k, v, table = to_paged(k, v, lengths, block_len)
             kw["block_table"] = table
-        current = dict(base)
         want = lmfuse.decode_attention(q, k, v, lens, **kw)
         row = {"case": name, "bytes": nbytes, "configs": []}
         if not fp8 and s_act == 1:
@@ -150,15 +145,17 @@ def main(argv: list[str] | None = None) -> int:
             cand = dict(block_n_by_head_dim=[[1048576, bn]], num_warps=w, num_stages=st,
                         programs_per_sm=pp, few_programs={}, many_programs=None,
                         short_context=None, widen_v_first=wv)
-            current = dict(base, **cand)
+            values = dict(cand)
             for section in sections:
-                current[section] = dict(current.get(section, {}), **cand)
+                values[section] = dict(base.get(section, {}), **cand)
             try:
-                got = lmfuse.decode_attention(q, k, v, lens, **kw)
-                err = float((got.float() - want.float()).abs().max()
-                            / want.float().abs().max())
-                ms = do_bench(as_graph(lambda: lmfuse.decode_attention(q, k, v, lens, **kw)),
-                              warmup=25, rep=100, return_mode="median")
+                with tuning.overlay("decode_attention", values):
+                    got = lmfuse.decode_attention(q, k, v, lens, **kw)
+                    err = float((got.float() - want.float()).abs().max()
+                                / want.float().abs().max())
+                    ms = do_bench(as_graph(lambda: lmfuse.decode_attention(q, k, v, lens,
+                                                                           **kw)),
+                                  warmup=25, rep=100, return_mode="median")
                 note = "" if err < 2e-2 else f"MISMATCH {err:.2e}"
             except Exception as exc:  # a config that cannot launch is a row, not a crash
                 ms, err, note = None, None, f"failed: {type(exc).__name__}: {exc}"[:120]
