@@ -17,7 +17,7 @@ the top k of random router logits):
              copy of the selected experts' bytes; target: copy ms / ms >= 0.8
 
 A candidate is a set of values for the table keys ``ops._config`` reads, laid over the
-device's section by patching ``lmfuse.tuning.table``. The forward and the backward each read
+device's section with ``lmfuse.tuning.overlay``. The forward and the backward each read
 the table when they launch, so each phase runs the values set for it. Every candidate's
 output and gradients are compared with the table's (tiles change the accumulation order
 only: ``rel`` = ||a - b|| / ||b||, the largest over the tensors, <= 1e-2 in bf16, else
@@ -56,6 +56,7 @@ the training shapes of time / that shape's best, else over the decode T). Withou
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -123,54 +124,31 @@ class Grid:
 
 
 class Table:
-    """``lmfuse.tuning.table(FAMILY, ...)`` patched to return the base section with the
-    current candidate's values laid over it; ``ops._config`` reads it at every launch."""
+    """The current candidate's values laid over the device's ``moe_experts`` section
+    (``lmfuse.tuning.overlay``, replaced at each :meth:`set`); ``ops._config`` reads it at
+    every launch."""
 
     def __init__(self, device: torch.device):
-        self.device, self.real, self.real_config = device, tuning.table, ops._config
-        self.base = dict(self.real(FAMILY, device))
-        self.current = dict(self.base)
-        self.reads = self._keys_read()
-        tuning.table = self._lookup
-        # A cache in front of _config (should one be added) would hide the patch.
-        ops._config = getattr(ops._config, "__wrapped__", ops._config)
-
-    def _lookup(self, family: str, device: torch.device) -> dict:
-        return dict(self.current) if family == FAMILY else self.real(family, device)
+        self.device = device
+        self.base = dict(tuning.table(FAMILY, device))
+        # The section's keys _config reads (MoELaunch's fields), in the table's order.
+        fields = {f.name for f in dataclasses.fields(ops.MoELaunch)}
+        self.reads = [k for k in self.base if k in fields]
+        self._overlay = contextlib.ExitStack()
 
     def set(self, values: dict) -> None:
-        self.current = {**self.base, **values}
+        self._overlay.close()
+        self._overlay = contextlib.ExitStack()
+        self._overlay.enter_context(tuning.overlay(FAMILY, values))
 
     def restore(self) -> None:
-        tuning.table, ops._config = self.real, self.real_config
+        self._overlay.close()
 
     def launch(self, values: dict, rows: int, H: int, F: int) -> dict:
         """What ``ops._config`` resolves ``values`` to for ``rows = T k`` (block sizes
         capped by the problem): two candidates with one launch are timed once."""
         self.set(values)
-        try:
-            return dataclasses.asdict(ops._config(self.device, rows, H, F))
-        except TypeError:  # _config's signature changed: the values themselves
-            return {**self.base, **values}
-
-    def _keys_read(self) -> list[str]:
-        """The section's keys ``ops._config`` reads, in the table's order."""
-        seen: list[str] = []
-
-        class Recording(dict):
-            def __getitem__(self, key):
-                seen.append(key)
-                return dict.__getitem__(self, key)
-
-        tuning.table = lambda family, device: (Recording(self.base) if family == FAMILY
-                                               else self.real(family, device))
-        try:
-            getattr(ops._config, "__wrapped__", ops._config)(self.device, 4096, 1024, 1024)
-        except Exception:  # noqa: BLE001 - a changed _config: every key of the section
-            seen = list(self.base)
-        finally:
-            tuning.table = self.real
-        return [k for k in self.base if k in seen]
+        return dataclasses.asdict(ops._config(self.device, rows, H, F))
 
 
 # --- inputs, calls, measurements -----------------------------------------------------------
