@@ -191,8 +191,7 @@ def test_overlay_lays_values_over_a_section_while_active() -> None:
             assert tuning.table("softmax", cpu)["chunk_block"] == 512
             assert tuning.table("softmax", cpu)["chunk_warps"] == 2
         assert tuning.table("softmax", cpu)["chunk_warps"] == before["chunk_warps"]
-        assert tuning.table("cross_entropy", cpu) == {**tuning.table("cross_entropy", cpu)}
-        assert "new_key" not in tuning.table("cross_entropy", cpu)
+        assert "new_key" not in tuning.table("cross_entropy", cpu)  # other families: as before
     assert tuning.table("softmax", cpu) == before
     with pytest.raises(RuntimeError), tuning.overlay("softmax", {"chunk_block": 64}):
         raise RuntimeError("the block fails")

@@ -225,7 +225,7 @@ def _check_layout(devices: dict) -> None:
 
 
 _USER: dict[str, Any] = {}  # the user cache as read: {"path": Path, "data": dict}
-_GENERATION = 0  # how many times the user cache was read
+_GENERATION = 0  # bumped by each read of the user cache and each overlay's start and end
 
 
 def generation() -> int:
