@@ -3,7 +3,7 @@ backward, float32, 2 threads, at the demo's sizes and 10x them (medians of 21 ro
 two sides taking turns; swiglu's plain formula splits with ``chunk``, whose backward is one
 concatenation, as the demo's plain MLP does). Then the host time of a forward call on tiny
 inputs (no gradient: what each call costs beyond PyTorch's own op), and one training step of
-the demo's CPU model (``lmfuse.demo.TinyGPT``, its defaults, 1 thread) against the plain
+the demo's CPU model (``lmfuse.tiny_gpt.TinyGPT``, its defaults, 1 thread) against the plain
 model, the two taking turns::
 
     python bench/cpu_path.py [--json PATH]
@@ -97,13 +97,13 @@ def host_rows() -> list[tuple[str, list[int], Callable, Callable]]:
 def demo_step_row() -> tuple[str, list[int], Callable, Callable]:
     """One training step (loss + backward) of the demo's CPU model, fused and plain, from
     the same weights."""
-    from lmfuse import demo
+    from lmfuse.demo import DEFAULTS
+    from lmfuse.tiny_gpt import ModelConfig, TinyGPT
 
-    d = demo.DEFAULTS["cpu"]
-    cfg = demo.DemoConfig(d_model=d.d_model, n_layers=d.n_layers, n_heads=d.n_heads,
-                          ffn=d.ffn)
+    d = DEFAULTS["cpu"]
+    cfg = ModelConfig(d_model=d.d_model, n_layers=d.n_layers, n_heads=d.n_heads, ffn=d.ffn)
     tok = torch.randint(0, 256, (d.batch, d.seq_len))
-    fused, plain = demo.TinyGPT(cfg, True), demo.TinyGPT(cfg, False)
+    fused, plain = TinyGPT(cfg, True), TinyGPT(cfg, False)
     plain.load_state_dict(fused.state_dict())
     return ("demo training step", [d.batch, d.seq_len],
             lambda: fused.loss(tok, tok).backward(), lambda: plain.loss(tok, tok).backward())

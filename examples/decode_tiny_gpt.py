@@ -17,7 +17,7 @@ of each cache, merged, against attention over the whole cache.
     python examples/decode_tiny_gpt.py --checkpoint tiny_gpt.pt
     python examples/decode_tiny_gpt.py --train-steps 200 --sample   # trains first
 
-The model is lmfuse.demo's TinyGPT; its training loop and checkpoints come from
+The model is lmfuse.tiny_gpt's TinyGPT; its training loop and checkpoints come from
 train_tiny_gpt.py, which must lie beside it.
 """
 
@@ -31,7 +31,7 @@ import torch
 import train_tiny_gpt as tiny  # the training loop and checkpoints
 
 import lmfuse
-from lmfuse.demo import NORM_EPS, ROPE_THETA, TinyGPT
+from lmfuse.tiny_gpt import NORM_EPS, ROPE_THETA, TinyGPT
 
 PREFILL_CHUNK = 8  # decode attention takes 1..8 active tokens a step
 DEFAULT_PROMPTS = ("def ", "import torch\n", "    def forward(self, x",

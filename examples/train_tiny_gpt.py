@@ -10,8 +10,8 @@
                 logits are never materialised; --materialise-logits computes them and calls
                 lmfuse.cross_entropy instead. --z-loss and --label-smoothing go to either.
 
-The model is ``lmfuse.demo.TinyGPT`` (the one ``lmfuse demo`` trains; read it there), built
-from a ``lmfuse.demo.ModelConfig``. Its attention's parameters are named and laid out as
+The model is ``lmfuse.tiny_gpt.TinyGPT`` (the one ``lmfuse demo`` trains; read it there),
+built from a ``lmfuse.tiny_gpt.ModelConfig``. Its attention's parameters are named and laid out as
 lmfuse.DecodeAttentionBlock's (``input_norm_weight``, ``qkv`` with q heads then k heads then
 v heads, ``out``; no biases; rotate-half rotary embedding over the whole head, with the
 block's frequencies), so decode_tiny_gpt.py loads the trained weights into that block with a
@@ -37,7 +37,9 @@ from dataclasses import asdict
 import torch
 
 import lmfuse
-from lmfuse.demo import DTYPES, ModelConfig, TinyGPT, load_text
+from lmfuse.tiny_gpt import ModelConfig, TinyGPT, load_text
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 # AdamW on float16 weights underflows (eps, squared gradients) and turns them to NaN.
 FP16_TRAINING = ("--dtype fp16 cannot train here: float16 needs float32 master weights and "

@@ -16,7 +16,7 @@ import lmfuse
 ROOT = Path(lmfuse.__file__).parent
 FAMILIES = ("softmax", "norm", "activations", "cross_entropy", "attention", "moe")
 ABOVE_FAMILIES = ("distributed", "serving", "integrations", "megatron", "cli", "demo",
-                  "generate_cli", "bench")
+                  "generate_cli", "bench", "tiny_gpt")
 LEAVES = ("_launch.py", "_fp8.py", "_collectives.py")
 # docs/ARCHITECTURE.md's order, a rank per room: a room imports only rooms of lower rank.
 # "" is the package itself (lmfuse/__init__.py); integrations/megatron_core.py is
@@ -29,7 +29,7 @@ RANKS = {
     "distributed": 4,
     "": 5, "integrations": 5,
     "megatron": 6, "serving": 6,
-    "bench": 7,
+    "bench": 7, "tiny_gpt": 7,
     "demo": 8, "generate_cli": 8,
     "cli": 9,
     "__main__": 10,
