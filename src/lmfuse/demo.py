@@ -84,9 +84,9 @@ DEFAULTS = {
     # A few seconds of training on a 2-core CPU: every op is tiny, the step bound by Python.
     "cpu": Defaults(steps=400, d_model=64, n_layers=2, n_heads=4, ffn=192, seq_len=64,
                     batch=8, lr=1e-2, new_tokens=48, prompts=4),
-    # Sizes at which the kernels, not the launches, set the pace: the fused softmax and
-    # linear cross-entropy against 16 x [1024, 1024] score matrices a sequence and a 256-way
-    # head over 8K tokens a step (2.54x the plain model's tokens/s on an H100, BENCHMARKS.md);
+    # Sizes at which the GPU matters: the fused softmax and linear cross-entropy against
+    # 16 x [1024, 1024] score matrices a sequence and a 256-way head over 8K tokens a step
+    # (1.9-2.6x the plain model's tokens/s on an H100, the host's pace varying; BENCHMARKS.md);
     # decoding 8 prompts x 128 tokens through 8 layers, where the plain generate launches
     # every kernel of a step from Python and the Generator replays one CUDA graph a step.
     "cuda": Defaults(steps=200, d_model=1024, n_layers=8, n_heads=16, ffn=4096, seq_len=1024,
