@@ -2,7 +2,8 @@
 
 ``TRITON_INTERPRET=1`` must be in the environment before anything imports ``triton`` or
 ``lmfuse`` (Triton decides between its compiler and its CPU interpreter when a kernel is
-defined), so it is set on the very first lines, before any other import. Gloo ranks
+defined), so it is set on the very first lines, before any other import (with
+``OMP_NUM_THREADS=1``: one torch thread a test process). Gloo ranks
 spawned by ``tests/distributed/spawn.py`` get it in their environment as well. So does
 ``LMFUSE_TUNING_CACHE``, pointed at a file that does not exist, so a user cache written by
 ``lmfuse tune`` on the machine cannot change what the tests see.
@@ -18,6 +19,12 @@ import os
 
 if os.environ.get("LMFUSE_GPU_TESTS") != "1":
     os.environ["TRITON_INTERPRET"] = "1"
+    # One intra-op thread a test process (unless the caller sets another count): `make test`
+    # runs a pytest-xdist worker per core, and with torch's default of a thread per core in
+    # each, the suite's tiny ops spent their time handing work between oversubscribed
+    # threads (a third of the wall time on 2 cores). Set before torch is imported; spawned
+    # ranks inherit it.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Never read the user's own ``lmfuse tune`` cache: a path no test writes (tests that record
 # point the variable at their tmp_path).
 os.environ["LMFUSE_TUNING_CACHE"] = os.path.join(os.path.dirname(os.path.abspath(__file__)),
