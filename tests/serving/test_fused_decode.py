@@ -986,3 +986,35 @@ def test_gemv_tiles_fit_shared_memory_and_follow_an_overlay() -> None:
         assert fused_ops.gemv_split(2048, 2048, 16, False) == 1
     assert fused_ops.gemv_config(2048, 2048, 16, False) == (64, 128, 4, 4)
     assert fused_ops.gemv_split(2048, 2048, 16, False) == 4
+
+
+def test_l2_prefetch_ranges_take_wo_then_gate_and_up_alike() -> None:
+    """The one-row step's L2 prefetch asks for Wo first, then equal leading bytes of gate
+    and up, within the budget, in whole 16-byte units of contiguous, aligned tensors."""
+    from lmfuse.serving.fused_ops import prefetch_ranges
+
+    o = torch.zeros(64, 32, dtype=torch.bfloat16)  # 4096 bytes
+    gate, up = torch.zeros(128, 32, dtype=torch.bfloat16), torch.zeros(128, 32,
+                                                                        dtype=torch.bfloat16)
+
+    def sizes(budget, *ws):
+        return [(r[0].data_ptr(), r[1]) for r in prefetch_ranges(*ws, budget)]
+
+    assert sizes(10000, o, gate, up) == [(o.data_ptr(), 4096), (gate.data_ptr(), 2944),
+                                         (up.data_ptr(), 2944)]
+    assert sizes(3000, o, gate, up) == [(o.data_ptr(), 2992)]  # Wo alone, 16-byte units
+    assert sizes(1 << 30, o, gate, up) == [(o.data_ptr(), 4096), (gate.data_ptr(), 8192),
+                                           (up.data_ptr(), 8192)]  # never past a tensor
+    assert sizes(0, o, gate, up) == []
+    # A strided view or an unaligned start is left out (the bulk prefetch takes neither).
+    assert sizes(10000, o.t(), gate, up)[0] == (gate.data_ptr(), 4992)
+    odd = torch.zeros(64 * 32 + 1, dtype=torch.bfloat16)[1:].view(64, 32)
+    assert [p for p, _ in sizes(10000, odd, gate, up)] == [gate.data_ptr(), up.data_ptr()]
+
+
+def test_cpu_decoder_prefetches_nothing() -> None:
+    """No PDL (CPU, the interpreter): no L2 prefetch, no side stream."""
+    model = tiny_causal_lm("llama")
+    gen = Generator(model, block_len=4, num_blocks=16)
+    fused = gen.runner.fused
+    assert fused is not None and fused.l2_prefetch == 0 and fused._side is None

@@ -61,6 +61,14 @@ On a Hopper GPU the step's Triton kernels are launched with programmatic depende
 (``lmfuse._pdl``): each is scheduled while the one before it runs and waits for it on the
 GPU, which hides a launch and ramp per kernel (H200, 2026-11-26: a B1 step 0.69 -> 0.66 ms,
 B64 0.93 -> 0.90 ms, the same tokens). ``LMFUSE_PDL=0`` turns it off.
+
+One row, captured in a graph, with PDL: after each layer's QKV GEMV a side branch of the
+graph asks the L2 cache for the weights read next (``l2_prefetch_kernel``: ``Wo`` whole and
+the first rows of gate and up, :data:`fused_ops.L2_PREFETCH_BYTES`), fetched while the
+rotary append, the attention and its merge keep the memory bus idle (about 8 us a layer on
+an H200); the branch joins the step at its end. H200, the benchmark model's B1 step, two
+alternating rounds: 0.5123 -> 0.5013 ms. At 16 rows it gained nothing (0.629-0.637 against
+0.629-0.656 ms), so it stays at one row.
 """
 
 from __future__ import annotations
@@ -189,6 +197,11 @@ class FusedDecoder:
         # replay 1.73 ms without PDL, 1.94 with it on the attention kernels).
         fp8 = cache.k_caches[0].dtype == torch.float8_e4m3fn if cache.k_caches else False
         self.pdl_attention = 0 if fp8 else self.pdl
+        # One-row steps in a graph: the weights after the attention into L2 on a side
+        # branch (module docstring); PDL's GPUs (Hopper and later) have the bulk prefetch.
+        self.l2_prefetch = fused_ops.L2_PREFETCH_BYTES if self.pdl else 0
+        self._side = torch.cuda.Stream(self.device) if self.l2_prefetch else None
+        self._forked = False
         self.hq = int(config.num_attention_heads)
         self.hkv = cache.kv_heads
         self.d = cache.head_dim
@@ -276,6 +289,15 @@ class FusedDecoder:
         ``prefill.keep``'s rows (each prompt's last). ``out``: a contiguous ``[rows, V]``
         tensor of the logits' dtype that the LM head writes them into (a captured step's
         output in a buffer all of a runner's graphs share)."""
+        self._forked = False
+        try:
+            return self._forward(ids, table, before, after, argmax, tokens, prefill, out)
+        finally:
+            if self._forked:  # the L2 prefetch's branch joins the step
+                torch.cuda.current_stream(self.device).wait_stream(self._side)
+                self._forked = False
+
+    def _forward(self, ids, table, before, after, argmax, tokens, prefill, out) -> Any:
         n = ids.shape[0]
         kernels = self.triton and n <= fused_ops.GEMV_MAX_ROWS
         keep = None if prefill is None else prefill.keep
@@ -312,6 +334,8 @@ class FusedDecoder:
                 x = self._rms_norm(h, L.norm_in, L.eps)
                 qkv = torch.cat([F.linear(x, w, None if L.qkv_bias is None else L.qkv_bias[j])
                                  for j, w in enumerate(L.qkv)], dim=-1)
+            if kernels and n == 1 and prefill is None:
+                self._prefetch(L)
             if qkv is not None:
                 q = self._rope_append(qkv, L, i, table, before)
             # (cuBLAS's Wo after it past the GEMV's rows or with a bias: launched once it
@@ -404,6 +428,17 @@ class FusedDecoder:
             else:
                 logits = torch.addmm(self.lm_bias, x, self.lm_head.t(), out=out)
         return (logits, greedy(logits, out=tokens)) if argmax else logits
+
+    def _prefetch(self, L: _Layer) -> None:
+        """While a graph is captured: a side branch from here that asks the L2 cache for
+        ``L``'s weights after its attention (:func:`fused_ops.prefetch_ranges`)."""
+        if not (self.l2_prefetch and torch.cuda.is_current_stream_capturing()):
+            return
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side):
+            fused_ops.l2_prefetch(fused_ops.prefetch_ranges(L.o, L.gate, L.up,
+                                                            self.l2_prefetch))
+        self._forked = True
 
     def _rms_norm(self, h: torch.Tensor, w: torch.Tensor, eps: float,
                   pdl: int | None = None) -> torch.Tensor:

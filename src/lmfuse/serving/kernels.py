@@ -16,6 +16,8 @@
   queue (``runner.bus_copy``).
 * ``embed_kernel``: the step's token embeddings gathered, with the first RMSNorm's work
   (``h * g`` and the sums of squares) that ``gemv_kernel``'s PRENORM does for the others.
+* ``l2_prefetch_kernel``: asks the L2 cache for byte ranges of the weights a one-row step
+  reads next (Hopper's bulk prefetch), on a side branch of the step's graph.
 
 Float32 accumulation and math; one rounding to the output dtype.
 """
@@ -465,3 +467,29 @@ def copy_kernel(SRC, DST, numel, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < numel
     tl.store(DST + offs, tl.load(SRC + offs, mask=m), mask=m)
+
+
+@triton.jit
+def l2_prefetch_kernel(P0, N0, P1, N1, P2, N2, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Asks the L2 cache to fetch up to three byte ranges (``Pi`` byte pointers, ``Ni``
+    bytes, multiples of 16; program axis 1 picks the range) ahead of the kernels that read
+    them, each thread one bulk prefetch of up to ``CHUNK`` bytes (Hopper's
+    ``cp.async.bulk.prefetch.L2``: the copy engine fetches, no data reaches the SM, the
+    program exits at once). Sets nothing: memory is unchanged. GPU only (PTX)."""
+    r = tl.program_id(1)
+    if r == 0:
+        P = P0
+        N = N0
+    elif r == 1:
+        P = P1
+        N = N1
+    else:
+        P = P2
+        N = N2
+    offs = (tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)) * CHUNK
+    size = tl.minimum(N - offs, CHUNK)
+    size = tl.where(size > 0, size, 0).to(tl.int32)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $2, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [P + offs, size], dtype=tl.int32, is_pure=False, pack=1)
