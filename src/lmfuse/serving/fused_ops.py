@@ -422,7 +422,8 @@ def _gemv_rope(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any,
 #: (CUDA-graph replays, 2 rounds): 8 / 12 / 16 / 20 / 24 MiB against none: best at 16.
 L2_PREFETCH_BYTES = 16 << 20
 #: Bytes a thread's bulk prefetch asks for, and threads a program: 64 KiB x 32 (2 MiB a
-#: program; 16 KiB chunks, so four times the programs, gained nothing: 0.512 against 0.501 ms).
+#: program). The same bytes over 32 programs (8 threads, or 16 KiB chunks) finish sooner and
+#: gain nothing (H200, B1: 0.513-0.522 against 0.5025 ms).
 L2_PREFETCH_CHUNK = 64 << 10
 _PREFETCH_THREADS = 32
 
