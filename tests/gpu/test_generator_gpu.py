@@ -63,23 +63,22 @@ def test_greedy_tokens_with_cuda_graphs(family: str) -> None:
     assert (st["prefill_graphs"] > 0) == (gen.runner.decode_path == "fused")
 
 
-def test_one_row_steps_prefetch_into_l2_and_keep_the_tokens(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_row_steps_prefetch_into_l2_and_keep_the_tokens() -> None:
     """One row in CUDA graphs on a GPU with PDL: the step's graph runs the L2 prefetch's
     branch (its kernel in the profile, no capture failure) and the tokens are
     model.generate's, as they are with the prefetch off."""
     from torch.profiler import ProfilerActivity, profile
 
-    import lmfuse.serving.fused_ops as fused_ops
-    from lmfuse import _pdl
+    from lmfuse import _pdl, tuning
 
     if not _pdl.mode(torch.device("cuda")):
         pytest.skip("no programmatic dependent launch here (before Hopper): no L2 prefetch")
     model = tiny_causal_lm("llama").cuda()
     prompt = PROMPTS[2]
     want = [_hf(model, prompt, NEW)]
-    gen = Generator(model, block_len=4, num_blocks=256)
-    assert gen.runner.fused.l2_prefetch == fused_ops.L2_PREFETCH_BYTES > 0
+    with tuning.overlay("gemv", {"l2_prefetch_bytes": 16 << 20}):  # (on where unmeasured)
+        gen = Generator(model, block_len=4, num_blocks=256)
+    assert gen.runner.fused.l2_prefetch == 16 << 20
     gen.generate([prompt], max_new_tokens=2, eos_token_id=[])  # the graphs captured
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         got = gen.generate([prompt], max_new_tokens=NEW, eos_token_id=[])
@@ -87,8 +86,8 @@ def test_one_row_steps_prefetch_into_l2_and_keep_the_tokens(
     assert got == want
     assert gen.stats["graph_failures"] == 0
     assert any("l2_prefetch_kernel" in e.name for e in prof.events())
-    monkeypatch.setattr(fused_ops, "L2_PREFETCH_BYTES", 0)
-    plain = Generator(model, block_len=4, num_blocks=256)
+    with tuning.overlay("gemv", {"l2_prefetch_bytes": 0}):
+        plain = Generator(model, block_len=4, num_blocks=256)
     assert plain.runner.fused.l2_prefetch == 0
     assert plain.generate([prompt], max_new_tokens=NEW, eos_token_id=[]) == want
 

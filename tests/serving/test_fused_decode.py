@@ -1018,3 +1018,16 @@ def test_cpu_decoder_prefetches_nothing() -> None:
     gen = Generator(model, block_len=4, num_blocks=16)
     fused = gen.runner.fused
     assert fused is not None and fused.l2_prefetch == 0 and fused._side is None
+
+
+def test_l2_prefetch_budget_comes_from_the_gemv_table() -> None:
+    """The budget is the device table's (H200: 16 MiB, measured; elsewhere 0 until
+    measured), and an overlay moves it."""
+    from lmfuse import tuning
+    from lmfuse.serving.fused_ops import l2_prefetch_bytes
+
+    cpu = torch.device("cpu")
+    assert l2_prefetch_bytes(cpu) == 0
+    assert tuning._TABLES["h200"]["gemv"]["l2_prefetch_bytes"] == 16 << 20
+    with tuning.overlay("gemv", {"l2_prefetch_bytes": 1 << 20}):
+        assert l2_prefetch_bytes(cpu) == 1 << 20

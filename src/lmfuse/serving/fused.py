@@ -64,11 +64,12 @@ B64 0.93 -> 0.90 ms, the same tokens). ``LMFUSE_PDL=0`` turns it off.
 
 One row, captured in a graph, with PDL: after each layer's QKV GEMV a side branch of the
 graph asks the L2 cache for the weights read next (``l2_prefetch_kernel``: ``Wo`` whole and
-the first rows of gate and up, :data:`fused_ops.L2_PREFETCH_BYTES`), fetched while the
-rotary append, the attention and its merge keep the memory bus idle (about 8 us a layer on
-an H200); the branch joins the step at its end. H200, the benchmark model's B1 step, two
-alternating rounds: 0.5123 -> 0.5013 ms. At 16 rows it gained nothing (0.629-0.637 against
-0.629-0.656 ms), so it stays at one row.
+the first rows of gate and up, :func:`fused_ops.l2_prefetch_bytes`: 16 MiB on an H200, off
+on GPUs where it is not measured), fetched while the rotary append, the attention and its
+merge keep the memory bus idle (about 8 us a layer on an H200); the branch joins the step
+at its end. H200, the benchmark model's B1 step, two alternating rounds: 0.5123 -> 0.5013
+ms. At 16 rows it gained nothing (0.629-0.637 against 0.629-0.656 ms), so it stays at one
+row.
 """
 
 from __future__ import annotations
@@ -199,7 +200,7 @@ class FusedDecoder:
         self.pdl_attention = 0 if fp8 else self.pdl
         # One-row steps in a graph: the weights after the attention into L2 on a side
         # branch (module docstring); PDL's GPUs (Hopper and later) have the bulk prefetch.
-        self.l2_prefetch = fused_ops.L2_PREFETCH_BYTES if self.pdl else 0
+        self.l2_prefetch = fused_ops.l2_prefetch_bytes(self.device) if self.pdl else 0
         self._side = torch.cuda.Stream(self.device) if self.l2_prefetch else None
         self._forked = False
         self.hq = int(config.num_attention_heads)

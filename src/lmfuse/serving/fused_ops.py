@@ -417,10 +417,14 @@ def _gemv_rope(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any,
 
 # --- the weights ahead, into L2 ---------------------------------------------------------------
 
-#: Bytes a one-row decode step asks the L2 cache for in each layer's attention window
-#: (:func:`prefetch_ranges`); 0 turns the prefetch off. H200, the benchmark model's B1 step
-#: (CUDA-graph replays, 2 rounds): 8 / 12 / 16 / 20 / 24 MiB against none: best at 16.
-L2_PREFETCH_BYTES = 16 << 20
+
+def l2_prefetch_bytes(device: torch.device) -> int:
+    """Bytes a one-row decode step asks the L2 cache for in each layer's attention window
+    (:func:`prefetch_ranges`; 0: no prefetch): the ``gemv`` table's ``l2_prefetch_bytes``.
+    H200 16 MiB (the benchmark model's B1 step, two alternating rounds: 8 / 12 / 16 / 20 /
+    24 MiB against none, best at 16); elsewhere 0 until measured there."""
+    return int(tuning.table("gemv", device).get("l2_prefetch_bytes", 0))
+
 #: Bytes a thread's bulk prefetch asks for, and threads a program: 64 KiB x 32 (2 MiB a
 #: program). The same bytes over 32 programs (8 threads, or 16 KiB chunks) finish sooner and
 #: gain nothing (H200, B1: 0.513-0.522 against 0.5025 ms).
