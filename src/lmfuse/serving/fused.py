@@ -68,8 +68,8 @@ the first rows of gate and up, :func:`fused_ops.l2_prefetch_bytes`: 16 MiB on an
 on GPUs where it is not measured), fetched while the rotary append, the attention and its
 merge keep the memory bus idle (about 8 us a layer on an H200); the branch joins the step
 at its end. H200, the benchmark model's B1 step, two alternating rounds: 0.5123 -> 0.5013
-ms. At 16 rows it gained nothing (0.629-0.637 against 0.629-0.656 ms), so it stays at one
-row.
+ms. At 16 rows it gained nothing (after the QKV GEMV, 8-24 MiB: 0.629-0.656 ms against
+0.629-0.637 without), so it stays at one row.
 """
 
 from __future__ import annotations
@@ -202,7 +202,6 @@ class FusedDecoder:
         # branch (module docstring); PDL's GPUs (Hopper and later) have the bulk prefetch.
         self.l2_prefetch = fused_ops.l2_prefetch_bytes(self.device) if self.pdl else 0
         self._side = torch.cuda.Stream(self.device) if self.l2_prefetch else None
-        self._forked = False
         self.hq = int(config.num_attention_heads)
         self.hkv = cache.kv_heads
         self.d = cache.head_dim
@@ -290,15 +289,18 @@ class FusedDecoder:
         ``prefill.keep``'s rows (each prompt's last). ``out``: a contiguous ``[rows, V]``
         tensor of the logits' dtype that the LM head writes them into (a captured step's
         output in a buffer all of a runner's graphs share)."""
-        self._forked = False
+        # One row captured in a graph: the L2 prefetch's side branch (module docstring).
+        prefetch = (self._side is not None and self.triton and ids.shape[0] == 1
+                    and prefill is None and torch.cuda.is_current_stream_capturing())
         try:
-            return self._forward(ids, table, before, after, argmax, tokens, prefill, out)
+            return self._forward(ids, table, before, after, argmax, tokens, prefill, out,
+                                 prefetch)
         finally:
-            if self._forked:  # the L2 prefetch's branch joins the step
+            if prefetch:  # the branch joins the step
                 torch.cuda.current_stream(self.device).wait_stream(self._side)
-                self._forked = False
 
-    def _forward(self, ids, table, before, after, argmax, tokens, prefill, out) -> Any:
+    def _forward(self, ids, table, before, after, argmax, tokens, prefill, out,
+                 prefetch) -> Any:
         n = ids.shape[0]
         kernels = self.triton and n <= fused_ops.GEMV_MAX_ROWS
         keep = None if prefill is None else prefill.keep
@@ -335,7 +337,7 @@ class FusedDecoder:
                 x = self._rms_norm(h, L.norm_in, L.eps)
                 qkv = torch.cat([F.linear(x, w, None if L.qkv_bias is None else L.qkv_bias[j])
                                  for j, w in enumerate(L.qkv)], dim=-1)
-            if kernels and n == 1 and prefill is None:
+            if prefetch:
                 self._prefetch(L)
             if qkv is not None:
                 q = self._rope_append(qkv, L, i, table, before)
@@ -431,15 +433,12 @@ class FusedDecoder:
         return (logits, greedy(logits, out=tokens)) if argmax else logits
 
     def _prefetch(self, L: _Layer) -> None:
-        """While a graph is captured: a side branch from here that asks the L2 cache for
+        """A side branch from here (a graph being captured) that asks the L2 cache for
         ``L``'s weights after its attention (:func:`fused_ops.prefetch_ranges`)."""
-        if not (self.l2_prefetch and torch.cuda.is_current_stream_capturing()):
-            return
         self._side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._side):
             fused_ops.l2_prefetch(fused_ops.prefetch_ranges(L.o, L.gate, L.up,
                                                             self.l2_prefetch))
-        self._forked = True
 
     def _rms_norm(self, h: torch.Tensor, w: torch.Tensor, eps: float,
                   pdl: int | None = None) -> torch.Tensor:
