@@ -1453,3 +1453,34 @@ def test_default_cpu_path_is_one_sdpa_with_the_reference_results(
     assert torch.equal(got.isnan(), want.isnan())
     fin = ~want.isnan()
     assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged-block7-not-dividing", "paged4"])
+def test_row_offsets_in_32_and_64_bits_agree(layout: str) -> None:
+    """Caches whose element offsets fit in int32 are addressed in 32 bits (unsigned block
+    arithmetic), larger ones in 64 (forced here by the table); the two give the same bits;
+    a cache whose largest offset passes 2**31 (a meta tensor's strides) takes 64 bits."""
+    from lmfuse import tuning
+
+    torch.manual_seed(0)
+    B, S, Hkv, D = 2, 30, 2, 16
+    lens = torch.tensor([30, 11], dtype=torch.int32)
+    q = torch.randn(B, 1, 4, D)
+    k, v = torch.randn(B, S, Hkv, D), torch.randn(B, S, Hkv, D)
+    kw = {}
+    if layout != "contiguous":
+        block_len = 7 if "7" in layout else 4
+        (k, v), kw["block_table"] = to_paged((k, v), lens.tolist(), block_len)
+    plan = lmfuse.explain(lmfuse.decode_attention, q, k, v, lens, **kw)
+    assert plan.call.launch.rows_i32
+    got32 = lmfuse.decode_attention(q, k, v, lens, impl="triton", **kw)
+    with tuning.overlay("decode_attention", {"rows_i32": False}):
+        plan = lmfuse.explain(lmfuse.decode_attention, q, k, v, lens, **kw)
+        assert not plan.call.launch.rows_i32
+        got64 = lmfuse.decode_attention(q, k, v, lens, impl="triton", **kw)
+    assert torch.equal(got32, got64)
+    want = decode_attention_reference(q.double(), k.double(), v.double(), lens, **kw)
+    assert_close(got32, want, torch.float32, layout)
+    huge = torch.empty_strided(k.shape, (2**31 // (k.shape[0] - 1), *k.stride()[1:]),
+                               device="meta")
+    assert not ops._offsets_fit_i32(huge) and ops._offsets_fit_i32(k)

@@ -45,18 +45,34 @@ from .._pdl import pdl_start, pdl_wait
 
 @triton.jit
 def _kv_rows(TABLE, b, stride_tb, offs, valid, stride_blk, stride_row, num_blocks,
-             PAGED: tl.constexpr, BLOCK_LEN: tl.constexpr):
+             PAGED: tl.constexpr, BLOCK_LEN: tl.constexpr, ROWS_I32: tl.constexpr = 0):
     """Element offsets of keys ``offs`` of sequence ``b`` in the cache, and which may be read:
     ``valid`` and, paged, a block id in ``[0, num_blocks)`` (so a wrong table entry can never
-    make the kernel read outside the pool)."""
+    make the kernel read outside the pool). ``ROWS_I32``: every offset of the cache fits in
+    int32 (the caller checked its extent) and ``offs >= 0``: the block and the row in it
+    by unsigned division and the offsets in 32 bits, about a third of the integer
+    instructions of a paged tile's addresses (an id that fails the check may wrap; it is
+    never read)."""
     if PAGED:
-        blk = tl.load(TABLE + b.to(tl.int64) * stride_tb + offs // BLOCK_LEN, mask=valid,
-                      other=-1)
+        if ROWS_I32:
+            o = offs.to(tl.uint32)
+            idx = (o // BLOCK_LEN).to(tl.int32)
+            within = (o % BLOCK_LEN).to(tl.int32)
+        else:
+            idx = offs // BLOCK_LEN
+            within = offs % BLOCK_LEN
+        blk = tl.load(TABLE + b.to(tl.int64) * stride_tb + idx, mask=valid, other=-1)
         ok = valid & (blk >= 0) & (blk < num_blocks)
-        rows = blk.to(tl.int64) * stride_blk + (offs % BLOCK_LEN).to(tl.int64) * stride_row
+        if ROWS_I32:
+            rows = blk * stride_blk + within * stride_row
+        else:
+            rows = blk.to(tl.int64) * stride_blk + within.to(tl.int64) * stride_row
         return rows, ok
     else:
-        rows = b.to(tl.int64) * stride_blk + offs.to(tl.int64) * stride_row
+        if ROWS_I32:
+            rows = b * stride_blk + offs * stride_row
+        else:
+            rows = b.to(tl.int64) * stride_blk + offs.to(tl.int64) * stride_row
         return rows, valid
 
 
@@ -106,7 +122,7 @@ def decode_kernel(
     WRITE_LSE: tl.constexpr, DOT_F32: tl.constexpr,
     F16_DOT: tl.constexpr, IEEE: tl.constexpr, NUM_STAGES: tl.constexpr,
     WIDEN_V_FIRST: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PDL: tl.constexpr = 0,
-    EVEN_TILES: tl.constexpr = 0,
+    EVEN_TILES: tl.constexpr = 0, ROWS_I32: tl.constexpr = 0,
 ):
     pdl_wait(PDL)  # PDL: launched early in a decode step's chain (lmfuse._pdl)
     pdl_start(PDL)
@@ -176,7 +192,7 @@ def decode_kernel(
         offs = n0 + tl.arange(0, BLOCK_N)
         in_range = (offs < end) & (offs < capacity)
         kv_rows, kv_ok = _kv_rows(TABLE, b, stride_tb, offs, in_range, stride_blk,
-                                  stride_row, num_blocks, PAGED, BLOCK_LEN)
+                                  stride_row, num_blocks, PAGED, BLOCK_LEN, ROWS_I32)
         k = tl.load(k_base + kv_rows[:, None] + d[None, :],
                     mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
         k = k.to(q.dtype)

@@ -236,6 +236,7 @@ class DecodeLaunch(ResolvedCall):
     qk_scale: float  # scale * log2(e): exp2 in the kernel
     window_arg: int
     num_blocks: int  # the paged pool's blocks (0: contiguous)
+    rows_i32: bool  # every element offset of the cache fits in int32 (_offsets_fit_i32)
     num_stages: int
     merge_warps: int
     block_len: int  # a paged block's tokens (1: contiguous)
@@ -435,8 +436,16 @@ def _config(q, k_cache, B: int, s_active: int, Hq: int, Hkv: int, D: int, capaci
         qk_scale=scale * 1.4426950408889634,  # exp2 in the kernel
         window_arg=window if window is not None else 0,
         num_blocks=k_cache.shape[0] if paged else 0,
+        rows_i32=t.get("rows_i32", True) and _offsets_fit_i32(k_cache),
         num_stages=num_stages, merge_warps=t["merge_warps"],
         block_len=k_cache.shape[1] if paged else 1)
+
+
+def _offsets_fit_i32(cache: torch.Tensor) -> bool:
+    """Whether every element offset of ``cache`` (its largest: the sum of ``(size - 1) *
+    stride``) is below 2**31, so the kernel may address its rows in 32 bits. K and V share
+    their shapes and strides (checked), so K's answer is V's."""
+    return sum((n - 1) * st for n, st in zip(cache.shape, cache.stride()) if n > 0) < 2**31 - 1
 
 
 def _fit_shared_memory(block_n: int, num_stages: int, block_m: int, block_d: int,
@@ -532,7 +541,8 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_sca
         WRITE_LSE=splits > 1 or lse is not None, DOT_F32=c.DOT_F32, F16_DOT=c.F16_DOT,
         IEEE=c.IEEE, NUM_STAGES=c.num_stages, WIDEN_V_FIRST=c.WIDEN_V_FIRST,
         HAS_SOFTCAP=s.softcap is not None, num_warps=c.num_warps, PDL=pdl,
-        EVEN_TILES=splits > 1 and not c.forced_splits, **_pdl.launch_options(pdl))
+        EVEN_TILES=splits > 1 and not c.forced_splits, ROWS_I32=c.rows_i32,
+        **_pdl.launch_options(pdl))
     if splits > 1:
         cols = min(c.BLOCK_D, _MERGE_COLUMNS)
         _kernels().merge_kernel[(rows, cdiv(D, cols))](
