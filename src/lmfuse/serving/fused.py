@@ -67,9 +67,10 @@ graph asks the L2 cache for the weights read next (``l2_prefetch_kernel``: ``Wo`
 the first rows of gate and up, :func:`fused_ops.l2_prefetch_bytes`: 16 MiB on an H200, off
 on GPUs where it is not measured), fetched while the rotary append, the attention and its
 merge keep the memory bus idle (about 8 us a layer on an H200); the branch joins the step
-at its end. H200, the benchmark model's B1 step, two alternating rounds: 0.5123 -> 0.5013
-ms. At 16 rows it gained nothing (after the QKV GEMV, 8-24 MiB: 0.629-0.656 ms against
-0.629-0.637 without), so it stays at one row.
+at its end. H200, the benchmark model's B1 step, three alternating rounds: 0.5124-0.5133 ->
+0.5028-0.5042 ms; at 16 rows the same 16 MiB lost (0.650-0.674 ms against 0.634-0.645
+without; ``bench/results/h200-2026-11-28-generate-l2prefetch-ab.json``), so it stays at one
+row.
 """
 
 from __future__ import annotations

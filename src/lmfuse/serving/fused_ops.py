@@ -421,14 +421,15 @@ def _gemv_rope(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any,
 def l2_prefetch_bytes(device: torch.device) -> int:
     """Bytes a one-row decode step asks the L2 cache for in each layer's attention window
     (:func:`prefetch_ranges`; 0: no prefetch): the ``gemv`` table's ``l2_prefetch_bytes``.
-    H200 16 MiB (the benchmark model's B1 step: budgets of 8 to 24 MiB against none, best
-    at 16); elsewhere 0 until measured there."""
+    H200 16 MiB (the benchmark model's B1 step: budgets of 12 to 32 MiB against none, best
+    at 16; ``h200-2026-11-28-generate-l2prefetch-sweep.json``); elsewhere 0 until measured
+    there."""
     return int(tuning.table("gemv", device).get("l2_prefetch_bytes", 0))
 
 
 #: Bytes a thread's bulk prefetch asks for, and threads a program: 64 KiB x 32 (2 MiB a
 #: program). The same bytes over 32 programs (8 threads, or 16 KiB chunks) finish sooner and
-#: gain nothing (H200, B1: 0.513-0.522 against 0.5025 ms).
+#: gain nothing (H200, B1: 0.512-0.522 against 0.5025 ms).
 _PREFETCH_CHUNK = 64 << 10
 _PREFETCH_THREADS = 32
 
