@@ -222,6 +222,32 @@ def test_active_tokens_and_gqa(s_active: int, hq: int, hkv: int) -> None:
                     block_len=3 if s_active % 2 == 0 else None))
 
 
+@pytest.mark.parametrize("s_active, splits, fp8", [(2, None, False), (4, 3, False),
+                                                   (5, None, True)],
+                         ids=["s2", "s4-splits3", "s5-fp8"])
+def test_active_tokens_at_every_tile_boundary(s_active: int, splits: Optional[int], fp8: bool,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several active tokens over 16-key tiles: lengths on both sides of the tiles' edges
+    (and shorter than s_active) put the rows' positions, and the first key only some rows
+    see, in every place of a tile; the caches hold NaN past each length, so a key taken on
+    the wrong side of a row's position shows."""
+    from lmfuse import tuning
+
+    tiles = {"block_n_by_head_dim": [[1048576, 16]], "few_programs": {}}
+    table = dict(tuning.table("decode_attention", torch.device("cpu")), **tiles, paged=tiles,
+                 fp8=tiles, fp8_paged=tiles)
+    real = tuning.table
+    monkeypatch.setattr(tuning, "table", lambda family, device: dict(table)
+                        if family == "decode_attention" else real(family, device))
+    lens = (1, 3, 15, 16, 17, 18, 19, 20, 21, 31, 32, 33, 34, 35, 36, 37, 47, 48, 49)
+    case = Case(lens=lens, s_max=49, s_active=s_active, hq=4, hkv=1, d=16, fp8=fp8,
+                block_len=4, splits=splits)
+    inp, _, _ = check_case(case)
+    plan = lmfuse.explain(lmfuse.decode_attention, *inp.args(), **inp.kwargs(case),
+                          num_splits=splits)
+    assert plan.call.launch.BLOCK_N == 16
+
+
 @pytest.mark.parametrize("window", [0, 1, 5, 70, 500])
 @pytest.mark.parametrize("layout", ["contiguous", "paged5"])
 def test_sliding_window(window: int, layout: str) -> None:
