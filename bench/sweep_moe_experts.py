@@ -35,7 +35,8 @@ Staged, each stage with the others at the best so far:
 2. wgrad (training), rows at their best: ``wgrad_block_m/n`` {64,128}, ``wgrad_block_k``
    {32,64,128}, ``wgrad_warps`` {4,8}, ``wgrad_stages`` {3,4}, the backward ranked the same
    way; then the pick's forward+backward against the floor.
-3. decode (each T), coordinate descent: (block_m {16,32,64,128} x block_n {64,128,256}) at
+3. decode (each T), coordinate descent (the table's ``decode_tiles`` entries set aside, so
+   that the candidates' tiles run): (block_m {16,32,64,128} x block_n {32,64,128,256}) at
    block_k 64, 4 warps, 3 stages, and the training pick; then block_k {32,64,128} x stages
    {3,4,5}; then warps {2,4,8}. Values resolving to a launch already run (block sizes are
    capped by the problem: block_m by T k) are not run again.
@@ -50,7 +51,9 @@ qwen3_moe, ~40 s gptoss). ``--budget-s`` (default 270) is split between shapes (
 (rewritten after every stage) keeps every record, the table's and the best times against
 the floors, the best values per kernel group and kernel, and the suggested section (the keys
 ``_config`` reads, in the table's order; rows and wgrad at the smallest geometric mean over
-the training shapes of time / that shape's best, else over the decode T). Without CUDA
+the training shapes of time / that shape's best, else over the decode T) with each decode
+T's best as a ``decode_tiles`` entry ``[T k, block_m, block_n, block_k, warps, stages]``
+(``ops._config`` takes the first entry whose rows cover a call's). Without CUDA
 (``--quick``): 1-2 candidates at tiny float32 shapes in Triton's interpreter, a smoke test.
 """
 from __future__ import annotations
@@ -118,7 +121,7 @@ class Grid:
         self.wgrad = [dict(zip(WGRAD_KEYS, v)) for v in itertools.product(
             (128, 64), (128, 64), (64, 128, 32), (8, 4), (3, 4))]
         self.decode_tiles = [dict(block_m=m, block_n=n, block_k=64, warps=4, stages=3)
-                             for m, n in itertools.product((16, 32, 64, 128), (64, 128, 256))]
+                             for m, n in itertools.product((16, 32, 64, 128), (32, 64, 128, 256))]
         self.decode_k_stages = list(itertools.product((32, 64, 128), (3, 4, 5)))
         self.decode_warps = [2, 4, 8]
 
@@ -139,7 +142,9 @@ class Table:
     def set(self, values: dict) -> None:
         self._overlay.close()
         self._overlay = contextlib.ExitStack()
-        self._overlay.enter_context(tuning.overlay(FAMILY, values))
+        # A candidate's tiles are the section's own: the table's decode entries (which the
+        # baseline's values carry) would take a decode step's rows past them.
+        self._overlay.enter_context(tuning.overlay(FAMILY, {"decode_tiles": [], **values}))
 
     def restore(self) -> None:
         self._overlay.close()
@@ -755,7 +760,8 @@ def run_decode(cases: list[DecodeCase], grid: Grid, clock: Clock, end: float,
         out, best = results[name], case.best()
         if best is None:
             continue
-        out["best"] = dict(values=best["values"], ms=best["ms"], x_copy=best["x_copy"])
+        out["best"] = dict(values=best["values"], ms=best["ms"], x_copy=best["x_copy"],
+                           rows=case.s.T * case.s.k)
         kn = kernel_notes(case.recs, best, (("up", "down"),))
         out["per_kernel"], out["notes"] = kn["per_kernel"], kn["notes"]
         for values in extra:
@@ -859,10 +865,18 @@ def report(table: Table, shapes: dict, elapsed: float) -> dict:
         elif b:
             print(f"# {name:<12} table {v['baseline']['x_copy']:.2f}x -> best {b['x_copy']:.2f}"
                   f"x the copy rate (target >= {TARGETS['gptoss']}x): {fmt(b['values'])}")
-    print("\n# suggested for tuning/h100.json (rows, wgrad: the smallest geometric mean over "
-          "the training shapes of time / that shape's best)" + (
+    # Each decode T's best as a decode_tiles entry (T k rows and below, smallest first).
+    summary["decode_tiles"] = sorted(
+        [v["best"]["rows"], *(v["best"]["values"][k] for k in ROW_KEYS)]
+        for v in flat.values() if v.get("best", {}).get("rows"))
+    print(f"\n# suggested for tuning/{tuning.device_key(table.device)}.json (rows, wgrad: the "
+          "smallest geometric mean over the training shapes of time / that shape's best)" + (
               ":" if summary["chosen_by"] else ": nothing measured, the table as it is"))
     print(json.dumps({"moe_experts": summary["moe_experts"]}, indent=2))
+    if summary["decode_tiles"]:
+        print("# and the decode T's bests as the section's decode_tiles ([max rows, "
+              + ", ".join(ROW_KEYS) + "]):")
+        print(json.dumps({"decode_tiles": summary["decode_tiles"]}))
     return summary
 
 

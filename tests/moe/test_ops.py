@@ -485,6 +485,34 @@ def test_experts_beyond_the_large_routing_take_the_torch_ops(monkeypatch) -> Non
     assert_close(got, want, F32, "2^15 experts")
 
 
+def test_decode_tiles_take_a_few_rows_and_leave_the_rest() -> None:
+    """A ``decode_tiles`` entry ``[max_rows, block_m, block_n, block_k, warps, stages]``
+    sets the row-tiled GEMMs' launch for ``rows = T k <= max_rows`` (the first entry that
+    fits, block sizes still capped by the problem); more rows take the section's own tiles.
+    Forward and gradients equal the reference either way."""
+    from lmfuse import tuning
+    from lmfuse.moe import ops
+
+    cpu = torch.device("cpu")
+    base = ops._config(cpu, 4096, 64, 64)
+    entries = [[4, 16, 16, 32, 2, 2], [16, 32, 32, 16, 8, 3]]
+    with tuning.overlay("moe_experts", {"decode_tiles": entries}):
+        one = ops._config(cpu, 4, 64, 64)
+        assert (one.block_m, one.block_n, one.block_k, one.warps, one.stages) == (
+            16, 16, 32, 2, 2)
+        few = ops._config(cpu, 12, 64, 64)
+        assert (few.block_m, few.block_n, few.block_k, few.warps, few.stages) == (
+            16, 32, 16, 8, 3)  # block_m capped by the 12 rows
+        past = ops._config(cpu, 17, 64, 64)  # past every entry: the section's tiles
+        assert (past.block_n, past.block_k, past.warps, past.stages) == (
+            base.block_n, base.block_k, base.warps, base.stages)
+        many = ops._config(cpu, 4096, 64, 64)
+        assert many == base
+        inp = make(3, 32, 16, 4, 4)
+        check(inp, "triton", "decode tiles")
+    assert ops._config(cpu, 4, 64, 64).block_n == base.block_n  # no entries: as before
+
+
 def test_grouped_engine_gate_and_operand_layouts() -> None:
     """Off on CPU tensors (the fused kernels or the torch path run there); the layouts
     torch._grouped_mm reads in place: row- or column-major inner dims at 16-byte multiples,
