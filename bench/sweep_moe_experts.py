@@ -868,7 +868,7 @@ def report(table: Table, shapes: dict, elapsed: float) -> dict:
     # Each decode T's best as a decode_tiles entry (T k rows and below, smallest first).
     summary["decode_tiles"] = sorted(
         [v["best"]["rows"], *(v["best"]["values"][k] for k in ROW_KEYS)]
-        for v in flat.values() if v.get("best", {}).get("rows"))
+        for v in flat.values() if (v.get("best") or {}).get("rows"))
     print(f"\n# suggested for tuning/{tuning.device_key(table.device)}.json (rows, wgrad: the "
           "smallest geometric mean over the training shapes of time / that shape's best)" + (
               ":" if summary["chosen_by"] else ": nothing measured, the table as it is"))
