@@ -510,6 +510,10 @@ def test_decode_tiles_take_a_few_rows_and_leave_the_rest() -> None:
         assert many == base
         inp = make(3, 32, 16, 4, 4)
         check(inp, "triton", "decode tiles")
+        plan = lmfuse.explain(lmfuse.moe_experts, inp["hidden"], inp["expert_ids"],
+                              inp["router_weights"], inp["w_gate_up"], inp["w_down"],
+                              impl="triton")
+        assert "decode_tiles entry for <= 16 rows" in plan.details["tiles"], plan.details
     assert ops._config(cpu, 4, 64, 64).block_n == base.block_n  # no entries: as before
 
 

@@ -111,6 +111,7 @@ class MoELaunch:
     spread_block_t: int
     spread_block_n: int
     spread_warps: int
+    tiles_from: str = "the section's tiles"  # or the decode_tiles entry that set them
 
     def gemm(self) -> dict[str, int]:
         """The row-tiled GEMM kernels' meta-parameters."""
@@ -143,9 +144,11 @@ def _config(device: torch.device, rows: int, H: int, F: int) -> MoELaunch:
     dim = max(H, F)
     bm, bn, bk, warps, stages = (t["block_m"], t["block_n"], t["block_k"], t["warps"],
                                  t["stages"])
+    tiles_from = "the section's tiles"
     for entry in t.get("decode_tiles", ()):
         if rows <= entry[0]:
             bm, bn, bk, warps, stages = entry[1:6]
+            tiles_from = f"the decode_tiles entry for <= {entry[0]} rows"
             break
     return MoELaunch(
         block_m=fit(bm, rows), block_n=fit(bn, dim),
@@ -157,7 +160,7 @@ def _config(device: torch.device, rows: int, H: int, F: int) -> MoELaunch:
         act_block_r=t["act_block_r"], act_block_f=min(t["act_block_f"], next_pow2(F, 16)),
         act_warps=t["act_warps"], act_bwd_block_r=t["act_bwd_block_r"],
         spread_block_t=t["spread_block_t"], spread_block_n=t["spread_block_n"],
-        spread_warps=t["spread_warps"])
+        spread_warps=t["spread_warps"], tiles_from=tiles_from)
 
 
 def _dot_flags(hidden: torch.Tensor) -> dict[str, bool]:
@@ -914,6 +917,9 @@ def plan_moe_experts(**a) -> Plan:
             details["kernels"] = ("grouped GEMMs over the experts' row tiles (gate/up + "
                                   "activation, down + router weight), then the slot sum" +
                                   (" (k = 1: written in place)" if k == 1 else ""))
+            details["tiles"] = (f"{c.block_m} x {c.block_n} x {c.block_k}, {c.warps} warps, "
+                                f"{c.stages} stages ({c.tiles_from} of the moe_experts "
+                                "tuning section)")
         details["saved for backward"] = (f"inputs, routing and {h} "
                                          f"{'float8_e4m3fn' if s.fp8_input_store else dtype}")
     else:
