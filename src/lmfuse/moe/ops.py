@@ -135,7 +135,8 @@ def _config(device: torch.device, rows: int, H: int, F: int) -> MoELaunch:
     (there the kernels read the selected experts' weights once, and narrow, deep tiles
     spread that read over more programs: H200, GPT-OSS's experts at 1, 16 and 64 tokens,
     0.48x / 0.57x / 0.60x the copy rate with the section's training tiles, 0.76x / 0.96x /
-    0.93x with these, ``h200-2026-11-28-moe_experts-sweep-gptoss.json``)."""
+    0.93x with these, ``h200-2026-11-28-moe_experts-sweep-gptoss.json``; at 512 and 800 rows
+    0.65-0.70 ms against 0.41-0.46, ``h200-2026-11-28-moe_experts-mid-rows.json``)."""
     t = tuning.table("moe_experts", device)
 
     def fit(limit: int, n: int) -> int:
