@@ -130,13 +130,17 @@ def _config(device: torch.device, rows: int, H: int, F: int) -> MoELaunch:
     ``F``: the ``moe_experts`` section of the device's tuning table, each GEMM block size
     capped by the power of two covering its dimension (at least 16, ``tl.dot``'s smallest
     tile). The row-tiled GEMMs' tiles are the section's ``block_m/n/k``, ``warps`` and
-    ``stages``, or, for a decode step's few rows, those of the first ``decode_tiles`` entry
-    ``[max_rows, block_m, block_n, block_k, warps, stages]`` with ``rows <= max_rows``
-    (there the kernels read the selected experts' weights once, and narrow, deep tiles
-    spread that read over more programs: H200, GPT-OSS's experts at 1, 16 and 64 tokens,
-    0.48x / 0.57x / 0.60x the copy rate with the section's training tiles, 0.76x / 0.96x /
-    0.93x with these, ``h200-2026-11-28-moe_experts-sweep-gptoss.json``; at 512 and 800 rows
-    0.65-0.70 ms against 0.41-0.46, ``h200-2026-11-28-moe_experts-mid-rows.json``)."""
+    ``stages``, or, for a call of few rows (a decode step, or a small batch's forward and
+    backward), those of the first ``decode_tiles`` entry ``[max_rows, block_m, block_n,
+    block_k, warps, stages]`` with ``rows <= max_rows``. A decode step's kernels read the
+    selected experts' weights once, and narrow, deep tiles spread that read over more
+    programs (H200, GPT-OSS's experts at 1, 16 and 64 tokens: 0.76x / 0.96x / 0.93x the copy
+    rate against the section's 0.48x / 0.57x / 0.60x,
+    ``h200-2026-11-28-moe_experts-sweep-gptoss.json``; at 512 and 800 rows 0.41-0.46 ms
+    against 0.65-0.70, ``h200-2026-11-28-moe_experts-mid-rows.json``). Forward and backward
+    at 64-800 rows: faster at 64 and 512 GPT-OSS rows, elsewhere within the run's 10%
+    spread between rounds, the same gradients
+    (``h200-2026-11-28-moe_experts-mid-rows-bwd.json``)."""
     t = tuning.table("moe_experts", device)
 
     def fit(limit: int, n: int) -> int:

@@ -424,7 +424,7 @@ def l2_prefetch_bytes(device: torch.device) -> int:
     H200 16 MiB (the benchmark model's B1 step: budgets of 12 to 32 MiB against none, best
     at 16; ``h200-2026-11-28-generate-l2prefetch-sweep.json``); elsewhere 0 until measured
     there."""
-    return int(tuning.table("gemv", device).get("l2_prefetch_bytes", 0))
+    return int(tuning.table("gemv", device)["l2_prefetch_bytes"])
 
 
 #: Bytes a thread's bulk prefetch asks for, and threads a program: 64 KiB x 32 (2 MiB a
