@@ -988,6 +988,29 @@ def test_gemv_tiles_fit_shared_memory_and_follow_an_overlay() -> None:
     assert fused_ops.gemv_split(2048, 2048, 16, False) == 4
 
 
+def test_gemv_extra_tiles_are_searched_first() -> None:
+    """A device table's ``extra_tiles`` come before the default ``tiles``: the H200's 32-row
+    entries (gated at 4 stages, plain at 256-wide K tiles) change the 32-row GEMVs only."""
+    import json
+    from pathlib import Path
+
+    import lmfuse.serving.fused_ops as fused_ops
+    from lmfuse import tuning
+
+    h200 = json.loads((Path(tuning.__file__).parent / "h200.json").read_text())["gemv"]
+    before = {m: (fused_ops.gemv_config(8192, 2048, m, True),
+                  fused_ops.gemv_config(6144, 2048, m, False)) for m in (16, 32, 64)}
+    with tuning.overlay("gemv", {"extra_tiles": h200["extra_tiles"]}):
+        assert fused_ops.gemv_config(8192, 2048, 32, True) == (64, 128, 4, 4)
+        assert fused_ops.gemv_config(6144, 2048, 32, False) == (32, 256, 4, 3)
+        assert fused_ops.gemv_config(6144, 2048, 32, False, 2, None, True) == (16, 256, 4, 3)
+        for m in (16, 64):
+            assert (fused_ops.gemv_config(8192, 2048, m, True),
+                    fused_ops.gemv_config(6144, 2048, m, False)) == before[m]
+    assert before[32] == ((64, 128, 4, 3), (32, 128, 4, 3))  # the default's generic entries
+    assert fused_ops.gemv_config(8192, 2048, 32, True) == before[32][0]
+
+
 def test_l2_prefetch_ranges_take_wo_then_gate_and_up_alike() -> None:
     """The one-row step's L2 prefetch asks for Wo first, then equal leading bytes of gate
     and up, within the budget, in whole 16-byte units of contiguous, aligned tensors."""

@@ -122,7 +122,8 @@ def gemv_config(n_out: int, K: int, block_m: int, gated: bool, itemsize: int = 2
                 device: torch.device = _CPU) -> tuple[int, int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` of a GEMV of ``K`` inputs to ``n_out``
     outputs (``gated``: two matrices of that many) at row tile ``block_m``, from the
-    ``gemv`` section of ``device``'s tuning table: the first entry of its ``tiles`` whose
+    ``gemv`` section of ``device``'s tuning table: the first entry of its ``extra_tiles``
+    (a device table's additions, searched first) and then of its ``tiles`` whose
     conditions hold (``kind``: "lm_head" for one matrix of at least
     :data:`LM_HEAD_MIN_FEATURES` outputs, "gated", else "plain"; ``rows``: the row tiles;
     ``split_k``: whether :func:`gemv_split` splits K; ``max_k``; ``features_multiple``).
@@ -146,7 +147,13 @@ def gemv_config(n_out: int, K: int, block_m: int, gated: bool, itemsize: int = 2
       swept, 2.96 / 2.84 TB/s; 64 rows at 2 stages 183.1 against 185.8 us at 4;
     * plain, 16 rows: QKV (K not split) 10.22 -> 8.26 us at 256-wide K tiles and 4 stages;
       Wo and Wd (K split in 4) 7.71 -> 7.08 us and 15.84 (cuBLAS 17.4); 64 rows, chained:
-      QKV 9.9 -> 8.4 us, Wo 9.2 -> 7.6; Wd (K split in 2) 17.64 (cuBLAS 18.63)."""
+      QKV 9.9 -> 8.4 us, Wo 9.2 -> 7.6; Wd (K split in 2) 17.64 (cuBLAS 18.63).
+
+    The H200's ``extra_tiles`` (whole ``step()`` calls of the benchmark model, three
+    alternating rounds in one process): 32-row tiles (batch buckets of 17-32 rows), the
+    gated GEMV at 4 stages and the QKV GEMV at 256-wide K tiles, B17 / B24 / B32 0.746 /
+    0.747 / 0.744 -> 0.713 / 0.731 / 0.717 ms; the K split for Wo and Wd at 32 rows (2 and
+    4, faster chained alone) made the step slower (B32 0.745 -> 0.787)."""
     return _gemv_config(n_out, K, block_m, gated, itemsize, smem, rope, device,
                         LM_HEAD_MIN_FEATURES, tuning.generation())
 
@@ -161,7 +168,7 @@ def _gemv_config(n_out, K, block_m, gated, itemsize, smem, rope, device, lm_head
     t = tuning.table("gemv", device)
     kind = _kind(n_out, gated, lm_head_min)
     split = _gemv_split(n_out, K, block_m, gated, device, lm_head_min, generation) > 1
-    e = next(e for e in t["tiles"]
+    e = next(e for e in (*t["extra_tiles"], *t["tiles"])
              if kind in e["kind"] and block_m in e.get("rows", (block_m,))
              and e.get("split_k", split) == split and K <= e.get("max_k", K)
              and n_out % e.get("features_multiple", 1) == 0)
