@@ -151,9 +151,9 @@ def gemv_config(n_out: int, K: int, block_m: int, gated: bool, itemsize: int = 2
 
     The H200's ``extra_tiles`` (whole ``step()`` calls of the benchmark model, three
     alternating rounds in one process): 32-row tiles (batch buckets of 17-32 rows), the
-    gated GEMV at 4 stages and the QKV GEMV at 256-wide K tiles, B17 / B24 / B32 0.746 /
-    0.747 / 0.744 -> 0.713 / 0.731 / 0.717 ms; the K split for Wo and Wd at 32 rows (2 and
-    4, faster chained alone) made the step slower (B32 0.745 -> 0.787)."""
+    gated GEMV at 4 stages and the plain ones (QKV, Wo) at 256-wide K tiles, B17 / B24 /
+    B32 0.746 / 0.747 / 0.744 -> 0.713 / 0.731 / 0.717 ms; the K split for Wo and Wd at 32
+    rows (2 and 4, faster chained alone) made the step slower (B32 0.745 -> 0.787)."""
     return _gemv_config(n_out, K, block_m, gated, itemsize, smem, rope, device,
                         LM_HEAD_MIN_FEATURES, tuning.generation())
 
