@@ -475,19 +475,22 @@ def test_decode_step_inputs_and_tokens_cross_the_bus_on_the_compute_queue() -> N
     assert torch.equal(dev.cpu(), host) and back.tolist() == list(range(0, 192, 3))
 
 
-@pytest.mark.parametrize("rows", [4, 64])
+@pytest.mark.parametrize("rows,split,K", [(4, None, 2048), (64, None, 2048), (16, 2, 4096),
+                                          (4, 3, 4096)])
 @pytest.mark.parametrize("cache", ["bf16", "fp8"])
-def test_rotating_qkv_gemv_on_the_gpu(rows: int, cache: str) -> None:
+def test_rotating_qkv_gemv_on_the_gpu(rows: int, split, K: int, cache: str) -> None:
     """The QKV GEMV that rotates q and k and appends k and v itself (the decode step's at
     several rows), compiled, at the benchmark model's shapes (16/4 heads of 128, hidden
-    2048, blocks of 16 scattered in the pool): the queries and the written cache slots
-    against ``rope_append_reference`` of the float32 projections; fp8 slots at most one
-    e4m3 step apart (the float32 sums add in another order) and mostly equal."""
-    from lmfuse.serving.fused_ops import RopeAppend
+    2048, blocks of 16 scattered in the pool; hidden 4096 with K split over programs): the
+    queries and the written cache slots against ``rope_append_reference`` of the float32
+    projections; fp8 slots at most one e4m3 step apart (the float32 sums add in another
+    order) and mostly equal. Split: the tile counts are back at zero, and a second call
+    writes the same bits."""
+    from lmfuse.serving.fused_ops import _SPLIT_BUFFERS, RopeAppend
     from lmfuse.serving.fused_ops import gemv as _gemv
     from lmfuse.serving.fused_reference import gemv_reference, rope_append_reference
 
-    hq, hkv, d, K, bl = 16, 4, 128, 2048, 16
+    hq, hkv, d, bl = 16, 4, 128, 16
     g = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(rows, K, device="cuda", generator=g).bfloat16()
     ws = tuple((torch.randn(h * d, K, device="cuda", generator=g) / 45).bfloat16()
@@ -504,7 +507,17 @@ def test_rotating_qkv_gemv_on_the_gpu(rows: int, cache: str) -> None:
               else (None, None))
     got_c = [torch.zeros(nb, bl, hkv, d, device="cuda").to(dtype) for _ in range(2)]
     want_c = [c.clone() for c in got_c]
-    q = _gemv(x, ws, rope=RopeAppend(cos, sin, pos, table, *got_c, *scales, hq, hkv, d))
+    q = _gemv(x, ws, rope=RopeAppend(cos, sin, pos, table, *got_c, *scales, hq, hkv, d),
+              split_k=split)
+    if split is not None:
+        torch.cuda.synchronize()
+        assert all(int(c.abs().sum()) == 0 for _, c in _SPLIT_BUFFERS.values())
+        again_c = [torch.zeros_like(c) for c in got_c]
+        again = _gemv(x, ws, split_k=split,
+                      rope=RopeAppend(cos, sin, pos, table, *again_c, *scales, hq, hkv, d))
+        assert torch.equal(again, q)
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                   for a, b in zip(again_c, got_c))
     want = rope_append_reference(gemv_reference(x.float(), ws), cos, sin, pos, table,
                                  *want_c, None, None, 0.0, *scales, hq, hkv, d)
     err = ((q.float().view(rows, hq, d) - want.float()).abs().max()

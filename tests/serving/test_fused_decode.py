@@ -383,19 +383,22 @@ def test_several_row_steps_launch_no_rms_norm(monkeypatch: pytest.MonkeyPatch) -
     assert sorted(scaled) == sorted(([3] * layers + [2] * layers + [1]) * len(steps))
 
 
-@pytest.mark.parametrize("rows", [3, 17])
+@pytest.mark.parametrize("rows,split", [(3, None), (17, None), (3, 3), (17, 2)])
 @pytest.mark.parametrize("dtype,cache_dtype,bias", [
     (torch.float32, torch.float32, False), (torch.float32, torch.float32, True),
     (torch.float16, torch.float16, True), (torch.float32, torch.float8_e4m3fn, False)])
-def test_qkv_gemv_rotates_and_appends_itself(rows: int, dtype: torch.dtype,
+def test_qkv_gemv_rotates_and_appends_itself(rows: int, split, dtype: torch.dtype,
                                              cache_dtype: torch.dtype, bias: bool) -> None:
     """``rope=``: the QKV GEMV's epilogue does ``rope_append``'s work (heads of 32 dims, so
     a program's 16 dims of each half pair up): the queries and the written cache slots are
     the reference's (the float32 projections rotated, as the kernel does not round them
-    between), a padding row (block -1) writes nothing, nothing else is touched."""
+    between), a padding row (block -1) writes nothing, nothing else is touched. With K
+    split over programs (``split``, K long enough for several K tiles a split) the tile's
+    last program rotates the summed halves, and the split counts are left at zero."""
     from lmfuse.serving.fused_ops import RopeAppend
 
-    hq, hkv, d, bl, K = 4, 2, 32, 4, 64
+    hq, hkv, d, bl = 4, 2, 32, 4
+    K = 64 if split is None else 256 * 2 * split  # the table's 256-wide K tiles, two a split
     nb = 3 * rows  # every row's blocks its own
     g = torch.Generator().manual_seed(rows)
 
@@ -417,7 +420,10 @@ def test_qkv_gemv_rotates_and_appends_itself(rows: int, dtype: torch.dtype,
     for caches in (got_caches, want_caches):
         caches += [torch.full((nb, bl, hkv, d), 0.25).to(cache_dtype) for _ in range(2)]
     r = RopeAppend(cos, sin, pos, table, *got_caches, ks, vs, hq, hkv, d)
-    q = _gemv(x, ws, biases, rope=r)
+    q = _gemv(x, ws, biases, rope=r, split_k=split)
+    if split is not None:
+        from lmfuse.serving.fused_ops import _SPLIT_BUFFERS
+        assert all(int(c.abs().sum()) == 0 for _, c in _SPLIT_BUFFERS.values())
     qkv = gemv_reference(x.float(), ws, biases)
     want = rope_append_reference(qkv, cos, sin, pos, table, *want_caches, None, None, 0.0,
                                  ks, vs, hq, hkv, d).to(dtype)
@@ -1009,6 +1015,19 @@ def test_gemv_extra_tiles_are_searched_first() -> None:
                     fused_ops.gemv_config(6144, 2048, m, False)) == before[m]
     assert before[32] == ((64, 128, 4, 3), (32, 128, 4, 3))  # the default's generic entries
     assert fused_ops.gemv_config(8192, 2048, 32, True) == before[32][0]
+
+
+def test_rope_split_follows_the_table() -> None:
+    """The rotating QKV GEMV splits K where the ``gemv`` section's ``rope_split_k`` says
+    (row tile and shortest K), and nowhere by default."""
+    from lmfuse import tuning
+    from lmfuse.serving.fused_ops import rope_split
+
+    assert {rope_split(K, m) for K in (2048, 8192) for m in (16, 32, 64)} == {1}
+    with tuning.overlay("gemv", {"rope_split_k": [{"rows": [16], "min_k": 4096, "split": 2}]}):
+        assert rope_split(4096, 16) == 2 and rope_split(8192, 16) == 2
+        assert rope_split(2048, 16) == 1 and rope_split(4096, 32) == 1
+    assert rope_split(4096, 16) == 1
 
 
 def test_l2_prefetch_ranges_take_wo_then_gate_and_up_alike() -> None:

@@ -273,8 +273,9 @@ def gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None,
     """``gemv_kernel`` launched: a new ``[n, N]`` output (in ``out`` where given, a
     contiguous tensor of ``x``'s dtype), or ``residual`` updated in place.
     ``pdl``: with programmatic dependent launch (``lmfuse._pdl``). ``split_k``: programs
-    per tile along K (default :func:`gemv_split`'s; not with ``gated``, ``norm`` or
-    ``rope``). ``norm = (g, eps)``: ``x`` RMS-normed (weight ``g``) inside the kernel.
+    per tile along K (default :func:`gemv_split`'s, with ``rope`` :func:`rope_split`'s;
+    not with ``gated`` or ``norm``). ``norm = (g, eps)``: ``x`` RMS-normed (weight ``g``)
+    inside the kernel.
     ``rope`` (``weights`` = Wq, Wk, Wv): the projections' rotary and cache append inside
     (:func:`rope_append_reference` of the float32 projections); returns the rotated
     queries ``[n, hq d]``. ``argmax`` (one matrix, no residual, not gated): returns ``(y,
@@ -285,9 +286,8 @@ def gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None,
     (:func:`prenorm_reference`); ``row_scale``
     (a :class:`RowNorm`): each row's products scaled by its factor, so that ``gemv(xw, W,
     row_scale=rn)`` is the GEMV of ``rms_norm(h)``."""
-    if (gated or norm is not None or rope is not None) and split_k is not None \
-            and split_k > 1:
-        raise ValueError(f"{_OP}: the gated, normed or rotating GEMV does not split K "
+    if (gated or norm is not None) and split_k is not None and split_k > 1:
+        raise ValueError(f"{_OP}: the gated or normed GEMV does not split K "
                          f"(split_k={split_k})")
     if prenorm is not None and (residual is None or len(weights) != 1 or norm is not None
                                 or argmax):
@@ -296,7 +296,7 @@ def gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None,
     if row_scale is not None and (norm is not None or prenorm is not None):
         raise ValueError(f"{_OP}: the GEMV's row_scale takes neither norm nor prenorm")
     if rope is not None:
-        return _gemv_rope(x, weights, biases, rope, pdl, row_scale)
+        return _gemv_rope(x, weights, biases, rope, pdl, row_scale, split_k)
     n, K = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -381,8 +381,17 @@ def _row_norm_args(ss: torch.Tensor | None, rn: RowNorm | None) -> dict[str, Any
     return dict(SS=ss)
 
 
+def rope_split(K: int, block_m: int, device: torch.device = _CPU) -> int:
+    """How many programs share a tile's K range in the rotating QKV GEMV: the first entry
+    of the ``gemv`` section's ``rope_split_k`` whose ``rows`` holds ``block_m`` and whose
+    ``min_k`` is at most ``K``, else 1."""
+    return next((e["split"] for e in tuning.table("gemv", device)["rope_split_k"]
+                 if block_m in e["rows"] and K >= e.get("min_k", 0)), 1)
+
+
 def _gemv_rope(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any,
-               r: RopeAppend, pdl: int, row_scale: RowNorm | None = None) -> torch.Tensor:
+               r: RopeAppend, pdl: int, row_scale: RowNorm | None = None,
+               split_k: int | None = None) -> torch.Tensor:
     n, K = x.shape
     ns = [w.shape[0] for w in weights]
     if ns != [r.hq * r.d, r.hkv * r.d, r.hkv * r.d]:
@@ -405,12 +414,18 @@ def _gemv_rope(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any,
     fp8 = r.k_cache.dtype == torch.float8_e4m3fn
     b = list(biases) if biases is not None else [weights[0]] * 3
     kc, vc = r.k_cache, r.v_cache
-    grid = (n_out // (2 * block_n), cdiv(n, block_m), 1)
+    split = rope_split(K, block_m, x.device) if split_k is None else split_k
+    k_split = cdiv(cdiv(K, split), block_k) * block_k
+    split = cdiv(K, k_split)  # no empty split
+    grid = (n_out // (2 * block_n), cdiv(n, block_m), split)
+    tiles = grid[0] * grid[1]
+    ws, count = (split_buffers(x.device, 2 * split * tiles * block_m * block_n, tiles)
+                 if split > 1 else (y, y))
     _kernels().gemv_kernel[grid](
         x, weights[0], weights[1], weights[2], b[0], b[1], b[2], y, y, n, K, ns[0], ns[1],
-        x.stride(0), y.stride(0), y.stride(0), y, y, K,
+        x.stride(0), y.stride(0), y.stride(0), ws, count, k_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=biases is not None,
-        RESIDUAL=False, GATED=False, EVEN_K=K % block_k == 0, PDL=pdl,
+        RESIDUAL=False, GATED=False, EVEN_K=K % block_k == 0, PDL=pdl, SPLIT_K=split,
         ROPE=True, HALF=r.d // 2, COS=r.cos, SIN=r.sin, POS=r.pos, TABLE=r.table, KC=kc,
         VC=vc, K_SCALE=r.k_scale if fp8 else r.cos, V_SCALE=r.v_scale if fp8 else r.cos,
         stride_kblk=kc.stride(0), stride_krow=kc.stride(1), stride_vblk=vc.stride(0),

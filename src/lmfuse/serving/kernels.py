@@ -121,22 +121,24 @@ def gemv_kernel(
     ``Y = silu(X @ W0.T) * (X @ W1.T)`` (``N0`` features). RESIDUAL: ``Y = R + ...``.
     PDL: launched early in a decode step's chain (``lmfuse._pdl``).
 
-    SPLIT_K > 1 (not GATED): program ``(n, m, s)`` sums the K range ``[s * K_SPLIT, (s + 1) *
-    K_SPLIT)`` into its float32 slot of ``WS`` (``[SPLIT_K, tiles, BLOCK_M, BLOCK_N]``), then
-    counts itself in ``COUNT[tile]`` (int32, zero between launches); the tile's last
-    program adds the slots in split order (the same sum whichever program comes last),
-    runs the epilogue, and sets the count back to zero.
+    SPLIT_K > 1 (not GATED, not NORM): program ``(n, m, s)`` sums the K range ``[s *
+    K_SPLIT, (s + 1) * K_SPLIT)`` into its float32 slot of ``WS`` (``[SPLIT_K, tiles,
+    BLOCK_M, BLOCK_N]``), then counts itself in ``COUNT[tile]`` (int32, zero between
+    launches); the tile's last program adds the slots in split order (the same sum
+    whichever program comes last), runs the epilogue, and sets the count back to zero.
 
     NORM (SPLIT_K 1): ``X`` is the residual stream, RMS-normed with weight ``G`` on the way
     in: ``Y = rsqrt(mean(x^2) + eps) * ((x * g) @ W.T)``, the row's sum of squares gathered
     in the same pass over K (the norm's launch and its output's round trip saved).
 
-    ROPE (several rows, SPLIT_K 1, ``W0 | W1 | W2`` = Wq | Wk | Wv of heads of ``2 HALF``
+    ROPE (several rows, ``W0 | W1 | W2`` = Wq | Wk | Wv of heads of ``2 HALF``
     features): ``rope_append_kernel`` in the epilogue. A program's features are ``BLOCK_N``
     dims of a head's first half and the ``BLOCK_N`` dims ``HALF`` after them (two
     accumulators, as GATED's), so it rotates its own pairs: queries to ``Y`` (``[M, N0]``),
     keys and values to their cache blocks at position ``POS[m]`` (``TABLE``; fp8 scaled by
-    ``K_SCALE`` / ``V_SCALE``). One launch and one ``qkv`` round trip fewer a layer.
+    ``K_SCALE`` / ``V_SCALE``). One launch and one ``qkv`` round trip fewer a layer. With
+    SPLIT_K > 1 as above, both accumulators in two ``WS`` slots (``[SPLIT_K, tiles, 2,
+    BLOCK_M, BLOCK_N]``), the tile's last program rotating their sums.
 
     ARGMAX (one matrix, no residual, SPLIT_K 1; an LM head): each tile's first maximum of
     each row as ``argmax_chunk_kernel`` gives a chunk's (of the stored, rounded values; NaN
@@ -249,7 +251,30 @@ def gemv_kernel(
         acc = acc * xs
         if GATED or ROPE:
             acc_u = acc_u * xs
-    if ROPE:
+    if ROPE and SPLIT_K > 1:
+        # Both halves' partials in the split's two slots; the tile's last program sums
+        # them in split order and rotates.
+        tile = pid_m * tl.num_programs(0) + pid_n
+        tiles = tl.num_programs(0) * tl.num_programs(1)
+        cell = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + rows[None, :]
+        slot = (tl.program_id(2) * tiles + tile).to(tl.int64) * (2 * BLOCK_M * BLOCK_N)
+        tl.store(WS + slot + cell, acc)
+        tl.store(WS + slot + BLOCK_M * BLOCK_N + cell, acc_u)
+        tl.debug_barrier()  # every thread's partials stored before the count says so
+        done = tl.atomic_add(COUNT + tile, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in range(SPLIT_K):
+                slot = (s * tiles + tile).to(tl.int64) * (2 * BLOCK_M * BLOCK_N)
+                acc += tl.load(WS + slot + cell, cache_modifier=".cg")
+                acc_u += tl.load(WS + slot + BLOCK_M * BLOCK_N + cell, cache_modifier=".cg")
+            tl.store(COUNT + tile, 0)
+            _rope_epilogue(acc, acc_u, B0, B1, B2, Y, N0, N1, stride_ym, n0, local, rows, ms,
+                           mmask, COS, SIN, POS, TABLE, KC, VC, K_SCALE, V_SCALE,
+                           stride_kblk, stride_krow, stride_vblk, stride_vrow, stride_tb,
+                           num_blocks, positions, HAS_BIAS, HALF, BLOCK_LEN, FP8)
+    elif ROPE:
         _rope_epilogue(acc, acc_u, B0, B1, B2, Y, N0, N1, stride_ym, n0, local, rows, ms,
                        mmask, COS, SIN, POS, TABLE, KC, VC, K_SCALE, V_SCALE, stride_kblk,
                        stride_krow, stride_vblk, stride_vrow, stride_tb, num_blocks,
