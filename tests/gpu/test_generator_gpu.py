@@ -484,9 +484,12 @@ def test_rotating_qkv_gemv_on_the_gpu(rows: int, split, K: int, cache: str) -> N
     2048, blocks of 16 scattered in the pool; hidden 4096 with K split over programs): the
     queries and the written cache slots against ``rope_append_reference`` of the float32
     projections; fp8 slots at most one e4m3 step apart (the float32 sums add in another
-    order) and mostly equal. Split: the tile counts are back at zero, and a second call
-    writes the same bits."""
-    from lmfuse.serving.fused_ops import _SPLIT_BUFFERS, RopeAppend
+    order) and mostly equal. Split (as the decode step calls it: with the previous GEMV's
+    row norm, here with biases too): its workspace taken, the tile counts back at zero, and
+    a second call writes the same bits."""
+    import lmfuse.serving.fused_ops as fused_ops
+    from lmfuse import tuning
+    from lmfuse.serving.fused_ops import _SPLIT_BUFFERS, RopeAppend, RowNorm
     from lmfuse.serving.fused_ops import gemv as _gemv
     from lmfuse.serving.fused_reference import gemv_reference, rope_append_reference
 
@@ -507,18 +510,35 @@ def test_rotating_qkv_gemv_on_the_gpu(rows: int, split, K: int, cache: str) -> N
               else (None, None))
     got_c = [torch.zeros(nb, bl, hkv, d, device="cuda").to(dtype) for _ in range(2)]
     want_c = [c.clone() for c in got_c]
-    q = _gemv(x, ws, rope=RopeAppend(cos, sin, pos, table, *got_c, *scales, hq, hkv, d),
-              split_k=split)
+    biases = rn = None
+    if split is not None:
+        biases = tuple(torch.randn(h * d, device="cuda", generator=g).bfloat16() / 8
+                       for h in (hq, hkv, hkv))
+        rn = RowNorm(torch.rand(rows, 4, device="cuda", generator=g) * 500 + 10, K, 1e-5)
+
+    def call(caches):
+        return _gemv(x, ws, biases, split_k=split, row_scale=rn,
+                     rope=RopeAppend(cos, sin, pos, table, *caches, *scales, hq, hkv, d))
+
+    q = call(got_c)
     if split is not None:
         torch.cuda.synchronize()
+        bm = fused_ops.row_tile(rows)
+        n_out = (hq + 2 * hkv) * d
+        bn, bk = fused_ops.gemv_config(n_out, K, bm, False, 2,
+                                       tuning.shared_memory(x.device), True,
+                                       device=x.device)[:2]
+        k_split = -(-(-(-K // split)) // bk) * bk
+        tiles = n_out // (2 * bn) * -(-rows // bm)
+        key = ("cuda:0", 2 * -(-K // k_split) * tiles * bm * bn, tiles)
+        assert -(-K // k_split) > 1 and key in _SPLIT_BUFFERS, (key, list(_SPLIT_BUFFERS))
         assert all(int(c.abs().sum()) == 0 for _, c in _SPLIT_BUFFERS.values())
         again_c = [torch.zeros_like(c) for c in got_c]
-        again = _gemv(x, ws, split_k=split,
-                      rope=RopeAppend(cos, sin, pos, table, *again_c, *scales, hq, hkv, d))
-        assert torch.equal(again, q)
+        assert torch.equal(call(again_c), q)
         assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                    for a, b in zip(again_c, got_c))
-    want = rope_append_reference(gemv_reference(x.float(), ws), cos, sin, pos, table,
+    qkv = gemv_reference(x.float(), ws, biases, row_scale=None if rn is None else rn.scale())
+    want = rope_append_reference(qkv, cos, sin, pos, table,
                                  *want_c, None, None, 0.0, *scales, hq, hkv, d)
     err = ((q.float().view(rows, hq, d) - want.float()).abs().max()
            / want.float().abs().max()).item()

@@ -383,6 +383,39 @@ def test_several_row_steps_launch_no_rms_norm(monkeypatch: pytest.MonkeyPatch) -
     assert sorted(scaled) == sorted(([3] * layers + [2] * layers + [1]) * len(steps))
 
 
+def _rope_gemv_splits(call):
+    """``call()``'s result and the ``(elements, tiles)`` of the split workspaces it asked
+    for; every split count is back at zero after it."""
+    import lmfuse.serving.fused_ops as fused_ops
+
+    asked, real = [], fused_ops.split_buffers
+
+    def spy(device, elements, tiles):
+        asked.append((elements, tiles))
+        return real(device, elements, tiles)
+
+    fused_ops.split_buffers = spy
+    try:
+        out = call()
+    finally:
+        fused_ops.split_buffers = real
+    assert all(int(c.abs().sum()) == 0 for _, c in fused_ops._SPLIT_BUFFERS.values())
+    return out, asked
+
+
+def _rope_workspace(rows: int, n_out: int, K: int, split: int, itemsize: int) -> tuple:
+    """The split workspace's ``(elements, tiles)`` of the rotating GEMV: two accumulators
+    of every tile for every split."""
+    import lmfuse.serving.fused_ops as fused_ops
+
+    bm = fused_ops.row_tile(rows)
+    bn, bk = fused_ops.gemv_config(n_out, K, bm, False, itemsize, None, True)[:2]
+    k_split = -(-(-(-K // split)) // bk) * bk
+    split = -(-K // k_split)  # as the launch counts them: no empty split
+    tiles = n_out // (2 * bn) * -(-rows // bm)
+    return 2 * split * tiles * bm * bn, tiles
+
+
 @pytest.mark.parametrize("rows,split", [(3, None), (17, None), (3, 3), (17, 2)])
 @pytest.mark.parametrize("dtype,cache_dtype,bias", [
     (torch.float32, torch.float32, False), (torch.float32, torch.float32, True),
@@ -398,7 +431,7 @@ def test_qkv_gemv_rotates_and_appends_itself(rows: int, split, dtype: torch.dtyp
     from lmfuse.serving.fused_ops import RopeAppend
 
     hq, hkv, d, bl = 4, 2, 32, 4
-    K = 64 if split is None else 256 * 2 * split  # the table's 256-wide K tiles, two a split
+    K = 64 if split is None else 512 * split  # the table's K tiles (128 here), four a split
     nb = 3 * rows  # every row's blocks its own
     g = torch.Generator().manual_seed(rows)
 
@@ -420,10 +453,9 @@ def test_qkv_gemv_rotates_and_appends_itself(rows: int, split, dtype: torch.dtyp
     for caches in (got_caches, want_caches):
         caches += [torch.full((nb, bl, hkv, d), 0.25).to(cache_dtype) for _ in range(2)]
     r = RopeAppend(cos, sin, pos, table, *got_caches, ks, vs, hq, hkv, d)
-    q = _gemv(x, ws, biases, rope=r, split_k=split)
-    if split is not None:
-        from lmfuse.serving.fused_ops import _SPLIT_BUFFERS
-        assert all(int(c.abs().sum()) == 0 for _, c in _SPLIT_BUFFERS.values())
+    q, asked = _rope_gemv_splits(lambda: _gemv(x, ws, biases, rope=r, split_k=split))
+    assert asked == ([] if split is None else
+                     [_rope_workspace(rows, (hq + 2 * hkv) * d, K, split, x.element_size())])
     qkv = gemv_reference(x.float(), ws, biases)
     want = rope_append_reference(qkv, cos, sin, pos, table, *want_caches, None, None, 0.0,
                                  ks, vs, hq, hkv, d).to(dtype)
@@ -440,6 +472,41 @@ def test_qkv_gemv_rotates_and_appends_itself(rows: int, split, dtype: torch.dtyp
     assert len(written) == rows - 1  # every real row's slot, and not the padding row's
     with pytest.raises(ValueError, match="takes Wq, Wk, Wv"):
         _gemv(x, ws[:2], rope=r)
+
+
+@pytest.mark.parametrize("rows,split", [(5, 2), (40, 3)])
+def test_split_rotating_gemv_takes_the_row_norm_bias_and_uneven_k(rows: int, split: int) -> None:
+    """The rotating GEMV as the decode step calls it at several rows (``row_scale``: the
+    previous GEMV's row norm), with biases, K split over programs and K not a multiple of
+    the K tile: the reference's queries and cache slots."""
+    from lmfuse.serving.fused_ops import RopeAppend, RowNorm
+
+    hq, hkv, d, bl, K = 4, 2, 32, 4, 1000
+    g = torch.Generator().manual_seed(rows)
+
+    def t(*shape):
+        return torch.randn(*shape, generator=g) / 4
+
+    x = t(rows, K)
+    ws = (t(hq * d, K), t(hkv * d, K), t(hkv * d, K))
+    biases = (t(hq * d), t(hkv * d), t(hkv * d))
+    rn = RowNorm(torch.rand(rows, 3, generator=g) * 40 + 1, 96, 1e-5)
+    angles = torch.randn(40, d // 2, generator=g, dtype=torch.float64)
+    cos, sin = angles.cos().float(), angles.sin().float()
+    pos = torch.randint(0, 3 * bl, (rows,), generator=g, dtype=torch.int32)
+    table = torch.randperm(3 * rows, generator=g).view(rows, 3).to(torch.int32)
+    got_c, want_c = ([torch.zeros(3 * rows, bl, hkv, d) for _ in range(2)] for _ in range(2))
+    r = RopeAppend(cos, sin, pos, table, *got_c, None, None, hq, hkv, d)
+    q, asked = _rope_gemv_splits(lambda: _gemv(x, ws, biases, rope=r, row_scale=rn,
+                                                 split_k=split))
+    assert asked == [_rope_workspace(rows, (hq + 2 * hkv) * d, K, split, 4)]
+    qkv = gemv_reference(x.float(), ws, biases, row_scale=rn.scale())
+    want = rope_append_reference(qkv, cos, sin, pos, table, *want_c, None, None, 0.0, None,
+                                 None, hq, hkv, d)
+    torch.testing.assert_close(q.view(rows, hq, d), want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got_c, want_c):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert (got_c[0] != 0).any(-1).any(-1).sum() == rows
 
 
 @pytest.mark.parametrize("kind", ["qkv_bias", "gated", "residual", "uneven_k"])
