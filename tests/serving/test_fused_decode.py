@@ -1086,14 +1086,19 @@ def test_gemv_extra_tiles_are_searched_first() -> None:
 
 def test_rope_split_follows_the_table() -> None:
     """The rotating QKV GEMV splits K where the ``gemv`` section's ``rope_split_k`` says
-    (row tile and shortest K), and nowhere by default."""
+    (row tile and shortest K), and nowhere by default; its tile entry follows that split,
+    not the plain GEMV's (a QKV of 1536 outputs at 16 rows: the plain one would split it
+    in 4 and take a split entry's 128-wide K tiles)."""
     from lmfuse import tuning
-    from lmfuse.serving.fused_ops import rope_split
+    from lmfuse.serving.fused_ops import gemv_config, gemv_split, rope_split
 
     assert {rope_split(K, m) for K in (2048, 8192) for m in (16, 32, 64)} == {1}
-    with tuning.overlay("gemv", {"rope_split_k": [{"rows": [16], "min_k": 4096, "split": 2}]}):
-        assert rope_split(4096, 16) == 2 and rope_split(8192, 16) == 2
-        assert rope_split(2048, 16) == 1 and rope_split(4096, 32) == 1
+    assert gemv_split(1536, 1024, 16, False) == 4
+    assert gemv_config(1536, 1024, 16, False, 2, None, True) == (16, 256, 4, 4)
+    with tuning.overlay("gemv", {"rope_split_k": [{"rows": [16], "min_k": 1024, "split": 2}]}):
+        assert rope_split(1024, 16) == 2 and rope_split(8192, 16) == 2
+        assert rope_split(512, 16) == 1 and rope_split(4096, 32) == 1
+        assert gemv_config(1536, 1024, 16, False, 2, None, True) == (16, 128, 4, 4)
     assert rope_split(4096, 16) == 1
 
 

@@ -150,7 +150,7 @@ def _config(device: torch.device, rows: int, H: int, F: int) -> MoELaunch:
     bm, bn, bk, warps, stages = (t["block_m"], t["block_n"], t["block_k"], t["warps"],
                                  t["stages"])
     tiles_from = "the section's tiles"
-    for entry in t.get("decode_tiles", ()):
+    for entry in t["decode_tiles"]:
         if rows <= entry[0]:
             bm, bn, bk, warps, stages = entry[1:6]
             tiles_from = f"the decode_tiles entry for <= {entry[0]} rows"

@@ -126,7 +126,8 @@ def gemv_config(n_out: int, K: int, block_m: int, gated: bool, itemsize: int = 2
     (a device table's additions, searched first) and then of its ``tiles`` whose
     conditions hold (``kind``: "lm_head" for one matrix of at least
     :data:`LM_HEAD_MIN_FEATURES` outputs, "gated", else "plain"; ``rows``: the row tiles;
-    ``split_k``: whether :func:`gemv_split` splits K; ``max_k``; ``features_multiple``).
+    ``split_k``: whether :func:`gemv_split` splits K, with ``rope`` :func:`rope_split`;
+    ``max_k``; ``features_multiple``).
     An entry without ``block_n`` takes ``block_n_by_features``; ``cap_k`` caps ``block_k`` at
     K's power of two; ``dot: 0`` (one row, no dot tile) has no pipeline to fit. Otherwise
     ``rope`` (the QKV GEMV with the rotation inside) takes ``rope_block_n`` features of
@@ -167,7 +168,9 @@ def _gemv_config(n_out, K, block_m, gated, itemsize, smem, rope, device, lm_head
                  generation) -> tuple[int, int, int, int]:
     t = tuning.table("gemv", device)
     kind = _kind(n_out, gated, lm_head_min)
-    split = _gemv_split(n_out, K, block_m, gated, device, lm_head_min, generation) > 1
+    # The entry of the launch that runs: the rotating GEMV splits K by rope_split alone.
+    split = (rope_split(K, block_m, device) if rope else
+             _gemv_split(n_out, K, block_m, gated, device, lm_head_min, generation)) > 1
     e = next(e for e in (*t["extra_tiles"], *t["tiles"])
              if kind in e["kind"] and block_m in e.get("rows", (block_m,))
              and e.get("split_k", split) == split and K <= e.get("max_k", K)
