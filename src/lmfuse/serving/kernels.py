@@ -251,54 +251,27 @@ def gemv_kernel(
         acc = acc * xs
         if GATED or ROPE:
             acc_u = acc_u * xs
-    if ROPE and SPLIT_K > 1:
-        # Both halves' partials in the split's two slots; the tile's last program sums
-        # them in split order and rotates.
-        tile = pid_m * tl.num_programs(0) + pid_n
-        tiles = tl.num_programs(0) * tl.num_programs(1)
-        cell = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + rows[None, :]
-        slot = (tl.program_id(2) * tiles + tile).to(tl.int64) * (2 * BLOCK_M * BLOCK_N)
-        tl.store(WS + slot + cell, acc)
-        tl.store(WS + slot + BLOCK_M * BLOCK_N + cell, acc_u)
-        tl.debug_barrier()  # every thread's partials stored before the count says so
-        done = tl.atomic_add(COUNT + tile, 1, sem="acq_rel")
-        if done == SPLIT_K - 1:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for s in range(SPLIT_K):
-                slot = (s * tiles + tile).to(tl.int64) * (2 * BLOCK_M * BLOCK_N)
-                acc += tl.load(WS + slot + cell, cache_modifier=".cg")
-                acc_u += tl.load(WS + slot + BLOCK_M * BLOCK_N + cell, cache_modifier=".cg")
-            tl.store(COUNT + tile, 0)
-            _rope_epilogue(acc, acc_u, B0, B1, B2, Y, N0, N1, stride_ym, n0, local, rows, ms,
-                           mmask, COS, SIN, POS, TABLE, KC, VC, K_SCALE, V_SCALE,
-                           stride_kblk, stride_krow, stride_vblk, stride_vrow, stride_tb,
-                           num_blocks, positions, HAS_BIAS, HALF, BLOCK_LEN, FP8)
+    if SPLIT_K > 1:
+        # Every split's partials in its slot; the tile's last program sums them in order.
+        last, acc, acc_u = _split_k_sum(acc, acc_u if ROPE else acc, WS, COUNT, rows,
+                                        BLOCK_M, BLOCK_N, SPLIT_K, ROPE)
+        if last:
+            if ROPE:
+                _rope_epilogue(acc, acc_u, B0, B1, B2, Y, N0, N1, stride_ym, n0, local, rows,
+                               ms, mmask, COS, SIN, POS, TABLE, KC, VC, K_SCALE, V_SCALE,
+                               stride_kblk, stride_krow, stride_vblk, stride_vrow, stride_tb,
+                               num_blocks, positions, HAS_BIAS, HALF, BLOCK_LEN, FP8)
+            else:
+                y = _gemv_epilogue(acc, acc, B0, B1, B2, R, Y, N0, N1, stride_rm, stride_ym,
+                                   n0, local, rows, ms, mmask, HAS_BIAS, RESIDUAL, False)
+                if PRENORM:
+                    _prenorm_epilogue(y, G, XW, SS, stride_xw, n0 + rows, ms, mmask, pid_n,
+                                      tl.num_programs(0))
     elif ROPE:
         _rope_epilogue(acc, acc_u, B0, B1, B2, Y, N0, N1, stride_ym, n0, local, rows, ms,
                        mmask, COS, SIN, POS, TABLE, KC, VC, K_SCALE, V_SCALE, stride_kblk,
                        stride_krow, stride_vblk, stride_vrow, stride_tb, num_blocks,
                        positions, HAS_BIAS, HALF, BLOCK_LEN, FP8)
-    elif SPLIT_K > 1:
-        # Every split's partial in its slot; the tile's last program sums them in order.
-        tile = pid_m * tl.num_programs(0) + pid_n
-        tiles = tl.num_programs(0) * tl.num_programs(1)
-        cell = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + rows[None, :]
-        tl.store(WS + (tl.program_id(2) * tiles + tile).to(tl.int64) * (BLOCK_M * BLOCK_N)
-                 + cell, acc)
-        tl.debug_barrier()  # every thread's partial stored before the count says so
-        done = tl.atomic_add(COUNT + tile, 1, sem="acq_rel")
-        if done == SPLIT_K - 1:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for s in range(SPLIT_K):
-                acc += tl.load(WS + (s * tiles + tile).to(tl.int64) * (BLOCK_M * BLOCK_N)
-                               + cell, cache_modifier=".cg")
-            tl.store(COUNT + tile, 0)
-            y = _gemv_epilogue(acc, acc, B0, B1, B2, R, Y, N0, N1, stride_rm, stride_ym, n0,
-                               local, rows, ms, mmask, HAS_BIAS, RESIDUAL, False)
-            if PRENORM:
-                _prenorm_epilogue(y, G, XW, SS, stride_xw, n0 + rows, ms, mmask, pid_n,
-                                  tl.num_programs(0))
     else:
         y = _gemv_epilogue(acc, acc_u if GATED else acc, B0, B1, B2, R, Y, N0, N1, stride_rm,
                            stride_ym, n0, local, rows, ms, mmask, HAS_BIAS, RESIDUAL, GATED)
@@ -311,6 +284,37 @@ def gemv_kernel(
             at = ms.to(tl.int64) * tl.num_programs(0) + pid_n
             tl.store(AVAL + at, v, mask=mmask)
             tl.store(AIDX + at, i, mask=mmask)
+
+
+@triton.jit
+def _split_k_sum(acc, acc_u, WS, COUNT, rows, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 SPLIT_K: tl.constexpr, PAIR: tl.constexpr):
+    """SPLIT_K's reduction (see ``gemv_kernel``): this program's float32 partial ``acc``
+    (and ``acc_u`` when PAIR: two slots a tile) stored in its split's slot of ``WS``, then
+    counted in ``COUNT[tile]``. Returns ``(last, acc, acc_u)``: ``last`` for the tile's
+    last program, whose accumulators are then the slots' sums in split order (the same
+    sum whichever program comes last) and which sets the count back to zero."""
+    parts: tl.constexpr = 2 if PAIR else 1
+    tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    tiles = tl.num_programs(0) * tl.num_programs(1)
+    cell = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + rows[None, :]
+    slot = (tl.program_id(2) * tiles + tile).to(tl.int64) * (parts * BLOCK_M * BLOCK_N)
+    tl.store(WS + slot + cell, acc)
+    if PAIR:
+        tl.store(WS + slot + BLOCK_M * BLOCK_N + cell, acc_u)
+    tl.debug_barrier()  # every thread's partials stored before the count says so
+    done = tl.atomic_add(COUNT + tile, 1, sem="acq_rel")
+    last = done == SPLIT_K - 1
+    if last:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for s in range(SPLIT_K):
+            slot = (s * tiles + tile).to(tl.int64) * (parts * BLOCK_M * BLOCK_N)
+            acc += tl.load(WS + slot + cell, cache_modifier=".cg")
+            if PAIR:
+                acc_u += tl.load(WS + slot + BLOCK_M * BLOCK_N + cell, cache_modifier=".cg")
+        tl.store(COUNT + tile, 0)
+    return last, acc, acc_u
 
 
 @triton.jit
