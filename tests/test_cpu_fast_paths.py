@@ -351,11 +351,12 @@ def test_rms_norm_cpu_backward_is_the_formulas(no_interpreter, shape, weighted):
         assert torch.equal(a.isnan(), b.isnan())
 
 
-def test_cpu_backwards_save_through_autograd_and_refuse_a_second(no_interpreter):
+def test_cpu_backwards_save_through_autograd_and_second_derivatives(no_interpreter):
     """What their backwards read goes through save_for_backward (an in-place change of it
     after the forward raises instead of giving a wrong gradient: softmax's output,
-    SwiGLU's input; RMSNorm's keeps neither, so changing them changes nothing), and a
-    double backward is refused, as on every lmfuse path."""
+    SwiGLU's input; RMSNorm's keeps neither, so changing them changes nothing); a double
+    backward is refused by the softmax and the norm and taken by SwiGLU (the plain
+    formula's second derivative)."""
     x = torch.randn(4, 4, requires_grad=True)
     y = lmfuse.fused_softmax(x.view(1, 1, 4, 4) * 1.0, causal=True)
     y.mul_(2.0)
@@ -374,10 +375,15 @@ def test_cpu_backwards_save_through_autograd_and_refuse_a_second(no_interpreter)
     (got,) = torch.autograd.grad(y, x, dy)
     assert torch.equal(got, want)
     for call in (lambda x: lmfuse.fused_softmax(x.view(1, 1, 4, 4), causal=True),
-                 lmfuse.swiglu, lambda x: lmfuse.rms_norm(x, w)):
-        (gx,) = torch.autograd.grad(call(x).pow(2).sum(), x, create_graph=True)
-        with pytest.raises(RuntimeError):
-            gx.sum().backward()
+                 lambda x: lmfuse.rms_norm(x, w)):
+        with pytest.raises(RuntimeError, match="second derivatives are not supported"):
+            torch.autograd.grad(call(x).pow(2).sum(), x, create_graph=True)
+    (gx,) = torch.autograd.grad(lmfuse.swiglu(x).pow(2).sum(), x, create_graph=True)
+    a, b = x.chunk(2, -1)
+    (want,) = torch.autograd.grad((torch.nn.functional.silu(a) * b).pow(2).sum(), x,
+                                  create_graph=True)
+    torch.testing.assert_close(torch.autograd.grad(gx.pow(2).sum(), x)[0],
+                               torch.autograd.grad(want.pow(2).sum(), x)[0])
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

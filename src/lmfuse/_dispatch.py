@@ -97,20 +97,35 @@ def value_checks(t: torch.Tensor) -> bool:
 
 
 def once_differentiable(backward: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.autograd.function.once_differentiable`` for a backward, without its cost in
-    the usual case: a backward runs with grad mode off unless the graph is being
-    differentiated again (``create_graph=True``), and only then does the decorator's work
-    (``torch.no_grad``, the error on a second derivative) change anything, so only then is
-    the call routed through it (a few microseconds a call on a slow host otherwise)."""
-    guarded = torch.autograd.function.once_differentiable(backward)
+    """A backward without derivatives of its own. It runs with grad mode off unless the
+    gradient is being taken with ``create_graph=True``; then it raises a ``RuntimeError``
+    naming the op, since the gradient it would return carries no graph and anything
+    differentiated through it (a gradient penalty, ``gradgradcheck``) would silently lose
+    this op's terms. (``torch.autograd.function.once_differentiable`` only marks the
+    gradients where the incoming gradient requires grad, and ``autograd.grad`` with
+    respect to the op's inputs never reaches the mark: a wrong second derivative, no
+    error.)"""
+    cls = backward.__qualname__.split(".")[0].strip("_").removesuffix("CPU")
+    op = _FUNCTION_OPS.get(cls, cls)
 
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
         if torch.is_grad_enabled():
-            return guarded(ctx, *grads)
+            raise RuntimeError(
+                f"{op}: second derivatives are not supported: this op's backward "
+                "has no derivative of its own, and a gradient taken through it with "
+                "create_graph=True would be missing its terms; run the op through plain "
+                "PyTorch where second derivatives are needed (the activation ops and "
+                "impl='torch' of fused_softmax, rms_norm and moe_experts have them)")
         return backward(ctx, *grads)
 
     return wrapper
+
+
+#: The public op of each autograd function whose backward is ``once_differentiable``.
+_FUNCTION_OPS = {"Softmax": "fused_softmax", "RMSNorm": "rms_norm",
+                 "CrossEntropy": "cross_entropy", "LinearCrossEntropy": "linear_cross_entropy",
+                 "MoEExperts": "moe_experts", "Fp8StoredExpert": "moe_experts"}
 
 
 def native_cpu(impl: str, path: str, t: torch.Tensor) -> bool:

@@ -629,6 +629,8 @@ BAD_INPUTS = [
           ValueError, r"\bweights\b"),
     *_bad(lambda op: op.weighted, "weights-2cols", lambda op: dict(weights=randn((T, 2))),
           ValueError, r"\bweights\b"),
+    *_bad(lambda op: op.weighted, "weights-none", lambda op: dict(weights=None), TypeError,
+          r"\bweights\b None"),
     *_bad(lambda op: op.weighted, "weights-int",
           lambda op: dict(weights=torch.ones(T, 1, dtype=torch.int64)), (TypeError, ValueError),
           r"\bweights\b"),
@@ -665,7 +667,7 @@ def test_bad_input_raises(op: Op, change, error, message: str, impl: str) -> Non
 def test_saved_input_goes_through_autograd(impl: str) -> None:
     """The input kept for backward is saved with save_for_backward: an in-place change after
     the forward raises (instead of a silently wrong gradient), saved-tensor hooks (offload,
-    checkpointing) see it, and a double backward is refused."""
+    checkpointing) see it, and a double backward of an input stored in fp8 is refused."""
     x = torch.randn(4, 8, requires_grad=True)
     h = x * 1.0
     y = lmfuse.swiglu(h, impl=impl)
@@ -679,9 +681,9 @@ def test_saved_input_goes_through_autograd(impl: str) -> None:
                           fp8_input_store=True)
     assert torch.float8_e4m3fn in seen
     x = torch.randn(4, 8, requires_grad=True)
-    (gx,) = torch.autograd.grad(lmfuse.swiglu(x, impl=impl).sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError):
-        gx.sum().backward()
+    with pytest.raises(RuntimeError, match="swiglu: second derivatives .*fp8_input_store"):
+        torch.autograd.grad(lmfuse.swiglu(x, impl=impl, fp8_input_store=True).pow(2).sum(),
+                            x, create_graph=True)
 
 
 def test_explain_refuses_what_the_op_refuses() -> None:
@@ -834,3 +836,22 @@ def test_default_cpu_path_is_pytorchs_ops_with_the_reference_results(
         assert torch.equal(got[fin].isinf(), want[fin].isinf())
         fin = fin & ~want.isinf()
         assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-5), (op, poison)
+
+
+@pytest.mark.parametrize("impl", ["native", "torch", "triton"])
+def test_quick_gelu_past_the_overflow_of_its_scaled_input(monkeypatch: pytest.MonkeyPatch,
+                                                          impl: str) -> None:
+    """|gate| > 2e38 in float32 (1.702 gate overflows): the plain formula's finite values,
+    a gate gradient of 1 and 0 (not inf * 0 = NaN), on every path ("native": the default
+    CPU path without Triton)."""
+    import lmfuse.activations.ops as act_ops
+    from lmfuse._dispatch import select_impl
+
+    if impl == "native":
+        monkeypatch.setattr(act_ops, "select_impl", lambda o, i, device: (
+            ("torch", "test: no Triton") if i == "auto" else select_impl(o, i, device)))
+    x = torch.tensor([[3e38, -3e38, 1.0, 1.0]], requires_grad=True)
+    y = lmfuse.quick_geglu(x, impl="auto" if impl == "native" else impl)
+    y.sum().backward()
+    assert torch.equal(y.detach(), torch.tensor([[3e38, 0.0]]))
+    assert x.grad[0, :2].tolist() == [1.0, 0.0] and x.grad[0, 2] == torch.tensor(3e38)

@@ -177,14 +177,26 @@ def test_strided_weights_and_non_contiguous_hidden(impl) -> None:
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_zero_tokens(impl) -> None:
-    inp = make(0, 16, 8, 3, 2)
+@pytest.mark.parametrize("T,k", [(0, 2), (5, 0)])
+def test_zero_pairs(impl, T, k) -> None:
+    """No (token, expert) pair (no token, or k = 0): zeros ``[T, H]`` still connected to
+    every input, each gradient zero (not missing: a training step on an empty batch must
+    not fail), whatever the router weights hold; also with only the weights requiring
+    grad."""
+    inp = make(T, 16, 8, 3, 2)
+    inp["expert_ids"] = torch.zeros(T, k, dtype=torch.int64)
+    inp["router_weights"] = torch.full((T, k), float("nan"), requires_grad=True)
     out = call(lmfuse.moe_experts, inp, impl=impl)
-    assert out.shape == (0, 16)
-    grads = torch.autograd.grad(out, [t for _, t in leaves(inp)], torch.ones_like(out),
-                                allow_unused=True)
+    assert out.shape == (T, 16) and torch.count_nonzero(out) == 0 and out.requires_grad
+    grads = torch.autograd.grad(out, [t for _, t in leaves(inp)], torch.ones_like(out))
     for (name, t), g in zip(leaves(inp), grads):
-        assert g is None or (g.shape == t.shape and torch.count_nonzero(g) == 0), name
+        assert g.shape == t.shape and torch.count_nonzero(g) == 0, name
+    for name in ("hidden", "router_weights", "gate_up_bias", "down_bias"):
+        inp[name] = inp[name].detach()
+    out = call(lmfuse.moe_experts, inp, impl=impl)
+    assert out.requires_grad
+    out.sum().backward()
+    assert torch.count_nonzero(inp["w_gate_up"].grad) == 0 and inp["w_down"].grad is not None
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])

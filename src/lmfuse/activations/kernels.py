@@ -92,7 +92,9 @@ def activate_and_grad(a, ACT: tl.constexpr):
         return a * s, s * (1.0 + a * (1.0 - s))
     elif ACT == 2:
         s = _sigmoid(1.702 * a)
-        return a * s, s * (1.0 + 1.702 * a * (1.0 - s))
+        # s + a (1.702 s (1 - s)), the factor first: 1.702 a overflows float32 past 2e38
+        # where s (1 - s) is already 0 (inf * 0 would make the gradient NaN)
+        return a * s, s + (1.702 * s * (1.0 - s)) * a
     else:
         r = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)
         return r * r, 2.0 * r

@@ -19,8 +19,7 @@ import torch.nn.functional as F
 
 from .. import tuning
 from .._dispatch import (Plan, ResolvedCall, check_number, check_tensor, checked_once, cpu_fast,
-                         explain, float64_fallback, native_cpu, once_differentiable,
-                         planner_of, select_impl)
+                         explain, float64_fallback, native_cpu, planner_of, select_impl)
 from .._launch import (cdiv, dtype_name, fp8_capable, kernel_op, lazy_kernels, next_pow2,
                        to_e4m3)
 from .._nvtx import nvtx_range
@@ -258,8 +257,9 @@ class _Activation(torch.autograd.Function):
             return y
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, g):
+        if torch.is_grad_enabled():  # create_graph=True: a gradient with its own graph
+            return _second_order(ctx, g)
         s = ctx.s
         with nvtx_range(s.op, "bwd"):
             kept, bias, weights = ctx.saved_tensors
@@ -288,6 +288,23 @@ class _Activation(torch.autograd.Function):
                     got.pop(0) if need_w else None, None)
 
 
+def _second_order(ctx, g):
+    """``_Activation``'s backward under ``create_graph=True``: the reference's gradient,
+    itself differentiable, of the saved inputs (which carry their graph then), so second
+    derivatives (a gradient penalty, ``gradgradcheck``) hold every term."""
+    s = ctx.s
+    if ctx.saved is not None:
+        raise RuntimeError(
+            f"{s.op}: second derivatives (create_graph=True) need the input kept as it is; "
+            "got fp8_input_store=True or cpu_offload_input=True")
+    x, bias, weights = ctx.saved_tensors
+    need = ctx.needs_input_grad[:3]
+    y = ref.activation_reference(x, bias, weights, **_ref_options(s))
+    got = iter(torch.autograd.grad(y, [t for t, n in zip((x, bias, weights), need) if n], g,
+                                   create_graph=True))
+    return tuple(next(got) if n else None for n in need) + (None,)
+
+
 # --- validation and planning -----------------------------------------------------------------
 
 
@@ -295,6 +312,9 @@ def _resolve(op: str, x, bias, weights, activation: str, gated: bool, linear_off
              clamp_value, fp8_input_store, cpu_offload_input, impl, gate_multiplier=1.0,
              down_multiplier=1.0) -> tuple[str, str, ActivationCall]:
     check_tensor(op, "x", x)
+    if weights is None and op.startswith("weighted_"):
+        raise TypeError(f"{op}: weights must be a float tensor of per-token weights "
+                        f"[tokens, 1], got None (the unweighted op is {op[9:]})")
     if x.dim() < 1:
         raise ValueError(f"{op}: x must have a last (hidden) dimension, got a 0-D tensor")
     K = x.shape[-1]
@@ -386,9 +406,10 @@ def _run(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp_
 
 # PyTorch's own activations (native forward and backward kernels) where it has the formula.
 _NATIVE = {"silu": lambda a: F.silu(a), "gelu": lambda a: F.gelu(a, approximate="tanh"),
-           # silu(k a) / k: a * sigmoid(k a) within rounding, and its native backward keeps
-           # +-inf where autograd through the product would form inf - inf (NaN)
-           "quick_gelu": lambda a: F.silu(ref.QUICK_GELU_K * a) / ref.QUICK_GELU_K,
+           # PyTorch has none: the reference's (silu(k a) / k overflowed past |a| = 2e38 into
+           # inf and NaN where the formula is finite; autograd through a * sigmoid(k a) would
+           # form inf - inf where the others keep an inf linear half's +-inf)
+           "quick_gelu": lambda a: ref.activate(a, "quick_gelu"),
            "squared_relu": lambda a: torch.relu(a).square()}
 
 
@@ -414,9 +435,11 @@ class _GatedCPU(torch.autograd.Function):
         return s * b
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy):
         x, s = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: the plain formula's own gradient
+            a, b = x.chunk(2, -1)
+            return torch.autograd.grad(_NATIVE[ctx.act](a) * b, x, dy, create_graph=True)[0], None
         a, b = x.chunk(2, -1)
         dx = torch.empty_like(x)
         da, db = dx.chunk(2, -1)

@@ -65,7 +65,8 @@ def activation_grad(name: str, a: torch.Tensor, grad: torch.Tensor) -> torch.Ten
         return grad * (s * (1.0 + a * (1.0 - s)))
     if name == "quick_gelu":
         s = torch.sigmoid(QUICK_GELU_K * a)
-        return grad * (s * (1.0 + QUICK_GELU_K * a * (1.0 - s)))
+        # the factor first: k a overflows where s (1 - s) is already 0 (no inf * 0)
+        return grad * (s + (QUICK_GELU_K * s * (1.0 - s)) * a)
     # relu's gradient is a select: exactly 0 where a <= 0, whatever grad is.
     return torch.where(a <= 0, torch.zeros_like(grad), grad * (2.0 * torch.relu(a)))
 
@@ -84,6 +85,12 @@ class _Activation(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (a,) = ctx.saved_tensors
         return activation_grad(ctx.name, a, grad), None
+
+
+def activate(a: torch.Tensor, name: str) -> torch.Tensor:
+    """``act(a)`` for an activation ``name`` of ``_FN``, differentiable (twice too) with the
+    gradient of :func:`activation_grad`."""
+    return _Activation.apply(a, name)
 
 
 def activation_reference(
@@ -124,7 +131,7 @@ def activation_reference(
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
 
     def fn(a: torch.Tensor) -> torch.Tensor:
-        return _Activation.apply(a, activation)
+        return activate(a, activation)
 
     v = x.to(compute)
     if gated:

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from .._dispatch import (PLAIN_TENSORS, Plan, ResolvedCall, check_same_device, check_tensor,
-                         cpu_fast, native_cpu, planner_of)
+                         cpu_fast, native_cpu, once_differentiable, planner_of)
 from .._launch import cdiv, dtype_name
 from .._nvtx import nvtx_range
 from .._collectives import all_reduce_sum, all_reduce_sum_, group_rank
@@ -416,6 +416,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             return loss, lse, pred, scale
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout, *_extras):
         with nvtx_range(_OP, "bwd"):
             o = ctx.o

@@ -473,6 +473,7 @@ class _CrossEntropy(torch.autograd.Function):
             return loss, lse, pred
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout, *_extras):
         with nvtx_range(_OP, "bwd"):
             o = ctx.o

@@ -58,8 +58,8 @@ import torch.nn.functional as F
 
 from .. import tuning
 from .._dispatch import (Plan, ResolvedCall, check_number, check_same_device, check_tensor,
-                         float64_fallback, interpreter_active, planner_of, select_impl,
-                         value_checks)
+                         float64_fallback, interpreter_active, once_differentiable, planner_of,
+                         select_impl, value_checks)
 from .._launch import (FLOAT_DTYPES, cdiv, dtype_name, fp8_capable, kernel_op, lazy_kernels,
                        next_pow2, to_e4m3)
 from .._nvtx import nvtx_range
@@ -301,8 +301,10 @@ def _torch_path(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_b
         else:
             ys.append(_expert_out(h, wd[e], bd[e], w, s))
         start += n
-    # No tokens: empty rows that still reach the router weights (their empty gradient).
-    y = torch.cat(ys) if ys else hidden.new_zeros((0, H), dtype=compute) * weights[:, None]
+    if not ys:  # no pair: the first expert over the empty rows, so that every input gets
+        # its (zero) gradient, as from the kernels, instead of none
+        ys.append(_expert_out(F.linear(x, wgu[0], bgu[0]), wd[0], bd[0], weights, s))
+    y = torch.cat(ys)
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel(), device=perm.device)
     return y.index_select(0, inv).view(T, k, H).sum(1).to(hidden.dtype)
@@ -331,7 +333,7 @@ class _Fp8StoredExpert(torch.autograd.Function):
         return _expert_out(h, w_down, down_bias, weights, s)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable
     def backward(ctx, dy):
         h8, w_down, down_bias, weights = ctx.saved_tensors
         needs = ctx.needs_input_grad[:4]
@@ -734,7 +736,7 @@ class _MoEExperts(torch.autograd.Function):
             return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable
     def backward(ctx, dout):
         with nvtx_range(OP, "bwd"):
             saved = ctx.saved_tensors
