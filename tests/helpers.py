@@ -214,9 +214,11 @@ def tiny_causal_lm(model_type: str, seed: int = 0, **overrides: Any) -> Any:
 def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
     """``model.generate(do_sample=False)``'s new tokens for one prompt, exactly
     ``max_new_tokens`` of them (no end-of-sequence stop)."""
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
-                         min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
-                         pad_token_id=0)
+    ids = torch.tensor([prompt])
+    # The mask given: with pad_token_id=0 and none, HF masks the prompt's own 0 tokens.
+    out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                         max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                         do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 

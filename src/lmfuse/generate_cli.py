@@ -67,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most tokens generated per prompt (default 128)")
     parser.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default="auto",
                         help="the KV cache's dtype (default auto: the model's; fp8: e4m3 "
-                        "with per-head scales)")
+                        "with per-head scales; bf16 / fp16 / fp32: the model's own, as "
+                        "--dtype or the checkpoint gives it)")
     parser.add_argument("--temperature", type=number_range(0, note=" (0: greedy)"), default=0.0,
                         metavar="T", help="0: greedy (default); above 0: sample")
     parser.add_argument("--top-k", type=int_range(1), default=None, metavar="K",

@@ -247,6 +247,60 @@ def test_unsupported_models_are_refused() -> None:
         Generator(gpt2)
     with pytest.raises(TypeError, match="model must be a loaded transformers causal LM"):
         Generator(torch.nn.Linear(2, 2))
+    from transformers import AutoModel
+
+    base = AutoModel.from_config(model_of("llama").config)  # no LM head
+    with pytest.raises(ValueError, match="LlamaModel is not a causal LM"):
+        Generator(base, num_blocks=8)
+    with pytest.raises(TypeError, match="model's dtype must be float32, float16 or bfloat16.*"
+                                        "float64"):
+        Generator(tiny_causal_lm("llama").double(), num_blocks=8)
+
+
+def test_a_failed_generate_leaves_the_generator_usable(monkeypatch) -> None:
+    """An error (or ^C) inside generate() takes its own requests with it: the caller never
+    saw their ids, and the next generate() must not find the Generator busy. A closed
+    Generator refuses new requests, not only steps."""
+    gen = Generator(model_of("llama"), block_len=4, num_blocks=32, impl="torch")
+    real = gen.runner.prefill
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gen.runner, "prefill", boom)
+    with pytest.raises(KeyboardInterrupt):
+        gen.generate(PROMPTS[:2], max_new_tokens=3)
+    assert not gen.has_unfinished() and gen.cache.num_free_blocks == 32
+    monkeypatch.setattr(gen.runner, "prefill", real)
+    assert gen.generate([[5, 6]], max_new_tokens=2, eos_token_id=[]) == [
+        want("llama", [5, 6], 2)]
+    gen.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        gen.add_request([1, 2], max_new_tokens=2)
+
+
+def test_the_models_default_eos_is_named_as_such_when_it_is_bad() -> None:
+    model = tiny_causal_lm("llama")
+    model.generation_config.eos_token_id = 500
+    gen = Generator(model, block_len=4, num_blocks=16, impl="torch")
+    with pytest.raises(ValueError, match=r"\[500\] outside .*generation_config.eos_token_id"):
+        gen.generate([[1, 2]], max_new_tokens=2)
+    assert gen.generate([[5, 6]], max_new_tokens=2, eos_token_id=[]) == [
+        want("llama", [5, 6], 2)]
+
+
+def test_bfloat16_models_in_the_interpreter_decode_through_the_model() -> None:
+    """Triton's interpreter has no bfloat16 tl.dot: a bfloat16 model there decodes through
+    its own layers (lmfuse's attention), with HF's greedy tokens, and the fused layers are
+    refused by name instead of giving wrong tokens."""
+    model = tiny_causal_lm("llama").to(torch.bfloat16)
+    gen = Generator(model, block_len=4, num_blocks=32)
+    assert gen.runner.decode_path == "model"
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    assert gen.generate(prompts, max_new_tokens=4, eos_token_id=[]) == [
+        hf_greedy(model, p, 4) for p in prompts]
+    with pytest.raises(ValueError, match="decode_path='fused' cannot run a bfloat16 model"):
+        Generator(model, block_len=4, num_blocks=32, decode_path="fused")
 
 
 @pytest.mark.parametrize("prompt, kw, error, match", [
@@ -285,6 +339,10 @@ def test_bad_requests_raise_and_change_nothing(prompt, kw, error, match) -> None
     ({"kv_dtype": torch.int8}, TypeError, "kv_dtype must be"),
     ({"impl": "cuda"}, ValueError, "impl must be one of"),
     ({"max_batch": 0}, ValueError, "max_batch must be >= 1"),
+    # a cache dtype the model's K/V are not in: refused here, not by the first step
+    ({"kv_dtype": "bf16"}, ValueError,
+     r"kv_dtype must be the model's dtype \(float32\) or fp8 .*got bfloat16"),
+    ({"kv_dtype": torch.float16}, ValueError, "kv_dtype must be the model's dtype"),
 ])
 def test_bad_options_raise(kw, error, match) -> None:
     with pytest.raises(error, match=match):

@@ -33,11 +33,22 @@ def test_top_k_and_top_p_filter_each_row_by_its_own_options() -> None:
             params(temperature=2.0), params(temperature=1.0, top_k=3, top_p=0.999)]
     x = filtered_logits(logits, rows)
     inf = float("-inf")
-    assert x[0].tolist() == [inf, 3.0, inf, 2.0, inf]
+    assert x[0].tolist() == [inf, 0.0, inf, -1.0, inf]  # less the row's maximum
     # softmax of [3, 2, 1, 0, -1]: 0.636, 0.234, ...: the top token alone reaches 0.5
-    assert x[1].tolist() == [inf, 3.0, inf, inf, inf]
-    assert torch.allclose(x[2], logits[2] / 2)
-    assert x[3].tolist() == [inf, 3.0, 1.0, 2.0, inf]
+    assert x[1].tolist() == [inf, 0.0, inf, inf, inf]
+    assert torch.allclose(x[2], (logits[2] - 3.0) / 2)
+    assert x[3].tolist() == [inf, 0.0, -2.0, -1.0, inf]
+
+
+@pytest.mark.parametrize("temperature", [1e-50, 1e-40, 1e-38, 1e-30])
+def test_a_tiny_temperature_draws_the_top_token(temperature) -> None:
+    """Temperatures that round to 0 in float32, or make the top logits overflow when
+    divided: the draw is the greedy token (not the lowest id of a tie of infinities, nor
+    NaN's), and a NaN logit is still the one drawn, as greedy's."""
+    logits = torch.tensor([[5.0, 10.0, 1.0, 0.0], [5.0, 10.0, float("nan"), 0.0]])
+    rows = [params(temperature=temperature, seed=s) for s in (0, 1)]
+    for step in range(4):
+        assert sample(logits, rows, [step, step]).tolist() == [1, 2]
 
 
 def test_sample_mixes_greedy_and_sampled_rows() -> None:

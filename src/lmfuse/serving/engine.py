@@ -12,7 +12,7 @@ import torch
 
 from .._collectives import group_size
 from .._dispatch import IMPLS, check_choice, check_int, check_number
-from .._launch import DTYPE_NAMES, KERNEL_DTYPES, dtype_named
+from .._launch import DTYPE_NAMES, KERNEL_DTYPES, dtype_name, dtype_named
 from ..attention.kv_cache import KVCacheFullError, PagedKVCache
 from .attention import ATTENTION_NAME, paged_attention
 from .request import OP, Request, SamplingParams, Status
@@ -163,8 +163,8 @@ class Generator:
         heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         dim = int(getattr(config, "head_dim", None)
                   or config.hidden_size // config.num_attention_heads)
-        return 2 * int(config.num_hidden_layers) * heads * dim * _kv_dtype(
-            kv_dtype, torch.bfloat16).itemsize
+        return 2 * int(config.num_hidden_layers) * heads * dim * _kv_dtype_named(
+            kv_dtype).itemsize
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -217,13 +217,28 @@ class Generator:
                     top_p: float | None = None, eos_token_id: Any = None,
                     seed: int | None = None) -> int:
         """Queue ``prompt`` (token ids); its request id. Nothing changes on bad input."""
+        if self._closed:
+            raise RuntimeError(f"{OP}: this Generator was closed")
         tokens = self._check_prompt(prompt, "prompt")
-        params = SamplingParams.make(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-            eos_token_id=self._default_eos if eos_token_id is None else eos_token_id,
-            seed=seed, vocab_size=self.vocab_size)
+        params = self._sampling(max_new_tokens=max_new_tokens, temperature=temperature,
+                                top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=seed)
         self._check_fits(len(tokens), params.max_new_tokens, "prompt")
         return self._enqueue(tokens, params)
+
+    def _sampling(self, *, eos_token_id: Any, **options: Any) -> SamplingParams:
+        """Checked options; ``eos_token_id=None``: the model's ``generation_config``'s,
+        whose errors say where the value came from."""
+        if eos_token_id is not None:
+            return SamplingParams.make(eos_token_id=eos_token_id, vocab_size=self.vocab_size,
+                                       **options)
+        try:
+            return SamplingParams.make(eos_token_id=self._default_eos,
+                                       vocab_size=self.vocab_size, **options)
+        except (TypeError, ValueError) as exc:
+            if "eos_token_id" not in str(exc):
+                raise
+            raise type(exc)(f"{exc} (the model's generation_config.eos_token_id, used when "
+                            "none is given; pass eos_token_id= to override it)") from None
 
     def _enqueue(self, tokens: list[int], params: SamplingParams) -> int:
         rid = self._next_rid
@@ -395,18 +410,25 @@ class Generator:
             raise RuntimeError(f"{OP}: generate() needs an idle Generator; finish or abort "
                                "the requests added with add_request first")
         checked = [self._check_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
-        params = SamplingParams.make(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-            eos_token_id=self._default_eos if eos_token_id is None else eos_token_id,
-            seed=seed, vocab_size=self.vocab_size)
+        params = self._sampling(max_new_tokens=max_new_tokens, temperature=temperature,
+                                top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=seed)
         for i, p in enumerate(checked):
             self._check_fits(len(p), params.max_new_tokens, f"prompts[{i}]")
         rids = [self._enqueue(p, replace(params, seed=(params.seed + i) % (1 << 63)))
                 for i, p in enumerate(checked)]
         results: dict[int, list[int]] = {rid: [] for rid in rids}
-        while self.has_unfinished():
-            for rid, toks, _ in self.step():
-                results[rid].extend(toks)
+        try:
+            while self.has_unfinished():
+                for rid, toks, _ in self.step():
+                    results[rid].extend(toks)
+        except BaseException:
+            # Its own requests leave with the error (the caller never saw their ids), so
+            # the Generator stays usable; a step run ahead is dropped unread.
+            self._inflight = None
+            for rid in rids:
+                if rid in self._requests:
+                    self.abort(rid)
+            raise
         return [results[rid] for rid in rids]
 
     # --- fp8 scales -----------------------------------------------------------------------
@@ -507,7 +529,8 @@ def _check_model(model: Any) -> Any:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"{OP}: model type {model_type!r} ({type(model).__name__}) is not "
                          f"supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    if not hasattr(model, "lm_head") and not hasattr(model, "get_output_embeddings"):
+    head = getattr(model, "get_output_embeddings", None)
+    if head is None or head() is None or not any(True for _ in model.parameters()):
         raise ValueError(f"{OP}: {type(model).__name__} is not a causal LM (no output "
                          "embeddings); load it with AutoModelForCausalLM")
     return config
@@ -535,8 +558,22 @@ def _check_cp(model: Any, config: Any, cp_group: Any) -> None:
 
 
 def _kv_dtype(kv_dtype: Any, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's dtype: the model's (``None``) or ``float8_e4m3fn``; a dtype the model's
+    K/V are not in is refused here, not by the first step's attention."""
+    if model_dtype not in KERNEL_DTYPES:
+        raise TypeError(f"{OP}: the model's dtype must be float32, float16 or bfloat16 "
+                        f"(model.to(...)), got {dtype_name(model_dtype)}")
     if kv_dtype is None:
-        return model_dtype if model_dtype in KERNEL_DTYPES else torch.float32
+        return model_dtype
+    checked = _kv_dtype_named(kv_dtype)
+    if checked not in (model_dtype, torch.float8_e4m3fn):
+        raise ValueError(f"{OP}: kv_dtype must be the model's dtype "
+                         f"({dtype_name(model_dtype)}) or fp8 (float8_e4m3fn), got "
+                         f"{dtype_name(checked)}")
+    return checked
+
+
+def _kv_dtype_named(kv_dtype: Any) -> torch.dtype:
     if isinstance(kv_dtype, str):
         named = dtype_named(kv_dtype)
         if named not in _KV_DTYPES:

@@ -172,8 +172,17 @@ class ModelRunner:
         if decode_path == "fused" and self.sharded:
             raise ValueError("Generator: decode_path='fused' does not run over a split KV "
                              "cache (kvdp_group / cp_group) yet; use 'auto' or 'model'")
+        # Triton's interpreter has no bfloat16 tl.dot (it gives wrong products): the fused
+        # layers' GEMVs cannot run a bfloat16 model there.
+        bf16_interpreted = (impl != "torch" and self.device.type == "cpu"
+                            and interpreter_active()
+                            and next(model.parameters()).dtype == torch.bfloat16)
+        if decode_path == "fused" and bf16_interpreted:
+            raise ValueError("Generator: decode_path='fused' cannot run a bfloat16 model in "
+                             "Triton's interpreter (no bfloat16 tl.dot there); use 'auto', "
+                             "'model', impl='torch' or a float16 / float32 model")
         if decode_path == "fused" or (decode_path == "auto" and not self.sharded
-                                      and unsupported(model) is None):
+                                      and not bf16_interpreted and unsupported(model) is None):
             self.fused = FusedDecoder(model, cache, impl)
         self.decode_path = "fused" if self.fused is not None else "model"
         self._greedy: torch.Tensor | None = None  # the last replay's argmax tokens

@@ -49,12 +49,22 @@ def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> to
     return (x.double() + 0.5) / 4294967296.0
 
 
+_TINY = torch.finfo(torch.float32).tiny
+
+
 def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """``logits [n, V]`` (float32) divided by each row's temperature, with the tokens outside
     its top-k and top-p sets at ``-inf`` (the highest token always stays)."""
     n, V = logits.shape
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-    x = logits / temps.to(logits.device)[:, None]
+    # Each row less its maximum first (the draw does not change), so a tiny temperature
+    # sends the others towards -inf instead of the top ones to +inf (a tie of infinities
+    # the lowest id won); one that rounds to 0 in float32 is the smallest normal float32
+    # (not 0 / 0 = NaN at the maximum). A row holding NaN is not shifted (its NaN stays
+    # the one drawn, as greedy's).
+    top = logits.amax(-1, keepdim=True)
+    top = top.masked_fill(top.isnan(), 0.0)
+    temps = torch.tensor([max(p.temperature, _TINY) for p in params], dtype=torch.float32)
+    x = (logits - top) / temps.to(logits.device)[:, None]
     ks = [min(p.top_k, V) if p.top_k is not None else None for p in params]
     if any(k is not None for k in ks):
         kmax = max(k for k in ks if k is not None)
