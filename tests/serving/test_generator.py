@@ -411,3 +411,32 @@ def test_a_reserved_steps_inputs_come_as_one_packed_vector() -> None:
     apart = step._replace(seqlens=step.seqlens.clone())
     assert _packed(apart) is None
     assert _packed(step._replace(block_table=step.block_table.clone())) is None
+
+
+def test_a_failed_capture_is_tried_once_more(monkeypatch) -> None:
+    """A capture that fails is tried once more before the runner goes eager for good (a
+    freshly started GPU invalidated the first capture of a step, never a later one); a
+    second failure falls back with a warning, as before. The capture itself is stubbed:
+    the mechanics, on any machine."""
+    gen = Generator(model_of("llama"), block_len=4, num_blocks=16, impl="torch")
+    runner = gen.runner
+    runner.graphs_on = True
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    tries = []
+
+    def flaky(pool):
+        tries.append(pool)
+        if len(tries) == 1:
+            raise RuntimeError("capture invalidated")
+        return "graph"
+
+    assert runner._graph((1, 4), flaky) == "graph"
+    assert tries == ["pool", "pool"] and runner.graph_retries == 1
+    assert runner.graph_failures == 0 and runner.graphs_on
+
+    def broken(pool):
+        raise RuntimeError("broken")
+
+    with pytest.warns(RuntimeWarning, match="could not be captured.*broken"):
+        assert runner._graph((2, 4), broken) is None
+    assert runner.graph_retries == 2 and runner.graph_failures == 1 and not runner.graphs_on

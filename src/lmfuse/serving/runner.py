@@ -165,6 +165,7 @@ class ModelRunner:
         self._pool = None
         self._logits_buf: torch.Tensor | None = None  # the graphs' logits (_logits_out)
         self.graph_failures = 0
+        self.graph_retries = 0  # captures that failed once and were tried again
         self.graph_failure: str | None = None  # the last capture failure, where it arose
         # The fused decode layers (fused.py) where the model's family has them and the
         # cache is not split; otherwise the model's own forward decodes.
@@ -521,8 +522,18 @@ class ModelRunner:
             try:
                 if self._pool is None:
                     self._pool = torch.cuda.graph_pool_handle()
-                self._graphs[key] = (make(self._pool) if make is not None
-                                     else _DecodeGraph(self, *key, self._pool))
+                try:
+                    self._graphs[key] = (make(self._pool) if make is not None
+                                         else _DecodeGraph(self, *key, self._pool))
+                except Exception:  # noqa: BLE001
+                    if self.sharded:
+                        raise
+                    # Once more before going eager for good: on a freshly started H200
+                    # the first capture of the one-row step (its L2-prefetch branch) was
+                    # twice invalidated (cudaErrorStreamCaptureInvalidated), never after.
+                    self.graph_retries += 1
+                    self._graphs[key] = (make(self._pool) if make is not None
+                                         else _DecodeGraph(self, *key, self._pool))
             except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly
                 self.graph_failures += 1
                 prefill = key[0] == "prefill"
