@@ -343,6 +343,8 @@ def test_bad_requests_raise_and_change_nothing(prompt, kw, error, match) -> None
     ({"kv_dtype": "bf16"}, ValueError,
      r"kv_dtype must be the model's dtype \(float32\) or fp8 .*got bfloat16"),
     ({"kv_dtype": torch.float16}, ValueError, "kv_dtype must be the model's dtype"),
+    ({"cuda_graphs": "yes"}, TypeError, "cuda_graphs must be True or False, got str 'yes'"),
+    ({"prefix_sharing": None}, TypeError, "prefix_sharing must be True or False"),
 ])
 def test_bad_options_raise(kw, error, match) -> None:
     with pytest.raises(error, match=match):

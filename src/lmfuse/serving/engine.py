@@ -90,6 +90,10 @@ class Generator:
             raise ValueError(f"{OP}: memory_fraction must be in (0, 1], got {memory_fraction}")
         check_choice(OP, "impl", impl, IMPLS)
         check_choice(OP, "decode_path", decode_path, DECODE_PATHS)
+        for name, flag in (("cuda_graphs", cuda_graphs), ("prefix_sharing", prefix_sharing)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{OP}: {name} must be True or False, got "
+                                f"{type(flag).__name__} {flag!r}")
         if kvdp_group is not None and cp_group is not None:
             raise ValueError(f"{OP}: pass kvdp_group or cp_group, not both")
         if cp_group is not None:
