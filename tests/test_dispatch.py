@@ -195,3 +195,20 @@ def test_every_planner_binds_its_ops_signature(name: str) -> None:
                 if p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD]
     with pytest.raises(TypeError, match=rf"^{name}: .*'no_such_argument'"):
         lmfuse.explain(op, *[None] * len(required), no_such_argument=1)
+
+
+def test_int_and_number_checks_take_numpy_scalars_not_bools() -> None:
+    import numpy as np
+
+    from lmfuse._dispatch import check_int, check_number
+
+    assert check_int("op", "n", np.int64(3)) == 3 and type(check_int("op", "n", np.int32(3))) is int
+    assert check_number("op", "x", np.float32(0.5)) == 0.5
+    for bad in (True, np.bool_(True), 2.0, "3"):
+        with pytest.raises(TypeError, match="op: n must be an int"):
+            check_int("op", "n", bad)
+    for bad in (True, np.bool_(False), "0.5", torch.tensor(0.5)):
+        with pytest.raises(TypeError, match="op: x must be a float"):
+            check_number("op", "x", bad)
+    with pytest.raises(ValueError, match="n must be >= 1, got 0"):
+        check_int("op", "n", np.int64(0), minimum=1)

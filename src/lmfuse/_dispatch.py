@@ -21,6 +21,7 @@ import functools
 import importlib.util
 import inspect
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -367,9 +368,11 @@ def check_same_device(op: str, ref_name: str, ref: torch.Tensor, **others: Any) 
 
 
 def check_number(op: str, name: str, value: Any, *, allow_none: bool = True) -> float | None:
+    """``value`` as a finite float: a Python or NumPy real number (not a bool)."""
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if type(value) is not float and (isinstance(value, bool)
+                                     or not isinstance(value, numbers.Real)):
         raise TypeError(f"{op}: {name} must be a float, got {type(value).__name__} {value!r}")
     value = float(value)
     if not math.isfinite(value):
@@ -378,8 +381,12 @@ def check_number(op: str, name: str, value: Any, *, allow_none: bool = True) -> 
 
 
 def check_int(op: str, name: str, value: Any, *, minimum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__} {value!r}")
+    """``value`` as an int: a Python or NumPy integer (not a bool)."""
+    if type(value) is not int:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__} "
+                            f"{value!r}")
+        value = int(value)
     if minimum is not None and value < minimum:
         raise ValueError(f"{op}: {name} must be >= {minimum}, got {value}")
     return value

@@ -442,3 +442,24 @@ def test_a_failed_capture_is_tried_once_more(monkeypatch) -> None:
     with pytest.warns(RuntimeWarning, match="could not be captured.*broken"):
         assert runner._graph((2, 4), broken) is None
     assert runner.graph_retries == 2 and runner.graph_failures == 1 and not runner.graphs_on
+
+
+def test_numpy_prompts_and_options_are_taken_as_ints() -> None:
+    """A tokenizer's NumPy output (an int array, NumPy integers) and NumPy scalars for the
+    options give the tokens of plain ints; NumPy bools and float arrays are refused."""
+    import numpy as np
+
+    gen = Generator(model_of("llama"), block_len=4, num_blocks=32, impl="torch")
+    want_ = want("llama", [5, 6, 7], 3)
+    eos = next(t for t in range(97) if t not in want_)  # an eos that never stops it
+    got = gen.generate([np.array([5, 6, 7]), [np.int64(5), np.int32(6), 7]],
+                       max_new_tokens=np.int64(3), eos_token_id=np.int64(eos),
+                       seed=np.int64(1), temperature=np.float32(0.0))
+    assert got == [want_, want_]
+    stop = want_[1]  # a NumPy eos stops where a plain one does
+    assert gen.generate([[5, 6, 7]], max_new_tokens=3, eos_token_id=np.int64(stop)) == [
+        want_[:2]]
+    with pytest.raises(TypeError, match=r"prompts\[0\] must hold ints"):
+        gen.generate([[np.bool_(True)]], max_new_tokens=2)
+    with pytest.raises(TypeError, match="1-D sequence of token ids, got a 1-D torch.float64"):
+        gen.generate([np.array([1.5, 2.0])], max_new_tokens=2)

@@ -4,6 +4,7 @@ on lmfuse's paged KV cache and decode kernels."""
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -252,6 +253,8 @@ class Generator:
         return rid
 
     def _check_prompt(self, prompt: Any, name: str) -> list[int]:
+        if not isinstance(prompt, torch.Tensor) and hasattr(prompt, "__array__"):
+            prompt = torch.as_tensor(prompt)  # a NumPy array of ids (a tokenizer's "np")
         if isinstance(prompt, torch.Tensor):
             if prompt.dim() != 1 or prompt.dtype.is_floating_point:
                 raise TypeError(f"{OP}: {name} must be a 1-D sequence of token ids, got a "
@@ -261,10 +264,12 @@ class Generator:
             raise TypeError(f"{OP}: {name} must be a list of token ids (ints), got "
                             f"{type(prompt).__name__}")
         tokens = list(prompt)
-        for t in tokens:
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise TypeError(f"{OP}: {name} must hold ints (token ids), got "
-                                f"{type(t).__name__} {t!r}")
+        for i, t in enumerate(tokens):
+            if type(t) is not int:
+                if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                    raise TypeError(f"{OP}: {name} must hold ints (token ids), got "
+                                    f"{type(t).__name__} {t!r}")
+                tokens[i] = int(t)  # a NumPy integer
         if not tokens:
             raise ValueError(f"{OP}: {name} is empty; a prompt needs at least one token")
         bad = [t for t in tokens if not 0 <= t < self.vocab_size]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import numbers
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,8 +49,8 @@ class SamplingParams:
                 raise ValueError(f"{OP}: top_p must be in (0, 1], got {top_p}")
         if eos_token_id is None:
             eos: frozenset[int] = frozenset()
-        elif isinstance(eos_token_id, int) and not isinstance(eos_token_id, bool):
-            eos = frozenset([eos_token_id])
+        elif isinstance(eos_token_id, numbers.Integral) and not isinstance(eos_token_id, bool):
+            eos = frozenset([int(eos_token_id)])
         elif isinstance(eos_token_id, Sequence) and not isinstance(eos_token_id, str):
             eos = frozenset(check_int(OP, "eos_token_id", t) for t in eos_token_id)
         else:
