@@ -522,18 +522,19 @@ class ModelRunner:
             try:
                 if self._pool is None:
                     self._pool = torch.cuda.graph_pool_handle()
+                capture = make or (lambda pool: _DecodeGraph(self, *key, pool))
                 try:
-                    self._graphs[key] = (make(self._pool) if make is not None
-                                         else _DecodeGraph(self, *key, self._pool))
+                    graph = capture(self._pool)
                 except Exception:  # noqa: BLE001
                     if self.sharded:
                         raise
-                    # Once more before going eager for good: on a freshly started H200
-                    # the first capture of the one-row step (its L2-prefetch branch) was
-                    # twice invalidated (cudaErrorStreamCaptureInvalidated), never after.
+                    # Once more before going eager for good (a new graph on new static
+                    # buffers): on freshly started H200s the first capture of the one-row
+                    # step (its L2-prefetch branch) was invalidated in two first runs of
+                    # three (cudaErrorStreamCaptureInvalidated), never in later runs.
                     self.graph_retries += 1
-                    self._graphs[key] = (make(self._pool) if make is not None
-                                         else _DecodeGraph(self, *key, self._pool))
+                    graph = capture(self._pool)
+                self._graphs[key] = graph
             except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly
                 self.graph_failures += 1
                 prefill = key[0] == "prefill"

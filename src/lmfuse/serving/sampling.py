@@ -64,7 +64,7 @@ def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     top = logits.amax(-1, keepdim=True)
     top = top.masked_fill(top.isnan(), 0.0)
     temps = torch.tensor([max(p.temperature, _TINY) for p in params], dtype=torch.float32)
-    x = (logits - top) / temps.to(logits.device)[:, None]
+    x = (logits - top).div_(temps.to(logits.device)[:, None])
     ks = [min(p.top_k, V) if p.top_k is not None else None for p in params]
     if any(k is not None for k in ks):
         kmax = max(k for k in ks if k is not None)
