@@ -84,12 +84,50 @@ def test_one_row_steps_prefetch_into_l2_and_keep_the_tokens() -> None:
         got = gen.generate([prompt], max_new_tokens=NEW, eos_token_id=[])
         torch.cuda.synchronize()
     assert got == want
+    print(f"one-row captures retried: {gen.runner.graph_retries} "
+          f"({gen.runner.graph_retry_error})")
     assert gen.stats["graph_failures"] == 0
     assert any("l2_prefetch_kernel" in e.name for e in prof.events())
     with tuning.overlay("gemv", {"l2_prefetch_bytes": 0}):
         plain = Generator(model, block_len=4, num_blocks=256)
     assert plain.runner.fused.l2_prefetch == 0
     assert plain.generate([prompt], max_new_tokens=NEW, eos_token_id=[]) == want
+
+
+@pytest.mark.parametrize("breaks", [1, 2])
+def test_an_invalidated_capture_is_tried_again(breaks: int,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capture that the GPU invalidates (here a synchronisation inside it, as a freshly
+    started H200 did to the first one-row capture) is captured again, into a new memory
+    pool: with one break the steps replay in graphs, one retry and no failure counted;
+    with two that step runs eagerly (one failure) and the other captures still succeed.
+    The tokens are model.generate's either way."""
+    from lmfuse.serving import runner as runner_mod
+
+    model = tiny_causal_lm("llama").cuda()
+    prompt = PROMPTS[0]
+    want = [_hf(model, prompt, NEW)]
+    gen = Generator(model, block_len=4, num_blocks=256)
+    real, broke = runner_mod._with_tokens, []
+
+    def breaking(out):
+        if torch.cuda.is_current_stream_capturing() and len(broke) < breaks:
+            broke.append(True)
+            torch.cuda.synchronize()  # not permitted while capturing: invalidates it
+        return real(out)
+
+    monkeypatch.setattr(runner_mod, "_with_tokens", breaking)
+    stream = torch.cuda.current_stream()
+    got = gen.generate([prompt], max_new_tokens=NEW, eos_token_id=[])
+    assert len(broke) == breaks and got == want
+    assert torch.cuda.current_stream() == stream  # not the failed capture's side stream
+    st, r = gen.stats, gen.runner
+    print(f"retried after: {r.graph_retry_error}")
+    assert r.graph_retries == 1 and "capture" in r.graph_retry_error, r.graph_retry_error
+    assert st["graph_failures"] == breaks - 1, r.graph_failure
+    assert st["cuda_graphs"] > 0 and (r.graphs_on or r.prefill_graphs_on)
+    if breaks == 1:
+        assert r.graphs_on and r.prefill_graphs_on
 
 
 def test_graphs_share_one_logits_buffer_and_sampling_reads_it() -> None:

@@ -423,7 +423,8 @@ def test_a_failed_capture_is_tried_once_more(monkeypatch) -> None:
     gen = Generator(model_of("llama"), block_len=4, num_blocks=16, impl="torch")
     runner = gen.runner
     runner.graphs_on = True
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    pools = iter(["pool", "pool2", "pool3", "pool4"])
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(pools))
     tries = []
 
     def flaky(pool):
@@ -433,7 +434,9 @@ def test_a_failed_capture_is_tried_once_more(monkeypatch) -> None:
         return "graph"
 
     assert runner._graph((1, 4), flaky) == "graph"
-    assert tries == ["pool", "pool"] and runner.graph_retries == 1
+    # the retry into a new pool (torch takes no capture into an invalidated one's)
+    assert tries == ["pool", "pool2"] and runner.graph_retries == 1
+    assert runner.graph_retry_error == "RuntimeError: capture invalidated"
     assert runner.graph_failures == 0 and runner.graphs_on
 
     def broken(pool):
@@ -442,6 +445,7 @@ def test_a_failed_capture_is_tried_once_more(monkeypatch) -> None:
     with pytest.warns(RuntimeWarning, match="could not be captured.*broken"):
         assert runner._graph((2, 4), broken) is None
     assert runner.graph_retries == 2 and runner.graph_failures == 1 and not runner.graphs_on
+    assert runner._pool is None  # a later capture (a prefill's) into a new pool
 
 
 def test_numpy_prompts_and_options_are_taken_as_ints() -> None:

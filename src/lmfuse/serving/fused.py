@@ -203,6 +203,7 @@ class FusedDecoder:
         # branch (module docstring); PDL's GPUs (Hopper and later) have the bulk prefetch.
         self.l2_prefetch = fused_ops.l2_prefetch_bytes(self.device) if self.pdl else 0
         self._side = torch.cuda.Stream(self.device) if self.l2_prefetch else None
+        self._prefetch_loaded = False  # its kernel launched once outside a capture
         self.hq = int(config.num_attention_heads)
         self.hkv = cache.kv_heads
         self.d = cache.head_dim
@@ -291,8 +292,13 @@ class FusedDecoder:
         tensor of the logits' dtype that the LM head writes them into (a captured step's
         output in a buffer all of a runner's graphs share)."""
         # One row captured in a graph: the L2 prefetch's side branch (module docstring).
+        # Also the first one-row step outside a capture (a graph's warm-up), so that the
+        # kernel is compiled and loaded before any capture launches it: launched first
+        # inside one, it invalidated the capture on freshly started H200s.
         prefetch = (self._side is not None and self.triton and ids.shape[0] == 1
-                    and prefill is None and torch.cuda.is_current_stream_capturing())
+                    and prefill is None and (torch.cuda.is_current_stream_capturing()
+                                             or not self._prefetch_loaded))
+        self._prefetch_loaded |= prefetch
         try:
             return self._forward(ids, table, before, after, argmax, tokens, prefill, out,
                                  prefetch)

@@ -166,6 +166,7 @@ class ModelRunner:
         self._logits_buf: torch.Tensor | None = None  # the graphs' logits (_logits_out)
         self.graph_failures = 0
         self.graph_retries = 0  # captures that failed once and were tried again
+        self.graph_retry_error: str | None = None  # what the last retried capture raised
         self.graph_failure: str | None = None  # the last capture failure, where it arose
         # The fused decode layers (fused.py) where the model's family has them and the
         # cache is not split; otherwise the model's own forward decodes.
@@ -525,18 +526,24 @@ class ModelRunner:
                 capture = make or (lambda pool: _DecodeGraph(self, *key, pool))
                 try:
                     graph = capture(self._pool)
-                except Exception:  # noqa: BLE001
+                except Exception as first:  # noqa: BLE001
                     if self.sharded:
                         raise
                     # Once more before going eager for good (a new graph on new static
                     # buffers): on freshly started H200s the first capture of the one-row
                     # step (its L2-prefetch branch) was invalidated in two first runs of
                     # three (cudaErrorStreamCaptureInvalidated), never in later runs.
+                    # Into a new memory pool: torch 2.11 refuses any later capture into
+                    # the pool of an invalidated one ("beginAllocateToPool: already
+                    # recording to mempool_id", H200), even once its recording is ended.
                     self.graph_retries += 1
+                    self.graph_retry_error = f"{type(first).__name__}: {first}"
+                    self._pool = torch.cuda.graph_pool_handle()
                     graph = capture(self._pool)
                 self._graphs[key] = graph
             except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly
                 self.graph_failures += 1
+                self._pool = None  # (the later captures, if any, into a new pool: above)
                 prefill = key[0] == "prefill"
                 if prefill:
                     self.prefill_graphs_on = False
@@ -787,11 +794,27 @@ def _capture(runner: ModelRunner, forward: Any, pool: Any) -> tuple[Any, torch.T
         del logits
         torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with _capturing(graph, pool, dev):
             logits, tokens = _with_tokens(forward(out))  # greedy rows need nothing more
             if logits.data_ptr() != out.data_ptr():
                 logits = out.copy_(logits)
     return graph, logits, tokens
+
+
+@contextlib.contextmanager
+def _capturing(graph: Any, pool: Any, dev: torch.device) -> Iterator[None]:
+    """``torch.cuda.graph(graph, pool=pool)``, with the caller's stream current again
+    after a failed capture: where the capture is invalidated, torch's ``capture_end``
+    raises before the context restores it, and the later work would run on the capture's
+    side stream. (The pool takes no later capture: :meth:`ModelRunner._graph` moves to a
+    new one.)"""
+    stream = torch.cuda.current_stream(dev)
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    except BaseException:
+        torch.cuda.set_stream(stream)
+        raise
 
 
 def _with_tokens(out: Any) -> tuple[torch.Tensor, torch.Tensor]:
