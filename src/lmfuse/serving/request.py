@@ -18,11 +18,13 @@ OP = "Generator"
 class SamplingParams:
     """How one request's tokens are chosen and when it stops.
 
-    ``temperature == 0``: greedy (the highest logit, lowest id on a tie). Otherwise the
-    logits are divided by ``temperature``, restricted to the ``top_k`` highest and to the
-    smallest set whose probability reaches ``top_p``, and one token is drawn. The draw for
-    a request's ``i``-th new token depends only on ``(seed, i)`` and the logits: the same
-    seed gives the same tokens whatever else runs in the batch, and after a preemption.
+    ``temperature == 0``: greedy (the highest logit, lowest id on a tie; ``top_k`` and
+    ``top_p`` apply to sampling only, as in Hugging Face's greedy search). Otherwise
+    the logits are divided by ``temperature``, restricted to the ``top_k`` highest and to
+    the smallest set whose probability reaches ``top_p``, and one token is drawn. The draw
+    for a request's ``i``-th new token depends only on ``(seed, i)`` and the logits: the
+    same seed gives the same tokens whatever else runs in the batch, and after a
+    preemption. ``seed``: any int, taken modulo 2**63.
     """
 
     max_new_tokens: int
