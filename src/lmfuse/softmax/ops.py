@@ -275,6 +275,10 @@ def _resolve(scores, scale, mask, causal, window_size, softmax_offset, softmax_i
     if not isinstance(softmax_in_fp32, bool):
         raise TypeError(f"{_OP}: softmax_in_fp32 must be a bool, got {softmax_in_fp32!r}")
     path, reason = select_impl(_OP, impl, scores.device)
+    if softmax_offset is not None and not softmax_offset.is_contiguous():
+        # (the kernels read head h's at offset + h; a strided or expanded view would be
+        # misread: the copy is in the autograd graph, its gradient reaches the view)
+        softmax_offset = softmax_offset.contiguous()
     call = SoftmaxCall(1.0 if scale is None else scale, mask, mask_kind, left, right,
                        softmax_offset)
     return path, reason, call
