@@ -961,6 +961,25 @@ def test_abort_and_eos_while_a_step_runs_ahead() -> None:
     assert gen.cache.num_free_blocks == 48 and not gen.has_unfinished()
 
 
+def test_aborting_every_request_while_a_step_runs_ahead_leaves_it_idle() -> None:
+    """Aborting the last running request while its next step is already launched: the
+    Generator is idle at once (nothing unfinished, no step left to read), every block is
+    back and generate() runs, with HF's tokens."""
+    model = _model("llama")
+    gen = Generator(model, block_len=4, num_blocks=48, impl="torch")
+    rid = gen.add_request(PROMPTS[0], max_new_tokens=8, eos_token_id=[])
+    for _ in range(4):  # the prefill, then greedy steps run ahead
+        gen.step()
+        if gen._inflight is not None:
+            break
+    assert gen._inflight is not None
+    gen.abort(rid)
+    assert not gen.has_unfinished() and gen._inflight is None
+    assert gen.cache.num_free_blocks == 48 and gen.step() == []
+    assert gen.generate([PROMPTS[1]], max_new_tokens=4, eos_token_id=[]) == [
+        hf_greedy(model, PROMPTS[1], 4)]
+
+
 @pytest.mark.parametrize("rows", [1, 3, 17])
 def test_lm_head_gemv_gives_torch_argmax_of_its_logits(rows: int) -> None:
     """``argmax=True``: the logits as without it, and each row's argmax from the tiles as

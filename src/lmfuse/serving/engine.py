@@ -302,6 +302,10 @@ class Generator:
             self.scheduler.abort(req)
             if self.shards is not None:
                 self.shards.sync(set(self._pool.sequences))
+            if self._inflight is not None:  # a step run ahead for aborted requests only:
+                self._inflight.drop_finished()  # nothing is left to read from it
+                if not self._inflight.live:
+                    self._inflight = None
 
     # --- steps ----------------------------------------------------------------------------
 
