@@ -621,7 +621,13 @@ def _causal_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Linear,
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = _linear_cross_entropy(hidden, weight, target, bias=bias, ignore_index=ignore_index,
                                  softcap=softcap, reduction=reduction, impl=impl)
-    if num_items_in_batch is not None:
+    if num_items_in_batch is None:
+        # transformers' mean over no token is NaN (F.cross_entropy's), lmfuse's 0: NaN
+        # here too (an all-ignored batch shows as in the unpatched model; the gradients
+        # stay zero, as there). No host synchronisation.
+        loss = torch.where((target != ignore_index).any(), loss,
+                           loss.new_full((), float("nan")))
+    else:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
         loss = loss / num_items_in_batch
@@ -636,11 +642,15 @@ def _signature(cls: type) -> inspect.Signature:
 
 def _causal_lm_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
     """The patched causal-LM forward: the class's own forward unless ``labels`` are given
-    (and ``logits_to_keep`` is 0), then :func:`_forward_with_loss`."""
+    (and ``logits_to_keep`` is 0) and the call trains (training mode, or gradients on),
+    then :func:`_forward_with_loss`. An evaluation (eval mode under ``torch.no_grad()``,
+    as the Trainer's evaluate and predict call it) runs the model's own forward: it
+    returns the logits, which metrics read."""
     original = type(self).forward
     a = dict(_signature(type(self)).bind(self, *args, **kwargs).arguments)
     keep = a.get("logits_to_keep", 0)
-    if a.get("labels") is None or not (isinstance(keep, int) and keep == 0):
+    if (a.get("labels") is None or not (isinstance(keep, int) and keep == 0)
+            or not (self.training or torch.is_grad_enabled())):
         return original(self, *args, **kwargs)
     router = kwargs.get("output_router_logits", a.get("output_router_logits"))
     if router is None:
@@ -933,8 +943,11 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
             ``ignore_index`` -100, ``shift_labels`` if passed, and ``num_items_in_batch``
             (sum divided by it) for gradient accumulation.
             **The output's ``logits`` is then ``None``**: the ``[tokens, vocab]`` logits are
-            never formed. Without labels (inference, ``generate``), or with a nonzero
-            ``logits_to_keep``, the model's own forward runs and returns logits as before.
+            never formed. Without labels (inference, ``generate``), with a nonzero
+            ``logits_to_keep``, or in an evaluation (eval mode under ``torch.no_grad()``:
+            the Trainer's evaluate and predict, whose metrics read the logits), the model's
+            own forward runs and returns logits and its loss as before. A batch whose
+            labels are all ``ignore_index`` gives transformers' NaN mean (zero gradients).
             Only on models with an ``lm_head`` (ignored on base models).
         experts: run each mixture-of-experts experts module (``forward(hidden_states
             [T, H], top_k_index [T, k], top_k_weights [T, k])`` over ``gate_up_proj`` and
