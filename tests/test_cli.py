@@ -256,6 +256,8 @@ def test_bench_harness_missing_a_package_is_a_clear_error(
     pytest.param(["bench", "softmax", "--json", "/no/such/dir/x.json"],
                  "argument --json: cannot write '/no/such/dir/x.json': no directory",
                  id="bench-json-dir"),
+    pytest.param(["bench", "softmax", "--json", "/"],
+                 "argument --json: cannot write '/': it is a directory", id="bench-json-is-dir"),
     pytest.param(["bench", "decode_attention", "--cases"],
                  "lmfuse bench decode_attention: argument --cases: expected one argument",
                  id="bench-decode-cases"),
@@ -300,6 +302,10 @@ def test_bench_harness_missing_a_package_is_a_clear_error(
                  "MODEL_DIR", id="generate-no-dir"),
     pytest.param(["generate", "/no/such/model", "--prompt", "a"],
                  "lmfuse generate: /no/such/model: no such directory", id="generate-missing"),
+    pytest.param(["generate", "", "--prompt", "a"],
+                 "argument MODEL_DIR: expected a non-empty value, got ''", id="generate-dir-empty"),
+    pytest.param(["generate", "m", "--prompts-file", ""],
+                 "argument --prompts-file: expected a non-empty value", id="generate-file-empty"),
     pytest.param(["generate", "m", "--max-new-tokens", "0"],
                  "argument --max-new-tokens: must be >= 1, got 0", id="generate-tokens-0"),
     pytest.param(["generate", "m", "--top-k", "-1"], "argument --top-k: must be >= 1",
@@ -323,6 +329,36 @@ def test_bad_arguments_exit_2_with_one_line(capsys: pytest.CaptureFixture[str],
     assert message in err, err
     assert err.count("\n") == 1 and err.endswith("\n"), err
     assert "Traceback" not in err and "usage:" not in err
+
+
+def test_bench_plot_format_is_checked_before_timing(capsys: pytest.CaptureFixture[str],
+                                                   tmp_path: Path) -> None:
+    """A --plot format matplotlib cannot write, or a directory, is refused before any
+    timing; a name without a suffix gets the .png matplotlib writes."""
+    pytest.importorskip("matplotlib")  # (installed by make test: `lmfuse[test]`)
+    from lmfuse._cli_args import plot_file
+
+    code, out, err = run_cli(capsys, "bench", "softmax", "--plot", str(tmp_path / "b.xyz"))
+    assert (code, out) == (2, "") and "matplotlib cannot write .xyz files" in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    code, out, err = run_cli(capsys, "bench", "softmax", "--plot", str(tmp_path))
+    assert (code, out) == (2, "") and "it is a directory" in err, err
+    assert plot_file("a/b") == "a/b.png" and plot_file("a/b.svg") == "a/b.svg"
+
+
+@pytest.mark.parametrize("entries, message", [
+    ('{"decode": [{"b": 1}], "collectives": [1], "merge": [1]}', "decode entry 0 has no 'bytes'"),
+    ('{"decode": [1, 2], "collectives": [1], "merge": [1]}', "decode entry 0 is int 1, not an"),
+    ('{"decode": "x", "collectives": [1], "merge": [1]}', "'decode' must be a list"),
+])
+def test_plan_calibration_entries_are_checked(capsys: pytest.CaptureFixture[str],
+                                              tmp_path: Path, entries: str,
+                                              message: str) -> None:
+    cal = tmp_path / "cal.json"
+    cal.write_text(entries)
+    code, out, err = run_cli(capsys, "plan", "--calibrate", str(cal))
+    assert (code, out) == (2, "") and message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
 
 
 @pytest.mark.skipif(ON_CUDA, reason="checks the no-CUDA message")

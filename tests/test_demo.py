@@ -207,6 +207,8 @@ def test_plot_path_is_checked_first(capsys, tmp_path):
     assert (code, out) == (2, "") and "no directory" in err, err
     code, out, err = run_cli(capsys, "demo", "--plot", str(tmp_path / "loss.xyz"))
     assert (code, out) == (2, "") and "matplotlib cannot write .xyz files" in err, err
+    code, out, err = run_cli(capsys, "demo", "--plot", str(tmp_path))
+    assert (code, out) == (2, "") and "is a directory" in err, err
 
 
 def test_run_checks_the_config_before_any_work():

@@ -99,12 +99,46 @@ def dtype_name(text: str) -> str:
 
 
 def output_file(text: str) -> str:
-    """An argparse ``type``: a file to write, in a directory that exists (so a long run does
-    not fail at its end)."""
+    """An argparse ``type``: a file to write, in a directory that exists, not a directory
+    itself (so a long run does not fail at its end)."""
     parent = Path(text).parent
-    if not text or not parent.is_dir():
+    if not text:
+        raise argparse.ArgumentTypeError("cannot write '': give a file name")
+    if Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: it is a directory; give a "
+                                         "file name in it")
+    if not parent.is_dir():
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: no directory {str(parent)!r}")
     return text
+
+
+def nonempty(text: str) -> str:
+    """An argparse ``type``: any string but the empty one (a path given as ``''`` would
+    name the current directory)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a non-empty value, got ''")
+    return text
+
+
+def plot_format_error(path: str) -> Optional[str]:
+    """None when matplotlib writes ``path``'s format (no suffix: PNG, see
+    :func:`plot_file`); else the line saying which formats it writes. Needs matplotlib."""
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if not suffix:
+        return None
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix in formats:
+        return None
+    return (f"{path!r}: matplotlib cannot write .{suffix} files; use one of "
+            f".{', .'.join(sorted(formats))}")
+
+
+def plot_file(path: str) -> str:
+    """The file a figure saved to ``path`` lands in: matplotlib adds ``.png`` to a name
+    without a suffix; given here, so that what is printed is what was written."""
+    return path if Path(path).suffix else f"{path}.png"
 
 
 def missing_package(module: str, needed_by: str, install: str) -> Optional[str]:

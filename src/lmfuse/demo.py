@@ -49,7 +49,7 @@ import torch
 
 import lmfuse
 from lmfuse.bench.common import Memory, wall_ms
-from lmfuse._cli_args import DTYPES, ArgumentParser, missing_package
+from lmfuse._cli_args import DTYPES, ArgumentParser, missing_package, plot_file, plot_format_error
 # The model (lmfuse.tiny_gpt, shared with examples/), under the names this module had.
 from lmfuse.tiny_gpt import (NORM_EPS, PLAIN_MLP, ROPE_THETA, VOCAB, ModelConfig,  # noqa: F401
                              TinyGPT, as_llama, load_text)
@@ -299,14 +299,11 @@ def _check_plot(path: str, name: Callable[[str], str]) -> None:
     parent = Path(path).parent
     if not path or not parent.is_dir():
         raise ValueError(f"{name('plot')} {path!r}: no directory {str(parent)!r} to write into")
-    suffix = Path(path).suffix.lower().lstrip(".")
-    if suffix:
-        from matplotlib.backend_bases import FigureCanvasBase
-
-        formats = FigureCanvasBase.get_supported_filetypes()
-        if suffix not in formats:
-            raise ValueError(f"{name('plot')} {path!r}: matplotlib cannot write .{suffix} "
-                             f"files; use one of .{', .'.join(sorted(formats))}")
+    if Path(path).is_dir():
+        raise ValueError(f"{name('plot')} {path!r} is a directory: give a file name in it")
+    bad = plot_format_error(path)
+    if bad:
+        raise ValueError(f"{name('plot')} {bad}")
 
 
 # --- data and training -----------------------------------------------------------------------
@@ -654,6 +651,7 @@ def plot(r: DemoResult, path: str) -> str:
     ax.set_title(f"lmfuse demo ({r.device}, {r.dtype})")
     ax.legend()
     fig.tight_layout()
+    path = plot_file(path)
     fig.savefig(path)
     plt.close(fig)
     return f"loss curves written to {path}"

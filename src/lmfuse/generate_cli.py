@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from lmfuse._cli_args import DTYPES, int_range, number_range
+from lmfuse._cli_args import DTYPES, int_range, nonempty, number_range
 
 PROG = "lmfuse generate"
 #: ``lmfuse generate --help``'s description: this docstring as plain text.
@@ -56,12 +56,12 @@ class UsageError(Exception):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``lmfuse generate`` on ``parser`` (its subparser)."""
-    parser.add_argument("model_dir", metavar="MODEL_DIR",
+    parser.add_argument("model_dir", metavar="MODEL_DIR", type=nonempty,
                         help="a local Hugging Face checkpoint directory (config.json, weights, "
                         "tokenizer); nothing is downloaded")
     parser.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                         help="a prompt (repeatable)")
-    parser.add_argument("--prompts-file", metavar="F",
+    parser.add_argument("--prompts-file", metavar="F", type=nonempty,
                         help="more prompts, one per line (blank lines skipped); '-': stdin")
     parser.add_argument("--max-new-tokens", type=int_range(1), default=128, metavar="N",
                         help="most tokens generated per prompt (default 128)")

@@ -21,7 +21,8 @@ from typing import Any, Callable
 import torch
 
 from lmfuse._dispatch import interpreter_active
-from lmfuse._cli_args import ArgumentParser, missing_package, output_file
+from lmfuse._cli_args import (ArgumentParser, missing_package, output_file, plot_file,
+                              plot_format_error)
 
 
 @dataclass
@@ -273,6 +274,7 @@ def plot(path: str, results: list[Result], title: str, *,
     ax.set(ylabel=ylabel, title=title, yscale="log" if log else "linear")
     ax.legend(fontsize=7)
     fig.tight_layout()
+    path = plot_file(path)
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
 
@@ -316,11 +318,15 @@ def parser(prog: str, doc: str) -> argparse.ArgumentParser:
 
 
 def check_plot(p: argparse.ArgumentParser, path: str | None) -> None:
-    """``--plot`` needs matplotlib: said before any timing, not after it."""
+    """``--plot`` needs matplotlib and a format it writes: said before any timing, not
+    after it."""
     missing = path and missing_package("matplotlib", "--plot",
                                        "'lmfuse[bench]' (or matplotlib)")
     if missing:
         p.error(missing)
+    bad = path and plot_format_error(path)
+    if bad:
+        p.error(f"argument --plot: {bad}")
 
 
 def start(prog: str, doc: str, argv: list[str] | None, plot_what: str = "achieved TB/s",

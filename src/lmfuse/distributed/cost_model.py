@@ -85,11 +85,28 @@ class CostModel:
         for key in ("decode", "collectives", "merge"):
             if not cal.get(key):
                 raise ValueError(f"calibration {source or ''}: no {key!r} measurements")
-        read = fit_line([(d["bytes"], d["ms"]) for d in cal["decode"]])
+        def entries(key: str, *fields: str) -> list[dict[str, Any]]:
+            """``cal[key]``'s measurements, each an object with ``fields``."""
+            got = cal[key]
+            if not isinstance(got, list):
+                raise ValueError(f"calibration {source}: {key!r} must be a list of "
+                                 f"measurements, got {type(got).__name__}")
+            for i, e in enumerate(got):
+                if not isinstance(e, dict):
+                    raise ValueError(f"calibration {source}: {key} entry {i} is "
+                                     f"{type(e).__name__} {e!r}, not an object")
+                missing = [f for f in fields if f not in e]
+                if missing:
+                    raise ValueError(f"calibration {source}: {key} entry {i} has no "
+                                     f"{missing[0]!r}")
+            return got
+
+        read = fit_line([(d["bytes"], d["ms"]) for d in entries("decode", "bytes", "ms")])
         merge = fit_line([(m["P"] * m["rows"] * (m["D"] + 1) * LSE_BYTES
-                           + m["rows"] * m["D"] * LSE_BYTES, m["ms"]) for m in cal["merge"]])
+                           + m["rows"] * m["D"] * LSE_BYTES, m["ms"])
+                          for m in entries("merge", "P", "rows", "D", "ms")])
         points: dict[str, dict[int, list[tuple[float, float]]]] = {}
-        for c in cal["collectives"]:
+        for c in entries("collectives", "n", "bytes_per_rank", "kind"):
             if c.get("ms") is None:
                 continue
             n, b = int(c["n"]), float(c["bytes_per_rank"])
