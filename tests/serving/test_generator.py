@@ -467,3 +467,17 @@ def test_numpy_prompts_and_options_are_taken_as_ints() -> None:
         gen.generate([[np.bool_(True)]], max_new_tokens=2)
     with pytest.raises(TypeError, match="1-D sequence of token ids, got a 1-D torch.float64"):
         gen.generate([np.array([1.5, 2.0])], max_new_tokens=2)
+
+
+def test_eos_token_id_may_be_an_int_tensor() -> None:
+    """eos_token_id as a 0-d or 1-d integer tensor (as a generation config may hold it)
+    stops where the plain ints do; a float, bool or 2-D tensor is refused by name."""
+    gen = Generator(model_of("llama"), block_len=4, num_blocks=32, impl="torch")
+    want_ = want("llama", [5, 6, 7], 3)
+    stop = want_[1]
+    for eos in (torch.tensor(stop), torch.tensor([stop, 96], dtype=torch.int32)):
+        assert gen.generate([[5, 6, 7]], max_new_tokens=3, eos_token_id=eos) == [want_[:2]]
+    for bad in (torch.tensor([1.0]), torch.tensor([True]), torch.tensor([[1, 2]])):
+        with pytest.raises(TypeError, match="eos_token_id as a tensor must hold integers"):
+            gen.generate([[5, 6, 7]], max_new_tokens=3, eos_token_id=bad)
+    assert not gen.has_unfinished()

@@ -93,12 +93,18 @@ def test_prefix_sharing_index_and_its_cleanup() -> None:
     assert s.cache.block_ids(b.seq_id)[:2] == s.cache.block_ids(a.seq_id)[:2]
     assert s.shared_tokens == 16
     s.finish(a)
-    assert all(r is not a for r in s._prefix.values())
-    # b and c still hold the shared blocks.
+    assert all(a not in holders for holders in s._prefix.values())
+    # b and c still hold the shared blocks, and share them on: a later prompt with the
+    # prefix shares b's (the next holder), though a, the first, has left.
     assert s.cache.block_ids(b.seq_id)[:2] == s.cache.block_ids(c.seq_id)[:2]
-    s.finish(b)
-    s.finish(c)
-    assert s.cache.num_free_blocks == 16 and not s.has_unfinished()
+    d = request(3, base[:8] + [7, 7])
+    s.add(d)
+    batch = run_step(s)
+    assert batch.requests == [d] and batch.new == [d.prompt[8:]] and s.shared_tokens == 24
+    assert s.cache.block_ids(d.seq_id)[:2] == s.cache.block_ids(b.seq_id)[:2]
+    for r in (b, c, d):
+        s.finish(r)
+    assert s.cache.num_free_blocks == 16 and not s.has_unfinished() and not s._prefix
 
 
 def test_a_hash_collision_does_not_share(monkeypatch) -> None:

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from .._dispatch import check_int, check_number
 
 OP = "Generator"
@@ -49,6 +51,13 @@ class SamplingParams:
             top_p = check_number(OP, "top_p", top_p)
             if not 0.0 < top_p <= 1.0:
                 raise ValueError(f"{OP}: top_p must be in (0, 1], got {top_p}")
+        if isinstance(eos_token_id, torch.Tensor):  # (as HF's generation config may hold)
+            if eos_token_id.is_floating_point() or eos_token_id.is_complex() or \
+                    eos_token_id.dtype == torch.bool or eos_token_id.dim() > 1:
+                raise TypeError(f"{OP}: eos_token_id as a tensor must hold integers in at "
+                                f"most one dimension, got {eos_token_id.dtype} of shape "
+                                f"{tuple(eos_token_id.shape)}")
+            eos_token_id = eos_token_id.tolist()
         if eos_token_id is None:
             eos: frozenset[int] = frozenset()
         elif isinstance(eos_token_id, numbers.Integral) and not isinstance(eos_token_id, bool):

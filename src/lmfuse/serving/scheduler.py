@@ -60,8 +60,9 @@ class Scheduler:
         self.max_blocks = max_blocks  # pad decode block tables to this width (None: as needed)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        # chain hash of a full block -> the request whose sequence holds it
-        self._prefix: dict[int, Request] = {}
+        # chain hash of a full block -> the requests whose sequences hold it, in the order
+        # they registered (the first shares; when it leaves, the next, if any, takes over)
+        self._prefix: dict[int, list[Request]] = {}
         self._hashes: dict[int, list[int]] = {}  # seq id -> its registered chain hashes
         self.preemptions = 0
         self.shared_tokens = 0  # prompt tokens whose K/V came from another sequence
@@ -94,8 +95,11 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         if request.seq_id is not None:
             for h in self._hashes.pop(request.seq_id, []):
-                if self._prefix.get(h) is request:
-                    del self._prefix[h]
+                holders = self._prefix.get(h)
+                if holders is not None and request in holders:
+                    holders.remove(request)
+                    if not holders:
+                        del self._prefix[h]
             self.cache.free(request.seq_id)
             request.seq_id = None
         request.num_cached = 0
@@ -217,7 +221,8 @@ class Scheduler:
         usable = (len(tokens) - 1) // bl
         owner, shared = None, 0
         for i, h in enumerate(self._chain(tokens, usable)):
-            holder = self._prefix.get(h)
+            holders = self._prefix.get(h)
+            holder = holders[0] if holders else None
             if holder is None or holder.seq_id is None:
                 break
             end = (i + 1) * bl
@@ -238,5 +243,5 @@ class Scheduler:
         full = request.num_cached // self.cache.block_len
         hashes = self._chain(request.tokens, full)
         for h in hashes:
-            self._prefix.setdefault(h, request)
+            self._prefix.setdefault(h, []).append(request)
         self._hashes[request.seq_id] = hashes
