@@ -945,6 +945,17 @@ def test_gpt_oss_clamp_and_the_formulas_the_op_does_not_compute():
     out_a, out_b = mixtral(input_ids=ids, labels=labels), b(input_ids=ids, labels=labels)
     assert_close(out_b.loss, out_a.loss, F32, "mixtral with odd experts: loss")
 
+    class FailingExperts(base):  # as HF's grouped_mm experts in float64
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            raise RuntimeError("Expected mat_a to be Float32, got Double")
+
+    failing = make_model("mixtral")
+    failing.model.layers[1].mlp.experts.__class__ = FailingExperts
+    with pytest.warns(UserWarning, match=r"its forward raised on a probe input in torch\.float32 "
+                      r"\(RuntimeError: Expected mat_a .*\), so it could not be compared"):
+        b = apply_lmfuse(failing)
+    assert b.lmfuse_patches["moe_experts"] == ["model.layers.0.mlp.experts"]
+
 
 # DeepSeek-V2/V3's latent attention and mixture of experts at tiny sizes
 _MLA = {"q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,

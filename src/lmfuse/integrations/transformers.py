@@ -160,10 +160,7 @@ def _family_of(model: torch.nn.Module) -> _Family | None:
         else:
             layout = _experts_layout(m)
             if isinstance(layout, _ExpertsLayout):
-                experts[cls.__name__] = "" if _probe_experts(m, layout) else (
-                    "computes another formula than moe_experts with activation="
-                    f"{layout.activation}, linear_offset={layout.linear_offset}, clamp_value="
-                    f"{layout.clamp_value}, gate_up_layout={layout.gate_up_layout}")
+                experts[cls.__name__] = _probe_experts(m, layout)
             elif layout is not None:
                 experts[cls.__name__] = layout
     return _Family(norms, frozenset(mlps), experts)
@@ -520,14 +517,15 @@ def _experts_args(m: torch.nn.Module, layout: _ExpertsLayout) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def _probe_experts(m: torch.nn.Module, layout: _ExpertsLayout) -> bool:
-    """``m(hidden, expert_ids, router_weights)`` (the class's forward, whatever experts
-    implementation the config picks) equals :func:`lmfuse.moe_experts` with ``layout`` on
-    four tokens routed to up to two experts each. With a clamp, the tokens are scaled so
-    that the largest gate/up output is three times the clamp: both sides of it are tried."""
+def _probe_experts(m: torch.nn.Module, layout: _ExpertsLayout) -> str:
+    """``''`` when ``m(hidden, expert_ids, router_weights)`` (the class's forward, whatever
+    experts implementation the config picks) equals :func:`lmfuse.moe_experts` with
+    ``layout`` on four tokens routed to up to two experts each; else why not (the
+    warning's words). With a clamp, the tokens are scaled so that the largest gate/up
+    output is three times the clamp: both sides of it are tried."""
     p = m.gate_up_proj
     if p.device.type == "meta":
-        return False
+        return "its weights are on the meta device: nothing to compare moe_experts with"
     args = _experts_args(m, layout)
     E, H = args["w_gate_up"].shape[0], args["w_gate_up"].shape[2]
     k = min(2, E)
@@ -544,10 +542,19 @@ def _probe_experts(m: torch.nn.Module, layout: _ExpertsLayout) -> bool:
             x = x * (3 * layout.clamp_value / peak)
     try:
         y = type(m).forward(m, x, ids, w)
+    except Exception as e:  # noqa: BLE001 - another signature, or a dtype it cannot run
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return (f"its forward raised on a probe input in {p.dtype} ({type(e).__name__}: "
+                f"{first}), so it could not be compared with moe_experts")
+    try:
         want = _moe_experts(x, ids, w, **args, impl="torch")
-    except Exception:  # noqa: BLE001 - another signature or structure
-        return False
-    return _close(y, want)
+    except Exception:  # noqa: BLE001 - another structure
+        want = None
+    if want is not None and _close(y, want):
+        return ""
+    return ("computes another formula than moe_experts with activation="
+            f"{layout.activation}, linear_offset={layout.linear_offset}, clamp_value="
+            f"{layout.clamp_value}, gate_up_layout={layout.gate_up_layout}")
 
 
 def _experts_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
