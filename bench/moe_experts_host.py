@@ -20,6 +20,7 @@ import torch
 from triton.testing import do_bench
 
 import lmfuse
+from lmfuse.bench.decode_attention import as_graph
 from lmfuse.bench.moe_experts import route
 
 T, H, F, E, K = 8192, 2048, 768, 128, 8
@@ -80,16 +81,7 @@ def main() -> None:
     res["host_forward_ms"] = host_ms(forward)
     res["host_backward_ms"] = host_ms(lambda out: torch.autograd.grad(out, wrt, dy),
                                       before=forward)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    res["graph_ms"] = bench(graph.replay)
+    res["graph_ms"] = bench(as_graph(step))
     print(json.dumps(res, indent=1))
     if args.json:
         with open(args.json, "w") as f:
