@@ -188,7 +188,6 @@ def test_clamp_edges_follow_torch_clamp() -> None:
 
 
 BAD_RANK = [
-    pytest.param(lambda x, w: megatron.bias_gelu_impl(x, None), id="bias_gelu_impl"),
     pytest.param(lambda x, w: megatron.bias_swiglu_impl(x, None), id="bias_swiglu_impl"),
     pytest.param(lambda x, w: megatron.bias_geglu_impl(x, None), id="bias_geglu_impl"),
     pytest.param(lambda x, w: megatron.weighted_bias_swiglu_impl(x, None, w),
@@ -207,6 +206,21 @@ def test_input_not_2d_or_3d_raises(fn, shape: tuple[int, ...]) -> None:
     tokens = x.numel() // shape[-1]
     with pytest.raises(ValueError, match=r"\binput\b"):
         fn(x, randn((tokens, 1)))
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2, 6), (6,)], ids=["4d", "1d"])
+def test_bias_gelu_impl_takes_any_rank(shape: tuple[int, ...]) -> None:
+    """Megatron-Core's ``bias_gelu_impl`` (``GeLUFunction.apply``) checks no rank."""
+    x, b = randn(shape), randn(shape[-1:])
+    torch.testing.assert_close(megatron.bias_gelu_impl(x, b),
+                               torch.nn.functional.gelu(x + b, approximate="tanh"))
+
+
+@pytest.mark.parametrize("clamp", [0.0, -1.0, 0])
+def test_weighted_bias_quick_geglu_impl_names_itself_on_a_bad_clamp(clamp) -> None:
+    x = randn((4, 6))
+    with pytest.raises(ValueError, match="weighted_bias_quick_geglu_impl: clamp_value"):
+        megatron.weighted_bias_quick_geglu_impl(x, None, randn((4, 1)), clamp_value=clamp)
 
 
 # Megatron-LM main (2026-08): bias_swiglu_impl and weighted_bias_swiglu_impl take clamp_value.

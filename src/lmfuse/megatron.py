@@ -244,8 +244,8 @@ def _tokens_2d_or_3d(name: str, x: torch.Tensor) -> None:
 
 
 def bias_gelu_impl(input: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """``gelu_tanh(input + bias)`` (Megatron-Core's ``bias_gelu_impl``)."""
-    _tokens_2d_or_3d("bias_gelu_impl", input)
+    """``gelu_tanh(input + bias)`` (Megatron-Core's ``bias_gelu_impl``: any shape, unlike
+    the gated ones, which take ``[tokens, h]`` or ``[s, b, h]``)."""
     return act.bias_gelu(input, bias)
 
 
@@ -299,8 +299,14 @@ def weighted_bias_swiglu_impl(input: torch.Tensor, bias, weights: torch.Tensor,
 def weighted_bias_quick_geglu_impl(input: torch.Tensor, bias, weights: torch.Tensor,
                                    fp8_input_store: bool = False, linear_offset: float = 0.0,
                                    clamp_value=None) -> torch.Tensor:
-    """``quick_geglu(clamp(input) + bias, linear_offset) * weights``."""
+    """``quick_geglu(clamp(input) + bias, linear_offset) * weights``; ``clamp_value`` None
+    or > 0 (Megatron-Core clamps at any value given; at 0 or below every output is 0 or
+    the clamp's bounds cross, so lmfuse refuses it)."""
     _tokens_2d_or_3d("weighted_bias_quick_geglu_impl", input)
+    if (clamp_value is not None and not isinstance(clamp_value, bool)
+            and isinstance(clamp_value, (int, float)) and not clamp_value > 0):
+        raise ValueError(f"weighted_bias_quick_geglu_impl: clamp_value must be None or > 0, "
+                         f"got {clamp_value}")
     return act.weighted_quick_geglu(input, weights, bias, linear_offset=linear_offset,
                                     clamp_value=clamp_value, fp8_input_store=fp8_input_store)
 

@@ -500,3 +500,14 @@ def test_module_docstring_names_every_patched_class() -> None:
                  "torch.nn.RMSNorm", "L2Norm", "GPTModel", "compute_language_model_loss",
                  "_postprocess", "output_layer", "ColumnParallelLinear", "0.16.1", "0.19"):
         assert name in doc, name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_patched_rms_norm_without_eps_takes_torchs_default(dtype: torch.dtype) -> None:
+    """``torch.nn.RMSNorm(eps=None)`` adds the epsilon of its math's type (float32 for 16-bit
+    inputs), not the input dtype's: bfloat16's 7.8e-3 would swamp a row of mean square 1e-4."""
+    from lmfuse.integrations.megatron_core import _rms_norm_forward
+
+    norm = torch.nn.RMSNorm(8, eps=None, dtype=dtype)
+    x = torch.full((2, 8), 0.01, dtype=dtype)
+    assert_close(_rms_norm_forward(norm, x), norm(x), dtype, "eps=None")

@@ -239,3 +239,39 @@ def test_reference_is_torch_rms_norm(rows: int, H: int, offset: float, inject, s
         results.append((out, *torch.autograd.grad(out, leaves, grad)))
     for name, got, want in zip(("forward", "d x", "d weight"), *results):
         assert_matches(got, want, name)
+
+
+# --- a finite row whose mean square overflows -------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("streamed", [False, True], ids=["tile", "streamed"])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+def test_overflowing_row_gradients(request: pytest.FixtureRequest, impl: str, streamed: bool,
+                                   dtype: torch.dtype) -> None:
+    """A finite 3e38 makes the row's mean square inf and rstd 0 (the row's output 0). The
+    formula's gradient, in the input's dtype as PyTorch computes it, is NaN across the row
+    where its ``sum(dy * w * x)`` overflows too, and otherwise NaN only where ``2 x``
+    overflows (``inf * 0`` both), 0 elsewhere: every path must give the same (the kernels
+    and the CPU path once gave 0 throughout)."""
+    if streamed:
+        request.getfixturevalue("small_tiles")
+    H = 50 if streamed else 4
+    x = torch.zeros(2, H, dtype=dtype, device=DEVICE)
+    x[:, :4] = torch.tensor([3e38, 1.0, 2.0, -1.0], dtype=dtype)
+    weight = torch.ones(H, dtype=dtype, device=DEVICE)
+    weight[0] = 2.0  # row 0's 2 * 3e38 overflows; row 1's upstream gradient keeps it finite
+    dy = torch.ones(2, H, dtype=dtype, device=DEVICE)
+    dy[1, 0] = 0.5
+    leaves = [x.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+    with np.errstate(over="ignore", invalid="ignore"):  # how the formula's NaN arises
+        out = lmfuse.rms_norm(*leaves, eps=1e-6, impl=impl)
+        dx, dw = torch.autograd.grad(out, leaves, dy)
+    ref_leaves = [t.detach().clone().requires_grad_(True) for t in leaves]
+    ref = torch.nn.functional.rms_norm(ref_leaves[0], (H,), ref_leaves[1], 1e-6)
+    ref_dx, ref_dw = torch.autograd.grad(ref, ref_leaves, dy)
+    assert ref_dx[0].isnan().all(), "the oracle's premise: its sum overflows"
+    assert ref_dx[1, 0].isnan() and (ref_dx[1, 1:] == 0).all(), "2 x overflows at 3e38 only"
+    assert (out == 0).all()
+    torch.testing.assert_close(dx, ref_dx, equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(dw, ref_dw, equal_nan=True)

@@ -324,7 +324,10 @@ def _mlp_forward(self: Any, hidden_states: torch.Tensor,
 
 
 def _rms_norm_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
-    eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+    # torch.nn.RMSNorm's eps=None: the epsilon of the type its math runs in (float32 for
+    # 16-bit inputs), not the input dtype's (bfloat16's 7.8e-3 would dominate small rows).
+    math_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    eps = self.eps if self.eps is not None else torch.finfo(math_dtype).eps
     return _rms_norm(x, self.weight, eps=eps)
 
 
