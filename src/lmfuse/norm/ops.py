@@ -208,35 +208,34 @@ def _resolve(x, weight, eps, weight_offset, impl) -> tuple[str, str, NormCall]:
 class _RMSNormCPU(torch.autograd.Function):
     """The common CPU call with a gradient to take: ``torch.rms_norm``'s formula forward
     (``xh = x * rsqrt(mean(x^2) + eps)``, ``y = xh * w``) and its gradient in closed form,
-    ``dx = rstd * (g - xh * c)``, ``c = sum(g * x) * rstd / H``, with ``g = dy * w``,
-    ``dw = sum(dy * x * rstd)`` over the rows: a few passes over ``[..., H]`` where
-    autograd through the formula's six ops takes about twice as many (and keeps ``x`` as
-    well as ``xh``). NaN and inf reach the gradients as through the formula: a NaN row's
-    are NaN, the sum is scaled by rstd after it, as there, and a row whose mean square
-    overflowed (rstd 0) takes the formula's terms, NaN where they are ``inf * 0`` (the
-    kernels' ``_dx``)."""
+    ``dx = rstd * (g - xh * mean(g * xh))`` with ``g = dy * w``, ``dw = sum(dy * xh)`` over
+    the rows: four passes over ``[..., H]`` where autograd through the formula's six ops
+    takes about twice as many. NaN and inf reach the gradients as through the formula: a
+    NaN row's are NaN, and a row whose mean square overflowed (rstd 0, ``xh`` 0) takes the
+    formula's own terms, NaN where they are ``inf * 0`` (the kernels' ``_dx``)."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
         rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))
-        ctx.save_for_backward(x, rstd, weight)
         xh = x * rstd
-        return xh.mul_(weight) if weight is not None else xh
+        ctx.save_for_backward(x, xh, rstd, weight)
+        return xh * weight if weight is not None else xh
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        x, rstd, weight = ctx.saved_tensors
+        x, xh, rstd, weight = ctx.saved_tensors
         g = dy * weight if weight is not None else dy
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            c = (g * x).sum(-1, keepdim=True).mul_(rstd).div_(x.shape[-1])
-            dx = torch.addcmul(g, x * rstd, c, value=-1.0).mul_(rstd)
+            c = (g * xh).mean(-1, keepdim=True)
+            dx = torch.addcmul(g, xh, c, value=-1.0).mul_(rstd)
             dead = rstd == 0  # the mean square overflowed: the formula's inf * 0 terms
             if dead.any():
+                c = (g * x).sum(-1, keepdim=True).mul_(rstd).div_(x.shape[-1])
                 dx = torch.where(dead, g * rstd - (2.0 * x) * (c * rstd), dx)
         if weight is not None and ctx.needs_input_grad[1]:
-            dw = (dy * x).mul_(rstd)
+            dw = dy * xh
             if dw.dim() > 1:
                 dw = dw.sum(tuple(range(dw.dim() - 1)))
         return dx, dw, None
