@@ -66,6 +66,37 @@ def all_gather_stacked(t: torch.Tensor, group: Any) -> torch.Tensor:
     return out.view(world, *t.shape)
 
 
+_AGREED: set = set()
+#: Nonzero while :func:`check_agreed_once` gathers (the tests' collective counters list its
+#: one-time check apart from an op's own collectives).
+CHECKING = [0]
+
+
+def check_agreed_once(op: str, group: Any, device: torch.device, **values: int) -> None:
+    """Raise ``ValueError`` on every rank of ``group`` unless every rank passes the same
+    ``values`` (shard widths, token counts): sizes a collective's ranks must share, whose
+    disagreement would otherwise give wrong numbers or abort inside the backend. One small
+    all-gather (and a host sync) the first time ``group`` sees these values, nothing after
+    them; skipped while a CUDA graph is captured or torch.compile traces (the eager calls
+    before check it)."""
+    key = (id(group), tuple(values.items()))
+    if key in _AGREED or torch.compiler.is_compiling() or (
+            device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return
+    mine = torch.tensor(list(values.values()), dtype=torch.int64, device=device)
+    CHECKING[0] += 1
+    try:
+        every = all_gather_stacked(mine, group).tolist()
+    finally:
+        CHECKING[0] -= 1
+    if any(row != every[0] for row in every):
+        per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{k} {v}" for k, v in zip(values, row))
+                             for r, row in enumerate(every))
+        raise ValueError(f"{op}: every rank of the group must pass the same "
+                         f"{' and '.join(values)} ({per_rank})")
+    _AGREED.add(key)
+
+
 def all_to_all_stacked(t: torch.Tensor, group: Any) -> torch.Tensor:
     """``t [world, ...]`` -> ``[world, ...]``: row ``w`` of ``t`` goes to rank ``w``, row
     ``w`` of the result came from rank ``w``, from one all-to-all (every rank's rows of one

@@ -279,14 +279,23 @@ _GROUP_METHODS = (
 )
 
 
+#: The agreement checks' collectives that :func:`count_collectives` saw, in this process.
+AGREEMENT_CHECKS: list[str] = []
+
+
 @contextlib.contextmanager
 def count_collectives() -> Iterator[list[str]]:
     """Yield a list that collects the name of every collective issued in the block.
 
     A collective that calls another (``all_gather_single`` calls
-    ``ProcessGroup.all_gather_single``) is counted once, by its outermost name.
+    ``ProcessGroup.all_gather_single``) is counted once, by its outermost name. The
+    one-time agreement check of a group's sizes (``lmfuse._collectives.check_agreed_once``,
+    the first call with new sizes) is listed apart, in ``AGREEMENT_CHECKS``: the list holds
+    an op's own collectives, what it issues on every call.
     """
     import torch.distributed.distributed_c10d as c10d
+
+    from lmfuse._collectives import CHECKING
 
     calls: list[str] = []
     depth = [0]
@@ -294,7 +303,7 @@ def count_collectives() -> Iterator[list[str]]:
     def wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def counted(*args: Any, **kwargs: Any) -> Any:
             if depth[0] == 0:
-                calls.append(name)
+                (AGREEMENT_CHECKS if CHECKING[0] else calls).append(name)
             depth[0] += 1
             try:
                 return original(*args, **kwargs)

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import assert_close
-from spawn import Failures, count_collectives, spawn_gloo
+from spawn import AGREEMENT_CHECKS, Failures, count_collectives, spawn_gloo
 
 import lmfuse
 from lmfuse import megatron, tuning
@@ -345,3 +345,58 @@ def test_merge_kernel_matches_the_reference_merge(world: int, mean: bool,
     assert stats[0, 7] == float("-inf") and stats[3, 2] == float("inf")
     finite = loss.isfinite()
     assert_close(stats[3][finite], loss[finite], F32, "token loss")
+
+
+def _disagreeing_sizes_rank(rank: int, world_size: int) -> None:
+    """Shards of different widths (the ranks' columns would be placed at rank * V_local:
+    wrong losses, no error) or different token counts (the stats' all-gather would abort
+    inside gloo) raise a ValueError on every rank; sizes that agree are checked once."""
+    f = Failures(rank)
+    world = dist.group.WORLD
+    g = torch.Generator().manual_seed(0)
+    for impl in ("triton", "torch"):
+        cases = {"uneven vocabulary": (4, 5 - rank, "classes per rank"),
+                 "different token counts": (4 + rank, 6, "tokens")}
+        for what, (n, v_local, named) in cases.items():
+            x = torch.randn(n, v_local, generator=g, requires_grad=True)
+            target = torch.zeros(n, dtype=torch.long)
+
+            def raises(x=x, target=target, impl=impl, named=named) -> None:
+                with pytest.raises(ValueError, match=rf"cross_entropy: every rank .*{named}"
+                                                     r".*rank 0: .*rank 1: "):
+                    lmfuse.cross_entropy(x, target, tp_group=world, impl=impl)
+
+            f.check(f"{impl} {what}", raises)
+        h = torch.randn(3, 8, generator=g)
+        w = torch.randn(5 - rank, 8, generator=g)
+
+        def raises_linear(h=h, w=w, impl=impl) -> None:
+            with pytest.raises(ValueError, match="linear_cross_entropy: every rank .*classes"):
+                lmfuse.linear_cross_entropy(h, w, torch.zeros(3, dtype=torch.long),
+                                            tp_group=world, impl=impl)
+
+        f.check(f"{impl} linear uneven vocabulary", raises_linear)
+    # Sizes that agree: checked by the first call only (its check listed apart from the
+    # op's one all-gather), then nothing more.
+    x = torch.randn(7, 3, generator=g)
+    target = torch.zeros(7, dtype=torch.long)
+    seen = len(AGREEMENT_CHECKS)
+    for _ in range(2):
+        with count_collectives() as calls:
+            lmfuse.cross_entropy(x, target, tp_group=world)
+
+        def one(calls=calls) -> None:
+            assert len(calls) == 1 and calls[0] in ALL_GATHERS, calls
+
+        f.check("agreeing sizes: the op's own all-gather", one)
+
+    def checked_once() -> None:
+        assert len(AGREEMENT_CHECKS) == seen + 1, AGREEMENT_CHECKS
+
+    f.check("agreeing sizes: checked once", checked_once)
+    f.raise_if_any()
+
+
+@pytest.mark.timeout(90)
+def test_ranks_with_disagreeing_sizes_raise_on_every_rank() -> None:
+    spawn_gloo(2, _disagreeing_sizes_rank, timeout=60)

@@ -39,7 +39,7 @@ from .._dispatch import (Plan, ResolvedCall, check_choice, check_int, check_numb
                          once_differentiable, planner_of, select_impl, value_checks)
 from .._launch import INDEX_DTYPES, cdiv, dtype_name, kernel_op, lazy_kernels, next_pow2
 from .._nvtx import nvtx_range
-from .._collectives import group_rank, group_size
+from .._collectives import check_agreed_once, group_rank, group_size
 from . import reference as ref
 from .reference import CrossEntropyOutput
 from .vocab_parallel import gather_stats, scalars
@@ -640,6 +640,9 @@ def _resolve_logits(shape, dtype, device, requires_grad, target, ignore_index, l
     # a 3 us op on a small CPU tensor). Only immutable values pass the checks.
     ignore_index, ls, z, cap = checked_once(_scalar_options, *scalars)
     world = group_size(tp_group)
+    if world > 1:  # shards of one width (the ranks' columns are rank * V_local on), one N
+        check_agreed_once(owner[0], tp_group, device, **{"classes per rank": V_local,
+                                                         "tokens": math.prod(shape[:-1])})
     vocab_start = group_rank(tp_group) * V_local
     vocab_size = V_local * world
     check_class_weights(_OP, "weight", weight, V_local, "logits.shape[-1]", device, "logits")
