@@ -178,6 +178,16 @@ def test_weight_with_no_token_counted_and_zero_weight_sum() -> None:
             out, _ = run(impl, logits, target, None, weight=zero)
         want = F.cross_entropy(logits.double(), target, weight=zero.double())
         assert out.isnan() and want.isnan(), (impl, out, want)
+        # With label smoothing too: its term alone is x / 0 = inf, PyTorch's sum NaN, and
+        # so are the gradients of the counted rows (once inf and -inf, or inf).
+        x = logits.double().requires_grad_(True)
+        want = F.cross_entropy(x, target, weight=zero.double(), label_smoothing=0.3)
+        (want_dx,) = torch.autograd.grad(want, x)
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            out, dx = run(impl, logits, target, torch.tensor(1.0), weight=zero,
+                          label_smoothing=0.3)
+        assert out.isnan() and want.isnan(), (impl, out, want)
+        assert torch.equal(dx.isnan(), want_dx.isnan()), (impl, dx, want_dx)
 
 
 # --- the returned values ----------------------------------------------------------------

@@ -236,8 +236,13 @@ def _weight_stats(cw: torch.Tensor, target: torch.Tensor,
     vocabulary: with ``tp_group`` each rank's share summed by one all-reduce of these two
     floats, before the chunks (the forward's gradients need the divisor from the first chunk
     on)."""
-    mine = ops._class_stats(cw, target, loss.ignore_index, loss.vocab_start)
-    return mine if loss.tp_group is None else all_reduce_sum(mine, loss.tp_group)
+    whole = loss.tp_group is None
+    mine = ops._class_stats(cw, target, loss.ignore_index, loss.vocab_start, whole)
+    if whole:
+        return mine
+    total = all_reduce_sum(mine, loss.tp_group)
+    counted = (target.long() != loss.ignore_index).any()
+    return torch.stack([total[0], ref.weighted_mean_divisor(total[1], counted)])
 
 
 def _token_scales(dout: torch.Tensor, stats: torch.Tensor, target: torch.Tensor,
@@ -681,6 +686,7 @@ def _apply(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, 
                           softcap, reduction, tp_group, impl, max_chunk_bytes, cfg,
                           logits_in_fp32, ce_weight, return_z_loss, return_token_accuracy,
                           return_predicted_tokens, use_token_scaling)
+    ops.check_shards(_OP, o.loss, target.numel(), weight.shape[0], hidden.device)
     lead = target.shape
     cw = None
     if ce_weight is not None:  # float32 (float64 for float64 inputs)

@@ -392,12 +392,16 @@ def _launch_scale(grad: torch.Tensor, scale: torch.Tensor) -> None:
 
 
 def _class_stats(weight: torch.Tensor, target: torch.Tensor, ignore_index: int,
-                 vocab_start: int = 0) -> torch.Tensor:
+                 vocab_start: int = 0, whole: bool = True) -> torch.Tensor:
     """``[2]`` in ``weight``'s dtype (the op's float32, or float64 for float64 logits): the
     sum of ``weight`` and that of the non-ignored targets' weights among its columns from
-    ``vocab_start`` on (a weighted mean's divisor). No host sync."""
-    return torch.stack([weight.sum(),
-                        ref.target_weights(weight, target, ignore_index, vocab_start).sum()])
+    ``vocab_start`` on (a weighted mean's divisor: NaN where those targets' weights sum to
+    0, :func:`reference.weighted_mean_divisor`, unless ``whole`` is False: a shard's
+    share, to which the vocabulary-parallel forms apply that after summing). No host sync."""
+    s = ref.target_weights(weight, target, ignore_index, vocab_start).sum()
+    if whole:
+        s = ref.weighted_mean_divisor(s, (target.long() != ignore_index).any())
+    return torch.stack([weight.sum(), s])
 
 
 class _CrossEntropy(torch.autograd.Function):
@@ -640,9 +644,6 @@ def _resolve_logits(shape, dtype, device, requires_grad, target, ignore_index, l
     # a 3 us op on a small CPU tensor). Only immutable values pass the checks.
     ignore_index, ls, z, cap = checked_once(_scalar_options, *scalars)
     world = group_size(tp_group)
-    if world > 1:  # shards of one width (the ranks' columns are rank * V_local on), one N
-        check_agreed_once(owner[0], tp_group, device, **{"classes per rank": V_local,
-                                                         "tokens": math.prod(shape[:-1])})
     vocab_start = group_rank(tp_group) * V_local
     vocab_size = V_local * world
     check_class_weights(_OP, "weight", weight, V_local, "logits.shape[-1]", device, "logits")
@@ -666,6 +667,16 @@ def _resolve_logits(shape, dtype, device, requires_grad, target, ignore_index, l
         weight is not None, argmax, return_z_loss or argmax, return_z_loss,
         return_token_accuracy, return_predicted_tokens)
     return path, reason, call
+
+
+def check_shards(op: str, o: CrossEntropyCall, n: int, V_local: int,
+                 device: torch.device) -> None:
+    """With a ``tp_group``: every rank's shard of one width (its columns are placed at
+    ``rank * V_local``) and one token count (the stats' all-gather), checked once per group
+    and sizes (:func:`lmfuse._collectives.check_agreed_once`); not by the planner, which
+    issues no collective."""
+    if o.tp_group is not None:
+        check_agreed_once(op, o.tp_group, device, **{"classes per rank": V_local, "tokens": n})
 
 
 _MAX_ARGMAX_CLASSES = 1 << 24  # every class id is exact in float32 up to here
@@ -793,6 +804,7 @@ def cross_entropy(
     path, _, o = _resolve(logits, target, ignore_index, label_smoothing, z_loss, softcap,
                           reduction, tp_group, inplace_backward, impl, weight, return_z_loss,
                           return_token_accuracy, return_predicted_tokens)
+    check_shards(_OP, o, target.numel(), logits.shape[-1], logits.device)
     cw = None
     if weight is not None:  # float32 (float64 for float64 logits)
         f64 = logits.dtype == torch.float64

@@ -163,8 +163,20 @@ def reduce_terms(ce: torch.Tensor, zl: torch.Tensor, target: torch.Tensor,
     if target_weight is None:
         target_weight = target_weights(weight, target, ignore_index)
     valid = target.long() != ignore_index
-    w_sum = torch.where(valid, target_weight, torch.zeros_like(target_weight)).sum()
+    w_sum = weighted_mean_divisor(
+        torch.where(valid, target_weight, torch.zeros_like(target_weight)).sum(), count > 0)
     return ce.sum() / torch.where(count > 0, w_sum, torch.ones_like(w_sum)) + zl.sum() / n
+
+
+def weighted_mean_divisor(target_weight_sum: torch.Tensor, any_counted: torch.Tensor
+                          ) -> torch.Tensor:
+    """A weighted mean's divisor, ``sum w_t`` over the non-ignored targets, made NaN where
+    there are such targets and their weights sum to 0: PyTorch's weighted mean is then
+    ``0 / 0``, NaN (with label smoothing too, whose term alone would give ``x / 0 = inf``),
+    and so are its gradients. No host sync."""
+    zero = any_counted & (target_weight_sum == 0)
+    return torch.where(zero, torch.full_like(target_weight_sum, float("nan")),
+                       target_weight_sum)
 
 
 def target_weights(weight: torch.Tensor, target: torch.Tensor, ignore_index: int,

@@ -111,9 +111,9 @@ def gather_stats(stats: torch.Tensor, target: torch.Tensor, count: torch.Tensor,
     if weight is not None:
         target_weight = parts[:, 3].sum(dim=0)
         valid = target.long() != o.ignore_index
-        wstat = torch.stack([gathered[:, S * n].sum(),
-                             torch.where(valid, target_weight,
-                                         torch.zeros_like(target_weight)).sum()])
+        wstat = torch.stack([gathered[:, S * n].sum(), ref.weighted_mean_divisor(
+            torch.where(valid, target_weight, torch.zeros_like(target_weight)).sum(),
+            valid.any())])
     if o.path != "triton":
         pred = None if top is None else ref.merge_predictions(parts[:, S - 2], parts[:, S - 1])
         return Merged(ref.merge_token_stats(parts[:, :3]), target_weight, wstat, pred)
