@@ -348,7 +348,11 @@ def check_tensor(
     if ndim is not None:
         allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
         if t.dim() not in allowed:
-            want = " or ".join(f"{n}-D" for n in allowed)
+            if isinstance(ndim, range) and ndim.step == 1 and len(ndim) > 2:
+                want = (f"at least {ndim.start}-D" if t.dim() < ndim.start
+                        else f"at most {ndim[-1]}-D")
+            else:
+                want = " or ".join(f"{n}-D" for n in allowed)
             raise ValueError(
                 f"{op}: {name} must be {want}, got {t.dim()}-D with shape {tuple(t.shape)}"
             )

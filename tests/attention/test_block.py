@@ -442,6 +442,23 @@ def test_triton_path_is_inference_only() -> None:
                             impl="triton")
 
 
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_fused_append_fp8_stores_nan_as_nan(impl: str) -> None:
+    """A NaN in the k or v of the fused stage reads back from a float8_e4m3fn cache as NaN
+    (0x7F) on both paths, under Triton's interpreter too (whose own conversion gives 384)."""
+    qkv = randn((1, 1, (HQ + 2 * HKV) * D))
+    qkv[0, 0, HQ * D + 1] = math.nan  # k head 0, dim 1
+    qkv[0, 0, (HQ + HKV) * D + 2] = math.nan  # v head 0, dim 2
+    k, v = (torch.zeros(1, 2, HKV, D, dtype=torch.float8_e4m3fn) for _ in range(2))
+    with torch.no_grad():
+        qk_norm_rope_append(qkv, k, v, torch.tensor([0]), num_heads=HQ, num_kv_heads=HKV,
+                            impl=impl)
+    for cache, dim in ((k, 1), (v, 2)):
+        nan = cache[0, 0].float().isnan()
+        assert nan[0, dim] and int(nan.sum()) == 1, nan
+        assert (cache.view(torch.uint8)[0, 0, 0, dim] & 0x7F) == 0x7F
+
+
 BAD_BLOCKS = [
     ("gqa", dict(num_heads=3), ValueError, "multiple of num_kv_heads"),
     ("hidden-not-divisible", dict(hidden_size=30, head_dim=None), ValueError, "pass head_dim"),

@@ -29,7 +29,8 @@ from helpers import assert_close, max_rel_err, randn, to_paged
 import lmfuse
 from lmfuse.attention import ops
 from lmfuse.attention.decode_kernels import _split_keys
-from lmfuse.attention.reference import decode_attention_reference
+from lmfuse.attention.reference import (decode_attention_reference,
+                                        merge_attention_states_reference)
 
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 FP8 = torch.float8_e4m3fn
@@ -735,6 +736,24 @@ def test_merge_out_dtype_is_written_directly(impl: str, out_dtype: torch.dtype) 
     assert torch.equal(lse, full_lse)
 
 
+@pytest.mark.parametrize("impl", ["triton", "torch", "auto"])
+def test_merge_half_partials_into_float32_keep_float32_accuracy(
+        monkeypatch: pytest.MonkeyPatch, impl: str) -> None:
+    """bfloat16 partials merged with ``out_dtype=float32``: the float32 merge written as it
+    is on every path (``auto``: the default CPU path, interpreter off), never rounded to
+    bfloat16 on the way (the float64 merge of the same partials within float32's
+    tolerance)."""
+    if impl == "auto":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        assert lmfuse.explain(lmfuse.merge_attention_states, randn((2, 3, 8)),
+                              torch.zeros(2, 3)).impl == "torch"
+    outs, lses = merge_inputs((2, 64, 64), BF16)
+    out, _ = lmfuse.merge_attention_states(outs, lses, out_dtype=F32, impl=impl)
+    want, _ = merge_attention_states_reference(outs.double(), lses.double())
+    assert out.dtype == F32
+    assert_close(out, want, F32, f"merge {impl} bf16 -> float32")
+
+
 def test_merge_out_dtype_must_be_a_float_dtype() -> None:
     outs, lses = merge_inputs((2, 3, 16), F32)
     with pytest.raises(TypeError, match="out_dtype must be a floating torch.dtype"):
@@ -915,6 +934,19 @@ def same_error(call: Callable[[str], Any], message: str) -> str:
     return errors[0]
 
 
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_append_fp8_stores_nan_as_nan(impl: str) -> None:
+    """A NaN appended to a float8_e4m3fn cache reads back as NaN (0x7F) on both paths,
+    under Triton's interpreter too (whose own conversion gives 0x7C = 384)."""
+    x = torch.ones(1, 1, 1, 4)
+    x[0, 0, 0, 1] = NAN
+    k, v = (torch.zeros(1, 2, 1, 4, dtype=FP8) for _ in range(2))
+    lmfuse.kv_cache_append(k, v, x, -x, torch.tensor([0]), impl=impl)
+    for cache in (k, v):
+        assert cache[0, 0, 0].float().isnan().tolist() == [False, True, False, False]
+        assert (cache.view(torch.uint8)[0, 0, 0, 1] & 0x7F) == 0x7F
+
+
 def test_append_past_capacity(monkeypatch: pytest.MonkeyPatch) -> None:
     """Contiguous: positions past S_max raise the same error on both paths, before anything
     is written; with the checks off the kernel writes the rows that fit and nothing else."""
@@ -1052,6 +1084,9 @@ DECODE_ERRORS = [
      ValueError, "the caches' head dim is 8"),
     ("hq-not-multiple-of-hkv", False, _set(q=lambda kw: kw["q"][:, :, :3]), ValueError,
      r"query heads \(3\) must be a multiple of the caches' KV heads \(2\)"),
+    ("cache-no-kv-heads", False, _set(k_cache=lambda kw: kw["k_cache"][:, :, :0],
+                                      v_cache=lambda kw: kw["v_cache"][:, :, :0]),
+     ValueError, "the caches must have at least one KV head"),
     ("contiguous-batch", False, _set(k_cache=lambda kw: kw["k_cache"][:1],
                                      v_cache=lambda kw: kw["v_cache"][:1]),
      ValueError, r"contiguous cache \[B, S_max, Hkv, D\] must have B = 2"),
@@ -1144,7 +1179,10 @@ MERGE_ERRORS = [
      "lses must be outs' shape without its last dim"),
     ("no-partials", lambda: (randn((0, 3, 16)), torch.zeros(0, 3)), {}, ValueError,
      "need at least one partial state"),
-    ("outs-1d", lambda: (randn((16,)), torch.zeros(())), {}, ValueError, "outs must be"),
+    ("outs-1d", lambda: (randn((16,)), torch.zeros(())), {}, ValueError,
+     "outs must be at least 2-D, got 1-D"),
+    ("outs-16d", lambda: (randn((1,) * 16), torch.zeros((1,) * 15)), {}, ValueError,
+     "outs must be at most 15-D, got 16-D"),
     ("outs-int", lambda: (torch.zeros(2, 3, 16, dtype=I32), torch.zeros(2, 3)), {}, TypeError,
      "outs must have dtype in"),
     ("triton-float64", lambda: (randn((2, 3, 16), F64), torch.zeros(2, 3, dtype=F64)),
@@ -1177,7 +1215,10 @@ APPEND_ERRORS = [
     ("new-dtypes-differ", False, _set(v_new=lambda kw: kw["v_new"].half()), TypeError,
      "k_new is float32 but v_new is float16"),
     ("cache-dtype", False, _set(k_cache=lambda kw: kw["k_cache"].half()), TypeError,
-     "k_cache must have the queries' dtype float32 or be float8"),
+     "k_cache must have k_new's dtype float32 or be float8_e4m3fn, got float16"),
+    ("cache-no-kv-heads", False, _set(**{n: (lambda kw, n=n: kw[n][:, :, :0])
+                                         for n in ("k_cache", "v_cache", "k_new", "v_new")}),
+     ValueError, r"the caches must have at least one KV head \(dim 2\), got \(2, 8, 0, 16\)"),
     ("kv-heads", False, _set(k_new=lambda kw: randn((2, 1, 1, 16)),
                              v_new=lambda kw: randn((2, 1, 1, 16))),
      ValueError, "k_new has 1 KV heads but the caches have 2"),
@@ -1222,6 +1263,40 @@ def test_append_bad_input_raises(paged: bool, make, error: type[Exception], mess
         lmfuse.kv_cache_append(*args, **kw)
     if args[0].shape == before.shape and args[0].dtype == before.dtype:
         assert torch.equal(args[0], before), "a refused append wrote into the cache"
+
+
+GRAD_INPUTS = ([("decode_attention", n) for n in ("q", "k_cache", "v_cache", "sinks",
+                                                  "k_scale", "v_scale")]
+               + [("merge_attention_states", n) for n in ("outs", "lses")]
+               + [("kv_cache_append", n) for n in ("k_cache", "v_cache", "k_new", "v_new",
+                                                 "k_scale", "v_scale")])
+
+
+@pytest.mark.parametrize("op, name", GRAD_INPUTS)
+def test_triton_path_refuses_every_input_that_requires_grad(op: str, name: str) -> None:
+    """The Triton paths have no backward: under grad mode any tensor input that requires
+    grad is refused, by name (its gradient would be dropped silently); under no_grad the
+    call runs; impl='torch' differentiates decode attention and the merge."""
+    fn = getattr(lmfuse, op)
+    if op == "merge_attention_states":
+        kw: dict[str, Any] = dict(outs=randn((2, 3, 16)), lses=randn((2, 3)))
+    else:
+        kw = base_inputs() if op == "decode_attention" else append_base()
+        if name in ("k_scale", "v_scale"):
+            kw.update(k_cache=kw["k_cache"].to(FP8), v_cache=kw["v_cache"].to(FP8),
+                      k_scale=torch.rand(2) + 0.5, v_scale=torch.rand(2) + 0.5)
+        if name == "sinks":
+            kw["sinks"] = randn((4,))
+    kw[name].requires_grad_()
+    with pytest.raises(ValueError, match=rf"{op}: the Triton path has no backward .* but "
+                                         rf"{name} requires grad; .* impl='torch'"):
+        fn(**kw, impl="triton")
+    with torch.no_grad():
+        fn(**kw, impl="triton")
+    if op != "kv_cache_append":
+        out = fn(**kw, impl="torch")
+        (out[0] if isinstance(out, tuple) else out).sum().backward()
+        assert kw[name].grad is not None and torch.isfinite(kw[name].grad).all()
 
 
 def test_compile_fullgraph_decode_and_append() -> None:
@@ -1479,6 +1554,31 @@ def test_default_cpu_path_is_one_sdpa_with_the_reference_results(
     assert torch.equal(got.isnan(), want.isnan())
     fin = ~want.isnan()
     assert torch.allclose(got[fin], want[fin], rtol=1e-5, atol=1e-6)
+
+
+def test_default_cpu_path_never_reads_unused_block_table_entries(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default CPU path (interpreter off) gathers every row's table up to the longest
+    sequence's blocks: a shorter sequence's unused entries may hold any id (-1, or one past
+    the pool, as the contract allows) and must not index the pool."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    calls = []
+    real = ops.native_decode
+    monkeypatch.setattr(ops, "native_decode",
+                        lambda *a: (lambda out: (calls.append(out is not None), out)[1])(
+                            real(*a)))
+    g = torch.Generator().manual_seed(0)
+    num_blocks, block_len, Hkv, D = 4, 4, 1, 8
+    k = torch.randn(num_blocks, block_len, Hkv, D, generator=g)
+    v = torch.randn(num_blocks, block_len, Hkv, D, generator=g)
+    q = torch.randn(3, 1, 2, D, generator=g)
+    lens = torch.tensor([2, 8, 3], dtype=torch.int32)  # 1, 2 and 1 blocks
+    table = torch.tensor([[0, 99], [1, 2], [3, -7]], dtype=torch.int32)
+    got = lmfuse.decode_attention(q, k, v, lens, block_table=table)
+    want = decode_attention_reference(q.double(), k.double(), v.double(), lens,
+                                      block_table=table)
+    assert calls == [True]
+    assert_close(got, want, torch.float32, "unused table entries past the pool")
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged-block7-not-dividing", "paged4"])

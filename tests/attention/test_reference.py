@@ -139,3 +139,37 @@ def test_merge_of_empty_partials() -> None:
     out, lse = merge_attention_states_reference(outs, lses)
     assert torch.equal(out[0], torch.arange(4.0)) and lse[0] == 0.5
     assert torch.equal(out[1], torch.zeros(4)) and torch.isinf(lse[1])
+
+
+@pytest.mark.parametrize("s_active, window", [(1, 3), (2, None)])
+def test_unseen_nan_keys_reach_no_gradient(s_active: int, window) -> None:
+    """A NaN key and value that token 0 does not see (outside its window; token 1's own
+    with s_active = 2) reach neither its output nor the gradients of a loss on it: they
+    equal plain attention's over the visible keys only. (With s_active = 2, token 1 sees
+    the NaN: its part of the k/v gradients is 0 * NaN, so only q's is compared there.)"""
+    g = torch.Generator().manual_seed(s_active)
+    S, L, Hq, Hkv, D = 10, 8, 4, 2, 8
+    q = torch.randn(1, s_active, Hq, D, generator=g, dtype=F64)
+    k = torch.randn(1, S, Hkv, D, generator=g, dtype=F64)
+    v = torch.randn(1, S, Hkv, D, generator=g, dtype=F64)
+    p = L - s_active  # token 0's position
+    visible = list(range(0 if window is None else p - window, p + 1))
+    unseen = 0 if window is not None else L - 1
+    k[0, unseen], v[0, unseen] = math.nan, math.nan
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = decode_attention_reference(*leaves, torch.tensor([L]), window_size=window)
+    out[:, 0].sum().backward()
+    plain = [t.clone().requires_grad_() for t in (q, k, v)]
+    kk = plain[1][0, visible].repeat_interleave(Hq // Hkv, dim=1)  # [n, Hq, D]
+    vv = plain[2][0, visible].repeat_interleave(Hq // Hkv, dim=1)
+    s = torch.einsum("hd,nhd->hn", plain[0][0, 0], kk) / math.sqrt(D)
+    want = torch.einsum("hn,nhd->hd", torch.softmax(s, dim=-1), vv)
+    want.sum().backward()
+    torch.testing.assert_close(out[0, 0], want, rtol=1e-10, atol=1e-12)
+    assert torch.isfinite(leaves[0].grad[:, 0]).all()
+    torch.testing.assert_close(leaves[0].grad[:, 0], plain[0].grad[:, 0], rtol=1e-10,
+                               atol=1e-12)
+    if s_active == 1:
+        for got, ref in zip(leaves[1:], plain[1:]):
+            assert torch.isfinite(got.grad).all()
+            torch.testing.assert_close(got.grad, ref.grad, rtol=1e-10, atol=1e-12)

@@ -49,7 +49,6 @@ from .reference import rope_reference as rope_reference
 
 # fp8 caches are float8_e4m3fn (as decode_attention reads them); the kernel's exact rounding
 # needs the format's (mantissa bits, smallest normal exponent).
-_FP8_BITS = {torch.float8_e4m3fn: (3, -6)}
 _kernels = lazy_kernels("block_kernels", __package__)
 
 
@@ -154,13 +153,10 @@ def _launch_prologue(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         positions.stride(0) if positions is not None else 0,
         positions.stride(1) if positions is not None else 0,
         s_active, Hq, Hkv, capacity, k_cache.shape[0] if paged else 0, float(eps),
-        float(torch.finfo(k_cache.dtype).max) if fp8 else 0.0,
         D=D, HALF_R=half_r, BLOCK_R=next_pow2(half_r, 2), BLOCK_T=next_pow2(D - 2 * half_r, 2),
         BLOCK_D=block_d, QK_NORM=qk_norm, ROPE=inv_freq is not None,
         INTERLEAVED=bool(interleaved), HAS_POS=positions is not None, PAGED=paged,
         BLOCK_LEN=k_cache.shape[1] if paged else 1, FP8=fp8,
-        FP8_MANT=_FP8_BITS[k_cache.dtype][0] if fp8 else 0,
-        FP8_MIN_EXP=_FP8_BITS[k_cache.dtype][1] if fp8 else 0,
         HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None,
         num_warps=max(1, min(4, block_d // 128)))
     return q

@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._fp8 import saturate_fp8
+from .._fp8 import store_e4m3
 from .decode_kernels import _kv_rows
 
 
@@ -64,12 +64,12 @@ def qk_norm_rope_append_kernel(
     stride_kblk, stride_krow, stride_kh,
     stride_vblk, stride_vrow, stride_vh,
     stride_tb, stride_pb, stride_ps,
-    s_active, num_q_heads, num_kv_heads, capacity, num_blocks, eps, fp8_max,
+    s_active, num_q_heads, num_kv_heads, capacity, num_blocks, eps,
     D: tl.constexpr, HALF_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr, QK_NORM: tl.constexpr, ROPE: tl.constexpr,
     INTERLEAVED: tl.constexpr, HAS_POS: tl.constexpr, PAGED: tl.constexpr,
-    BLOCK_LEN: tl.constexpr, FP8: tl.constexpr, FP8_MANT: tl.constexpr,
-    FP8_MIN_EXP: tl.constexpr, HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr,
+    BLOCK_LEN: tl.constexpr, FP8: tl.constexpr, HAS_K_SCALE: tl.constexpr,
+    HAS_V_SCALE: tl.constexpr,
 ):
     """``QKV [B, s_active, (Hq + 2 Hkv) * D]`` (last dim contiguous) -> ``Q_OUT [B, s_active,
     Hq, D]`` and the cache rows; caches' and ``Q_OUT``'s head dims contiguous."""
@@ -118,9 +118,13 @@ def qk_norm_rope_append_kernel(
         k_ptr = K + k_row + kvh * stride_kh
         v_ptr = V + v_row + kvh * stride_vh
 
+        # The row's width if it has a slot in the cache, else 0: every store below is then
+        # masked off (a width, not `mask & ok`, which the interpreter mistypes for a scalar).
+        width = tl.where(ok, D, 0)
         if FP8:
-            # Correctly rounded division (as the reference's), then saturate at the format's
-            # largest finite value instead of rounding to NaN (NaN stays NaN).
+            # Correctly rounded division (as the reference's), then store_e4m3 saturates at
+            # the format's largest finite value instead of rounding to NaN (NaN stays NaN,
+            # under the interpreter too).
             if HAS_K_SCALE:
                 ks = tl.load(K_SCALE + kvh).to(tl.float32)
                 y1 = tl.div_rn(y1, ks)
@@ -128,14 +132,12 @@ def qk_norm_rope_append_kernel(
                 yt = tl.div_rn(yt, ks)
             if HAS_V_SCALE:
                 v = tl.div_rn(v, tl.load(V_SCALE + kvh).to(tl.float32))
-            y1 = saturate_fp8(y1, fp8_max, FP8_MANT, FP8_MIN_EXP)
-            y2 = saturate_fp8(y2, fp8_max, FP8_MANT, FP8_MIN_EXP)
-            yt = saturate_fp8(yt, fp8_max, FP8_MANT, FP8_MIN_EXP)
-            v = saturate_fp8(v, fp8_max, FP8_MANT, FP8_MIN_EXP)
-        # The row's width if it has a slot in the cache, else 0: every store below is then
-        # masked off (a width, not `mask & ok`, which the interpreter mistypes for a scalar).
-        width = tl.where(ok, D, 0)
-        tl.store(k_ptr + i1, y1.to(K.dtype.element_ty), mask=pair & (i1 < width))
-        tl.store(k_ptr + i2, y2.to(K.dtype.element_ty), mask=pair & (i2 < width))
-        tl.store(k_ptr + t, yt.to(K.dtype.element_ty), mask=t < width)
-        tl.store(v_ptr + d, v.to(V.dtype.element_ty), mask=d < width)
+            store_e4m3(k_ptr + i1, y1, pair & (i1 < width))
+            store_e4m3(k_ptr + i2, y2, pair & (i2 < width))
+            store_e4m3(k_ptr + t, yt, t < width)
+            store_e4m3(v_ptr + d, v, d < width)
+        else:
+            tl.store(k_ptr + i1, y1.to(K.dtype.element_ty), mask=pair & (i1 < width))
+            tl.store(k_ptr + i2, y2.to(K.dtype.element_ty), mask=pair & (i2 < width))
+            tl.store(k_ptr + t, yt.to(K.dtype.element_ty), mask=t < width)
+            tl.store(v_ptr + d, v.to(V.dtype.element_ty), mask=d < width)

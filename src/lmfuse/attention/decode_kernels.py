@@ -36,7 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._fp8 import saturate_e4m3
+from .._fp8 import store_e4m3
 from .._pdl import pdl_start, pdl_wait
 
 # log2(e) = 1.4426950408889634 and ln(2) = 0.6931471805599453 are written inline below (see
@@ -361,7 +361,8 @@ def append_kernel(
                 k = tl.div_rn(k, tl.load(K_SCALE + cc // D, mask=m, other=1.0).to(tl.float32))
             if HAS_V_SCALE:
                 v = tl.div_rn(v, tl.load(V_SCALE + cc // D, mask=m, other=1.0).to(tl.float32))
-            k = saturate_e4m3(k)
-            v = saturate_e4m3(v)
-        tl.store(K + k_row + cc, k.to(K.dtype.element_ty), mask=m)
-        tl.store(V + v_row + cc, v.to(V.dtype.element_ty), mask=m)
+            store_e4m3(K + k_row + cc, k, m)  # NaN stored as NaN under the interpreter too
+            store_e4m3(V + v_row + cc, v, m)
+        else:
+            tl.store(K + k_row + cc, k.to(K.dtype.element_ty), mask=m)
+            tl.store(V + v_row + cc, v.to(V.dtype.element_ty), mask=m)

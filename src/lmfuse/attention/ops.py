@@ -34,17 +34,19 @@ _kernels = lazy_kernels("decode_kernels", __package__)
 
 
 def check_cache(op: str, q_dtype, k_cache, v_cache, block_table, B: int, Hq: int, D: int,
-                names: tuple[str, str, str] = ("k_cache", "v_cache", "block_table")):
+                names: tuple[str, str, str] = ("k_cache", "v_cache", "block_table"),
+                dtype_of: str = "the queries'"):
     """Shared by decode_attention, kv_cache_append, ``block.DecodeAttentionBlock`` and
     ``cp_cache_append`` (the attention package's one cache check; ``names``: the three
-    arguments' names in the caller's errors): the two caches, their layout and the block
+    arguments' names in the caller's errors; ``dtype_of``: whose dtype ``q_dtype`` is, and
+    ``Hq=None`` where there are no queries): the two caches, their layout and the block
     table. Returns ``(Hkv, capacity per sequence)``."""
     kn, vn, tn = names
     check_tensor(op, kn, k_cache, ndim=4, dtypes=None)
     check_tensor(op, vn, v_cache, ndim=4, dtypes=None)
     for name, c in ((kn, k_cache), (vn, v_cache)):
         if c.dtype not in FP8_DTYPES and c.dtype != q_dtype:
-            raise TypeError(f"{op}: {name} must have the queries' dtype "
+            raise TypeError(f"{op}: {name} must have {dtype_of} dtype "
                             f"{dtype_name(q_dtype)} or be float8_e4m3fn, got "
                             f"{dtype_name(c.dtype)}")
     if k_cache.dtype != v_cache.dtype:
@@ -56,7 +58,10 @@ def check_cache(op: str, q_dtype, k_cache, v_cache, block_table, B: int, Hq: int
     n0, rows, Hkv, Dk = k_cache.shape
     if Dk != D:
         raise ValueError(f"{op}: the caches' head dim is {Dk} but the new/query rows' is {D}")
-    if Hkv == 0 or (Hq is not None and Hq % Hkv):
+    if Hkv == 0:
+        raise ValueError(f"{op}: the caches must have at least one KV head (dim 2), got "
+                         f"{tuple(k_cache.shape)}")
+    if Hq is not None and Hq % Hkv:
         raise ValueError(f"{op}: the query heads ({Hq}) must be a multiple of the caches' KV "
                          f"heads ({Hkv}) (GQA)")
     if block_table is None:
@@ -91,6 +96,18 @@ def check_scales(op: str, k_scale, v_scale, Hkv: int, cache_dtype) -> None:
             if s.shape[0] != Hkv:
                 raise ValueError(f"{op}: {name} must be [Hkv={Hkv}] (one scale per KV head), "
                                  f"got {tuple(s.shape)}")
+
+
+def check_no_grad(op: str, path: str, why: str, **inputs: Optional[torch.Tensor]) -> None:
+    """The Triton path has no backward: under grad mode, an input that requires grad would
+    lose its gradient silently, so it is refused (``impl="torch"`` differentiates through
+    the reference). ``why``: why the op has none; ``inputs``: the tensors by name."""
+    if path != "triton" or not torch.is_grad_enabled():
+        return
+    for name, t in inputs.items():
+        if t is not None and t.requires_grad:
+            raise ValueError(f"{op}: the Triton path has no backward ({why}) but {name} "
+                             "requires grad; run it under torch.no_grad() or use impl='torch'")
 
 
 # --- value checks ------------------------------------------------------------------------
@@ -331,10 +348,8 @@ def _validate(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_siz
     if check_values:
         check_decode_values(op, cache_seqlens, k_cache, block_table, capacity, k_scale,
                             v_scale, force=path == "torch")
-    if path == "triton" and torch.is_grad_enabled() and (
-            q.requires_grad or (sinks is not None and sinks.requires_grad)):
-        raise ValueError(f"{op}: the Triton path has no backward (decode attention is an "
-                         "inference op); run it under torch.no_grad() or use impl='torch'")
+    check_no_grad(op, path, "decode attention is an inference op", q=q, k_cache=k_cache,
+                  v_cache=v_cache, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     return path, reason, 1.0 / math.sqrt(D) if scale is None else scale, softcap
 
 
@@ -816,7 +831,10 @@ def native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k = k_cache[:, :longest].masked_fill(past, 0.0)
         v = v_cache[:, :longest].masked_fill(past, 0.0)
     else:  # the gather copies already: zeroed in place
-        ids = block_table[:, :cdiv(longest, k_cache.shape[1])].long().clamp(min=0)
+        # Columns past a shorter sequence's blocks may hold anything (-1, or any id): clamped
+        # into the pool, their rows are masked as past that sequence's length.
+        ids = block_table[:, :cdiv(longest, k_cache.shape[1])].long().clamp(
+            0, k_cache.shape[0] - 1)
         k = k_cache[ids].flatten(1, 2)[:, :longest].masked_fill_(past, 0.0)
         v = v_cache[ids].flatten(1, 2)[:, :longest].masked_fill_(past, 0.0)
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, S, D]
@@ -908,6 +926,7 @@ def _resolve_merge(outs, lses, impl) -> tuple[str, str]:
                             f"outs {dtype_name(outs.dtype)}, lses {dtype_name(lses.dtype)}; "
                             "use impl='torch'")
         path, reason = "torch", "float64 states: the reference"
+    check_no_grad(op, path, "an inference op", outs=outs, lses=lses)
     return path, reason
 
 
@@ -941,8 +960,8 @@ def merge_attention_states(outs: torch.Tensor, lses: torch.Tensor, *,
     dtype = outs.dtype if out_dtype is None else out_dtype
     with nvtx_range("merge_attention_states", "fwd"):
         if path == "torch":
-            out, lse = ref.merge_attention_states_reference(outs, lses)
-            return out.to(dtype), lse if lses.dtype == torch.float64 else lse.float()
+            out, lse = ref.merge_attention_states_reference(outs, lses, out_dtype=dtype)
+            return out, lse if lses.dtype == torch.float64 else lse.float()
         P, D = outs.shape[0], outs.shape[-1]
         lead = outs.shape[1:-1]
         outs3 = outs.reshape(P, -1, D)
@@ -1006,7 +1025,8 @@ def kv_cache_append(
     if v_new.dtype != k_new.dtype:
         raise TypeError(f"{op}: k_new is {dtype_name(k_new.dtype)} but v_new is "
                         f"{dtype_name(v_new.dtype)}")
-    Hkv, capacity = check_cache(op, k_new.dtype, k_cache, v_cache, block_table, B, None, D)
+    Hkv, capacity = check_cache(op, k_new.dtype, k_cache, v_cache, block_table, B, None, D,
+                                dtype_of="k_new's")
     if Hkv != Hkv_new:
         raise ValueError(f"{op}: k_new has {Hkv_new} KV heads but the caches have {Hkv}")
     check_seqlens(op, cache_seqlens, B)
@@ -1020,6 +1040,8 @@ def kv_cache_append(
             raise TypeError(f"{op}: impl='triton' appends float32/float16/bfloat16 rows, got "
                             f"{dtype_name(k_new.dtype)}; use impl='torch'")
         path = "torch"
+    check_no_grad(op, path, "an in-place cache write", k_cache=k_cache, v_cache=v_cache,
+                  k_new=k_new, v_new=v_new, k_scale=k_scale, v_scale=v_scale)
     check_append_values(op, cache_seqlens, k_cache, block_table, capacity, s_new, k_scale,
                         v_scale, force=path == "torch")
     with nvtx_range("kv_cache_append", "fwd"):

@@ -113,7 +113,10 @@ def decode_attention_reference(
             seen = pos <= p
             if window_size is not None:
                 seen &= pos >= p - window_size
-            s = torch.einsum("hd,lhd->hl", q[b, i].to(compute), k) * scale  # [Hq, L]
+            # The keys this token does not see are zeroed before the product, not only
+            # masked after it: a NaN among them would reach the gradients (0 * NaN).
+            s = torch.einsum("hd,lhd->hl", q[b, i].to(compute),
+                             torch.where(seen[:, None, None], k, 0.0)) * scale  # [Hq, L]
             if softcap is not None:
                 s = softcap * torch.tanh(s / softcap)
             s = s.masked_fill(~seen[None, :], -math.inf)
@@ -132,9 +135,11 @@ def decode_attention_reference(
     return (out, lse) if return_lse else out
 
 
-def merge_attention_states_reference(outs: torch.Tensor, lses: torch.Tensor):
+def merge_attention_states_reference(outs: torch.Tensor, lses: torch.Tensor,
+                                     out_dtype: Optional[torch.dtype] = None):
     """Merge ``P`` partial results over disjoint key sets: ``outs [P, ..., D]``, ``lses [P,
-    ...]`` -> ``(out [..., D] in outs' dtype, lse [...])``, ``lse = logsumexp(lses)``
+    ...]`` -> ``(out [..., D] in out_dtype (default outs' dtype; the float32 merge rounded
+    once to it), lse [...])``, ``lse = logsumexp(lses)``
     (:func:`logsumexp`) and ``out = sum_p exp(lse_p - lse) out_p``. A partial with ``lse_p
     = -inf`` saw no key and contributes nothing, whatever its output holds; if all are
     such, the result is zeros and ``-inf``. A NaN or ``+inf`` partial LSE makes the output
@@ -147,7 +152,7 @@ def merge_attention_states_reference(outs: torch.Tensor, lses: torch.Tensor):
     terms = torch.where((lses == -math.inf)[..., None], 0.0, w[..., None] * outs.to(compute))
     out = torch.where(finite[..., None], terms.sum(dim=0),
                       torch.where(lse[..., None] == -math.inf, 0.0, math.nan))
-    return out.to(outs.dtype), lse
+    return out.to(outs.dtype if out_dtype is None else out_dtype), lse
 
 
 def kv_cache_append_reference(k_cache, v_cache, k_new, v_new, cache_seqlens, *,

@@ -120,7 +120,8 @@ def cp_cache_append(
     check_int(op, "cp_block", cp_block, minimum=1)
     shard_hkv, _ = check_cache(op, k_new.dtype, k_cache_shard, v_cache_shard,
                                block_table_shard, B, None, D,
-                               names=("k_cache_shard", "v_cache_shard", "block_table_shard"))
+                               names=("k_cache_shard", "v_cache_shard", "block_table_shard"),
+                               dtype_of="k_new's")
     if shard_hkv != Hkv:
         raise ValueError(f"{op}: the shard's [Hkv, D] is {list(k_cache_shard.shape[2:])} but "
                          f"k_new's is {[Hkv, D]}")
