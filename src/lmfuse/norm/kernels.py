@@ -11,8 +11,8 @@ NaN and inf need no code of their own: a NaN in a row makes its sum of squares, 
 so the whole row (and its gradients) NaN; an inf makes rstd 0 and the row ``[0, .., NaN
 (inf * 0), .., 0]``, exactly as the reference's PyTorch computes it. The backward's
 ``mean(g * x_hat)`` is formed as ``sum(g * x) * rstd / H``, the reference's order, and a
-finite row whose mean square overflows (rstd 0) takes the formula's unfactored terms
-(``_dx``), so its gradients are NaN exactly where the reference's are ``inf * 0``.
+finite row whose mean square overflows (rstd 0) gets NaN gradients exactly where the
+reference's are ``inf * 0`` (``_dx``).
 
 * ``rms_norm_fwd_kernel``: a program owns ``BLOCK_M`` rows. ``SINGLE_BLOCK``: a row fits one
   ``BLOCK_N`` register tile, so x is read once and ``y`` written once. Otherwise the row is
@@ -53,13 +53,13 @@ def _rstd(sum_sq, H, eps, rmask):
 
 
 @triton.jit
-def _dx(g, x, x_hat, c, rstd):
+def _dx(g, x, c, rstd):
     """``(g - x_hat * c) * rstd``, ``c = sum(g * x) * rstd / H`` (the sum scaled after, as
-    autograd through the formula forms it). A row with rstd 0 (its mean square overflowed)
-    takes the formula's own terms, ``g * rstd - 2 x * (c * rstd)``: 0, or NaN where they
-    are ``inf * 0`` as there (``sum(g * x)`` overflowing too, ``2 x`` past float32's range,
-    an inf ``g``), where the factored form would give 0."""
-    return tl.where(rstd == 0.0, g * rstd - (2.0 * x) * (c * rstd), (g - x_hat * c) * rstd)
+    autograd through the formula forms it), with ``x_hat`` formed as ``(2 x) (rstd / 2)``:
+    the same value, except in a row whose mean square overflowed (rstd 0), where the
+    formula's ``2 x`` past float32's range times 0 is NaN, as there (``sum(g * x)``
+    overflowing too makes ``c`` NaN, an inf ``g`` makes ``g * 0`` NaN, as there)."""
+    return (g - ((2.0 * x) * (0.5 * rstd)) * c) * rstd
 
 
 @triton.jit
@@ -131,7 +131,7 @@ def rms_norm_bwd_kernel(
             x_hat = x * rstd
             g = dy * w
             c = tl.sum(g * x, axis=1)[:, None] * rstd / H
-            dx = _dx(g, x, x_hat, c, rstd)
+            dx = _dx(g, x, c, rstd)
             tl.store(dx_ptr + rows[:, None] * sdx + cols[None, :],
                      dx.to(dx_ptr.dtype.element_ty), mask=mask)
             if WEIGHT_GRAD:
@@ -163,8 +163,7 @@ def rms_norm_bwd_kernel(
                 x = tl.load(x_row + c[None, :], mask=mask, other=0.0).to(tl.float32)
                 dy = tl.load(dy_row + c[None, :], mask=mask, other=0.0).to(tl.float32)
                 x_hat = x * rstd
-                dx = _dx(dy * _weight(w_ptr, c, cmask, offset, HAS_WEIGHT), x, x_hat, mean_gx,
-                         rstd)
+                dx = _dx(dy * _weight(w_ptr, c, cmask, offset, HAS_WEIGHT), x, mean_gx, rstd)
                 tl.store(dx_ptr + rows[:, None] * sdx + c[None, :],
                          dx.to(dx_ptr.dtype.element_ty), mask=mask)
                 if WEIGHT_GRAD:
