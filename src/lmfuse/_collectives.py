@@ -72,16 +72,15 @@ _AGREED: set = set()
 CHECKING = [0]
 
 
-def check_agreed_once(op: str, group: Any, device: torch.device, keyed: tuple[str, ...],
-                      **values: int) -> None:
+def check_agreed_once(op: str, group: Any, device: torch.device, **values: int) -> None:
     """Raise ``ValueError`` on every rank of ``group`` unless every rank passes the same
     ``values`` (shard widths, token counts): sizes a collective's ranks must share, whose
     disagreement would otherwise give wrong numbers or abort inside the backend. One small
-    all-gather (and a host sync) the first time ``group`` sees the ``keyed`` values, nothing
-    after them (a token count that changes every step costs no check each step); skipped
-    while a CUDA graph is captured or torch.compile traces (the eager calls before check
-    it)."""
-    key = (id(group), tuple((k, values[k]) for k in keyed))
+    all-gather (and a host sync) on the first call of an op with ``group``, none after: a
+    cache keyed by a rank's own values would differ between ranks exactly when the values
+    do, and the ranks would then disagree on issuing the check's collective. Skipped while
+    a CUDA graph is captured or torch.compile traces (the eager calls before check it)."""
+    key = (id(group), op)
     if key in _AGREED or torch.compiler.is_compiling() or (
             device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return

@@ -350,7 +350,8 @@ def test_merge_kernel_matches_the_reference_merge(world: int, mean: bool,
 def _disagreeing_sizes_rank(rank: int, world_size: int) -> None:
     """Shards of different widths (the ranks' columns would be placed at rank * V_local:
     wrong losses, no error) or different token counts (the stats' all-gather would abort
-    inside gloo) raise a ValueError on every rank; sizes that agree are checked once."""
+    inside gloo) raise a ValueError on every rank, at an op's first call with the group
+    (a sharding set up wrongly); once they have agreed, the op checks that group no more."""
     f = Failures(rank)
     world = dist.group.WORLD
     g = torch.Generator().manual_seed(0)

@@ -672,11 +672,11 @@ def _resolve_logits(shape, dtype, device, requires_grad, target, ignore_index, l
 def check_shards(op: str, o: CrossEntropyCall, n: int, V_local: int,
                  device: torch.device) -> None:
     """With a ``tp_group``: every rank's shard of one width (its columns are placed at
-    ``rank * V_local``) and one token count (the stats' all-gather), checked by the first
-    call of a group with a shard width (:func:`lmfuse._collectives.check_agreed_once`); not
-    by the planner, which issues no collective."""
+    ``rank * V_local``) and one token count (the stats' all-gather), checked by the op's
+    first call with the group (:func:`lmfuse._collectives.check_agreed_once`: a sharding
+    set up wrongly); not by the planner, which issues no collective."""
     if o.tp_group is not None:
-        check_agreed_once(op, o.tp_group, device, ("classes per rank",),
+        check_agreed_once(op, o.tp_group, device,
                           **{"classes per rank": V_local, "tokens": n})
 
 
