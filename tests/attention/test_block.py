@@ -518,3 +518,29 @@ def test_rope_reference_takes_cos_and_sin_of_the_float32_angle(dtype: torch.dtyp
     assert got.dtype == dtype
     assert torch.equal(got, want.to(dtype)) or (got.double() - want).abs().max() <= (
         2 * torch.finfo(dtype).eps * want.abs().max())
+
+
+@pytest.mark.parametrize("name", ["qkv", "q_norm_weight", "k_cache", "v_cache", "k_scale"])
+def test_fused_stage_triton_path_refuses_inputs_that_require_grad(name: str) -> None:
+    """The fused stage's Triton path has no backward: any tensor input that requires grad
+    under grad mode is refused by name (the caches and scales too, whose gradients it would
+    drop silently); under no_grad it runs."""
+    lens0 = [0, 3]
+    fp8 = name == "k_scale"
+    k_cache, v_cache, table = make_cache(lens0, [n + 1 for n in lens0],
+                                         FP8 if fp8 else torch.float32, False)
+    kw: dict[str, Any] = dict(num_heads=HQ, num_kv_heads=HKV, eps=1e-5, block_table=table,
+                              q_norm_weight=1.0 + 0.2 * randn((D,)),
+                              k_norm_weight=1.0 + 0.2 * randn((D,)))
+    if fp8:
+        kw.update(k_scale=0.5 + torch.rand(HKV), v_scale=0.5 + torch.rand(HKV))
+    args = {"qkv": randn((2, 1, (HQ + 2 * HKV) * D)), "k_cache": k_cache, "v_cache": v_cache}
+    target = args[name] if name in args else kw[name]
+    target.requires_grad_()
+    with pytest.raises(ValueError, match=rf"qk_norm_rope_append: the Triton path has no "
+                                         rf"backward .* but {name} requires grad"):
+        qk_norm_rope_append(args["qkv"], args["k_cache"], args["v_cache"],
+                            torch.tensor(lens0), impl="triton", **kw)
+    with torch.no_grad():
+        qk_norm_rope_append(args["qkv"], args["k_cache"], args["v_cache"],
+                            torch.tensor(lens0), impl="triton", **kw)

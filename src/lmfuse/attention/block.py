@@ -266,10 +266,9 @@ def qk_norm_rope_append(
             q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, eps=eps,
             inv_freq=inv_freq, rope_interleaved=rope_interleaved, positions=positions,
             block_table=block_table, k_scale=k_scale, v_scale=v_scale)
-    if torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (qkv, q_norm_weight, k_norm_weight)):
-        raise ValueError(f"{op}: the Triton path has no backward (an inference op); run it "
-                         "under torch.no_grad() or use impl='torch'")
+    ops.check_no_grad(op, path, "an inference op", qkv=qkv, q_norm_weight=q_norm_weight,
+                      k_norm_weight=k_norm_weight, k_cache=k_cache, v_cache=v_cache,
+                      k_scale=k_scale, v_scale=v_scale)
     return _run_prologue(qkv, k_cache, v_cache, cache_seqlens, q_norm_weight, k_norm_weight,
                          inv_freq, positions, block_table, k_scale, v_scale, Hq, Hkv, eps,
                          rope_interleaved, capacity)
