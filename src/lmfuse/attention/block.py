@@ -47,8 +47,6 @@ from .reference import qk_norm_rope_append_reference as qk_norm_rope_append_refe
 from .reference import rope_inv_freq as rope_inv_freq
 from .reference import rope_reference as rope_reference
 
-# fp8 caches are float8_e4m3fn (as decode_attention reads them); the kernel's exact rounding
-# needs the format's (mantissa bits, smallest normal exponent).
 _kernels = lazy_kernels("block_kernels", __package__)
 
 
