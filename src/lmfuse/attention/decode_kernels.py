@@ -331,12 +331,16 @@ def append_kernel(
     K_NEW, V_NEW, K, V, SEQLENS, TABLE, K_SCALE, V_SCALE,
     stride_nb, stride_ns, stride_vnb, stride_vns,
     stride_kblk, stride_krow, stride_vblk, stride_vrow, stride_tb,
+    stride_kh, stride_vh,
     s_new, capacity, num_blocks,
     HD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
     PAGED: tl.constexpr, BLOCK_LEN: tl.constexpr, FP8: tl.constexpr,
-    HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr,
+    HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr, FLAT: tl.constexpr = 1,
 ):
-    """New rows ``[Hkv * D]`` (heads and dims contiguous in the new tensors and the cache)."""
+    """New rows ``[Hkv * D]`` (heads and dims contiguous in the new tensors). ``FLAT``: a
+    cache row's heads are contiguous too (``stride_kh == stride_vh == D``), so the row is
+    one run of ``Hkv * D`` values; else head ``h`` starts at ``h * stride_kh`` of the row
+    (a heads-major cache, ``[B, Hkv, S, D]`` seen as ``[B, S, Hkv, D]``; dims contiguous)."""
     pid = tl.program_id(0)
     b = (pid // s_new).to(tl.int64)
     i = pid % s_new
@@ -354,6 +358,12 @@ def append_kernel(
         m = (cc < HD) & ok
         k = tl.load(K_NEW + b * stride_nb + i * stride_ns + cc, mask=m, other=0.0)
         v = tl.load(V_NEW + b * stride_vnb + i * stride_vns + cc, mask=m, other=0.0)
+        if FLAT:
+            kc = cc
+            vc = cc
+        else:
+            kc = (cc // D) * stride_kh + cc % D
+            vc = (cc // D) * stride_vh + cc % D
         k = k.to(tl.float32)
         v = v.to(tl.float32)
         if FP8:
@@ -361,8 +371,8 @@ def append_kernel(
                 k = tl.div_rn(k, tl.load(K_SCALE + cc // D, mask=m, other=1.0).to(tl.float32))
             if HAS_V_SCALE:
                 v = tl.div_rn(v, tl.load(V_SCALE + cc // D, mask=m, other=1.0).to(tl.float32))
-            store_e4m3(K + k_row + cc, k, m)  # NaN stored as NaN under the interpreter too
-            store_e4m3(V + v_row + cc, v, m)
+            store_e4m3(K + k_row + kc, k, m)  # NaN stored as NaN under the interpreter too
+            store_e4m3(V + v_row + vc, v, m)
         else:
-            tl.store(K + k_row + cc, k.to(K.dtype.element_ty), mask=m)
-            tl.store(V + v_row + cc, v.to(V.dtype.element_ty), mask=m)
+            tl.store(K + k_row + kc, k.to(K.dtype.element_ty), mask=m)
+            tl.store(V + v_row + vc, v.to(V.dtype.element_ty), mask=m)

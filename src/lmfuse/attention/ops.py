@@ -635,11 +635,12 @@ def _launch_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Te
         k_scale if k_scale is not None else k_new, v_scale if v_scale is not None else k_new,
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        block_table.stride(0) if paged else 0,
+        block_table.stride(0) if paged else 0, k_cache.stride(2), v_cache.stride(2),
         s_new, capacity, k_cache.shape[0],
         HD=Hkv * D, D=D, BLOCK=block, PAGED=paged,
         BLOCK_LEN=k_cache.shape[1] if paged else 1, FP8=fp8,
-        HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None, num_warps=4)
+        HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None,
+        FLAT=Hkv == 1 or (k_cache.stride(2) == D and v_cache.stride(2) == D), num_warps=4)
 
 
 # Decode attention's ops take primitives (a custom op cannot take a DecodeCall) and build
@@ -992,7 +993,9 @@ def kv_cache_append(
         k_cache, v_cache: ``[B, S_max, Hkv, D]``, or ``[num_blocks, block_len, Hkv, D]`` with
             ``block_table [B, max_blocks]``; the new rows' dtype, or float8 (then quantised:
             stored = clamp(value / scale, +-448) rounded to e4m3, with ``k_scale``/``v_scale
-            [Hkv]``, default 1).
+            [Hkv]``, default 1). Any strides with the head dim contiguous (a heads-major
+            ``[B, Hkv, S_max, D]`` cache passed as ``.transpose(1, 2)`` too); the Triton path
+            refuses a strided head dim (``impl="torch"`` takes it).
         k_new, v_new: ``[B, s_new, Hkv, D]``; token ``i`` goes to position
             ``cache_seqlens[b] + i``.
         cache_seqlens: ``[B]`` the lengths *before* the append (not updated here), with
@@ -1051,11 +1054,12 @@ def kv_cache_append(
                                           v_scale=v_scale)
             return None
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-            # The kernel writes a row's Hkv * D values as one run (strides of size-1 dims, and
-            # of a call that writes nothing, do not matter).
-            if B * s_new and ((c.stride(3) != 1 and D > 1) or (c.stride(2) != D and Hkv > 1)):
-                raise ValueError(f"{op}: {name}'s heads and head dims must be contiguous (strides "
-                                 f"[.., {D}, 1]), got strides {tuple(c.stride())}")
+            # The kernel writes a head's D values as one run (heads at any stride: token-major
+            # or heads-major caches; strides of size-1 dims, and of a call that writes
+            # nothing, do not matter).
+            if B * s_new and c.stride(3) != 1 and D > 1:
+                raise ValueError(f"{op}: {name}'s head dim must be contiguous (stride 1), got "
+                                 f"strides {tuple(c.stride())}; use impl='torch'")
         k_new = k_new if k_new.stride(3) == 1 and k_new.stride(2) == D else k_new.contiguous()
         v_new = v_new if v_new.stride(3) == 1 and v_new.stride(2) == D else v_new.contiguous()
         if block_table is not None and block_table.stride(-1) != 1:
