@@ -109,6 +109,20 @@ def demo_step_row() -> tuple[str, list[int], Callable, Callable]:
             lambda: fused.loss(tok, tok).backward(), lambda: plain.loss(tok, tok).backward())
 
 
+def cpu_model() -> str:
+    """The processor's name as Linux reports it (``platform.processor()`` elsewhere): the
+    ratios move with it, so each result file says which CPU it ran on."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or "unknown"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json")
@@ -133,7 +147,7 @@ def main() -> int:
     out.append(dict(op=op, shape=shape, lmfuse_ms=a, plain_ms=b, ratio=a / b, threads=1))
     print(f"{op:22s} {str(shape):22s} lmfuse {a:8.3f} ms  plain {b:8.3f} ms  x{a / b:.2f}")
     if args.json:
-        env = dict(device="cpu (2 threads)", torch=torch.__version__,
+        env = dict(device="cpu (2 threads)", cpu=cpu_model(), torch=torch.__version__,
                    date=time.strftime("%Y-%m-%d"))
         with open(args.json, "w") as f:
             json.dump(dict(env=env, rows=out), f, indent=1)
