@@ -166,6 +166,34 @@ def test_merge_nan_and_inf() -> None:
         close(lse, want_lse, F32, f"merge {dtype}: lse")
 
 
+@pytest.mark.parametrize("layout", [None, 16])
+@pytest.mark.parametrize("dtype", [BF16, FP8])
+def test_append_into_heads_major_caches(layout, dtype) -> None:
+    """A heads-major cache (``[B, Hkv, S, D]`` passed transposed): the compiled append writes
+    the bytes the reference writes into a token-major cache, and decode reads both alike."""
+    B, S, H, D, Hq = 3, 64, 4, 128, 16
+    g = torch.Generator(device=DEV).manual_seed(5)
+    k, v = rnd(B, S, H, D, g=g), rnd(B, S, H, D, g=g)
+    table = None
+    if layout:
+        (k, v), table = paged((k, v), [S] * B, layout, g)
+        k, v = k.nan_to_num(0), v.nan_to_num(0)
+    k, v = k.to(dtype), v.to(dtype)
+    scales = dict(k_scale=torch.tensor([0.5, 2.0, 1.0, 0.25], device=DEV),
+                  v_scale=torch.tensor([1.5, 0.5, 1.0, 4.0], device=DEV)) if dtype == FP8 else {}
+    km, vm = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (k, v))
+    new_k, new_v = rnd(B, 3, H, D, dtype=BF16, g=g), rnd(B, 3, H, D, dtype=BF16, g=g)
+    lens = torch.tensor([0, 17, S - 3], dtype=I32, device=DEV)
+    lmfuse.kv_cache_append(km, vm, new_k, new_v, lens, block_table=table, **scales)
+    lmfuse.kv_cache_append(k, v, new_k, new_v, lens, block_table=table, impl="torch", **scales)
+    for got, want in ((km, k), (vm, v)):
+        assert torch.equal(got.contiguous().view(torch.uint8), want.view(torch.uint8))
+    q = rnd(B, 1, Hq, D, dtype=BF16, g=g)
+    out = lmfuse.decode_attention(q, km, vm, lens + 3, block_table=table, **scales)
+    assert torch.equal(out, lmfuse.decode_attention(q, k, v, lens + 3, block_table=table,
+                                                    **scales))
+
+
 @pytest.mark.parametrize("layout", [None, 4])
 def test_fp8_append_and_fused_stage_store_nan(layout) -> None:
     """NaN new rows are stored as the e4m3 NaN byte (the hardware conversion), inf saturates;
