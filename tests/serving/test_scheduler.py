@@ -171,6 +171,24 @@ def test_a_long_prompt_is_prefilled_in_chunks_with_decode_steps_between() -> Non
     assert batch.requests == [c] and not batch.partial
 
 
+def test_a_stream_of_arrivals_never_stalls_the_running_requests() -> None:
+    """One new request a step (each admitted alone): the running requests decode a step
+    after every ``max_prefill_streak`` prefill steps, not only when the batch is full."""
+    for streak in (1, 4):
+        s = make(num_blocks=256, max_batch=64)
+        s.max_prefill_streak = streak
+        first = request(0, [1, 2, 3], 5)
+        s.add(first)
+        kinds = []
+        for i in range(1, 31):
+            s.add(request(i, [4, 5], 5))
+            kinds += [b.kind for b in drive(s, 1)]
+        # runs of `streak` prefills (the first admits `first`), a decode after each
+        want = (["prefill"] * streak + ["decode"]) * 30
+        assert kinds == want[:30], (streak, kinds)
+        assert len(first.output) == min(5, 1 + kinds.count("decode"))
+
+
 def test_chunks_off_prefill_a_long_prompt_whole() -> None:
     s = make(max_prefill_tokens=4, chunk_prefill=False)
     b = request(1, list(range(10, 21)))

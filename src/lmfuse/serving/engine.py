@@ -65,7 +65,9 @@ class Generator:
             ``cp_group`` refuses models with sliding-window layers. One of the two.
         max_prefill_tokens: new tokens computed in one prefill step; a longer prompt is
             prefilled in chunks of that many, one a step, with a decode step of the running
-            requests between two (over a split cache: whole, alone).
+            requests between two (over a split cache: whole, alone). While requests run,
+            at most four prefill steps come in a row before they decode a step (the
+            scheduler's ``max_prefill_streak``): arrivals never stall running requests.
         prefix_sharing: share the full blocks of identical prompt prefixes.
         decode_path: how decode steps run the model. ``"auto"`` (default): the fused
             decode layers (``fused.py``: a few launches per layer over the model's own

@@ -5,7 +5,10 @@ Each step is a **prefill** of waiting requests or a **decode** of the running on
 * If requests wait and the batch has room, the oldest ones are admitted (in arrival
   order, up to ``max_prefill_tokens`` new tokens; a longer first one is prefilled in
   chunks of that many, one a step, a decode step of the running requests between two
-  chunks, where ``chunk_prefill``; else whole): each
+  chunks, where ``chunk_prefill``; else whole), unless ``max_prefill_streak`` prefill
+  steps in a row have run while requests were running: then the running ones decode a
+  step first (a stream of arrivals never stalls them; a burst admitted in several steps
+  costs a decode step per ``max_prefill_streak`` of them): each
   gets a sequence in the :class:`~lmfuse.PagedKVCache`, sharing the full blocks of the
   longest prefix another live sequence already holds (``fork`` then ``truncate``: the
   shared blocks are reference-counted, never copied), and room for the rest of its
@@ -47,8 +50,10 @@ class Batch:
 class Scheduler:
     def __init__(self, cache: PagedKVCache, *, max_batch: int, max_prefill_tokens: int,
                  prefix_sharing: bool = True, max_blocks: int | None = None,
-                 chunk_prefill: bool = True) -> None:
+                 chunk_prefill: bool = True, max_prefill_streak: int = 4) -> None:
         self.cache = cache
+        self.max_prefill_streak = max_prefill_streak
+        self._streak = 0  # prefill steps since the last decode step
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
         self.prefix_sharing = prefix_sharing
@@ -112,12 +117,14 @@ class Scheduler:
         if self.prefilling is not None:  # its next chunk, a decode step between two
             if not (self.running and self._last == "prefill"):
                 batch = self._next_chunk()
-        elif self.waiting:
+        elif self.waiting and not (self.running
+                                   and self._streak >= self.max_prefill_streak):
             batch = self._admit()
         if batch is None and self.running:
             batch = self._grow()
         if batch is not None:
             self._last = batch.kind
+            self._streak = self._streak + 1 if batch.kind == "prefill" else 0
         return batch
 
     def _admit(self) -> Batch | None:
