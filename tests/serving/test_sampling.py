@@ -27,6 +27,25 @@ def test_noise_is_uniform_deterministic_and_keyed_by_seed_and_counter() -> None:
     assert torch.equal(uniform_noise(seeds, counters, 100), u[:, :100])
 
 
+def test_every_seed_bit_keys_its_own_stream() -> None:
+    """Seeds differing in any bit (the high half too) draw different noise, and draws of
+    one seed at one counter never repeat another seed's at another counter. Seed
+    4506039813039718401 had 12345's row key under the earlier 32-bit key (the high half
+    added in linearly), so the two sampled the same tokens."""
+    base = 4506039813039718401
+    seeds = torch.tensor([12345, base] + [base ^ (1 << b) for b in range(63)])
+    for counter in (0, 1, 7):
+        u = uniform_noise(seeds, torch.full_like(seeds, counter), 4096)
+        same = (u[:, None, :] == u[None, :, :]).float().mean(-1)
+        same.fill_diagonal_(0.0)
+        assert float(same.max()) < 0.01, f"counter {counter}: two seeds share their noise"
+    # (seed, counter) pairs: 65 seeds x 8 counters, all distinct streams
+    grid_s = seeds.repeat_interleave(8)
+    grid_c = torch.arange(8).repeat(len(seeds))
+    u = uniform_noise(grid_s, grid_c, 64)
+    assert len({tuple(r) for r in u.tolist()}) == len(grid_s)
+
+
 def test_top_k_and_top_p_filter_each_row_by_its_own_options() -> None:
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0]] * 4)
     rows = [params(temperature=1.0, top_k=2), params(temperature=1.0, top_p=0.5),

@@ -40,12 +40,21 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
 
 def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
     """``[n, vocab]`` float64 in (0, 1): a hash of each row's ``(seed, counter)`` and the
-    column index."""
+    column index.
+
+    Each row's key is 64 bits, two 32-bit lanes, and for a given counter a bijection of
+    the seed's 64 bits (each lane an invertible mix of one seed half, the second also of
+    the first lane): two seeds never share a draw's noise, and the streams of two
+    (seed, counter) pairs coincide only by a 64-bit collision. (A 32-bit key made
+    distinct seeds draw alike: 2**32 streams for 2**63 seeds.) Each column's value mixes
+    both lanes and its index."""
     idx = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
     s_lo, s_hi = seeds & _M32, (seeds >> 32) & _M32
-    row = _fmix32((_fmix32(s_lo ^ 0x9E3779B9) + s_hi * 3 + _mul32(counters & _M32, 0x27D4EB2F))
-                  & _M32)
-    x = _fmix32(((row[:, None] + _mul32(idx, 0x165667B1)[None, :]) & _M32) ^ 0x5BD1E995)
+    c = counters & _M32
+    k_lo = _fmix32(s_lo ^ _fmix32(_mul32(c, 0x27D4EB2F) ^ 0x9E3779B9))
+    k_hi = _fmix32(s_hi ^ _fmix32(_mul32(c, 0x165667B1) ^ 0x85EBCA77) ^ k_lo)
+    x = _fmix32(((k_lo[:, None] + _mul32(idx, 0x165667B1)[None, :]) & _M32)
+                ^ (k_hi ^ 0x5BD1E995)[:, None])
     return (x.double() + 0.5) / 4294967296.0
 
 
