@@ -6,7 +6,9 @@ paged KV cache (:class:`lmfuse.serving.Generator`).
 * Loading reads only local files (``local_files_only=True``) and never runs code shipped
   with the checkpoint unless ``--trust-remote-code`` is given. The model is loaded in the
   checkpoint's dtype (``--dtype auto``, the config's ``dtype`` / ``torch_dtype``) on the
-  CPU and on CUDA alike, so greedy text equals ``model.generate``'s.
+  CPU and on CUDA alike, so greedy text equals ``model.generate``'s (the
+  ``generation_config``'s ``repetition_penalty`` applied as there; settings the Generator
+  does not apply, such as ``no_repeat_ngram_size``, are named by a warning).
 * Prompts: ``--prompt TEXT`` (repeatable), then the lines of ``--prompts-file F`` (``-``:
   stdin; blank lines skipped), tokenized as the tokenizer does by default (its BOS
   included); ``--chat`` wraps each in the tokenizer's chat template first.

@@ -701,10 +701,10 @@ def _prefills(gen: Generator, monkeypatch: pytest.MonkeyPatch) -> tuple[list, di
 
     seen, real = [], engine_module.sample
 
-    def spy(logits, params, counters):
+    def spy(logits, params, counters, histories=None):
         if not seen or len(seen) < 2 and gen.stats["prefill_steps"] == 2:
             seen.append(logits.detach().float().clone())
-        return real(logits, params, counters)
+        return real(logits, params, counters, histories)
 
     monkeypatch.setattr(engine_module, "sample", spy)
     gen.lookahead = False

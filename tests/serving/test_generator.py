@@ -142,9 +142,9 @@ def _capture_logits(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
     seen: list[torch.Tensor] = []
     real = engine_module.sample
 
-    def spy(logits, params, counters):
+    def spy(logits, params, counters, histories=None):
         seen.append(logits.detach().float().clone())
-        return real(logits, params, counters)
+        return real(logits, params, counters, histories)
 
     monkeypatch.setattr(engine_module, "sample", spy)
     return seen
@@ -165,8 +165,8 @@ def test_fp8_cache_logits_close_to_the_float32_cache(monkeypatch: pytest.MonkeyP
     forced: list[torch.Tensor] = []
     real = engine_module.sample
 
-    def spy(logits, params, counters):
-        tokens = real(logits, params, counters) if not forced else forced.pop(0)
+    def spy(logits, params, counters, histories=None):
+        tokens = real(logits, params, counters, histories) if not forced else forced.pop(0)
         steps.append((logits.detach().float().clone(), tokens))
         return tokens
 
@@ -289,6 +289,55 @@ def test_the_models_default_eos_is_named_as_such_when_it_is_bad() -> None:
         want("llama", [5, 6], 2)]
 
 
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("penalty", [1.5, 0.7])
+def test_the_models_repetition_penalty_gives_hf_generates_tokens(impl: str,
+                                                                 penalty: float) -> None:
+    """A checkpoint whose generation_config sets ``repetition_penalty`` (many instruct
+    models ship one): HF's greedy search applies it, so the Generator does by default, on
+    the prompt's and the output's tokens, through preemption and recomputation too; an
+    explicit ``repetition_penalty=1.0`` turns it off."""
+    model = tiny_causal_lm("llama")
+    plain = [hf_greedy(model, p, 12) for p in PROMPTS]
+    model.generation_config.repetition_penalty = penalty
+    hf = [hf_greedy(model, p, 12) for p in PROMPTS]
+    assert hf != plain
+    gen = Generator(model, block_len=4, num_blocks=64, impl=impl)
+    assert gen.generate(PROMPTS, max_new_tokens=12, eos_token_id=[]) == hf
+    assert gen.generate(PROMPTS, max_new_tokens=12, eos_token_id=[],
+                        repetition_penalty=1.0) == plain
+    small = Generator(model, block_len=4, num_blocks=10, impl=impl)
+    assert small.generate(PROMPTS, max_new_tokens=12, eos_token_id=[]) == hf
+    assert small.scheduler.preemptions > 0
+    # a penalised request beside a plain one in the same decode steps
+    mixed = Generator(model, block_len=4, num_blocks=64, impl=impl)
+    rids = [mixed.add_request(PROMPTS[0], max_new_tokens=12, eos_token_id=[]),
+            mixed.add_request(PROMPTS[2], max_new_tokens=12, eos_token_id=[],
+                              repetition_penalty=1.0)]
+    got: dict[int, list[int]] = {r: [] for r in rids}
+    while mixed.has_unfinished():
+        for rid, toks, _ in mixed.step():
+            got[rid] += toks
+    assert [got[r] for r in rids] == [hf[0], plain[2]]
+
+
+def test_generation_config_settings_it_does_not_apply_are_named() -> None:
+    model = tiny_causal_lm("llama")
+    model.generation_config.no_repeat_ngram_size = 3
+    model.generation_config.suppress_tokens = [4]
+    with pytest.warns(UserWarning, match=r"sets no_repeat_ngram_size=3, suppress_tokens=\[4\], "
+                                         "which the Generator does not apply"):
+        Generator(model, block_len=4, num_blocks=16, impl="torch")
+    model.generation_config.no_repeat_ngram_size = 0
+    model.generation_config.suppress_tokens = None
+    model.generation_config.repetition_penalty = -1.0
+    gen = Generator(model, block_len=4, num_blocks=16, impl="torch")
+    with pytest.raises(ValueError, match="generation_config.repetition_penalty"):
+        gen.generate([[1, 2]], max_new_tokens=2)
+    assert gen.generate([[5, 6]], max_new_tokens=2, eos_token_id=[],
+                        repetition_penalty=1.0) == [want("llama", [5, 6], 2)]
+
+
 def test_bfloat16_models_in_the_interpreter_decode_through_the_model() -> None:
     """Triton's interpreter has no bfloat16 tl.dot: a bfloat16 model there decodes through
     its own layers (lmfuse's attention), with HF's greedy tokens, and the fused layers are
@@ -314,6 +363,10 @@ def test_bfloat16_models_in_the_interpreter_decode_through_the_model() -> None:
     ([1, 2], {"top_k": 0}, ValueError, "top_k must be >= 1"),
     ([1, 2], {"top_p": 1.5}, ValueError, r"top_p must be in \(0, 1\]"),
     ([1, 2], {"eos_token_id": 500}, ValueError, r"eos_token_id \[500\] outside"),
+    ([1, 2], {"repetition_penalty": 0.0}, ValueError,
+     r"repetition_penalty must be a finite number > 0 \(1: none\), got 0.0"),
+    ([1, 2], {"repetition_penalty": float("inf")}, ValueError, "repetition_penalty must be"),
+    ([1, 2], {"repetition_penalty": "1.2"}, TypeError, "repetition_penalty"),
     (list(range(1, 60)), {"max_new_tokens": 10}, ValueError,
      "needs 18 blocks of 4 tokens, more than the pool's 16"),
     ([1, 2], {"max_new_tokens": 300}, ValueError, "max_position_embeddings"),

@@ -46,6 +46,24 @@ def test_every_seed_bit_keys_its_own_stream() -> None:
     assert len({tuple(r) for r in u.tolist()}) == len(grid_s)
 
 
+def test_repetition_penalty_scales_the_seen_tokens_before_temperature() -> None:
+    """HF's order: the penalty on the raw logits (seen positive logits divided, negative
+    multiplied; a token seen twice once), then temperature and filters; rows without a
+    penalty untouched, so their greedy tokens are the plain argmax."""
+    from lmfuse.serving.sampling import penalized
+    logits = torch.tensor([[4.0, 3.0, -1.0, 2.5], [4.0, 3.0, -1.0, 2.5]])
+    rows = [params(repetition_penalty=2.0), params()]
+    x = penalized(logits, rows, [[0, 2, 0], [0]])
+    assert x[0].tolist() == [2.0, 3.0, -2.0, 2.5] and x[1].tolist() == logits[1].tolist()
+    assert sample(logits, rows, [0, 0], [[0, 2, 0], [0]]).tolist() == [1, 0]
+    # sampled: the same seed draws from the penalised logits (token 0 at 4 -> 0.04 leaves
+    # token 1 alone at the top of a near-greedy temperature)
+    hot = [params(temperature=1e-3, seed=5, repetition_penalty=100.0)]
+    assert sample(logits[:1], hot, [3], [[0]]).tolist() == [1]
+    with pytest.raises(ValueError, match="needs the requests' token histories"):
+        sample(logits, rows, [0, 0])
+
+
 def test_top_k_and_top_p_filter_each_row_by_its_own_options() -> None:
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0]] * 4)
     rows = [params(temperature=1.0, top_k=2), params(temperature=1.0, top_p=0.5),

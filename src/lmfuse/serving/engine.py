@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -156,6 +157,8 @@ class Generator:
         self.lookahead = True
         gen = getattr(model, "generation_config", None)
         self._default_eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+        self._default_penalty = getattr(gen, "repetition_penalty", None)
+        _warn_unapplied(gen)
 
     # --- memory and state -------------------------------------------------------------------
 
@@ -222,19 +225,33 @@ class Generator:
     def add_request(self, prompt: Sequence[int], *, max_new_tokens: int,
                     temperature: float = 0.0, top_k: int | None = None,
                     top_p: float | None = None, eos_token_id: Any = None,
-                    seed: int | None = None) -> int:
-        """Queue ``prompt`` (token ids); its request id. Nothing changes on bad input."""
+                    seed: int | None = None, repetition_penalty: float | None = None) -> int:
+        """Queue ``prompt`` (token ids); its request id. Nothing changes on bad input.
+        Options as :meth:`generate`'s."""
         if self._closed:
             raise RuntimeError(f"{OP}: this Generator was closed")
         tokens = self._check_prompt(prompt, "prompt")
         params = self._sampling(max_new_tokens=max_new_tokens, temperature=temperature,
-                                top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=seed)
+                                top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=seed,
+                                repetition_penalty=repetition_penalty)
         self._check_fits(len(tokens), params.max_new_tokens, "prompt")
         return self._enqueue(tokens, params)
 
-    def _sampling(self, *, eos_token_id: Any, **options: Any) -> SamplingParams:
-        """Checked options; ``eos_token_id=None``: the model's ``generation_config``'s,
-        whose errors say where the value came from."""
+    def _sampling(self, *, eos_token_id: Any, repetition_penalty: Any,
+                  **options: Any) -> SamplingParams:
+        """Checked options; ``eos_token_id=None`` and ``repetition_penalty=None``: the
+        model's ``generation_config``'s, whose errors say where the value came from."""
+        if repetition_penalty is None:
+            repetition_penalty = self._default_penalty
+            if repetition_penalty is None:
+                repetition_penalty = 1.0
+            try:
+                SamplingParams.make(max_new_tokens=1, repetition_penalty=repetition_penalty)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"{exc} (the model's generation_config.repetition_penalty, "
+                                "used when none is given; pass repetition_penalty= to "
+                                "override it)") from None
+        options["repetition_penalty"] = repetition_penalty
         if eos_token_id is not None:
             return SamplingParams.make(eos_token_id=eos_token_id, vocab_size=self.vocab_size,
                                        **options)
@@ -356,10 +373,11 @@ class Generator:
         else:
             logits = self.runner.decode(reqs, batch.step)
         argmax = self.runner.take_greedy()
-        if argmax is not None and all(r.params.greedy for r in reqs):
+        if argmax is not None and all(r.params.plain_greedy for r in reqs):
             tokens = argmax  # computed in the decode step's graph
         else:
-            tokens = sample(logits, [r.params for r in reqs], [len(r.output) for r in reqs])
+            tokens = sample(logits, [r.params for r in reqs], [len(r.output) for r in reqs],
+                            [r.tokens for r in reqs])
         # The step's one host synchronisation.
         return self._finish(reqs, tokens.tolist(), prefill=batch.kind == "prefill")
 
@@ -383,7 +401,7 @@ class Generator:
 
     def _chainable(self, reqs: list[Request]) -> bool:
         """Whether a decode step of ``reqs`` may run ahead: greedy requests, lookahead on."""
-        return self.lookahead and all(r.params.greedy for r in reqs)
+        return self.lookahead and all(r.params.plain_greedy for r in reqs)
 
     def _chain(self, current: _Inflight) -> _Inflight | None:
         """Launch the decode step after ``current`` (not yet read) when nothing else can
@@ -412,12 +430,16 @@ class Generator:
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                  temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, eos_token_id: Any = None,
-                 seed: int | None = None) -> list[list[int]]:
+                 seed: int | None = None,
+                 repetition_penalty: float | None = None) -> list[list[int]]:
         """Continue every prompt (lists of token ids of any lengths): each prompt's new
         tokens, ending with ``eos_token_id`` (included; default the model's
         ``generation_config``; ``[]``: none) or after ``max_new_tokens``. Greedy at
         ``temperature == 0``; with a ``seed`` the draws repeat from run to run (request
-        ``i`` uses ``seed + i``; no seed: a random one)."""
+        ``i`` uses ``seed + i``; no seed: a random one). ``repetition_penalty`` (default
+        the model's ``generation_config``'s, else none): Hugging Face's, on the tokens of
+        the prompt and the output (:class:`SamplingParams`); a request with one takes its
+        steps' logits to the host's sampler (no greedy step run ahead)."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise TypeError(f"{OP}: prompts must be a list of token-id lists, got "
                             f"{type(prompts).__name__}")
@@ -426,7 +448,8 @@ class Generator:
                                "the requests added with add_request first")
         checked = [self._check_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         params = self._sampling(max_new_tokens=max_new_tokens, temperature=temperature,
-                                top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=seed)
+                                top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=seed,
+                                repetition_penalty=repetition_penalty)
         for i, p in enumerate(checked):
             self._check_fits(len(p), params.max_new_tokens, f"prompts[{i}]")
         rids = [self._enqueue(p, replace(params, seed=(params.seed + i) % (1 << 63)))
@@ -533,6 +556,30 @@ def _group_min(value: int, group: Any, device: torch.device) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=on)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return int(t.item())
+
+
+#: ``generation_config`` fields whose non-default values change Hugging Face's greedy
+#: tokens and that the Generator does not apply (its ``repetition_penalty`` it does), with
+#: the values that leave the tokens alone.
+_UNAPPLIED = {"no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,),
+              "suppress_tokens": (None,), "begin_suppress_tokens": (None,),
+              "min_length": (None, 0), "min_new_tokens": (None, 0),
+              "forced_bos_token_id": (None,), "forced_eos_token_id": (None,),
+              "sequence_bias": (None,), "exponential_decay_length_penalty": (None,),
+              "num_beams": (None, 1), "penalty_alpha": (None,), "dola_layers": (None,)}
+
+
+def _warn_unapplied(gen: Any) -> None:
+    """A ``UserWarning`` naming the model's ``generation_config`` settings the Generator
+    does not apply, which ``model.generate`` would (its tokens then differ)."""
+    if gen is None:
+        return
+    found = [f"{name}={getattr(gen, name)!r}" for name, neutral in _UNAPPLIED.items()
+             if getattr(gen, name, None) not in neutral]
+    if found:
+        warnings.warn(f"{OP}: the model's generation_config sets {', '.join(found)}, which "
+                      "the Generator does not apply (model.generate would): its tokens may "
+                      "differ from model.generate's", UserWarning, stacklevel=3)
 
 
 def _check_model(model: Any) -> Any:

@@ -26,7 +26,10 @@ class SamplingParams:
     the smallest set whose probability reaches ``top_p``, and one token is drawn. The draw
     for a request's ``i``-th new token depends only on ``(seed, i)`` and the logits: the
     same seed gives the same tokens whatever else runs in the batch, and after a
-    preemption. ``seed``: any int, taken modulo 2**63.
+    preemption. ``seed``: any int, taken modulo 2**63. ``repetition_penalty`` (> 0, 1:
+    none): Hugging Face's, before anything else: the logit of every token already in the
+    prompt or the output is divided by it where positive, multiplied where negative
+    (greedy and sampled requests alike).
     """
 
     max_new_tokens: int
@@ -35,13 +38,19 @@ class SamplingParams:
     top_p: float | None = None
     eos_token_ids: frozenset[int] = frozenset()
     seed: int = 0  # make(): None draws a random one
+    repetition_penalty: float = 1.0
 
     @classmethod
     def make(cls, *, max_new_tokens: Any, temperature: Any = 0.0, top_k: Any = None,
              top_p: Any = None, eos_token_id: Any = None, seed: Any = None,
-             vocab_size: int | None = None) -> SamplingParams:
+             vocab_size: int | None = None, repetition_penalty: Any = 1.0) -> SamplingParams:
         """Checked options (``TypeError`` / ``ValueError`` naming the argument)."""
         max_new_tokens = check_int(OP, "max_new_tokens", max_new_tokens, minimum=1)
+        repetition_penalty = check_number(OP, "repetition_penalty", repetition_penalty,
+                                          allow_none=False)
+        if not (0.0 < repetition_penalty < float("inf")):
+            raise ValueError(f"{OP}: repetition_penalty must be a finite number > 0 (1: none), "
+                             f"got {repetition_penalty}")
         temperature = check_number(OP, "temperature", temperature, allow_none=False)
         if temperature < 0:
             raise ValueError(f"{OP}: temperature must be >= 0 (0: greedy), got {temperature}")
@@ -75,11 +84,18 @@ class SamplingParams:
         # No seed: a fresh one (two unseeded requests do not draw alike).
         seed = (secrets.randbits(63) if seed is None
                 else check_int(OP, "seed", seed) % (1 << 63))
-        return cls(max_new_tokens, temperature, top_k, top_p, eos, seed)
+        return cls(max_new_tokens, temperature, top_k, top_p, eos, seed,
+                   float(repetition_penalty))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy on the logits as they are (no penalty): the argmax a decode step's graph
+        computes is the token."""
+        return self.temperature == 0.0 and self.repetition_penalty == 1.0
 
 
 class Status(enum.Enum):

@@ -149,13 +149,37 @@ def merge_argmax(val: torch.Tensor, idx: torch.Tensor, V: int,
     return out
 
 
+def penalized(logits: torch.Tensor, params: Sequence[SamplingParams],
+              histories: Sequence[Sequence[int]] | None) -> torch.Tensor:
+    """``logits`` with each row's repetition penalty applied (Hugging Face's
+    ``RepetitionPenaltyLogitsProcessor``, in float32 as its ``generate`` does): the logits
+    of the tokens in ``histories[i]`` (the prompt and the output so far) divided by row
+    ``i``'s penalty where positive, multiplied where negative. ``logits`` itself where no
+    row has a penalty."""
+    rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if not rows:
+        return logits
+    if histories is None:
+        raise ValueError("sample: a repetition penalty needs the requests' token histories")
+    x = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
+    for i in rows:
+        ids = torch.tensor(sorted(set(histories[i])), dtype=torch.int64, device=x.device)
+        seen = x[i, ids]
+        pen = params[i].repetition_penalty
+        x[i, ids] = torch.where(seen < 0, seen * pen, seen / pen)
+    return x
+
+
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           counters: Sequence[int]) -> torch.Tensor:
+           counters: Sequence[int],
+           histories: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
     """The next token of each row of ``logits [n, V]``: ``[n]`` int64 on logits' device.
 
-    ``params[i]`` is row ``i``'s request's options and ``counters[i]`` how many tokens it
-    has generated so far (the index of this draw)."""
+    ``params[i]`` is row ``i``'s request's options, ``counters[i]`` how many tokens it
+    has generated so far (the index of this draw) and ``histories[i]`` its tokens so far
+    (prompt and output; needed only where a row has a repetition penalty)."""
     n, V = logits.shape
+    logits = penalized(logits, params, histories)
     out = greedy(logits)  # exact in any float dtype: no widened copy
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
