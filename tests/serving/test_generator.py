@@ -528,7 +528,9 @@ def test_eos_token_id_may_be_an_int_tensor() -> None:
     gen = Generator(model_of("llama"), block_len=4, num_blocks=32, impl="torch")
     want_ = want("llama", [5, 6, 7], 3)
     stop = want_[1]
-    for eos in (torch.tensor(stop), torch.tensor([stop, 96], dtype=torch.int32)):
+    import numpy as np
+    for eos in (torch.tensor(stop), torch.tensor([stop, 96], dtype=torch.int32),
+                np.array([stop, 96]), np.int64(stop)):
         assert gen.generate([[5, 6, 7]], max_new_tokens=3, eos_token_id=eos) == [want_[:2]]
     for bad in (torch.tensor([1.0]), torch.tensor([True]), torch.tensor([[1, 2]])):
         with pytest.raises(TypeError, match="eos_token_id as a tensor must hold integers"):

@@ -60,6 +60,8 @@ class SamplingParams:
             top_p = check_number(OP, "top_p", top_p)
             if not 0.0 < top_p <= 1.0:
                 raise ValueError(f"{OP}: top_p must be in (0, 1], got {top_p}")
+        if not isinstance(eos_token_id, torch.Tensor) and hasattr(eos_token_id, "__array__"):
+            eos_token_id = torch.as_tensor(eos_token_id)  # a NumPy array of ids
         if isinstance(eos_token_id, torch.Tensor):  # (as HF's generation config may hold)
             if eos_token_id.is_floating_point() or eos_token_id.is_complex() or \
                     eos_token_id.dtype == torch.bool or eos_token_id.dim() > 1:
