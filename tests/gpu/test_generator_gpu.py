@@ -157,6 +157,28 @@ def test_graphs_share_one_logits_buffer_and_sampling_reads_it() -> None:
     assert gen.runner._logits_buf is None and not gen.runner._graphs
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_repetition_penalty_of_the_generation_config_in_cuda_graphs(family: str) -> None:
+    """A generation_config's repetition_penalty on the GPU: the penalised requests read the
+    graphs' logits (not their argmax), beside a plain greedy one; model.generate's
+    tokens."""
+    model = tiny_causal_lm(family).cuda()
+    plain = _hf(model, PROMPTS[2], NEW)
+    model.generation_config.repetition_penalty = 1.3
+    want = [_hf(model, p, NEW) for p in PROMPTS]
+    gen = Generator(model, block_len=4, num_blocks=256)
+    assert gen.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[]) == want
+    rids = [gen.add_request(PROMPTS[0], max_new_tokens=NEW, eos_token_id=[]),
+            gen.add_request(PROMPTS[2], max_new_tokens=NEW, eos_token_id=[],
+                            repetition_penalty=1.0)]
+    out: dict[int, list[int]] = {r: [] for r in rids}
+    while gen.has_unfinished():
+        for rid, toks, _ in gen.step():
+            out[rid].extend(toks)
+    assert [out[r] for r in rids] == [want[0], plain]
+    assert gen.stats["cuda_graphs"] > 0
+
+
 def _bf16_model(max_position_embeddings: int = 4096):
     from transformers import AutoConfig, AutoModelForCausalLM
 
