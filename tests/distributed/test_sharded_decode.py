@@ -566,6 +566,21 @@ def check_bad_inputs(f: Any, group: Any, device: Any = "cpu") -> None:
     raises(f, "cp sinks on one rank", lambda: cp_decode_attention(
         q, k, v, local, group=group, sinks=sinks, check_ranks=True),
         ValueError, "disagree on sinks", 1)
+    # Options the ranks must share (each rank alone would accept its own): refused on every
+    # rank, the differing values shown.
+    raises(f, "cp softcap on one rank", lambda: cp_decode_attention(
+        q, k, v, local, group=group, check_ranks=True, softcap=0.5 if rank == 0 else None),
+        ValueError, r"disagree on softcap: \[0.5, None\]", 1)
+    raises(f, "cp scale differs", lambda: cp_decode_attention(
+        q, k, v, local, group=group, check_ranks=True, scale=0.3 if rank == 1 else None),
+        ValueError, r"disagree on scale: \[0.25, 0.3\]", 1)
+    raises(f, "kvdp softcap differs", lambda: kvdp_decode_attention(
+        kq, lk, lv, lens[rows], group=group, check_ranks=True, softcap=2.0 + rank),
+        ValueError, r"disagree on softcap: \[2.0, 3.0\]", 1)
+    raises(f, "kvdp window on one rank", lambda: kvdp_decode_attention(
+        kq, lk, lv, lens[rows], group=group, check_ranks=True,
+        window_size=4 if rank == 1 else None),
+        ValueError, r"disagree on window_size: \[-1, 4\]", 1)
     kq_wide = q if rank == 1 else kq  # rank 1 passes every head: a different Hq_local
     lk_w = torch.cat([lk] * 2, dim=2) if rank == 1 else lk
     lv_w = torch.cat([lv] * 2, dim=2) if rank == 1 else lv
@@ -607,6 +622,36 @@ def test_kvdp_decode_and_append_match_single_rank(world_size: int) -> None:
 @pytest.mark.timeout(150)
 def test_kvdp_by_cp_grid_matches_single_rank() -> None:
     spawn_gloo(4, _grid_rank, timeout=120)
+
+
+def _cp_unseen_values_rank(rank: int, world_size: int) -> None:
+    """s_active = 4 over 2 ranks (cp_block 1): an inf or NaN in the value of the last
+    active token, which the earlier ones do not see, reaches none of them (a 0 * inf in
+    the rank's tail of active positions made them NaN); both paths, as the oracle."""
+    f = Failures(rank)
+    gen = torch.Generator().manual_seed(0)
+    B, S, Hq, Hkv, L = 2, 4, 4, 2, 9
+    q = torch.randn(B, S, Hq, D, generator=gen)
+    k, v = torch.randn(B, L, Hkv, D, generator=gen), torch.randn(B, L, Hkv, D, generator=gen)
+    v[0, L - 1] = float("inf")
+    v[1, L - 2, 1] = NAN  # sequence 1 is one shorter: its last active token's value
+    lens = torch.tensor([L, L - 1])
+    want = lmfuse.decode_attention(q, k, v, lens, impl="torch")
+    assert not want[:, :S - 1].isnan().any() and want[:, S - 1].isnan().any()
+    own = [p for p in range(L) if p % world_size == rank]
+    local = torch.tensor([sum(1 for p in own if p < n) for n in lens.tolist()])
+    for impl in ("torch", "triton"):
+        for given in ({}, dict(cache_seqlens=lens)):
+            got = cp_decode_attention(q, k[:, own], v[:, own], local, group=dist.group.WORLD,
+                                      cp_block=1, impl=impl, **given)
+            f.check(f"{impl} {list(given)}", lambda got=got: torch.testing.assert_close(
+                got, want, rtol=1e-5, atol=1e-5, equal_nan=True))  # inf and NaN where want's
+    f.raise_if_any()
+
+
+@pytest.mark.timeout(120)
+def test_cp_unseen_nonfinite_values_reach_no_earlier_token() -> None:
+    spawn_gloo(2, _cp_unseen_values_rank, timeout=90)
 
 
 @pytest.mark.timeout(120)

@@ -4,6 +4,7 @@ group's backend, the batch-lengths check."""
 
 from __future__ import annotations
 
+import struct
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -16,6 +17,20 @@ from .._collectives import all_gather_stacked, group_size
 _DTYPE_CODES = FLOAT_DTYPES  # a query dtype's code is its index here, the same on every rank
 _MESSAGE_BYTES = 240
 _KINDS = (ValueError, TypeError, RuntimeError, Exception)  # error codes 1.. of a rank check
+
+
+#: Facts compared as float64 bits (:func:`float_code`), shown as floats when they differ.
+FLOAT_FIELDS = ("scale", "softcap")
+
+
+def float_code(x: Any) -> int:
+    """A float option as the int64 of its float64 bits, None as -1 (a NaN's bits, which a
+    checked option never has): equal codes on two ranks mean the same option."""
+    return -1 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _float_of(code: int) -> Optional[float]:
+    return None if code == -1 else struct.unpack("<d", struct.pack("<q", code))[0]
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -63,6 +78,8 @@ def check_on_all_ranks(op: str, group: Any, check_ranks: bool, device: torch.dev
             if name == "query dtype":
                 seen = [dtype_name(_DTYPE_CODES[c]) if c < len(_DTYPE_CODES) else "other"
                         for c in seen]
+            elif name in FLOAT_FIELDS:
+                seen = [_float_of(c) for c in seen]
             raise ValueError(f"{op}: the ranks of the group disagree on {name}: {seen} in rank "
                              f"order; every rank must pass the same {name}")
 

@@ -49,8 +49,8 @@ from .._launch import INDEX_DTYPES, KERNEL_DTYPES
 from ..attention.ops import (check_cache, check_seqlens, decode_attention,
                              decode_attention_partials, kv_cache_append, merge_attention_states,
                              plan_decode_attention)
-from .checks import (check_lengths, check_no_grad, check_on_all_ranks, dtype_code, meta_device,
-                     wrap_errors)
+from .checks import (check_lengths, check_no_grad, check_on_all_ranks, dtype_code, float_code,
+                     meta_device, wrap_errors)
 from .._collectives import all_gather_stacked, all_reduce_sum, group_rank, group_size
 
 # --- layout ---------------------------------------------------------------------------------
@@ -212,14 +212,16 @@ def _tail_partial(q, k_cache, v_cache, cache_seqlens, len0, count, block_table, 
         k = k * k_scale.to(compute)[:, None]
     if v_scale is not None:
         v = v * v_scale.to(compute)[:, None]
-    v = torch.where(valid[:, :, None, None], v, 0.0)  # unwritten rows may hold anything
+    # Each token's values: only the rows it sees (a NaN or inf in a row it does not see, a
+    # later active token's or an unwritten row's, must not reach it through 0 * inf).
+    v = torch.where(seen[:, :, :, None, None], v[:, None], 0.0)  # [B, S, T, Hkv, D]
     scores = torch.einsum("bshgd,bthd->bshgt", q.to(compute).view(B, S, Hkv, G, D), k) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~seen[:, :, None, None, :], -math.inf)
     lse = torch.logsumexp(scores, dim=-1)  # -inf where a token sees none of these keys
     prob = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
-    out = torch.einsum("bshgt,bthd->bshgd", prob, v)
+    out = torch.einsum("bshgt,bsthd->bshgd", prob, v)
     return out.reshape(B, S, Hq, D), lse.reshape(B, S, Hq)
 
 
@@ -305,12 +307,15 @@ def validate_cp(op: str, q, k_cache_shard, v_cache_shard, seqlens_shard, cache_s
             v_scale=v_scale, return_lse=return_lse, num_splits=num_splits, impl=impl,
             softcap=softcap, check_values=values))
     return [world, B, S, Hq, D, k_cache_shard.shape[2], dtype_code(q.dtype), cp_block,
-            sinks is not None, cache_seqlens is not None, return_lse]
+            sinks is not None, cache_seqlens is not None, return_lse,
+            float_code(1.0 / math.sqrt(D) if scale is None else scale), float_code(softcap),
+            k_scale is not None, v_scale is not None]
 
 
 CP_FIELDS = ("group size", "batch B", "s_active", "query heads Hq", "head dim D",
              "KV heads of the shard", "query dtype", "cp_block", "sinks (given or not)",
-             "cache_seqlens (given or not)", "return_lse")
+             "cache_seqlens (given or not)", "return_lse", "scale", "softcap",
+             "k_scale (given or not)", "v_scale (given or not)")
 
 
 def cp_decode_attention(

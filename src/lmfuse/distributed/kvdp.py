@@ -44,6 +44,7 @@ times both).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -53,13 +54,14 @@ from .._launch import cdiv
 from ..attention.ops import decode_attention, kv_cache_append, plan_decode_attention
 from .._collectives import (all_gather_stacked, all_reduce_sum, all_to_all_stacked, group_rank,
                             group_size)
-from .checks import (check_lengths, check_no_grad, check_on_all_ranks, dtype_code, meta_device,
-                     wrap_errors)
+from .checks import (check_lengths, check_no_grad, check_on_all_ranks, dtype_code, float_code,
+                     meta_device, wrap_errors)
 from .cp import CP_FIELDS, cp_attention_local, cp_cache_append, validate_cp
 
 _FIELDS = ("group size", "batch B", "s_active", "local query heads Hq_local", "head dim D",
            "KV heads of the local cache", "query dtype", "sinks (given or not)", "return_lse",
-           "cp_group (given or not)", "cache_seqlens (given or not)", "exchange")
+           "cp_group (given or not)", "cache_seqlens (given or not)", "exchange", "scale",
+           "softcap", "window_size", "k_scale (given or not)", "v_scale (given or not)")
 
 EXCHANGES = ("all_gather", "all_to_all")
 
@@ -259,7 +261,9 @@ def kvdp_decode_attention(
                 seqlens_name="seqlens_local", softcap=softcap)))
         return [world, B, S, Hq_local, D, k_cache_local.shape[2], dtype_code(q.dtype),
                 sinks is not None, return_lse, cp_group is not None, cache_seqlens is not None,
-                exchange_code]
+                exchange_code, float_code(1.0 / math.sqrt(D) if scale is None else scale),
+                float_code(softcap), -1 if window_size is None else int(window_size),
+                k_scale is not None, v_scale is not None]
 
     device = meta_device(group, q) if world > 1 else torch.device("cpu")
     if not (check_ranks and cp_world > 1):

@@ -74,7 +74,7 @@ from .._dispatch import check_int, check_number
 from .._launch import DTYPE_NAMES, dtype_name, dtype_named
 
 OP = "plan_sharding"
-MAX_ACTIVE = 8  # decode_attention's s_active range is 1..8
+MAX_ACTIVE = 8  # the regime decode_attention is designed and tuned for (it takes more)
 LSE_BYTES = 4  # partial outputs and log-sum-exps are merged in float32
 
 _SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
@@ -257,8 +257,8 @@ def plan_sharding(batch: int, q_heads: int, kv_heads: int, ranks: int, context_l
     n_layers = check_int(OP, "n_layers", n_layers, minimum=1)
     s_active = check_int(OP, "s_active", s_active, minimum=1)
     if s_active > MAX_ACTIVE:
-        raise ValueError(f"{OP}: s_active must be 1..{MAX_ACTIVE} (decode_attention's "
-                         f"range), got {s_active}")
+        raise ValueError(f"{OP}: s_active must be 1..{MAX_ACTIVE} (the planner models the "
+                         f"decode regime of 1-{MAX_ACTIVE} active tokens), got {s_active}")
     hbm = check_number(OP, "hbm_gib", hbm_gib, allow_none=False)
     if hbm <= 0:
         raise ValueError(f"{OP}: hbm_gib must be > 0, got {hbm_gib}")
