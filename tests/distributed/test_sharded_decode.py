@@ -649,6 +649,36 @@ def _cp_unseen_values_rank(rank: int, world_size: int) -> None:
     f.raise_if_any()
 
 
+def _cp_short_shard_rank(rank: int, world_size: int) -> None:
+    """s_active = 3 with cache_seqlens: a shard one row shorter than the rank's share (on
+    every rank, so none waits in the merge's all-gather) raises as decode_attention on it
+    would, on both paths, instead of reading its last row in place of the missing ones."""
+    f = Failures(rank)
+    gen = torch.Generator().manual_seed(1)
+    B, S, Hq, Hkv, L = 1, 3, 2, 1, 11
+    q = torch.randn(B, S, Hq, D, generator=gen)
+    k, v = torch.randn(B, L, Hkv, D, generator=gen), torch.randn(B, L, Hkv, D, generator=gen)
+    own = [p for p in range(L) if p % world_size == rank]
+    ks, vs = k[:, own][:, :-1], v[:, own][:, :-1]
+    cnt, lens = torch.tensor([len(own)]), torch.tensor([L])
+    for impl in ("torch", "triton"):
+        f.check(impl, lambda impl=impl: _raises(
+            lambda: cp_decode_attention(q, ks, vs, cnt, group=dist.group.WORLD, cp_block=1,
+                                        cache_seqlens=lens, impl=impl),
+            rf"rank {rank}'s share of cache_seqlens must be in \[0, {len(own) - 1}\]"))
+    f.raise_if_any()
+
+
+def _raises(fn, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        fn()
+
+
+@pytest.mark.timeout(120)
+def test_cp_shard_shorter_than_its_share_raises() -> None:
+    spawn_gloo(2, _cp_short_shard_rank, timeout=90)
+
+
 @pytest.mark.timeout(120)
 def test_cp_unseen_nonfinite_values_reach_no_earlier_token() -> None:
     spawn_gloo(2, _cp_unseen_values_rank, timeout=90)

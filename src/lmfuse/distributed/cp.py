@@ -46,7 +46,7 @@ import torch
 
 from .._dispatch import check_int, check_tensor, select_impl
 from .._launch import INDEX_DTYPES, KERNEL_DTYPES
-from ..attention.ops import (check_cache, check_seqlens, decode_attention,
+from ..attention.ops import (check_cache, check_decode_values, check_seqlens, decode_attention,
                              decode_attention_partials, kv_cache_append, merge_attention_states,
                              plan_decode_attention)
 from .checks import (check_lengths, check_no_grad, check_on_all_ranks, dtype_code, float_code,
@@ -192,11 +192,18 @@ def _tail_partial(q, k_cache, v_cache, cache_seqlens, len0, count, block_table, 
     device = q.device
     T = S - 1
     local = len0[:, None] + torch.arange(T, device=device)  # [B, T]
-    valid = local < count[:, None]
+    rows = k_cache.shape[1]
+    capacity = rows if block_table is None else block_table.shape[1] * rows
+    # (an unchecked call whose counts exceed the shard reads nothing past it, as the
+    # kernels do not)
+    valid = (local < count[:, None]) & (local < capacity)
     token_pos = cache_seqlens.long()[:, None] - S + torch.arange(S, device=device)  # [B, S]
     key_pos = (local // cp_block) * (cp_block * world) + rank * cp_block + local % cp_block
+    if block_table is not None and rows and block_table.shape[1] and k_cache.shape[0]:
+        col = (local // rows).clamp(max=block_table.shape[1] - 1)
+        block = block_table.long().gather(1, col)
+        valid &= (block >= 0) & (block < k_cache.shape[0])  # a bad id is not read
     seen = valid[:, None, :] & (key_pos[:, None, :] <= token_pos[:, :, None])  # [B, S, T]
-    rows = k_cache.shape[1]
     if rows == 0 or (block_table is not None and 0 in (block_table.shape[1], k_cache.shape[0])):
         out = torch.zeros((B, S, Hq, D), dtype=compute, device=device)
         return out, torch.full((B, S, Hq), -math.inf, dtype=compute, device=device)
@@ -246,6 +253,13 @@ def _partial(q, k_cache, v_cache, cache_seqlens, block_table, scale, sinks, k_sc
     out = out.view(B, Hkv, S, G, D).transpose(1, 2).reshape(B, S, Hq, D)
     lse = lse.view(B, Hkv, S, G).transpose(1, 2).reshape(B, S, Hq)
     count = _local_count(lengths, rank, world, cp_block)
+    # The tail reads the shard's rows up to `count` (its share of the global lengths), past
+    # what the folded call checked: the same value checks for them (a shard shorter than
+    # its share raises, as decode_attention on it would).
+    rows = k_cache.shape[1]
+    capacity = rows if block_table is None else block_table.shape[1] * rows
+    check_decode_values("cp_decode_attention", count, k_cache, block_table, capacity, None,
+                        None, name=f"rank {rank}'s share of cache_seqlens", force=impl == "torch")
     out_t, lse_t = _tail_partial(q, k_cache, v_cache, cache_seqlens, len0, count, block_table,
                                  scale, k_scale, v_scale, rank, world, cp_block, compute,
                                  softcap)
