@@ -894,11 +894,13 @@ def decode_attention_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                                         softcap)
     with nvtx_range("decode_attention", "fwd"):
         if path == "torch":
-            out, lse = ref.decode_attention_reference(
-                q, k_cache, v_cache, cache_seqlens, block_table=block_table, scale=scale,
-                sinks=sinks, k_scale=k_scale, v_scale=v_scale, return_lse=True,
-                softcap=softcap)
+            # q widened first (exactly), so the reference's output is the float32 partial
+            # itself, not one rounded to q's dtype and widened back.
             compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+            out, lse = ref.decode_attention_reference(
+                q.to(compute), k_cache, v_cache, cache_seqlens, block_table=block_table,
+                scale=scale, sinks=sinks, k_scale=k_scale, v_scale=v_scale, return_lse=True,
+                softcap=softcap)
             return torch.cat([out.to(compute).reshape(-1), lse.to(compute).reshape(-1)])
         q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale = _laid_out(
             q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale)

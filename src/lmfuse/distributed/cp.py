@@ -242,14 +242,18 @@ def _partial(q, k_cache, v_cache, cache_seqlens, block_table, scale, sinks, k_sc
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     lengths = cache_seqlens.long()
     len0 = _local_count(lengths - S + 1, rank, world, cp_block)
-    kw = dict(block_table=block_table, scale=scale, k_scale=k_scale, v_scale=v_scale,
-              return_lse=True, num_splits=num_splits, impl=impl, softcap=softcap)
     # The keys every active token sees, in one s_active = 1 call: the tokens go into the
     # head dim ordered [Hkv, s_active, G], so head h' still reads KV head h' // (s_active * G).
+    # Its partial in `compute` (not rounded to q's dtype before the merges).
     folded = q.view(B, S, Hkv, G, D).transpose(1, 2).reshape(B, 1, Hkv * S * G, D)
     if sinks is not None:
         sinks = sinks.view(Hkv, 1, G).expand(Hkv, S, G).reshape(-1)
-    out, lse = decode_attention(folded, k_cache, v_cache, len0, sinks=sinks, **kw)
+    flat = decode_attention_partials(folded, k_cache, v_cache, len0, block_table=block_table,
+                                     scale=scale, sinks=sinks, k_scale=k_scale,
+                                     v_scale=v_scale, num_splits=num_splits, impl=impl,
+                                     softcap=softcap)
+    R = B * Hq * S
+    out, lse = flat[:R * D], flat[R * D:]
     out = out.view(B, Hkv, S, G, D).transpose(1, 2).reshape(B, S, Hq, D)
     lse = lse.view(B, Hkv, S, G).transpose(1, 2).reshape(B, S, Hq)
     count = _local_count(lengths, rank, world, cp_block)
