@@ -649,6 +649,45 @@ def _cp_unseen_values_rank(rank: int, world_size: int) -> None:
     f.raise_if_any()
 
 
+def _softcap_rank(rank: int, world_size: int) -> None:
+    """Attention-logit softcapping (Gemma 2) through CP (1 and 3 active tokens, contiguous
+    and paged, with and without cache_seqlens, sinks) and KVDP (both exchanges): the
+    single-rank answer with the same softcap, on both paths."""
+    f = Failures(rank)
+    group = dist.group.WORLD
+    cap = 0.7  # small against these logits: most of them are capped
+    for s_active, bl, impl in [(1, None, "triton"), (3, 4, "triton"), (3, None, "torch")]:
+        lens = [13, 4, 9]
+        p = full_problem(31 + s_active, lens, s_active, 4, 2, 14, F32, sinks=True)
+        want, want_lse = lmfuse.decode_attention(p["q"], p["k"], p["v"], p["lens"],
+                                                 sinks=p["sinks"], softcap=cap,
+                                                 return_lse=True, impl="torch")
+        plain = p["want"]
+        assert (want - plain).abs().max() > 1e-2  # the cap changes the answer
+        k, v, table = cp_shard(p, rank, world_size, 2, bl, 7)
+        local = cp_counts(lens, rank, world_size, 2)
+        for given in ({}, dict(cache_seqlens=p["lens"])):
+            got, lse = cp_decode_attention(p["q"], k, v, local, group=group, cp_block=2,
+                                           block_table_shard=table, sinks=p["sinks"],
+                                           softcap=cap, return_lse=True, impl=impl, **given)
+            f.check(f"cp s={s_active} {bl} {impl} {list(given)}", lambda got=got, lse=lse,
+                    want=want, want_lse=want_lse: (assert_close(got, want, F32, "out"),
+                                                   assert_close(lse, want_lse, F32, "lse")))
+        q, kk, vv, local_lens, table, heads, _ = kvdp_share(p, 3, rank, world_size, 2, bl, 9)
+        for exchange in ("all_gather", "all_to_all"):
+            got = kvdp_decode_attention(q, kk, vv, local_lens, group=group,
+                                        block_table_local=table, sinks=p["sinks"],
+                                        softcap=cap, exchange=exchange, impl=impl)
+            f.check(f"kvdp s={s_active} {bl} {impl} {exchange}", lambda got=got, want=want,
+                    heads=heads: assert_close(got, want[:, :, heads], F32, "out"))
+    f.raise_if_any()
+
+
+@pytest.mark.timeout(150)
+def test_softcap_through_cp_and_kvdp_matches_single_rank() -> None:
+    spawn_gloo(2, _softcap_rank, timeout=120)
+
+
 def _cp_short_shard_rank(rank: int, world_size: int) -> None:
     """s_active = 3 with cache_seqlens: a shard one row shorter than the rank's share (on
     every rank, so none waits in the merge's all-gather) raises as decode_attention on it
