@@ -109,6 +109,21 @@ def test_greedy_text_equals_hf_generate_and_stops_at_eos(capsys, checkpoint) -> 
     assert SUMMARY.match(lines[0]).groups() == ("2", str(len(want[0][1]) + NEW))
 
 
+def test_repetition_penalty_option_gives_hf_generates_text(capsys, checkpoint) -> None:
+    """``--repetition-penalty``: the text model.generate gives with that penalty in its
+    generation config (the checkpoint sets none)."""
+    path, model, tokenizer = checkpoint
+    ids = tokenizer(PROMPT_B)["input_ids"]
+    out = model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False,
+                         repetition_penalty=1.8)
+    new = out[0, len(ids):].tolist()
+    assert new != hf_text(model, tokenizer, ids)[1]
+    code, got, err = run_cli(capsys, "generate", str(path), "--prompt", PROMPT_B,
+                             "--max-new-tokens", str(NEW), "--repetition-penalty", "1.8")
+    assert code == 0, err
+    assert got == expected_stdout([PROMPT_B], [tokenizer.decode(new, skip_special_tokens=True)])
+
+
 def test_prompts_file_from_stdin_follows_the_prompt_options(capsys, checkpoint,
                                                              monkeypatch) -> None:
     path, model, tokenizer = checkpoint
@@ -222,7 +237,8 @@ def remote_code_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("case", [
     "missing-dir", "no-config", "unsupported-model-type", "remote-code", "max-new-tokens-0",
     "empty-prompts-file", "missing-prompts-file", "no-prompts", "empty-prompt",
-    "top-p-greedy", "bad-temperature", "prompt-too-long", "unknown-option"])
+    "top-p-greedy", "bad-temperature", "bad-repetition-penalty", "prompt-too-long",
+    "unknown-option"])
 def test_errors_exit_2_with_one_message(capsys, checkpoint, gpt2_dir, remote_code_dir,
                                         tmp_path: Path, case: str) -> None:
     model_dir = str(checkpoint[0])
@@ -247,6 +263,8 @@ def test_errors_exit_2_with_one_message(capsys, checkpoint, gpt2_dir, remote_cod
                          "need --temperature > 0"),
         "bad-temperature": ([model_dir, "--prompt", "a", "--temperature", "-1"],
                             "argument --temperature: must be >= 0"),
+        "bad-repetition-penalty": ([model_dir, "--prompt", "a", "--repetition-penalty", "0"],
+                                   "argument --repetition-penalty: must be > 0, got 0.0"),
         # 2 prompt tokens + 300 new pass the tiny model's max_position_embeddings (256).
         "prompt-too-long": ([model_dir, "--prompt", "a", "--max-new-tokens", "300"],
                             ("prompt 1 of 2 tokens plus max_new_tokens=300 passes the model's "

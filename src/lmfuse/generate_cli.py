@@ -15,7 +15,8 @@ paged KV cache (:class:`lmfuse.serving.Generator`).
 * Stops at the model's ``generation_config.eos_token_id`` (included in the tokens,
   dropped from the text with the other special tokens) or after ``--max-new-tokens``.
   ``--temperature 0`` (the default) is greedy; above 0 each prompt ``i`` samples with
-  seed ``S + i`` (``--seed S``; a random ``S`` without it).
+  seed ``S + i`` (``--seed S``; a random ``S`` without it). ``--repetition-penalty P``
+  overrides the checkpoint's ``generation_config.repetition_penalty`` (1: none).
 * stdout: for each prompt in order, a header line ``--- prompt i of n: 'text' ---``, its
   continuation, a blank line. stderr: a progress bar while it runs (terminal only), then
   one summary line. Errors are one ``lmfuse generate: ...`` line (exit 2 for a bad
@@ -78,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=number_range(0, 1, above=True), default=None, metavar="P",
                         help="sample among the smallest set of tokens of probability >= P "
                         "(needs --temperature > 0)")
+    parser.add_argument("--repetition-penalty", type=number_range(0, above=True), default=None,
+                        metavar="P", help="Hugging Face's repetition penalty (1: none; default "
+                        "the checkpoint's generation_config)")
     parser.add_argument("--seed", type=int_range(), default=None, metavar="S",
                         help="sampling seed (prompt i uses S + i; default random)")
     parser.add_argument("--dtype", choices=tuple(DTYPE_CHOICES), default="auto",
@@ -147,7 +151,8 @@ def _run(args: argparse.Namespace) -> int:
         for i, p in enumerate(prompts):
             rids.append(gen.add_request(p, max_new_tokens=args.max_new_tokens,
                                         temperature=args.temperature, top_k=args.top_k,
-                                        top_p=args.top_p, seed=seed + i))
+                                        top_p=args.top_p, seed=seed + i,
+                                        repetition_penalty=args.repetition_penalty))
     except (TypeError, ValueError) as exc:
         message = _generator_message(exc)
         message = (message.removeprefix("prompt") if message.startswith("prompt ")
