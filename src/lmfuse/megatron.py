@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from . import activations as act
+from .activations.ops import _options as _activation_options
 from .cross_entropy import cross_entropy
 from .cross_entropy import linear_cross_entropy as _linear_cross_entropy
 from .integrations.megatron_core import patch
@@ -303,10 +304,9 @@ def weighted_bias_quick_geglu_impl(input: torch.Tensor, bias, weights: torch.Ten
     or > 0 (Megatron-Core clamps at any value given; at 0 or below every output is 0 or
     the clamp's bounds cross, so lmfuse refuses it)."""
     _tokens_2d_or_3d("weighted_bias_quick_geglu_impl", input)
-    if (clamp_value is not None and not isinstance(clamp_value, bool)
-            and isinstance(clamp_value, (int, float)) and not clamp_value > 0):
-        raise ValueError(f"weighted_bias_quick_geglu_impl: clamp_value must be None or > 0, "
-                         f"got {clamp_value}")
+    # The op's own option checks, under this function's name.
+    _activation_options("weighted_bias_quick_geglu_impl", linear_offset, clamp_value,
+                        fp8_input_store, False, 1.0, 1.0)
     return act.weighted_quick_geglu(input, weights, bias, linear_offset=linear_offset,
                                     clamp_value=clamp_value, fp8_input_store=fp8_input_store)
 

@@ -193,26 +193,23 @@ def _tail_partial(q, k_cache, v_cache, cache_seqlens, len0, count, block_table, 
     T = S - 1
     local = len0[:, None] + torch.arange(T, device=device)  # [B, T]
     rows = k_cache.shape[1]
-    capacity = rows if block_table is None else block_table.shape[1] * rows
-    # (an unchecked call whose counts exceed the shard reads nothing past it, as the
-    # kernels do not)
-    valid = (local < count[:, None]) & (local < capacity)
-    token_pos = cache_seqlens.long()[:, None] - S + torch.arange(S, device=device)  # [B, S]
-    key_pos = (local // cp_block) * (cp_block * world) + rank * cp_block + local % cp_block
-    if block_table is not None and rows and block_table.shape[1] and k_cache.shape[0]:
-        col = (local // rows).clamp(max=block_table.shape[1] - 1)
-        block = block_table.long().gather(1, col)
-        valid &= (block >= 0) & (block < k_cache.shape[0])  # a bad id is not read
-    seen = valid[:, None, :] & (key_pos[:, None, :] <= token_pos[:, :, None])  # [B, S, T]
     if rows == 0 or (block_table is not None and 0 in (block_table.shape[1], k_cache.shape[0])):
         out = torch.zeros((B, S, Hq, D), dtype=compute, device=device)
         return out, torch.full((B, S, Hq), -math.inf, dtype=compute, device=device)
+    # An unchecked call whose counts exceed the shard reads nothing past it, nor through a
+    # bad block id (as the kernels do not): such rows are read clamped and never seen.
     if block_table is None:
+        valid = (local < count[:, None]) & (local < rows)
         at = (torch.arange(B, device=device)[:, None], local.clamp(max=rows - 1))
     else:
-        col = (local // rows).clamp(max=block_table.shape[1] - 1)
-        block = block_table.long().gather(1, col).clamp(0, k_cache.shape[0] - 1)
-        at = (block, local % rows)
+        cols = block_table.shape[1]
+        block = block_table.long().gather(1, (local // rows).clamp(max=cols - 1))
+        valid = ((local < count[:, None]) & (local < cols * rows) & (block >= 0)
+                 & (block < k_cache.shape[0]))
+        at = (block.clamp(0, k_cache.shape[0] - 1), local % rows)
+    token_pos = cache_seqlens.long()[:, None] - S + torch.arange(S, device=device)  # [B, S]
+    key_pos = (local // cp_block) * (cp_block * world) + rank * cp_block + local % cp_block
+    seen = valid[:, None, :] & (key_pos[:, None, :] <= token_pos[:, :, None])  # [B, S, T]
     k = k_cache[at].to(compute)  # [B, T, Hkv, D]; rows not seen are masked below
     v = v_cache[at].to(compute)
     if k_scale is not None:

@@ -241,28 +241,23 @@ class Generator:
                   **options: Any) -> SamplingParams:
         """Checked options; ``eos_token_id=None`` and ``repetition_penalty=None``: the
         model's ``generation_config``'s, whose errors say where the value came from."""
+        defaulted = []
+        if eos_token_id is None:
+            eos_token_id = self._default_eos
+            defaulted.append("eos_token_id")
         if repetition_penalty is None:
-            repetition_penalty = self._default_penalty
-            if repetition_penalty is None:
-                repetition_penalty = 1.0
-            try:
-                SamplingParams.make(max_new_tokens=1, repetition_penalty=repetition_penalty)
-            except (TypeError, ValueError) as exc:
-                raise type(exc)(f"{exc} (the model's generation_config.repetition_penalty, "
-                                "used when none is given; pass repetition_penalty= to "
-                                "override it)") from None
-        options["repetition_penalty"] = repetition_penalty
-        if eos_token_id is not None:
-            return SamplingParams.make(eos_token_id=eos_token_id, vocab_size=self.vocab_size,
-                                       **options)
+            repetition_penalty = 1.0 if self._default_penalty is None else self._default_penalty
+            defaulted.append("repetition_penalty")
         try:
-            return SamplingParams.make(eos_token_id=self._default_eos,
+            return SamplingParams.make(eos_token_id=eos_token_id,
+                                       repetition_penalty=repetition_penalty,
                                        vocab_size=self.vocab_size, **options)
         except (TypeError, ValueError) as exc:
-            if "eos_token_id" not in str(exc):
+            name = next((n for n in defaulted if n in str(exc)), None)
+            if name is None:
                 raise
-            raise type(exc)(f"{exc} (the model's generation_config.eos_token_id, used when "
-                            "none is given; pass eos_token_id= to override it)") from None
+            raise type(exc)(f"{exc} (the model's generation_config.{name}, used when none is "
+                            f"given; pass {name}= to override it)") from None
 
     def _enqueue(self, tokens: list[int], params: SamplingParams) -> int:
         rid = self._next_rid
@@ -376,8 +371,10 @@ class Generator:
         if argmax is not None and all(r.params.plain_greedy for r in reqs):
             tokens = argmax  # computed in the decode step's graph
         else:
+            # (a penalised request's tokens so far; no list built for the others)
             tokens = sample(logits, [r.params for r in reqs], [len(r.output) for r in reqs],
-                            [r.tokens for r in reqs])
+                            [r.tokens if r.params.repetition_penalty != 1.0 else None
+                             for r in reqs])
         # The step's one host synchronisation.
         return self._finish(reqs, tokens.tolist(), prefill=batch.kind == "prefill")
 

@@ -150,23 +150,26 @@ def merge_argmax(val: torch.Tensor, idx: torch.Tensor, V: int,
 
 
 def penalized(logits: torch.Tensor, params: Sequence[SamplingParams],
-              histories: Sequence[Sequence[int]] | None) -> torch.Tensor:
+              histories: Sequence[Sequence[int] | None] | None) -> torch.Tensor:
     """``logits`` with each row's repetition penalty applied (Hugging Face's
     ``RepetitionPenaltyLogitsProcessor``, in float32 as its ``generate`` does): the logits
     of the tokens in ``histories[i]`` (the prompt and the output so far) divided by row
-    ``i``'s penalty where positive, multiplied where negative. ``logits`` itself where no
-    row has a penalty."""
+    ``i``'s penalty where positive, multiplied where negative, every penalised row in one
+    gather and one scatter. ``logits`` itself where no row has a penalty."""
     rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if not rows:
         return logits
-    if histories is None:
+    if histories is None or any(histories[i] is None for i in rows):
         raise ValueError("sample: a repetition penalty needs the requests' token histories")
-    x = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
-    for i in rows:
-        ids = torch.tensor(sorted(set(histories[i])), dtype=torch.int64, device=x.device)
-        seen = x[i, ids]
-        pen = params[i].repetition_penalty
-        x[i, ids] = torch.where(seen < 0, seen * pen, seen / pen)
+    seen_ids = [sorted(set(histories[i])) for i in rows]
+    r = torch.tensor([i for i, ids in zip(rows, seen_ids) for _ in ids], device=logits.device)
+    c = torch.tensor([t for ids in seen_ids for t in ids], dtype=torch.int64,
+                     device=logits.device)
+    pen = torch.tensor([params[i].repetition_penalty for i, ids in zip(rows, seen_ids)
+                        for _ in ids], dtype=torch.float32, device=logits.device)
+    x = logits.to(torch.float32, copy=True)
+    seen = x[r, c]
+    x[r, c] = torch.where(seen < 0, seen * pen, seen / pen)
     return x
 
 

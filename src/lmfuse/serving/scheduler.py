@@ -53,15 +53,14 @@ class Scheduler:
                  chunk_prefill: bool = True, max_prefill_streak: int = 4) -> None:
         self.cache = cache
         self.max_prefill_streak = max_prefill_streak
-        self._streak = 0  # prefill steps since the last decode step
+        self._streak = 0  # prefill steps since the last decode step (> 0: the last was one)
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
         self.prefix_sharing = prefix_sharing
         self.chunk_prefill = chunk_prefill
         # A request admitted whose prompt is prefilled in chunks (its blocks all reserved;
-        # not in ``running`` until its last chunk), and the last step's kind.
+        # not in ``running`` until its last chunk).
         self.prefilling: Request | None = None
-        self._last = "decode"
         self.max_blocks = max_blocks  # pad decode block tables to this width (None: as needed)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -115,7 +114,7 @@ class Scheduler:
         """The next step's batch (its blocks reserved), or None when nothing is left."""
         batch = None
         if self.prefilling is not None:  # its next chunk, a decode step between two
-            if not (self.running and self._last == "prefill"):
+            if not (self.running and self._streak):
                 batch = self._next_chunk()
         elif self.waiting and not (self.running
                                    and self._streak >= self.max_prefill_streak):
@@ -123,7 +122,6 @@ class Scheduler:
         if batch is None and self.running:
             batch = self._grow()
         if batch is not None:
-            self._last = batch.kind
             self._streak = self._streak + 1 if batch.kind == "prefill" else 0
         return batch
 
