@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from . import activations as act
-from .activations.ops import _options as _activation_options
+from .activations.ops import check_options as check_activation_options
 from .cross_entropy import cross_entropy
 from .cross_entropy import linear_cross_entropy as _linear_cross_entropy
 from .integrations.megatron_core import patch
@@ -305,8 +305,8 @@ def weighted_bias_quick_geglu_impl(input: torch.Tensor, bias, weights: torch.Ten
     the clamp's bounds cross, so lmfuse refuses it)."""
     _tokens_2d_or_3d("weighted_bias_quick_geglu_impl", input)
     # The op's own option checks, under this function's name.
-    _activation_options("weighted_bias_quick_geglu_impl", linear_offset, clamp_value,
-                        fp8_input_store, False, 1.0, 1.0)
+    check_activation_options("weighted_bias_quick_geglu_impl", linear_offset=linear_offset,
+                             clamp_value=clamp_value, fp8_input_store=fp8_input_store)
     return act.weighted_quick_geglu(input, weights, bias, linear_offset=linear_offset,
                                     clamp_value=clamp_value, fp8_input_store=fp8_input_store)
 

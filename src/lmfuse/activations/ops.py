@@ -375,6 +375,13 @@ def _options(op: str, linear_offset, clamp_value, fp8_input_store, cpu_offload_i
     return linear_offset, clamp_value, gate_multiplier, down_multiplier
 
 
+def check_options(op: str, *, linear_offset: Any = 0.0, clamp_value: Any = None,
+                  fp8_input_store: Any = False) -> None:
+    """The activation ops' checks of these options, raising under ``op``'s name (for
+    wrappers such as ``lmfuse.megatron``'s, whose errors name themselves)."""
+    _options(op, linear_offset, clamp_value, fp8_input_store, False, 1.0, 1.0)
+
+
 def _run(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp_value=None,
          fp8_input_store=False, cpu_offload_input=False, impl="auto", gate_multiplier=1.0,
          down_multiplier=1.0) -> torch.Tensor:
