@@ -21,6 +21,7 @@ That costs a host wait per collective; without the variable nothing changes.
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -66,7 +67,10 @@ def all_gather_stacked(t: torch.Tensor, group: Any) -> torch.Tensor:
     return out.view(world, *t.shape)
 
 
-_AGREED: set = set()
+#: The ops :func:`check_agreed_once` has checked, per group: held weakly, so a group
+#: destroyed and another created at its address (or under its name, which c10d reuses after
+#: ``destroy_process_group``) is checked afresh.
+_AGREED: "weakref.WeakKeyDictionary[Any, set[str]]" = weakref.WeakKeyDictionary()
 #: Nonzero while :func:`check_agreed_once` gathers (the tests' collective counters list its
 #: one-time check apart from an op's own collectives).
 CHECKING = [0]
@@ -80,8 +84,7 @@ def check_agreed_once(op: str, group: Any, device: torch.device, **values: int) 
     cache keyed by a rank's own values would differ between ranks exactly when the values
     do, and the ranks would then disagree on issuing the check's collective. Skipped while
     a CUDA graph is captured or torch.compile traces (the eager calls before check it)."""
-    key = (id(group), op)
-    if key in _AGREED or torch.compiler.is_compiling() or (
+    if op in _AGREED.get(group, ()) or torch.compiler.is_compiling() or (
             device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return
     mine = torch.tensor(list(values.values()), dtype=torch.int64, device=device)
@@ -95,7 +98,7 @@ def check_agreed_once(op: str, group: Any, device: torch.device, **values: int) 
                              for r, row in enumerate(every))
         raise ValueError(f"{op}: every rank of the group must pass the same "
                          f"{' and '.join(values)} ({per_rank})")
-    _AGREED.add(key)
+    _AGREED.setdefault(group, set()).add(op)
 
 
 def all_to_all_stacked(t: torch.Tensor, group: Any) -> torch.Tensor:

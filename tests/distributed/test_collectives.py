@@ -63,3 +63,34 @@ def test_the_distributed_name_reexports_the_same_functions() -> None:
 
     for name in public.__all__:
         assert getattr(public, name) is getattr(collectives, name), name
+
+
+def test_the_agreement_check_runs_once_per_live_group(monkeypatch) -> None:
+    # Keyed by the group object, held weakly: a group destroyed and a new one created at its
+    # address (or under its name, which c10d reuses after destroy_process_group) must be
+    # checked again, not skipped as the old one's key (an id) once made it.
+    import gc
+
+    import torch
+
+    gathers: list[Any] = []
+
+    def gather(t: torch.Tensor, group: Any) -> torch.Tensor:
+        gathers.append(group)
+        return torch.stack([t, t])  # two ranks that agree
+
+    class Group:  # a stand-in ProcessGroup (weakly referenceable, as c10d's are)
+        pass
+
+    monkeypatch.setattr(collectives, "all_gather_stacked", gather)
+    monkeypatch.setattr(collectives, "_AGREED", type(collectives._AGREED)())
+    cpu = torch.device("cpu")
+    first, second = Group(), Group()
+    for _ in range(3):
+        collectives.check_agreed_once("op", first, cpu, tokens=4)
+    collectives.check_agreed_once("other op", first, cpu, tokens=4)
+    collectives.check_agreed_once("op", second, cpu, tokens=4)
+    assert gathers == [first, first, second]
+    del first, gathers[:]
+    gc.collect()
+    assert list(collectives._AGREED.keys()) == [second]  # the dead group's entry went with it
