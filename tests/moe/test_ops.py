@@ -355,6 +355,37 @@ def test_nan_and_inf_propagate_as_in_the_reference(impl) -> None:
             assert_close(a[fin], b[fin], F32, f"{impl} {name} finite part")
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton", "grouped"])
+@pytest.mark.parametrize("activation, sign", [("swiglu", 1.0), ("quick_geglu", -1.0),
+                                              ("squared_relu", 1.0)])
+def test_an_infinite_router_weight_alone(request, impl, activation, sign) -> None:
+    """One +-inf router weight and nothing else non-finite: the reference multiplies the
+    output gradient by the weight before the down projection's sum, whose terms are then
+    infinite of both signs, so that token's activation gradient (and the gate/up weight and
+    bias gradients it reaches) is NaN, not +-inf."""
+    calls = request.getfixturevalue("grouped") if impl == "grouped" else None
+    torch.manual_seed(3)
+    inp = make(6, 16, 8, 3, 2, activation)
+    with torch.no_grad():
+        inp["router_weights"][2, 1] = sign * float("inf")
+    kw = dict(activation=activation)
+    want = call(moe_experts_reference, inp, **kw)
+    with np.errstate(invalid="ignore", over="ignore"):  # the interpreter's numpy
+        got = call(lmfuse.moe_experts, inp, impl="torch" if impl == "torch" else "triton", **kw)
+        g = torch.ones_like(got)
+        got_grads = torch.autograd.grad(got, [t for _, t in leaves(inp)], g)
+    want_grads = torch.autograd.grad(want, [t for _, t in leaves(inp)], g)
+    assert torch.isnan(want_grads[NAMES.index("w_gate_up")]).any()
+    assert calls is None or calls == {"fwd": 1, "bwd": 1}
+    for name, a, b in [("out", got, want)] + [
+            (n, x, y) for (n, _), x, y in zip(leaves(inp), got_grads, want_grads)]:
+        assert torch.equal(torch.isnan(a), torch.isnan(b)), name
+        assert torch.equal(torch.isinf(a), torch.isinf(b)), name
+        fin = torch.isfinite(b)
+        if fin.any():
+            assert_close(a[fin], b[fin], F32, f"{impl} {name} finite part")
+
+
 # --- the grouped-GEMM engine ----------------------------------------------------------------
 # On a Hopper GPU, bf16 calls of at least ``grouped_mm_min_rows`` rows run their GEMMs as
 # ``torch._grouped_mm`` and the element-wise work in their own kernels. Here the engine is

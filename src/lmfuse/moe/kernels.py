@@ -122,6 +122,15 @@ def _gated_act(g, u, clamp, offset, ACT: tl.constexpr, GATED: tl.constexpr,
 
 
 @triton.jit
+def _weighted_grad(g, s):
+    """``g * s``: the gradient ``g`` of an expert's output (before its router weight ``s``)
+    times the weight, NaN where ``s`` is +-inf. The reference multiplies first and sums
+    after (``(s * dout) @ w_down[e]``): an infinite weight makes every term infinite, of
+    mixed signs, so the sum is NaN there, not ``g``'s own sign times inf."""
+    return tl.where(tl.abs(s) == float("inf"), float("nan"), g * s)
+
+
+@triton.jit
 def _act_backward(h_row, dh_row, cols, mask, ds, F, offset, clamp, ACT: tl.constexpr,
                   GATED: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_CLAMP: tl.constexpr,
                   RTNE: tl.constexpr):
@@ -316,7 +325,7 @@ def moe_act_bwd_kernel(
             w_ptr += BLOCK_K * stride_wk
         mask = rmask[:, None] & cmask[None, :]
         s = tl.load(SCALE + rows, mask=rmask, other=0.0)[:, None]
-        ds = acc * s
+        ds = _weighted_grad(acc, s)
         K2 = 2 * F if GATED else F
         a = _act_backward(HBUF + rows64[:, None] * K2, DH + rows64[:, None] * K2, cols, mask,
                           ds, F, offset, clamp, ACT, GATED, INTERLEAVED, HAS_CLAMP, RTNE)
@@ -484,7 +493,7 @@ def moe_act_bwd_rows_kernel(
         cols = f0 + tl.arange(0, BLOCK_F)
         mask = rmask[:, None] & (cols < F)[None, :]
         gr = tl.load(G + r64[:, None] * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        ds = gr * s
+        ds = _weighted_grad(gr, s)
         a = _act_backward(h_row, dh_row, cols, mask, ds, F, offset, clamp, ACT, GATED,
                           INTERLEAVED, HAS_CLAMP, RTNE)
         tl.store(AS_OUT + r64[:, None] * F + cols[None, :],
