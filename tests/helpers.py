@@ -163,6 +163,9 @@ TINY_LM = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                max_position_embeddings=256)
 TINY_LM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
                     "gpt_oss")
+#: The other mixture-of-experts families the Generator serves (the model's own forward, its
+#: experts through lmfuse.moe_experts in CUDA graphs).
+TINY_MOE_LM_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
 
 
 def capture_graph(fn: Callable[[], Any]) -> tuple[Any, Any]:
@@ -193,6 +196,19 @@ def tiny_causal_lm(model_type: str, seed: int = 0, **overrides: Any) -> Any:
                                    "beta_slow": 1.0, "truncate": False,
                                    "original_max_position_embeddings": 64,
                                    "rope_theta": 150000.0})
+    if model_type in ("mixtral", "granitemoe"):
+        kw.update(num_local_experts=4, num_experts_per_tok=2)
+    if model_type in ("qwen2_moe", "qwen3_moe", "olmoe"):
+        kw.update(num_experts=4, num_experts_per_tok=2)
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        kw.update(moe_intermediate_size=32)
+    if model_type == "qwen2_moe":
+        kw.update(shared_expert_intermediate_size=48)
+    if model_type == "mixtral":
+        kw["sliding_window"] = 6
+    if model_type == "granitemoe":  # its scalings away from 1
+        kw.update(embedding_multiplier=2.0, logits_scaling=3.0, residual_multiplier=0.5,
+                  attention_multiplier=0.2)
     if model_type == "gemma":
         # Tied, sqrt(hidden)-scaled embeddings at random init just repeat the last token.
         kw["tie_word_embeddings"] = False

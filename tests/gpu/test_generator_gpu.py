@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import TINY_LM_FAMILIES, tiny_causal_lm
+from helpers import TINY_LM_FAMILIES, TINY_MOE_LM_FAMILIES, tiny_causal_lm
 from lmfuse.serving import Generator
 
 pytestmark = pytest.mark.skipif(
@@ -49,7 +49,7 @@ def _hf(model, prompt, new):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("family", TINY_LM_FAMILIES)
+@pytest.mark.parametrize("family", TINY_LM_FAMILIES + TINY_MOE_LM_FAMILIES)
 def test_greedy_tokens_with_cuda_graphs(family: str) -> None:
     model = tiny_causal_lm(family).cuda()
     want = [_hf(model, p, NEW) for p in PROMPTS]

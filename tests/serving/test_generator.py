@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TINY_LM_FAMILIES, hf_greedy, max_rel_err, tiny_causal_lm
+from helpers import (TINY_LM, TINY_LM_FAMILIES, TINY_MOE_LM_FAMILIES, hf_greedy, max_rel_err,
+                     tiny_causal_lm)
 
 from lmfuse.serving import Generator
 from lmfuse.serving import engine as engine_module
@@ -46,6 +47,18 @@ def test_greedy_tokens_equal_hf_generate(family: str, impl: str) -> None:
     got = gen.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[])
     assert got == [want(family, p) for p in PROMPTS]
     assert not gen.has_unfinished() and gen.cache.num_free_blocks == 64
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("family", TINY_MOE_LM_FAMILIES)
+def test_greedy_tokens_of_the_moe_families_equal_hf_generate(family: str, impl: str) -> None:
+    """Mixtral (with its sliding window), Qwen2-MoE (shared expert), Qwen3-MoE, OLMoE and
+    Granite-MoE (its embedding, residual, attention and logit scalings): the model's own
+    forward over the paged cache."""
+    gen = Generator(model_of(family), block_len=4, num_blocks=64, impl=impl)
+    assert gen.runner.decode_path == "model"
+    got = gen.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[])
+    assert got == [want(family, p) for p in PROMPTS]
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])
@@ -255,6 +268,34 @@ def test_unsupported_models_are_refused() -> None:
     with pytest.raises(TypeError, match="model's dtype must be float32, float16 or bfloat16.*"
                                         "float64"):
         Generator(tiny_causal_lm("llama").double(), num_blocks=8)
+
+
+def test_longrope_serves_up_to_its_original_length() -> None:
+    """transformers picks a longrope rotary's short or long factors by the largest position
+    in a whole forward: past ``original_max_position_embeddings`` a short prompt batched
+    with a long one would be rotated with the long factors (its tokens then depend on its
+    neighbours). Within that length every request gets model.generate's tokens, alone or
+    batched; a request that could pass it is refused, naming the limit."""
+    half = TINY_LM["head_dim"] // 2
+    model = tiny_causal_lm("llama", rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * half,
+        "long_factor": [16.0] * half, "original_max_position_embeddings": 24})
+    short, other = [3, 49, 55, 77], list(range(30, 42))
+    gen = Generator(model, block_len=4, num_blocks=64, impl="torch")
+    assert gen.generate([short, other], max_new_tokens=6, eos_token_id=[]) == [
+        hf_greedy(model, short, 6), hf_greedy(model, other, 6)]
+    with pytest.raises(ValueError, match=r"prompts\[1\] of 20 tokens plus max_new_tokens=6 "
+                                         r"passes the longrope rotary's original_max_"
+                                         r"position_embeddings \(24\)"):
+        gen.generate([short, list(range(20))], max_new_tokens=6, eos_token_id=[])
+    assert not gen.has_unfinished() and gen.cache.num_free_blocks == 64
+
+
+def test_bidirectional_gemma3_is_refused() -> None:
+    # (EmbeddingGemma-style: transformers' Gemma 3 prefill then attends both ways.)
+    model = tiny_causal_lm("gemma3_text", use_bidirectional_attention=True)
+    with pytest.raises(ValueError, match="use_bidirectional_attention=True"):
+        Generator(model, num_blocks=8)
 
 
 def test_a_failed_generate_leaves_the_generator_usable(monkeypatch) -> None:

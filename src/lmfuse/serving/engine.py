@@ -25,7 +25,8 @@ from .scheduler import Scheduler
 
 #: ``config.model_type`` values the Generator takes.
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma",
-                                          "gemma2", "gemma3_text", "gpt_oss")
+                                          "gemma2", "gemma3_text", "gpt_oss", "mixtral",
+                                          "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
 #: The KV cache dtypes the Generator takes (by any of their names in ``DTYPE_NAMES``).
 _KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 #: ``decode_path`` values: fused decode layers where the family has them, else the
@@ -42,8 +43,10 @@ class Generator:
 
     Args:
         model: a causal LM of one of :data:`SUPPORTED_MODEL_TYPES` (Llama, Mistral, Qwen2,
-            Qwen3, Gemma, Gemma2, Gemma3 text, GPT-OSS), used in place (no weight copy;
-            its forward runs with lmfuse's attention during the Generator's steps only).
+            Qwen3, Gemma, Gemma2, Gemma3 text, GPT-OSS, and the mixture-of-experts
+            Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE), used in place (no weight
+            copy; its forward runs with lmfuse's attention during the Generator's steps
+            only).
         block_len: tokens per cache block.
         num_blocks: blocks in the pool; default: ``memory_fraction`` of the free GPU memory
             (less 2 GiB for activations and graphs), or 4096 blocks on the CPU; over a
@@ -298,6 +301,15 @@ class Generator:
             raise ValueError(f"{OP}: {name} of {prompt_len} tokens plus max_new_tokens="
                              f"{max_new_tokens} passes the model's max_position_embeddings "
                              f"({limit})")
+        short = _longrope_limit(self.config)
+        if short is not None and prompt_len + max_new_tokens > short:
+            raise ValueError(
+                f"{OP}: {name} of {prompt_len} tokens plus max_new_tokens={max_new_tokens} "
+                f"passes the longrope rotary's original_max_position_embeddings ({short}): "
+                "past it transformers rotates a whole forward with the long factors, chosen "
+                "by the longest sequence in it, so a request's tokens would depend on the "
+                "requests batched with it; the Generator serves longrope models up to that "
+                "length")
         need = math.ceil((prompt_len + max_new_tokens) / self._pool.block_len)
         if need > self._pool.num_blocks:
             raise ValueError(
@@ -592,7 +604,34 @@ def _check_model(model: Any) -> Any:
     if head is None or head() is None or not any(True for _ in model.parameters()):
         raise ValueError(f"{OP}: {type(model).__name__} is not a causal LM (no output "
                          "embeddings); load it with AutoModelForCausalLM")
+    if getattr(config, "use_bidirectional_attention", False) is True:
+        # (EmbeddingGemma-style checkpoints: their prompts attend both ways, which the
+        # Generator's causal prefill would silently change.)
+        raise ValueError(f"{OP}: {type(model).__name__}'s config sets "
+                         "use_bidirectional_attention=True; the Generator decodes causal "
+                         "language models only")
     return config
+
+
+def _longrope_limit(config: Any) -> int | None:
+    """The smallest ``original_max_position_embeddings`` of the config's longrope rotaries
+    (None: none is longrope). transformers picks a longrope rotary's short or long factors
+    by the largest position of a whole forward, so within this length every sequence, alone
+    or batched, gets the short ones, as ``model.generate`` gives it alone."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(params, dict) or not params:
+        return None
+    # One dict, or one per layer type (Gemma 3: {"full_attention": {...}, ...}).
+    groups = (list(params.values()) if all(isinstance(v, dict) for v in params.values())
+              else [params])
+    limits = []
+    for p in groups:
+        if p.get("rope_type", p.get("type")) == "longrope":
+            limit = (p.get("original_max_position_embeddings")
+                     or getattr(config, "original_max_position_embeddings", None))
+            if isinstance(limit, int):
+                limits.append(limit)
+    return min(limits) if limits else None
 
 
 def _check_initialised(name: str) -> None:
