@@ -200,22 +200,30 @@ def test_exports() -> None:
                  r"^scaled_upper_triang_masked_softmax: inputs must be a torch.Tensor, got list",
                  id="upper-triang-list"),
     pytest.param(megatron.scaled_upper_triang_masked_softmax, (randn((2, 4, 3)), 1.0),
-                 ValueError, r"^fused_softmax: causal=True needs sq <= sk.*sq=4, sk=3",
+                 ValueError, r"^scaled_upper_triang_masked_softmax: inputs \[attn_batches, "
+                 r"sq, sk\] must have sq <= sk .*got \(2, 4, 3\)",
                  id="upper-triang-sq>sk"),
     pytest.param(megatron.scaled_masked_softmax, (randn((3, 4)), None, 1.0), ValueError,
                  r"^scaled_masked_softmax: inputs must be \[b, np, sq, sk\] or "
                  r"\[attn_batches, sq, sk\], got \(3, 4\)", id="masked-2d"),
     pytest.param(megatron.scaled_masked_softmax,
                  (randn((1, 2, 3, 4)), rand_bool((1, 1, 3, 5)), 1.0), ValueError,
-                 r"^fused_softmax: mask of shape \(1, 1, 3, 5\) is not broadcastable",
+                 r"^scaled_masked_softmax: mask of shape \(1, 1, 3, 5\) is not "
+                 r"broadcastable to inputs",
                  id="masked-mask-shape"),
     pytest.param(megatron.scaled_masked_softmax,
                  (randn((1, 2, 3, 4)), torch.ones(1, 1, 3, 4, dtype=torch.int32), 1.0),
-                 TypeError, r"^fused_softmax: mask must be bool", id="masked-mask-int"),
+                 TypeError, r"^scaled_masked_softmax: mask must be bool",
+                 id="masked-mask-int"),
     pytest.param(megatron.scaled_softmax, (randn((1, 1, 2, 3, 4)), 1.0), ValueError,
                  r"^scaled_softmax: inputs must be .*got \(1, 1, 2, 3, 4\)", id="softmax-5d"),
     pytest.param(megatron.scaled_softmax, (randn((1, 2, 3, 4)), "1"), TypeError,
-                 r"^fused_softmax: scale must be a float", id="softmax-scale-str"),
+                 r"^scaled_softmax: scale must be a float", id="softmax-scale-str"),
+    pytest.param(megatron.scaled_softmax, (randn((1, 2, 3, 4)), float("nan")), ValueError,
+                 r"^scaled_softmax: scale must be finite", id="softmax-scale-nan"),
+    pytest.param(megatron.scaled_softmax,
+                 (torch.ones(1, 2, 3, 4, dtype=torch.int64), 1.0), TypeError,
+                 r"^scaled_softmax: inputs must have dtype", id="softmax-int-inputs"),
 ])
 def test_bad_input_raises(fn, args, error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):

@@ -19,7 +19,9 @@ from .activations.ops import check_options as check_activation_options
 from .cross_entropy import cross_entropy
 from .cross_entropy import linear_cross_entropy as _linear_cross_entropy
 from .integrations.megatron_core import patch
+from ._dispatch import check_number
 from .softmax import AttnMaskType, FusedScaleMaskSoftmax, fused_softmax
+from .softmax.ops import check_inputs as check_softmax_inputs
 
 __all__ = [
     "AttnMaskType",
@@ -50,12 +52,27 @@ def _as_4d(name: str, x: torch.Tensor, dims: tuple[int, ...] = (3, 4),
     return x.unsqueeze(0) if x.dim() == 3 else x
 
 
+def _softmax_inputs(name: str, inputs: Any, mask: Any, scale: Any, dims: tuple[int, ...],
+                    shapes: str, causal: bool = False) -> torch.Tensor:
+    """``inputs`` as ``[b, np, sq, sk]``, checked with ``mask`` and ``scale`` under the
+    functional form's own name (its errors name ``inputs``, not fused_softmax's
+    ``scores``, and no argument the caller did not pass)."""
+    x = _as_4d(name, inputs, dims, shapes)
+    check_softmax_inputs(x, mask, None, op=name, scores_name="inputs")
+    check_number(name, "scale", scale)
+    if causal and x.shape[2] > x.shape[3]:
+        raise ValueError(f"{name}: inputs {shapes} must have sq <= sk (queries are the last "
+                         f"sq of the sk keys), got {tuple(inputs.shape)}")
+    return x
+
+
 def scaled_upper_triang_masked_softmax(inputs: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal softmax of ``scale * inputs`` for ``inputs [attn_batches, sq, sk]``.
 
     Megatron requires ``sq == sk``; here ``sq <= sk`` works (bottom-right aligned).
     """
-    x = _as_4d("scaled_upper_triang_masked_softmax", inputs, (3,), "[attn_batches, sq, sk]")
+    x = _softmax_inputs("scaled_upper_triang_masked_softmax", inputs, None, scale, (3,),
+                        "[attn_batches, sq, sk]", causal=True)
     return fused_softmax(x, scale=scale, causal=True).squeeze(0)
 
 
@@ -63,13 +80,15 @@ def scaled_masked_softmax(inputs: torch.Tensor, mask: torch.Tensor | None,
                           scale: float) -> torch.Tensor:
     """Softmax of ``scale * inputs`` with ``mask`` (bool, True = masked),
     ``inputs [b, np, sq, sk]``."""
-    x = _as_4d("scaled_masked_softmax", inputs)
+    x = _softmax_inputs("scaled_masked_softmax", inputs, mask, scale, (3, 4),
+                        "[b, np, sq, sk] or [attn_batches, sq, sk]")
     return fused_softmax(x, scale=scale, mask=mask).view(inputs.shape)
 
 
 def scaled_softmax(inputs: torch.Tensor, scale: float) -> torch.Tensor:
     """Softmax of ``scale * inputs`` over the last dim, ``inputs [b, np, sq, sk]`` (or 3-D)."""
-    x = _as_4d("scaled_softmax", inputs)
+    x = _softmax_inputs("scaled_softmax", inputs, None, scale, (3, 4),
+                        "[b, np, sq, sk] or [attn_batches, sq, sk]")
     return fused_softmax(x, scale=scale).view(inputs.shape)
 
 

@@ -479,6 +479,9 @@ BAD_INPUTS = [
                  id="scale-inf"),
     pytest.param(lambda: dict(scale=float("nan")), ValueError, r"scale must be finite",
                  id="scale-nan"),
+    pytest.param(lambda: dict(scores=randn((2, 2, 3, 4), F64), scale=1e39), ValueError,
+                 r"scale must be within float32's range \(\|scale\| <= 3.403e\+38\), "
+                 r"got 1e\+39", id="scale-past-float32"),
     pytest.param(lambda: dict(softmax_in_fp32=None), TypeError, r"softmax_in_fp32 must be a bool",
                  id="fp32-flag-none"),
     pytest.param(lambda: dict(impl="cuda"), ValueError, r"impl must be one of", id="impl-bad"),
@@ -495,6 +498,55 @@ def test_bad_input_raises(make, error: type[Exception], message: str, impl: str)
         lmfuse.fused_softmax(scores, **kwargs)
     with pytest.raises(error, match=rf"^fused_softmax: {message}"):
         lmfuse.explain(lmfuse.fused_softmax, scores, **kwargs)
+
+
+def test_a_right_bound_past_int32_is_no_bound() -> None:
+    """``window_size=(1, 2**31 - 1)`` ("one key back, any number forward", a common
+    sentinel): the kernels' band math is 32-bit, where ``p + right + 1`` wrapped negative
+    and emptied every row; bounds past any key now mean no bound."""
+    x = randn((1, 2, 4, 6))
+    for right in (2**30 + 1, 2**31 - 1, 2**40):
+        want = lmfuse.fused_softmax(x, window_size=(1, -1), impl="torch")
+        for impl in ("triton", "torch"):
+            got = lmfuse.fused_softmax(x, window_size=(1, right), impl=impl)
+            assert_close(got, want, F32, f"{impl} right={right}")
+
+
+def test_float64_additive_mask_keeps_the_scores_dtype_on_every_path(monkeypatch) -> None:
+    """float32 scores with a float64 additive mask (a bias built in float64): float32
+    out on every path, as the reference's float32 math gives (the default CPU path
+    promoted its sum to float64); with the mask learnable too, its gradient float64."""
+    from lmfuse._dispatch import select_impl
+    from lmfuse.softmax import ops as sm_ops
+
+    monkeypatch.setattr(sm_ops, "select_impl", lambda op, impl, device: (
+        ("torch", "test: no Triton") if impl == "auto" else select_impl(op, impl, device)))
+    x = randn((2, 3, 4, 5))
+    mask = torch.randn(1, 3, 4, 5, dtype=F64)
+    want = lmfuse.fused_softmax(x, mask=mask.float(), impl="torch")
+    for impl in ("auto", "triton", "torch"):
+        m = mask.clone().requires_grad_()
+        y = lmfuse.fused_softmax(x, mask=m, impl=impl)
+        assert y.dtype == F32, impl
+        assert_close(y, want, F32, impl)
+        y.sum().backward()
+        assert m.grad.dtype == F64, impl
+
+
+def test_float64_learnable_mask_gradients_stay_float64() -> None:
+    """float64 scores and a learnable float64 mask: the Triton backward's unscaled
+    gradient buffer (the mask's) was float32, so both gradients were float32-accurate."""
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(2, 3, 4, 33, dtype=F64, generator=g)
+    m0 = torch.randn(1, 3, 4, 33, dtype=F64, generator=g)
+    dy = torch.randn(2, 3, 4, 33, dtype=F64, generator=g)
+    grads = {}
+    for impl in ("triton", "torch"):
+        x, m = x0.clone().requires_grad_(), m0.clone().requires_grad_()
+        lmfuse.fused_softmax(x, mask=m, scale=0.7, impl=impl).backward(dy)
+        grads[impl] = x.grad, m.grad
+    for a, b in zip(grads["triton"], grads["torch"]):
+        assert a.dtype == F64 and (a - b).abs().max() < 1e-14
 
 
 # --- properties -----------------------------------------------------------------------

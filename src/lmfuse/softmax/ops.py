@@ -35,6 +35,7 @@ from .._nvtx import nvtx_range
 from .reference import UNBOUNDED, fused_softmax_reference, visible_keys
 
 _OP = "fused_softmax"
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 _kernels = lazy_kernels("kernels", __package__)
 
 
@@ -104,8 +105,14 @@ def _launch_fwd(scores: torch.Tensor, mask: Optional[torch.Tensor],
     return y, lse
 
 
+def _dx_dtype(y_dtype: torch.dtype, unscaled_fp32: bool) -> torch.dtype:
+    """The backward's ``dx``: the unscaled gradient (a learnable mask's, scaled afterwards
+    for the scores) in float32, or float64 for float64 scores; else ``y``'s dtype."""
+    return torch.float32 if unscaled_fp32 and y_dtype != torch.float64 else y_dtype
+
+
 def _bwd_fake(dy, y, lse, softmax_offset, scale, left, right, unscaled_fp32, mask=None):
-    dx = y.new_empty(y.shape, dtype=torch.float32 if unscaled_fp32 else y.dtype)
+    dx = y.new_empty(y.shape, dtype=_dx_dtype(y.dtype, unscaled_fp32))
     n = y.shape[0] * y.shape[1] * y.shape[2] if softmax_offset is not None else 0
     return dx, lse.new_empty((n,))
 
@@ -119,7 +126,7 @@ def _launch_bwd(dy: torch.Tensor, y: torch.Tensor, lse: torch.Tensor,
     mask hides nothing), read only for rows whose gradient is NaN."""
     b, np_, sq, sk = y.shape
     n_rows = b * np_ * sq
-    dx = torch.empty_like(y, dtype=torch.float32 if unscaled_fp32 else y.dtype,
+    dx = torch.empty_like(y, dtype=_dx_dtype(y.dtype, unscaled_fp32),
                           memory_format=torch.contiguous_format)
     drow = torch.empty(n_rows if softmax_offset is not None else 0, dtype=lse.dtype,
                        device=y.device)
@@ -214,7 +221,9 @@ def _resolve_band(window_size, causal: bool, sq: int, sk: int) -> tuple[int, int
         )
     if causal:
         right = min(right, 0)
-    return left, right
+    # A bound past any key is no bound (2**31 - 1, a common "unbounded", would overflow the
+    # kernels' 32-bit band math into an empty band).
+    return min(left, UNBOUNDED), min(right, UNBOUNDED)
 
 
 def check_inputs(scores, mask, softmax_offset, *, op: str = _OP,
@@ -271,6 +280,10 @@ def _resolve(scores, scale, mask, causal, window_size, softmax_offset, softmax_i
     mask_kind = check_inputs(scores, mask, softmax_offset)
     b, np_, sq, sk = scores.shape
     scale = check_number(_OP, "scale", scale)
+    if scale is not None and abs(scale) > _FLOAT32_MAX:
+        # (the kernels take it as float32 numbers: it would be inf there)
+        raise ValueError(f"{_OP}: scale must be within float32's range (|scale| <= "
+                         f"{_FLOAT32_MAX:.4g}), got {scale}")
     left, right = _resolve_band(window_size, causal, sq, sk)
     if not isinstance(softmax_in_fp32, bool):
         raise TypeError(f"{_OP}: softmax_in_fp32 must be a bool, got {softmax_in_fp32!r}")
@@ -440,7 +453,9 @@ def _masked_scores(scores: torch.Tensor, scale: float, hidden: Optional[torch.Te
     hidden keys are a band alone, by adding its bias ``band`` (``_band_bias``)."""
     z = scores * scale if scale != 1.0 else scores
     if add is not None:
-        z = z + add
+        # A float64 mask is used in the scores' float32, as the reference's math is (the
+        # sum would otherwise promote the output to float64).
+        z = z + (add.to(z.dtype) if add.dtype == torch.float64 else add)
     if band is not None:
         z = z.add_(band) if z is not scores else z + band
     elif hidden is not None:
