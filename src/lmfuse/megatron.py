@@ -138,11 +138,29 @@ def fused_vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor,
     """Per-token loss ``[s, b]`` of ``logits [s, b, V_local]`` split over ``tp_group``.
 
     Megatron-Core's ``fused_vocab_parallel_cross_entropy``; one collective where it has two.
+    Targets outside ``[0, V)`` (padding labels) get loss 0 and no gradient, where Megatron
+    gives their log-sum-exp: the same under the loss mask of 0 such labels come with.
     Megatron requires ``tp_group``; omitted here, it means what an omitted group means in
     Megatron-Core (:func:`default_tp_group`: parallel_state's tensor-parallel group).
     """
     tp_group = _tp_group("fused_vocab_parallel_cross_entropy", tp_group)
+    target = _outside_ignored(vocab_parallel_logits, target, tp_group)
     return cross_entropy(vocab_parallel_logits, target, reduction="none", tp_group=tp_group)
+
+
+def _outside_ignored(logits: Any, target: Any, tp_group: Any) -> Any:
+    """``target`` with ids outside the vocabulary ``[0, V)`` (padding labels such as -1 or
+    -100) set to the ignore index: their loss 0, their gradient none. Megatron-Core gives
+    such a token the log-sum-exp of its logits and the softmax as gradient (its target's
+    logit taken as 0), which a loss mask of 0 there, what such labels come with, turns into
+    0 as well; lmfuse's ``cross_entropy`` would give +inf on CUDA (NaN times that mask).
+    Anything but an integer tensor is left for ``cross_entropy``'s checks."""
+    if (not isinstance(target, torch.Tensor) or target.is_floating_point()
+            or not isinstance(logits, torch.Tensor) or logits.dim() < 1):
+        return target
+    world = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
+    vocab = logits.shape[-1] * world
+    return target.masked_fill((target < 0) | (target >= vocab), -100)
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
@@ -156,7 +174,8 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     tensor-parallel group, as in Megatron-Core (:func:`default_tp_group`); a group of one
     rank need not be a ``ProcessGroup`` (:func:`_tp_group`). Megatron reduces its three
     statistics with three all-reduces; lmfuse gathers them with one all-gather (none on one
-    rank).
+    rank). Targets outside ``[0, V)``: loss 0 and no gradient, as in
+    :func:`fused_vocab_parallel_cross_entropy`.
     """
     tp_group = _tp_group("vocab_parallel_cross_entropy", tp_group)
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
@@ -175,6 +194,7 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
                 f"vocab_parallel_cross_entropy: label_smoothing={label_smoothing} gives "
                 f"Megatron's smoothing = ls * V / (V - 1) = {smoothing:.4f} > 1 at V = {V}"
             )
+    target = _outside_ignored(vocab_parallel_logits, target, tp_group)
     return cross_entropy(vocab_parallel_logits, target, label_smoothing=smoothing,
                          reduction="none", tp_group=tp_group)
 

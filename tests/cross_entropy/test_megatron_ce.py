@@ -138,3 +138,26 @@ def test_label_smoothing_zero_on_one_class() -> None:
     loss.sum().backward()
     assert torch.equal(loss, torch.zeros(2, 3))
     assert torch.equal(leaf.grad, torch.zeros(2, 3, 1))
+
+
+@pytest.mark.parametrize("name", ["fused_vocab_parallel_cross_entropy",
+                                  "vocab_parallel_cross_entropy"])
+def test_targets_outside_the_vocabulary_are_ignored(name: str) -> None:
+    """Padding labels (-1, -100, V and past it): loss 0 and a zero gradient row, so that the
+    loss mask of 0 they come with gives 0 as Megatron's log-sum-exp there does (lmfuse's
+    cross_entropy raises on CPU and gives +inf on CUDA, NaN under that mask); the other
+    tokens keep Megatron's loss."""
+    shape = (3, 2, 37)
+    logits = randn(shape, F32, scale=3.0)
+    target = torch.randint(0, 37, shape[:-1])
+    target[0, 1], target[1, 0], target[2, 0], target[2, 1] = -1, -100, 37, 1000
+    outside = (target < 0) | (target >= 37)
+    leaf = logits.clone().requires_grad_(True)
+    loss = getattr(megatron, name)(leaf, target)
+    loss.backward(torch.ones(shape[:-1]))
+    assert torch.equal(loss[outside], torch.zeros(4))
+    assert torch.equal(leaf.grad[outside], torch.zeros(4, 37))
+    want = megatron_loss(logits.double(), target.clamp(0, 36), 0.0)
+    assert_close(loss[~outside], want[~outside].float(), F32, name)
+    mask = (~outside).float()
+    assert torch.isfinite((loss * mask).sum())
