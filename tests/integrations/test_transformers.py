@@ -252,11 +252,134 @@ def test_shift_labels_and_tuple_output():
     shift[:, 0] = -100
     loss_a = a(input_ids=ids, labels=labels, shift_labels=shift).loss
     out_b = b(input_ids=ids, labels=labels, shift_labels=shift, return_dict=False)
+    out_a = a(input_ids=ids, labels=labels, shift_labels=shift, return_dict=False)
     assert isinstance(out_b, tuple) and out_b[0].dim() == 0
+    # The logits' place kept (None: never formed), the rest where the model puts it.
+    assert len(out_b) == len(out_a) and out_b[1] is None
+    assert [type(x) for x in out_b[2:]] == [type(x) for x in out_a[2:]]
     assert_close(out_b[0], loss_a, F32, "shift_labels loss")
     loss_a.backward()
     out_b[0].backward()
     assert_same_grads(a, b, "shift_labels")
+
+
+class _LoraLinear(torch.nn.Linear):
+    """An adapter in the PEFT style: ``W x + B A x``, an ``nn.Linear`` subclass."""
+
+    def __init__(self, base: torch.nn.Linear) -> None:
+        super().__init__(base.in_features, base.out_features, bias=base.bias is not None)
+        self.load_state_dict(base.state_dict())
+        self.lora_a = torch.nn.Parameter(0.3 * torch.randn(4, base.in_features))
+        self.lora_b = torch.nn.Parameter(0.3 * torch.randn(base.out_features, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + F.linear(F.linear(x, self.lora_a), self.lora_b)
+
+
+@pytest.mark.parametrize("change", ["adapter", "hook", "loss_function"])
+def test_loss_runs_what_the_model_would_call(change):
+    """An ``lm_head`` the model calls (an adapter, a forward hook; FSDP2's weight gather is
+    a hook too) or a loss of the user's (``model.loss_function = ...``): the fused loss
+    would read the head's weight and skip them, so the model's own forward runs."""
+    a, b = make_pair("llama")
+    if change == "adapter":
+        for m in (a, b):
+            m.lm_head = _LoraLinear(m.lm_head)
+        b.lm_head.load_state_dict(a.lm_head.state_dict())
+    elif change == "hook":
+        for m in (a, b):
+            m.lm_head.register_forward_hook(lambda mod, inp, out: out / 4)
+    else:
+        def summed(logits, labels, vocab_size, **kwargs):
+            return F.cross_entropy(logits[:, :-1].reshape(-1, vocab_size).float(),
+                                   labels[:, 1:].reshape(-1), reduction="sum",
+                                   label_smoothing=0.1)
+        for m in (a, b):
+            m.loss_function = summed
+    ids, labels = batch()
+    loss_a = a(input_ids=ids, labels=labels).loss
+    out_b = b(input_ids=ids, labels=labels)
+    assert out_b.logits is not None  # the model's own forward ran
+    assert_close(out_b.loss, loss_a, F32, change)
+    loss_a.backward()
+    out_b.loss.backward()
+    assert_same_grads(a, b, change)
+
+
+def test_hooks_on_the_mlp_projections_run():
+    """A hook on ``up_proj`` (or ``gate_proj``) runs as in the model: the patched MLP then
+    calls the projections as modules instead of reading their weights."""
+    a, b = make_pair("llama")
+    calls = {"a": 0, "b": 0}
+
+    def hook(key):
+        def fn(mod, inp, out):
+            calls[key] += 1
+            return out * 0.5
+        return fn
+
+    for key, m in (("a", a), ("b", b)):
+        for layer in m.model.layers:
+            layer.mlp.up_proj.register_forward_hook(hook(key))
+    ids, labels = batch()
+    loss_a, loss_b = a(input_ids=ids, labels=labels).loss, b(input_ids=ids, labels=labels).loss
+    assert calls["a"] == calls["b"] == 2
+    assert_close(loss_b, loss_a, F32, "hooked up_proj")
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_an_mlp_with_dropout_is_left_to_the_model(mode):
+    """Seed-OSS's MLP applies a residual dropout (0.1 by default): the fused MLP has none,
+    so it must stay the model's, whatever mode the model is in when patched (eval after
+    ``from_pretrained``: the probe then ran without the dropout and patched it)."""
+    a = make_model("seed_oss", residual_dropout=0.1)
+    getattr(a, mode)()
+    b = apply_lmfuse(copy.deepcopy(a))
+    assert b.lmfuse_patches["swiglu"] == []
+    assert [m.training for m in b.modules()] == [m.training for m in a.modules()]
+
+
+def test_a_clamp_past_the_probes_default_peak_is_found():
+    """An MLP clamping its projections at 100 (DeepSeek-V4's ``swiglu_limit`` set high):
+    the probe tries twice each limit the module holds, not only its default peak of 64,
+    so the clamp is seen and the MLP left to the model (the fused SwiGLU has no clamp)."""
+
+    class ClampedMLP(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_proj = torch.nn.Linear(16, 24, bias=False)
+            self.up_proj = torch.nn.Linear(16, 24, bias=False)
+            self.down_proj = torch.nn.Linear(24, 16, bias=False)
+            self.act_fn = torch.nn.SiLU()
+            self.swiglu_limit = 100.0
+
+        def forward(self, x):
+            c = self.swiglu_limit
+            return self.down_proj(self.act_fn(self.gate_proj(x).clamp(max=c))
+                                  * self.up_proj(x).clamp(-c, c))
+
+    from lmfuse.integrations import transformers as integration
+
+    class UnclampedMLP(ClampedMLP):  # the limit held but not applied: the plain formula
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    assert not integration._probe_mlp(ClampedMLP())
+    assert integration._probe_mlp(UnclampedMLP())
+
+
+def test_weights_on_the_meta_device_leave_probed_classes_with_a_warning():
+    """A model built on the meta device (deferred initialisation): the families found by
+    probing cannot be probed there, so their norms and MLPs are left as they are, and
+    the warning says so and what to do."""
+    config = make_model("granite").config
+    with torch.device("meta"):
+        m = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.warns(UserWarning, match="GraniteMLP, GraniteRMSNorm left unpatched: their "
+                                         "weights are on the meta device.*after the weights "
+                                         "are loaded"):
+        apply_lmfuse(m)
+    assert m.lmfuse_patches["rms_norm"] == [] and m.lmfuse_patches["swiglu"] == []
 
 
 def test_state_dict_signature_and_idempotency():

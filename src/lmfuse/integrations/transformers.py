@@ -53,6 +53,8 @@ class _Family(NamedTuple):
     mlps: frozenset[str]  # gated MLP class names
     # mixture-of-experts experts class name -> why moe_experts cannot run it ("" if it can)
     experts: dict[str, str] = {}
+    # norm and MLP classes a probe could not run (weights on the meta device): left as they are
+    unprobed: tuple[str, ...] = ()
 
 
 def _family(norm: str, offset: float, mlp: str) -> _Family:
@@ -139,6 +141,7 @@ def _family_of(model: torch.nn.Module) -> _Family | None:
     norms: dict[str, float] = {}
     mlps: set[str] = set()
     experts: dict[str, str] = {}
+    unprobed: list[str] = []
     seen: set[type] = set()
     for m in model.modules():
         cls = type(m)
@@ -150,6 +153,11 @@ def _family_of(model: torch.nn.Module) -> _Family | None:
             # the weightless ones stay the model's).
             continue
         seen.add(cls)
+        plain = cls.__name__.endswith("RMSNorm") or all(
+            hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+        if plain and _on_meta(m):
+            unprobed.append(cls.__name__)
+            continue
         if cls.__name__.endswith("RMSNorm"):
             offset = _probe_norm(m)
             if offset is not None:
@@ -163,7 +171,26 @@ def _family_of(model: torch.nn.Module) -> _Family | None:
                 experts[cls.__name__] = _probe_experts(m, layout)
             elif layout is not None:
                 experts[cls.__name__] = layout
-    return _Family(norms, frozenset(mlps), experts)
+    return _Family(norms, frozenset(mlps), experts, tuple(unprobed))
+
+
+def _on_meta(m: torch.nn.Module) -> bool:
+    p = next(m.parameters(), None)
+    return p is not None and p.device.type == "meta"
+
+
+@contextlib.contextmanager
+def _training_mode(m: torch.nn.Module) -> Iterator[None]:
+    """``m`` and its submodules in training mode for a probe (a dropout there is then
+    active, so a module with one fails the probe, in eval mode as in training: its patch
+    would drop the dropout); each module's own mode restored afterwards."""
+    modes = [(sub, sub.training) for sub in m.modules()]
+    m.train()
+    try:
+        yield
+    finally:
+        for sub, mode in modes:
+            sub.training = mode
 
 
 def _positional_inputs(m: torch.nn.Module, n: int) -> bool:
@@ -240,20 +267,35 @@ def _probe_mlp(m: torch.nn.Module) -> bool:
     if x is None:
         return False
     try:
-        peak = float(torch.cat([m.gate_proj(x), m.up_proj(x)], -1).abs().max())
-        # Unit-scale inputs, and inputs whose largest projection output is _PROBE_PEAK: a
-        # clamp of the projections (DeepSeek-V4's swiglu_limit of 10) shows only there.
-        for xs in (x, x * (_PROBE_PEAK / peak) if peak > 0 else x):
-            y = m(xs)
-            want = m.down_proj(m.act_fn(m.gate_proj(xs) * g) * m.up_proj(xs)) * d
-            if not _close(y, want):
-                return False
+        with _training_mode(m):
+            peak = float(torch.cat([m.gate_proj(x), m.up_proj(x)], -1).abs().max())
+            # Unit-scale inputs, and inputs whose largest projection output is _PROBE_PEAK
+            # and twice each limit the module holds: a clamp of the projections
+            # (DeepSeek-V4's swiglu_limit) shows only past it.
+            peaks = [_PROBE_PEAK] + [2 * v for v in _limits(m) if 2 * v > _PROBE_PEAK]
+            for xs in [x] + [x * (p / peak) for p in peaks if peak > 0]:
+                y = m(xs)
+                want = m.down_proj(m.act_fn(m.gate_proj(xs) * g) * m.up_proj(xs)) * d
+                # Twice: a random module (a dropout, active here) differs from itself.
+                if not (_close(y, want) and _close(m(xs), want)):
+                    return False
     except Exception:  # noqa: BLE001 - another structure
         return False
     return True
 
 
 _PROBE_PEAK = 64.0  # beyond the clamps models put on their gate/up outputs (7 to 10)
+
+
+def _limits(m: torch.nn.Module) -> list[float]:
+    """The finite positive numbers ``m`` holds under a name with ``limit`` or ``clamp`` in
+    it (a clamp of its projections, which the probe must try both sides of)."""
+    found = []
+    for name, value in vars(m).items():
+        v = _number(value) if ("limit" in name or "clamp" in name) else None
+        if v is not None and v > 0:
+            found.append(v)
+    return found
 
 
 def _mlp_multipliers(m: torch.nn.Module) -> tuple[float, float] | None:
@@ -338,9 +380,22 @@ class _GateUpProjection(torch.autograd.Function):
 
 def _plain_linear(m: Any) -> bool:
     """An ``nn.Linear`` whose forward is ``F.linear(x, weight, bias)`` (not a LoRA or
-    quantised layer that only looks like one)."""
+    quantised layer that only looks like one), with no hook to run around a call (a
+    user's, or FSDP2's all-gather of its sharded weight): what the fused paths may read
+    the weight of instead of calling it."""
     return (isinstance(m, torch.nn.Linear) and type(m).forward is torch.nn.Linear.forward
-            and "forward" not in m.__dict__)
+            and "forward" not in m.__dict__ and not _hooked(m))
+
+
+def _hooked(m: torch.nn.Module) -> bool:
+    """A forward or backward hook (the module's own, or a global one) would run around a
+    call of ``m``."""
+    from torch.nn.modules import module as nn_module
+
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                or m._backward_pre_hooks or nn_module._global_forward_hooks
+                or nn_module._global_forward_pre_hooks or nn_module._global_backward_hooks
+                or nn_module._global_backward_pre_hooks)
 
 
 def _gate_up(mlp: torch.nn.Module, x: torch.Tensor
@@ -657,7 +712,12 @@ def _causal_lm_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
     a = dict(_signature(type(self)).bind(self, *args, **kwargs).arguments)
     keep = a.get("logits_to_keep", 0)
     if (a.get("labels") is None or not (isinstance(keep, int) and keep == 0)
-            or not (self.training or torch.is_grad_enabled())):
+            or not (self.training or torch.is_grad_enabled())
+            # an lm_head to call (an adapter, a hook, FSDP2's weight gather), or a loss of
+            # the user's (model.loss_function = ...): the model's own forward runs them
+            or not _plain_linear(self.lm_head)
+            or getattr(self, "_loss_function", None) is not None
+            or not _causal_lm_loss_type(self)):
         return original(self, *args, **kwargs)
     router = kwargs.get("output_router_logits", a.get("output_router_logits"))
     if router is None:
@@ -667,6 +727,19 @@ def _causal_lm_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
     var_kw = next((p.name for p in _signature(type(self)).parameters.values()
                    if p.kind is inspect.Parameter.VAR_KEYWORD), None)
     return _forward_with_loss(self, a, var_kw)
+
+
+def _causal_lm_loss_type(model: Any) -> bool:
+    """``model.loss_type`` names transformers' causal-LM loss (or none is named): the loss
+    the fused path computes."""
+    kind = getattr(model, "loss_type", None)
+    if kind is None:
+        return True
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    except ImportError:  # pragma: no cover - transformers without its loss table
+        return kind == "ForCausalLM"
+    return LOSS_MAPPING.get(kind) is ForCausalLMLoss
 
 
 def _config_router_logits(config: Any) -> bool:
@@ -765,7 +838,12 @@ def _forward_with_loss(model: Any, a: dict[str, Any], var_kw: str | None) -> Any
     out = output_class(loss=loss, logits=None, **{
         name: getattr(outputs, name) for name in _fields_of(output_class)
         if name not in ("loss", "logits", "aux_loss") and hasattr(outputs, name)})
-    return out if return_dict else out.to_tuple()
+    if return_dict:
+        return out
+    # to_tuple() drops None fields: the logits' place kept (None), as the model's tuple
+    # has them second.
+    flat = out.to_tuple()
+    return (flat[0], None) + flat[1:]
 
 
 # --- applying the patch ------------------------------------------------------------------------
@@ -941,7 +1019,12 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
             down_multiplier`` through swiglu's ``gate_multiplier`` and ``down_multiplier``,
             read from the module on every call), :func:`lmfuse.geglu` for the
             tanh-approximated GELU (Gemma). MLPs with any other activation stay as they are,
-            with a warning, and are listed in ``model.lmfuse_patches``.
+            with a warning, and are listed in ``model.lmfuse_patches``; so do the probed
+            families' MLPs that apply a dropout (Seed-OSS's ``residual_dropout``) or a clamp
+            (the probe tries both sides of every limit the module holds). Projections that
+            are not plain ``nn.Linear`` layers, or carry hooks, are called as modules.
+            Norms and MLPs whose weights are on the meta device cannot be probed: they are
+            left as they are, with a warning (patch after loading the weights).
         fused_linear_cross_entropy: when the causal LM's forward is given ``labels``, compute
             the loss with :func:`lmfuse.linear_cross_entropy` from the last hidden states
             and ``lm_head`` (tied to the embedding or not; Gemma2/3's
@@ -955,6 +1038,10 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
             the Trainer's evaluate and predict, whose metrics read the logits), the model's
             own forward runs and returns logits and its loss as before. A batch whose
             labels are all ``ignore_index`` gives transformers' NaN mean (zero gradients).
+            With ``return_dict=False`` the tuple keeps the logits' place, holding None.
+            The model's own forward also runs when its ``lm_head`` is not a plain
+            ``nn.Linear`` or carries hooks (an adapter such as LoRA, FSDP2's weight
+            gather) and when a loss of the user's is set (``model.loss_function = ...``).
             Only on models with an ``lm_head`` (ignored on base models).
         experts: run each mixture-of-experts experts module (``forward(hidden_states
             [T, H], top_k_index [T, k], top_k_weights [T, k])`` over ``gate_up_proj`` and
@@ -1058,6 +1145,10 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
         else:
             _set_forward(model, _causal_lm_forward, impl=impl)
 
+    if family.unprobed:
+        warnings.warn(f"{op}: {', '.join(family.unprobed)} left unpatched: their weights are "
+                      f"on the meta device, where lmfuse cannot check what they compute; "
+                      f"call apply_lmfuse after the weights are loaded", stacklevel=2)
     if unsupported:
         warnings.warn(f"{op}: {len(unsupported)} MLP(s) left unpatched: lmfuse fuses SiLU and "
                       f"tanh-GELU gated MLPs, these use "
