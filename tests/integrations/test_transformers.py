@@ -382,6 +382,17 @@ def test_weights_on_the_meta_device_leave_probed_classes_with_a_warning():
     assert m.lmfuse_patches["rms_norm"] == [] and m.lmfuse_patches["swiglu"] == []
 
 
+def test_unbatched_labels_of_one_sequence():
+    """transformers' loss takes a batch of one sequence's labels (and shift_labels) as 1-D
+    ``[S]``: so does the fused loss."""
+    a, b = make_pair("llama")
+    ids, labels = batch(1)
+    for kw in (dict(labels=labels[0]), dict(labels=labels[0], shift_labels=labels[0])):
+        loss_a = a(input_ids=ids, **kw).loss
+        loss_b = b(input_ids=ids, **kw).loss
+        assert_close(loss_b, loss_a, F32, str(list(kw)))
+
+
 def test_state_dict_signature_and_idempotency():
     a, b = make_pair("qwen3")
     assert list(b.state_dict()) == list(a.state_dict())

@@ -667,6 +667,8 @@ def _causal_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Linear,
         target = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     else:
         target = shift_labels
+    if target.dim() == 1 and hidden.dim() == 3 and hidden.shape[0] == 1:
+        target = target[None]  # one sequence's labels unbatched, as transformers takes them
     target = target.to(hidden.device)
     weight, bias = lm_head.weight, lm_head.bias
     device_type = hidden.device.type
