@@ -383,6 +383,91 @@ def test_logits_in_fp32_plan_and_bad_value() -> None:
                        lmfuse.linear_cross_entropy(h32, w32, t))
 
 
+@pytest.mark.parametrize("case", ["max_chunk_bytes", "past the budget", "autocast"])
+def test_default_cpu_path_keeps_the_budget_and_float32_logits(monkeypatch, case) -> None:
+    """The CPU default path forms the whole logits with F.linear: not when the caller gives
+    a chunk budget, nor when the logits pass the default one (the op's memory stays within
+    its budget), nor under autocast (F.linear would compute bfloat16 logits where every
+    other path computes float32). The chunked path's results then, bit for bit."""
+    from lmfuse._dispatch import select_impl
+    from lmfuse.cross_entropy import ops as ce_ops
+
+    monkeypatch.setattr(ce_ops, "select_impl", lambda op, impl, device: (
+        ("torch", "test: no Triton") if impl == "auto" else select_impl(op, impl, device)))
+    calls = []
+    real = ce_ops._native_cross_entropy
+    monkeypatch.setattr(ce_ops, "_native_cross_entropy",
+                        lambda *a: (calls.append(1), real(*a))[1])
+    h, w, _, t = inputs(18, 16, 40, bias=False)
+    h, w = h.float(), w.float()
+    kw = dict(max_chunk_bytes=40 * 4 * 5) if case == "max_chunk_bytes" else {}
+    if case == "past the budget":
+        monkeypatch.setattr(linear, "_cpu_chunk_bytes", lambda vocab: 40 * 4 * 17)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "autocast")
+    out = {}
+    for impl in ("auto", "torch"):
+        args = [x.clone().requires_grad_(True) for x in (h, w)]
+        with autocast:
+            loss = lmfuse.linear_cross_entropy(*args, t, impl=impl, **kw)
+        out[impl] = (loss, *torch.autograd.grad(loss, args))
+    assert calls == []
+    for got, want in zip(out["auto"], out["torch"]):
+        assert torch.equal(got, want)
+
+
+def test_errors_name_linear_cross_entropy_and_hidden() -> None:
+    """The target and loss-option checks it shares with cross_entropy name the op called
+    and its argument (they said ``cross_entropy`` and ``logits``)."""
+    h, w = torch.randn(2, 5, 8), torch.randn(9, 8)
+    t = torch.zeros(2, 5, dtype=torch.long)
+    for kw, error, message in [
+            (dict(target=torch.zeros(10, dtype=torch.long)), ValueError,
+             r"target must have shape hidden.shape\[:-1\] = \(2, 5\), got \(10,\)"),
+            (dict(target=torch.full((2, 5), 9)), ValueError,
+             r"target holds 9, which is neither ignore_index"),
+            (dict(label_smoothing=2.0), ValueError, "label_smoothing must be in"),
+            (dict(reduction="avg"), ValueError, "reduction must be one of"),
+            (dict(impl="cuda"), ValueError, "impl must be one of"),
+            (dict(tp_group="tp"), TypeError, "tp_group must be a torch.distributed")]:
+        target = kw.pop("target", t)
+        for impl in ({kw.pop("impl")} if "impl" in kw else {"auto", "torch"}):
+            with pytest.raises(error, match=rf"^linear_cross_entropy: {message}"):
+                lmfuse.linear_cross_entropy(h, w, target, impl=impl, **kw)
+
+
+@pytest.mark.parametrize("op", ["cross_entropy", "linear_cross_entropy"])
+def test_float64_extras_and_class_weights_needing_grad(monkeypatch, op) -> None:
+    """float64 inputs: the returned z-loss and token accuracy are float64, as the loss is
+    (they were float32); class weights held as a Parameter get no gradient on every path
+    (the CPU default path handed them to F.cross_entropy, which raised)."""
+    from lmfuse._dispatch import select_impl
+    from lmfuse.cross_entropy import ops as ce_ops
+
+    monkeypatch.setattr(ce_ops, "select_impl", lambda op, impl, device: (
+        ("torch", "test: no Triton") if impl == "auto" else select_impl(op, impl, device)))
+    calls = []
+    real = ce_ops._native_cross_entropy
+    monkeypatch.setattr(ce_ops, "_native_cross_entropy",
+                        lambda *a: (calls.append(1), real(*a))[1])
+    h, w, _, t = inputs(12, 8, 10, bias=False)
+    cw = torch.nn.Parameter(torch.rand(10, dtype=F64) + 0.5)
+
+    def call(x, impl, **kw):
+        if op == "cross_entropy":
+            return lmfuse.cross_entropy(x @ w.T.to(x.dtype), t, impl=impl, **kw)
+        return lmfuse.linear_cross_entropy(x, w.to(x.dtype), t, impl=impl, **kw)
+
+    out = call(h, "torch", z_loss=1e-3, return_z_loss=True, return_token_accuracy=True)
+    assert out.loss.dtype == out.z_loss.dtype == out.token_accuracy.dtype == F64
+    for impl in ("auto", "torch"):
+        x = h.float().requires_grad_(True)
+        weight_kw = {"weight" if op == "cross_entropy" else "ce_weight": cw}
+        loss = call(x, impl, **weight_kw)
+        loss.backward()
+        assert cw.grad is None and x.grad is not None
+    assert calls  # the default ("auto") call took the CPU default path
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("kw", [dict(), dict(label_smoothing=0.1)])
 def test_default_cpu_path_is_f_linear_and_f_cross_entropy(monkeypatch, reduction, kw) -> None:

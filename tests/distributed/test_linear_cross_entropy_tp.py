@@ -329,3 +329,23 @@ def _sweep_rank(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_linear_vocab_parallel_matches_single_rank(world_size: int) -> None:
     spawn_gloo(world_size, _sweep_rank, timeout=120)
+
+
+def _differing_budgets_rank(rank: int, world_size: int) -> None:
+    # Rank 0 holds 3 tokens a chunk, rank 1 the tuning table's (all 11 in one): their
+    # per-chunk all-gathers would not pair up (a gloo abort, or a garbage loss).
+    torch.manual_seed(0)
+    h, w = torch.randn(11, 8), torch.randn(7, 8)
+    t = torch.zeros(11, dtype=torch.long)
+    with pytest.raises(ValueError, match="every rank of the group must pass the same .*"
+                                         "tokens per chunk"):
+        lmfuse.linear_cross_entropy(h, w, t, tp_group=dist.group.WORLD,
+                                    max_chunk_bytes=7 * 4 * 3 if rank == 0 else None)
+
+
+@pytest.mark.timeout(90)
+def test_ranks_chunking_differently_raise_on_every_rank() -> None:
+    """The chunk budget comes from each rank's own tuning tables (or ``max_chunk_bytes``):
+    ranks that chunk differently are refused by the first call's agreement check, on every
+    rank, instead of mismatched collectives."""
+    spawn_gloo(2, _differing_budgets_rank, timeout=60)

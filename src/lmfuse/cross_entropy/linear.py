@@ -34,6 +34,7 @@ chunk rows) is in ``linear_config.py``, imported here under the same names (``co
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -140,9 +141,10 @@ def _resolve(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss
     grad_needed = torch.is_grad_enabled() and any(needs)
     # The default path on CPU float32 tensors, when PyTorch's ops have every option in use:
     # F.linear then F.cross_entropy (no chunks, so no tuning lookup: 5 us of a small call).
-    native = (cfg is None and native_cpu(impl, path, hidden) and loss.z_loss == 0.0
-              and loss.softcap is None and loss.tp_group is None and not loss.extras
-              and not use_token_scaling)
+    native = (cfg is None and max_chunk_bytes is None and native_cpu(impl, path, hidden)
+              and loss.z_loss == 0.0 and loss.softcap is None and loss.tp_group is None
+              and not loss.extras and not use_token_scaling
+              and _native_fits(math.prod(hidden.shape[:-1]), weight.shape[0]))
     if native:
         source = "none: PyTorch's F.linear then F.cross_entropy on the whole logits"
     elif cfg is None:
@@ -574,7 +576,9 @@ def linear_cross_entropy(
             mean that the forward's gradients need from the first chunk on.
         max_chunk_bytes: the budget of the one logits chunk held at a time (default: the
             device's tuning table, 256 MiB); the op's extra memory beyond the gradients is
-            this plus O(N) per-token state, whatever N.
+            this plus O(N) per-token state, whatever N. (On CPU float32 tensors without
+            Triton the default runs PyTorch's ``F.linear`` and ``F.cross_entropy`` on the
+            whole logits, when they fit in this budget and autocast is off.)
         ignore_index, label_smoothing, z_loss, softcap, reduction, impl: as for
             :func:`lmfuse.cross_entropy`.
         logits_in_fp32: for float16/bfloat16 inputs, keep each logits chunk in float32 as
@@ -617,7 +621,8 @@ def linear_cross_entropy(
             and use_token_scaling is False and cpu_fast(hidden) and hidden.dim() == 2
             and type(weight) in PLAIN_TENSORS and weight.is_cpu
             and weight.dtype is torch.float32 and weight.dim() == 2
-            and weight.shape[0] > 0 and weight.shape[1] == hidden.shape[1]):
+            and weight.shape[0] > 0 and weight.shape[1] == hidden.shape[1]
+            and _native_fits(hidden.shape[0], weight.shape[0])):
         # The common CPU call: the native path's F.linear then F.cross_entropy without the
         # resolved call (None from the loss for any call its checks would refuse: the full
         # path then runs and raises its error).
@@ -631,6 +636,19 @@ def linear_cross_entropy(
                   return_token_accuracy=return_token_accuracy,
                   return_predicted_tokens=return_predicted_tokens,
                   use_token_scaling=use_token_scaling)
+
+
+def _native_fits(n: int, vocab: int) -> bool:
+    """Whether the CPU default path may form the whole float32 logits ``[n, vocab]`` with
+    PyTorch's ops: they fit in the chunk budget (so the op's extra memory stays within it,
+    as the chunked path's does), and autocast is off (``F.linear`` would then compute
+    bfloat16 logits, every other path float32)."""
+    return n * vocab * 4 <= _cpu_chunk_bytes(vocab) and not torch.is_autocast_enabled("cpu")
+
+
+@functools.lru_cache(maxsize=64)
+def _cpu_chunk_bytes(vocab: int) -> int:
+    return config(vocab, torch.device("cpu"))[0].chunk_bytes
 
 
 @planner_of(linear_cross_entropy)
@@ -686,12 +704,20 @@ def _apply(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, 
                           softcap, reduction, tp_group, impl, max_chunk_bytes, cfg,
                           logits_in_fp32, ce_weight, return_z_loss, return_token_accuracy,
                           return_predicted_tokens, use_token_scaling)
-    ops.check_shards(_OP, o.loss, target.numel(), weight.shape[0], hidden.device)
+    if o.loss.tp_group is not None:
+        # (and one chunking: each chunk's stats are one all-gather, and the chunk budget
+        # comes from each rank's own tuning tables or max_chunk_bytes; compared as the
+        # rows a chunk holds whatever the token count, so a later, longer call agrees too)
+        rows = chunk_rows(1 << 62, weight.shape[0], _chunk_itemsize(hidden, o),
+                          hidden.device, o.max_chunk_bytes, o.config)
+        ops.check_shards(_OP, o.loss, target.numel(), weight.shape[0], hidden.device,
+                         **{"tokens per chunk": rows})
     lead = target.shape
     cw = None
     if ce_weight is not None:  # float32 (float64 for float64 inputs)
         f64 = hidden.dtype == torch.float64
-        cw = ce_weight.to(torch.float64 if f64 else torch.float32).contiguous()
+        # (no gradient for the class weights: see cross_entropy)
+        cw = ce_weight.detach().to(torch.float64 if f64 else torch.float32).contiguous()
     if o.native:
         # The default path on CPU float32 tensors: F.linear then F.cross_entropy (the plain
         # formula's speed; on a CPU the logits' memory is not what is scarce). impl="torch"
@@ -700,9 +726,9 @@ def _apply(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, 
         h2d = hidden if hidden.dim() == 2 else hidden.reshape(-1, hidden.shape[-1])
         loss = ops._native_cross_entropy(F.linear(h2d, weight, bias),
                                          target if target.dim() == 1 else target.reshape(-1),
-                                         o.loss, cw)
+                                         o.loss, cw, _OP)
         return loss.view(lead) if reduction == "none" else loss
-    ops._check_targets(target, o.loss)
+    ops._check_targets(target, o.loss, _OP)
     # (Already 2-D, 1-D: no reshape, whose view would add a node to the backward.)
     h2d = hidden if hidden.dim() == 2 else hidden.reshape(-1, hidden.shape[-1])
     if not h2d.is_contiguous():

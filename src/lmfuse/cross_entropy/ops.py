@@ -547,30 +547,30 @@ def _once(ctx, op: str) -> None:
 
 
 @functools.lru_cache(maxsize=256, typed=True)
-def _scalar_options(ignore_index, label_smoothing, z_loss, softcap, reduction, inplace_backward,
-                    return_z_loss, return_token_accuracy, return_predicted_tokens
-                    ) -> tuple[int, float, float, Optional[float]]:
+def _scalar_options(op, ignore_index, label_smoothing, z_loss, softcap, reduction,
+                    inplace_backward, return_z_loss, return_token_accuracy,
+                    return_predicted_tokens) -> tuple[int, float, float, Optional[float]]:
     """The scalar options, validated (``typed``: ``True`` is not taken for ``1``):
     ``(ignore_index, label_smoothing, z_loss, softcap)``; the flags are checked to be
-    bools."""
-    ignore_index = check_int(_OP, "ignore_index", ignore_index)
-    ls = check_number(_OP, "label_smoothing", label_smoothing, allow_none=False)
+    bools. Errors start with ``op`` (the op the caller called)."""
+    ignore_index = check_int(op, "ignore_index", ignore_index)
+    ls = check_number(op, "label_smoothing", label_smoothing, allow_none=False)
     if not 0.0 <= ls <= 1.0:
-        raise ValueError(f"{_OP}: label_smoothing must be in [0, 1], got {ls}")
-    z = check_number(_OP, "z_loss", z_loss, allow_none=False)
+        raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {ls}")
+    z = check_number(op, "z_loss", z_loss, allow_none=False)
     if z < 0:
-        raise ValueError(f"{_OP}: z_loss must be >= 0, got {z}")
-    cap = check_number(_OP, "softcap", softcap)
+        raise ValueError(f"{op}: z_loss must be >= 0, got {z}")
+    cap = check_number(op, "softcap", softcap)
     if cap is not None and cap <= 0:
-        raise ValueError(f"{_OP}: softcap must be None or > 0, got {cap}")
-    check_choice(_OP, "reduction", reduction, _REDUCTIONS)
+        raise ValueError(f"{op}: softcap must be None or > 0, got {cap}")
+    check_choice(op, "reduction", reduction, _REDUCTIONS)
     if not isinstance(inplace_backward, bool):
-        raise TypeError(f"{_OP}: inplace_backward must be a bool, got {inplace_backward!r}")
+        raise TypeError(f"{op}: inplace_backward must be a bool, got {inplace_backward!r}")
     for name, flag in (("return_z_loss", return_z_loss),
                        ("return_token_accuracy", return_token_accuracy),
                        ("return_predicted_tokens", return_predicted_tokens)):
         if not isinstance(flag, bool):
-            raise TypeError(f"{_OP}: {name} must be a bool, got {flag!r}")
+            raise TypeError(f"{op}: {name} must be a bool, got {flag!r}")
     return ignore_index, ls, z, cap
 
 
@@ -623,38 +623,38 @@ def _resolve_logits(shape, dtype, device, requires_grad, target, ignore_index, l
     """:func:`_resolve` past the logits' own checks, from their shape, dtype, device and
     ``requires_grad``: what ``linear_cross_entropy`` checks its logits-to-be with (``owner``:
     the op and the argument whose dtype is ``dtype``, for the float64 message)."""
-    check_tensor(_OP, "target", target, dtypes=INDEX_DTYPES)
+    op, name = owner
+    check_tensor(op, "target", target, dtypes=INDEX_DTYPES)
     if tuple(target.shape) != tuple(shape[:-1]):
         raise ValueError(
-            f"{_OP}: target must have shape logits.shape[:-1] = {tuple(shape[:-1])}, "
+            f"{op}: target must have shape {name}.shape[:-1] = {tuple(shape[:-1])}, "
             f"got {tuple(target.shape)}"
         )
     if target.device != device:
-        raise ValueError(f"{_OP}: target is on {target.device} but logits is on "
+        raise ValueError(f"{op}: target is on {target.device} but {name} is on "
                          f"{device}; move them to one device")
     V_local = shape[-1]
     if V_local < 1:
-        raise ValueError(f"{_OP}: logits must have at least one class, got V = 0")
+        raise ValueError(f"{op}: logits must have at least one class, got V = 0")
     if tp_group is not None and not isinstance(tp_group, torch.distributed.ProcessGroup):
-        raise TypeError(f"{_OP}: tp_group must be a torch.distributed.ProcessGroup or None, "
+        raise TypeError(f"{op}: tp_group must be a torch.distributed.ProcessGroup or None, "
                         f"got {type(tp_group).__name__}")
     scalars = (ignore_index, label_smoothing, z_loss, softcap, reduction, inplace_backward,
                return_z_loss, return_token_accuracy, return_predicted_tokens)
     # The scalar options of a training loop repeat: checked once, not every call (2 us of
     # a 3 us op on a small CPU tensor). Only immutable values pass the checks.
-    ignore_index, ls, z, cap = checked_once(_scalar_options, *scalars)
+    ignore_index, ls, z, cap = checked_once(_scalar_options, op, *scalars)
     world = group_size(tp_group)
     vocab_start = group_rank(tp_group) * V_local
     vocab_size = V_local * world
     check_class_weights(_OP, "weight", weight, V_local, "logits.shape[-1]", device, "logits")
     argmax = return_token_accuracy or return_predicted_tokens
     if argmax and vocab_size > _MAX_ARGMAX_CLASSES:
-        raise ValueError(f"{_OP}: return_token_accuracy / return_predicted_tokens take at most "
+        raise ValueError(f"{op}: return_token_accuracy / return_predicted_tokens take at most "
                          f"{_MAX_ARGMAX_CLASSES} classes (the kernels carry a class id in "
                          f"float32), got V = {vocab_size}")
     # float64: the torch path's float64 math (the kernels compute in float32).
-    path, reason = float64_fallback(owner[0], impl, *select_impl(_OP, impl, device), dtype,
-                                    owner[1])
+    path, reason = float64_fallback(op, impl, *select_impl(op, impl, device), dtype, name)
     grad_needed = torch.is_grad_enabled() and requires_grad
     # float16 takes the deferred path: its gradient, scaled by the upstream gradient (the
     # loss scale of fp16 training) before rounding, must not be formed for a gradient of 1,
@@ -670,14 +670,14 @@ def _resolve_logits(shape, dtype, device, requires_grad, target, ignore_index, l
 
 
 def check_shards(op: str, o: CrossEntropyCall, n: int, V_local: int,
-                 device: torch.device) -> None:
+                 device: torch.device, **more: int) -> None:
     """With a ``tp_group``: every rank's shard of one width (its columns are placed at
     ``rank * V_local``) and one token count (the stats' all-gather), checked by the op's
     first call with the group (:func:`lmfuse._collectives.check_agreed_once`: a sharding
     set up wrongly); not by the planner, which issues no collective."""
     if o.tp_group is not None:
         check_agreed_once(op, o.tp_group, device,
-                          **{"classes per rank": V_local, "tokens": n})
+                          **{"classes per rank": V_local, "tokens": n, **more})
 
 
 _MAX_ARGMAX_CLASSES = 1 << 24  # every class id is exact in float32 up to here
@@ -705,7 +705,7 @@ def check_class_weights(op: str, name: str, w: Any, V_local: int, size_of: str,
                          f"{device}; move them to one device")
 
 
-def _check_targets(target: torch.Tensor, o: CrossEntropyCall) -> None:
+def _check_targets(target: torch.Tensor, o: CrossEntropyCall, op: str = _OP) -> None:
     """Out-of-range targets raise on CPU tensors, and on CUDA ones with
     ``lmfuse.set_checks(True)`` (a host sync). Not under ``torch.compile`` or CUDA-graph
     capture: the check branches on tensor data; there a bad target gets the CUDA
@@ -716,7 +716,7 @@ def _check_targets(target: torch.Tensor, o: CrossEntropyCall) -> None:
     bad = ((target < 0) | (target >= o.vocab_size)) & (target != o.ignore_index)
     if bool(bad.any()):
         raise ValueError(
-            f"{_OP}: target holds {int(target[bad][0])}, which is neither ignore_index "
+            f"{op}: target holds {int(target[bad][0])}, which is neither ignore_index "
             f"({o.ignore_index}) nor a class in [0, {o.vocab_size})"
         )
 
@@ -809,7 +809,9 @@ def cross_entropy(
     cw = None
     if weight is not None:  # float32 (float64 for float64 logits)
         f64 = logits.dtype == torch.float64
-        cw = weight.to(torch.float64 if f64 else torch.float32).contiguous()
+        # (class weights get no gradient: a Parameter's would reach F.cross_entropy's
+        # weight, which PyTorch cannot differentiate)
+        cw = weight.detach().to(torch.float64 if f64 else torch.float32).contiguous()
     native = _native_cpu(logits, impl, o)
     if not native:  # (PyTorch's op checks the targets itself: see _native_cross_entropy)
         _check_targets(target, o)
@@ -885,7 +887,9 @@ def _with_extras(loss: torch.Tensor, lse: torch.Tensor, pred: torch.Tensor,
     count = torch.sum(target != o.ignore_index, dtype=torch.float32)
     if not o.argmax:
         pred = torch.zeros_like(target, dtype=torch.int64)
-    zl, right = ref.token_extras(lse.float(), pred, target, count, z_loss=o.z_loss,
+    # float32, or float64 with float64 logits (their loss is float64 too)
+    stats = lse if lse.dtype == torch.float64 else lse.float()
+    zl, right = ref.token_extras(stats, pred, target, count, z_loss=o.z_loss,
                                  ignore_index=o.ignore_index, reduction=o.reduction,
                                  token_scale=token_scale)
     pred = torch.where(target != o.ignore_index, pred, torch.full_like(pred, -1))
@@ -925,14 +929,15 @@ def _native_cpu(logits: torch.Tensor, impl: str, o: CrossEntropyCall) -> bool:
 
 
 def _native_cross_entropy(logits: torch.Tensor, target: torch.Tensor, o: CrossEntropyCall,
-                          weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+                          weight: Optional[torch.Tensor] = None, op: str = _OP
+                          ) -> torch.Tensor:
     """``F.cross_entropy`` with lmfuse's reductions; an out-of-range target (PyTorch's
     ``IndexError``) raises lmfuse's ``ValueError``, nothing computed."""
     try:
         return _native_loss(logits, target, o.ignore_index, o.label_smoothing, o.reduction,
                             weight)
     except IndexError:
-        _check_targets(target, o)
+        _check_targets(target, o, op)
         raise
 
 
