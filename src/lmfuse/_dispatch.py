@@ -384,6 +384,18 @@ def check_number(op: str, name: str, value: Any, *, allow_none: bool = True) -> 
     return value
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def check_float32(op: str, name: str, value: float | None) -> float | None:
+    """A checked number (:func:`check_number`'s) that the kernels take as a float32
+    argument: beyond float32's range it would be inf there (and the result NaN)."""
+    if value is not None and abs(value) > _FLOAT32_MAX:
+        raise ValueError(f"{op}: {name} must be within float32's range (|{name}| <= "
+                         f"{_FLOAT32_MAX:.4g}), got {value}")
+    return value
+
+
 def check_int(op: str, name: str, value: Any, *, minimum: int | None = None) -> int:
     """``value`` as an int: a Python or NumPy integer (not a bool)."""
     if type(value) is not int:

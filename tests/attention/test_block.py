@@ -544,3 +544,13 @@ def test_fused_stage_triton_path_refuses_inputs_that_require_grad(name: str) -> 
     with torch.no_grad():
         qk_norm_rope_append(args["qkv"], args["k_cache"], args["v_cache"],
                             torch.tensor(lens0), impl="triton", **kw)
+
+
+def test_a_cache_of_another_dtype_names_x() -> None:
+    """The block's caller passes ``x``, not queries: the cache-dtype error says whose
+    dtype the caches must have."""
+    block = lmfuse.DecodeAttentionBlock(32, 4, 2, 16)
+    cache = torch.zeros(2, 4, 2, 16, dtype=torch.float16)
+    with pytest.raises(TypeError, match=r"k_cache must have x's dtype float32 or be "
+                                        r"float8_e4m3fn, got float16"):
+        block(torch.randn(2, 1, 32), cache, cache, torch.tensor([1, 2], dtype=torch.int32))

@@ -231,15 +231,22 @@ def test_paged_kv_cache_surfaces_the_same_errors() -> None:
     the same through both paths, from append and attention alike."""
     cache = PagedKVCache(6, 4, 2, 16, torch.float32, "cpu")
     a, b = cache.add_sequence(), cache.add_sequence()
-    step = cache.reserve([a, b], [3, 6])
-    k_new = randn((2, 1, 2, 16))
+    step = cache.reserve([a, b], 5)  # two blocks each (a row of only -1 is padding)
+    k_new = randn((2, 5, 2, 16))
     q = randn((2, 1, 4, 16))
-    bad_table = step.block_table.clone()
-    bad_table[1, 0] = -1
-    bad = step._replace(block_table=bad_table)
-    same_error(lambda impl: cache.append([a, b], k_new, k_new, step=bad, impl=impl),
+
+    def tampered(step):
+        bad_table = step.block_table.clone()
+        bad_table[1, 0] = -1
+        return step._replace(block_table=bad_table)
+
+    same_error(lambda impl: cache.append([a, b], k_new, k_new, step=tampered(step), impl=impl),
                r"^kv_cache_append: block_table\[1, 0\] = -1, but sequence 1's new tokens go "
-               r"to positions 0..0")
+               r"to positions 0..4")
+    cache.truncate(a, 3)
+    cache.extend([b], 1)
+    step = cache.reserve([a, b], 0)  # lengths 3 and 6
+    bad = tampered(step)
     same_error(lambda impl: cache.attention(q, bad, impl=impl),
                r"^decode_attention: block_table\[1, 0\] = -1, but sequence 1's 6 tokens")
     long = step._replace(seqlens=torch.tensor([3, 9], dtype=I32))

@@ -5,6 +5,7 @@ built by hand from the same keys and values."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from helpers import assert_close, randn
@@ -457,3 +458,40 @@ def test_reserve_writes_its_step_into_a_given_buffer() -> None:
         assert torch.equal(got, ref)
         assert got.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
     assert out.tolist()[-4:] == [5, 2, 6, 3]
+
+
+def test_a_stale_step_is_refused() -> None:
+    """A step stays valid until one of its sequences is reserved again, truncated, forked
+    or freed: append and attention refuse it after that (a step kept past a free wrote
+    into blocks the pool had handed to another sequence; one kept past a fork wrote the
+    parent's token into a block the child shares and counts)."""
+    cache = PagedKVCache(8, 4, HKV, D, torch.float32)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    k = randn([1, 1, HKV, D])
+    q = randn([1, 1, HQ, D])
+    for change, what in [(lambda: cache.free(a), "freed"),
+                         (lambda: cache.fork(b), "reserved again, truncated or forked"),
+                         (lambda: cache.truncate(b, 0), "reserved again, truncated or forked"),
+                         (lambda: cache.reserve(b, 1), "reserved again, truncated or forked")]:
+        s = a if what == "freed" else b
+        step = cache.reserve(s, 1)
+        change()
+        with pytest.raises(ValueError, match=rf"the step is stale: sequence {s} was {what}"):
+            cache.append(s, k, k, step=step)
+        with pytest.raises(ValueError, match="the step is stale"):
+            cache.attention(q, step)
+    step = cache.reserve(b, 1)  # a current step works, with a NumPy id too
+    cache.append(np.int64(b), k, k, step=step)
+    assert cache.attention(q, step).shape == (1, 1, HQ, D)
+
+
+def test_append_writes_exactly_the_reserved_tokens() -> None:
+    """``reserve(ids, [2, 1])`` then one ``[n, s_new]`` append cannot fill both: the
+    unwritten slot would be read by attention as the sequence's token (a freed
+    sequence's old values)."""
+    cache = PagedKVCache(8, 4, HKV, D, torch.float32)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    step = cache.reserve([a, b], [2, 1])
+    with pytest.raises(ValueError, match=r"k_new has 1 new tokens per sequence but the step "
+                                         r"reserved \[2, 1\]; append exactly"):
+        cache.append([a, b], randn([2, 1, HKV, D]), randn([2, 1, HKV, D]), step=step)

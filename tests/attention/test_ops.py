@@ -16,6 +16,7 @@ are tiny and the split counts are kept where the merge (one program per row) sta
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -1655,3 +1656,60 @@ def test_row_offsets_in_32_and_64_bits_agree(layout: str) -> None:
     huge = torch.empty_strided(k.shape, (2**31 // (k.shape[0] - 1), *k.stride()[1:]),
                                device="meta")
     assert not ops._offsets_fit_i32(huge) and ops._offsets_fit_i32(k)
+
+
+# --- edges found by an audit (2026-11-29) ----------------------------------------------------
+
+
+@pytest.mark.parametrize("cap", [30.0, 1e4, 1e6, 1e8])
+def test_softcap_keeps_float32_accuracy_for_large_caps(cap: float) -> None:
+    """The kernel's tanh, (1 - t) / (1 + t) with t = e^(-2|z|), cancels for small |z|,
+    which a large cap makes of every score: its error grew with the cap (1e-4 at 1e4,
+    uniform attention at 1e8) until small arguments took tanh's series."""
+    g = torch.Generator().manual_seed(0)
+    S, D = 64, 32
+    q = torch.randn(1, 1, 4, D, generator=g) * 2
+    k = torch.randn(1, S, 1, D, generator=g) * 2
+    v = torch.randn(1, S, 1, D, generator=g)
+    lens = torch.tensor([S], dtype=torch.int32)
+    s = torch.einsum("hd,ld->hl", q[0, 0].double(), k[0, :, 0].double()) / math.sqrt(D)
+    want = torch.softmax(cap * torch.tanh(s / cap), -1) @ v[0, :, 0].double()
+    for impl in ("triton", "torch"):
+        got = lmfuse.decode_attention(q, k, v, lens, softcap=cap, impl=impl)[0, 0].double()
+        assert (got - want).abs().max() < 5e-6, impl
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_an_inf_query_over_an_fp8_cache_gives_the_references_lse(dtype) -> None:
+    """Half-precision queries over an fp8 cache scale each query row by a power of two for
+    the float16 dot; a row holding +inf kept a scale of inf, and inf / inf made the lse NaN
+    where the reference's is +inf."""
+    g = torch.Generator().manual_seed(0)
+    k = (torch.rand(1, 6, 1, 8, generator=g) + 0.1).to(torch.float8_e4m3fn)  # every key > 0
+    v = torch.randn(1, 6, 1, 8, generator=g).to(torch.float8_e4m3fn)
+    lens = torch.tensor([6], dtype=torch.int32)
+    q = torch.randn(1, 1, 1, 8, generator=g).to(dtype)
+    q[0, 0, 0, 3] = float("inf")
+    lses = [lmfuse.decode_attention(q, k, v, lens, impl=impl, return_lse=True)[1]
+            for impl in ("triton", "torch")]
+    assert lses[0].item() == lses[1].item() == float("inf")
+
+
+def test_scale_and_softcap_beyond_float32_are_refused() -> None:
+    q, k = torch.randn(1, 1, 2, 8), torch.randn(1, 4, 1, 8)
+    lens = torch.tensor([4], dtype=torch.int32)
+    for name in ("scale", "softcap"):
+        with pytest.raises(ValueError, match=rf"^decode_attention: {name} must be within "
+                                             r"float32's range .*got 1e\+39"):
+            lmfuse.decode_attention(q, k, k, lens, **{name: 1e39})
+    with pytest.raises(ValueError, match=r"scale must be within float32's range"):
+        lmfuse.DecodeAttentionBlock(16, 2, 1, 8, scale=-1e39)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_merging_empty_head_dims(impl: str) -> None:
+    """Head dim 0 on the Triton path: its reshape could not infer the rows (-1 with D = 0)."""
+    lses = torch.randn(2, 3)
+    out, lse = lmfuse.merge_attention_states(torch.zeros(2, 3, 0), lses, impl=impl)
+    assert out.shape == (3, 0)
+    assert torch.allclose(lse, torch.logsumexp(lses, 0))

@@ -664,6 +664,18 @@ def test_float32_gradient_with_ties_at_1e4(impl: str) -> None:
     check(f"{impl} float32 ties at 1e4", impl, logits, target, torch.tensor(1.0))
 
 
+@pytest.mark.parametrize("cap", [1e3, 1e5, 1e7])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_float32_with_a_large_softcap(impl: str, cap: float) -> None:
+    """A cap far above the logits: tanh(x / c) is taken from its series there (its
+    formula's 1 - 2 / (e^2u + 1) cancels, an error growing with the cap: 1e-3 relative in
+    the loss at c = 1e5), so the loss and gradient keep float32's accuracy."""
+    gen = torch.Generator().manual_seed(5)
+    logits = 4.0 * torch.randn(6, 37, generator=gen)
+    target = torch.randint(0, 37, (6,), generator=gen)
+    check(f"{impl} softcap {cap:g}", impl, logits, target, torch.tensor(1.0), softcap=cap)
+
+
 def saturated_logits(V: int = 33) -> torch.Tensor:
     """[4, V] logits of magnitude 3..6, for softcap=1: every tanh is saturated."""
     signs = torch.tensor([1.0, -1.0]).repeat(V // 2 + 1)[:V]

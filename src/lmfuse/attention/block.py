@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._dispatch import (IMPLS, check_choice, check_int, check_number, check_same_device,
-                         check_tensor, select_impl)
+from .._dispatch import (IMPLS, check_choice, check_float32, check_int, check_number,
+                         check_same_device, check_tensor, select_impl)
 from .._launch import (FP8_DTYPES, INDEX_DTYPES, KERNEL_DTYPES, dtype_name, kernel_op,
                        lazy_kernels, next_pow2)
 from . import ops
@@ -58,7 +58,8 @@ def _check_step(op: str, dtype: torch.dtype, B: int, s_active: int, Hq: int, Hkv
                 positions, k_scale, v_scale, tensors: dict[str, Any]) -> int:
     """The caches, lengths, block table, positions and scales of one step (shared by the
     block and the fused stage). Returns the capacity per sequence."""
-    Hkv_cache, capacity = ops.check_cache(op, dtype, k_cache, v_cache, block_table, B, Hq, D)
+    Hkv_cache, capacity = ops.check_cache(op, dtype, k_cache, v_cache, block_table, B, Hq, D,
+                                          dtype_of=f"{ref_name}'s")
     if Hkv_cache != Hkv:
         raise ValueError(f"{op}: the caches have {Hkv_cache} KV heads but num_kv_heads is "
                          f"{Hkv}: k_cache {tuple(k_cache.shape)}")
@@ -377,7 +378,7 @@ class DecodeAttentionBlock(nn.Module):
             raise ValueError(f"{op}: norm_eps must be >= 0, got {norm_eps}")
         if window_size is not None:
             check_int(op, "window_size", window_size, minimum=0)
-        scale = check_number(op, "scale", scale)
+        scale = check_float32(op, "scale", check_number(op, "scale", scale))
         check_choice(op, "impl", impl, IMPLS)
 
         self.hidden_size, self.num_heads, self.num_kv_heads = hidden_size, num_heads, num_kv_heads

@@ -16,6 +16,7 @@ after the reservation), built on the CPU and moved in one non-blocking transfer.
 from __future__ import annotations
 
 import array
+import numbers
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -41,7 +42,8 @@ class DecodeStep(NamedTuple):
     The tensors are on the cache's device (views of pinned host memory where
     :meth:`PagedKVCache.reserve` was given such an ``out``); ``seq_ids`` and ``num_tokens``
     are host values.
-    A step stays valid until one of its sequences is reserved again, truncated or freed.
+    A step stays valid until one of its sequences is reserved again, truncated, forked or
+    freed (:meth:`PagedKVCache.append` and :meth:`PagedKVCache.attention` then refuse it).
     """
 
     block_table: torch.Tensor  # [n, max_blocks] int32, padded with -1
@@ -49,6 +51,9 @@ class DecodeStep(NamedTuple):
     seqlens: torch.Tensor  # [n] int32: lengths with the new tokens (decode_attention)
     seq_ids: tuple[int, ...] = ()
     num_tokens: tuple[int, ...] = ()  # tokens reserved per sequence
+    # each sequence's change count when the step was made (append and attention refuse a
+    # step a later reserve, truncate, fork or free has made stale)
+    epochs: tuple[int, ...] = ()
 
 
 class PagedKVCache:
@@ -113,6 +118,7 @@ class PagedKVCache:
         # by memcpy (array.extend of an array), not element by element.
         self._tables: dict[int, array.array] = {}
         self._lens: dict[int, int] = {}
+        self._epochs: dict[int, int] = {}  # per sequence: changes so far (DecodeStep.epochs)
         self._next_id = 0
 
     def _scales(self, name: str, scale: Scales) -> list[Optional[torch.Tensor]]:
@@ -192,9 +198,10 @@ class PagedKVCache:
         return layer
 
     def _known(self, op: str, seq_id: int) -> int:
-        if isinstance(seq_id, bool) or not isinstance(seq_id, int):
+        if isinstance(seq_id, bool) or not isinstance(seq_id, numbers.Integral):
             raise TypeError(f"{_OP}.{op}: a sequence id must be an int, got "
                             f"{type(seq_id).__name__} {seq_id!r}")
+        seq_id = int(seq_id)  # (a NumPy integer too)
         if seq_id not in self._lens:
             ids = list(self._lens)
             live = str(ids) if len(ids) <= 16 else f"{str(ids[:16])[:-1]}, ...] ({len(ids)} in all)"
@@ -202,7 +209,7 @@ class PagedKVCache:
         return seq_id
 
     def _ids(self, op: str, seq_ids: Union[int, Sequence[int]]) -> list[int]:
-        if isinstance(seq_ids, int) and not isinstance(seq_ids, bool):
+        if isinstance(seq_ids, numbers.Integral) and not isinstance(seq_ids, bool):
             seq_ids = [seq_ids]
         if not isinstance(seq_ids, (list, tuple, range)):
             raise TypeError(f"{_OP}.{op}: seq_ids must be a list of sequence ids, got "
@@ -220,6 +227,7 @@ class PagedKVCache:
         self._next_id += 1
         self._tables[seq_id] = array.array("i")
         self._lens[seq_id] = 0
+        self._epochs[seq_id] = 0
         return seq_id
 
     def fork(self, seq_id: int) -> int:
@@ -231,6 +239,9 @@ class PagedKVCache:
         child = self.add_sequence()
         self._tables[child] = array.array("i", table)
         self._lens[child] = self._lens[seq_id]
+        # A step reserved before now would write the parent's new tokens into a block the
+        # child shares (and counts): it is stale.
+        self._epochs[seq_id] += 1
         return child
 
     def free(self, seq_id: int) -> None:
@@ -238,6 +249,7 @@ class PagedKVCache:
         still shares them; the id becomes unknown."""
         self._release(self._tables.pop(self._known("free", seq_id)))
         del self._lens[seq_id]
+        del self._epochs[seq_id]
 
     def truncate(self, seq_id: int, length: int) -> None:
         """Shrink sequence ``seq_id`` to its first ``length`` tokens (e.g. rejected
@@ -252,6 +264,7 @@ class PagedKVCache:
         self._release(table[keep:])
         del table[keep:]
         self._lens[seq_id] = length
+        self._epochs[seq_id] += 1
 
     def _release(self, blocks: list[int]) -> None:
         for blk in blocks:
@@ -335,6 +348,7 @@ class PagedKVCache:
         src, dst = [], []
         for s, n in zip(ids, counts):
             table, length = self._tables[s], self._lens[s]
+            self._epochs[s] += 1
             if n == 0:
                 continue
             if length % self.block_len and self._refs[table[-1]] > 1:
@@ -432,7 +446,7 @@ class PagedKVCache:
                       else packed.to(self.device, non_blocking=True))
         table = packed[:n * width].view(n, width)
         return DecodeStep(table, packed[n * width:n * width + n], packed[n * width + n:],
-                          tuple(ids), counts)
+                          tuple(ids), counts, tuple(self._epochs[s] for s in ids))
 
     def _copy_blocks(self, src: list[int], dst: list[int]) -> None:
         if len(src) == 1:
@@ -447,11 +461,18 @@ class PagedKVCache:
 
     # --- kernels ------------------------------------------------------------------------
 
-    @staticmethod
-    def _check_step(op: str, step: DecodeStep) -> None:
+    def _check_step(self, op: str, step: DecodeStep) -> None:
+        """``step`` is a :class:`DecodeStep` of this cache's current state: each of its
+        sequences live and not reserved again, truncated, forked or freed since."""
         if not isinstance(step, DecodeStep):
             raise TypeError(f"{_OP}.{op}: step must be the DecodeStep from reserve(), got "
                             f"{type(step).__name__}")
+        for s, epoch in zip(step.seq_ids, step.epochs):
+            if self._epochs.get(s) != epoch:
+                what = "freed" if s not in self._epochs else (
+                    "reserved again, truncated or forked")
+                raise ValueError(f"{_OP}.{op}: the step is stale: sequence {s} was {what} "
+                                 "after reserve() made it; reserve a new step")
 
     def append(self, seq_ids: Union[int, Sequence[int]], k_new: torch.Tensor,
                v_new: torch.Tensor, *, layer: int = 0, step: DecodeStep,
@@ -459,11 +480,14 @@ class PagedKVCache:
         """Write ``k_new``/``v_new [n, s_new, kv_heads, head_dim]`` (the cache's dtype, or a
         float dtype quantised into an fp8 cache) into layer ``layer`` at the positions
         ``step`` reserved, through :func:`lmfuse.kv_cache_append`. ``seq_ids`` must be the
-        step's, and ``s_new`` at most the tokens reserved for each sequence."""
+        step's, and ``s_new`` the tokens it reserved for each sequence (one count for all:
+        a reserved row left unwritten would be read as a token). A stale step (one of its
+        sequences reserved again, truncated, forked or freed since) is refused."""
         op = "append"
         layer = self._layer(op, layer)
         self._check_step(op, step)
-        ids = [seq_ids] if isinstance(seq_ids, int) else list(seq_ids)
+        ids = ([int(seq_ids)] if isinstance(seq_ids, numbers.Integral)
+               and not isinstance(seq_ids, bool) else list(seq_ids))
         if tuple(ids) != step.seq_ids:
             raise ValueError(f"{_OP}.{op}: seq_ids {ids} are not the step's {list(step.seq_ids)}")
         check_tensor(f"{_OP}.{op}", "k_new", k_new, ndim=4, dtypes=None)
@@ -471,10 +495,12 @@ class PagedKVCache:
         if k_new.shape[0] != len(ids):
             raise ValueError(f"{_OP}.{op}: k_new must be [n={len(ids)}, s_new, "
                              f"{self.kv_heads}, {self.head_dim}], got {tuple(k_new.shape)}")
-        if step.num_tokens and s_new > min(step.num_tokens):
-            # Rows past a sequence's reservation could land in a block shared with a fork.
+        if step.num_tokens and any(n != s_new for n in step.num_tokens):
+            # Rows past a sequence's reservation could land in a block shared with a fork;
+            # reserved rows left unwritten would be read by attention as the step's tokens.
             raise ValueError(f"{_OP}.{op}: k_new has {s_new} new tokens per sequence but the "
-                             f"step reserved {list(step.num_tokens)}; reserve them first")
+                             f"step reserved {list(step.num_tokens)}; append exactly what "
+                             "was reserved (one step per token count)")
         kv_cache_append(self.k_caches[layer], self.v_caches[layer], k_new, v_new,
                         step.seqlens_before, block_table=step.block_table,
                         k_scale=self.k_scales[layer], v_scale=self.v_scales[layer], impl=impl)

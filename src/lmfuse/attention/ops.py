@@ -19,9 +19,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import _pdl, tuning
-from .._dispatch import (Plan, ResolvedCall, check_int, check_number, check_same_device,
-                         check_tensor, interpreter_active, native_cpu, planner_of,
-                         select_impl, value_checks)
+from .._dispatch import (Plan, ResolvedCall, check_float32, check_int, check_number,
+                         check_same_device, check_tensor, interpreter_active, native_cpu,
+                         planner_of, select_impl, value_checks)
 from .._launch import (FP8_DTYPES, INDEX_DTYPES, KERNEL_DTYPES, cdiv, dtype_name, kernel_op,
                        lazy_kernels, next_pow2)
 from .._nvtx import nvtx_range
@@ -321,7 +321,7 @@ def _validate(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_siz
         raise ValueError(f"{op}: q's head dim D must be >= 1, got {tuple(q.shape)}")
     Hkv, capacity = check_cache(op, q.dtype, k_cache, v_cache, block_table, B, Hq, D)
     check_seqlens(op, cache_seqlens, B)
-    scale = check_number(op, "scale", scale)
+    scale = check_float32(op, "scale", check_number(op, "scale", scale))
     if window_size is not None:
         check_int(op, "window_size", window_size, minimum=0)
     if sinks is not None:
@@ -331,7 +331,7 @@ def _validate(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_siz
     check_scales(op, k_scale, v_scale, Hkv, k_cache.dtype)
     if num_splits is not None:
         check_int(op, "num_splits", num_splits, minimum=1)
-    softcap = check_number(op, "softcap", softcap)
+    softcap = check_float32(op, "softcap", check_number(op, "softcap", softcap))
     if softcap is not None and not softcap > 0:
         raise ValueError(f"{op}: softcap must be > 0 (or None), got {softcap}")
     if not isinstance(return_lse, bool):
@@ -967,10 +967,11 @@ def merge_attention_states(outs: torch.Tensor, lses: torch.Tensor, *,
             return out, lse if lses.dtype == torch.float64 else lse.float()
         P, D = outs.shape[0], outs.shape[-1]
         lead = outs.shape[1:-1]
-        outs3 = outs.reshape(P, -1, D)
+        rows = math.prod(lead)  # (explicit: a -1 cannot be inferred when D is 0)
+        outs3 = outs.reshape(P, rows, D)
         if outs3.stride(-1) != 1:
             outs3 = outs3.contiguous()
-        lses2 = lses.reshape(P, -1)
+        lses2 = lses.reshape(P, rows)
         out, lse = _launch_merge(outs3, lses2, dtype)
         if out.dtype != dtype:  # not a dtype the kernel stores (float64, float8)
             out = out.to(dtype)

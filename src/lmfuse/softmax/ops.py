@@ -20,6 +20,7 @@ from .. import tuning
 from .._dispatch import (
     Plan,
     ResolvedCall,
+    check_float32,
     check_int,
     check_number,
     check_same_device,
@@ -35,7 +36,6 @@ from .._nvtx import nvtx_range
 from .reference import UNBOUNDED, fused_softmax_reference, visible_keys
 
 _OP = "fused_softmax"
-_FLOAT32_MAX = torch.finfo(torch.float32).max
 _kernels = lazy_kernels("kernels", __package__)
 
 
@@ -279,11 +279,7 @@ def _resolve(scores, scale, mask, causal, window_size, softmax_offset, softmax_i
     """Validate the arguments and choose the path; cheap and traceable by torch.compile."""
     mask_kind = check_inputs(scores, mask, softmax_offset)
     b, np_, sq, sk = scores.shape
-    scale = check_number(_OP, "scale", scale)
-    if scale is not None and abs(scale) > _FLOAT32_MAX:
-        # (the kernels take it as float32 numbers: it would be inf there)
-        raise ValueError(f"{_OP}: scale must be within float32's range (|scale| <= "
-                         f"{_FLOAT32_MAX:.4g}), got {scale}")
+    scale = check_float32(_OP, "scale", check_number(_OP, "scale", scale))
     left, right = _resolve_band(window_size, causal, sq, sk)
     if not isinstance(softmax_in_fp32, bool):
         raise TypeError(f"{_OP}: softmax_in_fp32 must be a bool, got {softmax_in_fp32!r}")
