@@ -36,6 +36,20 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 FP8_DTYPES = (torch.float8_e4m3fn,)
 
 
+#: Softcaps above this take tanh's series for small arguments in the kernels (``HAS_SOFTCAP``
+#: 2, not 1): the cheaper form's absolute error, ~cap * ulp(1) in a capped value, stays a few
+#: 1e-6 up to here (the models' caps: 30, 50), and the series costs instructions.
+SOFTCAP_SERIES_ABOVE = 64.0
+
+
+def softcap_mode(softcap: float | None) -> int:
+    """The kernels' ``HAS_SOFTCAP``: 0 without a cap, 1 for one up to
+    :data:`SOFTCAP_SERIES_ABOVE`, 2 above it."""
+    if softcap is None:
+        return 0
+    return 2 if softcap > SOFTCAP_SERIES_ABOVE else 1
+
+
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for ints (``b > 0``), without going through floats."""
     return -(-a // b)

@@ -97,19 +97,22 @@ def _split_keys(base, L, split, num_splits, keys_per_split, BLOCK_N: tl.constexp
 
 
 @triton.jit
-def _tanh_of_scaled(z):
+def _tanh_of_scaled(z, SERIES: tl.constexpr):
     """tanh(z) for a softcap's ``z = x / c``: ``sign(z) (1 - t) / (1 + t)`` with ``t =
-    e^(-2|z|) <= 1`` (no overflow; +-1 at +-inf; NaN stays NaN), and for ``|z| < 1/8`` its
-    odd series to z^9 (relative error < 1e-10 there), where ``1 - t`` cancels: a large
-    cap makes every ``z`` small, and the quotient's error, ~ulp(1) / |z| relative, grew to
-    the scores' own size (1e-4 at c = 1e4, every score 0 at c = 1e8)."""
+    e^(-2|z|) <= 1`` (no overflow; +-1 at +-inf; NaN stays NaN). ``1 - t`` cancels for
+    small ``|z|``: an absolute error of ~ulp(1) in tanh, ~c ulp(1) in the capped score,
+    which grows with the cap (1e-4 at c = 1e4, every score 0 at c = 1e8). ``SERIES`` (caps
+    above ``ops.SOFTCAP_SERIES_ABOVE``): for ``|z| < 1/8`` tanh's odd series to z^9 instead
+    (relative error < 1e-10 there); the usual caps (30, 50) keep the cheaper form, whose
+    error is a few 1e-6 there (the series cost the fp8 cache's loop 7%)."""
     az = tl.abs(z)
     t = tl.exp(-2.0 * az)
     th = (1.0 - t) / (1.0 + t)
-    w = z * z
-    series = az * (1.0 + w * (-0.3333333333333333 + w * (0.13333333333333333 + w * (
-        -0.05396825396825397 + w * 0.021869488536155203))))
-    th = tl.where(az < 0.125, series, th)
+    if SERIES:
+        w = z * z
+        series = az * (1.0 + w * (-0.3333333333333333 + w * (0.13333333333333333 + w * (
+            -0.05396825396825397 + w * 0.021869488536155203))))
+        th = tl.where(az < 0.125, series, th)
     return tl.where(z < 0.0, -th, th)
 
 
@@ -227,7 +230,7 @@ def decode_kernel(
         if HAS_SOFTCAP:
             # c tanh(x / c) on the natural-log logits x, written on the base-2 scores s =
             # x log2(e) with C = c log2(e): C tanh(s / C) (see _tanh_of_scaled).
-            s = softcap_log2 * _tanh_of_scaled(s / softcap_log2)
+            s = softcap_log2 * _tanh_of_scaled(s / softcap_log2, HAS_SOFTCAP == 2)
         if S_ACT == 1:
             # One active token: every real row's position is L - 1, so the mask is one
             # vector over the keys (two fewer operations a score, where per-key

@@ -23,7 +23,7 @@ from .._dispatch import (Plan, ResolvedCall, check_float32, check_int, check_num
                          check_same_device, check_tensor, interpreter_active, native_cpu,
                          planner_of, select_impl, value_checks)
 from .._launch import (FP8_DTYPES, INDEX_DTYPES, KERNEL_DTYPES, cdiv, dtype_name, kernel_op,
-                       lazy_kernels, next_pow2)
+                       lazy_kernels, next_pow2, softcap_mode)
 from .._nvtx import nvtx_range
 from . import reference as ref
 
@@ -557,7 +557,7 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_sca
         HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None,
         WRITE_LSE=splits > 1 or lse is not None, DOT_F32=c.DOT_F32, F16_DOT=c.F16_DOT,
         IEEE=c.IEEE, NUM_STAGES=c.num_stages, WIDEN_V_FIRST=c.WIDEN_V_FIRST,
-        HAS_SOFTCAP=s.softcap is not None, num_warps=c.num_warps, PDL=pdl,
+        HAS_SOFTCAP=softcap_mode(s.softcap), num_warps=c.num_warps, PDL=pdl,
         EVEN_TILES=splits > 1 and not c.forced_splits, ROWS_I32=c.rows_i32,
         **_pdl.launch_options(pdl))
     if splits > 1:

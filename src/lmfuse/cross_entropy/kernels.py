@@ -44,21 +44,28 @@ import triton.language as tl
 
 
 @triton.jit
-def _cap(x, softcap):
-    """softcap * tanh(x / softcap), exact at +-inf, NaN for NaN.
+def _cap(x, softcap, MODE: tl.constexpr):
+    """softcap * tanh(x / softcap), exact at +-inf, NaN for NaN (``MODE``: the launch's
+    ``HAS_SOFTCAP``, 1 or 2).
 
     The exponent is capped at 80 (tanh is 1 in float32 from 2u = 19 on): exp never
-    overflows, and the cap is a NaN-propagating min (``min.NaN``), so NaN stays NaN. For
-    ``|x / softcap| < 1/8``, where ``1 - 2 / (e^2u + 1)`` cancels (an error of ~ulp(1) /
-    |u| relative: large caps made the logits' error grow with the cap), ``x`` times tanh's
-    odd series over u to u^9 (relative error < 1e-10 there)."""
-    u = x / softcap
-    u2 = tl.minimum(2.0 * u, 80.0, propagate_nan=tl.PropagateNan.ALL)
-    big = softcap * (1.0 - 2.0 / (tl.exp(u2) + 1.0))
-    w = u * u
-    small = x * (1.0 + w * (-0.3333333333333333 + w * (0.13333333333333333 + w * (
-        -0.05396825396825397 + w * 0.021869488536155203))))
-    return tl.where(tl.abs(u) < 0.125, small, big)
+    overflows, and the cap is a NaN-propagating min (``min.NaN``), so NaN stays NaN.
+    ``1 - 2 / (e^2u + 1)`` cancels for small ``|u|``: an absolute error of ~ulp(1) in tanh,
+    ~softcap ulp(1) in the capped logit, growing with the cap. ``MODE == 2`` (caps above
+    ``ops.SOFTCAP_SERIES_ABOVE``): for ``|u| < 1/8``, ``x`` times tanh's odd series over u
+    to u^9 instead (relative error < 1e-10 there); the usual caps keep the cheaper form
+    (the series cost a softcapped loss 19% on an H200, where it is bound by instructions)."""
+    if MODE == 2:
+        u = x / softcap
+        u2 = tl.minimum(2.0 * u, 80.0, propagate_nan=tl.PropagateNan.ALL)
+        big = softcap * (1.0 - 2.0 / (tl.exp(u2) + 1.0))
+        w = u * u
+        small = x * (1.0 + w * (-0.3333333333333333 + w * (0.13333333333333333 + w * (
+            -0.05396825396825397 + w * 0.021869488536155203))))
+        return tl.where(tl.abs(u) < 0.125, small, big)
+    else:
+        u2 = tl.minimum(2.0 * x / softcap, 80.0, propagate_nan=tl.PropagateNan.ALL)
+        return softcap * (1.0 - 2.0 / (tl.exp(u2) + 1.0))
 
 
 @triton.jit
@@ -77,7 +84,7 @@ def _load_x(x_ptr, row_off, c, load_ok, softcap, HAS_SOFTCAP: tl.constexpr):
     x = tl.load(x_ptr + row_off[:, None] + c[None, :], mask=load_ok, other=float("-inf"))
     x = x.to(tl.float32)
     if HAS_SOFTCAP:
-        x = tl.where(load_ok, _cap(x, softcap), float("-inf"))
+        x = tl.where(load_ok, _cap(x, softcap, HAS_SOFTCAP), float("-inf"))
     return x
 
 
@@ -469,7 +476,7 @@ def _range_stats(x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP: tl.constexpr,
         x = tl.load(x_ptr + x_off + lo + k * BLOCK_V + cols, eviction_policy=KEEP)
         x = x.to(tl.float32)
         if HAS_SOFTCAP:
-            x = _cap(x, softcap)
+            x = _cap(x, softcap, HAS_SOFTCAP)
         x_max = tl.max(x, 0)
         if ARGMAX:
             first, first_nan = _first_max(x, (lo + k * BLOCK_V + cols).to(tl.int32), x_max,
@@ -489,7 +496,7 @@ def _range_stats(x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP: tl.constexpr,
     x = tl.load(x_ptr + x_off + c, mask=ok, other=float("-inf"), eviction_policy=KEEP)
     x = x.to(tl.float32)
     if HAS_SOFTCAP:
-        x = tl.where(ok, _cap(x, softcap), float("-inf"))
+        x = tl.where(ok, _cap(x, softcap, HAS_SOFTCAP), float("-inf"))
     x_max = tl.max(x, 0)
     if ARGMAX:
         first, first_nan = _first_max(x, c.to(tl.int32), x_max, m, first, first_nan, 0)
@@ -538,7 +545,7 @@ def _range_stats_2d(x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP: tl.constexpr,
             x = tl.load(x_ptr + x_off + c, mask=c < hi, other=float("-inf"),
                         eviction_policy=KEEP).to(tl.float32)
         if HAS_SOFTCAP:
-            x = tl.where(c < hi, _cap(x, softcap), float("-inf"))
+            x = tl.where(c < hi, _cap(x, softcap, HAS_SOFTCAP), float("-inf"))
         x_max = tl.max(x, 1)
         if ARGMAX:
             first, first_nan = _first_max(x, c.to(tl.int32), x_max, m, first, first_nan, 1)
@@ -638,7 +645,7 @@ def _grad_values(x, lse, a, b, minus, softcap, HAS_SOFTCAP: tl.constexpr,
     log2 e); ``x`` raw logits (capped here when CAP_INPUT) or already capped. The difference
     is formed first (see the comment above ``_range_stats``)."""
     if HAS_SOFTCAP and CAP_INPUT:
-        x = _cap(x, softcap)
+        x = _cap(x, softcap, HAS_SOFTCAP)
     g = tl.exp2((x - lse) * 1.4426950408889634) * a + b - minus
     if HAS_SOFTCAP:
         u = x / softcap
@@ -653,7 +660,7 @@ def _target_x(x_ptr, x_off, t_local, lo, hi, softcap, HAS_SOFTCAP: tl.constexpr)
     x_t = tl.load(x_ptr + x_off + tl.where(mine, t_local, lo), mask=mine, other=0.0)
     x_t = x_t.to(tl.float32)
     if HAS_SOFTCAP:
-        x_t = _cap(x_t, softcap)
+        x_t = _cap(x_t, softcap, HAS_SOFTCAP)
     return tl.where(mine, x_t, 0.0)
 
 

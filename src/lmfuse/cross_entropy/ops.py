@@ -37,7 +37,8 @@ from .. import tuning
 from .._dispatch import (Plan, ResolvedCall, check_choice, check_int, check_number,
                          check_tensor, checked_once, cpu_fast, float64_fallback, native_cpu,
                          once_differentiable, planner_of, select_impl, value_checks)
-from .._launch import INDEX_DTYPES, cdiv, dtype_name, kernel_op, lazy_kernels, next_pow2
+from .._launch import (INDEX_DTYPES, cdiv, dtype_name, kernel_op, lazy_kernels, next_pow2,
+                       softcap_mode)
 from .._nvtx import nvtx_range
 from .._collectives import check_agreed_once, group_rank, group_size
 from . import reference as ref
@@ -194,7 +195,7 @@ def _launch_fwd(logits, target, count, grad, vocab_start, vocab_size, ignore_ind
     if fused is not None and not tiles.single:
         cfg = replace(cfg, fused=fused.fit(logits.element_size(), aligned))
     write = grad is not None
-    common = dict(HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0,
+    common = dict(HAS_SOFTCAP=softcap_mode(softcap), HAS_SMOOTHING=label_smoothing > 0,
                   WRITE_GRAD=write, MEAN=mean)
     if weight is not None or argmax:  # (left out otherwise: the default launches as they were)
         common.update(cw_ptr=weight, wstat_ptr=wstat, HAS_WEIGHT=weight is not None,
@@ -242,7 +243,7 @@ def _launch_slices(logits, target, count, grad, stats, ignore_index, label_smoot
         logits, logits.stride(0), target, parts, counters[1:], counters[:1], stats, grad,
         grad.stride(0), count, n, V, ignore_index,
         *scalars(V, label_smoothing, z_loss, softcap), slices, width, lag,
-        HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0, MEAN=mean,
+        HAS_SOFTCAP=softcap_mode(softcap), HAS_SMOOTHING=label_smoothing > 0, MEAN=mean,
         SLICES_P2=next_pow2(slices, 2), BLOCK_V=block, HINTS=f.hints, num_warps=f.num_warps,
         **({} if weight is None else dict(cw_ptr=weight, wstat_ptr=wstat, HAS_WEIGHT=True)),
         **({} if not token_scale else dict(TOKEN_SCALE=True)),
@@ -271,12 +272,12 @@ def _launch_grad(logits, target, stats, w, grad, vocab_start, vocab_size, ignore
     tiles = cfg.tiles
     if tiles.single:
         _kernels().ce_grad_kernel[(cdiv(n, tiles.block_m),)](
-            *args, HAS_SOFTCAP=softcap is not None, BLOCK_M=tiles.block_m,
+            *args, HAS_SOFTCAP=softcap_mode(softcap), BLOCK_M=tiles.block_m,
             BLOCK_V=tiles.block_n, num_warps=tiles.num_warps, **extra)
     else:
         _kernels().ce_stream_grad_kernel[(_persistent_grid(n, cfg.programs_per_sm,
                                                            logits.device),)](
-            *args, HAS_SOFTCAP=softcap is not None, BLOCK_V=tiles.block_n,
+            *args, HAS_SOFTCAP=softcap_mode(softcap), BLOCK_V=tiles.block_n,
             num_warps=tiles.num_warps, **extra)
 
 
