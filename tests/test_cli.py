@@ -274,14 +274,30 @@ def test_bench_harness_missing_a_package_is_a_clear_error(
                  "argument --rate: must be >= 0, got -1.0", id="bench-generate-rate"),
     pytest.param(["bench", "generate", "--peers", "hf,vllm"],
                  "argument --peers: unknown vllm", id="bench-generate-peers"),
-    pytest.param(["plan", "--batch", "0"], "lmfuse plan: plan_sharding: batch must be >= 1",
+    pytest.param(["plan", "--batch", "0"], "lmfuse plan: --batch must be >= 1",
                  id="plan-batch-0"),
-    pytest.param(["plan", "--kv-heads", "-2"], "kv_heads must be >= 1, got -2",
+    pytest.param(["plan", "--kv-heads", "-2"], "--kv-heads must be >= 1, got -2",
                  id="plan-kv-heads-negative"),
-    pytest.param(["plan", "--s-active", "9"], "s_active must be 1..8", id="plan-s-active"),
-    pytest.param(["plan", "--hbm-gib", "0"], "hbm_gib must be > 0", id="plan-hbm-0"),
-    pytest.param(["plan", "--hbm-gib", "nan"], "hbm_gib must be finite", id="plan-hbm-nan"),
-    pytest.param(["plan", "--tp", "0"], "tp must be >= 1", id="plan-tp-0"),
+    pytest.param(["plan", "--s-active", "9"], "--s-active must be 1..8", id="plan-s-active"),
+    pytest.param(["plan", "--hbm-gib", "0"], "argument --hbm-gib: must be in (0, 1e+09], got 0",
+                 id="plan-hbm-0"),
+    pytest.param(["plan", "--hbm-gib", "nan"], "argument --hbm-gib: must be finite",
+                 id="plan-hbm-nan"),
+    pytest.param(["plan", "--hbm-gib", "1e308"], "argument --hbm-gib: must be in",
+                 id="plan-hbm-huge"),
+    pytest.param(["bench", "decode_attention", "--graph-calls", "4"],
+                 "argument --graph-calls: needs --graphs", id="bench-graph-calls-alone"),
+    pytest.param(["bench", "generate", "--vocab", "1"], "argument --vocab: must be >= 2",
+                 id="bench-generate-vocab-1"),
+    pytest.param(["bench", "generate", "--hidden", "12", "--heads", "4", "--kv-heads", "2"],
+                 "(the head dim, 3) must be even", id="bench-generate-odd-head-dim"),
+    pytest.param(["bench", "generate", "--kv-dtype", "fp16"],
+                 "argument --kv-dtype: the cache holds the model's dtype", id="bench-kv-dtype"),
+    pytest.param(["demo", "--cpu-threads", "100000"], "--cpu-threads must be <= 1024",
+                 id="demo-cpu-threads-huge"),
+    pytest.param(["demo", "--n-layers", "1000000"], "--n-layers must be <= 4096",
+                 id="demo-layers-huge"),
+    pytest.param(["plan", "--tp", "0"], "--tp must be >= 1", id="plan-tp-0"),
     pytest.param(["plan", "--context", "x"], "argument --context: invalid int value: 'x'",
                  id="plan-context-x"),
     pytest.param(["plan", "--calibrate", "/no/such/file.json"],
@@ -493,3 +509,36 @@ def test_rel_err_and_bound() -> None:
     assert storage > TOLERANCE[F16]
     assert bound(tiny, F16) == pytest.approx(2 * storage)
     assert _check.TOLERANCE is TOLERANCE
+
+
+def test_check_without_cuda_runs_in_the_interpreter_in_a_child(monkeypatch) -> None:
+    """Triton reads TRITON_INTERPRET when it is imported (``import lmfuse`` has done that):
+    on a CPU without the variable, ``lmfuse check`` runs itself again in a child process
+    that has it (setting it in this process crashed in the first kernel)."""
+    import subprocess
+
+    from lmfuse import cli
+
+    calls = []
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(subprocess, "call", lambda argv, env: calls.append((argv, env)) or 3)
+    assert cli.main(["check", "--dtypes", "fp32"]) == 3
+    (argv, env), = calls
+    assert argv[1:] == ["-m", "lmfuse", "check", "--dtypes", "fp32"]
+    assert env["TRITON_INTERPRET"] == "1"
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    """`lmfuse info | head -1`: the reader leaves; no BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(Path(lmfuse.__file__).parents[1]))
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from lmfuse.cli import main; "
+                             "sys.exit(main(['info']))"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()  # before it writes anything
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

@@ -140,8 +140,8 @@ def test_help_gives_both_defaults(capsys):
     pytest.param(["--text", "/no/such/file.txt"],
                  "--text /no/such/file.txt: cannot read it: No such file or directory",
                  id="text-missing"),
-    pytest.param(["--seq-len", "100000000"], "--seq-len 100000000 needs a text of at least "
-                 "100000002 bytes; lmfuse's own source", id="seq-len-past-the-text"),
+    pytest.param(["--seq-len", "100000000"], "--seq-len must be <= 1048576, got 100000000",
+                 id="seq-len-huge"),
     pytest.param(["--batch", "x"], "argument --batch: invalid int value: 'x'", id="batch-x"),
     pytest.param(["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'", id="dtype"),
     pytest.param(["--bogus"], "unrecognized arguments: --bogus", id="unknown-option"),
@@ -151,6 +151,14 @@ def test_bad_option_is_one_line_and_exit_2(capsys, argv, message):
     assert (code, out) == (2, ""), out  # nothing printed: the demo did not start
     assert err.startswith("lmfuse demo: ") and message in err, err
     assert err.endswith(" (see `lmfuse demo --help`)\n") and err.count("\n") == 1, err
+
+
+def test_seq_len_past_the_text(capsys, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("x" * 500)
+    code, out, err = run_cli(capsys, "demo", "--text", str(text), "--seq-len", "1000")
+    assert (code, out) == (2, ""), out
+    assert "--seq-len 1000 needs a text of at least 1002 bytes" in err, err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
@@ -221,3 +229,26 @@ def test_run_checks_the_config_before_any_work():
     setup = check_config(DemoConfig(**SMALL))
     assert setup.device == torch.device("cpu") and setup.dtype == "fp32"
     assert setup.prompts == list(DEFAULT_PROMPTS[:4]) and len(setup.text) > 10_000
+
+
+TINY = ("--d-model", "16", "--n-heads", "2", "--n-layers", "1", "--ffn", "32", "--seq-len",
+        "16", "--batch", "2")
+
+
+def test_a_diverged_training_is_a_failure(capsys):
+    """A loss that turns NaN (here a learning rate of 1e30) fails the demo, exit 1, with a
+    line saying so (Python's max skipped the NaN differences, and the demo passed)."""
+    code, out, err = run_cli(capsys, "demo", "--lr", "1e30", "--steps", "3", "--new-tokens",
+                             "2", *TINY)
+    assert code == 1
+    assert "nan" in out
+    assert "lmfuse demo: training diverged" in err, err
+
+
+def test_fp16_training_stays_finite(capsys):
+    """AdamW's eps of 1e-8 is 0 in float16 weights (0 / 0 where a gradient is 0): the demo
+    gives float16 its smallest normal."""
+    code, out, err = run_cli(capsys, "demo", "--dtype", "fp16", "--steps", "20",
+                             "--new-tokens", "2", "--impl", "torch", *TINY)
+    assert code == 0, err
+    assert "nan" not in out.lower()

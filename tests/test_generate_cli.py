@@ -238,12 +238,15 @@ def remote_code_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     "missing-dir", "no-config", "unsupported-model-type", "remote-code", "max-new-tokens-0",
     "empty-prompts-file", "missing-prompts-file", "no-prompts", "empty-prompt",
     "top-p-greedy", "bad-temperature", "bad-repetition-penalty", "prompt-too-long",
-    "unknown-option"])
+    "unknown-option", "prompt-not-utf8", "no-tokenizer", "pool-too-small"])
 def test_errors_exit_2_with_one_message(capsys, checkpoint, gpt2_dir, remote_code_dir,
                                         tmp_path: Path, case: str) -> None:
     model_dir = str(checkpoint[0])
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n")
+    no_tokenizer = tmp_path / "no-tokenizer"
+    no_tokenizer.mkdir()
+    (no_tokenizer / "config.json").write_text((checkpoint[0] / "config.json").read_text())
     argv, message = {
         "missing-dir": ([str(tmp_path / "nope"), "--prompt", "a"], "no such directory"),
         "no-config": ([str(tmp_path), "--prompt", "a"], "no config.json"),
@@ -271,6 +274,13 @@ def test_errors_exit_2_with_one_message(capsys, checkpoint, gpt2_dir, remote_cod
                              "max_position_embeddings (256)")),
         "unknown-option": ([model_dir, "--prompt", "a", "--bogus"],
                            "unrecognized arguments: --bogus"),
+        # bytes that are not UTF-8, as a shell passes them (surrogate escapes)
+        "prompt-not-utf8": ([model_dir, "--prompt", "abc\udcff"],
+                            "--prompt number 1 is not UTF-8 text"),
+        "no-tokenizer": ([str(no_tokenizer), "--prompt", "a"],
+                         "cannot load the tokenizer: none of its files is there"),
+        "pool-too-small": ([model_dir, "--prompt", "a", "--num-blocks", "1",
+                            "--max-new-tokens", "40"], "give a larger --num-blocks"),
     }[case]
     code, out, err = run_cli(capsys, "generate", *argv)
     assert code == 2
@@ -280,6 +290,17 @@ def test_errors_exit_2_with_one_message(capsys, checkpoint, gpt2_dir, remote_cod
     if not err.startswith("usage:"):  # argparse's own errors print the usage line first
         assert err.count("\n") == 1, err
     assert not (remote_code_dir / "ran").exists()  # the checkpoint's code never ran
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_prompt(capsys, checkpoint,
+                                                           tmp_path: Path) -> None:
+    path, model, tokenizer = checkpoint
+    prompts = tmp_path / "p.txt"
+    prompts.write_text(PROMPT_A + "\n", encoding="utf-8-sig")
+    code, out, _ = run_cli(capsys, "generate", str(path), "--prompts-file", str(prompts),
+                           "--max-new-tokens", str(NEW))
+    assert code == 0
+    assert out.startswith(generate_cli.header(0, 1, PROMPT_A))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")

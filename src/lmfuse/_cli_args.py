@@ -6,6 +6,7 @@ and exit status 2. Below ``cli``, ``demo``, ``generate_cli`` and ``bench``, whic
 from __future__ import annotations
 
 import argparse
+import os
 import importlib.util
 import math
 from pathlib import Path
@@ -109,6 +110,9 @@ def output_file(text: str) -> str:
                                          "file name in it")
     if not parent.is_dir():
         raise argparse.ArgumentTypeError(f"cannot write {text!r}: no directory {str(parent)!r}")
+    path = Path(text)
+    if not os.access(path if path.exists() else parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: permission denied")
     return text
 
 

@@ -26,6 +26,7 @@ import importlib
 import importlib.util
 import os
 import platform
+import re
 import sys
 from pathlib import Path
 from typing import Callable, Optional
@@ -86,11 +87,22 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_in_interpreter(argv: list[str] | None) -> int | None:
+    """Without CUDA, ``lmfuse check`` runs the Triton kernels in Triton's interpreter. Triton
+    reads ``TRITON_INTERPRET`` when it is imported (its own library's functions are made
+    then), which ``import lmfuse`` has done: so when the variable is not set, the check runs
+    in a child process that has it, and this returns its exit status (None: run here)."""
+    if (torch.cuda.is_available() or "TRITON_INTERPRET" in os.environ
+            or importlib.util.find_spec("triton") is None):
+        return None
+    import subprocess
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return subprocess.call([sys.executable, "-m", "lmfuse", *argv], env=env)
+
+
 def cmd_check(args: argparse.Namespace) -> int:
-    # Without CUDA, the Triton kernels run in Triton's interpreter: set before any lmfuse
-    # kernel is defined (Triton reads the variable then).
-    if not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     from lmfuse._check import run_all
     from lmfuse._dispatch import interpreter_active
 
@@ -157,7 +169,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
                              args.head_dim, args.layers, args.dtype, args.hbm_gib,
                              s_active=args.s_active, tp=args.tp, cost_model=args.calibrate)
     except (TypeError, ValueError) as exc:
-        print(f"lmfuse plan: {exc}", file=sys.stderr)
+        # (the planner names its parameters; the command line's are their flags)
+        message = str(exc)
+        for param in ("batch", "q_heads", "kv_heads", "ranks", "context_len", "head_dim",
+                      "n_layers", "dtype", "hbm_gib", "s_active", "tp", "cost_model"):
+            flag = {"context_len": "context", "n_layers": "layers",
+                    "cost_model": "calibrate"}.get(param, param).replace("_", "-")
+            message = re.sub(rf"(?<![\w-]){param}(?![\w-])", f"--{flag}", message)
+        print(f"lmfuse plan: {message.removeprefix('plan_sharding: ')}", file=sys.stderr)
         return 2
     print(json.dumps(plan.to_dict(), indent=1) if args.json else plan)
     return 0
@@ -168,6 +187,11 @@ def main(argv: list[str] | None = None) -> int:
         return _main(argv)
     except KeyboardInterrupt:  # Ctrl-C: the usual exit status, no traceback
         return 130
+    except BrokenPipeError:  # `lmfuse info | head`: the reader left; stop quietly
+        # (stdout pointed at /dev/null so that the interpreter's final flush cannot raise)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
 
 
 def _main(argv: list[str] | None) -> int:
@@ -208,7 +232,7 @@ def _main(argv: list[str] | None) -> int:
         plan.add_argument(flag, type=int, default=default, help=f"{text} (default {default})")
     plan.add_argument("--dtype", default="bf16", help="KV cache dtype: bf16, fp16, fp32, fp8 "
                       "(default bf16)")
-    plan.add_argument("--hbm-gib", type=float, default=141.0,
+    plan.add_argument("--hbm-gib", type=number_range(0.0, 1e9, above=True), default=141.0,
                       help="GiB per rank the KV cache may use (default 141)")
     plan.add_argument("--tp", type=int, default=None,
                       help="ways the KV heads are split (default min(kv-heads, ranks)); 1: "
@@ -238,6 +262,10 @@ def _main(argv: list[str] | None) -> int:
         return demo_main(rest)
     if rest:
         sub.choices[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "check":
+        code = _check_in_interpreter(argv)
+        if code is not None:
+            return code
     return {"info": cmd_info, "check": cmd_check, "plan": cmd_plan,
             "tune": cmd_tune, "generate": generate_cli.run}[args.command](args)
 

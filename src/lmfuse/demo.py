@@ -164,15 +164,31 @@ class DemoResult:
 
     @property
     def decode_logits_ok(self) -> bool:
-        return self.decode_logit_err <= LOGIT_TOLERANCE[self.dtype]
+        return self.decode_logit_err <= LOGIT_TOLERANCE[self.dtype]  # (False for NaN)
+
+    @property
+    def losses_finite(self) -> bool:
+        """Neither side's training diverged to a NaN or infinite loss."""
+        return all(math.isfinite(x) for x in self.lmfuse.losses + self.plain.losses)
 
     @property
     def max_loss_diff(self) -> float:
-        return max(abs(a - b) for a, b in zip(self.lmfuse.losses, self.plain.losses))
+        return _nan_max(abs(a - b) for a, b in zip(self.lmfuse.losses, self.plain.losses))
 
     @property
     def max_loss_rel_diff(self) -> float:
-        return max(abs(a - b) / abs(b) for a, b in zip(self.lmfuse.losses, self.plain.losses))
+        return _nan_max(abs(a - b) / abs(b) if b else abs(a - b)
+                        for a, b in zip(self.lmfuse.losses, self.plain.losses))
+
+
+def _nan_max(values) -> float:
+    """The largest value, NaN if any is NaN (Python's max skips a NaN that is not first)."""
+    worst = 0.0
+    for v in values:
+        if math.isnan(v):
+            return math.nan
+        worst = max(worst, v)
+    return worst
 
 
 # --- the options -----------------------------------------------------------------------------
@@ -180,6 +196,11 @@ class DemoResult:
 # Each integer option's smallest value.
 MINIMUM = {"steps": 1, "d_model": 1, "n_layers": 1, "n_heads": 1, "ffn": 1, "seq_len": 1,
            "batch": 1, "new_tokens": 1, "cpu_threads": 0, "log_every": 1, "seed": 0}
+# And the largest (far past any machine's memory for the sizes: refused by name, not by an
+# allocator's error or a hang; torch.set_num_threads crashes on a huge count).
+MAXIMUM = {"steps": 1 << 30, "d_model": 1 << 16, "n_layers": 1 << 12, "n_heads": 1 << 12,
+           "ffn": 1 << 20, "seq_len": 1 << 20, "batch": 1 << 20, "new_tokens": 1 << 20,
+           "cpu_threads": 1024, "log_every": 1 << 30}
 MAX_SEED = 2**63 - 1  # torch.manual_seed's range, from 0
 # The options that may be left None (the device's default).
 UNSET = tuple(f.name for f in fields(Defaults) if f.name != "prompts") + ("log_every",)
@@ -212,6 +233,8 @@ def check_config(cfg: DemoConfig,
             raise ValueError(f"{name(key)} must be an integer, got {value!r}")
         if value < low:
             raise ValueError(f"{name(key)} must be >= {low}, got {value}")
+        if key in MAXIMUM and value > MAXIMUM[key]:
+            raise ValueError(f"{name(key)} must be <= {MAXIMUM[key]}, got {value}")
     if cfg.seed > MAX_SEED:
         raise ValueError(f"{name('seed')} must be <= {MAX_SEED}, got {cfg.seed}")
     for key in ("lr", "temperature"):
@@ -337,7 +360,12 @@ def _progress_bar(steps: int, name: str, enabled: bool):
 
 def train(model: TinyGPT, batches, cfg: DemoConfig, device: torch.device, name: str,
           log) -> TrainStats:
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    # AdamW's eps of 1e-8 rounds to 0 in float16 weights (0 / 0 where a gradient is 0):
+    # float16's smallest normal there.
+    dtype = next(model.parameters()).dtype
+    eps = torch.finfo(torch.float16).tiny if dtype == torch.float16 else 1e-8
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1,
+                            eps=eps)
     warmup = max(1, cfg.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps))))
@@ -505,7 +533,10 @@ def teacher_forced_err(model: TinyGPT, prompts: list[list[int]], tokens: list[li
             continue
         seq = torch.tensor(prompt + cont[:-1], device=device)[None]
         full = model.logits(seq)[0, len(prompt) - 1:].float()
-        worst = max(worst, float((got - full).abs().max() / full.abs().max().clamp(min=1e-30)))
+        err = float((got - full).abs().max() / full.abs().max().clamp(min=1e-30))
+        worst = err if math.isnan(err) else max(worst, err)
+        if math.isnan(worst):
+            break
     return worst
 
 
@@ -708,13 +739,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(str(exc))
     try:
         result = run(cfg)
-    except torch.OutOfMemoryError as exc:
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        # (on a CPU an allocation too large is a RuntimeError of the allocator's)
         first = (str(exc).strip().splitlines() or ["out of memory"])[0]
+        if not isinstance(exc, torch.OutOfMemoryError) and "alloc" not in first.lower():
+            raise
         print(f"lmfuse demo: out of memory: {first}; try a smaller --batch, --seq-len or "
               "--d-model", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    if not result.losses_finite:
+        print("lmfuse demo: training diverged (a loss is NaN or infinite); try a smaller "
+              "--lr, or --dtype fp32", file=sys.stderr)
+        return 1
     # In fp16/bf16 the two paths round at different points, so a near-tie may pick another
     # token; only an fp32 mismatch is an error.
     return 0 if result.decode_logits_ok and (result.decode_matches or result.dtype != "fp32") \

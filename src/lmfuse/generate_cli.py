@@ -93,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(off by default)")
     parser.add_argument("--no-graphs", action="store_true",
                         help="decode without CUDA graphs")
-    parser.add_argument("--num-blocks", type=int_range(1), default=None, metavar="N",
+    parser.add_argument("--num-blocks", type=int_range(1, 1 << 31), default=None, metavar="N",
                         help=f"KV cache blocks of {BLOCK_LEN} tokens (default: on CUDA 90%% of "
                         "the free memory; on the CPU what the prompts need)")
     parser.add_argument("--chat", action="store_true",
@@ -205,8 +205,23 @@ def _first_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
+#: The Generator's words for what the command line sets by its options.
+_OPTION_WORDS = (
+    ("give the Generator more blocks", "give a larger --num-blocks"),
+    ("pass repetition_penalty= to override it", "pass --repetition-penalty to override it"),
+    ("(model.to(...))", "(--dtype)"),
+    ("kv_dtype", "--kv-dtype"),
+    ("num_blocks", "--num-blocks"),
+    ("pass eos_token_id= to override it", "fix the checkpoint's generation_config.json"),
+)
+
+
 def _generator_message(exc: BaseException) -> str:
-    return _first_line(exc).removeprefix("Generator: ")
+    """The Generator's error as the command line's: its option names for the arguments."""
+    message = _first_line(exc).removeprefix("Generator: ")
+    for words, option in _OPTION_WORDS:
+        message = message.replace(words, option)
+    return message
 
 
 # --- prompts, device, loading ------------------------------------------------------------
@@ -217,11 +232,16 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
     for i, text in enumerate(texts):
         if not text.strip():
             raise UsageError(f"--prompt number {i + 1} is empty")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that are not UTF-8, as the shell passed them
+            raise UsageError(f"--prompt number {i + 1} is not UTF-8 text") from None
     if args.prompts_file is not None:
         name = args.prompts_file
         try:
             data = (sys.stdin.read() if name == "-"
-                    else Path(name).read_text(encoding="utf-8"))
+                    # (utf-8-sig: a byte-order mark is not part of the first prompt)
+                    else Path(name).read_text(encoding="utf-8-sig"))
         except (OSError, UnicodeDecodeError) as exc:
             raise UsageError(f"cannot read --prompts-file {name}: {_first_line(exc)}") from None
         lines = [line for line in data.splitlines() if line.strip()]
@@ -295,7 +315,18 @@ def _load_message(path: Path, what: str, exc: BaseException) -> str:
     if "trust_remote_code" in text or "custom code" in text:
         return (f"{path}: cannot load the {what}: it needs the checkpoint's own Python code "
                 "(auto_map); read that code, then pass --trust-remote-code to run it")
+    if what == "tokenizer" and not any(
+            (path / name).is_file() for name in _TOKENIZER_FILES):
+        return (f"{path}: cannot load the tokenizer: none of its files is there "
+                f"({', '.join(_TOKENIZER_FILES)}); save the tokenizer with the checkpoint")
+    if what == "model" and "Float8" in text:
+        return (f"{path}: cannot load the model in its saved float8 dtype; give --dtype fp32, "
+                "bf16 or fp16")
     return f"{path}: cannot load the {what}: {_first_line(exc)}"
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                    "spiece.model")
 
 
 def _stderr_is_tty() -> bool:

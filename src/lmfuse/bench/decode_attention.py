@@ -420,8 +420,11 @@ def main(argv: list[str] | None = None) -> int:
     pre = ArgumentParser(prog="lmfuse bench decode_attention", add_help=False)
     pre.add_argument("--cases", action="append", default=[])
     pre.add_argument("--graphs", action="store_true")
-    pre.add_argument("--graph-calls", type=int_range(1, 1000), default=1)
+    pre.add_argument("--graph-calls", type=int_range(1, 1000), default=None)
     own, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if own.graph_calls is not None and not own.graphs:
+        pre.error("argument --graph-calls: needs --graphs (calls per CUDA graph)")
+    own.graph_calls = own.graph_calls or 1
     filters = [f.strip() for text in own.cases for f in text.split(",") if f.strip()]
     args, device, quick, env = start("lmfuse bench decode_attention", __doc__, rest)
     if filters:

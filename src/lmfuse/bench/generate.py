@@ -178,6 +178,21 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if args.hidden % args.heads or args.heads % args.kv_heads:
         p.error(f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads}), and "
                 f"--heads of --kv-heads ({args.kv_heads})")
+    if (args.hidden // args.heads) % 2:
+        p.error(f"--hidden / --heads (the head dim, {args.hidden // args.heads}) must be even "
+                "(the rotary embedding rotates pairs)")
+    if args.vocab < 2:
+        p.error(f"argument --vocab: must be >= 2, got {args.vocab}")
+    other = sorted({d for d in args.kv_dtype if d not in ("fp8", dtype_name(args.dtype))})
+    if other:
+        p.error(f"argument --kv-dtype: the cache holds the model's dtype "
+                f"({dtype_name(args.dtype)}) or fp8, got {', '.join(other)}")
+    if args.impl == "triton":
+        from lmfuse._dispatch import triton_support
+
+        ok, why = triton_support(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        if not ok:
+            p.error(f"argument --impl: triton cannot run here: {why}")
     missing = missing_package("transformers", "lmfuse bench generate",
                               "'lmfuse[bench]' (or transformers)")
     if missing:
