@@ -175,7 +175,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       "n_layers", "dtype", "hbm_gib", "s_active", "tp", "cost_model"):
             flag = {"context_len": "context", "n_layers": "layers",
                     "cost_model": "calibrate"}.get(param, param).replace("_", "-")
-            message = re.sub(rf"(?<![\w-]){param}(?![\w-])", f"--{flag}", message)
+            # (where the message names it as a value: "x must ...", "x (12) ...", "x = ...")
+            message = re.sub(rf"(?<![\w/-]){param}(?= (must|\(|=|is\b))", f"--{flag}",
+                             message)
         print(f"lmfuse plan: {message.removeprefix('plan_sharding: ')}", file=sys.stderr)
         return 2
     print(json.dumps(plan.to_dict(), indent=1) if args.json else plan)

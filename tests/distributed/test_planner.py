@@ -265,7 +265,7 @@ def test_cli_plan_options_and_json(capsys: pytest.CaptureFixture[str]) -> None:
 def test_cli_plan_bad_input_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(capsys, "plan", "--ranks", "12")
     assert code == 2 and out == ""
-    assert "lmfuse plan: plan_sharding: ranks (12) and kv_heads (8) must divide" in err
+    assert "lmfuse plan: --ranks (12) and --kv-heads (8) must divide" in err
 
 
 # --- tp, and the cost model ----------------------------------------------------------------
