@@ -305,3 +305,30 @@ def test_swiglu_clamp_adds_the_bias_unrounded() -> None:
         assert g.dtype == torch.bfloat16
         assert torch.all(g[:, :8] == 0)  # the gate half, past the clamp
         assert torch.all(g[:, 8:] != 0)  # the linear half, inside it
+
+
+@pytest.mark.parametrize("name", ["bias_swiglu_impl", "weighted_bias_swiglu_impl"])
+def test_the_clamp_paths_check_bias_and_clamp_value(name) -> None:
+    """With a clamp and a bias the bias is added in float32 first: it was used there
+    unchecked (a [4, 1] bias broadcast, a list an AttributeError); clamp_value was not
+    checked (a str a bare TypeError, NaN and True taken as no clamp)."""
+    fn = getattr(megatron, name)
+    x = torch.randn(4, 8)
+    args = (torch.rand(4, 1),) if name.startswith("weighted") else ()
+    with pytest.raises(ValueError, match=rf"^{name}: bias must be \[h\] for input"):
+        fn(x, torch.zeros(4, 1), *args, clamp_value=5.0)
+    with pytest.raises(TypeError, match=rf"^{name}: bias must be a torch.Tensor or None"):
+        fn(x, [0.0] * 8, *args, clamp_value=5.0)
+    for bad, error in (("5", TypeError), (True, TypeError), (float("nan"), ValueError)):
+        with pytest.raises(error, match=rf"^{name}: clamp_value must be"):
+            fn(x, torch.zeros(8), *args, clamp_value=bad)
+
+
+@pytest.mark.parametrize("name", ["bias_swiglu_impl", "bias_geglu_impl", "bias_gelu_impl"])
+def test_a_float32_bias_on_bf16_input_promotes_as_megatron_does(name) -> None:
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    b = torch.randn(8)
+    out = getattr(megatron, name)(x, b)
+    assert out.dtype == torch.float32
+    want = getattr(megatron, name)(x.float(), b)
+    assert torch.allclose(out, want)

@@ -286,14 +286,34 @@ def _tokens_2d_or_3d(name: str, x: torch.Tensor) -> None:
 def bias_gelu_impl(input: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``gelu_tanh(input + bias)`` (Megatron-Core's ``bias_gelu_impl``: any shape, unlike
     the gated ones, which take ``[tokens, h]`` or ``[s, b, h]``)."""
-    return act.bias_gelu(input, bias)
+    return act.bias_gelu(*_with_bias("bias_gelu_impl", input, bias))
 
 
-def _megatron_clamp(clamp_value: Any) -> float | None:
-    """Megatron clamps when ``clamp_value`` is not None and > 0, and ignores it otherwise."""
-    if clamp_value is None or isinstance(clamp_value, bool):
+def _megatron_clamp(name: str, clamp_value: Any) -> float | None:
+    """Megatron clamps when ``clamp_value`` is not None and > 0, and ignores it otherwise
+    (a value that is not a finite number is refused, naming ``name``)."""
+    if clamp_value is None:
         return None
-    return clamp_value if clamp_value > 0 else None
+    value = check_number(name, "clamp_value", clamp_value)
+    return value if value > 0 else None
+
+
+def _with_bias(name: str, input: Any, bias: Any) -> tuple[Any, Any]:
+    """``(input, bias)`` for the op: a bias checked under ``name`` (a tensor ``[h]`` for
+    ``input [..., h]``, or None); of another float dtype than ``input``'s, both in the
+    promoted dtype, as Megatron-Core's ``input + bias`` computes (and returns) it."""
+    if bias is None or not isinstance(input, torch.Tensor):
+        return input, bias
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"{name}: bias must be a torch.Tensor or None, got "
+                        f"{type(bias).__name__}")
+    if bias.dim() != 1 or input.dim() < 1 or bias.shape[0] != input.shape[-1]:
+        raise ValueError(f"{name}: bias must be [h] for input [..., h] = "
+                         f"{list(input.shape)}, got {list(bias.shape)}")
+    if bias.is_floating_point() and input.is_floating_point() and bias.dtype != input.dtype:
+        dtype = torch.promote_types(input.dtype, bias.dtype)
+        return input.to(dtype), bias.to(dtype)
+    return input, bias
 
 
 def bias_swiglu_impl(input: torch.Tensor, bias, fp8_input_store: bool = False,
@@ -307,7 +327,8 @@ def bias_swiglu_impl(input: torch.Tensor, bias, fp8_input_store: bool = False,
     as its own pass (the fused kernel clamps before the bias, as Megatron's Quick-GEGLU
     does); the result is rounded to the input's dtype."""
     _tokens_2d_or_3d("bias_swiglu_impl", input)
-    clamp = _megatron_clamp(clamp_value)
+    clamp = _megatron_clamp("bias_swiglu_impl", clamp_value)
+    input, bias = _with_bias("bias_swiglu_impl", input, bias)
     if clamp is not None and bias is not None:
         return act.swiglu(input.float() + bias.float(), None, fp8_input_store=fp8_input_store,
                           cpu_offload_input=cpu_offload_input,
@@ -319,7 +340,7 @@ def bias_swiglu_impl(input: torch.Tensor, bias, fp8_input_store: bool = False,
 def bias_geglu_impl(input: torch.Tensor, bias) -> torch.Tensor:
     """GEGLU (tanh GELU) of ``input + bias`` (bias may be None)."""
     _tokens_2d_or_3d("bias_geglu_impl", input)
-    return act.geglu(input, bias)
+    return act.geglu(*_with_bias("bias_geglu_impl", input, bias))
 
 
 def weighted_bias_swiglu_impl(input: torch.Tensor, bias, weights: torch.Tensor,
@@ -327,7 +348,8 @@ def weighted_bias_swiglu_impl(input: torch.Tensor, bias, weights: torch.Tensor,
     """``swiglu(input + bias) * weights``, ``weights [tokens, 1]``; ``clamp_value`` as
     :func:`bias_swiglu_impl`. Megatron-Core raises on a bias here; lmfuse supports one."""
     _tokens_2d_or_3d("weighted_bias_swiglu_impl", input)
-    clamp = _megatron_clamp(clamp_value)
+    clamp = _megatron_clamp("weighted_bias_swiglu_impl", clamp_value)
+    input, bias = _with_bias("weighted_bias_swiglu_impl", input, bias)
     if clamp is not None and bias is not None:
         return act.weighted_swiglu(input.float() + bias.float(), weights, None,
                                    fp8_input_store=fp8_input_store,
@@ -346,6 +368,7 @@ def weighted_bias_quick_geglu_impl(input: torch.Tensor, bias, weights: torch.Ten
     # The op's own option checks, under this function's name.
     check_activation_options("weighted_bias_quick_geglu_impl", linear_offset=linear_offset,
                              clamp_value=clamp_value, fp8_input_store=fp8_input_store)
+    input, bias = _with_bias("weighted_bias_quick_geglu_impl", input, bias)
     return act.weighted_quick_geglu(input, weights, bias, linear_offset=linear_offset,
                                     clamp_value=clamp_value, fp8_input_store=fp8_input_store)
 

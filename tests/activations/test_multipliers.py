@@ -129,7 +129,11 @@ def test_with_clamp_fp8_store_and_offload(op: str, impl: str, options: dict[str,
     c = options.get("clamp_value")
     want_out, want_grads = reference(t, clamp_value=c, gate_multiplier=g, down_multiplier=d)
     if options.get("fp8_input_store"):
-        _, want_grads = reference(t, x=t["x"].to(FP8).to(BF16), clamp_value=c,
+        # the float8 copy keeps each value on its side of a clamp (not plain rounding)
+        from lmfuse.activations.ops import _e4m3_keeping_clamp
+
+        x8 = t["x"].to(FP8) if c is None else _e4m3_keeping_clamp(t["x"], c)
+        _, want_grads = reference(t, x=x8.to(BF16), clamp_value=c,
                                   gate_multiplier=g, down_multiplier=d)
         no_fp8 = {k: v for k, v in options.items() if k != "fp8_input_store"}
         out, _ = run(op, t, impl, gate_multiplier=g, down_multiplier=d, **no_fp8)

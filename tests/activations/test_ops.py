@@ -18,7 +18,7 @@ import math
 import re
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -146,6 +146,16 @@ def ref_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in ("linear_offset", "clamp_value")}
 
 
+def fp8_copy(x: torch.Tensor, clamp_value: Optional[float]) -> torch.Tensor:
+    """The float8 copy ``fp8_input_store`` keeps, in x's dtype: x rounded, saturated at
+    +-448 and, with a clamp, each value kept on its side of the clamp."""
+    from lmfuse.activations.ops import _e4m3_keeping_clamp
+
+    x8 = (x.clamp(-448.0, 448.0).to(FP8) if clamp_value is None
+          else _e4m3_keeping_clamp(x, clamp_value))
+    return x8.to(x.dtype)
+
+
 def check(what: str, op: Op, inp: Inputs, impl: str,
           **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Run the op and compare output and gradients with the float64 reference (the
@@ -153,7 +163,7 @@ def check(what: str, op: Op, inp: Inputs, impl: str,
     out, grads = run(op, inp, impl, **kwargs)
     ref_out, ref_grads = reference(op, inp, **ref_kwargs(kwargs))
     if kwargs.get("fp8_input_store"):
-        x8 = inp.x.to(FP8).to(inp.x.dtype)
+        x8 = fp8_copy(inp.x, kwargs.get("clamp_value"))
         _, ref_grads = reference(op, inp, x=x8, **ref_kwargs(kwargs))
     dtype = inp.x.dtype
     assert out.dtype == dtype, f"{what}: output dtype {out.dtype} != {dtype}"
@@ -381,7 +391,7 @@ def test_fp8_input_store(op: Op, impl: str, dtype: torch.dtype) -> None:
     out8, grads8 = check(what, op, inp, impl, fp8_input_store=True, **kwargs)
     out, _ = run(op, inp, impl, **kwargs)
     assert torch.equal(out8, out), f"{what}: forward differs from fp8_input_store=False"
-    x8 = inp.x.to(FP8).to(dtype)
+    x8 = fp8_copy(inp.x, kwargs.get("clamp_value"))
     assert not torch.equal(x8, inp.x)
     _, ref8 = reference(op, inp, x=x8, **kwargs)
     _, ref = reference(op, inp, **kwargs)
@@ -436,7 +446,7 @@ def test_fp8_input_store_backward_sees_the_saturated_copy(op: Op, impl: str) -> 
     inp.x[0, :3] = torch.tensor([1000.0, -600.0, 470.0])
     kwargs = dict(linear_offset=0.5, clamp_value=1.5) if op.clamp else {}
     _, grads8 = run(op, inp, impl, fp8_input_store=True, **kwargs)
-    rounded = replace(inp, x=inp.x.clamp(-448.0, 448.0).to(FP8).to(F16))
+    rounded = replace(inp, x=fp8_copy(inp.x, kwargs.get("clamp_value")))
     _, grads = run(op, rounded, impl, **kwargs)
     for name in grads:
         assert torch.equal(grads8[name], grads[name]), name
@@ -855,3 +865,32 @@ def test_quick_gelu_past_the_overflow_of_its_scaled_input(monkeypatch: pytest.Mo
     y.sum().backward()
     assert torch.equal(y.detach(), torch.tensor([[3e38, 0.0]]))
     assert x.grad[0, :2].tolist() == [1.0, 0.0] and x.grad[0, 2] == torch.tensor(3e38)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("op, c", [("swiglu", 7.0), ("quick_geglu", 7.0), ("swiglu", 1.7)])
+def test_fp8_input_store_keeps_each_value_on_its_side_of_the_clamp(impl, op, c) -> None:
+    """The backward reads the clamp's gradient mask from the float8 copy: rounding alone
+    carried 7.2 to 7.0 at c = 7 (a clamped element's gradient let through, as Megatron-Core
+    does not) and 1.69 to 1.75 past c = 1.7 (a free one's gradient zeroed). The copy now
+    keeps every value on its side, so the mask is the float32 input's."""
+    near = [c + 0.2, -(c + 0.2), c - 0.01, -(c - 0.01), c + 0.01, 0.5, -0.5, c]
+    x = torch.tensor([near + near[::-1]], dtype=torch.float32)  # gate half, linear half
+    fn = getattr(lmfuse, op)
+    grads = {}
+    for fp8 in (False, True):
+        leaf = x.clone().requires_grad_(True)
+        fn(leaf, clamp_value=c, fp8_input_store=fp8, impl=impl).sum().backward()
+        grads[fp8] = leaf.grad
+    assert torch.equal(grads[True] == 0, grads[False] == 0), (grads[True], grads[False])
+    assert (grads[False] == 0).sum() >= 4  # the clamped elements: a zero gradient each
+
+
+def test_fp8_copy_keeping_the_clamp_sides() -> None:
+    from lmfuse.activations.ops import _e4m3_around, _e4m3_keeping_clamp
+
+    assert _e4m3_around(7.0) == (7.0, 7.5) and _e4m3_around(1.7) == (1.625, 1.75)
+    assert _e4m3_around(500.0)[1] is None  # nothing above 448: x kept as it is
+    x = torch.tensor([[7.2, 1.0, -7.2, 7.0]])
+    assert torch.equal(_e4m3_keeping_clamp(x, 7.0).float(), torch.tensor([[7.5, 1.0, -7.5, 7.0]]))
+    assert _e4m3_keeping_clamp(x, 500.0) is x

@@ -277,3 +277,18 @@ def test_overflowing_row_gradients(request: pytest.FixtureRequest, impl: str, st
     assert (out == 0).all()
     torch.testing.assert_close(dx, ref_dx, equal_nan=True, rtol=0, atol=0)
     torch.testing.assert_close(dw, ref_dw, equal_nan=True)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_a_row_whose_mean_square_underflows_with_eps_0(impl) -> None:
+    """eps = 0 and a row whose mean square underflows to 0 (rstd inf): autograd through
+    the formula gives a NaN gradient row; the Triton backward gave -inf."""
+    x = torch.tensor([[1e-30, 2e-30, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0]], requires_grad=True)
+    w = torch.ones(4)
+    y = lmfuse.rms_norm(x, w, eps=0.0, impl=impl)
+    (dx,) = torch.autograd.grad(y.sum(), [x])
+    xr = x.detach().clone().requires_grad_(True)
+    yr = xr * torch.rsqrt(xr.square().mean(-1, keepdim=True)) * w
+    (want,) = torch.autograd.grad(yr.sum(), [xr])
+    assert torch.isnan(dx[0]).all() and torch.isnan(want[0]).all()
+    assert torch.allclose(dx[1], want[1], atol=1e-6)

@@ -168,6 +168,38 @@ def _launch_bwd(x: torch.Tensor, g: torch.Tensor, bias: Optional[torch.Tensor],
 # --- saving the input ----------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=16)
+def _e4m3_around(c: float) -> tuple[float, Optional[float]]:
+    """The largest float8_e4m3fn value <= ``c`` and the smallest > ``c`` (None: none)."""
+    values = torch.arange(256, dtype=torch.uint8).view(_FP8).float()
+    values = values[torch.isfinite(values)]
+    below = float(values[values <= c].max())
+    above = values[values > c]
+    return below, (float(above.min()) if above.numel() else None)
+
+
+def _e4m3_keeping_clamp(x: torch.Tensor, c: float) -> torch.Tensor:
+    """``x [..., 2N]`` (gate half, linear half) as float8_e4m3fn for backward, every value
+    on the side of the clamp it was on: the backward's clamp mask (gate > c, |linear| > c)
+    is read from this copy, and rounding alone would carry 7.2 to 7.0 at c = 7 (a clamped
+    element's gradient let through) or 1.69 to 1.75 past c = 1.7 (a free one's zeroed).
+    A value rounded across is replaced by the float8 value nearest c on its side (one
+    float8 step from its rounding). With no float8 value above c (c >= 448), ``x`` as it
+    is (its dtype, not float8)."""
+    below, above = _e4m3_around(float(c))
+    if above is None:
+        return x
+    xf, sf = x.float(), to_e4m3(x).float()
+    n = x.shape[-1] // 2
+    g, sg, u, su = xf[..., :n], sf[..., :n], xf[..., n:], sf[..., n:]
+    sg = torch.where((g <= c) & (sg > c), below, sg)
+    sg = torch.where((g > c) & (sg <= c), above, sg)
+    side = torch.where(u < 0, -1.0, 1.0)
+    su = torch.where((u.abs() <= c) & (su.abs() > c), side * below, su)
+    su = torch.where((u.abs() > c) & (su.abs() <= c), side * above, su)
+    return to_e4m3(torch.cat([sg, su], dim=-1))
+
+
 class _Saved:
     """The input kept for backward: as is, as float8 (``fp8_input_store``), and/or in pinned
     CPU memory copied on a side stream (``cpu_offload_input``, CUDA tensors only).
@@ -179,10 +211,15 @@ class _Saved:
     """
 
     def __init__(self, x: torch.Tensor, fp8: bool, offload: bool,
-                 x8: Optional[torch.Tensor] = None) -> None:
-        """``x8``: x's float8 copy when the forward kernel already wrote it."""
+                 x8: Optional[torch.Tensor] = None, clamp: Optional[float] = None) -> None:
+        """``x8``: x's float8 copy when the forward kernel already wrote it; ``clamp``: the
+        clamp of a gated activation, whose sides the float8 copy keeps (see
+        :func:`_e4m3_keeping_clamp`)."""
         self.dtype, self.device, self.event, self.host = x.dtype, x.device, None, None
-        keep = (x8 if x8 is not None else to_e4m3(x)) if fp8 else x
+        keep = x
+        if fp8:
+            keep = (x8 if x8 is not None else to_e4m3(x)) if clamp is None else (
+                _e4m3_keeping_clamp(x, clamp))
         self.device_copy = keep
         if offload and x.is_cuda:
             side = _side_stream(x.device)
@@ -235,8 +272,9 @@ class _Activation(torch.autograd.Function):
             if s.path == "triton":
                 # The float8 copy for backward comes out of the forward kernel itself where
                 # the kernel can store float8 (the interpreter, or compute capability 8.9+).
-                if saving and s.fp8_input_store and (not x.is_cuda
-                                                         or fp8_capable(x.device)):
+                # (Not with a clamp: that copy must keep each value's side of it.)
+                if saving and s.fp8_input_store and s.clamp_value is None and (
+                        not x.is_cuda or fp8_capable(x.device)):
                     x8 = torch.empty(x.shape, dtype=_FP8, device=x.device)
                     y = _launch_fwd_x8(x, bias, weights, *s.kernel_args(), x8)
                 else:
@@ -249,7 +287,8 @@ class _Activation(torch.autograd.Function):
                 ctx.saved = None
                 ctx.save_for_backward(x, bias, weights)
             elif saving:
-                ctx.saved = _Saved(x, s.fp8_input_store, s.cpu_offload_input, x8)
+                ctx.saved = _Saved(x, s.fp8_input_store, s.cpu_offload_input, x8,
+                                   s.clamp_value if s.gated else None)
                 ctx.save_for_backward(ctx.saved.device_copy, bias, weights)
                 # Autograd holds it now: no second reference here, so saved-tensor hooks
                 # (torch.autograd.graph.save_on_cpu, ...) can free the device copy.

@@ -58,8 +58,11 @@ def _dx(g, x, c, rstd):
     autograd through the formula forms it), with ``x_hat`` formed as ``(2 x) (rstd / 2)``:
     the same value, except in a row whose mean square overflowed (rstd 0), where the
     formula's ``2 x`` past float32's range times 0 is NaN, as there (``sum(g * x)``
-    overflowing too makes ``c`` NaN, an inf ``g`` makes ``g * 0`` NaN, as there)."""
-    return (g - ((2.0 * x) * (0.5 * rstd)) * c) * rstd
+    overflowing too makes ``c`` NaN, an inf ``g`` makes ``g * 0`` NaN, as there). A row
+    whose mean square underflowed to 0 with ``eps = 0`` (rstd inf) is NaN, as autograd's
+    rsqrt(0) backward makes it (the formula gave -inf there)."""
+    dx = (g - ((2.0 * x) * (0.5 * rstd)) * c) * rstd
+    return tl.where(rstd == float("inf"), float("nan"), dx)
 
 
 @triton.jit
