@@ -1086,3 +1086,40 @@ def test_scalar_options_are_checked_on_every_call_whatever_came_before() -> None
             lmfuse.cross_entropy(x, t, label_smoothing=[0.1], impl="torch")  # unhashable
     assert torch.allclose(lmfuse.cross_entropy(x, t, label_smoothing=0.5, impl="torch"),
                           F.cross_entropy(x, t, label_smoothing=0.5))
+
+
+# --- edges found by an audit (2026-11-29) ----------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLS + ["auto"])
+def test_ignore_index_outside_the_targets_range_is_refused(impl: str) -> None:
+    """torch compares an int32 tensor with a Python int wrapped to int32: 2**32 + 1 ignored
+    class 1 in the token count and not in the kernels (loss 2.42 against 1.81). Outside
+    the target dtype's range (int64's for any), ignore_index is refused by name."""
+    logits = torch.randn(4, 5)
+    t32 = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^cross_entropy: ignore_index must be within "
+                                         r"int32's range for int32 targets, got 4294967297"):
+        lmfuse.cross_entropy(logits, t32, ignore_index=2**32 + 1, impl=impl)
+    with pytest.raises(ValueError, match=r"ignore_index must be within int64's range"):
+        lmfuse.cross_entropy(logits, t32.long(), ignore_index=2**70, impl=impl)
+
+
+@pytest.mark.parametrize("name", ["softcap", "z_loss"])
+def test_options_beyond_float32_are_refused(name: str) -> None:
+    with pytest.raises(ValueError, match=rf"^cross_entropy: {name} must be within float32's"):
+        lmfuse.cross_entropy(torch.randn(4, 5), torch.tensor([0, 1, 2, 3]), **{name: 1e39})
+
+
+@pytest.mark.parametrize("reduction, dtype", [("none", F32), ("mean", torch.float16)])
+def test_a_second_backward_after_an_inplace_one_is_refused(reduction: str, dtype) -> None:
+    """The deferred Triton path (reduction="none", float16) writes the gradient over the
+    saved logits without bumping their version: a second backward (retain_graph=True)
+    silently read the gradient as logits. Now it raises, as the other paths do."""
+    logits = torch.randn(6, 40).to(dtype).requires_grad_(True)
+    x = logits * 1  # a non-leaf, as inplace_backward needs
+    loss = lmfuse.cross_entropy(x, torch.randint(0, 40, (6,)), reduction=reduction,
+                                inplace_backward=True, impl="triton")
+    loss.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.sum().backward()

@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import tuning
-from .._dispatch import (Plan, ResolvedCall, check_choice, check_int, check_number,
+from .._dispatch import (Plan, ResolvedCall, check_choice, check_float32, check_int,
+                         check_number,
                          check_tensor, checked_once, cpu_fast, float64_fallback, native_cpu,
                          once_differentiable, planner_of, select_impl, value_checks)
 from .._launch import (INDEX_DTYPES, cdiv, dtype_name, kernel_op, lazy_kernels, next_pow2,
@@ -507,6 +508,15 @@ class _CrossEntropy(torch.autograd.Function):
             args = (o.vocab_start, o.vocab_size, o.ignore_index, o.label_smoothing,
                     o.z_loss, o.softcap)
             opt = () if weight is None else (weight, wstat, wz, wt)
+            if o.inplace:
+                # The first backward writes its gradient over the saved logits (the Triton
+                # write does not bump their version, so autograd would not notice).
+                if getattr(ctx, "backward_done", False):
+                    raise RuntimeError(
+                        f"{_OP}: a second backward through the same loss is not supported "
+                        "with inplace_backward=True: the first wrote its gradient over the "
+                        "logits. Compute the loss again, or call backward once.")
+                ctx.backward_done = True
             if o.path == "triton":
                 if o.inplace:
                     _grad_(logits, target, stats, w, *args, *opt)
@@ -555,13 +565,15 @@ def _scalar_options(op, ignore_index, label_smoothing, z_loss, softcap, reductio
     ``(ignore_index, label_smoothing, z_loss, softcap)``; the flags are checked to be
     bools. Errors start with ``op`` (the op the caller called)."""
     ignore_index = check_int(op, "ignore_index", ignore_index)
+    if not -(1 << 63) <= ignore_index < (1 << 63):
+        raise ValueError(f"{op}: ignore_index must be within int64's range, got {ignore_index}")
     ls = check_number(op, "label_smoothing", label_smoothing, allow_none=False)
     if not 0.0 <= ls <= 1.0:
         raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {ls}")
-    z = check_number(op, "z_loss", z_loss, allow_none=False)
+    z = check_float32(op, "z_loss", check_number(op, "z_loss", z_loss, allow_none=False))
     if z < 0:
         raise ValueError(f"{op}: z_loss must be >= 0, got {z}")
-    cap = check_number(op, "softcap", softcap)
+    cap = check_float32(op, "softcap", check_number(op, "softcap", softcap))
     if cap is not None and cap <= 0:
         raise ValueError(f"{op}: softcap must be None or > 0, got {cap}")
     check_choice(op, "reduction", reduction, _REDUCTIONS)
@@ -645,6 +657,11 @@ def _resolve_logits(shape, dtype, device, requires_grad, target, ignore_index, l
     # The scalar options of a training loop repeat: checked once, not every call (2 us of
     # a 3 us op on a small CPU tensor). Only immutable values pass the checks.
     ignore_index, ls, z, cap = checked_once(_scalar_options, op, *scalars)
+    if target.dtype == torch.int32 and not -(1 << 31) <= ignore_index < (1 << 31):
+        # (torch compares an int32 tensor with it wrapped to int32: 2**32 + 1 would ignore
+        # the targets of class 1 in some passes and not in others)
+        raise ValueError(f"{op}: ignore_index must be within int32's range for int32 "
+                         f"targets, got {ignore_index}")
     world = group_size(tp_group)
     vocab_start = group_rank(tp_group) * V_local
     vocab_size = V_local * world
@@ -910,6 +927,7 @@ def _cpu_fast_loss(logits: torch.Tensor, target: torch.Tensor, ignore_index: Any
     if not (type(target) is torch.Tensor and target.dtype is torch.int64 and target.is_cpu
             and logits.dim() == 2 and target.dim() == 1 and logits.shape[0] == target.shape[0]
             and logits.shape[1] > 0 and logits.stride(1) == 1 and type(ignore_index) is int
+            and -(1 << 63) <= ignore_index < (1 << 63)
             and type(label_smoothing) is float and 0.0 <= label_smoothing <= 1.0
             and reduction in _REDUCTIONS):
         return None
