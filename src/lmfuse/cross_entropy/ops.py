@@ -887,6 +887,8 @@ def plan_cross_entropy(**a: Any) -> Plan:
             if f and f.slice else
             f"{whole_rows} (the second read, last chunk first, mostly from L1)"
             if f and f.vec else
+            f"streamed in {f.block_v}-column chunks, stats and gradient in one launch"
+            if f else
             f"streamed in {tiles.block_n}-column chunks, online log-sum-exp")
     extras = [name for name, on in (
         ("class weights", o.weighted), ("z-loss returned", o.return_z_loss),
