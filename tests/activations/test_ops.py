@@ -894,3 +894,12 @@ def test_fp8_copy_keeping_the_clamp_sides() -> None:
     x = torch.tensor([[7.2, 1.0, -7.2, 7.0]])
     assert torch.equal(_e4m3_keeping_clamp(x, 7.0).float(), torch.tensor([[7.5, 1.0, -7.5, 7.0]]))
     assert _e4m3_keeping_clamp(x, 500.0) is x
+
+
+@pytest.mark.parametrize("op, name", [("quick_geglu", "linear_offset"),
+                                      ("swiglu", "gate_multiplier"),
+                                      ("swiglu", "down_multiplier"), ("swiglu", "clamp_value")])
+def test_scalars_beyond_float32_are_refused(op, name) -> None:
+    # (float32 arguments of the kernels: 1e39 would be inf there)
+    with pytest.raises(ValueError, match=rf"^{op}: {name} must be within float32's range"):
+        getattr(lmfuse, op)(torch.randn(2, 8), **{name: 1e39})

@@ -292,3 +292,12 @@ def test_a_row_whose_mean_square_underflows_with_eps_0(impl) -> None:
     (want,) = torch.autograd.grad(yr.sum(), [xr])
     assert torch.isnan(dx[0]).all() and torch.isnan(want[0]).all()
     assert torch.allclose(dx[1], want[1], atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["auto", "triton", "torch"])
+def test_scalars_beyond_float32_are_refused(impl) -> None:
+    # (float32 arguments of the kernels: 1e39 would be inf there)
+    x = torch.randn(2, 8)
+    for kw in (dict(eps=1e39), dict(weight_offset=1e39)):
+        with pytest.raises(ValueError, match=r"^rms_norm: \w+ must be within float32's range"):
+            lmfuse.rms_norm(x, torch.ones(8), impl=impl, **kw)

@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import tuning
-from .._dispatch import (Plan, ResolvedCall, check_number, check_tensor, checked_once, cpu_fast,
-                         explain, float64_fallback, native_cpu, planner_of, select_impl)
+from .._dispatch import (Plan, ResolvedCall, check_float32, check_number, check_tensor,
+                         checked_once, cpu_fast, explain, float64_fallback, native_cpu,
+                         planner_of, select_impl)
 from .._launch import (cdiv, dtype_name, fp8_capable, kernel_op, lazy_kernels, next_pow2,
                        to_e4m3)
 from .._nvtx import nvtx_range
@@ -398,11 +399,16 @@ def _options(op: str, linear_offset, clamp_value, fp8_input_store, cpu_offload_i
              ) -> tuple[float, Optional[float], float, float]:
     """The scalar options, validated and as floats (``typed``: ``True`` is not taken for
     ``1``): ``(linear_offset, clamp_value, gate_multiplier, down_multiplier)``."""
-    linear_offset = check_number(op, "linear_offset", linear_offset, allow_none=False)
+    # (each a float32 argument of the kernels: within float32's range)
+    linear_offset = check_float32(op, "linear_offset", check_number(
+        op, "linear_offset", linear_offset, allow_none=False))
     # Any finite value (0 and negative ones too): they are plain factors of the formula.
-    gate_multiplier = check_number(op, "gate_multiplier", gate_multiplier, allow_none=False)
-    down_multiplier = check_number(op, "down_multiplier", down_multiplier, allow_none=False)
-    if check_number(op, "clamp_value", clamp_value) is not None:
+    gate_multiplier = check_float32(op, "gate_multiplier", check_number(
+        op, "gate_multiplier", gate_multiplier, allow_none=False))
+    down_multiplier = check_float32(op, "down_multiplier", check_number(
+        op, "down_multiplier", down_multiplier, allow_none=False))
+    if check_float32(op, "clamp_value", check_number(op, "clamp_value",
+                                                     clamp_value)) is not None:
         if not clamp_value > 0:
             raise ValueError(f"{op}: clamp_value must be positive (x1 <= c, -c <= x2 <= c), "
                              f"got {clamp_value!r}")

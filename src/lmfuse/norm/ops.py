@@ -26,6 +26,7 @@ from .._dispatch import (
     PLAIN_TENSORS,
     Plan,
     ResolvedCall,
+    check_float32,
     check_number,
     check_same_device,
     check_tensor,
@@ -42,6 +43,7 @@ from .._nvtx import nvtx_range
 from .reference import rms_norm_reference
 
 _OP = "rms_norm"
+_FLOAT32_MAX = torch.finfo(torch.float32).max  # (an eps past it: the full path refuses it)
 _kernels = lazy_kernels("kernels", __package__)
 
 
@@ -169,10 +171,13 @@ class _RMSNorm(torch.autograd.Function):
 @functools.lru_cache(maxsize=64, typed=True)
 def _scalars(eps, weight_offset) -> tuple[float, float]:
     """``eps`` and ``weight_offset``, validated (``typed``: ``True`` is not taken for ``1``)."""
-    eps = check_number(_OP, "eps", eps, allow_none=False)
+    # (float32 arguments of the kernels: within float32's range)
+    eps = check_float32(_OP, "eps", check_number(_OP, "eps", eps, allow_none=False))
     if eps < 0:
         raise ValueError(f"{_OP}: eps must be >= 0 (it is added to the mean square), got {eps}")
-    return eps, check_number(_OP, "weight_offset", weight_offset, allow_none=False)
+    return eps, check_float32(_OP, "weight_offset",
+                              check_number(_OP, "weight_offset", weight_offset,
+                                           allow_none=False))
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,7 +281,7 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps: flo
     column) makes that row (column) NaN; an inf makes its row's ``rstd`` 0, so the row is 0
     except NaN (``inf * 0``) at the inf; gradients likewise (a NaN row's are NaN).
     """
-    if (impl == "auto" and type(eps) is float and 0.0 <= eps < math.inf
+    if (impl == "auto" and type(eps) is float and 0.0 <= eps <= _FLOAT32_MAX
             and type(weight_offset) is float and weight_offset == 0.0 and cpu_fast(x)
             and x.dim() > 0 and (weight is None or (
                 type(weight) in PLAIN_TENSORS and weight.dtype is torch.float32
