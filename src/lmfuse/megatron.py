@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from . import activations as act
+from .activations.ops import check_bias as check_activation_bias
 from .activations.ops import check_options as check_activation_options
 from .cross_entropy import cross_entropy
 from .cross_entropy import linear_cross_entropy as _linear_cross_entropy
@@ -302,15 +303,10 @@ def _with_bias(name: str, input: Any, bias: Any) -> tuple[Any, Any]:
     """``(input, bias)`` for the op: a bias checked under ``name`` (a tensor ``[h]`` for
     ``input [..., h]``, or None); of another float dtype than ``input``'s, both in the
     promoted dtype, as Megatron-Core's ``input + bias`` computes (and returns) it."""
-    if bias is None or not isinstance(input, torch.Tensor):
-        return input, bias
-    if not isinstance(bias, torch.Tensor):
-        raise TypeError(f"{name}: bias must be a torch.Tensor or None, got "
-                        f"{type(bias).__name__}")
-    if bias.dim() != 1 or input.dim() < 1 or bias.shape[0] != input.shape[-1]:
-        raise ValueError(f"{name}: bias must be [h] for input [..., h] = "
-                         f"{list(input.shape)}, got {list(bias.shape)}")
-    if bias.is_floating_point() and input.is_floating_point() and bias.dtype != input.dtype:
+    if bias is None or not isinstance(input, torch.Tensor) or input.dim() < 1:
+        return input, bias  # (the op's own checks name what is wrong)
+    check_activation_bias(name, bias, input, "input")
+    if input.is_floating_point() and bias.dtype != input.dtype:
         dtype = torch.promote_types(input.dtype, bias.dtype)
         return input.to(dtype), bias.to(dtype)
     return input, bias

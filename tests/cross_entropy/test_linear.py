@@ -383,21 +383,30 @@ def test_logits_in_fp32_plan_and_bad_value() -> None:
                        lmfuse.linear_cross_entropy(h32, w32, t))
 
 
-@pytest.mark.parametrize("case", ["max_chunk_bytes", "past the budget", "autocast"])
-def test_default_cpu_path_keeps_the_budget_and_float32_logits(monkeypatch, case) -> None:
-    """The CPU default path forms the whole logits with F.linear: not when the caller gives
-    a chunk budget, nor when the logits pass the default one (the op's memory stays within
-    its budget), nor under autocast (F.linear would compute bfloat16 logits where every
-    other path computes float32). The chunked path's results then, bit for bit."""
+@pytest.fixture
+def native_calls(monkeypatch) -> list[int]:
+    """``impl="auto"`` resolved as on a CPU machine without Triton (the CPU default path);
+    the list counts the calls that took it (``_native_cross_entropy``)."""
     from lmfuse._dispatch import select_impl
     from lmfuse.cross_entropy import ops as ce_ops
 
     monkeypatch.setattr(ce_ops, "select_impl", lambda op, impl, device: (
         ("torch", "test: no Triton") if impl == "auto" else select_impl(op, impl, device)))
-    calls = []
+    calls: list[int] = []
     real = ce_ops._native_cross_entropy
     monkeypatch.setattr(ce_ops, "_native_cross_entropy",
                         lambda *a: (calls.append(1), real(*a))[1])
+    return calls
+
+
+@pytest.mark.parametrize("case", ["max_chunk_bytes", "past the budget", "autocast"])
+def test_default_cpu_path_keeps_the_budget_and_float32_logits(monkeypatch, native_calls,
+                                                              case) -> None:
+    """The CPU default path forms the whole logits with F.linear: not when the caller gives
+    a chunk budget, nor when the logits pass the default one (the op's memory stays within
+    its budget), nor under autocast (F.linear would compute bfloat16 logits where every
+    other path computes float32). The chunked path's results then, bit for bit."""
+    calls = native_calls
     h, w, _, t = inputs(18, 16, 40, bias=False)
     h, w = h.float(), w.float()
     kw = dict(max_chunk_bytes=40 * 4 * 5) if case == "max_chunk_bytes" else {}
@@ -436,19 +445,11 @@ def test_errors_name_linear_cross_entropy_and_hidden() -> None:
 
 
 @pytest.mark.parametrize("op", ["cross_entropy", "linear_cross_entropy"])
-def test_float64_extras_and_class_weights_needing_grad(monkeypatch, op) -> None:
+def test_float64_extras_and_class_weights_needing_grad(native_calls, op) -> None:
     """float64 inputs: the returned z-loss and token accuracy are float64, as the loss is
     (they were float32); class weights held as a Parameter get no gradient on every path
     (the CPU default path handed them to F.cross_entropy, which raised)."""
-    from lmfuse._dispatch import select_impl
-    from lmfuse.cross_entropy import ops as ce_ops
-
-    monkeypatch.setattr(ce_ops, "select_impl", lambda op, impl, device: (
-        ("torch", "test: no Triton") if impl == "auto" else select_impl(op, impl, device)))
-    calls = []
-    real = ce_ops._native_cross_entropy
-    monkeypatch.setattr(ce_ops, "_native_cross_entropy",
-                        lambda *a: (calls.append(1), real(*a))[1])
+    calls = native_calls
     h, w, _, t = inputs(12, 8, 10, bias=False)
     cw = torch.nn.Parameter(torch.rand(10, dtype=F64) + 0.5)
 
@@ -470,20 +471,12 @@ def test_float64_extras_and_class_weights_needing_grad(monkeypatch, op) -> None:
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("kw", [dict(), dict(label_smoothing=0.1)])
-def test_default_cpu_path_is_f_linear_and_f_cross_entropy(monkeypatch, reduction, kw) -> None:
+def test_default_cpu_path_is_f_linear_and_f_cross_entropy(native_calls, reduction, kw) -> None:
     """On CPU float32 tensors without Triton the default path is ``F.cross_entropy(
     F.linear(h, W, b))`` (the plain formula's speed): the chunked reference's loss and
     gradients; target errors as lmfuse's. (CPU tensors whatever the test device: this is
     the CPU's own path.)"""
-    from lmfuse._dispatch import select_impl
-    from lmfuse.cross_entropy import ops as ce_ops
-
-    monkeypatch.setattr(ce_ops, "select_impl", lambda op, impl, device: (
-        ("torch", "test: no Triton") if impl == "auto" else select_impl(op, impl, device)))
-    calls = []
-    real = ce_ops._native_cross_entropy
-    monkeypatch.setattr(ce_ops, "_native_cross_entropy",
-                        lambda *a: (calls.append(1), real(*a))[1])
+    calls = native_calls
     h, w, b, t = inputs(2 * 9, 16, 40, bias=True)
     h, w, b = (x.float() for x in (h, w, b))
     h = h.view(2, 9, 16)

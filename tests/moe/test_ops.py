@@ -329,6 +329,18 @@ def test_bad_input(change, error, message, impl) -> None:
 # --- NaN and inf ------------------------------------------------------------------------------
 
 
+def same_nonfinite(impl: str, inp: dict[str, Any], got: tuple, want: tuple) -> None:
+    """The output and each leaf's gradient (in that order): NaN and inf where the
+    reference's are, equal values elsewhere."""
+    names = ["out"] + [n for n, _ in leaves(inp)]
+    for name, a, b in zip(names, got, want, strict=True):
+        assert torch.equal(torch.isnan(a), torch.isnan(b)), name
+        assert torch.equal(torch.isinf(a), torch.isinf(b)), name
+        fin = torch.isfinite(b)
+        if fin.any():
+            assert_close(a[fin], b[fin], F32, f"{impl} {name} finite part")
+
+
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_nan_and_inf_propagate_as_in_the_reference(impl) -> None:
     """A NaN and an inf hidden value and an inf router weight: the output and every gradient
@@ -346,13 +358,7 @@ def test_nan_and_inf_propagate_as_in_the_reference(impl) -> None:
         got_grads = torch.autograd.grad(got, [t for _, t in leaves(inp)], g)
     want_grads = torch.autograd.grad(want, [t for _, t in leaves(inp)], g)
     assert not torch.isfinite(want[[1, 2, 4]]).all() and torch.isfinite(want[[0, 3, 5]]).all()
-    for name, a, b in [("out", got, want)] + [
-            (n, x, y) for (n, _), x, y in zip(leaves(inp), got_grads, want_grads)]:
-        assert torch.equal(torch.isnan(a), torch.isnan(b)), name
-        assert torch.equal(torch.isinf(a), torch.isinf(b)), name
-        fin = torch.isfinite(b)
-        if fin.any():
-            assert_close(a[fin], b[fin], F32, f"{impl} {name} finite part")
+    same_nonfinite(impl, inp, (got, *got_grads), (want, *want_grads))
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton", "grouped"])
@@ -377,13 +383,7 @@ def test_an_infinite_router_weight_alone(request, impl, activation, sign) -> Non
     want_grads = torch.autograd.grad(want, [t for _, t in leaves(inp)], g)
     assert torch.isnan(want_grads[NAMES.index("w_gate_up")]).any()
     assert calls is None or calls == {"fwd": 1, "bwd": 1}
-    for name, a, b in [("out", got, want)] + [
-            (n, x, y) for (n, _), x, y in zip(leaves(inp), got_grads, want_grads)]:
-        assert torch.equal(torch.isnan(a), torch.isnan(b)), name
-        assert torch.equal(torch.isinf(a), torch.isinf(b)), name
-        fin = torch.isfinite(b)
-        if fin.any():
-            assert_close(a[fin], b[fin], F32, f"{impl} {name} finite part")
+    same_nonfinite(impl, inp, (got, *got_grads), (want, *want_grads))
 
 
 # --- the grouped-GEMM engine ----------------------------------------------------------------

@@ -348,6 +348,17 @@ def _second_order(ctx, g):
 # --- validation and planning -----------------------------------------------------------------
 
 
+def check_bias(op: str, bias: Any, x: torch.Tensor, x_name: str = "x") -> None:
+    """``bias`` is a float tensor ``[K]`` for ``x [..., K]`` (errors start with ``op`` and
+    call the input ``x_name``; its dtype is the caller's to check: ``lmfuse.megatron``
+    promotes a bias of another float dtype, as Megatron-Core does)."""
+    check_tensor(op, "bias", bias, ndim=1)
+    K = x.shape[-1]
+    if bias.shape[0] != K:
+        raise ValueError(f"{op}: bias must be [{K}] ({x_name}'s last dim), got "
+                         f"{tuple(bias.shape)}")
+
+
 def _resolve(op: str, x, bias, weights, activation: str, gated: bool, linear_offset,
              clamp_value, fp8_input_store, cpu_offload_input, impl, gate_multiplier=1.0,
              down_multiplier=1.0) -> tuple[str, str, ActivationCall]:
@@ -365,12 +376,9 @@ def _resolve(op: str, x, bias, weights, activation: str, gated: bool, linear_off
         raise ValueError(f"{op}: x's last dim must be even (the gated and linear halves), "
                          f"got {K} (shape {tuple(x.shape)})")
     if bias is not None:
-        check_tensor(op, "bias", bias, ndim=1)
+        check_bias(op, bias, x)
         if bias.dtype != x.dtype:
             raise TypeError(f"{op}: bias must have x's dtype {x.dtype}, got {bias.dtype}")
-        if bias.shape[0] != K:
-            raise ValueError(f"{op}: bias must be [{K}] (x's last dim), got "
-                             f"{tuple(bias.shape)}")
     tokens = x.numel() // K if K else 0
     if weights is not None:
         check_tensor(op, "weights", weights)
