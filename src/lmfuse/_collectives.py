@@ -46,14 +46,27 @@ def _issue(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         fn(*args, **kwargs)
 
 
+def check_group(op: str, name: str, group: Any) -> None:
+    """``TypeError`` naming ``name`` unless ``group`` is a ``ProcessGroup`` or ``None``."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{op}: {name} must be a torch.distributed.ProcessGroup or None, got "
+                        f"{type(group).__name__} {group!r}"[:300])
+
+
 def group_size(group: Optional[Any]) -> int:
     """World size of ``group``; 1 for ``None``."""
-    return 1 if group is None else dist.get_world_size(group)
+    if group is None:
+        return 1
+    check_group("lmfuse", "the process group", group)
+    return dist.get_world_size(group)
 
 
 def group_rank(group: Optional[Any]) -> int:
     """This process's rank in ``group``; 0 for ``None``."""
-    return 0 if group is None else dist.get_rank(group)
+    if group is None:
+        return 0
+    check_group("lmfuse", "the process group", group)
+    return dist.get_rank(group)
 
 
 def all_gather_stacked(t: torch.Tensor, group: Any) -> torch.Tensor:

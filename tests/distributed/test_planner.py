@@ -225,7 +225,8 @@ def test_exports_and_dtype_names() -> None:
     ({"context_len": 0}, ValueError, "context_len must be >= 1"),
     ({"head_dim": -1}, ValueError, "head_dim must be >= 1"),
     ({"n_layers": None}, TypeError, "n_layers must be an int"),
-    ({"hbm_gib": 0}, ValueError, "hbm_gib must be > 0"),
+    ({"hbm_gib": 0}, ValueError, r"hbm_gib must be in \(0, 2\*\*40\], got 0"),
+    ({"hbm_gib": 1e300}, ValueError, r"hbm_gib must be in \(0, 2\*\*40\]"),  # (overflowed)
     ({"hbm_gib": "80"}, TypeError, "hbm_gib must be a float"),
     ({"hbm_gib": float("inf")}, ValueError, "hbm_gib must be finite"),
     ({"dtype": "int8"}, ValueError, "unknown dtype 'int8'"),
@@ -337,6 +338,25 @@ def test_cost_model_fits_lines_and_predicts_each_part(tmp_path) -> None:
                          head_dim=127, kv_bytes=2**26, act_bytes=2, exchange="all_to_all")
     assert a2a["q"] == pytest.approx(0.015 + 1 * 1 * 4 * 127 * 2 / 5e7)
     assert a2a["out"] == pytest.approx(0.015 + 0.5 * 8 * 127 * 2 / 5e7)
+
+
+@pytest.mark.parametrize("part, i, field, value", [
+    ("decode", 0, "ms", "fast"), ("decode", 1, "ms", None), ("decode", 1, "ms", float("nan")),
+    ("decode", 0, "bytes", -1), ("merge", 0, "P", 0), ("collectives", 0, "n", 0),
+    ("collectives", 2, "ms", float("inf")), ("collectives", 1, "bytes_per_rank", True)])
+def test_calibration_values_are_checked(tmp_path, part: str, i: int, field: str,
+                                        value) -> None:
+    """A value that is no finite number (a string or null where a time belongs, NaN, a
+    group of 0 ranks) is refused by name; it gave a bare TypeError, or a plan of NaN ms."""
+    from lmfuse.distributed.cost_model import CostModel
+
+    cal = json.loads(json.dumps(CALIBRATION))
+    cal[part][i][field] = value
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"calibration": cal}))
+    with pytest.raises(ValueError, match=rf"{part} entry {i}'s '{field}' must be a finite "
+                                         "number"):
+        CostModel.load(path)
 
 
 def test_plan_with_a_cost_model_predicts_every_option(tmp_path) -> None:

@@ -502,6 +502,32 @@ def check_bad_inputs(f: Any, group: Any, device: Any = "cpu") -> None:
     raises(f, "cp append heads", lambda: cp_cache_append(
         k, v, q.new_zeros(2, 1, 3, D), q.new_zeros(2, 1, 3, D), lens, group=group),
         ValueError, r"\[Hkv, D\]", 0)
+    # A token this rank owns whose block is -1 in a row that is not all padding: refused on
+    # both paths (it was dropped), as kv_cache_append refuses it; nothing is written.
+    # (Unchecked CUDA calls skip such a token instead: only the reference path there.)
+    pool = q.new_zeros(4, 2, 2, D)
+    holey = torch.tensor([[0, -1], [1, 2]], dtype=I32, device=q.device)
+    for impl in ("torch", "triton") if q.is_cpu else ("torch",):
+        raises(f, f"cp append into block -1 ({impl})", lambda: cp_cache_append(
+            pool, pool.clone(), q.new_ones(2, 2, 2, D), q.new_ones(2, 2, 2, D),
+            torch.tensor([4, 0], device=q.device), group=group, block_table_shard=holey,
+            impl=impl),
+            ValueError, rf"new token {rank} of sequence 0 goes to this rank \(rank {rank}\) "
+            r"at local position 2, in block_table_shard\[0, 1\] = -1", 0)
+
+        def untouched() -> None:
+            assert bool((pool == 0).all())
+        f.check(f"cp append into block -1 ({impl}) wrote nothing", untouched)
+    for name, call in (
+            ("cp_decode_attention", lambda: cp_decode_attention(q, k, v, local, group="g")),
+            ("cp_cache_append", lambda: cp_cache_append(k, v, k[:, :1], v[:, :1], lens,
+                                                        group=3)),
+            ("cp_shard_seqlens", lambda: cp_shard_seqlens(lens, group=object())),
+            ("kvdp_batch_range", lambda: kvdp_batch_range(2, "g")),
+            ("kvdp_decode_attention", lambda: kvdp_decode_attention(q, k, v, lens, group=group,
+                                                                    cp_group="g"))):
+        raises(f, f"{name} group of the wrong type", call, TypeError,
+               rf"{name}: (cp_)?group must be a torch.distributed.ProcessGroup or None, got", 0)
 
     kq = q[:, :, 2 * rank:2 * rank + 2]
     rows = torch.tensor_split(torch.arange(2), world_size)[rank].tolist()

@@ -6,6 +6,8 @@ only the sharded attention's all-gathers are issued."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -155,3 +157,62 @@ def test_cp_layout_of_a_rank() -> None:
         None, None, 0, 3, None, 4, 7, None]
     assert [shards.local_len(n) for n in (0, 4, 5, 8, 12, 17, 25)] == [0, 0, 1, 4, 4, 5, 8]
     assert shards.virtual_cache().block_len == 12
+
+
+def _unseeded_rank(rank: int, world: int, split: str) -> None:
+    model = tiny_causal_lm("llama")
+    gen = Generator(model, block_len=4, num_blocks=64, impl="torch",
+                    **{f"{split}_group": dist.group.WORLD})
+    # No seed: every rank must still draw the same tokens (each drew its own seed, so the
+    # ranks sampled apart, and with end tokens finished requests at different steps and
+    # left one another inside a collective).
+    for eos in ([], list(range(15))):
+        got = gen.generate(PROMPTS, max_new_tokens=20, eos_token_id=eos, temperature=1.0)
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, got)
+        assert all(g == every[0] for g in every), (rank, every)
+    rid = gen.add_request([4, 5, 6], max_new_tokens=6, temperature=1.0, eos_token_id=[])
+    out: list[int] = []
+    while gen.has_unfinished():
+        out += [t for r, toks, _ in gen.step() if r == rid for t in toks]
+    every = [None] * world
+    dist.all_gather_object(every, out)
+    assert all(g == every[0] for g in every) and len(out) == 6, (rank, every)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("split", ["cp", "kvdp"])
+def test_sharded_unseeded_sampling_agrees_across_ranks(split: str) -> None:
+    spawn_gloo(2, _unseeded_rank, split, timeout=240)
+
+
+def _disagreeing_rank(rank: int, world: int) -> None:
+    model = tiny_causal_lm("llama")
+    grp = dist.group.WORLD
+    cases = [
+        (dict(num_blocks=64 if rank == 0 else 9), r"the same num_blocks, or none does.*"
+         r"rank 0: 64, rank 1: 9"),
+        (dict(num_blocks=64 if rank == 0 else None), r"rank 0: 64, rank 1: none"),
+        (dict(num_blocks=64, block_len=4 if rank == 0 else 8), r"the same block_len.*"
+         r"rank 0: 4, rank 1: 8"),
+        (dict(num_blocks=64, max_batch=8 if rank == 0 else 16), r"the same max_batch"),
+        (dict(num_blocks=64, kv_dtype=None if rank == 0 else "fp8"), r"the same kv_dtype"),
+        (dict(num_blocks=64 if rank == 0 else 0), r"rank\(s\) \[1\] .* bad num_blocks"
+         if rank == 0 else r"num_blocks must be >= 1"),
+    ]
+    for split in ("kvdp", "cp"):
+        for kwargs, match in cases:
+            # Every rank raises (none is left waiting in a collective).
+            with pytest.raises(ValueError, match=match):
+                Generator(model, impl="torch", **kwargs, **{f"{split}_group": grp})
+        with pytest.raises(TypeError, match=f"{split}_group must be a torch.distributed."
+                                            "ProcessGroup or None, got str"):
+            Generator(model, num_blocks=8, **{f"{split}_group": "world"})
+    # Defaults agree: the smallest of the ranks' default pools.
+    gen = Generator(model, impl="torch", kvdp_group=grp)
+    assert gen.cache.num_blocks == 4096
+
+
+@pytest.mark.timeout(300)
+def test_sharded_generators_refuse_disagreeing_settings_on_every_rank() -> None:
+    spawn_gloo(2, _disagreeing_rank, timeout=240)

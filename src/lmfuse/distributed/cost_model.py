@@ -99,6 +99,16 @@ class CostModel:
                 if missing:
                     raise ValueError(f"calibration {source}: {key} entry {i} has no "
                                      f"{missing[0]!r}")
+                for f in fields:
+                    v = e[f]
+                    if f == "kind":
+                        continue
+                    ok = (isinstance(v, (int, float)) and not isinstance(v, bool)
+                          and math.isfinite(v) and v >= (1 if f in ("n", "P") else 0))
+                    if not ok:
+                        raise ValueError(f"calibration {source}: {key} entry {i}'s {f!r} "
+                                         f"must be a finite number >= "
+                                         f"{1 if f in ('n', 'P') else 0}, got {v!r}")
             return got
 
         read = fit_line([(d["bytes"], d["ms"]) for d in entries("decode", "bytes", "ms")])
@@ -106,9 +116,13 @@ class CostModel:
                            + m["rows"] * m["D"] * LSE_BYTES, m["ms"])
                           for m in entries("merge", "P", "rows", "D", "ms")])
         points: dict[str, dict[int, list[tuple[float, float]]]] = {}
-        for c in entries("collectives", "n", "bytes_per_rank", "kind"):
+        for i, c in enumerate(entries("collectives", "n", "bytes_per_rank", "kind")):
             if c.get("ms") is None:
-                continue
+                continue  # (not measured)
+            if not (isinstance(c["ms"], (int, float)) and not isinstance(c["ms"], bool)
+                    and math.isfinite(c["ms"]) and c["ms"] >= 0):
+                raise ValueError(f"calibration {source}: collectives entry {i}'s 'ms' must be "
+                                 f"a finite number >= 0 or null, got {c['ms']!r}")
             n, b = int(c["n"]), float(c["bytes_per_rank"])
             got = (n - 1) * b if c["kind"] == "all_gather" else (n - 1) / n * b
             points.setdefault(c["kind"], {}).setdefault(n, []).append((got, c["ms"]))

@@ -44,14 +44,15 @@ from typing import Any, Optional
 
 import torch
 
-from .._dispatch import check_int, check_tensor, select_impl
+from .._dispatch import check_int, check_tensor, select_impl, value_checks
 from .._launch import INDEX_DTYPES, KERNEL_DTYPES
 from ..attention.ops import (check_cache, check_decode_values, check_seqlens, decode_attention,
                              decode_attention_partials, kv_cache_append, merge_attention_states,
                              plan_decode_attention)
 from .checks import (check_lengths, check_no_grad, check_on_all_ranks, dtype_code, float_code,
                      meta_device, wrap_errors)
-from .._collectives import all_gather_stacked, all_reduce_sum, group_rank, group_size
+from .._collectives import (all_gather_stacked, all_reduce_sum, check_group, group_rank,
+                            group_size)
 
 # --- layout ---------------------------------------------------------------------------------
 
@@ -70,6 +71,7 @@ def cp_shard_seqlens(cache_seqlens: torch.Tensor, *, group: Any,
     lengths ``cache_seqlens [B]`` (what a rank reserves in its own pool, and the
     ``seqlens_shard`` that :func:`cp_decode_attention` takes)."""
     op = "cp_shard_seqlens"
+    check_group(op, "group", group)
     check_tensor(op, "cache_seqlens", cache_seqlens, ndim=1, dtypes=INDEX_DTYPES)
     check_int(op, "cp_block", cp_block, minimum=1)
     return _local_count(cache_seqlens.long(), group_rank(group), group_size(group), cp_block)
@@ -106,10 +108,13 @@ def cp_cache_append(
         cp_block: tokens per round-robin block; the value given to
             :func:`cp_decode_attention`.
     The owned tokens land at local positions ``cp_shard_seqlens(cache_seqlens)`` onwards,
-    in order. As with ``kv_cache_append``, a position past the shard's capacity (or in a
-    block whose id is -1) is not written on the Triton path and raises on the reference.
+    in order. As with ``kv_cache_append``, an owned position past the shard's capacity, or
+    in a block whose id is outside ``[0, num_blocks)`` (-1 included), raises where values
+    are checked (the reference path, CPU tensors, ``lmfuse.set_checks``) and is not written
+    otherwise; a table row of only -1 is a padding row (nothing written, nothing checked).
     """
     op = "cp_cache_append"
+    check_group(op, "group", group)
     check_tensor(op, "k_new", k_new, ndim=4)
     check_tensor(op, "v_new", v_new, ndim=4)
     if k_new.shape != v_new.shape:
@@ -153,6 +158,10 @@ def cp_cache_append(
         blocks = (block_table_shard.long().gather(1, col) if cols
                   else torch.full_like(dest, -1))
     fits = (dest >= 0) & (dest < capacity)  # a negative length puts tokens nowhere
+    # A table row of only -1 is a padding row (a captured graph's padded batch), as for
+    # kv_cache_append: nothing of it is written, and nothing is checked of it.
+    padding = (torch.zeros(B, 1, dtype=torch.bool, device=device) if block_table_shard is None
+               else (block_table_shard == -1).all(1, keepdim=True))
     table = torch.where(mine & fits, blocks, -1).reshape(B * s_new, 1).to(torch.int32)
     offset = (dest % max(block_len, 1)).reshape(B * s_new).to(torch.int32)
     rows = (B * s_new, 1, Hkv, D)
@@ -160,16 +169,26 @@ def cp_cache_append(
     path, _ = select_impl(op, impl, device)
     if path == "triton" and k_new.dtype not in KERNEL_DTYPES and impl != "triton":
         path = "torch"
-    if path == "torch":
+    if path == "torch" or value_checks(cache_seqlens):
         if int(pos.min()) < 0:
             raise ValueError(f"{op}: cache_seqlens must be >= 0, got "
                              f"{int(cache_seqlens.min())}")
-        late = mine & ~fits
+        late = mine & ~fits & ~padding
         if bool(late.any()):
             b, i = (int(x) for x in late.nonzero()[0])
             raise ValueError(f"{op}: new token {i} of sequence {b} goes to this rank (rank "
                              f"{rank}) at local position {int(dest[b, i])}, past the shard's "
                              f"capacity of {capacity}; reserve space first")
+        nowhere = mine & fits & ~padding & ((blocks < 0) | (blocks >= k_cache_shard.shape[0]))
+        if block_table_shard is not None and bool(nowhere.any()):
+            b, i = (int(x) for x in nowhere.nonzero()[0])
+            col = int(dest[b, i]) // block_len
+            raise ValueError(f"{op}: new token {i} of sequence {b} goes to this rank (rank "
+                             f"{rank}) at local position {int(dest[b, i])}, in "
+                             f"block_table_shard[{b}, {col}] = {int(blocks[b, i])}, not a "
+                             f"block of the pool [0, {k_cache_shard.shape[0]}); reserve "
+                             "space first")
+    if path == "torch":
         keep = mine.reshape(-1).nonzero()[:, 0]
         k_rows, v_rows, table, offset = k_rows[keep], v_rows[keep], table[keep], offset[keep]
     kv_cache_append(k_cache_shard, v_cache_shard, k_rows, v_rows, offset,
@@ -395,6 +414,7 @@ def cp_decode_attention(
         ``check_ranks``); none with one rank.
     """
     op = "cp_decode_attention"
+    check_group(op, "group", group)
     world = group_size(group)
     if world == 1:
         check_int(op, "cp_block", cp_block, minimum=1)

@@ -52,8 +52,8 @@ import torch
 from .._dispatch import check_choice, check_int, check_tensor
 from .._launch import cdiv
 from ..attention.ops import decode_attention, kv_cache_append, plan_decode_attention
-from .._collectives import (all_gather_stacked, all_reduce_sum, all_to_all_stacked, group_rank,
-                            group_size)
+from .._collectives import (all_gather_stacked, all_reduce_sum, all_to_all_stacked, check_group,
+                            group_rank, group_size)
 from .checks import (check_lengths, check_no_grad, check_on_all_ranks, dtype_code, float_code,
                      meta_device, wrap_errors)
 from .cp import CP_FIELDS, cp_attention_local, cp_cache_append, validate_cp
@@ -71,6 +71,7 @@ def kvdp_batch_range(batch: int, group: Any) -> tuple[int, int]:
     rank of ``group`` holds (``torch.tensor_split``'s split: the first ``batch % W`` ranks
     hold ``ceil(batch / W)``, the others ``batch // W``)."""
     check_int("kvdp_batch_range", "batch", batch, minimum=0)
+    check_group("kvdp_batch_range", "group", group)
     world, rank = group_size(group), group_rank(group)
     base, extra = divmod(batch, world)
     start = rank * base + min(rank, extra)
@@ -224,6 +225,8 @@ def kvdp_decode_attention(
         1`` and ``cache_seqlens`` is not given, one all-reduce of ``[B_r]`` int64 over it.
     """
     op = "kvdp_decode_attention"
+    check_group(op, "group", group)
+    check_group(op, "cp_group", cp_group)
     world = group_size(group)
     kw = dict(scale=scale, window_size=window_size, sinks=sinks, k_scale=k_scale,
               v_scale=v_scale, return_lse=return_lse, num_splits=num_splits, impl=impl,
@@ -357,6 +360,8 @@ def kvdp_cache_append(
     ``kvdp_batch_range(B, group)`` of ``k_new``/``v_new``.
     """
     op = "kvdp_cache_append"
+    check_group(op, "group", group)
+    check_group(op, "cp_group", cp_group)
     check_choice(op, "exchange", exchange, EXCHANGES)
     check_tensor(op, "k_new", k_new, ndim=4)
     check_tensor(op, "v_new", v_new, ndim=4)

@@ -260,8 +260,8 @@ def plan_sharding(batch: int, q_heads: int, kv_heads: int, ranks: int, context_l
         raise ValueError(f"{OP}: s_active must be 1..{MAX_ACTIVE} (the planner models the "
                          f"decode regime of 1-{MAX_ACTIVE} active tokens), got {s_active}")
     hbm = check_number(OP, "hbm_gib", hbm_gib, allow_none=False)
-    if hbm <= 0:
-        raise ValueError(f"{OP}: hbm_gib must be > 0, got {hbm_gib}")
+    if not 0 < hbm <= 2.0**40:  # (so that int(hbm * 2**30) is a finite byte count)
+        raise ValueError(f"{OP}: hbm_gib must be in (0, 2**40], got {hbm_gib}")
     cache_dtype = resolve_dtype(dtype)
     wire_dtype = (resolve_dtype(act_dtype, "act_dtype") if act_dtype is not None
                   else torch.bfloat16 if cache_dtype.itemsize == 1 else cache_dtype)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import random
+import secrets
 import warnings
 from collections.abc import Sequence
 from dataclasses import replace
@@ -12,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .._collectives import group_size
+from .._collectives import all_gather_stacked, check_group, group_size
 from .._dispatch import IMPLS, check_choice, check_int, check_number
 from .._launch import DTYPE_NAMES, KERNEL_DTYPES, dtype_name, dtype_named
 from ..attention.kv_cache import KVCacheFullError, PagedKVCache
@@ -50,7 +52,10 @@ class Generator:
         block_len: tokens per cache block.
         num_blocks: blocks in the pool; default: ``memory_fraction`` of the free GPU memory
             (less 2 GiB for activations and graphs), or 4096 blocks on the CPU; over a
-            split cache the smallest of the ranks' (every rank passes it or none does).
+            split cache every rank passes the same or none does (then the smallest of the
+            ranks' defaults), as it passes the same ``block_len``, ``max_batch``,
+            ``max_prefill_tokens`` and ``kv_dtype``: one all-gather at construction checks
+            them, and every rank raises ``ValueError`` when they differ.
         memory_fraction: share of the free GPU memory the pool may take.
         kv_dtype: the cache's dtype (default the model's; ``torch.float8_e4m3fn`` or
             ``"fp8"``: e4m3 with per-layer, per-KV-head scales taken from the first
@@ -62,7 +67,8 @@ class Generator:
             values on the host).
         kvdp_group, cp_group: split the KV cache by batch (each sequence on one rank) or by
             context (each sequence's round-robin blocks over the ranks) over a process group
-            (``torchrun``, one Generator per rank, every rank given the same requests): see
+            (``torchrun``, one Generator per rank, every rank given the same requests, in
+            the same order; their unseeded requests draw the same seeds): see
             ``sharded.py``. ``num_blocks`` is then per rank; prefix sharing is off; the
             decode step runs the model's forward (CUDA graphs with the collectives inside
             on an NCCL group); ``kvdp_group`` needs the query heads to divide over the ranks,
@@ -103,6 +109,10 @@ class Generator:
                                 f"{type(flag).__name__} {flag!r}")
         if kvdp_group is not None and cp_group is not None:
             raise ValueError(f"{OP}: pass kvdp_group or cp_group, not both")
+        for name, group in (("kvdp_group", kvdp_group), ("cp_group", cp_group)):
+            if group is not None:
+                _check_initialised(name)
+                check_group(OP, name, group)
         if cp_group is not None:
             _check_cp(model, config, cp_group)
             prefix_sharing = False
@@ -125,11 +135,18 @@ class Generator:
                             or config.hidden_size // config.num_attention_heads)
         self.kv_dtype = _kv_dtype(kv_dtype, self.model_dtype)
         self.block_len = block_len
-        if num_blocks is None:
+        group = kvdp_group if kvdp_group is not None else cp_group
+        #: Over a split cache, where unseeded requests take their seeds from (the same on
+        #: every rank: the ranks must sample the same tokens); None: a fresh seed each.
+        self._seeds: random.Random | None = None
+        if group is not None:  # every rank's scheduler counts the same pool
+            num_blocks, seed = _agree(group, self.device, num_blocks, fraction, self,
+                                      block_len=block_len, max_batch=max_batch,
+                                      max_prefill_tokens=max_prefill_tokens,
+                                      kv_dtype=self.kv_dtype)
+            self._seeds = random.Random(seed)
+        elif num_blocks is None:
             num_blocks = self._default_blocks(fraction)
-            group = kvdp_group if kvdp_group is not None else cp_group
-            if group is not None:  # every rank's scheduler counts the same pool
-                num_blocks = _group_min(num_blocks, group, self.device)
         num_blocks = check_int(OP, "num_blocks", num_blocks, minimum=1)
         # (an fp8 cache's scales: ones, a tensor each, calibrated by the first prefill)
         self.cache = PagedKVCache(num_blocks, block_len, self.kv_heads, self.head_dim,
@@ -245,6 +262,9 @@ class Generator:
         """Checked options; ``eos_token_id=None`` and ``repetition_penalty=None``: the
         model's ``generation_config``'s, whose errors say where the value came from."""
         defaulted = []
+        if options.get("seed") is None and self._seeds is not None:
+            # (every rank of a split cache draws the same: see _agree)
+            options["seed"] = self._seeds.getrandbits(63)
         if eos_token_id is None:
             eos_token_id = self._default_eos
             defaulted.append("eos_token_id")
@@ -556,15 +576,52 @@ class _Inflight:
         self.live = any(r.status == Status.RUNNING for r in self.requests)
 
 
-def _group_min(value: int, group: Any, device: torch.device) -> int:
-    """The smallest of every rank's ``value`` (the default pool sizes, from each GPU's own
-    free memory, differ; the split caches' schedulers must count the same pool)."""
+def _agree(group: Any, device: torch.device, num_blocks: Any, fraction: float, gen: Any,
+           **settings: Any) -> tuple[int, int]:
+    """``(num_blocks, seed)`` the same on every rank of a split cache's ``group``, from one
+    all-gather: the ranks' schedulers must count the same pool and take the same steps, so
+    ``settings`` (what the schedule depends on) and an explicit ``num_blocks`` must agree,
+    or every rank raises ``ValueError`` (not one rank, leaving the others in a collective);
+    without ``num_blocks`` the smallest of the ranks' defaults (each GPU's own free memory).
+    ``seed``: rank 0's random draw, the root of the unseeded requests' seeds."""
     import torch.distributed as dist
 
+    codes = {"kv_dtype": lambda d: list(DTYPE_NAMES.values()).index(d)
+             if d in DTYPE_NAMES.values() else -1}
+    error: Exception | None = None
+    given, default = -1, -1
+    try:
+        if num_blocks is None:
+            default = check_int(OP, "num_blocks", gen._default_blocks(fraction), minimum=1)
+        else:
+            given = check_int(OP, "num_blocks", num_blocks, minimum=1)
+    except (TypeError, ValueError) as exc:
+        error = exc
+    row = [0 if error is None else 1, given, default, secrets.randbits(62)]
+    row += [codes.get(k, int)(v) for k, v in settings.items()]
     on = device if "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
-    t = torch.tensor([value], dtype=torch.int64, device=on)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return int(t.item())
+    every = all_gather_stacked(torch.tensor(row, dtype=torch.int64, device=on), group).tolist()
+    if error is not None:
+        raise error
+    failed = [r for r, e in enumerate(every) if e[0]]
+    if failed:
+        raise ValueError(f"{OP}: rank(s) {failed} of the split cache's group were given a bad "
+                         "num_blocks (see their error)")
+    names = list(settings)
+    for i, name in enumerate(names):
+        values = [e[4 + i] for e in every]
+        if len(set(values)) > 1:
+            raise ValueError(f"{OP}: every rank of a split cache must pass the same {name} "
+                             f"(the ranks' schedules must agree); got "
+                             f"{', '.join(f'rank {r}: {v}' for r, v in enumerate(values))}"
+                             + (f" (this rank: {settings[name]})" if name in codes else ""))
+    givens = [e[1] for e in every]
+    if len(set(givens)) > 1:
+        shown = ", ".join(f"rank {r}: {'none' if g < 0 else g}" for r, g in enumerate(givens))
+        raise ValueError(f"{OP}: every rank of a split cache must pass the same num_blocks, or "
+                         f"none does (the ranks' schedulers count one pool); got {shown}")
+    blocks = givens[0] if givens[0] > 0 else min(e[2] for e in every)
+    return blocks, every[0][3]
 
 
 #: ``generation_config`` fields whose non-default values change Hugging Face's greedy
