@@ -279,3 +279,39 @@ def test_decode_attention_block(paged: bool) -> None:
     assert torch.equal(k, k_eager) and torch.equal(v, v_eager)
     assert not torch.equal(k, k0), "the compiled step wrote no keys into the cache"
 
+
+
+# Float options that change between compiled calls become symbols in the graph (automatic
+# dynamic), as every shape does with dynamic=True: the options' checks compare them
+# (math.isfinite of a symbol broke the graph). name -> (inputs of n rows, the call).
+DYNAMIC = {
+    "fused_softmax": (lambda n: (randn((2, 2, n, n), requires_grad=True),),
+                      lambda x, a, impl: lmfuse.fused_softmax(x, scale=a, causal=True,
+                                                              impl=impl)),
+    "cross_entropy": (lambda n: (randn((n, 11), requires_grad=True), torch.arange(n) % 11),
+                      lambda x, t, a, impl: lmfuse.cross_entropy(
+                          x, t, label_smoothing=a, z_loss=a, impl=impl)),
+    "quick_geglu": (lambda n: (randn((n, 16), requires_grad=True),),
+                    lambda x, a, impl: lmfuse.quick_geglu(x, linear_offset=a, clamp_value=7.0,
+                                                          impl=impl)),
+    "rms_norm": (lambda n: (randn((n, 8), requires_grad=True),
+                            torch.rand(8, requires_grad=True)),
+                 lambda x, w, a, impl: lmfuse.rms_norm(x, w, eps=a, impl=impl)),
+}
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("name", sorted(DYNAMIC))
+def test_changing_float_options_and_dynamic_shapes(name: str, impl: str) -> None:
+    make, fn = DYNAMIC[name]
+    for dynamic in (None, True):
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+        for n, a in ((4, 0.125), (6, 0.25), (5, 0.5)):
+            inputs = make(n)
+            got, want = compiled(*inputs, a, impl), fn(*inputs, a, impl)
+            assert torch.allclose(got, want, rtol=1e-6, atol=1e-6), (name, dynamic, n, a)
+            leaves = [t for t in inputs if t.requires_grad]
+            for g, w in zip(torch.autograd.grad(got.sum(), leaves),
+                            torch.autograd.grad(want.sum(), leaves)):
+                assert torch.allclose(g, w, rtol=1e-5, atol=1e-6), (name, dynamic, n, a)

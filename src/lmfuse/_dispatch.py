@@ -379,7 +379,9 @@ def check_number(op: str, name: str, value: Any, *, allow_none: bool = True) -> 
                                      or not isinstance(value, numbers.Real)):
         raise TypeError(f"{op}: {name} must be a float, got {type(value).__name__} {value!r}")
     value = float(value)
-    if not math.isfinite(value):
+    # (Comparisons, not math.isfinite: torch.compile traces a float that changes between
+    # calls as a symbol, which compares but has no isfinite; NaN fails both.)
+    if not -math.inf < value < math.inf:
         raise ValueError(f"{op}: {name} must be finite, got {value}")
     return value
 

@@ -169,14 +169,19 @@ def _launch_bwd(x: torch.Tensor, g: torch.Tensor, bias: Optional[torch.Tensor],
 # --- saving the input ----------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=16)
+#: Every finite float8_e4m3fn value, ascending, as Python floats (sign, 4 exponent bits of
+#: bias 7, 3 mantissa bits; no inf; NaN at exponent and mantissa all ones): computed here,
+#: not read from a tensor, so that torch.compile traces :func:`_e4m3_around` as constants.
+_E4M3_VALUES: tuple[float, ...] = tuple(sorted({
+    sign * (m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
+    for sign in (1.0, -1.0) for e in range(16) for m in range(8) if (e, m) != (15, 7)}))
+
+
 def _e4m3_around(c: float) -> tuple[float, Optional[float]]:
     """The largest float8_e4m3fn value <= ``c`` and the smallest > ``c`` (None: none)."""
-    values = torch.arange(256, dtype=torch.uint8).view(_FP8).float()
-    values = values[torch.isfinite(values)]
-    below = float(values[values <= c].max())
-    above = values[values > c]
-    return below, (float(above.min()) if above.numel() else None)
+    below = max(v for v in _E4M3_VALUES if v <= c)
+    above = [v for v in _E4M3_VALUES if v > c]
+    return below, (above[0] if above else None)
 
 
 def _e4m3_keeping_clamp(x: torch.Tensor, c: float) -> torch.Tensor:
@@ -316,16 +321,20 @@ class _Activation(torch.autograd.Function):
                 db = db.to(bias.dtype) if need_b else None
                 dw = dw.to(weights.dtype).view(weights.shape) if need_w else None
                 return (dx if need_x else None), db, dw, None
-            with torch.enable_grad():
-                leaves = [x.detach().requires_grad_(True),
-                          bias.detach().requires_grad_(True) if need_b else bias,
-                          weights.detach().requires_grad_(True) if need_w else weights]
-                y = ref.activation_reference(*leaves, **_ref_options(s))
-                wanted = [t for t, n in zip(leaves, (True, need_b, need_w)) if n]
-                got = list(torch.autograd.grad(y, wanted, g))
-            dx = got.pop(0)
-            return ((dx if need_x else None), got.pop(0) if need_b else None,
-                    got.pop(0) if need_w else None, None)
+            # The reference's gradient by torch.func.vjp (which torch.compile traces, where
+            # it refuses torch.autograd.grad) of the inputs that need one.
+            wanted = [n for n, t, need in (("x", x, True), ("bias", bias, need_b),
+                                            ("weights", weights, need_w)) if need]
+            fixed = {"x": x, "bias": bias, "weights": weights}
+
+            def reference(*leaves: torch.Tensor) -> torch.Tensor:
+                args = {**fixed, **dict(zip(wanted, leaves))}
+                return ref.activation_reference(args["x"], args["bias"], args["weights"],
+                                                **_ref_options(s))
+
+            _, vjp = torch.func.vjp(reference, *(fixed[n] for n in wanted))
+            got = dict(zip(wanted, vjp(g)))
+            return ((got["x"] if need_x else None), got.get("bias"), got.get("weights"), None)
 
 
 def _second_order(ctx, g):
@@ -459,6 +468,12 @@ def _run(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp_
         # saved input, which halves the host time of a small call.
         with nvtx_range(op, "fwd"):
             y = _launch_fwd(x2, b, w2, *s.kernel_args())
+    elif s.path == "torch" and torch.compiler.is_compiling() and not (
+            fp8_input_store or cpu_offload_input):
+        # Traced by torch.compile: the reference's ops with their own autograd (the
+        # Function's backward recomputes through torch.autograd.grad, which Dynamo refuses;
+        # the compiled graph decides what to keep for backward anyway).
+        y = ref.activation_reference(x2, b, w2, **_ref_options(s))
     else:
         y = _Activation.apply(x2, b, w2, s)
     return y if flat else y.view(*x.shape[:-1], y.shape[-1])

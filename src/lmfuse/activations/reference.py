@@ -76,10 +76,14 @@ class _Activation(torch.autograd.Function):
     derivatives work too)."""
 
     @staticmethod
-    def forward(ctx, a: torch.Tensor, name: str) -> torch.Tensor:
+    def forward(a: torch.Tensor, name: str) -> torch.Tensor:
+        return _FN[name](a)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:  # (apart: torch.func transforms it)
+        a, name = inputs
         ctx.save_for_backward(a)
         ctx.name = name
-        return _FN[name](a)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -798,9 +798,10 @@ def cross_entropy(
     the softmax NaN, as PyTorch's is).
 
     Targets must be ``ignore_index`` or in ``[0, V)``. On CPU tensors anything else raises
-    ``ValueError``; on CUDA the check would stall the GPU, so it is not made: such a token
-    gets loss ``+inf`` (loud in any loss curve) and a zero gradient, and nothing is read
-    out of bounds.
+    ``ValueError`` (in eager calls: a graph that ``torch.compile`` traced reads no values);
+    on CUDA the check would stall the GPU, so it is not made (unless
+    ``lmfuse.set_checks(True)``): such a token gets loss ``+inf`` (loud in any loss curve)
+    and a zero gradient, and nothing is read out of bounds; so it does in compiled graphs.
 
     With ``tp_group``, ``weight`` is this rank's ``[V_local]`` shard of the class weights;
     the weights' rows and the argmax's (each rank's max logit and its first column) join

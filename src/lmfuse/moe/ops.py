@@ -853,7 +853,10 @@ def moe_experts(
     Args:
         hidden: ``[T, H]`` float32/float16/bfloat16 (float64: the torch path).
         expert_ids: ``[T, k]`` integer expert of each token's slots, in ``[0, E)`` (checked:
-            always on CPU tensors, on CUDA under :func:`lmfuse.set_checks`).
+            on CPU tensors in eager calls, on CUDA under :func:`lmfuse.set_checks`; where
+            unchecked, on CUDA and in graphs ``torch.compile`` traced, a slot outside the
+            range belongs to no expert: nothing is read or written outside the tensors, and
+            its token's output is undefined).
         router_weights: ``[T, k]``, any float dtype; its gradient comes back in it.
         w_gate_up: ``[E, 2F, H]`` (``[E, F, H]`` for ``squared_relu``), hidden's dtype; any
             strides (a transposed view such as GPT-OSS's ``gate_up_proj.transpose(1, 2)``
