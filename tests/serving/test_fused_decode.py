@@ -853,6 +853,52 @@ def test_decode_path_option_is_checked() -> None:
         Generator(_model("gemma"), block_len=4, num_blocks=16, decode_path="fused")
 
 
+class _BiasedHead(torch.nn.Linear):
+    """An LM head whose forward adds a logit bias (a subclass the fused layers cannot read)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).index_add(-1, torch.tensor([3]),
+                                            x.new_full((*x.shape[:-1], 1), 100.0))
+
+
+def _bias_3(module, args, out):
+    return out.index_add(-1, torch.tensor([3]), out.new_full((*out.shape[:-1], 1), 100.0))
+
+
+def _head_subclass(m):
+    head = _BiasedHead(m.lm_head.in_features, m.lm_head.out_features, bias=False)
+    head.weight = m.lm_head.weight
+    m.lm_head = head
+
+
+def _steer(module, args):  # a steering vector on the first layer's input
+    return (args[0] + 0.5, *args[1:])
+
+
+@pytest.mark.parametrize("change, reason", [
+    (lambda m: m.lm_head.register_forward_hook(_bias_3), "forward hooks on lm_head"),
+    (lambda m: m.model.layers[1].mlp.register_forward_hook(
+        lambda mod, a, out: out * 3.0), "forward hooks on model.layers.1.mlp"),
+    (lambda m: m.model.layers[0].register_forward_pre_hook(_steer),
+     "forward hooks on model.layers.0"),
+    (_head_subclass, "an LM head of type _BiasedHead"),
+    (lambda m: setattr(m.model.norm, "forward", lambda x: x * 2.0),
+     "a forward set on model.norm itself"),
+])
+def test_modules_the_fused_layers_cannot_stand_in_for(change, reason: str) -> None:
+    """Hooks, subclassed modules and forwards set on an instance change what the model
+    computes; the fused layers read only the weights, so "auto" decodes through the model's
+    forward (which honours them: ``model.generate``'s tokens) and "fused" says why not."""
+    model = tiny_causal_lm("llama")
+    change(model)
+    want = [hf_greedy(model, p, 5) for p in PROMPTS]
+    gen = Generator(model, block_len=4, num_blocks=32, impl="torch")
+    assert gen.runner.decode_path == "model"
+    assert gen.generate(PROMPTS, max_new_tokens=5, eos_token_id=[]) == want
+    with pytest.raises(ValueError, match=f"decode_path='fused' cannot run this model: {reason}"):
+        Generator(model, block_len=4, num_blocks=32, decode_path="fused")
+
+
 @pytest.mark.parametrize("n,V,block", [(5, 256, 16), (1, 1000, 64), (3, 1, 16),
                                        (2, 4099, 32), (70, 40, 16)])
 def test_argmax_rows_is_torch_argmax_with_ties_nan_and_inf(n: int, V: int, block: int) -> None:

@@ -129,6 +129,35 @@ def unsupported(model: Any) -> str | None:
             return "projections that are not plain nn.Linear (quantised or wrapped weights)"
         if any(m.weight.dtype != dtype or not m.weight.is_contiguous() for m in linears):
             return "projection weights of mixed dtypes or strides"
+    return _replaced_modules(model, inner)
+
+
+def _replaced_modules(model: Any, inner: Any) -> str | None:
+    """Why the fused layers cannot stand in for the modules they read the weights of (None:
+    they can): a forward hook or pre-hook (steering, logit bias, patching), a module of a
+    class of neither transformers nor torch.nn (a subclass with its own forward), an LM head
+    that is not a plain ``nn.Linear``, or a forward set on the instance other than
+    ``apply_lmfuse``'s (which computes the same). The model's forward honours all of them."""
+    from torch.nn.modules import module as nn_module
+
+    if (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks
+            or getattr(nn_module, "_global_forward_hooks_always_called", None)):
+        return "global module forward hooks (torch.nn.modules.module)"
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        return f"an LM head of type {type(head).__name__} (a plain nn.Linear only)"
+    if type(inner.embed_tokens) is not torch.nn.Embedding:
+        return (f"token embeddings of type {type(inner.embed_tokens).__name__} (a plain "
+                "nn.Embedding only)")
+    for name, m in model.named_modules():
+        if m._forward_hooks or m._forward_pre_hooks:
+            return f"forward hooks on {name or 'the model'}"
+        own = type(m).__module__.split(".")[0]
+        if own not in ("transformers", "torch"):
+            return f"{name or 'the model'} of class {type(m).__qualname__} ({own})"
+        patched = m.__dict__.get("forward")
+        if patched is not None and not type(patched).__module__.startswith("lmfuse."):
+            return f"a forward set on {name or 'the model'} itself"
     return None
 
 
