@@ -108,6 +108,47 @@ def test_explain_validates_like_the_op() -> None:
         lmfuse.explain(lmfuse.fused_softmax, randn((2, 3, 4)))
 
 
+def test_explain_reads_values_as_the_op_does() -> None:
+    """Out-of-range targets and a non-float out_dtype, which the ops refuse, are refused by
+    explain too (it accepted them)."""
+    logits, bad = randn((6, 11)), torch.tensor([0, 1, 2, 3, 4, 11])
+    match = r"target holds 11, which is neither ignore_index \(-100\) nor a class in \[0, 11\)"
+    for op, args in (("cross_entropy", (logits, bad)),
+                     ("linear_cross_entropy", (randn((6, 4)), randn((11, 4)), bad))):
+        with pytest.raises(ValueError, match=match):
+            getattr(lmfuse, op)(*args)
+        with pytest.raises(ValueError, match=match):
+            lmfuse.explain(op, *args)
+    for dtype in (torch.int32, "float16"):
+        with pytest.raises(TypeError, match="out_dtype must be a floating torch.dtype"):
+            lmfuse.explain("merge_attention_states", randn((2, 3, 4)), randn((2, 3)),
+                           out_dtype=dtype)
+
+
+def test_explain_kv_cache_append() -> None:
+    """A public op with ``impl=``: explain has its planner, checking what the op checks."""
+    kc = torch.zeros(2, 8, 2, 4)
+    new = randn((2, 1, 2, 4))
+    plan = lmfuse.explain(lmfuse.kv_cache_append, kc, kc.clone(), new, new, torch.tensor([3, 7]))
+    assert plan.op == "kv_cache_append" and plan.details["cache"].startswith("contiguous, S_max 8")
+    assert "kv_cache_append" in registered_ops()
+    with pytest.raises(ValueError, match="past the capacity of 8 rows"):
+        lmfuse.explain("kv_cache_append", kc, kc.clone(), new, new, torch.tensor([3, 8]))
+
+
+def test_explain_names_pytorchs_op_on_the_cpu_default_path(monkeypatch) -> None:
+    """Without Triton's interpreter, float32 CPU calls run PyTorch's own ops: explain says so
+    (it described the reference and lmfuse's kernel passes)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    ce = lmfuse.explain("cross_entropy", randn((6, 11)), torch.arange(6))
+    assert "PyTorch's F.cross_entropy" in ce.reason and "F.cross_entropy" in ce.details["passes"]
+    for op, args in (("fused_softmax", (randn((1, 2, 4, 4)),)), ("swiglu", (randn((4, 8)),)),
+                     ("rms_norm", (randn((4, 8)), torch.ones(8)))):
+        assert "CPU float32:" in lmfuse.explain(op, *args).reason, op
+    assert "CPU float32:" not in lmfuse.explain("cross_entropy", randn((6, 11)),
+                                                torch.arange(6), z_loss=1e-4).reason
+
+
 @pytest.mark.parametrize("op", ["no_such_op", "fused_softmax_v2"])
 def test_explain_unknown_op_raises(op: str) -> None:
     with pytest.raises(ValueError, match=rf"unknown op '{op}'"):

@@ -149,6 +149,9 @@ def test_device_decode_sections_state_every_regime_of_the_default() -> None:
     '{"version": 1, "devices": {"cpu": []}}',
     '{"version": 1, "devices": {"cpu": {"linear_cross_entropy": {"buckets": [[65536]]}}}}',
     '{"version": 1, "devices": {"cpu": {"linear_cross_entropy": []}}}',
+    # (a TypeError at import, out of every CLI verb, before buckets were checked to be a list)
+    '{"version": 1, "devices": {"cpu": {"linear_cross_entropy": {"buckets": null}}}}',
+    '{"version": 1, "devices": {"h100": {"softmax": {"buckets": 3}}}}',
 ])
 def test_malformed_cache_is_ignored_with_a_warning(tuning_cache, text: str) -> None:
     tuning_cache.write_text(text)

@@ -595,6 +595,9 @@ def _plan(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp
                                   f"bias), output * {s.down_multiplier}")
     if weights is not None:
         details["weights"] = f"{list(weights.shape)} {dtype_name(weights.dtype)}"
+    if (native_cpu(impl, s.path, x) and not fp8_input_store and not cpu_offload_input
+            and (weights is None or weights.dtype == torch.float32)):
+        reason += "; CPU float32: the formula in PyTorch's own ops (F.silu, F.gelu, ...)"
     return Plan(op, path, reason, details, call=s)
 
 

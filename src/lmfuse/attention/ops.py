@@ -933,6 +933,13 @@ def _resolve_merge(outs, lses, impl) -> tuple[str, str]:
     return path, reason
 
 
+def _check_out_dtype(out_dtype: Any) -> None:
+    if out_dtype is not None and (not isinstance(out_dtype, torch.dtype)
+                                  or not out_dtype.is_floating_point):
+        raise TypeError(f"merge_attention_states: out_dtype must be a floating torch.dtype or "
+                        f"None, got {out_dtype!r}")
+
+
 def merge_attention_states(outs: torch.Tensor, lses: torch.Tensor, *,
                            out_dtype: Optional[torch.dtype] = None, impl: str = "auto"):
     """Merge ``P`` attention results over disjoint key sets, exactly.
@@ -956,10 +963,7 @@ def merge_attention_states(outs: torch.Tensor, lses: torch.Tensor, *,
     checked (any values are valid).
     """
     path, _ = _resolve_merge(outs, lses, impl)
-    if out_dtype is not None and (not isinstance(out_dtype, torch.dtype)
-                                  or not out_dtype.is_floating_point):
-        raise TypeError(f"merge_attention_states: out_dtype must be a floating torch.dtype or "
-                        f"None, got {out_dtype!r}")
+    _check_out_dtype(out_dtype)
     dtype = outs.dtype if out_dtype is None else out_dtype
     with nvtx_range("merge_attention_states", "fwd"):
         if path == "torch":
@@ -976,6 +980,42 @@ def merge_attention_states(outs: torch.Tensor, lses: torch.Tensor, *,
         if out.dtype != dtype:  # not a dtype the kernel stores (float64, float8)
             out = out.to(dtype)
         return out.view(*lead, D), lse.view(lead)
+
+
+def _resolve_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale,
+                    v_scale, impl) -> tuple[str, str, int]:
+    """``(path, reason, capacity)`` of a :func:`kv_cache_append` call, after every check of its
+    arguments (values too: see its docstring)."""
+    op = "kv_cache_append"
+    check_tensor(op, "k_new", k_new, ndim=4)
+    check_tensor(op, "v_new", v_new, ndim=4)
+    if k_new.shape != v_new.shape:
+        raise ValueError(f"{op}: k_new {tuple(k_new.shape)} and v_new {tuple(v_new.shape)} "
+                         f"must have one shape")
+    B, s_new, Hkv_new, D = k_new.shape
+    if v_new.dtype != k_new.dtype:
+        raise TypeError(f"{op}: k_new is {dtype_name(k_new.dtype)} but v_new is "
+                        f"{dtype_name(v_new.dtype)}")
+    Hkv, capacity = check_cache(op, k_new.dtype, k_cache, v_cache, block_table, B, None, D,
+                                dtype_of="k_new's")
+    if Hkv != Hkv_new:
+        raise ValueError(f"{op}: k_new has {Hkv_new} KV heads but the caches have {Hkv}")
+    check_seqlens(op, cache_seqlens, B)
+    check_scales(op, k_scale, v_scale, Hkv, k_cache.dtype)
+    check_same_device(op, "k_cache", k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new,
+                      cache_seqlens=cache_seqlens, block_table=block_table, k_scale=k_scale,
+                      v_scale=v_scale)
+    path, reason = select_impl(op, impl, k_cache.device)
+    if path == "triton" and k_new.dtype not in KERNEL_DTYPES:
+        if impl == "triton":
+            raise TypeError(f"{op}: impl='triton' appends float32/float16/bfloat16 rows, got "
+                            f"{dtype_name(k_new.dtype)}; use impl='torch'")
+        path, reason = "torch", f"{dtype_name(k_new.dtype)} rows: the reference"
+    check_no_grad(op, path, "an in-place cache write", k_cache=k_cache, v_cache=v_cache,
+                  k_new=k_new, v_new=v_new, k_scale=k_scale, v_scale=v_scale)
+    check_append_values(op, cache_seqlens, k_cache, block_table, capacity, s_new, k_scale,
+                        v_scale, force=path == "torch")
+    return path, reason, capacity
 
 
 def kv_cache_append(
@@ -1022,34 +1062,9 @@ def kv_cache_append(
     in an fp8 cache; NaN stays NaN).
     """
     op = "kv_cache_append"
-    check_tensor(op, "k_new", k_new, ndim=4)
-    check_tensor(op, "v_new", v_new, ndim=4)
-    if k_new.shape != v_new.shape:
-        raise ValueError(f"{op}: k_new {tuple(k_new.shape)} and v_new {tuple(v_new.shape)} "
-                         f"must have one shape")
-    B, s_new, Hkv_new, D = k_new.shape
-    if v_new.dtype != k_new.dtype:
-        raise TypeError(f"{op}: k_new is {dtype_name(k_new.dtype)} but v_new is "
-                        f"{dtype_name(v_new.dtype)}")
-    Hkv, capacity = check_cache(op, k_new.dtype, k_cache, v_cache, block_table, B, None, D,
-                                dtype_of="k_new's")
-    if Hkv != Hkv_new:
-        raise ValueError(f"{op}: k_new has {Hkv_new} KV heads but the caches have {Hkv}")
-    check_seqlens(op, cache_seqlens, B)
-    check_scales(op, k_scale, v_scale, Hkv, k_cache.dtype)
-    check_same_device(op, "k_cache", k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new,
-                      cache_seqlens=cache_seqlens, block_table=block_table, k_scale=k_scale,
-                      v_scale=v_scale)
-    path, _ = select_impl(op, impl, k_cache.device)
-    if path == "triton" and k_new.dtype not in KERNEL_DTYPES:
-        if impl == "triton":
-            raise TypeError(f"{op}: impl='triton' appends float32/float16/bfloat16 rows, got "
-                            f"{dtype_name(k_new.dtype)}; use impl='torch'")
-        path = "torch"
-    check_no_grad(op, path, "an in-place cache write", k_cache=k_cache, v_cache=v_cache,
-                  k_new=k_new, v_new=v_new, k_scale=k_scale, v_scale=v_scale)
-    check_append_values(op, cache_seqlens, k_cache, block_table, capacity, s_new, k_scale,
-                        v_scale, force=path == "torch")
+    path, reason, capacity = _resolve_append(k_cache, v_cache, k_new, v_new, cache_seqlens,
+                                             block_table, k_scale, v_scale, impl)
+    B, s_new, Hkv, D = k_new.shape
     with nvtx_range("kv_cache_append", "fwd"):
         if path == "torch":
             ref.kv_cache_append_reference(k_cache, v_cache, k_new, v_new, cache_seqlens,
@@ -1108,7 +1123,12 @@ def plan_decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=Non
                            f"block(s) of {c.BLOCK_M}; key tiles of {c.BLOCK_N}")
         if c.splits > 1:
             details["merge"] = "partials (float32) merged by their LSEs in a second kernel"
-    return Plan("decode_attention", s.path, s.reason, details, call=s)
+    reason = s.reason
+    if (native_cpu(impl, s.path, q) and k_cache.dtype == torch.float32 and sinks is None
+            and softcap is None and not return_lse):
+        reason += ("; CPU float32: one scaled_dot_product_attention over the gathered keys "
+                   "(the reference where a token sees nothing or the output has a NaN)")
+    return Plan("decode_attention", s.path, reason, details, call=s)
 
 
 @planner_of(decode_attention)
@@ -1116,8 +1136,27 @@ def _explain_decode_attention(**a: Any) -> Plan:
     return plan_decode_attention(**a, check_values=True)
 
 
+@planner_of(kv_cache_append)
+def plan_kv_cache_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale,
+                         v_scale, impl) -> Plan:
+    path, reason, capacity = _resolve_append(k_cache, v_cache, k_new, v_new, cache_seqlens,
+                                             block_table, k_scale, v_scale, impl)
+    B, s_new, Hkv, D = k_new.shape
+    cache = (f"paged [{k_cache.shape[0]} blocks x {k_cache.shape[1]}], {block_table.shape[1]}"
+             " blocks per sequence" if block_table is not None else
+             f"contiguous, S_max {k_cache.shape[1]}")
+    details = {"new rows": f"{B} sequence(s) x {s_new} token(s), {Hkv} KV heads of D {D}",
+               "cache": f"{cache} {dtype_name(k_cache.dtype)} (capacity {capacity})"}
+    if k_cache.dtype in FP8_DTYPES:
+        details["quantised"] = "x / scale per KV head, saturated to +-448"
+    if path == "triton":
+        details["kernel"] = "one program per (sequence, new token), every KV head's row"
+    return Plan("kv_cache_append", path, reason, details)
+
+
 @planner_of(merge_attention_states)
 def plan_merge_attention_states(outs, lses, out_dtype, impl) -> Plan:
+    _check_out_dtype(out_dtype)
     path, reason = _resolve_merge(outs, lses, impl)
     return Plan("merge_attention_states", path, reason,
                 {"states": f"{outs.shape[0]} partial(s) of {list(outs.shape[1:])} "

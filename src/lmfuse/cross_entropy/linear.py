@@ -657,6 +657,7 @@ def plan_linear_cross_entropy(**a: Any) -> Plan:
     path, reason, o = _resolve(**a)
     hidden, weight, max_chunk_bytes = a["hidden"], a["weight"], a["max_chunk_bytes"]
     target, tp_group = a["target"], a["tp_group"]
+    ops._check_targets(target, o.loss, _OP)
     n = target.numel()
     shape = f"{list(hidden.shape)} {dtype_name(hidden.dtype)}"
     if o.native:

@@ -860,7 +860,12 @@ def plan_cross_entropy(**a: Any) -> Plan:
     """What :func:`cross_entropy` would do with these arguments (validated the same way)."""
     path, reason, o = _resolve(**a)
     logits, tp_group = a["logits"], a["tp_group"]
+    _check_targets(a["target"], o)
     V = logits.shape[-1]
+    if _native_cpu(logits, a["impl"], o):
+        return Plan(_OP, path, reason + "; CPU float32: PyTorch's F.cross_entropy",
+                    {"logits": f"{list(logits.shape)} {dtype_name(logits.dtype)}",
+                     "passes": "F.cross_entropy (autograd for the gradient)"}, call=o)
     details = {
         "logits": f"{list(logits.shape)} {dtype_name(logits.dtype)}",
         "vocabulary": (f"{V} of {o.vocab_size} (rank {group_rank(tp_group)}, one "

@@ -343,6 +343,8 @@ def plan_rms_norm(x, weight, eps, weight_offset, impl) -> Plan:
             + ("; weight gradient: float32 partial per program, summed" if weight is not None
                else ""))
         details["saved for backward"] = "x, weight, rstd [rows] float32"
+    if native_cpu(impl, path, x) and (weight is None or weight.dtype == torch.float32):
+        reason += "; CPU float32: PyTorch's own ops (the same float32 formula)"
     return Plan(_OP, path, reason, details, call=a)
 
 

@@ -390,6 +390,9 @@ def plan_fused_softmax(**a: Any) -> Plan:
         details["kernel"] = (
             f"one pass, {tiles.block_m} row(s) x {tiles.block_n} keys per program"
             if tiles.single else f"chunked online softmax, {tiles.block_n}-key chunks")
+    if native_cpu(a["impl"], path, scores) and c.softmax_offset is None:
+        reason += ("; CPU float32: torch.softmax of the masked, scaled scores (the reference "
+                   "for rows with a NaN or with every key hidden)")
     return Plan(_OP, path, reason, details, call=c)
 
 

@@ -217,7 +217,11 @@ def _check_layout(devices: dict) -> None:
         for family, section in families.items():
             if not isinstance(section, dict):
                 raise ValueError(f"{name!r} / {family!r}: expected an object")
-            for b in section.get("buckets", []):
+            buckets = section.get("buckets", [])
+            if not isinstance(buckets, list):
+                raise ValueError(f"{name!r} / {family!r}: buckets must be a list of "
+                                 f"[limit, {{config}}], got {buckets!r}")
+            for b in buckets:
                 if not (isinstance(b, list) and len(b) == 2 and isinstance(b[0], int)
                         and isinstance(b[1], dict)):
                     raise ValueError(f"{name!r} / {family!r}: bucket {b!r} is not "
