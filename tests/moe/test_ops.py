@@ -486,6 +486,19 @@ def test_spread_equals_index_select() -> None:
         assert torch.equal(ops._spread(x, inv, k, c), x.index_select(0, token))
 
 
+def test_narrow_ids_over_more_experts_than_their_dtype_holds() -> None:
+    """int8 ids over 130 experts and uint8 ids over 300 (every id valid): the routing's clamp
+    to E overflowed the ids' dtype; the routing equals int64 ids'."""
+    from lmfuse.moe import ops
+
+    for dtype, E, top in ((torch.int8, 130, 127), (torch.uint8, 300, 255)):
+        ids = torch.randint(0, top + 1, (70, 2))
+        want = ops._route(ids, E)
+        got = ops._route(ids.to(dtype), E)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), dtype
+
+
 def test_large_routing_in_moe_experts(monkeypatch) -> None:
     """Past ``route_small``'s limits the Triton path routes with ``route_large`` (the
     interpreter keeps the torch ops, cheaper there: switched on here) and gives the same

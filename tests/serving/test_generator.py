@@ -439,6 +439,10 @@ def test_bad_requests_raise_and_change_nothing(prompt, kw, error, match) -> None
     ({"kv_dtype": torch.float16}, ValueError, "kv_dtype must be the model's dtype"),
     ({"cuda_graphs": "yes"}, TypeError, "cuda_graphs must be True or False, got str 'yes'"),
     ({"prefix_sharing": None}, TypeError, "prefix_sharing must be True or False"),
+    # a pool beyond any memory: named, not the allocator's bare RuntimeError
+    ({"num_blocks": 10**15, "block_len": 1}, ValueError,
+     r"a pool of num_blocks=1000000000000000 blocks of block_len=1 tokens needs .* GiB"),
+    ({"block_len": 10**12}, ValueError, r"num_blocks=8 blocks of block_len=1000000000000"),
 ])
 def test_bad_options_raise(kw, error, match) -> None:
     with pytest.raises(error, match=match):

@@ -192,6 +192,8 @@ def _route(expert_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, ...]:
     narrow = torch.int16 if E < 2**15 - 1 else torch.int32
     # Negative ids and ids >= E become E (after every expert), then the narrow key.
     ids = expert_ids.reshape(-1)
+    if E > torch.iinfo(ids.dtype).max:  # (int8 ids over 128 experts: E has no int8 value)
+        ids = ids.to(torch.int32 if ids.dtype.is_signed else torch.int16)
     if ids.dtype.is_signed:
         keys = torch.remainder(ids.clamp(-1, E), E + 1).to(narrow)
     else:  # uint8: nothing negative
@@ -878,7 +880,10 @@ def moe_experts(
     Returns:
         ``[T, H]`` in hidden's dtype; gradients for hidden, router_weights, both weights and
         both biases. Deterministic on both paths; experts that receive no token cost
-        nothing (and get zero gradients).
+        nothing (and get zero gradients). Both paths hold the activation's output (the
+        down GEMM's input) in hidden's dtype, as the models' own loops do, where the
+        float32 reference keeps float32: in float16 a value past 65504 there is inf on
+        both paths and finite in the reference.
     """
     args = (hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias, down_bias)
     path, _, s = _resolve(*args, activation, linear_offset, clamp_value, gate_up_layout,

@@ -149,8 +149,16 @@ class Generator:
             num_blocks = self._default_blocks(fraction)
         num_blocks = check_int(OP, "num_blocks", num_blocks, minimum=1)
         # (an fp8 cache's scales: ones, a tensor each, calibrated by the first prefill)
-        self.cache = PagedKVCache(num_blocks, block_len, self.kv_heads, self.head_dim,
-                                  self.kv_dtype, self.device, num_layers=self.num_layers)
+        try:
+            self.cache = PagedKVCache(num_blocks, block_len, self.kv_heads, self.head_dim,
+                                      self.kv_dtype, self.device, num_layers=self.num_layers)
+        except (RuntimeError, MemoryError) as exc:  # (torch.OutOfMemoryError among them)
+            need = num_blocks * block_len * self.bytes_per_token
+            raise ValueError(f"{OP}: a pool of num_blocks={num_blocks} blocks of "
+                             f"block_len={block_len} tokens needs {need / 2**30:.3g} GiB "
+                             f"({self.bytes_per_token} bytes a token) on {self.device}, "
+                             f"which could not be allocated ({type(exc).__name__}); pass "
+                             "fewer blocks") from exc
         self._calibrate = self.kv_dtype == torch.float8_e4m3fn
         self.shards = None if cp_group is None else ContextShards(cp_group, self.cache)
         batch_shards = None if kvdp_group is None else BatchShards(kvdp_group, self.cache)
@@ -465,10 +473,15 @@ class Generator:
         tokens, ending with ``eos_token_id`` (included; default the model's
         ``generation_config``; ``[]``: none) or after ``max_new_tokens``. Greedy at
         ``temperature == 0``; with a ``seed`` the draws repeat from run to run (request
-        ``i`` uses ``seed + i``; no seed: a random one). ``repetition_penalty`` (default
-        the model's ``generation_config``'s, else none): Hugging Face's, on the tokens of
-        the prompt and the output (:class:`SamplingParams`); a request with one takes its
-        steps' logits to the host's sampler (no greedy step run ahead)."""
+        ``i`` uses ``seed + i``; no seed: a random one). Sampling follows Hugging Face's
+        order (penalty, temperature, top-k, top-p) with what is passed here only:
+        ``top_k=None`` samples the whole vocabulary (``model.generate`` fills in
+        ``top_k=50``), and the model's ``generation_config`` sampling settings
+        (``do_sample``, ``temperature``, ``top_k``, ``top_p``) are not read.
+        ``repetition_penalty`` (default the model's ``generation_config``'s, else none):
+        Hugging Face's, on the tokens of the prompt and the output (:class:`SamplingParams`);
+        a request with one takes its steps' logits to the host's sampler (no greedy step
+        run ahead)."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise TypeError(f"{OP}: prompts must be a list of token-id lists, got "
                             f"{type(prompts).__name__}")
