@@ -486,6 +486,41 @@ def test_spread_equals_index_select() -> None:
         assert torch.equal(ops._spread(x, inv, k, c), x.index_select(0, token))
 
 
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_unchecked_ids_outside_the_experts_add_nothing(impl: str, k: int) -> None:
+    """Where ids are not read on the host (compiled graphs here, CUDA without set_checks),
+    a pair whose id lies outside [0, E) belongs to no expert and adds nothing, forward and
+    backward (its router weight's gradient 0), as Hugging Face's loops skip the id E that
+    marks another rank's expert; its rows were never written and the output took their
+    garbage (k = 1 and the slot sums alike), the torch path an IndexError."""
+    from lmfuse.moe.reference import moe_experts_reference
+
+    inp = make(6, 8, 4, 3, k)
+    ids = inp["expert_ids"].clone()
+    ids[3, 0], ids[1, -1] = 3, -2
+    valid = (ids >= 0) & (ids < 3)
+    names = [n for n, _ in leaves(inp)]
+    rest = {n: inp[n] for n in names if n not in ("hidden", "router_weights")}
+
+    def call(hidden, expert_ids, router_weights):
+        return lmfuse.moe_experts(hidden, expert_ids, router_weights, **rest, impl=impl)
+
+    got = torch.compile(call, fullgraph=impl == "triton", backend="aot_eager")(
+        inp["hidden"], ids, inp["router_weights"])
+    want = moe_experts_reference(
+        inp["hidden"], torch.where(valid, ids, 0),
+        torch.where(valid, inp["router_weights"], 0.0), **rest)
+    assert_close(got, want, F32, f"out {impl} k={k}")
+    g = torch.randn_like(got)
+    ts = [t for _, t in leaves(inp)]
+    for name, a, b in zip(names, torch.autograd.grad(got, ts, g),
+                          torch.autograd.grad(want, ts, g)):
+        assert_close(a, b, F32, f"d {name} {impl} k={k}")
+    with pytest.raises(ValueError, match=r"expert_ids must be in \[0, E\) = \[0, 3\)"):
+        call(inp["hidden"], ids, inp["router_weights"])  # eager on the CPU: checked
+
+
 def test_narrow_ids_over_more_experts_than_their_dtype_holds() -> None:
     """int8 ids over 130 experts and uint8 ids over 300 (every id valid): the routing's clamp
     to E overflowed the ids' dtype; the routing equals int64 ids'."""

@@ -393,26 +393,31 @@ def moe_wgrad_kernel(
 
 
 @triton.jit
-def moe_combine_kernel(Y, INV, OUT, N, k, SCALE, BIAS, ROW_EXPERT, HAS_SCALE: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, RTNE: tl.constexpr, BLOCK_N: tl.constexpr):
+def moe_combine_kernel(Y, INV, OUT, N, k, SCALE, BIAS, ROW_EXPERT, ROWS_END,
+                       HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, RTNE: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
     """``OUT[t] = sum_j (Y[r] + bias[row_expert[r]]) * scale[r]``, ``r = inv[t k + j]``
     (slots in order, float32), ``Y [T k, N]``; the bias (``BIAS [E, N]``, ``ROW_EXPERT
     [T k]`` the sorted rows' experts, always in ``[0, E)``) and the scale (``SCALE [T k]``
     float32, sorted order) only with their flags (the grouped-GEMM forward's down bias and
-    router weights)."""
+    router weights). Rows from ``*ROWS_END`` (the experts' last offset) on hold the pairs
+    of no expert (ids outside ``[0, E)``, unchecked): never written, so never read; such a
+    pair adds nothing."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
+    rows_end = tl.load(ROWS_END).to(tl.int64)
     acc = tl.zeros((BLOCK_N,), tl.float32)
     for j in range(0, k):
         r = tl.load(INV + t * k + j).to(tl.int64)
+        ok = r < rows_end  # (its loads stay in bounds either way)
         y = tl.load(Y + r * N + cols, mask=cmask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             e = tl.load(ROW_EXPERT + r).to(tl.int64)
             y += tl.load(BIAS + e * N + cols, mask=cmask, other=0.0).to(tl.float32)
         if HAS_SCALE:
             y *= tl.load(SCALE + r)
-        acc += y
+        acc += tl.where(ok, y, 0.0)
     tl.store(OUT + t * N + cols, _out(acc, OUT.dtype.element_ty, RTNE), mask=cmask)
 
 

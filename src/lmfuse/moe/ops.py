@@ -207,6 +207,12 @@ def _route(expert_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, ...]:
     return perm, token, offsets, inv
 
 
+def _no_expert_zero(d_rw: torch.Tensor, inv: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``d_rw [T k]`` (pair order) with 0 for the pairs of no expert (sorted rows from
+    ``offsets[-1]`` on, whose values no kernel wrote): no host synchronisation."""
+    return d_rw.masked_fill_(inv >= offsets[-1], 0.0)
+
+
 def _tiles(offsets: torch.Tensor, rows: int, block_m: int) -> torch.Tensor:
     """The row-tile table ``[slots, 3]`` int32 (expert, first row, end row) of the row-tiled
     kernels, ``slots = cdiv(rows, block_m) + min(E, rows)`` whatever the routing; unused
@@ -275,8 +281,11 @@ def _torch_path(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_b
     E, H = w_gate_up.shape[0], hidden.shape[1]
     compute = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     ids = expert_ids.reshape(-1).to(torch.int64)
+    # A pair whose id lies outside [0, E) (unchecked: compiled, or CUDA) belongs to no
+    # expert: sorted after every expert's, it adds nothing (as on the kernels' path).
+    ids = torch.where((ids >= 0) & (ids < E), ids, E)
     perm = torch.argsort(ids, stable=True)
-    counts = torch.bincount(ids, minlength=E).tolist()
+    counts = torch.bincount(ids, minlength=E + 1).tolist()
     # Gathers whose backward is deterministic: the pair rows are an expand (its gradient a
     # sum over k), the sort a permutation (unique indices).
     pairs = hidden.unsqueeze(1).expand(T, k, H).reshape(T * k, H)
@@ -289,7 +298,7 @@ def _torch_path(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_b
     # autograd function that keeps h as float8 (what a gradient needs of them, not more).
     fp8 = s.fp8_input_store and torch.is_grad_enabled()
     ys, start = [], 0
-    for e, n in enumerate(counts):
+    for e, n in enumerate(counts[:E]):
         if n == 0:
             continue
         h = F.linear(x[start:start + n], wgu[e], bgu[e])
@@ -305,7 +314,9 @@ def _torch_path(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_b
         start += n
     if not ys:  # no pair: the first expert over the empty rows, so that every input gets
         # its (zero) gradient, as from the kernels, instead of none
-        ys.append(_expert_out(F.linear(x, wgu[0], bgu[0]), wd[0], bd[0], weights, s))
+        ys.append(_expert_out(F.linear(x[:0], wgu[0], bgu[0]), wd[0], bd[0], weights[:0], s))
+    if counts[E]:
+        ys.append(ys[0].new_zeros((counts[E], H)))
     y = torch.cat(ys)
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel(), device=perm.device)
@@ -352,17 +363,20 @@ class _Fp8StoredExpert(torch.autograd.Function):
 # --- the Triton launches -----------------------------------------------------------------------
 
 
-def _combine(y: torch.Tensor, inv: torch.Tensor, T: int, k: int, c: MoELaunch,
-             scale: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+def _combine(y: torch.Tensor, inv: torch.Tensor, offsets: torch.Tensor, T: int, k: int,
+             c: MoELaunch, scale: Optional[torch.Tensor] = None,
+             bias: Optional[torch.Tensor] = None,
              row_expert: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Each token's ``k`` slot rows of ``y [T k, N]`` (sorted order) summed in slot order;
     ``bias [E, N]`` added by the rows' experts (:func:`_row_expert`) and ``scale [T k]``
-    (sorted order) multiplied first where given."""
+    (sorted order) multiplied first where given. Rows past ``offsets[-1]`` (pairs of no
+    expert) add nothing."""
     N = y.shape[1]
     out = torch.empty((T, N), dtype=y.dtype, device=y.device)
     if T and N:
         _kernels().moe_combine_kernel[(T, cdiv(N, c.combine_block))](
-            y, inv, out, N, k, scale, bias, row_expert, HAS_SCALE=scale is not None,
+            y, inv, out, N, k, scale, bias, row_expert, offsets[-1:],
+            HAS_SCALE=scale is not None,
             HAS_BIAS=bias is not None, RTNE=_dot_flags(y)["RTNE"],
             BLOCK_N=c.combine_block, num_warps=c.combine_warps)
     return out
@@ -406,8 +420,8 @@ def _grouped_engine(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch
 def _row_expert(offsets: torch.Tensor, rows: int) -> torch.Tensor:
     """Each sorted row's expert (int64 ``[rows]``), from the offsets: always in ``[0, E)``,
     so a bias indexed by it is never read out of bounds, even for the rows of pairs whose
-    ids lie outside ``[0, E)`` (unchecked on CUDA: rows after every expert's, whose values
-    are then garbage, as on the fused kernels' path)."""
+    ids lie outside ``[0, E)`` (unchecked on CUDA: rows after every expert's, which no GEMM
+    writes and :func:`_combine` leaves out)."""
     E = offsets.numel() - 1
     r = torch.arange(rows, device=offsets.device, dtype=offsets.dtype)
     return torch.searchsorted(offsets[1:], r, right=True).clamp_(max=E - 1)
@@ -462,7 +476,8 @@ def _forward_grouped(hidden, expert_ids, w_gate_up, w_down, gate_up_bias, down_b
     del h  # the bf16 GEMM output, unless kept: freed before the down GEMM's output exists
     y = _gmm(a, w_down.transpose(1, 2), offsets)
     del a
-    out = _combine(y, inv, T, k, c, scale=weights, bias=down_bias, row_expert=row_expert)
+    out = _combine(y, inv, offsets, T, k, c, scale=weights, bias=down_bias,
+                   row_expert=row_expert)
     return out, kept, perm, token, offsets, inv, weights
 
 
@@ -500,6 +515,8 @@ def _backward_grouped(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, 
             BLOCK_R=16, BLOCK_N=c.combine_block, num_warps=c.combine_warps)
         return out
 
+    if need_rw:
+        d_rw = _no_expert_zero(d_rw, inv, offsets)
     d_wd = _gmm(d_rows.t(), a_s, offsets) if need_wd else None
     d_bd = segment_sum(d_rows, weights) if need_bd else None
     del a_s, d_rows
@@ -507,7 +524,7 @@ def _backward_grouped(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, 
     # 2% of Qwen3-MoE's step; see BENCHMARKS).
     d_wgu = _gmm(dh.t(), _spread(hidden, inv, k, c), offsets) if need_wgu else None
     d_bgu = segment_sum(dh, None) if need_bgu else None
-    d_x = _combine(_gmm(dh, w_gate_up, offsets), inv, T, k, c) if need_x else None
+    d_x = _combine(_gmm(dh, w_gate_up, offsets), inv, offsets, T, k, c) if need_x else None
     return d_x, d_rw, d_wgu, d_wd, d_bgu, d_bd
 
 
@@ -555,13 +572,14 @@ def _forward(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias
     if fp8 and not direct:
         h = h.to(_FP8)  # e4m3 values already: an exact cast
     scatter = k == 1
-    y = hidden.new_empty((T, H)) if scatter else hidden.new_empty((rows, H))
+    # (k = 1 writes the tokens' rows in place: zeros first, for a pair of no expert)
+    y = hidden.new_zeros((T, H)) if scatter else hidden.new_empty((rows, H))
     kern.moe_down_kernel[(tiles.shape[0], cdiv(H, bn))](
         a, a.stride(0), w_down, w_down.stride(0), w_down.stride(2), w_down.stride(1),
         down_bias if down_bias is not None else a, weights, token, y, y.stride(0), tiles,
         H, Fdim, HAS_BIAS=down_bias is not None, HAS_SCALE=True, SCATTER=scatter, **dots,
         **gemm)
-    out = y if scatter else _combine(y, inv, T, k, c)
+    out = y if scatter else _combine(y, inv, offsets, T, k, c)
     return out, h, perm, token, offsets, inv, weights
 
 
@@ -599,6 +617,7 @@ def _backward(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm,
     if need_rw:
         d_rw = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         d_rw[perm] = dw_part.sum(0)
+        d_rw = _no_expert_zero(d_rw, inv, offsets)
     wgrad = dict(**dots, **c.wgrad())
 
     def wgrad_grid(M: int, N: int) -> tuple[int, int]:
@@ -625,7 +644,7 @@ def _backward(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm,
     d_x = None
     if need_x:
         scatter = k == 1
-        dx = hidden.new_empty((T, H)) if scatter or not rows else hidden.new_empty((rows, H))
+        dx = hidden.new_zeros((T, H)) if scatter or not rows else hidden.new_empty((rows, H))
         if rows:
             kern.moe_down_kernel[(tiles.shape[0], cdiv(H, bn))](
                 dh, dh.stride(0), w_gate_up, w_gate_up.stride(0), w_gate_up.stride(1),
@@ -633,7 +652,7 @@ def _backward(dout, hidden, w_gate_up, w_down, gate_up_bias, down_bias, h, perm,
                 HAS_BIAS=False, HAS_SCALE=False, SCATTER=scatter, **dots, **gemm)
         else:
             dx.zero_()
-        d_x = dx if scatter or not rows else _combine(dx, inv, T, k, c)
+        d_x = dx if scatter or not rows else _combine(dx, inv, offsets, T, k, c)
     return (d_x, d_rw, d_wgu, d_wd, d_bgu if need_bgu else None, d_bd if need_bd else None)
 
 
@@ -857,8 +876,8 @@ def moe_experts(
         expert_ids: ``[T, k]`` integer expert of each token's slots, in ``[0, E)`` (checked:
             on CPU tensors in eager calls, on CUDA under :func:`lmfuse.set_checks`; where
             unchecked, on CUDA and in graphs ``torch.compile`` traced, a slot outside the
-            range belongs to no expert: nothing is read or written outside the tensors, and
-            its token's output is undefined).
+            range belongs to no expert and adds nothing, its router weight's gradient 0, as
+            Hugging Face's loops skip the id ``E`` that marks another rank's expert).
         router_weights: ``[T, k]``, any float dtype; its gradient comes back in it.
         w_gate_up: ``[E, 2F, H]`` (``[E, F, H]`` for ``squared_relu``), hidden's dtype; any
             strides (a transposed view such as GPT-OSS's ``gate_up_proj.transpose(1, 2)``
