@@ -18,6 +18,7 @@ from . import activations as act
 from .activations.ops import check_bias as check_activation_bias
 from .activations.ops import check_options as check_activation_options
 from .cross_entropy import cross_entropy
+from .cross_entropy.ops import outside_vocab_ignored
 from .cross_entropy import linear_cross_entropy as _linear_cross_entropy
 from .integrations.megatron_core import patch
 from ._dispatch import check_number
@@ -150,18 +151,12 @@ def fused_vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor,
 
 
 def _outside_ignored(logits: Any, target: Any, tp_group: Any) -> Any:
-    """``target`` with ids outside the vocabulary ``[0, V)`` (padding labels such as -1 or
-    -100) set to the ignore index: their loss 0, their gradient none. Megatron-Core gives
-    such a token the log-sum-exp of its logits and the softmax as gradient (its target's
-    logit taken as 0), which a loss mask of 0 there, what such labels come with, turns into
-    0 as well; lmfuse's ``cross_entropy`` would give +inf on CUDA (NaN times that mask).
-    Anything but an integer tensor is left for ``cross_entropy``'s checks."""
-    if (not isinstance(target, torch.Tensor) or target.is_floating_point()
-            or not isinstance(logits, torch.Tensor) or logits.dim() < 1):
+    """``target`` with ids outside the whole vocabulary ignored (see
+    :func:`~lmfuse.cross_entropy.ops.outside_vocab_ignored`)."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() < 1:
         return target
     world = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
-    vocab = logits.shape[-1] * world
-    return target.masked_fill((target < 0) | (target >= vocab), -100)
+    return outside_vocab_ignored(target, logits.shape[-1] * world)
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,

@@ -276,6 +276,33 @@ def test_loss_gradients_and_logits_match_megatron(tie: bool, monkeypatch) -> Non
     assert calls.count(model.output_layer) == 1
 
 
+@pytest.mark.parametrize("formed", [False, True], ids=["unformed-logits", "formed-logits"])
+def test_padding_labels_under_a_zero_loss_mask_match_megatron(formed: bool) -> None:
+    """Labels outside the vocabulary (BERT's dataset pads with -1; -100; V) come with a loss
+    mask of 0: Megatron gives them the log-sum-exp, which the mask zeroes; the patched loss
+    gives them 0 (its cross-entropies refused them on the CPU, and gave +inf on CUDA: NaN
+    under the mask). The masked step is Megatron's, on both of the patch's loss paths."""
+    reference = build_gpt()
+    model = copy_model(reference)
+    patch(model)
+    if formed:  # compute_language_model_loss on formed logits
+        del model.__dict__["_postprocess"], model.output_layer.__dict__["forward"]
+    ids, pos, mask, labels, weights = inputs()
+    labels, weights = labels.clone(), weights.clone()
+    for (b, t), pad in zip(((0, 1), (0, SEQ - 1), (1, 3)), (-1, -100, VOCAB)):
+        labels[b, t], weights[b, t] = pad, 0.0
+    batch = (ids, pos, mask, labels, weights)
+    what = f"padding labels ({'formed' if formed else 'unformed'} logits)"
+    with megatron_on_cpu():
+        want, want_grads = step(reference, batch)
+        got, got_grads = step(model, batch)
+    assert_close(got * weights, want * weights, F32, f"{what}: masked loss")
+    assert got_grads.keys() == want_grads.keys()
+    for name, g in want_grads.items():
+        assert_close(got_grads[name], g, F32, f"{what}: gradient of {name}")
+    assert got[0, 1] == 0 and got[0, SEQ - 1] == 0 and got[1, 3] == 0
+
+
 def test_logits_are_formed_where_the_output_layer_gathers_them() -> None:
     reference = build_gpt(parallel_output=False)
     model = copy_model(reference)
@@ -392,6 +419,35 @@ def test_moe_experts_get_weighted_swiglu() -> None:
     experts = {n: op for n, op in summary["activations"].items() if "local_experts" in n}
     assert len(experts) == 8 and set(experts.values()) == {"swiglu"}
     assert_same_step(model, reference, inputs(), "MoE (SequentialMLP experts)")
+
+
+def test_gelu_experts_are_listed_unpatched() -> None:
+    """SequentialMLP calls its experts with per_token_scale, and lmfuse has no weighted
+    GELU: Megatron's forward runs for them every time, so the summary lists them under
+    ``unpatched`` (it listed them as fused), and the step is Megatron's."""
+    from megatron.core.transformer.utils import openai_gelu
+
+    reference = build_gpt(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+                          moe_token_dispatcher_type="allgather", activation_func=openai_gelu,
+                          gated_linear_unit=False, bias_activation_fusion=False)
+    model = copy_model(reference)
+    summary = patch(model)
+    assert not [n for n in summary["activations"] if "local_experts" in n]
+    experts = [n for n in summary["unpatched"] if "local_experts" in n]
+    assert len(experts) == 8
+    assert "lmfuse has no weighted bias_gelu" in summary["unpatched"][experts[0]]
+    assert_same_step(model, reference, inputs(), "MoE (GELU experts)")
+
+
+def test_patched_weightless_rms_norm_checks_the_width() -> None:
+    from lmfuse.integrations.megatron_core import _rms_norm_forward
+
+    norm = torch.nn.RMSNorm(8, eps=1e-5, elementwise_affine=False)
+    with pytest.raises(ValueError, match=r"normalized_shape is \[8\], so the input must be "
+                                         r"\[\.\.\., 8\], got \[3, 6\]"):
+        _rms_norm_forward(norm, torch.randn(3, 6))
+    x = torch.randn(3, 8)
+    assert_close(_rms_norm_forward(norm, x), norm(x), F32, "weightless RMSNorm")
 
 
 def test_patch_is_idempotent_and_flags_leave_parts_alone() -> None:

@@ -723,6 +723,20 @@ def check_class_weights(op: str, name: str, w: Any, V_local: int, size_of: str,
                          f"{device}; move them to one device")
 
 
+def outside_vocab_ignored(target: Any, vocab_size: int, ignore_index: int = -100) -> Any:
+    """``target`` with the ids outside the vocabulary ``[0, vocab_size)`` (padding labels
+    such as -1) set to ``ignore_index``: their loss 0, their gradient none, on every device
+    and without a host synchronisation. Megatron-Core's vocabulary-parallel loss gives such
+    a token the log-sum-exp of its logits (its target's logit taken as 0), which the loss
+    mask of 0 such labels come with turns into 0 as well; ``cross_entropy`` refuses them on
+    CPU tensors and gives +inf on CUDA (NaN times that mask). Anything but an integer tensor
+    is returned as it is, for the loss's own checks."""
+    if not isinstance(target, torch.Tensor) or target.is_floating_point() or \
+            target.dtype == torch.bool:
+        return target
+    return target.masked_fill((target < 0) | (target >= vocab_size), ignore_index)
+
+
 def _check_targets(target: torch.Tensor, o: CrossEntropyCall, op: str = _OP) -> None:
     """Out-of-range targets raise on CPU tensors, and on CUDA ones with
     ``lmfuse.set_checks(True)`` (a host sync). Not under ``torch.compile`` or CUDA-graph

@@ -86,7 +86,9 @@ attention; also the core of MLA's local spec), flag ``softmax``:
     config logger on, which read the logits; the summary says which applies.
     Megatron's loss is per token (the training script masks and averages it), so the
     linear cross-entropy's backward recomputes the logits chunk by chunk instead of keeping
-    them: extra GEMM time for ``[tokens, V]`` less memory.
+    them: extra GEMM time for ``[tokens, V]`` less memory. Labels outside the vocabulary
+    (BERT's -1 padding, -100) get loss 0 and no gradient, where Megatron gives them the
+    log-sum-exp of their logits: the same once the loss mask of 0 they come with applies.
 
 Refused: models holding Transformer Engine modules (``transformer_impl="transformer_engine"``:
 ``TEDotProductAttention``, ``TELayerNormColumnParallelLinear``, ``TERowParallelLinear``,
@@ -119,6 +121,7 @@ import torch.nn.functional as F
 from ..activations import (bias_gelu, geglu, quick_geglu, squared_relu, swiglu,
                            weighted_quick_geglu, weighted_squared_relu, weighted_swiglu)
 from ..cross_entropy import cross_entropy
+from ..cross_entropy.ops import outside_vocab_ignored
 from ..norm import rms_norm as _rms_norm
 from ..softmax import AttnMaskType, FusedScaleMaskSoftmax
 from . import _activation_name, _check_flags, _Forward, _instance_attr
@@ -328,6 +331,11 @@ def _rms_norm_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     # 16-bit inputs), not the input dtype's (bfloat16's 7.8e-3 would dominate small rows).
     math_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     eps = self.eps if self.eps is not None else torch.finfo(math_dtype).eps
+    if self.weight is None and tuple(x.shape[-1:]) != tuple(self.normalized_shape):
+        # (with a weight, rms_norm's own check names the mismatch)
+        raise ValueError(f"RMSNorm: normalized_shape is {list(self.normalized_shape)}, so the "
+                         f"input must be [..., {self.normalized_shape[0]}], got "
+                         f"{list(x.shape)}")
     return _rms_norm(x, self.weight, eps=eps)
 
 
@@ -363,6 +371,10 @@ class _UnformedLogits:
         from ..megatron import linear_cross_entropy
 
         target = labels.transpose(0, 1).contiguous()  # [s, b], the hidden rows' order
+        world = 1 if self.tp_group is None else torch.distributed.get_world_size(self.tp_group)
+        # Labels outside the vocabulary (BERT's -1 padding): loss 0, as Megatron's lse is
+        # once its loss mask of 0 there applies (see outside_vocab_ignored).
+        target = outside_vocab_ignored(target, self.weight.shape[0] * world)
         loss = linear_cross_entropy(self.hidden, self.weight, target, tp_group=self.tp_group,
                                     reduction="none", sequence_parallel=self.sequence_parallel)
         return loss.view(target.shape).transpose(0, 1).contiguous()
@@ -423,8 +435,11 @@ def _language_model_loss(self: Any, labels: torch.Tensor, logits: Any) -> torch.
     group = getattr(self, "tp_group", None)
     if group is None:
         group = self.pg_collection.tp
-    target = labels.transpose(0, 1).contiguous()
-    loss = cross_entropy(logits, target, reduction="none", tp_group=_group(group))
+    group = _group(group)
+    world = 1 if group is None else torch.distributed.get_world_size(group)
+    target = outside_vocab_ignored(labels.transpose(0, 1).contiguous(),
+                                   logits.shape[-1] * world)
+    loss = cross_entropy(logits, target, reduction="none", tp_group=group)
     return loss.transpose(0, 1).contiguous()
 
 
@@ -600,6 +615,11 @@ def patch(model: torch.nn.Module, *, softmax: bool = True, activations: bool = T
                 kind, why = _mlp_kind(m, fns)
                 if kind is None:
                     unpatched[name] = why
+                elif kind not in _WEIGHTED and "local_experts" in name.split("."):
+                    # SequentialMLP calls its experts with per_token_scale: Megatron's forward
+                    # would run every time (no weighted kernel of this activation).
+                    unpatched[name] = (f"an expert of SequentialMLP (called with "
+                                       f"per_token_scale): lmfuse has no weighted {kind}")
                 else:
                     m._lmfuse_activation = kind
                     _set(m, "forward", _mlp_forward)
