@@ -1345,16 +1345,18 @@ def test_triton_path_refuses_every_input_that_requires_grad(op: str, name: str) 
         assert kw[name].grad is not None and torch.isfinite(kw[name].grad).all()
 
 
-def test_compile_fullgraph_decode_and_append() -> None:
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_compile_fullgraph_decode_and_append(impl: str) -> None:
     """torch.compile traces decode_attention and kv_cache_append as opaque custom ops (no
-    graph break) and gives the eager results."""
+    graph break) and gives the eager results; on the reference path too (it read the
+    lengths on the host while tracing), whose compiled calls still check the values."""
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 2, 8, 32), torch.randn(2, 40, 2, 32), torch.randn(2, 40, 2, 32)
     lens = torch.tensor([40, 7], dtype=torch.int32)
 
     def attend(q, k, v, lens):
         out, lse = lmfuse.decode_attention(q, k, v, lens, return_lse=True, window_size=10,
-                                           impl="triton")
+                                           impl=impl)
         return out * 2, lse
 
     with torch.no_grad():
@@ -1363,13 +1365,18 @@ def test_compile_fullgraph_decode_and_append() -> None:
     assert torch.allclose(got[0], want[0]) and torch.allclose(got[1], want[1])
 
     def append(kc, vc, kn, vn, lens):
-        lmfuse.kv_cache_append(kc, vc, kn, vn, lens, impl="triton")
+        lmfuse.kv_cache_append(kc, vc, kn, vn, lens, impl=impl)
         return kc.sum()
 
     kc, vc, kn = torch.zeros(2, 8, 2, 32), torch.zeros(2, 8, 2, 32), torch.randn(2, 1, 2, 32)
-    torch.compile(append, fullgraph=True)(kc, vc, kn, -kn, torch.tensor([1, 3]))
+    compiled = torch.compile(append, fullgraph=True)
+    compiled(kc, vc, kn, -kn, torch.tensor([1, 3]))
     assert torch.equal(kc[0, 1], kn[0, 0]) and torch.equal(vc[1, 3], -kn[1, 0])
     assert kc[0, 0].abs().sum() == 0 and kc[1, 2].abs().sum() == 0
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 8 tokens; its 1 new one"):
+        compiled(kc, vc, kn, -kn, torch.tensor([1, 8]))
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 41"):
+        torch.compile(attend, fullgraph=True)(q, k, v, torch.tensor([40, 41]))
 
 
 @pytest.mark.parametrize("paged", [False, True])

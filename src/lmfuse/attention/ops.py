@@ -609,6 +609,22 @@ def _launch_merge(outs: torch.Tensor, lses: torch.Tensor,
     return out, lse
 
 
+@kernel_op("kv_cache_append_reference_", lambda *args, **kwargs: None,
+           mutates_args=("k_cache", "v_cache"))
+def _append_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
+                      v_new: torch.Tensor, cache_seqlens: torch.Tensor,
+                      block_table: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
+                      v_scale: Optional[torch.Tensor], capacity: int, check: bool) -> None:
+    """:func:`kv_cache_append`'s reference path, as one op of a compiled graph (the reference
+    reads the lengths on the host). ``check``: the value checks first (a compiled call's;
+    an eager call has run them)."""
+    if check:
+        check_append_values("kv_cache_append", cache_seqlens, k_cache, block_table, capacity,
+                            k_new.shape[1], k_scale, v_scale, force=True)
+    ref.kv_cache_append_reference(k_cache, v_cache, k_new, v_new, cache_seqlens,
+                                  block_table=block_table, k_scale=k_scale, v_scale=v_scale)
+
+
 @kernel_op("kv_cache_append_", lambda *args, **kwargs: None,
            mutates_args=("k_cache", "v_cache"))
 def _launch_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
@@ -672,6 +688,30 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out, lse = _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale,
                               v_scale, s)
     return [out] if lse is None else [out, lse]
+
+
+@kernel_op("decode_attention_reference",
+           lambda q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale,
+           scale, window_size, softcap, return_lse: _decode_fake(
+               q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale, scale,
+               window_size, None, softcap, return_lse, False))
+def _decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
+                      sinks: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
+                      v_scale: Optional[torch.Tensor], scale: float,
+                      window_size: Optional[int], softcap: Optional[float],
+                      return_lse: bool) -> list[torch.Tensor]:
+    """:func:`decode_attention`'s reference path as one op of a compiled graph (the
+    reference reads the lengths on the host; the values checked here first)."""
+    rows = k_cache.shape[1]
+    capacity = block_table.shape[1] * rows if block_table is not None else rows
+    check_decode_values("decode_attention", cache_seqlens, k_cache, block_table, capacity,
+                        k_scale, v_scale, force=True)
+    res = ref.decode_attention_reference(
+        q, k_cache, v_cache, cache_seqlens, block_table=block_table, scale=scale,
+        window_size=window_size, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+        return_lse=return_lse, softcap=softcap)
+    return list(res) if return_lse else [res]
 
 
 @kernel_op("decode_attention_partials", lambda q, *args, **kwargs: q.new_empty(
@@ -782,6 +822,13 @@ def decode_attention(
             if out is not None:
                 return out
         if path == "torch":
+            if torch.compiler.is_compiling():
+                # The reference reads lengths on the host: one opaque node for the graph,
+                # which checks the values at run time as an eager call does here.
+                res = _decode_reference(q, k_cache, v_cache, cache_seqlens, block_table,
+                                        sinks, k_scale, v_scale, scale, window_size, softcap,
+                                        return_lse)
+                return (res[0], res[1]) if return_lse else res[0]
             return ref.decode_attention_reference(
                 q, k_cache, v_cache, cache_seqlens, block_table=block_table, scale=scale,
                 window_size=window_size, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
@@ -1067,9 +1114,8 @@ def kv_cache_append(
     B, s_new, Hkv, D = k_new.shape
     with nvtx_range("kv_cache_append", "fwd"):
         if path == "torch":
-            ref.kv_cache_append_reference(k_cache, v_cache, k_new, v_new, cache_seqlens,
-                                          block_table=block_table, k_scale=k_scale,
-                                          v_scale=v_scale)
+            _append_reference(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
+                              k_scale, v_scale, capacity, check=torch.compiler.is_compiling())
             return None
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
             # The kernel writes a head's D values as one run (heads at any stride: token-major
