@@ -455,3 +455,23 @@ def test_rms_norm_native_path_with_an_offset_takes_the_own_backward(no_interpret
     torch.testing.assert_close(y1, y2, rtol=1e-6, atol=1e-6)
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_softmax_band_cached_under_inference_mode_serves_training(no_interpreter) -> None:
+    """The causal and window bands are cached per shape: one first made under
+    torch.inference_mode was an inference tensor, which every later training call of that
+    shape failed to save for backward."""
+    from lmfuse.softmax import ops as softmax_ops
+
+    softmax_ops._hidden_band.cache_clear()  # (the first call below makes them)
+    softmax_ops._band_bias.cache_clear()
+    s = torch.randn(1, 2, 5, 7)
+    with torch.inference_mode():
+        lmfuse.fused_softmax(s, causal=True)
+        lmfuse.fused_softmax(s, window_size=2)
+    x = s.clone().requires_grad_(True)
+    for kw in ({"causal": True}, {"window_size": 2}):
+        got = torch.autograd.grad(lmfuse.fused_softmax(x, **kw).square().sum(), x)[0]
+        want = torch.autograd.grad(lmfuse.fused_softmax(x, **kw, impl="torch").square().sum(),
+                                   x)[0]
+        assert torch.allclose(got, want, atol=1e-6), kw

@@ -56,8 +56,10 @@ def _inv_freq(head_dim: int, device: torch.device) -> torch.Tensor:
     """The rotary frequencies, float32, kept on ``device`` (a buffer would be rounded by
     ``model.to(dtype)``): DecodeAttentionBlock's own, formed on the CPU by the float32
     formula transformers' Llama uses, so the bits are the same and training, the decode
-    example's blocks and :func:`as_llama`'s Llama all turn by the same angles."""
-    return rope_inv_freq(head_dim, ROPE_THETA, device)
+    example's blocks and :func:`as_llama`'s Llama all turn by the same angles. (Made
+    outside inference mode: a cached inference tensor could not be saved for backward.)"""
+    with torch.inference_mode(False):
+        return rope_inv_freq(head_dim, ROPE_THETA, device)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

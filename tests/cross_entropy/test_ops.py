@@ -1111,6 +1111,37 @@ def test_options_beyond_float32_are_refused(name: str) -> None:
         lmfuse.cross_entropy(torch.randn(4, 5), torch.tensor([0, 1, 2, 3]), **{name: 1e39})
 
 
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_inplace_backward_over_logits_another_node_saved_raises(impl: str,
+                                                               reduction: str) -> None:
+    """tanh keeps its output (the logits) for its backward: the Triton path wrote the
+    gradient over them without bumping their version, so tanh's backward read the gradient
+    as logits and gave a wrong gradient silently; now autograd's in-place error, as on the
+    torch path."""
+    h = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(11, 8)
+    loss = lmfuse.cross_entropy(torch.tanh(h @ w.T), torch.tensor([1, 0, 10, 3]),
+                                reduction=reduction, inplace_backward=True, impl=impl)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.sum().backward()
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_per_token_losses_can_be_masked_in_place(impl: str) -> None:
+    """reduction="none" on the Triton path returned a view made inside the autograd
+    Function, which cannot be changed in place (loss.mul_(mask) raised)."""
+    logits = torch.randn(5, 9, requires_grad=True)
+    target = torch.tensor([0, 3, 8, 1, 2])
+    mask = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.5])
+    loss = lmfuse.cross_entropy(logits, target, reduction="none", impl=impl)
+    loss.mul_(mask)
+    got = torch.autograd.grad(loss.sum(), logits)[0]
+    want = torch.autograd.grad((torch.nn.functional.cross_entropy(
+        logits, target, reduction="none") * mask).sum(), logits)[0]
+    assert torch.allclose(got, want, atol=1e-6)
+
+
 @pytest.mark.parametrize("reduction, dtype", [("none", F32), ("mean", torch.float16)])
 def test_a_second_backward_after_an_inplace_one_is_refused(reduction: str, dtype) -> None:
     """The deferred Triton path (reduction="none", float16) writes the gradient over the

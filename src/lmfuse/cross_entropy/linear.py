@@ -607,6 +607,11 @@ def linear_cross_entropy(
     :func:`lmfuse.cross_entropy`): a NaN in one row of ``weight`` makes every token's loss
     and every gradient NaN.
 
+    A second backward through the same loss (``retain_graph=True``) raises a
+    ``RuntimeError`` (the gradients come from the chunked logits, which are not kept),
+    except on the CPU default path (``F.linear`` and ``F.cross_entropy``): compute the loss
+    again.
+
     Returns:
         float32 loss (float64, on the torch path, for float64 inputs: the kernels compute in
         float32, and ``impl="triton"`` raises ``TypeError`` for them): a scalar, or per-token

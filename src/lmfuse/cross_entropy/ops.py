@@ -431,6 +431,7 @@ class _CrossEntropy(torch.autograd.Function):
                 if o.inplace:
                     stats = _fwd_grad_(logits, target, count, ignore, ls, z, cap, mean, "",
                                        *opt)
+                    _written(logits)
                     grad = logits
                 else:
                     stats, grad = _fwd_grad(logits, target, count, ignore, ls, z, cap, mean,
@@ -456,7 +457,9 @@ class _CrossEntropy(torch.autograd.Function):
                                       wt)
             if o.path == "triton":
                 loss = stats[3]  # the kernels' per-token loss, already / count for "mean"
-                loss = loss if o.reduction == "none" else loss.sum()
+                # (a copy, not a view of the stats: a view made inside a Function could not
+                # be changed in place, as a loss mask multiplied in does)
+                loss = loss.clone() if o.reduction == "none" else loss.sum()
             else:
                 ce, zl = ref.token_terms(stats, target, vocab_size=o.vocab_size,
                                          ignore_index=ignore, label_smoothing=ls, z_loss=z,
@@ -488,6 +491,13 @@ class _CrossEntropy(torch.autograd.Function):
                 (grad,) = ctx.saved_tensors
                 _launch_scale(grad, dout.float().reshape(1))
                 return grad, None, None, None
+            if o.inplace and getattr(ctx, "backward_done", False):
+                # (before the saved logits are read: their bumped version would raise
+                # autograd's less telling error)
+                raise RuntimeError(
+                    f"{_OP}: a second backward through the same loss is not supported "
+                    "with inplace_backward=True: the first wrote its gradient over the "
+                    "logits. Compute the loss again, or call backward once.")
             logits, target, stats, count, weight, wstat, wt = ctx.saved_tensors
             n = logits.shape[0]
             wz = None
@@ -508,18 +518,12 @@ class _CrossEntropy(torch.autograd.Function):
             args = (o.vocab_start, o.vocab_size, o.ignore_index, o.label_smoothing,
                     o.z_loss, o.softcap)
             opt = () if weight is None else (weight, wstat, wz, wt)
-            if o.inplace:
-                # The first backward writes its gradient over the saved logits (the Triton
-                # write does not bump their version, so autograd would not notice).
-                if getattr(ctx, "backward_done", False):
-                    raise RuntimeError(
-                        f"{_OP}: a second backward through the same loss is not supported "
-                        "with inplace_backward=True: the first wrote its gradient over the "
-                        "logits. Compute the loss again, or call backward once.")
+            if o.inplace:  # (this backward writes its gradient over the saved logits)
                 ctx.backward_done = True
             if o.path == "triton":
                 if o.inplace:
                     _grad_(logits, target, stats, w, *args, *opt)
+                    _written(logits)
                     return logits, None, None, None
                 return _grad(logits, target, stats, w, *args, *opt), None, None, None
             grad = ref.logits_grad(logits, target, stats[0], w, vocab_start=args[0],
@@ -723,6 +727,16 @@ def check_class_weights(op: str, name: str, w: Any, V_local: int, size_of: str,
                          f"{device}; move them to one device")
 
 
+def _written(logits: torch.Tensor) -> None:
+    """Bump the version of ``logits`` after a Triton kernel wrote the gradient over them
+    (``inplace_backward``), as an in-place torch op would: a node that saved them (an
+    activation's output, say) then raises autograd's "modified by an inplace operation"
+    instead of reading the gradient as logits. (Not while compiling: the custom op
+    declares the write.)"""
+    if not torch.compiler.is_compiling():
+        torch.autograd.graph.increment_version(logits)
+
+
 def outside_vocab_ignored(target: Any, vocab_size: int, ignore_index: int = -100) -> Any:
     """``target`` with the ids outside the vocabulary ``[0, vocab_size)`` (padding labels
     such as -1) set to ``ignore_index``: their loss 0, their gradient none, on every device
@@ -785,7 +799,9 @@ def cross_entropy(
             ``weight`` or the argmax: see below); the backward none. Every rank gets the
             full loss.
         inplace_backward: write the gradient over ``logits`` (which must not be needed
-            again, by you or by autograd); the op then allocates nothing of size N x V.
+            again, by you or by autograd: a node that saved them, or a checkpoint that
+            recomputes the loss from them, raises autograd's in-place error); the op then
+            allocates nothing of size N x V.
         reduction: ``"mean"`` over non-ignored tokens (0 when all are ignored), ``"sum"``,
             or ``"none"`` (float32 per-token losses of ``target``'s shape, 0 where ignored).
         weight: class weights ``[V]`` (any float dtype, used in float32; float64 for float64
@@ -804,6 +820,10 @@ def cross_entropy(
             counts as the maximum), of the softcapped logits with ``softcap``. Taken in
             the pass that finds the row max: no extra read of the logits.
         impl: ``"auto"``, ``"triton"`` or ``"torch"``; see :func:`lmfuse.explain`.
+
+    Where the gradient is computed in the forward (the fused Triton path of a ``"mean"`` or
+    ``"sum"`` loss, and ``inplace_backward``), a second backward through the same loss
+    (``retain_graph=True``) raises a ``RuntimeError``: compute the loss again.
 
     NaN and inf propagate as in ``F.cross_entropy`` on every path: a NaN or +inf logit
     makes its token's loss and gradient row NaN; -inf logits are masked classes (an all

@@ -396,9 +396,12 @@ def plan_fused_softmax(**a: Any) -> Plan:
     return Plan(_OP, path, reason, details, call=c)
 
 
+# (Cached tensors are made outside inference mode: one made under torch.inference_mode
+# could not be saved for backward by the training calls that reuse it.)
 @functools.lru_cache(maxsize=64)
 def _hidden_band(sq: int, sk: int, left: int, right: int) -> torch.Tensor:
-    return ~visible_keys(sq, sk, left, right, torch.device("cpu"))
+    with torch.inference_mode(False):
+        return ~visible_keys(sq, sk, left, right, torch.device("cpu"))
 
 
 @functools.lru_cache(maxsize=64)
@@ -407,7 +410,9 @@ def _band_bias(sq: int, sk: int, left: int, right: int) -> torch.Tensor:
     fraction of ``masked_fill``'s time with a broadcast bool mask (one CPU thread, [8, 4, 64,
     64]: 10 against 73 us) and gives the same scores, except where a hidden key is +inf or
     NaN: its row turns NaN, which ``_native_cpu`` hands to the reference."""
-    return torch.zeros(sq, sk).masked_fill_(_hidden_band(sq, sk, left, right), float("-inf"))
+    with torch.inference_mode(False):
+        return torch.zeros(sq, sk).masked_fill_(_hidden_band(sq, sk, left, right),
+                                                float("-inf"))
 
 
 def _native_cpu(scores: torch.Tensor, a: SoftmaxCall) -> Optional[torch.Tensor]:
