@@ -89,6 +89,14 @@ def test_activation_second_derivative_refused_for_an_fp8_stored_input() -> None:
         torch.autograd.grad(y.sum(), x, create_graph=True)
 
 
+def test_activation_second_derivative_of_a_cpu_input_with_the_offload_flag() -> None:
+    """``cpu_offload_input`` moves CUDA tensors only: a CPU input is kept as it is, so its
+    second derivatives hold (they were refused, as for an offloaded input)."""
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradgradcheck(
+        lambda x: lmfuse.swiglu(x, cpu_offload_input=True, impl="torch"), (x,))
+
+
 def _ce(x):
     return lmfuse.cross_entropy(x, torch.tensor([1, 0, 3, 2]), impl=_IMPL["impl"])
 

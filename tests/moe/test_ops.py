@@ -521,6 +521,25 @@ def test_unchecked_ids_outside_the_experts_add_nothing(impl: str, k: int) -> Non
         call(inp["hidden"], ids, inp["router_weights"])  # eager on the CPU: checked
 
 
+def test_fp8_store_under_autocast_backward_outside_it() -> None:
+    """The torch path's float8 store recomputes an expert in backward: under the forward's
+    autocast (bf16 GEMMs), as the usual backward() after the autocast block needs (it mixed
+    a bf16 h with a float32 w_down and raised); the gradients are those of a backward taken
+    inside the block."""
+    inp = make(6, 8, 4, 3, 2, bias=False)
+    ts = [t for _, t in leaves(inp)]
+    grads = []
+    for inside in (True, False):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = lmfuse.moe_experts(**inp, fp8_input_store=True, impl="torch")
+            if inside:
+                grads.append(torch.autograd.grad(out.float().sum(), ts))
+        if not inside:
+            grads.append(torch.autograd.grad(out.float().sum(), ts))
+    for (name, _), a, b in zip(leaves(inp), *grads):
+        assert torch.equal(a, b), name
+
+
 def test_narrow_ids_over_more_experts_than_their_dtype_holds() -> None:
     """int8 ids over 130 experts and uint8 ids over 300 (every id valid): the routing's clamp
     to E overflowed the ids' dtype; the routing equals int64 ids'."""

@@ -405,8 +405,10 @@ def _resolve(op: str, x, bias, weights, activation: str, gated: bool, linear_off
     linear_offset, clamp_value, gate_multiplier, down_multiplier = checked_once(_options,
                                                                                 *options)
     path, reason = float64_fallback(op, impl, *select_impl(op, impl, x.device), x.dtype, "x")
+    # (The offload copies CUDA tensors to the host; a CPU tensor is kept as it is.)
     s = ActivationCall(activation, gated, linear_offset, clamp_value, gate_multiplier,
-                       down_multiplier, op, path, fp8_input_store, cpu_offload_input, tokens)
+                       down_multiplier, op, path, fp8_input_store,
+                       cpu_offload_input and x.is_cuda, tokens)
     return path, reason, s
 
 
@@ -451,7 +453,7 @@ def _run(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp_
                        fp8_input_store, cpu_offload_input, impl, gate_multiplier,
                        down_multiplier)
     K = x.shape[-1]
-    if (native_cpu(impl, s.path, x) and not fp8_input_store and not cpu_offload_input
+    if (native_cpu(impl, s.path, x) and not fp8_input_store and not s.cpu_offload_input
             and (weights is None or weights.dtype == torch.float32)):
         return _native(x, bias, weights, s)
     # 2-D x goes in as it is: no reshape, whose view would add a node to the backward.
@@ -469,7 +471,7 @@ def _run(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp_
         with nvtx_range(op, "fwd"):
             y = _launch_fwd(x2, b, w2, *s.kernel_args())
     elif s.path == "torch" and torch.compiler.is_compiling() and not (
-            fp8_input_store or cpu_offload_input):
+            fp8_input_store or s.cpu_offload_input):
         # Traced by torch.compile: the reference's ops with their own autograd (the
         # Function's backward recomputes through torch.autograd.grad, which Dynamo refuses;
         # the compiled graph decides what to keep for backward anyway).
@@ -595,7 +597,7 @@ def _plan(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp
                                   f"bias), output * {s.down_multiplier}")
     if weights is not None:
         details["weights"] = f"{list(weights.shape)} {dtype_name(weights.dtype)}"
-    if (native_cpu(impl, s.path, x) and not fp8_input_store and not cpu_offload_input
+    if (native_cpu(impl, s.path, x) and not fp8_input_store and not s.cpu_offload_input
             and (weights is None or weights.dtype == torch.float32)):
         reason += "; CPU float32: the formula in PyTorch's own ops (F.silu, F.gelu, ...)"
     return Plan(op, path, reason, details, call=s)

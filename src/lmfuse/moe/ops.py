@@ -342,6 +342,10 @@ class _Fp8StoredExpert(torch.autograd.Function):
         """``kept``: the values whose float8 copy is kept (``h``, or an oracle's rounding
         of it, ``_torch_path``'s ``gemm_dtype``)."""
         ctx.s, ctx.dtype = s, h.dtype
+        # The backward recomputes under the forward's autocast (its GEMM then runs in the
+        # dtype it ran in here, whatever the context of the backward call).
+        device = h.device.type
+        ctx.amp = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.save_for_backward(to_e4m3(kept), w_down, down_bias, weights)
         return _expert_out(h, w_down, down_bias, weights, s)
 
@@ -350,7 +354,8 @@ class _Fp8StoredExpert(torch.autograd.Function):
     def backward(ctx, dy):
         h8, w_down, down_bias, weights = ctx.saved_tensors
         needs = ctx.needs_input_grad[:4]
-        with torch.enable_grad():
+        device, amp, amp_dtype = ctx.amp
+        with torch.enable_grad(), torch.autocast(device, dtype=amp_dtype, enabled=amp):
             leaves = [t.detach().requires_grad_(need) if t is not None else None
                       for t, need in zip((h8.to(ctx.dtype), w_down, down_bias, weights),
                                          needs)]
