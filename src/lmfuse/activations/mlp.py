@@ -38,6 +38,7 @@ class FusedMLP(nn.Module):
             MLP multipliers; see :func:`lmfuse.swiglu`); 1.0 each by default.
         fp8_input_store: keep the activation's saved input as float8.
         impl: the activation's path (``"auto"``, ``"triton"``, ``"torch"``).
+        device, dtype: of the parameters, as ``torch.nn.Linear``'s.
 
     ``forward(x, weights=None)``: ``x [..., hidden_size]``; ``weights [tokens, 1]`` are MoE
     per-token routing weights, applied inside the activation (swiglu, quick_geglu and

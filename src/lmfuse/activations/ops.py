@@ -612,6 +612,8 @@ def bias_gelu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
 
     Args:
         x: ``[..., K]`` float32/float16/bfloat16. bias: optional ``[K]``, x's dtype.
+        impl: ``"auto"``, ``"triton"`` or ``"torch"`` (every activation's; see
+            :func:`lmfuse.explain`).
     Returns:
         ``[..., K]`` in x's dtype; gradients for x and bias.
 
@@ -643,6 +645,7 @@ def swiglu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
             ``act_fn(gate_proj(x) * gate_multiplier)`` with gate_proj's bias); ``d`` scales
             the output (Falcon-H1 scales ``down_proj``'s output, the same where down_proj
             has no bias). Runtime arguments of the kernels: a new value compiles nothing.
+        impl: ``"auto"``, ``"triton"`` or ``"torch"``; see :func:`lmfuse.explain`.
     Returns:
         ``[..., f]`` in x's dtype.
 
@@ -715,7 +718,8 @@ def weighted_quick_geglu(x: torch.Tensor, weights: torch.Tensor,
 
 def squared_relu(x: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
     """``relu(x) ** 2``, ``[..., K]`` -> ``[..., K]``. NaN stays NaN (``torch.relu`` keeps
-    it), ``+inf`` gives inf, ``-inf`` 0; the gradient is exactly 0 wherever ``x <= 0``."""
+    it), ``+inf`` gives inf, ``-inf`` 0; the gradient is exactly 0 wherever ``x <= 0``.
+    ``impl``: ``"auto"``, ``"triton"`` or ``"torch"``; see :func:`lmfuse.explain`."""
     return _run("squared_relu", x, None, None, "squared_relu", False, impl=impl)
 
 
@@ -723,7 +727,7 @@ def weighted_squared_relu(x: torch.Tensor, weights: torch.Tensor, *,
                           impl: str = "auto") -> torch.Tensor:
     """``relu(x) ** 2 * weights``, per-token ``weights [tokens, 1]``. NaN and inf as
     :func:`squared_relu` and :func:`weighted_swiglu` (x's gradient is 0 where ``x <= 0``,
-    even for a NaN weight, as ``torch.relu``'s backward gives)."""
+    even for a NaN weight, as ``torch.relu``'s backward gives). ``impl`` as there."""
     return _run("weighted_squared_relu", x, None, weights, "squared_relu", False, impl=impl)
 
 

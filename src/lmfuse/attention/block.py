@@ -309,6 +309,7 @@ class DecodeAttentionBlock(nn.Module):
         scale: the attention's ``q . k`` scale; default ``1 / sqrt(D)``.
         impl: ``"auto"`` (Triton on CUDA, or on the CPU under Triton's interpreter; the
             reference elsewhere), ``"triton"`` or ``"torch"``.
+        device, dtype: of the parameters, as ``torch.nn.Linear``'s.
 
     Parameters: ``input_norm_weight``, ``qkv`` (``nn.Linear(hidden, (Hq + 2 Hkv) * D)``, its
     output q heads, then k heads, then v heads), ``q_norm_weight``, ``k_norm_weight``,

@@ -998,6 +998,7 @@ def merge_attention_states(outs: torch.Tensor, lses: torch.Tensor, *,
             (it adds nothing).
         out_dtype: the output's dtype (default outs'): the merge writes it directly (the
             parallel ops merge float32 partials into the query's dtype).
+        impl: ``"auto"``, ``"triton"`` or ``"torch"``; see :func:`lmfuse.explain`.
     Returns:
         ``(out [..., D]`` in ``out_dtype``, ``lse [...]`` float32 (float64 for float64
         lses)), with ``out = sum_p exp(lse_p - lse) out_p`` and ``lse = log(sum_p

@@ -901,6 +901,7 @@ def moe_experts(
             keeps theirs. The output does not change; the gradients are then those of the
             rounded ``h``. NaN stays NaN, ``+-inf`` (and anything beyond) is saturated to
             ``+-448`` (float8_e4m3fn has no infinity). No effect without a gradient.
+        impl: ``"auto"``, ``"triton"`` or ``"torch"``; see :func:`lmfuse.explain`.
     Returns:
         ``[T, H]`` in hidden's dtype; gradients for hidden, router_weights, both weights and
         both biases. Deterministic on both paths; experts that receive no token cost

@@ -50,9 +50,13 @@ class FusedScaleMaskSoftmax(nn.Module):
     are excluded exactly (as ``-inf``), so fully masked rows give zeros where Megatron's
     ``mask_func`` fill of -10000 gives a uniform row; ``softmax_offset`` and
     ``window_size`` are fused too; causal alignment is bottom-right, so ``sq < sk`` works.
-    NaN and inf propagate as in :func:`lmfuse.fused_softmax`, which is PyTorch's softmax of
-    the masked scores: a NaN or ``+inf`` visible score makes its whole row NaN, masked keys
-    included, with zero gradient at the masked keys; masked scores are never read.
+    One difference that changes results: ``padding_causal`` and ``causal_bottom_right`` add
+    the causal band here (as their names say, and as Transformer Engine does), where
+    Megatron-Core's own softmax adds it for ``causal`` alone and uses only the given mask
+    for every other type. NaN and inf propagate as in :func:`lmfuse.fused_softmax`, which is
+    PyTorch's softmax of the masked scores: a NaN or ``+inf`` visible score makes its whole
+    row NaN, masked keys included, with zero gradient at the masked keys; masked scores are
+    never read.
 
     Args:
         input_in_fp16, input_in_bf16: Megatron's flags; kept for compatibility (the dtype
