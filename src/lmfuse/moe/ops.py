@@ -909,6 +909,12 @@ def moe_experts(
         down GEMM's input) in hidden's dtype, as the models' own loops do, where the
         float32 reference keeps float32: in float16 a value past 65504 there is inf on
         both paths and finite in the reference.
+
+    NaN and inf reach the output and every gradient they touch, on both paths. Where they
+    meet a sum of terms of both signs, the Triton path's router-weight gradient (``dout .
+    (a @ w_down.T) + dout . down_bias``, without forming the expert's output ``y``) and
+    its gradients through an infinite router weight can differ from the reference's (NaN
+    against +-inf, or the other way round), as any reordering of such a sum does.
     """
     args = (hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias, down_bias)
     path, _, s = _resolve(*args, activation, linear_offset, clamp_value, gate_up_layout,
