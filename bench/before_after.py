@@ -9,7 +9,8 @@ costs (the NaN/inf semantics' cost, a refactor's "no op slower")::
 every tree's times are printed, with no ratio.)
 
 Each case: median of CUDA-event timings (``triton.testing.do_bench``, 25 ms warm-up,
-100 ms measured) of one call -- forward, or forward + backward -- on bf16 inputs at a
+100 ms measured) of one call -- forward, or forward + backward (``torch.autograd.grad``:
+no gradient accumulated into ``.grad``, which neither tree owns) -- on bf16 inputs at a
 training or serving size; decode attention and MoE decode as CUDA-graph replays. The ratio
 is after / before (1.00: no cost). Cases: softmax (causal, boolean mask), cross-entropy,
 linear cross-entropy, SwiGLU, GEGLU, RMSNorm, paged decode (bf16 and fp8 caches), the MoE
@@ -69,29 +70,32 @@ def cases():
         s, scale=0.125, mask=keep))
     sg = rnd(4, 32, 2048, 2048, grad=True)
     dy = rnd(4, 32, 2048, 2048)
-    bench("softmax fwd+bwd [4,32,2048,2048] causal", lambda: lmfuse.fused_softmax(
-        sg, scale=0.125, causal=True).backward(dy))
-    bench("softmax fwd+bwd [4,32,2048,2048] boolean mask", lambda: lmfuse.fused_softmax(
-        sg, scale=0.125, mask=keep).backward(dy))
+    bench("softmax fwd+bwd [4,32,2048,2048] causal", lambda: torch.autograd.grad(
+        lmfuse.fused_softmax(sg, scale=0.125, causal=True), sg, dy))
+    bench("softmax fwd+bwd [4,32,2048,2048] boolean mask", lambda: torch.autograd.grad(
+        lmfuse.fused_softmax(sg, scale=0.125, mask=keep), sg, dy))
     x = rnd(8192, 128256, grad=True)
     t = torch.randint(0, 128256, (8192,), device=dev, generator=g)
     bench("cross_entropy fwd [8192,128256]", lambda: lmfuse.cross_entropy(x.detach(), t))
-    bench("cross_entropy fwd+bwd [8192,128256]", lambda: lmfuse.cross_entropy(x, t).backward())
+    bench("cross_entropy fwd+bwd [8192,128256]", lambda: torch.autograd.grad(
+        lmfuse.cross_entropy(x, t), x))
     x = None
     h = rnd(8192, 4096, grad=True)
     w = rnd(128256, 4096, grad=True)
     bench("linear_cross_entropy fwd+bwd N8192 H4096 V128256",
-          lambda: lmfuse.linear_cross_entropy(h, w, t).backward())
+          lambda: torch.autograd.grad(
+              lmfuse.linear_cross_entropy(h, w, t), (h, w)))
     h = w = None
     a = rnd(16384, 2 * 14336, grad=True)
     da = rnd(16384, 14336)
-    bench("swiglu fwd+bwd [16384,28672]", lambda: lmfuse.swiglu(a).backward(da))
-    bench("geglu fwd+bwd [16384,28672]", lambda: lmfuse.geglu(a).backward(da))
+    bench("swiglu fwd+bwd [16384,28672]", lambda: torch.autograd.grad(lmfuse.swiglu(a), a, da))
+    bench("geglu fwd+bwd [16384,28672]", lambda: torch.autograd.grad(lmfuse.geglu(a), a, da))
     a = da = None
     r = rnd(16384, 4096, grad=True)
     rw = rnd(4096, grad=True)
     dr = rnd(16384, 4096)
-    bench("rms_norm fwd+bwd [16384,4096]", lambda: lmfuse.rms_norm(r, rw).backward(dr))
+    bench("rms_norm fwd+bwd [16384,4096]", lambda: torch.autograd.grad(
+        lmfuse.rms_norm(r, rw), (r, rw), dr))
     def decode():
         # decode: B64, 32/8 heads of 128, 4096 keys, paged blocks of 16, a graph replay
         B, Hq, Hkv, D, L, bl = 64, 32, 8, 128, 4096, 16
@@ -195,7 +199,8 @@ def main() -> int:
 
         env = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                    triton=triton.__version__, date=time.strftime("%Y-%m-%d"), trees=trees,
-                   rounds=args.rounds)
+                   rounds=args.rounds,
+                   command=" ".join(["python"] + getattr(sys, "orig_argv", sys.argv)[1:]))
         with open(args.json, "w") as f:
             json.dump(dict(env=env, rows=rows), f, indent=1)
     return 0

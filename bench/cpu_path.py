@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from typing import Callable
 
@@ -148,7 +149,8 @@ def main() -> int:
     print(f"{op:22s} {str(shape):22s} lmfuse {a:8.3f} ms  plain {b:8.3f} ms  x{a / b:.2f}")
     if args.json:
         env = dict(device="cpu (2 threads)", cpu=cpu_model(), torch=torch.__version__,
-                   date=time.strftime("%Y-%m-%d"))
+                   lmfuse=lmfuse.__version__, date=time.strftime("%Y-%m-%d"),
+                   command=" ".join(["python"] + getattr(sys, "orig_argv", sys.argv)[1:]))
         with open(args.json, "w") as f:
             json.dump(dict(env=env, rows=out), f, indent=1)
     return 0

@@ -169,7 +169,8 @@ def run_cases(cases: list[Case], device: torch.device, reference_impl: str = "lm
         for impl, fn in case.impls.items():
             try:
                 ms = bench_ms(fn, device) / case.calls
-                mem = peak_extra_mib(fn, device)
+                # (a graph's replay allocates nothing: its memory is not measured)
+                mem = None if getattr(fn, "graph_replay", False) else peak_extra_mib(fn, device)
                 note = case.notes.get(impl, "")
                 note = note() if callable(note) else note  # a note known after the run
                 if impl in case.overhead:
@@ -215,10 +216,14 @@ def print_table(rows: list[Result], header: bool = True) -> None:
 
 
 def _command() -> str:
-    """The command line that ran this benchmark, as the user typed it."""
+    """The command line that ran this benchmark, as the user typed it (``sys.orig_argv``:
+    the interpreter's own arguments, ``-m module`` or ``-c code``, included)."""
     prog = Path(sys.argv[0]).name if sys.argv else ""
-    if prog in ("lmfuse", "cli.py", "__main__.py"):
+    if prog == "lmfuse":
         return " ".join(["lmfuse"] + sys.argv[1:])
+    argv = getattr(sys, "orig_argv", None)
+    if argv:
+        return " ".join(["python"] + argv[1:])
     return " ".join(["python"] + sys.argv)
 
 

@@ -327,6 +327,8 @@ def as_graph(fn: Callable[[], object], calls: int = 1) -> Callable[[], object]:
     def replay(fn=fn):  # keeps fn, and the tensors it holds that the graph reads, alive
         graph.replay()
 
+    # (A replay allocates nothing, its buffers live in the graph's pool: no peak memory.)
+    replay.graph_replay = True
     return replay
 
 
