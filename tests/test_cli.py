@@ -542,3 +542,21 @@ def test_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+@pytest.mark.parametrize("seed", ["0", "3"])
+def test_check_on_the_reference_path_alone_passes(seed: str) -> None:
+    """Without Triton's interpreter (TRITON_INTERPRET=0, or no Triton: macOS, Windows) every
+    case runs the reference path against its float64 oracle: the MoE float8-store cases
+    failed there, their oracle rounding h once where the path rounds it twice (its 16-bit
+    GEMM output, then float8)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(Path(lmfuse.__file__).parents[1]),
+               TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, "-m", "lmfuse", "check", "--dtypes", "fp16,bf16",
+                           "--seed", seed], capture_output=True, text=True, env=env,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "reference only" in proc.stdout and "fp8 store" in proc.stdout

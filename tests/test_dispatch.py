@@ -253,3 +253,13 @@ def test_int_and_number_checks_take_numpy_scalars_not_bools() -> None:
             check_number("op", "x", bad)
     with pytest.raises(ValueError, match="n must be >= 1, got 0"):
         check_int("op", "n", np.int64(0), minimum=1)
+
+
+@pytest.mark.parametrize("raw", ["1", " 1", "1 ", "y", "Y", "yes", "TRUE", "on", "0", "no", "",
+                                 "2", "t"])
+def test_interpreter_variable_read_as_triton_reads_it(monkeypatch, raw: str) -> None:
+    """lmfuse and Triton must agree on whether the interpreter runs: lmfuse stripped the
+    value (" 1" on, for Triton off: CPU tensors sent to real launches) and ignored "y"."""
+    libtriton = pytest.importorskip("triton._C.libtriton")
+    monkeypatch.setenv("TRITON_INTERPRET", raw)
+    assert interpreter_active() == libtriton.getenv_bool("TRITON_INTERPRET", False)

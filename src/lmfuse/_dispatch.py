@@ -63,9 +63,12 @@ def interpreter_active() -> bool:
 
 @functools.lru_cache(maxsize=16)
 def _truthy(raw: str | bytes) -> bool:
+    """Triton's own reading of a boolean variable (``getenv_bool``: no stripping; "1",
+    "true", "on", "yes", "y" in any case), so that lmfuse and Triton never disagree on
+    whether the interpreter runs (" 1" made lmfuse route CPU tensors to real launches)."""
     if isinstance(raw, bytes):
         raw = raw.decode(errors="replace")
-    return raw.strip().lower() in ("1", "true", "on", "yes")
+    return raw.lower() in ("1", "true", "on", "yes", "y")
 
 
 # Value checks on device tensors (lmfuse.set_checks / LMFUSE_CHECK=1): see value_checks().

@@ -271,12 +271,13 @@ class MoECall(MoESettings):
 
 
 def _torch_path(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias,
-                down_bias, s: MoECall, gemm_dtype: Optional[torch.dtype] = None
-                ) -> torch.Tensor:
+                down_bias, s: MoECall, gemm_dtype: Optional[torch.dtype] = None,
+                gemm_bias: bool = False) -> torch.Tensor:
     """The per-expert loop. ``gemm_dtype`` (an oracle's knob, with ``fp8_input_store``):
     the float8 copy of ``h`` made from the gate/up GEMM's output rounded to it before the
-    bias, as the grouped-GEMM engine rounds (see the module docstring); the forward is not
-    changed by it."""
+    bias, as the grouped-GEMM engine rounds (see the module docstring), or with
+    ``gemm_bias`` after it, as this path itself rounds in a 16-bit dtype; the forward is
+    not changed by it."""
     T, k = expert_ids.shape
     E, H = w_gate_up.shape[0], hidden.shape[1]
     compute = torch.float64 if hidden.dtype == torch.float64 else torch.float32
@@ -305,7 +306,9 @@ def _torch_path(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_b
         w = weights[start:start + n]
         if fp8:
             kept = h
-            if gemm_dtype is not None:
+            if gemm_dtype is not None and gemm_bias:
+                kept = F.linear(x[start:start + n], wgu[e], bgu[e]).to(gemm_dtype).to(h.dtype)
+            elif gemm_dtype is not None:
                 kept = F.linear(x[start:start + n], wgu[e]).to(gemm_dtype).to(h.dtype)
                 kept = kept if bgu[e] is None else kept + bgu[e]
             ys.append(_Fp8StoredExpert.apply(h, wd[e], bd[e], w, s, kept.detach()))
@@ -988,13 +991,15 @@ def checks(device: torch.device, dtypes) -> list:
         K2 = 2 * Fdim if ref.ACTIVATIONS[activation][1] else Fdim
         ids = torch.stack([torch.randperm(E, device=device)[:k] for _ in range(T)])
         # The grouped-GEMM engine keeps the float8 copy of h rounded through its bf16 GEMM
-        # output (module docstring): the float64 oracle rounds the same way.
+        # output (module docstring), and the torch path (the CPU's default without Triton)
+        # through its GEMM in the input's dtype: the float64 oracle rounds the same way.
         gemm_dtype = None
-        if kw.get("fp8_input_store") and _grouped_engine(
+        gemm_bias = select_impl(OP, "auto", device)[0] == "torch"
+        if kw.get("fp8_input_store") and (gemm_bias or _grouped_engine(
                 torch.empty(T, H, dtype=dtype, device=device),
                 torch.empty(E, K2, H, dtype=dtype, device=device),
                 torch.empty(E, H, Fdim, dtype=dtype, device=device), T * k,
-                _config(device, T * k, H, Fdim)):
+                _config(device, T * k, H, Fdim))):
             gemm_dtype = dtype
 
         def inputs():
@@ -1012,7 +1017,7 @@ def checks(device: torch.device, dtypes) -> list:
             if impl == "torch" and gemm_dtype is not None:  # the call as the op resolves it
                 s = plan_moe_experts(*args, impl="torch", **options).call
                 return _torch_path(*args, options.get("gate_up_bias"),
-                                   options.get("down_bias"), s, gemm_dtype)
+                                   options.get("down_bias"), s, gemm_dtype, gemm_bias)
             return moe_experts(*args, impl=impl, **options)
 
         return op_case(OP, label, dtype, (T, H, Fdim, E, k), inputs, experts, plan_moe_experts,
