@@ -24,6 +24,7 @@ train_tiny_gpt.py, which must lie beside it.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from dataclasses import dataclass
 
@@ -50,7 +51,7 @@ class Generation:
     logits: torch.Tensor  # [prompts, new_tokens, 256] float32: what each token was picked from
     cache: lmfuse.PagedKVCache  # holds every prompt and continuation token but the last
     seq_ids: list[int]
-    tokens_per_s: float  # the decode phase, all sequences together
+    tokens_per_s: float  # the decode steps (all but the first token), all sequences together
 
 
 def _sync(device: torch.device) -> None:
@@ -70,6 +71,12 @@ def attention_blocks(model: TinyGPT, impl: str) -> list[lmfuse.DecodeAttentionBl
         block.load_state_dict(layer.attn.state_dict())  # same names, same layout
         blocks.append(block)
     return blocks
+
+
+def _worse(err: float, new: float) -> float:
+    """The larger error, NaN winning (Python's ``max`` keeps whichever comes first, so NaN
+    logits read as an error of 0 and passed)."""
+    return new if math.isnan(new) or new > err else err
 
 
 @torch.inference_mode()
@@ -125,7 +132,9 @@ def generate(model: TinyGPT, prompts: list[list[int]], new_tokens: int, *,
         if i + 1 < new_tokens:
             logits = forward(seq_ids, nxt[:, None])
     _sync(device)
-    rate = len(prompts) * new_tokens / max(time.perf_counter() - t0, 1e-9)
+    # The first token comes from the prefill's logits: the timed steps made the others.
+    steps = new_tokens - 1
+    rate = len(prompts) * steps / max(time.perf_counter() - t0, 1e-9) if steps > 0 else 0.0
     if not picked:
         return Generation([[] for _ in prompts], logits.new_zeros(len(prompts), 0, 256),
                           cache, seq_ids, 0.0)
@@ -209,11 +218,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("need --train-steps >= 1 and --new-tokens >= 0")
     if args.dtype == "fp16" and not args.checkpoint:
         parser.error(tiny.FP16_TRAINING + " (then decode its --checkpoint in fp16)")
+    if args.block_len < 1:
+        parser.error(f"--block-len must be >= 1, got {args.block_len}")
+    if args.sample and not (math.isfinite(args.temperature) and args.temperature > 0):
+        parser.error(f"--temperature must be a finite number > 0 to sample, got "
+                     f"{args.temperature}")
+    if any(not p for p in args.prompts or []):
+        parser.error("--prompt must not be empty")
 
-    device = tiny.pick_device(args.device)
-    dtype = tiny.pick_dtype(args.dtype, device)
+    device, dtype = tiny.check_args(parser, args, model=not args.checkpoint)
     if args.checkpoint:
-        model = tiny.load_checkpoint(args.checkpoint, impl=args.impl)
+        try:
+            model = tiny.load_checkpoint(args.checkpoint, impl=args.impl)
+        except Exception as exc:  # (torch.load's errors on a foreign file vary by kind)
+            parser.error(f"--checkpoint {args.checkpoint}: not a train_tiny_gpt.py checkpoint "
+                         f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
         print(f"loaded {args.checkpoint}: {model.cfg}")
     else:
         torch.manual_seed(args.seed)
@@ -224,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
                    seed=args.seed, log_every=max(1, args.train_steps // 5))
     model.to(device=device, dtype=dtype).eval()
 
-    prompts = [list(p.encode()) for p in (args.prompts or DEFAULT_PROMPTS)]
+    # (surrogateescape: bytes the terminal gave that are not UTF-8 go back as they came)
+    prompts = [list(p.encode("utf-8", "surrogateescape"))
+               for p in (args.prompts or DEFAULT_PROMPTS)]
     g = generate(model, prompts, args.new_tokens, block_len=args.block_len, sample=args.sample,
                  temperature=args.temperature, seed=args.seed, impl=args.impl)
     how = f"sampled at T={args.temperature}" if args.sample else "greedy"
@@ -250,11 +271,11 @@ def main(argv: list[str] | None = None) -> int:
         # Position t of this forward sees the prompt and cont[:t]: its argmax is what a
         # greedy re-run from scratch picks at step t.
         agree &= full.argmax(-1).tolist() == cont
-        logit_err = max(logit_err, float((got - full).abs().max() / full.abs().max()))
+        logit_err = _worse(logit_err, float((got - full).abs().max() / full.abs().max()))
         if exact is not None:
             ref = full_forward_logits(exact, prompt, cont)
-            decode_err = max(decode_err, float((got - ref).abs().max() / ref.abs().max()))
-            plain_err = max(plain_err, float((full - ref).abs().max() / ref.abs().max()))
+            decode_err = _worse(decode_err, float((got - ref).abs().max() / ref.abs().max()))
+            plain_err = _worse(plain_err, float((full - ref).abs().max() / ref.abs().max()))
     print(f"decode logits vs a full re-forward: max |diff| / max |logit| = {logit_err:.1e}")
     if exact is None:
         logits_ok = logit_err <= LOGIT_TOLERANCE[dtype]

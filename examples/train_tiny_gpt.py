@@ -33,6 +33,7 @@ import argparse
 import math
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
@@ -142,6 +143,49 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text", help="train on this file (default: lmfuse's own source)")
 
 
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, *,
+               model: bool = True) -> tuple[torch.device, torch.dtype]:
+    """The shared flags' values, each refused by ``parser.error`` (one line, exit 2) when it
+    cannot run, before any work: the device and the path, and with ``model`` the sizes and
+    the training flags. Returns the device and dtype."""
+    try:
+        device = pick_device(args.device)
+    except (RuntimeError, ValueError):
+        parser.error(f"--device must be auto, cpu, cuda or cuda:N, got {args.device!r}")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device must be auto, cpu, cuda or cuda:N, got {args.device!r}")
+    if device.type == "cuda" and (not torch.cuda.is_available()
+                                  or (device.index or 0) >= torch.cuda.device_count()):
+        parser.error(f"--device {args.device}: no such CUDA device here; use cpu or auto")
+    try:  # (refuses impl="triton" where Triton cannot run, naming why)
+        lmfuse.explain(lmfuse.swiglu, torch.zeros(1, 2, device=device), impl=args.impl)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        parser.error(f"--impl {args.impl}: {exc}")
+    if not model:
+        return device, pick_dtype(args.dtype, device)
+    for flag, value in (("--d-model", args.d_model), ("--layers", args.layers),
+                        ("--heads", args.heads), ("--seq", args.seq), ("--batch", args.batch)):
+        if value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
+    if args.ffn is not None and args.ffn < 1:
+        parser.error(f"--ffn must be >= 1, got {args.ffn}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        parser.error(f"--lr must be a finite number > 0, got {args.lr}")
+    try:
+        TinyGPT(model_config(args), impl="torch")
+    except ValueError as exc:
+        parser.error(str(exc).replace("TinyGPT: d_model", "--d-model").replace(
+            "n_heads", "--heads"))
+    try:
+        data = load_bytes(args.text)
+    except OSError as exc:
+        parser.error(f"--text {args.text}: cannot read it: {exc.strerror or exc}")
+    if len(data) <= args.seq + 1:
+        parser.error(f"--seq {args.seq} needs a text of more than {args.seq + 1} bytes; it has "
+                     f"{len(data):,}")
+    return device, pick_dtype(args.dtype, device)
+
+
 def model_config(args: argparse.Namespace) -> ModelConfig:
     return ModelConfig(d_model=args.d_model, n_heads=args.heads, n_layers=args.layers,
                        ffn=args.ffn or 3 * args.d_model, activation=args.activation)
@@ -165,9 +209,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps must be >= 1, got {args.steps}")
     if args.dtype == "fp16":
         parser.error(FP16_TRAINING)
+    if not (math.isfinite(args.z_loss) and args.z_loss >= 0):
+        parser.error(f"--z-loss must be a finite number >= 0, got {args.z_loss}")
+    if not 0 <= args.label_smoothing < 1:
+        parser.error(f"--label-smoothing must be in [0, 1), got {args.label_smoothing}")
+    if args.log_every is not None and args.log_every < 1:
+        parser.error(f"--log-every must be >= 1, got {args.log_every}")
+    if args.save and not Path(args.save).resolve().parent.is_dir():
+        parser.error(f"--save {args.save}: no directory to write it into")
 
-    device = pick_device(args.device)
-    dtype = pick_dtype(args.dtype, device)
+    device, dtype = check_args(parser, args)
     torch.manual_seed(args.seed)
     model = TinyGPT(model_config(args), impl=args.impl).to(device=device, dtype=dtype)
     data = load_bytes(args.text)
@@ -183,10 +234,15 @@ def main(argv: list[str] | None = None) -> int:
                    z_loss=args.z_loss, label_smoothing=args.label_smoothing,
                    log_every=args.log_every or max(1, args.steps // 10))
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {args.steps} steps")
+    bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
+    if bad is not None:
+        print(f"FAILED: the loss is {losses[bad]} from step {bad + 1} on (try a lower --lr)"
+              + ("; nothing saved" if args.save else ""))
+        return 1
     if args.save:
         save_checkpoint(model, args.save)
         print(f"saved to {args.save}")
-    return 0 if all(math.isfinite(v) for v in losses) else 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -182,3 +182,74 @@ def test_decode_half_precision_held_to_a_float32_forward(ex, trained, capsys):
     stdout = _decode(decode, capsys, "--checkpoint", str(path), "--device", "cpu", "--dtype",
                      "bf16", "--impl", "torch", "--new-tokens", "6")
     assert "against a float32 re-forward" in stdout
+
+
+def test_decode_reports_nan_logits_as_a_failure(ex, trained, capsys, tmp_path):
+    """One NaN row of the output head (a diverged run's checkpoint): every logit error is
+    NaN, which Python's max kept out of the reported error (0.0e+00, "ok", exit 0)."""
+    train, decode = ex
+    _, _, path = trained
+    model = train.load_checkpoint(str(path), impl="torch")
+    with torch.no_grad():
+        model.head.weight[5] = float("nan")
+    bad = tmp_path / "nan_head.pt"
+    train.save_checkpoint(model, str(bad))
+    rc = decode.main(["--checkpoint", str(bad), "--device", "cpu", "--dtype", "fp32",
+                      "--impl", "torch", "--new-tokens", "4"])
+    stdout = capsys.readouterr().out
+    assert rc == 1 and "max |diff| / max |logit| = nan" in stdout and "FAILED" in stdout, stdout
+
+
+def test_decode_rate_counts_only_timed_steps(ex, trained):
+    """The first token comes from the prefill's logits, before the clock starts: one new
+    token is no decode step (a rate of 0, not thousands of tokens a second)."""
+    train, decode = ex
+    _, _, path = trained
+    model = train.load_checkpoint(str(path), impl="torch").eval()
+    g = decode.generate(model, [list(b"def")], 1, block_len=4, impl="torch")
+    assert g.tokens_per_s == 0.0 and len(g.tokens[0]) == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--layers", "0"], "--layers must be >= 1, got 0"),
+    (["--heads", "0"], "--heads must be >= 1, got 0"),
+    (["--d-model", "30", "--heads", "4"], "--d-model (30) must be --heads (4) times an even"),
+    (["--seq", "0"], "--seq must be >= 1"),
+    (["--ffn", "0"], "--ffn must be >= 1"),
+    (["--lr", "nan"], "--lr must be a finite number > 0"),
+    (["--z-loss", "-1"], "--z-loss must be a finite number >= 0"),
+    (["--label-smoothing", "2"], "--label-smoothing must be in [0, 1)"),
+    (["--text", "/no/such/file"], "--text /no/such/file: cannot read it"),
+    (["--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N"),
+    (["--save", "/no/such/dir/x.pt"], "no directory to write it into"),
+])
+def test_train_refuses_bad_flags_in_one_line(ex, capsys, argv, message):
+    """Each was a traceback, a model of 0 layers, or a run of loss 0 that exited 0."""
+    train, _ = ex
+    with pytest.raises(SystemExit) as exit_:
+        train.main([*TINY, "--steps", "2", *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--block-len", "0"], "--block-len must be >= 1"),
+    (["--sample", "--temperature", "0"], "--temperature must be a finite number > 0"),
+    (["--prompt", ""], "--prompt must not be empty"),
+    (["--checkpoint", "/no/such/file.pt"], "not a train_tiny_gpt.py checkpoint"),
+])
+def test_decode_refuses_bad_flags_in_one_line(ex, capsys, argv, message):
+    _, decode = ex
+    with pytest.raises(SystemExit) as exit_:
+        decode.main([*TINY, "--train-steps", "1", "--new-tokens", "2", *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err, err
+
+
+def test_training_that_diverges_fails_and_saves_nothing(ex, capsys, tmp_path):
+    train, _ = ex
+    path = tmp_path / "nan.pt"
+    rc = train.main([*TINY, "--impl", "torch", "--steps", "3", "--lr", "1e30",
+                     "--save", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 1 and "FAILED: the loss is nan" in out and not path.exists(), out

@@ -156,6 +156,10 @@ class TinyGPT(nn.Module):
     def __init__(self, cfg: Any, fused: bool = True, impl: str = "auto") -> None:
         super().__init__()
         cfg = ModelConfig(**{f.name: getattr(cfg, f.name) for f in fields(ModelConfig)})
+        for name in ("d_model", "n_heads", "n_layers", "ffn"):
+            value = getattr(cfg, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"TinyGPT: {name} must be an integer >= 1, got {value!r}")
         if cfg.d_model % cfg.n_heads or (cfg.d_model // cfg.n_heads) % 2:
             raise ValueError(f"TinyGPT: d_model ({cfg.d_model}) must be n_heads "
                              f"({cfg.n_heads}) times an even head_dim (rotary embeddings "
@@ -193,13 +197,18 @@ class TinyGPT(nn.Module):
         lmfuse.linear_cross_entropy (hidden @ head.weight.T chunk by chunk, the [tokens, 256]
         logits never materialised) or, ``materialise_logits``, lmfuse.cross_entropy. Plain
         (the logits always materialised): F.cross_entropy of float32 logits, plus ``z_loss *
-        logsumexp(logits) ** 2``."""
+        logsumexp(logits) ** 2`` averaged over the tokens the loss counts (targets other
+        than -100), as lmfuse's losses average it."""
         h, y = self.hidden(tokens).flatten(0, 1), targets.flatten()
         opts = dict(z_loss=z_loss, label_smoothing=label_smoothing)
         if not self.fused:
             logits = self.head(h).float()
             loss = F.cross_entropy(logits, y, label_smoothing=label_smoothing)
-            return loss + z_loss * logits.logsumexp(-1).square().mean() if z_loss else loss
+            if not z_loss:
+                return loss
+            counted = y != -100
+            z = logits.logsumexp(-1).square() * counted
+            return loss + z_loss * z.sum() / counted.sum().clamp(min=1)
         if materialise_logits:
             return lmfuse.cross_entropy(self.head(h), y, impl=self.impl, **opts)
         return lmfuse.linear_cross_entropy(h, self.head.weight, y, impl=self.impl, **opts)
