@@ -10,6 +10,7 @@ exit 2, before any work) run through ``lmfuse.cli.main``.
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import asdict
 
@@ -63,6 +64,21 @@ def test_tokens_unlike_hf_generate_exit_1_in_fp32(capsys, monkeypatch):
                            "8", "--batch", "1", "--new-tokens", "3", "--prompt", "ab")
     assert code == 1, out
     assert "identical to the same model's transformers generate: no" in out
+
+
+def test_models_that_train_differently_exit_1(capsys, monkeypatch):
+    """The fused model's loss scaled by 1.5 (a wrong op): the demo printed the loss
+    difference and still exited 0."""
+    from lmfuse import tiny_gpt
+
+    real = tiny_gpt.lmfuse.linear_cross_entropy
+    monkeypatch.setattr(tiny_gpt.lmfuse, "linear_cross_entropy",
+                        lambda *a, **k: real(*a, **k) * 1.5)
+    code, out, _ = run_cli(capsys, "demo", "--device", "cpu", "--impl", "torch", "--steps", "2",
+                           "--d-model", "16", "--n-heads", "2", "--ffn", "16", "--seq-len",
+                           "8", "--batch", "1", "--new-tokens", "3", "--prompt", "ab")
+    assert code == 1, out
+    assert "FAILED: the two models train differently" in out
 
 
 def test_demo_sampling_and_custom_text(tmp_path):
@@ -217,6 +233,20 @@ def test_plot_path_is_checked_first(capsys, tmp_path):
     assert (code, out) == (2, "") and "matplotlib cannot write .xyz files" in err, err
     code, out, err = run_cli(capsys, "demo", "--plot", str(tmp_path))
     assert (code, out) == (2, "") and "is a directory" in err, err
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"prompts": "hello"}, "prompts must be a list of strings, got 'hello'"),
+    ({"prompts": ["a", 3]}, "prompts must be a list of strings"),
+    ({"text": 123}, "text must be a path (str) or None, got int 123"),
+    ({"temperature": True}, "temperature must be a finite number > 0, got True"),
+    ({"sample": "no"}, "sample must be True or False, got 'no'"),
+])
+def test_config_types_are_checked(bad, message):
+    """A string of prompts became its letters, an int text a TypeError naming nothing, a
+    bool temperature 1.0."""
+    with pytest.raises(ValueError, match=re.escape(f"DemoConfig.{message}")):
+        check_config(DemoConfig(**{**SMALL, **bad}))
 
 
 def test_run_checks_the_config_before_any_work():
