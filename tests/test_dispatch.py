@@ -31,9 +31,10 @@ def test_select_impl_reasons_name_the_cause() -> None:
 
 def test_interpreter_state_follows_the_environment_as_it_changes(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Read at every call (through os.environ's backing dict): set, changed, removed."""
-    for value, want in (("1", True), (" ON ", True), ("0", False), ("yes", True),
-                        ("no", False)):
+    """Read at every call (through os.environ's backing dict): set, changed, removed; as
+    Triton reads it (" ON " is off for Triton, so for lmfuse too)."""
+    for value, want in (("1", True), ("ON", True), (" ON ", False), ("0", False),
+                        ("yes", True), ("no", False)):
         monkeypatch.setenv("TRITON_INTERPRET", value)
         assert interpreter_active() is want, value
     monkeypatch.delenv("TRITON_INTERPRET")

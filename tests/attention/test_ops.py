@@ -1379,6 +1379,40 @@ def test_compile_fullgraph_decode_and_append(impl: str) -> None:
         torch.compile(attend, fullgraph=True)(q, k, v, torch.tensor([40, 41]))
 
 
+def test_reference_ops_of_compiled_graphs_match_their_fakes_and_keep_gradients() -> None:
+    """The reference path's custom ops (compiled graphs): their fakes give the real outputs'
+    dtypes and strides (a float32 fake LSE for float64 queries made Inductor read garbage),
+    and a call that needs a gradient keeps the reference itself (the ops have no autograd:
+    a compiled append dropped k_new's gradient, a compiled decode raised)."""
+    q = torch.randn(2, 1, 4, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 6, 2, 8, dtype=torch.float64), torch.randn(2, 6, 2, 8,
+                                                                     dtype=torch.float64)
+    lens = torch.tensor([6, 3])
+    torch.library.opcheck(torch.ops.lmfuse.decode_attention_reference.default,
+                          (q, k, v, lens, None, None, None, None, 0.35, None, None, True),
+                          test_utils=("test_schema", "test_faketensor"))
+
+    qg = q.clone().requires_grad_(True)
+
+    def attend(q):
+        return lmfuse.decode_attention(q, k, v, lens, impl="torch").square().sum()
+
+    want = torch.autograd.grad(attend(qg), qg)[0]
+    got = torch.autograd.grad(torch.compile(attend, backend="aot_eager")(qg), qg)[0]
+    assert torch.allclose(got, want)
+
+    kn = torch.randn(2, 1, 2, 8, requires_grad=True)
+
+    def append(kn):
+        kc, vc = torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8)
+        lmfuse.kv_cache_append(kc, vc, kn, kn * 2, torch.tensor([1, 2]), impl="torch")
+        return (kc * vc).sum()
+
+    want = torch.autograd.grad(append(kn), kn)[0]
+    got = torch.autograd.grad(torch.compile(append, backend="aot_eager")(kn), kn)[0]
+    assert torch.count_nonzero(want) and torch.allclose(got, want)
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_append_negative_length_never_writes(paged: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A negative cache_seqlens raises the same error on both paths; with the checks off the

@@ -518,6 +518,12 @@ def check_bad_inputs(f: Any, group: Any, device: Any = "cpu") -> None:
         def untouched() -> None:
             assert bool((pool == 0).all())
         f.check(f"cp append into block -1 ({impl}) wrote nothing", untouched)
+    # A table of no column is no padding (every row of it was taken for one): refused.
+    raises(f, "cp append into a table of no column", lambda: cp_cache_append(
+        pool, pool.clone(), q.new_ones(2, 2, 2, D), q.new_ones(2, 2, 2, D),
+        torch.tensor([4, 0], device=q.device), group=group,
+        block_table_shard=torch.zeros(2, 0, dtype=I32, device=q.device), impl="torch"),
+        ValueError, "past the shard's capacity of 0", 0)
     for name, call in (
             ("cp_decode_attention", lambda: cp_decode_attention(q, k, v, local, group="g")),
             ("cp_cache_append", lambda: cp_cache_append(k, v, k[:, :1], v[:, :1], lens,

@@ -541,11 +541,13 @@ def test_fp8_store_under_autocast_backward_outside_it() -> None:
 
 
 def test_narrow_ids_over_more_experts_than_their_dtype_holds() -> None:
-    """int8 ids over 130 experts and uint8 ids over 300 (every id valid): the routing's clamp
-    to E overflowed the ids' dtype; the routing equals int64 ids'."""
+    """int8 ids over 127 or 130 experts, uint8 over 255 or 300 (every id valid): the
+    routing's clamp to E and its modulus E + 1 overflowed the ids' dtype; the routing
+    equals int64 ids'."""
     from lmfuse.moe import ops
 
-    for dtype, E, top in ((torch.int8, 130, 127), (torch.uint8, 300, 255)):
+    for dtype, E, top in ((torch.int8, 130, 127), (torch.int8, 127, 126),
+                          (torch.uint8, 300, 255), (torch.uint8, 255, 254)):
         ids = torch.randint(0, top + 1, (70, 2))
         want = ops._route(ids, E)
         got = ops._route(ids.to(dtype), E)

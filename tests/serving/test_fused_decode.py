@@ -899,6 +899,20 @@ def test_modules_the_fused_layers_cannot_stand_in_for(change, reason: str) -> No
         Generator(model, block_len=4, num_blocks=32, decode_path="fused")
 
 
+@pytest.mark.parametrize("prepare", [
+    lambda m: torch.compile(m),  # OptimizedModule: its forward sits on the instance
+    lambda m: (m(torch.tensor([[1, 2, 3]]), output_hidden_states=True), m)[1],
+    lambda m: (m.gradient_checkpointing_enable(), m)[1],
+], ids=["torch.compile", "after-output_hidden_states", "gradient-checkpointing"])
+def test_what_leaves_the_values_alone_keeps_the_fused_layers(prepare) -> None:
+    """transformers' own output-capture hooks (installed by a forward with
+    output_hidden_states) and enable_input_require_grads' hook, and torch.compile's wrapper,
+    change nothing the fused layers skip: they still decode (they were refused)."""
+    model = prepare(tiny_causal_lm("llama"))
+    gen = Generator(model, block_len=4, num_blocks=32, impl="torch")
+    assert gen.runner.decode_path == "fused"
+
+
 @pytest.mark.parametrize("n,V,block", [(5, 256, 16), (1, 1000, 64), (3, 1, 16),
                                        (2, 4099, 32), (70, 40, 16)])
 def test_argmax_rows_is_torch_argmax_with_ties_nan_and_inf(n: int, V: int, block: int) -> None:

@@ -196,9 +196,14 @@ def _disagreeing_rank(rank: int, world: int) -> None:
         (dict(num_blocks=64, block_len=4 if rank == 0 else 8), r"the same block_len.*"
          r"rank 0: 4, rank 1: 8"),
         (dict(num_blocks=64, max_batch=8 if rank == 0 else 16), r"the same max_batch"),
-        (dict(num_blocks=64, kv_dtype=None if rank == 0 else "fp8"), r"the same kv_dtype"),
-        (dict(num_blocks=64 if rank == 0 else 0), r"rank\(s\) \[1\] .* bad num_blocks"
-         if rank == 0 else r"num_blocks must be >= 1"),
+        (dict(num_blocks=64, kv_dtype=None if rank == 0 else "fp8"),
+         r"the same kv_dtype .*rank 0: float32, rank 1: float8_e4m3fn"),
+        # A rank refusing its own arguments before the agreement still joins it.
+        (dict(num_blocks=64, block_len=4 if rank == 0 else 0),
+         r"rank\(s\) \[1\] .* refused their arguments" if rank == 0
+         else r"block_len must be >= 1"),
+        (dict(num_blocks=64 if rank == 0 else 0), r"rank\(s\) \[1\] .* refused their "
+         "arguments" if rank == 0 else r"num_blocks must be >= 1"),
     ]
     for split in ("kvdp", "cp"):
         for kwargs, match in cases:

@@ -668,7 +668,9 @@ def _launch_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Te
 def _decode_fake(q, k_cache, v_cache, cache_seqlens, block_table, sinks, k_scale, v_scale,
                  scale, window_size, num_splits, softcap, return_lse, check):
     out = torch.empty_like(q)
-    return [out, q.new_empty(q.shape[:3], dtype=torch.float32)] if return_lse else [out]
+    # (float64 queries take the reference, whose LSE is float64 too)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return [out, q.new_empty(q.shape[:3], dtype=lse_dtype)] if return_lse else [out]
 
 
 @kernel_op("decode_attention", _decode_fake)
@@ -711,7 +713,8 @@ def _decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q, k_cache, v_cache, cache_seqlens, block_table=block_table, scale=scale,
         window_size=window_size, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
         return_lse=return_lse, softcap=softcap)
-    return list(res) if return_lse else [res]
+    # (contiguous, as the fake says: a compiled graph reads them at those strides)
+    return [t.contiguous() for t in res] if return_lse else [res.contiguous()]
 
 
 @kernel_op("decode_attention_partials", lambda q, *args, **kwargs: q.new_empty(
@@ -822,7 +825,8 @@ def decode_attention(
             if out is not None:
                 return out
         if path == "torch":
-            if torch.compiler.is_compiling():
+            if torch.compiler.is_compiling() and not (torch.is_grad_enabled() and any(
+                    t is not None and t.requires_grad for t in (q, k_cache, v_cache, sinks))):
                 # The reference reads lengths on the host: one opaque node for the graph,
                 # which checks the values at run time as an eager call does here.
                 res = _decode_reference(q, k_cache, v_cache, cache_seqlens, block_table,
@@ -1115,6 +1119,12 @@ def kv_cache_append(
     B, s_new, Hkv, D = k_new.shape
     with nvtx_range("kv_cache_append", "fwd"):
         if path == "torch":
+            if torch.is_grad_enabled() and (k_new.requires_grad or v_new.requires_grad):
+                # (the reference itself: autograd through its writes; the op has none)
+                ref.kv_cache_append_reference(k_cache, v_cache, k_new, v_new, cache_seqlens,
+                                              block_table=block_table, k_scale=k_scale,
+                                              v_scale=v_scale)
+                return None
             _append_reference(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
                               k_scale, v_scale, capacity, check=torch.compiler.is_compiling())
             return None

@@ -160,7 +160,8 @@ def cp_cache_append(
     fits = (dest >= 0) & (dest < capacity)  # a negative length puts tokens nowhere
     # A table row of only -1 is a padding row (a captured graph's padded batch), as for
     # kv_cache_append: nothing of it is written, and nothing is checked of it.
-    padding = (torch.zeros(B, 1, dtype=torch.bool, device=device) if block_table_shard is None
+    padding = (torch.zeros(B, 1, dtype=torch.bool, device=device)
+               if block_table_shard is None or block_table_shard.shape[1] == 0
                else (block_table_shard == -1).all(1, keepdim=True))
     table = torch.where(mine & fits, blocks, -1).reshape(B * s_new, 1).to(torch.int32)
     offset = (dest % max(block_len, 1)).reshape(B * s_new).to(torch.int32)

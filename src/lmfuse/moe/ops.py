@@ -192,7 +192,7 @@ def _route(expert_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, ...]:
     narrow = torch.int16 if E < 2**15 - 1 else torch.int32
     # Negative ids and ids >= E become E (after every expert), then the narrow key.
     ids = expert_ids.reshape(-1)
-    if E > torch.iinfo(ids.dtype).max:  # (int8 ids over 128 experts: E has no int8 value)
+    if E + 1 > torch.iinfo(ids.dtype).max:  # (int8 ids over 127 experts: E + 1 has no int8)
         ids = ids.to(torch.int32 if ids.dtype.is_signed else torch.int16)
     if ids.dtype.is_signed:
         keys = torch.remainder(ids.clamp(-1, E), E + 1).to(narrow)

@@ -84,6 +84,10 @@ class Generator:
             weights; Llama, Mistral, Qwen2, Qwen3, single process) where they apply, else
             the model's forward with lmfuse's paged attention; ``"fused"``: the fused layers
             or a ``ValueError`` saying why not; ``"model"``: always the model's forward.
+            The fused layers read the weights alone: a model whose modules carry forward
+            hooks (other than transformers' own), are of other classes, or have a forward
+            set on them takes the model's forward; this is decided when the Generator is
+            made (a hook registered afterwards is not seen: make another Generator).
             Prefills run the fused layers where decode steps do, on the Triton path (a
             GPU, or Triton's interpreter), else the model's forward.
         impl: the kernels' path, as every lmfuse op (``"auto"``: Triton on CUDA).
@@ -94,6 +98,21 @@ class Generator:
                  cuda_graphs: bool = True, kvdp_group: Any = None, cp_group: Any = None,
                  max_prefill_tokens: int = 8192, prefix_sharing: bool = True,
                  decode_path: str = "auto", impl: str = "auto") -> None:
+        self._agreed = False  # (set when the ranks of a split cache have gathered)
+        try:
+            self._setup(model, block_len, num_blocks, memory_fraction, kv_dtype, max_batch,
+                        cuda_graphs, kvdp_group, cp_group, max_prefill_tokens, prefix_sharing,
+                        decode_path, impl)
+        except (TypeError, ValueError):
+            # A rank that refuses its arguments before the ranks' agreement still joins
+            # its all-gather, so that the others raise too instead of waiting in it.
+            if not self._agreed:
+                _agree_failed(kvdp_group if kvdp_group is not None else cp_group)
+            raise
+
+    def _setup(self, model, block_len, num_blocks, memory_fraction, kv_dtype, max_batch,
+               cuda_graphs, kvdp_group, cp_group, max_prefill_tokens, prefix_sharing,
+               decode_path, impl) -> None:
         config = _check_model(model)
         block_len = check_int(OP, "block_len", block_len, minimum=1)
         max_batch = check_int(OP, "max_batch", max_batch, minimum=1)
@@ -140,6 +159,7 @@ class Generator:
         #: every rank: the ranks must sample the same tokens); None: a fresh seed each.
         self._seeds: random.Random | None = None
         if group is not None:  # every rank's scheduler counts the same pool
+            self._agreed = True
             num_blocks, seed = _agree(group, self.device, num_blocks, fraction, self,
                                       block_len=block_len, max_batch=max_batch,
                                       max_prefill_tokens=max_prefill_tokens,
@@ -589,6 +609,23 @@ class _Inflight:
         self.live = any(r.status == Status.RUNNING for r in self.requests)
 
 
+_AGREED_SETTINGS = 4  # block_len, max_batch, max_prefill_tokens, kv_dtype (_agree's)
+
+
+def _agree_failed(group: Any) -> None:
+    """A rank's part in :func:`_agree`'s all-gather when it refused its own arguments before
+    it: the other ranks see its failure and raise as well. Nothing for a group that is not
+    a usable ProcessGroup (then no rank can have reached the all-gather with it)."""
+    import torch.distributed as dist
+
+    if group is None or not isinstance(group, dist.ProcessGroup) or not dist.is_initialized():
+        return
+    nccl = "nccl" in str(dist.get_backend(group))
+    on = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    row = torch.tensor([1, -1, -1, 0] + [0] * _AGREED_SETTINGS, dtype=torch.int64, device=on)
+    all_gather_stacked(row, group)
+
+
 def _agree(group: Any, device: torch.device, num_blocks: Any, fraction: float, gen: Any,
            **settings: Any) -> tuple[int, int]:
     """``(num_blocks, seed)`` the same on every rank of a split cache's ``group``, from one
@@ -618,16 +655,20 @@ def _agree(group: Any, device: torch.device, num_blocks: Any, fraction: float, g
         raise error
     failed = [r for r, e in enumerate(every) if e[0]]
     if failed:
-        raise ValueError(f"{OP}: rank(s) {failed} of the split cache's group were given a bad "
-                         "num_blocks (see their error)")
+        raise ValueError(f"{OP}: rank(s) {failed} of the split cache's group refused their "
+                         "arguments (see their error)")
     names = list(settings)
+    assert len(names) == _AGREED_SETTINGS
+    dtypes = list(DTYPE_NAMES.values())
     for i, name in enumerate(names):
         values = [e[4 + i] for e in every]
+        if name == "kv_dtype":
+            values = [dtype_name(dtypes[v]) if 0 <= v < len(dtypes) else "another dtype"
+                      for v in values]
         if len(set(values)) > 1:
             raise ValueError(f"{OP}: every rank of a split cache must pass the same {name} "
                              f"(the ranks' schedules must agree); got "
-                             f"{', '.join(f'rank {r}: {v}' for r, v in enumerate(values))}"
-                             + (f" (this rank: {settings[name]})" if name in codes else ""))
+                             f"{', '.join(f'rank {r}: {v}' for r, v in enumerate(values))}")
     givens = [e[1] for e in every]
     if len(set(givens)) > 1:
         shown = ", ".join(f"rank {r}: {'none' if g < 0 else g}" for r, g in enumerate(givens))

@@ -150,15 +150,26 @@ def _replaced_modules(model: Any, inner: Any) -> str | None:
         return (f"token embeddings of type {type(inner.embed_tokens).__name__} (a plain "
                 "nn.Embedding only)")
     for name, m in model.named_modules():
-        if m._forward_hooks or m._forward_pre_hooks:
+        if any(not _transformers_own(h) for h in (*m._forward_hooks.values(),
+                                                  *m._forward_pre_hooks.values())):
             return f"forward hooks on {name or 'the model'}"
         own = type(m).__module__.split(".")[0]
         if own not in ("transformers", "torch"):
             return f"{name or 'the model'} of class {type(m).__qualname__} ({own})"
         patched = m.__dict__.get("forward")
-        if patched is not None and not type(patched).__module__.startswith("lmfuse."):
+        if patched is not None and not (
+                type(patched).__module__.startswith("lmfuse.")  # apply_lmfuse's
+                or getattr(patched, "__module__", "").startswith("torch.")):  # torch.compile's
             return f"a forward set on {name or 'the model'} itself"
     return None
+
+
+def _transformers_own(hook: Any) -> bool:
+    """A hook transformers installs itself, which leaves the values alone: its output
+    capture (installed by a forward with ``output_hidden_states``, acting only while
+    capturing) and ``enable_input_require_grads``' (gradient checkpointing)."""
+    return getattr(hook, "__module__", None) in ("transformers.utils.output_capturing",
+                                                 "transformers.modeling_utils")
 
 
 @dataclass
