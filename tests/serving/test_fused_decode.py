@@ -899,6 +899,26 @@ def test_modules_the_fused_layers_cannot_stand_in_for(change, reason: str) -> No
         Generator(model, block_len=4, num_blocks=32, decode_path="fused")
 
 
+def test_a_hook_registered_after_the_generator_was_made_is_refused() -> None:
+    """The fused layers are chosen when the Generator is made: a hook added later would be
+    skipped silently (other tokens than model.generate); generate() now refuses, and a new
+    Generator takes the model's forward."""
+    model = tiny_causal_lm("llama")
+    gen = Generator(model, block_len=4, num_blocks=32, impl="torch")
+    assert gen.runner.decode_path == "fused"
+    handle = model.lm_head.register_forward_hook(_bias_3)
+    with pytest.raises(ValueError, match=r"the model changed since this Generator chose its "
+                                         r"fused decode layers \(forward hooks on lm_head\)"):
+        gen.generate(PROMPTS, max_new_tokens=3, eos_token_id=[])
+    again = Generator(model, block_len=4, num_blocks=32, impl="torch")
+    assert again.runner.decode_path == "model"
+    assert again.generate(PROMPTS, max_new_tokens=3, eos_token_id=[]) == [
+        hf_greedy(model, p, 3) for p in PROMPTS]
+    handle.remove()
+    assert gen.generate(PROMPTS[:1], max_new_tokens=2, eos_token_id=[]) == [
+        hf_greedy(model, PROMPTS[0], 2)]
+
+
 @pytest.mark.parametrize("prepare", [
     lambda m: torch.compile(m),  # OptimizedModule: its forward sits on the instance
     lambda m: (m(torch.tensor([[1, 2, 3]]), output_hidden_states=True), m)[1],

@@ -20,6 +20,7 @@ from .._launch import DTYPE_NAMES, KERNEL_DTYPES, dtype_name, dtype_named
 from ..attention.kv_cache import KVCacheFullError, PagedKVCache
 from .attention import ATTENTION_NAME, paged_attention
 from .request import OP, Request, SamplingParams, Status
+from .fused import still_standing_in
 from .runner import ModelRunner, bus_copies, bus_copy
 from .sharded import BatchShards, ContextShards
 from .sampling import sample
@@ -87,7 +88,8 @@ class Generator:
             The fused layers read the weights alone: a model whose modules carry forward
             hooks (other than transformers' own), are of other classes, or have a forward
             set on them takes the model's forward; this is decided when the Generator is
-            made (a hook registered afterwards is not seen: make another Generator).
+            made (a hook registered afterwards makes :meth:`generate` raise, saying so;
+            requests added one by one are not checked again: make another Generator).
             Prefills run the fused layers where decode steps do, on the Triton path (a
             GPU, or Triton's interpreter), else the model's forward.
         impl: the kernels' path, as every lmfuse op (``"auto"``: Triton on CUDA).
@@ -508,6 +510,13 @@ class Generator:
         if self.has_unfinished():
             raise RuntimeError(f"{OP}: generate() needs an idle Generator; finish or abort "
                                "the requests added with add_request first")
+        if self.runner.decode_path == "fused":
+            # (looked for once a generate() call: the request-level API does not pay for it)
+            changed = still_standing_in(self.model)
+            if changed is not None:
+                raise ValueError(f"{OP}: the model changed since this Generator chose its fused "
+                                 f"decode layers ({changed}): they would skip it; make a new "
+                                 "Generator, which takes the model's forward")
         checked = [self._check_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         params = self._sampling(max_new_tokens=max_new_tokens, temperature=temperature,
                                 top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=seed,

@@ -132,6 +132,12 @@ def unsupported(model: Any) -> str | None:
     return _replaced_modules(model, inner)
 
 
+def still_standing_in(model: Any) -> str | None:
+    """Why the fused layers chosen for ``model`` no longer stand in for its modules (a hook
+    registered, a forward set, since they were chosen); None while they do."""
+    return _replaced_modules(model, model.model)
+
+
 def _replaced_modules(model: Any, inner: Any) -> str | None:
     """Why the fused layers cannot stand in for the modules they read the weights of (None:
     they can): a forward hook or pre-hook (steering, logit bias, patching), a module of a
