@@ -38,6 +38,7 @@ import triton.language as tl
 
 from .._fp8 import store_e4m3
 from .._pdl import pdl_start, pdl_wait
+from .._softcap import tanh_over_z
 
 # log2(e) = 1.4426950408889634 and ln(2) = 0.6931471805599453 are written inline below (see
 # activations/kernels.py on why kernels do not read float globals).
@@ -102,17 +103,14 @@ def _tanh_of_scaled(z, SERIES: tl.constexpr):
     e^(-2|z|) <= 1`` (no overflow; +-1 at +-inf; NaN stays NaN). ``1 - t`` cancels for
     small ``|z|``: an absolute error of ~ulp(1) in tanh, ~c ulp(1) in the capped score,
     which grows with the cap (1e-4 at c = 1e4, every score 0 at c = 1e8). ``SERIES`` (caps
-    above ``ops.SOFTCAP_SERIES_ABOVE``): for ``|z| < 1/8`` tanh's odd series to z^9 instead
-    (relative error < 1e-10 there); the usual caps (30, 50) keep the cheaper form, whose
+    above ``_launch.SOFTCAP_SERIES_ABOVE``): for ``|z| < 1/8`` tanh's odd series instead
+    (``_softcap.tanh_over_z``); the usual caps (30, 50) keep the cheaper form, whose
     error is a few 1e-6 there (the series cost the fp8 cache's loop 7%)."""
     az = tl.abs(z)
     t = tl.exp(-2.0 * az)
     th = (1.0 - t) / (1.0 + t)
     if SERIES:
-        w = z * z
-        series = az * (1.0 + w * (-0.3333333333333333 + w * (0.13333333333333333 + w * (
-            -0.05396825396825397 + w * 0.021869488536155203))))
-        th = tl.where(az < 0.125, series, th)
+        th = tl.where(az < 0.125, az * tanh_over_z(z * z), th)
     return tl.where(z < 0.0, -th, th)
 
 

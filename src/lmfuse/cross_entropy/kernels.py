@@ -42,6 +42,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .._softcap import tanh_over_z
+
 
 @triton.jit
 def _cap(x, softcap, MODE: tl.constexpr):
@@ -52,17 +54,14 @@ def _cap(x, softcap, MODE: tl.constexpr):
     overflows, and the cap is a NaN-propagating min (``min.NaN``), so NaN stays NaN.
     ``1 - 2 / (e^2u + 1)`` cancels for small ``|u|``: an absolute error of ~ulp(1) in tanh,
     ~softcap ulp(1) in the capped logit, growing with the cap. ``MODE == 2`` (caps above
-    ``ops.SOFTCAP_SERIES_ABOVE``): for ``|u| < 1/8``, ``x`` times tanh's odd series over u
-    to u^9 instead (relative error < 1e-10 there); the usual caps keep the cheaper form
+    ``_launch.SOFTCAP_SERIES_ABOVE``): for ``|u| < 1/8``, ``x`` times tanh's odd series
+    (``_softcap.tanh_over_z``) instead; the usual caps keep the cheaper form
     (the series cost a softcapped loss 19% on an H200, where it is bound by instructions)."""
     if MODE == 2:
         u = x / softcap
         u2 = tl.minimum(2.0 * u, 80.0, propagate_nan=tl.PropagateNan.ALL)
         big = softcap * (1.0 - 2.0 / (tl.exp(u2) + 1.0))
-        w = u * u
-        small = x * (1.0 + w * (-0.3333333333333333 + w * (0.13333333333333333 + w * (
-            -0.05396825396825397 + w * 0.021869488536155203))))
-        return tl.where(tl.abs(u) < 0.125, small, big)
+        return tl.where(tl.abs(u) < 0.125, x * tanh_over_z(u * u), big)
     else:
         u2 = tl.minimum(2.0 * x / softcap, 80.0, propagate_nan=tl.PropagateNan.ALL)
         return softcap * (1.0 - 2.0 / (tl.exp(u2) + 1.0))
