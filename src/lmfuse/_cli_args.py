@@ -6,9 +6,9 @@ and exit status 2. Below ``cli``, ``demo``, ``generate_cli`` and ``bench``, whic
 from __future__ import annotations
 
 import argparse
-import os
 import importlib.util
 import math
+import os
 from pathlib import Path
 from typing import Callable, NoReturn, Optional
 

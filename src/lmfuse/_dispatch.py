@@ -389,15 +389,15 @@ def check_number(op: str, name: str, value: Any, *, allow_none: bool = True) -> 
     return value
 
 
-_FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
 
 
 def check_float32(op: str, name: str, value: float | None) -> float | None:
     """A checked number (:func:`check_number`'s) that the kernels take as a float32
     argument: beyond float32's range it would be inf there (and the result NaN)."""
-    if value is not None and abs(value) > _FLOAT32_MAX:
+    if value is not None and abs(value) > FLOAT32_MAX:
         raise ValueError(f"{op}: {name} must be within float32's range (|{name}| <= "
-                         f"{_FLOAT32_MAX:.4g}), got {value}")
+                         f"{FLOAT32_MAX:.4g}), got {value}")
     return value
 
 

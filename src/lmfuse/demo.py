@@ -548,17 +548,15 @@ def teacher_forced_err(model: TinyGPT, prompts: list[list[int]], tokens: list[li
     prompt): the decode path checked position by position on the same inputs, which in
     bf16 stays meaningful after a near-tie has made the greedy continuations part."""
     device = next(model.parameters()).device
-    worst = 0.0
-    for prompt, cont, got in zip(prompts, tokens, step_logits):
-        if not cont:
-            continue
-        seq = torch.tensor(prompt + cont[:-1], device=device)[None]
-        full = model.logits(seq)[0, len(prompt) - 1:].float()
-        err = float((got - full).abs().max() / full.abs().max().clamp(min=1e-30))
-        worst = err if math.isnan(err) else max(worst, err)
-        if math.isnan(worst):
-            break
-    return worst
+
+    def errors():
+        for prompt, cont, got in zip(prompts, tokens, step_logits):
+            if cont:
+                seq = torch.tensor(prompt + cont[:-1], device=device)[None]
+                full = model.logits(seq)[0, len(prompt) - 1:].float()
+                yield float((got - full).abs().max() / full.abs().max().clamp(min=1e-30))
+
+    return _nan_max(errors())
 
 
 # --- the demo --------------------------------------------------------------------------------

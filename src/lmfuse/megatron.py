@@ -18,9 +18,10 @@ from . import activations as act
 from .activations.ops import check_bias as check_activation_bias
 from .activations.ops import check_options as check_activation_options
 from .cross_entropy import cross_entropy
-from .cross_entropy.ops import outside_vocab_ignored
 from .cross_entropy import linear_cross_entropy as _linear_cross_entropy
+from .cross_entropy.ops import outside_vocab_ignored
 from .integrations.megatron_core import patch
+from ._collectives import group_size
 from ._dispatch import check_number
 from .softmax import AttnMaskType, FusedScaleMaskSoftmax, fused_softmax
 from .softmax.ops import check_inputs as check_softmax_inputs
@@ -155,8 +156,7 @@ def _outside_ignored(logits: Any, target: Any, tp_group: Any) -> Any:
     :func:`~lmfuse.cross_entropy.ops.outside_vocab_ignored`)."""
     if not isinstance(logits, torch.Tensor) or logits.dim() < 1:
         return target
-    world = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
-    return outside_vocab_ignored(target, logits.shape[-1] * world)
+    return outside_vocab_ignored(target, logits.shape[-1] * group_size(tp_group))
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,

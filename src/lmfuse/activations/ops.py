@@ -453,8 +453,7 @@ def _run(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp_
                        fp8_input_store, cpu_offload_input, impl, gate_multiplier,
                        down_multiplier)
     K = x.shape[-1]
-    if (native_cpu(impl, s.path, x) and not fp8_input_store and not s.cpu_offload_input
-            and (weights is None or weights.dtype == torch.float32)):
+    if _takes_native(impl, s, x, weights):
         return _native(x, bias, weights, s)
     # 2-D x goes in as it is: no reshape, whose view would add a node to the backward.
     flat = x.dim() == 2
@@ -541,6 +540,13 @@ def _cpu_fast_halves(x: torch.Tensor) -> bool:
     return cpu_fast(x) and x.dim() > 0 and x.shape[-1] > 0 and x.shape[-1] % 2 == 0
 
 
+def _takes_native(impl: str, s: ActivationCall, x: torch.Tensor, weights: Any) -> bool:
+    """Whether the call runs :func:`_native` (the CPU float32 default path, nothing kept in
+    float8 or offloaded, float32 weights)."""
+    return (native_cpu(impl, s.path, x) and not s.fp8_input_store and not s.cpu_offload_input
+            and (weights is None or weights.dtype == torch.float32))
+
+
 def _native(x, bias, weights, s: ActivationCall) -> torch.Tensor:
     """The default path on CPU float32 tensors: the reference's formula in PyTorch's own
     ops, with autograd for the gradients (the plain formula's speed; the reference's
@@ -597,8 +603,7 @@ def _plan(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp
                                   f"bias), output * {s.down_multiplier}")
     if weights is not None:
         details["weights"] = f"{list(weights.shape)} {dtype_name(weights.dtype)}"
-    if (native_cpu(impl, s.path, x) and not fp8_input_store and not s.cpu_offload_input
-            and (weights is None or weights.dtype == torch.float32)):
+    if _takes_native(impl, s, x, weights):
         reason += "; CPU float32: the formula in PyTorch's own ops (F.silu, F.gelu, ...)"
     return Plan(op, path, reason, details, call=s)
 

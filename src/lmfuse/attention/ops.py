@@ -136,6 +136,25 @@ def _raise_first(checks: list[_Check]) -> None:
             raise ValueError(message(first[0] if len(first) == 1 else tuple(first)))
 
 
+def _rows_per_sequence(k_cache: torch.Tensor, block_table: Optional[torch.Tensor]) -> int:
+    """A sequence's capacity in the cache: ``S_max``, or ``max_blocks * block_len``."""
+    rows = k_cache.shape[1]
+    return block_table.shape[1] * rows if block_table is not None else rows
+
+
+def _kernel_dtype_path(op: str, impl: str, device: torch.device, dtype: torch.dtype, verb: str,
+                       what: str) -> tuple[str, str]:
+    """:func:`select_impl`'s ``(path, reason)``, with ``what`` of a dtype the kernels do not
+    take on the reference instead (``impl="triton"``: a ``TypeError`` saying so)."""
+    path, reason = select_impl(op, impl, device)
+    if path == "triton" and dtype not in KERNEL_DTYPES:
+        if impl == "triton":
+            raise TypeError(f"{op}: impl='triton' {verb} float32/float16/bfloat16 {what}, got "
+                            f"{dtype_name(dtype)}; use impl='torch'")
+        path, reason = "torch", f"{dtype_name(dtype)} {what}: the reference"
+    return path, reason
+
+
 def _capacity(k_cache, block_table, capacity: int) -> str:
     if block_table is None:
         return f"{capacity} rows per sequence: the caches' S_max"
@@ -339,12 +358,7 @@ def _validate(q, k_cache, v_cache, cache_seqlens, block_table, scale, window_siz
     check_same_device(op, "q", q, k_cache=k_cache, v_cache=v_cache,
                       cache_seqlens=cache_seqlens, block_table=block_table, sinks=sinks,
                       k_scale=k_scale, v_scale=v_scale)
-    path, reason = select_impl(op, impl, q.device)
-    if path == "triton" and q.dtype not in KERNEL_DTYPES:
-        if impl == "triton":
-            raise TypeError(f"{op}: impl='triton' runs float32/float16/bfloat16 queries, got "
-                            f"{dtype_name(q.dtype)}; use impl='torch'")
-        path, reason = "torch", f"{dtype_name(q.dtype)} queries: the reference"
+    path, reason = _kernel_dtype_path(op, impl, q.device, q.dtype, "runs", "queries")
     if check_values:
         check_decode_values(op, cache_seqlens, k_cache, block_table, capacity, k_scale,
                             v_scale, force=path == "torch")
@@ -362,9 +376,9 @@ def _call(q, k_cache, block_table, scale: float, window_size: Optional[int], ret
     arguments alone, validating nothing again (their callers validated the arguments, a
     compiled call while tracing)."""
     B, s_active, Hq, D = q.shape
-    _, rows, Hkv, _ = k_cache.shape
+    Hkv = k_cache.shape[2]
     paged = block_table is not None
-    capacity = block_table.shape[1] * rows if paged else rows
+    capacity = _rows_per_sequence(k_cache, block_table)
     # A window as long as the cache hides nothing: dropping it keeps the kernel's int32
     # position arithmetic away from windows near 2**31.
     window = window_size if window_size is not None and window_size < capacity else None
@@ -614,13 +628,11 @@ def _launch_merge(outs: torch.Tensor, lses: torch.Tensor,
 def _append_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
                       v_new: torch.Tensor, cache_seqlens: torch.Tensor,
                       block_table: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
-                      v_scale: Optional[torch.Tensor], capacity: int, check: bool) -> None:
-    """:func:`kv_cache_append`'s reference path, as one op of a compiled graph (the reference
-    reads the lengths on the host). ``check``: the value checks first (a compiled call's;
-    an eager call has run them)."""
-    if check:
-        check_append_values("kv_cache_append", cache_seqlens, k_cache, block_table, capacity,
-                            k_new.shape[1], k_scale, v_scale, force=True)
+                      v_scale: Optional[torch.Tensor], capacity: int) -> None:
+    """:func:`kv_cache_append`'s reference path as one op of a compiled graph (the reference
+    reads the lengths on the host; the values checked here first, skipped while tracing)."""
+    check_append_values("kv_cache_append", cache_seqlens, k_cache, block_table, capacity,
+                        k_new.shape[1], k_scale, v_scale, force=True)
     ref.kv_cache_append_reference(k_cache, v_cache, k_new, v_new, cache_seqlens,
                                   block_table=block_table, k_scale=k_scale, v_scale=v_scale)
 
@@ -705,10 +717,8 @@ def _decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       return_lse: bool) -> list[torch.Tensor]:
     """:func:`decode_attention`'s reference path as one op of a compiled graph (the
     reference reads the lengths on the host; the values checked here first)."""
-    rows = k_cache.shape[1]
-    capacity = block_table.shape[1] * rows if block_table is not None else rows
-    check_decode_values("decode_attention", cache_seqlens, k_cache, block_table, capacity,
-                        k_scale, v_scale, force=True)
+    check_decode_values("decode_attention", cache_seqlens, k_cache, block_table,
+                        _rows_per_sequence(k_cache, block_table), k_scale, v_scale, force=True)
     res = ref.decode_attention_reference(
         q, k_cache, v_cache, cache_seqlens, block_table=block_table, scale=scale,
         window_size=window_size, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
@@ -818,8 +828,7 @@ def decode_attention(
                                         window_size, sinks, k_scale, v_scale, return_lse,
                                         num_splits, impl, softcap)
     with nvtx_range("decode_attention", "fwd"):
-        if (native_cpu(impl, path, q) and k_cache.dtype == torch.float32
-                and sinks is None and softcap is None and not return_lse):
+        if _native_decode(impl, path, q, k_cache, sinks, softcap, return_lse):
             out = native_decode(q, k_cache, v_cache, cache_seqlens, block_table, scale,
                                 window_size)
             if out is not None:
@@ -828,7 +837,8 @@ def decode_attention(
             if torch.compiler.is_compiling() and not (torch.is_grad_enabled() and any(
                     t is not None and t.requires_grad for t in (q, k_cache, v_cache, sinks))):
                 # The reference reads lengths on the host: one opaque node for the graph,
-                # which checks the values at run time as an eager call does here.
+                # which checks the values at run time as an eager call does here (no
+                # autograd: a call that needs a gradient keeps the reference's ops).
                 res = _decode_reference(q, k_cache, v_cache, cache_seqlens, block_table,
                                         sinks, k_scale, v_scale, scale, window_size, softcap,
                                         return_lse)
@@ -861,6 +871,14 @@ def launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                  k_scale, v_scale, False, None, impl)
     return _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, None, k_scale,
                           v_scale, replace(s, pdl=pdl))[0]
+
+
+def _native_decode(impl: str, path: str, q: torch.Tensor, k_cache: torch.Tensor, sinks: Any,
+                   softcap: Any, return_lse: bool) -> bool:
+    """Whether the call may take :func:`native_decode` (the CPU float32 default path without
+    the options SDPA lacks)."""
+    return (native_cpu(impl, path, q) and k_cache.dtype == torch.float32 and sinks is None
+            and softcap is None and not return_lse)
 
 
 def native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -1057,12 +1075,8 @@ def _resolve_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, 
     check_same_device(op, "k_cache", k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new,
                       cache_seqlens=cache_seqlens, block_table=block_table, k_scale=k_scale,
                       v_scale=v_scale)
-    path, reason = select_impl(op, impl, k_cache.device)
-    if path == "triton" and k_new.dtype not in KERNEL_DTYPES:
-        if impl == "triton":
-            raise TypeError(f"{op}: impl='triton' appends float32/float16/bfloat16 rows, got "
-                            f"{dtype_name(k_new.dtype)}; use impl='torch'")
-        path, reason = "torch", f"{dtype_name(k_new.dtype)} rows: the reference"
+    path, reason = _kernel_dtype_path(op, impl, k_cache.device, k_new.dtype, "appends",
+                                      "rows")
     check_no_grad(op, path, "an in-place cache write", k_cache=k_cache, v_cache=v_cache,
                   k_new=k_new, v_new=v_new, k_scale=k_scale, v_scale=v_scale)
     check_append_values(op, cache_seqlens, k_cache, block_table, capacity, s_new, k_scale,
@@ -1119,14 +1133,16 @@ def kv_cache_append(
     B, s_new, Hkv, D = k_new.shape
     with nvtx_range("kv_cache_append", "fwd"):
         if path == "torch":
-            if torch.is_grad_enabled() and (k_new.requires_grad or v_new.requires_grad):
-                # (the reference itself: autograd through its writes; the op has none)
+            if torch.compiler.is_compiling() and not (torch.is_grad_enabled() and (
+                    k_new.requires_grad or v_new.requires_grad)):
+                # The reference reads lengths on the host: one opaque node for the graph
+                # (no autograd: a call that needs a gradient keeps the reference's ops).
+                _append_reference(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
+                                  k_scale, v_scale, capacity)
+            else:
                 ref.kv_cache_append_reference(k_cache, v_cache, k_new, v_new, cache_seqlens,
                                               block_table=block_table, k_scale=k_scale,
                                               v_scale=v_scale)
-                return None
-            _append_reference(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
-                              k_scale, v_scale, capacity, check=torch.compiler.is_compiling())
             return None
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
             # The kernel writes a head's D values as one run (heads at any stride: token-major
@@ -1181,8 +1197,7 @@ def plan_decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=Non
         if c.splits > 1:
             details["merge"] = "partials (float32) merged by their LSEs in a second kernel"
     reason = s.reason
-    if (native_cpu(impl, s.path, q) and k_cache.dtype == torch.float32 and sinks is None
-            and softcap is None and not return_lse):
+    if _native_decode(impl, s.path, q, k_cache, sinks, softcap, return_lse):
         reason += ("; CPU float32: one scaled_dot_product_attention over the gathered keys "
                    "(the reference where a token sees nothing or the output has a NaN)")
     return Plan("decode_attention", s.path, reason, details, call=s)

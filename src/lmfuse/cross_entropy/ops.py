@@ -35,9 +35,8 @@ import torch.nn.functional as F
 
 from .. import tuning
 from .._dispatch import (Plan, ResolvedCall, check_choice, check_float32, check_int,
-                         check_number,
-                         check_tensor, checked_once, cpu_fast, float64_fallback, native_cpu,
-                         once_differentiable, planner_of, select_impl, value_checks)
+                         check_number, check_tensor, checked_once, cpu_fast, float64_fallback,
+                         native_cpu, once_differentiable, planner_of, select_impl, value_checks)
 from .._launch import (INDEX_DTYPES, cdiv, dtype_name, kernel_op, lazy_kernels, next_pow2,
                        softcap_mode)
 from .._nvtx import nvtx_range

@@ -50,6 +50,16 @@ class Line:
         return self.fixed_ms + nbytes / (self.gbps * 1e6)
 
 
+def _check_measure(source: Any, key: str, i: int, field: str, value: Any) -> None:
+    """A calibration entry's number: finite, >= 1 for a count of ranks or partials (``n``,
+    ``P``), >= 0 otherwise; ``ValueError`` naming where it is."""
+    low = 1 if field in ("n", "P") else 0
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value >= low):
+        raise ValueError(f"calibration {source}: {key} entry {i}'s {field!r} must be a finite "
+                         f"number >= {low}, got {value!r}")
+
+
 def fit_line(points: list[tuple[float, float]]) -> Line:
     """Least-squares line through ``(bytes, ms)`` points (at least two sizes); the fixed
     part is kept >= 0 (refitted through the origin otherwise)."""
@@ -100,15 +110,8 @@ class CostModel:
                     raise ValueError(f"calibration {source}: {key} entry {i} has no "
                                      f"{missing[0]!r}")
                 for f in fields:
-                    v = e[f]
-                    if f == "kind":
-                        continue
-                    ok = (isinstance(v, (int, float)) and not isinstance(v, bool)
-                          and math.isfinite(v) and v >= (1 if f in ("n", "P") else 0))
-                    if not ok:
-                        raise ValueError(f"calibration {source}: {key} entry {i}'s {f!r} "
-                                         f"must be a finite number >= "
-                                         f"{1 if f in ('n', 'P') else 0}, got {v!r}")
+                    if f != "kind":
+                        _check_measure(source, key, i, f, e[f])
             return got
 
         read = fit_line([(d["bytes"], d["ms"]) for d in entries("decode", "bytes", "ms")])
@@ -119,10 +122,7 @@ class CostModel:
         for i, c in enumerate(entries("collectives", "n", "bytes_per_rank", "kind")):
             if c.get("ms") is None:
                 continue  # (not measured)
-            if not (isinstance(c["ms"], (int, float)) and not isinstance(c["ms"], bool)
-                    and math.isfinite(c["ms"]) and c["ms"] >= 0):
-                raise ValueError(f"calibration {source}: collectives entry {i}'s 'ms' must be "
-                                 f"a finite number >= 0 or null, got {c['ms']!r}")
+            _check_measure(source, "collectives", i, "ms", c["ms"])
             n, b = int(c["n"]), float(c["bytes_per_rank"])
             got = (n - 1) * b if c["kind"] == "all_gather" else (n - 1) / n * b
             points.setdefault(c["kind"], {}).setdefault(n, []).append((got, c["ms"]))

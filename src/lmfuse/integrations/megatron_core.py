@@ -122,6 +122,7 @@ from ..activations import (bias_gelu, geglu, quick_geglu, squared_relu, swiglu,
                            weighted_quick_geglu, weighted_squared_relu, weighted_swiglu)
 from ..cross_entropy import cross_entropy
 from ..cross_entropy.ops import outside_vocab_ignored
+from .._collectives import group_size
 from ..norm import rms_norm as _rms_norm
 from ..softmax import AttnMaskType, FusedScaleMaskSoftmax
 from . import _activation_name, _check_flags, _Forward, _instance_attr
@@ -371,10 +372,10 @@ class _UnformedLogits:
         from ..megatron import linear_cross_entropy
 
         target = labels.transpose(0, 1).contiguous()  # [s, b], the hidden rows' order
-        world = 1 if self.tp_group is None else torch.distributed.get_world_size(self.tp_group)
         # Labels outside the vocabulary (BERT's -1 padding): loss 0, as Megatron's lse is
         # once its loss mask of 0 there applies (see outside_vocab_ignored).
-        target = outside_vocab_ignored(target, self.weight.shape[0] * world)
+        vocab = self.weight.shape[0] * group_size(self.tp_group)
+        target = outside_vocab_ignored(target, vocab)
         loss = linear_cross_entropy(self.hidden, self.weight, target, tp_group=self.tp_group,
                                     reduction="none", sequence_parallel=self.sequence_parallel)
         return loss.view(target.shape).transpose(0, 1).contiguous()
@@ -436,9 +437,8 @@ def _language_model_loss(self: Any, labels: torch.Tensor, logits: Any) -> torch.
     if group is None:
         group = self.pg_collection.tp
     group = _group(group)
-    world = 1 if group is None else torch.distributed.get_world_size(group)
     target = outside_vocab_ignored(labels.transpose(0, 1).contiguous(),
-                                   logits.shape[-1] * world)
+                                   logits.shape[-1] * group_size(group))
     loss = cross_entropy(logits, target, reduction="none", tp_group=group)
     return loss.transpose(0, 1).contiguous()
 

@@ -23,6 +23,7 @@ import torch
 
 from .. import _pdl, tuning
 from .._dispatch import (
+    FLOAT32_MAX,
     PLAIN_TENSORS,
     Plan,
     ResolvedCall,
@@ -43,7 +44,6 @@ from .._nvtx import nvtx_range
 from .reference import rms_norm_reference
 
 _OP = "rms_norm"
-_FLOAT32_MAX = torch.finfo(torch.float32).max  # (an eps past it: the full path refuses it)
 _kernels = lazy_kernels("kernels", __package__)
 
 
@@ -281,7 +281,8 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps: flo
     column) makes that row (column) NaN; an inf makes its row's ``rstd`` 0, so the row is 0
     except NaN (``inf * 0``) at the inf; gradients likewise (a NaN row's are NaN).
     """
-    if (impl == "auto" and type(eps) is float and 0.0 <= eps <= _FLOAT32_MAX
+    # (an eps past float32's range: the full path refuses it)
+    if (impl == "auto" and type(eps) is float and 0.0 <= eps <= FLOAT32_MAX
             and type(weight_offset) is float and weight_offset == 0.0 and cpu_fast(x)
             and x.dim() > 0 and (weight is None or (
                 type(weight) in PLAIN_TENSORS and weight.dtype is torch.float32

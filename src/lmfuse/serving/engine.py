@@ -20,7 +20,7 @@ from .._launch import DTYPE_NAMES, KERNEL_DTYPES, dtype_name, dtype_named
 from ..attention.kv_cache import KVCacheFullError, PagedKVCache
 from .attention import ATTENTION_NAME, paged_attention
 from .request import OP, Request, SamplingParams, Status
-from .fused import still_standing_in
+from .fused import replaced_modules
 from .runner import ModelRunner, bus_copies, bus_copy
 from .sharded import BatchShards, ContextShards
 from .sampling import sample
@@ -512,7 +512,7 @@ class Generator:
                                "the requests added with add_request first")
         if self.runner.decode_path == "fused":
             # (looked for once a generate() call: the request-level API does not pay for it)
-            changed = still_standing_in(self.model)
+            changed = replaced_modules(self.model)
             if changed is not None:
                 raise ValueError(f"{OP}: the model changed since this Generator chose its fused "
                                  f"decode layers ({changed}): they would skip it; make a new "

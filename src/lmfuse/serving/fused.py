@@ -129,21 +129,17 @@ def unsupported(model: Any) -> str | None:
             return "projections that are not plain nn.Linear (quantised or wrapped weights)"
         if any(m.weight.dtype != dtype or not m.weight.is_contiguous() for m in linears):
             return "projection weights of mixed dtypes or strides"
-    return _replaced_modules(model, inner)
+    return replaced_modules(model)
 
 
-def still_standing_in(model: Any) -> str | None:
-    """Why the fused layers chosen for ``model`` no longer stand in for its modules (a hook
-    registered, a forward set, since they were chosen); None while they do."""
-    return _replaced_modules(model, model.model)
-
-
-def _replaced_modules(model: Any, inner: Any) -> str | None:
-    """Why the fused layers cannot stand in for the modules they read the weights of (None:
-    they can): a forward hook or pre-hook (steering, logit bias, patching), a module of a
-    class of neither transformers nor torch.nn (a subclass with its own forward), an LM head
-    that is not a plain ``nn.Linear``, or a forward set on the instance other than
-    ``apply_lmfuse``'s (which computes the same). The model's forward honours all of them."""
+def replaced_modules(model: Any) -> str | None:
+    """Why the fused layers cannot stand in for the modules of ``model`` (of a supported
+    type: :func:`unsupported` checks that first) whose weights they read (None: they can;
+    the Generator asks again at each ``generate``): a forward hook or pre-hook (steering,
+    logit bias, patching), a module of a class of neither transformers nor torch.nn (a
+    subclass with its own forward), an LM head that is not a plain ``nn.Linear``, or a
+    forward set on the instance other than ``apply_lmfuse``'s (which computes the same).
+    The model's forward honours all of them."""
     from torch.nn.modules import module as nn_module
 
     if (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks
@@ -152,9 +148,9 @@ def _replaced_modules(model: Any, inner: Any) -> str | None:
     head = model.get_output_embeddings()
     if type(head) is not torch.nn.Linear:
         return f"an LM head of type {type(head).__name__} (a plain nn.Linear only)"
-    if type(inner.embed_tokens) is not torch.nn.Embedding:
-        return (f"token embeddings of type {type(inner.embed_tokens).__name__} (a plain "
-                "nn.Embedding only)")
+    embed = model.model.embed_tokens
+    if type(embed) is not torch.nn.Embedding:
+        return f"token embeddings of type {type(embed).__name__} (a plain nn.Embedding only)"
     for name, m in model.named_modules():
         if any(not _transformers_own(h) for h in (*m._forward_hooks.values(),
                                                   *m._forward_pre_hooks.values())):
