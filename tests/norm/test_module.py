@@ -94,3 +94,55 @@ def test_weight_dtype_may_differ_from_x() -> None:
     """A float32 weight with a bfloat16 x is the mixed-precision case, not an error."""
     y = lmfuse.RMSNorm(8, dtype=F32)(randn((3, 8), torch.bfloat16))
     assert y.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("shape", [8, [8], (8,), torch.Size([8])], ids=str)
+def test_takes_nn_rmsnorm_normalized_shape(shape) -> None:
+    """nn.RMSNorm's one-dim normalized_shape builds the same module (its state dict too)."""
+    ours, theirs = lmfuse.RMSNorm(shape), torch.nn.RMSNorm(shape, eps=1e-6)
+    assert ours.hidden_size == 8 and ours.normalized_shape == theirs.normalized_shape
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+
+
+def test_normalized_shape_of_two_dims_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"^RMSNorm: hidden_size must be an int or \[H\]"):
+        lmfuse.RMSNorm([4, 8])
+
+
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16, torch.float16, torch.float64],
+                         ids=str)
+def test_eps_none_is_nn_rmsnorms(dtype: torch.dtype) -> None:
+    """eps=None: the math type's epsilon, as nn.RMSNorm's (float32's for 16-bit x): equal
+    to it where the rows are small enough for eps to matter."""
+    x = randn((4, 8), dtype) * 1e-3
+    ours = lmfuse.RMSNorm(8, eps=None, dtype=dtype)
+    theirs = torch.nn.RMSNorm(8, eps=None, dtype=dtype)
+    assert ours.eps is None
+    assert_close(ours(x), theirs(x), dtype, "eps=None")
+
+
+def test_meta_construction_then_reset_parameters() -> None:
+    """The large-model recipe: build on the meta device, to_empty, reset_parameters on
+    every module that has one; every parameter of lmfuse's modules gets its start value."""
+    def built(make):
+        m = make(device="meta").to_empty(device="cpu")
+        with torch.no_grad():
+            for p in m.parameters():
+                p.fill_(float("nan"))  # what to_empty's memory may hold
+        for sub in m.modules():
+            if hasattr(sub, "reset_parameters"):
+                sub.reset_parameters()
+        return m
+
+    mlp = built(lambda **kw: lmfuse.FusedMLP(8, 6, "swiglu", **kw))
+    assert torch.equal(mlp.bias1, torch.zeros(12))
+    block = built(lambda **kw: lmfuse.DecodeAttentionBlock(16, 4, 2, qk_norm=True, sinks=True,
+                                                           qkv_bias=True, **kw))
+    for w in (block.input_norm_weight, block.q_norm_weight, block.k_norm_weight):
+        assert torch.equal(w, torch.ones_like(w))
+    assert torch.equal(block.sinks, torch.zeros(4))
+    norm = built(lambda **kw: lmfuse.RMSNorm(8, weight_offset=1.0, **kw))
+    assert torch.equal(norm.weight, torch.zeros(8))
+    for m in (mlp, block, norm):
+        for name, p in m.named_parameters():
+            assert torch.isfinite(p).all(), name

@@ -81,6 +81,16 @@ class FusedMLP(nn.Module):
         self.bias1 = nn.Parameter(torch.zeros(width, **kw)) if bias and fused_bias else None
         self.fc2 = nn.Linear(ffn_hidden_size, hidden_size, bias=bias, **kw)
 
+    def reset_parameters(self) -> None:
+        """The parameters as constructed: ``fc1`` and ``fc2`` by ``nn.Linear``'s
+        initialisation, the fused fc1 bias ``bias1`` zeros (after building on the meta
+        device and ``to_empty``, every parameter gets its values here)."""
+        self.fc1.reset_parameters()
+        self.fc2.reset_parameters()
+        if self.bias1 is not None:
+            with torch.no_grad():
+                self.bias1.zero_()
+
     def _activate(self, h: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
         name, opts = self.activation, {}
         bias1 = self.bias1

@@ -399,6 +399,19 @@ class DecodeAttentionBlock(nn.Module):
         # Not a buffer: ``module.to(torch.float16)`` would round the frequencies.
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
 
+    def reset_parameters(self) -> None:
+        """The parameters as constructed: the norm weights ones, the sinks zeros, the
+        projections by ``nn.Linear``'s initialisation (after building on the meta device and
+        ``to_empty``, every parameter gets its values here)."""
+        self.qkv.reset_parameters()
+        self.out.reset_parameters()
+        with torch.no_grad():
+            for w in (self.input_norm_weight, self.q_norm_weight, self.k_norm_weight):
+                if w is not None:
+                    w.fill_(1.0)
+            if self.sinks is not None:
+                self.sinks.zero_()
+
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         """The rotary frequencies ``[rotary_dim / 2]`` float32 on ``device``, made on the
         first call for that device (a warm-up step before capturing a CUDA graph makes them)."""

@@ -124,6 +124,7 @@ from ..cross_entropy import cross_entropy
 from ..cross_entropy.ops import outside_vocab_ignored
 from .._collectives import group_size
 from ..norm import rms_norm as _rms_norm
+from ..norm.ops import math_eps
 from ..softmax import AttnMaskType, FusedScaleMaskSoftmax
 from . import _activation_name, _check_flags, _Forward, _instance_attr
 
@@ -328,10 +329,7 @@ def _mlp_forward(self: Any, hidden_states: torch.Tensor,
 
 
 def _rms_norm_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
-    # torch.nn.RMSNorm's eps=None: the epsilon of the type its math runs in (float32 for
-    # 16-bit inputs), not the input dtype's (bfloat16's 7.8e-3 would dominate small rows).
-    math_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    eps = self.eps if self.eps is not None else torch.finfo(math_dtype).eps
+    eps = self.eps if self.eps is not None else math_eps(x.dtype)  # torch.nn.RMSNorm's None
     if self.weight is None and tuple(x.shape[-1:]) != tuple(self.normalized_shape):
         # (with a weight, rms_norm's own check names the mismatch)
         raise ValueError(f"RMSNorm: normalized_shape is {list(self.normalized_shape)}, so the "

@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
 from .._dispatch import IMPLS, check_choice, check_int, check_number, check_tensor
-from .ops import rms_norm
+from .ops import math_eps, rms_norm
 
 
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim, ``x / sqrt(mean(x ** 2) + eps) * (weight + weight_offset)``.
 
     Args:
-        hidden_size: H, the size of the normalised last dim.
-        eps: added to the mean square (finite, >= 0).
+        hidden_size: H, the size of the normalised last dim; ``[H]`` (``nn.RMSNorm``'s
+            ``normalized_shape`` of one dim) too.
+        eps: added to the mean square (finite, >= 0); ``None``, as ``nn.RMSNorm``'s: the
+            epsilon of the type the math runs in (float32's, float64's for float64 x).
         weight_offset: added to ``weight`` before it scales; 1.0 is Gemma's ``(1 + weight)``.
         elementwise_affine: learn ``weight [H]``; ``False``: no weight (no affine step).
         impl: ``"auto"``, ``"triton"`` or ``"torch"``, as :func:`lmfuse.rms_norm` takes.
@@ -28,15 +30,22 @@ class RMSNorm(nn.Module):
     ``ValueError`` naming ``x``.
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, *, weight_offset: float = 0.0,
+    def __init__(self, hidden_size: int | Sequence[int], eps: Optional[float] = 1e-6, *,
+                 weight_offset: float = 0.0,
                  elementwise_affine: bool = True, impl: str = "auto",
                  device: Optional[torch.device | str] = None,
                  dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         op = "RMSNorm"
+        if isinstance(hidden_size, (list, tuple)):  # (torch.Size is a tuple)
+            if len(hidden_size) != 1:
+                raise ValueError(f"{op}: hidden_size must be an int or [H] (the last dim is "
+                                 f"normalised), got {list(hidden_size)}")
+            hidden_size = hidden_size[0]
         self.hidden_size = check_int(op, "hidden_size", hidden_size, minimum=1)
-        self.eps = check_number(op, "eps", eps, allow_none=False)
-        if self.eps < 0:
+        self.normalized_shape = (self.hidden_size,)  # nn.RMSNorm's name
+        self.eps = check_number(op, "eps", eps)
+        if self.eps is not None and self.eps < 0:
             raise ValueError(f"{op}: eps must be >= 0, got {self.eps}")
         self.weight_offset = check_number(op, "weight_offset", weight_offset, allow_none=False)
         if not isinstance(elementwise_affine, bool):
@@ -68,7 +77,8 @@ class RMSNorm(nn.Module):
         if self.weight is not None and x.device != self.weight.device:
             raise ValueError(f"{op}: x is on {x.device} but the module's weight is on "
                              f"{self.weight.device}; move one of them")
-        return rms_norm(x, self.weight, eps=self.eps, weight_offset=self.weight_offset,
+        eps = self.eps if self.eps is not None else math_eps(x.dtype)
+        return rms_norm(x, self.weight, eps=eps, weight_offset=self.weight_offset,
                         impl=self.impl)
 
     def extra_repr(self) -> str:

@@ -255,6 +255,13 @@ def _cpu_rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -
     return torch.rms_norm(x, x.shape[-1:], weight, eps)
 
 
+def math_eps(dtype: torch.dtype) -> float:
+    """``torch.nn.RMSNorm``'s ``eps=None``: the epsilon of the type its math runs in
+    (float32's for 16-bit and float32 inputs, float64's for float64), not the input dtype's
+    (bfloat16's 7.8e-3 would dominate small rows)."""
+    return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+
+
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps: float = 1e-6,
              weight_offset: float = 0.0, impl: str = "auto") -> torch.Tensor:
     """RMSNorm over the last dim: ``x / sqrt(mean(x ** 2) + eps) * (weight + weight_offset)``.
