@@ -158,20 +158,62 @@ def _family_of(model: torch.nn.Module) -> _Family | None:
         if plain and _on_meta(m):
             unprobed.append(cls.__name__)
             continue
-        if cls.__name__.endswith("RMSNorm"):
-            offset = _probe_norm(m)
-            if offset is not None:
-                norms[cls.__name__] = offset
-        elif all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-            if _probe_mlp(m):
-                mlps.add(cls.__name__)
-        else:
-            layout = _experts_layout(m)
-            if isinstance(layout, _ExpertsLayout):
-                experts[cls.__name__] = _probe_experts(m, layout)
-            elif layout is not None:
-                experts[cls.__name__] = layout
+        with _probe_weights(m):
+            if cls.__name__.endswith("RMSNorm"):
+                offset = _probe_norm(m)
+                if offset is not None:
+                    norms[cls.__name__] = offset
+            elif all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+                if _probe_mlp(m):
+                    mlps.add(cls.__name__)
+            else:
+                layout = _experts_layout(m)
+                if isinstance(layout, _ExpertsLayout):
+                    experts[cls.__name__] = _probe_experts(m, layout)
+                elif layout is not None:
+                    experts[cls.__name__] = layout
     return _Family(norms, frozenset(mlps), experts, tuple(unprobed))
+
+
+@contextlib.contextmanager
+def _probe_weights(m: torch.nn.Module) -> Iterator[None]:
+    """``m``'s parameters as plain tensors for a probe. A sharded one (a ``DTensor``, as
+    FSDP2's ``fully_shard`` leaves them between forwards, where a probe input of plain
+    tensors cannot meet them) is stood in for, while the probe runs, by a plain parameter
+    of its full shape and dtype with random values: the probes compare what the class
+    computes with lmfuse's formula on the same weights, whatever they are, so nothing is
+    gathered and no collective issued. Restored afterwards (the forward that FSDP2
+    unshards then sees plain tensors, which the patched forwards take)."""
+    swapped = []
+    dtensor = _dtensor_type()
+    if dtensor is not None:
+        g = torch.Generator(device="cpu").manual_seed(1)
+        for sub in m.modules():
+            for name, p in list(sub._parameters.items()):
+                if isinstance(p, dtensor):
+                    plain = torch.randn(tuple(p.shape), generator=g).to(device=p.device,
+                                                                        dtype=p.dtype)
+                    sub._parameters[name] = torch.nn.Parameter(plain, p.requires_grad)
+                    swapped.append((sub, name, p))
+    try:
+        yield
+    finally:
+        for sub, name, p in swapped:
+            sub._parameters[name] = p
+
+
+def _dtensor_type() -> type | None:
+    """``torch.distributed``'s ``DTensor`` class, None where there is none."""
+    if not torch.distributed.is_available():
+        return None
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.5
+        try:
+            from torch.distributed._tensor import DTensor
+        except ImportError:
+            return None
+    return DTensor
 
 
 def _on_meta(m: torch.nn.Module) -> bool:
