@@ -75,11 +75,16 @@ def test_launch_options():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("env,want", [("0", 0), ("2", 2), ("1", 1), ("junk", 1)])
+@pytest.mark.parametrize("env,want", [("0", 0), ("2", 2), ("1", 1), (" 2 ", 2), ("junk", 1)])
 def test_mode_follows_the_environment_on_hopper(monkeypatch, env, want):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setenv("LMFUSE_PDL", env)
     dev = torch.device("cuda")
     if torch.cuda.get_device_capability(dev)[0] < 9:
-        want = 0
-    assert _pdl.mode(dev) == want
+        assert _pdl.mode(dev) == 0
+        return
+    if env == "junk":
+        with pytest.warns(UserWarning, match="ignoring LMFUSE_PDL='junk'"):
+            assert _pdl.mode(dev) == want
+    else:
+        assert _pdl.mode(dev) == want

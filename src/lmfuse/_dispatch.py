@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ._launch import FLOAT_DTYPES, dtype_name
+from ._launch import FLOAT_DTYPES, ON_OFF, dtype_name, env_setting
 
 IMPLS = ("auto", "triton", "torch")
 
@@ -72,7 +72,7 @@ def _truthy(raw: str | bytes) -> bool:
 
 
 # Value checks on device tensors (lmfuse.set_checks / LMFUSE_CHECK=1): see value_checks().
-_VALUE_CHECKS = os.environ.get("LMFUSE_CHECK", "0").strip().lower() in ("1", "true", "on", "yes")
+_VALUE_CHECKS = env_setting("LMFUSE_CHECK", "off", ON_OFF) == "on"
 
 
 def set_checks(enabled: bool) -> None:

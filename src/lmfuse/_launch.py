@@ -17,6 +17,7 @@ import contextlib
 import functools
 import importlib
 import os
+import warnings
 from types import ModuleType
 from typing import Any, Callable, Iterator, Optional
 
@@ -24,7 +25,7 @@ import torch
 
 __all__ = ["FLOAT_DTYPES", "KERNEL_DTYPES", "INDEX_DTYPES", "FP8_DTYPES", "cdiv", "next_pow2",
            "is_pow2", "dtype_name", "DTYPE_NAMES", "dtype_named", "lazy_kernels", "kernel_op",
-           "to_e4m3", "fp8_capable"]
+           "to_e4m3", "fp8_capable", "env_setting", "ON_OFF"]
 
 #: The floating dtypes the ops take (``check_tensor``'s default).
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -34,6 +35,27 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 #: The fp8 format the kernels store and read (KV caches, saved activations).
 FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+#: The words lmfuse's on/off settings take (any case, surrounding spaces ignored).
+ON_OFF = {"1": "on", "true": "on", "on": "on", "yes": "on",
+          "0": "off", "false": "off", "off": "off", "no": "off"}
+
+
+def env_setting(name: str, default: str, choices: dict[str, str]) -> str:
+    """The environment variable ``name`` as lmfuse reads its settings: one of the words of
+    ``choices`` in any case, spaces around it ignored, given as its meaning there; unset or
+    empty: ``default``; any other value warns (naming the variable, the value and the words
+    it takes) and gives ``default``."""
+    raw = os.environ.get(name, "")
+    word = raw.strip().lower()
+    if not word:
+        return default
+    if word in choices:
+        return choices[word]
+    warnings.warn(f"lmfuse: ignoring {name}={raw!r} (expected one of "
+                  f"{', '.join(choices)}); using {default!r}", stacklevel=2)
+    return default
 
 
 #: Softcaps above this take tanh's series for small arguments in the kernels (``HAS_SOFTCAP``
@@ -144,11 +166,13 @@ class _Kernels:
 # FastLaunch keeps each compiled kernel under a key of what Triton specialises on and calls
 # the launcher directly after the first launch.
 
-#: ``LMFUSE_FAST_LAUNCH=0``: kernels are not wrapped at all.
-_ENABLED = os.environ.get("LMFUSE_FAST_LAUNCH", "1").strip() not in ("0", "off", "false", "no")
+#: ``LMFUSE_FAST_LAUNCH=0``: kernels are not wrapped at all; ``check``: each fast launch is
+#: compared with Triton's own binding (the tests' mode).
+_FAST_LAUNCH = env_setting("LMFUSE_FAST_LAUNCH", "on", dict(ON_OFF, check="check"))
+_ENABLED = _FAST_LAUNCH != "off"
 #: Off inside :func:`triton_launches`: the wrapped kernels launch through Triton.
 _FAST = _ENABLED
-_CHECK = os.environ.get("LMFUSE_FAST_LAUNCH", "").strip() == "check"
+_CHECK = _FAST_LAUNCH == "check"
 _MISSING = object()
 
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from typing import ContextManager, Optional
 
 import torch
 
-_ENABLED = os.environ.get("LMFUSE_NVTX", "0").strip().lower() in ("1", "true", "on", "yes")
+from ._launch import ON_OFF, env_setting
+
+_ENABLED = env_setting("LMFUSE_NVTX", "off", ON_OFF) == "on"
 _NULL = contextlib.nullcontext()
 _record: Optional[list[str]] = None
 

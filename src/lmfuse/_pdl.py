@@ -24,33 +24,37 @@ Rules every kernel taking a ``PDL`` flag keeps:
 
 from __future__ import annotations
 
-import os
+import functools
 
 import torch
 
 from ._dispatch import interpreter_active, triton_available
+from ._launch import env_setting
 
-gdc_launch_dependents = gdc_wait = None
-if triton_available():  # the host side below works without Triton (never enabled there)
-    import triton
-    import triton.language as tl
 
-    try:  # Triton 3.4 and later
-        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+@functools.lru_cache(maxsize=None)
+def _gdc_available() -> bool:
+    """Whether this Triton has the grid dependency control calls (3.4 and later); asked at
+    the first launch on a Hopper GPU, so that importing lmfuse does not import Triton."""
+    if not triton_available():
+        return False
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
     except ImportError:  # pragma: no cover - older Triton: never enabled
-        pass
+        return False
+    return True
 
 
 def mode(device: torch.device) -> int:
     """How kernels launched on ``device`` use programmatic dependent launch: 0 not at all,
     1 each lets the next one launch once it has waited for its own predecessors, 2 once
-    its programs exit (``LMFUSE_PDL=0|1|2`` overrides the default)."""
-    if gdc_wait is None or device.type != "cuda" or interpreter_active():
+    its programs exit (``LMFUSE_PDL=0|1|2`` overrides the default; another value warns
+    and keeps it)."""
+    if device.type != "cuda" or interpreter_active() or not _gdc_available():
         return 0
     if torch.cuda.get_device_capability(device)[0] < 9:
         return 0
-    value = os.environ.get("LMFUSE_PDL", "1").strip()
-    return int(value) if value in ("0", "1", "2") else 1
+    return int(env_setting("LMFUSE_PDL", "1", {"0": "0", "1": "1", "2": "2"}))
 
 
 def launch_options(pdl: int) -> dict:
@@ -59,16 +63,12 @@ def launch_options(pdl: int) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
 
-if triton_available():
-    @triton.jit
-    def pdl_start(PDL: tl.constexpr):
-        """``PDL == 1``: let the next kernel launch now (its programs wait for this one
-        before they read); 2: when this one's programs exit."""
-        if PDL == 1:
-            gdc_launch_dependents()
+def __getattr__(name: str):
+    """The kernels' side, ``pdl_start`` and ``pdl_wait`` (``_pdl_kernels``), imported by
+    the kernel modules that use them: made when the first of those is imported, which
+    imports Triton (importing lmfuse does not)."""
+    if name in ("pdl_start", "pdl_wait"):
+        from . import _pdl_kernels
 
-    @triton.jit
-    def pdl_wait(PDL: tl.constexpr):
-        """Wait until the kernels before this one are complete and their writes visible."""
-        if PDL:
-            gdc_wait()
+        return getattr(_pdl_kernels, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

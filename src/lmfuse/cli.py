@@ -68,7 +68,9 @@ def cmd_info(args: argparse.Namespace) -> int:
                   f"{p.multi_processor_count} SMs, capability {p.major}.{p.minor}")
     else:
         print("no CUDA device")
-    print(f"Triton interpreter (TRITON_INTERPRET=1): {'on' if interpreter_active() else 'off'}")
+    print("Triton interpreter (TRITON_INTERPRET=1): "
+          + ("on" if triton_available() and interpreter_active() else
+             "off (triton not installed)" if not triton_available() else "off"))
     from lmfuse.integrations.transformers import SUPPORTED_MODEL_TYPES
     from lmfuse.serving.engine import SUPPORTED_MODEL_TYPES as SERVING_TYPES
 
@@ -90,7 +92,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 def _check_in_interpreter(argv: list[str] | None) -> int | None:
     """Without CUDA, ``lmfuse check`` runs the Triton kernels in Triton's interpreter. Triton
     reads ``TRITON_INTERPRET`` when it is imported (its own library's functions are made
-    then), which ``import lmfuse`` has done: so when the variable is not set, the check runs
+    then), which may have happened before this runs (torch's compiler imports it): so when
+    the variable is not set, the check runs
     in a child process that has it, and this returns its exit status (None: run here)."""
     if (torch.cuda.is_available() or "TRITON_INTERPRET" in os.environ
             or importlib.util.find_spec("triton") is None):
@@ -104,11 +107,12 @@ def _check_in_interpreter(argv: list[str] | None) -> int | None:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from lmfuse._check import run_all
-    from lmfuse._dispatch import interpreter_active
+    from lmfuse._dispatch import interpreter_active, triton_available
 
     device = _best_device()
     where = device.type if device.type == "cuda" else (
-        "cpu, Triton kernels in the interpreter" if interpreter_active() else "cpu, reference only")
+        "cpu, Triton kernels in the interpreter" if triton_available() and interpreter_active()
+        else "cpu, reference only")
     print(f"lmfuse check on {where}: each op against its float64 reference")
     torch.manual_seed(args.seed)
     ok = run_all([case for module in CHECKED for case in importlib.import_module(
@@ -149,13 +153,20 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from lmfuse import tuning
     from lmfuse.cross_entropy import tune
 
+    if not args.dry_run:
+        try:  # (where its results go, before minutes of timing)
+            tuning.user_cache_path()
+        except RuntimeError as exc:
+            print(f"lmfuse tune: {str(exc).removeprefix('lmfuse: ')}", file=sys.stderr)
+            return 2
     shapes = args.shape or list(tune.TUNE_SHAPES)
     results = tune.tune(shapes, DTYPES[args.dtype], torch.device("cuda"),
                         max_chunk_bytes=args.max_chunk_mib * 2**20, record=not args.dry_run)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(
             device=torch.cuda.get_device_name(), torch=torch.__version__,
-            cache=str(tuning.user_cache_path()), results=results), indent=1) + "\n")
+            cache=None if args.dry_run else str(tuning.user_cache_path()), results=results),
+            indent=1) + "\n")
     return 0
 
 

@@ -563,7 +563,14 @@ def teacher_forced_err(model: TinyGPT, prompts: list[list[int]], tokens: list[li
 
 
 def _text(tokens: list[int]) -> str:
-    return repr(bytes(tokens).decode("utf-8", errors="replace"))
+    """The bytes as a quoted string; escaped to ASCII where stdout cannot encode them (a
+    cp1252 console, a redirected Windows stream), which would end the demo in an error."""
+    text = bytes(tokens).decode("utf-8", errors="replace")
+    try:
+        repr(text).encode(getattr(sys.stdout, "encoding", None) or "ascii")
+    except (UnicodeEncodeError, LookupError):
+        return ascii(text)
+    return repr(text)
 
 
 def run(cfg: DemoConfig) -> DemoResult:

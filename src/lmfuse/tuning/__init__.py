@@ -179,7 +179,14 @@ def user_cache_path() -> Path:
     explicit = os.environ.get(CACHE_ENV)
     if explicit:
         return Path(explicit).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = Path.home() / ".cache"
+        except (RuntimeError, KeyError) as exc:  # no $HOME and no passwd entry
+            raise RuntimeError(f"lmfuse: the tuning cache has no path: the home directory "
+                               f"cannot be determined ({exc}); set ${CACHE_ENV} or "
+                               f"$XDG_CACHE_HOME") from None
     return Path(base) / "lmfuse" / "tuning.json"
 
 
@@ -228,7 +235,7 @@ def _check_layout(devices: dict) -> None:
                                      f"[limit, {{config}}]")
 
 
-_USER: dict[str, Any] = {}  # the user cache as read: {"path": Path, "data": dict}
+_USER: dict[str, Any] = {}  # the user cache as read: {"path": Path | None, "data": dict}
 _GENERATION = 0  # bumped by each read of the user cache and each overlay's start and end
 
 
@@ -249,8 +256,13 @@ def reload() -> None:
     ``lmfuse tune``, a hand edit, or a change of ``$LMFUSE_TUNING_CACHE``). It is read at
     import and by this only, so that lookups do no I/O."""
     global _GENERATION
-    path = user_cache_path()
-    _USER.update(path=path, name=str(path), data=_read_cache(path))
+    try:
+        path = user_cache_path()
+    except RuntimeError:  # no home directory (a container's uid): no user cache to read
+        _USER.update(path=None, name="(none: no home directory)",
+                     data={"version": CACHE_VERSION, "devices": {}})
+    else:
+        _USER.update(path=path, name=str(path), data=_read_cache(path))
     _GENERATION += 1
 
 
