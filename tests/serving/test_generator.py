@@ -409,7 +409,7 @@ def test_bfloat16_models_in_the_interpreter_decode_through_the_model() -> None:
     ([1, 2], {"repetition_penalty": float("inf")}, ValueError, "repetition_penalty must be"),
     ([1, 2], {"repetition_penalty": "1.2"}, TypeError, "repetition_penalty"),
     (list(range(1, 60)), {"max_new_tokens": 10}, ValueError,
-     "needs 18 blocks of 4 tokens, more than the pool's 16"),
+     "needs 17 blocks of 4 tokens, more than the pool's 16"),
     ([1, 2], {"max_new_tokens": 300}, ValueError, "max_position_embeddings"),
 ])
 def test_bad_requests_raise_and_change_nothing(prompt, kw, error, match) -> None:
@@ -581,3 +581,56 @@ def test_eos_token_id_may_be_an_int_tensor() -> None:
         with pytest.raises(TypeError, match="eos_token_id as a tensor must hold integers"):
             gen.generate([[5, 6, 7]], max_new_tokens=3, eos_token_id=bad)
     assert not gen.has_unfinished()
+
+
+@pytest.mark.parametrize("where", ["decode_ahead", "decode", "prefill"])
+def test_a_step_that_raises_is_computed_again(where: str) -> None:
+    """A step broken off (Ctrl-C, out of memory, any error) left slots reserved and never
+    written: the requests are computed again from their tokens, and the tokens that come
+    out are model.generate's (blocks of 4: a broken step's slots crossed into new blocks)."""
+    gen = Generator(model_of("qwen3"), block_len=4, num_blocks=64, impl="torch")
+    gen.lookahead = where == "decode_ahead"  # (greedy decode steps run ahead by default)
+    prompts = [[3, 15], [77, 73, 15, 50], [47, 14]]
+    rids = [gen.add_request(p, max_new_tokens=10, eos_token_id=[]) for p in prompts]
+    real, calls = getattr(gen.runner, where), [0]
+
+    def flaky(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    setattr(gen.runner, where, flaky)
+    got, raised, steps = {r: [] for r in rids}, 0, 0
+    while gen.has_unfinished():
+        try:
+            for rid, toks, _ in gen.step():
+                got[rid] += toks
+        except KeyboardInterrupt:
+            raised += 1
+        steps += 1
+        if steps == 3:  # a prompt arriving while the others decode: a second prefill
+            prompts.append([60, 61, 62, 63, 64])
+            rids.append(gen.add_request(prompts[-1], max_new_tokens=10, eos_token_id=[]))
+            got[rids[-1]] = []
+    assert raised == 1
+    assert [got[r] for r in rids] == [want("qwen3", p, 10) for p in prompts]
+    assert gen.cache.num_free_blocks == 64
+
+
+def test_a_request_takes_one_row_less_than_its_length() -> None:
+    """The last new token is never fed: a prompt of max_position_embeddings - 1 tokens takes
+    2 new ones, and a prompt that fills the pool takes 1, as model.generate does."""
+    model = tiny_causal_lm("qwen3", max_position_embeddings=32)
+    prompt = list(range(1, 32))
+    gen = Generator(model, block_len=4, num_blocks=16, impl="torch")
+    assert gen.generate([prompt], max_new_tokens=2, eos_token_id=[]) == [
+        hf_greedy(model, prompt, 2)]
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        gen.generate([prompt], max_new_tokens=3, eos_token_id=[])
+    full = list(range(1, 17))
+    small = Generator(model, block_len=4, num_blocks=4, impl="torch")
+    assert small.generate([full], max_new_tokens=1, eos_token_id=[]) == [
+        hf_greedy(model, full, 1)]
+    with pytest.raises(ValueError, match="more than the pool's 4"):
+        small.generate([full], max_new_tokens=2, eos_token_id=[])

@@ -136,3 +136,27 @@ def test_unseeded_requests_draw_their_own_seeds() -> None:
     seeds = {SamplingParams.make(max_new_tokens=1, temperature=1.0).seed for _ in range(8)}
     assert len(seeds) == 8 and all(0 <= s < (1 << 63) for s in seeds)
     assert SamplingParams.make(max_new_tokens=1, seed=-1).seed == (1 << 63) - 1
+
+
+def test_top_p_keeps_transformers_tokens_among_ties_at_the_cut() -> None:
+    """Tied logits at the top-p boundary: the ids transformers' TopPLogitsWarper keeps (the
+    highest of the tie), and the same mask as the warper's on random rows with ties
+    (rounded logits, as bfloat16's), temperatures and top-k before it."""
+    from transformers.generation.logits_process import (TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    x = filtered_logits(torch.tensor([[1.0, 1.0, 1.0, 0.0]]),
+                        [params(temperature=1.0, top_p=0.5)])
+    assert torch.isfinite(x[0]).tolist() == [False, True, True, False]
+    g = torch.Generator().manual_seed(0)
+    for case in range(200):
+        logits = (torch.randn(1, 12, generator=g) * 2).round()  # many ties
+        t = [1.0, 0.7, 1.3][case % 3]
+        top_p = [0.3, 0.5, 0.8, 0.95][case % 4]
+        top_k = [None, 3, 6][case % 3]
+        scores = TemperatureLogitsWarper(t)(None, logits.clone())
+        if top_k is not None:
+            scores = TopKLogitsWarper(top_k)(None, scores)
+        scores = TopPLogitsWarper(top_p)(None, scores)
+        ours = filtered_logits(logits, [params(temperature=t, top_p=top_p, top_k=top_k)])
+        assert torch.equal(torch.isfinite(ours), torch.isfinite(scores)), (case, logits)

@@ -267,7 +267,8 @@ class Generator:
 
     @property
     def capacity_tokens(self) -> int:
-        """The longest request (prompt + new tokens) the pool can hold."""
+        """The token rows the pool holds: a request of up to one token more (prompt + new
+        tokens; its last token is never fed, so it takes no row) fits in it."""
         return self._pool.num_blocks * self._pool.block_len
 
     # --- requests -------------------------------------------------------------------------
@@ -346,13 +347,16 @@ class Generator:
         return tokens
 
     def _check_fits(self, prompt_len: int, max_new_tokens: int, name: str) -> None:
+        # The last new token is never fed to the model: a request takes the positions and
+        # cache rows of its prompt and all but one of its new tokens, as model.generate's.
+        rows = prompt_len + max_new_tokens - 1
         limit = getattr(self.config, "max_position_embeddings", None)
-        if isinstance(limit, int) and prompt_len + max_new_tokens > limit:
+        if isinstance(limit, int) and rows > limit:
             raise ValueError(f"{OP}: {name} of {prompt_len} tokens plus max_new_tokens="
                              f"{max_new_tokens} passes the model's max_position_embeddings "
                              f"({limit})")
         short = _longrope_limit(self.config)
-        if short is not None and prompt_len + max_new_tokens > short:
+        if short is not None and rows > short:
             raise ValueError(
                 f"{OP}: {name} of {prompt_len} tokens plus max_new_tokens={max_new_tokens} "
                 f"passes the longrope rotary's original_max_position_embeddings ({short}): "
@@ -360,7 +364,7 @@ class Generator:
                 "by the longest sequence in it, so a request's tokens would depend on the "
                 "requests batched with it; the Generator serves longrope models up to that "
                 "length")
-        need = math.ceil((prompt_len + max_new_tokens) / self._pool.block_len)
+        need = math.ceil(rows / self._pool.block_len)
         if need > self._pool.num_blocks:
             raise ValueError(
                 f"{OP}: {name} of {prompt_len} tokens plus max_new_tokens={max_new_tokens} "
@@ -397,6 +401,27 @@ class Generator:
         dropped. The tokens returned are the same as without lookahead."""
         if self._closed:
             raise RuntimeError(f"{OP}: this Generator was closed")
+        try:
+            return self._step()
+        except BaseException:
+            self._recompute_all()
+            raise
+
+    def _recompute_all(self) -> None:
+        """After a step that raised (an error, Ctrl-C, out of memory): the cache holds
+        rows reserved for that step and never written, or written for tokens never read,
+        so every running request goes back to the front of the queue with its blocks freed,
+        to be computed again from its tokens (prompt and the new tokens returned so far) at
+        its next admission; what it generates next is what it would have. A step run ahead
+        is dropped unread."""
+        self._inflight = None
+        self.scheduler.requeue_all()
+        self._requests = {rid: r for rid, r in self._requests.items()
+                          if r.status != Status.FINISHED}
+        if self.shards is not None:
+            self.shards.sync(set(self._pool.sequences))
+
+    def _step(self) -> list[tuple[int, list[int], bool]]:
         if self._inflight is None:
             batch = self.scheduler.schedule()
             if batch is None:

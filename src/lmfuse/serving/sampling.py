@@ -84,13 +84,15 @@ def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
         x = torch.where(limited & (x < threshold), float("-inf"), x)
     ps = [p.top_p for p in params]
     if any(p is not None and p < 1.0 for p in ps):
-        order = torch.sort(x, dim=-1, descending=True)
-        probs = torch.softmax(order.values, dim=-1)
-        before = torch.cumsum(probs, dim=-1) - probs  # mass of the tokens ranked above
-        p_row = torch.tensor([p if p is not None else 1.0 for p in ps], dtype=torch.float32,
-                             device=x.device)
-        drop = before >= p_row[:, None]
-        drop[:, 0] = False
+        # transformers' TopPLogitsWarper step by step: ascending order, a token dropped
+        # while the mass up to it is at most 1 - p, the highest kept; so among tied logits
+        # at the cut the same ids stay (the highest ids, the ascending sort's last).
+        order = torch.sort(x, dim=-1)
+        mass = torch.softmax(order.values, dim=-1).cumsum(dim=-1)
+        rest = torch.tensor([1.0 - p if p is not None else -1.0 for p in ps],
+                            dtype=torch.float32, device=x.device)
+        drop = mass <= rest[:, None]
+        drop[:, -1] = False
         x = x.scatter(1, order.indices, torch.where(drop, float("-inf"), order.values))
     return x
 

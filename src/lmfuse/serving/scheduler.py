@@ -199,6 +199,21 @@ class Scheduler:
         widest = max(cdiv(r.num_cached + 1 + ahead, bl) for r in self.running)
         return min(next_pow2(widest), self.max_blocks) if widest <= self.max_blocks else None
 
+    def requeue_all(self) -> None:
+        """Every running request, and the one prefilling, back to the front of the queue in
+        their order, blocks freed, computed again from their tokens when admitted (the
+        engine's recovery from a step that raised). A request that had reached its end
+        before the step broke off finishes instead."""
+        held = list(self.running) + ([self.prefilling] if self.prefilling is not None else [])
+        self.running, self.prefilling = [], None
+        for req in reversed(held):
+            if req.finish_reason is not None:
+                req.status = Status.FINISHED
+                self._release(req)
+            else:
+                self._requeue(req)
+        self._streak = 0
+
     def _requeue(self, request: Request) -> None:
         self._release(request)
         request.status = Status.WAITING
