@@ -95,7 +95,9 @@ def test_no_home_directory(monkeypatch) -> None:
 def test_info_and_check_without_triton(monkeypatch, capsys) -> None:
     """Where Triton is not installed, TRITON_INTERPRET=1 runs nothing in an interpreter, and
     the verbs say so."""
-    from lmfuse import _check, _dispatch
+    from lmfuse import _check, _dispatch, cli
+
+    monkeypatch.setattr(cli, "_best_device", lambda: torch.device("cpu"))  # (a GPU host too)
 
     def forget_choices() -> None:  # the ops' path choices are cached
         _dispatch._select_cached.cache_clear()
