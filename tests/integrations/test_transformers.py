@@ -83,9 +83,9 @@ MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "l
 MOE_EXPERTS = MOE[:-1]
 GELU_FAMILIES = ("gemma", "gemma2", "gemma3_text")
 VISION_LANGUAGE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-# Their MLPs are not gated SwiGLU/GEGLU of separate projections (GLM-4 and Phi-3 fuse gate
-# and up in one projection, Arcee's is ReLU^2 without a gate): norms and loss only.
-NO_GATED_MLP = ("glm4", "arcee", "phi3", "lfm2", "apertus")
+# Their MLPs are not gated SwiGLU/GEGLU (Arcee's is ReLU^2 without a gate): norms and loss
+# only. (GLM-4's and Phi-3's gated MLPs take gate and up from one projection: patched.)
+NO_GATED_MLP = ("arcee", "lfm2", "apertus")
 
 
 def make_model(model_type: str, **overrides):
@@ -160,8 +160,10 @@ def test_loss_and_gradients_match_unpatched(model_type):
     if model_type in NO_GATED_MLP:
         assert not s["swiglu"] and not s["geglu"]
     elif model_type in MOE:
-        gated = [n for n in mlps if all(hasattr(dict(b.named_modules())[n], a)
-                                        for a in ("gate_proj", "act_fn"))]
+        modules = dict(b.named_modules())
+        gated = [n for n in mlps if hasattr(modules[n], "gate_proj") and (
+            hasattr(modules[n], "act_fn") or hasattr(modules[n], "activation_fn"))]
+        assert gated or model_type != "llama4_text"  # (its MLPs' activation_fn)
         assert sorted(s[act]) == sorted(gated)
     else:
         assert sorted(s[act]) == sorted(mlps) and len(mlps) == 2
@@ -835,10 +837,11 @@ VLM_SUBCONFIGS = {
                      {"pos_emb_height": 4, "pos_emb_width": 4}),
 }
 # The text stack's gated MLPs patched (2 unless listed) and the experts modules run through
-# moe_experts (none unless listed): GLM-4.1V's text MLPs fuse gate and up, Qwen3-VL-MoE's
-# layers are all experts; GLM-4.5V's first layer is dense, its second a MoE with shared
-# experts (Qwen3.5-MoE's two are MoEs with shared experts).
-VLM_TEXT_MLPS = {"glm4v": 0, "qwen3_vl_moe": 0}
+# moe_experts (none unless listed): Qwen3-VL-MoE's layers are all experts (GLM-4.1V's text
+# MLPs, which take gate and up from one projection, are patched); GLM-4.5V's first layer is
+# dense, its second a MoE with shared experts (Qwen3.5-MoE's two are MoEs with shared
+# experts).
+VLM_TEXT_MLPS = {"qwen3_vl_moe": 0}
 VLM_EXPERTS = {"glm4v_moe": 1, "qwen3_vl_moe": 2, "qwen3_5_moe": 2}
 
 
@@ -1295,3 +1298,47 @@ def test_more_families_one_training_step(model_type):
         assert s["swiglu"] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     elif model_type == "pixtral":  # ln_pre and two norms a layer; the SiLU MLPs
         assert len(s["rms_norm"]) == 5 and len(s["swiglu"]) == 2
+
+
+def test_llama4_vision_language_model_norms_and_mlps():
+    """Llama 4's image-text model (Llama4ForConditionalGeneration, model type "llama4"): the
+    text stack's norms and its gated MLPs (the dense ones and the MoE layers' shared
+    experts, whose activation is named activation_fn) fused; the experts (they take tokens
+    already sorted by expert) and the loss stay the model's. Its text model's training step
+    gives the unpatched loss and gradients."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "llama4" not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no Llama 4 models")
+    text = {"hidden_size": 32, "intermediate_size": 48, "intermediate_size_mlp": 48,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 8, "vocab_size": VOCAB, "max_position_embeddings": 64,
+            "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+            "interleave_moe_layer_step": 2, "num_local_experts": 2}
+    vision = {"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "image_size": 8, "patch_size": 2,
+              "vision_output_dim": 32, "projector_input_dim": 32, "projector_output_dim": 32}
+    config = transformers.AutoConfig.for_model("llama4", text_config=text, vision_config=vision,
+                                               image_token_index=VOCAB - 10)
+    torch.manual_seed(0)
+    a = transformers.AutoModelForImageTextToText.from_config(config).to(F32).train()
+    with torch.no_grad():
+        for name, p in a.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        b = apply_lmfuse(copy.deepcopy(a), inference_fallback_tokens=0)
+    s = b.lmfuse_patches
+    assert sorted(s["swiglu"]) == ["language_model.model.layers.0.feed_forward",
+                                   "language_model.model.layers.1.feed_forward.shared_expert"]
+    norms = [n for n, m in b.named_modules() if type(m).__name__ == "Llama4TextRMSNorm"]
+    assert len(norms) == 5 and set(norms) <= set(s["rms_norm"])
+    assert not s["moe_experts"] and not s["fused_linear_cross_entropy"]
+    ids, labels = batch()
+    out_a = a.language_model(input_ids=ids, labels=labels)
+    out_b = b.language_model(input_ids=ids, labels=labels)
+    assert_close(out_b.loss, out_a.loss, F32, "llama4: loss")
+    out_a.loss.backward()
+    out_b.loss.backward()
+    assert_same_grads(a, b, "llama4")

@@ -74,11 +74,12 @@ _FAMILIES: dict[str, _Family] = {
 #: Model types whose RMSNorms and gated MLPs are found by what they compute: each module
 #: class named ``*RMSNorm`` with one input is run once on a small input at patch time and
 #: must give ``x * rsqrt(mean(x^2) + eps) * (w + offset)`` for offset 0 or 1; each module
-#: with ``gate_proj``, ``up_proj``, ``down_proj`` and ``act_fn`` must give
-#: ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, or, with Falcon-H1's number attributes
-#: ``gate_multiplier`` (g) and ``down_multiplier`` (d) and a SiLU ``act_fn``,
-#: ``down_proj(act_fn(gate_proj(x) * g) * up_proj(x)) * d``. Anything else is left as it
-#: is. (Phi-3 fuses gate and up in one projection: only its norms and loss are patched.)
+#: with ``gate_proj``, ``up_proj``, ``down_proj`` and ``act_fn`` (or ``activation_fn``:
+#: Llama 4) must give ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, or, with Falcon-H1's
+#: number attributes ``gate_multiplier`` (g) and ``down_multiplier`` (d) and a SiLU
+#: activation, ``down_proj(act_fn(gate_proj(x) * g) * up_proj(x)) * d``; one with a single
+#: ``gate_up_proj`` projection (Phi-3, GLM-4: the gate's half, then the up's) likewise with
+#: its halves. Anything else is left as it is.
 _DETECTED: tuple[str, ...] = (
     "granite", "olmo2", "olmo3", "glm4", "smollm3", "exaone4", "ministral", "helium",
     "seed_oss", "arcee", "phi3", "lfm2", "hunyuan_v1_dense", "apertus", "llama4_text",
@@ -104,16 +105,17 @@ _DETECTED: tuple[str, ...] = (
     "nemotron",
     # vision-language models: the norms and gated MLPs of the text stack (and of the vision
     # tower where they are of these forms), the MoE ones' experts, and the loss (GLM-4.1V's
-    # and GLM-4.5V's text MLPs fuse gate and up in one projection, and their vision patch
-    # merger runs a projection, a LayerNorm and a GELU before its gated MLP: both stay the
-    # model's); their text stacks alone (base models: norms and MLPs); Mllama's text model
-    # (MllamaForCausalLM, its cross-attention layers' norms and MLPs too); Pixtral's vision
-    # encoder alone (norms, and its gated MLPs where SiLU: transformers' default GELU ones
-    # stay the model's, with a warning)
+    # and GLM-4.5V's vision patch merger runs a projection, a LayerNorm and a GELU before its
+    # gated MLP: it stays the model's); their text stacks alone (base models: norms and
+    # MLPs); Mllama's text model (MllamaForCausalLM, its cross-attention layers' norms and
+    # MLPs too); Pixtral's vision encoder alone (norms, and its gated MLPs where SiLU:
+    # transformers' default GELU ones stay the model's, with a warning); Llama 4's
+    # image-text model: its text stack's norms and MLPs (its experts take tokens already
+    # sorted, and its loss is computed by its own forward from the inner model's logits)
     "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "gemma3",
     "llava", "paligemma", "internvl", "mllama", "mistral3", "glm4v", "glm4v_moe", "smolvlm",
     "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text",
-    "mllama_text_model", "pixtral",
+    "mllama_text_model", "pixtral", "llama4",
     # Gemma 4, its text model and the vision-language model: the weighted RMSNorms (the
     # weightless v_norms stay), tanh-GELU gated MLPs and the loss
     "gemma4_text", "gemma4",
@@ -153,8 +155,7 @@ def _family_of(model: torch.nn.Module) -> _Family | None:
             # the weightless ones stay the model's).
             continue
         seen.add(cls)
-        plain = cls.__name__.endswith("RMSNorm") or all(
-            hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+        plain = cls.__name__.endswith("RMSNorm") or _is_gated_mlp(m)
         if plain and _on_meta(m):
             unprobed.append(cls.__name__)
             continue
@@ -163,7 +164,7 @@ def _family_of(model: torch.nn.Module) -> _Family | None:
                 offset = _probe_norm(m)
                 if offset is not None:
                     norms[cls.__name__] = offset
-            elif all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            elif _is_gated_mlp(m):
                 if _probe_mlp(m):
                     mlps.add(cls.__name__)
             else:
@@ -294,30 +295,30 @@ def _probe_norm(m: torch.nn.Module) -> float | None:
 
 @torch.no_grad()
 def _probe_mlp(m: torch.nn.Module) -> bool:
-    """``m`` computes ``down_proj(act_fn(gate_proj(x) * g) * up_proj(x)) * d``: g and d its
-    :func:`_mlp_multipliers`, other than 1 only with a SiLU ``act_fn`` (lmfuse's GEGLU has
-    no multipliers)."""
-    gate = getattr(m, "gate_proj", None)
+    """``m`` computes ``down_proj(act(gate * g) * up) * d`` (:func:`_mlp_formula`): g and d
+    its :func:`_mlp_multipliers`, other than 1 only with a SiLU activation (lmfuse's GEGLU
+    has no multipliers)."""
+    gate = m.gate_up_proj if _fused_gate_up(m) else getattr(m, "gate_proj", None)
     multipliers = _mlp_multipliers(m)
     if not (isinstance(gate, torch.nn.Linear) and _positional_inputs(m, 1)
             and multipliers is not None and _instance_attr(m) in (None, _gated_mlp_forward)):
         return False
     g, d = multipliers
-    if (g, d) != (1.0, 1.0) and _gated_activation(m.act_fn) != "swiglu":
+    if (g, d) != (1.0, 1.0) and _gated_activation(_mlp_act(m)) != "swiglu":
         return False
     x = _probe_input(m, gate.in_features)
     if x is None:
         return False
     try:
         with _training_mode(m):
-            peak = float(torch.cat([m.gate_proj(x), m.up_proj(x)], -1).abs().max())
+            peak = float(_gate_up_outputs(m, x).abs().max())
             # Unit-scale inputs, and inputs whose largest projection output is _PROBE_PEAK
             # and twice each limit the module holds: a clamp of the projections
             # (DeepSeek-V4's swiglu_limit) shows only past it.
             peaks = [_PROBE_PEAK] + [2 * v for v in _limits(m) if 2 * v > _PROBE_PEAK]
             for xs in [x] + [x * (p / peak) for p in peaks if peak > 0]:
                 y = m(xs)
-                want = m.down_proj(m.act_fn(m.gate_proj(xs) * g) * m.up_proj(xs)) * d
+                want = _mlp_formula(m, xs, g, d)
                 # Twice: a random module (a dropout, active here) differs from itself.
                 if not (_close(y, want) and _close(m(xs), want)):
                     return False
@@ -327,6 +328,47 @@ def _probe_mlp(m: torch.nn.Module) -> bool:
 
 
 _PROBE_PEAK = 64.0  # beyond the clamps models put on their gate/up outputs (7 to 10)
+
+
+def _mlp_act(m: torch.nn.Module) -> Any:
+    """A gated MLP's activation: ``act_fn`` (most families) or ``activation_fn`` (Llama 4,
+    Phi-3, GLM-4); None when it has neither."""
+    act = getattr(m, "act_fn", None)
+    return act if act is not None else getattr(m, "activation_fn", None)
+
+
+def _fused_gate_up(m: torch.nn.Module) -> bool:
+    """The gate and up projections are one module, ``gate_up_proj``, its output the gate's
+    half then the up's (Phi-3's and GLM-4's MLPs), not ``gate_proj`` and ``up_proj``."""
+    return (not hasattr(m, "gate_proj")
+            and isinstance(getattr(m, "gate_up_proj", None), torch.nn.Module))
+
+
+def _is_gated_mlp(m: torch.nn.Module) -> bool:
+    """``m`` has a gated MLP's parts: ``gate_proj`` and ``up_proj`` (or one
+    ``gate_up_proj`` module), ``down_proj`` and an activation (:func:`_mlp_act`). An
+    experts module's 3-D ``gate_up_proj`` parameter is not one."""
+    if _mlp_act(m) is None or not hasattr(m, "down_proj"):
+        return False
+    return (hasattr(m, "gate_proj") and hasattr(m, "up_proj")) or _fused_gate_up(m)
+
+
+def _gate_up_outputs(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The gate and up projections of ``x`` side by side, through the module's own calls."""
+    if _fused_gate_up(m):
+        return m.gate_up_proj(x)
+    return torch.cat([m.gate_proj(x), m.up_proj(x)], -1)
+
+
+def _mlp_formula(m: torch.nn.Module, x: torch.Tensor, g: float, d: float) -> torch.Tensor:
+    """``down_proj(act(gate * g) * up) * d`` by the module's own parts: what a gated MLP
+    must compute for lmfuse's fused forward to stand in for it."""
+    act = _mlp_act(m)
+    if _fused_gate_up(m):
+        gate, up = m.gate_up_proj(x).chunk(2, dim=-1)
+    else:
+        gate, up = m.gate_proj(x), m.up_proj(x)
+    return m.down_proj(act(gate * g) * up) * d
 
 
 def _limits(m: torch.nn.Module) -> list[float]:
@@ -444,6 +486,12 @@ def _gate_up(mlp: torch.nn.Module, x: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(h [..., 2f], bias [2f] or None)``: the gate and up projections side by side, and
     their biases for the activation kernel to add (``None`` when they were applied here)."""
+    if _fused_gate_up(mlp):
+        lin = mlp.gate_up_proj
+        if not _plain_linear(lin):
+            return lin(x), None
+        h = F.linear(x, lin.weight)  # (autocast casts its operands)
+        return h, (lin.bias.to(h.dtype) if lin.bias is not None else None)
     gate, up = mlp.gate_proj, mlp.up_proj
     if not (_plain_linear(gate) and _plain_linear(up)):
         return torch.cat([gate(x), up(x)], dim=-1), None
@@ -928,11 +976,11 @@ def _patch_norm(m: torch.nn.Module, offset: float, impl: str, fallback: int) -> 
 def _patch_mlp(m: torch.nn.Module, impl: str, fallback: int) -> str | None:
     """Run gated MLP ``m``'s activation fused: ``"swiglu"``/``"geglu"`` when patched, the
     activation's name when it is not one lmfuse fuses, None when ``m`` is not a gated MLP."""
-    if not all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+    if not _is_gated_mlp(m):
         return None
-    activation = _gated_activation(m.act_fn)
+    activation = _gated_activation(_mlp_act(m))
     if activation is None:
-        return _activation_name(m.act_fn)
+        return _activation_name(_mlp_act(m))
     _set_forward(m, _gated_mlp_forward, activation=activation, impl=impl,
                  fallback_tokens=fallback)
     return activation
@@ -1009,8 +1057,8 @@ def _summary(model: torch.nn.Module, family: _Family, impl: str) -> dict[str, An
             (swiglu_mlps if m._lmfuse_activation == "swiglu" else geglu_mlps).append(name)
         elif fn is _experts_forward:
             experts.append(name)
-        elif type(m).__name__ in family.mlps and _gated_activation(m.act_fn) is None:
-            unpatched[name] = _activation_name(m.act_fn)
+        elif type(m).__name__ in family.mlps and _gated_activation(_mlp_act(m)) is None:
+            unpatched[name] = _activation_name(_mlp_act(m))
     return {"impl": impl, "rms_norm": norms, "swiglu": swiglu_mlps, "geglu": geglu_mlps,
             "mlp_unsupported_activation": unpatched, "moe_experts": experts,
             "fused_linear_cross_entropy": _instance_attr(model) is _causal_lm_forward}
