@@ -444,8 +444,9 @@ def test_bad_arguments_raise():
         apply_lmfuse(model, swiglu="yes")
     assert "forward" not in model.__dict__, "a refused call must patch nothing"
     # every supported model type is tested: the causal LMs here, the VLMs below
+    # (and Llama 4's image-text model: test_llama4_vision_language_model_norms_and_mlps)
     assert set(SUPPORTED_MODEL_TYPES) == set(FAMILIES) | set(VISION_LANGUAGE) | set(
-        MORE_FAMILIES) | set(OTHER_VLMS)
+        MORE_FAMILIES) | set(OTHER_VLMS) | {"llama4"}
 
 
 def test_mlp_with_wrapped_projection_and_under_autocast():
