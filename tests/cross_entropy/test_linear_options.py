@@ -363,3 +363,54 @@ def test_bad_options_raise(kw: dict[str, Any], error: type[Exception], message: 
                  lambda *a, **k: lmfuse.explain(lmfuse.linear_cross_entropy, *a, **k)):
         with pytest.raises(error, match=rf"^linear_cross_entropy: {message}"):
             call(h, w, t, **kw)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_accum_dtype_float32_sums_the_weight_gradient_once(impl: str, dtype) -> None:
+    """accum_dtype=torch.float32 (Liger's option): the weight's gradient over 256 logits
+    chunks is summed in float32 and rounded once, within the rounding of one chunk's
+    product of the float64 truth, where the default (a rounding a chunk) drifts past it;
+    the loss, hidden's and the bias's gradients are unchanged."""
+    g = torch.Generator().manual_seed(0)
+    N, H, V = 4096, 16, 32
+    h = torch.randn(N, H, generator=g).to(dtype)
+    w = (torch.randn(V, H, generator=g) * 0.5).to(dtype)
+    b = torch.randn(V, generator=g).to(dtype)
+    t = torch.randint(0, V, (N,), generator=g)
+    h64, w64, b64 = (x.double().requires_grad_() for x in (h, w, b))
+    torch.nn.functional.cross_entropy(torch.nn.functional.linear(h64, w64, b64),
+                                      t).backward()
+    chunk = 16 * V * h.element_size()  # 16 tokens a chunk: 256 chunks
+
+    def run(**kw):
+        hh, ww, bb = (x.to(DEVICE, copy=True).requires_grad_() for x in (h, w, b))
+        loss = lmfuse.linear_cross_entropy(hh, ww, t.to(DEVICE), bias=bb, impl=impl,
+                                           **{"max_chunk_bytes": chunk, **kw})
+        loss.backward()
+        return (x.cpu() for x in (loss, hh.grad, ww.grad, bb.grad))
+
+    def err(x, ref):
+        return float((x.double() - ref).norm() / ref.norm())
+
+    loss0, dh0, dw0, db0 = run()
+    loss1, dh1, dw1, db1 = run(accum_dtype=torch.float32)
+    assert dw1.dtype == dtype
+    # One chunk: the product rounded once (bfloat16: 1.9e-3 to 3.3e-3 by path); summed
+    # in float32 the same, in bfloat16 1.7e-2.
+    one = err(list(run(max_chunk_bytes=N * V * h.element_size()))[2], w64.grad)
+    assert err(dw1, w64.grad) <= 1.2 * one
+    assert err(dw0, w64.grad) > 2 * one
+    assert torch.equal(loss0, loss1) and torch.equal(dh0, dh1) and torch.equal(db0, db1)
+    plan = lmfuse.explain(lmfuse.linear_cross_entropy, h, w, t, bias=b, impl=impl,
+                          accum_dtype=torch.float32)
+    assert "the weight's gradient summed in float32" in str(plan)
+
+
+@pytest.mark.parametrize("value, error", [(torch.float64, ValueError), ("float32", TypeError),
+                                          (torch.int32, ValueError)])
+def test_accum_dtype_refused(value, error) -> None:
+    h, w = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(16, 8, dtype=torch.bfloat16)
+    with pytest.raises(error, match=r"^linear_cross_entropy: accum_dtype must be None, "
+                                    r"torch.float32 or weight's dtype"):
+        lmfuse.linear_cross_entropy(h, w, torch.zeros(4, dtype=torch.long), accum_dtype=value)
