@@ -1343,3 +1343,29 @@ def test_llama4_vision_language_model_norms_and_mlps():
     out_a.loss.backward()
     out_b.loss.backward()
     assert_same_grads(a, b, "llama4")
+
+
+def test_liger_forward_keywords():
+    """Liger-Kernel's forward keywords on a patched model: return_token_accuracy and
+    return_predicted_tokens add the fused loss's token accuracy and argmax to the output
+    (from the unpatched logits: the same), skip_logits=False returns the logits (the
+    model's own forward), and without labels they change nothing."""
+    a, b = make_pair("llama")
+    ids, labels = batch()
+    out_a = a(input_ids=ids, labels=labels)
+    out_b = b(input_ids=ids, labels=labels, return_token_accuracy=True,
+              return_predicted_tokens=True)
+    assert_close(out_b.loss, out_a.loss, F32, "loss")
+    target = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    counted = target != -100
+    argmax = out_a.logits.argmax(-1)
+    want_pred = torch.where(counted, argmax, -1)
+    assert torch.equal(out_b.predicted_tokens, want_pred)
+    want_acc = (argmax == target)[counted].float().mean()
+    assert torch.allclose(out_b.token_accuracy, want_acc)
+    assert out_b.logits is None
+    out_c = b(input_ids=ids, labels=labels, skip_logits=False)
+    assert out_c.logits is not None and "token_accuracy" not in out_c
+    assert_close(out_c.loss, out_a.loss, F32, "loss with logits")
+    out_d = b(input_ids=ids, return_token_accuracy=True)  # no labels: the logits, as before
+    assert torch.allclose(out_d.logits, a(input_ids=ids).logits, atol=1e-5)

@@ -744,13 +744,15 @@ def _experts_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.
 def _causal_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Linear,
                     labels: torch.Tensor | None, *, shift_labels: torch.Tensor | None,
                     num_items_in_batch: Any, ignore_index: int, softcap: float | None,
-                    impl: str, logits_scaling: Any = None) -> torch.Tensor:
+                    impl: str, logits_scaling: Any = None, extras: bool = False) -> Any:
     """transformers' ``ForCausalLMLoss`` on ``lm_head(hidden)``, without the logits.
 
     ``hidden [B, S, H]``; ``labels [B, S]`` (position ``i`` is scored against label ``i + 1``,
     the last position against nothing) or, instead, ``shift_labels [B, S]`` already aligned
     with ``hidden``. Mean over the non-ignored tokens, or their sum divided by
-    ``num_items_in_batch`` (gradient accumulation over micro-batches).
+    ``num_items_in_batch`` (gradient accumulation over micro-batches). ``extras``: returns
+    ``(loss, token_accuracy, predicted_tokens)``, as :func:`lmfuse.linear_cross_entropy`
+    gives them (the targets' shape, -1 where ignored; the accuracy over the counted tokens).
     """
     if shift_labels is None:
         # Padding the labels (not slicing hidden[:, :-1]) keeps hidden contiguous: no copy.
@@ -774,7 +776,10 @@ def _causal_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Linear,
         bias = bias / logits_scaling if bias is not None else None
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = _linear_cross_entropy(hidden, weight, target, bias=bias, ignore_index=ignore_index,
-                                 softcap=softcap, reduction=reduction, impl=impl)
+                                 softcap=softcap, reduction=reduction, impl=impl,
+                                 return_token_accuracy=extras, return_predicted_tokens=extras)
+    if extras:
+        loss, _, accuracy, predicted = loss
     if num_items_in_batch is None:
         # transformers' mean over no token is NaN (F.cross_entropy's), lmfuse's 0: NaN
         # here too (an all-ignored batch shows as in the unpatched model; the gradients
@@ -785,7 +790,7 @@ def _causal_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Linear,
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
         loss = loss / num_items_in_batch
-    return loss
+    return (loss, accuracy, predicted) if extras else loss
 
 
 @functools.cache
@@ -801,6 +806,11 @@ def _causal_lm_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
     as the Trainer's evaluate and predict call it) runs the model's own forward: it
     returns the logits, which metrics read."""
     original = type(self).forward
+    if any(k in kwargs for k in _LIGER_OUTPUTS) or "skip_logits" in kwargs:
+        liger = {k: kwargs.pop(k) for k in (*_LIGER_OUTPUTS, "skip_logits") if k in kwargs}
+        if liger.get("skip_logits") is False:  # the logits asked for: the model's forward
+            return original(self, *args, **kwargs)
+        kwargs.update((k, v) for k, v in liger.items() if k in _LIGER_OUTPUTS and v)
     a = dict(_signature(type(self)).bind(self, *args, **kwargs).arguments)
     keep = a.get("logits_to_keep", 0)
     if (a.get("labels") is None or not (isinstance(keep, int) and keep == 0)
@@ -810,15 +820,27 @@ def _causal_lm_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
             or not _plain_linear(self.lm_head)
             or getattr(self, "_loss_function", None) is not None
             or not _causal_lm_loss_type(self)):
-        return original(self, *args, **kwargs)
+        return original(self, *args, **_without_liger(kwargs))
     router = kwargs.get("output_router_logits", a.get("output_router_logits"))
     if router is None:
         router = _config_router_logits(self.config)
     if router:  # a mixture of experts adds its load-balancing loss there: the model's own
-        return original(self, *args, **kwargs)
+        return original(self, *args, **_without_liger(kwargs))
     var_kw = next((p.name for p in _signature(type(self)).parameters.values()
                    if p.kind is inspect.Parameter.VAR_KEYWORD), None)
     return _forward_with_loss(self, a, var_kw)
+
+
+#: Liger-Kernel's forward keywords for the loss's by-products: with labels, the fused loss
+#: adds ``token_accuracy`` and ``predicted_tokens`` to the output (``skip_logits=False``
+#: asks for the logits: the model's own forward runs).
+_LIGER_OUTPUTS = ("return_token_accuracy", "return_predicted_tokens")
+
+
+def _without_liger(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` without the Liger output keywords (the model's own forward computes no such
+    thing: ``token_accuracy`` and ``predicted_tokens`` come only with the fused loss)."""
+    return {k: v for k, v in kwargs.items() if k not in _LIGER_OUTPUTS}
 
 
 def _causal_lm_loss_type(model: Any) -> bool:
@@ -911,6 +933,7 @@ def _forward_with_loss(model: Any, a: dict[str, Any], var_kw: str | None) -> Any
     ``num_items_in_batch``, ``ignore_index``) to the loss as its ``loss_function`` takes them.
     """
     extra = dict(a.pop(var_kw, None) or {}) if var_kw else {}
+    wanted = [k for k in _LIGER_OUTPUTS if extra.pop(k, False)]
     a.pop("self", None)
     labels = a.pop("labels")
     a.pop("logits_to_keep", None)
@@ -925,11 +948,18 @@ def _forward_with_loss(model: Any, a: dict[str, Any], var_kw: str | None) -> Any
         num_items_in_batch=extra.get("num_items_in_batch"),
         ignore_index=extra.get("ignore_index", -100),
         softcap=_final_softcap(model),
-        impl=model._lmfuse_impl, logits_scaling=_logits_scaling(model))
+        impl=model._lmfuse_impl, logits_scaling=_logits_scaling(model), extras=bool(wanted))
+    if wanted:
+        loss, accuracy, predicted = loss
     output_class = _output_class(type(model))
     out = output_class(loss=loss, logits=None, **{
         name: getattr(outputs, name) for name in _fields_of(output_class)
         if name not in ("loss", "logits", "aux_loss") and hasattr(outputs, name)})
+    # Liger's fields, as its forward adds them (keys of the output, last in its tuple)
+    if "return_token_accuracy" in wanted:
+        out["token_accuracy"] = accuracy
+    if "return_predicted_tokens" in wanted:
+        out["predicted_tokens"] = predicted
     if return_dict:
         return out
     # to_tuple() drops None fields: the logits' place kept (None), as the model's tuple
