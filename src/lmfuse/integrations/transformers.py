@@ -1164,6 +1164,11 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
             The model's own forward also runs when its ``lm_head`` is not a plain
             ``nn.Linear`` or carries hooks (an adapter such as LoRA, FSDP2's weight
             gather) and when a loss of the user's is set (``model.loss_function = ...``).
+            Liger-Kernel's forward keywords: ``return_token_accuracy=True`` and
+            ``return_predicted_tokens=True`` add ``token_accuracy`` (over the counted
+            tokens, 0 when there are none) and ``predicted_tokens`` (the argmax, -1 where
+            ignored, the labels' shape) to the fused loss's output; ``skip_logits=False``
+            runs the model's own forward (logits and loss).
             Only on models with an ``lm_head`` (ignored on base models).
         experts: run each mixture-of-experts experts module (``forward(hidden_states
             [T, H], top_k_index [T, k], top_k_weights [T, k])`` over ``gate_up_proj`` and
