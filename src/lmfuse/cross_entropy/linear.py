@@ -559,7 +559,23 @@ def _scale(grads: list[torch.Tensor], dout: torch.Tensor, path: str) -> None:
                 scale = dout.float().reshape(1)
             ops._launch_scale(g, scale)
         else:
-            g.mul_(dout.to(g.dtype))
+            _mul_float32_(g, dout)
+
+
+def _mul_float32_(g: torch.Tensor, dout: torch.Tensor) -> None:
+    """``g *= dout`` with the product formed in float32 (at least) and rounded once to g's
+    dtype: ``dout`` rounded to bfloat16 first would bias every gradient (1/378, a gradient
+    accumulation's ``1 / num_items_in_batch``, is 0.22% small in bfloat16). In pieces of
+    2**24 elements, so no float32 copy of a whole half-precision gradient is made."""
+    if g.dtype in (torch.float32, torch.float64):
+        g.mul_(dout.to(g.dtype))
+        return
+    d = dout.float()
+    if not g.is_contiguous():
+        g.copy_(g.float() * d)
+        return
+    for piece in g.view(-1).split(1 << 24):
+        piece.copy_(piece.float() * d)
 
 
 def linear_cross_entropy(
