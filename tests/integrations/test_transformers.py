@@ -159,6 +159,8 @@ def test_loss_and_gradients_match_unpatched(model_type):
     act = "geglu" if model_type in GELU_FAMILIES else "swiglu"
     if model_type in NO_GATED_MLP:
         assert not s["swiglu"] and not s["geglu"]
+        # Arcee's ReLU^2 MLPs without a gate: lmfuse.squared_relu between the projections
+        assert s["squared_relu"] == (sorted(mlps) if model_type == "arcee" else [])
     elif model_type in MOE:
         modules = dict(b.named_modules())
         gated = [n for n in mlps if hasattr(modules[n], "gate_proj") and (
@@ -1257,12 +1259,13 @@ def test_more_families_one_training_step(model_type):
     assert sorted(s["rms_norm"]) == sorted(  # Gemma 4's weightless v_norms stay its own
         n for n, m in modules.items() if type(m).__name__ in family.norms
         and getattr(m, "weight", None) is not None)
-    assert sorted(s["swiglu"] + s["geglu"]) == sorted(
+    assert sorted(s["swiglu"] + s["geglu"] + s["squared_relu"]) == sorted(
         n for n, m in modules.items() if type(m).__name__ in family.mlps)
     assert sorted(s["moe_experts"]) == sorted(
         n for n, m in modules.items() if type(m).__name__ in family.experts)
-    if model_type == "nemotron":  # LayerNorm1P, ReLU^2 without a gate: the loss only
+    if model_type == "nemotron":  # LayerNorm1P (the model's), ReLU^2 MLPs without a gate
         assert not s["rms_norm"] and not s["swiglu"]
+        assert s["squared_relu"] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     else:
         assert len(s["rms_norm"]) >= 5
     # the norms of the other formulas stay as they are: the gated norms of the linear

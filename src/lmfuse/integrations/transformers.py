@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from .._dispatch import IMPLS
 from ..activations import geglu as _geglu
+from ..activations import squared_relu as _squared_relu
 from ..activations import swiglu as _swiglu
 from ..activations.reference import QUICK_GELU_K
 from ..cross_entropy import linear_cross_entropy as _linear_cross_entropy
@@ -101,7 +102,7 @@ _DETECTED: tuple[str, ...] = (
     # "noaux_tc") and hands the experts weights already scaled by routed_scaling_factor, which
     # moe_experts takes as they are; the multi-head latent attention stays the model's too
     "deepseek_v2", "deepseek_v3",
-    # Nemotron: LayerNorm1P and a ReLU^2 MLP without a gate: only the loss
+    # Nemotron: LayerNorm1P (left as it is), ReLU^2 MLPs without a gate and the loss
     "nemotron",
     # vision-language models: the norms and gated MLPs of the text stack (and of the vision
     # tower where they are of these forms), the MoE ones' experts, and the loss (GLM-4.1V's
@@ -155,7 +156,7 @@ def _family_of(model: torch.nn.Module) -> _Family | None:
             # the weightless ones stay the model's).
             continue
         seen.add(cls)
-        plain = cls.__name__.endswith("RMSNorm") or _is_gated_mlp(m)
+        plain = cls.__name__.endswith("RMSNorm") or _is_fusable_mlp(m)
         if plain and _on_meta(m):
             unprobed.append(cls.__name__)
             continue
@@ -164,7 +165,7 @@ def _family_of(model: torch.nn.Module) -> _Family | None:
                 offset = _probe_norm(m)
                 if offset is not None:
                     norms[cls.__name__] = offset
-            elif _is_gated_mlp(m):
+            elif _is_fusable_mlp(m):
                 if _probe_mlp(m):
                     mlps.add(cls.__name__)
             else:
@@ -298,13 +299,15 @@ def _probe_mlp(m: torch.nn.Module) -> bool:
     """``m`` computes ``down_proj(act(gate * g) * up) * d`` (:func:`_mlp_formula`): g and d
     its :func:`_mlp_multipliers`, other than 1 only with a SiLU activation (lmfuse's GEGLU
     has no multipliers)."""
-    gate = m.gate_up_proj if _fused_gate_up(m) else getattr(m, "gate_proj", None)
+    relu2 = _is_relu2_mlp(m)
+    gate = (m.up_proj if relu2 else m.gate_up_proj if _fused_gate_up(m)
+            else getattr(m, "gate_proj", None))
     multipliers = _mlp_multipliers(m)
     if not (isinstance(gate, torch.nn.Linear) and _positional_inputs(m, 1)
             and multipliers is not None and _instance_attr(m) in (None, _gated_mlp_forward)):
         return False
     g, d = multipliers
-    if (g, d) != (1.0, 1.0) and _gated_activation(_mlp_act(m)) != "swiglu":
+    if (g, d) != (1.0, 1.0) and _mlp_activation(m) != "swiglu":
         return False
     x = _probe_input(m, gate.in_features)
     if x is None:
@@ -353,8 +356,32 @@ def _is_gated_mlp(m: torch.nn.Module) -> bool:
     return (hasattr(m, "gate_proj") and hasattr(m, "up_proj")) or _fused_gate_up(m)
 
 
+def _is_relu2_mlp(m: torch.nn.Module) -> bool:
+    """``m`` is an MLP without a gate, ``down_proj(relu(up_proj(x)) ** 2)`` by its parts
+    (Nemotron's and Arcee's: transformers' ReLU-squared activation): lmfuse's
+    :func:`lmfuse.squared_relu` between the two projections."""
+    from transformers.activations import ReLUSquaredActivation
+
+    return (type(_mlp_act(m)) is ReLUSquaredActivation and hasattr(m, "up_proj")
+            and hasattr(m, "down_proj") and not hasattr(m, "gate_proj")
+            and not hasattr(m, "gate_up_proj"))
+
+
+def _is_fusable_mlp(m: torch.nn.Module) -> bool:
+    """A gated MLP (:func:`_is_gated_mlp`) or a ReLU-squared one (:func:`_is_relu2_mlp`)."""
+    return _is_gated_mlp(m) or _is_relu2_mlp(m)
+
+
+def _mlp_activation(m: torch.nn.Module) -> str | None:
+    """The fused activation that runs MLP ``m``: ``"swiglu"``/``"geglu"`` (gated),
+    ``"squared_relu"`` (no gate), None for another activation."""
+    return "squared_relu" if _is_relu2_mlp(m) else _gated_activation(_mlp_act(m))
+
+
 def _gate_up_outputs(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The gate and up projections of ``x`` side by side, through the module's own calls."""
+    if _is_relu2_mlp(m):
+        return m.up_proj(x)
     if _fused_gate_up(m):
         return m.gate_up_proj(x)
     return torch.cat([m.gate_proj(x), m.up_proj(x)], -1)
@@ -364,6 +391,8 @@ def _mlp_formula(m: torch.nn.Module, x: torch.Tensor, g: float, d: float) -> tor
     """``down_proj(act(gate * g) * up) * d`` by the module's own parts: what a gated MLP
     must compute for lmfuse's fused forward to stand in for it."""
     act = _mlp_act(m)
+    if _is_relu2_mlp(m):
+        return m.down_proj(act(m.up_proj(x) * g)) * d
     if _fused_gate_up(m):
         gate, up = m.gate_up_proj(x).chunk(2, dim=-1)
     else:
@@ -517,6 +546,10 @@ def _gate_up(mlp: torch.nn.Module, x: torch.Tensor
 def _gated_mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     # The multipliers are read on every call (as the module's own forward reads them); ones
     # lmfuse cannot apply (not numbers, or on a GELU MLP) leave the call to the module.
+    if self._lmfuse_activation == "squared_relu":  # no gate: up, squared ReLU, down
+        if _small_inference_call(self, x):
+            return type(self).forward(self, x)
+        return self.down_proj(_squared_relu(self.up_proj(x), impl=self._lmfuse_impl))
     multipliers = _mlp_multipliers(self)
     if _small_inference_call(self, x) or multipliers is None or (
             multipliers != (1.0, 1.0) and self._lmfuse_activation != "swiglu"):
@@ -1006,9 +1039,9 @@ def _patch_norm(m: torch.nn.Module, offset: float, impl: str, fallback: int) -> 
 def _patch_mlp(m: torch.nn.Module, impl: str, fallback: int) -> str | None:
     """Run gated MLP ``m``'s activation fused: ``"swiglu"``/``"geglu"`` when patched, the
     activation's name when it is not one lmfuse fuses, None when ``m`` is not a gated MLP."""
-    if not _is_gated_mlp(m):
+    if not _is_fusable_mlp(m):
         return None
-    activation = _gated_activation(_mlp_act(m))
+    activation = _mlp_activation(m)
     if activation is None:
         return _activation_name(_mlp_act(m))
     _set_forward(m, _gated_mlp_forward, activation=activation, impl=impl,
@@ -1027,6 +1060,8 @@ def _patch_experts(m: torch.nn.Module, impl: str) -> str:
 
 
 _PATCHES = (_rms_norm_forward, _gated_mlp_forward, _experts_forward)  # what lmfuse patches run
+#: The activations of the MLPs lmfuse runs fused (the keys of ``model.lmfuse_patches``).
+_FUSED_ACTIVATIONS = ("swiglu", "geglu", "squared_relu")
 _PATCH_ATTRS = ("forward", "_lmfuse_weight_offset", "_lmfuse_impl", "_lmfuse_fallback_tokens",
                 "_lmfuse_activation", "_lmfuse_experts")
 
@@ -1064,7 +1099,7 @@ def fused_norms_and_mlps(model: torch.nn.Module, impl: str = "auto") -> Iterator
             elif cls in family.norms and _patch_norm(m, family.norms[cls], impl, 0):
                 saved.append((m, before))
             elif cls in family.mlps:
-                if _patch_mlp(m, impl, 0) in ("swiglu", "geglu"):
+                if _patch_mlp(m, impl, 0) in _FUSED_ACTIVATIONS:
                     saved.append((m, before))
     try:
         yield family is not None
@@ -1078,18 +1113,19 @@ def fused_norms_and_mlps(model: torch.nn.Module, impl: str = "auto") -> Iterator
 
 
 def _summary(model: torch.nn.Module, family: _Family, impl: str) -> dict[str, Any]:
-    norms, swiglu_mlps, geglu_mlps, experts, unpatched = [], [], [], [], {}
+    norms, experts, unpatched = [], [], {}
+    mlps: dict[str, list[str]] = {name: [] for name in _FUSED_ACTIVATIONS}
     for name, m in model.named_modules():
         fn = _instance_attr(m)
         if fn is _rms_norm_forward:
             norms.append(name)
         elif fn is _gated_mlp_forward:
-            (swiglu_mlps if m._lmfuse_activation == "swiglu" else geglu_mlps).append(name)
+            mlps[m._lmfuse_activation].append(name)
         elif fn is _experts_forward:
             experts.append(name)
-        elif type(m).__name__ in family.mlps and _gated_activation(_mlp_act(m)) is None:
+        elif type(m).__name__ in family.mlps and _mlp_activation(m) is None:
             unpatched[name] = _activation_name(_mlp_act(m))
-    return {"impl": impl, "rms_norm": norms, "swiglu": swiglu_mlps, "geglu": geglu_mlps,
+    return {"impl": impl, "rms_norm": norms, **mlps,
             "mlp_unsupported_activation": unpatched, "moe_experts": experts,
             "fused_linear_cross_entropy": _instance_attr(model) is _causal_lm_forward}
 
@@ -1110,8 +1146,9 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
     the latent attention stays the model's) and DeepSeek-V4 (its experts' clamp as
     ``moe_experts``' ``clamp_value``; its clamped dense MLPs left as they are), the
     gated-linear-attention hybrids Qwen3-Next and Qwen3.5 (text, dense and MoE),
-    Nemotron (loss only: LayerNorm1P, ReLU^2 MLPs), the text stacks of Qwen2-VL, Qwen2.5-VL,
-    Qwen3-VL, Qwen3-VL-MoE and MuseGlimmer (base models), Mllama's text model, Pixtral's
+    Nemotron (its ReLU^2 MLPs and the loss; its LayerNorm1P stays the model's), the text
+    stacks of Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE and MuseGlimmer (base models),
+    Mllama's text model, Pixtral's
     vision encoder (norms and MLPs), and the MoE families' experts through
     :func:`lmfuse.moe_experts`; with ``output_router_logits`` (in the call, the config or
     its text config) the loss is the model's own; Llama 4's experts, fed tokens already
@@ -1140,7 +1177,10 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
             ``act_fn(gate_proj(x) * gate_multiplier)`` and ``down_proj(...) *
             down_multiplier`` through swiglu's ``gate_multiplier`` and ``down_multiplier``,
             read from the module on every call), :func:`lmfuse.geglu` for the
-            tanh-approximated GELU (Gemma). MLPs with any other activation stay as they are,
+            tanh-approximated GELU (Gemma); a single ``gate_up_proj`` (Phi-3, GLM-4) gives
+            the halves directly; and the MLPs without a gate, ``down_proj(relu(up_proj(x))
+            ** 2)`` (Nemotron, Arcee), through :func:`lmfuse.squared_relu`. MLPs with any
+            other activation stay as they are,
             with a warning, and are listed in ``model.lmfuse_patches``; so do the probed
             families' MLPs that apply a dropout (Seed-OSS's ``residual_dropout``) or a clamp
             (the probe tries both sides of every limit the module holds). Projections that
@@ -1205,7 +1245,8 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
 
     Returns:
         ``model`` itself. ``model.lmfuse_patches`` says what is patched: ``"rms_norm"``,
-        ``"swiglu"``, ``"geglu"`` (lists of module names), ``"mlp_unsupported_activation"``
+        ``"swiglu"``, ``"geglu"``, ``"squared_relu"`` (lists of module names),
+        ``"mlp_unsupported_activation"``
         (``{module name: activation}`` of MLPs left as they are),
         ``"moe_experts"`` (names of the experts modules patched),
         ``"fused_linear_cross_entropy"`` (bool) and ``"impl"``.
@@ -1249,7 +1290,7 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
             _patch_norm(m, family.norms[cls], impl, inference_fallback_tokens)
         elif cls in family.mlps and swiglu:
             activation = _patch_mlp(m, impl, inference_fallback_tokens)
-            if activation is not None and activation not in ("swiglu", "geglu"):
+            if activation is not None and activation not in _FUSED_ACTIVATIONS:
                 unsupported[name] = activation
         elif cls in family.experts and experts:
             why = family.experts[cls] or _patch_experts(m, impl)
