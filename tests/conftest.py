@@ -47,6 +47,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 fast_interpreter.install()  # Triton's interpreter without its repeated language swaps
+fast_interpreter.install_bf16_rounding()  # a GPU's bfloat16 rounding
+
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 # "ci" (the default): few examples, the same ones every run, no example database written

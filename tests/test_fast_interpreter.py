@@ -48,3 +48,22 @@ def test_helpers_in_a_launch_swap_nothing_and_results_hold(monkeypatch) -> None:
     assert [s for _, s in swaps[1:]] == ["_NoChange"] * 3
     # The builtins are Triton's own again after the launch.
     assert tl.core.is_builtin(tl.arange) and tl.core.is_builtin(tl.load)
+
+
+def test_float32_to_bfloat16_rounds_to_nearest_even() -> None:
+    """Stores of float32 values into bfloat16 round to nearest even under the test suite's
+    interpreter, as on a GPU (Triton's interpreter truncates), NaN and inf kept."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def store(X, Y, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(Y + i, tl.load(X + i).to(tl.bfloat16))
+
+    x = torch.randn(1024, dtype=torch.float32)
+    x[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.0 + 2**-8 + 2**-9])
+    y = torch.empty(1024, dtype=torch.bfloat16)
+    store[(1,)](x, y, N=1024)
+    want = x.to(torch.bfloat16)
+    assert torch.equal(y[1:], want[1:]) and y[0].isnan()

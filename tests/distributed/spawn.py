@@ -66,6 +66,7 @@ def _gloo_rank(rank: int, world_size: int, port: int, fn_ref: tuple[str, str, st
         import fast_interpreter
 
         fast_interpreter.install()  # as conftest.py does in the test process
+        fast_interpreter.install_bf16_rounding()  # a GPU's bfloat16 rounding
         fn = _load_function(*fn_ref)
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         # Every rank joined before any leaves: a rank whose fn returns at once (rank 0 of a
@@ -227,6 +228,7 @@ def _forked_main(fn_ref: tuple[str, str, str], argv: list[str], env: dict[str, s
         import fast_interpreter
 
         fast_interpreter.install()
+        fast_interpreter.install_bf16_rounding()  # a GPU's bfloat16 rounding
         code = _load_function(*fn_ref)(argv) or 0
     except BaseException:
         traceback.print_exc()
