@@ -26,7 +26,7 @@ def _counts(model) -> dict:
     return {k: v if isinstance(v, bool) else len(v) for k, v in p.items()}
 
 
-def _sharded_rank(rank: int, world: int, model_type: str) -> None:
+def _sharded_rank(rank: int, world: int, model_type: str, per_module: bool) -> None:
     from torch.distributed.fsdp import fully_shard
     from helpers import tiny_causal_lm
     from lmfuse.integrations.transformers import apply_lmfuse
@@ -39,6 +39,9 @@ def _sharded_rank(rank: int, world: int, model_type: str) -> None:
     models = [tiny_causal_lm(model_type).train() for _ in range(2)]
     for m in models:
         for layer in m.model.layers:
+            if per_module:  # the MLP and a norm units of their own, as wrap policies make
+                fully_shard(layer.mlp)
+                fully_shard(layer.post_attention_layernorm)
             fully_shard(layer)
         fully_shard(m)
     with warnings.catch_warnings():
@@ -60,9 +63,11 @@ def _sharded_rank(rank: int, world: int, model_type: str) -> None:
                                    atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("model_type", ["olmo2", "gpt_oss"])
-def test_apply_lmfuse_after_fully_shard(model_type: str) -> None:
+@pytest.mark.parametrize("model_type, per_module", [("olmo2", False), ("gpt_oss", False),
+                                                     ("olmo2", True)])
+def test_apply_lmfuse_after_fully_shard(model_type: str, per_module: bool) -> None:
     """OLMo-2 (norms and MLP found by probes) and GPT-OSS (its clamped experts' probe):
-    patched after fully_shard, the same patches as unsharded, no warning, and the
-    sharded training step's loss and gradients equal the unpatched sharded model's."""
-    spawn_gloo(2, _sharded_rank, model_type, timeout=240)
+    patched after fully_shard (of the layers, or of each MLP and a norm too), the same
+    patches as unsharded, no warning, and the sharded training step's loss and gradients
+    equal the unpatched sharded model's."""
+    spawn_gloo(2, _sharded_rank, model_type, per_module, timeout=240)

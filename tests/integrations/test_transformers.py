@@ -1372,3 +1372,10 @@ def test_liger_forward_keywords():
     assert_close(out_c.loss, out_a.loss, F32, "loss with logits")
     out_d = b(input_ids=ids, return_token_accuracy=True)  # no labels: the logits, as before
     assert torch.allclose(out_d.logits, a(input_ids=ids).logits, atol=1e-5)
+    # skip_logits=True: the fused loss in an evaluation too (eval mode, no gradient)
+    b.eval()
+    with torch.no_grad():
+        out_e = b(input_ids=ids, labels=labels, skip_logits=True, return_token_accuracy=True)
+        assert out_e.logits is None and torch.allclose(out_e.token_accuracy, want_acc)
+        with pytest.raises(ValueError, match="skip_logits=True needs labels"):
+            b(input_ids=ids, skip_logits=True)

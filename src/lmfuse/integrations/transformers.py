@@ -282,7 +282,9 @@ def _probe_norm(m: torch.nn.Module) -> float | None:
     if x is None:
         return None
     try:
-        y = m(x)
+        # The class's forward, not the module's call: the hooks of a module fully_shard
+        # wrapped on its own would gather its weights, which the probe stands in for.
+        y = type(m).forward(m, x)
     except Exception:  # noqa: BLE001 - not a plain norm of one input
         return None
     if not (isinstance(y, torch.Tensor) and y.shape == x.shape):
@@ -320,10 +322,11 @@ def _probe_mlp(m: torch.nn.Module) -> bool:
             # (DeepSeek-V4's swiglu_limit) shows only past it.
             peaks = [_PROBE_PEAK] + [2 * v for v in _limits(m) if 2 * v > _PROBE_PEAK]
             for xs in [x] + [x * (p / peak) for p in peaks if peak > 0]:
-                y = m(xs)
+                # (the class's forward: see _probe_norm)
+                y = type(m).forward(m, xs)
                 want = _mlp_formula(m, xs, g, d)
                 # Twice: a random module (a dropout, active here) differs from itself.
-                if not (_close(y, want) and _close(m(xs), want)):
+                if not (_close(y, want) and _close(type(m).forward(m, xs), want)):
                     return False
     except Exception:  # noqa: BLE001 - another structure
         return False
@@ -844,10 +847,16 @@ def _causal_lm_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         if liger.get("skip_logits") is False:  # the logits asked for: the model's forward
             return original(self, *args, **kwargs)
         kwargs.update((k, v) for k, v in liger.items() if k in _LIGER_OUTPUTS and v)
+        skip = liger.get("skip_logits") is True
+    else:
+        skip = False
     a = dict(_signature(type(self)).bind(self, *args, **kwargs).arguments)
+    if skip and a.get("labels") is None:
+        raise ValueError(f"{type(self).__name__}: skip_logits=True needs labels (the fused "
+                         "loss is what it asks for)")
     keep = a.get("logits_to_keep", 0)
     if (a.get("labels") is None or not (isinstance(keep, int) and keep == 0)
-            or not (self.training or torch.is_grad_enabled())
+            or not (self.training or torch.is_grad_enabled() or skip)
             # an lm_head to call (an adapter, a hook, FSDP2's weight gather), or a loss of
             # the user's (model.loss_function = ...): the model's own forward runs them
             or not _plain_linear(self.lm_head)
@@ -1208,7 +1217,8 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
             ``return_predicted_tokens=True`` add ``token_accuracy`` (over the counted
             tokens, 0 when there are none) and ``predicted_tokens`` (the argmax, -1 where
             ignored, the labels' shape) to the fused loss's output; ``skip_logits=False``
-            runs the model's own forward (logits and loss).
+            runs the model's own forward (logits and loss), ``skip_logits=True`` the fused
+            loss in an evaluation too (labels needed: ``ValueError`` without).
             Only on models with an ``lm_head`` (ignored on base models).
         experts: run each mixture-of-experts experts module (``forward(hidden_states
             [T, H], top_k_index [T, k], top_k_weights [T, k])`` over ``gate_up_proj`` and

@@ -415,6 +415,7 @@ class Generator:
         its next admission; what it generates next is what it would have. A step run ahead
         is dropped unread."""
         self._inflight = None
+        self.runner.take_greedy()  # (a step's argmax, if its graph ran: not this one's)
         self.scheduler.requeue_all()
         self._requests = {rid: r for rid, r in self._requests.items()
                           if r.status != Status.FINISHED}

@@ -17,8 +17,9 @@ Each step is a **prefill** of waiting requests or a **decode** of the running on
 * Otherwise every running request grows by one token (``reserve``, all or nothing). When
   the pool cannot give that, the most recently admitted request is **preempted**: its
   blocks are freed and it goes back to the front of the queue, to be prefilled again
-  from its prompt and the tokens it already produced. A request's whole length
-  (``len(prompt) + max_new_tokens``) always fits the pool (checked when it is added), so
+  from its prompt and the tokens it already produced. A request's rows (``len(prompt) +
+  max_new_tokens - 1``: its last token is never fed) always fit the pool (checked when
+  it is added), so
   the oldest request alone can always run: ``KVCacheFullError`` never escapes.
 
 Prefix sharing keys each full block by a hash of the tokens up to its end, for the live
