@@ -927,8 +927,11 @@ def test_other_vision_language_models_text_stack(model_type):
     assert sorted(s["rms_norm"]) == sorted(
         n for n, m in modules.items() if type(m).__name__ in family.norms
         and getattr(m, "weight", None) is not None)
+    # (the MLPs of a fusable form that their probe refused are listed too: GLM-4.1V's
+    # patch merger, Gemma 4's vision MLPs)
     assert sorted(s["swiglu"] + s["geglu"] + list(s["mlp_unsupported_activation"])) == sorted(
-        n for n, m in modules.items() if type(m).__name__ in family.mlps)
+        n for n, m in modules.items()
+        if type(m).__name__ in family.mlps or type(m).__name__ in family.rejected_mlps)
     act = "geglu" if text_type.startswith("gemma") else "swiglu"
     assert len([n for n in s[act] if _text_stack(n)]) == VLM_TEXT_MLPS.get(model_type, 2)
     experts = [n for n, m in modules.items() if type(m).__name__.endswith("Experts")]
@@ -1379,3 +1382,20 @@ def test_liger_forward_keywords():
         assert out_e.logits is None and torch.allclose(out_e.token_accuracy, want_acc)
         with pytest.raises(ValueError, match="skip_logits=True needs labels"):
             b(input_ids=ids, skip_logits=True)
+
+
+def test_probes_leave_the_global_generator_and_name_the_mlps_they_refuse():
+    """A probed MLP with a dropout (Seed-OSS's default residual_dropout) draws its masks from
+    torch's generator while the probe runs: the user's random numbers stay as they were, and
+    the MLPs left to the model are named in a warning and in lmfuse_patches."""
+    a = make_model("seed_oss", residual_dropout=0.1)
+    torch.manual_seed(123)
+    want = torch.rand(3)
+    torch.manual_seed(123)
+    with pytest.warns(UserWarning, match=r"2 MLP module\(s\) run the model's own code: a "
+                                         r"probe found another formula"):
+        b = apply_lmfuse(a)
+    assert torch.equal(torch.rand(3), want)
+    s = b.lmfuse_patches
+    assert not s["swiglu"] and sorted(s["mlp_unsupported_activation"]) == [
+        "model.layers.0.mlp", "model.layers.1.mlp"]

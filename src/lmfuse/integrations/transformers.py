@@ -56,6 +56,8 @@ class _Family(NamedTuple):
     experts: dict[str, str] = {}
     # norm and MLP classes a probe could not run (weights on the meta device): left as they are
     unprobed: tuple[str, ...] = ()
+    # MLP classes of a fusable form whose probe found another formula (a dropout, a clamp)
+    rejected_mlps: tuple[str, ...] = ()
 
 
 def _family(norm: str, offset: float, mlp: str) -> _Family:
@@ -145,7 +147,21 @@ def _family_of(model: torch.nn.Module) -> _Family | None:
     mlps: set[str] = set()
     experts: dict[str, str] = {}
     unprobed: list[str] = []
+    rejected: list[str] = []
     seen: set[type] = set()
+    # The probes draw nothing from torch's generators, but a module's own forward may (a
+    # dropout): the user's random numbers stay as they were.
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
+    with torch.random.fork_rng(devices=devices):
+        _probe_modules(model, norms, mlps, experts, unprobed, rejected, seen)
+    return _Family(norms, frozenset(mlps), experts, tuple(unprobed), tuple(rejected))
+
+
+def _probe_modules(model: torch.nn.Module, norms: dict[str, float], mlps: set[str],
+                   experts: dict[str, str], unprobed: list[str], rejected: list[str],
+                   seen: set[type]) -> None:
+    """:func:`_family_of`'s probe of one module of each class of ``model``, into its
+    collections."""
     for m in model.modules():
         cls = type(m)
         if cls in seen:
@@ -168,13 +184,14 @@ def _family_of(model: torch.nn.Module) -> _Family | None:
             elif _is_fusable_mlp(m):
                 if _probe_mlp(m):
                     mlps.add(cls.__name__)
+                else:
+                    rejected.append(cls.__name__)
             else:
                 layout = _experts_layout(m)
                 if isinstance(layout, _ExpertsLayout):
                     experts[cls.__name__] = _probe_experts(m, layout)
                 elif layout is not None:
                     experts[cls.__name__] = layout
-    return _Family(norms, frozenset(mlps), experts, tuple(unprobed))
 
 
 @contextlib.contextmanager
@@ -1069,6 +1086,8 @@ def _patch_experts(m: torch.nn.Module, impl: str) -> str:
 
 
 _PATCHES = (_rms_norm_forward, _gated_mlp_forward, _experts_forward)  # what lmfuse patches run
+#: Why a probed MLP of a fusable form stays the model's (``mlp_unsupported_activation``).
+_ANOTHER_FORMULA = "not the fused formula on a probe: a dropout, a clamp or another step"
 #: The activations of the MLPs lmfuse runs fused (the keys of ``model.lmfuse_patches``).
 _FUSED_ACTIVATIONS = ("swiglu", "geglu", "squared_relu")
 _PATCH_ATTRS = ("forward", "_lmfuse_weight_offset", "_lmfuse_impl", "_lmfuse_fallback_tokens",
@@ -1134,6 +1153,8 @@ def _summary(model: torch.nn.Module, family: _Family, impl: str) -> dict[str, An
             experts.append(name)
         elif type(m).__name__ in family.mlps and _mlp_activation(m) is None:
             unpatched[name] = _activation_name(_mlp_act(m))
+        elif type(m).__name__ in family.rejected_mlps:
+            unpatched[name] = _ANOTHER_FORMULA
     return {"impl": impl, "rms_norm": norms, **mlps,
             "mlp_unsupported_activation": unpatched, "moe_experts": experts,
             "fused_linear_cross_entropy": _instance_attr(model) is _causal_lm_forward}
@@ -1327,6 +1348,14 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
         warnings.warn(f"{op}: {', '.join(family.unprobed)} left unpatched: their weights are "
                       f"on the meta device, where lmfuse cannot check what they compute; "
                       f"call apply_lmfuse after the weights are loaded", stacklevel=2)
+    rejected = [name for name, m in model.named_modules()
+                if type(m).__name__ in family.rejected_mlps] if swiglu else []
+    if rejected:
+        warnings.warn(f"{op}: {len(rejected)} MLP module(s) run the model's own code: a probe "
+                      f"found another formula than the fused MLP's ({_ANOTHER_FORMULA}): "
+                      f"{', '.join(rejected[:5])}"
+                      f"{f' and {len(rejected) - 5} more' if len(rejected) > 5 else ''}",
+                      stacklevel=2)
     if unsupported:
         warnings.warn(f"{op}: {len(unsupported)} MLP(s) left unpatched: lmfuse fuses SiLU and "
                       f"tanh-GELU gated MLPs, these use "
