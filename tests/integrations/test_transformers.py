@@ -1399,3 +1399,25 @@ def test_probes_leave_the_global_generator_and_name_the_mlps_they_refuse():
     s = b.lmfuse_patches
     assert not s["swiglu"] and sorted(s["mlp_unsupported_activation"]) == [
         "model.layers.0.mlp", "model.layers.1.mlp"]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "mixtral"])
+def test_fused_loss_compiles_in_one_graph(model_type):
+    """torch.compile(fullgraph=True) of a patched model's training step with labels (the
+    fused loss): one graph, as the unpatched model's; the loss and gradients as eager's.
+    (Reading the class's source and output fields in the forward broke the graph.)"""
+    a, b = make_pair(model_type)
+    ids, labels = batch()
+    eager = b(input_ids=ids, labels=labels).loss
+    eager.backward()
+    grads = {n: p.grad.clone() for n, p in b.named_parameters() if p.grad is not None}
+    b.zero_grad()
+    torch._dynamo.reset()
+    compiled = torch.compile(b, backend="aot_eager", fullgraph=True)
+    loss = compiled(input_ids=ids, labels=labels).loss
+    loss.backward()
+    assert_close(loss, eager, F32, "compiled loss")
+    for n, p in b.named_parameters():
+        if n in grads:
+            assert_close(p.grad, grads[n], F32, f"compiled grad of {n}")
+    torch._dynamo.reset()

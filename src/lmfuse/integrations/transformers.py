@@ -929,14 +929,14 @@ def _text_config(config: Any) -> Any:
             else config)
 
 
-def _logits_scaling(model: Any) -> Any:
+def _logits_scaling(model: Any, facts: _LossFacts) -> Any:
     """What the causal LM divides its ``lm_head`` output by (before any soft cap): Granite's
     ``config.logits_scaling``, over Falcon-H1's ``model.lm_head_multiplier`` and MuseGlimmer's
     (text) config ``output_multiplier`` (its logits are ``T * tanh(lm_head(h) * m / T)``)."""
     scaling = getattr(model.config, "logits_scaling", None)
     multiplier = 1.0
     found = [getattr(getattr(model, "model", None), "lm_head_multiplier", None)]
-    if _forward_reads(type(model), "output_multiplier"):
+    if facts.reads_output_multiplier:
         found.append(getattr(_text_config(model.config), "output_multiplier", None))
     for m in found:
         if isinstance(m, (int, float)) and not isinstance(m, bool):
@@ -957,10 +957,10 @@ def _forward_reads(cls: type, name: str) -> bool:
         return True
 
 
-def _final_softcap(model: Any) -> Any:
+def _final_softcap(model: Any, facts: _LossFacts) -> Any:
     """The cap the causal LM's own forward puts on its logits, or None: its (text) config's
     ``final_logit_softcapping`` where its forward applies it."""
-    if not _forward_reads(type(model), "final_logit_softcapping"):
+    if not facts.reads_softcap:
         return None
     return getattr(_text_config(model.config), "final_logit_softcapping", None)
 
@@ -984,6 +984,25 @@ def _fields_of(c: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(c)) if dataclasses.is_dataclass(c) else ()
 
 
+class _LossFacts(NamedTuple):
+    """What the fused loss needs to know of a causal LM's class, read from its source and
+    annotations once, when the patch is set (``inspect.getsource`` and
+    ``dataclasses.fields`` break a ``torch.compile`` graph: read in the forward, they split
+    every compiled training step and failed ``fullgraph=True``)."""
+    reads_softcap: bool  # its forward applies final_logit_softcapping
+    reads_output_multiplier: bool  # and MuseGlimmer's output_multiplier
+    output_class: type  # the output class the forward returns
+    fields: tuple[str, ...]  # the fields the patched forward copies from the base model's
+
+
+@functools.cache
+def _loss_facts(cls: type) -> _LossFacts:
+    out = _output_class(cls)
+    return _LossFacts(_forward_reads(cls, "final_logit_softcapping"),
+                      _forward_reads(cls, "output_multiplier"), out,
+                      tuple(n for n in _fields_of(out) if n not in ("loss", "logits", "aux_loss")))
+
+
 def _forward_with_loss(model: Any, a: dict[str, Any], var_kw: str | None) -> Any:
     """The causal LM's forward with labels: base model, then the fused loss; ``logits=None``.
 
@@ -993,6 +1012,7 @@ def _forward_with_loss(model: Any, a: dict[str, Any], var_kw: str | None) -> Any
     """
     extra = dict(a.pop(var_kw, None) or {}) if var_kw else {}
     wanted = [k for k in _LIGER_OUTPUTS if extra.pop(k, False)]
+    facts = getattr(model, "_lmfuse_loss_facts", None) or _loss_facts(type(model))
     a.pop("self", None)
     labels = a.pop("labels")
     a.pop("logits_to_keep", None)
@@ -1006,14 +1026,13 @@ def _forward_with_loss(model: Any, a: dict[str, Any], var_kw: str | None) -> Any
         shift_labels=extra.get("shift_labels"),
         num_items_in_batch=extra.get("num_items_in_batch"),
         ignore_index=extra.get("ignore_index", -100),
-        softcap=_final_softcap(model),
-        impl=model._lmfuse_impl, logits_scaling=_logits_scaling(model), extras=bool(wanted))
+        softcap=_final_softcap(model, facts),
+        impl=model._lmfuse_impl, logits_scaling=_logits_scaling(model, facts),
+        extras=bool(wanted))
     if wanted:
         loss, accuracy, predicted = loss
-    output_class = _output_class(type(model))
-    out = output_class(loss=loss, logits=None, **{
-        name: getattr(outputs, name) for name in _fields_of(output_class)
-        if name not in ("loss", "logits", "aux_loss") and hasattr(outputs, name)})
+    out = facts.output_class(loss=loss, logits=None, **{
+        name: getattr(outputs, name) for name in facts.fields if hasattr(outputs, name)})
     # Liger's fields, as its forward adds them (keys of the output, last in its tuple)
     if "return_token_accuracy" in wanted:
         out["token_accuracy"] = accuracy
@@ -1333,6 +1352,7 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
         original = type(model).forward
         if current is _causal_lm_forward:
             model._lmfuse_impl = impl
+            model._lmfuse_loss_facts = _loss_facts(type(model))
         elif current is not None:
             foreign.append("(the model's own forward)")
         elif not (isinstance(model.lm_head, torch.nn.Linear)
@@ -1342,7 +1362,8 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
                           f"loss needs transformers' own forward, a base model at .model and "
                           f"an nn.Linear lm_head", stacklevel=2)
         else:
-            _set_forward(model, _causal_lm_forward, impl=impl)
+            _set_forward(model, _causal_lm_forward, impl=impl,
+                         loss_facts=_loss_facts(type(model)))
 
     if family.unprobed:
         warnings.warn(f"{op}: {', '.join(family.unprobed)} left unpatched: their weights are "
