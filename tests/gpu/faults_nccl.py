@@ -450,6 +450,7 @@ def worker(args: argparse.Namespace) -> int:
         import fast_interpreter  # tests/: the interpreter as the CPU suite runs it
 
         fast_interpreter.install()
+        fast_interpreter.install_bf16_rounding()  # a GPU's bfloat16 rounding
         device = torch.device("cpu")
     extra = dict(device_id=device) if args.backend == "nccl" else {}
     dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout),

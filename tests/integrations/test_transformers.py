@@ -1421,3 +1421,41 @@ def test_fused_loss_compiles_in_one_graph(model_type):
         if n in grads:
             assert_close(p.grad, grads[n], F32, f"compiled grad of {n}")
     torch._dynamo.reset()
+
+
+def test_probed_family_with_a_foreign_forward_or_a_wrapped_projection():
+    """A probed family (Seed-OSS) as a hand-kept one (Llama): an MLP instance whose forward
+    another library replaced is named as foreign and the class is probed on the next
+    instance (it decided for the whole class, silently); a wrapped gate projection (an
+    adapter) is called as a module and the MLP fused; neither is reported as another
+    formula."""
+    import types
+
+    class Wrap(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+    a = make_model("seed_oss", residual_dropout=0.0)
+    first = a.model.layers[0].mlp
+    first.forward = types.MethodType(
+        lambda self, x: self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), first)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        b = apply_lmfuse(a)
+    s = b.lmfuse_patches
+    assert s["swiglu"] == ["model.layers.1.mlp"] and not s["mlp_unsupported_activation"]
+    told = " ".join(str(w.message) for w in caught)
+    assert "another library already replaced their forward: model.layers.0.mlp" in told
+    assert "another formula" not in told
+    c = make_model("seed_oss", residual_dropout=0.0)
+    for layer in c.model.layers:
+        layer.mlp.gate_proj = Wrap(layer.mlp.gate_proj)
+    d = apply_lmfuse(copy.deepcopy(c))
+    assert d.lmfuse_patches["swiglu"] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    ids, labels = batch()
+    out_c, out_d = c(input_ids=ids, labels=labels), d(input_ids=ids, labels=labels)
+    assert_close(out_d.loss, out_c.loss, F32, "wrapped gate: loss")

@@ -171,6 +171,10 @@ def _probe_modules(model: torch.nn.Module, norms: dict[str, float], mlps: set[st
             # nothing of its class: the probe takes one with a weight, if any (patched or not,
             # the weightless ones stay the model's).
             continue
+        if _instance_attr(m) not in (None, *_PATCHES):
+            # Another library's forward on this instance: the class is probed on another
+            # instance, if any (this one is named as foreign when the patch is applied).
+            continue
         seen.add(cls)
         plain = cls.__name__.endswith("RMSNorm") or _is_fusable_mlp(m)
         if plain and _on_meta(m):
@@ -182,9 +186,10 @@ def _probe_modules(model: torch.nn.Module, norms: dict[str, float], mlps: set[st
                 if offset is not None:
                     norms[cls.__name__] = offset
             elif _is_fusable_mlp(m):
-                if _probe_mlp(m):
+                found = _probe_mlp(m)
+                if found:
                     mlps.add(cls.__name__)
-                else:
+                elif found is False:  # (None: not probed, another structure)
                     rejected.append(cls.__name__)
             else:
                 layout = _experts_layout(m)
@@ -314,23 +319,30 @@ def _probe_norm(m: torch.nn.Module) -> float | None:
 
 
 @torch.no_grad()
-def _probe_mlp(m: torch.nn.Module) -> bool:
+def _probe_mlp(m: torch.nn.Module) -> bool | None:
     """``m`` computes ``down_proj(act(gate * g) * up) * d`` (:func:`_mlp_formula`): g and d
     its :func:`_mlp_multipliers`, other than 1 only with a SiLU activation (lmfuse's GEGLU
-    has no multipliers)."""
+    has no multipliers). False: it computes another formula on the probe (a dropout, a
+    clamp); None: it could not be probed (another signature or structure, multipliers
+    lmfuse cannot apply)."""
     relu2 = _is_relu2_mlp(m)
     gate = (m.up_proj if relu2 else m.gate_up_proj if _fused_gate_up(m)
             else getattr(m, "gate_proj", None))
+    # The input width: the first projection's, or the output's of down_proj (a projection
+    # wrapped by an adapter is called as a module, as the patched forward calls it).
+    width = getattr(gate, "in_features", None)
+    if not isinstance(width, int):
+        width = getattr(getattr(m, "down_proj", None), "out_features", None)
     multipliers = _mlp_multipliers(m)
-    if not (isinstance(gate, torch.nn.Linear) and _positional_inputs(m, 1)
+    if not (isinstance(width, int) and _positional_inputs(m, 1)
             and multipliers is not None and _instance_attr(m) in (None, _gated_mlp_forward)):
-        return False
+        return None
     g, d = multipliers
     if (g, d) != (1.0, 1.0) and _mlp_activation(m) != "swiglu":
-        return False
-    x = _probe_input(m, gate.in_features)
+        return None
+    x = _probe_input(m, width)
     if x is None:
-        return False
+        return None
     try:
         with _training_mode(m):
             peak = float(_gate_up_outputs(m, x).abs().max())
@@ -346,7 +358,7 @@ def _probe_mlp(m: torch.nn.Module) -> bool:
                 if not (_close(y, want) and _close(type(m).forward(m, xs), want)):
                     return False
     except Exception:  # noqa: BLE001 - another structure
-        return False
+        return None
     return True
 
 
@@ -1373,7 +1385,8 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
                 if type(m).__name__ in family.rejected_mlps] if swiglu else []
     if rejected:
         warnings.warn(f"{op}: {len(rejected)} MLP module(s) run the model's own code: a probe "
-                      f"found another formula than the fused MLP's ({_ANOTHER_FORMULA}): "
+                      f"found another formula than the fused MLP's (a dropout, a clamp or "
+                      f"another step): "
                       f"{', '.join(rejected[:5])}"
                       f"{f' and {len(rejected) - 5} more' if len(rejected) > 5 else ''}",
                       stacklevel=2)
