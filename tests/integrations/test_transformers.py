@@ -853,6 +853,18 @@ def _text_stack(name: str) -> bool:
     return ".language_model." in f".{name}." or ".text_model." in f".{name}."
 
 
+def image_text_model(config):
+    """The image-text model of ``config`` (seed 0), its norm weights moved off their init,
+    in float32 and train mode."""
+    torch.manual_seed(0)
+    a = transformers.AutoModelForImageTextToText.from_config(config).to(F32).train()
+    with torch.no_grad():
+        for name, p in a.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return a
+
+
 def make_vlm(model_type: str):
     """A tiny random vision-language model of ``model_type`` (OTHER_VLMS), its norm weights
     (and Qwen3.5's linear-attention decay rates) moved off their init, in float32 and train
@@ -876,12 +888,8 @@ def make_vlm(model_type: str):
     config = transformers.AutoConfig.for_model(model_type, text_config=text,
                                                vision_config=vision, **{image_key: VOCAB - 10},
                                                **more)
-    torch.manual_seed(0)
-    a = transformers.AutoModelForImageTextToText.from_config(config).to(F32).train()
+    a = image_text_model(config)
     with torch.no_grad():
-        for name, p in a.named_parameters():
-            if p.dim() == 1 and "norm" in name:
-                p.add_(0.3 * torch.randn_like(p))
         # Qwen3.5's gated linear attention draws its decay rates A from U(0.01, 16). Seed 0
         # gives both heads of the first layer A near 12.4 (Qwen3.5-MoE's 12.35 and 12.57): a
         # decay of e^-16 a token, below float32's epsilon against the terms it is summed
@@ -1327,12 +1335,7 @@ def test_llama4_vision_language_model_norms_and_mlps():
               "vision_output_dim": 32, "projector_input_dim": 32, "projector_output_dim": 32}
     config = transformers.AutoConfig.for_model("llama4", text_config=text, vision_config=vision,
                                                image_token_index=VOCAB - 10)
-    torch.manual_seed(0)
-    a = transformers.AutoModelForImageTextToText.from_config(config).to(F32).train()
-    with torch.no_grad():
-        for name, p in a.named_parameters():
-            if p.dim() == 1 and "norm" in name:
-                p.add_(0.3 * torch.randn_like(p))
+    a = image_text_model(config)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         b = apply_lmfuse(copy.deepcopy(a), inference_fallback_tokens=0)
