@@ -1462,3 +1462,29 @@ def test_probed_family_with_a_foreign_forward_or_a_wrapped_projection():
     ids, labels = batch()
     out_c, out_d = c(input_ids=ids, labels=labels), d(input_ids=ids, labels=labels)
     assert_close(out_d.loss, out_c.loss, F32, "wrapped gate: loss")
+
+
+def test_a_dropout_inside_a_projection_stays_with_the_patch():
+    """A probed family whose projections carry their own dropout (as a LoRA adapter's
+    lora_dropout): the patch calls such projections as modules, so the MLP is fused (its
+    probe looked at the MLP's own steps only), and training draws the same masks as the
+    unpatched model."""
+    class DroppedLinear(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.drop = inner, torch.nn.Dropout(0.1)
+
+        def forward(self, x):
+            return self.inner(self.drop(x))
+
+    a = make_model("seed_oss", residual_dropout=0.0)
+    for layer in a.model.layers:
+        layer.mlp.gate_proj = DroppedLinear(layer.mlp.gate_proj)
+    b = apply_lmfuse(copy.deepcopy(a))
+    assert b.lmfuse_patches["swiglu"] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    ids, labels = batch()
+    torch.manual_seed(5)
+    loss_a = a(input_ids=ids, labels=labels).loss
+    torch.manual_seed(5)
+    loss_b = b(input_ids=ids, labels=labels).loss
+    assert_close(loss_b, loss_a, F32, "same dropout masks")

@@ -345,6 +345,13 @@ def _probe_mlp(m: torch.nn.Module) -> bool | None:
         return None
     try:
         with _training_mode(m):
+            # The projections in eval mode: a dropout inside one (a LoRA adapter's) stays
+            # with the patch, which calls such projections as modules; only the MLP's own
+            # steps decide.
+            for name in ("gate_proj", "up_proj", "down_proj", "gate_up_proj"):
+                sub = getattr(m, name, None)
+                if isinstance(sub, torch.nn.Module):
+                    sub.eval()
             peak = float(_gate_up_outputs(m, x).abs().max())
             # Unit-scale inputs, and inputs whose largest projection output is _PROBE_PEAK
             # and twice each limit the module holds: a clamp of the projections
