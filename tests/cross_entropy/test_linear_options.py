@@ -396,8 +396,8 @@ def test_accum_dtype_float32_sums_the_weight_gradient_once(impl: str, dtype) -> 
     loss0, dh0, dw0, db0 = run()
     loss1, dh1, dw1, db1 = run(accum_dtype=torch.float32)
     assert dw1.dtype == dtype
-    # One chunk: the product rounded once (bfloat16: 1.9e-3 to 3.3e-3 by path); summed
-    # in float32 the same, in bfloat16 1.7e-2.
+    # One chunk: the product rounded once (bfloat16, either path: 1.9e-3); summed in
+    # float32 the same, in bfloat16 1.7e-2.
     one = err(list(run(max_chunk_bytes=N * V * h.element_size()))[2], w64.grad)
     errs = (f"one chunk {one:.2e}, float32 {err(dw1, w64.grad):.2e}, "
             f"default {err(dw0, w64.grad):.2e}")

@@ -153,50 +153,42 @@ def _family_of(model: torch.nn.Module) -> _Family | None:
     # dropout): the user's random numbers stay as they were.
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
     with torch.random.fork_rng(devices=devices):
-        _probe_modules(model, norms, mlps, experts, unprobed, rejected, seen)
+        for m in model.modules():
+            cls = type(m)
+            if cls in seen:
+                continue
+            if cls.__name__.endswith("RMSNorm") and getattr(m, "weight", None) is None:
+                # A weightless instance (MuseGlimmer's and Gemma 4's ``with_scale=False``)
+                # says nothing of its class: the probe takes one with a weight, if any
+                # (patched or not, the weightless ones stay the model's).
+                continue
+            if _instance_attr(m) not in (None, *_PATCHES):
+                # Another library's forward on this instance: the class is probed on another
+                # instance, if any (this one is named as foreign when the patch is applied).
+                continue
+            seen.add(cls)
+            plain = cls.__name__.endswith("RMSNorm") or _is_fusable_mlp(m)
+            if plain and _on_meta(m):
+                unprobed.append(cls.__name__)
+                continue
+            with _probe_weights(m):
+                if cls.__name__.endswith("RMSNorm"):
+                    offset = _probe_norm(m)
+                    if offset is not None:
+                        norms[cls.__name__] = offset
+                elif _is_fusable_mlp(m):
+                    found = _probe_mlp(m)
+                    if found:
+                        mlps.add(cls.__name__)
+                    elif found is False:  # (None: not probed, another structure)
+                        rejected.append(cls.__name__)
+                else:
+                    layout = _experts_layout(m)
+                    if isinstance(layout, _ExpertsLayout):
+                        experts[cls.__name__] = _probe_experts(m, layout)
+                    elif layout is not None:
+                        experts[cls.__name__] = layout
     return _Family(norms, frozenset(mlps), experts, tuple(unprobed), tuple(rejected))
-
-
-def _probe_modules(model: torch.nn.Module, norms: dict[str, float], mlps: set[str],
-                   experts: dict[str, str], unprobed: list[str], rejected: list[str],
-                   seen: set[type]) -> None:
-    """:func:`_family_of`'s probe of one module of each class of ``model``, into its
-    collections."""
-    for m in model.modules():
-        cls = type(m)
-        if cls in seen:
-            continue
-        if cls.__name__.endswith("RMSNorm") and getattr(m, "weight", None) is None:
-            # A weightless instance (MuseGlimmer's and Gemma 4's ``with_scale=False``) says
-            # nothing of its class: the probe takes one with a weight, if any (patched or not,
-            # the weightless ones stay the model's).
-            continue
-        if _instance_attr(m) not in (None, *_PATCHES):
-            # Another library's forward on this instance: the class is probed on another
-            # instance, if any (this one is named as foreign when the patch is applied).
-            continue
-        seen.add(cls)
-        plain = cls.__name__.endswith("RMSNorm") or _is_fusable_mlp(m)
-        if plain and _on_meta(m):
-            unprobed.append(cls.__name__)
-            continue
-        with _probe_weights(m):
-            if cls.__name__.endswith("RMSNorm"):
-                offset = _probe_norm(m)
-                if offset is not None:
-                    norms[cls.__name__] = offset
-            elif _is_fusable_mlp(m):
-                found = _probe_mlp(m)
-                if found:
-                    mlps.add(cls.__name__)
-                elif found is False:  # (None: not probed, another structure)
-                    rejected.append(cls.__name__)
-            else:
-                layout = _experts_layout(m)
-                if isinstance(layout, _ExpertsLayout):
-                    experts[cls.__name__] = _probe_experts(m, layout)
-                elif layout is not None:
-                    experts[cls.__name__] = layout
 
 
 @contextlib.contextmanager
