@@ -16,7 +16,7 @@ from .attention import (DecodeAttentionBlock, KVCacheFullError, PagedKVCache, de
 from .cross_entropy import cross_entropy, linear_cross_entropy
 from .distributed.planner import plan_sharding
 from .moe import moe_experts
-from .norm import RMSNorm, rms_norm
+from .norm import LayerNorm, RMSNorm, layer_norm, rms_norm
 from .softmax import AttnMaskType, FusedScaleMaskSoftmax, fused_softmax
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "FusedMLP",
     "FusedScaleMaskSoftmax",
     "KVCacheFullError",
+    "LayerNorm",
     "PagedKVCache",
     "Plan",
     "RMSNorm",
@@ -36,6 +37,7 @@ __all__ = [
     "fused_softmax",
     "geglu",
     "kv_cache_append",
+    "layer_norm",
     "linear_cross_entropy",
     "merge_attention_states",
     "moe_experts",

@@ -1,30 +1,40 @@
-"""Triton kernels of RMSNorm: one forward, one backward.
+"""Triton kernels of RMSNorm and LayerNorm: one forward, one backward, the two norms as
+``CENTERED`` variants of each.
 
 Read against ``reference.py``. Both work on ``x [M, H]`` with rows ``sx`` apart and
 contiguous columns; math is float32. ``w' = weight + offset`` (``HAS_WEIGHT``; 1 without a
-weight), ``rstd = 1 / sqrt(mean(x ** 2) + eps)`` per row, ``x_hat = x * rstd``.
+weight). RMSNorm: ``xc = x``; LayerNorm (``CENTERED``): ``xc = x - mean(x)``. Then
+``rstd = 1 / sqrt(mean(xc ** 2) + eps)`` per row, ``x_hat = xc * rstd`` and ``y = x_hat * w'
+(+ bias)``: a LayerNorm is the RMSNorm of the centred row, plus a bias, and its backward
+the RMSNorm's with ``mean(g)`` taken off ``g``.
 
 A pointer a variant does not read comes as None (``w_ptr`` without ``HAS_WEIGHT``, ``dw_ptr``
-without ``WEIGHT_GRAD``): Triton binds it as a constant, one argument fewer per launch.
+without ``WEIGHT_GRAD``, ``mean_ptr`` of RMSNorm): Triton binds it as a constant, one
+argument fewer per launch.
 
-NaN and inf need no code of their own: a NaN in a row makes its sum of squares, rstd and
-so the whole row (and its gradients) NaN; an inf makes rstd 0 and the row ``[0, .., NaN
-(inf * 0), .., 0]``, exactly as the reference's PyTorch computes it. The backward's
-``mean(g * x_hat)`` is formed as ``sum(g * x) * rstd / H``, the reference's order, and a
+NaN and inf need no code of their own. RMSNorm: a NaN in a row makes its sum of squares,
+rstd and so the whole row (and its gradients) NaN; an inf makes rstd 0 and the row ``[0, ..,
+NaN (inf * 0), .., 0]``, exactly as the reference's PyTorch computes it. LayerNorm: a NaN or
+an inf makes the row's mean NaN or inf and every centred value NaN (``inf - inf``) or
+infinite, so the row and its gradients are NaN, as the reference's. The backward's
+``mean(g * x_hat)`` is formed as ``sum(g * xc) * rstd / H``, the reference's order, and a
 finite row whose mean square overflows (rstd 0) gets NaN gradients exactly where the
 reference's are ``inf * 0`` (``_dx``).
 
-* ``rms_norm_fwd_kernel``: a program owns ``BLOCK_M`` rows. ``SINGLE_BLOCK``: a row fits one
+* ``norm_fwd_kernel``: a program owns ``BLOCK_M`` rows. ``SINGLE_BLOCK``: a row fits one
   ``BLOCK_N`` register tile, so x is read once and ``y`` written once. Otherwise the row is
-  streamed in ``BLOCK_N``-column tiles, twice (the sum of squares, then the output), so H
-  has no upper limit. Writes ``y [M, H]`` and float32 ``rstd [M]`` for the backward.
-* ``rms_norm_bwd_kernel``: ``dx = rstd * (g - x_hat * mean(g * x_hat))`` with
-  ``g = dy * w'``, and ``dweight = sum over rows of dy * x_hat``. A program owns a
-  contiguous group of ``rows_per_program`` rows and walks them ``BLOCK_M`` at a time,
-  reading x and dy once (twice when streamed) and writing dx once. Its share of the weight
-  gradient is one float32 partial row ``dw_part[pid, :H]``: kept in registers (single
-  tile) or added into that row in place, by this program only (streamed); the caller sums
-  the partials, so the result is deterministic (no atomics).
+  streamed in ``BLOCK_N``-column tiles, twice (the sum of squares, then the output; three
+  times centred: the mean first, so the variance is summed from centred values, never as
+  ``E[x^2] - mean^2``), so H has no upper limit. Writes ``y [M, H]``, float32 ``rstd [M]``
+  and, centred, float32 ``mean [M]`` for the backward.
+* ``norm_bwd_kernel``: ``dx = rstd * (g - x_hat * mean(g * x_hat))`` with ``g = dy * w'``
+  (centred: ``g - mean(g)`` in the first term), ``dweight = sum over rows of dy * x_hat``,
+  ``dbias = sum over rows of dy``. A program owns a contiguous group of
+  ``rows_per_program`` rows and walks them ``BLOCK_M`` at a time, reading x and dy once
+  (twice when streamed) and writing dx once. Its share of the weight (bias) gradient is one
+  float32 partial row ``dw_part[pid, :H]`` (``db_part``): kept in registers (single tile)
+  or added into that row in place, by this program only (streamed); the caller sums the
+  partials, so the result is deterministic (no atomics).
 """
 
 from __future__ import annotations
@@ -53,6 +63,15 @@ def _rstd(sum_sq, H, eps, rmask):
 
 
 @triton.jit
+def _centred(x, mean, mask, CENTERED: tl.constexpr):
+    """``x - mean`` per row (0 outside ``mask``, so the padding adds nothing to the
+    sums), or x itself for RMSNorm."""
+    if CENTERED:
+        x = tl.where(mask, x - mean, 0.0)
+    return x
+
+
+@triton.jit
 def _dx(g, x, c, rstd):
     """``(g - x_hat * c) * rstd``, ``c = sum(g * x) * rstd / H`` (the sum scaled after, as
     autograd through the formula forms it), with ``x_hat`` formed as ``(2 x) (rstd / 2)``:
@@ -66,10 +85,11 @@ def _dx(g, x, c, rstd):
 
 
 @triton.jit
-def rms_norm_fwd_kernel(
-    x_ptr, sx, w_ptr, y_ptr, sy, rstd_ptr, M, H, eps, offset,
-    HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SINGLE_BLOCK: tl.constexpr, PDL: tl.constexpr = 0,
+def norm_fwd_kernel(
+    x_ptr, sx, w_ptr, b_ptr, y_ptr, sy, mean_ptr, rstd_ptr, M, H, eps, offset,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, CENTERED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
     # PDL: launched early in a decode step's chain of kernels (see lmfuse._pdl).
     pdl_wait(PDL)
@@ -79,20 +99,34 @@ def rms_norm_fwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     x_row = x_ptr + rows[:, None] * sx
     y_row = y_ptr + rows[:, None] * sy
+    mean = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
     if SINGLE_BLOCK:
         cmask = cols < H
         mask = rmask[:, None] & cmask[None, :]
         x = tl.load(x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if CENTERED:
+            mean = (tl.sum(x, axis=1) / H)[:, None]
+        x = _centred(x, mean, mask, CENTERED)
         rstd = _rstd(tl.sum(x * x, axis=1), H, eps, rmask)
         y = x * rstd[:, None] * _weight(w_ptr, cols, cmask, offset, HAS_WEIGHT)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         tl.store(y_row + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     else:
+        if CENTERED:  # the mean first: the squares below are summed centred
+            s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for c0 in range(0, H, BLOCK_N):
+                c = c0 + cols
+                mask = rmask[:, None] & (c < H)[None, :]
+                s += tl.load(x_row + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            mean = (tl.sum(s, axis=1) / H)[:, None]
         # Squares summed per tile element, reduced over columns once after the loop.
         sq = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for c0 in range(0, H, BLOCK_N):
             c = c0 + cols
             mask = rmask[:, None] & (c < H)[None, :]
             x = tl.load(x_row + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = _centred(x, mean, mask, CENTERED)
             sq += x * x
         rstd = _rstd(tl.sum(sq, axis=1), H, eps, rmask)
         for c0 in range(0, H, BLOCK_N):
@@ -100,28 +134,38 @@ def rms_norm_fwd_kernel(
             cmask = c < H
             mask = rmask[:, None] & cmask[None, :]
             x = tl.load(x_row + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = _centred(x, mean, mask, CENTERED)
             y = x * rstd[:, None] * _weight(w_ptr, c, cmask, offset, HAS_WEIGHT)
+            if HAS_BIAS:
+                y += tl.load(b_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
             tl.store(y_row + c[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(rstd_ptr + rows, rstd, mask=rmask)
+    if CENTERED:
+        tl.store(mean_ptr + rows, tl.sum(mean, axis=1), mask=rmask)
 
 
 @triton.jit
-def rms_norm_bwd_kernel(
-    x_ptr, sx, dy_ptr, sdy, w_ptr, rstd_ptr, dx_ptr, sdx, dw_ptr, M, H, rows_per_program,
-    offset,
-    HAS_WEIGHT: tl.constexpr, WEIGHT_GRAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+def norm_bwd_kernel(
+    x_ptr, sx, dy_ptr, sdy, w_ptr, mean_ptr, rstd_ptr, dx_ptr, sdx, dw_ptr, db_ptr, M, H,
+    rows_per_program, offset,
+    HAS_WEIGHT: tl.constexpr, WEIGHT_GRAD: tl.constexpr, BIAS_GRAD: tl.constexpr,
+    CENTERED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     first = pid.to(tl.int64) * rows_per_program
     cols = tl.arange(0, BLOCK_N)
     if WEIGHT_GRAD:  # (dw_ptr is None otherwise)
         dw_row = dw_ptr + pid.to(tl.int64) * H
+    if BIAS_GRAD:  # (db_ptr is None otherwise)
+        db_row = db_ptr + pid.to(tl.int64) * H
+    mean = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
     if SINGLE_BLOCK:
         cmask = cols < H
         w = _weight(w_ptr, cols, cmask, offset, HAS_WEIGHT)
         # Weight-gradient sums kept per tile element, reduced over rows once at the end.
         dw = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        db = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for r0 in range(0, rows_per_program, BLOCK_M):
             rows = first + r0 + tl.arange(0, BLOCK_M)
             rmask = (rows < M) & (r0 + tl.arange(0, BLOCK_M) < rows_per_program)
@@ -131,16 +175,25 @@ def rms_norm_bwd_kernel(
             dy = tl.load(dy_ptr + rows[:, None] * sdy + cols[None, :], mask=mask,
                          other=0.0).to(tl.float32)
             rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)[:, None]
+            if CENTERED:
+                mean = tl.load(mean_ptr + rows, mask=rmask, other=0.0)[:, None]
+            x = _centred(x, mean, mask, CENTERED)
             x_hat = x * rstd
             g = dy * w
             c = tl.sum(g * x, axis=1)[:, None] * rstd / H
+            if CENTERED:
+                g = tl.where(mask, g - (tl.sum(g, axis=1) / H)[:, None], 0.0)
             dx = _dx(g, x, c, rstd)
             tl.store(dx_ptr + rows[:, None] * sdx + cols[None, :],
                      dx.to(dx_ptr.dtype.element_ty), mask=mask)
             if WEIGHT_GRAD:
                 dw += dy * x_hat
+            if BIAS_GRAD:
+                db += dy
         if WEIGHT_GRAD:
             tl.store(dw_row + cols, tl.sum(dw, axis=0), mask=cmask)
+        if BIAS_GRAD:
+            tl.store(db_row + cols, tl.sum(db, axis=0), mask=cmask)
     else:
         for r0 in range(0, rows_per_program, BLOCK_M):
             rows = first + r0 + tl.arange(0, BLOCK_M)
@@ -148,30 +201,46 @@ def rms_norm_bwd_kernel(
             x_row = x_ptr + rows[:, None] * sx
             dy_row = dy_ptr + rows[:, None] * sdy
             rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)[:, None]
-            # Pass 1: sum(g * x) over the row's tiles (times rstd / H: mean(g * x_hat)).
+            if CENTERED:
+                mean = tl.load(mean_ptr + rows, mask=rmask, other=0.0)[:, None]
+            # Pass 1: sum(g * xc) over the row's tiles (times rstd / H: mean(g * x_hat)),
+            # and centred sum(g).
             gx = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            gs = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for c0 in range(0, H, BLOCK_N):
                 c = c0 + cols
                 cmask = c < H
                 mask = rmask[:, None] & cmask[None, :]
                 x = tl.load(x_row + c[None, :], mask=mask, other=0.0).to(tl.float32)
                 dy = tl.load(dy_row + c[None, :], mask=mask, other=0.0).to(tl.float32)
-                gx += dy * _weight(w_ptr, c, cmask, offset, HAS_WEIGHT) * x
+                g = dy * _weight(w_ptr, c, cmask, offset, HAS_WEIGHT)
+                gx += g * _centred(x, mean, mask, CENTERED)
+                if CENTERED:
+                    gs += g
             mean_gx = tl.sum(gx, axis=1)[:, None] * rstd / H
-            # Pass 2: dx, and this tile's rows added into the program's partial row.
+            mean_g = tl.sum(gs, axis=1)[:, None] / H
+            # Pass 2: dx, and this tile's rows added into the program's partial rows.
             for c0 in range(0, H, BLOCK_N):
                 c = c0 + cols
                 cmask = c < H
                 mask = rmask[:, None] & cmask[None, :]
                 x = tl.load(x_row + c[None, :], mask=mask, other=0.0).to(tl.float32)
                 dy = tl.load(dy_row + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = _centred(x, mean, mask, CENTERED)
                 x_hat = x * rstd
-                dx = _dx(dy * _weight(w_ptr, c, cmask, offset, HAS_WEIGHT), x, mean_gx, rstd)
+                g = dy * _weight(w_ptr, c, cmask, offset, HAS_WEIGHT)
+                if CENTERED:
+                    g = g - mean_g
+                dx = _dx(g, x, mean_gx, rstd)
                 tl.store(dx_ptr + rows[:, None] * sdx + c[None, :],
                          dx.to(dx_ptr.dtype.element_ty), mask=mask)
-                if WEIGHT_GRAD:
-                    # The partial row was last written by other threads of this program:
+                if WEIGHT_GRAD or BIAS_GRAD:
+                    # The partial rows were last written by other threads of this program:
                     # the barrier orders those stores before these loads.
                     tl.debug_barrier()
+                if WEIGHT_GRAD:
                     part = tl.load(dw_row + c, mask=cmask, other=0.0)
                     tl.store(dw_row + c, part + tl.sum(dy * x_hat, axis=0), mask=cmask)
+                if BIAS_GRAD:
+                    part = tl.load(db_row + c, mask=cmask, other=0.0)
+                    tl.store(db_row + c, part + tl.sum(dy, axis=0), mask=cmask)

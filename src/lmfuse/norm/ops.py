@@ -1,4 +1,10 @@
-"""``rms_norm``: validation, dispatch, launch configuration and autograd.
+"""``rms_norm`` and ``layer_norm``: validation, dispatch, launch configuration and autograd.
+
+LayerNorm (at the end) runs the same two kernels as RMSNorm, centred (``CENTERED``), with
+a bias; its forward saves ``mean [rows]`` besides ``rstd``, and its backward returns the
+bias gradient too, as a second float32 partial per program. Its custom ops are
+``lmfuse::layer_norm_fwd`` / ``lmfuse::layer_norm_bwd``. The rest of this docstring, said of
+RMSNorm, holds for both.
 
 The public function checks its inputs once (:func:`_resolve`, shared with the planner that
 ``lmfuse.explain`` calls), then runs the reference (``impl="torch"``, differentiated by
@@ -41,7 +47,7 @@ from .._dispatch import (
 )
 from .._launch import cdiv, dtype_name, kernel_op, lazy_kernels
 from .._nvtx import nvtx_range
-from .reference import rms_norm_reference
+from .reference import layer_norm_reference, rms_norm_reference
 
 _OP = "rms_norm"
 _kernels = lazy_kernels("kernels", __package__)
@@ -77,6 +83,25 @@ def _bwd_grid(M: int, block_m: int, programs_per_sm: int, device: torch.device
 # --- launches --------------------------------------------------------------------------------
 
 
+def _fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+         eps: float, weight_offset: float, centered: bool, pdl: int = 0
+         ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """``x [M, H]`` (unit column stride) -> ``(y [M, H] in x's dtype, mean [M] float32 or
+    None, rstd [M] float32)``: RMSNorm, or LayerNorm when ``centered``."""
+    M, H = x.shape
+    y = x.new_empty(M, H)
+    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    mean = torch.empty(M, dtype=torch.float32, device=x.device) if centered else None
+    if M == 0 or H == 0:
+        return y, mean, rstd
+    tiles = _config(H, x.device)[0]
+    _kernels().norm_fwd_kernel[(cdiv(M, tiles.block_m),)](
+        x, x.stride(0), weight, bias, y, y.stride(0), mean, rstd, M, H, eps, weight_offset,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, CENTERED=centered,
+        PDL=pdl, **tiles.meta(), **_pdl.launch_options(pdl))
+    return y, mean, rstd
+
+
 def _fwd_fake(x, weight, eps, weight_offset, pdl=0):
     return x.new_empty(x.shape), x.new_empty((x.shape[0],), dtype=torch.float32)
 
@@ -86,16 +111,60 @@ def launch_rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
                     weight_offset: float, pdl: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, H]`` (unit column stride) -> ``(y [M, H] in x's dtype, rstd [M] float32)``.
     ``pdl``: launched with programmatic dependent launch (``lmfuse._pdl``; CUDA only)."""
-    M, H = x.shape
-    y = x.new_empty(M, H)
-    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-    if M == 0 or H == 0:
-        return y, rstd
-    tiles = _config(H, x.device)[0]
-    _kernels().rms_norm_fwd_kernel[(cdiv(M, tiles.block_m),)](
-        x, x.stride(0), weight, y, y.stride(0), rstd, M, H, eps, weight_offset,
-        HAS_WEIGHT=weight is not None, PDL=pdl, **tiles.meta(), **_pdl.launch_options(pdl))
+    y, _, rstd = _fwd(x, weight, None, eps, weight_offset, False, pdl)
     return y, rstd
+
+
+def _ln_fwd_fake(x, weight, bias, eps, weight_offset):
+    stat = x.new_empty((x.shape[0],), dtype=torch.float32)
+    return x.new_empty(x.shape), stat, stat.clone()
+
+
+@kernel_op("layer_norm_fwd", _ln_fwd_fake)
+def launch_layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor],
+                      bias: Optional[torch.Tensor], eps: float, weight_offset: float
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [M, H]`` (unit column stride) -> ``(y [M, H] in x's dtype, mean [M] float32,
+    rstd [M] float32)``."""
+    y, mean, rstd = _fwd(x, weight, bias, eps, weight_offset, True)
+    return y, mean, rstd
+
+
+def _bwd(x: torch.Tensor, dy: torch.Tensor, mean: Optional[torch.Tensor], rstd: torch.Tensor,
+         weight: Optional[torch.Tensor], weight_offset: float, weight_grad: bool,
+         bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx [M, H] in x's dtype, dw [H] float32, db [H] float32)``; ``dw`` (``db``) is
+    empty unless ``weight_grad`` (``bias_grad``); LayerNorm's when ``mean`` is given. Each
+    program adds its rows' weight (bias) gradient into a float32 partial row of its own,
+    and the partials are summed after (one program's partial is the sum itself: a view of
+    it, not a reduction launch; the partials hold no -0.0, where a sum would give +0.0)."""
+    M, H = x.shape
+    dx = x.new_empty(M, H)
+    tiles, per_sm = _config(H, x.device)
+    programs, rows_per_program = _bwd_grid(M, tiles.block_m, per_sm, x.device)
+
+    def partials(wanted: bool) -> torch.Tensor:
+        if not wanted:
+            return torch.empty(0, dtype=torch.float32, device=x.device)
+        if M == 0 or H == 0:
+            return torch.zeros(H, dtype=torch.float32, device=x.device)
+        # Streamed rows add into their program's partial row in place: it starts at zero.
+        alloc = torch.empty if tiles.single else torch.zeros
+        return alloc(programs, H, dtype=torch.float32, device=x.device)
+
+    dw, db = partials(weight_grad), partials(bias_grad)
+    if M == 0 or H == 0:
+        return dx, dw, db
+    _kernels().norm_bwd_kernel[(programs,)](
+        x, x.stride(0), dy, dy.stride(0), weight, mean, rstd, dx, dx.stride(0),
+        dw if weight_grad else None, db if bias_grad else None, M, H, rows_per_program,
+        weight_offset, HAS_WEIGHT=weight is not None, WEIGHT_GRAD=weight_grad,
+        BIAS_GRAD=bias_grad, CENTERED=mean is not None, **tiles.meta())
+    if weight_grad:
+        dw = dw[0] if programs == 1 else dw.sum(0)
+    if bias_grad:
+        db = db[0] if programs == 1 else db.sum(0)
+    return dx, dw, db
 
 
 def _bwd_fake(x, dy, rstd, weight, weight_offset, weight_grad):
@@ -107,32 +176,25 @@ def _bwd_fake(x, dy, rstd, weight, weight_offset, weight_grad):
 def _launch_bwd(x: torch.Tensor, dy: torch.Tensor, rstd: torch.Tensor,
                 weight: Optional[torch.Tensor], weight_offset: float,
                 weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dx [M, H] in x's dtype, dw [H] float32)``; ``dw`` is empty unless
-    ``weight_grad``. Each program adds its rows' weight gradient into a float32 partial row
-    of its own, and the partials are summed after (one program's partial is the sum itself:
-    a view of it, not a reduction launch; the partials hold no -0.0, where a sum would give
-    +0.0)."""
-    M, H = x.shape
-    dx = x.new_empty(M, H)
-    tiles, per_sm = _config(H, x.device)
-    programs, rows_per_program = _bwd_grid(M, tiles.block_m, per_sm, x.device)
-    if not weight_grad:
-        dw = torch.empty(0, dtype=torch.float32, device=x.device)
-    elif M == 0 or H == 0:
-        dw = torch.zeros(H, dtype=torch.float32, device=x.device)
-    else:
-        # Streamed rows add into their program's partial row in place: it starts at zero.
-        alloc = torch.empty if tiles.single else torch.zeros
-        dw = alloc(programs, H, dtype=torch.float32, device=x.device)
-    if M == 0 or H == 0:
-        return dx, dw
-    _kernels().rms_norm_bwd_kernel[(programs,)](
-        x, x.stride(0), dy, dy.stride(0), weight, rstd, dx, dx.stride(0),
-        dw if weight_grad else None, M, H, rows_per_program, weight_offset,
-        HAS_WEIGHT=weight is not None, WEIGHT_GRAD=weight_grad, **tiles.meta())
-    if weight_grad:
-        dw = dw[0] if programs == 1 else dw.sum(0)
+    """RMSNorm's ``(dx [M, H] in x's dtype, dw [H] float32)``; ``dw`` is empty unless
+    ``weight_grad``."""
+    dx, dw, _ = _bwd(x, dy, None, rstd, weight, weight_offset, weight_grad, False)
     return dx, dw
+
+
+def _ln_bwd_fake(x, dy, mean, rstd, weight, weight_offset, weight_grad, bias_grad):
+    return (x.new_empty(x.shape),
+            x.new_empty((x.shape[1] if weight_grad else 0,), dtype=torch.float32),
+            x.new_empty((x.shape[1] if bias_grad else 0,), dtype=torch.float32))
+
+
+@kernel_op("layer_norm_bwd", _ln_bwd_fake)
+def _launch_ln_bwd(x: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                   weight: Optional[torch.Tensor], weight_offset: float, weight_grad: bool,
+                   bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LayerNorm's ``(dx [M, H] in x's dtype, dw [H] float32, db [H] float32)``; ``dw``
+    (``db``) is empty unless ``weight_grad`` (``bias_grad``)."""
+    return _bwd(x, dy, mean, rstd, weight, weight_offset, weight_grad, bias_grad)
 
 
 # --- autograd ----------------------------------------------------------------------------------
@@ -169,20 +231,22 @@ class _RMSNorm(torch.autograd.Function):
 
 
 @functools.lru_cache(maxsize=64, typed=True)
-def _scalars(eps, weight_offset) -> tuple[float, float]:
+def _scalars(op, eps, weight_offset) -> tuple[float, float]:
     """``eps`` and ``weight_offset``, validated (``typed``: ``True`` is not taken for ``1``)."""
     # (float32 arguments of the kernels: within float32's range)
-    eps = check_float32(_OP, "eps", check_number(_OP, "eps", eps, allow_none=False))
+    eps = check_float32(op, "eps", check_number(op, "eps", eps, allow_none=False))
     if eps < 0:
-        raise ValueError(f"{_OP}: eps must be >= 0 (it is added to the mean square), got {eps}")
-    return eps, check_float32(_OP, "weight_offset",
-                              check_number(_OP, "weight_offset", weight_offset,
+        what = "the mean square" if op == _OP else "the variance"
+        raise ValueError(f"{op}: eps must be >= 0 (it is added to {what}), got {eps}")
+    return eps, check_float32(op, "weight_offset",
+                              check_number(op, "weight_offset", weight_offset,
                                            allow_none=False))
 
 
 @dataclass(frozen=True, slots=True)
 class NormCall(ResolvedCall):
-    """A checked :func:`rms_norm` call: what the launches and the planner read."""
+    """A checked :func:`rms_norm` or :func:`layer_norm` call: what the launches and the
+    planner read."""
 
     eps: float
     weight_offset: float
@@ -190,24 +254,31 @@ class NormCall(ResolvedCall):
     H: int  # x's last dim
 
 
-def _resolve(x, weight, eps, weight_offset, impl) -> tuple[str, str, NormCall]:
-    """Validate the arguments and choose the path; cheap and traceable by torch.compile."""
-    check_tensor(_OP, "x", x)
+def _resolve_norm(op, x, params: dict, eps, weight_offset, impl) -> tuple[str, str, NormCall]:
+    """Validate ``x``, its ``[H]`` parameters (``params``: name -> tensor or None) and the
+    scalars, and choose the path; cheap and traceable by torch.compile."""
+    check_tensor(op, "x", x)
     if x.dim() < 1:
-        raise ValueError(f"{_OP}: x must have a last (hidden) dimension, got a 0-D tensor")
+        raise ValueError(f"{op}: x must have a last (hidden) dimension, got a 0-D tensor")
     H = x.shape[-1]
-    if weight is not None:
-        check_tensor(_OP, "weight", weight, ndim=1)
-        if weight.shape[0] != H:
-            raise ValueError(f"{_OP}: weight must be [H] = [{H}] (x's last dim, x of shape "
-                             f"{tuple(x.shape)}), got {tuple(weight.shape)}")
-        check_same_device(_OP, "x", x, weight=weight)
+    for name, t in params.items():
+        if t is not None:
+            check_tensor(op, name, t, ndim=1)
+            if t.shape[0] != H:
+                raise ValueError(f"{op}: {name} must be [H] = [{H}] (x's last dim, x of shape "
+                                 f"{tuple(x.shape)}), got {tuple(t.shape)}")
+            check_same_device(op, "x", x, **{name: t})
     # A model's eps and offset repeat: checked once, not every call (as cross_entropy's
     # options). A bad or unhashable value is checked uncached, which raises.
-    eps, weight_offset = checked_once(_scalars, eps, weight_offset)
-    path, reason = float64_fallback(_OP, impl, *select_impl(_OP, impl, x.device), x.dtype, "x")
+    eps, weight_offset = checked_once(_scalars, op, eps, weight_offset)
+    path, reason = float64_fallback(op, impl, *select_impl(op, impl, x.device), x.dtype, "x")
     rows = math.prod(x.shape[:-1])
     return path, reason, NormCall(eps, weight_offset, rows, H)
+
+
+def _resolve(x, weight, eps, weight_offset, impl) -> tuple[str, str, NormCall]:
+    """:func:`rms_norm`'s arguments, validated, and its path."""
+    return _resolve_norm(_OP, x, {"weight": weight}, eps, weight_offset, impl)
 
 
 class _RMSNormCPU(torch.autograd.Function):
@@ -327,7 +398,15 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps: flo
 def plan_rms_norm(x, weight, eps, weight_offset, impl) -> Plan:
     """What :func:`rms_norm` would do with these arguments (validated the same way)."""
     path, reason, a = _resolve(x, weight, eps, weight_offset, impl)
-    H = a.H
+    return _plan(_OP, impl, path, reason, a, x, {"weight": weight},
+                 "x, weight, rstd [rows] float32",
+                 native=weight is None or weight.dtype == torch.float32)
+
+
+def _plan(op: str, impl: str, path: str, reason: str, a: NormCall, x: torch.Tensor,
+          params: dict, saved: str, native: bool) -> Plan:
+    """The plan of a norm's call: its scale, its parameters, the launches' tiles."""
+    H, weight = a.H, params["weight"]
     scale = ("none (no weight)" if weight is None else
              f"weight + {a.weight_offset:g}" if a.weight_offset else "weight")
     details = {
@@ -335,8 +414,9 @@ def plan_rms_norm(x, weight, eps, weight_offset, impl) -> Plan:
         "scale": scale,
         "eps": a.eps,
     }
-    if weight is not None:
-        details["weight"] = f"[{H}] {dtype_name(weight.dtype)}"
+    for name, t in params.items():
+        if t is not None:
+            details[name] = f"[{H}] {dtype_name(t.dtype)}"
     if path == "triton" and H > 0:
         tiles, per_sm = _config(H, x.device)
         details["forward"] = (
@@ -344,24 +424,145 @@ def plan_rms_norm(x, weight, eps, weight_offset, impl) -> Plan:
             if tiles.single else
             f"streamed in {tiles.block_n}-column tiles, {tiles.block_m} row(s) per program")
         programs, per = _bwd_grid(a.rows, tiles.block_m, per_sm, x.device)
+        learned = " and ".join(n for n, t in params.items() if t is not None)
         details["backward"] = (
             f"{programs} program(s) of {per} rows, "
             + (f"{tiles.block_m} x {tiles.block_n} tiles" if tiles.single else
                f"streamed in {tiles.block_n}-column tiles")
-            + ("; weight gradient: float32 partial per program, summed" if weight is not None
+            + (f"; {learned} gradient: float32 partial per program, summed" if learned
                else ""))
-        details["saved for backward"] = "x, weight, rstd [rows] float32"
-    if native_cpu(impl, path, x) and (weight is None or weight.dtype == torch.float32):
-        reason += "; CPU float32: PyTorch's own ops (the same float32 formula)"
-    return Plan(_OP, path, reason, details, call=a)
+        details["saved for backward"] = saved
+    if native_cpu(impl, path, x) and native:
+        reason += "; CPU float32: PyTorch's own op (the same float32 formula)"
+    return Plan(op, path, reason, details, call=a)
+
+
+# --- LayerNorm -----------------------------------------------------------------------------------
+
+_LN = "layer_norm"
+
+
+class _LayerNorm(torch.autograd.Function):
+    """``y = layer_norm(x, weight, bias)`` for ``x [M, H]`` on the Triton path."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, s: NormCall):
+        with nvtx_range(_LN, "fwd"):
+            y, mean, rstd = launch_layer_norm(x, weight, bias, s.eps, s.weight_offset)
+            ctx.s = s
+            ctx.bias_dtype = bias.dtype if bias is not None else None
+            needs = ctx.needs_input_grad
+            if needs[0] or needs[1] or needs[2]:
+                ctx.save_for_backward(x, weight, mean, rstd)
+            return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        with nvtx_range(_LN, "bwd"):
+            x, weight, mean, rstd = ctx.saved_tensors
+            need_x, need_w, need_b = ctx.needs_input_grad[:3]
+            if dy.stride(-1) != 1:  # any row stride is read as is, even 0 (expanded)
+                dy = dy.contiguous()
+            dx, dw, db = _launch_ln_bwd(x, dy, mean, rstd, weight, ctx.s.weight_offset,
+                                        need_w, need_b)
+            dw = dw.to(weight.dtype) if need_w else None
+            db = db.to(ctx.bias_dtype) if need_b else None
+            return (dx if need_x else None), dw, db, None
+
+
+def _resolve_ln(x, weight, bias, eps, weight_offset, impl) -> tuple[str, str, NormCall]:
+    """:func:`layer_norm`'s arguments, validated, and its path."""
+    return _resolve_norm(_LN, x, {"weight": weight, "bias": bias}, eps, weight_offset, impl)
+
+
+def _cpu_affine(t: Optional[torch.Tensor], x: torch.Tensor) -> bool:
+    """Whether ``t`` (a weight or a bias) goes to PyTorch's CPU op as it is."""
+    return t is None or (type(t) in PLAIN_TENSORS and t.dtype is torch.float32 and t.is_cpu
+                         and t.shape == x.shape[-1:])
+
+
+def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None,
+               bias: Optional[torch.Tensor] = None, *, eps: float = 1e-5,
+               weight_offset: float = 0.0, impl: str = "auto") -> torch.Tensor:
+    """LayerNorm over the last dim: ``(x - mean) / sqrt(var + eps) * (weight +
+    weight_offset) + bias``, with the biased variance (``torch.nn.LayerNorm``'s).
+
+    Float32 math (float64 for float64 x on the reference path), rounded once to x's dtype.
+    One kernel forward (x read once, y written once; the row's mean and ``1 / std`` kept,
+    8 bytes a row) and one backward (x and dy read once, dx written once, the weight and
+    bias gradients as float32 partials per program, summed once: deterministic).
+
+    Args:
+        x: ``[..., H]`` float32/float16/bfloat16 (float64 on the torch path), any leading
+            shape and strides, any H (rows wider than one register tile are streamed).
+        weight: optional ``[H]`` scale, any float dtype, on x's device; ``None``: no scale
+            (``weight_offset`` then has no effect). Its gradient comes in its dtype.
+        bias: optional ``[H]`` shift, any float dtype, on x's device; ``None``: no shift.
+            Its gradient comes in its dtype.
+        eps: added to the variance; finite and >= 0.
+        weight_offset: added to ``weight`` before it scales: 1.0 is the zero-centred scale
+            of Megatron's ``layernorm_zero_centered_gamma`` and Nemotron's LayerNorm1P.
+        impl: ``"auto"`` (Triton on CUDA or under the interpreter, else the reference;
+            float32 CPU tensors there run ``torch.nn.functional.layer_norm``), ``"triton"``
+            or ``"torch"``; see :func:`lmfuse.explain`.
+
+    Returns:
+        ``[..., H]`` in x's dtype (contiguous on the Triton path); gradients for x, weight
+        and bias.
+
+    NaN and inf: a NaN or an inf in a row makes the whole row NaN (its mean is NaN or inf),
+    and its gradients NaN, as ``F.layer_norm`` gives; a NaN weight (bias) element makes its
+    column NaN.
+    """
+    if (impl == "auto" and type(eps) is float and 0.0 <= eps <= FLOAT32_MAX
+            and type(weight_offset) is float and weight_offset == 0.0 and cpu_fast(x)
+            and x.dim() > 0 and _cpu_affine(weight, x) and _cpu_affine(bias, x)):
+        # The common CPU call (float32, float32 parameters or none, no offset): PyTorch's
+        # own op at once, without the resolved call.
+        return torch.nn.functional.layer_norm(x, x.shape[-1:], weight, bias, eps)
+    path, _, a = _resolve_ln(x, weight, bias, eps, weight_offset, impl)
+    if (native_cpu(impl, path, x) and (weight is None or weight.dtype == torch.float32)
+            and (bias is None or bias.dtype == torch.float32)):
+        # The default path on CPU float32 (no Triton): PyTorch's own op.
+        if weight is not None and a.weight_offset:
+            weight = weight + a.weight_offset
+        return torch.nn.functional.layer_norm(x, x.shape[-1:], weight, bias, a.eps)
+    if path == "torch":
+        with nvtx_range(_LN, "fwd"):
+            return layer_norm_reference(x, weight, bias, eps=a.eps,
+                                        weight_offset=a.weight_offset)
+    flat = x.dim() == 2
+    x2 = x if flat else x.reshape(a.rows, x.shape[-1])
+    if x2.stride(-1) != 1:  # the kernels read any row stride, but columns at stride 1
+        x2 = x2.contiguous()
+    w = weight.contiguous() if weight is not None else None
+    b = bias.contiguous() if bias is not None else None
+    if not (torch.is_grad_enabled() and (x.requires_grad or any(
+            t is not None and t.requires_grad for t in (weight, bias)))):
+        with nvtx_range(_LN, "fwd"):
+            y = launch_layer_norm(x2, w, b, a.eps, a.weight_offset)[0]
+    else:
+        y = _LayerNorm.apply(x2, w, b, a)
+    return y if flat else y.view(x.shape)
+
+
+@planner_of(layer_norm)
+def plan_layer_norm(x, weight, bias, eps, weight_offset, impl) -> Plan:
+    """What :func:`layer_norm` would do with these arguments (validated the same way)."""
+    path, reason, a = _resolve_ln(x, weight, bias, eps, weight_offset, impl)
+    return _plan(_LN, impl, path, reason, a, x, {"weight": weight, "bias": bias},
+                 "x, weight, mean and rstd [rows] float32",
+                 native=(weight is None or weight.dtype == torch.float32)
+                 and (bias is None or bias.dtype == torch.float32))
 
 
 # --- self-check cases for ``lmfuse check`` -------------------------------------------------------
 
 
 def checks(device: torch.device, dtypes) -> list:
-    """Fresh random cases of every variant (weight or not, Gemma's offset, streamed rows),
-    for :mod:`lmfuse._check`."""
+    """Fresh random cases of every variant of both norms (weight or not, bias or not, the
+    weight offsets, streamed rows), for :mod:`lmfuse._check`."""
     from .._check import op_case
 
     small = device.type != "cuda"
@@ -389,5 +590,28 @@ def checks(device: torch.device, dtypes) -> list:
             case("gemma 1+weight", shapes["plain"], dtype, weight_offset=1.0),
             case("no weight", shapes["3-D"], dtype, weight=None),
             case("streamed row", shapes["streamed row"], dtype, eps=1e-5),
+        ]
+
+    def ln_case(label, shape, dtype, affine=("same", "same"), **kw):
+        H = shape[-1]
+
+        def inputs():
+            t = [torch.randn(shape, device=device).to(dtype).requires_grad_(True)]
+            for kind, base in zip(affine, (1.0, 0.0)):
+                if kind is not None:
+                    p = base + 0.1 * torch.randn(H, device=device)
+                    t.append(p.to(dtype if kind == "same" else kind).requires_grad_(True))
+            return t
+
+        return op_case(_LN, label, dtype, shape, inputs, layer_norm, plan_layer_norm, **kw)
+
+    for dtype in dtypes:
+        cases += [
+            ln_case("weight and bias", shapes["plain"], dtype),
+            ln_case("fp32 weight and bias", shapes["plain"], dtype,
+                    affine=(torch.float32, torch.float32)),
+            ln_case("1+weight (LayerNorm1P)", shapes["plain"], dtype, weight_offset=1.0),
+            ln_case("no affine", shapes["3-D"], dtype, affine=(None, None)),
+            ln_case("streamed row", shapes["streamed row"], dtype, eps=1e-6),
         ]
     return cases

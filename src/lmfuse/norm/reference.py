@@ -1,4 +1,7 @@
-"""Reference RMSNorm: the specification of ``lmfuse.rms_norm``, in plain PyTorch.
+"""Reference RMSNorm and LayerNorm: the specifications of ``lmfuse.rms_norm`` and
+``lmfuse.layer_norm`` (``layer_norm_reference``, at the end), in plain PyTorch.
+
+RMSNorm:
 
 For each row ``x`` of the last dimension (``H`` values)::
 
@@ -69,3 +72,47 @@ def rms_norm_rstd_reference(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     Triton forward saves for its backward."""
     xf = x.to(compute_dtype(x.dtype))
     return torch.rsqrt(xf.square().mean(-1) + eps)
+
+
+def layer_norm_reference(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    eps: float = 1e-5,
+    weight_offset: float = 0.0,
+) -> torch.Tensor:
+    """LayerNorm over the last dim, rounded once to x's dtype: the specification of
+    ``lmfuse.layer_norm``.
+
+    For each row ``x`` of the last dimension (``H`` values)::
+
+        xc = x - mean(x)
+        y = xc / sqrt(mean(xc ** 2) + eps) * (weight + weight_offset) + bias
+
+    (the biased variance, as ``torch.nn.LayerNorm``'s). The math runs in float32 (float64
+    for float64 input). ``weight_offset=1.0`` is the zero-centred scale of Megatron's
+    ``layernorm_zero_centered_gamma`` and Nemotron's LayerNorm1P. Without a weight or a
+    bias that step is left out. A NaN or an inf in a row makes the whole row NaN (its mean
+    is NaN or inf, and ``inf - inf`` is NaN), as ``F.layer_norm`` gives; a NaN weight or
+    bias element makes its column NaN.
+
+    Args:
+        x: ``[..., H]`` floating-point input.
+        weight: optional ``[H]`` scale (any float dtype); ``None``: no scale.
+        bias: optional ``[H]`` shift (any float dtype); ``None``: no shift.
+        eps: added to the variance before the square root.
+        weight_offset: added to ``weight`` before it scales.
+    Returns:
+        ``[..., H]`` in x's dtype.
+    """
+    compute = compute_dtype(x.dtype)
+    xf = x.to(compute)
+    xc = xf - xf.mean(-1, keepdim=True)
+    y = xc * torch.rsqrt(xc.square().mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        w = weight.to(compute)
+        y = y * (w + weight_offset if weight_offset else w)
+    if bias is not None:
+        y = y + bias.to(compute)
+    return y.to(x.dtype)
