@@ -395,6 +395,18 @@ def add_copy_rows(cases: list[Case], device: torch.device, impl: str = "copy",
         case.notes[impl] = note
 
 
+def report_against_copy(results: list[Result]) -> None:
+    """Prints lmfuse's TB/s as a share of its case's ``copy`` row (see :func:`add_copy_rows`),
+    case by case."""
+    print("\n# lmfuse against the copy of the same bytes (x copy = lmfuse TB/s / copy TB/s)")
+    for ours in (r for r in results if r.impl == "lmfuse"):
+        copy = next((r for r in results if r.case == ours.case and r.impl == "copy"), None)
+        if ours.tbps and copy is not None and copy.tbps:
+            print(f"{ours.case:<44} {ours.tbps:6.2f} TB/s  {ours.tbps / copy.tbps:5.2f}x copy")
+        else:
+            print(f"{ours.case:<44} not measured")
+
+
 class LossCheck:
     """Notes, on each row's first call, how far its loss is from lmfuse's (which runs first)
     when over 1e-4; with ``reference`` (the loss lmfuse should give, computed apart),

@@ -29,9 +29,10 @@ from functools import partial
 import torch
 
 import lmfuse
-from lmfuse.bench.common import (Case, Result, add_copy_rows, compile_per_shape, dist_version,
-                                 finish, measure_copy, print_peers, relative_differences,
-                                 run_cases, start, timed_call, unavailable)
+from lmfuse.bench.common import (Case, add_copy_rows, compile_per_shape, dist_version, finish,
+                                 measure_copy, print_peers, relative_differences,
+                                 report_against_copy, run_cases, start, timed_call,
+                                 unavailable)
 
 EPS = 1e-6
 NormFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, weight) -> y
@@ -99,17 +100,6 @@ def make_case(n: int, H: int, dtype: torch.dtype, device: torch.device, liger: N
     return case
 
 
-def report(results: list[Result]) -> None:
-    """lmfuse's TB/s as a share of the copy's, per case."""
-    print("\n# lmfuse against the copy of the same bytes (x copy = lmfuse TB/s / copy TB/s)")
-    for ours in (r for r in results if r.impl == "lmfuse"):
-        copy = next((r for r in results if r.case == ours.case and r.impl == "copy"), None)
-        if ours.tbps and copy is not None and copy.tbps:
-            print(f"{ours.case:<44} {ours.tbps:6.2f} TB/s  {ours.tbps / copy.tbps:5.2f}x copy")
-        else:
-            print(f"{ours.case:<44} not measured")
-
-
 def main(argv: list[str] | None = None) -> int:
     args, device, quick, env = start("lmfuse bench rms_norm", __doc__, argv)
     liger, liger_note, liger_version = load_liger()
@@ -124,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
           "x, dy and the weight, write dx and dweight); x lmfuse = ms / lmfuse ms (> 1: "
           "lmfuse is faster); peak MiB: allocated beyond the inputs")
     results = run_cases(cases, device)
-    report(results)
+    report_against_copy(results)
     return finish(args, env, copy, results,
                   f"rms_norm on {env['device']} (copy: {copy['tbps']:.2f} TB/s)")
 
