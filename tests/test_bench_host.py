@@ -14,11 +14,11 @@ import pytest
 
 from lmfuse.bench import host
 
-TRAINING = ("rms_norm", "swiglu", "geglu", "quick_geglu", "bias_gelu", "squared_relu",
-            "weighted_swiglu", "weighted_quick_geglu", "weighted_squared_relu", "fused_softmax",
-            "cross_entropy", "linear_cross_entropy", "moe_experts")
+TRAINING = ("rms_norm", "layer_norm", "swiglu", "geglu", "quick_geglu", "bias_gelu",
+            "squared_relu", "weighted_swiglu", "weighted_quick_geglu", "weighted_squared_relu",
+            "fused_softmax", "cross_entropy", "linear_cross_entropy", "moe_experts")
 INFERENCE = ("decode_attention", "kv_cache_append", "merge_attention_states")
-WITH_LIGER = ("rms_norm", "swiglu", "geglu", "cross_entropy", "linear_cross_entropy")
+WITH_LIGER = ("rms_norm", "layer_norm", "swiglu", "geglu", "cross_entropy", "linear_cross_entropy")
 
 
 def positive(us) -> bool:

@@ -37,12 +37,13 @@ Rows:
   lmfuse               the public op, ``impl="auto"`` (the note gives the path it takes)
   torch                the plain PyTorch formula of the op (the note gives it):
                        ``F.cross_entropy``, ``F.silu(a) * b`` of ``x.chunk(2, -1)``, the
-                       three-op RMSNorm, ``masked_fill`` + ``softmax``, ``F.linear`` +
-                       ``F.cross_entropy``, SDPA over the cache, ``index_copy_`` into it,
-                       the log-sum-exp merge, the experts with their weights gathered
-                       per (token, slot) (no host sync)
+                       three-op RMSNorm, ``F.layer_norm``, ``masked_fill`` + ``softmax``,
+                       ``F.linear`` + ``F.cross_entropy``, SDPA over the cache,
+                       ``index_copy_`` into it, the log-sum-exp merge, the experts with
+                       their weights gathered per (token, slot) (no host sync)
   liger-kernel         where Liger-Kernel has the op: ``LigerRMSNormFunction``,
-                       ``LigerSiLUMulFunction`` / ``LigerGELUMulFunction`` (the two halves
+                       ``LigerLayerNormFunction``, ``LigerSiLUMulFunction`` /
+                       ``LigerGELUMulFunction`` (the two halves
                        as separate tensors, as Liger's MLPs call them),
                        ``liger_cross_entropy``, ``liger_fused_linear_cross_entropy``
                        (both compute the gradient in the forward); a row with a note when
@@ -198,6 +199,10 @@ def load_liger() -> tuple[dict[str, tuple[Callable[..., Any], str]], str]:
                          # (X, W, eps, offset, casting_mode, in_place)
                          lambda f: lambda x, w: f.apply(x, w, EPS, 0.0, "llama", False),
                          "LigerRMSNormFunction, llama casting, not in place"),
+        "layer_norm": load("ops.layer_norm", "LigerLayerNormFunction",
+                           # (X, W, B, eps)
+                           lambda f: lambda x, w, b: f.apply(x, w, b, EPS),
+                           "LigerLayerNormFunction"),
         "swiglu": load("ops.swiglu", "LigerSiLUMulFunction",
                        lambda f: lambda a, b, _w: f.apply(a, b),
                        "LigerSiLUMulFunction(a, b): the halves as two tensors"),
@@ -268,6 +273,36 @@ def rms_norm_spec(inp: Inputs, liger: dict) -> OpSpec:
         return {"fwd": lambda: ops.launch_rms_norm(xd, wd, EPS, 0.0), "fwd+bwd": fwd_bwd}
 
     return _launch_rows(spec, inp, build, "norm.ops.launch_rms_norm (+ _launch_bwd)")
+
+
+def layer_norm_spec(inp: Inputs, liger: dict) -> OpSpec:
+    from lmfuse.norm import ops
+
+    n, H = ROWS, HIDDEN
+    x = inp.randn(n, H, grad=True)
+    w = (1.0 + 0.1 * torch.randn(H, device=inp.device)).to(inp.dtype).requires_grad_(True)
+    b = inp.randn(H, scale=0.1, grad=True)
+    g = inp.randn(n, H)
+
+    def plain(x, w, b):
+        return F.layer_norm(x, (H,), w, b, EPS)
+
+    spec = _spec(inp, "layer_norm", f"x [{n}, {H}], weight [{H}], bias [{H}]",
+                 Call(lambda x, w, b: lmfuse.layer_norm(x, w, b, eps=EPS), (x, w, b)),
+                 Call(plain, (x, w, b)), "F.layer_norm(x, (H,), w, b, eps)", g)
+    _with_liger(spec, liger, tuple(t.detach().clone().requires_grad_(True) for t in (x, w, b)))
+    xd, wd, bd = x.detach(), w.detach(), b.detach()
+    spec.checks = lambda: ops._resolve_ln(xd, wd, bd, EPS, 0.0, "auto")
+    spec.checks_note = "norm.ops._resolve_ln"
+
+    def build():
+        def fwd_bwd():
+            _, mean, rstd = ops.launch_layer_norm(xd, wd, bd, EPS, 0.0)
+            return ops._launch_ln_bwd(xd, g, mean, rstd, wd, 0.0, True, True)
+
+        return {"fwd": lambda: ops.launch_layer_norm(xd, wd, bd, EPS, 0.0), "fwd+bwd": fwd_bwd}
+
+    return _launch_rows(spec, inp, build, "norm.ops.launch_layer_norm (+ _launch_ln_bwd)")
 
 
 def _quick_gelu(a: torch.Tensor) -> torch.Tensor:
@@ -583,7 +618,7 @@ def merge_spec(inp: Inputs, liger: dict) -> OpSpec:
 
 
 def build_specs(inp: Inputs, liger: dict) -> list[OpSpec]:
-    return [rms_norm_spec(inp, liger),
+    return [rms_norm_spec(inp, liger), layer_norm_spec(inp, liger),
             *(activation_spec(name, inp, liger) for name in ACTS),
             softmax_spec(inp, liger), cross_entropy_spec(inp, liger),
             linear_cross_entropy_spec(inp, liger), moe_spec(inp, liger),
