@@ -2,7 +2,8 @@
 host-time harness writes the rows it promises -- lmfuse and the plain torch formula for
 every op in each of its modes with finite positive microseconds, a Liger-Kernel row (not
 installed here: a note saying so) for every op Liger has, the breakdown rows -- as a smoke
-run, not performance."""
+run, not performance; ``--ops`` times the ops it names only, and refuses a name it does not
+know before any work."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import math
 from pathlib import Path
 
 import pytest
+from helpers import run_cli
 
 from lmfuse.bench import host
 
@@ -68,3 +70,26 @@ def test_quick_run_writes_every_op_and_mode(tmp_path: Path,
     split = env["breakdown"]["rms_norm"]
     assert positive(split["fwd"]) and positive(split["checks"]) and positive(split["launch"])
     assert split["target"] == "liger-kernel did not run"
+
+
+@pytest.mark.timeout(120)
+def test_ops_option_times_those_ops_only(tmp_path: Path) -> None:
+    out = tmp_path / "h.json"
+    assert host.main(["--quick", "--ops", "layer_norm,rms_norm", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    env, rows = data["environment"], data["results"]
+    assert list(env["inputs"]) == ["rms_norm", "layer_norm"] == list(env["breakdown"])
+    assert {r["op"] for r in rows} == {"rms_norm", "layer_norm"}
+    for op in ("rms_norm", "layer_norm"):
+        assert {r["mode"] for r in rows if r["op"] == op} == set(host.MODES)
+
+
+@pytest.mark.parametrize("ops, message", [
+    ("layer_norm,bogus", "argument --ops: unknown bogus; choose from rms_norm, layer_norm, "),
+    (",", "argument --ops: no op in ','; choose from rms_norm, "),
+])
+def test_ops_option_names_the_ops_it_knows(ops: str, message: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "bench", "host", "--ops", ops)
+    assert (code, out) == (2, "")  # before any work
+    assert err.startswith(f"lmfuse bench host: {message}") and len(err.splitlines()) == 1

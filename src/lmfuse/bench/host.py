@@ -1,6 +1,7 @@
 """The host time of one eager call of every lmfuse op, against plain PyTorch and Liger-Kernel.
 
-Run it as ``lmfuse bench host [--json PATH] [--plot PATH] [--quick]``. On a GPU a small
+Run it as ``lmfuse bench host [--ops OP,...] [--json PATH] [--plot PATH] [--quick]``
+(``--ops rms_norm,layer_norm``: those ops' rows only; default: every op). On a GPU a small
 call costs what the host spends issuing it -- Python, argument checks, the choice of path,
 the launch configuration, the kernel launches, autograd -- not what the device spends
 running it: that decides eager decoding and small training steps, and is what this
@@ -81,12 +82,14 @@ on a GPU outside the interpreter, and written into lmfuse's note. The JSON's row
 
 from __future__ import annotations
 
+import argparse
 import gc
 import importlib
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -617,12 +620,37 @@ def merge_spec(inp: Inputs, liger: dict) -> OpSpec:
     return _launch_rows(spec, inp, build, "attention.ops._launch_merge")
 
 
-def build_specs(inp: Inputs, liger: dict) -> list[OpSpec]:
-    return [rms_norm_spec(inp, liger), layer_norm_spec(inp, liger),
-            *(activation_spec(name, inp, liger) for name in ACTS),
-            softmax_spec(inp, liger), cross_entropy_spec(inp, liger),
-            linear_cross_entropy_spec(inp, liger), moe_spec(inp, liger),
-            decode_spec(inp, liger), append_spec(inp, liger), merge_spec(inp, liger)]
+#: Op name -> the function making its rows, in the order they run.
+SPECS: dict[str, Callable[[Inputs, dict], OpSpec]] = {
+    "rms_norm": rms_norm_spec, "layer_norm": layer_norm_spec,
+    **{name: partial(activation_spec, name) for name in ACTS},
+    "fused_softmax": softmax_spec, "cross_entropy": cross_entropy_spec,
+    "linear_cross_entropy": linear_cross_entropy_spec, "moe_experts": moe_spec,
+    "decode_attention": decode_spec, "kv_cache_append": append_spec,
+    "merge_attention_states": merge_spec,
+}
+
+
+def build_specs(inp: Inputs, liger: dict, ops: Optional[tuple[str, ...]] = None
+                ) -> list[OpSpec]:
+    """The rows of ``ops`` (None: every op), in :data:`SPECS`' order."""
+    return [make(inp, liger) for name, make in SPECS.items() if ops is None or name in ops]
+
+
+def op_names(text: str) -> tuple[str, ...]:
+    """An argparse ``type``: comma-separated names of :data:`SPECS`."""
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in SPECS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            (f"unknown {', '.join(unknown)}" if unknown else f"no op in {text!r}")
+            + f"; choose from {', '.join(SPECS)}")
+    return names
+
+
+def _options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ops", type=op_names, default=None, metavar="OP,...",
+                   help="time these ops only, comma-separated (default: every op)")
 
 
 # --- timing ---------------------------------------------------------------------------------
@@ -815,7 +843,7 @@ def breakdown(results: list[HostResult], specs: list[OpSpec], judge: bool) -> di
 
 def main(argv: list[str] | None = None) -> int:
     args, device, quick, env = start("lmfuse bench host", __doc__, argv,
-                                     plot_what="host microseconds per call")
+                                     plot_what="host microseconds per call", options=_options)
     triton = triton_support(device)
     smoke = triton[0] and interpreter_active()
     timing = (Timing(2, 1, 1) if smoke else Timing(5, 20, 3) if quick else
@@ -823,7 +851,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     liger, liger_version = load_liger()
     print_peers(env, {"liger-kernel": liger_version})
-    specs = build_specs(Inputs(device, dtype, triton), liger)
+    specs = build_specs(Inputs(device, dtype, triton), liger, args.ops)
     env.update(smoke=smoke, rounds=timing.rounds, calls_per_round=timing.calls,
                dtype=_launch.dtype_name(dtype),
                inputs={s.name: s.inputs for s in specs})
