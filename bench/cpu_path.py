@@ -1,9 +1,10 @@
 """The default CPU path (no Triton) against the plain PyTorch formulas it replaces: forward +
 backward, float32, 2 threads, at the demo's sizes and 10x them (medians of 21 rounds, the
 two sides taking turns; swiglu's plain formula splits with ``chunk``, whose backward is one
-concatenation, as the demo's plain MLP does). Then the host time of a forward call on tiny
-inputs (no gradient: what each call costs beyond PyTorch's own op), and one training step of
-the demo's CPU model (``lmfuse.tiny_gpt.TinyGPT``, its defaults, 1 thread) against the plain
+concatenation, as the demo's plain MLP does; layer_norm's is ``F.layer_norm`` itself, which
+lmfuse's CPU path calls too). Then the host time of a forward call on tiny inputs (no
+gradient: what each call costs beyond PyTorch's own op), and one training step of the
+demo's CPU model (``lmfuse.tiny_gpt.TinyGPT``, its defaults, 1 thread) against the plain
 model, the two taking turns::
 
     python bench/cpu_path.py [--json PATH]
@@ -52,6 +53,7 @@ def rows_at(k: int) -> list[tuple[str, list[int], Callable, Callable]]:
     da = torch.randn(512 * k, 384)
     r = torch.randn(512 * k, 64, requires_grad=True)
     w = torch.randn(64, requires_grad=True)
+    bias = torch.randn(64, requires_grad=True)
     dr = torch.randn(512 * k, 64)
 
     def plain_norm() -> None:
@@ -68,6 +70,8 @@ def rows_at(k: int) -> list[tuple[str, list[int], Callable, Callable]]:
         ("swiglu", list(a.shape), lambda: lmfuse.swiglu(a).backward(da),
          lambda: (lambda h: F.silu(h[0]) * h[1])(a.chunk(2, -1)).backward(da)),
         ("rms_norm", list(r.shape), lambda: lmfuse.rms_norm(r, w).backward(dr), plain_norm),
+        ("layer_norm", list(r.shape), lambda: lmfuse.layer_norm(r, w, bias).backward(dr),
+         lambda: F.layer_norm(r, (64,), w, bias, 1e-5).backward(dr)),
     ]
 
 
@@ -77,7 +81,7 @@ def host_rows() -> list[tuple[str, list[int], Callable, Callable]]:
     x, t = torch.randn(8, 16), torch.randint(0, 16, (8,))
     s = torch.randn(1, 1, 8, 8)
     hidden = torch.triu(torch.ones(8, 8, dtype=torch.bool), 1)
-    a, r, w = torch.randn(8, 32), torch.randn(8, 16), torch.randn(16)
+    a, r, w, bias = torch.randn(8, 32), torch.randn(8, 16), torch.randn(16), torch.randn(16)
     h, W = torch.randn(16, 8), torch.randn(32, 8)
     return [
         ("cross_entropy (host)", list(x.shape), lambda: lmfuse.cross_entropy(x, t),
@@ -89,6 +93,8 @@ def host_rows() -> list[tuple[str, list[int], Callable, Callable]]:
          lambda: (lambda u: F.silu(u[0]) * u[1])(a.chunk(2, -1))),
         ("rms_norm (host)", list(r.shape), lambda: lmfuse.rms_norm(r, w),
          lambda: F.rms_norm(r, (16,), w, 1e-6)),
+        ("layer_norm (host)", list(r.shape), lambda: lmfuse.layer_norm(r, w, bias),
+         lambda: F.layer_norm(r, (16,), w, bias, 1e-5)),
         ("linear_cross_entropy (host)", [*h.shape, W.shape[0]],
          lambda: lmfuse.linear_cross_entropy(h, W, t.repeat(2)),
          lambda: F.cross_entropy(F.linear(h, W), t.repeat(2))),
