@@ -391,6 +391,15 @@ def _norm_cases() -> list[Case]:
     if hasattr(lmfuse, "RMSNorm"):
         cases.append(Case("RMSNorm-bf16", lambda m, x: m(x), lambda: [rnd(8, 64, 1024)],
                           wrt=(0,), module=lambda: lmfuse.RMSNorm(1024).to(DEV, BF16)))
+    if hasattr(lmfuse, "layer_norm"):
+        cases.append(Case("layer_norm-bf16", lambda x, w, b: lmfuse.layer_norm(x, w, b),
+                          lambda: [rnd(512, 1024), 1.0 + rnd(1024, scale=0.1),
+                                   rnd(1024, scale=0.1)], wrt=(0, 1, 2)))
+        cases.append(Case("layer_norm-weight_offset-fp32", lambda x, w: lmfuse.layer_norm(
+            x, w, weight_offset=1.0), lambda: [rnd(4, 128, 768, dtype=F32),
+                                               rnd(768, dtype=F32, scale=0.1)], wrt=(0, 1)))
+        cases.append(Case("LayerNorm-bf16", lambda m, x: m(x), lambda: [rnd(8, 64, 1024)],
+                          wrt=(0,), module=lambda: lmfuse.LayerNorm(1024).to(DEV, BF16)))
     return cases
 
 

@@ -38,7 +38,7 @@ def test_every_family_launches_through_it() -> None:
     from lmfuse.norm import ops as norm
     from lmfuse.softmax import ops as sm
 
-    for ops, name in ((act, "act_fwd_kernel"), (norm, "rms_norm_fwd_kernel"),
+    for ops, name in ((act, "act_fwd_kernel"), (norm, "norm_fwd_kernel"),
                       (attn, "decode_kernel"), (ce, None), (sm, None)):
         kernels = ops._kernels()
         names = [n for n in dir(kernels._module) if n.endswith("_kernel")]
