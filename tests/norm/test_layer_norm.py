@@ -284,6 +284,53 @@ def test_nan_and_inf_as_in_pytorch(monkeypatch, poison: str, impl: str) -> None:
         assert torch.allclose(got[fin], want[fin], rtol=1e-4, atol=1e-5), f"{poison} {what}"
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("streamed", [False, True], ids=["tile", "streamed"])
+def test_constant_rows_give_the_bias_exactly(monkeypatch, streamed: bool, impl: str) -> None:
+    """A constant row's centred values are 0 whatever its magnitude, so its output is the
+    bias exactly (as F.layer_norm's): the mean is summed from the row's first value, where
+    sum(x) / H would round and give outputs of up to +-1 (1029.27 over 768 columns: 0.04,
+    118367.34: 0.99)."""
+    if streamed:
+        small = dict(tuning.table("rms_norm", torch.device("cpu")), max_single_block=32,
+                     chunk_block=16, chunk_rows=2)
+        real = tuning.table
+        monkeypatch.setattr(tuning, "table", lambda family, device: small
+                            if family == "rms_norm" else real(family, device))
+    x = torch.tensor([1029.27, 118367.34, -3.3e7, 7.1]).repeat_interleave(768).view(4, 768)
+    w, b, g = randn((768,)), randn((768,)), randn((4, 768))
+    assert torch.equal(F.layer_norm(x, (768,), w, b), b.expand(4, 768))
+    # (F.layer_norm's own dx is off here: 512 and 0 in the 118367.34 row)
+    grads = check("constant rows", x, w, b, g, impl)
+    y = lmfuse.layer_norm(x, w, b, impl=impl)
+    assert torch.equal(y, b.expand(4, 768)) and grads[0].abs().max() > 1.0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_tiny_spread_with_eps_zero_has_finite_gradients(impl: str) -> None:
+    """A row of spread 1e-14 with eps = 0: its 1 / std is 1e14, whose cube (rsqrt's
+    derivative) would overflow float32; the gradients are F.layer_norm's."""
+    x = torch.tensor([[1e-14, -2e-14, 3e-14, 0.0]], requires_grad=True)
+    dy = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    (got,) = torch.autograd.grad(lmfuse.layer_norm(x, eps=0.0, impl=impl), x, dy)
+    (want,) = torch.autograd.grad(F.layer_norm(x, (4,), eps=0.0), x, dy)
+    assert torch.allclose(got, want, rtol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_rows_whose_variance_overflows() -> None:
+    """Past float32's range: the bias where only the variance overflows (F.layer_norm
+    agrees on this row), NaN where the differences from the first value overflow too;
+    both paths alike."""
+    x = torch.tensor([[1e20, -1e20, 5.0, 1.0], [3e38, -3e38, 1.0, 0.0]])
+    b = torch.tensor([0.5, -0.25, 1.0, 2.0])
+    for impl in IMPLS:
+        y = lmfuse.layer_norm(x, None, b, impl=impl)
+        assert torch.equal(y[0], b) and y[1].isnan().all(), impl
+    assert torch.equal(F.layer_norm(x[:1], (4,), None, b), b[None])
+
+
 # --- the CPU default path ------------------------------------------------------------------------
 
 

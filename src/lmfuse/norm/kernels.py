@@ -21,7 +21,8 @@ infinite, so the row and its gradients are NaN, as the reference's. The backward
 finite row whose mean square overflows (rstd 0) gets NaN gradients exactly where the
 reference's are ``inf * 0`` (``_dx``).
 
-* ``norm_fwd_kernel``: a program owns ``BLOCK_M`` rows. ``SINGLE_BLOCK``: a row fits one
+* ``norm_fwd_kernel``: a program owns ``BLOCK_M`` rows (centred: the mean summed from the
+  row's first value, ``_first``). ``SINGLE_BLOCK``: a row fits one
   ``BLOCK_N`` register tile, so x is read once and ``y`` written once. Otherwise the row is
   streamed in ``BLOCK_N``-column tiles, twice (the sum of squares, then the output; three
   times centred: the mean first, so the variance is summed from centred values, never as
@@ -60,6 +61,16 @@ def _rstd(sum_sq, H, eps, rmask):
     """``1 / sqrt(sum_sq / H + eps)`` per row; the tail tile's rows past M (all zeros)
     take 1, not ``rsqrt(0)`` (they store nothing, but eps may be 0)."""
     return tl.rsqrt(tl.where(rmask, sum_sq / H + eps, 1.0))
+
+
+@triton.jit
+def _first(x_row, rmask):
+    """``[BLOCK_M, 1]`` float32: each row's first value, the shift its mean is summed
+    from (``mean = x0 + sum(x - x0) / H``): the sum is of the row's spread, not its
+    magnitude, so a constant row's mean is exact (its centred values 0, its output the
+    bias, as PyTorch's Welford statistics give) and an offset row's loses no digits to
+    the offset."""
+    return tl.load(x_row, mask=rmask[:, None], other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -105,7 +116,8 @@ def norm_fwd_kernel(
         mask = rmask[:, None] & cmask[None, :]
         x = tl.load(x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if CENTERED:
-            mean = (tl.sum(x, axis=1) / H)[:, None]
+            shift = _first(x_row, rmask)
+            mean = shift + (tl.sum(tl.where(mask, x - shift, 0.0), axis=1) / H)[:, None]
         x = _centred(x, mean, mask, CENTERED)
         rstd = _rstd(tl.sum(x * x, axis=1), H, eps, rmask)
         y = x * rstd[:, None] * _weight(w_ptr, cols, cmask, offset, HAS_WEIGHT)
@@ -114,12 +126,14 @@ def norm_fwd_kernel(
         tl.store(y_row + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         if CENTERED:  # the mean first: the squares below are summed centred
+            shift = _first(x_row, rmask)
             s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for c0 in range(0, H, BLOCK_N):
                 c = c0 + cols
                 mask = rmask[:, None] & (c < H)[None, :]
-                s += tl.load(x_row + c[None, :], mask=mask, other=0.0).to(tl.float32)
-            mean = (tl.sum(s, axis=1) / H)[:, None]
+                x = tl.load(x_row + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                s += tl.where(mask, x - shift, 0.0)
+            mean = shift + (tl.sum(s, axis=1) / H)[:, None]
         # Squares summed per tile element, reduced over columns once after the loop.
         sq = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for c0 in range(0, H, BLOCK_N):

@@ -433,7 +433,8 @@ def _plan(op: str, impl: str, path: str, reason: str, a: NormCall, x: torch.Tens
                else ""))
         details["saved for backward"] = saved
     if native_cpu(impl, path, x) and native:
-        reason += "; CPU float32: PyTorch's own op (the same float32 formula)"
+        reason += ("; CPU float32: PyTorch's own op (the same float32 formula)" if op == _OP
+                   else "; CPU float32: PyTorch's own op, F.layer_norm")
     return Plan(op, path, reason, details, call=a)
 
 
@@ -476,10 +477,11 @@ def _resolve_ln(x, weight, bias, eps, weight_offset, impl) -> tuple[str, str, No
     return _resolve_norm(_LN, x, {"weight": weight, "bias": bias}, eps, weight_offset, impl)
 
 
-def _cpu_affine(t: Optional[torch.Tensor], x: torch.Tensor) -> bool:
-    """Whether ``t`` (a weight or a bias) goes to PyTorch's CPU op as it is."""
+def _cpu_affine(t: Optional[torch.Tensor], H: int) -> bool:
+    """Whether ``t`` (a weight or a bias) goes to PyTorch's CPU op as it is: float32
+    ``[H]`` on the CPU (a plain tensor or a parameter)."""
     return t is None or (type(t) in PLAIN_TENSORS and t.dtype is torch.float32 and t.is_cpu
-                         and t.shape == x.shape[-1:])
+                         and t.dim() == 1 and t.shape[0] == H)
 
 
 def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None,
@@ -513,14 +515,19 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None,
 
     NaN and inf: a NaN or an inf in a row makes the whole row NaN (its mean is NaN or inf),
     and its gradients NaN, as ``F.layer_norm`` gives; a NaN weight (bias) element makes its
-    column NaN.
+    column NaN. A constant row's output is the bias exactly, whatever its magnitude (the
+    mean is summed from the row's first value). Rows whose variance overflows float32
+    (values past about 1e19): see :func:`~lmfuse.norm.reference.layer_norm_reference`;
+    there the CPU default path gives what ``F.layer_norm`` gives, which may differ.
     """
     if (impl == "auto" and type(eps) is float and 0.0 <= eps <= FLOAT32_MAX
             and type(weight_offset) is float and weight_offset == 0.0 and cpu_fast(x)
-            and x.dim() > 0 and _cpu_affine(weight, x) and _cpu_affine(bias, x)):
-        # The common CPU call (float32, float32 parameters or none, no offset): PyTorch's
-        # own op at once, without the resolved call.
-        return torch.nn.functional.layer_norm(x, x.shape[-1:], weight, bias, eps)
+            and x.dim() > 0):
+        H = x.shape[-1]
+        if _cpu_affine(weight, H) and _cpu_affine(bias, H):
+            # The common CPU call (float32, float32 parameters or none, no offset):
+            # PyTorch's own op at once, without the resolved call.
+            return torch.nn.functional.layer_norm(x, (H,), weight, bias, eps)
     path, _, a = _resolve_ln(x, weight, bias, eps, weight_offset, impl)
     if (native_cpu(impl, path, x) and (weight is None or weight.dtype == torch.float32)
             and (bias is None or bias.dtype == torch.float32)):

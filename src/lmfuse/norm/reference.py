@@ -95,7 +95,10 @@ def layer_norm_reference(
     ``layernorm_zero_centered_gamma`` and Nemotron's LayerNorm1P. Without a weight or a
     bias that step is left out. A NaN or an inf in a row makes the whole row NaN (its mean
     is NaN or inf, and ``inf - inf`` is NaN), as ``F.layer_norm`` gives; a NaN weight or
-    bias element makes its column NaN.
+    bias element makes its column NaN. A finite row whose variance overflows float32
+    (values past about 1e19) gives the bias (``1 / std`` is 0), or NaN where its
+    differences from its first value overflow too (values near float32's largest);
+    ``F.layer_norm``'s Welford statistics give the one or the other by their own order.
 
     Args:
         x: ``[..., H]`` floating-point input.
@@ -108,8 +111,14 @@ def layer_norm_reference(
     """
     compute = compute_dtype(x.dtype)
     xf = x.to(compute)
-    xc = xf - xf.mean(-1, keepdim=True)
-    y = xc * torch.rsqrt(xc.square().mean(-1, keepdim=True) + eps)
+    # The mean summed from the row's first value: a sum of the spread, not the magnitude,
+    # so a constant row's mean is exact and its output the bias (as PyTorch's Welford
+    # statistics give), where sum(x) / H would round and leave centred values of one ulp.
+    shift = xf[..., :1]
+    xc = xf - (shift + (xf - shift).mean(-1, keepdim=True))
+    # xc / std rather than xc * rsqrt(var): rsqrt's derivative cubes 1 / std, which
+    # overflows for a row of spread 1e-14 with eps = 0, where this form's does not.
+    y = xc / torch.sqrt(xc.square().mean(-1, keepdim=True) + eps)
     if weight is not None:
         w = weight.to(compute)
         y = y * (w + weight_offset if weight_offset else w)
