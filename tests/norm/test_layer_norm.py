@@ -69,7 +69,7 @@ def small_tiles(monkeypatch: pytest.MonkeyPatch) -> list:
     launches: list = []
     real_bwd = norm_ops._bwd
 
-    def spy(x, dy, mean, rstd, *rest):
+    def spy(x, dy, mean, rstd, *rest):  # (RMSNorm's launch too: mean None)
         tiles, per_sm = norm_ops._config(x.shape[1], x.device)
         launches.append((*norm_ops._bwd_grid(x.shape[0], tiles.block_m, per_sm, x.device),
                          tiles.single))
@@ -237,7 +237,7 @@ def test_gradcheck_float64_torch_path() -> None:
 
 def test_triton_forward_saves_mean_and_rstd() -> None:
     x = randn((4, 3, 50), BF16)
-    y, mean, rstd = norm_ops.launch_layer_norm(x.reshape(12, 50), None, None, 1e-5, 0.0)
+    y, (mean, rstd) = norm_ops.launch_layer_norm(x.reshape(12, 50), None, None, 1e-5, 0.0)
     xf = x.float().reshape(12, 50)
     assert mean.dtype == rstd.dtype == F32 and mean.shape == rstd.shape == (12,)
     assert torch.allclose(mean, xf.mean(-1), rtol=1e-6, atol=1e-7)

@@ -300,8 +300,8 @@ def layer_norm_spec(inp: Inputs, liger: dict) -> OpSpec:
 
     def build():
         def fwd_bwd():
-            _, mean, rstd = ops.launch_layer_norm(xd, wd, bd, EPS, 0.0)
-            return ops._launch_ln_bwd(xd, g, mean, rstd, wd, 0.0, True, True)
+            _, stats = ops.launch_layer_norm(xd, wd, bd, EPS, 0.0)
+            return ops._launch_ln_bwd(xd, g, stats, wd, 0.0, True, True)
 
         return {"fwd": lambda: ops.launch_layer_norm(xd, wd, bd, EPS, 0.0), "fwd+bwd": fwd_bwd}
 

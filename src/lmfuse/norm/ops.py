@@ -85,21 +85,22 @@ def _bwd_grid(M: int, block_m: int, programs_per_sm: int, device: torch.device
 
 def _fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
          eps: float, weight_offset: float, centered: bool, pdl: int = 0
-         ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
-    """``x [M, H]`` (unit column stride) -> ``(y [M, H] in x's dtype, mean [M] float32 or
-    None, rstd [M] float32)``: RMSNorm, or LayerNorm when ``centered``."""
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, H]`` (unit column stride) -> ``(y [M, H] in x's dtype, stats)``: RMSNorm's
+    ``stats [M]`` float32 rstd, or LayerNorm's (``centered``) ``stats [2, M]``, the means
+    then the rstd, in one buffer (one allocation: a host cost of every call)."""
     M, H = x.shape
     y = x.new_empty(M, H)
-    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-    mean = torch.empty(M, dtype=torch.float32, device=x.device) if centered else None
+    stats = torch.empty((2, M) if centered else (M,), dtype=torch.float32, device=x.device)
+    mean, rstd = (stats[0], stats[1]) if centered else (None, stats)
     if M == 0 or H == 0:
-        return y, mean, rstd
+        return y, stats
     tiles = _config(H, x.device)[0]
     _kernels().norm_fwd_kernel[(cdiv(M, tiles.block_m),)](
         x, x.stride(0), weight, bias, y, y.stride(0), mean, rstd, M, H, eps, weight_offset,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, CENTERED=centered,
         PDL=pdl, **tiles.meta(), **_pdl.launch_options(pdl))
-    return y, mean, rstd
+    return y, stats
 
 
 def _fwd_fake(x, weight, eps, weight_offset, pdl=0):
@@ -111,60 +112,48 @@ def launch_rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
                     weight_offset: float, pdl: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, H]`` (unit column stride) -> ``(y [M, H] in x's dtype, rstd [M] float32)``.
     ``pdl``: launched with programmatic dependent launch (``lmfuse._pdl``; CUDA only)."""
-    y, _, rstd = _fwd(x, weight, None, eps, weight_offset, False, pdl)
-    return y, rstd
+    return _fwd(x, weight, None, eps, weight_offset, False, pdl)
 
 
 def _ln_fwd_fake(x, weight, bias, eps, weight_offset):
-    stat = x.new_empty((x.shape[0],), dtype=torch.float32)
-    return x.new_empty(x.shape), stat, stat.clone()
+    return x.new_empty(x.shape), x.new_empty((2, x.shape[0]), dtype=torch.float32)
 
 
 @kernel_op("layer_norm_fwd", _ln_fwd_fake)
 def launch_layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor],
                       bias: Optional[torch.Tensor], eps: float, weight_offset: float
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x [M, H]`` (unit column stride) -> ``(y [M, H] in x's dtype, mean [M] float32,
-    rstd [M] float32)``."""
-    y, mean, rstd = _fwd(x, weight, bias, eps, weight_offset, True)
-    return y, mean, rstd
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, H]`` (unit column stride) -> ``(y [M, H] in x's dtype, stats [2, M]
+    float32)``: ``stats[0]`` the rows' means, ``stats[1]`` their rstd."""
+    return _fwd(x, weight, bias, eps, weight_offset, True)
 
 
 def _bwd(x: torch.Tensor, dy: torch.Tensor, mean: Optional[torch.Tensor], rstd: torch.Tensor,
          weight: Optional[torch.Tensor], weight_offset: float, weight_grad: bool,
-         bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dx [M, H] in x's dtype, dw [H] float32, db [H] float32)``; ``dw`` (``db``) is
-    empty unless ``weight_grad`` (``bias_grad``); LayerNorm's when ``mean`` is given. Each
-    program adds its rows' weight (bias) gradient into a float32 partial row of its own,
-    and the partials are summed after (one program's partial is the sum itself: a view of
-    it, not a reduction launch; the partials hold no -0.0, where a sum would give +0.0)."""
+         bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx [M, H] in x's dtype, dparams [k, H] float32)``: ``dparams`` holds the weight's
+    gradient (``weight_grad``), then the bias's (``bias_grad``), k of them; LayerNorm's
+    when ``mean`` is given. Each program adds its rows' parameter gradients into float32
+    partial rows of its own, and the partials are summed after, in one reduction (one
+    program's partial is the sum itself: a view of it, not a reduction launch; the
+    partials hold no -0.0, where a sum would give +0.0)."""
     M, H = x.shape
     dx = x.new_empty(M, H)
     tiles, per_sm = _config(H, x.device)
     programs, rows_per_program = _bwd_grid(M, tiles.block_m, per_sm, x.device)
-
-    def partials(wanted: bool) -> torch.Tensor:
-        if not wanted:
-            return torch.empty(0, dtype=torch.float32, device=x.device)
-        if M == 0 or H == 0:
-            return torch.zeros(H, dtype=torch.float32, device=x.device)
-        # Streamed rows add into their program's partial row in place: it starts at zero.
-        alloc = torch.empty if tiles.single else torch.zeros
-        return alloc(programs, H, dtype=torch.float32, device=x.device)
-
-    dw, db = partials(weight_grad), partials(bias_grad)
+    k = int(weight_grad) + int(bias_grad)
     if M == 0 or H == 0:
-        return dx, dw, db
+        return dx, torch.zeros(k, H, dtype=torch.float32, device=x.device)
+    # Streamed rows add into their program's partial rows in place: they start at zero.
+    part = (torch.empty if tiles.single else torch.zeros)(
+        k, programs, H, dtype=torch.float32, device=x.device)
     _kernels().norm_bwd_kernel[(programs,)](
         x, x.stride(0), dy, dy.stride(0), weight, mean, rstd, dx, dx.stride(0),
-        dw if weight_grad else None, db if bias_grad else None, M, H, rows_per_program,
-        weight_offset, HAS_WEIGHT=weight is not None, WEIGHT_GRAD=weight_grad,
-        BIAS_GRAD=bias_grad, CENTERED=mean is not None, **tiles.meta())
-    if weight_grad:
-        dw = dw[0] if programs == 1 else dw.sum(0)
-    if bias_grad:
-        db = db[0] if programs == 1 else db.sum(0)
-    return dx, dw, db
+        part[0] if weight_grad else None, part[k - 1] if bias_grad else None, M, H,
+        rows_per_program, weight_offset, HAS_WEIGHT=weight is not None,
+        WEIGHT_GRAD=weight_grad, BIAS_GRAD=bias_grad, CENTERED=mean is not None,
+        **tiles.meta())
+    return dx, (part[:, 0] if programs == 1 else part.sum(1))
 
 
 def _bwd_fake(x, dy, rstd, weight, weight_offset, weight_grad):
@@ -178,23 +167,23 @@ def _launch_bwd(x: torch.Tensor, dy: torch.Tensor, rstd: torch.Tensor,
                 weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm's ``(dx [M, H] in x's dtype, dw [H] float32)``; ``dw`` is empty unless
     ``weight_grad``."""
-    dx, dw, _ = _bwd(x, dy, None, rstd, weight, weight_offset, weight_grad, False)
-    return dx, dw
+    dx, dw = _bwd(x, dy, None, rstd, weight, weight_offset, weight_grad, False)
+    return dx, (dw[0] if weight_grad else dw.new_empty(0))
 
 
-def _ln_bwd_fake(x, dy, mean, rstd, weight, weight_offset, weight_grad, bias_grad):
+def _ln_bwd_fake(x, dy, stats, weight, weight_offset, weight_grad, bias_grad):
     return (x.new_empty(x.shape),
-            x.new_empty((x.shape[1] if weight_grad else 0,), dtype=torch.float32),
-            x.new_empty((x.shape[1] if bias_grad else 0,), dtype=torch.float32))
+            x.new_empty((int(weight_grad) + int(bias_grad), x.shape[1]), dtype=torch.float32))
 
 
 @kernel_op("layer_norm_bwd", _ln_bwd_fake)
-def _launch_ln_bwd(x: torch.Tensor, dy: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+def _launch_ln_bwd(x: torch.Tensor, dy: torch.Tensor, stats: torch.Tensor,
                    weight: Optional[torch.Tensor], weight_offset: float, weight_grad: bool,
-                   bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """LayerNorm's ``(dx [M, H] in x's dtype, dw [H] float32, db [H] float32)``; ``dw``
-    (``db``) is empty unless ``weight_grad`` (``bias_grad``)."""
-    return _bwd(x, dy, mean, rstd, weight, weight_offset, weight_grad, bias_grad)
+                   bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """LayerNorm's ``(dx [M, H] in x's dtype, dparams [k, H] float32)`` from the forward's
+    ``stats [2, M]``: ``dparams`` holds the weight's gradient (``weight_grad``), then the
+    bias's (``bias_grad``)."""
+    return _bwd(x, dy, stats[0], stats[1], weight, weight_offset, weight_grad, bias_grad)
 
 
 # --- autograd ----------------------------------------------------------------------------------
@@ -449,26 +438,32 @@ class _LayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, s: NormCall):
         with nvtx_range(_LN, "fwd"):
-            y, mean, rstd = launch_layer_norm(x, weight, bias, s.eps, s.weight_offset)
+            y, stats = launch_layer_norm(x, weight, bias, s.eps, s.weight_offset)
             ctx.s = s
             ctx.bias_dtype = bias.dtype if bias is not None else None
             needs = ctx.needs_input_grad
             if needs[0] or needs[1] or needs[2]:
-                ctx.save_for_backward(x, weight, mean, rstd)
+                ctx.save_for_backward(x, weight, stats)
             return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
         with nvtx_range(_LN, "bwd"):
-            x, weight, mean, rstd = ctx.saved_tensors
+            x, weight, stats = ctx.saved_tensors
             need_x, need_w, need_b = ctx.needs_input_grad[:3]
             if dy.stride(-1) != 1:  # any row stride is read as is, even 0 (expanded)
                 dy = dy.contiguous()
-            dx, dw, db = _launch_ln_bwd(x, dy, mean, rstd, weight, ctx.s.weight_offset,
-                                        need_w, need_b)
-            dw = dw.to(weight.dtype) if need_w else None
-            db = db.to(ctx.bias_dtype) if need_b else None
+            dx, dparams = _launch_ln_bwd(x, dy, stats, weight, ctx.s.weight_offset,
+                                         need_w, need_b)
+            dw = db = None
+            if need_w and need_b and weight.dtype == ctx.bias_dtype:
+                dw, db = dparams.to(weight.dtype).unbind()  # one cast for both
+            else:
+                if need_w:
+                    dw = dparams[0].to(weight.dtype)
+                if need_b:
+                    db = dparams[-1].to(ctx.bias_dtype)
             return (dx if need_x else None), dw, db, None
 
 
