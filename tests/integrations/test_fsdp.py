@@ -1,7 +1,7 @@
 """apply_lmfuse on models sharded by FSDP2 (``fully_shard``) on 2 gloo CPU ranks: the
 probes of the detected families meet the sharded weights (DTensors) and must still find the
-norms, MLPs and experts they find unsharded, and the patched model must train as the
-unpatched one under the same sharding."""
+norms (RMSNorms, Nemotron's LayerNorm1P), MLPs and experts they find unsharded, and the
+patched model must train as the unpatched one under the same sharding."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def _sharded_rank(rank: int, world: int, model_type: str, per_module: bool) -> N
     unsharded = tiny_causal_lm(model_type)
     apply_lmfuse(unsharded)
     want = _counts(unsharded)
-    assert want["rms_norm"] and (want["moe_experts"] or want["swiglu"]), want
+    assert want["rms_norm"] or want["layer_norm"], want
+    assert want["moe_experts"] or want["swiglu"] or want["squared_relu"], want
 
     models = [tiny_causal_lm(model_type).train() for _ in range(2)]
     for m in models:
@@ -64,10 +65,10 @@ def _sharded_rank(rank: int, world: int, model_type: str, per_module: bool) -> N
 
 
 @pytest.mark.parametrize("model_type, per_module", [("olmo2", False), ("gpt_oss", False),
-                                                     ("olmo2", True)])
+                                                     ("olmo2", True), ("nemotron", True)])
 def test_apply_lmfuse_after_fully_shard(model_type: str, per_module: bool) -> None:
-    """OLMo-2 (norms and MLP found by probes) and GPT-OSS (its clamped experts' probe):
-    patched after fully_shard (of the layers, or of each MLP and a norm too), the same
-    patches as unsharded, no warning, and the sharded training step's loss and gradients
-    equal the unpatched sharded model's."""
+    """OLMo-2 (norms and MLP found by probes), GPT-OSS (its clamped experts' probe) and
+    Nemotron (its LayerNorm1P's probe): patched after fully_shard (of the layers, or of each
+    MLP and a norm too), the same patches as unsharded, no warning, and the sharded training
+    step's loss and gradients equal the unpatched sharded model's."""
     spawn_gloo(2, _sharded_rank, model_type, per_module, timeout=240)

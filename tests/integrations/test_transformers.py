@@ -803,7 +803,8 @@ OTHER_VLMS = {
     "qwen3_5_moe": ("qwen3_5_moe_text", "qwen3_5_moe_vision", "image_token_id", {}),
     "smolvlm": ("llama", "smolvlm_vision", "image_token_id", {}),
     # MuseGlimmer: (1 + w) norms, SiLU gated MLPs, logits multiplied by output_multiplier
-    # before the soft cap; a vision tower of LayerNorms and GELU fc1/fc2 MLPs (left alone)
+    # before the soft cap; a vision tower of LayerNorms (fused) and GELU fc1/fc2 MLPs (left
+    # alone)
     "muse_glimmer": ("muse_glimmer_text", "muse_glimmer_vision", "image_token_id",
                      {"video_token_id": VOCAB - 9, "out_hidden_size": 64,
                       "projector_hidden_size": 32}),
@@ -1274,8 +1275,8 @@ def test_more_families_one_training_step(model_type):
         n for n, m in modules.items() if type(m).__name__ in family.mlps)
     assert sorted(s["moe_experts"]) == sorted(
         n for n, m in modules.items() if type(m).__name__ in family.experts)
-    if model_type == "nemotron":  # LayerNorm1P (the model's), ReLU^2 MLPs without a gate
-        assert not s["rms_norm"] and not s["swiglu"]
+    if model_type == "nemotron":  # LayerNorm1P (lmfuse.layer_norm), ReLU^2 MLPs without a gate
+        assert not s["rms_norm"] and not s["swiglu"] and len(s["layer_norm"]) == 5
         assert s["squared_relu"] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     else:
         assert len(s["rms_norm"]) >= 5

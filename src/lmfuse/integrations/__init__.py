@@ -7,14 +7,19 @@
   (``lmfuse.megatron.patch``) patches a Megatron-Core ``GPTModel`` built with the local spec.
 
 Nothing here is imported by ``import lmfuse``, and each integration imports its library only
-when it is called. What both patches share is below: the object a patched method becomes.
+when it is called. What both patches share is below: the object a patched method becomes,
+and the call a patched LayerNorm makes (what the module gives, dtype included).
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 from typing import Any
 
 import torch
+
+from ..norm import layer_norm as _layer_norm
 
 
 class _Forward:
@@ -49,3 +54,73 @@ def _check_flags(op: str, **flags: Any) -> None:
     for name, flag in flags.items():
         if not isinstance(flag, bool):
             raise TypeError(f"{op}: {name} must be a bool, got {flag!r}")
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _native_layer_norm_dtypes(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
+    """``F.layer_norm`` takes ``x`` with these parameters outside autocast: all of x's
+    dtype, or all float32 for a 16-bit x (its "mixed type"); x of a dtype lmfuse's kernels
+    take. (A float32 x with 16-bit parameters is PyTorch's error, which the module's own
+    forward then raises.)"""
+    dtypes = {p.dtype for p in params if p is not None}
+    return (x.dtype in (*_HALF, torch.float32)
+            and (dtypes <= {x.dtype} or (x.dtype in _HALF and dtypes == {torch.float32})))
+
+
+def _layer_norm_like(m: torch.nn.Module, x: Any, *, autocast: str, weight_offset: float = 0.0,
+                     impl: str = "auto") -> torch.Tensor | None:
+    """What LayerNorm module ``m`` gives for ``x``, ``F.layer_norm(x, m.normalized_shape,
+    m.weight + weight_offset, m.bias, m.eps)``, computed by :func:`lmfuse.layer_norm` (a
+    ``normalized_shape`` of several dims as one flattened row); None for a call it does not
+    stand in for (another shape, a float64 tensor, a dtype mix PyTorch refuses, an autocast
+    whose casts are not known here): the caller runs the module's own forward then.
+
+    The output dtype is the module's. ``autocast`` says what the module does under autocast:
+    ``"fp32"``, ``torch.nn.LayerNorm.forward``'s ``F.layer_norm``, which autocast runs in
+    float32 on CUDA (its float32 list; a float32 output) and leaves alone on the CPU (no
+    policy there); ``"cast"``, Nemotron's LayerNorm1P, which under CUDA's autocast (the
+    ``torch.is_autocast_enabled()`` it asks) casts x, weight and bias to the autocast dtype
+    of x's device and normalises there (an output of that dtype); ``"none"``, unknown: no
+    call under any autocast. lmfuse's math is float32 whatever the parameters' dtype, so
+    under a 16-bit autocast the scale and shift are not rounded to it first as the module
+    rounds them (outputs within one rounding)."""
+    shape = tuple(getattr(m, "normalized_shape", ()))
+    eps = getattr(m, "eps", None)
+    k = len(shape)
+    if not (isinstance(x, torch.Tensor) and k >= 1 and x.dim() >= k
+            and tuple(x.shape[-k:]) == shape and isinstance(eps, (int, float))
+            and not isinstance(eps, bool) and 0 <= eps < float("inf")):
+        return None
+    weight, bias = getattr(m, "weight", None), getattr(m, "bias", None)
+    device = x.device.type
+    if autocast == "cast":
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled() else None
+    elif autocast != "fp32":
+        if torch.is_autocast_enabled() or torch.is_autocast_enabled(device):
+            return None
+        dtype = None
+    elif not torch.is_autocast_enabled(device) or device == "cpu":
+        dtype = None
+    elif device == "cuda":
+        dtype = torch.float32
+    else:
+        return None  # (another device's autocast policy)
+    if dtype is None:
+        if not _native_layer_norm_dtypes(x, weight, bias):
+            return None
+    elif any(t is not None and t.dtype == torch.float64 for t in (x, weight, bias)):
+        return None  # (autocast leaves float64 tensors as they are)
+    else:
+        x = x.to(dtype)  # autocast's cast (the op takes the parameters as they are)
+    n = math.prod(shape)
+    flat = x if k == 1 else x.reshape(*x.shape[:-k], n)
+    if k > 1:
+        weight = weight.reshape(n) if weight is not None else None
+        bias = bias.reshape(n) if bias is not None else None
+    off = contextlib.nullcontext() if not torch.is_autocast_enabled(device) else \
+        torch.autocast(device, enabled=False)
+    with off:  # (the op's torch path must not be cast again)
+        y = _layer_norm(flat, weight, bias, eps=float(eps), weight_offset=weight_offset, impl=impl)
+    return y if k == 1 else y.reshape(x.shape)

@@ -6,6 +6,9 @@ models of the same class are untouched, and ``copy.deepcopy`` carries it along):
 
 * the RMSNorms (every decoder layer's norms, the final norm, Qwen3's and Gemma3's q/k norms)
   run :func:`lmfuse.rms_norm` with the module's own ``weight`` and eps;
+* the LayerNorms (``torch.nn.LayerNorm`` and its subclasses that keep its forward: the vision
+  towers' and projectors'; Nemotron's LayerNorm1P, found by a probe) run
+  :func:`lmfuse.layer_norm` with the module's own ``weight``, ``bias`` and eps;
 * the gated MLPs (``down_proj(act(gate_proj(x)) * up_proj(x))``) run :func:`lmfuse.swiglu`
   (SiLU) or :func:`lmfuse.geglu` (tanh-approximated GELU) between their projections
   (Falcon-H1's ``gate_multiplier`` and ``down_multiplier`` as swiglu's);
@@ -43,7 +46,7 @@ from ..activations.reference import QUICK_GELU_K
 from ..cross_entropy import linear_cross_entropy as _linear_cross_entropy
 from ..moe import moe_experts as _moe_experts
 from ..norm import rms_norm as _rms_norm
-from . import _activation_name, _check_flags, _instance_attr
+from . import _activation_name, _check_flags, _instance_attr, _layer_norm_like
 from . import _Forward as _PatchedMethod
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "apply_lmfuse"]
@@ -58,6 +61,9 @@ class _Family(NamedTuple):
     unprobed: tuple[str, ...] = ()
     # MLP classes of a fusable form whose probe found another formula (a dropout, a clamp)
     rejected_mlps: tuple[str, ...] = ()
+    # torch.nn.LayerNorm subclasses with a forward of their own that a probe found to compute
+    # a LayerNorm: class name -> weight offset (1.0: Nemotron's LayerNorm1P, weight + 1)
+    layer_norms: dict[str, float] = {}
 
 
 def _family(norm: str, offset: float, mlp: str) -> _Family:
@@ -104,12 +110,14 @@ _DETECTED: tuple[str, ...] = (
     # "noaux_tc") and hands the experts weights already scaled by routed_scaling_factor, which
     # moe_experts takes as they are; the multi-head latent attention stays the model's too
     "deepseek_v2", "deepseek_v3",
-    # Nemotron: LayerNorm1P (left as it is), ReLU^2 MLPs without a gate and the loss
+    # Nemotron: LayerNorm1P (its own forward, found by a probe to be a LayerNorm of weight
+    # + 1), ReLU^2 MLPs without a gate and the loss
     "nemotron",
     # vision-language models: the norms and gated MLPs of the text stack (and of the vision
-    # tower where they are of these forms), the MoE ones' experts, and the loss (GLM-4.1V's
-    # and GLM-4.5V's vision patch merger runs a projection, a LayerNorm and a GELU before its
-    # gated MLP: it stays the model's); their text stacks alone (base models: norms and
+    # tower where they are of these forms; the towers' and projectors' torch.nn.LayerNorms),
+    # the MoE ones' experts, and the loss (GLM-4.1V's and GLM-4.5V's vision patch merger runs
+    # a projection, a LayerNorm and a GELU before its gated MLP: the MLP stays the model's,
+    # its LayerNorm is fused); their text stacks alone (base models: norms and
     # MLPs); Mllama's text model (MllamaForCausalLM, its cross-attention layers' norms and
     # MLPs too); Pixtral's vision encoder alone (norms, and its gated MLPs where SiLU:
     # transformers' default GELU ones stay the model's, with a warning); Llama 4's
@@ -125,7 +133,7 @@ _DETECTED: tuple[str, ...] = (
     # MuseGlimmer and its text model (a base model): the (1 + w) RMSNorms and the final norm
     # (the weightless ones, of the embedding, q/k and image features, stay), the SiLU gated
     # MLPs, the loss with the logits' output_multiplier applied before the soft cap; the
-    # vision tower (LayerNorms, GELU MLPs without a gate) stays the model's
+    # vision tower's LayerNorms (its GELU MLPs without a gate stay the model's)
     "muse_glimmer", "muse_glimmer_text")
 
 #: ``config.model_type`` values :func:`apply_lmfuse` accepts.
@@ -148,6 +156,7 @@ def _family_of(model: torch.nn.Module) -> _Family | None:
     experts: dict[str, str] = {}
     unprobed: list[str] = []
     rejected: list[str] = []
+    layer_norms: dict[str, float] = {}
     seen: set[type] = set()
     # The probes draw nothing from torch's generators, but a module's own forward may (a
     # dropout): the user's random numbers stay as they were.
@@ -162,12 +171,15 @@ def _family_of(model: torch.nn.Module) -> _Family | None:
                 # says nothing of its class: the probe takes one with a weight, if any
                 # (patched or not, the weightless ones stay the model's).
                 continue
+            custom_ln = _own_forward_layer_norm(m)
+            if custom_ln and getattr(m, "weight", None) is None:
+                continue  # (likewise: the probe needs a weight, and so does the patch)
             if _instance_attr(m) not in (None, *_PATCHES):
                 # Another library's forward on this instance: the class is probed on another
                 # instance, if any (this one is named as foreign when the patch is applied).
                 continue
             seen.add(cls)
-            plain = cls.__name__.endswith("RMSNorm") or _is_fusable_mlp(m)
+            plain = cls.__name__.endswith("RMSNorm") or custom_ln or _is_fusable_mlp(m)
             if plain and _on_meta(m):
                 unprobed.append(cls.__name__)
                 continue
@@ -176,6 +188,10 @@ def _family_of(model: torch.nn.Module) -> _Family | None:
                     offset = _probe_norm(m)
                     if offset is not None:
                         norms[cls.__name__] = offset
+                elif custom_ln:
+                    offset = _probe_layer_norm(m)
+                    if offset is not None:
+                        layer_norms[cls.__name__] = offset
                 elif _is_fusable_mlp(m):
                     found = _probe_mlp(m)
                     if found:
@@ -188,7 +204,8 @@ def _family_of(model: torch.nn.Module) -> _Family | None:
                         experts[cls.__name__] = _probe_experts(m, layout)
                     elif layout is not None:
                         experts[cls.__name__] = layout
-    return _Family(norms, frozenset(mlps), experts, tuple(unprobed), tuple(rejected))
+    return _Family(norms, frozenset(mlps), experts, tuple(unprobed), tuple(rejected),
+                   layer_norms)
 
 
 @contextlib.contextmanager
@@ -307,6 +324,53 @@ def _probe_norm(m: torch.nn.Module) -> float | None:
     base = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     # The closer of the two offsets (large weights make them near), if close enough.
     err, offset = min((_error(y, base * (weight.float() + o)), o) for o in (0.0, 1.0))
+    return offset if err <= _PROBE_TOL else None
+
+
+def _own_forward_layer_norm(m: torch.nn.Module) -> bool:
+    """``m`` is a ``torch.nn.LayerNorm`` whose class replaces its forward (Nemotron's
+    LayerNorm1P): what it computes is for :func:`_probe_layer_norm` to find."""
+    return (isinstance(m, torch.nn.LayerNorm)
+            and type(m).forward is not torch.nn.LayerNorm.forward)
+
+
+@torch.no_grad()
+def _probe_layer_norm(m: torch.nn.Module) -> float | None:
+    """0.0 or 1.0 when LayerNorm ``m`` (:func:`_own_forward_layer_norm`) computes
+    ``F.layer_norm(x, normalized_shape, weight + offset, bias, eps)`` over one dim, else None.
+
+    The class's forward runs on rows of nonzero mean (where an RMSNorm differs) with random
+    stand-ins for the weight and the bias (restored afterwards): a formula that agrees with
+    a LayerNorm only at the initial ones and zeros (a bias left out) is told apart."""
+    shape = tuple(m.normalized_shape)
+    weight, bias, eps = m.weight, m.bias, _number(getattr(m, "eps", None))
+    if not (len(shape) == 1 and isinstance(weight, torch.nn.Parameter)
+            and tuple(weight.shape) == shape and eps is not None and eps >= 0
+            and (bias is None or (isinstance(bias, torch.nn.Parameter)
+                                  and tuple(bias.shape) == shape))
+            and _positional_inputs(m, 1) and _instance_attr(m) in (None, _layer_norm_forward)):
+        return None
+    x = _probe_input(m, shape[0])
+    if x is None:
+        return None
+    x = x + 1.0
+    g = torch.Generator(device="cpu").manual_seed(2)
+    saved = {name: m._parameters[name] for name in ("weight", "bias") if name in m._parameters}
+    stand_ins = {name: torch.nn.Parameter(torch.randn(shape, generator=g).to(p), p.requires_grad)
+                 for name, p in saved.items() if p is not None}
+    m._parameters.update(stand_ins)
+    try:
+        y = type(m).forward(m, x)  # (the class's forward: see _probe_norm)
+    except Exception:  # noqa: BLE001 - not a plain norm of one input
+        return None
+    finally:
+        m._parameters.update(saved)
+    if not (isinstance(y, torch.Tensor) and y.shape == x.shape):
+        return None
+    w = stand_ins["weight"].float()
+    b = stand_ins["bias"].float() if "bias" in stand_ins else 0.0
+    base = F.layer_norm(x.float(), shape, None, None, eps)
+    err, offset = min((_error(y, base * (w + o) + b), o) for o in (0.0, 1.0))
     return offset if err <= _PROBE_TOL else None
 
 
@@ -462,13 +526,15 @@ def _norm_eps(norm: torch.nn.Module) -> float | None:
     return None
 
 
-def _small_inference_call(m: torch.nn.Module, x: torch.Tensor) -> bool:
+def _small_inference_call(m: torch.nn.Module, x: torch.Tensor, width: int | None = None
+                          ) -> bool:
     """True for a call the module's own forward serves better: autograd off (generation) and
-    at most ``inference_fallback_tokens`` tokens, where a fused launch's host time (tens of
-    microseconds) costs more than the memory traffic it saves. Never while compiling (the
-    custom ops are what the graph should hold there)."""
+    at most ``inference_fallback_tokens`` tokens (rows of ``width``, x's last dim unless
+    given), where a fused launch's host time (tens of microseconds) costs more than the
+    memory traffic it saves. Never while compiling (the custom ops are what the graph
+    should hold there)."""
     return (not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            and x.numel() <= m._lmfuse_fallback_tokens * x.shape[-1])
+            and x.numel() <= m._lmfuse_fallback_tokens * (width or x.shape[-1]))
 
 
 def _rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -480,6 +546,43 @@ def _rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> tor
     # the two agree.
     return _rms_norm(hidden_states, self.weight, eps=_norm_eps(self),
                      weight_offset=self._lmfuse_weight_offset, impl=self._lmfuse_impl)
+
+
+# --- LayerNorm ---------------------------------------------------------------------------------
+
+#: What the LayerNorm classes with their own forward do under autocast (see
+#: ``integrations._layer_norm_like``): Nemotron's casts x, weight + 1 and bias to the
+#: autocast dtype under CUDA's autocast. A probed class not listed runs its own forward
+#: under any autocast.
+_LAYER_NORM_AUTOCAST = {"NemotronLayerNorm1P": "cast"}
+
+
+def _layer_norm_kind(m: torch.nn.Module, family: _Family) -> tuple[float, str] | None:
+    """``(weight_offset, autocast rule)`` when ``m`` is a LayerNorm the patch runs through
+    :func:`lmfuse.layer_norm`: a ``torch.nn.LayerNorm`` (or a subclass) with torch's own
+    forward, any ``normalized_shape``, affine or not, with a bias or not; or an instance
+    with a weight of a class the probe found (:attr:`_Family.layer_norms`). Else None."""
+    if not isinstance(m, torch.nn.LayerNorm):
+        return None
+    if type(m).forward is torch.nn.LayerNorm.forward:
+        return 0.0, "fp32"
+    name = type(m).__name__
+    if name in family.layer_norms and isinstance(getattr(m, "weight", None), torch.nn.Parameter):
+        return family.layer_norms[name], _LAYER_NORM_AUTOCAST.get(name, "none")
+    return None
+
+
+def _layer_norm_forward(self: torch.nn.Module, input: torch.Tensor) -> torch.Tensor:
+    # weight, bias, eps and normalized_shape are read on every call, as the module reads them;
+    # a call lmfuse.layer_norm does not stand in for (integrations._layer_norm_like: another
+    # shape, a dtype mix PyTorch refuses, an unknown autocast) runs the module's forward.
+    if not (isinstance(input, torch.Tensor) and _small_inference_call(
+            self, input, math.prod(self.normalized_shape))):
+        y = _layer_norm_like(self, input, autocast=self._lmfuse_layer_norm_autocast,
+                             weight_offset=self._lmfuse_weight_offset, impl=self._lmfuse_impl)
+        if y is not None:
+            return y
+    return type(self).forward(self, input)
 
 
 # --- gated MLP ---------------------------------------------------------------------------------
@@ -1092,6 +1195,15 @@ def _patch_norm(m: torch.nn.Module, offset: float, impl: str, fallback: int) -> 
     return True
 
 
+def _patch_layer_norm(m: torch.nn.Module, kind: tuple[float, str], impl: str,
+                      fallback: int) -> None:
+    """Run LayerNorm ``m`` (:func:`_layer_norm_kind` gave ``kind``) through
+    :func:`lmfuse.layer_norm`."""
+    offset, autocast = kind
+    _set_forward(m, _layer_norm_forward, weight_offset=offset, layer_norm_autocast=autocast,
+                 impl=impl, fallback_tokens=fallback)
+
+
 def _patch_mlp(m: torch.nn.Module, impl: str, fallback: int) -> str | None:
     """Run gated MLP ``m``'s activation fused: ``"swiglu"``/``"geglu"`` when patched, the
     activation's name when it is not one lmfuse fuses, None when ``m`` is not a gated MLP."""
@@ -1115,18 +1227,19 @@ def _patch_experts(m: torch.nn.Module, impl: str) -> str:
     return ""
 
 
-_PATCHES = (_rms_norm_forward, _gated_mlp_forward, _experts_forward)  # what lmfuse patches run
+#: what lmfuse patches run
+_PATCHES = (_rms_norm_forward, _layer_norm_forward, _gated_mlp_forward, _experts_forward)
 #: Why a probed MLP of a fusable form stays the model's (``mlp_unsupported_activation``).
 _ANOTHER_FORMULA = "not the fused formula on a probe: a dropout, a clamp or another step"
 #: The activations of the MLPs lmfuse runs fused (the keys of ``model.lmfuse_patches``).
 _FUSED_ACTIVATIONS = ("swiglu", "geglu", "squared_relu")
 _PATCH_ATTRS = ("forward", "_lmfuse_weight_offset", "_lmfuse_impl", "_lmfuse_fallback_tokens",
-                "_lmfuse_activation", "_lmfuse_experts")
+                "_lmfuse_activation", "_lmfuse_experts", "_lmfuse_layer_norm_autocast")
 
 
 @contextlib.contextmanager
 def fused_norms_and_mlps(model: torch.nn.Module, impl: str = "auto") -> Iterator[bool]:
-    """While the block runs, ``model``'s RMSNorms and gated MLPs (of a family
+    """While the block runs, ``model``'s RMSNorms, LayerNorms and gated MLPs (of a family
     :func:`apply_lmfuse` supports) run lmfuse's fused ops on every call, however few tokens
     (``inference_fallback_tokens=0``), and its mixture-of-experts experts modules (those
     :func:`apply_lmfuse` runs through :func:`lmfuse.moe_experts`: no host synchronisation,
@@ -1139,7 +1252,9 @@ def fused_norms_and_mlps(model: torch.nn.Module, impl: str = "auto") -> Iterator
     if family is not None:
         for m in model.modules():
             cls = type(m).__name__
-            if cls not in family.norms and cls not in family.mlps and cls not in family.experts:
+            ln = _layer_norm_kind(m, family)
+            if (ln is None and cls not in family.norms and cls not in family.mlps
+                    and cls not in family.experts):
                 continue
             current = _instance_attr(m)
             if current is not None and current not in _PATCHES:
@@ -1154,6 +1269,9 @@ def fused_norms_and_mlps(model: torch.nn.Module, impl: str = "auto") -> Iterator
             if current is not None:  # patched by apply_lmfuse: only the fallback changes
                 saved.append((m, before))
                 m._lmfuse_fallback_tokens = 0
+            elif ln is not None:
+                _patch_layer_norm(m, ln, impl, 0)
+                saved.append((m, before))
             elif cls in family.norms and _patch_norm(m, family.norms[cls], impl, 0):
                 saved.append((m, before))
             elif cls in family.mlps:
@@ -1171,12 +1289,14 @@ def fused_norms_and_mlps(model: torch.nn.Module, impl: str = "auto") -> Iterator
 
 
 def _summary(model: torch.nn.Module, family: _Family, impl: str) -> dict[str, Any]:
-    norms, experts, unpatched = [], [], {}
+    norms, layer_norms, experts, unpatched = [], [], [], {}
     mlps: dict[str, list[str]] = {name: [] for name in _FUSED_ACTIVATIONS}
     for name, m in model.named_modules():
         fn = _instance_attr(m)
         if fn is _rms_norm_forward:
             norms.append(name)
+        elif fn is _layer_norm_forward:
+            layer_norms.append(name)
         elif fn is _gated_mlp_forward:
             mlps[m._lmfuse_activation].append(name)
         elif fn is _experts_forward:
@@ -1185,14 +1305,15 @@ def _summary(model: torch.nn.Module, family: _Family, impl: str) -> dict[str, An
             unpatched[name] = _activation_name(_mlp_act(m))
         elif type(m).__name__ in family.rejected_mlps:
             unpatched[name] = _ANOTHER_FORMULA
-    return {"impl": impl, "rms_norm": norms, **mlps,
+    return {"impl": impl, "rms_norm": norms, "layer_norm": layer_norms, **mlps,
             "mlp_unsupported_activation": unpatched, "moe_experts": experts,
             "fused_linear_cross_entropy": _instance_attr(model) is _causal_lm_forward}
 
 
-def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool = True,
-                 fused_linear_cross_entropy: bool = True, experts: bool = True,
-                 impl: str = "auto", inference_fallback_tokens: int = 64) -> torch.nn.Module:
+def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: bool = True,
+                 swiglu: bool = True, fused_linear_cross_entropy: bool = True,
+                 experts: bool = True, impl: str = "auto",
+                 inference_fallback_tokens: int = 64) -> torch.nn.Module:
     """Patch a loaded ``transformers`` model in place to run lmfuse's fused ops.
 
     Works on the Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2 and Gemma3 (text) families and,
@@ -1206,7 +1327,7 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
     the latent attention stays the model's) and DeepSeek-V4 (its experts' clamp as
     ``moe_experts``' ``clamp_value``; its clamped dense MLPs left as they are), the
     gated-linear-attention hybrids Qwen3-Next and Qwen3.5 (text, dense and MoE),
-    Nemotron (its ReLU^2 MLPs and the loss; its LayerNorm1P stays the model's), the text
+    Nemotron (its LayerNorm1P, its ReLU^2 MLPs and the loss), the text
     stacks of Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE and MuseGlimmer (base models),
     Mllama's text model, Pixtral's
     vision encoder (norms and MLPs), and the MoE families' experts through
@@ -1231,6 +1352,24 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
             ``weight_offset=1.0``). Float32 math rounded once to the input dtype; Llama's
             own norm rounds before the weight multiply, so half-precision outputs can differ
             from the unpatched model's by one rounding.
+        layer_norm: run every LayerNorm through :func:`lmfuse.layer_norm` with the module's
+            ``weight``, ``bias`` and eps (read on every call): each ``torch.nn.LayerNorm``, or
+            subclass that keeps its forward, of the model (vision towers, projectors and
+            patch mergers; any ``normalized_shape``, its dims normalised as one row; affine
+            or not, with a bias or not), and Nemotron's ``NemotronLayerNorm1P``
+            (``weight + 1``: ``weight_offset=1.0``), whose own forward a probe on a small
+            input at patch time finds to be that LayerNorm (other LayerNorm subclasses with
+            a forward of their own are patched only when the probe finds one, and run their
+            own forward under autocast; modules that compute a LayerNorm without being a
+            ``torch.nn.LayerNorm`` are left as they are). The output dtype is the module's:
+            x's outside autocast (parameters of x's dtype, or float32 ones for a 16-bit x,
+            as ``F.layer_norm`` takes them; other mixes run the module's forward, which
+            raises PyTorch's error); under CUDA autocast float32 for ``torch.nn.LayerNorm``
+            (autocast's float32 list), the autocast dtype for LayerNorm1P (it casts x, its
+            weight and bias to it). Float32 math rounded once: where the module first
+            rounds ``weight + 1`` (a 16-bit LayerNorm1P) or the parameters (under a 16-bit
+            autocast), half-precision outputs can differ from the unpatched model's by one
+            rounding; in float32 they agree.
         swiglu: run the gated MLPs ``down_proj(act(gate_proj(x)) * up_proj(x))`` with the
             gate and up projections written side by side into one buffer and the activation
             fused: :func:`lmfuse.swiglu` for SiLU (Llama, Mistral, Qwen; Falcon-H1's
@@ -1302,11 +1441,12 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
             8-layer 2048-wide Llama took 517 ms unpatched and 567 ms with every call fused;
             ``bench/hf_training.py --generate 64``).
             Prefill, training and compiled code always take the fused ops. 0 fuses every
-            call.
+            call. (LayerNorms count their rows as tokens.)
 
     Returns:
         ``model`` itself. ``model.lmfuse_patches`` says what is patched: ``"rms_norm"``,
-        ``"swiglu"``, ``"geglu"``, ``"squared_relu"`` (lists of module names),
+        ``"layer_norm"``, ``"swiglu"``, ``"geglu"``, ``"squared_relu"`` (lists of module
+        names),
         ``"mlp_unsupported_activation"``
         (``{module name: activation}`` of MLPs left as they are),
         ``"moe_experts"`` (names of the experts modules patched),
@@ -1321,7 +1461,7 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{op}: model must be a torch.nn.Module (a loaded transformers model), "
                         f"got {type(model).__name__}")
-    _check_flags(op, rms_norm=rms_norm, swiglu=swiglu,
+    _check_flags(op, rms_norm=rms_norm, layer_norm=layer_norm, swiglu=swiglu,
                  fused_linear_cross_entropy=fused_linear_cross_entropy, experts=experts)
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
@@ -1341,13 +1481,17 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, swiglu: bool 
     experts_left: dict[str, str] = {}  # experts modules moe_experts cannot run: why
     for name, m in model.named_modules():
         cls = type(m).__name__
-        if cls not in family.norms and cls not in family.mlps and cls not in family.experts:
+        ln = _layer_norm_kind(m, family) if layer_norm else None
+        if (ln is None and cls not in family.norms and cls not in family.mlps
+                and cls not in family.experts):
             continue
         current = _instance_attr(m)
         if current is not None and current not in _PATCHES:
             foreign.append(name)
             continue
-        if cls in family.norms and rms_norm:
+        if ln is not None:
+            _patch_layer_norm(m, ln, impl, inference_fallback_tokens)
+        elif cls in family.norms and rms_norm:
             _patch_norm(m, family.norms[cls], impl, inference_fallback_tokens)
         elif cls in family.mlps and swiglu:
             activation = _patch_mlp(m, impl, inference_fallback_tokens)
