@@ -382,10 +382,9 @@ def test_activations_match_megatron(case: str) -> None:
     summary = patch(model)
     assert set(summary["activations"].values()) == {op}
     assert len(summary["activations"]) == 2
-    if overrides.get("normalization") == "LayerNorm":
-        assert summary["rms_norm"] == []
-        norms = [n for n, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)]
-        assert len(norms) == 5 and all("LayerNorm" in summary["unpatched"][n] for n in norms)
+    if overrides.get("normalization") == "LayerNorm":  # (fused: test_layer_norms_...)
+        assert summary["rms_norm"] == [] and summary["unpatched"] == {}
+        assert summary["layer_norm"] == module_names(model, torch.nn.LayerNorm)
     assert_same_step(model, reference, inputs(), case)
 
 
@@ -437,6 +436,64 @@ def test_gelu_experts_are_listed_unpatched() -> None:
     assert len(experts) == 8
     assert "lmfuse has no weighted bias_gelu" in summary["unpatched"][experts[0]]
     assert_same_step(model, reference, inputs(), "MoE (GELU experts)")
+
+
+def test_layer_norms_match_megatron(monkeypatch) -> None:
+    """normalization="LayerNorm": WrappedTorchNorm builds torch.nn.LayerNorms (two a layer,
+    the q/k norms, the final norm); each runs lmfuse.layer_norm (its Triton kernel in the
+    interpreter) with its own weight, bias and eps, and the loss and every gradient (the
+    norms' weights and biases, moved off their init, included) are Megatron's.
+    ``layer_norm=False`` leaves them as they are."""
+    import lmfuse.integrations as integrations
+
+    reference = build_gpt(normalization="LayerNorm", qk_layernorm=True, layernorm_epsilon=1e-3)
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if "layernorm.bias" in name:
+                p.normal_(0, 0.3)
+    model = copy_model(reference)
+    summary = patch(model)
+    norms = module_names(reference, torch.nn.LayerNorm)
+    assert summary["layer_norm"] == norms and len(norms) == 9
+    assert summary["rms_norm"] == [] and summary["unpatched"] == {}
+    assert all(model.get_submodule(n).eps == 1e-3 for n in norms)
+
+    widths = []
+    real = integrations._layer_norm
+    monkeypatch.setattr(integrations, "_layer_norm",
+                        lambda x, *a, **k: (widths.append(x.shape[-1]), real(x, *a, **k))[1])
+    assert_same_step(model, reference, inputs(), "LayerNorm")
+    assert sorted(widths) == [16] * 4 + [64] * 5  # the q/k norms over the head dim
+
+    kept = copy_model(reference)
+    summary = patch(kept, layer_norm=False)
+    assert summary["layer_norm"] == [] and summary["unpatched"] == {}
+    assert not any("forward" in vars(kept.get_submodule(n)) for n in norms)
+    assert len(summary["activations"]) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_patched_layer_norm_gives_torchs_dtype(dtype: torch.dtype) -> None:
+    """A 16-bit x into float32 parameters (torch's mixed type, as a float32 norm in a
+    bfloat16 model gets it) and x of the parameters' dtype: x's dtype, as torch gives it; a
+    float32 x into bfloat16 parameters: torch's own error."""
+    from lmfuse.integrations.megatron_core import _layer_norm_forward
+
+    norm = torch.nn.LayerNorm(8, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.normal_(1, 0.3)
+        norm.bias.normal_(0, 0.3)
+    x = (torch.randn(3, 8) * 2 + 1).to(dtype)
+    y = _layer_norm_forward(norm, x)
+    assert y.dtype == dtype
+    assert_close(y, norm(x), dtype, f"LayerNorm, {dtype} x")
+    if dtype == torch.float32:
+        norm.to(torch.bfloat16)
+        with pytest.raises(RuntimeError) as want:
+            norm(x)
+        with pytest.raises(RuntimeError) as got:
+            _layer_norm_forward(norm, x)
+        assert str(got.value) == str(want.value)
 
 
 def test_patched_weightless_rms_norm_checks_the_width() -> None:
@@ -500,7 +557,7 @@ def test_refuses_what_it_cannot_patch() -> None:
         patch("gpt")
     with pytest.raises(TypeError, match="call patch on each chunk"):
         patch([model])
-    for flag in ("softmax", "activations", "rms_norm", "loss"):
+    for flag in ("softmax", "activations", "rms_norm", "layer_norm", "loss"):
         with pytest.raises(TypeError, match=f"{flag} must be a bool"):
             patch(model, **{flag: 1})
 
@@ -553,7 +610,8 @@ def test_module_docstring_names_every_patched_class() -> None:
 
     doc = megatron_core.__doc__
     for name in ("DotProductAttention", "scale_mask_softmax", "MLP", "SequentialMLP",
-                 "torch.nn.RMSNorm", "L2Norm", "GPTModel", "compute_language_model_loss",
+                 "torch.nn.RMSNorm", "L2Norm", "torch.nn.LayerNorm",
+                 "layernorm_zero_centered_gamma", "GPTModel", "compute_language_model_loss",
                  "_postprocess", "output_layer", "ColumnParallelLinear", "0.16.1", "0.19"):
         assert name in doc, name
 

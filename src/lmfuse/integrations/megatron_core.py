@@ -61,10 +61,20 @@ attention; also the core of MLA's local spec), flag ``softmax``:
 ``normalization="RMSNorm"``: input, pre-MLP, final and q/k norms) and
 ``megatron.core.transformer.torch_norm.L2Norm``, flag ``rms_norm``:
     ``forward`` becomes :func:`lmfuse.rms_norm` with the module's ``weight`` and ``eps``
-    (torch's default eps when it is ``None``; no weight for ``L2Norm``). LayerNorms
-    (``torch.nn.LayerNorm``, Megatron's apex ``FusedLayerNorm``) and Transformer Engine's
-    norms (the final norm Megatron builds even with the local spec when TE is installed)
-    stay as they are, listed in the summary.
+    (torch's default eps when it is ``None``; no weight for ``L2Norm``).
+
+``torch.nn.LayerNorm`` (what ``WrappedTorchNorm`` builds for ``normalization="LayerNorm"``,
+the local spec's norm where apex is not installed), flag ``layer_norm``:
+    ``forward`` becomes :func:`lmfuse.layer_norm` with the module's ``weight``, ``bias`` and
+    ``eps``, in the dtype torch's forward gives (x's; float32 under CUDA autocast, whose
+    float32 list has ``layer_norm``); a dtype mix PyTorch refuses runs torch's forward (its
+    error). Megatron's ``layernorm_zero_centered_gamma`` (a ``weight + 1`` scale, lmfuse's
+    ``weight_offset=1.0``) never reaches a ``torch.nn.LayerNorm``: ``WrappedTorchNorm``
+    asserts it off ("zero_centered_gamma not supported by torch LayerNorm"), in 0.16.1 as
+    in Megatron-LM's later main branch. Apex's ``FusedLayerNorm`` (the local spec's
+    LayerNorm where apex is installed, which does apply it) and Transformer Engine's norms
+    (the final norm Megatron builds even with the local spec when TE is installed) stay as
+    they are, listed in the summary.
 
 ``megatron.core.models.gpt.GPTModel``, flag ``loss``:
     ``compute_language_model_loss(labels [b, s], logits [s, b, V/tp])`` becomes
@@ -98,8 +108,9 @@ Refused: models holding Transformer Engine modules (``transformer_impl="transfor
 Versions: 0.16.1 and 0.19 have the same ``DotProductAttention`` (file unchanged), the same
 ``MLP.forward`` (0.19 calls its linears through ``typed_torch.apply_module``, which is the
 plain call), the same ``FusedScaleMaskSoftmax`` attributes, ``WrappedTorchNorm`` building
-``torch.nn.RMSNorm``, ``ColumnParallelLinear.forward(input_, weight=None,
-runtime_gather_output=None)``, ``LanguageModule.compute_language_model_loss(labels, logits)``
+``torch.nn.RMSNorm`` and ``torch.nn.LayerNorm``, ``ColumnParallelLinear.forward(input_,
+weight=None, runtime_gather_output=None)``,
+``LanguageModule.compute_language_model_loss(labels, logits)``
 and ``GPTModel._postprocess(..., labels, ...)``, which calls ``self.output_layer`` and then
 ``self.compute_language_model_loss``. 0.19 adds ``_scale_logits`` between them (MuP; a
 no-op unless ``use_mup``), the ``output_processor`` hook, and an MTP path that reads the
@@ -126,7 +137,7 @@ from .._collectives import group_size
 from ..norm import rms_norm as _rms_norm
 from ..norm.ops import math_eps
 from ..softmax import AttnMaskType, FusedScaleMaskSoftmax
-from . import _activation_name, _check_flags, _Forward, _instance_attr
+from . import _activation_name, _check_flags, _Forward, _instance_attr, _layer_norm_like
 
 __all__ = ["patch"]
 
@@ -342,6 +353,14 @@ def _l2_norm_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     return _rms_norm(x, None, eps=self.eps)
 
 
+def _layer_norm_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    # torch.nn.LayerNorm's output, dtype included (float32 under CUDA autocast); a call
+    # lmfuse.layer_norm does not stand in for (another shape, a dtype mix PyTorch refuses)
+    # runs the module's own forward.
+    y = _layer_norm_like(self, x, autocast="fp32")
+    return y if y is not None else torch.nn.LayerNorm.forward(self, x)
+
+
 # --- language-model loss -----------------------------------------------------------------------
 
 
@@ -510,7 +529,7 @@ def _megatron_version() -> str:
 
 
 def patch(model: torch.nn.Module, *, softmax: bool = True, activations: bool = True,
-          rms_norm: bool = True, loss: bool = True) -> dict[str, Any]:
+          rms_norm: bool = True, layer_norm: bool = True, loss: bool = True) -> dict[str, Any]:
     """Make a Megatron-Core model built with the local spec run lmfuse's fused ops, in place.
 
     ``model``: a ``GPTModel`` built with ``get_gpt_layer_local_spec()`` (Megatron-LM's
@@ -526,6 +545,8 @@ def patch(model: torch.nn.Module, *, softmax: bool = True, activations: bool = T
             activation and fc1 bias in one lmfuse kernel (SwiGLU, GEGLU, bias-GELU,
             Quick-GEGLU, squared ReLU; weighted by the MoE routing probabilities).
         rms_norm: every ``torch.nn.RMSNorm`` and ``L2Norm`` runs :func:`lmfuse.rms_norm`.
+        layer_norm: every ``torch.nn.LayerNorm`` (``normalization="LayerNorm"``) runs
+            :func:`lmfuse.layer_norm`.
         loss: the GPT model's language-model loss runs lmfuse's cross-entropy over the
             tensor-parallel group, and with labels (in training) its linear cross-entropy
             on the output layer's input and weight: no ``[s, b, V/tp]`` logits.
@@ -536,7 +557,8 @@ def patch(model: torch.nn.Module, *, softmax: bool = True, activations: bool = T
     Returns:
         The summary, also stored as ``lmfuse_patches`` on the (unwrapped) model:
         ``"softmax"`` (core attention module names), ``"activations"`` (``{MLP name: lmfuse
-        op}``), ``"rms_norm"`` (norm names), ``"loss"`` (``"linear_cross_entropy"``,
+        op}``), ``"rms_norm"`` and ``"layer_norm"`` (norm names), ``"loss"``
+        (``"linear_cross_entropy"``,
         ``"cross_entropy"`` or ``None``) with ``"loss_note"`` (why the logits are formed,
         if they are), ``"unpatched"`` (``{module name: why}`` for the modules of these
         kinds left as they are) and ``"megatron_core"`` (the version).
@@ -548,7 +570,8 @@ def patch(model: torch.nn.Module, *, softmax: bool = True, activations: bool = T
             ``transformer_impl="transformer_engine"``; only TE's norms are tolerated).
     """
     op = "patch"
-    _check_flags(op, softmax=softmax, activations=activations, rms_norm=rms_norm, loss=loss)
+    _check_flags(op, softmax=softmax, activations=activations, rms_norm=rms_norm,
+                 layer_norm=layer_norm, loss=loss)
     if isinstance(model, (list, tuple)):
         raise TypeError(f"{op}: model must be one Megatron-Core model, got a "
                         f"{type(model).__name__} (Megatron's model chunks?): call patch on "
@@ -621,27 +644,35 @@ def patch(model: torch.nn.Module, *, softmax: bool = True, activations: bool = T
                 else:
                     m._lmfuse_activation = kind
                     _set(m, "forward", _mlp_forward)
-        elif rms_norm and _is_norm(m):
+        elif (rms_norm or layer_norm) and _is_norm(m):
             current = _instance_attr(m, "forward")
-            if current in (_rms_norm_forward, _l2_norm_forward):
+            if current in (_rms_norm_forward, _l2_norm_forward, _layer_norm_forward):
+                continue
+            rms = ((isinstance(m, torch.nn.RMSNorm)
+                    and type(m).forward is torch.nn.RMSNorm.forward)
+                   or (L2Norm is not None and isinstance(m, L2Norm)
+                       and type(m).forward is L2Norm.forward))
+            ln = (isinstance(m, torch.nn.LayerNorm)
+                  and type(m).forward is torch.nn.LayerNorm.forward)
+            if (rms and not rms_norm) or (ln and not layer_norm):
                 continue
             if current is not None:
                 unpatched[name] = "forward already replaced by another library"
-            elif (isinstance(m, torch.nn.RMSNorm)
-                  and type(m).forward is torch.nn.RMSNorm.forward):
+            elif ln:
+                _set(m, "forward", _layer_norm_forward)
+            elif rms and isinstance(m, torch.nn.RMSNorm):
                 if len(m.normalized_shape) == 1:
                     _set(m, "forward", _rms_norm_forward)
                 else:
                     unpatched[name] = f"RMSNorm over {len(m.normalized_shape)} dims"
-            elif L2Norm is not None and isinstance(m, L2Norm) and \
-                    type(m).forward is L2Norm.forward:
+            elif rms:
                 _set(m, "forward", _l2_norm_forward)
             elif _te_class(m) is not None:
                 unpatched[name] = (f"Transformer Engine's {type(m).__name__} (Megatron builds the "
                                    f"final norm with TE where TE is installed): left as it is")
             else:
                 unpatched[name] = (f"{type(m).__name__} ({type(m).__module__}): lmfuse fuses "
-                                   f"torch.nn.RMSNorm and L2Norm only")
+                                   f"torch.nn.RMSNorm, L2Norm and torch.nn.LayerNorm only")
 
     if isinstance(model, LanguageModule) and getattr(model, "post_process", False):
         _patch_loss(model, loss, unpatched)
@@ -682,7 +713,7 @@ def _is_norm(m: torch.nn.Module) -> bool:
 
 
 def _summary(model: torch.nn.Module, unpatched: dict[str, str]) -> dict[str, Any]:
-    attention, mlps, norms = [], {}, []
+    attention, mlps, norms, layer_norms = [], {}, [], []
     for name, m in model.named_modules():
         fn = _instance_attr(m, "forward")
         if fn is _core_attention_forward:
@@ -691,6 +722,8 @@ def _summary(model: torch.nn.Module, unpatched: dict[str, str]) -> dict[str, Any
             mlps[name] = m._lmfuse_activation
         elif fn in (_rms_norm_forward, _l2_norm_forward):
             norms.append(name)
+        elif fn is _layer_norm_forward:
+            layer_norms.append(name)
     loss, note = None, ""
     if _instance_attr(model, "compute_language_model_loss") is _language_model_loss:
         if _instance_attr(model, "_postprocess") is _postprocess:
@@ -698,4 +731,5 @@ def _summary(model: torch.nn.Module, unpatched: dict[str, str]) -> dict[str, Any
         else:
             loss, note = "cross_entropy", _logits_needed(model)
     return {"megatron_core": _megatron_version(), "softmax": attention, "activations": mlps,
-            "rms_norm": norms, "loss": loss, "loss_note": note, "unpatched": unpatched}
+            "rms_norm": norms, "layer_norm": layer_norms, "loss": loss, "loss_note": note,
+            "unpatched": unpatched}
