@@ -23,12 +23,14 @@ ROWS = ("lmfuse", "torch", "torch.compile", "liger-kernel", "copy")
 def test_quick_run_writes_every_case_and_row(harness, tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "n.json"
-    assert harness.main(["--quick", "--json", str(out)]) == 0
+    # (--graphs on the CPU: eager calls, as the environment says)
+    assert harness.main(["--quick", "--graphs", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "# lmfuse against the copy of the same bytes" in printed
     data = json.loads(out.read_text())
     env, rows = data["environment"], data["results"]
     assert env["device"] == "cpu" and "liger-kernel" in env and data["copy"]["tbps"] > 0
+    assert env["timing"].startswith("eager calls")
     op = harness.__name__.rsplit(".", 1)[-1]
     cases = list(dict.fromkeys(r["case"] for r in rows))
     assert cases == [f"{op} {mode} [64, {H}] fp32" for H in (512, 1000)

@@ -470,3 +470,51 @@ def relative_differences(impls: dict[str, Callable[[], object]], dtype: torch.dt
         notes[impl] = "; ".join(p for p in (notes.get(impl, ""), diff) if p)
         del got
     return notes
+
+
+def as_graph(fn: Callable[[], object], calls: int = 1) -> Callable[[], object]:
+    """``fn`` captured ``calls`` times in a CUDA graph (after two warm-up calls on a side
+    stream), returned as the graph's replay: what a server that captures its decode step
+    pays per call (``calls`` of them, back to back)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+
+    def replay(fn=fn):  # keeps fn, and the tensors it holds that the graph reads, alive
+        graph.replay()
+
+    # (A replay allocates nothing, its buffers live in the graph's pool: no peak memory.)
+    replay.graph_replay = True
+    return replay
+
+
+def capture_graphs(cases: list[Case], skip: tuple[str, ...] = ()) -> None:
+    """Each row's call (but those named in ``skip``) replaced by the replay of a CUDA graph
+    holding it: the device time, without the host's; a call that cannot be captured (a peer
+    that cannot run, a host synchronisation inside) keeps a row saying why."""
+    for case in cases:
+        for impl, fn in list(case.impls.items()):
+            if impl in skip:
+                continue
+            try:
+                case.impls[impl] = as_graph(fn)
+            except PeerUnavailable:
+                pass
+            except Exception as exc:
+                torch.cuda.synchronize()
+                case.impls[impl] = unavailable(f"CUDA graph capture failed: "
+                                               f"{type(exc).__name__}: {exc}")
+
+
+def graphs_option(p: argparse.ArgumentParser) -> None:
+    """``--graphs``: time CUDA graph replays of every row (the device time; eager calls of a
+    small op on a slow host measure the host instead)."""
+    p.add_argument("--graphs", action="store_true",
+                   help="time CUDA graph replays (device time, no host time; GPU only)")

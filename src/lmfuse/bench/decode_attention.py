@@ -70,8 +70,10 @@ import torch.nn.functional as F
 
 import lmfuse
 from lmfuse._launch import cdiv
-from lmfuse.bench.common import (Case, Result, add_copy_rows, cell, finish, measure_copy,
-                                 run_cases, start)
+from lmfuse.bench.common import (Case, Result, add_copy_rows, as_graph, cell, finish,
+                                 measure_copy, run_cases, start)
+
+__all__ = ["as_graph"]  # (its home is common; the sharded and MoE harnesses import it here)
 from lmfuse._cli_args import ArgumentParser, int_range
 
 PAGED_SHARE_OF_COPY = 0.90  # paged TB/s at least this share of the copy's (roles below)
@@ -307,29 +309,6 @@ def build_shape(shape: Shape, layouts: list[str], dtype: torch.dtype, device: to
         cases.append(Case(name, kv_bytes + qo_bytes, impls, notes))
         info[name] = CaseInfo(shape.role, block_len is not None, fp8, B * s, ok)
     return cases, info
-
-
-def as_graph(fn: Callable[[], object], calls: int = 1) -> Callable[[], object]:
-    """``fn`` captured ``calls`` times in a CUDA graph (after two warm-up calls on a side
-    stream), returned as the graph's replay: what a server that captures its decode step
-    pays per call (``calls`` of them, back to back)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-
-    def replay(fn=fn):  # keeps fn, and the tensors it holds that the graph reads, alive
-        graph.replay()
-
-    # (A replay allocates nothing, its buffers live in the graph's pool: no peak memory.)
-    replay.graph_replay = True
-    return replay
 
 
 def _wanted(name: str, filters: list[str]) -> bool:

@@ -1,6 +1,8 @@
 """Benchmark lmfuse's LayerNorm against torch eager, torch.compile and Liger-Kernel.
 
-Run it as ``lmfuse bench layer_norm [--json PATH] [--plot PATH] [--quick]``. The cases are
+Run it as ``lmfuse bench layer_norm [--graphs] [--json PATH] [--plot PATH] [--quick]``.
+``--graphs`` times CUDA graph replays of every row: the device time alone (eager calls of
+forward+backward through autograd measure the host on a slow host). The cases are
 bf16 ``x [16384, 4096]`` and ``x [16384, 8192]`` with a bf16 ``weight [H]`` and ``bias [H]``,
 and float32 ``x [16384, 4096]`` with float32 ones, each timed forward only (no grad) and
 forward+backward (``torch.autograd.grad`` of the output, with a fixed random upstream
@@ -33,10 +35,10 @@ import torch
 import torch.nn.functional as F
 
 import lmfuse
-from lmfuse.bench.common import (Case, add_copy_rows, compile_per_shape, dist_version, finish,
-                                 measure_copy, print_peers, relative_differences,
-                                 report_against_copy, run_cases, start, timed_call,
-                                 unavailable)
+from lmfuse.bench.common import (Case, add_copy_rows, capture_graphs, compile_per_shape,
+                                 dist_version, finish, graphs_option, measure_copy,
+                                 print_peers, relative_differences, report_against_copy,
+                                 run_cases, start, timed_call, unavailable)
 
 EPS = 1e-5  # torch.nn.LayerNorm's
 NormFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (x, w, b) -> y
@@ -108,7 +110,8 @@ def make_case(n: int, H: int, dtype: torch.dtype, device: torch.device, liger: N
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, device, quick, env = start("lmfuse bench layer_norm", __doc__, argv)
+    args, device, quick, env = start("lmfuse bench layer_norm", __doc__, argv,
+                                     options=graphs_option)
     liger, liger_note, liger_version = load_liger()
     print_peers(env, {"liger-kernel": liger_version})
     fp32, bf16 = torch.float32, torch.bfloat16
@@ -116,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
               [(16384, 4096, bf16), (16384, 8192, bf16), (16384, 4096, fp32)])
     cases = [make_case(n, H, dtype, device, liger, liger_note, backward=bw)
              for n, H, dtype in shapes for bw in (False, True)]
+    graphs = args.graphs and device.type == "cuda"
+    env["timing"] = ("CUDA graph replays (device time, no host time)" if graphs else
+                     "eager calls (GPU time or host time, whichever is longer)")
+    if graphs:
+        capture_graphs(cases)
     n, H, dtype = shapes[0]
     elt = torch.finfo(dtype).bits // 8
     copy = measure_copy(minimal_bytes(n, H, elt, elt, False) // 2, device)

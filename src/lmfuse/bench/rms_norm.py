@@ -1,6 +1,8 @@
 """Benchmark lmfuse's RMSNorm against torch eager, torch.compile and Liger-Kernel.
 
-Run it as ``lmfuse bench rms_norm [--json PATH] [--plot PATH] [--quick]``. The cases are
+Run it as ``lmfuse bench rms_norm [--graphs] [--json PATH] [--plot PATH] [--quick]``.
+``--graphs`` times CUDA graph replays of every row: the device time alone (eager calls of
+forward+backward through autograd measure the host on a slow host). The cases are
 bf16 ``x [16384, 4096]`` and ``x [16384, 8192]`` with a bf16 ``weight [H]``, each timed
 forward only (no grad) and forward+backward (``torch.autograd.grad`` of the output, with a
 fixed random upstream gradient, w.r.t. x and the weight).
@@ -29,7 +31,8 @@ from functools import partial
 import torch
 
 import lmfuse
-from lmfuse.bench.common import (Case, add_copy_rows, compile_per_shape, dist_version, finish,
+from lmfuse.bench.common import (Case, add_copy_rows, capture_graphs, graphs_option,
+                                 compile_per_shape, dist_version, finish,
                                  measure_copy, print_peers, relative_differences,
                                  report_against_copy, run_cases, start, timed_call,
                                  unavailable)
@@ -101,13 +104,19 @@ def make_case(n: int, H: int, dtype: torch.dtype, device: torch.device, liger: N
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, device, quick, env = start("lmfuse bench rms_norm", __doc__, argv)
+    args, device, quick, env = start("lmfuse bench rms_norm", __doc__, argv,
+                                     options=graphs_option)
     liger, liger_note, liger_version = load_liger()
     print_peers(env, {"liger-kernel": liger_version})
     dtype = torch.float32 if quick else torch.bfloat16
     shapes = [(64, 512), (64, 1000)] if quick else [(16384, 4096), (16384, 8192)]
     cases = [make_case(n, H, dtype, device, liger, liger_note, backward=bw)
              for n, H in shapes for bw in (False, True)]
+    graphs = args.graphs and device.type == "cuda"
+    env["timing"] = ("CUDA graph replays (device time, no host time)" if graphs else
+                     "eager calls (GPU time or host time, whichever is longer)")
+    if graphs:
+        capture_graphs(cases)
     n, H = shapes[0]
     copy = measure_copy(minimal_bytes(n, H, torch.finfo(dtype).bits // 8, False) // 2, device)
     print("# TB/s over minimal bytes (fwd: read x and the weight, write y; fwd+bwd also: read "

@@ -243,14 +243,14 @@ class NormCall(ResolvedCall):
     H: int  # x's last dim
 
 
-def _resolve_norm(op, x, params: dict, eps, weight_offset, impl) -> tuple[str, str, NormCall]:
-    """Validate ``x``, its ``[H]`` parameters (``params``: name -> tensor or None) and the
-    scalars, and choose the path; cheap and traceable by torch.compile."""
+def _resolve_norm(op, x, params: tuple, eps, weight_offset, impl) -> tuple[str, str, NormCall]:
+    """Validate ``x``, its ``[H]`` parameters (``params``: ``(name, tensor or None)``
+    pairs) and the scalars, and choose the path; cheap and traceable by torch.compile."""
     check_tensor(op, "x", x)
     if x.dim() < 1:
         raise ValueError(f"{op}: x must have a last (hidden) dimension, got a 0-D tensor")
     H = x.shape[-1]
-    for name, t in params.items():
+    for name, t in params:
         if t is not None:
             check_tensor(op, name, t, ndim=1)
             if t.shape[0] != H:
@@ -267,7 +267,7 @@ def _resolve_norm(op, x, params: dict, eps, weight_offset, impl) -> tuple[str, s
 
 def _resolve(x, weight, eps, weight_offset, impl) -> tuple[str, str, NormCall]:
     """:func:`rms_norm`'s arguments, validated, and its path."""
-    return _resolve_norm(_OP, x, {"weight": weight}, eps, weight_offset, impl)
+    return _resolve_norm(_OP, x, (("weight", weight),), eps, weight_offset, impl)
 
 
 class _RMSNormCPU(torch.autograd.Function):
@@ -469,7 +469,8 @@ class _LayerNorm(torch.autograd.Function):
 
 def _resolve_ln(x, weight, bias, eps, weight_offset, impl) -> tuple[str, str, NormCall]:
     """:func:`layer_norm`'s arguments, validated, and its path."""
-    return _resolve_norm(_LN, x, {"weight": weight, "bias": bias}, eps, weight_offset, impl)
+    return _resolve_norm(_LN, x, (("weight", weight), ("bias", bias)), eps, weight_offset,
+                         impl)
 
 
 def _cpu_affine(t: Optional[torch.Tensor], H: int) -> bool:
@@ -540,12 +541,12 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None,
         x2 = x2.contiguous()
     w = weight.contiguous() if weight is not None else None
     b = bias.contiguous() if bias is not None else None
-    if not (torch.is_grad_enabled() and (x.requires_grad or any(
-            t is not None and t.requires_grad for t in (weight, bias)))):
+    if torch.is_grad_enabled() and (x.requires_grad or (w is not None and w.requires_grad)
+                                    or (b is not None and b.requires_grad)):
+        y = _LayerNorm.apply(x2, w, b, a)
+    else:  # nothing to differentiate (inference): the launch alone, no autograd node
         with nvtx_range(_LN, "fwd"):
             y = launch_layer_norm(x2, w, b, a.eps, a.weight_offset)[0]
-    else:
-        y = _LayerNorm.apply(x2, w, b, a)
     return y if flat else y.view(x.shape)
 
 
