@@ -8,9 +8,12 @@ weight). RMSNorm: ``xc = x``; LayerNorm (``CENTERED``): ``xc = x - mean(x)``. Th
 (+ bias)``: a LayerNorm is the RMSNorm of the centred row, plus a bias, and its backward
 the RMSNorm's with ``mean(g)`` taken off ``g``.
 
-A pointer a variant does not read comes as None (``w_ptr`` without ``HAS_WEIGHT``, ``dw_ptr``
-without ``WEIGHT_GRAD``, ``mean_ptr`` of RMSNorm): Triton binds it as a constant, one
-argument fewer per launch.
+A pointer a variant does not read comes as None (``w_ptr`` without ``HAS_WEIGHT``,
+``part_ptr`` without a parameter gradient): Triton binds it as a constant, one argument
+fewer per launch. The row statistics are one float32 buffer, ``stats``: RMSNorm's
+``rstd [M]``, LayerNorm's ``[2, M]`` (the means, then the rstd); the backward's partial
+rows one more, ``part [k, programs, H]`` (the weight's, then the bias's): one allocation
+each, and no views to make, per call.
 
 NaN and inf need no code of their own. RMSNorm: a NaN in a row makes its sum of squares,
 rstd and so the whole row (and its gradients) NaN; an inf makes rstd 0 and the row ``[0, ..,
@@ -97,7 +100,7 @@ def _dx(g, x, c, rstd):
 
 @triton.jit
 def norm_fwd_kernel(
-    x_ptr, sx, w_ptr, b_ptr, y_ptr, sy, mean_ptr, rstd_ptr, M, H, eps, offset,
+    x_ptr, sx, w_ptr, b_ptr, y_ptr, sy, stats_ptr, M, H, eps, offset,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, CENTERED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
     PDL: tl.constexpr = 0,
@@ -153,14 +156,16 @@ def norm_fwd_kernel(
             if HAS_BIAS:
                 y += tl.load(b_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
             tl.store(y_row + c[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + rows, rstd, mask=rmask)
     if CENTERED:
-        tl.store(mean_ptr + rows, tl.sum(mean, axis=1), mask=rmask)
+        tl.store(stats_ptr + rows, tl.sum(mean, axis=1), mask=rmask)
+        tl.store(stats_ptr + M + rows, rstd, mask=rmask)
+    else:
+        tl.store(stats_ptr + rows, rstd, mask=rmask)
 
 
 @triton.jit
 def norm_bwd_kernel(
-    x_ptr, sx, dy_ptr, sdy, w_ptr, mean_ptr, rstd_ptr, dx_ptr, sdx, dw_ptr, db_ptr, M, H,
+    x_ptr, sx, dy_ptr, sdy, w_ptr, stats_ptr, dx_ptr, sdx, part_ptr, M, H,
     rows_per_program, offset,
     HAS_WEIGHT: tl.constexpr, WEIGHT_GRAD: tl.constexpr, BIAS_GRAD: tl.constexpr,
     CENTERED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -169,10 +174,12 @@ def norm_bwd_kernel(
     pid = tl.program_id(0)
     first = pid.to(tl.int64) * rows_per_program
     cols = tl.arange(0, BLOCK_N)
-    if WEIGHT_GRAD:  # (dw_ptr is None otherwise)
-        dw_row = dw_ptr + pid.to(tl.int64) * H
-    if BIAS_GRAD:  # (db_ptr is None otherwise)
-        db_row = db_ptr + pid.to(tl.int64) * H
+    # (part_ptr is None without a parameter gradient)
+    if WEIGHT_GRAD:
+        dw_row = part_ptr + pid.to(tl.int64) * H
+    if BIAS_GRAD:  # after the weight's partials
+        db_row = part_ptr + (pid.to(tl.int64) + WEIGHT_GRAD * tl.num_programs(0)) * H
+    rstd_ptr = stats_ptr + M if CENTERED else stats_ptr
     mean = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
     if SINGLE_BLOCK:
         cmask = cols < H
@@ -190,7 +197,7 @@ def norm_bwd_kernel(
                          other=0.0).to(tl.float32)
             rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)[:, None]
             if CENTERED:
-                mean = tl.load(mean_ptr + rows, mask=rmask, other=0.0)[:, None]
+                mean = tl.load(stats_ptr + rows, mask=rmask, other=0.0)[:, None]
             x = _centred(x, mean, mask, CENTERED)
             x_hat = x * rstd
             g = dy * w
@@ -216,7 +223,7 @@ def norm_bwd_kernel(
             dy_row = dy_ptr + rows[:, None] * sdy
             rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)[:, None]
             if CENTERED:
-                mean = tl.load(mean_ptr + rows, mask=rmask, other=0.0)[:, None]
+                mean = tl.load(stats_ptr + rows, mask=rmask, other=0.0)[:, None]
             # Pass 1: sum(g * xc) over the row's tiles (times rstd / H: mean(g * x_hat)),
             # and centred sum(g).
             gx = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

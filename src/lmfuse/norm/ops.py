@@ -92,12 +92,11 @@ def _fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.T
     M, H = x.shape
     y = x.new_empty(M, H)
     stats = torch.empty((2, M) if centered else (M,), dtype=torch.float32, device=x.device)
-    mean, rstd = (stats[0], stats[1]) if centered else (None, stats)
     if M == 0 or H == 0:
         return y, stats
     tiles = _config(H, x.device)[0]
     _kernels().norm_fwd_kernel[(cdiv(M, tiles.block_m),)](
-        x, x.stride(0), weight, bias, y, y.stride(0), mean, rstd, M, H, eps, weight_offset,
+        x, x.stride(0), weight, bias, y, y.stride(0), stats, M, H, eps, weight_offset,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, CENTERED=centered,
         PDL=pdl, **tiles.meta(), **_pdl.launch_options(pdl))
     return y, stats
@@ -128,15 +127,15 @@ def launch_layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor],
     return _fwd(x, weight, bias, eps, weight_offset, True)
 
 
-def _bwd(x: torch.Tensor, dy: torch.Tensor, mean: Optional[torch.Tensor], rstd: torch.Tensor,
+def _bwd(x: torch.Tensor, dy: torch.Tensor, stats: torch.Tensor,
          weight: Optional[torch.Tensor], weight_offset: float, weight_grad: bool,
-         bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dx [M, H] in x's dtype, dparams [k, H] float32)``: ``dparams`` holds the weight's
-    gradient (``weight_grad``), then the bias's (``bias_grad``), k of them; LayerNorm's
-    when ``mean`` is given. Each program adds its rows' parameter gradients into float32
-    partial rows of its own, and the partials are summed after, in one reduction (one
-    program's partial is the sum itself: a view of it, not a reduction launch; the
-    partials hold no -0.0, where a sum would give +0.0)."""
+         bias_grad: bool, centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx [M, H] in x's dtype, dparams [k, H] float32)`` from the forward's ``stats``:
+    ``dparams`` holds the weight's gradient (``weight_grad``), then the bias's
+    (``bias_grad``), k of them; LayerNorm's when ``centered``. Each program adds its rows'
+    parameter gradients into float32 partial rows of its own, and the partials are summed
+    after, in one reduction (one program's partial is the sum itself: a view of it, not a
+    reduction launch; the partials hold no -0.0, where a sum would give +0.0)."""
     M, H = x.shape
     dx = x.new_empty(M, H)
     tiles, per_sm = _config(H, x.device)
@@ -145,14 +144,14 @@ def _bwd(x: torch.Tensor, dy: torch.Tensor, mean: Optional[torch.Tensor], rstd: 
     if M == 0 or H == 0:
         return dx, torch.zeros(k, H, dtype=torch.float32, device=x.device)
     # Streamed rows add into their program's partial rows in place: they start at zero.
-    part = (torch.empty if tiles.single else torch.zeros)(
-        k, programs, H, dtype=torch.float32, device=x.device)
+    part = ((torch.empty if tiles.single else torch.zeros)(
+        k, programs, H, dtype=torch.float32, device=x.device) if k else None)
     _kernels().norm_bwd_kernel[(programs,)](
-        x, x.stride(0), dy, dy.stride(0), weight, mean, rstd, dx, dx.stride(0),
-        part[0] if weight_grad else None, part[k - 1] if bias_grad else None, M, H,
+        x, x.stride(0), dy, dy.stride(0), weight, stats, dx, dx.stride(0), part, M, H,
         rows_per_program, weight_offset, HAS_WEIGHT=weight is not None,
-        WEIGHT_GRAD=weight_grad, BIAS_GRAD=bias_grad, CENTERED=mean is not None,
-        **tiles.meta())
+        WEIGHT_GRAD=weight_grad, BIAS_GRAD=bias_grad, CENTERED=centered, **tiles.meta())
+    if not k:
+        return dx, torch.empty(0, H, dtype=torch.float32, device=x.device)
     return dx, (part[:, 0] if programs == 1 else part.sum(1))
 
 
@@ -167,7 +166,7 @@ def _launch_bwd(x: torch.Tensor, dy: torch.Tensor, rstd: torch.Tensor,
                 weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm's ``(dx [M, H] in x's dtype, dw [H] float32)``; ``dw`` is empty unless
     ``weight_grad``."""
-    dx, dw = _bwd(x, dy, None, rstd, weight, weight_offset, weight_grad, False)
+    dx, dw = _bwd(x, dy, rstd, weight, weight_offset, weight_grad, False, False)
     return dx, (dw[0] if weight_grad else dw.new_empty(0))
 
 
@@ -183,7 +182,7 @@ def _launch_ln_bwd(x: torch.Tensor, dy: torch.Tensor, stats: torch.Tensor,
     """LayerNorm's ``(dx [M, H] in x's dtype, dparams [k, H] float32)`` from the forward's
     ``stats [2, M]``: ``dparams`` holds the weight's gradient (``weight_grad``), then the
     bias's (``bias_grad``)."""
-    return _bwd(x, dy, stats[0], stats[1], weight, weight_offset, weight_grad, bias_grad)
+    return _bwd(x, dy, stats, weight, weight_offset, weight_grad, bias_grad, True)
 
 
 # --- autograd ----------------------------------------------------------------------------------
