@@ -162,6 +162,21 @@ def test_backward_row_groups(small_tiles: list, streamed: bool) -> None:
     assert programs > 1 and rows_per_program > 2 and 23 % rows_per_program
 
 
+def test_backward_warps_of_the_centred_table(monkeypatch) -> None:
+    """LayerNorm's backward takes the warps ``centered_bwd_warps`` gives its tile width
+    (RMSNorm's and the forward keep the table's), and computes the same gradients."""
+    cpu = torch.device("cpu")
+    base = norm_ops._config(24, cpu)[0]
+    with tuning.overlay("rms_norm", {"centered_bwd_warps": {"32": base.num_warps + 2}}):
+        assert norm_ops._config(24, cpu, True)[0].num_warps == base.num_warps + 2
+        assert norm_ops._config(24, cpu)[0] == base
+        assert norm_ops._config(64, cpu, True)[0] == norm_ops._config(64, cpu)[0]
+        assert f"{base.num_warps + 2} warps" in lmfuse.explain(
+            "layer_norm", randn((3, 24))).details["backward"]
+        check("more warps", randn((5, 24)), randn((24,)), randn((24,)), randn((5, 24)),
+              "triton")
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_parameter_gradients_are_deterministic(small_tiles: list, impl: str) -> None:
     x, w, b, g = randn((37, 40), BF16), randn((40,), F32), randn((40,), F32), randn((37, 40),

@@ -20,6 +20,7 @@ with the host.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -53,9 +54,10 @@ _OP = "rms_norm"
 _kernels = lazy_kernels("kernels", __package__)
 
 
-def _config(H: int, device: torch.device) -> tuple[tuning.RowTiles, int]:
+def _config(H: int, device: torch.device, centered_bwd: bool = False
+            ) -> tuple[tuning.RowTiles, int]:
     """``(tiles, backward programs per SM)`` for rows of ``H`` values, from the
-    ``rms_norm`` tuning section.
+    ``rms_norm`` tuning section (both norms' kernels read it).
 
     A row up to ``max_single_block`` wide is one register tile, ``tile_elems // width``
     rows per program, with ``warps_by_block`` warps; a wider one is streamed in
@@ -64,10 +66,20 @@ def _config(H: int, device: torch.device) -> tuple[tuning.RowTiles, int]:
     ``chunk_bwd_programs_per_sm`` when streamed. (On an H100, bf16: a single tile beats
     streaming up to 16384 columns, forward and backward; 2 backward programs per SM are
     best at H = 4096 and within 2% of the best at 8192 to 16384.)
+
+    ``centered_bwd``: LayerNorm's backward, whose single tiles of the widths in
+    ``centered_bwd_warps`` (a width's string -> warps) take that many warps: it holds
+    seven row tiles to RMSNorm's five, and a wide one is latency-bound at one program
+    per SM (H200, bf16 [16384, 8192]: 0.405 ms with RMSNorm's 16 warps, 0.309 with 32).
     """
     t = tuning.table("rms_norm", device)
     tiles = tuning.row_tiles(t, H)
-    return tiles, t["bwd_programs_per_sm" if tiles.single else "chunk_bwd_programs_per_sm"]
+    per_sm = t["bwd_programs_per_sm" if tiles.single else "chunk_bwd_programs_per_sm"]
+    if centered_bwd and tiles.single:
+        warps = t.get("centered_bwd_warps", {}).get(str(tiles.block_n))
+        if warps:
+            tiles = dataclasses.replace(tiles, num_warps=warps)
+    return tiles, per_sm
 
 
 def _bwd_grid(M: int, block_m: int, programs_per_sm: int, device: torch.device
@@ -138,7 +150,7 @@ def _bwd(x: torch.Tensor, dy: torch.Tensor, stats: torch.Tensor,
     reduction launch; the partials hold no -0.0, where a sum would give +0.0)."""
     M, H = x.shape
     dx = x.new_empty(M, H)
-    tiles, per_sm = _config(H, x.device)
+    tiles, per_sm = _config(H, x.device, centered)
     programs, rows_per_program = _bwd_grid(M, tiles.block_m, per_sm, x.device)
     k = int(weight_grad) + int(bias_grad)
     if M == 0 or H == 0:
@@ -411,11 +423,13 @@ def _plan(op: str, impl: str, path: str, reason: str, a: NormCall, x: torch.Tens
             f"one pass, {tiles.block_m} row(s) x {tiles.block_n} columns per program"
             if tiles.single else
             f"streamed in {tiles.block_n}-column tiles, {tiles.block_m} row(s) per program")
+        tiles, per_sm = _config(H, x.device, op == _LN)
         programs, per = _bwd_grid(a.rows, tiles.block_m, per_sm, x.device)
         learned = " and ".join(n for n, t in params.items() if t is not None)
         details["backward"] = (
             f"{programs} program(s) of {per} rows, "
-            + (f"{tiles.block_m} x {tiles.block_n} tiles" if tiles.single else
+            + (f"{tiles.block_m} x {tiles.block_n} tiles, {tiles.num_warps} warps"
+               if tiles.single else
                f"streamed in {tiles.block_n}-column tiles")
             + (f"; {learned} gradient: float32 partial per program, summed" if learned
                else ""))
