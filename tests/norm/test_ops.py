@@ -20,7 +20,7 @@ import torch
 from helpers import assert_close, randn
 
 import lmfuse
-from lmfuse import _nvtx, tuning
+from lmfuse import _nvtx
 from lmfuse.norm import ops as norm_ops
 from lmfuse.norm.reference import rms_norm_reference, rms_norm_rstd_reference
 
@@ -47,31 +47,6 @@ def check(what: str, x: torch.Tensor, weight: torch.Tensor | None, g: torch.Tens
         assert got.dtype == leaf.dtype, f"{what}: d {name} dtype {got.dtype}"
         assert_close(got, want, leaf.dtype, f"{what}: d {name}")
     return out, list(grads)
-
-
-@pytest.fixture
-def small_tiles(monkeypatch: pytest.MonkeyPatch) -> list:
-    """Tiles of at most 2 x 32 elements, rows wider than 32 streamed in 16-column tiles 2
-    rows at a time, 1 backward program per (interpreter) SM: short rows and few of them
-    exercise every loop of both kernels. Returns the list receiving each backward launch's
-    ``(programs, rows_per_program, single tile)``."""
-    small = dict(tuning.table("rms_norm", torch.device("cpu")), max_single_block=32,
-                 tile_elems=64, chunk_block=16, chunk_rows=2,
-                 bwd_programs_per_sm=1, chunk_bwd_programs_per_sm=1)
-    real = tuning.table
-    monkeypatch.setattr(tuning, "table", lambda family, device: small
-                        if family == "rms_norm" else real(family, device))
-    launches: list = []
-    real_launch = norm_ops._launch_bwd
-
-    def spy(x, dy, rstd, weight, weight_offset, weight_grad):
-        tiles, per_sm = norm_ops._config(x.shape[1], x.device)
-        grid = norm_ops._bwd_grid(x.shape[0], tiles.block_m, per_sm, x.device)
-        launches.append((*grid, tiles.single))
-        return real_launch(x, dy, rstd, weight, weight_offset, weight_grad)
-
-    monkeypatch.setattr(norm_ops, "_launch_bwd", spy)
-    return launches
 
 
 # --- forward and backward against the reference ----------------------------------------------

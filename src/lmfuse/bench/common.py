@@ -518,3 +518,14 @@ def graphs_option(p: argparse.ArgumentParser) -> None:
     small op on a slow host measure the host instead)."""
     p.add_argument("--graphs", action="store_true",
                    help="time CUDA graph replays (device time, no host time; GPU only)")
+
+
+def time_as_asked(args: argparse.Namespace, device: torch.device, env: dict,
+                  cases: list[Case]) -> None:
+    """What ``--graphs`` (:func:`graphs_option`) asks: on CUDA, every row captured
+    (:func:`capture_graphs`); ``env["timing"]`` says which way the rows were timed."""
+    graphs = getattr(args, "graphs", False) and device.type == "cuda"
+    env["timing"] = ("CUDA graph replays (device time, no host time)" if graphs else
+                     "eager calls (GPU time or host time, whichever is longer)")
+    if graphs:
+        capture_graphs(cases)

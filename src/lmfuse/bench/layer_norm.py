@@ -35,10 +35,10 @@ import torch
 import torch.nn.functional as F
 
 import lmfuse
-from lmfuse.bench.common import (Case, add_copy_rows, capture_graphs, compile_per_shape,
+from lmfuse.bench.common import (Case, add_copy_rows, compile_per_shape,
                                  dist_version, finish, graphs_option, measure_copy,
                                  print_peers, relative_differences, report_against_copy,
-                                 run_cases, start, timed_call, unavailable)
+                                 run_cases, start, timed_call, time_as_asked, unavailable)
 
 EPS = 1e-5  # torch.nn.LayerNorm's
 NormFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (x, w, b) -> y
@@ -119,11 +119,7 @@ def main(argv: list[str] | None = None) -> int:
               [(16384, 4096, bf16), (16384, 8192, bf16), (16384, 4096, fp32)])
     cases = [make_case(n, H, dtype, device, liger, liger_note, backward=bw)
              for n, H, dtype in shapes for bw in (False, True)]
-    graphs = args.graphs and device.type == "cuda"
-    env["timing"] = ("CUDA graph replays (device time, no host time)" if graphs else
-                     "eager calls (GPU time or host time, whichever is longer)")
-    if graphs:
-        capture_graphs(cases)
+    time_as_asked(args, device, env, cases)
     n, H, dtype = shapes[0]
     elt = torch.finfo(dtype).bits // 8
     copy = measure_copy(minimal_bytes(n, H, elt, elt, False) // 2, device)

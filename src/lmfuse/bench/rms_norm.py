@@ -31,11 +31,11 @@ from functools import partial
 import torch
 
 import lmfuse
-from lmfuse.bench.common import (Case, add_copy_rows, capture_graphs, graphs_option,
+from lmfuse.bench.common import (Case, add_copy_rows, graphs_option,
                                  compile_per_shape, dist_version, finish,
                                  measure_copy, print_peers, relative_differences,
                                  report_against_copy, run_cases, start, timed_call,
-                                 unavailable)
+                                 time_as_asked, unavailable)
 
 EPS = 1e-6
 NormFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, weight) -> y
@@ -112,11 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [(64, 512), (64, 1000)] if quick else [(16384, 4096), (16384, 8192)]
     cases = [make_case(n, H, dtype, device, liger, liger_note, backward=bw)
              for n, H in shapes for bw in (False, True)]
-    graphs = args.graphs and device.type == "cuda"
-    env["timing"] = ("CUDA graph replays (device time, no host time)" if graphs else
-                     "eager calls (GPU time or host time, whichever is longer)")
-    if graphs:
-        capture_graphs(cases)
+    time_as_asked(args, device, env, cases)
     n, H = shapes[0]
     copy = measure_copy(minimal_bytes(n, H, torch.finfo(dtype).bits // 8, False) // 2, device)
     print("# TB/s over minimal bytes (fwd: read x and the weight, write y; fwd+bwd also: read "
