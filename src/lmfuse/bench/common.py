@@ -525,7 +525,9 @@ def time_as_asked(args: argparse.Namespace, device: torch.device, env: dict,
     """What ``--graphs`` (:func:`graphs_option`) asks: on CUDA, every row captured
     (:func:`capture_graphs`); ``env["timing"]`` says which way the rows were timed."""
     graphs = getattr(args, "graphs", False) and device.type == "cuda"
-    env["timing"] = ("CUDA graph replays (device time, no host time)" if graphs else
+    env["timing"] = ("CUDA graph replays (device time, no host time; the copy rows eager: "
+                     "one launch, the floor)" if graphs else
                      "eager calls (GPU time or host time, whichever is longer)")
     if graphs:
-        capture_graphs(cases)
+        # (a copy captured in a graph ran at 2.7 TB/s against 4.1 eager on the H200)
+        capture_graphs(cases, skip=("copy",))

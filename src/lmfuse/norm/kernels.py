@@ -36,9 +36,9 @@ reference's are ``inf * 0`` (``_dx``).
   ``dbias = sum over rows of dy``. A program owns a contiguous group of
   ``rows_per_program`` rows and walks them ``BLOCK_M`` at a time, reading x and dy once
   (twice when streamed) and writing dx once. Its share of the weight (bias) gradient is one
-  float32 partial row ``dw_part[pid, :H]`` (``db_part``): kept in registers (single tile)
-  or added into that row in place, by this program only (streamed); the caller sums the
-  partials, so the result is deterministic (no atomics).
+  float32 partial row ``part[0, pid, :H]`` (the bias's: the last, ``part[k - 1, pid]``):
+  kept in registers (single tile) or added into that row in place, by this program only
+  (streamed); the caller sums the partials, so the result is deterministic (no atomics).
 """
 
 from __future__ import annotations

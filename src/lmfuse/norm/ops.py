@@ -68,7 +68,8 @@ def _config(H: int, device: torch.device, centered_bwd: bool = False
     best at H = 4096 and within 2% of the best at 8192 to 16384.)
 
     ``centered_bwd``: LayerNorm's backward, whose single tiles of the widths in
-    ``centered_bwd_warps`` (a width's string -> warps) take that many warps: it holds
+    ``centered_bwd_warps`` (a width's string -> warps; the H200's table only, where it was
+    measured) take that many warps: it holds
     seven row tiles to RMSNorm's five, and a wide one is latency-bound at one program
     per SM (H200, bf16 [16384, 8192]: 0.405 ms with RMSNorm's 16 warps, 0.309 with 32).
     """
