@@ -48,6 +48,8 @@ COMPILE_TESTS: dict[str, list[str]] = {
     "rms_norm": ["tests/norm/test_compile.py::test_fullgraph_compile_matches_eager"],
     "moe_experts": ["tests/moe/test_compile.py::test_fullgraph_compile_matches_eager"],
     "RMSNorm": ["tests/norm/test_compile.py::test_module_graph_holds_the_custom_ops"],
+    "layer_norm": ["tests/norm/test_layer_norm.py::test_fullgraph_compile_holds_the_custom_ops"],
+    "LayerNorm": ["tests/norm/test_layer_norm.py::test_module_compiles_whole"],
     # lmfuse.megatron
     **{f"megatron.{name}": [f"{HERE}::test_megatron_functional"]
        for name in ("scaled_upper_triang_masked_softmax", "scaled_masked_softmax",

@@ -377,6 +377,25 @@ def test_fullgraph_compile_holds_the_custom_ops() -> None:
     assert "lmfuse.layer_norm_fwd.default" in seen and "lmfuse.layer_norm_bwd.default" in seen
 
 
+@pytest.mark.parametrize("shape", [24, (3, 8)], ids=["H24", "2-dims"])
+def test_module_compiles_whole(shape) -> None:
+    """The module under torch.compile(fullgraph=True): no graph break (its checks and the
+    flattening of a several-dims shape trace), the eager module's output and gradients."""
+    torch._dynamo.reset()
+    m = lmfuse.LayerNorm(shape, weight_offset=1.0, impl="triton")
+    with torch.no_grad():
+        m.weight.normal_()
+        m.bias.normal_()
+    dims = (shape,) if isinstance(shape, int) else shape
+    x, g = randn((2, 5, *dims), requires_grad=True), randn((2, 5, *dims))
+    results = []
+    for fn in (m, torch.compile(m, fullgraph=True, backend="aot_eager")):
+        y = fn(x)
+        results.append((y, *torch.autograd.grad(y, [x, m.weight, m.bias], g)))
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
 # --- the module ---------------------------------------------------------------------------------
 
 
