@@ -50,6 +50,7 @@ COMPILE_TESTS: dict[str, list[str]] = {
     "RMSNorm": ["tests/norm/test_compile.py::test_module_graph_holds_the_custom_ops"],
     "layer_norm": ["tests/norm/test_layer_norm.py::test_fullgraph_compile_holds_the_custom_ops"],
     "LayerNorm": ["tests/norm/test_layer_norm.py::test_module_compiles_whole"],
+    "apply_rotary_pos_emb": ["tests/rope/test_rope.py::test_fullgraph_compile_holds_the_custom_op"],
     # lmfuse.megatron
     **{f"megatron.{name}": [f"{HERE}::test_megatron_functional"]
        for name in ("scaled_upper_triang_masked_softmax", "scaled_masked_softmax",

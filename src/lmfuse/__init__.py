@@ -17,6 +17,7 @@ from .cross_entropy import cross_entropy, linear_cross_entropy
 from .distributed.planner import plan_sharding
 from .moe import moe_experts
 from .norm import LayerNorm, RMSNorm, layer_norm, rms_norm
+from .rope import apply_rotary_pos_emb
 from .softmax import AttnMaskType, FusedScaleMaskSoftmax, fused_softmax
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "Plan",
     "RMSNorm",
     "__version__",
+    "apply_rotary_pos_emb",
     "bias_gelu",
     "cross_entropy",
     "decode_attention",

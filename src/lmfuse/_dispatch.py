@@ -128,6 +128,7 @@ def once_differentiable(backward: Callable[..., Any]) -> Callable[..., Any]:
 
 #: The public op of each autograd function whose backward is ``once_differentiable``.
 _FUNCTION_OPS = {"Softmax": "fused_softmax", "RMSNorm": "rms_norm", "LayerNorm": "layer_norm",
+                 "Rotary": "apply_rotary_pos_emb",
                  "CrossEntropy": "cross_entropy", "LinearCrossEntropy": "linear_cross_entropy",
                  "MoEExperts": "moe_experts", "Fp8StoredExpert": "moe_experts"}
 

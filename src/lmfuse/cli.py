@@ -41,7 +41,7 @@ FAMILIES = ("softmax", "cross_entropy", "linear_cross_entropy", "activations", "
 TUNABLE = ("linear_cross_entropy",)
 #: The modules whose ``checks(device, dtypes)`` ``lmfuse check`` runs, in order.
 CHECKED = ("softmax.ops", "cross_entropy.ops", "cross_entropy.linear", "activations.ops",
-           "attention.ops", "norm.ops", "moe.ops")
+           "attention.ops", "norm.ops", "rope.ops", "moe.ops")
 
 
 def _best_device() -> torch.device:

@@ -1,0 +1,271 @@
+"""``lmfuse.apply_rotary_pos_emb`` on both paths (``impl="torch"`` and ``impl="triton"`` in
+the interpreter) against ``rotary_reference`` evaluated in float64, and against
+transformers' own ``apply_rotary_pos_emb``.
+
+Cases: fp32/fp16/bf16 (and q and k of two dtypes), the attention layout ``[B, H, S, D]`` as
+contiguous tensors and as transformers' transposed views, ``[B, S, H, D]``
+(``unsqueeze_dim=2``), tables of one batch or per sequence, partial rotary, several head
+blocks a token, empty inputs, partial and no gradients, gradients of cos and sin (the
+reference path), NaN and inf, strides kept, torch.compile, bad input, ``explain``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+from helpers import assert_close, randn
+
+import lmfuse
+from lmfuse import tuning
+from lmfuse.rope.reference import rotary_reference
+
+F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
+IMPLS = ["torch", "triton"]
+DTYPES = [pytest.param(d, id=str(d).replace("torch.", "")) for d in (F32, F16, BF16)]
+
+
+def tables(batch: int, S: int, R: int, dtype=F32, *, same_halves: bool = True):
+    """``cos, sin [batch, S, R]`` of random angles (transformers' tables repeat their halves;
+    ``same_halves=False`` draws the second half apart, which the op must also take)."""
+    half = torch.rand(batch, S, R // 2) * 6.3
+    angle = torch.cat((half, half if same_halves else torch.rand(batch, S, R // 2) * 6.3), -1)
+    return angle.cos().to(dtype), angle.sin().to(dtype)
+
+
+def qk(B, S, Hq, Hk, D, dtype, layout):
+    """q and k in ``layout``: "bhsd" contiguous, "hf" (transformers' ``view(B, S, H, D)
+    .transpose(1, 2)``) or "bshd" (``unsqueeze_dim=2``)."""
+    if layout == "bhsd":
+        return randn((B, Hq, S, D), dtype), randn((B, Hk, S, D), dtype)
+    q, k = randn((B, S, Hq, D), dtype), randn((B, S, Hk, D), dtype)
+    return (q.transpose(1, 2), k.transpose(1, 2)) if layout == "hf" else (q, k)
+
+
+def check(what, q, k, cos, sin, impl, u=1):
+    """Output and q's and k's gradients against the float64 reference."""
+    leaves = [q.detach().requires_grad_(True), k.detach().requires_grad_(True)]
+    out = lmfuse.apply_rotary_pos_emb(*leaves, cos, sin, unsqueeze_dim=u, impl=impl)
+    gs = [randn(t.shape, t.dtype) for t in out]
+    grads = torch.autograd.grad(out, leaves, gs)
+    refs = [t.detach().double().requires_grad_(True) for t in leaves]
+    ref = rotary_reference(*refs, cos.double(), sin.double(), u)
+    ref_grads = torch.autograd.grad(ref, refs, [g.double() for g in gs])
+    for name, leaf, o, r, g, rg in zip("qk", leaves, out, ref, grads, ref_grads):
+        assert o.dtype == leaf.dtype and o.shape == leaf.shape, f"{what}: {name}"
+        assert_close(o, r, leaf.dtype, f"{what}: {name}")
+        assert g.dtype == leaf.dtype
+        assert_close(g, rg, leaf.dtype, f"{what}: d{name}")
+    return out
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout, table_batch, R", [
+    pytest.param("bhsd", 2, 16, id="bhsd-per-sequence"),
+    pytest.param("hf", 1, 16, id="hf-view-one-table"),
+    pytest.param("bshd", 2, 8, id="bshd-partial"),
+    pytest.param("hf", 0, 10, id="hf-2d-table-partial"),
+])
+def test_matches_reference(layout, table_batch, R, dtype, impl) -> None:
+    B, S, Hq, Hk, D = 2, 5, 6, 3, 16
+    q, k = qk(B, S, Hq, Hk, D, dtype, layout)
+    cos, sin = tables(max(table_batch, 1), S, R, same_halves=False)
+    if table_batch == 0:
+        cos, sin = cos[0], sin[0]
+    check(f"{layout} {dtype} {impl}", q, k, cos, sin, impl, u=2 if layout == "bshd" else 1)
+
+
+def test_several_head_blocks_and_mixed_dtypes(monkeypatch) -> None:
+    """Heads over several programs of a token (a table lowered to 2 heads a program), odd
+    head counts, k in float32 with bf16 q, a bf16 table."""
+    real = tuning.table
+    monkeypatch.setattr(tuning, "table", lambda family, device: {"tile_elems": 32,
+                                                                 "num_warps": 1}
+                        if family == "rope" else real(family, device))
+    q, k = randn((2, 7, 3, 16), BF16), randn((2, 5, 3, 16), F32)
+    cos, sin = tables(2, 3, 16, BF16)
+    check("blocks", q, k, cos, sin, "triton")
+    plan = lmfuse.explain(lmfuse.apply_rotary_pos_emb, q, k, cos, sin)
+    assert "head blocks of 2" in plan.details["launch"]
+
+
+@pytest.mark.parametrize("impl", IMPLS + ["auto"])
+def test_equals_transformers(monkeypatch, impl: str) -> None:
+    """transformers' Llama ``apply_rotary_pos_emb`` in float32, on its own tables (its
+    rotary embedding module's cos and sin) and layout."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama import modeling_llama as llama
+
+    if impl == "auto":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")  # the CPU default path
+    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16)
+    rotary = llama.LlamaRotaryEmbedding(config)
+    x = randn((2, 7, 64))
+    position_ids = torch.arange(7)[None].expand(2, 7)
+    cos, sin = rotary(x, position_ids)
+    q, k = qk(2, 7, 4, 2, 16, F32, "hf")
+    want = llama.apply_rotary_pos_emb(q, k, cos, sin)
+    got = lmfuse.apply_rotary_pos_emb(q, k, cos, sin, impl=impl)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_outputs_keep_the_input_strides() -> None:
+    """transformers' transposed q gives a transposed output, as its own formula does (the
+    attention that follows reads it as it would read theirs)."""
+    q, k = qk(2, 5, 4, 2, 16, F32, "hf")
+    cos, sin = tables(2, 5, 16)
+    qo, ko = lmfuse.apply_rotary_pos_emb(q, k, cos, sin, impl="triton")
+    assert qo.stride() == q.stride() and ko.stride() == k.stride()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("shape", [(0, 4, 5, 16), (2, 4, 0, 16), (2, 0, 5, 16)],
+                         ids=["B0", "S0", "H0"])
+def test_empty(shape, impl: str) -> None:
+    q = torch.zeros(shape, requires_grad=True)
+    k = torch.zeros(shape, requires_grad=True)
+    cos, sin = tables(shape[0] or 1, shape[2], 16)
+    if shape[0] == 0:
+        cos, sin = cos[0], sin[0]
+    qo, ko = lmfuse.apply_rotary_pos_emb(q, k, cos, sin, impl=impl)
+    assert qo.shape == ko.shape == shape
+    dq, dk = torch.autograd.grad((qo, ko), (q, k), (torch.ones(shape), torch.ones(shape)))
+    assert dq.shape == dk.shape == shape
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_partial_and_no_gradients(impl: str) -> None:
+    q, k = qk(2, 5, 4, 2, 16, F32, "bhsd")
+    cos, sin = tables(2, 5, 16)
+    ref_q, ref_k = rotary_reference(q, k, cos, sin)
+    kl = k.clone().requires_grad_(True)
+    qo, ko = lmfuse.apply_rotary_pos_emb(q, kl, cos, sin, impl=impl)
+    assert not qo.requires_grad and ko.requires_grad
+    (dk,) = torch.autograd.grad(ko.sum(), [kl])  # an expanded upstream gradient
+    k2 = k.double().requires_grad_(True)
+    (want,) = torch.autograd.grad(rotary_reference(q.double(), k2, cos.double(),
+                                                   sin.double())[1].sum(), [k2])
+    assert_close(dk, want, F32, "dk alone")
+    with torch.no_grad():
+        qo, ko = lmfuse.apply_rotary_pos_emb(q.requires_grad_(True), kl, cos, sin, impl=impl)
+    assert not qo.requires_grad and torch.allclose(qo, ref_q) and torch.allclose(ko, ref_k)
+
+
+def test_table_gradients_take_the_reference() -> None:
+    """cos and sin that need a gradient: the formula through autograd, theirs included."""
+    q, k = qk(2, 5, 4, 2, 16, F32, "bhsd")
+    cos, sin = (t.requires_grad_(True) for t in tables(2, 5, 16))
+    out = lmfuse.apply_rotary_pos_emb(q, k, cos, sin)
+    got = torch.autograd.grad(sum(t.sum() for t in out), [cos, sin])
+    ref = rotary_reference(q, k, cos, sin)
+    want = torch.autograd.grad(sum(t.sum() for t in ref), [cos, sin])
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("impl", IMPLS)
+def test_nan_and_inf_as_the_formula(impl: str) -> None:
+    q, k = qk(1, 3, 2, 1, 8, F32, "bhsd")
+    q[0, 0, 0, 1] = math.nan
+    k[0, 0, 1, 6] = math.inf
+    cos, sin = tables(1, 3, 8)
+    sin[0, 1, 2] = 0.0  # inf * 0: NaN where the inf meets it
+    got = lmfuse.apply_rotary_pos_emb(q, k, cos, sin, impl=impl)
+    want = rotary_reference(q, k, cos, sin)
+    for a, b in zip(got, want):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.isinf(), b.isinf())
+        fin = b.isfinite()
+        assert torch.allclose(a[fin], b[fin], rtol=1e-6, atol=1e-6)
+
+
+def test_second_derivatives_raise() -> None:
+    q, k = (t.requires_grad_(True) for t in qk(1, 3, 2, 1, 8, F32, "bhsd"))
+    cos, sin = tables(1, 3, 8)
+    qo, _ = lmfuse.apply_rotary_pos_emb(q, k, cos, sin, impl="triton")
+    with pytest.raises(RuntimeError, match="apply_rotary_pos_emb: second derivatives"):
+        torch.autograd.grad(qo.square().sum(), [q], create_graph=True)
+
+
+def test_fullgraph_compile_holds_the_custom_op() -> None:
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch._dynamo.reset()
+    q, k = (t.requires_grad_(True) for t in qk(2, 5, 4, 2, 16, F32, "hf"))
+    cos, sin = tables(2, 5, 16)
+    seen: list[str] = []
+
+    def record(gm, inputs):
+        seen.extend(str(node.target) for node in gm.graph.nodes)
+        return make_boxed_func(gm.forward)
+
+    def call(q, k):
+        qo, ko = lmfuse.apply_rotary_pos_emb(q, k, cos, sin, impl="triton")
+        return qo * 2.0, ko
+
+    compiled = torch.compile(call, fullgraph=True,
+                             backend=aot_autograd(fw_compiler=record, bw_compiler=record))
+    results = []
+    for fn in (call, compiled):
+        out = fn(q, k)
+        results.append((*out, *torch.autograd.grad(out, [q, k], [torch.ones_like(t)
+                                                                 for t in out])))
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert seen.count("lmfuse.rotary.default") == 2  # forward and backward
+
+
+BAD = [  # (id, changed arguments, error, words the message must contain)
+    ("q-3d", dict(q=randn((2, 4, 16))), ValueError, r"\bq\b 4-D 3-D"),
+    ("q-int", dict(q=torch.ones(2, 4, 5, 16, dtype=torch.int32)), TypeError, r"\bq\b int32"),
+    ("k-tokens", dict(k=randn((2, 2, 6, 16))), ValueError, r"\bk\b tokens \(2, 2, 6, 16\)"),
+    ("k-head-size", dict(k=randn((2, 2, 5, 8))), ValueError, r"\bk\b head size"),
+    ("unsqueeze", dict(unsqueeze_dim=3), ValueError, r"unsqueeze_dim 1 2 3"),
+    ("unsqueeze-bool", dict(unsqueeze_dim=True), ValueError, r"unsqueeze_dim True"),
+    ("cos-sin-shapes", dict(sin=randn((2, 5, 8))), ValueError, r"cos sin one shape"),
+    ("cos-odd", dict(cos=randn((2, 5, 15)), sin=randn((2, 5, 15))), ValueError,
+     r"even \(2, 5, 15\)"),
+    ("cos-wide", dict(cos=randn((2, 5, 18)), sin=randn((2, 5, 18))), ValueError, r"at most 16"),
+    ("cos-tokens", dict(cos=randn((2, 4, 16)), sin=randn((2, 4, 16))), ValueError, r"S = 5"),
+    ("cos-batch", dict(cos=randn((3, 5, 16)), sin=randn((3, 5, 16))), ValueError, r"B = 2"),
+    ("cos-4d", dict(cos=randn((1, 2, 5, 16)), sin=randn((1, 2, 5, 16))), ValueError,
+     r"cos 2-D 3-D"),
+    ("device", dict(cos=torch.ones(2, 5, 16, device="meta"),
+                    sin=torch.ones(2, 5, 16, device="meta")), ValueError, r"cos meta cpu"),
+    ("impl", dict(impl="cuda"), ValueError, r"impl 'cuda'"),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("change, error, message", [pytest.param(*b[1:], id=b[0]) for b in BAD])
+def test_bad_input_raises(change: dict, error, message: str, impl: str) -> None:
+    args = dict(q=randn((2, 4, 5, 16)), k=randn((2, 2, 5, 16)), cos=randn((2, 5, 16)),
+                sin=randn((2, 5, 16)), impl=impl)
+    args.update(change)
+    pattern = r"(?s)^apply_rotary_pos_emb: " + "".join(f"(?=.*{w})" for w in message.split())
+    with pytest.raises(error, match=pattern):
+        lmfuse.apply_rotary_pos_emb(**args)
+    with pytest.raises(error, match=pattern):
+        lmfuse.explain(lmfuse.apply_rotary_pos_emb, **args)
+
+
+def test_signature_explain_and_float64() -> None:
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf
+
+    ours = inspect.signature(lmfuse.apply_rotary_pos_emb).parameters
+    theirs = inspect.signature(hf).parameters
+    assert [(p.name, p.default) for p in list(ours.values())[:len(theirs)]] == [
+        (p.name, p.default) for p in theirs.values()]
+    assert "apply_rotary_pos_emb" in lmfuse.__all__
+    q, k = qk(2, 5, 4, 2, 16, F64, "bhsd")
+    cos, sin = tables(2, 5, 8, F64)
+    plan = lmfuse.explain("apply_rotary_pos_emb", q, k, cos, sin)
+    assert plan.impl == "torch" and "the first 8 of 16" in plan.details["rotated"]
+    assert lmfuse.apply_rotary_pos_emb(q, k, cos, sin)[0].dtype == F64
+    with pytest.raises(TypeError, match="float64"):
+        lmfuse.apply_rotary_pos_emb(q, k, cos, sin, impl="triton")
