@@ -400,6 +400,15 @@ def _norm_cases() -> list[Case]:
                                                rnd(768, dtype=F32, scale=0.1)], wrt=(0, 1)))
         cases.append(Case("LayerNorm-bf16", lambda m, x: m(x), lambda: [rnd(8, 64, 1024)],
                           wrt=(0,), module=lambda: lmfuse.LayerNorm(1024).to(DEV, BF16)))
+    if hasattr(lmfuse, "apply_rotary_pos_emb"):
+        def rope_inputs():  # transformers' layout: [B, S, H, D] viewed as [B, H, S, D]
+            angle = torch.rand(2, 256, 64, device=DEV) * 6.3
+            angle = torch.cat((angle, angle), -1)
+            return [rnd(2, 256, 16, 128).transpose(1, 2), rnd(2, 256, 4, 128).transpose(1, 2),
+                    angle.cos().to(BF16), angle.sin().to(BF16)]
+
+        cases.append(Case("apply_rotary_pos_emb-bf16", lmfuse.apply_rotary_pos_emb,
+                          rope_inputs, wrt=(0, 1)))
     return cases
 
 
