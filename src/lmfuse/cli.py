@@ -37,7 +37,7 @@ from ._cli_args import (DTYPES, ArgumentParser, dtype_name, int_list, int_range,
                         missing_package, number_range, output_file, seed)
 
 FAMILIES = ("softmax", "cross_entropy", "linear_cross_entropy", "activations", "decode_attention",
-            "rms_norm", "layer_norm", "moe_experts", "generate", "host")
+            "rms_norm", "layer_norm", "rope", "moe_experts", "generate", "host")
 TUNABLE = ("linear_cross_entropy",)
 #: The modules whose ``checks(device, dtypes)`` ``lmfuse check`` runs, in order.
 CHECKED = ("softmax.ops", "cross_entropy.ops", "cross_entropy.linear", "activations.ops",
