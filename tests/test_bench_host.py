@@ -16,11 +16,12 @@ from helpers import run_cli
 
 from lmfuse.bench import host
 
-TRAINING = ("rms_norm", "layer_norm", "swiglu", "geglu", "quick_geglu", "bias_gelu",
+TRAINING = ("rms_norm", "layer_norm", "rope", "swiglu", "geglu", "quick_geglu", "bias_gelu",
             "squared_relu", "weighted_swiglu", "weighted_quick_geglu", "weighted_squared_relu",
             "fused_softmax", "cross_entropy", "linear_cross_entropy", "moe_experts")
 INFERENCE = ("decode_attention", "kv_cache_append", "merge_attention_states")
-WITH_LIGER = ("rms_norm", "layer_norm", "swiglu", "geglu", "cross_entropy", "linear_cross_entropy")
+WITH_LIGER = ("rms_norm", "layer_norm", "rope", "swiglu", "geglu", "cross_entropy",
+              "linear_cross_entropy")
 
 
 def positive(us) -> bool:
@@ -85,7 +86,7 @@ def test_ops_option_times_those_ops_only(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("ops, message", [
-    ("layer_norm,bogus", "argument --ops: unknown bogus; choose from rms_norm, layer_norm, "),
+    ("layer_norm,bogus", "argument --ops: unknown bogus; choose from rms_norm, layer_norm, rope, "),
     (",", "argument --ops: no op in ','; choose from rms_norm, "),
 ])
 def test_ops_option_names_the_ops_it_knows(ops: str, message: str,

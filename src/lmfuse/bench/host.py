@@ -8,11 +8,11 @@ running it: that decides eager decoding and small training steps, and is what th
 harness measures.
 
 Method. Every op runs on inputs so small that the device's work is negligible (``[8, 64]``
-activations and norms, a vocabulary of 128, decode attention over B1 S64; the header and
-the JSON's ``environment.inputs`` list them), in bfloat16 on a GPU, float32 on the CPU. A
-row times K consecutive calls with ``time.perf_counter()``, the device idle before
-(``torch.cuda.synchronize()``) and the clock stopped *before* synchronising again, so the
-figure is the host's time to issue a call, not the device's to run it. K = 100 keeps the
+activations and norms, a vocabulary of 128, decode attention over B1 S64, RoPE over B1 S8;
+the header and the JSON's ``environment.inputs`` list them), in bfloat16 on a GPU, float32
+on the CPU. A row times K consecutive calls with ``time.perf_counter()``, the device idle
+before (``torch.cuda.synchronize()``) and the clock stopped *before* synchronising again, so
+the figure is the host's time to issue a call, not the device's to run it. K = 100 keeps the
 launch queue from filling (the device runs such kernels faster than the host issues
 them; were it slower, the host would wait and the figure would be bounded by device
 time). The figure is the median over 15 rounds of K calls, the rows of a case taking
@@ -38,12 +38,14 @@ Rows:
   lmfuse               the public op, ``impl="auto"`` (the note gives the path it takes)
   torch                the plain PyTorch formula of the op (the note gives it):
                        ``F.cross_entropy``, ``F.silu(a) * b`` of ``x.chunk(2, -1)``, the
-                       three-op RMSNorm, ``F.layer_norm``, ``masked_fill`` + ``softmax``,
+                       three-op RMSNorm, ``F.layer_norm``, transformers' RoPE function,
+                       ``masked_fill`` + ``softmax``,
                        ``F.linear`` + ``F.cross_entropy``, SDPA over the cache,
                        ``index_copy_`` into it, the log-sum-exp merge, the experts with
                        their weights gathered per (token, slot) (no host sync)
   liger-kernel         where Liger-Kernel has the op: ``LigerRMSNormFunction``,
-                       ``LigerLayerNormFunction``, ``LigerSiLUMulFunction`` /
+                       ``LigerLayerNormFunction``, ``LigerRopeFunction`` (in place, on
+                       its own inputs), ``LigerSiLUMulFunction`` /
                        ``LigerGELUMulFunction`` (the two halves
                        as separate tensors, as Liger's MLPs call them),
                        ``liger_cross_entropy``, ``liger_fused_linear_cross_entropy``
@@ -112,6 +114,7 @@ IGNORE = -100
 
 # The inputs: small enough that the device's work is negligible.
 ROWS, HIDDEN, VOCAB = 8, 64, 128
+ROPE = dict(B=1, S=8, Hq=4, Hk=2, D=32)
 SOFTMAX_SHAPE = (1, 2, 8, 32)  # b, np, sq, sk (causal)
 MOE = dict(T=8, H=64, F=32, E=4, k=2)
 DECODE = dict(B=1, S=64, Hq=4, Hkv=2, D=32)
@@ -144,7 +147,7 @@ class OpSpec:
     inputs: str
     impls: dict[str, Call]
     notes: dict[str, str]
-    grad: Optional[torch.Tensor]
+    grad: Optional[torch.Tensor | tuple[torch.Tensor, ...]]  # a tuple: one per output
     training: bool = True
     checks: Optional[Callable[[], object]] = None
     checks_note: str = ""
@@ -174,7 +177,8 @@ def _detached(args: tuple) -> tuple:
 
 
 def _spec(inp: Inputs, name: str, inputs: str, ours: Call, plain: Call, formula: str,
-          grad: Optional[torch.Tensor], training: bool = True) -> OpSpec:
+          grad: Optional[torch.Tensor | tuple[torch.Tensor, ...]], training: bool = True
+          ) -> OpSpec:
     """Op ``name``'s ``lmfuse`` row (noted with the path it takes here) and ``torch`` row."""
     return OpSpec(name, inputs, {"lmfuse": ours, "torch": plain},
                   {"lmfuse": "path " + select_impl(name, "auto", inp.device)[0],
@@ -206,6 +210,10 @@ def load_liger() -> tuple[dict[str, tuple[Callable[..., Any], str]], str]:
                            # (X, W, B, eps)
                            lambda f: lambda x, w, b: f.apply(x, w, b, EPS),
                            "LigerLayerNormFunction"),
+        "rope": load("ops.rope", "LigerRopeFunction",
+                     # as liger_rotary_pos_emb: (q, k, cos, sin, position_ids, unsqueeze_dim)
+                     lambda f: lambda q, k, c, s: f.apply(q, k, c, s, None, 1),
+                     "LigerRopeFunction, in place (on its own q and k)"),
         "swiglu": load("ops.swiglu", "LigerSiLUMulFunction",
                        lambda f: lambda a, b, _w: f.apply(a, b),
                        "LigerSiLUMulFunction(a, b): the halves as two tensors"),
@@ -306,6 +314,42 @@ def layer_norm_spec(inp: Inputs, liger: dict) -> OpSpec:
         return {"fwd": lambda: ops.launch_layer_norm(xd, wd, bd, EPS, 0.0), "fwd+bwd": fwd_bwd}
 
     return _launch_rows(spec, inp, build, "norm.ops.launch_layer_norm (+ _launch_ln_bwd)")
+
+
+def rope_spec(inp: Inputs, liger: dict) -> OpSpec:
+    from lmfuse.bench.rope import load_transformers
+    from lmfuse.rope import ops
+
+    B, S, Hq, Hk, D = ROPE.values()
+
+    def heads(H: int) -> torch.Tensor:  # transformers' layout: [B, S, H, D] transposed
+        return inp.randn(B, S, H, D).transpose(1, 2)
+
+    q, k = heads(Hq).requires_grad_(True), heads(Hk).requires_grad_(True)
+    angle = torch.rand(B, S, D // 2, device=inp.device) * 6.3
+    cos, sin = (f(torch.cat((angle, angle), -1)).to(inp.dtype) for f in (torch.cos, torch.sin))
+    # contiguous upstream gradients: Liger's backward, which rotates them in place, copies
+    # them first (its transposed view of them is not contiguous), so the rows share them
+    g = (inp.randn(B, Hq, S, D), inp.randn(B, Hk, S, D))
+    plain, formula, _ = load_transformers()
+    spec = _spec(inp, "rope", f"q [{B}, {Hq}, {S}, {D}], k [{B}, {Hk}, {S}, {D}] (transposed "
+                 f"[B, S, H, D] views), cos, sin [{B}, {S}, {D}]",
+                 Call(lmfuse.apply_rotary_pos_emb, (q, k, cos, sin)),
+                 Call(plain, (q, k, cos, sin)), formula, g)
+    _with_liger(spec, liger, (q.detach().clone().requires_grad_(True),
+                              k.detach().clone().requires_grad_(True), cos, sin))
+    qd, kd = q.detach(), k.detach()
+    spec.checks = lambda: ops._resolve(qd, kd, cos, sin, 1, "auto")
+    spec.checks_note = "rope.ops._resolve"
+
+    def build():
+        def fwd_bwd():
+            ops.launch_rotary(qd, kd, cos, sin, 1, False)
+            return ops.launch_rotary(*g, cos, sin, 1, True)
+
+        return {"fwd": lambda: ops.launch_rotary(qd, kd, cos, sin, 1, False), "fwd+bwd": fwd_bwd}
+
+    return _launch_rows(spec, inp, build, "rope.ops.launch_rotary (+ its backward launch)")
 
 
 def _quick_gelu(a: torch.Tensor) -> torch.Tensor:
@@ -622,7 +666,7 @@ def merge_spec(inp: Inputs, liger: dict) -> OpSpec:
 
 #: Op name -> the function making its rows, in the order they run.
 SPECS: dict[str, Callable[[Inputs, dict], OpSpec]] = {
-    "rms_norm": rms_norm_spec, "layer_norm": layer_norm_spec,
+    "rms_norm": rms_norm_spec, "layer_norm": layer_norm_spec, "rope": rope_spec,
     **{name: partial(activation_spec, name) for name in ACTS},
     "fused_softmax": softmax_spec, "cross_entropy": cross_entropy_spec,
     "linear_cross_entropy": linear_cross_entropy_spec, "moe_experts": moe_spec,
@@ -656,7 +700,8 @@ def _options(p: argparse.ArgumentParser) -> None:
 # --- timing ---------------------------------------------------------------------------------
 
 
-def thunk(call: Call, mode: str, grad: Optional[torch.Tensor]) -> Callable[[], object]:
+def thunk(call: Call, mode: str, grad: Optional[torch.Tensor | tuple[torch.Tensor, ...]]
+          ) -> Callable[[], object]:
     """One call of ``call`` in ``mode`` (the timing loop sets the grad mode)."""
     fn, args = call
     if mode == "fwd":
@@ -667,7 +712,11 @@ def thunk(call: Call, mode: str, grad: Optional[torch.Tensor]) -> Callable[[], o
     leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
 
     def fwd_bwd():
-        fn(*args).backward(grad)
+        out = fn(*args)
+        if isinstance(out, tuple):  # several outputs (rope's q and k): a gradient for each
+            torch.autograd.backward(out, grad)
+        else:
+            out.backward(grad)
         for t in leaves:
             t.grad = None
 
