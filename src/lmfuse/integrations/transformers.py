@@ -9,6 +9,9 @@ models of the same class are untouched, and ``copy.deepcopy`` carries it along):
 * the LayerNorms (``torch.nn.LayerNorm`` and its subclasses that keep its forward: the vision
   towers' and projectors'; Nemotron's LayerNorm1P, found by a probe) run
   :func:`lmfuse.layer_norm` with the module's own ``weight``, ``bias`` and eps;
+* the attention layers whose forward calls its modeling module's rotate-half
+  ``apply_rotary_pos_emb`` (found by a probe) run :func:`lmfuse.apply_rotary_pos_emb` there:
+  the class's forward re-bound to globals holding lmfuse's (the module is untouched);
 * the gated MLPs (``down_proj(act(gate_proj(x)) * up_proj(x))``) run :func:`lmfuse.swiglu`
   (SiLU) or :func:`lmfuse.geglu` (tanh-approximated GELU) between their projections
   (Falcon-H1's ``gate_multiplier`` and ``down_multiplier`` as swiglu's);
@@ -26,10 +29,12 @@ as before. ``transformers`` is imported only when :func:`apply_lmfuse` runs.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import inspect
 import math
+import types
 import typing
 import warnings
 from collections.abc import Iterator
@@ -46,6 +51,8 @@ from ..activations.reference import QUICK_GELU_K
 from ..cross_entropy import linear_cross_entropy as _linear_cross_entropy
 from ..moe import moe_experts as _moe_experts
 from ..norm import rms_norm as _rms_norm
+from ..rope import apply_rotary_pos_emb as _apply_rotary_pos_emb
+from ..rope.reference import rotary_reference as _rotary_reference
 from . import _activation_name, _check_flags, _instance_attr, _layer_norm_like
 from . import _Forward as _PatchedMethod
 
@@ -720,6 +727,211 @@ def _gated_activation(act: Any) -> str | None:
     return None
 
 
+# --- rotary position embedding -----------------------------------------------------------------
+
+#: The name an attention forward calls its rotary by, a global of its modeling module.
+_ROTARY_NAME = "apply_rotary_pos_emb"
+_ROTARY_PARAMS = ("q", "k", "cos", "sin", "unsqueeze_dim")
+_ROTARY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _forward_chain(fn: Any) -> list[Any]:
+    """``fn`` and the functions it wraps (decorators' ``__wrapped__``), outermost first."""
+    chain = [fn]
+    while (inner := getattr(chain[-1], "__wrapped__", None)) is not None and len(chain) < 16:
+        chain.append(inner)
+    return chain
+
+
+def _rotary_target(forward: Any) -> tuple[int, Any] | None:
+    """``(i, fn)``: the innermost function ``i`` of ``forward``'s decorator chain that
+    calls the global ``apply_rotary_pos_emb``, and that global's value; None if there is
+    none (or ``forward`` is not plain Python functions)."""
+    chain = _forward_chain(forward)
+    if not all(isinstance(f, types.FunctionType) for f in chain):
+        return None
+    for i in reversed(range(len(chain))):
+        f = chain[i]
+        if _ROTARY_NAME in f.__code__.co_names:
+            fn = f.__globals__.get(_ROTARY_NAME)
+            return (i, fn) if callable(fn) else None
+    return None
+
+
+_ROTARY_PROBED: dict[Any, bool] = {}
+
+
+#: The probe's calls: (heads' dim of q and k, table shape, unsqueeze_dim); all [B, S, R]
+#: tables but for Pixtral's ``[S, R]`` with ``unsqueeze_dim=0`` (heads at dim 1), and one
+#: partial table (R = D / 2).
+_ROTARY_PROBES = ((1, (2, 5, 8), 1), (2, (1, 5, 8), 2), (1, (5, 8), 0), (1, (2, 5, 4), 1))
+
+
+@torch.no_grad()
+def _probe_rotary(fn: Any) -> bool:
+    """True when the modeling module's ``apply_rotary_pos_emb`` ``fn`` takes ``(q, k, cos,
+    sin, unsqueeze_dim=1)`` and computes :func:`lmfuse.apply_rotary_pos_emb`'s rotate-half
+    formula: checked once on small random float32 inputs (random tables, so that a function
+    reading them another way differs) for each call of :data:`_ROTARY_PROBES`; ``fn`` must
+    take the first and may refuse the others by raising (a model cannot make such a call
+    then), but must not compute anything else. Interleaved (GPT-J style), multimodal and
+    other variants differ and are left as they are."""
+    if fn in _ROTARY_PROBED:
+        return _ROTARY_PROBED[fn]
+    ok = False
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    if (tuple(p.name for p in params) == _ROTARY_PARAMS and params[4].default == 1
+            and all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)):
+        g = torch.Generator(device="cpu").manual_seed(0)
+        ok = True
+        for n, (u, table, arg) in enumerate(_ROTARY_PROBES):
+            q, k = (torch.randn((2, h, 5, 8) if u == 1 else (2, 5, h, 8), generator=g)
+                    for h in (3, 2))
+            cos, sin = (torch.randn(table, generator=g) for _ in range(2))
+            want = _rotary_reference(q, k, cos, sin, u)
+            try:
+                got = fn(q, k, cos, sin, arg)
+            except Exception:  # noqa: BLE001 (a call this function refuses)
+                if n:
+                    continue
+                ok = False
+                break
+            if not (isinstance(got, tuple) and len(got) == 2 and all(
+                    isinstance(y, torch.Tensor) and y.shape == w.shape
+                    and torch.allclose(y, w, rtol=1e-5, atol=1e-5) for y, w in zip(got, want))):
+                ok = False
+                break
+    _ROTARY_PROBED[fn] = ok
+    return ok
+
+
+def _rotary_attention(m: torch.nn.Module) -> bool:
+    """``m``'s class forward calls its modeling module's ``apply_rotary_pos_emb``, which
+    the probe finds to be lmfuse's formula (and the forward can be re-bound: see
+    :func:`_rebound_forward`). Not where the module's config sets ``rope_interleave``
+    (DeepSeek-V3's default: its forward calls an interleaved rotary instead)."""
+    if getattr(getattr(m, "config", None), "rope_interleave", False) is True:
+        return False
+    target = _rotary_target(getattr(type(m), "forward", None))
+    return (target is not None and _probe_rotary(target[1])
+            and _rebound_forward(type(m).forward, "torch") is not None)
+
+
+def _rotary_heads_dim(q: Any, k: Any, cos: Any, sin: Any, unsqueeze_dim: Any) -> int | None:
+    """Where the heads are (1 or 2) for a call :func:`lmfuse.apply_rotary_pos_emb` computes
+    as the model's function does, else None: 4-D q and k; ``[B, S, R]`` tables with
+    ``unsqueeze_dim`` 1 or 2, or ``[S, R]`` ones with ``unsqueeze_dim=0`` (Pixtral's: the
+    heads at dim 1; a 2-D table with 1 or 2 the model's function broadcasts otherwise); one
+    dtype for all four (the model's formula promotes a mix; lmfuse returns q's and k's)."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin)):
+        return None
+    if isinstance(unsqueeze_dim, bool) or not isinstance(unsqueeze_dim, int):
+        return None
+    if not (q.dim() == k.dim() == 4 and cos.shape == sin.shape
+            and (cos.dim(), unsqueeze_dim) in ((3, 1), (3, 2), (2, 0))):
+        return None
+    if not (q.dtype in _ROTARY_DTYPES and q.dtype == k.dtype == cos.dtype == sin.dtype
+            and q.device == k.device == cos.device == sin.device):
+        return None
+    u = unsqueeze_dim or 1
+    B, S, D, R = q.shape[0], q.shape[3 - u], q.shape[-1], cos.shape[-1]
+    if (k.shape[0] == B and k.shape[3 - u] == S and k.shape[-1] == D
+            and (cos.dim() == 2 or cos.shape[0] in (1, B)) and cos.shape[-2] == S
+            and R % 2 == 0 and 0 < R <= D):
+        return u
+    return None
+
+
+def _rotary_for(own: Any, impl: str) -> Any:
+    """What a patched attention forward finds as its global ``apply_rotary_pos_emb``:
+    :func:`lmfuse.apply_rotary_pos_emb`, or ``own`` (the modeling module's function) for a
+    call :func:`_rotary_heads_dim` refuses."""
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        u = _rotary_heads_dim(q, k, cos, sin, unsqueeze_dim)
+        if u is None:
+            return own(q, k, cos, sin, unsqueeze_dim)
+        return _apply_rotary_pos_emb(q, k, cos, sin, u, impl=impl)
+
+    return apply_rotary_pos_emb
+
+
+def _with(f: types.FunctionType, globals_: dict[str, Any] | None = None,
+          closure: tuple[Any, ...] | None = None) -> types.FunctionType:
+    """A copy of function ``f`` with other globals or closure cells, its attributes kept."""
+    new = types.FunctionType(f.__code__, f.__globals__ if globals_ is None else globals_,
+                             f.__name__, f.__defaults__,
+                             f.__closure__ if closure is None else closure)
+    new.__kwdefaults__ = copy.copy(f.__kwdefaults__)
+    new.__dict__.update(f.__dict__)
+    for a in ("__qualname__", "__module__", "__doc__", "__annotations__"):
+        setattr(new, a, getattr(f, a))
+    return new
+
+
+_REBOUND: dict[tuple[Any, str], Any] = {}
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # (an empty cell)
+        return False
+    return True
+
+
+def _rebound_forward(forward: Any, impl: str) -> Any:
+    """The attention class's ``forward`` with its modeling module's globals but for
+    ``apply_rotary_pos_emb``, which is :func:`_rotary_for`'s: the innermost function that
+    calls it re-bound to those globals (a copy of the module's globals when first built),
+    and each decorator around it (``deprecate_kwarg``'s wrapper, ...) re-made with a
+    closure that holds the re-bound function in place of the original. None when a
+    decorator holds its function elsewhere than in a closure cell. Built once per function
+    and ``impl``."""
+    key = (forward, impl)
+    if key in _REBOUND:
+        return _REBOUND[key]
+    new = None
+    target = _rotary_target(forward)
+    if target is not None:
+        chain = _forward_chain(forward)
+        i, own = target
+        f = chain[i]
+        # Without ``__name__``: torch.compile resolves the globals of a function that names
+        # its module through the module itself (where apply_rotary_pos_emb is the model's),
+        # and those of one that does not through the dict (these).
+        globals_ = {k: v for k, v in f.__globals__.items() if k != "__name__"}
+        new = _with(f, {**globals_, _ROTARY_NAME: _rotary_for(own, impl)})
+        for j in reversed(range(i)):
+            w, inner = chain[j], chain[j + 1]
+            cells = w.__closure__ or ()
+            if not any(_filled(c) and c.cell_contents is inner for c in cells):
+                new = None
+                break
+            prev = new
+            new = _with(w, closure=tuple(
+                types.CellType(prev) if _filled(c) and c.cell_contents is inner else c
+                for c in cells))
+            if "__wrapped__" in new.__dict__:
+                new.__wrapped__ = prev
+    _REBOUND[key] = new
+    return new
+
+
+def _rope_attention_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The patched attention forward: the class's own, its rotary lmfuse's (see
+    :func:`_rebound_forward`); the class's as it is for a small call with autograd off
+    (``inference_fallback_tokens``, counted on ``hidden_states``)."""
+    forward = type(self).forward
+    x = args[0] if args else kwargs.get("hidden_states")
+    if isinstance(x, torch.Tensor) and _small_inference_call(self, x):
+        return forward(self, *args, **kwargs)
+    return (_rebound_forward(forward, self._lmfuse_impl) or forward)(self, *args, **kwargs)
+
+
 # --- mixture-of-experts experts ----------------------------------------------------------------
 
 
@@ -1173,7 +1385,8 @@ class _Forward(_PatchedMethod):
     @property
     def __signature__(self) -> inspect.Signature:
         sig = (_signature(type(self.module)) if self.fn in (_causal_lm_forward,
-                                                              _experts_forward)
+                                                              _experts_forward,
+                                                              _rope_attention_forward)
                else inspect.signature(self.fn))
         return sig.replace(parameters=list(sig.parameters.values())[1:])
 
@@ -1217,6 +1430,14 @@ def _patch_mlp(m: torch.nn.Module, impl: str, fallback: int) -> str | None:
     return activation
 
 
+def _patch_rope(m: torch.nn.Module, impl: str, fallback: int) -> None:
+    """Run attention ``m``'s rotary (:func:`_rotary_attention`) through
+    :func:`lmfuse.apply_rotary_pos_emb`. Its re-bound forward is built here (not in a call
+    torch.compile traces)."""
+    _rebound_forward(type(m).forward, impl)
+    _set_forward(m, _rope_attention_forward, impl=impl, fallback_tokens=fallback)
+
+
 def _patch_experts(m: torch.nn.Module, impl: str) -> str:
     """Run experts module ``m`` through :func:`lmfuse.moe_experts`: ``""`` when patched,
     else why not. No inference fallback (see :func:`apply_lmfuse`'s ``experts``)."""
@@ -1228,7 +1449,8 @@ def _patch_experts(m: torch.nn.Module, impl: str) -> str:
 
 
 #: what lmfuse patches run
-_PATCHES = (_rms_norm_forward, _layer_norm_forward, _gated_mlp_forward, _experts_forward)
+_PATCHES = (_rms_norm_forward, _layer_norm_forward, _gated_mlp_forward, _experts_forward,
+            _rope_attention_forward)
 #: Why a probed MLP of a fusable form stays the model's (``mlp_unsupported_activation``).
 _ANOTHER_FORMULA = "not the fused formula on a probe: a dropout, a clamp or another step"
 #: The activations of the MLPs lmfuse runs fused (the keys of ``model.lmfuse_patches``).
@@ -1239,9 +1461,10 @@ _PATCH_ATTRS = ("forward", "_lmfuse_weight_offset", "_lmfuse_impl", "_lmfuse_fal
 
 @contextlib.contextmanager
 def fused_norms_and_mlps(model: torch.nn.Module, impl: str = "auto") -> Iterator[bool]:
-    """While the block runs, ``model``'s RMSNorms, LayerNorms and gated MLPs (of a family
-    :func:`apply_lmfuse` supports) run lmfuse's fused ops on every call, however few tokens
-    (``inference_fallback_tokens=0``), and its mixture-of-experts experts modules (those
+    """While the block runs, ``model``'s RMSNorms, LayerNorms, gated MLPs and the rotary of
+    its attention layers (of a family :func:`apply_lmfuse` supports; the attention modules
+    ``apply_lmfuse``'s ``rope`` patches) run lmfuse's fused ops on every call, however few
+    tokens (``inference_fallback_tokens=0``), and its mixture-of-experts experts modules (those
     :func:`apply_lmfuse` runs through :func:`lmfuse.moe_experts`: no host synchronisation,
     only the selected experts' weights read): for capturing a decode step in a CUDA graph,
     where a launch costs no host time and fewer, fused kernels are what pays. Afterwards the
@@ -1253,10 +1476,12 @@ def fused_norms_and_mlps(model: torch.nn.Module, impl: str = "auto") -> Iterator
         for m in model.modules():
             cls = type(m).__name__
             ln = _layer_norm_kind(m, family)
-            if (ln is None and cls not in family.norms and cls not in family.mlps
-                    and cls not in family.experts):
-                continue
             current = _instance_attr(m)
+            rope = current is _rope_attention_forward or (
+                current is None and _rotary_attention(m))
+            if (ln is None and cls not in family.norms and cls not in family.mlps
+                    and cls not in family.experts and not rope):
+                continue
             if current is not None and current not in _PATCHES:
                 continue  # another library's forward: left alone
             before = {a: m.__dict__[a] for a in _PATCH_ATTRS if a in m.__dict__}
@@ -1271,6 +1496,9 @@ def fused_norms_and_mlps(model: torch.nn.Module, impl: str = "auto") -> Iterator
                 m._lmfuse_fallback_tokens = 0
             elif ln is not None:
                 _patch_layer_norm(m, ln, impl, 0)
+                saved.append((m, before))
+            elif rope:
+                _patch_rope(m, impl, 0)
                 saved.append((m, before))
             elif cls in family.norms and _patch_norm(m, family.norms[cls], impl, 0):
                 saved.append((m, before))
@@ -1289,7 +1517,7 @@ def fused_norms_and_mlps(model: torch.nn.Module, impl: str = "auto") -> Iterator
 
 
 def _summary(model: torch.nn.Module, family: _Family, impl: str) -> dict[str, Any]:
-    norms, layer_norms, experts, unpatched = [], [], [], {}
+    norms, layer_norms, experts, rope, unpatched = [], [], [], [], {}
     mlps: dict[str, list[str]] = {name: [] for name in _FUSED_ACTIVATIONS}
     for name, m in model.named_modules():
         fn = _instance_attr(m)
@@ -1301,17 +1529,19 @@ def _summary(model: torch.nn.Module, family: _Family, impl: str) -> dict[str, An
             mlps[m._lmfuse_activation].append(name)
         elif fn is _experts_forward:
             experts.append(name)
+        elif fn is _rope_attention_forward:
+            rope.append(name)
         elif type(m).__name__ in family.mlps and _mlp_activation(m) is None:
             unpatched[name] = _activation_name(_mlp_act(m))
         elif type(m).__name__ in family.rejected_mlps:
             unpatched[name] = _ANOTHER_FORMULA
-    return {"impl": impl, "rms_norm": norms, "layer_norm": layer_norms, **mlps,
+    return {"impl": impl, "rms_norm": norms, "layer_norm": layer_norms, "rope": rope, **mlps,
             "mlp_unsupported_activation": unpatched, "moe_experts": experts,
             "fused_linear_cross_entropy": _instance_attr(model) is _causal_lm_forward}
 
 
 def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: bool = True,
-                 swiglu: bool = True, fused_linear_cross_entropy: bool = True,
+                 rope: bool = True, swiglu: bool = True, fused_linear_cross_entropy: bool = True,
                  experts: bool = True, impl: str = "auto",
                  inference_fallback_tokens: int = 64) -> torch.nn.Module:
     """Patch a loaded ``transformers`` model in place to run lmfuse's fused ops.
@@ -1370,6 +1600,26 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: b
             rounds ``weight + 1`` (a 16-bit LayerNorm1P) or the parameters (under a 16-bit
             autocast), half-precision outputs can differ from the unpatched model's by one
             rounding; in float32 they agree.
+        rope: run the rotary position embedding of each attention layer whose class forward
+            calls its modeling module's ``apply_rotary_pos_emb(q, k, cos, sin,
+            unsqueeze_dim=1)`` through :func:`lmfuse.apply_rotary_pos_emb` (q and k in one
+            kernel each way). A probe at patch time calls the module's function on small
+            random float32 inputs (random tables; both head layouts, a table shared over
+            the batch, Pixtral's ``[S, R]`` tables with ``unsqueeze_dim=0``, a partial
+            table) and requires lmfuse's rotate-half result; functions that compute
+            anything else or take other arguments are left as they are: interleaved
+            (GLM-4, GLM-4.1V, Helium), GPT-OSS's half tables, Gemma 4's one-tensor rotary,
+            DeepSeek-V4's; attentions calling a rotary of another name (the vision towers',
+            Llama 4's, DeepSeek-V2's) and DeepSeek-V3's where its config sets
+            ``rope_interleave`` (the default) are not touched. The attention instance's
+            ``forward`` becomes its class's forward (decorators included) re-bound to a
+            copy, made at patch time, of its module's globals in which
+            ``apply_rotary_pos_emb`` is lmfuse's: other models and the modeling module
+            are untouched. A call lmfuse does not compute as the module's function does (a
+            dtype mix, which the formula promotes; tables of another shape) runs the
+            module's function. Float32 math rounded once to q's dtype: half-precision
+            outputs can differ from the model's (which rounds each step) by a rounding;
+            in float32 they agree.
         swiglu: run the gated MLPs ``down_proj(act(gate_proj(x)) * up_proj(x))`` with the
             gate and up projections written side by side into one buffer and the activation
             fused: :func:`lmfuse.swiglu` for SiLU (Llama, Mistral, Qwen; Falcon-H1's
@@ -1441,12 +1691,13 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: b
             8-layer 2048-wide Llama took 517 ms unpatched and 567 ms with every call fused;
             ``bench/hf_training.py --generate 64``).
             Prefill, training and compiled code always take the fused ops. 0 fuses every
-            call. (LayerNorms count their rows as tokens.)
+            call. (LayerNorms count their rows as tokens; a patched attention the rows of
+            its ``hidden_states``, running the class's forward as it is.)
 
     Returns:
         ``model`` itself. ``model.lmfuse_patches`` says what is patched: ``"rms_norm"``,
-        ``"layer_norm"``, ``"swiglu"``, ``"geglu"``, ``"squared_relu"`` (lists of module
-        names),
+        ``"layer_norm"``, ``"rope"`` (the attention modules), ``"swiglu"``, ``"geglu"``,
+        ``"squared_relu"`` (lists of module names),
         ``"mlp_unsupported_activation"``
         (``{module name: activation}`` of MLPs left as they are),
         ``"moe_experts"`` (names of the experts modules patched),
@@ -1461,7 +1712,7 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: b
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{op}: model must be a torch.nn.Module (a loaded transformers model), "
                         f"got {type(model).__name__}")
-    _check_flags(op, rms_norm=rms_norm, layer_norm=layer_norm, swiglu=swiglu,
+    _check_flags(op, rms_norm=rms_norm, layer_norm=layer_norm, rope=rope, swiglu=swiglu,
                  fused_linear_cross_entropy=fused_linear_cross_entropy, experts=experts)
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
@@ -1482,8 +1733,9 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: b
     for name, m in model.named_modules():
         cls = type(m).__name__
         ln = _layer_norm_kind(m, family) if layer_norm else None
+        rotary = rope and _rotary_attention(m)
         if (ln is None and cls not in family.norms and cls not in family.mlps
-                and cls not in family.experts):
+                and cls not in family.experts and not rotary):
             continue
         current = _instance_attr(m)
         if current is not None and current not in _PATCHES:
@@ -1491,6 +1743,8 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: b
             continue
         if ln is not None:
             _patch_layer_norm(m, ln, impl, inference_fallback_tokens)
+        elif rotary:
+            _patch_rope(m, impl, inference_fallback_tokens)
         elif cls in family.norms and rms_norm:
             _patch_norm(m, family.norms[cls], impl, inference_fallback_tokens)
         elif cls in family.mlps and swiglu:
