@@ -14,7 +14,7 @@ import pytest
 import lmfuse
 
 ROOT = Path(lmfuse.__file__).parent
-FAMILIES = ("softmax", "norm", "activations", "cross_entropy", "attention", "moe")
+FAMILIES = ("softmax", "norm", "rope", "activations", "cross_entropy", "attention", "moe")
 ABOVE_FAMILIES = ("distributed", "serving", "integrations", "megatron", "cli", "demo",
                   "generate_cli", "bench", "tiny_gpt")
 LEAVES = ("_launch.py", "_fp8.py", "_softcap.py", "_collectives.py", "_pdl_kernels.py")
@@ -24,7 +24,7 @@ LEAVES = ("_launch.py", "_fp8.py", "_softcap.py", "_collectives.py", "_pdl_kerne
 RANKS = {
     "_launch": 0, "_fp8": 0, "_softcap": 0, "_collectives": 0, "_pdl_kernels": 0,
     "_cli_args": 1, "_dispatch": 1, "tuning": 1, "_nvtx": 1, "_pdl": 1.5, "_check": 1.5,
-    "softmax": 2, "norm": 2, "activations": 2, "cross_entropy": 2,
+    "softmax": 2, "norm": 2, "rope": 2, "activations": 2, "cross_entropy": 2,
     "attention": 3, "moe": 3,
     "distributed": 4,
     "": 5, "integrations": 5,

@@ -233,3 +233,58 @@ def test_a_patched_model_compiles_with_lmfuses_rotary():
     grads = dict(a.named_parameters())
     for name, p in b.named_parameters():
         assert_close(p.grad, grads[name].grad, F32, f"compiled grad of {name}")
+
+
+def test_an_unpickled_model_compiles_with_lmfuses_rotary(monkeypatch):
+    """A patched model unpickled where its re-bound forwards were never built (a new
+    process: the cache emptied here) builds them as it is loaded, so torch.compile traces
+    one graph with lmfuse's rotary; were they missing in a traced call, the model's own
+    rotary would run (one graph still), not a build compile cannot trace."""
+    import pickle
+
+    b = apply_lmfuse(make_model("llama"), fused_linear_cross_entropy=False)
+    blob = pickle.dumps(b)
+    ids, labels = batch()
+    want = b(input_ids=ids, labels=labels).loss.detach()
+    for warm in (True, False):
+        monkeypatch.setattr(lt, "_REBOUND", {})
+        loaded = pickle.loads(blob)
+        if not warm:
+            lt._REBOUND.clear()
+        targets = []
+
+        def backend(gm, example_inputs):
+            targets.extend(str(n.target) for sub in gm.modules() if hasattr(sub, "graph")
+                           for n in sub.graph.nodes)
+            return gm.forward
+
+        torch._dynamo.reset()
+        try:
+            loss = torch.compile(loaded, backend=backend, fullgraph=True)(
+                input_ids=ids, labels=labels).loss
+        finally:
+            torch._dynamo.reset()
+        assert (sum(t == "lmfuse.rotary.default" for t in targets) == 4) == warm, warm
+        assert_close(loss.detach(), want, F32, f"unpickled loss (warm {warm})")
+
+
+def test_each_patch_takes_the_modules_globals_as_they_are(monkeypatch):
+    """A model patched after the modeling module changed (here its attention function
+    wrapped) runs the changed module's code, as the unpatched model does."""
+    from transformers.models.llama import modeling_llama
+
+    apply_lmfuse(make_model("llama"))
+    calls = []
+    real = modeling_llama.eager_attention_forward
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(modeling_llama, "eager_attention_forward", wrapped)
+    ids, _ = batch()
+    make_model("llama")(input_ids=ids)
+    unpatched = len(calls)
+    calls.clear()
+    apply_lmfuse(make_model("llama"))(input_ids=ids)
+    assert unpatched == 2 and len(calls) == unpatched

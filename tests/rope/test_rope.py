@@ -269,3 +269,15 @@ def test_signature_explain_and_float64() -> None:
     assert lmfuse.apply_rotary_pos_emb(q, k, cos, sin)[0].dtype == F64
     with pytest.raises(TypeError, match="float64"):
         lmfuse.apply_rotary_pos_emb(q, k, cos, sin, impl="triton")
+
+
+@pytest.mark.parametrize("table", ["cos", "sin"])
+def test_a_float64_table_takes_the_reference(table: str) -> None:
+    """Either table in float64 is what a float64 input is: the torch path (``auto``), a
+    TypeError for ``impl="triton"``."""
+    q, k = qk(1, 3, 2, 1, 8, F32, "bhsd")
+    tabs = dict(zip(("cos", "sin"), tables(1, 3, 8)))
+    tabs[table] = tabs[table].double()
+    assert lmfuse.explain("apply_rotary_pos_emb", q, k, **tabs).impl == "torch"
+    with pytest.raises(TypeError, match=f"apply_rotary_pos_emb: .*{table}.*float64"):
+        lmfuse.apply_rotary_pos_emb(q, k, **tabs, impl="triton")

@@ -37,6 +37,18 @@ class _Forward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(self.module, *args, **kwargs)
 
+    def __getstate__(self) -> tuple[Any, torch.nn.Module]:
+        return self.fn, self.module
+
+    def __setstate__(self, state: tuple[Any, torch.nn.Module]) -> None:
+        # A patch whose function keeps process state (the rotary's re-bound forwards)
+        # builds it again as the model is unpickled or copied: not later, in a call
+        # torch.compile traces.
+        self.fn, self.module = state
+        restored = getattr(self.fn, "lmfuse_restored", None)
+        if restored is not None:
+            restored(self.module)
+
 
 def _instance_attr(m: torch.nn.Module, name: str = "forward") -> Any:
     """What ``m``'s instance attribute ``name`` runs: the function of an lmfuse patch, another

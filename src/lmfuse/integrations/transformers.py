@@ -883,16 +883,17 @@ def _filled(cell: Any) -> bool:
     return True
 
 
-def _rebound_forward(forward: Any, impl: str) -> Any:
+def _rebound_forward(forward: Any, impl: str, refresh: bool = False) -> Any:
     """The attention class's ``forward`` with its modeling module's globals but for
     ``apply_rotary_pos_emb``, which is :func:`_rotary_for`'s: the innermost function that
-    calls it re-bound to those globals (a copy of the module's globals when first built),
+    calls it re-bound to those globals (a copy of the module's globals, taken when built),
     and each decorator around it (``deprecate_kwarg``'s wrapper, ...) re-made with a
     closure that holds the re-bound function in place of the original. None when a
-    decorator holds its function elsewhere than in a closure cell. Built once per function
-    and ``impl``."""
+    decorator holds its function elsewhere than in a closure cell. Cached per function and
+    ``impl`` (a process's patched models of one class share it); ``refresh``: built anew
+    (each patch does, so the copy is the module's globals as of the latest patch)."""
     key = (forward, impl)
-    if key in _REBOUND:
+    if key in _REBOUND and not refresh:
         return _REBOUND[key]
     new = None
     target = _rotary_target(forward)
@@ -929,7 +930,23 @@ def _rope_attention_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) ->
     x = args[0] if args else kwargs.get("hidden_states")
     if isinstance(x, torch.Tensor) and _small_inference_call(self, x):
         return forward(self, *args, **kwargs)
-    return (_rebound_forward(forward, self._lmfuse_impl) or forward)(self, *args, **kwargs)
+    key = (forward, self._lmfuse_impl)
+    if key not in _REBOUND and torch.compiler.is_compiling():
+        # (never built in this process, and torch.compile cannot trace the building: the
+        # model's own rotary; _Forward's unpickling builds it for an unpickled model)
+        return forward(self, *args, **kwargs)
+    return (_rebound_forward(*key) or forward)(self, *args, **kwargs)
+
+
+def _warm_rope(module: torch.nn.Module) -> None:
+    """Build an unpickled (or deep-copied) patched attention's re-bound forwards, for every
+    ``impl``, outside any call torch.compile traces (the module's own state may not be
+    restored yet: only its class is read)."""
+    for impl in ("auto", "triton", "torch"):
+        _rebound_forward(type(module).forward, impl)
+
+
+_rope_attention_forward.lmfuse_restored = _warm_rope
 
 
 # --- mixture-of-experts experts ----------------------------------------------------------------
@@ -1433,8 +1450,8 @@ def _patch_mlp(m: torch.nn.Module, impl: str, fallback: int) -> str | None:
 def _patch_rope(m: torch.nn.Module, impl: str, fallback: int) -> None:
     """Run attention ``m``'s rotary (:func:`_rotary_attention`) through
     :func:`lmfuse.apply_rotary_pos_emb`. Its re-bound forward is built here (not in a call
-    torch.compile traces)."""
-    _rebound_forward(type(m).forward, impl)
+    torch.compile traces), from the module's globals as they are now."""
+    _rebound_forward(type(m).forward, impl, refresh=True)
     _set_forward(m, _rope_attention_forward, impl=impl, fallback_tokens=fallback)
 
 
@@ -1613,10 +1630,12 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: b
             Llama 4's, DeepSeek-V2's) and DeepSeek-V3's where its config sets
             ``rope_interleave`` (the default) are not touched. The attention instance's
             ``forward`` becomes its class's forward (decorators included) re-bound to a
-            copy, made at patch time, of its module's globals in which
-            ``apply_rotary_pos_emb`` is lmfuse's: other models and the modeling module
-            are untouched. A call lmfuse does not compute as the module's function does (a
-            dtype mix, which the formula promotes; tables of another shape) runs the
+            copy of its module's globals in which ``apply_rotary_pos_emb`` is lmfuse's
+            (taken at each patch and shared by the process's patched models of the class:
+            a later change to the module's globals reaches them at the next patch): other
+            models and the modeling module are untouched. A call lmfuse does not compute
+            as the module's function does (a dtype mix, which the formula promotes; tables
+            of another shape) runs the
             module's function. Float32 math rounded once to q's dtype: half-precision
             outputs can differ from the model's (which rounds each step) by a rounding;
             in float32 they agree.

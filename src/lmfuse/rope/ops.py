@@ -41,7 +41,7 @@ def _config(heads: int, R: int, device: torch.device) -> tuple[int, int]:
     """``(BLOCK_H, num_warps)``: about ``tile_elems`` values a program (heads of ``R``
     rotated values), from the ``rope`` tuning section. (H200, bf16, D 128, 32 or 64 query
     heads and 8 key heads: 4096 values and 4 warps fastest of 1024-16384 and 2-8 warps,
-    within 5% of 2048 with 4; 8 warps 20-30% slower.)"""
+    2048 with 4 within 6%; 8 warps 3-32% slower.)"""
     t = tuning.table("rope", device)
     block_h = max(1, min(next_pow2(max(heads, 1)), t["tile_elems"] // max(R, 2)))
     return block_h, t["num_warps"]
@@ -154,7 +154,7 @@ def _resolve(q, k, cos, sin, unsqueeze_dim, impl) -> tuple[str, str, RotaryCall]
                          f"{D}, got {tuple(cos.shape)}")
     check_same_device(_OP, "q", q, k=k, cos=cos, sin=sin)
     path, reason = select_impl(_OP, impl, q.device)
-    for name, t in (("q", q), ("k", k), ("cos", cos)):
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         path, reason = float64_fallback(_OP, impl, path, reason, t.dtype, name)
     return path, reason, RotaryCall(u, B, S, q.shape[u], k.shape[u], D, R)
 
