@@ -37,13 +37,14 @@ _OP = "apply_rotary_pos_emb"
 _kernels = lazy_kernels("kernels", __package__)
 
 
-def _config(heads: int, R: int, device: torch.device) -> tuple[int, int]:
-    """``(BLOCK_H, num_warps)``: about ``tile_elems`` values a program (heads of ``R``
-    rotated values), from the ``rope`` tuning section. (H200, bf16, D 128, 32 or 64 query
+def _config(heads: int, D: int, device: torch.device) -> tuple[int, int]:
+    """``(BLOCK_H, num_warps)``: about ``tile_elems`` values a program (heads of ``D``
+    values: rotated, or passed through past a partial rotary's, whose tile is as wide),
+    from the ``rope`` tuning section. (H200, bf16, D 128, 32 or 64 query
     heads and 8 key heads: 4096 values and 4 warps fastest of 1024-16384 and 2-8 warps,
     2048 with 4 within 6%; 8 warps 3-32% slower.)"""
     t = tuning.table("rope", device)
-    block_h = max(1, min(next_pow2(max(heads, 1)), t["tile_elems"] // max(R, 2)))
+    block_h = max(1, min(next_pow2(max(heads, 1)), t["tile_elems"] // max(D, 2)))
     return block_h, t["num_warps"]
 
 
@@ -76,7 +77,7 @@ def launch_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     Hq, Hk, D, R = q.shape[u], k.shape[u], q.shape[-1], cos.shape[-1]
     if B * S == 0 or Hq + Hk == 0 or D == 0:
         return qo, ko
-    block_h, warps = _config(max(Hq, Hk), R, q.device)
+    block_h, warps = _config(max(Hq, Hk), D, q.device)
     grid = (B * S, cdiv(Hq, block_h) + cdiv(Hk, block_h))
     _kernels().rope_kernel[grid](
         q, *_layout(q, u), qo, *_layout(qo, u), Hq,
@@ -220,7 +221,7 @@ def plan_rotary(q, k, cos, sin, unsqueeze_dim, impl) -> Plan:
                        or cos.shape[0] == 1 else ""),
     }
     if path == "triton":
-        block_h, warps = _config(max(a.Hq, a.Hk), a.R, q.device)
+        block_h, warps = _config(max(a.Hq, a.Hk), a.D, q.device)
         details["launch"] = (f"{a.B * a.S} tokens x {cdiv(a.Hq, block_h) + cdiv(a.Hk, block_h)}"
                              f" head blocks of {block_h}, {warps} warps; q and k in one "
                              "launch each way")
