@@ -288,3 +288,32 @@ def test_each_patch_takes_the_modules_globals_as_they_are(monkeypatch):
     calls.clear()
     apply_lmfuse(make_model("llama"))(input_ids=ids)
     assert unpatched == 2 and len(calls) == unpatched
+
+
+def test_a_class_forward_replaced_after_the_patch_runs_as_it_is(monkeypatch, rope_calls):
+    """Another library's forward assigned to the class after apply_lmfuse, calling a rotary
+    of its own under the same global name (never probed: here one that scales instead of
+    rotating), runs as it is: lmfuse's rotary is not put into it, and the patched model
+    computes what the unpatched one now does."""
+    import inspect
+    import types
+
+    from transformers.models.llama import modeling_llama
+
+    a = make_model("llama")
+    b = apply_lmfuse(copy.deepcopy(a), rms_norm=False, layer_norm=False, swiglu=False,
+                     fused_linear_cross_entropy=False)
+    inner = inspect.unwrap(modeling_llama.LlamaAttention.forward)
+
+    def other_rotary(q, k, cos, sin, unsqueeze_dim=1):
+        return q * 2.0, k * 0.5
+
+    replaced = types.FunctionType(inner.__code__, {**inner.__globals__,
+                                                   "apply_rotary_pos_emb": other_rotary},
+                                  inner.__name__, inner.__defaults__, inner.__closure__)
+    replaced.__kwdefaults__ = inner.__kwdefaults__
+    monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", replaced)
+    ids, _ = batch()
+    rope_calls.clear()
+    got = b(input_ids=ids).logits
+    assert rope_calls == [] and torch.equal(got, a(input_ids=ids).logits)

@@ -441,7 +441,7 @@ def test_module_weight_offset_and_repr() -> None:
 
 
 @pytest.mark.parametrize("args, error, words", [
-    (dict(normalized_shape=0), ValueError, "normalized_shape"),
+    (dict(normalized_shape=-1), ValueError, "normalized_shape"),
     (dict(normalized_shape=()), ValueError, "normalized_shape"),
     (dict(normalized_shape=8, eps=-1.0), ValueError, "eps"),
     (dict(normalized_shape=8, elementwise_affine=1), TypeError, "elementwise_affine"),
@@ -518,3 +518,10 @@ def test_signature_and_exports() -> None:
     torch_params = list(inspect.signature(torch.nn.LayerNorm).parameters)
     assert list(inspect.signature(lmfuse.LayerNorm).parameters)[:len(torch_params)] == \
         torch_params
+
+
+def test_module_of_an_empty_row() -> None:
+    """``LayerNorm(0)``, as ``nn.LayerNorm(0)``: empty parameters, an empty output."""
+    m = lmfuse.LayerNorm(0)
+    assert m.weight.shape == m.bias.shape == (0,)
+    assert m(randn((3, 0))).shape == torch.nn.LayerNorm(0)(randn((3, 0))).shape == (3, 0)

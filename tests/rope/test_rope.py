@@ -75,7 +75,9 @@ def test_matches_reference(layout, table_batch, R, dtype, impl) -> None:
     cos, sin = tables(max(table_batch, 1), S, R, same_halves=False)
     if table_batch == 0:
         cos, sin = cos[0], sin[0]
-    check(f"{layout} {dtype} {impl}", q, k, cos, sin, impl, u=2 if layout == "bshd" else 1)
+    # (2-D tables gain their dim at 0 for [B, H, S, D]: transformers' unsqueeze_dim)
+    u = (2 if layout == "bshd" else 1) - (table_batch == 0)
+    check(f"{layout} {dtype} {impl}", q, k, cos, sin, impl, u=u)
 
 
 def test_several_head_blocks_and_mixed_dtypes(monkeypatch) -> None:
@@ -129,9 +131,10 @@ def test_empty(shape, impl: str) -> None:
     q = torch.zeros(shape, requires_grad=True)
     k = torch.zeros(shape, requires_grad=True)
     cos, sin = tables(shape[0] or 1, shape[2], 16)
+    u = 1
     if shape[0] == 0:
-        cos, sin = cos[0], sin[0]
-    qo, ko = lmfuse.apply_rotary_pos_emb(q, k, cos, sin, impl=impl)
+        cos, sin, u = cos[0], sin[0], 0
+    qo, ko = lmfuse.apply_rotary_pos_emb(q, k, cos, sin, u, impl=impl)
     assert qo.shape == ko.shape == shape
     dq, dk = torch.autograd.grad((qo, ko), (q, k), (torch.ones(shape), torch.ones(shape)))
     assert dq.shape == dk.shape == shape
@@ -225,8 +228,10 @@ BAD = [  # (id, changed arguments, error, words the message must contain)
     ("q-int", dict(q=torch.ones(2, 4, 5, 16, dtype=torch.int32)), TypeError, r"\bq\b int32"),
     ("k-tokens", dict(k=randn((2, 2, 6, 16))), ValueError, r"\bk\b tokens \(2, 2, 6, 16\)"),
     ("k-head-size", dict(k=randn((2, 2, 5, 8))), ValueError, r"\bk\b head size"),
-    ("unsqueeze", dict(unsqueeze_dim=3), ValueError, r"unsqueeze_dim 1 2 3"),
-    ("unsqueeze-bool", dict(unsqueeze_dim=True), ValueError, r"unsqueeze_dim True"),
+    ("unsqueeze", dict(unsqueeze_dim=3), ValueError, r"unsqueeze_dim 3-D 1 or 2 got 3"),
+    ("unsqueeze-batch", dict(unsqueeze_dim=0), ValueError, r"unsqueeze_dim heads got 0"),
+    ("unsqueeze-bool", dict(unsqueeze_dim=True), TypeError, r"unsqueeze_dim int bool"),
+    ("unsqueeze-float", dict(unsqueeze_dim=1.0), TypeError, r"unsqueeze_dim int float"),
     ("cos-sin-shapes", dict(sin=randn((2, 5, 8))), ValueError, r"cos sin one shape"),
     ("cos-odd", dict(cos=randn((2, 5, 15)), sin=randn((2, 5, 15))), ValueError,
      r"even \(2, 5, 15\)"),
@@ -281,3 +286,33 @@ def test_a_float64_table_takes_the_reference(table: str) -> None:
     assert lmfuse.explain("apply_rotary_pos_emb", q, k, **tabs).impl == "torch"
     with pytest.raises(TypeError, match=f"apply_rotary_pos_emb: .*{table}.*float64"):
         lmfuse.apply_rotary_pos_emb(q, k, **tabs, impl="triton")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("table_dims, u, layout", [
+    (2, 0, "hf"), (2, -3, "hf"), (2, 1, "bshd"), (2, -2, "bshd"),
+    (3, 1, "hf"), (3, -3, "hf"), (3, 2, "bshd"), (3, -2, "bshd")])
+def test_unsqueeze_dim_means_what_it_means_in_transformers(table_dims, u, layout, impl):
+    """The tables gain their dim at ``unsqueeze_dim`` and broadcast against q, as in
+    transformers (Pixtral calls ``[S, R]`` tables with 0): the function's results exactly,
+    with 4 heads and 4 tokens (where a wrong reading would still broadcast)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf
+
+    q, k = qk(2, 4, 4, 4, 8, F32, layout)
+    cos, sin = tables(2, 4, 8)
+    if table_dims == 2:
+        cos, sin = cos[0], sin[0]
+    got = lmfuse.apply_rotary_pos_emb(q, k, cos, sin, u, impl=impl)
+    for a, b in zip(got, hf(q, k, cos, sin, u)):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="unsqueeze_dim must put the heads"):
+        lmfuse.apply_rotary_pos_emb(q, k, cos, sin, u + (2 if u >= 0 else -2), impl=impl)
+
+
+def test_explain_says_the_tables_gradient_takes_the_reference() -> None:
+    q, k = qk(1, 3, 2, 1, 8, F32, "bhsd")
+    cos, sin = tables(1, 3, 8)
+    plan = lmfuse.explain("apply_rotary_pos_emb", q, k, cos.requires_grad_(True), sin,
+                          impl="triton")
+    assert plan.impl == "torch" and "cos or sin needs a gradient" in plan.reason
+    assert "launch" not in plan.details

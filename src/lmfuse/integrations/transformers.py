@@ -791,7 +791,7 @@ def _probe_rotary(fn: Any) -> bool:
             q, k = (torch.randn((2, h, 5, 8) if u == 1 else (2, 5, h, 8), generator=g)
                     for h in (3, 2))
             cos, sin = (torch.randn(table, generator=g) for _ in range(2))
-            want = _rotary_reference(q, k, cos, sin, u)
+            want = _rotary_reference(q, k, cos, sin, arg)
             try:
                 got = fn(q, k, cos, sin, arg)
             except Exception:  # noqa: BLE001 (a call this function refuses)
@@ -851,10 +851,10 @@ def _rotary_for(own: Any, impl: str) -> Any:
     call :func:`_rotary_heads_dim` refuses."""
 
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        u = _rotary_heads_dim(q, k, cos, sin, unsqueeze_dim)
-        if u is None:
+        if _rotary_heads_dim(q, k, cos, sin, unsqueeze_dim) is None:
             return own(q, k, cos, sin, unsqueeze_dim)
-        return _apply_rotary_pos_emb(q, k, cos, sin, u, impl=impl)
+        # (lmfuse's unsqueeze_dim means what the model's does: the tables' new dim)
+        return _apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim, impl=impl)
 
     return apply_rotary_pos_emb
 
@@ -930,20 +930,22 @@ def _rope_attention_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) ->
     x = args[0] if args else kwargs.get("hidden_states")
     if isinstance(x, torch.Tensor) and _small_inference_call(self, x):
         return forward(self, *args, **kwargs)
-    key = (forward, self._lmfuse_impl)
-    if key not in _REBOUND and torch.compiler.is_compiling():
-        # (never built in this process, and torch.compile cannot trace the building: the
-        # model's own rotary; _Forward's unpickling builds it for an unpickled model)
-        return forward(self, *args, **kwargs)
-    return (_rebound_forward(*key) or forward)(self, *args, **kwargs)
+    # Built at patch time (or as a patched model is unpickled), after the probe: a class
+    # forward without one (replaced since: its rotary unprobed) runs as it is, as does
+    # one whose building failed; nothing is built here, where torch.compile may trace.
+    return (_REBOUND.get((forward, self._lmfuse_impl)) or forward)(self, *args, **kwargs)
 
 
 def _warm_rope(module: torch.nn.Module) -> None:
     """Build an unpickled (or deep-copied) patched attention's re-bound forwards, for every
-    ``impl``, outside any call torch.compile traces (the module's own state may not be
-    restored yet: only its class is read)."""
-    for impl in ("auto", "triton", "torch"):
-        _rebound_forward(type(module).forward, impl)
+    ``impl``, outside any call torch.compile traces, where its class forward's rotary
+    passes the probe (the module's own state may not be restored yet: only its class is
+    read)."""
+    forward = getattr(type(module), "forward", None)
+    target = _rotary_target(forward)
+    if target is not None and _probe_rotary(target[1]):
+        for impl in ("auto", "triton", "torch"):
+            _rebound_forward(forward, impl)
 
 
 _rope_attention_forward.lmfuse_restored = _warm_rope

@@ -120,7 +120,7 @@ class LayerNorm(nn.Module):
         if not dims:
             raise ValueError(f"{op}: normalized_shape must name at least one dim, got "
                              f"{list(dims)}")
-        self.normalized_shape = tuple(check_int(op, "normalized_shape", d, minimum=1)
+        self.normalized_shape = tuple(check_int(op, "normalized_shape", d, minimum=0)
                                       for d in dims)
         eps = check_number(op, "eps", eps, allow_none=False)
         if eps < 0:

@@ -526,7 +526,8 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None,
     NaN and inf: a NaN or an inf in a row makes the whole row NaN (its mean is NaN or inf),
     and its gradients NaN, as ``F.layer_norm`` gives; a NaN weight (bias) element makes its
     column NaN. A constant row's output is the bias exactly, whatever its magnitude (the
-    mean is summed from the row's first value). Rows whose variance overflows float32
+    mean is summed from the row's first value; on the CPU default path, ``F.layer_norm``'s
+    Welford statistics give NaN past about 2e19). Rows whose variance overflows float32
     (values past about 1e19): see :func:`~lmfuse.norm.reference.layer_norm_reference`;
     there the CPU default path gives what ``F.layer_norm`` gives, which may differ.
     """

@@ -68,9 +68,10 @@ def _fake(q, k, cos, sin, unsqueeze_dim, backward):
 @kernel_op("rotary", _fake)
 def launch_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   unsqueeze_dim: int, backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q_out, k_out)``, each like its input (dtype and strides): ``q`` and ``k`` rotated
-    by ``cos``, ``sin`` (``backward``: by their transpose, for the gradients). Heads at dim
-    ``unsqueeze_dim`` (1 or 2); each head's values contiguous."""
+    """``(q_out, k_out)``, each like its input (``empty_like``: its dtype, and its strides
+    where it is dense): ``q`` and ``k`` rotated by ``cos``, ``sin`` (``backward``: by their
+    transpose, for the gradients). Heads at dim ``unsqueeze_dim`` (here the heads' dim, 1
+    or 2, not transformers' table dim); each head's values contiguous."""
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     u = unsqueeze_dim
     B, S = q.shape[0], q.shape[3 - u]
@@ -120,7 +121,8 @@ class _Rotary(torch.autograd.Function):
 class RotaryCall(ResolvedCall):
     """A checked :func:`apply_rotary_pos_emb` call: what the launch and the planner read."""
 
-    unsqueeze_dim: int  # 1 or 2: the heads' dim of q and k
+    heads_dim: int  # 1 or 2: the heads' dim of q and k
+    unsqueeze_dim: int  # as given (transformers' meaning: where the table gains a dim)
     B: int
     S: int
     Hq: int
@@ -130,25 +132,37 @@ class RotaryCall(ResolvedCall):
 
 
 def _resolve(q, k, cos, sin, unsqueeze_dim, impl) -> tuple[str, str, RotaryCall]:
-    """Validate the arguments and choose the path; cheap and traceable by torch.compile."""
+    """Validate the arguments and choose the path; cheap and traceable by torch.compile.
+
+    ``unsqueeze_dim`` means what it means in transformers: the dim of the table at which a
+    1 is inserted before the table broadcasts against q, so the heads' dim of q is that
+    dim of the table's unsqueezed form aligned to q's last dims (``[B, S, R]`` tables: 1
+    or 2, -3 or -2; ``[S, R]`` ones: 0 or 1, -3 or -2, as Pixtral calls it with 0)."""
     for name, t in (("q", q), ("k", k)):
         check_tensor(_OP, name, t, ndim=4)
-    if isinstance(unsqueeze_dim, bool) or unsqueeze_dim not in (1, 2, -3, -2):
-        raise ValueError(f"{_OP}: unsqueeze_dim must be 1 ([B, H, S, D] q and k) or 2 "
-                         f"([B, S, H, D]), got {unsqueeze_dim!r}")
-    u = unsqueeze_dim % 4
-    B, S, D = q.shape[0], q.shape[3 - u], q.shape[-1]
-    layout = "[B, H, S, D]" if u == 1 else "[B, S, H, D]"
-    if k.shape[0] != B or k.shape[3 - u] != S or k.shape[-1] != D:
-        raise ValueError(f"{_OP}: k must be {layout} with q's batch, tokens and head size "
-                         f"(q {tuple(q.shape)}), got {tuple(k.shape)}")
     for name, t in (("cos", cos), ("sin", sin)):
         check_tensor(_OP, name, t, ndim=(2, 3))
     if cos.shape != sin.shape:
         raise ValueError(f"{_OP}: cos and sin must have one shape, got {tuple(cos.shape)} "
                          f"and {tuple(sin.shape)}")
+    if type(unsqueeze_dim) is not int:
+        raise TypeError(f"{_OP}: unsqueeze_dim must be an int, got "
+                        f"{type(unsqueeze_dim).__name__} {unsqueeze_dim!r}")
+    t = cos.dim()
+    at = unsqueeze_dim + t + 1 if unsqueeze_dim < 0 else unsqueeze_dim
+    u = at + 3 - t  # the heads' dim of q once the unsqueezed table is aligned to its dims
+    if not 0 <= at <= t or u not in (1, 2):
+        wants = "1 or 2 (or -3, -2)" if t == 3 else "0 or 1 (or -3, -2)"
+        raise ValueError(f"{_OP}: unsqueeze_dim must put the heads at dim 1 ([B, H, S, D] q "
+                         f"and k) or 2 ([B, S, H, D]): for {t}-D tables {wants}, got "
+                         f"{unsqueeze_dim}")
+    B, S, D = q.shape[0], q.shape[3 - u], q.shape[-1]
+    layout = "[B, H, S, D]" if u == 1 else "[B, S, H, D]"
+    if k.shape[0] != B or k.shape[3 - u] != S or k.shape[-1] != D:
+        raise ValueError(f"{_OP}: k must be {layout} with q's batch, tokens and head size "
+                         f"(q {tuple(q.shape)}), got {tuple(k.shape)}")
     R = cos.shape[-1]
-    batch = cos.shape[0] if cos.dim() == 3 else 1
+    batch = cos.shape[0] if t == 3 else 1
     if cos.shape[-2] != S or batch not in (1, B) or R % 2 or not 0 < R <= D:
         raise ValueError(f"{_OP}: cos and sin must be [B, S, R] or [S, R] with q's B = {B}, "
                          f"S = {S} (or a batch of 1) and an even R of at most the head size "
@@ -157,7 +171,10 @@ def _resolve(q, k, cos, sin, unsqueeze_dim, impl) -> tuple[str, str, RotaryCall]
     path, reason = select_impl(_OP, impl, q.device)
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         path, reason = float64_fallback(_OP, impl, path, reason, t.dtype, name)
-    return path, reason, RotaryCall(u, B, S, q.shape[u], k.shape[u], D, R)
+    if path == "triton" and torch.is_grad_enabled() and (cos.requires_grad
+                                                         or sin.requires_grad):
+        path, reason = "torch", f"{reason}; cos or sin needs a gradient: the reference"
+    return path, reason, RotaryCall(u, unsqueeze_dim, B, S, q.shape[u], k.shape[u], D, R)
 
 
 def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
@@ -172,30 +189,33 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     dtype: in bf16 the two differ by a few roundings).
 
     Args:
-        q: ``[B, Hq, S, D]`` (``unsqueeze_dim=1``, the attention layout) or ``[B, S, Hq, D]``
-            (2); float32/float16/bfloat16 (float64 on the torch path); any strides (a head's
-            values are read contiguous: copied once if not).
+        q: ``[B, Hq, S, D]`` (the attention layout) or ``[B, S, Hq, D]``, as
+            ``unsqueeze_dim`` says; float32/float16/bfloat16 (float64 on the torch path);
+            any strides (a head's values are read contiguous: copied once if not).
         k: ``[B, Hk, S, D]`` likewise (its own head count and dtype).
         cos, sin: ``[B, S, R]`` or ``[S, R]`` (a batch of 1 broadcast), any float dtype, on
             q's device; ``R`` even, at most ``D``. If they require a gradient, the call runs
             the reference (autograd through the formula) and they get theirs.
-        unsqueeze_dim: where the heads are in q and k: 1 or 2 (-3 and -2 too).
+        unsqueeze_dim: transformers' meaning: the dim of the tables that gains a 1 before
+            they broadcast against q. ``[B, S, R]`` tables: 1 for ``[B, H, S, D]`` q and k,
+            2 for ``[B, S, H, D]``; ``[S, R]`` tables: 0 and 1 (negative dims too).
         impl: ``"auto"`` (Triton on CUDA or under the interpreter, else the reference),
             ``"triton"`` or ``"torch"``; see :func:`lmfuse.explain`.
 
     Returns:
-        ``(q_embed, k_embed)`` in q's and k's dtypes, shapes and (on the Triton path)
-        strides; gradients for q and k (and cos, sin on the reference path).
+        ``(q_embed, k_embed)`` in q's and k's dtypes and shapes (on the Triton path with
+        their strides where they are dense, transformers' transposed views included;
+        contiguous otherwise, e.g. slices of a fused qkv); gradients for q and k (and cos,
+        sin on the reference path).
 
     NaN and inf propagate as in the formula: a NaN in a head's value makes the values it
     pairs with NaN; an inf too, and NaN where it meets a sine or cosine of 0.
     """
     path, _, a = _resolve(q, k, cos, sin, unsqueeze_dim, impl)
-    u = a.unsqueeze_dim
-    needs_table_grad = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
-    if path == "torch" or needs_table_grad or native_cpu(impl, path, q):
+    if path == "torch" or native_cpu(impl, path, q):
         with nvtx_range(_OP, "fwd"):
-            return rotary_reference(q, k, cos, sin, u)
+            return rotary_reference(q, k, cos, sin, unsqueeze_dim)
+    u = a.heads_dim
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     cos = cos if cos.stride(-1) == 1 else cos.contiguous()
@@ -210,7 +230,7 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 def plan_rotary(q, k, cos, sin, unsqueeze_dim, impl) -> Plan:
     """What :func:`apply_rotary_pos_emb` would do with these arguments."""
     path, reason, a = _resolve(q, k, cos, sin, unsqueeze_dim, impl)
-    layout = "[B, H, S, D]" if a.unsqueeze_dim == 1 else "[B, S, H, D]"
+    layout = "[B, H, S, D]" if a.heads_dim == 1 else "[B, S, H, D]"
     details: dict[str, Any] = {
         "q": f"{list(q.shape)} {dtype_name(q.dtype)} ({layout}): {a.Hq} heads of {a.D}",
         "k": f"{list(k.shape)} {dtype_name(k.dtype)}: {a.Hk} heads",

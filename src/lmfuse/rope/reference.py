@@ -10,8 +10,9 @@ values ``x = [x1, x2]`` (halves of ``R / 2``) become::
 that is ``y1 = x1 * cos1 - x2 * sin1`` and ``y2 = x2 * cos2 + x1 * sin2`` for the halves
 of ``cos`` and ``sin``; the values past ``R`` pass through (partial rotary, as GPT-NeoX's
 ``rotary_pct``). ``cos`` and ``sin`` are ``[B, S, R]`` (or ``[S, R]``, broadcast over the
-batch), one row per token; ``unsqueeze_dim`` says where the heads are: 1 for ``[B, H, S,
-D]`` (transformers' attention layout), 2 for ``[B, S, H, D]``.
+batch), one row per token; ``unsqueeze_dim``, as in transformers, is where the tables gain
+a dim before they broadcast against the heads (``[B, S, R]``: 1 for ``[B, H, S, D]``, the
+attention layout, 2 for ``[B, S, H, D]``; ``[S, R]``: 0 and 1).
 
 The math runs in float32 (float64 for float64 input) and each result is rounded once to its
 input's dtype: Hugging Face's eager code rounds ``cos`` and ``sin`` to the queries' dtype
@@ -40,14 +41,14 @@ def rotary_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
     """``(q_embed, k_embed)``: ``q`` and ``k`` rotated by ``cos``, ``sin``.
 
     Args:
-        q: ``[B, Hq, S, D]`` (``unsqueeze_dim=1``) or ``[B, S, Hq, D]`` (2).
+        q: ``[B, Hq, S, D]`` or ``[B, S, Hq, D]``.
         k: the same layout with its own head count.
         cos, sin: ``[B, S, R]`` or ``[S, R]``, ``R`` even and at most ``D``.
-        unsqueeze_dim: the heads' dim of q and k, 1 or 2.
+        unsqueeze_dim: as in transformers: the tables gain a dim there, then broadcast
+            against q and k (``[B, S, R]``: 1 for ``[B, H, S, D]``, 2 for ``[B, S, H, D]``;
+            ``[S, R]``: 0 and 1).
     Returns:
         q's and k's rotations, each in its input's dtype and shape.
     """
-    if cos.dim() == 2:
-        cos, sin = cos[None], sin[None]
     c, s = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     return _rotate(q, c, s), _rotate(k, c, s)
