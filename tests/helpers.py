@@ -382,3 +382,21 @@ MOE_ACT_CASES = [
     ("quick_geglu", 1.0, 0.7, "interleaved"),
     ("squared_relu", 0.0, None, "halves"),
 ]
+
+
+def assert_same_grads(a: torch.nn.Module, b: torch.nn.Module, what: str,
+                      zero_suffixes: tuple[str, ...] = ()) -> None:
+    """Every parameter of ``b`` has ``a``'s gradient (presence, then values within the
+    float32 tolerance). Parameters named with a suffix in ``zero_suffixes`` have a gradient
+    that is zero but for rounding (a key bias, which the softmax cancels): both below 1e-6,
+    where no relative comparison can hold."""
+    grads_b = dict(b.named_parameters())
+    for name, p in a.named_parameters():
+        q = grads_b[name]
+        assert (p.grad is None) == (q.grad is None), f"{what}: {name} grad presence differs"
+        if p.grad is None:
+            continue
+        if name.endswith(zero_suffixes):
+            assert p.grad.abs().max() < 1e-6 and q.grad.abs().max() < 1e-6, name
+            continue
+        assert_close(q.grad, p.grad, torch.float32, f"{what}: grad of {name}")

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close
+from helpers import assert_close, assert_same_grads
 
 import lmfuse
 from lmfuse import geglu
@@ -124,15 +124,6 @@ def batch(b: int = 2, s: int = 7):
     labels[0, :3] = -100  # a prompt not scored
     labels[-1, -2] = -100
     return ids, labels
-
-
-def assert_same_grads(a, b, what: str) -> None:
-    grads_b = dict(b.named_parameters())
-    for name, p in a.named_parameters():
-        q = grads_b[name]
-        assert (p.grad is None) == (q.grad is None), f"{what}: {name} grad presence differs"
-        if p.grad is not None:
-            assert_close(q.grad, p.grad, F32, f"{what}: grad of {name}")
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))

@@ -15,6 +15,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+import helpers
 from helpers import assert_close
 
 import lmfuse.integrations as integrations
@@ -85,19 +86,10 @@ def text_batch():
 
 
 def assert_same_grads(a, b, what: str) -> None:
-    grads_b = dict(b.named_parameters())
-    for name, p in a.named_parameters():
-        q = grads_b[name]
-        assert (p.grad is None) == (q.grad is None), f"{what}: {name} grad presence differs"
-        if p.grad is None:
-            continue
-        if name.endswith("k_proj.bias"):
-            # A key bias adds the same logit to every key of a query: the softmax cancels
-            # it, and its gradient is zero but for rounding (5e-9 here, against 0.04 to 1.6
-            # for the tower's other parameters), which no relative comparison can hold.
-            assert p.grad.abs().max() < 1e-6 and q.grad.abs().max() < 1e-6, name
-            continue
-        assert_close(q.grad, p.grad, F32, f"{what}: grad of {name}")
+    # A key bias adds the same logit to every key of a query: the softmax cancels it, and
+    # its gradient is zero but for rounding (5e-9 here, against 0.04 to 1.6 for the tower's
+    # other parameters).
+    helpers.assert_same_grads(a, b, what, zero_suffixes=("k_proj.bias",))
 
 
 @pytest.fixture
