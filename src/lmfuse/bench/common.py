@@ -531,3 +531,17 @@ def time_as_asked(args: argparse.Namespace, device: torch.device, env: dict,
     if graphs:
         # (a copy captured in a graph ran at 2.7 TB/s against 4.1 eager on the H200)
         capture_graphs(cases, skip=("copy",))
+
+
+def run_against_copy(args: argparse.Namespace, device: torch.device, env: dict,
+                     cases: list[Case], copy_bytes: int, legend: str, title: str) -> int:
+    """What the harnesses with ``copy`` rows do once their cases are built: time them as
+    ``--graphs`` asks, measure a copy of ``copy_bytes``, print ``legend``, run the cases,
+    set lmfuse against its copy rows and write the results (``title`` on the plot)."""
+    time_as_asked(args, device, env, cases)
+    copy = measure_copy(copy_bytes, device)
+    print(legend)
+    results = run_cases(cases, device)
+    report_against_copy(results)
+    return finish(args, env, copy, results,
+                  f"{title} on {env['device']} (copy: {copy['tbps']:.2f} TB/s)")

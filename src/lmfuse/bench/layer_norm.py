@@ -35,10 +35,9 @@ import torch
 import torch.nn.functional as F
 
 import lmfuse
-from lmfuse.bench.common import (Case, add_copy_rows, compile_per_shape,
-                                 dist_version, finish, graphs_option, measure_copy,
-                                 print_peers, relative_differences, report_against_copy,
-                                 run_cases, start, timed_call, time_as_asked, unavailable)
+from lmfuse.bench.common import (Case, add_copy_rows, compile_per_shape, dist_version,
+                                 graphs_option, print_peers, relative_differences,
+                                 run_against_copy, start, timed_call, unavailable)
 
 EPS = 1e-5  # torch.nn.LayerNorm's
 NormFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (x, w, b) -> y
@@ -119,18 +118,14 @@ def main(argv: list[str] | None = None) -> int:
               [(16384, 4096, bf16), (16384, 8192, bf16), (16384, 4096, fp32)])
     cases = [make_case(n, H, dtype, device, liger, liger_note, backward=bw)
              for n, H, dtype in shapes for bw in (False, True)]
-    time_as_asked(args, device, env, cases)
     n, H, dtype = shapes[0]
     elt = torch.finfo(dtype).bits // 8
-    copy = measure_copy(minimal_bytes(n, H, elt, elt, False) // 2, device)
-    print("# TB/s over minimal bytes (fwd: read x, the weight and the bias, write y; fwd+bwd "
-          "also: read x, dy and the weight, write dx, dweight and dbias); x lmfuse = ms / "
-          "lmfuse ms (> 1: lmfuse is faster); peak MiB: allocated beyond the inputs")
-    results = run_cases(cases, device)
-    report_against_copy(results)
-    return finish(args, env, copy, results,
-                  f"layer_norm on {env['device']} (copy: {copy['tbps']:.2f} TB/s)")
-
+    return run_against_copy(
+        args, device, env, cases, minimal_bytes(n, H, elt, elt, False) // 2,
+        "# TB/s over minimal bytes (fwd: read x, the weight and the bias, write y; fwd+bwd "
+        "also: read x, dy and the weight, write dx, dweight and dbias); x lmfuse = ms / "
+        "lmfuse ms (> 1: lmfuse is faster); peak MiB: allocated beyond the inputs",
+        "layer_norm")
 
 if __name__ == "__main__":
     raise SystemExit(main())

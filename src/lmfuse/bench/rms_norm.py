@@ -31,11 +31,9 @@ from functools import partial
 import torch
 
 import lmfuse
-from lmfuse.bench.common import (Case, add_copy_rows, graphs_option,
-                                 compile_per_shape, dist_version, finish,
-                                 measure_copy, print_peers, relative_differences,
-                                 report_against_copy, run_cases, start, timed_call,
-                                 time_as_asked, unavailable)
+from lmfuse.bench.common import (Case, add_copy_rows, compile_per_shape, dist_version,
+                                 graphs_option, print_peers, relative_differences,
+                                 run_against_copy, start, timed_call, unavailable)
 
 EPS = 1e-6
 NormFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, weight) -> y
@@ -112,17 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [(64, 512), (64, 1000)] if quick else [(16384, 4096), (16384, 8192)]
     cases = [make_case(n, H, dtype, device, liger, liger_note, backward=bw)
              for n, H in shapes for bw in (False, True)]
-    time_as_asked(args, device, env, cases)
     n, H = shapes[0]
-    copy = measure_copy(minimal_bytes(n, H, torch.finfo(dtype).bits // 8, False) // 2, device)
-    print("# TB/s over minimal bytes (fwd: read x and the weight, write y; fwd+bwd also: read "
-          "x, dy and the weight, write dx and dweight); x lmfuse = ms / lmfuse ms (> 1: "
-          "lmfuse is faster); peak MiB: allocated beyond the inputs")
-    results = run_cases(cases, device)
-    report_against_copy(results)
-    return finish(args, env, copy, results,
-                  f"rms_norm on {env['device']} (copy: {copy['tbps']:.2f} TB/s)")
-
+    copy_bytes = minimal_bytes(n, H, torch.finfo(dtype).bits // 8, False) // 2
+    return run_against_copy(
+        args, device, env, cases, copy_bytes,
+        "# TB/s over minimal bytes (fwd: read x and the weight, write y; fwd+bwd also: read "
+        "x, dy and the weight, write dx and dweight); x lmfuse = ms / lmfuse ms (> 1: "
+        "lmfuse is faster); peak MiB: allocated beyond the inputs", "rms_norm")
 
 if __name__ == "__main__":
     raise SystemExit(main())

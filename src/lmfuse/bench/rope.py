@@ -46,10 +46,9 @@ from functools import partial
 import torch
 
 import lmfuse
-from lmfuse.bench.common import (Case, add_copy_rows, compile_per_shape,
-                                 dist_version, finish, graphs_option, measure_copy,
-                                 print_peers, relative_differences, report_against_copy,
-                                 run_cases, start, timed_call, time_as_asked, unavailable)
+from lmfuse.bench.common import (Case, add_copy_rows, compile_per_shape, dist_version,
+                                 graphs_option, print_peers, relative_differences,
+                                 run_against_copy, start, timed_call, unavailable)
 
 RopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (q, k, cos, sin) -> (q', k')
 # (B, S, Hq, Hk, D): Llama-3-8B-like prefill / training, and a long 70B-like sequence
@@ -167,18 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     cases = [make_case(shape, dtype, device, torch_fn, torch_note, compiled, liger,
                        liger_note, backward=bw)
              for shape in shapes for bw in (False, True)]
-    time_as_asked(args, device, env, cases)
     elt = torch.finfo(dtype).bits // 8
     B, S, Hq, Hk, D = shapes[0]
-    copy = measure_copy(minimal_bytes(B, S, Hq, Hk, D, D, elt, elt, False) // 2, device)
-    print("# TB/s over minimal bytes (fwd: read q, k, cos and sin, write q_embed and k_embed; "
-          "fwd+bwd also: read dq_embed, dk_embed, cos and sin, write dq and dk); x lmfuse = "
-          "ms / lmfuse ms (> 1: lmfuse is faster); peak MiB: allocated beyond the inputs")
-    results = run_cases(cases, device)
-    report_against_copy(results)
-    return finish(args, env, copy, results,
-                  f"rope on {env['device']} (copy: {copy['tbps']:.2f} TB/s)")
-
+    return run_against_copy(
+        args, device, env, cases, minimal_bytes(B, S, Hq, Hk, D, D, elt, elt, False) // 2,
+        "# TB/s over minimal bytes (fwd: read q, k, cos and sin, write q_embed and k_embed; "
+        "fwd+bwd also: read dq_embed, dk_embed, cos and sin, write dq and dk); x lmfuse = "
+        "ms / lmfuse ms (> 1: lmfuse is faster); peak MiB: allocated beyond the inputs",
+        "rope")
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -48,10 +48,10 @@ def _config(heads: int, D: int, device: torch.device) -> tuple[int, int]:
     return block_h, t["num_warps"]
 
 
-def _layout(x: torch.Tensor, unsqueeze_dim: int) -> tuple[int, int, int]:
-    """``x``'s ``(batch, head, token)`` strides for heads at dim ``unsqueeze_dim``."""
+def _layout(x: torch.Tensor, heads_dim: int) -> tuple[int, int, int]:
+    """``x``'s ``(batch, head, token)`` strides for heads at dim ``heads_dim``."""
     sb, s1, s2, _ = x.stride()
-    return (sb, s1, s2) if unsqueeze_dim == 1 else (sb, s2, s1)
+    return (sb, s1, s2) if heads_dim == 1 else (sb, s2, s1)
 
 
 def _rows(t: torch.Tensor) -> tuple[int, int]:
@@ -61,19 +61,19 @@ def _rows(t: torch.Tensor) -> tuple[int, int]:
     return (0 if t.shape[0] == 1 else t.stride(0)), t.stride(1)
 
 
-def _fake(q, k, cos, sin, unsqueeze_dim, backward):
+def _fake(q, k, cos, sin, heads_dim, backward):
     return torch.empty_like(q), torch.empty_like(k)
 
 
 @kernel_op("rotary", _fake)
 def launch_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  unsqueeze_dim: int, backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  heads_dim: int, backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q_out, k_out)``, each like its input (``empty_like``: its dtype, and its strides
     where it is dense): ``q`` and ``k`` rotated by ``cos``, ``sin`` (``backward``: by their
-    transpose, for the gradients). Heads at dim ``unsqueeze_dim`` (here the heads' dim, 1
-    or 2, not transformers' table dim); each head's values contiguous."""
+    transpose, for the gradients). Heads at dim ``heads_dim`` (1 or 2); each head's values
+    contiguous."""
     qo, ko = torch.empty_like(q), torch.empty_like(k)
-    u = unsqueeze_dim
+    u = heads_dim
     B, S = q.shape[0], q.shape[3 - u]
     Hq, Hk, D, R = q.shape[u], k.shape[u], q.shape[-1], cos.shape[-1]
     if B * S == 0 or Hq + Hk == 0 or D == 0:
@@ -93,11 +93,11 @@ class _Rotary(torch.autograd.Function):
     """``(q_embed, k_embed)`` on the Triton path; gradients for q and k."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, unsqueeze_dim):
+    def forward(ctx, q, k, cos, sin, heads_dim):
         with nvtx_range(_OP, "fwd"):
-            ctx.u = unsqueeze_dim
+            ctx.u = heads_dim
             ctx.save_for_backward(cos, sin)
-            qo, ko = launch_rotary(q, k, cos, sin, unsqueeze_dim, False)
+            qo, ko = launch_rotary(q, k, cos, sin, heads_dim, False)
             # (an output whose input takes no gradient needs none, as through the formula)
             ctx.mark_non_differentiable(*(o for o, need in zip((qo, ko), ctx.needs_input_grad)
                                           if not need))
