@@ -103,6 +103,27 @@ def test_rope_matches_unpatched_loss_and_grads(model_type, rope_calls):
     assert_close(c(input_ids=ids, labels=labels).loss, want, F32, "loss, all patches")
 
 
+def test_rope_under_autocast_runs_lmfuses_rotary(rope_calls):
+    """A float32 model under bf16 autocast (q and k bf16 out of the projections, the
+    rotary embedding's tables float32): lmfuse's kernel runs, float32 out as the model's
+    formula gives, and the loss and gradients are the unpatched model's within bf16's
+    tolerance (the model's formula rounds q * cos and its rotated half in float32 too)."""
+    a = make_model("llama")
+    b = apply_lmfuse(copy.deepcopy(a), rms_norm=False, layer_norm=False, swiglu=False,
+                     fused_linear_cross_entropy=False)
+    ids, labels = batch()
+    with torch.autocast("cpu", torch.bfloat16):
+        want = a(input_ids=ids, labels=labels).loss
+        got = b(input_ids=ids, labels=labels).loss
+    want.backward()
+    got.backward()
+    assert rope_calls == [(2, 4, 7, 8), "kernel"] * 2 + ["kernel"] * 2
+    assert_close(got, want, torch.bfloat16, "loss under autocast")
+    grads = dict(a.named_parameters())
+    for name, p in b.named_parameters():
+        assert_close(p.grad, grads[name].grad, torch.bfloat16, f"grad of {name}")
+
+
 def test_rope_false_leaves_them_and_the_flag_is_checked(rope_calls):
     a = make_model("llama")
     b = apply_lmfuse(copy.deepcopy(a), rope=False)
@@ -181,9 +202,10 @@ def test_fused_norms_and_mlps_fuses_the_rotary_and_restores_the_model(rope_calls
 
 
 def test_calls_of_other_forms(rope_calls):
-    """Pixtral's ``[S, R]`` tables with ``unsqueeze_dim=0`` run lmfuse's (heads at dim 1);
-    a dtype mix (the model's formula promotes it) and a 2-D table with ``unsqueeze_dim=1``
-    (which the model's function broadcasts otherwise) run the model's function."""
+    """Pixtral's ``[S, R]`` tables with ``unsqueeze_dim=0`` run lmfuse's (heads at dim 1),
+    and so do bf16 q and k with float32 tables (autocast's mix: float32 out, as the model's
+    formula promotes it); float64 tables and a 2-D table with ``unsqueeze_dim=1`` (which the
+    model's function broadcasts otherwise) run the model's function."""
     from transformers.models.pixtral import modeling_pixtral
 
     own = modeling_pixtral.apply_rotary_pos_emb
@@ -194,6 +216,12 @@ def test_calls_of_other_forms(rope_calls):
     cos, sin = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)
     for got, want in zip(ours(q, k, cos, sin, 0), own(q, k, cos, sin, 0)):
         assert_close(got, want, F32, "[S, R] tables")
+    assert rope_calls == [(1, 2, 6, 8), "kernel"]
+    rope_calls.clear()
+    qb, kb = q.bfloat16(), k.bfloat16()
+    for got, want in zip(ours(qb, kb, cos, sin, 0), own(qb, kb, cos, sin, 0)):
+        assert got.dtype == want.dtype == F32
+        assert_close(got, want, F32, "bf16 q and k, float32 tables")
     assert rope_calls == [(1, 2, 6, 8), "kernel"]
     rope_calls.clear()
     cos3, sin3 = cos[None].double(), sin[None].double()

@@ -53,9 +53,11 @@ def check(what, q, k, cos, sin, impl, u=1):
     refs = [t.detach().double().requires_grad_(True) for t in leaves]
     ref = rotary_reference(*refs, cos.double(), sin.double(), u)
     ref_grads = torch.autograd.grad(ref, refs, [g.double() for g in gs])
+    table = torch.promote_types(cos.dtype, sin.dtype)
     for name, leaf, o, r, g, rg in zip("qk", leaves, out, ref, grads, ref_grads):
-        assert o.dtype == leaf.dtype and o.shape == leaf.shape, f"{what}: {name}"
-        assert_close(o, r, leaf.dtype, f"{what}: {name}")
+        want = torch.promote_types(leaf.dtype, table)  # (the formula's promotion)
+        assert o.dtype == want and o.shape == leaf.shape, f"{what}: {name} {o.dtype}"
+        assert_close(o, r, want, f"{what}: {name}")
         assert g.dtype == leaf.dtype
         assert_close(g, rg, leaf.dtype, f"{what}: d{name}")
     return out
@@ -80,18 +82,42 @@ def test_matches_reference(layout, table_batch, R, dtype, impl) -> None:
     check(f"{layout} {dtype} {impl}", q, k, cos, sin, impl, u=u)
 
 
-def test_several_head_blocks_and_mixed_dtypes(monkeypatch) -> None:
-    """Heads over several programs of a token (a table lowered to 2 heads a program), odd
-    head counts, k in float32 with bf16 q, a bf16 table."""
+@pytest.mark.parametrize("B, S, splits", [(2, 3, 1), (1, 1, 4)], ids=["one-program", "split"])
+def test_several_head_blocks_and_mixed_dtypes(monkeypatch, B, S, splits) -> None:
+    """Tiles lowered to 2 heads: a program loops over a token's head blocks (6 tokens, more
+    than the interpreter's 4 SMs), or, with fewer tokens than SMs, the blocks are split
+    over programs (block i on program i mod splits); odd head counts, k in float32 with
+    bf16 q, a bf16 table."""
     real = tuning.table
-    monkeypatch.setattr(tuning, "table", lambda family, device: {"tile_elems": 32,
-                                                                 "num_warps": 1}
-                        if family == "rope" else real(family, device))
-    q, k = randn((2, 7, 3, 16), BF16), randn((2, 5, 3, 16), F32)
-    cos, sin = tables(2, 3, 16, BF16)
+    monkeypatch.setattr(tuning, "table", lambda family, device: {
+        "tile_elems": 32, "few_tokens_tile_elems": 32, "num_warps": 1}
+        if family == "rope" else real(family, device))
+    q, k = randn((B, 7, S, 16), BF16), randn((B, 5, S, 16), F32)
+    cos, sin = tables(B, S, 16, BF16)
     check("blocks", q, k, cos, sin, "triton")
     plan = lmfuse.explain(lmfuse.apply_rotary_pos_emb, q, k, cos, sin)
-    assert "head blocks of 2" in plan.details["launch"]
+    per = "one program" if splits == 1 else f"{splits} programs"
+    assert f"{per} a token" in plan.details["launch"]
+    assert "query heads 2 at a time, key heads 2" in plan.details["launch"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("qk_dtype, table_dtype", [(BF16, F32), (F16, F32), (F32, BF16),
+                                                   (BF16, F16)])
+def test_mixed_dtypes_promote_as_the_formula(qk_dtype, table_dtype, impl) -> None:
+    """16-bit q and k with float32 tables (autocast's mix) give float32 outputs and
+    gradients in q's and k's dtypes, as transformers' formula does; float32 q with bf16
+    tables float32; bf16 with fp16 float32."""
+    q, k = qk(2, 5, 4, 2, 16, qk_dtype, "hf")
+    cos, sin = tables(2, 5, 16, table_dtype)
+    check(f"{qk_dtype} q, {table_dtype} tables, {impl}", q, k, cos, sin, impl)
+    pytest.importorskip("transformers")
+    from transformers.models.llama import modeling_llama as llama
+
+    for got, want in zip(lmfuse.apply_rotary_pos_emb(q, k, cos, sin, impl=impl),
+                         llama.apply_rotary_pos_emb(q, k, cos, sin)):
+        assert got.dtype == want.dtype == F32
+        assert_close(got, want, F32 if qk_dtype == F32 else table_dtype, "transformers")
 
 
 @pytest.mark.parametrize("impl", IMPLS + ["auto"])

@@ -342,12 +342,15 @@ def rope_spec(inp: Inputs, liger: dict) -> OpSpec:
     spec.checks = lambda: ops._resolve(qd, kd, cos, sin, 1, "auto")
     spec.checks_note = "rope.ops._resolve"
 
+    dtypes = (qd.dtype, kd.dtype)
+
     def build():
         def fwd_bwd():
-            ops.launch_rotary(qd, kd, cos, sin, 1, False)
-            return ops.launch_rotary(*g, cos, sin, 1, True)
+            ops.launch_rotary(qd, kd, cos, sin, 1, False, *dtypes)
+            return ops.launch_rotary(*g, cos, sin, 1, True, *dtypes)
 
-        return {"fwd": lambda: ops.launch_rotary(qd, kd, cos, sin, 1, False), "fwd+bwd": fwd_bwd}
+        return {"fwd": lambda: ops.launch_rotary(qd, kd, cos, sin, 1, False, *dtypes),
+                "fwd+bwd": fwd_bwd}
 
     return _launch_rows(spec, inp, build, "rope.ops.launch_rotary (+ its backward launch)")
 

@@ -824,8 +824,9 @@ def _rotary_heads_dim(q: Any, k: Any, cos: Any, sin: Any, unsqueeze_dim: Any) ->
     """Where the heads are (1 or 2) for a call :func:`lmfuse.apply_rotary_pos_emb` computes
     as the model's function does, else None: 4-D q and k; ``[B, S, R]`` tables with
     ``unsqueeze_dim`` 1 or 2, or ``[S, R]`` ones with ``unsqueeze_dim=0`` (Pixtral's: the
-    heads at dim 1; a 2-D table with 1 or 2 the model's function broadcasts otherwise); one
-    dtype for all four (the model's formula promotes a mix; lmfuse returns q's and k's)."""
+    heads at dim 1; a 2-D table with 1 or 2 the model's function broadcasts otherwise); float
+    dtypes lmfuse's kernel takes, mixed as they come (its outputs promote as the formula's:
+    under autocast, 16-bit q and k with float32 tables give float32)."""
     if not all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin)):
         return None
     if isinstance(unsqueeze_dim, bool) or not isinstance(unsqueeze_dim, int):
@@ -833,7 +834,7 @@ def _rotary_heads_dim(q: Any, k: Any, cos: Any, sin: Any, unsqueeze_dim: Any) ->
     if not (q.dim() == k.dim() == 4 and cos.shape == sin.shape
             and (cos.dim(), unsqueeze_dim) in ((3, 1), (3, 2), (2, 0))):
         return None
-    if not (q.dtype in _ROTARY_DTYPES and q.dtype == k.dtype == cos.dtype == sin.dtype
+    if not (all(t.dtype in _ROTARY_DTYPES for t in (q, k, cos, sin))
             and q.device == k.device == cos.device == sin.device):
         return None
     u = unsqueeze_dim or 1
@@ -1636,11 +1637,11 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: b
             (taken at each patch and shared by the process's patched models of the class:
             a later change to the module's globals reaches them at the next patch): other
             models and the modeling module are untouched. A call lmfuse does not compute
-            as the module's function does (a dtype mix, which the formula promotes; tables
-            of another shape) runs the
-            module's function. Float32 math rounded once to q's dtype: half-precision
-            outputs can differ from the model's (which rounds each step) by a rounding;
-            in float32 they agree.
+            as the module's function does (tables of another shape, float64) runs the
+            module's function. Float32 math rounded once to the formula's dtype (q's
+            promoted with the tables': float32 under autocast, whose tables are float32):
+            half-precision outputs can differ from the model's (which rounds each step) by
+            a rounding; in float32 they agree.
         swiglu: run the gated MLPs ``down_proj(act(gate_proj(x)) * up_proj(x))`` with the
             gate and up projections written side by side into one buffer and the activation
             fused: :func:`lmfuse.swiglu` for SiLU (Llama, Mistral, Qwen; Falcon-H1's

@@ -521,7 +521,8 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None,
 
     Returns:
         ``[..., H]`` in x's dtype (contiguous on the Triton path); gradients for x, weight
-        and bias.
+        and bias. Under CUDA autocast, as ``F.layer_norm`` there (on autocast's float32
+        list), a 16-bit x is taken as float32: a float32 output, x's gradient in x's dtype.
 
     NaN and inf: a NaN or an inf in a row makes the whole row NaN (its mean is NaN or inf),
     and its gradients NaN, as ``F.layer_norm`` gives; a NaN weight (bias) element makes its
@@ -539,6 +540,9 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None,
             # The common CPU call (float32, float32 parameters or none, no offset):
             # PyTorch's own op at once, without the resolved call.
             return torch.nn.functional.layer_norm(x, (H,), weight, bias, eps)
+    if (isinstance(x, torch.Tensor) and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+            and torch.is_autocast_enabled("cuda")):
+        x = x.float()  # (autocast's cast for F.layer_norm; the parameters are read as float32)
     path, _, a = _resolve_ln(x, weight, bias, eps, weight_offset, impl)
     if (native_cpu(impl, path, x) and (weight is None or weight.dtype == torch.float32)
             and (bias is None or bias.dtype == torch.float32)):

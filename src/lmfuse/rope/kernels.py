@@ -1,17 +1,21 @@
 """Triton kernel of the rotary position embedding: one, both ways (``BACKWARD``).
 
-Read against ``reference.py``. A program owns one token ``(b, s)`` and ``BLOCK_H`` heads of
-the queries or of the keys (the second grid axis walks the query heads' blocks, then the
-keys'): it loads the token's ``cos`` and ``sin`` rows once (``R`` values, float32) and
-rotates each head's first ``R`` values, halves ``x1 = x[:R/2]``, ``x2 = x[R/2:R]``::
+Read against ``reference.py``. A program owns one token ``(b, s)``: it loads the token's
+``cos`` and ``sin`` rows once (``R`` values, float32), then walks the token's query heads
+``BLOCK_HQ`` at a time and its key heads ``BLOCK_HK`` at a time (when there are few tokens,
+the grid's second axis splits a token's head blocks over several programs, block
+``split``, ``split + splits``, ...), and rotates each head's first ``R`` values, halves
+``x1 = x[:R/2]``, ``x2 = x[R/2:R]``::
 
     forward:   y1 = x1 cos1 - x2 sin1      y2 = x2 cos2 + x1 sin2
     backward:  y1 = x1 cos1 + x2 sin2      y2 = x2 cos2 - x1 sin1   (the transpose)
 
-and copies the values past ``R`` (``HAS_PASS``, partial rotary). Heads sit ``sh`` apart,
+and copies the values past ``R`` (``HAS_PASS``, partial rotary). The head counts, ``R / 2``
+(``half``) and the head size ``D`` are compile-time constants. Heads sit ``sh`` apart,
 tokens ``ss``, batches ``sb``; a head's values are contiguous. ``cos``/``sin`` rows sit
 ``scs``/``sss`` apart and their batches ``scb``/``ssb`` (0: one table for every sequence).
-Math in float32, each output rounded once to its tensor's dtype.
+Math in float32, each output rounded once to its tensor's dtype (which may differ from its
+input's: transformers' formula promotes bf16 queries and float32 tables to float32).
 """
 
 from __future__ import annotations
@@ -21,14 +25,16 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate_heads(x_ptr, sxb, sxh, sxs, y_ptr, syb, syh, sys, b, s, h0, H, half, D,
-                  c1, c2, s1, s2, BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_R: tl.constexpr, HAS_PASS: tl.constexpr, BLOCK_P: tl.constexpr):
+def _rotate_block(x_tok, y_tok, sxh, syh, h0, H: tl.constexpr, half: tl.constexpr,
+                  D: tl.constexpr, c1, c2, s1, s2, BACKWARD: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, HAS_PASS: tl.constexpr,
+                  BLOCK_P: tl.constexpr):
+    """Heads ``h0 .. h0 + BLOCK_H`` (those below ``H``) of one token."""
     heads = h0 + tl.arange(0, BLOCK_H)
     j = tl.arange(0, BLOCK_R)
     mask = (heads < H)[:, None] & (j < half)[None, :]
-    x_row = x_ptr + b * sxb + s * sxs + heads[:, None].to(tl.int64) * sxh
-    y_row = y_ptr + b * syb + s * sys + heads[:, None].to(tl.int64) * syh
+    x_row = x_tok + heads[:, None].to(tl.int64) * sxh
+    y_row = y_tok + heads[:, None].to(tl.int64) * syh
     x1 = tl.load(x_row + j[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_row + half + j[None, :], mask=mask, other=0.0).to(tl.float32)
     if BACKWARD:
@@ -37,26 +43,30 @@ def _rotate_heads(x_ptr, sxb, sxh, sxs, y_ptr, syb, syh, sys, b, s, h0, H, half,
     else:
         y1 = x1 * c1 - x2 * s1
         y2 = x2 * c2 + x1 * s2
-    tl.store(y_row + j[None, :], y1.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(y_row + half + j[None, :], y2.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_row + j[None, :], y1.to(y_tok.dtype.element_ty), mask=mask)
+    tl.store(y_row + half + j[None, :], y2.to(y_tok.dtype.element_ty), mask=mask)
     if HAS_PASS:
         p = 2 * half + tl.arange(0, BLOCK_P)
         pmask = (heads < H)[:, None] & (p < D)[None, :]
-        tl.store(y_row + p[None, :], tl.load(x_row + p[None, :], mask=pmask), mask=pmask)
+        rest = tl.load(x_row + p[None, :], mask=pmask)
+        tl.store(y_row + p[None, :], rest.to(y_tok.dtype.element_ty), mask=pmask)
 
 
 @triton.jit
 def rope_kernel(
-    q_ptr, sqb, sqh, sqs, qo_ptr, sob, soh, sos, Hq,
-    k_ptr, skb, skh, sks, ko_ptr, spb, sph, sps, Hk,
-    cos_ptr, scb, scs, sin_ptr, ssb, sss, S, half, D,
-    BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
-    HAS_PASS: tl.constexpr, BLOCK_P: tl.constexpr,
+    q_ptr, sqb, sqh, sqs, qo_ptr, sob, soh, sos,
+    k_ptr, skb, skh, sks, ko_ptr, spb, sph, sps,
+    cos_ptr, scb, scs, sin_ptr, ssb, sss, S,
+    Hq: tl.constexpr, Hk: tl.constexpr, half: tl.constexpr, D: tl.constexpr,
+    BACKWARD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    BLOCK_R: tl.constexpr, HAS_PASS: tl.constexpr, BLOCK_P: tl.constexpr,
+    LOOP: tl.constexpr,
 ):
     token = tl.program_id(0)
     b = (token // S).to(tl.int64)
     s = (token % S).to(tl.int64)
-    hb = tl.program_id(1)
+    split = tl.program_id(1)
+    splits = tl.num_programs(1)
     j = tl.arange(0, BLOCK_R)
     jm = j < half
     c_row = cos_ptr + b * scb + s * scs
@@ -65,11 +75,21 @@ def rope_kernel(
     c2 = tl.load(c_row + half + j, mask=jm, other=0.0).to(tl.float32)[None, :]
     s1 = tl.load(s_row + j, mask=jm, other=0.0).to(tl.float32)[None, :]
     s2 = tl.load(s_row + half + j, mask=jm, other=0.0).to(tl.float32)[None, :]
-    q_blocks = tl.cdiv(Hq, BLOCK_H)
-    if hb < q_blocks:
-        _rotate_heads(q_ptr, sqb, sqh, sqs, qo_ptr, sob, soh, sos, b, s, hb * BLOCK_H, Hq,
-                      half, D, c1, c2, s1, s2, BACKWARD, BLOCK_H, BLOCK_R, HAS_PASS, BLOCK_P)
-    else:
-        _rotate_heads(k_ptr, skb, skh, sks, ko_ptr, spb, sph, sps, b, s,
-                      (hb - q_blocks) * BLOCK_H, Hk, half, D, c1, c2, s1, s2, BACKWARD,
-                      BLOCK_H, BLOCK_R, HAS_PASS, BLOCK_P)
+    q_tok = q_ptr + b * sqb + s * sqs
+    qo_tok = qo_ptr + b * sob + s * sos
+    k_tok = k_ptr + b * skb + s * sks
+    ko_tok = ko_ptr + b * spb + s * sps
+    # The program's first block of each in straight-line code (all of a token's heads in
+    # the common case, which compiles without the loops: ``LOOP`` False), then the rest of
+    # its blocks, splits apart.
+    _rotate_block(q_tok, qo_tok, sqh, soh, split * BLOCK_HQ, Hq, half, D, c1, c2, s1, s2,
+                  BACKWARD, BLOCK_HQ, BLOCK_R, HAS_PASS, BLOCK_P)
+    _rotate_block(k_tok, ko_tok, skh, sph, split * BLOCK_HK, Hk, half, D, c1, c2, s1, s2,
+                  BACKWARD, BLOCK_HK, BLOCK_R, HAS_PASS, BLOCK_P)
+    if LOOP:
+        for h0 in range((split + splits) * BLOCK_HQ, Hq, splits * BLOCK_HQ):
+            _rotate_block(q_tok, qo_tok, sqh, soh, h0, Hq, half, D, c1, c2, s1, s2,
+                          BACKWARD, BLOCK_HQ, BLOCK_R, HAS_PASS, BLOCK_P)
+        for h0 in range((split + splits) * BLOCK_HK, Hk, splits * BLOCK_HK):
+            _rotate_block(k_tok, ko_tok, skh, sph, h0, Hk, half, D, c1, c2, s1, s2,
+                          BACKWARD, BLOCK_HK, BLOCK_R, HAS_PASS, BLOCK_P)

@@ -12,6 +12,7 @@ through the ``torch.library`` custom op ``lmfuse::rotary``, so the graph does no
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,56 +38,81 @@ _OP = "apply_rotary_pos_emb"
 _kernels = lazy_kernels("kernels", __package__)
 
 
-def _config(heads: int, D: int, device: torch.device) -> tuple[int, int]:
-    """``(BLOCK_H, num_warps)``: about ``tile_elems`` values a program (heads of ``D``
-    values: rotated, or passed through past a partial rotary's, whose tile is as wide),
-    from the ``rope`` tuning section. (H200, bf16, D 128, 32 or 64 query
-    heads and 8 key heads: 4096 values and 4 warps fastest of 1024-16384 and 2-8 warps,
-    2048 with 4 within 6%; 8 warps 3-32% slower.)"""
+def _config(tokens: int, Hq: int, Hk: int, D: int, R: int, backward: bool,
+            device: torch.device) -> tuple[int, tuple, int]:
+    """``(splits, constexprs, num_warps)`` of a launch, from the ``rope`` tuning section: a
+    program rotates a token's query heads, then its key heads, about ``tile_elems`` values
+    (heads of ``D``) at a time; with fewer tokens than SMs (decoding) tiles of
+    ``few_tokens_tile_elems`` and each token's blocks split over ``splits`` programs.
+    ``constexprs``: the kernel's, in order (``LOOP``: a program has more than one block of
+    q or k; else its kernel has no loop). (H200, bf16, D 128, 32 or 64 query heads and 8
+    key heads, [B, S, H, D] q and k of 8K-32K tokens, CUDA graphs: one program a token with
+    4 warps runs the forward in 0.97-1.03x Liger-Kernel's time (its kernel is of that
+    design), 10-15% faster than a program for the queries and one for the keys; 8 warps
+    0-12% and 2 or 16 warps 10-25% slower; 8192-value tiles 6% faster than 4096 at 64 query
+    heads.)"""
     t = tuning.table("rope", device)
-    block_h = max(1, min(next_pow2(max(heads, 1)), t["tile_elems"] // max(D, 2)))
-    return block_h, t["num_warps"]
+    few = tokens < tuning.sm_count(device)
+    return _constexprs(few, Hq, Hk, D, R, backward,
+                       t["few_tokens_tile_elems"] if few else t["tile_elems"], t["num_warps"])
 
 
-def _layout(x: torch.Tensor, heads_dim: int) -> tuple[int, int, int]:
-    """``x``'s ``(batch, head, token)`` strides for heads at dim ``heads_dim``."""
-    sb, s1, s2, _ = x.stride()
-    return (sb, s1, s2) if heads_dim == 1 else (sb, s2, s1)
+@functools.lru_cache(maxsize=256)
+def _constexprs(few: bool, Hq: int, Hk: int, D: int, R: int, backward: bool, tile: int,
+                warps: int) -> tuple[int, tuple, int]:
+    block_hq, block_hk = (max(1, min(next_pow2(max(h, 1)), tile // max(D, 2)))
+                          for h in (Hq, Hk))
+    splits = max(cdiv(Hq, block_hq), cdiv(Hk, block_hk)) if few else 1
+    loop = splits > 1 or Hq > block_hq or Hk > block_hk
+    return splits, (Hq, Hk, R // 2, D, backward, block_hq, block_hk,
+                    next_pow2(max(R // 2, 1), 16), R < D, next_pow2(max(D - R, 1), 16),
+                    loop), warps
 
 
 def _rows(t: torch.Tensor) -> tuple[int, int]:
     """A ``cos``/``sin`` table's ``(batch, token)`` strides (batch 0: one table for all)."""
-    if t.dim() == 2:
-        return 0, t.stride(0)
-    return (0 if t.shape[0] == 1 else t.stride(0)), t.stride(1)
+    st = t.stride()
+    if len(st) == 2:
+        return 0, st[0]
+    return (0 if t.shape[0] == 1 else st[0]), st[1]
 
 
-def _fake(q, k, cos, sin, heads_dim, backward):
-    return torch.empty_like(q), torch.empty_like(k)
+def _fake(q, k, cos, sin, heads_dim, backward, q_dtype, k_dtype):
+    return torch.empty_like(q, dtype=q_dtype), torch.empty_like(k, dtype=k_dtype)
 
 
 @kernel_op("rotary", _fake)
 def launch_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  heads_dim: int, backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q_out, k_out)``, each like its input (``empty_like``: its dtype, and its strides
-    where it is dense): ``q`` and ``k`` rotated by ``cos``, ``sin`` (``backward``: by their
-    transpose, for the gradients). Heads at dim ``heads_dim`` (1 or 2); each head's values
-    contiguous."""
-    qo, ko = torch.empty_like(q), torch.empty_like(k)
-    u = heads_dim
-    B, S = q.shape[0], q.shape[3 - u]
-    Hq, Hk, D, R = q.shape[u], k.shape[u], q.shape[-1], cos.shape[-1]
+                  heads_dim: int, backward: bool, q_dtype: torch.dtype, k_dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q_out, k_out)`` in ``q_dtype`` and ``k_dtype``, each like its input otherwise
+    (``empty_like``: its strides where it is dense): ``q`` and ``k`` rotated by ``cos``,
+    ``sin`` (``backward``: by their transpose, for the gradients). Heads at dim
+    ``heads_dim`` (1 or 2); each head's values contiguous."""
+    qo, ko = torch.empty_like(q, dtype=q_dtype), torch.empty_like(k, dtype=k_dtype)
+    h, t = (1, 2) if heads_dim == 1 else (2, 1)  # the heads' and the tokens' dims
+    qs, ks = q.shape, k.shape
+    B, S, Hq, Hk, D, R = qs[0], qs[t], qs[h], ks[h], qs[3], cos.shape[-1]
     if B * S == 0 or Hq + Hk == 0 or D == 0:
         return qo, ko
-    block_h, warps = _config(max(Hq, Hk), D, q.device)
-    grid = (B * S, cdiv(Hq, block_h) + cdiv(Hk, block_h))
-    _kernels().rope_kernel[grid](
-        q, *_layout(q, u), qo, *_layout(qo, u), Hq,
-        k, *_layout(k, u), ko, *_layout(ko, u), Hk,
-        cos, *_rows(cos), sin, *_rows(sin), S, R // 2, D,
-        BACKWARD=backward, BLOCK_H=block_h, BLOCK_R=next_pow2(max(R // 2, 1), 16),
-        HAS_PASS=R < D, BLOCK_P=next_pow2(max(D - R, 1), 16), num_warps=warps)
+    splits, constexprs, warps = _config(B * S, Hq, Hk, D, R, backward, q.device)
+    sq, so, sk, sp = q.stride(), qo.stride(), k.stride(), ko.stride()
+    # (every argument positional, the constexprs too: the launch binds no keywords)
+    _kernels().rope_kernel[(B * S, splits)](
+        q, sq[0], sq[h], sq[t], qo, so[0], so[h], so[t],
+        k, sk[0], sk[h], sk[t], ko, sp[0], sp[h], sp[t],
+        cos, *_rows(cos), sin, *_rows(sin), S, *constexprs, num_warps=warps)
     return qo, ko
+
+
+def _out_dtypes(q, k, cos, sin) -> tuple[torch.dtype, torch.dtype]:
+    """The outputs' dtypes: what transformers' formula gives, each input promoted with the
+    tables' (bf16 q and k with float32 tables, as under autocast: float32)."""
+    qd, kd, cd = q.dtype, k.dtype, cos.dtype
+    if qd is kd is cd is sin.dtype:  # (the common call: nothing to promote)
+        return qd, kd
+    table = torch.promote_types(cd, sin.dtype)
+    return torch.promote_types(qd, table), torch.promote_types(kd, table)
 
 
 class _Rotary(torch.autograd.Function):
@@ -95,12 +121,15 @@ class _Rotary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin, heads_dim):
         with nvtx_range(_OP, "fwd"):
-            ctx.u = heads_dim
+            ctx.launch = (heads_dim, True, q.dtype, k.dtype)  # (the backward's arguments)
             ctx.save_for_backward(cos, sin)
-            qo, ko = launch_rotary(q, k, cos, sin, heads_dim, False)
-            # (an output whose input takes no gradient needs none, as through the formula)
-            ctx.mark_non_differentiable(*(o for o, need in zip((qo, ko), ctx.needs_input_grad)
-                                          if not need))
+            qo, ko = launch_rotary(q, k, cos, sin, heads_dim, False, *_out_dtypes(q, k, cos,
+                                                                                   sin))
+            need_q, need_k = ctx.needs_input_grad[:2]
+            if not (need_q and need_k):
+                # (an output whose input takes no gradient needs none, as through the formula)
+                ctx.mark_non_differentiable(*(o for o, need in ((qo, need_q), (ko, need_k))
+                                              if not need))
             return qo, ko
 
     @staticmethod
@@ -110,7 +139,7 @@ class _Rotary(torch.autograd.Function):
             cos, sin = ctx.saved_tensors
             dq = dq if dq.stride(-1) == 1 else dq.contiguous()
             dk = dk if dk.stride(-1) == 1 else dk.contiguous()
-            dq, dk = launch_rotary(dq, dk, cos, sin, ctx.u, True)
+            dq, dk = launch_rotary(dq, dk, cos, sin, *ctx.launch)
             return dq, dk, None, None, None
 
 
@@ -156,25 +185,29 @@ def _resolve(q, k, cos, sin, unsqueeze_dim, impl) -> tuple[str, str, RotaryCall]
         raise ValueError(f"{_OP}: unsqueeze_dim must put the heads at dim 1 ([B, H, S, D] q "
                          f"and k) or 2 ([B, S, H, D]): for {t}-D tables {wants}, got "
                          f"{unsqueeze_dim}")
-    B, S, D = q.shape[0], q.shape[3 - u], q.shape[-1]
-    layout = "[B, H, S, D]" if u == 1 else "[B, S, H, D]"
-    if k.shape[0] != B or k.shape[3 - u] != S or k.shape[-1] != D:
+    qs, ks, cs = q.shape, k.shape, cos.shape
+    B, S, D = qs[0], qs[3 - u], qs[3]
+    if ks[0] != B or ks[3 - u] != S or ks[3] != D:
+        layout = "[B, H, S, D]" if u == 1 else "[B, S, H, D]"
         raise ValueError(f"{_OP}: k must be {layout} with q's batch, tokens and head size "
-                         f"(q {tuple(q.shape)}), got {tuple(k.shape)}")
-    R = cos.shape[-1]
-    batch = cos.shape[0] if t == 3 else 1
-    if cos.shape[-2] != S or batch not in (1, B) or R % 2 or not 0 < R <= D:
+                         f"(q {tuple(qs)}), got {tuple(ks)}")
+    R = cs[-1]
+    batch = cs[0] if t == 3 else 1
+    if cs[-2] != S or batch not in (1, B) or R % 2 or not 0 < R <= D:
         raise ValueError(f"{_OP}: cos and sin must be [B, S, R] or [S, R] with q's B = {B}, "
                          f"S = {S} (or a batch of 1) and an even R of at most the head size "
-                         f"{D}, got {tuple(cos.shape)}")
-    check_same_device(_OP, "q", q, k=k, cos=cos, sin=sin)
-    path, reason = select_impl(_OP, impl, q.device)
-    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
-        path, reason = float64_fallback(_OP, impl, path, reason, t.dtype, name)
-    if path == "triton" and torch.is_grad_enabled() and (cos.requires_grad
-                                                         or sin.requires_grad):
+                         f"{D}, got {tuple(cs)}")
+    dev = q.device
+    if k.device != dev or cos.device != dev or sin.device != dev:
+        check_same_device(_OP, "q", q, k=k, cos=cos, sin=sin)  # (raises, naming the one)
+    path, reason = select_impl(_OP, impl, dev)
+    f64 = torch.float64
+    if f64 in (q.dtype, k.dtype, cos.dtype, sin.dtype):
+        for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+            path, reason = float64_fallback(_OP, impl, path, reason, t.dtype, name)
+    if path == "triton" and (cos.requires_grad or sin.requires_grad) and torch.is_grad_enabled():
         path, reason = "torch", f"{reason}; cos or sin needs a gradient: the reference"
-    return path, reason, RotaryCall(u, unsqueeze_dim, B, S, q.shape[u], k.shape[u], D, R)
+    return path, reason, RotaryCall(u, unsqueeze_dim, B, S, qs[u], ks[u], D, R)
 
 
 def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
@@ -185,8 +218,10 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     transformers' ``apply_rotary_pos_emb`` with its signature.
 
     Float32 math (float64 for float64 inputs on the reference path), each output rounded
-    once to its input's dtype (transformers' eager code rounds each step in the queries'
-    dtype: in bf16 the two differ by a few roundings).
+    once to its dtype (transformers' eager code rounds each step in that dtype: in bf16 the
+    two differ by a few roundings). The outputs' dtypes are the formula's: each input's
+    promoted with the tables' (bf16 q and k with float32 tables, as under autocast, give
+    float32 outputs and bf16 gradients).
 
     Args:
         q: ``[B, Hq, S, D]`` (the attention layout) or ``[B, S, Hq, D]``, as
@@ -203,7 +238,8 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
             ``"triton"`` or ``"torch"``; see :func:`lmfuse.explain`.
 
     Returns:
-        ``(q_embed, k_embed)`` in q's and k's dtypes and shapes (on the Triton path with
+        ``(q_embed, k_embed)`` in q's and k's shapes, their dtypes promoted with the
+        tables' (``torch.promote_types``, as the formula's products), (on the Triton path with
         their strides where they are dense, transformers' transposed views included;
         contiguous otherwise, e.g. slices of a fused qkv); gradients for q and k (and cos,
         sin on the reference path).
@@ -223,7 +259,7 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         return _Rotary.apply(q, k, cos, sin, u)
     with nvtx_range(_OP, "fwd"):
-        return launch_rotary(q, k, cos, sin, u, False)
+        return launch_rotary(q, k, cos, sin, u, False, *_out_dtypes(q, k, cos, sin))
 
 
 @planner_of(apply_rotary_pos_emb)
@@ -241,10 +277,12 @@ def plan_rotary(q, k, cos, sin, unsqueeze_dim, impl) -> Plan:
                        or cos.shape[0] == 1 else ""),
     }
     if path == "triton":
-        block_h, warps = _config(max(a.Hq, a.Hk), a.D, q.device)
-        details["launch"] = (f"{a.B * a.S} tokens x {cdiv(a.Hq, block_h) + cdiv(a.Hk, block_h)}"
-                             f" head blocks of {block_h}, {warps} warps; q and k in one "
-                             "launch each way")
+        splits, c, warps = _config(a.B * a.S, a.Hq, a.Hk, a.D, a.R, False, q.device)
+        block_hq, block_hk = c[5], c[6]
+        per = f"{splits} programs" if splits > 1 else "one program"
+        details["launch"] = (f"{a.B * a.S} tokens, {per} a token ({warps} warps): query "
+                             f"heads {block_hq} at a time, key heads {block_hk}; q and k in "
+                             "one launch each way")
         details["saved for backward"] = "cos, sin"
     if native_cpu(impl, path, q):
         reason += "; CPU float32: the reference's PyTorch ops (the formula's own)"

@@ -14,10 +14,11 @@ batch), one row per token; ``unsqueeze_dim``, as in transformers, is where the t
 a dim before they broadcast against the heads (``[B, S, R]``: 1 for ``[B, H, S, D]``, the
 attention layout, 2 for ``[B, S, H, D]``; ``[S, R]``: 0 and 1).
 
-The math runs in float32 (float64 for float64 input) and each result is rounded once to its
-input's dtype: Hugging Face's eager code rounds ``cos`` and ``sin`` to the queries' dtype
-first and each product and the sum after, so in 16-bit dtypes the two differ by a few
-roundings. NaN and inf propagate as in the formula (an inf times a 0 sine is NaN). The
+The math runs in float32 (float64 where an input is float64) and each result is rounded once
+to its dtype, the input's promoted with the tables' as the formula's products promote them
+(bf16 queries with float32 tables, as under autocast, give float32). Hugging Face's eager
+code rounds each product and the sum to that dtype, so in 16-bit dtypes the two differ by a
+few roundings. NaN and inf propagate as in the formula (an inf times a 0 sine is NaN). The
 function is plain differentiable torch code: autograd gives the reference gradients.
 """
 
@@ -27,13 +28,14 @@ import torch
 
 
 def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    out = torch.promote_types(x.dtype, torch.promote_types(c.dtype, s.dtype))
+    compute = torch.float64 if out == torch.float64 else torch.float32
     R = c.shape[-1]
     xf, c, s = x.to(compute), c.to(compute), s.to(compute)
     x1, x2, rest = xf[..., :R // 2], xf[..., R // 2:R], xf[..., R:]
     c1, c2 = c[..., :R // 2], c[..., R // 2:]
     s1, s2 = s[..., :R // 2], s[..., R // 2:]
-    return torch.cat((x1 * c1 - x2 * s1, x2 * c2 + x1 * s2, rest), -1).to(x.dtype)
+    return torch.cat((x1 * c1 - x2 * s1, x2 * c2 + x1 * s2, rest), -1).to(out)
 
 
 def rotary_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -48,7 +50,8 @@ def rotary_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
             against q and k (``[B, S, R]``: 1 for ``[B, H, S, D]``, 2 for ``[B, S, H, D]``;
             ``[S, R]``: 0 and 1).
     Returns:
-        q's and k's rotations, each in its input's dtype and shape.
+        q's and k's rotations, each in its input's shape and its dtype promoted with the
+        tables' (``torch.promote_types``: the formula's).
     """
     c, s = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     return _rotate(q, c, s), _rotate(k, c, s)
