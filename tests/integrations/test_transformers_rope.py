@@ -28,7 +28,8 @@ TINY = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
         "vocab_size": VOCAB, "max_position_embeddings": 64, "initializer_range": 0.1,
         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
-ATTENTION = {"llama": "LlamaAttention", "qwen3": "Qwen3Attention", "glm4": "Glm4Attention"}
+ATTENTION = {"llama": "LlamaAttention", "qwen3": "Qwen3Attention", "glm4": "Glm4Attention",
+             "olmo2": "Olmo2Attention"}
 
 
 def make_model(model_type: str):
@@ -57,7 +58,7 @@ def rope_calls(monkeypatch):
     from lmfuse.rope import ops
 
     calls = []
-    real, launch = lt._apply_rotary_pos_emb, ops.launch_rotary
+    real, launch = lt._rotary, ops.launch_rotary
 
     def counted(q, *args, **kwargs):
         calls.append(tuple(q.shape))
@@ -67,7 +68,7 @@ def rope_calls(monkeypatch):
         calls.append("kernel")
         return launch(*args, **kwargs)
 
-    monkeypatch.setattr(lt, "_apply_rotary_pos_emb", counted)
+    monkeypatch.setattr(lt, "_rotary", counted)
     monkeypatch.setattr(ops, "launch_rotary", launched)
     return calls
 
@@ -122,6 +123,60 @@ def test_rope_under_autocast_runs_lmfuses_rotary(rope_calls):
     grads = dict(a.named_parameters())
     for name, p in b.named_parameters():
         assert_close(p.grad, grads[name].grad, torch.bfloat16, f"grad of {name}")
+
+
+def test_the_probe_finds_what_a_dtype_mix_gives():
+    """bf16 q and k with float32 tables (autocast's mix): Llama's function promotes
+    (float32 out), OLMo 2's casts back to q's and k's dtypes, and the patched rotary gives
+    what each gives; a function that refuses a mix keeps it (the model's own runs)."""
+    from transformers.models.llama import modeling_llama
+    from transformers.models.olmo2 import modeling_olmo2
+
+    def refuses_mixes(q, k, cos, sin, unsqueeze_dim=1):
+        if q.dtype != cos.dtype:
+            raise RuntimeError("one dtype, please")
+        return modeling_llama.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 5, 8, generator=g), torch.randn(2, 2, 5, 8, generator=g)
+    cos, sin = torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 8, generator=g)
+    qb, kb = q.bfloat16(), k.bfloat16()
+    for own, rule, dtype in ((modeling_llama.apply_rotary_pos_emb, "promote", F32),
+                             (modeling_olmo2.apply_rotary_pos_emb, "cast back", torch.bfloat16)):
+        assert lt._probe_rotary(own) == rule
+        for got, want in zip(lt._rotary_for(own, "triton")(qb, kb, cos, sin),
+                             own(qb, kb, cos, sin)):
+            assert got.dtype == want.dtype == dtype
+            assert_close(got, want, dtype, rule)
+    assert lt._probe_rotary(refuses_mixes) == "unknown"
+    ours = lt._rotary_for(refuses_mixes, "triton")
+    assert [t.dtype for t in ours(q, k, cos, sin)] == [F32, F32]  # (one dtype: lmfuse's)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        ours(qb, kb, cos, sin)  # (a mix: the model's own, and its error)
+
+
+def test_olmo2_under_autocast_keeps_its_dtypes(rope_calls):
+    """OLMo 2 under bf16 autocast: its rotary casts back to bf16, so the patched one does
+    (the keys a cache would hold stay bf16), with lmfuse's kernel; loss and gradients as
+    the unpatched model's within bf16's tolerance."""
+    a = make_model("olmo2")
+    b = apply_lmfuse(copy.deepcopy(a), rms_norm=False, layer_norm=False, swiglu=False,
+                     fused_linear_cross_entropy=False)
+    assert b.lmfuse_patches["rope"] == attention_names(a, "olmo2")
+    ids, labels = batch()
+    with torch.autocast("cpu", torch.bfloat16):
+        want = a(input_ids=ids, labels=labels).loss
+        got = b(input_ids=ids, labels=labels).loss
+    want.backward()
+    got.backward()
+    assert "kernel" in rope_calls
+    assert_close(got, want, torch.bfloat16, "loss under autocast")
+    grads = dict(a.named_parameters())
+    for name, p in b.named_parameters():
+        assert_close(p.grad, grads[name].grad, torch.bfloat16, f"grad of {name}")
+    with torch.autocast("cpu", torch.bfloat16), torch.no_grad():
+        caches = [m(input_ids=ids, use_cache=True).past_key_values for m in (a, b)]
+    assert [c.layers[0].keys.dtype for c in caches] == [torch.bfloat16] * 2
 
 
 def test_rope_false_leaves_them_and_the_flag_is_checked(rope_calls):

@@ -101,6 +101,19 @@ def test_several_head_blocks_and_mixed_dtypes(monkeypatch, B, S, splits) -> None
     assert "query heads 2 at a time, key heads 2" in plan.details["launch"]
 
 
+@pytest.mark.parametrize("D", [96, 80, 48])
+@pytest.mark.parametrize("S", [1, 6], ids=["few-tokens", "tokens"])
+def test_head_sizes_that_do_not_divide_the_tile(S, D) -> None:
+    """Phi-3's 32 heads of 96 (and 80, 48): a tile's head count is a power of two (the
+    kernel's arange) whatever the head size, with few tokens (decoding: the split tiles)
+    or more tokens than the interpreter's 4 SMs."""
+    q, k = qk(1, S, 32, 8, D, BF16, "hf")
+    cos, sin = tables(1, S, D)
+    check(f"D={D} S={S}", q, k, cos, sin, "triton")
+    with tuning.overlay("rope", {"tile_elems": 32 * D // 3, "few_tokens_tile_elems": 1024}):
+        check(f"D={D} S={S}, tiles of {32 * D // 3}", q, k, cos, sin, "triton")
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("qk_dtype, table_dtype", [(BF16, F32), (F16, F32), (F32, BF16),
                                                    (BF16, F16)])
@@ -111,6 +124,8 @@ def test_mixed_dtypes_promote_as_the_formula(qk_dtype, table_dtype, impl) -> Non
     q, k = qk(2, 5, 4, 2, 16, qk_dtype, "hf")
     cos, sin = tables(2, 5, 16, table_dtype)
     check(f"{qk_dtype} q, {table_dtype} tables, {impl}", q, k, cos, sin, impl)
+    plan = lmfuse.explain(lmfuse.apply_rotary_pos_emb, q, k, cos, sin, impl=impl)
+    assert plan.details["outputs"].startswith("float32, float32")
     pytest.importorskip("transformers")
     from transformers.models.llama import modeling_llama as llama
 

@@ -51,7 +51,7 @@ from ..activations.reference import QUICK_GELU_K
 from ..cross_entropy import linear_cross_entropy as _linear_cross_entropy
 from ..moe import moe_experts as _moe_experts
 from ..norm import rms_norm as _rms_norm
-from ..rope import apply_rotary_pos_emb as _apply_rotary_pos_emb
+from ..rope.ops import rotary as _rotary
 from ..rope.reference import rotary_reference as _rotary_reference
 from . import _activation_name, _check_flags, _instance_attr, _layer_norm_like
 from . import _Forward as _PatchedMethod
@@ -758,7 +758,11 @@ def _rotary_target(forward: Any) -> tuple[int, Any] | None:
     return None
 
 
-_ROTARY_PROBED: dict[Any, bool] = {}
+#: probed function -> False (not lmfuse's formula), or what it does with a dtype mix (bf16 q
+#: and k, float32 tables, as under autocast): "promote" (the formula's promotion: float32
+#: out), "cast back" (outputs in q's and k's dtypes: OLMo 2's ``.to(q_type)``) or
+#: "unknown" (another answer, or an error: a mix runs the model's function)
+_ROTARY_PROBED: dict[Any, Any] = {}
 
 
 #: The probe's calls: (heads' dim of q and k, table shape, unsqueeze_dim); all [B, S, R]
@@ -768,14 +772,16 @@ _ROTARY_PROBES = ((1, (2, 5, 8), 1), (2, (1, 5, 8), 2), (1, (5, 8), 0), (1, (2, 
 
 
 @torch.no_grad()
-def _probe_rotary(fn: Any) -> bool:
-    """True when the modeling module's ``apply_rotary_pos_emb`` ``fn`` takes ``(q, k, cos,
-    sin, unsqueeze_dim=1)`` and computes :func:`lmfuse.apply_rotary_pos_emb`'s rotate-half
-    formula: checked once on small random float32 inputs (random tables, so that a function
-    reading them another way differs) for each call of :data:`_ROTARY_PROBES`; ``fn`` must
-    take the first and may refuse the others by raising (a model cannot make such a call
-    then), but must not compute anything else. Interleaved (GPT-J style), multimodal and
-    other variants differ and are left as they are."""
+def _probe_rotary(fn: Any) -> Any:
+    """Truthy when the modeling module's ``apply_rotary_pos_emb`` ``fn`` takes ``(q, k,
+    cos, sin, unsqueeze_dim=1)`` and computes :func:`lmfuse.apply_rotary_pos_emb`'s
+    rotate-half formula: checked once on small random float32 inputs (random tables, so
+    that a function reading them another way differs) for each call of
+    :data:`_ROTARY_PROBES`; ``fn`` must take the first and may refuse the others by raising
+    (a model cannot make such a call then), but must not compute anything else.
+    Interleaved (GPT-J style), multimodal and other variants differ and are left as they
+    are. The truthy value says what ``fn`` does with a dtype mix (see
+    :data:`_ROTARY_PROBED`), from one more call on bf16 q and k and float32 tables."""
     if fn in _ROTARY_PROBED:
         return _ROTARY_PROBED[fn]
     ok = False
@@ -804,8 +810,27 @@ def _probe_rotary(fn: Any) -> bool:
                     and torch.allclose(y, w, rtol=1e-5, atol=1e-5) for y, w in zip(got, want))):
                 ok = False
                 break
+        if ok:
+            ok = _mix_rule(fn, g)
     _ROTARY_PROBED[fn] = ok
     return ok
+
+
+def _mix_rule(fn: Any, g: torch.Generator) -> str:
+    """What ``fn`` (lmfuse's formula in float32) does with bf16 q and k and float32 tables:
+    "promote" (float32 outputs), "cast back" (bf16 ones) or "unknown"."""
+    q, k = (torch.randn(2, h, 5, 8, generator=g).bfloat16() for h in (3, 2))
+    cos, sin = (torch.randn(2, 5, 8, generator=g) for _ in range(2))
+    try:
+        got = fn(q, k, cos, sin, 1)
+    except Exception:  # noqa: BLE001 (a mix this function refuses: the model's own, then)
+        return "unknown"
+    if not (isinstance(got, tuple) and len(got) == 2
+            and all(isinstance(y, torch.Tensor) for y in got)):
+        return "unknown"
+    dtypes = (got[0].dtype, got[1].dtype)
+    return {(torch.float32,) * 2: "promote", (torch.bfloat16,) * 2: "cast back"}.get(
+        dtypes, "unknown")
 
 
 def _rotary_attention(m: torch.nn.Module) -> bool:
@@ -816,17 +841,18 @@ def _rotary_attention(m: torch.nn.Module) -> bool:
     if getattr(getattr(m, "config", None), "rope_interleave", False) is True:
         return False
     target = _rotary_target(getattr(type(m), "forward", None))
-    return (target is not None and _probe_rotary(target[1])
-            and _rebound_forward(type(m).forward, "torch") is not None)
+    return bool(target is not None and _probe_rotary(target[1])
+                and _rebound_forward(type(m).forward, "torch") is not None)
 
 
-def _rotary_heads_dim(q: Any, k: Any, cos: Any, sin: Any, unsqueeze_dim: Any) -> int | None:
+def _rotary_heads_dim(q: Any, k: Any, cos: Any, sin: Any, unsqueeze_dim: Any,
+                      mixes: bool = True) -> int | None:
     """Where the heads are (1 or 2) for a call :func:`lmfuse.apply_rotary_pos_emb` computes
     as the model's function does, else None: 4-D q and k; ``[B, S, R]`` tables with
     ``unsqueeze_dim`` 1 or 2, or ``[S, R]`` ones with ``unsqueeze_dim=0`` (Pixtral's: the
     heads at dim 1; a 2-D table with 1 or 2 the model's function broadcasts otherwise); float
-    dtypes lmfuse's kernel takes, mixed as they come (its outputs promote as the formula's:
-    under autocast, 16-bit q and k with float32 tables give float32)."""
+    dtypes lmfuse's kernel takes, mixed only where ``mixes`` (the probe found what the
+    model's function does with a mix)."""
     if not all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin)):
         return None
     if isinstance(unsqueeze_dim, bool) or not isinstance(unsqueeze_dim, int):
@@ -834,7 +860,8 @@ def _rotary_heads_dim(q: Any, k: Any, cos: Any, sin: Any, unsqueeze_dim: Any) ->
     if not (q.dim() == k.dim() == 4 and cos.shape == sin.shape
             and (cos.dim(), unsqueeze_dim) in ((3, 1), (3, 2), (2, 0))):
         return None
-    if not (all(t.dtype in _ROTARY_DTYPES for t in (q, k, cos, sin))
+    dtypes = (q.dtype, k.dtype, cos.dtype, sin.dtype)
+    if not (all(d in _ROTARY_DTYPES for d in dtypes) and (mixes or len(set(dtypes)) == 1)
             and q.device == k.device == cos.device == sin.device):
         return None
     u = unsqueeze_dim or 1
@@ -848,14 +875,18 @@ def _rotary_heads_dim(q: Any, k: Any, cos: Any, sin: Any, unsqueeze_dim: Any) ->
 
 def _rotary_for(own: Any, impl: str) -> Any:
     """What a patched attention forward finds as its global ``apply_rotary_pos_emb``:
-    :func:`lmfuse.apply_rotary_pos_emb`, or ``own`` (the modeling module's function) for a
-    call :func:`_rotary_heads_dim` refuses."""
+    lmfuse's rotary, with its outputs' dtypes as ``own``'s (the modeling module's function,
+    probed: the formula's promotion, or cast back to q's and k's dtypes), or ``own`` for a
+    call :func:`_rotary_heads_dim` refuses (a dtype mix, where the probe could not tell what
+    ``own`` does with one)."""
+    rule = _probe_rotary(own)
+    promote, mixes = rule != "cast back", rule in ("promote", "cast back")
 
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if _rotary_heads_dim(q, k, cos, sin, unsqueeze_dim) is None:
+        if _rotary_heads_dim(q, k, cos, sin, unsqueeze_dim, mixes) is None:
             return own(q, k, cos, sin, unsqueeze_dim)
         # (lmfuse's unsqueeze_dim means what the model's does: the tables' new dim)
-        return _apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim, impl=impl)
+        return _rotary(q, k, cos, sin, unsqueeze_dim, impl, promote)
 
     return apply_rotary_pos_emb
 

@@ -24,7 +24,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -540,9 +540,7 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None,
             # The common CPU call (float32, float32 parameters or none, no offset):
             # PyTorch's own op at once, without the resolved call.
             return torch.nn.functional.layer_norm(x, (H,), weight, bias, eps)
-    if (isinstance(x, torch.Tensor) and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
-            and torch.is_autocast_enabled("cuda")):
-        x = x.float()  # (autocast's cast for F.layer_norm; the parameters are read as float32)
+    x = _autocast_ln(x)
     path, _, a = _resolve_ln(x, weight, bias, eps, weight_offset, impl)
     if (native_cpu(impl, path, x) and (weight is None or weight.dtype == torch.float32)
             and (bias is None or bias.dtype == torch.float32)):
@@ -569,9 +567,19 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None,
     return y if flat else y.view(x.shape)
 
 
+def _autocast_ln(x: Any) -> Any:
+    """``x`` as CUDA autocast gives it to ``F.layer_norm`` (on its float32 list): a 16-bit
+    CUDA x as float32 while autocast is on (the parameters are read as float32 anyway)."""
+    if (isinstance(x, torch.Tensor) and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+            and torch.is_autocast_enabled("cuda")):
+        return x.float()
+    return x
+
+
 @planner_of(layer_norm)
 def plan_layer_norm(x, weight, bias, eps, weight_offset, impl) -> Plan:
     """What :func:`layer_norm` would do with these arguments (validated the same way)."""
+    x = _autocast_ln(x)
     path, reason, a = _resolve_ln(x, weight, bias, eps, weight_offset, impl)
     return _plan(_LN, impl, path, reason, a, x, {"weight": weight, "bias": bias},
                  "x, weight, mean and rstd [rows] float32",

@@ -60,8 +60,9 @@ def _config(tokens: int, Hq: int, Hk: int, D: int, R: int, backward: bool,
 @functools.lru_cache(maxsize=256)
 def _constexprs(few: bool, Hq: int, Hk: int, D: int, R: int, backward: bool, tile: int,
                 warps: int) -> tuple[int, tuple, int]:
-    block_hq, block_hk = (max(1, min(next_pow2(max(h, 1)), tile // max(D, 2)))
-                          for h in (Hq, Hk))
+    per_tile = max(1, tile // max(D, 2))
+    per_tile = 1 << (per_tile.bit_length() - 1)  # (a power of two: the kernel's arange)
+    block_hq, block_hk = (min(next_pow2(max(h, 1)), per_tile) for h in (Hq, Hk))
     splits = max(cdiv(Hq, block_hq), cdiv(Hk, block_hk)) if few else 1
     loop = splits > 1 or Hq > block_hq or Hk > block_hk
     return splits, (Hq, Hk, R // 2, D, backward, block_hq, block_hk,
@@ -119,12 +120,11 @@ class _Rotary(torch.autograd.Function):
     """``(q_embed, k_embed)`` on the Triton path; gradients for q and k."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, heads_dim):
+    def forward(ctx, q, k, cos, sin, heads_dim, out_dtypes):
         with nvtx_range(_OP, "fwd"):
             ctx.launch = (heads_dim, True, q.dtype, k.dtype)  # (the backward's arguments)
             ctx.save_for_backward(cos, sin)
-            qo, ko = launch_rotary(q, k, cos, sin, heads_dim, False, *_out_dtypes(q, k, cos,
-                                                                                   sin))
+            qo, ko = launch_rotary(q, k, cos, sin, heads_dim, False, *out_dtypes)
             need_q, need_k = ctx.needs_input_grad[:2]
             if not (need_q and need_k):
                 # (an output whose input takes no gradient needs none, as through the formula)
@@ -140,7 +140,7 @@ class _Rotary(torch.autograd.Function):
             dq = dq if dq.stride(-1) == 1 else dq.contiguous()
             dk = dk if dk.stride(-1) == 1 else dk.contiguous()
             dq, dk = launch_rotary(dq, dk, cos, sin, *ctx.launch)
-            return dq, dk, None, None, None
+            return dq, dk, None, None, None, None
 
 
 # --- validation, planning, the public function ---------------------------------------------------
@@ -247,19 +247,29 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     NaN and inf propagate as in the formula: a NaN in a head's value makes the values it
     pairs with NaN; an inf too, and NaN where it meets a sine or cosine of 0.
     """
+    return rotary(q, k, cos, sin, unsqueeze_dim, impl, True)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           unsqueeze_dim: int, impl: str, promote: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`apply_rotary_pos_emb`, with its outputs' dtypes chosen: ``promote`` True,
+    the formula's (q's and k's promoted with the tables'); False, q's and k's (the math
+    unchanged, one rounding), for modeling functions that cast their results back to
+    their inputs' dtypes (OLMo 2's, under autocast)."""
     path, _, a = _resolve(q, k, cos, sin, unsqueeze_dim, impl)
     if path == "torch" or native_cpu(impl, path, q):
         with nvtx_range(_OP, "fwd"):
-            return rotary_reference(q, k, cos, sin, unsqueeze_dim)
+            return rotary_reference(q, k, cos, sin, unsqueeze_dim, promote=promote)
     u = a.heads_dim
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     cos = cos if cos.stride(-1) == 1 else cos.contiguous()
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    dtypes = _out_dtypes(q, k, cos, sin) if promote else (q.dtype, k.dtype)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-        return _Rotary.apply(q, k, cos, sin, u)
+        return _Rotary.apply(q, k, cos, sin, u, dtypes)
     with nvtx_range(_OP, "fwd"):
-        return launch_rotary(q, k, cos, sin, u, False, *_out_dtypes(q, k, cos, sin))
+        return launch_rotary(q, k, cos, sin, u, False, *dtypes)
 
 
 @planner_of(apply_rotary_pos_emb)
@@ -275,6 +285,8 @@ def plan_rotary(q, k, cos, sin, unsqueeze_dim, impl) -> Plan:
         "cos, sin": f"{list(cos.shape)} {dtype_name(cos.dtype)}"
                     + (" (one table for every sequence)" if cos.dim() == 2
                        or cos.shape[0] == 1 else ""),
+        "outputs": "{}, {} (the formula's promotion)".format(
+            *(dtype_name(d) for d in _out_dtypes(q, k, cos, sin))),
     }
     if path == "triton":
         splits, c, warps = _config(a.B * a.S, a.Hq, a.Hk, a.D, a.R, False, q.device)

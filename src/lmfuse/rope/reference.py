@@ -27,9 +27,10 @@ from __future__ import annotations
 import torch
 
 
-def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    out = torch.promote_types(x.dtype, torch.promote_types(c.dtype, s.dtype))
-    compute = torch.float64 if out == torch.float64 else torch.float32
+def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, promote: bool) -> torch.Tensor:
+    wide = torch.promote_types(x.dtype, torch.promote_types(c.dtype, s.dtype))
+    out = wide if promote else x.dtype
+    compute = torch.float64 if wide == torch.float64 else torch.float32
     R = c.shape[-1]
     xf, c, s = x.to(compute), c.to(compute), s.to(compute)
     x1, x2, rest = xf[..., :R // 2], xf[..., R // 2:R], xf[..., R:]
@@ -39,7 +40,8 @@ def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 def rotary_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                     unsqueeze_dim: int = 1, *, promote: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q_embed, k_embed)``: ``q`` and ``k`` rotated by ``cos``, ``sin``.
 
     Args:
@@ -49,9 +51,11 @@ def rotary_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
         unsqueeze_dim: as in transformers: the tables gain a dim there, then broadcast
             against q and k (``[B, S, R]``: 1 for ``[B, H, S, D]``, 2 for ``[B, S, H, D]``;
             ``[S, R]``: 0 and 1).
+        promote: True: each output in its input's dtype promoted with the tables'
+            (``torch.promote_types``: the formula's); False: in its input's dtype (the
+            math unchanged), as modeling functions that cast their results back (OLMo 2's).
     Returns:
-        q's and k's rotations, each in its input's shape and its dtype promoted with the
-        tables' (``torch.promote_types``: the formula's).
+        q's and k's rotations, each in its input's shape.
     """
     c, s = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-    return _rotate(q, c, s), _rotate(k, c, s)
+    return _rotate(q, c, s, promote), _rotate(k, c, s, promote)
