@@ -49,8 +49,8 @@ def _config(tokens: int, Hq: int, Hk: int, D: int, R: int, backward: bool,
     key heads, [B, S, H, D] q and k of 8K-32K tokens, CUDA graphs: one program a token with
     4 warps runs the forward in 0.97-1.03x Liger-Kernel's time (its kernel is of that
     design), 10-15% faster than a program for the queries and one for the keys; 8 warps
-    0-12% and 2 or 16 warps 10-25% slower; 8192-value tiles 6% faster than 4096 at 64 query
-    heads.)"""
+    up to 15% and 2 or 16 warps 16-24% slower; 8192-value tiles 6% faster than 4096 at 64
+    query heads.)"""
     t = tuning.table("rope", device)
     few = tokens < tuning.sm_count(device)
     return _constexprs(few, Hq, Hk, D, R, backward,
