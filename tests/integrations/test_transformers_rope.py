@@ -104,27 +104,6 @@ def test_rope_matches_unpatched_loss_and_grads(model_type, rope_calls):
     assert_close(c(input_ids=ids, labels=labels).loss, want, F32, "loss, all patches")
 
 
-def test_rope_under_autocast_runs_lmfuses_rotary(rope_calls):
-    """A float32 model under bf16 autocast (q and k bf16 out of the projections, the
-    rotary embedding's tables float32): lmfuse's kernel runs, float32 out as the model's
-    formula gives, and the loss and gradients are the unpatched model's within bf16's
-    tolerance (the model's formula rounds q * cos and its rotated half in float32 too)."""
-    a = make_model("llama")
-    b = apply_lmfuse(copy.deepcopy(a), rms_norm=False, layer_norm=False, swiglu=False,
-                     fused_linear_cross_entropy=False)
-    ids, labels = batch()
-    with torch.autocast("cpu", torch.bfloat16):
-        want = a(input_ids=ids, labels=labels).loss
-        got = b(input_ids=ids, labels=labels).loss
-    want.backward()
-    got.backward()
-    assert rope_calls == [(2, 4, 7, 8), "kernel"] * 2 + ["kernel"] * 2
-    assert_close(got, want, torch.bfloat16, "loss under autocast")
-    grads = dict(a.named_parameters())
-    for name, p in b.named_parameters():
-        assert_close(p.grad, grads[name].grad, torch.bfloat16, f"grad of {name}")
-
-
 def test_the_probe_finds_what_a_dtype_mix_gives():
     """bf16 q and k with float32 tables (autocast's mix): Llama's function promotes
     (float32 out), OLMo 2's casts back to q's and k's dtypes, and the patched rotary gives
@@ -155,28 +134,31 @@ def test_the_probe_finds_what_a_dtype_mix_gives():
         ours(qb, kb, cos, sin)  # (a mix: the model's own, and its error)
 
 
-def test_olmo2_under_autocast_keeps_its_dtypes(rope_calls):
-    """OLMo 2 under bf16 autocast: its rotary casts back to bf16, so the patched one does
-    (the keys a cache would hold stay bf16), with lmfuse's kernel; loss and gradients as
-    the unpatched model's within bf16's tolerance."""
-    a = make_model("olmo2")
+@pytest.mark.parametrize("model_type, keys", [("llama", F32), ("olmo2", torch.bfloat16)])
+def test_rope_under_autocast_runs_lmfuses_rotary(model_type, keys, rope_calls):
+    """A float32 model under bf16 autocast (q and k bf16 out of the projections, the
+    rotary embedding's tables float32): lmfuse's kernel runs and gives the dtypes the
+    model's function gives (Llama's promotes to float32, OLMo 2's casts back to bf16: the
+    keys a cache holds), and the loss and gradients are the unpatched model's within bf16's
+    tolerance (the model's formula rounds q * cos and its rotated half in float32 too)."""
+    a = make_model(model_type)
     b = apply_lmfuse(copy.deepcopy(a), rms_norm=False, layer_norm=False, swiglu=False,
                      fused_linear_cross_entropy=False)
-    assert b.lmfuse_patches["rope"] == attention_names(a, "olmo2")
+    assert b.lmfuse_patches["rope"] == attention_names(a, model_type)
     ids, labels = batch()
     with torch.autocast("cpu", torch.bfloat16):
         want = a(input_ids=ids, labels=labels).loss
         got = b(input_ids=ids, labels=labels).loss
     want.backward()
     got.backward()
-    assert "kernel" in rope_calls
+    assert rope_calls == [(2, 4, 7, 8), "kernel"] * 2 + ["kernel"] * 2
     assert_close(got, want, torch.bfloat16, "loss under autocast")
     grads = dict(a.named_parameters())
     for name, p in b.named_parameters():
         assert_close(p.grad, grads[name].grad, torch.bfloat16, f"grad of {name}")
     with torch.autocast("cpu", torch.bfloat16), torch.no_grad():
         caches = [m(input_ids=ids, use_cache=True).past_key_values for m in (a, b)]
-    assert [c.layers[0].keys.dtype for c in caches] == [torch.bfloat16] * 2
+    assert [c.layers[0].keys.dtype for c in caches] == [keys] * 2
 
 
 def test_rope_false_leaves_them_and_the_flag_is_checked(rope_calls):
