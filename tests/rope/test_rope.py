@@ -98,6 +98,9 @@ def test_several_head_blocks_and_mixed_dtypes(monkeypatch, B, S, splits) -> None
     plan = lmfuse.explain(lmfuse.apply_rotary_pos_emb, q, k, cos, sin)
     per = "one program" if splits == 1 else f"{splits} programs"
     assert f"{per} a token" in plan.details["launch"]
+    # (a split program has one block of each: its kernel compiles no loop)
+    from lmfuse.rope.ops import _config
+    assert _config(B * S, 7, 5, 16, 16, False, q.device)[1].loop == (splits == 1)
     assert "query heads 2 at a time, key heads 2" in plan.details["launch"]
 
 

@@ -38,7 +38,7 @@ import types
 import typing
 import warnings
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -758,11 +758,13 @@ def _rotary_target(forward: Any) -> tuple[int, Any] | None:
     return None
 
 
+MixRule = Literal["promote", "cast back", "unknown"]
+
 #: probed function -> False (not lmfuse's formula), or what it does with a dtype mix (bf16 q
 #: and k, float32 tables, as under autocast): "promote" (the formula's promotion: float32
 #: out), "cast back" (outputs in q's and k's dtypes: OLMo 2's ``.to(q_type)``) or
 #: "unknown" (another answer, or an error: a mix runs the model's function)
-_ROTARY_PROBED: dict[Any, Any] = {}
+_ROTARY_PROBED: dict[Any, MixRule | bool] = {}
 
 
 #: The probe's calls: (heads' dim of q and k, table shape, unsqueeze_dim); all [B, S, R]
@@ -772,7 +774,7 @@ _ROTARY_PROBES = ((1, (2, 5, 8), 1), (2, (1, 5, 8), 2), (1, (5, 8), 0), (1, (2, 
 
 
 @torch.no_grad()
-def _probe_rotary(fn: Any) -> Any:
+def _probe_rotary(fn: Any) -> MixRule | bool:
     """Truthy when the modeling module's ``apply_rotary_pos_emb`` ``fn`` takes ``(q, k,
     cos, sin, unsqueeze_dim=1)`` and computes :func:`lmfuse.apply_rotary_pos_emb`'s
     rotate-half formula: checked once on small random float32 inputs (random tables, so
@@ -805,9 +807,9 @@ def _probe_rotary(fn: Any) -> Any:
                     continue
                 ok = False
                 break
-            if not (isinstance(got, tuple) and len(got) == 2 and all(
-                    isinstance(y, torch.Tensor) and y.shape == w.shape
-                    and torch.allclose(y, w, rtol=1e-5, atol=1e-5) for y, w in zip(got, want))):
+            if not (_two_tensors(got) and all(
+                    y.shape == w.shape and torch.allclose(y, w, rtol=1e-5, atol=1e-5)
+                    for y, w in zip(got, want))):
                 ok = False
                 break
         if ok:
@@ -816,7 +818,13 @@ def _probe_rotary(fn: Any) -> Any:
     return ok
 
 
-def _mix_rule(fn: Any, g: torch.Generator) -> str:
+def _two_tensors(got: Any) -> bool:
+    """A rotary's answer has the form of ``(q_embed, k_embed)``."""
+    return (isinstance(got, tuple) and len(got) == 2
+            and all(isinstance(y, torch.Tensor) for y in got))
+
+
+def _mix_rule(fn: Any, g: torch.Generator) -> MixRule:
     """What ``fn`` (lmfuse's formula in float32) does with bf16 q and k and float32 tables:
     "promote" (float32 outputs), "cast back" (bf16 ones) or "unknown"."""
     q, k = (torch.randn(2, h, 5, 8, generator=g).bfloat16() for h in (3, 2))
@@ -825,8 +833,7 @@ def _mix_rule(fn: Any, g: torch.Generator) -> str:
         got = fn(q, k, cos, sin, 1)
     except Exception:  # noqa: BLE001 (a mix this function refuses: the model's own, then)
         return "unknown"
-    if not (isinstance(got, tuple) and len(got) == 2
-            and all(isinstance(y, torch.Tensor) for y in got)):
+    if not _two_tensors(got):
         return "unknown"
     dtypes = (got[0].dtype, got[1].dtype)
     return {(torch.float32,) * 2: "promote", (torch.bfloat16,) * 2: "cast back"}.get(
@@ -1667,12 +1674,14 @@ def apply_lmfuse(model: torch.nn.Module, *, rms_norm: bool = True, layer_norm: b
             copy of its module's globals in which ``apply_rotary_pos_emb`` is lmfuse's
             (taken at each patch and shared by the process's patched models of the class:
             a later change to the module's globals reaches them at the next patch): other
-            models and the modeling module are untouched. A call lmfuse does not compute
-            as the module's function does (tables of another shape, float64) runs the
-            module's function. Float32 math rounded once to the formula's dtype (q's
-            promoted with the tables': float32 under autocast, whose tables are float32):
+            models and the modeling module are untouched. Float32 math rounded once to
+            the dtypes the module's function gives, as the probe finds them for
+            autocast's mix (16-bit q and k, float32 tables): float32 where it promotes
+            (transformers' formula), q's and k's where it casts back (OLMo 2's):
             half-precision outputs can differ from the model's (which rounds each step) by
-            a rounding; in float32 they agree.
+            a rounding; in float32 they agree. A call lmfuse does not compute as the
+            module's function does (tables of another shape, float64, a dtype mix whose
+            answer the probe could not tell) runs the module's function.
         swiglu: run the gated MLPs ``down_proj(act(gate_proj(x)) * up_proj(x))`` with the
             gate and up projections written side by side into one buffer and the activation
             fused: :func:`lmfuse.swiglu` for SiLU (Llama, Mistral, Qwen; Falcon-H1's

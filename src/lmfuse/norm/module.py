@@ -155,7 +155,8 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., *normalized_shape]`` -> the same shape, in x's dtype (any float dtype:
-        the parameters' may differ)."""
+        the parameters' may differ); float32 for a 16-bit x under CUDA autocast, as
+        ``torch.nn.LayerNorm``."""
         op, shape = "LayerNorm", self.normalized_shape
         check_tensor(op, "x", x)
         k = len(shape)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -38,19 +38,34 @@ _OP = "apply_rotary_pos_emb"
 _kernels = lazy_kernels("kernels", __package__)
 
 
+class _Constexprs(NamedTuple):
+    """The kernel's compile-time arguments, in its order (passed positionally)."""
+
+    Hq: int
+    Hk: int
+    half: int  # R / 2
+    D: int
+    backward: bool
+    block_hq: int
+    block_hk: int
+    block_r: int
+    has_pass: bool  # R < D: the values past R copied
+    block_p: int
+    loop: bool  # a program has more than one block of q or of k
+
+
 def _config(tokens: int, Hq: int, Hk: int, D: int, R: int, backward: bool,
-            device: torch.device) -> tuple[int, tuple, int]:
+            device: torch.device) -> tuple[int, _Constexprs, int]:
     """``(splits, constexprs, num_warps)`` of a launch, from the ``rope`` tuning section: a
     program rotates a token's query heads, then its key heads, about ``tile_elems`` values
     (heads of ``D``) at a time; with fewer tokens than SMs (decoding) tiles of
-    ``few_tokens_tile_elems`` and each token's blocks split over ``splits`` programs.
-    ``constexprs``: the kernel's, in order (``LOOP``: a program has more than one block of
-    q or k; else its kernel has no loop). (H200, bf16, D 128, 32 or 64 query heads and 8
-    key heads, [B, S, H, D] q and k of 8K-32K tokens, CUDA graphs: one program a token with
-    4 warps runs the forward in 0.97-1.03x Liger-Kernel's time (its kernel is of that
-    design), 10-15% faster than a program for the queries and one for the keys; 8 warps
-    up to 15% and 2 or 16 warps 16-24% slower; 8192-value tiles 6% faster than 4096 at 64
-    query heads.)"""
+    ``few_tokens_tile_elems`` and each token's blocks split over ``splits`` programs (one
+    block of q and of k each). (H200, bf16, D 128, 32 or 64 query heads and 8 key heads,
+    [B, S, H, D] q and k of 8K-32K tokens, CUDA graphs: one program a token with 4 warps
+    runs the forward in 0.96-1.00x Liger-Kernel's time (its kernel is of that design), where
+    a program for the queries and one for the keys took 1.14-1.18x as long; 8 warps up to
+    15% and 2 or 16 warps 16-24% slower; 8192-value tiles 6% faster than 4096 at 64 query
+    heads.)"""
     t = tuning.table("rope", device)
     few = tokens < tuning.sm_count(device)
     return _constexprs(few, Hq, Hk, D, R, backward,
@@ -59,15 +74,14 @@ def _config(tokens: int, Hq: int, Hk: int, D: int, R: int, backward: bool,
 
 @functools.lru_cache(maxsize=256)
 def _constexprs(few: bool, Hq: int, Hk: int, D: int, R: int, backward: bool, tile: int,
-                warps: int) -> tuple[int, tuple, int]:
+                warps: int) -> tuple[int, _Constexprs, int]:
     per_tile = max(1, tile // max(D, 2))
     per_tile = 1 << (per_tile.bit_length() - 1)  # (a power of two: the kernel's arange)
     block_hq, block_hk = (min(next_pow2(max(h, 1)), per_tile) for h in (Hq, Hk))
     splits = max(cdiv(Hq, block_hq), cdiv(Hk, block_hk)) if few else 1
-    loop = splits > 1 or Hq > block_hq or Hk > block_hk
-    return splits, (Hq, Hk, R // 2, D, backward, block_hq, block_hk,
-                    next_pow2(max(R // 2, 1), 16), R < D, next_pow2(max(D - R, 1), 16),
-                    loop), warps
+    return splits, _Constexprs(
+        Hq, Hk, R // 2, D, backward, block_hq, block_hk, next_pow2(max(R // 2, 1), 16), R < D,
+        next_pow2(max(D - R, 1), 16), Hq > splits * block_hq or Hk > splits * block_hk), warps
 
 
 def _rows(t: torch.Tensor) -> tuple[int, int]:
@@ -290,7 +304,7 @@ def plan_rotary(q, k, cos, sin, unsqueeze_dim, impl) -> Plan:
     }
     if path == "triton":
         splits, c, warps = _config(a.B * a.S, a.Hq, a.Hk, a.D, a.R, False, q.device)
-        block_hq, block_hk = c[5], c[6]
+        block_hq, block_hk = c.block_hq, c.block_hk
         per = f"{splits} programs" if splits > 1 else "one program"
         details["launch"] = (f"{a.B * a.S} tokens, {per} a token ({warps} warps): query "
                              f"heads {block_hq} at a time, key heads {block_hk}; q and k in "
@@ -308,13 +322,17 @@ def _both(*args: Any, **kwargs: Any) -> torch.Tensor:
 
 def checks(device: torch.device, dtypes) -> list:
     """Fresh random cases (the attention layout, [B, S, H, D], partial rotary, one table
-    for every sequence) for :mod:`lmfuse._check`."""
+    for every sequence, float32 tables with 16-bit q and k as under autocast, a decode
+    step of fewer tokens than SMs: on the GPU, its head blocks split over programs) for
+    :mod:`lmfuse._check`."""
     from .._check import op_case
 
     small = device.type != "cuda"
-    B, S, Hq, Hk, D = (2, 5, 4, 2, 16) if small else (4, 1024, 32, 8, 128)
+    B0, S0, Hq, Hk, D = (2, 5, 4, 2, 16) if small else (4, 1024, 32, 8, 128)
 
-    def case(label, dtype, u=1, R=D, table_batch=B):
+    def case(label, dtype, u=1, R=D, table_batch=None, B=B0, S=S0, table_dtype=None):
+        table_batch = B if table_batch is None else table_batch
+
         def inputs():
             shape = (B, Hq, S, D) if u == 1 else (B, S, Hq, D)
             kshape = (B, Hk, S, D) if u == 1 else (B, S, Hk, D)
@@ -322,13 +340,16 @@ def checks(device: torch.device, dtypes) -> list:
             angle = torch.cat((angle, angle), -1)
             return [torch.randn(shape, device=device).to(dtype).requires_grad_(True),
                     torch.randn(kshape, device=device).to(dtype).requires_grad_(True),
-                    angle.cos().to(dtype), angle.sin().to(dtype)]
+                    angle.cos().to(table_dtype or dtype), angle.sin().to(table_dtype or dtype)]
 
         return op_case(_OP, label, dtype, (B, S, Hq, D), inputs, _both, plan_rotary, u)
 
     cases = []
     for dtype in dtypes:
         cases += [case("[B, H, S, D]", dtype), case("[B, S, H, D]", dtype, u=2),
-                  case("partial rotary", dtype, R=D // 2), case("one table", dtype,
-                                                                 table_batch=1)]
+                  case("partial rotary", dtype, R=D // 2),
+                  case("one table", dtype, table_batch=1),
+                  case("decode", dtype, B=2, S=1)]
+        if dtype != torch.float32:
+            cases.append(case("float32 tables", dtype, table_dtype=torch.float32))
     return cases
