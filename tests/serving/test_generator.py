@@ -401,7 +401,7 @@ def test_bfloat16_models_in_the_interpreter_decode_through_the_model() -> None:
     ("hello", {}, TypeError, "must be a list of token ids"),
     ([1, 2], {"max_new_tokens": 0}, ValueError, "max_new_tokens must be >= 1"),
     ([1, 2], {"temperature": -1.0}, ValueError, "temperature must be >= 0"),
-    ([1, 2], {"top_k": 0}, ValueError, "top_k must be >= 1"),
+    ([1, 2], {"top_k": -1}, ValueError, "top_k must be >= 0"),
     ([1, 2], {"top_p": 1.5}, ValueError, r"top_p must be in \(0, 1\]"),
     ([1, 2], {"eos_token_id": 500}, ValueError, r"eos_token_id \[500\] outside"),
     ([1, 2], {"repetition_penalty": 0.0}, ValueError,

@@ -75,6 +75,10 @@ def test_top_k_and_top_p_filter_each_row_by_its_own_options() -> None:
     assert x[1].tolist() == [inf, 0.0, inf, inf, inf]
     assert torch.allclose(x[2], (logits[2] - 3.0) / 2)
     assert x[3].tolist() == [inf, 0.0, -2.0, -1.0, inf]
+    # top_k=0 is no top-k, as in Hugging Face's generation config (and vLLM's)
+    assert params(temperature=1.0, top_k=0).top_k is None
+    assert torch.equal(filtered_logits(logits[:1], [params(temperature=1.0, top_k=0)]),
+                       logits[:1] - 3.0)
 
 
 @pytest.mark.parametrize("temperature", [1e-50, 1e-40, 1e-38, 1e-30])

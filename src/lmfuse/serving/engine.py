@@ -523,9 +523,10 @@ class Generator:
         ``temperature == 0``; with a ``seed`` the draws repeat from run to run (request
         ``i`` uses ``seed + i``; no seed: a random one). Sampling follows Hugging Face's
         order (penalty, temperature, top-k, top-p) with what is passed here only:
-        ``top_k=None`` samples the whole vocabulary (``model.generate`` fills in
-        ``top_k=50``), and the model's ``generation_config`` sampling settings
-        (``do_sample``, ``temperature``, ``top_k``, ``top_p``) are not read.
+        ``top_k=None`` (or 0, as in Hugging Face's generation config) samples the whole
+        vocabulary (``model.generate`` fills in ``top_k=50``), and the model's
+        ``generation_config`` sampling settings (``do_sample``, ``temperature``, ``top_k``,
+        ``top_p``) are not read.
         ``repetition_penalty`` (default the model's ``generation_config``'s, else none):
         Hugging Face's, on the tokens of the prompt and the output (:class:`SamplingParams`);
         a request with one takes its steps' logits to the host's sampler (no greedy step

@@ -22,7 +22,8 @@ class SamplingParams:
 
     ``temperature == 0``: greedy (the highest logit, lowest id on a tie; ``top_k`` and
     ``top_p`` apply to sampling only, as in Hugging Face's greedy search). Otherwise
-    the logits are divided by ``temperature``, restricted to the ``top_k`` highest and to
+    the logits are divided by ``temperature``, restricted to the ``top_k`` highest (None or
+    0, as in Hugging Face's generation config: the whole vocabulary) and to
     the smallest set whose probability reaches ``top_p``, and one token is drawn. The draw
     for a request's ``i``-th new token depends only on ``(seed, i)`` and the logits: the
     same seed gives the same tokens whatever else runs in the batch, and after a
@@ -55,7 +56,8 @@ class SamplingParams:
         if temperature < 0:
             raise ValueError(f"{OP}: temperature must be >= 0 (0: greedy), got {temperature}")
         if top_k is not None:
-            top_k = check_int(OP, "top_k", top_k, minimum=1)
+            top_k = check_int(OP, "top_k", top_k, minimum=0)
+            top_k = top_k or None  # (0: no top-k, as Hugging Face's generation config)
         if top_p is not None:
             top_p = check_number(OP, "top_p", top_p)
             if not 0.0 < top_p <= 1.0:
