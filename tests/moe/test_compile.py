@@ -4,7 +4,9 @@ inside them, so the graph has no break (no host synchronisation either), and the
 every gradient equal the eager call's. Cases: GPT-OSS's form with every gradient, also with
 ``fp8_input_store`` (the forward op's fake gives the float8 ``h`` it returns); top-1
 squared ReLU without biases and with a router that needs no gradient (the backward op's
-empty outputs)."""
+empty outputs). The torch path (the CPU default: a loop over the experts that reads their
+token counts on the host) compiles whole too, as one op each way, and does not recompile
+when the routing changes (an expert with no token, then some)."""
 
 from __future__ import annotations
 
@@ -49,3 +51,66 @@ def test_fullgraph_compile_matches_eager(case: str) -> None:
     assert torch.equal(got, want)
     for a, b in zip(got_grads, want_grads):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8_input_store"])
+def test_the_torch_path_compiles_whole_without_recompiling(fp8: bool) -> None:
+    T, H, F, E, k = 6, 16, 8, 4, 2
+    ts = [randn((T, H), requires_grad=True), torch.rand(T, k, requires_grad=True),
+          randn((E, 2 * F, H), scale=0.25, requires_grad=True),
+          randn((E, H, F), scale=0.35, requires_grad=True),
+          randn((E, 2 * F), scale=0.3, requires_grad=True),
+          randn((E, H), scale=0.3, requires_grad=True)]
+
+    def call(ids, hidden, rw, wgu, wd, bgu, bd):
+        return lmfuse.moe_experts(hidden, ids, rw, wgu, wd, gate_up_bias=bgu, down_bias=bd,
+                                  impl="torch", fp8_input_store=fp8)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(call, fullgraph=True, backend="aot_eager", dynamic=False)
+    routings = [torch.stack([torch.randperm(E)[:k] for _ in range(T)]),
+                torch.tensor([[0, 1]] * T),  # experts 2 and 3 get no token
+                torch.stack([torch.randperm(E)[:k] for _ in range(T)])]
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for ids in routings:
+                want = call(ids, *ts)
+                got = compiled(ids, *ts)
+                g = randn((T, H))
+                assert torch.equal(got, want)
+                for a, b in zip(torch.autograd.grad(got, ts, g), torch.autograd.grad(want, ts, g)):
+                    assert torch.equal(a, b)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_patched_moe_model_compiles_whole_on_the_cpu_path(monkeypatch) -> None:
+    """A tiny Mixtral patched by apply_lmfuse, on the CPU default path (no interpreter: the
+    experts take the torch path), compiles with fullgraph=True, does not recompile over
+    steps of other routings, and gives the unpatched model's loss."""
+    transformers = pytest.importorskip("transformers")
+    import copy
+
+    from lmfuse.integrations.transformers import apply_lmfuse
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    config = transformers.AutoConfig.for_model(
+        "mixtral", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=160, num_local_experts=4,
+        num_experts_per_tok=2)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    plain = transformers.AutoModelForCausalLM.from_config(config).float().train()
+    patched = apply_lmfuse(copy.deepcopy(plain))
+    assert len(patched.lmfuse_patches["moe_experts"]) == 2
+    torch._dynamo.reset()
+    compiled = torch.compile(patched, fullgraph=True, backend="aot_eager")
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for step in range(3):
+                ids = torch.randint(3, 160, (2, 7), generator=torch.Generator().manual_seed(step))
+                want = plain(input_ids=ids, labels=ids).loss
+                got = compiled(input_ids=ids, labels=ids).loss
+                assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    finally:
+        torch._dynamo.reset()

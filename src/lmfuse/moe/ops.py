@@ -688,6 +688,113 @@ def _op_args(s: MoESettings) -> tuple:
     return s.activation, s.gate_up_layout, s.linear_offset, s.clamp_value, s.fp8_input_store
 
 
+# --- the torch path under torch.compile -----------------------------------------------------
+# Its loop reads the experts' token counts on the host, which a traced graph cannot hold: under
+# torch.compile the whole path is one opaque op (no graph break, no recompilation when the
+# routing changes), its backward another, which recomputes the forward under autograd.
+
+
+def _torch_fake(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias, down_bias,
+                activation, gate_up_layout, linear_offset, clamp_value, fp8_input_store):
+    return hidden.new_empty(hidden.shape)
+
+
+@kernel_op("moe_experts_torch", _torch_fake)
+def _torch_path_op(hidden: torch.Tensor, expert_ids: torch.Tensor, router_weights: torch.Tensor,
+                   w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                   gate_up_bias: Optional[torch.Tensor], down_bias: Optional[torch.Tensor],
+                   activation: str, gate_up_layout: str, linear_offset: float,
+                   clamp_value: Optional[float], fp8_input_store: bool) -> torch.Tensor:
+    """:func:`_torch_path` as one op for compiled graphs (its gradients from
+    :func:`_torch_path_bwd`)."""
+    s = _launch_settings(activation, gate_up_layout, linear_offset, clamp_value, fp8_input_store)
+    with torch.no_grad():
+        return _torch_path(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias,
+                           down_bias, s)
+
+
+_GRAD_OF = ("hidden", "router_weights", "w_gate_up", "w_down", "gate_up_bias", "down_bias")
+
+
+def _torch_bwd_fake(grad, hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias,
+                    down_bias, *settings):
+    return [torch.empty_like(t) if t is not None else grad.new_empty(0)
+            for t in (hidden, router_weights, w_gate_up, w_down, gate_up_bias, down_bias)]
+
+
+@kernel_op("moe_experts_torch_bwd", _torch_bwd_fake)
+def _torch_path_bwd(grad: torch.Tensor, hidden: torch.Tensor, expert_ids: torch.Tensor,
+                    router_weights: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                    gate_up_bias: Optional[torch.Tensor], down_bias: Optional[torch.Tensor],
+                    activation: str, gate_up_layout: str, linear_offset: float,
+                    clamp_value: Optional[float], fp8_input_store: bool) -> list[torch.Tensor]:
+    """The gradients of :func:`_torch_path_op`'s inputs named in :data:`_GRAD_OF` (an
+    empty tensor for a bias that is None): the forward recomputed under autograd, then
+    differentiated (``fp8_input_store``'s rounding included)."""
+    s = _launch_settings(activation, gate_up_layout, linear_offset, clamp_value, fp8_input_store)
+    leaves = [t.detach().requires_grad_(True) if t is not None else None
+              for t in (hidden, router_weights, w_gate_up, w_down, gate_up_bias, down_bias)]
+    wrt = [t for t in leaves if t is not None]
+
+    def differentiate() -> tuple:
+        with torch.enable_grad():
+            out = _torch_path(leaves[0], expert_ids, *leaves[1:], s)
+            return torch.autograd.grad(out, wrt, grad, allow_unused=True)
+
+    # An op's body runs with autograd's dispatch keys excluded (thread-local state, which
+    # enable_grad does not undo): the recomputation runs on a thread of its own, as
+    # autograd's engine runs a backward.
+    grads = iter(_on_own_thread(differentiate, grad.device))
+    result = []
+    for t in leaves:
+        g = next(grads) if t is not None else None
+        result.append(grad.new_empty(0) if t is None
+                      else torch.zeros_like(t) if g is None else g)
+    return result
+
+
+def _on_own_thread(fn: Any, device: torch.device) -> Any:
+    """``fn()`` run on a new thread (its thread-local dispatch state the default; on CUDA
+    the caller's current stream), its result returned or its exception raised here."""
+    import contextlib
+    import threading
+
+    box: dict[str, Any] = {}
+    stream = (torch.cuda.stream(torch.cuda.current_stream(device)) if device.type == "cuda"
+              else contextlib.nullcontext())
+
+    def run() -> None:
+        try:
+            with stream:
+                box["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 (raised again on the caller's thread)
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="lmfuse-moe-reference-backward")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def _torch_op_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs[:7])
+    ctx.settings = inputs[7:]
+
+
+def _torch_op_backward(ctx, grad):
+    hidden, ids, rw, wgu, wd, bgu, bd = ctx.saved_tensors
+    dh, drw, dwgu, dwd, dbgu, dbd = _torch_path_bwd(grad, hidden, ids, rw, wgu, wd, bgu, bd,
+                                                    *ctx.settings)
+    return (dh, None, drw, dwgu, dwd, dbgu if bgu is not None else None,
+            dbd if bd is not None else None, None, None, None, None, None)
+
+
+torch.library.register_autograd("lmfuse::moe_experts_torch", _torch_op_backward,
+                                setup_context=_torch_op_setup)
+
+
 def _fwd_fake(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias, down_bias,
               activation, gate_up_layout, linear_offset, clamp_value, fp8_input_store, save):
     T, k = expert_ids.shape
@@ -924,6 +1031,9 @@ def moe_experts(
                           impl, fp8_input_store)
     if path == "torch":
         with nvtx_range(OP, "torch"):
+            if torch.compiler.is_compiling() and not torch.is_autocast_enabled(
+                    hidden.device.type):
+                return _torch_path_op(*args, *_op_args(s))  # (one op: see above)
             return _torch_path(*args, s)
     if hidden.stride(-1) != 1 or (hidden.shape[0] > 1 and hidden.stride(0) < hidden.shape[1]):
         hidden = hidden.contiguous()
