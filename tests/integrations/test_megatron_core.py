@@ -472,6 +472,31 @@ def test_layer_norms_match_megatron(monkeypatch) -> None:
     assert len(summary["activations"]) == 2
 
 
+def test_a_norm_of_a_kind_turned_off_is_not_listed() -> None:
+    """Norm classes lmfuse does not take (apex's FusedLayerNorm and FusedRMSNorm, stood in
+    for here by modules of those names) are listed as left alone, but not where the caller
+    turned their kind off (``layer_norm=False``, ``rms_norm=False``)."""
+
+    class FusedLayerNorm(torch.nn.Module):
+        def __init__(self, norm: torch.nn.Module) -> None:
+            super().__init__()
+            self.norm = norm
+
+        def forward(self, x):
+            return self.norm(x)
+
+    class FusedRMSNorm(FusedLayerNorm):
+        pass
+
+    for kind, flag in ((FusedLayerNorm, "layer_norm"), (FusedRMSNorm, "rms_norm")):
+        model = build_gpt(normalization="LayerNorm")
+        model.decoder.final_layernorm = kind(model.decoder.final_layernorm)
+        assert "decoder.final_layernorm" not in patch(copy_model(model),
+                                                      **{flag: False})["unpatched"]
+        reason = patch(copy_model(model))["unpatched"]["decoder.final_layernorm"]
+        assert f"{kind.__name__} (" in reason and "only" in reason
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_patched_layer_norm_gives_torchs_dtype(dtype: torch.dtype) -> None:
     """A 16-bit x into float32 parameters (torch's mixed type, as a float32 norm in a

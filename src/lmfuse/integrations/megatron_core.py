@@ -654,7 +654,11 @@ def patch(model: torch.nn.Module, *, softmax: bool = True, activations: bool = T
                        and type(m).forward is L2Norm.forward))
             ln = (isinstance(m, torch.nn.LayerNorm)
                   and type(m).forward is torch.nn.LayerNorm.forward)
-            if (rms and not rms_norm) or (ln and not layer_norm):
+            # (a norm of a kind the caller turned off is not listed, whatever its class:
+            # apex's FusedLayerNorm with layer_norm=False, its FusedRMSNorm with rms_norm=False)
+            kind = type(m).__name__
+            if (not rms_norm and (rms or "RMSNorm" in kind or kind == "L2Norm")) or (
+                    not layer_norm and (ln or "LayerNorm" in kind)):
                 continue
             if current is not None:
                 unpatched[name] = "forward already replaced by another library"
