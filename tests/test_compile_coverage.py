@@ -248,12 +248,16 @@ def test_paged_kv_cache_step() -> None:
     assert torch.equal(comp_pool.v_caches[0], eager_pool.v_caches[0])
 
 
+@pytest.mark.parametrize("impl", ["auto", "torch"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_decode_attention_block(paged: bool) -> None:
+def test_decode_attention_block(paged: bool, impl: str) -> None:
     """One decode step of the block (RMSNorm, QKV GEMM, the fused q/k-norm + rope + append
     custom op, decode attention, out-projection) compiled whole, under ``no_grad`` (the
-    Triton path is inference-only); output and the cache rows it wrote equal eager's."""
-    blk = lmfuse.DecodeAttentionBlock(32, 4, 2, 16, qk_norm=True, sinks=True, window_size=5)
+    Triton path is inference-only); output and the cache rows it wrote equal eager's. The
+    reference path (``impl="torch"``, which reads the lengths on the host) too: one opaque
+    op, as is the fused stage's alone."""
+    blk = lmfuse.DecodeAttentionBlock(32, 4, 2, 16, qk_norm=True, sinks=True, window_size=5,
+                                      impl=impl)
     with torch.no_grad():
         blk.sinks.copy_(randn((4,)))
     B, S = 2, 12
@@ -281,6 +285,24 @@ def test_decode_attention_block(paged: bool) -> None:
     assert torch.equal(got, want)
     assert torch.equal(k, k_eager) and torch.equal(v, v_eager)
     assert not torch.equal(k, k0), "the compiled step wrote no keys into the cache"
+    if impl == "torch":  # the fused stage alone
+        from lmfuse.attention.block import qk_norm_rope_append, rope_inv_freq
+
+        qkv = randn((B, 2, (4 + 2 * 2) * 16))
+
+        def stage(qkv, k, v, lens):
+            return qk_norm_rope_append(qkv, k, v, lens, num_heads=4, num_kv_heads=2,
+                                       q_norm_weight=blk.q_norm_weight,
+                                       k_norm_weight=blk.k_norm_weight,
+                                       inv_freq=rope_inv_freq(16, 10000.0),
+                                       block_table=table, impl="torch")
+
+        with torch.no_grad():
+            k_eager, v_eager = k.clone(), v.clone()
+            want = stage(qkv, k_eager, v_eager, lens + 2)
+            got = _compiled(stage)(qkv, k, v, lens + 2)
+        assert torch.equal(got, want)
+        assert torch.equal(k, k_eager) and torch.equal(v, v_eager)
 
 
 

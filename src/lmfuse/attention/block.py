@@ -179,6 +179,63 @@ def _run_prologue(qkv, k_cache, v_cache, cache_seqlens, q_norm_weight, k_norm_we
                             float(eps), bool(interleaved), capacity)
 
 
+# The reference paths of the stage and of the block read the lengths on the host (the append
+# checks them and indexes by them): under torch.compile each is one opaque op, which checks the
+# values at run time as an eager call does (no autograd: a call that needs a gradient keeps
+# the reference's ops), as ``ops``' decode reference.
+
+
+@kernel_op("qk_norm_rope_append_reference_", _prologue_fake, mutates_args=("k_cache", "v_cache"))
+def _prologue_reference(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        cache_seqlens: torch.Tensor, q_norm_weight: Optional[torch.Tensor],
+                        k_norm_weight: Optional[torch.Tensor], inv_freq: Optional[torch.Tensor],
+                        positions: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
+                        k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
+                        Hq: int, Hkv: int, eps: float, interleaved: bool,
+                        capacity: int) -> torch.Tensor:
+    """:func:`qk_norm_rope_append`'s reference path as one op of a compiled graph."""
+    _check_step_values("qk_norm_rope_append", "torch", qkv.shape[1], k_cache, cache_seqlens,
+                       block_table, k_scale, v_scale, capacity, attend=False)
+    return qk_norm_rope_append_reference(
+        qkv, k_cache, v_cache, cache_seqlens, num_heads=Hq, num_kv_heads=Hkv,
+        q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, eps=eps, inv_freq=inv_freq,
+        rope_interleaved=interleaved, positions=positions, block_table=block_table,
+        k_scale=k_scale, v_scale=v_scale)
+
+
+@kernel_op("decode_attention_block_reference_",
+           lambda x, *args, **kwargs: x.new_empty(x.shape), mutates_args=("k_cache", "v_cache"))
+def _block_reference(x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     cache_seqlens: torch.Tensor, qkv_weight: torch.Tensor,
+                     out_weight: torch.Tensor, qkv_bias: Optional[torch.Tensor],
+                     out_bias: Optional[torch.Tensor], input_norm_weight: Optional[torch.Tensor],
+                     q_norm_weight: Optional[torch.Tensor], k_norm_weight: Optional[torch.Tensor],
+                     sinks: Optional[torch.Tensor], positions: Optional[torch.Tensor],
+                     block_table: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
+                     v_scale: Optional[torch.Tensor], num_heads: int, num_kv_heads: int,
+                     norm_eps: float, rope: bool, rotary_dim: Optional[int], rope_theta: float,
+                     rope_interleaved: bool, scale: Optional[float],
+                     window_size: Optional[int], capacity: int) -> torch.Tensor:
+    """:class:`DecodeAttentionBlock`'s reference path as one op of a compiled graph."""
+    _check_step_values("DecodeAttentionBlock", "torch", x.shape[1], k_cache, cache_seqlens,
+                       block_table, k_scale, v_scale, capacity, attend=True)
+    return decode_attention_block_reference(
+        x, k_cache, v_cache, cache_seqlens, qkv_weight=qkv_weight, out_weight=out_weight,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, qkv_bias=qkv_bias, out_bias=out_bias,
+        input_norm_weight=input_norm_weight, q_norm_weight=q_norm_weight,
+        k_norm_weight=k_norm_weight, norm_eps=norm_eps, rope=rope, rotary_dim=rotary_dim,
+        rope_theta=rope_theta, rope_interleaved=rope_interleaved, scale=scale,
+        window_size=window_size, sinks=sinks, positions=positions, block_table=block_table,
+        k_scale=k_scale, v_scale=v_scale)
+
+
+def _opaque_reference(*tensors: Optional[torch.Tensor], params: Any = ()) -> bool:
+    """Whether a reference path runs as its compiled graph's opaque op: while
+    ``torch.compile`` traces, where no gradient is needed."""
+    return torch.compiler.is_compiling() and not (torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (*tensors, *params)))
+
+
 def qk_norm_rope_append(
     qkv: torch.Tensor,
     k_cache: torch.Tensor,
@@ -260,6 +317,11 @@ def qk_norm_rope_append(
     _check_step_values(op, path, s_active, k_cache, cache_seqlens, block_table, k_scale, v_scale,
                        capacity, attend=False)
     if path == "torch":
+        if _opaque_reference(qkv, q_norm_weight, k_norm_weight, k_cache, v_cache):
+            return _prologue_reference(qkv, k_cache, v_cache, cache_seqlens, q_norm_weight,
+                                       k_norm_weight, inv_freq, positions, block_table,
+                                       k_scale, v_scale, Hq, Hkv, float(eps),
+                                       rope_interleaved, capacity)
         return qk_norm_rope_append_reference(
             qkv, k_cache, v_cache, cache_seqlens, num_heads=Hq, num_kv_heads=Hkv,
             q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, eps=eps,
@@ -468,10 +530,18 @@ class DecodeAttentionBlock(nn.Module):
         path, capacity = self._check(x, k_cache, v_cache, cache_seqlens, block_table,
                                      positions, k_scale, v_scale, num_splits)
         if path == "torch":
+            kw = self.reference_kwargs()
+            if _opaque_reference(x, k_cache, v_cache, params=self.parameters()):
+                return _block_reference(
+                    x, k_cache, v_cache, cache_seqlens, kw["qkv_weight"], kw["out_weight"],
+                    kw["qkv_bias"], kw["out_bias"], kw["input_norm_weight"],
+                    kw["q_norm_weight"], kw["k_norm_weight"], kw["sinks"], positions,
+                    block_table, k_scale, v_scale, self.num_heads, self.num_kv_heads,
+                    float(self.norm_eps), self.rope, kw["rotary_dim"], float(self.rope_theta),
+                    self.rope_interleaved, kw["scale"], self.window_size, capacity)
             return decode_attention_block_reference(
                 x, k_cache, v_cache, cache_seqlens, positions=positions,
-                block_table=block_table, k_scale=k_scale, v_scale=v_scale,
-                **self.reference_kwargs())
+                block_table=block_table, k_scale=k_scale, v_scale=v_scale, **kw)
         B, s_active, _ = x.shape
         h = x
         if self.input_norm_weight is not None:
