@@ -297,12 +297,17 @@ def test_decode_attention_block(paged: bool, impl: str) -> None:
                                        inv_freq=rope_inv_freq(16, 10000.0),
                                        block_table=table, impl="torch")
 
-        with torch.no_grad():
-            k_eager, v_eager = k.clone(), v.clone()
-            want = stage(qkv, k_eager, v_eager, lens + 2)
-            got = _compiled(stage)(qkv, k, v, lens + 2)
-        assert torch.equal(got, want)
-        assert torch.equal(k, k_eager) and torch.equal(v, v_eager)
+        def bare(qkv, k, v, lens):  # (no norm, no rotary: the reference's q is qkv's view)
+            return qk_norm_rope_append(qkv, k, v, lens, num_heads=4, num_kv_heads=2,
+                                       block_table=table, impl="torch") * 2
+
+        for fn in (stage, bare):
+            with torch.no_grad():
+                k_eager, v_eager = k.clone(), v.clone()
+                want = fn(qkv, k_eager, v_eager, lens + 2)
+                got = _compiled(fn)(qkv, k, v, lens + 2)
+            assert torch.equal(got, want)
+            assert torch.equal(k, k_eager) and torch.equal(v, v_eager)
 
 
 

@@ -152,15 +152,16 @@ def test_chat_wraps_each_prompt_in_the_template(capsys, checkpoint) -> None:
 def test_seeded_sampling_repeats(capsys, checkpoint) -> None:
     path = str(checkpoint[0])
 
-    def sample(seed: str) -> list[str]:
+    def sample(seed: str, *more: str) -> list[str]:
         code, out, err = run_cli(capsys, "generate", path, "--prompt", PROMPT_B,
                                  "--max-new-tokens", str(NEW), "--temperature", "0.8",
-                                 "--seed", seed)
+                                 "--seed", seed, *more)
         assert code == 0, err
         return blocks(out)
 
     first = sample("1")
     assert sample("1") == first
+    assert sample("1", "--top-k", "0") == first  # (0: no top-k, as Hugging Face takes it)
     assert sample("2") != first  # 97 near-uniform tokens: two seeds agree on five by chance
     assert len(first) == 1 and len(first[0].split()) == NEW
 
@@ -264,6 +265,8 @@ def test_errors_exit_2_with_one_message(capsys, checkpoint, gpt2_dir, remote_cod
                          "--prompt number 2 is empty"),
         "top-p-greedy": ([model_dir, "--prompt", "a", "--top-p", "0.9"],
                          "need --temperature > 0"),
+        "bad-top-k": ([model_dir, "--prompt", "a", "--temperature", "1", "--top-k", "-1"],
+                      "argument --top-k: must be >= 0, got -1"),
         "bad-temperature": ([model_dir, "--prompt", "a", "--temperature", "-1"],
                             "argument --temperature: must be >= 0"),
         "bad-repetition-penalty": ([model_dir, "--prompt", "a", "--repetition-penalty", "0"],

@@ -74,8 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "--dtype or the checkpoint gives it)")
     parser.add_argument("--temperature", type=number_range(0, note=" (0: greedy)"), default=0.0,
                         metavar="T", help="0: greedy (default); above 0: sample")
-    parser.add_argument("--top-k", type=int_range(1), default=None, metavar="K",
-                        help="sample among the K most likely tokens (needs --temperature > 0)")
+    parser.add_argument("--top-k", type=int_range(0), default=None, metavar="K",
+                        help="sample among the K most likely tokens (0: all, as Hugging Face "
+                        "takes it; needs --temperature > 0)")
     parser.add_argument("--top-p", type=number_range(0, 1, above=True), default=None, metavar="P",
                         help="sample among the smallest set of tokens of probability >= P "
                         "(needs --temperature > 0)")

@@ -488,9 +488,16 @@ def test_a_norm_of_a_kind_turned_off_is_not_listed() -> None:
     class FusedRMSNorm(FusedLayerNorm):
         pass
 
-    for kind, flag in ((FusedLayerNorm, "layer_norm"), (FusedRMSNorm, "rms_norm")):
+    class ScaledLayerNorm(torch.nn.LayerNorm):  # (a torch LayerNorm of its own forward)
+        def forward(self, x):
+            return super().forward(x)
+
+    for kind, flag in ((FusedLayerNorm, "layer_norm"), (FusedRMSNorm, "rms_norm"),
+                       (ScaledLayerNorm, "layer_norm")):
         model = build_gpt(normalization="LayerNorm")
-        model.decoder.final_layernorm = kind(model.decoder.final_layernorm)
+        final = model.decoder.final_layernorm
+        model.decoder.final_layernorm = (kind(final) if kind is not ScaledLayerNorm
+                                         else kind(final.normalized_shape))
         assert "decoder.final_layernorm" not in patch(copy_model(model),
                                                       **{flag: False})["unpatched"]
         reason = patch(copy_model(model))["unpatched"]["decoder.final_layernorm"]

@@ -114,3 +114,21 @@ def test_a_patched_moe_model_compiles_whole_on_the_cpu_path(monkeypatch) -> None
                 assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
     finally:
         torch._dynamo.reset()
+
+
+def test_the_torch_path_ops_match_their_fakes_for_transposed_weights() -> None:
+    """GPT-OSS's experts reach the op as transposed views: the ops' fakes give the strides
+    their bodies return (contiguous gradients), which Inductor checks (it failed there)."""
+    from lmfuse.moe import ops as moe_ops
+
+    T, H, F, E, k = 5, 8, 4, 3, 2
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    wgu = randn((E, H, 2 * F)).transpose(1, 2)
+    wd = randn((E, F, H)).transpose(1, 2)
+    settings = ("swiglu", "halves", 0.0, None, False)
+    forward = (randn((T, H)), ids, torch.rand(T, k), wgu, wd, None, None, *settings)
+    utils = ("test_faketensor", "test_schema")
+    for op, args in ((moe_ops._torch_path_op.op, forward),
+                     (moe_ops._torch_path_bwd.op, (randn((T, H)), *forward))):
+        result = torch.library.opcheck(op, args, test_utils=utils)
+        assert set(result.values()) == {"SUCCESS"}, result

@@ -193,14 +193,15 @@ def _prologue_reference(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                         k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
                         Hq: int, Hkv: int, eps: float, interleaved: bool,
                         capacity: int) -> torch.Tensor:
-    """:func:`qk_norm_rope_append`'s reference path as one op of a compiled graph."""
+    """:func:`qk_norm_rope_append`'s reference path as one op of a compiled graph (q a new
+    contiguous tensor: without a norm or a rotary the reference's is a view of qkv)."""
     _check_step_values("qk_norm_rope_append", "torch", qkv.shape[1], k_cache, cache_seqlens,
                        block_table, k_scale, v_scale, capacity, attend=False)
     return qk_norm_rope_append_reference(
         qkv, k_cache, v_cache, cache_seqlens, num_heads=Hq, num_kv_heads=Hkv,
         q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, eps=eps, inv_freq=inv_freq,
         rope_interleaved=interleaved, positions=positions, block_table=block_table,
-        k_scale=k_scale, v_scale=v_scale)
+        k_scale=k_scale, v_scale=v_scale).clone(memory_format=torch.contiguous_format)
 
 
 @kernel_op("decode_attention_block_reference_",
@@ -392,8 +393,11 @@ class DecodeAttentionBlock(nn.Module):
       must be within the capacity and its blocks in ``[0, num_blocks)``; checked as
       :func:`lmfuse.kv_cache_append` and :func:`lmfuse.decode_attention` check them (on
       CPU tensors always, on CUDA ones with ``lmfuse.set_checks(True)``), before the cache
-      is written, with the same ``ValueError`` on both paths. Unchecked CUDA calls write
-      no row without a slot and read no block outside the pool.
+      is written, with the same ``ValueError`` on both paths (in a compiled graph at run
+      time; but a compiled call of the reference path that needs a gradient, which runs
+      the reference's own ops, raises the append's or the attention's error, the latter
+      after the append). Unchecked CUDA calls write no row without a slot and read no block
+      outside the pool.
     * ``positions [B, s_active]``: rotary positions; default ``cache_seqlens[b] + i``.
     * ``num_splits``: forwarded to :func:`lmfuse.decode_attention`.
     """

@@ -657,8 +657,9 @@ def patch(model: torch.nn.Module, *, softmax: bool = True, activations: bool = T
             # (a norm of a kind the caller turned off is not listed, whatever its class:
             # apex's FusedLayerNorm with layer_norm=False, its FusedRMSNorm with rms_norm=False)
             kind = type(m).__name__
-            if (not rms_norm and (rms or "RMSNorm" in kind or kind == "L2Norm")) or (
-                    not layer_norm and (ln or "LayerNorm" in kind)):
+            if (not rms_norm and (isinstance(m, torch.nn.RMSNorm) or rms or "RMSNorm" in kind
+                                  or kind == "L2Norm")) or (
+                    not layer_norm and (isinstance(m, torch.nn.LayerNorm) or "LayerNorm" in kind)):
                 continue
             if current is not None:
                 unpatched[name] = "forward already replaced by another library"

@@ -718,7 +718,7 @@ _GRAD_OF = ("hidden", "router_weights", "w_gate_up", "w_down", "gate_up_bias", "
 
 def _torch_bwd_fake(grad, hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_bias,
                     down_bias, *settings):
-    return [torch.empty_like(t) if t is not None else grad.new_empty(0)
+    return [t.new_empty(t.shape) if t is not None else grad.new_empty(0)
             for t in (hidden, router_weights, w_gate_up, w_down, gate_up_bias, down_bias)]
 
 
@@ -728,9 +728,9 @@ def _torch_path_bwd(grad: torch.Tensor, hidden: torch.Tensor, expert_ids: torch.
                     gate_up_bias: Optional[torch.Tensor], down_bias: Optional[torch.Tensor],
                     activation: str, gate_up_layout: str, linear_offset: float,
                     clamp_value: Optional[float], fp8_input_store: bool) -> list[torch.Tensor]:
-    """The gradients of :func:`_torch_path_op`'s inputs named in :data:`_GRAD_OF` (an
-    empty tensor for a bias that is None): the forward recomputed under autograd, then
-    differentiated (``fp8_input_store``'s rounding included)."""
+    """The gradients of :func:`_torch_path_op`'s inputs named in :data:`_GRAD_OF`,
+    contiguous (an empty tensor for a bias that is None): the forward recomputed under
+    autograd, then differentiated (``fp8_input_store``'s rounding included)."""
     s = _launch_settings(activation, gate_up_layout, linear_offset, clamp_value, fp8_input_store)
     leaves = [t.detach().requires_grad_(True) if t is not None else None
               for t in (hidden, router_weights, w_gate_up, w_down, gate_up_bias, down_bias)]
@@ -744,29 +744,26 @@ def _torch_path_bwd(grad: torch.Tensor, hidden: torch.Tensor, expert_ids: torch.
     # An op's body runs with autograd's dispatch keys excluded (thread-local state, which
     # enable_grad does not undo): the recomputation runs on a thread of its own, as
     # autograd's engine runs a backward.
-    grads = iter(_on_own_thread(differentiate, grad.device))
+    grads = iter(_on_own_thread(differentiate))
     result = []
     for t in leaves:
         g = next(grads) if t is not None else None
         result.append(grad.new_empty(0) if t is None
-                      else torch.zeros_like(t) if g is None else g)
+                      else t.new_zeros(t.shape) if g is None else g.contiguous())
     return result
 
 
-def _on_own_thread(fn: Any, device: torch.device) -> Any:
-    """``fn()`` run on a new thread (its thread-local dispatch state the default; on CUDA
-    the caller's current stream), its result returned or its exception raised here."""
-    import contextlib
+def _on_own_thread(fn: Any) -> Any:
+    """``fn()`` run on a new thread (its thread-local dispatch state the default), its result
+    returned or its exception raised here. CPU tensors only: a CUDA backward runs on
+    autograd's device thread, which would wait here for work queued to itself."""
     import threading
 
     box: dict[str, Any] = {}
-    stream = (torch.cuda.stream(torch.cuda.current_stream(device)) if device.type == "cuda"
-              else contextlib.nullcontext())
 
     def run() -> None:
         try:
-            with stream:
-                box["result"] = fn()
+            box["result"] = fn()
         except BaseException as exc:  # noqa: BLE001 (raised again on the caller's thread)
             box["error"] = exc
 
@@ -1031,8 +1028,8 @@ def moe_experts(
                           impl, fp8_input_store)
     if path == "torch":
         with nvtx_range(OP, "torch"):
-            if torch.compiler.is_compiling() and not torch.is_autocast_enabled(
-                    hidden.device.type):
+            if (torch.compiler.is_compiling() and hidden.device.type == "cpu"
+                    and not torch.is_autocast_enabled("cpu")):
                 return _torch_path_op(*args, *_op_args(s))  # (one op: see above)
             return _torch_path(*args, s)
     if hidden.stride(-1) != 1 or (hidden.shape[0] > 1 and hidden.stride(0) < hidden.shape[1]):
