@@ -324,7 +324,7 @@ def test_bench_harness_missing_a_package_is_a_clear_error(
                  "argument --prompts-file: expected a non-empty value", id="generate-file-empty"),
     pytest.param(["generate", "m", "--max-new-tokens", "0"],
                  "argument --max-new-tokens: must be >= 1, got 0", id="generate-tokens-0"),
-    pytest.param(["generate", "m", "--top-k", "-1"], "argument --top-k: must be >= 1",
+    pytest.param(["generate", "m", "--top-k", "-1"], "argument --top-k: must be >= 0",
                  id="generate-top-k"),
     pytest.param(["generate", "m", "--top-p", "0"], "argument --top-p: must be in (0, 1]",
                  id="generate-top-p"),
