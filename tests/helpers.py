@@ -17,7 +17,9 @@ but far below any real error. Never widen one to make a test pass: find out why.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -400,3 +402,41 @@ def assert_same_grads(a: torch.nn.Module, b: torch.nn.Module, what: str,
             assert p.grad.abs().max() < 1e-6 and q.grad.abs().max() < 1e-6, name
             continue
         assert_close(q.grad, p.grad, torch.float32, f"{what}: grad of {name}")
+
+
+COPY_ROWS = ("lmfuse", "torch", "torch.compile", "liger-kernel", "copy")
+
+
+def check_copy_rows(rows: list[dict], cases: list[str]) -> dict[str, dict[str, dict]]:
+    """A benchmark run against the copy rate (``lmfuse.bench.common.run_against_copy``),
+    written as JSON results ``rows``: each of ``cases`` has the rows of :data:`COPY_ROWS`
+    in order, lmfuse, torch, torch.compile and the copy timed, lmfuse's ratio 1, each
+    float32 peer within 1e-5 of lmfuse's result, and Liger-Kernel timed or saying why it
+    failed (in the interpreter its libdevice calls fail). Returns case -> impl -> row."""
+    assert list(dict.fromkeys(r["case"] for r in rows)) == cases
+    out = {}
+    for name in cases:
+        by = {r["impl"]: r for r in rows if r["case"] == name}
+        assert list(by) == list(COPY_ROWS)
+        for impl in ("lmfuse", "torch", "torch.compile", "copy"):
+            ms = by[impl]["ms"]
+            assert ms is not None and math.isfinite(ms) and ms > 0, (name, impl, by[impl])
+        assert by["lmfuse"]["ratio"] == 1.0
+        for impl in ("torch", "torch.compile"):  # float32: lmfuse's result up to rounding
+            note = by[impl]["note"]
+            diff = re.search(r"rel\. diff ([0-9.e+-]+)", note)
+            assert diff and float(diff.group(1)) < 1e-5 and "CHECK" not in note, note
+        liger = by["liger-kernel"]
+        assert (liger["ms"] or 0) > 0 or liger["note"].startswith("failed: "), liger
+        out[name] = by
+    return out
+
+
+def labelled_ids(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, labels)`` of a tiny causal-LM batch (2 x 7 ids in ``[3, vocab)``, fixed
+    seed), the first three labels of the first row ignored (-100)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, (2, 7), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    return ids, labels

@@ -7,15 +7,13 @@ minimal ones the harness's docstring lists."""
 from __future__ import annotations
 
 import json
-import math
-import re
 from pathlib import Path
 
 import pytest
 
-from lmfuse.bench import layer_norm, rms_norm
+from helpers import check_copy_rows
 
-ROWS = ("lmfuse", "torch", "torch.compile", "liger-kernel", "copy")
+from lmfuse.bench import layer_norm, rms_norm
 
 
 @pytest.mark.timeout(120)
@@ -32,22 +30,8 @@ def test_quick_run_writes_every_case_and_row(harness, tmp_path: Path,
     assert env["device"] == "cpu" and "liger-kernel" in env and data["copy"]["tbps"] > 0
     assert env["timing"].startswith("eager calls")
     op = harness.__name__.rsplit(".", 1)[-1]
-    cases = list(dict.fromkeys(r["case"] for r in rows))
-    assert cases == [f"{op} {mode} [64, {H}] fp32" for H in (512, 1000)
-                     for mode in ("fwd", "fwd+bwd")]
-    for name in cases:
-        by = {r["impl"]: r for r in rows if r["case"] == name}
-        assert list(by) == list(ROWS)
-        for impl in ("lmfuse", "torch", "torch.compile", "copy"):
-            ms = by[impl]["ms"]
-            assert ms is not None and math.isfinite(ms) and ms > 0, (name, impl, by[impl])
-        assert by["lmfuse"]["ratio"] == 1.0
-        for impl in ("torch", "torch.compile"):  # float32: lmfuse's result up to rounding
-            note = by[impl]["note"]
-            diff = re.search(r"rel\. diff ([0-9.e+-]+)", note)
-            assert diff and float(diff.group(1)) < 1e-5 and "CHECK" not in note, note
-        liger = by["liger-kernel"]  # (in the interpreter, Liger's libdevice calls fail)
-        assert (liger["ms"] or 0) > 0 or liger["note"].startswith("failed: "), liger
+    check_copy_rows(rows, [f"{op} {mode} [64, {H}] fp32" for H in (512, 1000)
+                           for mode in ("fwd", "fwd+bwd")])
 
 
 def test_layer_norm_counts_the_minimal_bytes() -> None:

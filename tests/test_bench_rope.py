@@ -7,16 +7,14 @@ harness's docstring lists."""
 from __future__ import annotations
 
 import json
-import math
-import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from lmfuse.bench import rope
+from helpers import check_copy_rows
 
-ROWS = ("lmfuse", "torch", "torch.compile", "liger-kernel", "copy")
+from lmfuse.bench import rope
 
 
 @pytest.mark.timeout(180)
@@ -31,22 +29,9 @@ def test_quick_run_writes_every_case_and_row(tmp_path: Path,
     env, rows = data["environment"], data["results"]
     assert env["device"] == "cpu" and "liger-kernel" in env and "transformers" in env
     assert data["copy"]["tbps"] > 0 and env["timing"].startswith("eager calls")
-    cases = list(dict.fromkeys(r["case"] for r in rows))
-    assert cases == [f"rope {mode} B{B} S{S} Hq{Hq}/Hk{Hk} D{D} fp32"
-                     for B, S, Hq, Hk, D in rope.QUICK_SHAPES for mode in ("fwd", "fwd+bwd")]
-    for name in cases:
-        by = {r["impl"]: r for r in rows if r["case"] == name}
-        assert list(by) == list(ROWS)
-        for impl in ("lmfuse", "torch", "torch.compile", "copy"):
-            ms = by[impl]["ms"]
-            assert ms is not None and math.isfinite(ms) and ms > 0, (name, impl, by[impl])
-        assert by["lmfuse"]["ratio"] == 1.0
-        for impl in ("torch", "torch.compile"):  # float32: lmfuse's result up to rounding
-            note = by[impl]["note"]
-            diff = re.search(r"rel\. diff ([0-9.e+-]+)", note)
-            assert diff and float(diff.group(1)) < 1e-5 and "CHECK" not in note, note
-        liger = by["liger-kernel"]  # (not installed here: a row that says so)
-        assert (liger["ms"] or 0) > 0 or liger["note"].startswith("failed: "), liger
+    cases = [f"rope {mode} B{B} S{S} Hq{Hq}/Hk{Hk} D{D} fp32"
+             for B, S, Hq, Hk, D in rope.QUICK_SHAPES for mode in ("fwd", "fwd+bwd")]
+    for name, by in check_copy_rows(rows, cases).items():
         B, S, Hq, Hk, D = next(s for s in rope.QUICK_SHAPES
                                if name.endswith(f"B{s[0]} S{s[1]} Hq{s[2]}/Hk{s[3]} D{s[4]} fp32"))
         bw = "fwd+bwd" in name

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import helpers
-from helpers import assert_close
+from helpers import assert_close, labelled_ids
 
 import lmfuse.integrations as integrations
 from lmfuse.integrations.transformers import apply_lmfuse
@@ -78,11 +78,7 @@ def image_batch():
 
 
 def text_batch():
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, VOCAB, (2, 7), generator=g)
-    labels = ids.clone()
-    labels[0, :3] = -100
-    return ids, labels
+    return labelled_ids(VOCAB)
 
 
 def assert_same_grads(a, b, what: str) -> None:

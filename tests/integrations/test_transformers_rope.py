@@ -15,7 +15,7 @@ import copy
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, labelled_ids
 
 import lmfuse.integrations.transformers as lt
 from lmfuse.integrations.transformers import apply_lmfuse, fused_norms_and_mlps
@@ -40,11 +40,7 @@ def make_model(model_type: str):
 
 
 def batch():
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, VOCAB, (2, 7), generator=g)
-    labels = ids.clone()
-    labels[0, :3] = -100
-    return ids, labels
+    return labelled_ids(VOCAB)
 
 
 def attention_names(model, model_type: str) -> list[str]:

@@ -180,9 +180,9 @@ def _run_prologue(qkv, k_cache, v_cache, cache_seqlens, q_norm_weight, k_norm_we
 
 
 # The reference paths of the stage and of the block read the lengths on the host (the append
-# checks them and indexes by them): under torch.compile each is one opaque op, which checks the
-# values at run time as an eager call does (no autograd: a call that needs a gradient keeps
-# the reference's ops), as ``ops``' decode reference.
+# checks them and indexes by them): under torch.compile each is one opaque op
+# (``ops.opaque_reference``), which checks the values at run time as an eager call does, as
+# ``ops``' decode reference.
 
 
 @kernel_op("qk_norm_rope_append_reference_", _prologue_fake, mutates_args=("k_cache", "v_cache"))
@@ -228,13 +228,6 @@ def _block_reference(x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         rope_theta=rope_theta, rope_interleaved=rope_interleaved, scale=scale,
         window_size=window_size, sinks=sinks, positions=positions, block_table=block_table,
         k_scale=k_scale, v_scale=v_scale)
-
-
-def _opaque_reference(*tensors: Optional[torch.Tensor], params: Any = ()) -> bool:
-    """Whether a reference path runs as its compiled graph's opaque op: while
-    ``torch.compile`` traces, where no gradient is needed."""
-    return torch.compiler.is_compiling() and not (torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (*tensors, *params)))
 
 
 def qk_norm_rope_append(
@@ -318,7 +311,7 @@ def qk_norm_rope_append(
     _check_step_values(op, path, s_active, k_cache, cache_seqlens, block_table, k_scale, v_scale,
                        capacity, attend=False)
     if path == "torch":
-        if _opaque_reference(qkv, q_norm_weight, k_norm_weight, k_cache, v_cache):
+        if ops.opaque_reference(qkv, q_norm_weight, k_norm_weight, k_cache, v_cache):
             return _prologue_reference(qkv, k_cache, v_cache, cache_seqlens, q_norm_weight,
                                        k_norm_weight, inv_freq, positions, block_table,
                                        k_scale, v_scale, Hq, Hkv, float(eps),
@@ -535,7 +528,7 @@ class DecodeAttentionBlock(nn.Module):
                                      positions, k_scale, v_scale, num_splits)
         if path == "torch":
             kw = self.reference_kwargs()
-            if _opaque_reference(x, k_cache, v_cache, params=self.parameters()):
+            if ops.opaque_reference(x, k_cache, v_cache, params=self.parameters()):
                 return _block_reference(
                     x, k_cache, v_cache, cache_seqlens, kw["qkv_weight"], kw["out_weight"],
                     kw["qkv_bias"], kw["out_bias"], kw["input_norm_weight"],

@@ -623,6 +623,14 @@ def _launch_merge(outs: torch.Tensor, lses: torch.Tensor,
     return out, lse
 
 
+def opaque_reference(*tensors: Optional[torch.Tensor], params: Any = ()) -> bool:
+    """Whether a reference path that reads the lengths on the host runs as one opaque op of
+    a compiled graph: while ``torch.compile`` traces, where no gradient is needed (the ops
+    have no autograd: a call that needs one keeps the reference's own ops)."""
+    return torch.compiler.is_compiling() and not (torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (*tensors, *params)))
+
+
 @kernel_op("kv_cache_append_reference_", lambda *args, **kwargs: None,
            mutates_args=("k_cache", "v_cache"))
 def _append_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
@@ -834,11 +842,9 @@ def decode_attention(
             if out is not None:
                 return out
         if path == "torch":
-            if torch.compiler.is_compiling() and not (torch.is_grad_enabled() and any(
-                    t is not None and t.requires_grad for t in (q, k_cache, v_cache, sinks))):
+            if opaque_reference(q, k_cache, v_cache, sinks):
                 # The reference reads lengths on the host: one opaque node for the graph,
-                # which checks the values at run time as an eager call does here (no
-                # autograd: a call that needs a gradient keeps the reference's ops).
+                # which checks the values at run time as an eager call does here.
                 res = _decode_reference(q, k_cache, v_cache, cache_seqlens, block_table,
                                         sinks, k_scale, v_scale, scale, window_size, softcap,
                                         return_lse)
@@ -1133,10 +1139,8 @@ def kv_cache_append(
     B, s_new, Hkv, D = k_new.shape
     with nvtx_range("kv_cache_append", "fwd"):
         if path == "torch":
-            if torch.compiler.is_compiling() and not (torch.is_grad_enabled() and (
-                    k_new.requires_grad or v_new.requires_grad)):
-                # The reference reads lengths on the host: one opaque node for the graph
-                # (no autograd: a call that needs a gradient keeps the reference's ops).
+            if opaque_reference(k_new, v_new):
+                # The reference reads lengths on the host: one opaque node for the graph.
                 _append_reference(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
                                   k_scale, v_scale, capacity)
             else:

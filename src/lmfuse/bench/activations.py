@@ -42,9 +42,10 @@ import torch
 import torch.nn.functional as F
 
 import lmfuse
-from lmfuse.bench.common import (Case, Result, cell, compile_per_shape, dist_version, finish,
-                                 measure_copy, print_peers, relative_differences, run_cases,
-                                 start, timed_call, unavailable)
+from lmfuse.bench.common import (Case, Result, cell, compile_per_shape, dist_version,
+                                 dtype_label, finish, measure_copy, print_peers,
+                                 relative_differences, run_cases, start, timed_call,
+                                 unavailable)
 
 ActFn = Callable[..., torch.Tensor]  # (x, bias or None, weights or None) -> output
 
@@ -184,7 +185,7 @@ def make_case(data: Inputs, name: str, megatron: tuple[ActFn, str], *, backward:
              "megatron-core": megatron_note}
     relative_differences(impls, x.dtype, notes=notes)
     mode = "fwd+bwd" if backward else "fwd"
-    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(x.dtype, "fp32")
+    dtype = dtype_label(x.dtype)
     return Case(f"{name} {mode} [{data.n}, {data.K}] {dtype}", data.minimal_bytes(backward),
                 impls, notes)
 
@@ -207,7 +208,7 @@ def make_fp8_store_cases(data: Inputs, megatron: tuple[ActFn, str]) -> list[Case
     notes = {"lmfuse (no fp8 store)": "fp8_input_store=False (its TB/s counts the fp8 bytes "
                                       "it does not move)",
              "megatron-core": f"{megatron_note}, fp8_input_store=True"}
-    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(x.dtype, "fp32")
+    dtype = dtype_label(x.dtype)
     cases = []
     for mode, nbytes in (("fwd-saving", fwd), ("fwd+bwd", fwd_bwd)):
         if mode == "fwd-saving":

@@ -380,6 +380,18 @@ def finish(args: argparse.Namespace, env: dict, copy: dict, results: list[Result
     return 0
 
 
+def dtype_label(dtype: torch.dtype) -> str:
+    """A case name's dtype: bf16, fp16 or fp32."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+
+
+def copy_case(name: str, nbytes: int, impls: dict, notes: dict, device: torch.device) -> Case:
+    """The case, with a row copying its minimal bytes (:func:`run_against_copy`'s floor)."""
+    case = Case(name, nbytes, impls, notes)
+    add_copy_rows([case], device, note="device-to-device copy of the minimal bytes")
+    return case
+
+
 def add_copy_rows(cases: list[Case], device: torch.device, impl: str = "copy",
                   note: str = "device-to-device, same bytes (half read, half written)") -> None:
     """A row ``impl`` in each case copying its bytes (half read, half written), from buffers

@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 
 import lmfuse
-from lmfuse.bench.common import (Case, add_copy_rows, compile_per_shape, dist_version,
-                                 graphs_option, print_peers, relative_differences,
+from lmfuse.bench.common import (Case, compile_per_shape, copy_case, dist_version,
+                                 dtype_label, graphs_option, print_peers, relative_differences,
                                  run_against_copy, start, timed_call, unavailable)
 
 EPS = 1e-5  # torch.nn.LayerNorm's
@@ -76,10 +76,6 @@ def minimal_bytes(n: int, H: int, x_elt: int, param_elt: int, backward: bool) ->
     return fwd + (3 * n * H * x_elt + 3 * H * param_elt if backward else 0)
 
 
-def dtype_label(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
-
-
 def make_case(n: int, H: int, dtype: torch.dtype, device: torch.device, liger: NormFn,
               liger_note: str, *, backward: bool) -> Case:
     x = torch.randn(n, H, dtype=dtype, device=device)
@@ -103,9 +99,8 @@ def make_case(n: int, H: int, dtype: torch.dtype, device: torch.device, liger: N
              "liger-kernel": liger_note}
     relative_differences(impls, dtype, notes=notes)
     mode = "fwd+bwd" if backward else "fwd"
-    case = Case(f"layer_norm {mode} [{n}, {H}] {dtype_label(dtype)}", nbytes, impls, notes)
-    add_copy_rows([case], device, note="device-to-device copy of the minimal bytes")
-    return case
+    return copy_case(f"layer_norm {mode} [{n}, {H}] {dtype_label(dtype)}", nbytes, impls,
+                     notes, device)
 
 
 def main(argv: list[str] | None = None) -> int:

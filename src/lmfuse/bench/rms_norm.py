@@ -31,8 +31,8 @@ from functools import partial
 import torch
 
 import lmfuse
-from lmfuse.bench.common import (Case, add_copy_rows, compile_per_shape, dist_version,
-                                 graphs_option, print_peers, relative_differences,
+from lmfuse.bench.common import (Case, compile_per_shape, copy_case, dist_version,
+                                 dtype_label, graphs_option, print_peers, relative_differences,
                                  run_against_copy, start, timed_call, unavailable)
 
 EPS = 1e-6
@@ -95,10 +95,8 @@ def make_case(n: int, H: int, dtype: torch.dtype, device: torch.device, liger: N
              "liger-kernel": liger_note}
     relative_differences(impls, dtype, notes=notes)
     mode = "fwd+bwd" if backward else "fwd"
-    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
-    case = Case(f"rms_norm {mode} [{n}, {H}] {name}", nbytes, impls, notes)
-    add_copy_rows([case], device, note="device-to-device copy of the minimal bytes")
-    return case
+    return copy_case(f"rms_norm {mode} [{n}, {H}] {dtype_label(dtype)}", nbytes, impls, notes,
+                     device)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,8 +46,8 @@ from functools import partial
 import torch
 
 import lmfuse
-from lmfuse.bench.common import (Case, add_copy_rows, compile_per_shape, dist_version,
-                                 graphs_option, print_peers, relative_differences,
+from lmfuse.bench.common import (Case, compile_per_shape, copy_case, dist_version,
+                                 dtype_label, graphs_option, print_peers, relative_differences,
                                  run_against_copy, start, timed_call, unavailable)
 
 RopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (q, k, cos, sin) -> (q', k')
@@ -106,10 +106,6 @@ def minimal_bytes(B: int, S: int, Hq: int, Hk: int, D: int, R: int, elt: int, ta
     return 2 * fwd if backward else fwd
 
 
-def dtype_label(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
-
-
 def heads_view(B: int, S: int, H: int, D: int, dtype: torch.dtype, device: torch.device
                ) -> torch.Tensor:
     """``[B, H, S, D]`` as transformers makes it: the ``[B, S, H, D]`` projection
@@ -148,10 +144,8 @@ def make_case(shape: tuple[int, int, int, int, int], dtype: torch.dtype,
     nbytes = minimal_bytes(B, S, Hq, Hk, D, D, q.element_size(), cos.element_size(),
                            backward)
     mode = "fwd+bwd" if backward else "fwd"
-    name = f"rope {mode} B{B} S{S} Hq{Hq}/Hk{Hk} D{D} {dtype_label(dtype)}"
-    case = Case(name, nbytes, impls, notes)
-    add_copy_rows([case], device, note="device-to-device copy of the minimal bytes")
-    return case
+    return copy_case(f"rope {mode} B{B} S{S} Hq{Hq}/Hk{Hk} D{D} {dtype_label(dtype)}",
+                     nbytes, impls, notes, device)
 
 
 def main(argv: list[str] | None = None) -> int:
