@@ -83,25 +83,23 @@ def test_matches_reference(layout, table_batch, R, dtype, impl) -> None:
 
 
 @pytest.mark.parametrize("B, S, splits", [(2, 3, 1), (1, 1, 4)], ids=["one-program", "split"])
-def test_several_head_blocks_and_mixed_dtypes(monkeypatch, B, S, splits) -> None:
+def test_several_head_blocks_and_mixed_dtypes(B, S, splits) -> None:
     """Tiles lowered to 2 heads: a program loops over a token's head blocks (6 tokens, more
     than the interpreter's 4 SMs), or, with fewer tokens than SMs, the blocks are split
     over programs (block i on program i mod splits); odd head counts, k in float32 with
     bf16 q, a bf16 table."""
-    real = tuning.table
-    monkeypatch.setattr(tuning, "table", lambda family, device: {
-        "tile_elems": 32, "few_tokens_tile_elems": 32, "num_warps": 1}
-        if family == "rope" else real(family, device))
-    q, k = randn((B, 7, S, 16), BF16), randn((B, 5, S, 16), F32)
-    cos, sin = tables(B, S, 16, BF16)
-    check("blocks", q, k, cos, sin, "triton")
-    plan = lmfuse.explain(lmfuse.apply_rotary_pos_emb, q, k, cos, sin)
-    per = "one program" if splits == 1 else f"{splits} programs"
-    assert f"{per} a token" in plan.details["launch"]
-    # (a split program has one block of each: its kernel compiles no loop)
-    from lmfuse.rope.ops import _config
-    assert _config(B * S, 7, 5, 16, 16, False, q.device)[1].loop == (splits == 1)
-    assert "query heads 2 at a time, key heads 2" in plan.details["launch"]
+    with tuning.overlay("rope", {"tile_elems": 32, "few_tokens_tile_elems": 32,
+                                 "num_warps": 1}):
+        q, k = randn((B, 7, S, 16), BF16), randn((B, 5, S, 16), F32)
+        cos, sin = tables(B, S, 16, BF16)
+        check("blocks", q, k, cos, sin, "triton")
+        plan = lmfuse.explain(lmfuse.apply_rotary_pos_emb, q, k, cos, sin)
+        per = "one program" if splits == 1 else f"{splits} programs"
+        assert f"{per} a token" in plan.details["launch"]
+        # (a split program has one block of each: its kernel compiles no loop)
+        from lmfuse.rope.ops import _config
+        assert _config(B * S, 7, 5, 16, 16, False, q.device)[1].loop == (splits == 1)
+        assert "query heads 2 at a time, key heads 2" in plan.details["launch"]
 
 
 @pytest.mark.parametrize("D", [96, 80, 48])
@@ -166,6 +164,59 @@ def test_outputs_keep_the_input_strides() -> None:
     cos, sin = tables(2, 5, 16)
     qo, ko = lmfuse.apply_rotary_pos_emb(q, k, cos, sin, impl="triton")
     assert qo.stride() == q.stride() and ko.stride() == k.stride()
+
+
+def _launched(monkeypatch) -> list[str]:
+    """The names of the rotary kernels launched from here on (the launch form chosen)."""
+    from lmfuse.rope import ops
+
+    names: list[str] = []
+    real = ops._kernels
+
+    class Recording:
+        def __getattr__(self, name):
+            names.append(name)
+            return getattr(real(), name)
+
+    monkeypatch.setattr(ops, "_kernels", Recording)
+    return names
+
+
+@pytest.mark.parametrize("q_layout, k_layout, tables_of, S, dense", [
+    ("hf", "hf", "batch", 5, True),  # transformers' transposed views: tokens outer
+    ("bhsd", "bhsd", "one", 5, True),  # heads outer, one [1, S, R] table
+    ("bshd", "bshd", "2d", 5, True),  # [B, S, H, D], a [S, R] table
+    ("hf", "bhsd", "batch", 5, True),  # q and k in different orders
+    ("hf", "hf", "batch", 1, True),  # a decode step (size-1 dims)
+    # slices of a fused qkv: strided (their gradients, contiguous here, dense)
+    ("qkv", "qkv", "batch", 5, (False, True)),
+    ("hf", "hf", "strided", 5, False),  # tables not contiguous
+])
+def test_dense_and_strided_launches(monkeypatch, q_layout, k_layout, tables_of, S, dense
+                                    ) -> None:
+    """Dense q and k (either order in memory, each its own) with contiguous tables take the
+    launch whose strides follow from the shapes; anything else the strided one; both
+    give the reference's values, forward and backward (``dense``: of the forward's launch
+    and the backward's)."""
+    B, Hq, Hk, D = 2, 4, 2, 16
+    u = 2 if q_layout == "bshd" else 1
+    if q_layout == "qkv":
+        qkv = randn((B, Hq + 2 * Hk, S, D), BF16)
+        q, k = qkv[:, :Hq], qkv[:, Hq:Hq + Hk]
+    else:
+        q = qk(B, S, Hq, Hk, D, BF16, q_layout)[0]
+        k = qk(B, S, Hq, Hk, D, BF16, k_layout)[1]
+    cos, sin = tables(B if tables_of in ("batch", "strided") else 1, S, D)
+    if tables_of == "2d":
+        cos, sin = cos[0], sin[0]
+        u -= 1
+    elif tables_of == "strided":
+        cos, sin = (torch.cat((t, t), -1)[..., :D] for t in (cos, sin))  # (rows 2D apart)
+        assert not cos.is_contiguous()
+    launched = _launched(monkeypatch)
+    check(f"{q_layout}/{k_layout} {tables_of} S={S}", q, k, cos, sin, "triton", u=u)
+    forms = dense if isinstance(dense, tuple) else (dense, dense)
+    assert launched == ["rope_dense_kernel" if d else "rope_kernel" for d in forms], launched
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -339,8 +339,8 @@ def rope_spec(inp: Inputs, liger: dict) -> OpSpec:
     _with_liger(spec, liger, (q.detach().clone().requires_grad_(True),
                               k.detach().clone().requires_grad_(True), cos, sin))
     qd, kd = q.detach(), k.detach()
-    spec.checks = lambda: ops._resolve(qd, kd, cos, sin, 1, "auto")
-    spec.checks_note = "rope.ops._resolve"
+    spec.checks = lambda: ops._check(qd, kd, cos, sin, 1, "auto")
+    spec.checks_note = "rope.ops._check"
 
     dtypes = (qd.dtype, kd.dtype)
 

@@ -1,4 +1,5 @@
-"""Triton kernel of the rotary position embedding: one, both ways (``BACKWARD``).
+"""Triton kernels of the rotary position embedding: one body, both ways (``BACKWARD``), in
+two launch forms.
 
 Read against ``reference.py``. A program owns one token ``(b, s)``: it loads the token's
 ``cos`` and ``sin`` rows once (``R`` values, float32), then walks the token's query heads
@@ -11,11 +12,16 @@ the grid's second axis splits a token's head blocks over several programs, block
     backward:  y1 = x1 cos1 + x2 sin2      y2 = x2 cos2 - x1 sin1   (the transpose)
 
 and copies the values past ``R`` (``HAS_PASS``, partial rotary). The head counts, ``R / 2``
-(``half``) and the head size ``D`` are compile-time constants. Heads sit ``sh`` apart,
-tokens ``ss``, batches ``sb``; a head's values are contiguous. ``cos``/``sin`` rows sit
-``scs``/``sss`` apart and their batches ``scb``/``ssb`` (0: one table for every sequence).
-Math in float32, each output rounded once to its tensor's dtype (which may differ from its
-input's: transformers' formula promotes bf16 queries and float32 tables to float32).
+(``half``) and the head size ``D`` are compile-time constants. Math in float32, each output
+rounded once to its tensor's dtype (which may differ from its input's: transformers' formula
+promotes bf16 queries and float32 tables to float32).
+
+``rope_kernel`` takes every stride: heads sit ``sh`` apart, tokens ``ss``, batches ``sb``
+(a head's values contiguous); ``cos``/``sin`` rows ``scs``/``sss`` apart and their batches
+``scb``/``ssb`` (0: one table for every sequence). ``rope_dense_kernel`` is the same body for
+the layouts models make (q, k and their outputs dense, tokens outer ``[B, S, H, D]`` or heads
+outer ``[B, H, S, D]`` in memory; contiguous tables): its strides follow from the shapes, so
+a launch passes 7 arguments instead of 23 (host time per call).
 """
 
 from __future__ import annotations
@@ -53,32 +59,21 @@ def _rotate_block(x_tok, y_tok, sxh, syh, h0, H: tl.constexpr, half: tl.constexp
 
 
 @triton.jit
-def rope_kernel(
-    q_ptr, sqb, sqh, sqs, qo_ptr, sob, soh, sos,
-    k_ptr, skb, skh, sks, ko_ptr, spb, sph, sps,
-    cos_ptr, scb, scs, sin_ptr, ssb, sss, S,
-    Hq: tl.constexpr, Hk: tl.constexpr, half: tl.constexpr, D: tl.constexpr,
-    BACKWARD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    BLOCK_R: tl.constexpr, HAS_PASS: tl.constexpr, BLOCK_P: tl.constexpr,
-    LOOP: tl.constexpr,
-):
-    token = tl.program_id(0)
-    b = (token // S).to(tl.int64)
-    s = (token % S).to(tl.int64)
+def _rotate_token(q_tok, sqh, qo_tok, soh, k_tok, skh, ko_tok, sph, c_row, s_row,
+                  Hq: tl.constexpr, Hk: tl.constexpr, half: tl.constexpr, D: tl.constexpr,
+                  BACKWARD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                  BLOCK_R: tl.constexpr, HAS_PASS: tl.constexpr, BLOCK_P: tl.constexpr,
+                  LOOP: tl.constexpr):
+    """One token's heads (those of this program's split), its table rows at ``c_row``,
+    ``s_row``."""
     split = tl.program_id(1)
     splits = tl.num_programs(1)
     j = tl.arange(0, BLOCK_R)
     jm = j < half
-    c_row = cos_ptr + b * scb + s * scs
-    s_row = sin_ptr + b * ssb + s * sss
     c1 = tl.load(c_row + j, mask=jm, other=0.0).to(tl.float32)[None, :]
     c2 = tl.load(c_row + half + j, mask=jm, other=0.0).to(tl.float32)[None, :]
     s1 = tl.load(s_row + j, mask=jm, other=0.0).to(tl.float32)[None, :]
     s2 = tl.load(s_row + half + j, mask=jm, other=0.0).to(tl.float32)[None, :]
-    q_tok = q_ptr + b * sqb + s * sqs
-    qo_tok = qo_ptr + b * sob + s * sos
-    k_tok = k_ptr + b * skb + s * sks
-    ko_tok = ko_ptr + b * spb + s * sps
     # The program's first block of each in straight-line code (all of a token's heads in
     # the common case, which compiles without the loops: ``LOOP`` False), then the rest of
     # its blocks, splits apart.
@@ -93,3 +88,60 @@ def rope_kernel(
         for h0 in range((split + splits) * BLOCK_HK, Hk, splits * BLOCK_HK):
             _rotate_block(k_tok, ko_tok, skh, sph, h0, Hk, half, D, c1, c2, s1, s2,
                           BACKWARD, BLOCK_HK, BLOCK_R, HAS_PASS, BLOCK_P)
+
+
+@triton.jit
+def rope_kernel(
+    q_ptr, sqb, sqh, sqs, qo_ptr, sob, soh, sos,
+    k_ptr, skb, skh, sks, ko_ptr, spb, sph, sps,
+    cos_ptr, scb, scs, sin_ptr, ssb, sss, S,
+    Hq: tl.constexpr, Hk: tl.constexpr, half: tl.constexpr, D: tl.constexpr,
+    BACKWARD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    BLOCK_R: tl.constexpr, HAS_PASS: tl.constexpr, BLOCK_P: tl.constexpr,
+    LOOP: tl.constexpr,
+):
+    token = tl.program_id(0)
+    b = (token // S).to(tl.int64)
+    s = (token % S).to(tl.int64)
+    _rotate_token(q_ptr + b * sqb + s * sqs, sqh, qo_ptr + b * sob + s * sos, soh,
+                  k_ptr + b * skb + s * sks, skh, ko_ptr + b * spb + s * sps, sph,
+                  cos_ptr + b * scb + s * scs, sin_ptr + b * ssb + s * sss,
+                  Hq, Hk, half, D, BACKWARD, BLOCK_HQ, BLOCK_HK, BLOCK_R, HAS_PASS, BLOCK_P,
+                  LOOP)
+
+
+@triton.jit
+def rope_dense_kernel(
+    q_ptr, qo_ptr, k_ptr, ko_ptr, cos_ptr, sin_ptr, S,
+    Hq: tl.constexpr, Hk: tl.constexpr, half: tl.constexpr, D: tl.constexpr,
+    BACKWARD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    BLOCK_R: tl.constexpr, HAS_PASS: tl.constexpr, BLOCK_P: tl.constexpr,
+    LOOP: tl.constexpr, Q_HEADS_OUTER: tl.constexpr, K_HEADS_OUTER: tl.constexpr,
+    TABLE_BATCHED: tl.constexpr,
+):
+    """``rope_kernel`` where q and its output (and k and its) are dense ``[B, S, H, D]``
+    (tokens outer) or ``[B, H, S, D]`` (``*_HEADS_OUTER``) in memory and the tables are
+    contiguous ``[B, S, R]`` (``TABLE_BATCHED``) or one ``[S, R]`` for every sequence."""
+    token = tl.program_id(0)
+    b = (token // S).to(tl.int64)
+    s = (token % S).to(tl.int64)
+    if Q_HEADS_OUTER:
+        q_off = (b * Hq * S + s) * D
+        sqh = S * D
+    else:
+        q_off = (b * S + s) * (Hq * D)
+        sqh = D
+    if K_HEADS_OUTER:
+        k_off = (b * Hk * S + s) * D
+        skh = S * D
+    else:
+        k_off = (b * S + s) * (Hk * D)
+        skh = D
+    if TABLE_BATCHED:
+        t_off = (b * S + s) * (2 * half)
+    else:
+        t_off = s * (2 * half)
+    _rotate_token(q_ptr + q_off, sqh, qo_ptr + q_off, sqh, k_ptr + k_off, skh, ko_ptr + k_off,
+                  skh, cos_ptr + t_off, sin_ptr + t_off,
+                  Hq, Hk, half, D, BACKWARD, BLOCK_HQ, BLOCK_HK, BLOCK_R, HAS_PASS, BLOCK_P,
+                  LOOP)

@@ -2,7 +2,7 @@
 
 The public function has transformers' signature (``q, k, cos, sin, unsqueeze_dim=1``), so
 a model's module can take it in place of its own. It checks its inputs once
-(:func:`_resolve`), then runs the reference (``impl="torch"``, and wherever
+(:func:`_check`), then runs the reference (``impl="torch"``, and wherever
 ``cos`` or ``sin`` need a gradient: autograd through the formula) or one autograd function
 around one Triton kernel: the forward rotates the queries and the keys in one launch; the
 backward rotates their gradients back (the transpose: ``-sin``) in one more. Nothing is
@@ -66,10 +66,18 @@ def _config(tokens: int, Hq: int, Hk: int, D: int, R: int, backward: bool,
     a program for the queries and one for the keys took 1.14-1.18x as long; 8 warps up to
     15% and 2 or 16 warps 16-24% slower; 8192-value tiles 6% faster than 4096 at 64 query
     heads.)"""
+    sms, tile, few_tile, warps = _device_settings(device, tuning.generation())
+    few = tokens < sms
+    return _constexprs(few, Hq, Hk, D, R, backward, few_tile if few else tile, warps)
+
+
+@functools.lru_cache(maxsize=64)
+def _device_settings(device: torch.device, generation: int) -> tuple[int, int, int, int]:
+    """``(SMs, tile_elems, few_tokens_tile_elems, num_warps)`` of ``device`` (looked up once
+    per device and tuning generation: the lookup is host time on every call)."""
     t = tuning.table("rope", device)
-    few = tokens < tuning.sm_count(device)
-    return _constexprs(few, Hq, Hk, D, R, backward,
-                       t["few_tokens_tile_elems"] if few else t["tile_elems"], t["num_warps"])
+    return (tuning.sm_count(device), t["tile_elems"], t["few_tokens_tile_elems"],
+            t["num_warps"])
 
 
 @functools.lru_cache(maxsize=256)
@@ -111,13 +119,35 @@ def launch_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     if B * S == 0 or Hq + Hk == 0 or D == 0:
         return qo, ko
     splits, constexprs, warps = _config(B * S, Hq, Hk, D, R, backward, q.device)
-    sq, so, sk, sp = q.stride(), qo.stride(), k.stride(), ko.stride()
+    sq, sk = q.stride(), k.stride()
     # (every argument positional, the constexprs too: the launch binds no keywords)
+    q_order, k_order = _dense_order(sq, S, Hq, D, h), _dense_order(sk, S, Hk, D, h)
+    if q_order is not None and k_order is not None and cos.is_contiguous() \
+            and sin.is_contiguous():
+        # (empty_like keeps a dense input's strides: the outputs are laid out as q and k)
+        _kernels().rope_dense_kernel[(B * S, splits)](
+            q, qo, k, ko, cos, sin, S, *constexprs, q_order, k_order,
+            cos.dim() == 3 and cos.shape[0] != 1, num_warps=warps)
+        return qo, ko
+    so, sp = qo.stride(), ko.stride()
     _kernels().rope_kernel[(B * S, splits)](
         q, sq[0], sq[h], sq[t], qo, so[0], so[h], so[t],
         k, sk[0], sk[h], sk[t], ko, sp[0], sp[h], sp[t],
         cos, *_rows(cos), sin, *_rows(sin), S, *constexprs, num_warps=warps)
     return qo, ko
+
+
+def _dense_order(stride: tuple[int, ...], S: int, H: int, D: int, heads_dim: int
+                 ) -> bool | None:
+    """Whether a q or k of these strides is dense with its heads outer (``[B, H, S, D]`` in
+    memory: True) or its tokens outer (``[B, S, H, D]``: False); None if neither."""
+    if heads_dim == 1:  # [B, H, S, D] shapes
+        if stride == (S * H * D, D, H * D, 1):
+            return False
+        return True if stride == (H * S * D, S * D, D, 1) else None
+    if stride == (S * H * D, H * D, D, 1):
+        return False
+    return True if stride == (H * S * D, D, S * D, 1) else None
 
 
 def _out_dtypes(q, k, cos, sin) -> tuple[torch.dtype, torch.dtype]:
@@ -175,7 +205,18 @@ class RotaryCall(ResolvedCall):
 
 
 def _resolve(q, k, cos, sin, unsqueeze_dim, impl) -> tuple[str, str, RotaryCall]:
-    """Validate the arguments and choose the path; cheap and traceable by torch.compile.
+    """Validate the arguments and choose the path (:func:`_check`), and the call the
+    planner reads."""
+    path, reason, u = _check(q, k, cos, sin, unsqueeze_dim, impl)
+    qs = q.shape
+    return path, reason, RotaryCall(u, unsqueeze_dim, qs[0], qs[3 - u], qs[u], k.shape[u],
+                                    qs[3], cos.shape[-1])
+
+
+def _check(q, k, cos, sin, unsqueeze_dim, impl) -> tuple[str, str, int]:
+    """``(path, reason, heads_dim)``: the arguments validated and the path chosen; cheap
+    and traceable by torch.compile (the call runs on this alone: a frozen dataclass of the
+    call would add a microsecond of host time).
 
     ``unsqueeze_dim`` means what it means in transformers: the dim of the table at which a
     1 is inserted before the table broadcasts against q, so the heads' dim of q is that
@@ -221,7 +262,7 @@ def _resolve(q, k, cos, sin, unsqueeze_dim, impl) -> tuple[str, str, RotaryCall]
             path, reason = float64_fallback(_OP, impl, path, reason, t.dtype, name)
     if path == "triton" and (cos.requires_grad or sin.requires_grad) and torch.is_grad_enabled():
         path, reason = "torch", f"{reason}; cos or sin needs a gradient: the reference"
-    return path, reason, RotaryCall(u, unsqueeze_dim, B, S, qs[u], ks[u], D, R)
+    return path, reason, u
 
 
 def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
@@ -270,11 +311,10 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     the formula's (q's and k's promoted with the tables'); False, q's and k's (the math
     unchanged, one rounding), for modeling functions that cast their results back to
     their inputs' dtypes (OLMo 2's, under autocast)."""
-    path, _, a = _resolve(q, k, cos, sin, unsqueeze_dim, impl)
+    path, _, u = _check(q, k, cos, sin, unsqueeze_dim, impl)
     if path == "torch" or native_cpu(impl, path, q):
         with nvtx_range(_OP, "fwd"):
             return rotary_reference(q, k, cos, sin, unsqueeze_dim, promote=promote)
-    u = a.heads_dim
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     cos = cos if cos.stride(-1) == 1 else cos.contiguous()
@@ -323,23 +363,29 @@ def _both(*args: Any, **kwargs: Any) -> torch.Tensor:
 def checks(device: torch.device, dtypes) -> list:
     """Fresh random cases (the attention layout, [B, S, H, D], partial rotary, one table
     for every sequence, float32 tables with 16-bit q and k as under autocast, a decode
-    step of fewer tokens than SMs: on the GPU, its head blocks split over programs) for
-    :mod:`lmfuse._check`."""
+    step of fewer tokens than SMs: on the GPU, its head blocks split over programs; q and
+    k sliced from one fused qkv: the strided launch) for :mod:`lmfuse._check`."""
     from .._check import op_case
 
     small = device.type != "cuda"
     B0, S0, Hq, Hk, D = (2, 5, 4, 2, 16) if small else (4, 1024, 32, 8, 128)
 
-    def case(label, dtype, u=1, R=D, table_batch=None, B=B0, S=S0, table_dtype=None):
+    def case(label, dtype, u=1, R=D, table_batch=None, B=B0, S=S0, table_dtype=None,
+             qkv=False):
         table_batch = B if table_batch is None else table_batch
 
         def inputs():
-            shape = (B, Hq, S, D) if u == 1 else (B, S, Hq, D)
-            kshape = (B, Hk, S, D) if u == 1 else (B, S, Hk, D)
+            if qkv:  # q and k slices of one fused [B, Hq + 2 Hk, S, D]: the strided launch
+                fused = torch.randn(B, Hq + 2 * Hk, S, D, device=device).to(dtype)
+                q, k = fused[:, :Hq].detach(), fused[:, Hq:Hq + Hk].detach()
+            else:
+                shape = (B, Hq, S, D) if u == 1 else (B, S, Hq, D)
+                kshape = (B, Hk, S, D) if u == 1 else (B, S, Hk, D)
+                q = torch.randn(shape, device=device).to(dtype)
+                k = torch.randn(kshape, device=device).to(dtype)
             angle = torch.rand(table_batch, S, R // 2, device=device) * 6.3
             angle = torch.cat((angle, angle), -1)
-            return [torch.randn(shape, device=device).to(dtype).requires_grad_(True),
-                    torch.randn(kshape, device=device).to(dtype).requires_grad_(True),
+            return [q.requires_grad_(True), k.requires_grad_(True),
                     angle.cos().to(table_dtype or dtype), angle.sin().to(table_dtype or dtype)]
 
         return op_case(_OP, label, dtype, (B, S, Hq, D), inputs, _both, plan_rotary, u)
@@ -349,7 +395,7 @@ def checks(device: torch.device, dtypes) -> list:
         cases += [case("[B, H, S, D]", dtype), case("[B, S, H, D]", dtype, u=2),
                   case("partial rotary", dtype, R=D // 2),
                   case("one table", dtype, table_batch=1),
-                  case("decode", dtype, B=2, S=1)]
+                  case("decode", dtype, B=2, S=1), case("qkv slices", dtype, qkv=True)]
         if dtype != torch.float32:
             cases.append(case("float32 tables", dtype, table_dtype=torch.float32))
     return cases
