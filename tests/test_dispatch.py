@@ -264,3 +264,39 @@ def test_interpreter_variable_read_as_triton_reads_it(monkeypatch, raw: str) -> 
     libtriton = pytest.importorskip("triton._C.libtriton")
     monkeypatch.setenv("TRITON_INTERPRET", raw)
     assert interpreter_active() == libtriton.getenv_bool("TRITON_INTERPRET", False)
+
+
+class _Scale(torch.autograd.Function):
+    """An old-style autograd function (``forward(ctx, ...)``) for :func:`apply_function`."""
+
+    @staticmethod
+    def forward(ctx, x, y, factor):
+        ctx.factor = factor
+        return x * factor + y, x.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, g, _):
+        return g * ctx.factor, g, None
+
+
+def test_apply_function_is_function_apply() -> None:
+    """The C++ ``apply`` called directly gives what ``Function.apply`` gives: outputs, the
+    node, the gradients; under torch.compile and inside functorch transforms it is
+    ``Function.apply`` itself (Dynamo traces it whole; functorch refuses an old-style
+    function, as ``apply`` does)."""
+    from lmfuse._dispatch import apply_function
+
+    x, y = randn((3, 4), torch.float32).requires_grad_(True), randn((3, 4), torch.float32)
+    out, empty = apply_function(_Scale, x, y, 2.5)
+    want, _ = _Scale.apply(x, y, 2.5)
+    assert torch.equal(out, want) and empty.shape == (0,)
+    assert type(out.grad_fn) is type(want.grad_fn)
+    (gx,) = torch.autograd.grad(out.sum(), x)
+    assert torch.equal(gx, torch.full_like(x, 2.5))
+    with torch.no_grad():
+        assert apply_function(_Scale, x, y, 2.5)[0].grad_fn is None
+    compiled = torch.compile(lambda a, b: apply_function(_Scale, a, b, 2.5)[0],
+                             fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x, y), want)
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda a: apply_function(_Scale, a, y, 2.5)[0].sum())(x)

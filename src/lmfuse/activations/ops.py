@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import tuning
-from .._dispatch import (Plan, ResolvedCall, check_float32, check_number, check_tensor,
-                         checked_once, cpu_fast, explain, float64_fallback, native_cpu,
-                         planner_of, select_impl)
+from .._dispatch import (Plan, ResolvedCall, apply_function, check_float32, check_number,
+                         check_tensor, checked_once, cpu_fast, explain, float64_fallback,
+                         native_cpu, planner_of, select_impl)
 from .._launch import (cdiv, dtype_name, fp8_capable, kernel_op, lazy_kernels, next_pow2,
                        to_e4m3)
 from .._nvtx import nvtx_range
@@ -476,7 +476,7 @@ def _run(op: str, x, bias, weights, activation, gated, linear_offset=0.0, clamp_
         # the compiled graph decides what to keep for backward anyway).
         y = ref.activation_reference(x2, b, w2, **_ref_options(s))
     else:
-        y = _Activation.apply(x2, b, w2, s)
+        y = apply_function(_Activation, x2, b, w2, s)
     return y if flat else y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -528,7 +528,7 @@ def _cpu_gated(x: torch.Tensor, act: str) -> torch.Tensor:
     """The common CPU call of SwiGLU / GEGLU (``act`` "silu" / "gelu"): the plain formula,
     through :class:`_GatedCPU` where a gradient will be taken."""
     if x.requires_grad and torch.is_grad_enabled():
-        return _GatedCPU.apply(x, act)
+        return apply_function(_GatedCPU, x, act)
     a, b = x.chunk(2, -1)
     return _NATIVE[act](a) * b
 

@@ -42,8 +42,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from .._dispatch import (PLAIN_TENSORS, Plan, ResolvedCall, check_same_device, check_tensor,
-                         cpu_fast, native_cpu, once_differentiable, planner_of)
+from .._dispatch import (PLAIN_TENSORS, Plan, ResolvedCall, apply_function, check_same_device,
+                         check_tensor, cpu_fast, native_cpu, once_differentiable, planner_of)
 from .._launch import cdiv, dtype_name
 from .._nvtx import nvtx_range
 from .._collectives import all_reduce_sum, all_reduce_sum_, group_rank
@@ -798,10 +798,10 @@ def _apply(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, 
     if not t1d.is_contiguous():
         t1d = t1d.contiguous()
     if o.loss.extras:
-        loss, lse, pred, scale = _LinearCrossEntropy.apply(h2d, w, bias, t1d, cw, o)
+        loss, lse, pred, scale = apply_function(_LinearCrossEntropy, h2d, w, bias, t1d, cw, o)
         return ops._with_extras(loss, lse, pred, t1d, lead, o.loss,
                                 scale if o.token_scaling else None)
-    loss = _LinearCrossEntropy.apply(h2d, w, bias, t1d, cw, o)
+    loss = apply_function(_LinearCrossEntropy, h2d, w, bias, t1d, cw, o)
     return loss.view(lead) if reduction == "none" else loss
 
 

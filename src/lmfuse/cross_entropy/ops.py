@@ -34,9 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from .. import tuning
-from .._dispatch import (Plan, ResolvedCall, check_choice, check_float32, check_int,
-                         check_number, check_tensor, checked_once, cpu_fast, float64_fallback,
-                         native_cpu, once_differentiable, planner_of, select_impl, value_checks)
+from .._dispatch import (Plan, ResolvedCall, apply_function, check_choice, check_float32,
+                         check_int, check_number, check_tensor, checked_once, cpu_fast,
+                         float64_fallback, native_cpu, once_differentiable, planner_of,
+                         select_impl, value_checks)
 from .._launch import (INDEX_DTYPES, cdiv, dtype_name, kernel_op, lazy_kernels, next_pow2,
                        softcap_mode)
 from .._nvtx import nvtx_range
@@ -882,9 +883,10 @@ def cross_entropy(
     if native:
         loss = _native_cross_entropy(logits2d, target1d, o, cw)
     elif o.extras:
-        return _with_extras(*_CrossEntropy.apply(logits2d, target1d, cw, o), target1d, lead, o)
+        return _with_extras(*apply_function(_CrossEntropy, logits2d, target1d, cw, o), target1d,
+                            lead, o)
     else:
-        loss = _CrossEntropy.apply(logits2d, target1d, cw, o)
+        loss = apply_function(_CrossEntropy, logits2d, target1d, cw, o)
     return loss.view(lead) if reduction == "none" else loss
 
 
@@ -1014,7 +1016,7 @@ def _native_loss(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
     own = (logits.numel() >= _CPU_OWN_BACKWARD and weight is None and label_smoothing == 0.0
            and logits.dim() == 2 and logits.requires_grad and torch.is_grad_enabled())
     if reduction == "mean":
-        loss = (_CrossEntropyCPU.apply(logits, target, ignore_index, "mean") if own
+        loss = (apply_function(_CrossEntropyCPU, logits, target, ignore_index, "mean") if own
                 else F.cross_entropy(logits, target, weight, None, ignore_index, None, "mean",
                                      label_smoothing))
         # A mean over no token is 0, where PyTorch's is 0 / 0: looked for only when the
@@ -1024,7 +1026,7 @@ def _native_loss(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
             return loss
     # "sum", or a mean over no token
     if own:
-        return _CrossEntropyCPU.apply(logits, target, ignore_index, "sum")
+        return apply_function(_CrossEntropyCPU, logits, target, ignore_index, "sum")
     return F.cross_entropy(logits, target, weight, None, ignore_index, None, "sum",
                            label_smoothing)
 

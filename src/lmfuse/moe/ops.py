@@ -57,9 +57,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import tuning
-from .._dispatch import (Plan, ResolvedCall, check_number, check_same_device, check_tensor,
-                         float64_fallback, interpreter_active, once_differentiable, planner_of,
-                         select_impl, value_checks)
+from .._dispatch import (Plan, ResolvedCall, apply_function, check_number, check_same_device,
+                         check_tensor, float64_fallback, interpreter_active, once_differentiable,
+                         planner_of, select_impl, value_checks)
 from .._launch import (FLOAT_DTYPES, cdiv, dtype_name, fp8_capable, kernel_op, lazy_kernels,
                        next_pow2, to_e4m3)
 from .._nvtx import nvtx_range
@@ -311,7 +311,7 @@ def _torch_path(hidden, expert_ids, router_weights, w_gate_up, w_down, gate_up_b
             elif gemm_dtype is not None:
                 kept = F.linear(x[start:start + n], wgu[e]).to(gemm_dtype).to(h.dtype)
                 kept = kept if bgu[e] is None else kept + bgu[e]
-            ys.append(_Fp8StoredExpert.apply(h, wd[e], bd[e], w, s, kept.detach()))
+            ys.append(apply_function(_Fp8StoredExpert, h, wd[e], bd[e], w, s, kept.detach()))
         else:
             ys.append(_expert_out(h, wd[e], bd[e], w, s))
         start += n
@@ -1043,7 +1043,7 @@ def moe_experts(
         # Nothing to differentiate (inference, decoding): no autograd node, no h stored.
         with nvtx_range(OP, "fwd"):
             return _launch_fwd(*args, *_op_args(s), False)[0]
-    return _MoEExperts.apply(*args, s)
+    return apply_function(_MoEExperts, *args, s)
 
 
 @planner_of(moe_experts)

@@ -34,6 +34,7 @@ from .._dispatch import (
     PLAIN_TENSORS,
     Plan,
     ResolvedCall,
+    apply_function,
     check_float32,
     check_number,
     check_same_device,
@@ -323,7 +324,7 @@ def _cpu_rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -
     :class:`_RMSNormCPU`."""
     if torch.is_grad_enabled() and (x.requires_grad or (
             weight is not None and weight.requires_grad)):
-        return _RMSNormCPU.apply(x, weight, eps)
+        return apply_function(_RMSNormCPU, x, weight, eps)
     return torch.rms_norm(x, x.shape[-1:], weight, eps)
 
 
@@ -391,7 +392,7 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps: flo
         with nvtx_range(_OP, "fwd"):
             y = launch_rms_norm(x2, w, a.eps, a.weight_offset)[0]
     else:
-        y = _RMSNorm.apply(x2, w, a)
+        y = apply_function(_RMSNorm, x2, w, a)
     return y if flat else y.view(x.shape)
 
 
@@ -560,7 +561,7 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None,
     b = bias.contiguous() if bias is not None else None
     if torch.is_grad_enabled() and (x.requires_grad or (w is not None and w.requires_grad)
                                     or (b is not None and b.requires_grad)):
-        y = _LayerNorm.apply(x2, w, b, a)
+        y = apply_function(_LayerNorm, x2, w, b, a)
     else:  # nothing to differentiate (inference): the launch alone, no autograd node
         with nvtx_range(_LN, "fwd"):
             y = launch_layer_norm(x2, w, b, a.eps, a.weight_offset)[0]

@@ -22,6 +22,7 @@ from .. import tuning
 from .._dispatch import (
     Plan,
     ResolvedCall,
+    apply_function,
     check_same_device,
     check_tensor,
     float64_fallback,
@@ -321,7 +322,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
     dtypes = _out_dtypes(q, k, cos, sin) if promote else (q.dtype, k.dtype)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-        return _Rotary.apply(q, k, cos, sin, u, dtypes)
+        return apply_function(_Rotary, q, k, cos, sin, u, dtypes)
     with nvtx_range(_OP, "fwd"):
         return launch_rotary(q, k, cos, sin, u, False, *dtypes)
 

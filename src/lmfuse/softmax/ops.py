@@ -20,6 +20,7 @@ from .. import tuning
 from .._dispatch import (
     Plan,
     ResolvedCall,
+    apply_function,
     check_float32,
     check_int,
     check_number,
@@ -366,7 +367,8 @@ def fused_softmax(
             )
         if torch.is_grad_enabled() and (scores.requires_grad or any(
                 t is not None and t.requires_grad for t in (a.mask, a.softmax_offset))):
-            return _Softmax.apply(scores, a.mask, a.softmax_offset, a.scale, a.left, a.right)
+            return apply_function(_Softmax, scores, a.mask, a.softmax_offset, a.scale, a.left,
+                                  a.right)
         # Nothing to differentiate (inference): the launch alone, no autograd node.
         return _launch_fwd(scores, a.mask, a.softmax_offset, a.scale, a.left, a.right)[0]
 
@@ -442,7 +444,7 @@ def _native_cpu(scores: torch.Tensor, a: SoftmaxCall) -> Optional[torch.Tensor]:
         add = a.mask
     if (scores.requires_grad and torch.is_grad_enabled()
             and not (add is not None and add.requires_grad)):
-        y = _SoftmaxCPU.apply(scores, a.scale, hidden, add, band)
+        y = apply_function(_SoftmaxCPU, scores, a.scale, hidden, add, band)
     else:
         y = torch.softmax(_masked_scores(scores, a.scale, hidden, add, band), dim=-1)
     if sk and math.isnan(y.detach()[..., 0].sum().item()):
