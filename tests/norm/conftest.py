@@ -2,26 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import pytest
-import torch
 
 from lmfuse import tuning
 from lmfuse.norm import ops as norm_ops
 
 
 @pytest.fixture
-def small_tiles(monkeypatch: pytest.MonkeyPatch) -> list:
+def small_tiles(monkeypatch: pytest.MonkeyPatch) -> Iterator[list]:
     """The norm kernels' tiles at most 2 x 32 elements, rows wider than 32 streamed in
     16-column tiles 2 rows at a time, 1 backward program per (interpreter) SM: short rows
     and few of them exercise every loop of both kernels, RMSNorm's and LayerNorm's.
-    Returns the list receiving each backward launch's ``(programs, rows_per_program,
+    Yields the list receiving each backward launch's ``(programs, rows_per_program,
     single tile)``."""
-    small = dict(tuning.table("rms_norm", torch.device("cpu")), max_single_block=32,
-                 tile_elems=64, chunk_block=16, chunk_rows=2,
+    small = dict(max_single_block=32, tile_elems=64, chunk_block=16, chunk_rows=2,
                  bwd_programs_per_sm=1, chunk_bwd_programs_per_sm=1)
-    real = tuning.table
-    monkeypatch.setattr(tuning, "table", lambda family, device: small
-                        if family == "rms_norm" else real(family, device))
     launches: list = []
     real_bwd = norm_ops._bwd
 
@@ -32,4 +29,5 @@ def small_tiles(monkeypatch: pytest.MonkeyPatch) -> list:
         return real_bwd(x, *rest)
 
     monkeypatch.setattr(norm_ops, "_bwd", spy)
-    return launches
+    with tuning.overlay("rms_norm", small):
+        yield launches

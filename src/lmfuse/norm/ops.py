@@ -74,6 +74,14 @@ def _config(H: int, device: torch.device, centered_bwd: bool = False
     seven row tiles to RMSNorm's five, and a wide one is latency-bound at one program
     per SM (H200, bf16 [16384, 8192]: 0.405 ms with RMSNorm's 16 warps, 0.309 with 32).
     """
+    return _cached_config(H, device, centered_bwd, tuning.generation())
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_config(H: int, device: torch.device, centered_bwd: bool, generation: int
+                   ) -> tuple[tuning.RowTiles, int]:
+    """:func:`_config`, looked up once per width, device and tuning generation (the
+    lookup is host time of every call: 2 us)."""
     t = tuning.table("rms_norm", device)
     tiles = tuning.row_tiles(t, H)
     per_sm = t["bwd_programs_per_sm" if tiles.single else "chunk_bwd_programs_per_sm"]
