@@ -390,9 +390,9 @@ def _rope_gemv_splits(call):
 
     asked, real = [], fused_ops.split_buffers
 
-    def spy(device, elements, tiles):
+    def spy(device, elements, tiles, workspace=None):
         asked.append((elements, tiles))
-        return real(device, elements, tiles)
+        return real(device, elements, tiles, workspace)
 
     fused_ops.split_buffers = spy
     try:
@@ -1245,3 +1245,30 @@ def test_l2_prefetch_budget_comes_from_the_gemv_table() -> None:
     assert tuning._TABLES["h200"]["gemv"]["l2_prefetch_bytes"] == 16 << 20
     with tuning.overlay("gemv", {"l2_prefetch_bytes": 1 << 20}):
         assert l2_prefetch_bytes(cpu) == 1 << 20
+
+
+def test_each_generator_keeps_its_own_split_k_buffers() -> None:
+    """Two Generators' split-K GEMVs (every plain GEMV split in 2 here) keep their partials
+    and counts in their own decoders' workspaces: no buffer shared between them (two
+    Generators stepping on two streams would otherwise add into each other's partials) and
+    none taken from the process's; each decodes model.generate's tokens."""
+    import lmfuse.serving.fused_ops as fused_ops
+    from lmfuse import tuning
+
+    model = tiny_causal_lm("llama", vocab_size=256)
+    split = [{"kind": ["plain", "lm_head"], "rows": [16, 32, 64], "max_features": 1 << 20,
+              "split": 2}]
+    tiles = [{"kind": ["plain", "gated", "lm_head"], "block_n": 16, "block_k": 16,
+              "warps": 2, "stages": 2}]  # (K tiles short enough to split the tiny model's K)
+    before = dict(fused_ops._SPLIT_BUFFERS)
+    with tuning.overlay("gemv", {"split_k": split, "tiles": tiles}):
+        gens = [Generator(model, block_len=4, num_blocks=48, impl="triton") for _ in range(2)]
+        for gen in gens:
+            assert gen.generate(PROMPTS, max_new_tokens=3, eos_token_id=[]) == [
+                hf_greedy(model, p, 3) for p in PROMPTS]
+    spaces = [gen.runner.fused.split_buffers for gen in gens]
+    assert all(spaces) and spaces[0] is not spaces[1]
+    ptrs = [{t.data_ptr() for pair in s.values() for t in pair} for s in spaces]
+    assert not ptrs[0] & ptrs[1]
+    assert fused_ops._SPLIT_BUFFERS == before
+    assert all(int(c.abs().sum()) == 0 for s in spaces for _, c in s.values())

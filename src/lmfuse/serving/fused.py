@@ -244,6 +244,9 @@ class FusedDecoder:
         # One-row steps in a graph: the weights after the attention into L2 on a side
         # branch (module docstring); PDL's GPUs (Hopper and later) have the bulk prefetch.
         self.l2_prefetch = fused_ops.l2_prefetch_bytes(self.device) if self.pdl else 0
+        # The split-K GEMVs' partials and counts, this decoder's own (fused_ops.split_buffers:
+        # two Generators' steps, on two streams, never share them).
+        self.split_buffers: dict = {}
         self._side = torch.cuda.Stream(self.device) if self.l2_prefetch else None
         self._prefetch_loaded = False  # its kernel launched once outside a capture
         self.hq = int(config.num_attention_heads)
@@ -497,7 +500,8 @@ class FusedDecoder:
 
     def _gemv(self, x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None,
               **kw: Any) -> torch.Tensor:
-        return fused_ops.gemv(x, weights, biases, pdl=self.pdl, **kw)
+        return fused_ops.gemv(x, weights, biases, pdl=self.pdl, workspace=self.split_buffers,
+                              **kw)
 
     def _attention(self, q: torch.Tensor, i: int, L: _Layer, table: torch.Tensor,
                    after: torch.Tensor, tail: bool = False) -> torch.Tensor:

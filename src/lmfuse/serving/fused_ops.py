@@ -220,26 +220,30 @@ def _gemv_split(n_out, K, block_m, gated, device, lm_head_min, generation) -> in
                  and K >= e.get("min_k_per_feature", 0) * n_out), 1)
 
 
-# (device, workspace elements, tiles) -> (float32 partials, int32 counts): kept for the
-# process's life (CUDA graphs hold their addresses; the counts return to zero after each
-# launch, so any later launch may use them). Launches that share them must not overlap:
-# the decode steps of one process run on one stream at a time (a graph's capture stream
+# (device, workspace elements, tiles) -> (float32 partials, int32 counts), for the launches
+# given no workspace of their own: kept for the process's life (CUDA graphs hold their
+# addresses; the counts return to zero after each launch, so any later launch may use
+# them). Launches that share a workspace must not overlap: each decoder (each Generator)
+# passes its own, whose steps run on one stream at a time (a graph's capture stream
 # included), which orders them. Not keyed by stream: a graph is captured on another stream
 # than its warm-up ran on, and must find the warm-up's buffers.
 _SPLIT_BUFFERS: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def split_buffers(device: torch.device, elements: int, tiles: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def split_buffers(device: torch.device, elements: int, tiles: int,
+                  workspace: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A split-K launch's ``(partials, counts)`` from ``workspace`` (a dict its owner keeps:
+    one decoder's; default: the process's :data:`_SPLIT_BUFFERS`), made there at first."""
+    store = _SPLIT_BUFFERS if workspace is None else workspace
     key = (str(device), elements, tiles)
-    if key not in _SPLIT_BUFFERS:
+    if key not in store:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # The zeroed counts would only be recorded, not set: warm up before capturing.
             raise RuntimeError(f"{_OP}: a split-K GEMV of a new shape inside a CUDA-graph "
                                "capture; run it once before capturing")
-        _SPLIT_BUFFERS[key] = (torch.empty(elements, dtype=torch.float32, device=device),
-                               torch.zeros(tiles, dtype=torch.int32, device=device))
-    return _SPLIT_BUFFERS[key]
+        store[key] = (torch.empty(elements, dtype=torch.float32, device=device),
+                      torch.zeros(tiles, dtype=torch.int32, device=device))
+    return store[key]
 
 
 @dataclass(frozen=True)
@@ -272,7 +276,7 @@ def gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None,
           rope: RopeAppend | None = None, argmax: bool = False,
           prenorm: tuple[torch.Tensor, float] | None = None,
           row_scale: RowNorm | None = None, tokens: torch.Tensor | None = None,
-          out: torch.Tensor | None = None) -> Any:
+          out: torch.Tensor | None = None, workspace: dict | None = None) -> Any:
     """``gemv_kernel`` launched: a new ``[n, N]`` output (in ``out`` where given, a
     contiguous tensor of ``x``'s dtype), or ``residual`` updated in place.
     ``pdl``: with programmatic dependent launch (``lmfuse._pdl``). ``split_k``: programs
@@ -288,7 +292,9 @@ def gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None,
     rn)``, the updated residual stream, ``h * g`` and its :class:`RowNorm`
     (:func:`prenorm_reference`); ``row_scale``
     (a :class:`RowNorm`): each row's products scaled by its factor, so that ``gemv(xw, W,
-    row_scale=rn)`` is the GEMV of ``rms_norm(h)``."""
+    row_scale=rn)`` is the GEMV of ``rms_norm(h)``. ``workspace``: the dict a split-K
+    launch's buffers are kept in (:func:`split_buffers`; a decoder's own, so that two
+    Generators' steps never share them)."""
     if (gated or norm is not None) and split_k is not None and split_k > 1:
         raise ValueError(f"{_OP}: the gated or normed GEMV does not split K "
                          f"(split_k={split_k})")
@@ -299,7 +305,7 @@ def gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None,
     if row_scale is not None and (norm is not None or prenorm is not None):
         raise ValueError(f"{_OP}: the GEMV's row_scale takes neither norm nor prenorm")
     if rope is not None:
-        return _gemv_rope(x, weights, biases, rope, pdl, row_scale, split_k)
+        return _gemv_rope(x, weights, biases, rope, pdl, row_scale, split_k, workspace)
     n, K = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -341,7 +347,7 @@ def gemv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any = None,
     split = cdiv(K, k_split)  # no empty split
     grid = (n_out // block_n, cdiv(n, block_m), split)
     tiles = grid[0] * grid[1]
-    ws, count = (split_buffers(x.device, split * tiles * block_m * block_n, tiles)
+    ws, count = (split_buffers(x.device, split * tiles * block_m * block_n, tiles, workspace)
                  if split > 1 else (y, y))
     aval = aidx = None
     if argmax:  # each row's first maximum per tile, merged below
@@ -394,7 +400,7 @@ def rope_split(K: int, block_m: int, device: torch.device = _CPU) -> int:
 
 def _gemv_rope(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any,
                r: RopeAppend, pdl: int, row_scale: RowNorm | None = None,
-               split_k: int | None = None) -> torch.Tensor:
+               split_k: int | None = None, workspace: dict | None = None) -> torch.Tensor:
     n, K = x.shape
     ns = [w.shape[0] for w in weights]
     if ns != [r.hq * r.d, r.hkv * r.d, r.hkv * r.d]:
@@ -422,8 +428,8 @@ def _gemv_rope(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: Any,
     split = cdiv(K, k_split)  # no empty split
     grid = (n_out // (2 * block_n), cdiv(n, block_m), split)
     tiles = grid[0] * grid[1]
-    ws, count = (split_buffers(x.device, 2 * split * tiles * block_m * block_n, tiles)
-                 if split > 1 else (y, y))
+    ws, count = (split_buffers(x.device, 2 * split * tiles * block_m * block_n, tiles,
+                               workspace) if split > 1 else (y, y))
     _kernels().gemv_kernel[grid](
         x, weights[0], weights[1], weights[2], b[0], b[1], b[2], y, y, n, K, ns[0], ns[1],
         x.stride(0), y.stride(0), y.stride(0), ws, count, k_split,
