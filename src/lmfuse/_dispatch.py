@@ -126,35 +126,34 @@ def once_differentiable(backward: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _c_apply() -> Any:
-    """The C++ ``apply`` under ``torch.autograd.Function.apply`` and functorch's
-    ``unwrap_if_dead``, or None where this torch lacks either (then :func:`apply_function`
-    calls ``Function.apply``)."""
+def _c_apply() -> tuple[Any, Any, Any]:
+    """The C++ ``apply`` under ``torch.autograd.Function.apply``, functorch's
+    ``unwrap_if_dead`` and its transforms' test, or Nones where this torch lacks one (then
+    :func:`apply_function` calls ``Function.apply``)."""
     try:
         return (torch._C._FunctionBase.__dict__["apply"], torch._C._functorch.unwrap_if_dead,
                 torch._C._are_functorch_transforms_active)
     except (AttributeError, KeyError):
-        return None
+        return None, None, None
 
 
-_C_APPLY = _c_apply()
+_C_APPLY, _UNWRAP_IF_DEAD, _TRANSFORMS_ACTIVE = _c_apply()
+_COMPILING = torch.compiler.is_compiling
+_TENSOR = torch.Tensor
 
 
 def apply_function(fn: type[torch.autograd.Function], *args: Any) -> Any:
     """``fn.apply(*args)`` for an autograd function of the old style (``forward(ctx, ...)``,
     no ``setup_context``), without the Python wrapper's per-call work: what it does for
     such a function in eager mode -- each tensor argument unwrapped if it is a dead
-    functorch wrapper, then the C++ ``apply`` -- done inline (2-5 us of an op's host time,
-    a tenth of a small call's). Under ``torch.compile`` and inside functorch transforms it
-    is ``fn.apply`` itself (what Dynamo traces; what raises for a function without
-    ``setup_context``)."""
-    if _C_APPLY is None or torch.compiler.is_compiling():
+    functorch wrapper, then the C++ ``apply`` -- done inline (about 1 us of an op's host
+    time on a fast CPU, 2-3 on a slow one). Under ``torch.compile`` and inside functorch
+    transforms it is ``fn.apply`` itself (what Dynamo traces; what raises for a function
+    without ``setup_context``)."""
+    if _C_APPLY is None or _COMPILING() or _TRANSFORMS_ACTIVE():
         return fn.apply(*args)
-    apply, unwrap, transforms_active = _C_APPLY
-    if transforms_active():
-        return fn.apply(*args)
-    return apply.__get__(None, fn)(*[unwrap(a) if type(a) is torch.Tensor else a
-                                     for a in args])
+    return _C_APPLY.__get__(None, fn)(*[_UNWRAP_IF_DEAD(a) if type(a) is _TENSOR else a
+                                        for a in args])
 
 
 #: The public op of each autograd function whose backward is ``once_differentiable``.
