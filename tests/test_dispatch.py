@@ -300,3 +300,18 @@ def test_apply_function_is_function_apply() -> None:
     assert torch.equal(compiled(x, y), want)
     with pytest.raises(RuntimeError, match="setup_context"):
         torch.func.grad(lambda a: apply_function(_Scale, a, y, 2.5)[0].sum())(x)
+
+
+def test_apply_function_unwraps_a_dead_wrapper_of_a_tensor_subclass() -> None:
+    """A Parameter made inside a torch.func transform and kept after it (MAML-style weight
+    updates) is a dead functorch wrapper: unwrapped before the op's function runs, as
+    ``Function.apply`` unwraps every tensor argument, subclasses included."""
+    x, w, kept = randn((3, 8), torch.float32), randn((8,), torch.float32), []
+
+    def f(b):
+        kept.append(torch.nn.Parameter(b * 1.0))
+        return b.sum()
+
+    torch.func.grad(f)(w.clone())
+    y = lmfuse.rms_norm(x.clone().requires_grad_(True), kept[0], impl="triton")
+    torch.testing.assert_close(y, torch.rms_norm(x, (8,), w))

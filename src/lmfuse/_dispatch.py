@@ -152,7 +152,7 @@ def apply_function(fn: type[torch.autograd.Function], *args: Any) -> Any:
     without ``setup_context``)."""
     if _C_APPLY is None or _COMPILING() or _TRANSFORMS_ACTIVE():
         return fn.apply(*args)
-    return _C_APPLY.__get__(None, fn)(*[_UNWRAP_IF_DEAD(a) if type(a) is _TENSOR else a
+    return _C_APPLY.__get__(None, fn)(*[_UNWRAP_IF_DEAD(a) if isinstance(a, _TENSOR) else a
                                         for a in args])
 
 

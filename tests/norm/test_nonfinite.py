@@ -19,7 +19,7 @@ operations of an injected ``+-inf``.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -96,11 +96,9 @@ def _x(shape, dtype=F32, scale=1.0) -> torch.Tensor:
 
 
 @pytest.fixture
-def small_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    small = dict(tuning.table("rms_norm", DEVICE), **SMALL_TILES)
-    real = tuning.table
-    monkeypatch.setattr(tuning, "table", lambda family, device: small
-                        if family == "rms_norm" else real(family, device))
+def small_tiles() -> Iterator[None]:
+    with tuning.overlay("rms_norm", SMALL_TILES):
+        yield
 
 
 # --- NaN and inf, case by case -----------------------------------------------------------------
@@ -205,12 +203,7 @@ def test_property_both_paths_match_the_float64_reference(p: dict[str, Any]) -> N
             _inject(t, position, value)
             inf_injected |= math.isinf(value)
     grad = _x(x.shape, dtype)
-    with pytest.MonkeyPatch.context() as mp:
-        if p["small_tiles"]:
-            small = dict(tuning.table("rms_norm", DEVICE), **SMALL_TILES)
-            real = tuning.table
-            mp.setattr(tuning, "table", lambda family, device: small
-                       if family == "rms_norm" else real(family, device))
+    with tuning.overlay("rms_norm", SMALL_TILES if p["small_tiles"] else {}):
         check(f"{p}", x, weight, grad, p["impl"], module=p["module"],
               inf_injected=inf_injected, eps=p["eps"], weight_offset=p["weight_offset"])
 

@@ -219,6 +219,19 @@ def test_dense_and_strided_launches(monkeypatch, q_layout, k_layout, tables_of, 
     assert launched == ["rope_dense_kernel" if d else "rope_kernel" for d in forms], launched
 
 
+def test_a_head_stride_past_32_bits_takes_the_strided_launch(monkeypatch) -> None:
+    """The dense launch's heads-outer head stride ``S * D`` is a 32-bit product: from 2^31
+    (lowered here to S * D) the strided launch runs, with the reference's values."""
+    from lmfuse.rope import ops
+
+    q, k = qk(2, 5, 4, 2, 16, BF16, "bhsd")
+    cos, sin = tables(2, 5, 16)
+    monkeypatch.setattr(ops, "_DENSE_HEAD_STRIDE_LIMIT", 5 * 16)
+    launched = _launched(monkeypatch)
+    check("past the limit", q, k, cos, sin, "triton")
+    assert launched == ["rope_kernel", "rope_kernel"]
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("shape", [(0, 4, 5, 16), (2, 4, 0, 16), (2, 0, 5, 16)],
                          ids=["B0", "S0", "H0"])

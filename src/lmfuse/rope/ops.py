@@ -124,7 +124,7 @@ def launch_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     # (every argument positional, the constexprs too: the launch binds no keywords)
     q_order, k_order = _dense_order(sq, S, Hq, D, h), _dense_order(sk, S, Hk, D, h)
     if q_order is not None and k_order is not None and cos.is_contiguous() \
-            and sin.is_contiguous():
+            and sin.is_contiguous() and S * D < _DENSE_HEAD_STRIDE_LIMIT:
         # (empty_like keeps a dense input's strides: the outputs are laid out as q and k)
         _kernels().rope_dense_kernel[(B * S, splits)](
             q, qo, k, ko, cos, sin, S, *constexprs, q_order, k_order,
@@ -136,6 +136,11 @@ def launch_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
         k, sk[0], sk[h], sk[t], ko, sp[0], sp[h], sp[t],
         cos, *_rows(cos), sin, *_rows(sin), S, *constexprs, num_warps=warps)
     return qo, ko
+
+
+#: The dense launch computes a heads-outer head stride, ``S * D``, in 32 bits: from this
+#: size the strided launch, whose strides come as 64-bit arguments where they need it.
+_DENSE_HEAD_STRIDE_LIMIT = 1 << 31
 
 
 def _dense_order(stride: tuple[int, ...], S: int, H: int, D: int, heads_dim: int

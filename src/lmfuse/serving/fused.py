@@ -432,7 +432,8 @@ class FusedDecoder:
                 else:
                     x, rs = pre or (self._rms_norm(h, L.norm_post, L.eps_post), None)
                 a = fused_ops.gemv(x, (L.gate, L.up), None, gated=True, norm=norm, row_scale=rs,
-                          pdl=self.pdl if down else self.pdl_tail)
+                          pdl=self.pdl if down else self.pdl_tail,
+                          workspace=self.split_buffers)
                 # the next norm (the next layer's input norm, or the final one before the
                 # LM head's GEMV) inside the down GEMV
                 nxt = ((self.layers[i + 1].norm_in, self.layers[i + 1].eps)
