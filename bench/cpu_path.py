@@ -2,7 +2,9 @@
 backward, float32, 2 threads, at the demo's sizes and 10x them (medians of 21 rounds, the
 two sides taking turns; swiglu's plain formula splits with ``chunk``, whose backward is one
 concatenation, as the demo's plain MLP does; layer_norm's is ``F.layer_norm`` itself, which
-lmfuse's CPU path calls too). Then the host time of a forward call on tiny inputs (no
+lmfuse's CPU path calls too; apply_rotary_pos_emb's is transformers' Llama formula, ``x * cos
++ rotate_half(x) * sin``, on q and k made as transformers makes them: the demo's 4 heads of
+16, ``[B, S, H, D]`` transposed). Then the host time of a forward call on tiny inputs (no
 gradient: what each call costs beyond PyTorch's own op), and one training step of the
 demo's CPU model (``lmfuse.tiny_gpt.TinyGPT``, its defaults, 1 thread) against the plain
 model, the two taking turns::
@@ -56,6 +58,12 @@ def rows_at(k: int) -> list[tuple[str, list[int], Callable, Callable]]:
     bias = torch.randn(64, requires_grad=True)
     dr = torch.randn(512 * k, 64)
 
+    qr, kr = (torch.randn(8, 64 * k, 4, 16).transpose(1, 2).requires_grad_(True)
+              for _ in range(2))
+    angle = torch.rand(8, 64 * k, 8)
+    cos, sin = torch.cat((angle, angle), -1).cos(), torch.cat((angle, angle), -1).sin()
+    dq, dk = torch.randn(8, 4, 64 * k, 16), torch.randn(8, 4, 64 * k, 16)
+
     def plain_norm() -> None:
         (r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + 1e-6) * w).backward(dr)
 
@@ -72,7 +80,22 @@ def rows_at(k: int) -> list[tuple[str, list[int], Callable, Callable]]:
         ("rms_norm", list(r.shape), lambda: lmfuse.rms_norm(r, w).backward(dr), plain_norm),
         ("layer_norm", list(r.shape), lambda: lmfuse.layer_norm(r, w, bias).backward(dr),
          lambda: F.layer_norm(r, (64,), w, bias, 1e-5).backward(dr)),
+        ("apply_rotary_pos_emb", list(qr.shape),
+         lambda: torch.autograd.backward(lmfuse.apply_rotary_pos_emb(qr, kr, cos, sin),
+                                         (dq, dk)),
+         lambda: torch.autograd.backward(formula_rotary(qr, kr, cos, sin), (dq, dk))),
     ]
+
+
+def formula_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' Llama ``apply_rotary_pos_emb`` (``unsqueeze_dim=1``), written out."""
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        h = x.shape[-1] // 2
+        return torch.cat((-x[..., h:], x[..., :h]), -1)
+
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
 
 
 def host_rows() -> list[tuple[str, list[int], Callable, Callable]]:
@@ -83,6 +106,8 @@ def host_rows() -> list[tuple[str, list[int], Callable, Callable]]:
     hidden = torch.triu(torch.ones(8, 8, dtype=torch.bool), 1)
     a, r, w, bias = torch.randn(8, 32), torch.randn(8, 16), torch.randn(16), torch.randn(16)
     h, W = torch.randn(16, 8), torch.randn(32, 8)
+    qr, kr = torch.randn(1, 8, 2, 16).transpose(1, 2), torch.randn(1, 8, 2, 16).transpose(1, 2)
+    cos, sin = torch.randn(1, 8, 16), torch.randn(1, 8, 16)
     return [
         ("cross_entropy (host)", list(x.shape), lambda: lmfuse.cross_entropy(x, t),
          lambda: F.cross_entropy(x, t)),
@@ -98,6 +123,9 @@ def host_rows() -> list[tuple[str, list[int], Callable, Callable]]:
         ("linear_cross_entropy (host)", [*h.shape, W.shape[0]],
          lambda: lmfuse.linear_cross_entropy(h, W, t.repeat(2)),
          lambda: F.cross_entropy(F.linear(h, W), t.repeat(2))),
+        ("apply_rotary_pos_emb (host)", list(qr.shape),
+         lambda: lmfuse.apply_rotary_pos_emb(qr, kr, cos, sin),
+         lambda: formula_rotary(qr, kr, cos, sin)),
     ]
 
 

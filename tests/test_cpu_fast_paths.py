@@ -475,3 +475,87 @@ def test_softmax_band_cached_under_inference_mode_serves_training(no_interpreter
         want = torch.autograd.grad(lmfuse.fused_softmax(x, **kw, impl="torch").square().sum(),
                                    x)[0]
         assert torch.allclose(got, want, atol=1e-6), kw
+
+
+def _hf_rotary(q, k, cos, sin, u):
+    """transformers' Llama formula, written out (the plain ops the CPU path replaces)."""
+    def half(x):
+        h = x.shape[-1] // 2
+        return torch.cat((-x[..., h:], x[..., :h]), -1)
+
+    c, s = cos.unsqueeze(u), sin.unsqueeze(u)
+    return q * c + half(q) * s, k * c + half(k) * s
+
+
+@pytest.mark.parametrize("layout, tables", [("hf", 3), ("bhsd", 3), ("bshd", 3), ("hf", 2),
+                                            ("hf", 1)], ids=["hf", "bhsd", "bshd", "2d-table",
+                                                             "one-table"])
+def test_rotary_cpu_path_is_the_formula(no_interpreter, monkeypatch, layout,
+                                                    tables):
+    """Float32 CPU tensors (every value of a head rotated) take the formula in fewer passes
+    (the sign on the table, the product and sum fused): transformers' values and gradients
+    within a rounding, NaN and inf where the formula has them, for every layout and table
+    form; the reference is not called."""
+    from lmfuse.rope import ops as rope_ops
+
+    g = torch.Generator().manual_seed(3)
+    B, S, Hq, Hk, D = 2, 5, 4, 2, 8
+    shape = (lambda H: (B, S, H, D)) if layout in ("hf", "bshd") else (lambda H: (B, H, S, D))
+    q, k = (torch.randn(shape(H), generator=g) for H in (Hq, Hk))
+    if layout == "hf":
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    q[0, 0, 0, 4], k[1, 1, 1, 5] = float("inf"), float("nan")
+    angle = torch.rand(B if tables == 3 else 1, S, D // 2, generator=g) * 6.3
+    angle = torch.cat((angle, angle), -1)
+    angle[0, 0, 0] = 0.0  # (a sine of 0 meets the inf: NaN, as in the formula)
+    cos, sin = angle.cos(), angle.sin()
+    if tables == 2:
+        cos, sin = cos[0], sin[0]
+    u = (2 if layout == "bshd" else 1) - (tables == 2)
+    reference = _spy(monkeypatch, rope_ops, "rotary_reference")
+    leaves = [t.clone().requires_grad_(True) for t in (q, k)]
+    got = lmfuse.apply_rotary_pos_emb(*leaves, cos, sin, unsqueeze_dim=u)
+    assert not reference
+    plain = [t.clone().requires_grad_(True) for t in (q, k)]
+    want = _hf_rotary(*plain, cos, sin, u)
+    gs = [torch.randn(t.shape, generator=g) for t in want]
+    assert got[0].isnan().any() and got[0].isinf().any()  # (inf * sin 0, inf * cos 0)
+
+    def same(a, b):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, equal_nan=True)
+        assert a.isnan().equal(b.isnan()) and a.isinf().equal(b.isinf())
+
+    for a, b in zip(got, want):
+        same(a, b)
+    for a, b in zip(torch.autograd.grad(got, leaves, gs), torch.autograd.grad(want, plain, gs)):
+        same(a, b)
+    with torch.no_grad():
+        for a, b in zip(lmfuse.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=u), want):
+            same(a, b.detach())
+
+
+def test_rotary_cpu_path_partial_gradients_and_second_derivatives(no_interpreter):
+    """Only q needing a gradient: k's output needs none; second derivatives (through the
+    backward's own ops) equal the formula's; what the path does not take (partial rotary,
+    bf16, the tables' gradients) is the reference's."""
+    from lmfuse.rope import ops as rope_ops
+
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(1, 3, 4, 8, generator=g), torch.randn(1, 2, 4, 8, generator=g)
+    cos, sin = torch.randn(1, 4, 8, generator=g), torch.randn(1, 4, 8, generator=g)
+    qg = q.clone().requires_grad_(True)
+    qo, ko = lmfuse.apply_rotary_pos_emb(qg, k, cos, sin)
+    assert qo.requires_grad and not ko.requires_grad
+    (gq,) = torch.autograd.grad(qo.pow(2).sum(), qg, create_graph=True)
+    (gg,) = torch.autograd.grad(gq.pow(2).sum(), qg)
+    qp = q.clone().requires_grad_(True)
+    (wq,) = torch.autograd.grad(_hf_rotary(qp, k, cos, sin, 1)[0].pow(2).sum(), qp,
+                                create_graph=True)
+    (wg,) = torch.autograd.grad(wq.pow(2).sum(), qp)
+    torch.testing.assert_close(gq, wq, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gg, wg, rtol=1e-5, atol=1e-5)
+    assert not rope_ops._cpu_formula_takes(q, k, cos[..., :4], sin[..., :4])
+    assert not rope_ops._cpu_formula_takes(q, k.bfloat16(), cos, sin)
+    assert not rope_ops._cpu_formula_takes(q, k, cos.requires_grad_(True), sin)
+    with torch.no_grad():
+        assert rope_ops._cpu_formula_takes(q, k, cos, sin)

@@ -193,6 +193,73 @@ class _Rotary(torch.autograd.Function):
             return dq, dk, None, None, None, None
 
 
+# --- the CPU path ------------------------------------------------------------------------------
+
+
+def _roll_half(x: torch.Tensor, h: int) -> torch.Tensor:
+    """``[x2, x1]`` for ``x = [x1, x2]`` (halves of ``h`` along the last dim)."""
+    return torch.cat((x[..., h:], x[..., :h]), -1)
+
+
+def _cpu_formula_takes(q, k, cos, sin) -> bool:
+    """Whether :func:`_cpu_rotary` computes this call (float32 everywhere, every value of a
+    head rotated, no gradient wanted for the tables); the reference otherwise."""
+    f32 = torch.float32
+    return (k.dtype is f32 and cos.dtype is f32 and sin.dtype is f32
+            and cos.shape[-1] == q.shape[-1]
+            and not ((cos.requires_grad or sin.requires_grad) and torch.is_grad_enabled()))
+
+
+def _cpu_rotary(q, k, cos, sin, unsqueeze_dim) -> tuple[torch.Tensor, torch.Tensor]:
+    """The default path on float32 CPU tensors: ``x * cos + [x2, x1] * sin'`` with ``sin' =
+    [-sin1, sin2]`` (transformers' ``x * cos + rotate_half(x) * sin`` with the sign moved
+    onto the table, which q and k share), the product and the sum as one ``addcmul``: three
+    operations a tensor where that formula takes five; its gradient (:class:`_RotaryCPU`)
+    the transpose in three more, where autograd through the formula also fills the slices'
+    gradients with zeros. Its values are the formula's within a rounding (``addcmul`` may
+    fuse the multiply and the add); NaN and inf as the formula's."""
+    h = cos.shape[-1] // 2
+    c = cos.unsqueeze(unsqueeze_dim)
+    signed = (sin * _half_signs(h, sin.device)).unsqueeze(unsqueeze_dim)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        return apply_function(_RotaryCPU, q, k, c, signed, h)
+    return (torch.addcmul(q * c, _roll_half(q, h), signed),
+            torch.addcmul(k * c, _roll_half(k, h), signed))
+
+
+@functools.lru_cache(maxsize=16)
+def _half_signs(h: int, device: torch.device) -> torch.Tensor:
+    """``[-1] * h + [1] * h`` in float32 (times the sine: the sign of ``rotate_half``)."""
+    return torch.cat((torch.full((h,), -1.0), torch.ones(h))).to(device)
+
+
+class _RotaryCPU(torch.autograd.Function):
+    """:func:`_cpu_rotary` with gradients for q and k: ``dy * cos + [dy2, dy1] * [sin2,
+    -sin1]`` (the transpose; torch ops, so differentiable again)."""
+
+    @staticmethod
+    def forward(ctx, q, k, c, signed, h):
+        ctx.save_for_backward(c, signed)
+        ctx.h = h
+        qo = torch.addcmul(q * c, _roll_half(q, h), signed)
+        ko = torch.addcmul(k * c, _roll_half(k, h), signed)
+        need_q, need_k = ctx.needs_input_grad[:2]
+        if not (need_q and need_k):
+            ctx.mark_non_differentiable(*(o for o, need in ((qo, need_q), (ko, need_k))
+                                          if not need))
+        return qo, ko
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        c, signed = ctx.saved_tensors
+        h = ctx.h
+        rolled = _roll_half(signed, h)
+        need_q, need_k = ctx.needs_input_grad[:2]
+        dq = torch.addcmul(dq * c, _roll_half(dq, h), rolled) if need_q else None
+        dk = torch.addcmul(dk * c, _roll_half(dk, h), rolled) if need_k else None
+        return dq, dk, None, None, None
+
+
 # --- validation, planning, the public function ---------------------------------------------------
 
 
@@ -318,8 +385,10 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     unchanged, one rounding), for modeling functions that cast their results back to
     their inputs' dtypes (OLMo 2's, under autocast)."""
     path, _, u = _check(q, k, cos, sin, unsqueeze_dim, impl)
-    if path == "torch" or native_cpu(impl, path, q):
+    if path == "torch":
         with nvtx_range(_OP, "fwd"):
+            if native_cpu(impl, path, q) and _cpu_formula_takes(q, k, cos, sin):
+                return _cpu_rotary(q, k, cos, sin, unsqueeze_dim)
             return rotary_reference(q, k, cos, sin, unsqueeze_dim, promote=promote)
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
