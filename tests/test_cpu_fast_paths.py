@@ -559,3 +559,8 @@ def test_rotary_cpu_path_partial_gradients_and_second_derivatives(no_interpreter
     assert not rope_ops._cpu_formula_takes(q, k, cos.requires_grad_(True), sin)
     with torch.no_grad():
         assert rope_ops._cpu_formula_takes(q, k, cos, sin)
+    cos.requires_grad_(False)
+    assert "the sign of rotate_half on the table" in lmfuse.explain(
+        lmfuse.apply_rotary_pos_emb, q, k, cos, sin).reason
+    assert "rotate_half" not in lmfuse.explain(lmfuse.apply_rotary_pos_emb, q, k.bfloat16(),
+                                               cos, sin).reason

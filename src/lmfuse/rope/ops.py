@@ -425,8 +425,9 @@ def plan_rotary(q, k, cos, sin, unsqueeze_dim, impl) -> Plan:
                              f"heads {block_hq} at a time, key heads {block_hk}; q and k in "
                              "one launch each way")
         details["saved for backward"] = "cos, sin"
-    if native_cpu(impl, path, q):
-        reason += "; CPU float32: the reference's PyTorch ops (the formula's own)"
+    if native_cpu(impl, path, q) and _cpu_formula_takes(q, k, cos, sin):
+        reason += ("; CPU float32: the formula in PyTorch ops, the sign of rotate_half on "
+                   "the table, its own backward")
     return Plan(_OP, path, reason, details, call=a)
 
 
