@@ -564,3 +564,77 @@ def test_rotary_cpu_path_partial_gradients_and_second_derivatives(no_interpreter
         lmfuse.apply_rotary_pos_emb, q, k, cos, sin).reason
     assert "rotate_half" not in lmfuse.explain(lmfuse.apply_rotary_pos_emb, q, k.bfloat16(),
                                                cos, sin).reason
+
+
+def _rotary_inputs():
+    g = torch.Generator().manual_seed(5)
+    return (torch.randn(1, 2, 3, 4, generator=g), torch.randn(1, 1, 3, 4, generator=g),
+            torch.randn(1, 3, 4, generator=g), torch.randn(1, 3, 4, generator=g))
+
+
+def test_rotary_cpu_path_whatever_the_default_dtype_and_with_fake_tensors(no_interpreter):
+    """Its sign table is float32 whatever the default dtype when it is first made (float32
+    outputs, then and after); fake tensors (FakeTensorMode, make_fx) take the reference
+    and leave nothing behind that a real call would meet."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from lmfuse.rope import ops as rope_ops
+
+    q, k, cos, sin = _rotary_inputs()
+    rope_ops._half_signs.cache_clear()
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert [t.dtype for t in lmfuse.apply_rotary_pos_emb(q, k, cos, sin)] == [torch.float32] * 2
+    finally:
+        torch.set_default_dtype(before)
+    assert [t.dtype for t in lmfuse.apply_rotary_pos_emb(q, k, cos, sin)] == [torch.float32] * 2
+    rope_ops._half_signs.cache_clear()
+    make_fx(lambda *a: lmfuse.apply_rotary_pos_emb(*a), tracing_mode="fake")(q, k, cos, sin)
+    want = _hf_rotary(q, k, cos, sin, 1)
+    for a, b in zip(lmfuse.apply_rotary_pos_emb(q, k, cos, sin), want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    with FakeTensorMode() as mode:
+        out = lmfuse.apply_rotary_pos_emb(*(mode.from_tensor(t) for t in (q, k, cos, sin)))
+    assert [tuple(t.shape) for t in out] == [tuple(q.shape), tuple(k.shape)]
+
+
+def test_rotary_cpu_path_backward_per_output_and_torch_func(no_interpreter):
+    """q's and k's outputs have an autograd node each (a backward through one, then the
+    other, as through the formula); torch.func's grad, jacrev, jacfwd and vmap and
+    forward-mode AD (a tangent on q and on the cosines) give the formula's."""
+    from torch.autograd import forward_ad as fwAD
+
+    q, k, cos, sin = _rotary_inputs()
+    leaves = [t.clone().requires_grad_(True) for t in (q, k)]
+    qo, ko = lmfuse.apply_rotary_pos_emb(*leaves, cos, sin)
+    qo.sum().backward()
+    ko.sum().backward()
+    plain = [t.clone().requires_grad_(True) for t in (q, k)]
+    wq, wk = _hf_rotary(*plain, cos, sin, 1)
+    wq.sum().backward()
+    wk.sum().backward()
+    for a, b in zip(leaves, plain):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-6)
+
+    def ours(x):
+        return lmfuse.apply_rotary_pos_emb(x, k, cos, sin)[0]
+
+    def formula(x):
+        return _hf_rotary(x, k, cos, sin, 1)[0]
+
+    stacked = torch.stack((q, 2 * q, -q))
+    for transform, x in ((lambda f: torch.func.grad(lambda x: f(x).pow(2).sum()), q),
+                         (torch.func.jacrev, q), (torch.func.jacfwd, q),
+                         (torch.func.vmap, stacked)):
+        torch.testing.assert_close(transform(ours)(x), transform(formula)(x), rtol=1e-5,
+                                   atol=1e-5)
+    tq, tc = torch.randn_like(q), torch.randn_like(cos)
+    with fwAD.dual_level():
+        got = fwAD.unpack_dual(lmfuse.apply_rotary_pos_emb(
+            fwAD.make_dual(q.clone().requires_grad_(True), tq), k, fwAD.make_dual(cos, tc),
+            sin)[0]).tangent
+        want = fwAD.unpack_dual(_hf_rotary(fwAD.make_dual(q, tq), k, fwAD.make_dual(cos, tc),
+                                           sin, 1)[0]).tangent
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

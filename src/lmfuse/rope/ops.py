@@ -3,11 +3,15 @@
 The public function has transformers' signature (``q, k, cos, sin, unsqueeze_dim=1``), so
 a model's module can take it in place of its own. It checks its inputs once
 (:func:`_check`), then runs the reference (``impl="torch"``, and wherever
-``cos`` or ``sin`` need a gradient: autograd through the formula) or one autograd function
-around one Triton kernel: the forward rotates the queries and the keys in one launch; the
-backward rotates their gradients back (the transpose: ``-sin``) in one more. Nothing is
-saved for the backward but ``cos`` and ``sin``. Under ``torch.compile`` the launch goes
-through the ``torch.library`` custom op ``lmfuse::rotary``, so the graph does not break.
+``cos`` or ``sin`` need a gradient: autograd through the formula), the CPU path (float32 CPU
+tensors without Triton: :func:`_cpu_rotary`, the formula in fewer passes, an autograd node
+for q and one for k) or one autograd function around one Triton kernel: the forward rotates
+the queries and the keys in one launch; the backward rotates their gradients back (the
+transpose: ``-sin``) in one more, so q's and k's outputs share one autograd node (backward
+through both at once, or keep the graph for a second pass). Nothing is saved for the
+backward but ``cos`` and ``sin`` (on the CPU path, ``sin`` with its sign). Under
+``torch.compile`` the launch goes through the ``torch.library`` custom op
+``lmfuse::rotary``, so the graph does not break.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 
 from .. import tuning
 from .._dispatch import (
+    PLAIN_TENSORS,
     Plan,
     ResolvedCall,
     apply_function,
@@ -202,11 +207,13 @@ def _roll_half(x: torch.Tensor, h: int) -> torch.Tensor:
 
 
 def _cpu_formula_takes(q, k, cos, sin) -> bool:
-    """Whether :func:`_cpu_rotary` computes this call (float32 everywhere, every value of a
-    head rotated, no gradient wanted for the tables); the reference otherwise."""
-    f32 = torch.float32
+    """Whether :func:`_cpu_rotary` computes this call (plain float32 tensors everywhere,
+    every value of a head rotated, no gradient wanted for the tables); the reference
+    otherwise (fake tensors and other subclasses included)."""
+    f32, plain = torch.float32, PLAIN_TENSORS
     return (k.dtype is f32 and cos.dtype is f32 and sin.dtype is f32
-            and cos.shape[-1] == q.shape[-1]
+            and type(q) in plain and type(k) in plain and type(cos) in plain
+            and type(sin) in plain and cos.shape[-1] == q.shape[-1]
             and not ((cos.requires_grad or sin.requires_grad) and torch.is_grad_enabled()))
 
 
@@ -217,47 +224,59 @@ def _cpu_rotary(q, k, cos, sin, unsqueeze_dim) -> tuple[torch.Tensor, torch.Tens
     operations a tensor where that formula takes five; its gradient (:class:`_RotaryCPU`)
     the transpose in three more, where autograd through the formula also fills the slices'
     gradients with zeros. Its values are the formula's within a rounding (``addcmul`` may
-    fuse the multiply and the add); NaN and inf as the formula's."""
+    fuse the multiply and the add); NaN and inf as the formula's. q and k get an autograd
+    node each, as through the formula (each backward can run on its own)."""
     h = cos.shape[-1] // 2
     c = cos.unsqueeze(unsqueeze_dim)
     signed = (sin * _half_signs(h, sin.device)).unsqueeze(unsqueeze_dim)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-        return apply_function(_RotaryCPU, q, k, c, signed, h)
-    return (torch.addcmul(q * c, _roll_half(q, h), signed),
-            torch.addcmul(k * c, _roll_half(k, h), signed))
+    grad = torch.is_grad_enabled()
+    return tuple(apply_function(_RotaryCPU, x, c, signed, h) if grad and x.requires_grad
+                 else torch.addcmul(x * c, _roll_half(x, h), signed) for x in (q, k))
 
 
 @functools.lru_cache(maxsize=16)
 def _half_signs(h: int, device: torch.device) -> torch.Tensor:
-    """``[-1] * h + [1] * h`` in float32 (times the sine: the sign of ``rotate_half``)."""
-    return torch.cat((torch.full((h,), -1.0), torch.ones(h))).to(device)
+    """``[-1] * h + [1] * h`` in float32 on ``device`` (times the sine: the sign of
+    ``rotate_half``), whatever the default dtype and device."""
+    return torch.cat((torch.full((h,), -1.0, dtype=torch.float32, device=device),
+                      torch.ones(h, dtype=torch.float32, device=device)))
 
 
 class _RotaryCPU(torch.autograd.Function):
-    """:func:`_cpu_rotary` with gradients for q and k: ``dy * cos + [dy2, dy1] * [sin2,
-    -sin1]`` (the transpose; torch ops, so differentiable again)."""
+    """One tensor of :func:`_cpu_rotary` with its gradient, ``dy * cos + [dy2, dy1] *
+    [sin2, -sin1]`` (the transpose; torch ops, so differentiable again), its forward-mode
+    derivative and, for ``torch.func``, its context set apart and its vmap rule generated.
+    The tables take no gradient here (a call whose tables need one runs the reference)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, q, k, c, signed, h):
+    def forward(x, c, signed, h):
+        return torch.addcmul(x * c, _roll_half(x, h), signed)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, c, signed, h = inputs
         ctx.save_for_backward(c, signed)
+        ctx.save_for_forward(x, c, signed)
         ctx.h = h
-        qo = torch.addcmul(q * c, _roll_half(q, h), signed)
-        ko = torch.addcmul(k * c, _roll_half(k, h), signed)
-        need_q, need_k = ctx.needs_input_grad[:2]
-        if not (need_q and need_k):
-            ctx.mark_non_differentiable(*(o for o, need in ((qo, need_q), (ko, need_k))
-                                          if not need))
-        return qo, ko
 
     @staticmethod
-    def backward(ctx, dq, dk):
+    def backward(ctx, dy):
         c, signed = ctx.saved_tensors
         h = ctx.h
-        rolled = _roll_half(signed, h)
-        need_q, need_k = ctx.needs_input_grad[:2]
-        dq = torch.addcmul(dq * c, _roll_half(dq, h), rolled) if need_q else None
-        dk = torch.addcmul(dk * c, _roll_half(dk, h), rolled) if need_k else None
-        return dq, dk, None, None, None
+        return torch.addcmul(dy * c, _roll_half(dy, h), _roll_half(signed, h)), None, None, None
+
+    @staticmethod
+    def jvp(ctx, dx, dc, dsigned, _):
+        x, c, signed = ctx.saved_tensors
+        h = ctx.h
+        out = None if dx is None else torch.addcmul(dx * c, _roll_half(dx, h), signed)
+        for term in ((None if dc is None else x * dc),
+                     (None if dsigned is None else _roll_half(x, h) * dsigned)):
+            if term is not None:
+                out = term if out is None else out + term
+        return out if out is not None else torch.zeros_like(x)
 
 
 # --- validation, planning, the public function ---------------------------------------------------
