@@ -143,13 +143,14 @@ _TENSOR = torch.Tensor
 
 
 def apply_function(fn: type[torch.autograd.Function], *args: Any) -> Any:
-    """``fn.apply(*args)`` for an autograd function of the old style (``forward(ctx, ...)``,
-    no ``setup_context``), without the Python wrapper's per-call work: what it does for
-    such a function in eager mode -- each tensor argument unwrapped if it is a dead
-    functorch wrapper, then the C++ ``apply`` -- done inline (about 1 us of an op's host
-    time on a fast CPU, 2-3 on a slow one). Under ``torch.compile`` and inside functorch
-    transforms it is ``fn.apply`` itself (what Dynamo traces; what raises for a function
-    without ``setup_context``)."""
+    """``fn.apply(*args)`` without the Python wrapper's per-call work, for an autograd
+    function of the old style (``forward(ctx, ...)``) or of the new one (``setup_context``)
+    given all its arguments (the wrapper would bind the defaults): what the wrapper does in
+    eager mode -- each tensor argument unwrapped if it is a dead functorch wrapper, then the
+    C++ ``apply`` -- done inline (about 1 us of an op's host time on a fast CPU, 2-3 on a
+    slow one). Under ``torch.compile`` and inside functorch transforms it is ``fn.apply``
+    itself (what Dynamo traces; what runs a new-style function under the transforms and
+    refuses an old-style one)."""
     if _C_APPLY is None or _COMPILING() or _TRANSFORMS_ACTIVE():
         return fn.apply(*args)
     return _C_APPLY.__get__(None, fn)(*[_UNWRAP_IF_DEAD(a) if isinstance(a, _TENSOR) else a
