@@ -271,12 +271,13 @@ class _RotaryCPU(torch.autograd.Function):
     def jvp(ctx, dx, dc, dsigned, _):
         x, c, signed = ctx.saved_tensors
         h = ctx.h
-        out = None if dx is None else torch.addcmul(dx * c, _roll_half(dx, h), signed)
-        for term in ((None if dc is None else x * dc),
-                     (None if dsigned is None else _roll_half(x, h) * dsigned)):
-            if term is not None:
-                out = term if out is None else out + term
-        return out if out is not None else torch.zeros_like(x)
+        out = (torch.zeros_like(x) if dx is None
+               else torch.addcmul(dx * c, _roll_half(dx, h), signed))
+        if dc is not None:  # (tangents of the tables: the product rule's other terms)
+            out = out + x * dc
+        if dsigned is not None:
+            out = out + _roll_half(x, h) * dsigned
+        return out
 
 
 # --- validation, planning, the public function ---------------------------------------------------
