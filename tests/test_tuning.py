@@ -35,6 +35,13 @@ def test_row_tiles_streamed_past_the_limit() -> None:
         BLOCK_M=1, BLOCK_N=1024, SINGLE_BLOCK=False, num_warps=8)
 
 
+def test_by_width_takes_the_first_limit_that_holds_the_width() -> None:
+    entries = [[1024, "a"], [8192, "b"]]
+    assert [tuning.by_width(entries, w, "d") for w in (16, 1024, 1025, 8192, 16384)] == [
+        "a", "a", "b", "b", "b"]  # past every limit: the last entry's
+    assert tuning.by_width([], 4096, "d") == "d"
+
+
 def test_cpu_tables_have_every_family_key() -> None:
     cpu = torch.device("cpu")
     assert tuning.device_key(cpu) == "cpu"

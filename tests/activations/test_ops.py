@@ -903,3 +903,34 @@ def test_scalars_beyond_float32_are_refused(op, name) -> None:
     # (float32 arguments of the kernels: 1e39 would be inf there)
     with pytest.raises(ValueError, match=rf"^{op}: {name} must be within float32's range"):
         getattr(lmfuse, op)(torch.randn(2, 8), **{name: 1e39})
+
+
+def test_backward_stages_of_the_non_gated_activations(monkeypatch) -> None:
+    """The table's ``plain_bwd_stages`` pipelines the backward's row loop of the non-gated
+    activations only (the gated ones keep Triton's default: None), with the same
+    gradients (the interpreter runs the loop as written)."""
+    from lmfuse import tuning
+    from lmfuse.activations import ops as act_ops
+
+    kernels = act_ops._kernels()
+    real = kernels.act_bwd_kernel
+    stages: list = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                stages.append((kw["GATED"], kw["STAGES"]))
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(kernels, "act_bwd_kernel", Spy())
+    x = randn((7, 12), requires_grad=True)
+    g = randn((7, 12))
+    with tuning.overlay("activations", {"plain_bwd_stages": 3}):
+        for fn, gated in ((lmfuse.bias_gelu, False), (lmfuse.squared_relu, False),
+                          (lmfuse.swiglu, True)):
+            y = fn(x, impl="triton")
+            got, = torch.autograd.grad(y, x, g[:, :y.shape[1]])
+            want, = torch.autograd.grad(fn(x, impl="torch"), x, g[:, :y.shape[1]])
+            assert_close(got, want, torch.float32, fn.__name__)
+            assert stages[-1] == (gated, None if gated else 3)

@@ -138,6 +138,43 @@ def test_backward_row_groups(small_tiles: list, streamed: bool) -> None:
     assert programs > 1 and rows_per_program > 2 and 23 % rows_per_program
 
 
+def test_backward_stages_by_width_and_shared_memory(monkeypatch) -> None:
+    """The backward's pipeline stages: RMSNorm's ``bwd_stages`` and LayerNorm's
+    ``centered_bwd_stages`` by tile width, the streamed ones' by norm, 1 without an entry;
+    cut to what the device's shared memory holds (stages - 1 buffers of the x and dy tiles
+    beside the reductions' room); the gradients the same at any count (the interpreter
+    runs the loop as written)."""
+    cpu = torch.device("cpu")
+    table = {"bwd_stages": [[32, 4], [64, 2]], "centered_bwd_stages": [[64, 3]],
+             "bwd_stages_fp32": [], "centered_bwd_stages_fp32": [[16, 1], [64, 6]],
+             "chunk_bwd_stages": 2, "centered_chunk_bwd_stages": 5, "max_single_block": 64}
+    with tuning.overlay("rms_norm", table):
+        assert [norm_ops._config(h, cpu)[2] for h in (8, 32, 33, 64)] == [4, 4, 2, 2]
+        assert [norm_ops._config(h, cpu, True)[2] for h in (8, 64)] == [3, 3]
+        # float32 rows (8 bytes a column of x and dy): their own entries
+        assert [norm_ops._config(h, cpu, False, 8)[2] for h in (8, 64)] == [1, 1]
+        assert [norm_ops._config(h, cpu, True, 8)[2] for h in (8, 64)] == [1, 6]
+        assert norm_ops._config(64, cpu, True, 4)[2] == 3
+        assert norm_ops._config(65, cpu)[2] == 2 and norm_ops._config(65, cpu, True)[2] == 5
+        assert "pipelined over 3 stages" in lmfuse.explain(
+            "layer_norm", randn((3, 24), torch.float16)).details["backward"]
+        check("pipelined", randn((7, 24)), randn((24,)), randn((24,)), randn((7, 24)),
+              "triton")
+    with tuning.overlay("rms_norm", {"bwd_stages": [], "centered_bwd_stages": []}):
+        assert norm_ops._config(24, cpu)[2] == 1 and norm_ops._config(24, cpu, True)[2] == 1
+        assert "pipelined" not in lmfuse.explain("layer_norm", randn((3, 24))).details[
+            "backward"]
+    # A device whose shared memory holds two 4096-column bf16 tiles of x and dy (16 KiB
+    # each) beside the reductions' room: 3 stages at most, whatever the table asks.
+    monkeypatch.setattr(tuning, "shared_memory",
+                        lambda device: norm_ops._REDUCE_SMEM + 2 * 4096 * 4)
+    with tuning.overlay("rms_norm", {"bwd_stages": [[16384, 6]], "bwd_stages_fp32": [[16384, 6]],
+                                     "tile_elems": 4096}):
+        assert norm_ops._config(4096, cpu, False, 4)[2] == 3
+        assert norm_ops._config(4096, cpu, False, 8)[2] == 2  # float32: one buffer
+        assert norm_ops._config(8192, cpu, False, 8)[2] == 1  # not even one: unpipelined
+
+
 def test_backward_warps_of_the_centred_table(monkeypatch) -> None:
     """LayerNorm's backward takes the warps ``centered_bwd_warps`` gives its tile width
     (RMSNorm's and the forward keep the table's), and computes the same gradients."""

@@ -163,7 +163,7 @@ def act_bwd_kernel(
     offset, clamp, gate_mul, down_mul,
     ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_W: tl.constexpr,
     HAS_CLAMP: tl.constexpr, BIAS_GRAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, STAGES: tl.constexpr = None,
 ):
     pid_n, group = tl.program_id(0), tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -176,7 +176,7 @@ def act_bwd_kernel(
     db_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     db_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first = group.to(tl.int64) * rows_per_group
-    for r0 in range(0, rows_per_group, BLOCK_M):
+    for r0 in tl.range(0, rows_per_group, BLOCK_M, num_stages=STAGES):
         rows = first + r0 + tl.arange(0, BLOCK_M)
         rmask = (rows < M) & (r0 + tl.arange(0, BLOCK_M) < rows_per_group)
         mask = rmask[:, None] & cmask[None, :]

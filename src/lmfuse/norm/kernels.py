@@ -35,7 +35,9 @@ reference's are ``inf * 0`` (``_dx``).
   (centred: ``g - mean(g)`` in the first term), ``dweight = sum over rows of dy * x_hat``,
   ``dbias = sum over rows of dy``. A program owns a contiguous group of
   ``rows_per_program`` rows and walks them ``BLOCK_M`` at a time, reading x and dy once
-  (twice when streamed) and writing dx once. Its share of the weight (bias) gradient is one
+  (twice when streamed) and writing dx once; the walk is software-pipelined over
+  ``STAGES`` (the next tiles' x and dy copied into shared memory while one is computed;
+  None: Triton's default loop, which it does not pipeline). Its share of the weight (bias) gradient is one
   float32 partial row ``part[0, pid, :H]`` (the bias's: the last, ``part[k - 1, pid]``):
   kept in registers (single tile) or added into that row in place, by this program only
   (streamed); the caller sums the partials, so the result is deterministic (no atomics).
@@ -169,7 +171,7 @@ def norm_bwd_kernel(
     rows_per_program, offset,
     HAS_WEIGHT: tl.constexpr, WEIGHT_GRAD: tl.constexpr, BIAS_GRAD: tl.constexpr,
     CENTERED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SINGLE_BLOCK: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr, STAGES: tl.constexpr = None,
 ):
     pid = tl.program_id(0)
     first = pid.to(tl.int64) * rows_per_program
@@ -187,7 +189,7 @@ def norm_bwd_kernel(
         # Weight-gradient sums kept per tile element, reduced over rows once at the end.
         dw = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         db = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for r0 in range(0, rows_per_program, BLOCK_M):
+        for r0 in tl.range(0, rows_per_program, BLOCK_M, num_stages=STAGES):
             rows = first + r0 + tl.arange(0, BLOCK_M)
             rmask = (rows < M) & (r0 + tl.arange(0, BLOCK_M) < rows_per_program)
             mask = rmask[:, None] & cmask[None, :]
@@ -228,7 +230,7 @@ def norm_bwd_kernel(
             # and centred sum(g).
             gx = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             gs = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for c0 in range(0, H, BLOCK_N):
+            for c0 in tl.range(0, H, BLOCK_N, num_stages=STAGES):
                 c = c0 + cols
                 cmask = c < H
                 mask = rmask[:, None] & cmask[None, :]

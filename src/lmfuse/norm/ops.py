@@ -55,10 +55,10 @@ _OP = "rms_norm"
 _kernels = lazy_kernels("kernels", __package__)
 
 
-def _config(H: int, device: torch.device, centered_bwd: bool = False
-            ) -> tuple[tuning.RowTiles, int]:
-    """``(tiles, backward programs per SM)`` for rows of ``H`` values, from the
-    ``rms_norm`` tuning section (both norms' kernels read it).
+def _config(H: int, device: torch.device, centered_bwd: bool = False, elem_bytes: int = 4
+            ) -> tuple[tuning.RowTiles, int, int]:
+    """``(tiles, backward programs per SM, backward stages)`` for rows of ``H`` values, from
+    the ``rms_norm`` tuning section (both norms' kernels read it).
 
     A row up to ``max_single_block`` wide is one register tile, ``tile_elems // width``
     rows per program, with ``warps_by_block`` warps; a wider one is streamed in
@@ -68,28 +68,55 @@ def _config(H: int, device: torch.device, centered_bwd: bool = False
     streaming up to 16384 columns, forward and backward; 2 backward programs per SM are
     best at H = 4096 and within 2% of the best at 8192 to 16384.)
 
+    The backward's row loop is software-pipelined over ``stages`` (Triton's ``num_stages``:
+    the next rows' x and dy tiles copied into shared memory while this one is computed):
+    ``bwd_stages`` (RMSNorm) or ``centered_bwd_stages`` (LayerNorm), ``[limit, stages]``
+    entries by tile width as ``warps_by_block``'s, 1 (not pipelined) without one, and for
+    float32 rows (``elem_bytes``, x's and dy's bytes a column, above 4) the ``_fp32``
+    entries; streamed rows take ``chunk_bwd_stages`` / ``centered_chunk_bwd_stages``.
+    Stages are cut to what the device's shared memory holds (``stages - 1`` buffers of a
+    tile's x and dy). H200, bf16 [16384, H], the backward alone: 3 stages take RMSNorm
+    from 0.130 to 0.113 ms at H = 4096 and 0.266 to 0.214 at 8192, LayerNorm from 0.166 to
+    0.114 and 0.314 to 0.228; narrow rows (64-256) and float32 RMSNorm are as fast or
+    faster without, and RMSNorm at 16384.
+
     ``centered_bwd``: LayerNorm's backward, whose single tiles of the widths in
-    ``centered_bwd_warps`` (a width's string -> warps; the H200's table only, where it was
-    measured) take that many warps: it holds
-    seven row tiles to RMSNorm's five, and a wide one is latency-bound at one program
-    per SM (H200, bf16 [16384, 8192]: 0.405 ms with RMSNorm's 16 warps, 0.309 with 32).
+    ``centered_bwd_warps`` (a width's string -> warps) take that many warps: it holds
+    seven row tiles to RMSNorm's five, and at 16384 columns 16 warps spill (H200, bf16
+    [16384, 16384]: 3.3 ms with 16 warps, 0.81 with 8 and 3 stages).
     """
-    return _cached_config(H, device, centered_bwd, tuning.generation())
+    return _cached_config(H, device, centered_bwd, elem_bytes, tuning.generation())
 
 
 @functools.lru_cache(maxsize=256)
-def _cached_config(H: int, device: torch.device, centered_bwd: bool, generation: int
-                   ) -> tuple[tuning.RowTiles, int]:
-    """:func:`_config`, looked up once per width, device and tuning generation (the
-    lookup is host time of every call: 2 us)."""
+def _cached_config(H: int, device: torch.device, centered_bwd: bool, elem_bytes: int,
+                   generation: int) -> tuple[tuning.RowTiles, int, int]:
+    """:func:`_config`, looked up once per width, device, element size and tuning
+    generation (the lookup is host time of every call: 2 us)."""
     t = tuning.table("rms_norm", device)
     tiles = tuning.row_tiles(t, H)
     per_sm = t["bwd_programs_per_sm" if tiles.single else "chunk_bwd_programs_per_sm"]
-    if centered_bwd and tiles.single:
-        warps = t.get("centered_bwd_warps", {}).get(str(tiles.block_n))
-        if warps:
-            tiles = dataclasses.replace(tiles, num_warps=warps)
-    return tiles, per_sm
+    prefix = "centered_" if centered_bwd else ""
+    if tiles.single:
+        if centered_bwd:
+            warps = t.get("centered_bwd_warps", {}).get(str(tiles.block_n))
+            if warps:
+                tiles = dataclasses.replace(tiles, num_warps=warps)
+        # (float32 rows, 8 bytes a column of x and dy, have entries of their own)
+        key = prefix + ("bwd_stages_fp32" if elem_bytes > 4 else "bwd_stages")
+        stages = tuning.by_width(t.get(key, ()), tiles.block_n, 1)
+    else:
+        stages = t.get(prefix + "chunk_bwd_stages", 1)
+    smem = tuning.shared_memory(device)
+    if smem is not None and stages > 1:
+        # (stages - 1) buffers of the x and dy tiles, and room for the row reductions
+        per_stage = tiles.block_m * tiles.block_n * elem_bytes
+        stages = max(1, min(stages, 1 + (smem - _REDUCE_SMEM) // per_stage))
+    return tiles, per_sm, stages
+
+
+# Shared memory left beside the pipeline's buffers for the kernels' cross-warp reductions.
+_REDUCE_SMEM = 16 * 1024
 
 
 def _bwd_grid(M: int, block_m: int, programs_per_sm: int, device: torch.device
@@ -160,7 +187,7 @@ def _bwd(x: torch.Tensor, dy: torch.Tensor, stats: torch.Tensor,
     reduction launch; the partials hold no -0.0, where a sum would give +0.0)."""
     M, H = x.shape
     dx = x.new_empty(M, H)
-    tiles, per_sm = _config(H, x.device, centered)
+    tiles, per_sm, stages = _config(H, x.device, centered, x.element_size() + dy.element_size())
     programs, rows_per_program = _bwd_grid(M, tiles.block_m, per_sm, x.device)
     k = int(weight_grad) + int(bias_grad)
     if M == 0 or H == 0:
@@ -171,7 +198,8 @@ def _bwd(x: torch.Tensor, dy: torch.Tensor, stats: torch.Tensor,
     _kernels().norm_bwd_kernel[(programs,)](
         x, x.stride(0), dy, dy.stride(0), weight, stats, dx, dx.stride(0), part, M, H,
         rows_per_program, weight_offset, HAS_WEIGHT=weight is not None,
-        WEIGHT_GRAD=weight_grad, BIAS_GRAD=bias_grad, CENTERED=centered, **tiles.meta())
+        WEIGHT_GRAD=weight_grad, BIAS_GRAD=bias_grad, CENTERED=centered,
+        STAGES=stages if stages > 1 else None, **tiles.meta())
     if not k:
         return dx, torch.empty(0, H, dtype=torch.float32, device=x.device)
     return dx, (part[:, 0] if programs == 1 else part.sum(1))
@@ -428,12 +456,12 @@ def _plan(op: str, impl: str, path: str, reason: str, a: NormCall, x: torch.Tens
         if t is not None:
             details[name] = f"[{H}] {dtype_name(t.dtype)}"
     if path == "triton" and H > 0:
-        tiles, per_sm = _config(H, x.device)
+        tiles = _config(H, x.device)[0]
         details["forward"] = (
             f"one pass, {tiles.block_m} row(s) x {tiles.block_n} columns per program"
             if tiles.single else
             f"streamed in {tiles.block_n}-column tiles, {tiles.block_m} row(s) per program")
-        tiles, per_sm = _config(H, x.device, op == _LN)
+        tiles, per_sm, stages = _config(H, x.device, op == _LN, 2 * x.element_size())
         programs, per = _bwd_grid(a.rows, tiles.block_m, per_sm, x.device)
         learned = " and ".join(n for n, t in params.items() if t is not None)
         details["backward"] = (
@@ -441,6 +469,7 @@ def _plan(op: str, impl: str, path: str, reason: str, a: NormCall, x: torch.Tens
             + (f"{tiles.block_m} x {tiles.block_n} tiles, {tiles.num_warps} warps"
                if tiles.single else
                f"streamed in {tiles.block_n}-column tiles")
+            + (f", rows pipelined over {stages} stages" if stages > 1 else "")
             + (f"; {learned} gradient: float32 partial per program, summed" if learned
                else ""))
         details["saved for backward"] = saved

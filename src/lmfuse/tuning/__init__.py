@@ -158,13 +158,18 @@ def row_tiles(t: dict[str, Any], length: int) -> RowTiles:
     width = next_pow2(length, 16)
     if width > t["max_single_block"]:
         return RowTiles(t.get("chunk_rows", 1), t["chunk_block"], False, t["chunk_warps"])
-    by_block = t["warps_by_block"]
-    for limit, warps in by_block:  # (a loop, not a generator: this runs at every launch)
-        if width <= limit:
-            break
-    else:
-        warps = by_block[-1][1]
+    warps = by_width(t["warps_by_block"], width, 0)
     return RowTiles(max(1, t["tile_elems"] // width), width, True, warps)
+
+
+def by_width(entries: Any, width: int, default: Any) -> Any:
+    """The value of a table's ``[[limit, value], ...]`` list (limits ascending) for
+    ``width``: the first entry whose limit holds it, the last entry's past them all,
+    ``default`` for an empty list."""
+    for limit, value in entries:  # (a loop, not a generator: this runs at every launch)
+        if width <= limit:
+            return value
+    return entries[-1][1] if entries else default
 
 
 # --- shape buckets and the user cache ----------------------------------------------------
