@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import lmfuse
 from lmfuse.activations import ops as act_ops
@@ -79,6 +80,39 @@ def test_cross_entropy_fast_path_leaves_bad_input_to_the_full_path(no_interprete
         lmfuse.cross_entropy(x, torch.tensor([0, 1, 2, 3]), reduction="avg")
     with pytest.raises((ValueError, TypeError), match="label_smoothing"):
         lmfuse.cross_entropy(x, torch.tensor([0, 1, 2, 3]), label_smoothing=1.5)
+    # What PyTorch's op refuses itself (the fast path leaves these checks to it) reaches
+    # lmfuse's own errors, and what it would take otherwise, lmfuse's answer.
+    for bad in (torch.tensor([0, 1, 2]), torch.zeros(4, 1, dtype=torch.long),
+                torch.tensor(1)):
+        with pytest.raises(ValueError, match="target must have shape"):
+            lmfuse.cross_entropy(x, bad)
+    with pytest.raises(ValueError, match="at least one class"):
+        lmfuse.cross_entropy(torch.randn(4, 0), torch.full((4,), -100))
+    with pytest.raises(TypeError, match="ignore_index"):
+        lmfuse.cross_entropy(x, torch.tensor([0, 1, 2, 3]), ignore_index=2.0)
+    t32 = torch.tensor([0, 1, -100, 3], dtype=torch.int32)  # int32 ids: the full path's
+    torch.testing.assert_close(lmfuse.cross_entropy(x, t32),
+                               F.cross_entropy(x, t32.long()))
+    cols = torch.randn(5, 4).t()  # column-strided logits: PyTorch's op takes them
+    t = torch.tensor([0, 4, 2, 1])
+    torch.testing.assert_close(lmfuse.cross_entropy(cols, t), F.cross_entropy(cols, t))
+
+
+def test_layer_norm_fast_path_leaves_bad_parameters_to_the_full_path(no_interpreter,
+                                                                    monkeypatch):
+    """LayerNorm's CPU fast path leaves the parameters' shapes to PyTorch's op; where it
+    refuses them lmfuse's own error is raised, and a float32 call with good parameters
+    never builds the resolved call."""
+    x = torch.randn(3, 8)
+    for kw, msg in ((dict(weight=torch.randn(7)), r"weight must be \[H\]"),
+                    (dict(weight=torch.randn(1, 8)), "weight must be 1-D"),
+                    (dict(bias=torch.randn(9)), r"bias must be \[H\]")):
+        with pytest.raises(ValueError, match=msg):
+            lmfuse.layer_norm(x, **kw)
+    resolved = _spy(monkeypatch, norm_ops, "_resolve_ln")
+    w, b = torch.randn(8), torch.randn(8)
+    torch.testing.assert_close(lmfuse.layer_norm(x, w, b), F.layer_norm(x, (8,), w, b))
+    assert not resolved
 
 
 @pytest.mark.parametrize("causal", [True, False])

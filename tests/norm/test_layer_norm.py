@@ -360,20 +360,22 @@ def test_rows_whose_variance_overflows() -> None:
 
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 def test_default_cpu_path_is_f_layer_norm(monkeypatch: pytest.MonkeyPatch, offset) -> None:
-    """On CPU float32 without Triton the default path is ``F.layer_norm`` (offset folded
-    into the weight); outputs and gradients equal the reference's."""
+    """On CPU float32 without Triton the default path is PyTorch's op (``F.layer_norm``,
+    offset folded into the weight; without an offset its op directly, ``torch.layer_norm``);
+    outputs and gradients equal the reference's."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     calls = []
-    real = F.layer_norm
-    monkeypatch.setattr(torch.nn.functional, "layer_norm",
-                        lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    for owner, name in ((torch.nn.functional, "layer_norm"), (norm_ops, "_torch_layer_norm")):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _real=real, _name=name, **k: (
+            calls.append(_name), _real(*a, **k))[1])
     x, w, b, g = randn((3, 5, 24), scale=2.0), randn((24,)), randn((24,)), randn((3, 5, 24))
     out = {}
     for impl in ("auto", "torch"):
         leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
         y = lmfuse.layer_norm(*leaves, eps=1e-5, weight_offset=offset, impl=impl)
         out[impl] = (y, *torch.autograd.grad(y, leaves, g))
-    assert calls == [1]
+    assert calls == ["layer_norm" if offset else "_torch_layer_norm"]
     assert "CPU float32:" in lmfuse.explain(lmfuse.layer_norm, x, w, b).reason
     for got, want in zip(out["auto"], out["torch"], strict=True):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)

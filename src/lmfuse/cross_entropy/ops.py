@@ -963,21 +963,41 @@ def _with_extras(loss: torch.Tensor, lse: torch.Tensor, pred: torch.Tensor,
 
 def _cpu_fast_loss(logits: torch.Tensor, target: torch.Tensor, ignore_index: Any,
                    label_smoothing: Any, reduction: Any) -> Optional[torch.Tensor]:
-    """The loss of the common CPU call (float32 ``[N, V]`` logits, int64 ``[N]`` targets,
-    the options in their plain types and ranges) by :func:`_native_loss` without the
-    resolved call; None for any other call, which then takes the full path (its checks, its
-    errors: an out-of-range target gives its ``ValueError``)."""
-    if not (type(target) is torch.Tensor and target.dtype is torch.int64 and target.is_cpu
-            and logits.dim() == 2 and target.dim() == 1 and logits.shape[0] == target.shape[0]
-            and logits.shape[1] > 0 and logits.stride(1) == 1 and type(ignore_index) is int
-            and -(1 << 63) <= ignore_index < (1 << 63)
-            and type(label_smoothing) is float and 0.0 <= label_smoothing <= 1.0
-            and reduction in _REDUCTIONS):
+    """The loss of the common CPU call (float32 ``[N, V]`` logits, int64 targets, the
+    options in their plain types and ranges) by PyTorch's op itself, without the resolved
+    call; None for any other call, which then takes the full path (its checks, its errors).
+
+    What PyTorch's op checks itself is not checked first: the targets' shape and device
+    and their values (an out-of-range target), where it raises, send the call to the
+    full path, which raises lmfuse's ``ValueError``; nothing was computed."""
+    if not (type(target) is torch.Tensor and target.dtype is _I64 and logits.dim() == 2
+            and type(ignore_index) is int and -(1 << 63) <= ignore_index < (1 << 63)
+            and type(label_smoothing) is float and 0.0 <= label_smoothing <= 1.0):
+        return None
+    n, v = logits.shape
+    enum = _REDUCTION_ENUM.get(reduction) if type(reduction) is str else None
+    if enum is None or v == 0:
         return None
     try:
-        return _native_loss(logits, target, ignore_index, label_smoothing, reduction)
-    except IndexError:  # an out-of-range target: the full path says which
+        if (enum and n * v >= _CPU_OWN_BACKWARD and label_smoothing == 0.0
+                and logits.requires_grad and torch.is_grad_enabled()
+                and logits.stride(1) == 1):  # (its own backward, on unit-stride columns)
+            return _native_loss(logits, target, ignore_index, 0.0, reduction)
+        # (F.cross_entropy's own op: its Python wrapper, 0.4 us, does nothing more here)
+        loss = _ce_loss(logits, target, None, enum, ignore_index, label_smoothing)
+    except (IndexError, RuntimeError, ValueError):  # PyTorch's refusal: the full path's
         return None
+    if enum == 1 and math.isnan(loss.item()) and not bool((target != ignore_index).any()):
+        # A mean over no token is 0, where PyTorch's is 0 / 0 (looked for only when the
+        # mean came out NaN: the scalar read, no pass over the targets).
+        return _ce_loss(logits, target, None, 2, ignore_index, label_smoothing)
+    return loss
+
+
+_I64 = torch.int64
+# PyTorch's reduction numbers (torch.nn._reduction.get_enum), which its op takes
+_REDUCTION_ENUM = {"none": 0, "mean": 1, "sum": 2}
+_ce_loss = torch._C._nn.cross_entropy_loss
 
 
 def _native_cpu(logits: torch.Tensor, impl: str, o: CrossEntropyCall) -> bool:

@@ -37,10 +37,11 @@ reference's are ``inf * 0`` (``_dx``).
   ``rows_per_program`` rows and walks them ``BLOCK_M`` at a time, reading x and dy once
   (twice when streamed) and writing dx once; the walk is software-pipelined over
   ``STAGES`` (the next tiles' x and dy copied into shared memory while one is computed;
-  None: Triton's default loop, which it does not pipeline). Its share of the weight (bias) gradient is one
-  float32 partial row ``part[0, pid, :H]`` (the bias's: the last, ``part[k - 1, pid]``):
-  kept in registers (single tile) or added into that row in place, by this program only
-  (streamed); the caller sums the partials, so the result is deterministic (no atomics).
+  None: Triton's default loop, which it does not pipeline). Its share of the weight (bias)
+  gradient is one float32 partial row ``part[0, pid, :H]`` (the bias's: the last,
+  ``part[k - 1, pid]``): kept in registers (single tile) or added into that row in place,
+  by this program only (streamed); the caller sums the partials, so the result is
+  deterministic (no atomics).
 """
 
 from __future__ import annotations

@@ -525,11 +525,14 @@ def _resolve_ln(x, weight, bias, eps, weight_offset, impl) -> tuple[str, str, No
                          impl)
 
 
-def _cpu_affine(t: Optional[torch.Tensor], H: int) -> bool:
-    """Whether ``t`` (a weight or a bias) goes to PyTorch's CPU op as it is: float32
-    ``[H]`` on the CPU (a plain tensor or a parameter)."""
-    return t is None or (type(t) in PLAIN_TENSORS and t.dtype is torch.float32 and t.is_cpu
-                         and t.dim() == 1 and t.shape[0] == H)
+def _cpu_affine(t: Optional[torch.Tensor]) -> bool:
+    """Whether ``t`` (a weight or a bias) may go to PyTorch's CPU op as it is: float32 (a
+    plain tensor or a parameter; its shape and device the op checks)."""
+    return t is None or (type(t) in PLAIN_TENSORS and t.dtype is _F32)
+
+
+_F32 = torch.float32
+_torch_layer_norm = torch.layer_norm  # (F.layer_norm's op; its last argument: cuDNN, unused)
 
 
 def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None,
@@ -572,12 +575,15 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None,
     """
     if (impl == "auto" and type(eps) is float and 0.0 <= eps <= FLOAT32_MAX
             and type(weight_offset) is float and weight_offset == 0.0 and cpu_fast(x)
-            and x.dim() > 0):
-        H = x.shape[-1]
-        if _cpu_affine(weight, H) and _cpu_affine(bias, H):
-            # The common CPU call (float32, float32 parameters or none, no offset):
-            # PyTorch's own op at once, without the resolved call.
-            return torch.nn.functional.layer_norm(x, (H,), weight, bias, eps)
+            and x.dim() > 0 and _cpu_affine(weight) and _cpu_affine(bias)):
+        # The common CPU call (float32, float32 parameters or none, no offset): PyTorch's
+        # own op at once, without the resolved call (nor F.layer_norm's Python wrapper,
+        # 0.4 us). Where it refuses the parameters (their shape, their device), the full
+        # path gives lmfuse's error; nothing was computed.
+        try:
+            return _torch_layer_norm(x, x.shape[-1:], weight, bias, eps, False)
+        except RuntimeError:
+            pass
     x = _autocast_ln(x)
     path, _, a = _resolve_ln(x, weight, bias, eps, weight_offset, impl)
     if (native_cpu(impl, path, x) and (weight is None or weight.dtype == torch.float32)
