@@ -672,3 +672,39 @@ def test_rotary_cpu_path_backward_per_output_and_torch_func(no_interpreter):
         want = fwAD.unpack_dual(_hf_rotary(fwAD.make_dual(q, tq), k, fwAD.make_dual(cos, tc),
                                            sin, 1)[0]).tangent
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fast_paths_under_a_function_mode_and_torch_func(no_interpreter):
+    """Under a torch function mode the CPU paths call ``F.cross_entropy`` and
+    ``F.layer_norm`` (what such a mode looks for), and under ``torch.func`` transforms the
+    cross-entropy's mean needs no scalar read: ``vmap`` works, a mean over no token is 0
+    there too, and gradients match ``F.cross_entropy``'s."""
+    from torch.overrides import TorchFunctionMode
+
+    seen = []
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    x, t = torch.randn(4, 5), torch.tensor([0, 1, -100, 3])
+    with Watch():
+        lmfuse.cross_entropy(x, t)
+        lmfuse.layer_norm(x)
+    assert F.cross_entropy in seen and F.layer_norm in seen
+    batch = torch.randn(3, 4, 5)
+    batch[1, 2, 0] = float("nan")
+    got = torch.func.vmap(lambda z: lmfuse.cross_entropy(z, t))(batch)
+    want = torch.stack([F.cross_entropy(z, t) for z in batch])
+    torch.testing.assert_close(got, want, equal_nan=True)
+    none = torch.full((4,), -100)
+    assert torch.equal(torch.func.vmap(lambda z: lmfuse.cross_entropy(z, none))(batch[::2]),
+                       torch.zeros(2))
+    for target in (t, none):
+        g = torch.func.grad(lambda z: lmfuse.cross_entropy(z, target, label_smoothing=0.1))(x)
+        if target is none:
+            assert torch.equal(g, torch.zeros_like(x))
+        else:
+            torch.testing.assert_close(g, torch.func.grad(
+                lambda z: F.cross_entropy(z, target, label_smoothing=0.1))(x))

@@ -156,6 +156,8 @@ def test_backward_stages_by_width_and_shared_memory(monkeypatch) -> None:
         assert [norm_ops._config(h, cpu, True, 8)[2] for h in (8, 64)] == [1, 6]
         assert norm_ops._config(64, cpu, True, 4)[2] == 3
         assert norm_ops._config(65, cpu)[2] == 2 and norm_ops._config(65, cpu, True)[2] == 5
+        assert "first pass over its columns pipelined over 5 stages" in lmfuse.explain(
+            "layer_norm", randn((3, 65), torch.float16)).details["backward"]
         assert "pipelined over 3 stages" in lmfuse.explain(
             "layer_norm", randn((3, 24), torch.float16)).details["backward"]
         check("pipelined", randn((7, 24)), randn((24,)), randn((24,)), randn((7, 24)),

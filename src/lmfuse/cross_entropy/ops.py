@@ -969,10 +969,13 @@ def _cpu_fast_loss(logits: torch.Tensor, target: torch.Tensor, ignore_index: Any
 
     What PyTorch's op checks itself is not checked first: the targets' shape and device
     and their values (an out-of-range target), where it raises, send the call to the
-    full path, which raises lmfuse's ``ValueError``; nothing was computed."""
+    full path, which raises lmfuse's ``ValueError``; nothing was computed. Under a torch
+    function mode (which should see ``F.cross_entropy``) or a ``torch.func`` transform (no
+    scalar to read) the full path runs too."""
     if not (type(target) is torch.Tensor and target.dtype is _I64 and logits.dim() == 2
             and type(ignore_index) is int and -(1 << 63) <= ignore_index < (1 << 63)
-            and type(label_smoothing) is float and 0.0 <= label_smoothing <= 1.0):
+            and type(label_smoothing) is float and 0.0 <= label_smoothing <= 1.0
+            and not _function_mode() and _functorch_level() is None):
         return None
     n, v = logits.shape
     enum = _REDUCTION_ENUM.get(reduction) if type(reduction) is str else None
@@ -998,6 +1001,8 @@ _I64 = torch.int64
 # PyTorch's reduction numbers (torch.nn._reduction.get_enum), which its op takes
 _REDUCTION_ENUM = {"none": 0, "mean": 1, "sum": 2}
 _ce_loss = torch._C._nn.cross_entropy_loss
+_function_mode = torch._C._is_torch_function_mode_enabled
+_functorch_level = torch._C._functorch.peek_interpreter_stack  # None out of torch.func
 
 
 def _native_cpu(logits: torch.Tensor, impl: str, o: CrossEntropyCall) -> bool:
@@ -1033,12 +1038,16 @@ def _native_loss(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
     if reduction == "none":
         return F.cross_entropy(logits, target, weight, None, ignore_index, None, "none",
                                label_smoothing)
+    transformed = _functorch_level() is not None  # (vmap / grad: no scalar read)
     own = (logits.numel() >= _CPU_OWN_BACKWARD and weight is None and label_smoothing == 0.0
-           and logits.dim() == 2 and logits.requires_grad and torch.is_grad_enabled())
+           and logits.dim() == 2 and logits.requires_grad and torch.is_grad_enabled()
+           and not transformed)
     if reduction == "mean":
         loss = (apply_function(_CrossEntropyCPU, logits, target, ignore_index, "mean") if own
                 else F.cross_entropy(logits, target, weight, None, ignore_index, None, "mean",
                                      label_smoothing))
+        if transformed:  # a mean over no token is 0, picked without reading a value
+            return torch.where((target != ignore_index).any(), loss, loss.new_zeros(()))
         # A mean over no token is 0, where PyTorch's is 0 / 0: looked for only when the
         # mean came out NaN (the scalar read as a Python float, a sixth of a tensor test's
         # host time; no pass over the targets).

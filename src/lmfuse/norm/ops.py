@@ -73,7 +73,8 @@ def _config(H: int, device: torch.device, centered_bwd: bool = False, elem_bytes
     ``bwd_stages`` (RMSNorm) or ``centered_bwd_stages`` (LayerNorm), ``[limit, stages]``
     entries by tile width as ``warps_by_block``'s, 1 (not pipelined) without one, and for
     float32 rows (``elem_bytes``, x's and dy's bytes a column, above 4) the ``_fp32``
-    entries; streamed rows take ``chunk_bwd_stages`` / ``centered_chunk_bwd_stages``.
+    entries; streamed rows pipeline their first pass over the columns (the row's sums) over
+    ``chunk_bwd_stages`` / ``centered_chunk_bwd_stages``.
     Stages are cut to what the device's shared memory holds (``stages - 1`` buffers of a
     tile's x and dy). H200, bf16 [16384, H], the backward alone: 3 stages take RMSNorm
     from 0.130 to 0.113 ms at H = 4096 and 0.266 to 0.214 at 8192, LayerNorm from 0.166 to
@@ -469,7 +470,9 @@ def _plan(op: str, impl: str, path: str, reason: str, a: NormCall, x: torch.Tens
             + (f"{tiles.block_m} x {tiles.block_n} tiles, {tiles.num_warps} warps"
                if tiles.single else
                f"streamed in {tiles.block_n}-column tiles")
-            + (f", rows pipelined over {stages} stages" if stages > 1 else "")
+            + ((f", rows pipelined over {stages} stages" if tiles.single else
+                f", each row's first pass over its columns pipelined over {stages} stages")
+               if stages > 1 else "")
             + (f"; {learned} gradient: float32 partial per program, summed" if learned
                else ""))
         details["saved for backward"] = saved
@@ -533,6 +536,7 @@ def _cpu_affine(t: Optional[torch.Tensor]) -> bool:
 
 _F32 = torch.float32
 _torch_layer_norm = torch.layer_norm  # (F.layer_norm's op; its last argument: cuDNN, unused)
+_function_mode = torch._C._is_torch_function_mode_enabled
 
 
 def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None,
@@ -575,10 +579,12 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None,
     """
     if (impl == "auto" and type(eps) is float and 0.0 <= eps <= FLOAT32_MAX
             and type(weight_offset) is float and weight_offset == 0.0 and cpu_fast(x)
-            and x.dim() > 0 and _cpu_affine(weight) and _cpu_affine(bias)):
+            and x.dim() > 0 and _cpu_affine(weight) and _cpu_affine(bias)
+            and not _function_mode()):
         # The common CPU call (float32, float32 parameters or none, no offset): PyTorch's
         # own op at once, without the resolved call (nor F.layer_norm's Python wrapper,
-        # 0.4 us). Where it refuses the parameters (their shape, their device), the full
+        # 0.4 us; under a torch function mode, which should see F.layer_norm, the full
+        # path). Where it refuses the parameters (their shape, their device), the full
         # path gives lmfuse's error; nothing was computed.
         try:
             return _torch_layer_norm(x, x.shape[-1:], weight, bias, eps, False)
