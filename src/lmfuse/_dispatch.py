@@ -54,13 +54,16 @@ _INTERPRET_KEY = (os.environ.encodekey("TRITON_INTERPRET")
 
 def interpreter_active() -> bool:
     """True when Triton kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
-    if torch.compiler.is_compiling():
-        return _truthy(os.environ.get("TRITON_INTERPRET", "0"))
-    return _interpret_env()
+    if (_INTERPRET_KEY is not None and os.environ is _ENVIRON
+            and not torch.compiler.is_compiling()):
+        raw = _ENV_DATA.get(_INTERPRET_KEY)
+        return raw is not None and _truthy(raw)
+    return _truthy(os.environ.get("TRITON_INTERPRET", "0"))
 
 
 def _interpret_env() -> bool:
-    """:func:`interpreter_active` out of ``torch.compile`` (the caller knows)."""
+    """:func:`interpreter_active` for a caller that knows it runs out of ``torch.compile``
+    (the CPU fast paths: one compile check a call, not two)."""
     if _INTERPRET_KEY is not None and os.environ is _ENVIRON:
         raw = _ENV_DATA.get(_INTERPRET_KEY)
         return raw is not None and _truthy(raw)
