@@ -194,12 +194,23 @@ def cpu_fast(t: torch.Tensor) -> bool:
     before any other work: with every option at its default, such a call is PyTorch's op
     after a few checks of its own, at the plain op's host cost."""
     return (type(t) in PLAIN_TENSORS and t.is_cpu and t.dtype is _F32
-            and not _is_compiling() and not (_HAS_TRITON and _interpret_env()))
+            and not _COMPILING() and not (_HAS_TRITON and _interpret_env()))
 
 
-# (module attributes: each lookup through ``torch.`` costs a CPU fast path 0.03 us)
+# (a module attribute: each lookup through ``torch.`` costs a CPU fast path 0.03 us)
 _F32 = torch.float32
-_is_compiling = torch.compiler.is_compiling
+
+#: Whether a torch function mode is active (one that should see ``torch.nn.functional``'s
+#: ops, which the CPU fast paths otherwise call beneath their Python wrappers).
+function_mode_active = torch._C._is_torch_function_mode_enabled
+
+
+def transforms_active() -> bool:
+    """Whether a ``torch.func`` transform (vmap, grad, jvp, ...) is active: no tensor's
+    value may be read as a Python number there."""
+    if _TRANSFORMS_ACTIVE is not None:
+        return _TRANSFORMS_ACTIVE()
+    return torch._C._functorch.peek_interpreter_stack() is not None
 
 
 def triton_support(device: torch.device) -> tuple[bool, str]:

@@ -36,8 +36,9 @@ import torch.nn.functional as F
 from .. import tuning
 from .._dispatch import (Plan, ResolvedCall, apply_function, check_choice, check_float32,
                          check_int, check_number, check_tensor, checked_once, cpu_fast,
-                         float64_fallback, native_cpu, once_differentiable, planner_of,
-                         select_impl, value_checks)
+                         float64_fallback, function_mode_active, native_cpu,
+                         once_differentiable, planner_of, select_impl, transforms_active,
+                         value_checks)
 from .._launch import (INDEX_DTYPES, cdiv, dtype_name, kernel_op, lazy_kernels, next_pow2,
                        softcap_mode)
 from .._nvtx import nvtx_range
@@ -975,34 +976,35 @@ def _cpu_fast_loss(logits: torch.Tensor, target: torch.Tensor, ignore_index: Any
     if not (type(target) is torch.Tensor and target.dtype is _I64 and logits.dim() == 2
             and type(ignore_index) is int and -(1 << 63) <= ignore_index < (1 << 63)
             and type(label_smoothing) is float and 0.0 <= label_smoothing <= 1.0
-            and not _function_mode() and _functorch_level() is None):
+            and not function_mode_active() and not transforms_active()):
         return None
     n, v = logits.shape
     enum = _REDUCTION_ENUM.get(reduction) if type(reduction) is str else None
     if enum is None or v == 0:
         return None
     try:
-        if (enum and n * v >= _CPU_OWN_BACKWARD and label_smoothing == 0.0
-                and logits.requires_grad and torch.is_grad_enabled()
-                and logits.stride(1) == 1):  # (its own backward, on unit-stride columns)
-            return _native_loss(logits, target, ignore_index, 0.0, reduction)
+        if n * v >= _CPU_OWN_BACKWARD:  # large logits: _native_loss picks the backward
+            return _native_loss(logits, target, ignore_index, label_smoothing, reduction)
         # (F.cross_entropy's own op: its Python wrapper, 0.4 us, does nothing more here)
         loss = _ce_loss(logits, target, None, enum, ignore_index, label_smoothing)
     except (IndexError, RuntimeError, ValueError):  # PyTorch's refusal: the full path's
         return None
-    if enum == 1 and math.isnan(loss.item()) and not bool((target != ignore_index).any()):
-        # A mean over no token is 0, where PyTorch's is 0 / 0 (looked for only when the
-        # mean came out NaN: the scalar read, no pass over the targets).
+    if enum == 1 and _no_token(loss, target, ignore_index):
         return _ce_loss(logits, target, None, 2, ignore_index, label_smoothing)
     return loss
+
+
+def _no_token(mean: torch.Tensor, target: torch.Tensor, ignore_index: int) -> bool:
+    """Whether a mean loss was taken over no token (lmfuse's 0, PyTorch's 0 / 0): looked
+    for only when the mean came out NaN (the scalar read as a Python float, a sixth of a
+    tensor test's host time; no pass over the targets otherwise)."""
+    return math.isnan(mean.item()) and not bool((target != ignore_index).any())
 
 
 _I64 = torch.int64
 # PyTorch's reduction numbers (torch.nn._reduction.get_enum), which its op takes
 _REDUCTION_ENUM = {"none": 0, "mean": 1, "sum": 2}
 _ce_loss = torch._C._nn.cross_entropy_loss
-_function_mode = torch._C._is_torch_function_mode_enabled
-_functorch_level = torch._C._functorch.peek_interpreter_stack  # None out of torch.func
 
 
 def _native_cpu(logits: torch.Tensor, impl: str, o: CrossEntropyCall) -> bool:
@@ -1038,20 +1040,17 @@ def _native_loss(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
     if reduction == "none":
         return F.cross_entropy(logits, target, weight, None, ignore_index, None, "none",
                                label_smoothing)
-    transformed = _functorch_level() is not None  # (vmap / grad: no scalar read)
+    transformed = transforms_active()  # (vmap / grad: no scalar read)
     own = (logits.numel() >= _CPU_OWN_BACKWARD and weight is None and label_smoothing == 0.0
-           and logits.dim() == 2 and logits.requires_grad and torch.is_grad_enabled()
-           and not transformed)
+           and logits.dim() == 2 and logits.stride(1) == 1 and logits.requires_grad
+           and torch.is_grad_enabled() and not transformed)
     if reduction == "mean":
         loss = (apply_function(_CrossEntropyCPU, logits, target, ignore_index, "mean") if own
                 else F.cross_entropy(logits, target, weight, None, ignore_index, None, "mean",
                                      label_smoothing))
         if transformed:  # a mean over no token is 0, picked without reading a value
             return torch.where((target != ignore_index).any(), loss, loss.new_zeros(()))
-        # A mean over no token is 0, where PyTorch's is 0 / 0: looked for only when the
-        # mean came out NaN (the scalar read as a Python float, a sixth of a tensor test's
-        # host time; no pass over the targets).
-        if not math.isnan(loss.item()) or bool((target != ignore_index).any()):
+        if not _no_token(loss, target, ignore_index):
             return loss
     # "sum", or a mean over no token
     if own:

@@ -41,6 +41,7 @@ from .._dispatch import (
     check_tensor,
     checked_once,
     cpu_fast,
+    function_mode_active,
     float64_fallback,
     native_cpu,
     once_differentiable,
@@ -536,7 +537,6 @@ def _cpu_affine(t: Optional[torch.Tensor]) -> bool:
 
 _F32 = torch.float32
 _torch_layer_norm = torch.layer_norm  # (F.layer_norm's op; its last argument: cuDNN, unused)
-_function_mode = torch._C._is_torch_function_mode_enabled
 
 
 def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None,
@@ -580,7 +580,7 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None,
     if (impl == "auto" and type(eps) is float and 0.0 <= eps <= FLOAT32_MAX
             and type(weight_offset) is float and weight_offset == 0.0 and cpu_fast(x)
             and x.dim() > 0 and _cpu_affine(weight) and _cpu_affine(bias)
-            and not _function_mode()):
+            and not function_mode_active()):
         # The common CPU call (float32, float32 parameters or none, no offset): PyTorch's
         # own op at once, without the resolved call (nor F.layer_norm's Python wrapper,
         # 0.4 us; under a torch function mode, which should see F.layer_norm, the full
