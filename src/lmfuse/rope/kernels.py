@@ -111,6 +111,16 @@ def rope_kernel(
 
 
 @triton.jit
+def _dense_place(b, s, S, H: tl.constexpr, D: tl.constexpr, HEADS_OUTER: tl.constexpr):
+    """``(offset, head stride)`` of token ``(b, s)``'s first head in a dense ``[B, S, H,
+    D]`` tensor, or ``[B, H, S, D]`` with ``HEADS_OUTER``."""
+    if HEADS_OUTER:
+        return (b * H * S + s) * D, S * D
+    else:
+        return (b * S + s) * (H * D), D
+
+
+@triton.jit
 def rope_dense_kernel(
     q_ptr, qo_ptr, k_ptr, ko_ptr, cos_ptr, sin_ptr, S,
     Hq: tl.constexpr, Hk: tl.constexpr, half: tl.constexpr, D: tl.constexpr,
@@ -125,18 +135,8 @@ def rope_dense_kernel(
     token = tl.program_id(0)
     b = (token // S).to(tl.int64)
     s = (token % S).to(tl.int64)
-    if Q_HEADS_OUTER:
-        q_off = (b * Hq * S + s) * D
-        sqh = S * D
-    else:
-        q_off = (b * S + s) * (Hq * D)
-        sqh = D
-    if K_HEADS_OUTER:
-        k_off = (b * Hk * S + s) * D
-        skh = S * D
-    else:
-        k_off = (b * S + s) * (Hk * D)
-        skh = D
+    q_off, sqh = _dense_place(b, s, S, Hq, D, Q_HEADS_OUTER)
+    k_off, skh = _dense_place(b, s, S, Hk, D, K_HEADS_OUTER)
     if TABLE_BATCHED:
         t_off = (b * S + s) * (2 * half)
     else:
