@@ -289,6 +289,57 @@ def test_forced_launch_configs(monkeypatch: pytest.MonkeyPatch, case: Case,
                             **case.kwargs())
 
 
+@pytest.mark.parametrize("case", [CHUNK_CASES[2], CHUNK_CASES[5], CHUNK_CASES[9]],
+                         ids=lambda c: c.id)
+def test_streamed_rows_with_hints_and_a_backward_chunk_of_its_own(case: Case) -> None:
+    """A table's ``chunk_hints`` (L2 eviction hints on the two passes) and
+    ``bwd_chunk_block`` / ``bwd_chunk_warps`` (the backward streams y and dy in chunks of
+    its own): the same values as the reference, and ``explain`` names both."""
+    from lmfuse import tuning
+
+    launched = []
+    real = ops._kernels().softmax_bwd_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                launched.append((meta["BLOCK_N"], meta["num_warps"], meta.get("HINTS")))
+                return real[grid](*args, **meta)
+            return launch
+
+    values = dict(max_single_block=16, chunk_block=16, chunk_warps=4, chunk_hints=1,
+                  bwd_chunk_block=32, bwd_chunk_warps=2)
+    with tuning.overlay("softmax", values), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ops._kernels(), "softmax_bwd_kernel", Spy())
+        scores, mask, offset, grad_out = make_inputs(case, F32)
+        check_against_reference(f"{case.id} hints", F32, scores, mask, offset, grad_out,
+                                **case.kwargs())
+        plan = lmfuse.explain(lmfuse.fused_softmax, scores)
+    assert launched and set(launched) == {(32, 2, True)}
+    assert "16-key chunks (32 in the backward), L2 keeps" in plan.details["kernel"]
+
+
+def test_long_rows_entry_from_its_min_keys_on() -> None:
+    """A table's ``long_rows`` values apply to rows of ``min_keys`` keys or more (streamed
+    ones: the forward's and the backward's chunks, the hints), the rest of the table below."""
+    from lmfuse import tuning
+
+    cpu = torch.device("cpu")
+    long_rows = dict(min_keys=64, chunk_block=32, chunk_warps=2, chunk_hints=1,
+                     bwd_chunk_block=64, bwd_chunk_warps=1)
+    with tuning.overlay("softmax", dict(max_single_block=16, chunk_block=16, chunk_warps=4,
+                                        long_rows=long_rows)):
+        short, long = ops._config(63, cpu), ops._config(64, cpu)
+        assert (short.block_n, short.num_warps, long.block_n, long.num_warps) == (16, 4, 32, 2)
+        assert ops._bwd_config(63, cpu) == short
+        assert (ops._bwd_config(64, cpu).block_n, ops._bwd_config(64, cpu).num_warps) == (64, 1)
+        assert ops._stream_meta(short, 63, cpu) == {}
+        assert ops._stream_meta(long, 64, cpu) == {"HINTS": True}
+        case = Case("long-causal+sink", (1, 2, 3, 70), causal=True, offset=True)
+        scores, mask, offset, grad_out = make_inputs(case, F32)
+        check_against_reference(case.id, F32, scores, mask, offset, grad_out, **case.kwargs())
+
+
 @pytest.mark.parametrize("dtype", [pytest.param(F16, id="fp16"), pytest.param(BF16, id="bf16")])
 def test_chunked_half_precision(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
     monkeypatch.setattr(ops, "_config", lambda sk, device: CHUNKED)

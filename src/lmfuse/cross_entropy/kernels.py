@@ -458,12 +458,14 @@ def ce_scale_kernel(g_ptr, s_ptr, n, BLOCK: tl.constexpr):
 @triton.jit
 def _range_stats(x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP: tl.constexpr,
                  HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, KEEP: tl.constexpr,
-                 cw_ptr=None, HAS_WEIGHT: tl.constexpr = False, ARGMAX: tl.constexpr = False):
+                 cw_ptr=None, HAS_WEIGHT: tl.constexpr = False, ARGMAX: tl.constexpr = False,
+                 STAGES: tl.constexpr = None):
     """(max, sum exp(x - max), sum x, argmax) over columns [lo, hi) of one row: BLOCK_V
     chunks with an online max, full chunks unmasked, the tail masked. ``KEEP``: the loads'
     eviction policy ("evict_last" for logits read again soon). ``HAS_WEIGHT`` (with
     smoothing): sum w x over the class weights ``cw_ptr`` instead of sum x. ``ARGMAX``: the
-    first max's column (``_first_max``; else 0)."""
+    first max's column (``_first_max``; else 0). ``STAGES``: the full chunks' software
+    pipeline (``tl.range``'s ``num_stages``; None: Triton's default loop)."""
     cols = tl.arange(0, BLOCK_V)
     acc = tl.zeros([BLOCK_V], tl.float32)
     m = tl.max(acc, 0) - float("inf")  # a float32 scalar, -inf
@@ -471,7 +473,7 @@ def _range_stats(x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP: tl.constexpr,
     first = (lo + tl.zeros([], tl.int32)).to(tl.int32)
     first_nan = tl.full([], _NO_INDEX, tl.int32)
     n_full = (hi - lo) // BLOCK_V
-    for k in range(0, n_full):
+    for k in tl.range(0, n_full, num_stages=STAGES):
         x = tl.load(x_ptr + x_off + lo + k * BLOCK_V + cols, eviction_policy=KEEP)
         x = x.to(tl.float32)
         if HAS_SOFTCAP:
@@ -515,7 +517,8 @@ def _range_stats(x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP: tl.constexpr,
 def _range_stats_2d(x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP: tl.constexpr,
                     HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr,
                     PREFETCH: tl.constexpr, KEEP: tl.constexpr, cw_ptr=None,
-                    HAS_WEIGHT: tl.constexpr = False, ARGMAX: tl.constexpr = False):
+                    HAS_WEIGHT: tl.constexpr = False, ARGMAX: tl.constexpr = False,
+                    STAGES: tl.constexpr = None):
     """``_range_stats`` with no barrier in the loop: a chunk is a ``[BLOCK_V // VEC, VEC]``
     tile whose rows a thread holds whole (VEC 8 or 16: one to four 16-byte loads), so the
     running max and sum (and argmax) are kept per tile row and reduced across the program
@@ -534,7 +537,7 @@ def _range_stats_2d(x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP: tl.constexpr,
     if PREFETCH:
         x_next = tl.load(x_ptr + x_off + lo + offs, mask=lo + offs < hi, other=float("-inf"),
                          eviction_policy=KEEP)
-    for k in range(0, n):
+    for k in tl.range(0, n, num_stages=STAGES):
         c = lo + k * BLOCK_V + offs
         if PREFETCH:
             x = x_next.to(tl.float32)
@@ -577,7 +580,7 @@ def _range_grad(x_ptr, x_off, g_ptr, g_off, lo, hi, lse, x_t, t_local, w, ls_ove
                 one_minus_ls, two_z, softcap, HAS_SOFTCAP: tl.constexpr,
                 BLOCK_V: tl.constexpr, STREAM: tl.constexpr, cw_ptr=None, w_t=1.0,
                 w_sum=1.0, w_z=1.0, HAS_WEIGHT: tl.constexpr = False,
-                HAS_SMOOTHING: tl.constexpr = False):
+                HAS_SMOOTHING: tl.constexpr = False, STAGES: tl.constexpr = None):
     """Write the gradient of columns [lo, hi) of one row,
     w * (p (1 + 2 z lse) - s / V - (1 - s) [j == t]); with class weights (``HAS_WEIGHT``,
     see ``_grad_tile``) p (w (w_t (1 - s) + s W / V) + w_z 2 z lse) - w (s / V) w_j
@@ -588,7 +591,9 @@ def _range_grad(x_ptr, x_off, g_ptr, g_off, lo, hi, lse, x_t, t_local, w, ls_ove
 
     Chunks go last to first (the stats pass read the last ones most recently). The target
     column (``t_local``, when in range) is rewritten at the end from ``x_t``, so it is
-    right even when the gradient overwrites the logits.
+    right even when the gradient overwrites the logits. ``STAGES``: as in ``_range_stats``
+    (a chunk's loads run ahead of the stores of the chunks before it, which are other
+    columns: the in-place gradient is still right).
     """
     cols = tl.arange(0, BLOCK_V)
     b = -ls_over_v * w
@@ -609,7 +614,7 @@ def _range_grad(x_ptr, x_off, g_ptr, g_off, lo, hi, lse, x_t, t_local, w, ls_ove
                                              False), 0.0, softcap, HAS_SOFTCAP, True)
     tl.store(g_ptr + g_off + c, g.to(g_ptr.dtype.element_ty), mask=ok,
              cache_modifier=".cs" if STREAM else "")
-    for i in range(0, n_full):
+    for i in tl.range(0, n_full, num_stages=STAGES):
         c = lo + (n_full - 1 - i) * BLOCK_V + cols
         x = tl.load(x_ptr + x_off + c,
                     eviction_policy="evict_first" if STREAM else "").to(tl.float32)
@@ -683,13 +688,14 @@ def ce_stream_kernel(
     MEAN: tl.constexpr, BLOCK_V: tl.constexpr, HINTS: tl.constexpr, VEC: tl.constexpr = 0,
     PREFETCH: tl.constexpr = False, cw_ptr=None, wstat_ptr=None,
     HAS_WEIGHT: tl.constexpr = False, ARGMAX: tl.constexpr = False,
-    TOKEN_SCALE: tl.constexpr = False,
+    TOKEN_SCALE: tl.constexpr = False, STAGES: tl.constexpr = None,
 ):
     """Stats (and with WRITE_GRAD the gradient) of long rows, one row at a time per
     program, persistent over rows. ``HINTS`` (with WRITE_GRAD): the first read of a row
     asks L2 to keep it, the second evicts it, the gradient is stored streaming. ``VEC``
     > 0: the stats loop of ``_range_stats_2d`` (no barrier per chunk; ``PREFETCH``).
-    ``HAS_WEIGHT``, ``ARGMAX``, ``TOKEN_SCALE``: as in ``ce_fwd_kernel``.
+    ``HAS_WEIGHT``, ``ARGMAX``, ``TOKEN_SCALE``: as in ``ce_fwd_kernel``. ``STAGES``: the
+    chunk loops' software pipeline (``_range_stats``).
 
     With one 32-warp program per SM and rows that fit L1 (bf16 rows up to about 128K
     columns on an H100), the second read, last chunk first, is mostly L1 hits: the first
@@ -702,11 +708,11 @@ def ce_stream_kernel(
         if VEC > 0:
             m, denom, sum_x, pred = _range_stats_2d(
                 x_ptr, x_off, 0, V, softcap, HAS_SOFTCAP, HAS_SMOOTHING, BLOCK_V, VEC,
-                PREFETCH, "evict_last" if HINTS else "", cw_ptr, HAS_WEIGHT, ARGMAX)
+                PREFETCH, "evict_last" if HINTS else "", cw_ptr, HAS_WEIGHT, ARGMAX, STAGES)
         else:
             m, denom, sum_x, pred = _range_stats(
                 x_ptr, x_off, 0, V, softcap, HAS_SOFTCAP, HAS_SMOOTHING, BLOCK_V,
-                "evict_last" if HINTS else "", cw_ptr, HAS_WEIGHT, ARGMAX)
+                "evict_last" if HINTS else "", cw_ptr, HAS_WEIGHT, ARGMAX, STAGES)
         lse = _lse(m, denom)
         w, w_z, w_t, w_sum = _token_scales(count_ptr, wstat_ptr, t_local, cw_ptr, x_t, lse,
                                            MEAN, HAS_WEIGHT, TOKEN_SCALE)
@@ -718,7 +724,7 @@ def ce_stream_kernel(
             w_z = tl.where(grad_ok, w_z, 0.0)
             _range_grad(x_ptr, x_off, g_ptr, row * stride_g, 0, V, lse, x_t, t_local, w,
                         ls_over_v, one_minus_ls, two_z, softcap, HAS_SOFTCAP, BLOCK_V, HINTS,
-                        cw_ptr, w_t, w_sum, w_z, HAS_WEIGHT, HAS_SMOOTHING)
+                        cw_ptr, w_t, w_sum, w_z, HAS_WEIGHT, HAS_SMOOTHING, STAGES)
 
 
 @triton.jit
@@ -757,11 +763,11 @@ def ce_slices_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, MEAN: tl.constexpr,
     SLICES_P2: tl.constexpr, BLOCK_V: tl.constexpr, HINTS: tl.constexpr = False,
     cw_ptr=None, wstat_ptr=None, HAS_WEIGHT: tl.constexpr = False,
-    TOKEN_SCALE: tl.constexpr = False,
+    TOKEN_SCALE: tl.constexpr = False, STAGES: tl.constexpr = None,
 ):
     """Loss, stats and gradient of long rows in one launch, rows cut in SLICES slices
     (class weights, ``HAS_WEIGHT``, and ``TOKEN_SCALE``: as in ``ce_fwd_kernel``; no
-    argmax).
+    argmax; ``STAGES``: as in ``ce_stream_kernel``).
 
     Tile ``i`` is slice ``i % SLICES`` of row ``i // SLICES``. Programs (a persistent
     grid) take tile numbers from a ticket counter, so tile numbers follow the order in
@@ -791,7 +797,7 @@ def ce_slices_kernel(
             t_local, grad_ok, t = _row_target(t_ptr, row, V, 0, V, ignore_index)
             p_max, p_sum, p_sx, _pred = _range_stats(
                 x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP, HAS_SMOOTHING, BLOCK_V,
-                "evict_last" if HINTS else "", cw_ptr, HAS_WEIGHT)
+                "evict_last" if HINTS else "", cw_ptr, HAS_WEIGHT, False, STAGES)
             x_t = _target_x(x_ptr, x_off, t_local, lo, hi, softcap, HAS_SOFTCAP)
             base = tile.to(tl.int64) * 4
             tl.store(part_ptr + base, p_max)
@@ -830,5 +836,6 @@ def ce_slices_kernel(
             hi = tl.minimum(lo + SLICE, V)
             _range_grad(x_ptr, row * stride_x, g_ptr, row * stride_g, lo, hi, lse, x_t,
                         t_local, w, ls_over_v, one_minus_ls, two_z, softcap, HAS_SOFTCAP,
-                        BLOCK_V, HINTS, cw_ptr, w_t, w_sum, w_z, HAS_WEIGHT, HAS_SMOOTHING)
+                        BLOCK_V, HINTS, cw_ptr, w_t, w_sum, w_z, HAS_WEIGHT, HAS_SMOOTHING,
+                        STAGES)
         tile = tl.atomic_add(ticket_ptr, 1)

@@ -61,7 +61,9 @@ class StreamLaunch:
     logits and a streaming store of the gradient), ``slice`` and ``lag`` (rows in slices of
     ``slice`` columns, ``ce_slices_kernel``; phase B trails phase A by ``lag`` rows of
     slices) or ``vec`` and ``prefetch`` (whole rows a program, ``ce_stream_kernel``'s
-    barrier-free stats loop). Without ``slice`` a program streams whole rows."""
+    barrier-free stats loop), and ``stages`` (the chunk loops' software pipeline, Triton's
+    ``num_stages``; 0: Triton's default loop). Without ``slice`` a program streams whole
+    rows."""
 
     block_v: int
     num_warps: int
@@ -71,13 +73,15 @@ class StreamLaunch:
     lag: int = 1
     vec: int = 0
     prefetch: bool = False
+    stages: int = 0
 
     @classmethod
     def of(cls, entry: dict[str, Any]) -> StreamLaunch:
         """The launch a table entry (a JSON object; flags as 0/1 or bools) describes."""
         return cls(entry["BLOCK_V"], entry["num_warps"], entry["programs_per_sm"],
                    bool(entry.get("hints", 0)), entry.get("slice", 0), entry.get("lag", 1),
-                   entry.get("vec", 0), bool(entry.get("prefetch", 0)))
+                   entry.get("vec", 0), bool(entry.get("prefetch", 0)),
+                   entry.get("stages", 0))
 
     def entry(self) -> dict[str, Any]:
         """The launch as a table entry: the three keys and the options it sets (``lag``
@@ -92,6 +96,8 @@ class StreamLaunch:
             e["vec"] = self.vec
         if self.prefetch:
             e["prefetch"] = 1
+        if self.stages:
+            e["stages"] = self.stages
         return e
 
     def fit(self, itemsize: int, aligned: bool) -> StreamLaunch:
@@ -106,10 +112,10 @@ class StreamLaunch:
 
     def encode(self) -> str:
         """The launch as a custom op's string argument (a custom op takes no object):
-        its eight fields, comma-separated. Plain string formatting, so torch.compile
+        its nine fields, comma-separated. Plain string formatting, so torch.compile
         traces it."""
         return (f"{self.block_v},{self.num_warps},{self.programs_per_sm},{int(self.hints)},"
-                f"{self.slice},{self.lag},{self.vec},{int(self.prefetch)}")
+                f"{self.slice},{self.lag},{self.vec},{int(self.prefetch)},{self.stages}")
 
     @classmethod
     def decode(cls, text: str) -> Optional[StreamLaunch]:
@@ -118,18 +124,21 @@ class StreamLaunch:
             return None
         v = text.split(",")
         return cls(int(v[0]), int(v[1]), _number(v[2]), v[3] == "1", int(v[4]), int(v[5]),
-                   int(v[6]), v[7] == "1")
+                   int(v[6]), v[7] == "1", int(v[8]))
 
 
 @dataclass(frozen=True, slots=True)
 class CEConfig:
     """The launches of one row length: ``tiles`` (the row in registers, ``tiles.single``;
     else the stats-only pass's chunks) and, for streamed rows, the persistent passes'
-    ``programs_per_sm`` and the stats-and-gradient pass's ``fused`` launch."""
+    ``programs_per_sm`` and the stats-and-gradient pass's ``fused`` launch; ``stages``:
+    the stats-only pass's chunk loop pipeline (the table's ``chunk_stages``; 0: Triton's
+    default loop)."""
 
     tiles: tuning.RowTiles
     programs_per_sm: float = 0
     fused: Optional[StreamLaunch] = None
+    stages: int = 0
 
 
 def _config(V: int, device: torch.device, softcap: bool = False, itemsize: int = 2,
@@ -152,7 +161,8 @@ def _config(V: int, device: torch.device, softcap: bool = False, itemsize: int =
     # (which reads each row twice) wants few enough rows in flight for L2 to keep them.
     fused = next(f for limit, f in t.get("fused_softcap" if softcap else "fused", t["fused"])
                  if V * itemsize // 2 <= limit and (aligned or not f.get("vec")))
-    return CEConfig(tiles, t["programs_per_sm"], StreamLaunch.of(fused).fit(itemsize, aligned))
+    return CEConfig(tiles, t["programs_per_sm"], StreamLaunch.of(fused).fit(itemsize, aligned),
+                    t.get("chunk_stages", 0))
 
 
 def _aligned(x: torch.Tensor) -> bool:
@@ -222,11 +232,12 @@ def _launch_fwd(logits, target, count, grad, vocab_start, vocab_size, ignore_ind
         f = cfg.fused  # at the slices' block and warps)
         _kernels().ce_stream_kernel[(_persistent_grid(n, f.programs_per_sm, logits.device),)](
             *args, **common, BLOCK_V=f.block_v, HINTS=f.hints, VEC=f.vec,
-            PREFETCH=bool(f.vec and f.prefetch), num_warps=f.num_warps)
+            PREFETCH=bool(f.vec and f.prefetch), num_warps=f.num_warps,
+            **({"STAGES": f.stages} if f.stages else {}))
     else:
         _kernels().ce_stream_kernel[(_persistent_grid(n, cfg.programs_per_sm, logits.device),)](
             *args, **common, BLOCK_V=tiles.block_n, HINTS=False, VEC=0, PREFETCH=False,
-            num_warps=tiles.num_warps)
+            num_warps=tiles.num_warps, **({"STAGES": cfg.stages} if cfg.stages else {}))
     return stats
 
 
@@ -247,6 +258,7 @@ def _launch_slices(logits, target, count, grad, stats, ignore_index, label_smoot
         *scalars(V, label_smoothing, z_loss, softcap), slices, width, lag,
         HAS_SOFTCAP=softcap_mode(softcap), HAS_SMOOTHING=label_smoothing > 0, MEAN=mean,
         SLICES_P2=next_pow2(slices, 2), BLOCK_V=block, HINTS=f.hints, num_warps=f.num_warps,
+        **({"STAGES": f.stages} if f.stages else {}),
         **({} if weight is None else dict(cw_ptr=weight, wstat_ptr=wstat, HAS_WEIGHT=True)),
         **({} if not token_scale else dict(TOKEN_SCALE=True)),
     )

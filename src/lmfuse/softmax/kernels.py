@@ -79,7 +79,7 @@ def _scale(scale, scale_lo, COMPUTE: tl.constexpr):
 @triton.jit
 def _scaled_scores(
     x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, cols, visible, load_ok, scale,
-    MASK_KIND: tl.constexpr, COMPUTE: tl.constexpr,
+    MASK_KIND: tl.constexpr, COMPUTE: tl.constexpr, EVICT: tl.constexpr,
 ):
     """``(z, visible)``: z = scale * x (+ additive mask) on visible keys, -inf elsewhere,
     and the visibility (band and boolean mask) itself; ``[BLOCK_M, BLOCK_N]`` each.
@@ -87,8 +87,11 @@ def _scaled_scores(
     ``load_ok`` (the 16-aligned widening of ``visible``) bounds what is read. A NaN or inf
     score under the boolean mask or outside the band becomes -inf here (never poisons the
     row); under an additive mask it stays in z (``NaN + -inf`` is NaN, as in PyTorch).
+    ``EVICT``: the score loads' L2 eviction policy ("" for none; passed at every call: a
+    string default of a nested jit function does not compile in Triton 3.6).
     """
-    x = tl.load(x_ptr + x_row[:, None] + cols[None, :] * stride_xk, mask=load_ok, other=0.0)
+    x = tl.load(x_ptr + x_row[:, None] + cols[None, :] * stride_xk, mask=load_ok, other=0.0,
+                eviction_policy=EVICT)
     z = x.to(COMPUTE) * scale
     if MASK_KIND == 1:
         hidden = tl.load(m_ptr + m_row[:, None] + cols[None, :] * stride_mk, mask=load_ok, other=1)
@@ -109,7 +112,11 @@ def softmax_fwd_kernel(
     BANDED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_OFFSET: tl.constexpr,
     STORE_LSE: tl.constexpr, COMPUTE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+    HINTS: tl.constexpr = False,
 ):
+    """y = softmax(scale * x, masked), and with ``STORE_LSE`` each row's log-sum-exp.
+    ``HINTS`` (streamed rows): L2 is asked to keep the first pass's reads for the second,
+    which evicts them."""
     pid = tl.program_id(0)
     sc = _scale(scale, scale_lo, COMPUTE)
     rows, row_ok, b, h, q, lo, hi, lo_ld, hi_ld = _row_setup(
@@ -126,7 +133,7 @@ def softmax_fwd_kernel(
         # costs registers: 20% of the forward's time at 2048 keys): z = -inf says it all.
         z, _ = _scaled_scores(x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, cols,
                               _in(cols, lo, hi), _in(cols, lo_ld, hi_ld), sc, MASK_KIND,
-                              COMPUTE)
+                              COMPUTE, "")
         row_max = tl.max(z, 1)
     else:
         # Pass 1: online max and sum over the chunks that hold visible keys.
@@ -137,7 +144,7 @@ def softmax_fwd_kernel(
             c = c0 + cols
             z, _ = _scaled_scores(x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, c,
                                   _in(c, lo, hi), _in(c, lo_ld, hi_ld), sc, MASK_KIND,
-                                  COMPUTE)
+                                  COMPUTE, "evict_last" if HINTS else "")
             new_max = tl.maximum(row_max, tl.max(z, 1))
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)
             denom = denom * tl.exp(row_max - shift) + tl.sum(tl.exp(z - shift[:, None]), 1)
@@ -176,7 +183,7 @@ def softmax_fwd_kernel(
             c = c0 + cols
             z, _ = _scaled_scores(x_ptr, x_row, stride_xk, m_ptr, m_row, stride_mk, c,
                                   _in(c, lo, hi), _in(c, lo_ld, hi_ld), sc, MASK_KIND,
-                                  COMPUTE)
+                                  COMPUTE, "evict_first" if HINTS else "")
             y = tl.exp(z - shift[:, None]) * inv[:, None]
             c_ok = row_ok[:, None] & (c[None, :] < sk)
             tl.store(y_ptr + y_row[:, None] + c[None, :], y.to(y_ptr.dtype.element_ty), mask=c_ok)
@@ -222,8 +229,10 @@ def softmax_bwd_kernel(
     BANDED: tl.constexpr, BOOL_MASK: tl.constexpr, HAS_OFFSET: tl.constexpr,
     COMPUTE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+    HINTS: tl.constexpr = False,
 ):
     """dx = scale * y * (dy - sum(dy * y)) from the saved output y; one pass when the row fits.
+    ``HINTS``: as in ``softmax_fwd_kernel``, for y and dy.
 
     dx is exactly 0 where y is 0 (hidden keys of a finite row, dead rows, keys whose
     probability underflowed) and at the hidden keys of a NaN row, where the forward stored
@@ -262,16 +271,18 @@ def softmax_bwd_kernel(
         for c0 in range(start, tl.max(hi, 0), BLOCK_N):
             c = c0 + cols
             ld = _in(c, lo_ld, hi_ld)
-            y = tl.load(y_ptr + y_row[:, None] + c[None, :], mask=ld, other=0.0).to(COMPUTE)
+            y = tl.load(y_ptr + y_row[:, None] + c[None, :], mask=ld, other=0.0,
+                        eviction_policy="evict_last" if HINTS else "").to(COMPUTE)
             dy = tl.load(dy_ptr + dy_row[:, None] + c[None, :] * stride_dk, mask=ld,
-                         other=0.0).to(COMPUTE)
+                         other=0.0, eviction_policy="evict_last" if HINTS else "").to(COMPUTE)
             dot += tl.sum(y * dy, 1)
         for c0 in range(0, sk, BLOCK_N):
             c = c0 + cols
             ld = _in(c, lo_ld, hi_ld)
-            y = tl.load(y_ptr + y_row[:, None] + c[None, :], mask=ld, other=0.0).to(COMPUTE)
+            y = tl.load(y_ptr + y_row[:, None] + c[None, :], mask=ld, other=0.0,
+                        eviction_policy="evict_first" if HINTS else "").to(COMPUTE)
             dy = tl.load(dy_ptr + dy_row[:, None] + c[None, :] * stride_dk, mask=ld,
-                         other=0.0).to(COMPUTE)
+                         other=0.0, eviction_policy="evict_first" if HINTS else "").to(COMPUTE)
             dx = tl.where(y == 0.0, 0.0, sc * y * (dy - dot[:, None]))
             if BANDED or BOOL_MASK:
                 dx = _zero_hidden(dx, dot, c, lo, hi, ld, m_ptr, m_row, stride_mk, BANDED,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -40,9 +40,39 @@ _OP = "fused_softmax"
 _kernels = lazy_kernels("kernels", __package__)
 
 
+def _section(sk: int, device: torch.device) -> dict[str, Any]:
+    """The device's ``softmax`` table for rows of ``sk`` keys: its ``long_rows`` entry's
+    values laid over the rest from ``long_rows["min_keys"]`` keys on, where it has one."""
+    t = tuning.table("softmax", device)
+    long_rows = t.get("long_rows")
+    if long_rows and sk >= long_rows["min_keys"]:
+        return {**t, **long_rows}
+    return t
+
+
 def _config(sk: int, device: torch.device) -> tuning.RowTiles:
     """Block sizes and warps for rows of ``sk`` keys, from the device's tuning table."""
-    return tuning.row_tiles(tuning.table("softmax", device), sk)
+    return tuning.row_tiles(_section(sk, device), sk)
+
+
+def _bwd_config(sk: int, device: torch.device) -> tuning.RowTiles:
+    """The backward's tiles: the forward's, except that streamed rows take the table's
+    ``bwd_chunk_block`` and ``bwd_chunk_warps`` where it has them (the backward streams
+    y and dy, twice the forward's bytes a chunk)."""
+    tiles = _config(sk, device)
+    t = _section(sk, device)
+    if tiles.single or "bwd_chunk_block" not in t:
+        return tiles
+    return replace(tiles, block_n=t["bwd_chunk_block"], num_warps=t["bwd_chunk_warps"])
+
+
+def _stream_meta(tiles: tuning.RowTiles, sk: int, device: torch.device) -> dict:
+    """``HINTS`` for streamed rows where the table's ``chunk_hints`` asks for them (L2
+    keeps the first pass's reads for the second); nothing otherwise, so the launches
+    without them are the kernels' defaults."""
+    if tiles.single or not _section(sk, device).get("chunk_hints"):
+        return {}
+    return {"HINTS": True}
 
 
 def _split_scale(scale: float) -> tuple[float, float]:
@@ -102,6 +132,7 @@ def _launch_fwd(scores: torch.Tensor, mask: Optional[torch.Tensor],
         BANDED=left < UNBOUNDED or right < UNBOUNDED, MASK_KIND=kind,
         HAS_OFFSET=softmax_offset is not None, STORE_LSE=softmax_offset is not None,
         COMPUTE=_compute_dtype(scores.dtype), **tiles.meta(),
+        **_stream_meta(tiles, sk, scores.device),
     )
     return y, lse
 
@@ -139,7 +170,7 @@ def _launch_bwd(dy: torch.Tensor, y: torch.Tensor, lse: torch.Tensor,
             per_head = torch.where(sink == float("-inf"), 0.0, sink * 0.0)
             drow.view(b, np_, sq).copy_(per_head.view(1, np_, 1).expand(b, np_, sq))
         return dx, drow
-    tiles = _config(sk, y.device)
+    tiles = _bwd_config(sk, y.device)
     grid = (cdiv(n_rows, tiles.block_m),)
     off = softmax_offset if softmax_offset is not None else y
     bool_mask = mask if mask is not None and mask.dtype == torch.bool else None
@@ -151,6 +182,7 @@ def _launch_bwd(dy: torch.Tensor, y: torch.Tensor, lse: torch.Tensor,
         *_split_scale(1.0 if unscaled_fp32 else scale), left, right,
         BANDED=left < UNBOUNDED or right < UNBOUNDED, BOOL_MASK=bool_mask is not None,
         HAS_OFFSET=softmax_offset is not None, COMPUTE=_compute_dtype(y.dtype), **tiles.meta(),
+        **_stream_meta(tiles, sk, y.device),
     )
     return dx, drow
 
@@ -389,9 +421,15 @@ def plan_fused_softmax(**a: Any) -> Plan:
     }
     if path == "triton" and sk > 0:
         tiles = _config(sk, scores.device)
-        details["kernel"] = (
-            f"one pass, {tiles.block_m} row(s) x {tiles.block_n} keys per program"
-            if tiles.single else f"chunked online softmax, {tiles.block_n}-key chunks")
+        if tiles.single:
+            details["kernel"] = (f"one pass, {tiles.block_m} row(s) x {tiles.block_n} keys "
+                                 "per program")
+        else:
+            bwd = _bwd_config(sk, scores.device)
+            hints = ", L2 keeps the first pass's reads" if _stream_meta(
+                tiles, sk, scores.device) else ""
+            details["kernel"] = (f"chunked online softmax, {tiles.block_n}-key chunks "
+                                 f"({bwd.block_n} in the backward){hints}")
     if native_cpu(a["impl"], path, scores) and c.softmax_offset is None:
         reason += ("; CPU float32: torch.softmax of the masked, scaled scores (the reference "
                    "for rows with a NaN or with every key hidden)")
