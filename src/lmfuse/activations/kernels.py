@@ -26,9 +26,10 @@ arguments per launch.
   does) x's gradient is zero where the clamp is active; the bias's is not.
 
 NaN and inf follow the reference (PyTorch's own formulas, see ``reference.py``): maxima,
-minima and clamps propagate NaN (``tl.maximum`` alone drops it), and the sigmoid and tanh
-are written from ``exp(-|z|)``, which never overflows (for any finite or infinite ``z``;
-NaN stays NaN), instead of ``exp(-z)``, which overflows to inf for large ``|z|``.
+minima and clamps propagate NaN (``tl.maximum`` alone drops it), and the sigmoid is written
+from ``exp(-|z|)``, which never overflows (for any finite or infinite ``z``; NaN stays NaN),
+instead of ``exp(-z)``, which overflows to inf for large ``|z|``; tanh-GELU is a sigmoid too
+(:func:`activate`), its exponent clamped where it would overflow.
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ from .._fp8 import store_e4m3
 GELU, SILU, QUICK_GELU, SQUARED_RELU = 0, 1, 2, 3
 
 # The constants are written out in the functions below (a kernel can read a global only as a
-# tl.constexpr, which Triton's interpreter cannot multiply by a tensor): tanh-GELU's
-# sqrt(2 / pi) = 0.79788456, cubic coefficient 0.044715 and derivative constant
-# 3 * 0.79788456 * 0.044715 = 0.1070322243; Quick-GELU's 1.702 (Megatron-Core's values,
-# the same as reference.py's).
+# tl.constexpr, which Triton's interpreter cannot multiply by a tensor): from tanh-GELU's
+# sqrt(2 / pi) = 0.79788456 and cubic coefficient 0.044715 (Megatron-Core's values, the same
+# as reference.py's), the sigmoid form's exponent -2 sqrt(2 / pi) log2(e) = -2.3022082, its
+# cubic term's -0.10294324 and the derivative's 2 u' = 1.5957691 + 0.21406445 a^2 (twice
+# 0.79788456 + 3 * 0.79788456 * 0.044715 a^2); Quick-GELU's 1.702.
 
 
 @triton.jit
@@ -53,15 +55,6 @@ def _sigmoid(z):
     e = tl.exp(-tl.abs(z))
     s = 1.0 / (1.0 + e)
     return tl.where(z >= 0, s, e * s)
-
-
-@triton.jit
-def _tanh(z):
-    # tanh(|z|) = 1 - 2 e / (1 + e) with e = exp(-2|z|) in [0, 1] (= 1 - 2 / (exp(2|z|) + 1)):
-    # saturates to +-1 without an overflow; NaN stays NaN.
-    e = tl.exp(-2.0 * tl.abs(z))
-    t = 1.0 - 2.0 * e / (1.0 + e)
-    return tl.where(z >= 0, t, -t)
 
 
 @triton.jit
@@ -90,11 +83,20 @@ def activate(a, ACT: tl.constexpr):
 
 @triton.jit
 def activate_and_grad(a, ACT: tl.constexpr):
-    """(act(a), act'(a))."""
+    """(act(a), act'(a)). tanh-GELU as in :func:`activate`, ``s = sigmoid(2u)`` =
+    ``1 / (1 + e)``, ``e = 2^z`` (``s`` 0 past ``z = 126``): ``act = a s``, ``act' = s + a s
+    (1 - s) 2u'`` with ``2u' = 1.5957691 + 0.21406445 a^2`` (twice Megatron's ``0.79788456 +
+    0.1070322243 a^2``), the tanh form's derivative written with ``1 - tanh^2 = 4 s (1 -
+    s)``; ``1 - s`` is ``e s`` (no cancellation where ``s`` nears 1), 1 past ``z = 126``. Its
+    NaNs are that formula's: at +-inf (``inf * 0``) and where ``a^2`` overflows (``0 *
+    inf``)."""
     if ACT == 0:
-        t = _tanh(0.79788456 * a * (1.0 + 0.044715 * a * a))
-        d = 0.5 * a * ((1.0 - t * t) * (0.79788456 + 0.1070322243 * a * a)) + 0.5 * (1.0 + t)
-        return 0.5 * a * (1.0 + t), d
+        z = a * (-2.3022082 + -0.10294324 * (a * a))
+        far = z > 126.0
+        e = tl.exp2(tl.minimum(z, 126.0))
+        s = tl.where(far, 0.0, 1.0 / (1.0 + e))
+        y = a * s
+        return y, s + y * tl.where(far, 1.0, e * s) * (1.5957691 + 0.21406445 * (a * a))
     elif ACT == 1:
         s = _sigmoid(a)
         return a * s, s * (1.0 + a * (1.0 - s))
