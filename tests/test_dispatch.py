@@ -315,3 +315,45 @@ def test_apply_function_unwraps_a_dead_wrapper_of_a_tensor_subclass() -> None:
     torch.func.grad(f)(w.clone())
     y = lmfuse.rms_norm(x.clone().requires_grad_(True), kept[0], impl="triton")
     torch.testing.assert_close(y, torch.rms_norm(x, (8,), w))
+
+
+def _dense_only_calls() -> dict:
+    w = torch.ones(4)
+    target = torch.tensor([0, 1, 2, 3])
+    mlp = lmfuse.FusedMLP(4, 8)
+    return {
+        "rms_norm": lambda x: lmfuse.rms_norm(x, w),
+        "layer_norm": lambda x: lmfuse.layer_norm(x, (4,), w),
+        "cross_entropy": lambda x: lmfuse.cross_entropy(x, target),
+        "swiglu": lmfuse.swiglu,
+        "geglu": lmfuse.geglu,
+        "bias_gelu": lambda x: lmfuse.bias_gelu(x, w),
+        "squared_relu": lmfuse.squared_relu,
+        "fused_softmax": lmfuse.fused_softmax,
+        "FusedMLP": mlp,
+    }
+
+
+def _not_dense(kind: str) -> torch.Tensor:
+    if kind == "sparse_coo":
+        return torch.randn(4, 4).to_sparse()
+    if kind == "sparse_csr":
+        return torch.randn(4, 4).to_sparse_csr()
+    return torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)],
+                                      layout=torch.jagged)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # the constructors' prototype notices
+@pytest.mark.parametrize("interpreter", ["1", "0"], ids=["triton-path", "cpu-fast-path"])
+@pytest.mark.parametrize("kind", ["sparse_coo", "sparse_csr", "nested"])
+@pytest.mark.parametrize("name", list(_dense_only_calls()))
+def test_sparse_and_nested_inputs_refused_naming_the_argument(
+        monkeypatch: pytest.MonkeyPatch, name: str, kind: str, interpreter: str) -> None:
+    """A sparse or (jagged) nested tensor gets lmfuse's TypeError naming the argument and
+    its layout, on the Triton path and through the CPU fast paths (PyTorch's own ops refuse
+    it there first, with their own messages, and the full path's checks name it)."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpreter)
+    call = _dense_only_calls()[name]
+    x = _not_dense(kind)
+    with pytest.raises(TypeError, match=rf"must be a dense \(strided\) tensor, got a {kind}"):
+        call(x)

@@ -404,6 +404,10 @@ def check_tensor(
 ) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout is not torch.strided or t.is_nested:  # (about 0.1 us)
+        kind = "nested" if t.is_nested else str(t.layout).replace("torch.", "")
+        raise TypeError(f"{op}: {name} must be a dense (strided) tensor, got a {kind} tensor; "
+                        "convert it with .to_dense() (or .to_padded_tensor() for a nested one)")
     if ndim is not None:
         allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
         if t.dim() not in allowed:

@@ -146,7 +146,8 @@ class FusedMLP(nn.Module):
         if (weights is None and self.activation == "swiglu" and self.impl == "auto"
                 and self.bias1 is None and self.fp8_input_store is False
                 and self.gate_multiplier == 1.0 and self.down_multiplier == 1.0
-                and cpu_fast(x) and x.dim() > 0 and x.shape[-1] == self.fc1.in_features
+                and cpu_fast(x) and x.layout is torch.strided and x.dim() > 0
+                and x.shape[-1] == self.fc1.in_features
                 and self.fc1.weight.is_cpu and self.fc1.weight.dtype is torch.float32):
             # The common CPU call: x is what the checks accept; swiglu's own CPU fast path.
             return self.fc2(ops.swiglu(self.fc1(x)))

@@ -670,7 +670,10 @@ def swiglu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
             and cpu_offload_input is False and type(gate_multiplier) is float
             and gate_multiplier == 1.0 and type(down_multiplier) is float
             and down_multiplier == 1.0 and _cpu_fast_halves(x)):
-        return _cpu_gated(x, "silu")  # the common CPU call: _native's formula at once
+        try:  # the common CPU call: _native's formula at once
+            return _cpu_gated(x, "silu")
+        except RuntimeError:  # refused by PyTorch's ops (a sparse x): the checks name it
+            pass
     return _run("swiglu", x, bias, None, "silu", True, clamp_value=clamp_value,
                 fp8_input_store=fp8_input_store, cpu_offload_input=cpu_offload_input,
                 impl=impl, gate_multiplier=gate_multiplier, down_multiplier=down_multiplier)
@@ -682,7 +685,10 @@ def geglu(x: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
     """``gelu_tanh(x1) * x2``; arguments, and NaN / inf behaviour, as :func:`swiglu`."""
     if (impl == "auto" and bias is None and fp8_input_store is False
             and cpu_offload_input is False and _cpu_fast_halves(x)):
-        return _cpu_gated(x, "gelu")  # the common CPU call: _native's formula at once
+        try:  # the common CPU call: _native's formula at once
+            return _cpu_gated(x, "gelu")
+        except RuntimeError:  # refused by PyTorch's ops (a sparse x): the checks name it
+            pass
     return _run("geglu", x, bias, None, "gelu", True, fp8_input_store=fp8_input_store,
                 cpu_offload_input=cpu_offload_input, impl=impl)
 

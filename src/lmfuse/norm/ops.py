@@ -406,8 +406,12 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, eps: flo
                 type(weight) in PLAIN_TENSORS and weight.dtype is torch.float32
                 and weight.is_cpu and weight.shape == x.shape[-1:]))):
         # The common CPU call (float32, a float32 weight or none, no offset): the path
-        # below at once, without the resolved call.
-        return _cpu_rms_norm(x, weight, eps)
+        # below at once, without the resolved call. What PyTorch's op refuses (a sparse or
+        # nested x) takes the full path, whose checks name it.
+        try:
+            return _cpu_rms_norm(x, weight, eps)
+        except RuntimeError:
+            pass
     path, _, a = _resolve(x, weight, eps, weight_offset, impl)
     if native_cpu(impl, path, x) and (weight is None or weight.dtype == torch.float32):
         # The default path on CPU float32 (no Triton): PyTorch's own op, the same float32
