@@ -28,8 +28,10 @@ def _table_values(cfg: dict) -> dict:
     is ``BLOCK_N`` for a single tile): laid over the table, the op's own lookup runs it."""
     if cfg["SINGLE_BLOCK"]:
         return dict(max_single_block=cfg["BLOCK_N"], tile_elems=cfg["BLOCK_M"] * cfg["BLOCK_N"],
-                    warps_by_block=[[cfg["BLOCK_N"], cfg["num_warps"]]])
-    return dict(max_single_block=0, chunk_block=cfg["BLOCK_N"], chunk_warps=cfg["num_warps"])
+                    warps_by_block=[[cfg["BLOCK_N"], cfg["num_warps"]]], long_rows=None)
+    # (no long_rows entry: a device table's would lay its chunks over these)
+    return dict(max_single_block=0, chunk_block=cfg["BLOCK_N"], chunk_warps=cfg["num_warps"],
+                long_rows=None)
 
 
 def sweep(shape, causal, backward, configs):

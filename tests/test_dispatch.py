@@ -331,6 +331,10 @@ def _dense_only_calls() -> dict:
         "squared_relu": lmfuse.squared_relu,
         "fused_softmax": lmfuse.fused_softmax,
         "FusedMLP": mlp,
+        "cross_entropy weight": lambda x: lmfuse.cross_entropy(torch.randn(4, 4), target,
+                                                               weight=x),
+        "linear_cross_entropy ce_weight": lambda x: lmfuse.linear_cross_entropy(
+            torch.randn(4, 8), torch.randn(4, 8), target, ce_weight=x),
     }
 
 

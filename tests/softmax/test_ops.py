@@ -298,24 +298,29 @@ def test_streamed_rows_with_hints_and_a_backward_chunk_of_its_own(case: Case) ->
     from lmfuse import tuning
 
     launched = []
-    real = ops._kernels().softmax_bwd_kernel
 
     class Spy:
+        def __init__(self, name):
+            self.name, self.real = name, getattr(ops._kernels(), name)
+
         def __getitem__(self, grid):
             def launch(*args, **meta):
-                launched.append((meta["BLOCK_N"], meta["num_warps"], meta.get("HINTS")))
-                return real[grid](*args, **meta)
+                launched.append((self.name, meta["BLOCK_N"], meta["num_warps"],
+                                 meta.get("HINTS")))
+                return self.real[grid](*args, **meta)
             return launch
 
     values = dict(max_single_block=16, chunk_block=16, chunk_warps=4, chunk_hints=1,
                   bwd_chunk_block=32, bwd_chunk_warps=2)
     with tuning.overlay("softmax", values), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ops._kernels(), "softmax_bwd_kernel", Spy())
+        for name in ("softmax_fwd_kernel", "softmax_bwd_kernel"):
+            mp.setattr(ops._kernels(), name, Spy(name))
         scores, mask, offset, grad_out = make_inputs(case, F32)
         check_against_reference(f"{case.id} hints", F32, scores, mask, offset, grad_out,
                                 **case.kwargs())
         plan = lmfuse.explain(lmfuse.fused_softmax, scores)
-    assert launched and set(launched) == {(32, 2, True)}
+    assert set(launched) == {("softmax_fwd_kernel", 16, 4, True),
+                             ("softmax_bwd_kernel", 32, 2, True)}, launched
     assert "16-key chunks (32 in the backward), L2 keeps" in plan.details["kernel"]
 
 

@@ -66,12 +66,15 @@ def activate(a, ACT: tl.constexpr):
     ``z = -2 u log2(e)`` = ``a (-2.3022082 - 0.10294324 a^2)`` (the constants folded): one exp2
     and one division where the tanh form took about twice the instructions (it bounded
     GEGLU's forward on an H200), and no cancellation in ``1 + tanh(u)`` for negative ``a``.
-    Past ``z = 126`` the exp2 would overflow (a floating-point error in the interpreter), so
-    there the value is ``a * 0``, PyTorch's limit: -0 for a very negative ``a``, NaN for
-    ``-inf`` (``-inf * 0``); ``+inf`` and NaN pass through the division."""
+    Past ``z = 26`` the value is ``a * 0``, as PyTorch's float32 formula gives it: there
+    ``tanh(u)`` rounds to -1 (``1 - |tanh(u)| < 2^-25`` from ``2|u| > 26 ln 2``, which is
+    ``z > 26``), so ``1 + tanh(u)`` is exactly 0, the product with an inf up half NaN, not
+    +-inf: -0 for a finite ``a``, NaN for ``-inf`` (``-inf * 0``); the exp2's argument is
+    clamped there (no overflow: no floating-point error in the interpreter). ``+inf`` and
+    NaN pass through the division."""
     if ACT == 0:
         z = a * (-2.3022082 + -0.10294324 * (a * a))
-        return tl.where(z > 126.0, a * 0.0, a / (1.0 + tl.exp2(tl.minimum(z, 126.0))))
+        return tl.where(z > 26.0, a * 0.0, a / (1.0 + tl.exp2(tl.minimum(z, 26.0))))
     elif ACT == 1:
         return a * _sigmoid(a)
     elif ACT == 2:
@@ -84,16 +87,16 @@ def activate(a, ACT: tl.constexpr):
 @triton.jit
 def activate_and_grad(a, ACT: tl.constexpr):
     """(act(a), act'(a)). tanh-GELU as in :func:`activate`, ``s = sigmoid(2u)`` =
-    ``1 / (1 + e)``, ``e = 2^z`` (``s`` 0 past ``z = 126``): ``act = a s``, ``act' = s + a s
+    ``1 / (1 + e)``, ``e = 2^z`` (``s`` 0 past ``z = 26``): ``act = a s``, ``act' = s + a s
     (1 - s) 2u'`` with ``2u' = 1.5957691 + 0.21406445 a^2`` (twice Megatron's ``0.79788456 +
     0.1070322243 a^2``), the tanh form's derivative written with ``1 - tanh^2 = 4 s (1 -
-    s)``; ``1 - s`` is ``e s`` (no cancellation where ``s`` nears 1), 1 past ``z = 126``. Its
+    s)``; ``1 - s`` is ``e s`` (no cancellation where ``s`` nears 1), 1 past ``z = 26``. Its
     NaNs are that formula's: at +-inf (``inf * 0``) and where ``a^2`` overflows (``0 *
     inf``)."""
     if ACT == 0:
         z = a * (-2.3022082 + -0.10294324 * (a * a))
-        far = z > 126.0
-        e = tl.exp2(tl.minimum(z, 126.0))
+        far = z > 26.0
+        e = tl.exp2(tl.minimum(z, 26.0))
         s = tl.where(far, 0.0, 1.0 / (1.0 + e))
         y = a * s
         return y, s + y * tl.where(far, 1.0, e * s) * (1.5957691 + 0.21406445 * (a * a))

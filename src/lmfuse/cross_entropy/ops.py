@@ -729,6 +729,7 @@ def check_class_weights(op: str, name: str, w: Any, V_local: int, size_of: str,
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor of class weights or None, "
                         f"got {type(w).__name__}")
+    check_tensor(op, name, w, dtypes=None)  # (a dense one)
     if not w.is_floating_point():
         raise TypeError(f"{op}: {name} must be a floating-point tensor (class weights), "
                         f"got {w.dtype}")
