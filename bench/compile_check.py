@@ -1,0 +1,223 @@
+"""Compile every kernel launch of ``lmfuse check`` for a GPU target, on a machine without one.
+
+    python bench/compile_check.py [--table h200] [--arch 90] [--dtypes fp32,fp16]
+                                  [--bf16] [--triton SITE_PACKAGES] [--json PATH]
+
+Two steps. First ``lmfuse check``'s cases run on the CPU with Triton's interpreter (set
+here, before lmfuse is imported) and every kernel launch is recorded: the kernel, its
+arguments' types and its constexprs and launch options. ``--table`` picks the tuning table
+the launches read (as if on that GPU: ``h200``, ``h100``; default: the CPU's, i.e.
+default.json). Then a second process, without the interpreter, compiles each distinct
+launch for ``cuda`` at ``--arch``, through PTX, and prints what did not compile: with the
+Triton it imports, or with the one under ``--triton`` (a ``site-packages`` holding another
+version, e.g. ``pip install --target DIR triton==3.6.0``: a GPU image's version may refuse
+what the interpreter's accepts; the capture keeps the interpreter's Triton, whose
+interpreter the tests use). ``--bf16`` also compiles each half-precision launch with
+bfloat16 pointers (the interpreter cannot run bfloat16 dots, so ``--dtypes`` keeps to fp32
+and fp16).
+
+It catches what the interpreter lets through and the compiler refuses (a string default of
+a nested jit function in Triton 3.6, 2026-11-29; shapes or layouts the backend rejects),
+not wrong results or speed: those need the GPU (``lmfuse check`` there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _type_of(value) -> tuple[str, object]:
+    """``(signature type, constexpr value or None)`` of one runtime argument as Triton
+    specialises it: a tensor is a pointer to its dtype, None a constexpr, a bool i1, an int
+    i32 or i64, a float fp32."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return "*" + _TRITON_DTYPE[value.dtype], None
+    if value is None:
+        return "constexpr", None
+    if isinstance(value, bool):
+        return "i1", None
+    if isinstance(value, int):
+        return ("i32" if -2**31 <= value < 2**31 else "i64"), None
+    if isinstance(value, float):
+        return "fp32", None
+    raise TypeError(f"no signature type for {type(value).__name__}")
+
+
+def _constexpr_value(value):
+    """A constexpr as JSON: Triton dtypes by name, the rest as themselves."""
+    name = getattr(value, "name", None)
+    if type(value).__module__.startswith("triton") and isinstance(name, str):
+        return {"tl_dtype": name}
+    return value
+
+
+def capture(table: str | None, dtypes: str) -> list[dict]:
+    """Run ``lmfuse check``'s cases under the interpreter; the distinct launches."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    import importlib
+
+    import torch
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from lmfuse import tuning
+    from lmfuse._check import run_all
+    from lmfuse.cli import CHECKED, _dtype_list
+
+    if table:
+        tuning._cached_key.cache_clear()
+        tuning._cached_key = lambda device: table  # the launches read that GPU's table
+    seen: dict[str, dict] = {}
+    real_run = InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        try:
+            _record(self, args, kwargs, seen)
+        except Exception as exc:  # noqa: BLE001  (a launch we cannot describe: said, not fatal)
+            print(f"  not recorded: {self.fn.__name__}: {exc}", file=sys.stderr)
+        return real_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = run
+    try:
+        torch.manual_seed(0)
+        cases = [case for module in CHECKED for case in importlib.import_module(
+            f"lmfuse.{module}").checks(torch.device("cpu"), _dtype_list(dtypes))]
+        run_all(cases, out=lambda *a, **k: None)
+    finally:
+        InterpretedFunction.run = real_run
+    return list(seen.values())
+
+
+_OPTIONS = ("num_warps", "num_stages", "maxnreg", "num_ctas")
+
+
+def _record(kernel, args: tuple, kwargs: dict, seen: dict) -> None:
+    import inspect
+
+    params = list(inspect.signature(kernel.fn).parameters.values())
+    bound = dict(zip((p.name for p in params), args))
+    bound.update({k: v for k, v in kwargs.items() if k not in _OPTIONS})
+    signature, constexprs = {}, {}
+    for p in params:
+        is_constexpr = "constexpr" in str(p.annotation)
+        if p.name in bound:
+            value = bound[p.name]
+        elif p.default is not inspect.Parameter.empty:
+            value = p.default
+        else:
+            raise TypeError(f"argument {p.name} missing")
+        if is_constexpr:
+            signature[p.name] = "constexpr"
+            constexprs[p.name] = _constexpr_value(value)
+        else:
+            kind, _ = _type_of(value)
+            signature[p.name] = kind
+            if kind == "constexpr":
+                constexprs[p.name] = None
+    spec = {"module": kernel.fn.__module__, "kernel": kernel.fn.__name__,
+            "signature": signature, "constexprs": constexprs,
+            "options": {k: kwargs[k] for k in _OPTIONS if k in kwargs}}
+    seen.setdefault(json.dumps(spec, sort_keys=True), spec)
+
+
+def compile_specs(specs: list[dict], arch: int, bf16: bool) -> list[dict]:
+    """Compile each launch for ``cuda`` at ``arch`` (no GPU needed); one result a launch."""
+    import importlib
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", arch, 32)
+    print(f"compiling with triton {triton.__version__} ({triton.__file__})", flush=True)
+    todo = list(specs)
+    if bf16:
+        todo += [dict(s, signature={k: v.replace("*fp16", "*bf16") for k, v in
+                                    s["signature"].items()}, as_bf16=True)
+                 for s in specs if any(v == "*fp16" for v in s["signature"].values())]
+    results = []
+    for spec in todo:
+        fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
+        constexprs = {k: tl.dtype(v["tl_dtype"]) if isinstance(v, dict) else v
+                      for k, v in spec["constexprs"].items()}
+        t0 = time.perf_counter()
+        try:
+            triton.compile(ASTSource(fn, spec["signature"], constexprs=constexprs),
+                           target=target, options=dict(spec["options"]))
+            error = None
+        except Exception as exc:  # noqa: BLE001
+            lines = [line for line in str(exc).splitlines() if line.strip()]
+            error = f"{type(exc).__name__}: {lines[-1] if lines else ''}"
+        results.append(dict(spec, error=error, seconds=round(time.perf_counter() - t0, 2)))
+        print(f"{'FAIL' if error else 'ok  '} {spec['kernel']}"
+              f"{' (bf16)' if spec.get('as_bf16') else ''} {spec['options']}"
+              + (f"\n      {error}" if error else ""), flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--table", help="the tuning table the launches read (h200, h100, ...)")
+    p.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10")
+    p.add_argument("--dtypes", default="fp32,fp16", help="lmfuse check's dtypes")
+    p.add_argument("--bf16", action="store_true",
+                   help="also compile the half-precision launches with bfloat16 pointers")
+    p.add_argument("--triton", help="a site-packages whose Triton the compile step imports")
+    p.add_argument("--json", help="write every launch and its result here")
+    p.add_argument("--compile", help=argparse.SUPPRESS)  # the second step's input
+    args = p.parse_args(argv)
+    if args.compile:
+        with open(args.compile) as f:
+            specs = json.load(f)
+        results = compile_specs(specs, args.arch, args.bf16)
+        with open(args.compile, "w") as f:
+            json.dump(results, f, indent=1)
+        return 0
+    specs = capture(args.table, args.dtypes)
+    print(f"{len(specs)} distinct launches from lmfuse check (table: "
+          f"{args.table or 'default'}); compiling for sm_{args.arch}", flush=True)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(specs, f)
+        path = f.name
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if args.triton:
+        env["PYTHONPATH"] = os.pathsep.join(
+            [args.triton] + [p for p in [env.get("PYTHONPATH")] if p])
+    cmd = [sys.executable, __file__, "--compile", path, "--arch", str(args.arch)]
+    subprocess.run(cmd + (["--bf16"] if args.bf16 else []), env=env, check=True)
+    with open(path) as f:
+        results = json.load(f)
+    os.unlink(path)
+    failed = [r for r in results if r["error"]]
+    print(f"{len(results) - len(failed)} of {len(results)} compiled, {len(failed)} failed")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 1 if failed else 0
+
+
+_TRITON_DTYPE = {}
+
+
+def _dtype_table() -> None:
+    import torch
+
+    _TRITON_DTYPE.update({
+        torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+        torch.float64: "fp64", torch.int64: "i64", torch.int32: "i32", torch.int16: "i16",
+        torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
+        torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"})
+
+
+if __name__ == "__main__":
+    _dtype_table()
+    sys.exit(main())
