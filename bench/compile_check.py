@@ -1,7 +1,7 @@
 """Compile every kernel launch of ``lmfuse check`` for a GPU target, on a machine without one.
 
     python bench/compile_check.py [--table h200] [--arch 90] [--dtypes fp32,fp16]
-                                  [--bf16] [--triton SITE_PACKAGES] [--json PATH]
+                                  [--bf16] [--serving] [--triton SITE_PACKAGES] [--json PATH]
 
 Two steps. First ``lmfuse check``'s cases run on the CPU with Triton's interpreter (set
 here, before lmfuse is imported) and every kernel launch is recorded: the kernel, its
@@ -15,6 +15,10 @@ what the interpreter's accepts; the capture keeps the interpreter's Triton, whos
 interpreter the tests use). ``--bf16`` also compiles each half-precision launch with
 bfloat16 pointers (the interpreter cannot run bfloat16 dots, so ``--dtypes`` keeps to fp32
 and fp16).
+
+``--serving`` adds the Generator's kernels (GEMVs, fused decode layers, KV appends): tiny
+random models of a few families (Llama, Qwen3, Gemma 2, GPT-OSS; bf16 and fp8 caches)
+generate a few tokens with ``impl="triton"``.
 
 It catches what the interpreter lets through and the compiler refuses (a string default of
 a nested jit function in Triton 3.6, 2026-11-29; shapes or layouts the backend rejects),
@@ -59,8 +63,33 @@ def _constexpr_value(value):
     return value
 
 
-def capture(table: str | None, dtypes: str) -> list[dict]:
-    """Run ``lmfuse check``'s cases under the interpreter; the distinct launches."""
+def _serving_workload() -> None:
+    """A few tokens from tiny models of the Generator's families, on its fused path."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lmfuse.serving import Generator
+
+    tiny = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=97,
+                max_position_embeddings=256)
+    families = {"llama": {}, "qwen3": {}, "gemma2": dict(sliding_window=6,
+                                                         attn_logit_softcapping=2.0,
+                                                         final_logit_softcapping=5.0),
+                "gpt_oss": dict(sliding_window=6, num_local_experts=4, num_experts_per_tok=2)}
+    for family, extra in families.items():
+        torch.manual_seed(0)
+        config = AutoConfig.for_model(family, **tiny, **extra)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+        for kv_dtype in (None, torch.float8_e4m3fn):
+            gen = Generator(model, block_len=4, num_blocks=48, impl="triton",
+                            kv_dtype=kv_dtype)
+            gen.generate([[5, 6, 7, 8, 9, 10, 11], [3]], max_new_tokens=3, eos_token_id=[])
+
+
+def capture(table: str | None, dtypes: str, serving: bool = False) -> list[dict]:
+    """Run ``lmfuse check``'s cases (and with ``serving`` the Generator's) under the
+    interpreter; the distinct launches."""
     os.environ["TRITON_INTERPRET"] = "1"
     import importlib
 
@@ -90,6 +119,8 @@ def capture(table: str | None, dtypes: str) -> list[dict]:
         cases = [case for module in CHECKED for case in importlib.import_module(
             f"lmfuse.{module}").checks(torch.device("cpu"), _dtype_list(dtypes))]
         run_all(cases, out=lambda *a, **k: None)
+        if serving:
+            _serving_workload()
     finally:
         InterpretedFunction.run = real_run
     return list(seen.values())
@@ -171,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", default="fp32,fp16", help="lmfuse check's dtypes")
     p.add_argument("--bf16", action="store_true",
                    help="also compile the half-precision launches with bfloat16 pointers")
+    p.add_argument("--serving", action="store_true",
+                   help="also the Generator's kernels (tiny models of four families)")
     p.add_argument("--triton", help="a site-packages whose Triton the compile step imports")
     p.add_argument("--json", help="write every launch and its result here")
     p.add_argument("--compile", help=argparse.SUPPRESS)  # the second step's input
@@ -182,8 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.compile, "w") as f:
             json.dump(results, f, indent=1)
         return 0
-    specs = capture(args.table, args.dtypes)
-    print(f"{len(specs)} distinct launches from lmfuse check (table: "
+    specs = capture(args.table, args.dtypes, args.serving)
+    print(f"{len(specs)} distinct launches from lmfuse check"
+          f"{' and the Generator' if args.serving else ''} (table: "
           f"{args.table or 'default'}); compiling for sm_{args.arch}", flush=True)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(specs, f)
