@@ -63,6 +63,21 @@ def _constexpr_value(value):
     return value
 
 
+def _long_rows_workload() -> None:
+    """Cross-entropy rows past lmfuse check's sizes: unaligned ones over 65536 columns take
+    the sliced fused pass (``ce_slices_kernel``) in the shipped tables."""
+    import torch
+
+    import lmfuse
+
+    for dtype in (torch.float32, torch.float16):
+        x = torch.randn(3, 70001, dtype=dtype, requires_grad=True)
+        t = torch.tensor([0, 70000, -100])
+        for kw in ({}, dict(label_smoothing=0.1, z_loss=1e-4),
+                   dict(weight=torch.rand(70001))):
+            torch.autograd.grad(lmfuse.cross_entropy(x, t, **kw), x)
+
+
 def _serving_workload() -> None:
     """A few tokens from tiny models of the Generator's families, on its fused path."""
     import torch
@@ -88,8 +103,8 @@ def _serving_workload() -> None:
 
 
 def capture(table: str | None, dtypes: str, serving: bool = False) -> list[dict]:
-    """Run ``lmfuse check``'s cases (and with ``serving`` the Generator's) under the
-    interpreter; the distinct launches."""
+    """Run ``lmfuse check``'s cases, long cross-entropy rows (and with ``serving`` the
+    Generator's) under the interpreter; the distinct launches."""
     os.environ["TRITON_INTERPRET"] = "1"
     import importlib
 
@@ -119,6 +134,7 @@ def capture(table: str | None, dtypes: str, serving: bool = False) -> list[dict]
         cases = [case for module in CHECKED for case in importlib.import_module(
             f"lmfuse.{module}").checks(torch.device("cpu"), _dtype_list(dtypes))]
         run_all(cases, out=lambda *a, **k: None)
+        _long_rows_workload()
         if serving:
             _serving_workload()
     finally:
