@@ -97,7 +97,8 @@ def build_cases(device: torch.device, quick: bool) -> list[Case]:
     a, big, long_rows = (4, 32, 2048, 2048), (1, 16, 8192, 8192), (2, 8, 128, 65536)
     cases = [(a, "causal", False), (a, "causal", True), (a, "plain", False), (a, "plain", True),
              (a, "padding", False), (a, "causal+sink", True), (big, "causal", False),
-             (big, "causal", True), (big, "plain", False), (long_rows, "plain", False)]
+             (big, "causal", True), (big, "plain", False), (long_rows, "plain", False),
+             (long_rows, "plain", True), (long_rows, "causal", True)]
     return [make_case(s, bf16, device, kind=k, backward=bw) for s, k, bw in cases]
 
 
