@@ -329,22 +329,14 @@ def test_forced_launch_configs(monkeypatch: pytest.MonkeyPatch, N: int, V: int,
     assert plan.details["kernel"].startswith("streamed" if not config["SINGLE_BLOCK"] else "4 row")
 
 
-STAGED = [pytest.param(dict(SLICED, fused=dict(SLICED["fused"], stages=2)), id="sliced-2"),
-          pytest.param(dict(STREAM_HINTS, fused=dict(STREAM_HINTS["fused"], stages=3)),
-                       id="stream-3"),
-          pytest.param(dict(STREAM_VEC, fused=dict(STREAM_VEC["fused"], stages=4)),
-                       id="stream-vec-prefetch-4")]
-
-
-@pytest.mark.parametrize("config", STAGED)
-@pytest.mark.parametrize("options", [FORCED_OPTIONS[0], FORCED_OPTIONS[1], FORCED_OPTIONS[2]])
-def test_pipelined_chunk_loops(monkeypatch: pytest.MonkeyPatch, options: dict[str, Any],
-                               config: dict[str, Any]) -> None:
-    """A fused launch's ``stages`` and the table's ``chunk_stages`` (the stats-only pass)
-    reach the kernels as ``STAGES`` (software-pipelined chunk loops; the in-place gradient
-    included), with the reference's values; a launch without them passes none, so the
-    kernels keep Triton's default loops."""
-    staged = replace(ce_config(config), stages=3)
+@pytest.mark.parametrize("options", [FORCED_OPTIONS[0], FORCED_OPTIONS[2]])
+def test_stats_pass_pipelined_chunk_loop(monkeypatch: pytest.MonkeyPatch,
+                                         options: dict[str, Any]) -> None:
+    """The table's ``chunk_stages`` reaches the stats-only pass (the deferred path's first
+    launch, ``reduction="none"``; the forward without a gradient) as ``STAGES``, with the
+    reference's values; the fused pass and a table without it pass none, so those kernels
+    keep Triton's default loop."""
+    staged = replace(ce_config(STREAM_HINTS), stages=3)
     monkeypatch.setattr(ops, "_config", lambda V, device, softcap=False, itemsize=2,
                         aligned=True: staged)
     spy = KernelSpy(ops._kernels())
@@ -352,19 +344,21 @@ def test_pipelined_chunk_loops(monkeypatch: pytest.MonkeyPatch, options: dict[st
     logits = randn((11, 50), F32, scale=3.0)
     target = make_target((11,), 50, every=3)
     grad_out = upstream(options["reduction"], target)
-    check(f"{options} {config}", "triton", logits, target, grad_out, **options)
+    check(f"{options} stages 3", "triton", logits, target, grad_out, **options)
     rows = [(name, meta) for name, _, meta in spy.launches if name != "ce_scale_kernel"]
-    fused = options["reduction"] != "none"
-    if fused:  # one launch: the fused pass, at the entry's stages
-        assert [meta.get("STAGES") for _, meta in rows] == [config["fused"]["stages"]], rows
-    else:  # the stats-only pass at the table's chunk_stages, then the gradient kernel
+    if options["reduction"] != "none":  # one launch: the fused pass, not pipelined
+        assert len(rows) == 1 and "STAGES" not in rows[0][1], rows
+    else:  # the stats-only pass at chunk_stages, then the gradient kernel
         assert rows[0][0] == "ce_stream_kernel" and rows[0][1]["STAGES"] == 3, rows
         assert "STAGES" not in rows[1][1], rows
-    f = ops.StreamLaunch.of(config["fused"])
-    assert ops.StreamLaunch.decode(f.encode()) == f and f.entry() == config["fused"]
+    spy.launches.clear()
+    with torch.no_grad():
+        lmfuse.cross_entropy(logits.to(DEVICE), target.to(DEVICE), impl="triton")
+    assert [meta.get("STAGES") for _, _, meta in spy.launches] == [3], spy.launches
     spy.launches.clear()
     monkeypatch.setattr(ops, "_config", forced(STREAM_HINTS))
-    lmfuse.cross_entropy(logits.to(DEVICE), target.to(DEVICE), impl="triton")
+    with torch.no_grad():
+        lmfuse.cross_entropy(logits.to(DEVICE), target.to(DEVICE), impl="triton")
     assert all("STAGES" not in meta for _, _, meta in spy.launches), spy.launches
 
 

@@ -336,10 +336,11 @@ def test_long_rows_entry_from_its_min_keys_on() -> None:
                                         long_rows=long_rows)):
         short, long = ops._config(63, cpu), ops._config(64, cpu)
         assert (short.block_n, short.num_warps, long.block_n, long.num_warps) == (16, 4, 32, 2)
-        assert ops._bwd_config(63, cpu) == short
-        assert (ops._bwd_config(64, cpu).block_n, ops._bwd_config(64, cpu).num_warps) == (64, 1)
-        assert ops._stream_meta(short, 63, cpu) == {}
-        assert ops._stream_meta(long, 64, cpu) == {"HINTS": True}
+        assert ops._streamed(short, 63, cpu) == ops._streamed(short, 63, cpu, True) == (
+            short, {})
+        assert ops._streamed(long, 64, cpu) == (long, {"HINTS": True})
+        bwd, meta = ops._streamed(long, 64, cpu, backward=True)
+        assert (bwd.block_n, bwd.num_warps, meta) == (64, 1, {"HINTS": True})
         case = Case("long-causal+sink", (1, 2, 3, 70), causal=True, offset=True)
         scores, mask, offset, grad_out = make_inputs(case, F32)
         check_against_reference(case.id, F32, scores, mask, offset, grad_out, **case.kwargs())

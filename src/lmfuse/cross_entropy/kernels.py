@@ -517,8 +517,7 @@ def _range_stats(x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP: tl.constexpr,
 def _range_stats_2d(x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP: tl.constexpr,
                     HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr,
                     PREFETCH: tl.constexpr, KEEP: tl.constexpr, cw_ptr=None,
-                    HAS_WEIGHT: tl.constexpr = False, ARGMAX: tl.constexpr = False,
-                    STAGES: tl.constexpr = None):
+                    HAS_WEIGHT: tl.constexpr = False, ARGMAX: tl.constexpr = False):
     """``_range_stats`` with no barrier in the loop: a chunk is a ``[BLOCK_V // VEC, VEC]``
     tile whose rows a thread holds whole (VEC 8 or 16: one to four 16-byte loads), so the
     running max and sum (and argmax) are kept per tile row and reduced across the program
@@ -537,7 +536,7 @@ def _range_stats_2d(x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP: tl.constexpr,
     if PREFETCH:
         x_next = tl.load(x_ptr + x_off + lo + offs, mask=lo + offs < hi, other=float("-inf"),
                          eviction_policy=KEEP)
-    for k in tl.range(0, n, num_stages=STAGES):
+    for k in range(0, n):
         c = lo + k * BLOCK_V + offs
         if PREFETCH:
             x = x_next.to(tl.float32)
@@ -580,7 +579,7 @@ def _range_grad(x_ptr, x_off, g_ptr, g_off, lo, hi, lse, x_t, t_local, w, ls_ove
                 one_minus_ls, two_z, softcap, HAS_SOFTCAP: tl.constexpr,
                 BLOCK_V: tl.constexpr, STREAM: tl.constexpr, cw_ptr=None, w_t=1.0,
                 w_sum=1.0, w_z=1.0, HAS_WEIGHT: tl.constexpr = False,
-                HAS_SMOOTHING: tl.constexpr = False, STAGES: tl.constexpr = None):
+                HAS_SMOOTHING: tl.constexpr = False):
     """Write the gradient of columns [lo, hi) of one row,
     w * (p (1 + 2 z lse) - s / V - (1 - s) [j == t]); with class weights (``HAS_WEIGHT``,
     see ``_grad_tile``) p (w (w_t (1 - s) + s W / V) + w_z 2 z lse) - w (s / V) w_j
@@ -591,9 +590,7 @@ def _range_grad(x_ptr, x_off, g_ptr, g_off, lo, hi, lse, x_t, t_local, w, ls_ove
 
     Chunks go last to first (the stats pass read the last ones most recently). The target
     column (``t_local``, when in range) is rewritten at the end from ``x_t``, so it is
-    right even when the gradient overwrites the logits. ``STAGES``: as in ``_range_stats``
-    (a chunk's loads run ahead of the stores of the chunks before it, which are other
-    columns: the in-place gradient is still right).
+    right even when the gradient overwrites the logits.
     """
     cols = tl.arange(0, BLOCK_V)
     b = -ls_over_v * w
@@ -614,7 +611,7 @@ def _range_grad(x_ptr, x_off, g_ptr, g_off, lo, hi, lse, x_t, t_local, w, ls_ove
                                              False), 0.0, softcap, HAS_SOFTCAP, True)
     tl.store(g_ptr + g_off + c, g.to(g_ptr.dtype.element_ty), mask=ok,
              cache_modifier=".cs" if STREAM else "")
-    for i in tl.range(0, n_full, num_stages=STAGES):
+    for i in range(0, n_full):
         c = lo + (n_full - 1 - i) * BLOCK_V + cols
         x = tl.load(x_ptr + x_off + c,
                     eviction_policy="evict_first" if STREAM else "").to(tl.float32)
@@ -695,7 +692,8 @@ def ce_stream_kernel(
     asks L2 to keep it, the second evicts it, the gradient is stored streaming. ``VEC``
     > 0: the stats loop of ``_range_stats_2d`` (no barrier per chunk; ``PREFETCH``).
     ``HAS_WEIGHT``, ``ARGMAX``, ``TOKEN_SCALE``: as in ``ce_fwd_kernel``. ``STAGES``: the
-    chunk loops' software pipeline (``_range_stats``).
+    plain stats loop's software pipeline (``_range_stats``; the stats-only pass's, where
+    the table's ``chunk_stages`` sets it: the fused pass was slower pipelined).
 
     With one 32-warp program per SM and rows that fit L1 (bf16 rows up to about 128K
     columns on an H100), the second read, last chunk first, is mostly L1 hits: the first
@@ -708,7 +706,7 @@ def ce_stream_kernel(
         if VEC > 0:
             m, denom, sum_x, pred = _range_stats_2d(
                 x_ptr, x_off, 0, V, softcap, HAS_SOFTCAP, HAS_SMOOTHING, BLOCK_V, VEC,
-                PREFETCH, "evict_last" if HINTS else "", cw_ptr, HAS_WEIGHT, ARGMAX, STAGES)
+                PREFETCH, "evict_last" if HINTS else "", cw_ptr, HAS_WEIGHT, ARGMAX)
         else:
             m, denom, sum_x, pred = _range_stats(
                 x_ptr, x_off, 0, V, softcap, HAS_SOFTCAP, HAS_SMOOTHING, BLOCK_V,
@@ -724,7 +722,7 @@ def ce_stream_kernel(
             w_z = tl.where(grad_ok, w_z, 0.0)
             _range_grad(x_ptr, x_off, g_ptr, row * stride_g, 0, V, lse, x_t, t_local, w,
                         ls_over_v, one_minus_ls, two_z, softcap, HAS_SOFTCAP, BLOCK_V, HINTS,
-                        cw_ptr, w_t, w_sum, w_z, HAS_WEIGHT, HAS_SMOOTHING, STAGES)
+                        cw_ptr, w_t, w_sum, w_z, HAS_WEIGHT, HAS_SMOOTHING)
 
 
 @triton.jit
@@ -763,11 +761,11 @@ def ce_slices_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, MEAN: tl.constexpr,
     SLICES_P2: tl.constexpr, BLOCK_V: tl.constexpr, HINTS: tl.constexpr = False,
     cw_ptr=None, wstat_ptr=None, HAS_WEIGHT: tl.constexpr = False,
-    TOKEN_SCALE: tl.constexpr = False, STAGES: tl.constexpr = None,
+    TOKEN_SCALE: tl.constexpr = False,
 ):
     """Loss, stats and gradient of long rows in one launch, rows cut in SLICES slices
     (class weights, ``HAS_WEIGHT``, and ``TOKEN_SCALE``: as in ``ce_fwd_kernel``; no
-    argmax; ``STAGES``: as in ``ce_stream_kernel``).
+    argmax).
 
     Tile ``i`` is slice ``i % SLICES`` of row ``i // SLICES``. Programs (a persistent
     grid) take tile numbers from a ticket counter, so tile numbers follow the order in
@@ -797,7 +795,7 @@ def ce_slices_kernel(
             t_local, grad_ok, t = _row_target(t_ptr, row, V, 0, V, ignore_index)
             p_max, p_sum, p_sx, _pred = _range_stats(
                 x_ptr, x_off, lo, hi, softcap, HAS_SOFTCAP, HAS_SMOOTHING, BLOCK_V,
-                "evict_last" if HINTS else "", cw_ptr, HAS_WEIGHT, False, STAGES)
+                "evict_last" if HINTS else "", cw_ptr, HAS_WEIGHT)
             x_t = _target_x(x_ptr, x_off, t_local, lo, hi, softcap, HAS_SOFTCAP)
             base = tile.to(tl.int64) * 4
             tl.store(part_ptr + base, p_max)
@@ -836,6 +834,5 @@ def ce_slices_kernel(
             hi = tl.minimum(lo + SLICE, V)
             _range_grad(x_ptr, row * stride_x, g_ptr, row * stride_g, lo, hi, lse, x_t,
                         t_local, w, ls_over_v, one_minus_ls, two_z, softcap, HAS_SOFTCAP,
-                        BLOCK_V, HINTS, cw_ptr, w_t, w_sum, w_z, HAS_WEIGHT, HAS_SMOOTHING,
-                        STAGES)
+                        BLOCK_V, HINTS, cw_ptr, w_t, w_sum, w_z, HAS_WEIGHT, HAS_SMOOTHING)
         tile = tl.atomic_add(ticket_ptr, 1)

@@ -61,9 +61,7 @@ class StreamLaunch:
     logits and a streaming store of the gradient), ``slice`` and ``lag`` (rows in slices of
     ``slice`` columns, ``ce_slices_kernel``; phase B trails phase A by ``lag`` rows of
     slices) or ``vec`` and ``prefetch`` (whole rows a program, ``ce_stream_kernel``'s
-    barrier-free stats loop), and ``stages`` (the chunk loops' software pipeline, Triton's
-    ``num_stages``; 0: Triton's default loop). Without ``slice`` a program streams whole
-    rows."""
+    barrier-free stats loop). Without ``slice`` a program streams whole rows."""
 
     block_v: int
     num_warps: int
@@ -73,15 +71,13 @@ class StreamLaunch:
     lag: int = 1
     vec: int = 0
     prefetch: bool = False
-    stages: int = 0
 
     @classmethod
     def of(cls, entry: dict[str, Any]) -> StreamLaunch:
         """The launch a table entry (a JSON object; flags as 0/1 or bools) describes."""
         return cls(entry["BLOCK_V"], entry["num_warps"], entry["programs_per_sm"],
                    bool(entry.get("hints", 0)), entry.get("slice", 0), entry.get("lag", 1),
-                   entry.get("vec", 0), bool(entry.get("prefetch", 0)),
-                   entry.get("stages", 0))
+                   entry.get("vec", 0), bool(entry.get("prefetch", 0)))
 
     def entry(self) -> dict[str, Any]:
         """The launch as a table entry: the three keys and the options it sets (``lag``
@@ -96,8 +92,6 @@ class StreamLaunch:
             e["vec"] = self.vec
         if self.prefetch:
             e["prefetch"] = 1
-        if self.stages:
-            e["stages"] = self.stages
         return e
 
     def fit(self, itemsize: int, aligned: bool) -> StreamLaunch:
@@ -112,10 +106,10 @@ class StreamLaunch:
 
     def encode(self) -> str:
         """The launch as a custom op's string argument (a custom op takes no object):
-        its nine fields, comma-separated. Plain string formatting, so torch.compile
+        its eight fields, comma-separated. Plain string formatting, so torch.compile
         traces it."""
         return (f"{self.block_v},{self.num_warps},{self.programs_per_sm},{int(self.hints)},"
-                f"{self.slice},{self.lag},{self.vec},{int(self.prefetch)},{self.stages}")
+                f"{self.slice},{self.lag},{self.vec},{int(self.prefetch)}")
 
     @classmethod
     def decode(cls, text: str) -> Optional[StreamLaunch]:
@@ -124,7 +118,7 @@ class StreamLaunch:
             return None
         v = text.split(",")
         return cls(int(v[0]), int(v[1]), _number(v[2]), v[3] == "1", int(v[4]), int(v[5]),
-                   int(v[6]), v[7] == "1", int(v[8]))
+                   int(v[6]), v[7] == "1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,8 +226,7 @@ def _launch_fwd(logits, target, count, grad, vocab_start, vocab_size, ignore_ind
         f = cfg.fused  # at the slices' block and warps)
         _kernels().ce_stream_kernel[(_persistent_grid(n, f.programs_per_sm, logits.device),)](
             *args, **common, BLOCK_V=f.block_v, HINTS=f.hints, VEC=f.vec,
-            PREFETCH=bool(f.vec and f.prefetch), num_warps=f.num_warps,
-            **({"STAGES": f.stages} if f.stages else {}))
+            PREFETCH=bool(f.vec and f.prefetch), num_warps=f.num_warps)
     else:
         _kernels().ce_stream_kernel[(_persistent_grid(n, cfg.programs_per_sm, logits.device),)](
             *args, **common, BLOCK_V=tiles.block_n, HINTS=False, VEC=0, PREFETCH=False,
@@ -258,7 +251,6 @@ def _launch_slices(logits, target, count, grad, stats, ignore_index, label_smoot
         *scalars(V, label_smoothing, z_loss, softcap), slices, width, lag,
         HAS_SOFTCAP=softcap_mode(softcap), HAS_SMOOTHING=label_smoothing > 0, MEAN=mean,
         SLICES_P2=next_pow2(slices, 2), BLOCK_V=block, HINTS=f.hints, num_warps=f.num_warps,
-        **({"STAGES": f.stages} if f.stages else {}),
         **({} if weight is None else dict(cw_ptr=weight, wstat_ptr=wstat, HAS_WEIGHT=True)),
         **({} if not token_scale else dict(TOKEN_SCALE=True)),
     )

@@ -55,24 +55,20 @@ def _config(sk: int, device: torch.device) -> tuning.RowTiles:
     return tuning.row_tiles(_section(sk, device), sk)
 
 
-def _bwd_config(sk: int, device: torch.device) -> tuning.RowTiles:
-    """The backward's tiles: the forward's, except that streamed rows take the table's
-    ``bwd_chunk_block`` and ``bwd_chunk_warps`` where it has them (the backward streams
-    y and dy, twice the forward's bytes a chunk)."""
-    tiles = _config(sk, device)
+def _streamed(tiles: tuning.RowTiles, sk: int, device: torch.device,
+              backward: bool = False) -> tuple[tuning.RowTiles, dict]:
+    """``(tiles, extra meta-parameters)`` of a launch over rows of ``sk`` keys from
+    :func:`_config`'s ``tiles``: a single tile as it is; streamed rows with ``HINTS`` where
+    the table's ``chunk_hints`` asks for them (L2 keeps the first pass's reads for the
+    second; nothing otherwise, so those launches are the kernels' defaults) and, for the
+    ``backward`` (y and dy, twice the forward's bytes a chunk), the table's
+    ``bwd_chunk_block`` and ``bwd_chunk_warps`` where it has them."""
+    if tiles.single:
+        return tiles, {}
     t = _section(sk, device)
-    if tiles.single or "bwd_chunk_block" not in t:
-        return tiles
-    return replace(tiles, block_n=t["bwd_chunk_block"], num_warps=t["bwd_chunk_warps"])
-
-
-def _stream_meta(tiles: tuning.RowTiles, sk: int, device: torch.device) -> dict:
-    """``HINTS`` for streamed rows where the table's ``chunk_hints`` asks for them (L2
-    keeps the first pass's reads for the second); nothing otherwise, so the launches
-    without them are the kernels' defaults."""
-    if tiles.single or not _section(sk, device).get("chunk_hints"):
-        return {}
-    return {"HINTS": True}
+    if backward and "bwd_chunk_block" in t:
+        tiles = replace(tiles, block_n=t["bwd_chunk_block"], num_warps=t["bwd_chunk_warps"])
+    return tiles, {"HINTS": True} if t.get("chunk_hints") else {}
 
 
 def _split_scale(scale: float) -> tuple[float, float]:
@@ -122,7 +118,7 @@ def _launch_fwd(scores: torch.Tensor, mask: Optional[torch.Tensor],
         return y, lse
     kind = 0 if mask is None else 1 if mask.dtype == torch.bool else 2
     m, m_strides = _mask_operand(mask, (b, np_, sq, sk), scores)
-    tiles = _config(sk, scores.device)
+    tiles, stream = _streamed(_config(sk, scores.device), sk, scores.device)
     grid = (cdiv(n_rows, tiles.block_m),)
     _kernels().softmax_fwd_kernel[grid](
         scores, y, m, softmax_offset if softmax_offset is not None else scores, lse,
@@ -131,8 +127,7 @@ def _launch_fwd(scores: torch.Tensor, mask: Optional[torch.Tensor],
         *_split_scale(scale), left, right,
         BANDED=left < UNBOUNDED or right < UNBOUNDED, MASK_KIND=kind,
         HAS_OFFSET=softmax_offset is not None, STORE_LSE=softmax_offset is not None,
-        COMPUTE=_compute_dtype(scores.dtype), **tiles.meta(),
-        **_stream_meta(tiles, sk, scores.device),
+        COMPUTE=_compute_dtype(scores.dtype), **tiles.meta(), **stream,
     )
     return y, lse
 
@@ -170,7 +165,7 @@ def _launch_bwd(dy: torch.Tensor, y: torch.Tensor, lse: torch.Tensor,
             per_head = torch.where(sink == float("-inf"), 0.0, sink * 0.0)
             drow.view(b, np_, sq).copy_(per_head.view(1, np_, 1).expand(b, np_, sq))
         return dx, drow
-    tiles = _bwd_config(sk, y.device)
+    tiles, stream = _streamed(_config(sk, y.device), sk, y.device, backward=True)
     grid = (cdiv(n_rows, tiles.block_m),)
     off = softmax_offset if softmax_offset is not None else y
     bool_mask = mask if mask is not None and mask.dtype == torch.bool else None
@@ -182,7 +177,7 @@ def _launch_bwd(dy: torch.Tensor, y: torch.Tensor, lse: torch.Tensor,
         *_split_scale(1.0 if unscaled_fp32 else scale), left, right,
         BANDED=left < UNBOUNDED or right < UNBOUNDED, BOOL_MASK=bool_mask is not None,
         HAS_OFFSET=softmax_offset is not None, COMPUTE=_compute_dtype(y.dtype), **tiles.meta(),
-        **_stream_meta(tiles, sk, y.device),
+        **stream,
     )
     return dx, drow
 
@@ -425,9 +420,8 @@ def plan_fused_softmax(**a: Any) -> Plan:
             details["kernel"] = (f"one pass, {tiles.block_m} row(s) x {tiles.block_n} keys "
                                  "per program")
         else:
-            bwd = _bwd_config(sk, scores.device)
-            hints = ", L2 keeps the first pass's reads" if _stream_meta(
-                tiles, sk, scores.device) else ""
+            bwd, stream = _streamed(tiles, sk, scores.device, backward=True)
+            hints = ", L2 keeps the first pass's reads" if stream else ""
             details["kernel"] = (f"chunked online softmax, {tiles.block_n}-key chunks "
                                  f"({bwd.block_n} in the backward){hints}")
     if native_cpu(a["impl"], path, scores) and c.softmax_offset is None:
