@@ -936,6 +936,94 @@ def test_backward_stages_of_the_non_gated_activations(monkeypatch) -> None:
             assert stages[-1] == (gated, None if gated else 3)
 
 
+def _spy_kernel(monkeypatch, name: str) -> list:
+    """Record each launch of the activations' kernel ``name``: (grid, its keyword args)."""
+    from lmfuse.activations import ops as act_ops
+
+    kernels = act_ops._kernels()
+    real = getattr(kernels, name)
+    launches: list = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append((grid, kw))
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(kernels, name, Spy())
+    return launches
+
+
+@pytest.mark.parametrize("op,gated,weighted", [
+    ("squared_relu", False, False), ("weighted_squared_relu", False, True),
+    ("weighted_swiglu", True, True), ("bias_gelu", False, False), ("swiglu", True, False)])
+@pytest.mark.parametrize("bias_grad", [False, True])
+def test_backward_flat_tiles_without_a_bias_gradient(monkeypatch, op, gated, weighted,
+                                                     bias_grad) -> None:
+    """With the table's ``bwd_flat``, a backward with no bias gradient to sum launches one
+    program a tile (2 x 8 here: 10 row tiles of 19 rows, 3 column blocks of 20 columns) in
+    the forward's order, with the reference's gradients (x's, the weights'); one with a bias
+    gradient keeps the grouped launch (1 program an SM: one row group)."""
+    from lmfuse import tuning
+
+    launches = _spy_kernel(monkeypatch, "act_bwd_kernel")
+    M, N = 19, 20
+    takes_bias = op in ("bias_gelu", "swiglu")
+    x = randn((M, 2 * N if gated else N))
+    w = torch.rand(M, 1)
+    b = randn((x.shape[1],))
+    g = randn((M, N))
+
+    def call(impl, x, w, b):
+        args = (x, w) if weighted else (x,)
+        kw = {"bias": b} if takes_bias else {}
+        return getattr(lmfuse, op)(*args, impl=impl, **kw)
+
+    def grads(impl):
+        leaves = [x.clone().requires_grad_(True), w.clone().requires_grad_(weighted),
+                  b.clone().requires_grad_(bias_grad and takes_bias)]
+        wanted = [t for t in leaves if t.requires_grad]
+        return torch.autograd.grad(call(impl, *leaves), wanted, g)
+
+    with tuning.overlay("activations", {"bwd_flat": {"tile": 16, "max_block_n": 8,
+                                                     "warps": 1},
+                                        "bwd_programs_per_sm": 1}):
+        got = grads("triton")
+    want = grads("torch")
+    (grid, kw), = launches
+    if bias_grad and takes_bias:
+        assert kw["BLOCK_M"] * kw["BLOCK_N"] == tuning.table(
+            "activations", x.device)["bwd_tile"] and grid[1] == 1
+    else:
+        assert grid == (3, 10) and (kw["BLOCK_M"], kw["BLOCK_N"], kw["STAGES"]) == (2, 8, None)
+    assert len(got) == len(want)
+    for a, r in zip(got, want):
+        assert_close(a, r, torch.float32, op)
+
+
+@pytest.mark.parametrize("op,options,scalars", [
+    ("quick_geglu", {}, False), ("quick_geglu", {"linear_offset": 1.0}, True),
+    ("swiglu", {"gate_multiplier": 0.5}, True), ("swiglu", {"down_multiplier": 2.0}, True),
+    ("quick_geglu", {"linear_offset": -0.0}, False), ("swiglu", {}, False)])
+def test_kernels_skip_the_identity_offset_and_multipliers(monkeypatch, op, options,
+                                                          scalars) -> None:
+    """The kernels' ``SCALARS`` flag: off at offset 0 and multipliers 1 (three instructions
+    an element fewer), on otherwise; the reference's values and gradients either way."""
+    fwd = _spy_kernel(monkeypatch, "act_fwd_kernel")
+    bwd = _spy_kernel(monkeypatch, "act_bwd_kernel")
+    x = randn((5, 24))
+    g = randn((5, 12))
+    outs = []
+    for impl in ("triton", "torch"):
+        xi = x.clone().requires_grad_(True)
+        y = getattr(lmfuse, op)(xi, impl=impl, **options)
+        outs.append((y, *torch.autograd.grad(y, xi, g)))
+    assert fwd[0][1]["SCALARS"] is scalars and bwd[0][1]["SCALARS"] is scalars
+    for a, r in zip(*outs):
+        assert_close(a, r, torch.float32, str(options))
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # -inf * 0
 @pytest.mark.parametrize("gated", [False, True], ids=["bias_gelu", "geglu"])
 def test_tanh_gelu_forward_accurate_where_one_plus_tanh_cancels(gated: bool) -> None:

@@ -4,10 +4,10 @@ Both work on ``x [M, K]`` row-major (rows ``sx`` apart, columns contiguous), gat
 2 N``: the activated half ``x[:, :N]`` and the linear half ``x[:, N:]``) or not (``K = N``),
 with the activation, bias, clamp, linear offset and per-token weights chosen by constexpr
 flags, so each variant compiles to straight-line code. Math is float32. The multipliers
-(Falcon-H1's: ``act(g a) * lin * d``) are runtime float arguments, not flags: a new value
-compiles nothing, and where they are 1 the two extra multiplies per element are exact (the
-results are bit for bit those without them) and cost nothing measurable in a kernel bound
-by memory traffic.
+(Falcon-H1's: ``act(g a) * lin * d``) and the linear offset are runtime float arguments: a
+new value compiles nothing. ``SCALARS`` off (the offset 0, the multipliers 1) leaves their
+operations out: exact either way, but on an H200 a forward that reads at the copy's rate
+has about 40 instructions an element to spend, and SwiGLU's took 3 of them.
 
 A pointer a variant does not read (``b_ptr``, ``w_ptr``, ``x8_ptr``, ``db_ptr``, ``dw_ptr``)
 and ``clamp`` without ``HAS_CLAMP`` come as None: Triton binds them as constants, fewer
@@ -16,10 +16,11 @@ arguments per launch.
 * ``act_fwd_kernel``: tiles ``[BLOCK_M, BLOCK_N]`` of the output; reads x (and bias,
   weights) once, writes ``y [M, N]`` once.
 * ``act_bwd_kernel``: a program owns a column block and a group of rows, walking the rows
-  tile by tile: it reads x (recomputing the activation) and the output gradient once and
-  writes ``dx`` once. The bias gradient (a sum over rows) is accumulated in registers
-  (elementwise over the tiles, reduced over rows once) and written as one float32 partial
-  row per program (``db_part [groups, K]``); the weights'
+  tile by tile (a group of one tile where there is no bias gradient to sum: the flat
+  launch, ``ops._launch_bwd``): it reads x (recomputing the activation) and the output
+  gradient once and writes ``dx`` once. The bias gradient (a sum over rows) is accumulated
+  in registers (elementwise over the tiles, reduced over rows once) and written as one
+  float32 partial row per program (``db_part [groups, K]``); the weights'
   gradient (a sum over columns) as one float32 partial per tile and row (``dw_part
   [column blocks, M]``). Summing those small partials afterwards keeps the result
   deterministic (no atomics). With a clamp (applied before the bias, as Megatron-Core
@@ -52,9 +53,21 @@ GELU, SILU, QUICK_GELU, SQUARED_RELU = 0, 1, 2, 3
 @triton.jit
 def _sigmoid(z):
     # e = exp(-|z|) is in [0, 1]: sigmoid(|z|) = 1 / (1 + e), sigmoid(-|z|) = e / (1 + e).
-    e = tl.exp(-tl.abs(z))
+    # (exp2 of the scaled argument: tl.exp's own scaling adds a denormal-safe ex2, which
+    # costs instructions a memory-bound kernel on an H200 does not have to spare.)
+    e = tl.exp2(tl.abs(z) * -1.4426950408889634)
     s = 1.0 / (1.0 + e)
     return tl.where(z >= 0, s, e * s)
+
+
+@triton.jit
+def _times_sigmoid(a, k: tl.constexpr):
+    """``a sigmoid(a k / log2(e))`` (``k`` folds log2(e) and the slope) as ``a / (1 + e)``
+    for ``a >= 0`` and ``a e / (1 + e)`` below, ``e = 2^(-k |a|)`` in [0, 1]: no overflow
+    for any ``a``, one division (SiLU: ``x / (1 + exp(-x))``, PyTorch's own form, the same
+    values within a rounding; ``+inf`` stays inf, ``-inf`` and NaN give NaN)."""
+    e = tl.exp2(tl.abs(a) * -k)
+    return tl.where(a >= 0, a, a * e) / (1.0 + e)
 
 
 @triton.jit
@@ -76,9 +89,9 @@ def activate(a, ACT: tl.constexpr):
         z = a * (-2.3022082 + -0.10294324 * (a * a))
         return tl.where(z > 26.0, a * 0.0, a / (1.0 + tl.exp2(tl.minimum(z, 26.0))))
     elif ACT == 1:
-        return a * _sigmoid(a)
+        return _times_sigmoid(a, 1.4426950408889634)
     elif ACT == 2:
-        return a * _sigmoid(1.702 * a)
+        return _times_sigmoid(a, 2.4554669595930156)  # 1.702 log2(e)
     else:
         r = tl.maximum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)
         return r * r
@@ -129,7 +142,7 @@ def act_fwd_kernel(
     x_ptr, sx, b_ptr, w_ptr, y_ptr, sy, x8_ptr, M, N, offset, clamp, gate_mul, down_mul,
     ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_W: tl.constexpr,
     HAS_CLAMP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    STORE_X8: tl.constexpr = False,
+    STORE_X8: tl.constexpr = False, SCALARS: tl.constexpr = True,
 ):
     """A one-dimensional grid of ``cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)`` programs, the
     column tiles of a row tile consecutive: programs that run together walk x and y in
@@ -159,11 +172,14 @@ def act_fwd_kernel(
         if HAS_BIAS:
             a += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
             b += tl.load(b_ptr + N + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        y = activate(a * gate_mul, ACT) * (b + offset) * down_mul
+        if SCALARS:
+            y = activate(a * gate_mul, ACT) * (b + offset) * down_mul
+        else:
+            y = activate(a, ACT) * b
     else:
         if HAS_BIAS:
             a += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        y = activate(a * gate_mul, ACT) * down_mul
+        y = activate(a * gate_mul, ACT) * down_mul if SCALARS else activate(a, ACT)
     if HAS_W:
         y *= tl.load(w_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
     tl.store(y_ptr + rows[:, None] * sy + cols[None, :], y.to(y_ptr.dtype.element_ty),
@@ -176,7 +192,7 @@ def act_bwd_kernel(
     offset, clamp, gate_mul, down_mul,
     ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_W: tl.constexpr,
     HAS_CLAMP: tl.constexpr, BIAS_GRAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, STAGES: tl.constexpr = None,
+    BLOCK_N: tl.constexpr, STAGES: tl.constexpr = None, SCALARS: tl.constexpr = True,
 ):
     pid_n, group = tl.program_id(0), tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -196,7 +212,9 @@ def act_bwd_kernel(
         xp = x_ptr + rows[:, None] * sx + cols[None, :]
         # The output multiplier folded into the upstream gradient: g = dL/dy * d.
         g = tl.load(g_ptr + rows[:, None] * sg + cols[None, :], mask=mask,
-                    other=0.0).to(tl.float32) * down_mul
+                    other=0.0).to(tl.float32)
+        if SCALARS:
+            g *= down_mul
         if HAS_W:
             w = tl.load(w_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
             gw = g * w
@@ -215,10 +233,15 @@ def act_bwd_kernel(
             if HAS_BIAS:
                 a += bias_a
                 b += bias_b
-            u = a * gate_mul
-            act, dact = activate_and_grad(u, ACT)
-            lin = b + offset
-            da = chain_grad(u, gw * lin * gate_mul, dact, ACT)
+            if SCALARS:
+                u = a * gate_mul
+                act, dact = activate_and_grad(u, ACT)
+                lin = b + offset
+                da = chain_grad(u, gw * lin * gate_mul, dact, ACT)
+            else:
+                act, dact = activate_and_grad(a, ACT)
+                lin = b
+                da = chain_grad(a, gw * lin, dact, ACT)
             dlin = gw * act
             if BIAS_GRAD:  # the bias is added after the clamp: its gradient is not clamped
                 db_a += tl.where(mask, da, 0.0)
@@ -234,9 +257,13 @@ def act_bwd_kernel(
         else:
             if HAS_BIAS:
                 a += bias_a
-            u = a * gate_mul
-            act, dact = activate_and_grad(u, ACT)
-            da = chain_grad(u, gw * gate_mul, dact, ACT)
+            if SCALARS:
+                u = a * gate_mul
+                act, dact = activate_and_grad(u, ACT)
+                da = chain_grad(u, gw * gate_mul, dact, ACT)
+            else:
+                act, dact = activate_and_grad(a, ACT)
+                da = chain_grad(a, gw, dact, ACT)
             tl.store(dxp, da.to(dx_ptr.dtype.element_ty), mask=mask)
             if HAS_W:
                 part = tl.sum(tl.where(mask, act * g, 0.0), axis=1)

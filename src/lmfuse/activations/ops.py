@@ -67,6 +67,13 @@ class ActivationCall(ResolvedCall):
 # None goes with its flag (HAS_BIAS, ...), so it compiles no extra variant.
 
 
+def _scalars(linear_offset: float, gate_multiplier: float, down_multiplier: float) -> bool:
+    """Whether the kernels apply the offset and the multipliers (``SCALARS``): not at 0, 1
+    and 1, where they are exact but cost an H200 forward three of its ~40 instructions an
+    element (SwiGLU's, which reads at the copy's rate)."""
+    return linear_offset != 0 or gate_multiplier != 1 or down_multiplier != 1
+
+
 def _fwd(x: torch.Tensor, bias: Optional[torch.Tensor], weights: Optional[torch.Tensor],
          activation: str, gated: bool, linear_offset: float, clamp_value: Optional[float],
          gate_multiplier: float, down_multiplier: float,
@@ -86,7 +93,9 @@ def _fwd(x: torch.Tensor, bias: Optional[torch.Tensor], weights: Optional[torch.
         None if clamp_value is None else float(clamp_value), float(gate_multiplier),
         float(down_multiplier), ACT=ACT_IDS[activation], GATED=gated,
         HAS_BIAS=bias is not None, HAS_W=weights is not None, HAS_CLAMP=clamp_value is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, STORE_X8=x8 is not None, num_warps=t["fwd_warps"])
+        BLOCK_M=block_m, BLOCK_N=block_n, STORE_X8=x8 is not None,
+        SCALARS=_scalars(linear_offset, gate_multiplier, down_multiplier),
+        num_warps=t["fwd_warps"])
     return y
 
 
@@ -136,20 +145,37 @@ def _launch_bwd(x: torch.Tensor, g: torch.Tensor, bias: Optional[torch.Tensor],
     ``bias_grad``, ``dw`` empty without weights. The kernel writes them as float32 partials
     (a row group's bias gradient, a column block's weight gradient), summed here.
 
-    A row group's loop is software-pipelined over the table's ``plain_bwd_stages`` for the
-    non-gated activations (H200, bf16, fwd+bwd: bias-GELU [16384, 14336] 0.771 -> 0.690 ms
-    with 3 stages, squared ReLU 0.588 -> 0.575), Triton's default for the gated ones (3
-    stages cost SwiGLU 3%)."""
+    A program walks a group of rows (``bwd_programs_per_sm`` groups of column blocks an SM),
+    so that it sums the bias gradient over them. The group's loop is software-pipelined over
+    the table's ``plain_bwd_stages`` for the non-gated activations (H200, bf16, fwd+bwd:
+    bias-GELU [16384, 14336] 0.771 -> 0.690 ms with 3 stages, squared ReLU 0.588 -> 0.575)
+    and ``gated_bwd_stages`` for the gated ones (absent: Triton's default; H200: 4 stages
+    over 2048-element tiles, 32 programs an SM, the backward alone at [16384, 2 x 14336]:
+    bias-SwiGLU 0.665 -> 0.597 ms, bias-GEGLU 0.650 -> 0.593).
+
+    Without a bias gradient there is nothing to sum over rows: the table's ``bwd_flat``
+    (``tile``, ``max_block_n``, ``warps``; null: the grouped launch) gives each program one
+    tile, in the forward's order (H200, bf16 [16384, 14336], the backward alone: squared
+    ReLU 0.352 -> 0.326 ms, weighted 0.403 -> 0.334, weighted SwiGLU [16384, 2 x 14336]
+    0.605 -> 0.551, with 1024-element tiles one row high, 4 warps)."""
     M, K = x.shape
     N = K // 2 if gated else K
     dx = torch.empty(M, K, dtype=dtype, device=x.device)
     t = tuning.table("activations", x.device)
-    block_n = min(next_pow2(N), t["bwd_max_block_n"])
-    block_m = max(1, t["bwd_tile"] // block_n)
-    col_blocks = cdiv(N, block_n)
-    programs = t["bwd_programs_per_sm"] * tuning.sm_count(x.device)
-    groups = max(1, min(cdiv(M, block_m), cdiv(programs, col_blocks)))
-    rows_per_group = cdiv(cdiv(M, groups), block_m) * block_m
+    flat = None if bias_grad else t["bwd_flat"]
+    if flat is not None:  # one tile a program, in the forward's order
+        block_n = min(next_pow2(N), flat["max_block_n"])
+        block_m = max(1, flat["tile"] // block_n)
+        col_blocks, warps, stages = cdiv(N, block_n), flat["warps"], None
+        rows_per_group = block_m
+    else:
+        block_n = min(next_pow2(N), t["bwd_max_block_n"])
+        block_m = max(1, t["bwd_tile"] // block_n)
+        col_blocks, warps = cdiv(N, block_n), t["bwd_warps"]
+        stages = t.get("gated_bwd_stages" if gated else "plain_bwd_stages")
+        programs = t["bwd_programs_per_sm"] * tuning.sm_count(x.device)
+        groups = max(1, min(cdiv(M, block_m), cdiv(programs, col_blocks)))
+        rows_per_group = cdiv(cdiv(M, groups), block_m) * block_m
     groups = cdiv(M, rows_per_group) if M else 1
     db = torch.empty(groups, K, dtype=torch.float32, device=x.device) if bias_grad else None
     dw = (torch.empty(col_blocks, M, dtype=torch.float32, device=x.device)
@@ -165,8 +191,8 @@ def _launch_bwd(x: torch.Tensor, g: torch.Tensor, bias: Optional[torch.Tensor],
             float(gate_multiplier), float(down_multiplier),
             ACT=ACT_IDS[activation], GATED=gated, HAS_BIAS=bias is not None,
             HAS_W=weights is not None, HAS_CLAMP=clamp_value is not None, BIAS_GRAD=bias_grad,
-            BLOCK_M=block_m, BLOCK_N=block_n, STAGES=None if gated else t.get("plain_bwd_stages"),
-            num_warps=t["bwd_warps"])
+            BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
+            SCALARS=_scalars(linear_offset, gate_multiplier, down_multiplier), num_warps=warps)
     # (Two empties, not one: a custom op's outputs may not alias one another.)
     return (dx, db.sum(0) if db is not None else x.new_empty((0,), dtype=torch.float32),
             dw.sum(0) if dw is not None else x.new_empty((0,), dtype=torch.float32))
