@@ -102,9 +102,105 @@ def _serving_workload() -> None:
             gen.generate([[5, 6, 7, 8, 9, 10, 11], [3]], max_new_tokens=3, eos_token_id=[])
 
 
+def _engine_workload() -> None:
+    """The kernels no CPU case of lmfuse check launches, each called as its GPU path calls
+    it, on CPU tensors: the mixture-of-experts grouped-GEMM engine's element-wise kernels
+    (``torch._grouped_mm`` runs on the CPU too) and its large routing, the vocabulary
+    parallel merge (a gloo group of one rank), the decode block's fused qk-norm, rotary and
+    append, the Generator's argmax, bus copy and L2 prefetch. A launch the interpreter
+    cannot run (the prefetch's inline PTX) is recorded before it fails."""
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    import lmfuse
+    from lmfuse.attention.block import qk_norm_rope_append
+    from lmfuse.cross_entropy import ops as ce_ops
+    from lmfuse.cross_entropy import vocab_parallel
+    from lmfuse.moe import ops as moe_ops
+    from lmfuse.moe.routing import route_large
+    from lmfuse.serving.fused_ops import l2_prefetch
+    from lmfuse.serving.runner import bus_copy
+    from lmfuse.serving.sampling import argmax_rows
+
+    engine = moe_ops._grouped_engine
+    moe_ops._grouped_engine = lambda *args, **kwargs: True  # as on a Hopper GPU in bf16
+    try:
+        T, H, F, E, k = 48, 32, 16, 4, 2
+        for activation, kw in (("swiglu", {}), ("quick_geglu", dict(
+                gate_up_layout="interleaved", linear_offset=1.0, clamp_value=7.0,
+                bias=True)), ("swiglu", dict(fp8_input_store=True))):
+            bias = kw.pop("bias", False)
+            leaves = [torch.randn(T, H), torch.rand(T, k), torch.randn(E, 2 * F, H) / 8,
+                      torch.randn(E, H, F) / 8]
+            if bias:
+                leaves += [torch.randn(E, 2 * F), torch.randn(E, H)]
+            leaves = [t.to(torch.bfloat16).requires_grad_(True) for t in leaves]
+            ids = torch.randint(0, E, (T, k))
+            h, rw, wgu, wd = leaves[:4]
+            out = lmfuse.moe_experts(h, ids, rw, wgu, wd, activation=activation,
+                                     gate_up_bias=leaves[4] if bias else None,
+                                     down_bias=leaves[5] if bias else None, impl="triton", **kw)
+            torch.autograd.grad(out.float().square().sum(), leaves)
+    finally:
+        moe_ops._grouped_engine = engine
+    route_large(torch.randint(-1, 6, (700, 3)), torch.rand(700, 3), 5)
+
+    # The merge runs with two ranks or more: a gloo group of one, seen as two (its
+    # all-gather gives this rank's stats twice, its agreement check is skipped).
+    patched = [(ce_ops, "group_size", lambda group: 2), (ce_ops, "check_agreed_once",
+                                                         lambda *args, **kwargs: None),
+               (vocab_parallel, "all_gather_stacked", lambda t, group: torch.stack([t, t]))]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patched]
+    with tempfile.TemporaryDirectory() as rendezvous:
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}/store", rank=0,
+                                world_size=1)
+        try:
+            for module, name, fn in patched:
+                setattr(module, name, fn)
+            x = torch.randn(6, 40, requires_grad=True)
+            t = torch.tensor([0, 79, -100, 5, 47, 1])
+            for kw in ({}, dict(label_smoothing=0.1, z_loss=1e-4),
+                       dict(weight=torch.rand(40)), dict(return_predicted_tokens=True)):
+                out = lmfuse.cross_entropy(x, t, tp_group=dist.group.WORLD, impl="triton",
+                                           **kw)
+                loss = out.loss if isinstance(out, tuple) else out
+                torch.autograd.grad(loss, x)
+        finally:
+            for module, name, fn in saved:
+                setattr(module, name, fn)
+            dist.destroy_process_group()
+
+    B, Hq, Hkv, D = 2, 4, 2, 16
+    with torch.inference_mode():
+        for cache_dtype, paged in ((torch.float16, False), (torch.float8_e4m3fn, True)):
+            shape = (6, 4, Hkv, D) if paged else (B, 12, Hkv, D)
+            k_cache = torch.zeros(shape, dtype=cache_dtype)
+            v_cache = torch.zeros(shape, dtype=cache_dtype)
+            qk_norm_rope_append(
+                torch.randn(B, 1, (Hq + 2 * Hkv) * D, dtype=torch.float16), k_cache, v_cache,
+                torch.tensor([3, 5]), num_heads=Hq, num_kv_heads=Hkv,
+                q_norm_weight=torch.rand(D, dtype=torch.float16),
+                k_norm_weight=torch.rand(D, dtype=torch.float16),
+                inv_freq=1.0 / 10000 ** (torch.arange(0, D, 2) / D),
+                block_table=torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+                if paged else None,
+                k_scale=torch.ones(Hkv) if paged else None,
+                v_scale=torch.ones(Hkv) if paged else None, impl="triton")
+
+    argmax_rows(torch.randn(3, 5000))
+    bus_copy(torch.empty(3000, dtype=torch.int64), torch.arange(3000))
+    try:
+        l2_prefetch([(torch.empty(4096, dtype=torch.bfloat16), 8192)])
+    except Exception:  # noqa: BLE001  (inline PTX: recorded, not run)
+        pass
+
+
 def capture(table: str | None, dtypes: str, serving: bool = False) -> list[dict]:
-    """Run ``lmfuse check``'s cases, long cross-entropy rows (and with ``serving`` the
-    Generator's) under the interpreter; the distinct launches."""
+    """Run ``lmfuse check``'s cases, long cross-entropy rows, the kernels those leave out
+    (:func:`_engine_workload`; with ``serving`` the Generator's too) under the interpreter;
+    the distinct launches."""
     os.environ["TRITON_INTERPRET"] = "1"
     import importlib
 
@@ -135,6 +231,7 @@ def capture(table: str | None, dtypes: str, serving: bool = False) -> list[dict]
             f"lmfuse.{module}").checks(torch.device("cpu"), _dtype_list(dtypes))]
         run_all(cases, out=lambda *a, **k: None)
         _long_rows_workload()
+        _engine_workload()
         if serving:
             _serving_workload()
     finally:
