@@ -58,7 +58,8 @@ def interpreter_active() -> bool:
             and not torch.compiler.is_compiling()):
         raw = _ENV_DATA.get(_INTERPRET_KEY)
         return raw is not None and _truthy(raw)
-    return _truthy(os.environ.get("TRITON_INTERPRET", "0"))
+    # (uncached while tracing: Dynamo warns the user of each lru_cache it traces through)
+    return _truthy_uncached(os.environ.get("TRITON_INTERPRET", "0"))
 
 
 def _interpret_env() -> bool:
@@ -70,14 +71,16 @@ def _interpret_env() -> bool:
     return _truthy(os.environ.get("TRITON_INTERPRET", "0"))
 
 
-@functools.lru_cache(maxsize=16)
-def _truthy(raw: str | bytes) -> bool:
+def _truthy_uncached(raw: str | bytes) -> bool:
     """Triton's own reading of a boolean variable (``getenv_bool``: no stripping; "1",
     "true", "on", "yes", "y" in any case), so that lmfuse and Triton never disagree on
     whether the interpreter runs (" 1" made lmfuse route CPU tensors to real launches)."""
     if isinstance(raw, bytes):
         raw = raw.decode(errors="replace")
     return raw.lower() in ("1", "true", "on", "yes", "y")
+
+
+_truthy = functools.lru_cache(maxsize=16)(_truthy_uncached)
 
 
 # Value checks on device tensors (lmfuse.set_checks / LMFUSE_CHECK=1): see value_checks().

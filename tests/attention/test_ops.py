@@ -1414,6 +1414,80 @@ def test_reference_ops_of_compiled_graphs_match_their_fakes_and_keep_gradients()
 
 
 @pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("s_active", [1, 3])
+@pytest.mark.parametrize("options", [
+    {}, {"window_size": 3}, {"sinks": True}, {"softcap": 4.0}, {"fp8": True},
+    {"window_size": 2, "sinks": True, "softcap": 3.0}])
+def test_traceable_reference_matches_the_reference(paged, s_active, options) -> None:
+    """``decode_attention_traceable`` (the torch path while torch.compile traces, reading no
+    length on the host) gives the reference's output and LSE: NaN, inf and -inf where it
+    does (a NaN key a token does not see, a NaN key it sees, a +inf score, a sequence
+    that sees nothing), and the same gradients."""
+    from lmfuse.attention.reference import (decode_attention_reference,
+                                            decode_attention_traceable)
+
+    torch.manual_seed(0)
+    B, Hq, Hkv, D = 4, 4, 2, 8
+    lens = torch.tensor([s_active, 7, 13, 0 if s_active == 1 else 9])
+    q = torch.randn(B, s_active, Hq, D)
+    q[2, 0, 1] = math.inf  # +inf scores for that head of sequence 2's first token
+    k, v = torch.randn(B, 16, Hkv, D), torch.randn(B, 16, Hkv, D)
+    k[1, 10] = math.nan  # past sequence 1's length: never seen
+    v[2, 12, 0, 3] = math.nan  # seen by sequence 2's last token (in every window here)
+    kw: dict = {}
+    if options.get("window_size") is not None:
+        kw["window_size"] = options["window_size"]
+    if options.get("sinks"):
+        kw["sinks"] = torch.randn(Hq)
+    if options.get("softcap"):
+        kw["softcap"] = options["softcap"]
+    if options.get("fp8"):
+        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+        kw.update(k_scale=torch.rand(Hkv) + 0.5, v_scale=torch.rand(Hkv) + 0.5)
+    if paged:
+        (k, v), kw["block_table"] = to_paged((k, v), lens, 4)
+    leaves = [q.clone().requires_grad_(True) for _ in range(2)]
+    results = []
+    for fn, qq in zip((decode_attention_reference, decode_attention_traceable), leaves):
+        out, lse = fn(qq, k, v, lens, return_lse=True, **kw)
+        grad = torch.autograd.grad(out.nan_to_num().square().sum(), qq)[0]
+        results.append((out, lse, grad))
+    (o1, l1, g1), (o2, l2, g2) = results
+    for a, b in ((o1, o2), (l1, l2), (g1, g2)):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.isinf(), b.isinf())
+        assert torch.allclose(a.nan_to_num(0.0, 0.0, 0.0), b.nan_to_num(0.0, 0.0, 0.0),
+                              atol=1e-5, rtol=1e-5)
+    assert o1.isnan().any() and (l1 == -math.inf).any() == (s_active == 1 and "sinks" not in kw)
+
+
+def test_compile_fullgraph_decode_with_gradients() -> None:
+    """With gradients the torch path cannot be an opaque op (no autograd): under
+    torch.compile it traces ``decode_attention_traceable`` in one graph, the eager outputs
+    and gradients; other lengths run the same graph; no warning from Dynamo."""
+    import warnings
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 2, 4, 16, requires_grad=True)
+    k = torch.randn(2, 24, 2, 16, requires_grad=True)
+    v = torch.randn(2, 24, 2, 16, requires_grad=True)
+
+    def attend(q, k, v, lens):
+        out, lse = lmfuse.decode_attention(q, k, v, lens, window_size=5, return_lse=True,
+                                           impl="torch")
+        return out.square().sum() + lse.sum()
+
+    compiled = torch.compile(attend, fullgraph=True)
+    for lens in (torch.tensor([5, 20]), torch.tensor([24, 2])):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = torch.autograd.grad(compiled(q, k, v, lens), (q, k, v))
+        want = torch.autograd.grad(attend(q, k, v, lens), (q, k, v))
+        for a, b in zip(got, want):
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+        assert not [w for w in caught if "Dynamo" in str(w.message)], caught
+
+
+@pytest.mark.parametrize("paged", [False, True])
 def test_append_negative_length_never_writes(paged: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A negative cache_seqlens raises the same error on both paths; with the checks off the
     kernel writes nothing for it (no neighbouring sequence's rows)."""

@@ -849,7 +849,7 @@ def decode_attention(
                                         sinks, k_scale, v_scale, scale, window_size, softcap,
                                         return_lse)
                 return (res[0], res[1]) if return_lse else res[0]
-            return ref.decode_attention_reference(
+            return _reference()(
                 q, k_cache, v_cache, cache_seqlens, block_table=block_table, scale=scale,
                 window_size=window_size, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
                 return_lse=return_lse, softcap=softcap)
@@ -861,6 +861,14 @@ def decode_attention(
                       scale, window_size, num_splits, softcap, return_lse,
                       check=torch.compiler.is_compiling())
         return (res[0], res[1]) if return_lse else res[0]
+
+
+def _reference():
+    """The torch path's function: the reference, or while ``torch.compile`` traces (with
+    autograd: the opaque op has none) its form that reads no length on the host."""
+    if torch.compiler.is_compiling():
+        return ref.decode_attention_traceable
+    return ref.decode_attention_reference
 
 
 def launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -972,7 +980,7 @@ def decode_attention_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             # q widened first (exactly), so the reference's output is the float32 partial
             # itself, not one rounded to q's dtype and widened back.
             compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-            out, lse = ref.decode_attention_reference(
+            out, lse = _reference()(
                 q.to(compute), k_cache, v_cache, cache_seqlens, block_table=block_table,
                 scale=scale, sinks=sinks, k_scale=k_scale, v_scale=v_scale, return_lse=True,
                 softcap=softcap)

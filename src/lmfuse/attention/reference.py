@@ -135,6 +135,71 @@ def decode_attention_reference(
     return (out, lse) if return_lse else out
 
 
+def decode_attention_traceable(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    block_table: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    window_size: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
+    softcap: Optional[float] = None,
+):
+    """:func:`decode_attention_reference` without reading a length on the host, for
+    ``torch.compile`` to trace (with autograd: the reference's loops read each sequence's
+    length and so break a full graph): the whole batch over every row the cache holds per
+    sequence (``S_max``, or the block table's width in blocks), the rows a token does not
+    see masked, as the reference masks them (zeroed before both products, so a NaN there
+    reaches neither the result nor a gradient). The same values within a rounding; memory
+    ``[B, s_active, rows, Hq, D]`` (the keys each token sees), where the reference takes
+    one sequence's rows at a time. Block ids are not checked (a -1 among the blocks a
+    sequence's length covers is read as block 0: the eager call checks them first)."""
+    B, s_active, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    if block_table is None:
+        k, v = k_cache, v_cache
+    else:
+        ids = block_table.long().clamp(0, k_cache.shape[0] - 1)
+        k, v = k_cache[ids].flatten(1, 2), v_cache[ids].flatten(1, 2)
+    k, v = k.to(compute), v.to(compute)  # [B, rows, Hkv, D]
+    if k_scale is not None:
+        k = k * k_scale.to(compute)[:, None]
+    if v_scale is not None:
+        v = v * v_scale.to(compute)[:, None]
+    group = Hq // Hkv
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    rows = k.shape[1]
+    pos = torch.arange(rows, device=q.device)
+    token = (cache_seqlens.long()[:, None] - s_active
+             + torch.arange(s_active, device=q.device)[None, :])  # [B, s_active]
+    seen = pos[None, None, :] <= token[:, :, None]  # [B, s_active, rows]
+    if window_size is not None:
+        seen &= pos[None, None, :] >= token[:, :, None] - window_size
+    mask = seen[..., None, None]  # [B, s_active, rows, 1, 1]
+    s = torch.einsum("bihd,bilhd->bihl", q.to(compute),
+                     torch.where(mask, k[:, None], 0.0)) * scale  # [B, s_active, Hq, rows]
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~seen[:, :, None, :], -math.inf)
+    if sinks is not None:
+        s = torch.cat([s, sinks.to(compute)[:, None].expand(B, s_active, Hq, 1)], dim=-1)
+    lse = logsumexp(s, dim=-1)  # [B, s_active, Hq]
+    finite = torch.isfinite(lse)
+    prob = torch.exp(s - torch.where(finite, lse, 0.0)[..., None])
+    prob = torch.where(finite[..., None], prob, 0.0)[..., :rows]
+    out = torch.einsum("bihl,bilhd->bihd", prob, torch.where(mask, v[:, None], 0.0))
+    undefined = torch.isnan(lse) | (lse == math.inf)
+    out = torch.where(undefined[..., None], math.nan, out).to(q.dtype)
+    return (out, lse) if return_lse else out
+
+
 def merge_attention_states_reference(outs: torch.Tensor, lses: torch.Tensor,
                                      out_dtype: Optional[torch.dtype] = None):
     """Merge ``P`` partial results over disjoint key sets: ``outs [P, ..., D]``, ``lses [P,
