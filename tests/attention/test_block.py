@@ -270,6 +270,36 @@ def test_reference_path_is_differentiable() -> None:
         assert p.grad.abs().sum() > 0, name
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_reference_path_compiles_with_gradients(paged: bool) -> None:
+    """The torch path under torch.compile(fullgraph=True) with gradients (no opaque op: it
+    has no autograd) traces the forms of the append and the attention that read nothing on
+    the host: one graph, the eager gradients and cache rows."""
+    torch.manual_seed(0)
+    blk = DecodeAttentionBlock(32, 4, 2, qk_norm=True, window_size=3, impl="torch")
+    table = torch.tensor([[0, 3, 5], [1, 2, 4]], dtype=torch.int32) if paged else None
+
+    def caches():
+        shape = (6, 4, 2, 8) if paged else (2, 12, 2, 8)
+        return torch.randn(shape), torch.randn(shape)
+
+    def step(x, k_cache, v_cache, lens):
+        return blk(x, k_cache, v_cache, lens, block_table=table).square().sum()
+
+    x = torch.randn(2, 2, 32, requires_grad=True)
+    lens = torch.tensor([3, 7])
+    params = [x, *blk.parameters()]
+    (k1, v1), (k2, v2) = caches(), caches()
+    k2.copy_(k1)
+    v2.copy_(v1)
+    got = torch.autograd.grad(torch.compile(step, fullgraph=True)(x, k1, v1, lens), params)
+    want = torch.autograd.grad(step(x, k2, v2, lens), params)
+    for a, b in zip(got, want):
+        assert_close(a, b, torch.float32, "gradient")
+    assert_close(k1, k2, torch.float32, "k cache")
+    assert_close(v1, v2, torch.float32, "v cache")
+
+
 def test_inv_freq_is_float32_whatever_the_module_dtype() -> None:
     blk = DecodeAttentionBlock(HIDDEN, HQ, HKV, D, rope_theta=1e6, rotary_dim=10).half()
     want = 1.0 / (1e6 ** (torch.arange(0, 10, 2, dtype=torch.int64).float() / 10))

@@ -1460,6 +1460,46 @@ def test_traceable_reference_matches_the_reference(paged, s_active, options) -> 
     assert o1.isnan().any() and (l1 == -math.inf).any() == (s_active == 1 and "sinks" not in kw)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("s_new", [1, 3])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_traceable_append_matches_the_reference(paged, s_new, fp8) -> None:
+    """``kv_cache_append_traceable`` (the torch path while torch.compile traces with
+    autograd) writes what the reference writes, a padding sequence (block-table row all -1)
+    nothing, float8 saturated and scaled as there; its gradient to the new rows is the
+    reference's; a position outside the cache fails its run-time assertion."""
+    from lmfuse.attention.reference import kv_cache_append_reference, kv_cache_append_traceable
+
+    torch.manual_seed(0)
+    B, Hkv, D = 3, 2, 8
+    dtype = torch.float8_e4m3fn if fp8 else torch.float32
+    shape = (8, 4, Hkv, D) if paged else (B, 10, Hkv, D)
+    table = (torch.tensor([[5, 2, 7], [-1, -1, -1], [0, 1, 3]], dtype=torch.int32) if paged
+             else None)
+    lens = torch.tensor([4, 0, 7])
+    scales = dict(k_scale=torch.rand(Hkv) + 0.5, v_scale=torch.rand(Hkv) + 0.5) if fp8 else {}
+    k_new = (torch.randn(B, s_new, Hkv, D) * 100).requires_grad_(True)
+    v_new = torch.randn(B, s_new, Hkv, D).requires_grad_(True)
+    base = torch.randn(shape).to(dtype)
+    written = []
+    for fn in (kv_cache_append_reference, kv_cache_append_traceable):
+        kc, vc = base.clone(), base.clone()
+        fn(kc, vc, k_new, v_new, lens, block_table=table, **scales)
+        grads = (torch.autograd.grad((kc.float().square().sum() + vc.float().sum()),
+                                     (k_new, v_new)) if not fp8 else ())
+        written.append((kc.float(), vc.float(), grads))
+    (k1, v1, g1), (k2, v2, g2) = written
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert not torch.equal(k1, base.float())
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError):
+        kc = base.clone()
+        kv_cache_append_traceable(kc, kc.clone(), k_new.detach(), v_new.detach(),
+                                  torch.tensor([4, 0, 10 if not paged else 12]),
+                                  block_table=table, **scales)
+
+
 def test_compile_fullgraph_decode_with_gradients() -> None:
     """With gradients the torch path cannot be an opaque op (no autograd): under
     torch.compile it traces ``decode_attention_traceable`` in one graph, the eager outputs

@@ -1151,10 +1151,11 @@ def kv_cache_append(
                 # The reference reads lengths on the host: one opaque node for the graph.
                 _append_reference(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
                                   k_scale, v_scale, capacity)
-            else:
-                ref.kv_cache_append_reference(k_cache, v_cache, k_new, v_new, cache_seqlens,
-                                              block_table=block_table, k_scale=k_scale,
-                                              v_scale=v_scale)
+            else:  # (while tracing with autograd: the form that reads nothing on the host)
+                append = (ref.kv_cache_append_traceable if torch.compiler.is_compiling()
+                          else ref.kv_cache_append_reference)
+                append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table=block_table,
+                       k_scale=k_scale, v_scale=v_scale)
             return None
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
             # The kernel writes a head's D values as one run (heads at any stride: token-major

@@ -264,6 +264,46 @@ def kv_cache_append_reference(k_cache, v_cache, k_new, v_new, cache_seqlens, *,
         cache[index] = x.to(cache.dtype)
 
 
+def kv_cache_append_traceable(k_cache, v_cache, k_new, v_new, cache_seqlens, *,
+                              block_table=None, k_scale=None, v_scale=None) -> None:
+    """:func:`kv_cache_append_reference` without reading a length or an id on the host, for
+    ``torch.compile`` to trace (with autograd, where the reference's checks break a full
+    graph): the new rows scattered into each cache through a copy with one spare row, which
+    a padding sequence's rows (block-table row all -1) are written to, then copied back in
+    place. A position outside the cache fails an assertion at run time
+    (``torch._assert_async``), not lmfuse's ``ValueError`` (the eager call raises that);
+    block ids are not checked."""
+    B, s_new = k_new.shape[:2]
+    if B * s_new == 0:
+        return
+    dev = k_new.device
+    pos = cache_seqlens.long()[:, None] + torch.arange(s_new, device=dev)[None, :]
+    rows = k_cache.shape[0] * k_cache.shape[1]
+    if block_table is None:
+        capacity = k_cache.shape[1]
+        flat = torch.arange(B, device=dev)[:, None] * capacity + pos
+    else:
+        block_len, columns = k_cache.shape[1], block_table.shape[1]
+        capacity = block_len * columns
+        live = ((block_table != -1).any(dim=1) if columns
+                else torch.zeros(B, dtype=torch.bool, device=dev))
+        blk = block_table.long().gather(1, (pos // block_len).clamp(0, max(columns - 1, 0)))
+        flat = torch.where(live[:, None], blk * block_len + pos % block_len, rows)
+        pos = torch.where(live[:, None], pos, 0)
+    torch._assert_async(((pos >= 0) & (pos < capacity)).all(),
+                        "kv_cache_append: a new row's position is outside the cache")
+    for cache, new, s in ((k_cache, k_new, k_scale), (v_cache, v_new, v_scale)):
+        x = new.to(torch.float32)
+        if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            if s is not None:
+                x = x / s.to(torch.float32)[:, None]
+            limit = torch.finfo(cache.dtype).max
+            x = x.clamp(-limit, limit)
+        spare = torch.cat([cache.flatten(0, 1), cache.new_zeros((1, *cache.shape[2:]))])
+        spare = spare.index_put((flat.reshape(-1),), x.to(cache.dtype).flatten(0, 1))
+        cache.copy_(spare[:rows].view(cache.shape))
+
+
 # --- the decode-attention block (attention/block.py): its specification -------------------
 
 
@@ -344,8 +384,10 @@ def qk_norm_rope_append_reference(
         pos = default_positions(cache_seqlens, s_active) if positions is None else positions
         q = rope_reference(q, pos, inv_freq, rope_interleaved)
         k = rope_reference(k, pos, inv_freq, rope_interleaved)
-    kv_cache_append_reference(k_cache, v_cache, k, v, cache_seqlens, block_table=block_table,
-                              k_scale=k_scale, v_scale=v_scale)
+    append = (kv_cache_append_traceable if torch.compiler.is_compiling()
+              else kv_cache_append_reference)
+    append(k_cache, v_cache, k, v, cache_seqlens, block_table=block_table, k_scale=k_scale,
+           v_scale=v_scale)
     return q.to(qkv.dtype)
 
 
@@ -408,8 +450,9 @@ def decode_attention_block_reference(
         q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, eps=norm_eps,
         inv_freq=inv_freq, rope_interleaved=rope_interleaved, positions=positions,
         block_table=block_table, k_scale=k_scale, v_scale=v_scale)
-    attn = decode_attention_reference(q, k_cache, v_cache, cache_seqlens + s_active,
-                                      block_table=block_table, scale=scale,
-                                      window_size=window_size, sinks=sinks, k_scale=k_scale,
-                                      v_scale=v_scale)
+    attend = (decode_attention_traceable if torch.compiler.is_compiling()
+              else decode_attention_reference)
+    attn = attend(q, k_cache, v_cache, cache_seqlens + s_active, block_table=block_table,
+                  scale=scale, window_size=window_size, sinks=sinks, k_scale=k_scale,
+                  v_scale=v_scale)
     return linear(attn.reshape(B, s_active, Hq * D), out_weight, out_bias)
