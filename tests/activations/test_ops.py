@@ -964,7 +964,9 @@ def test_backward_flat_tiles_without_a_bias_gradient(monkeypatch, op, gated, wei
     """With the table's ``bwd_flat``, a backward with no bias gradient to sum launches one
     program a tile (2 x 8 here: 10 row tiles of 19 rows, 3 column blocks of 20 columns) in
     the forward's order, with the reference's gradients (x's, the weights'); one with a bias
-    gradient keeps the grouped launch (1 program an SM: one row group)."""
+    gradient keeps the grouped launch (1 program an SM: one row group). The flat grid is
+    one-dimensional: a grid's second axis holds 65535 at most, and a row tile a program
+    passes that at 65536 tokens."""
     from lmfuse import tuning
 
     launches = _spy_kernel(monkeypatch, "act_bwd_kernel")
@@ -993,13 +995,39 @@ def test_backward_flat_tiles_without_a_bias_gradient(monkeypatch, op, gated, wei
     want = grads("torch")
     (grid, kw), = launches
     if bias_grad and takes_bias:
-        assert kw["BLOCK_M"] * kw["BLOCK_N"] == tuning.table(
+        assert not kw["FLAT"] and kw["BLOCK_M"] * kw["BLOCK_N"] == tuning.table(
             "activations", x.device)["bwd_tile"] and grid[1] == 1
     else:
-        assert grid == (3, 10) and (kw["BLOCK_M"], kw["BLOCK_N"], kw["STAGES"]) == (2, 8, None)
+        assert grid == (30,) and kw["FLAT"]
+        assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["STAGES"]) == (2, 8, None)
     assert len(got) == len(want)
     for a, r in zip(got, want):
         assert_close(a, r, torch.float32, op)
+
+
+def test_flat_backward_grid_holds_any_number_of_row_tiles(monkeypatch) -> None:
+    """70000 row tiles of one program each: the flat launch's grid is one axis of 70000
+    (a grid's second axis holds 65535 at most); the grouped launch's row groups stay a few."""
+    from lmfuse import tuning
+    from lmfuse.activations import ops as act_ops
+
+    grids = []
+
+    class NoLaunch:  # records the grid; runs nothing (70000 programs in the interpreter)
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(act_ops._kernels(), "act_bwd_kernel", NoLaunch())
+    x, g = torch.zeros(70000, 2), torch.zeros(70000, 2)
+    with tuning.overlay("activations", {"bwd_flat": {"tile": 2, "max_block_n": 2,
+                                                     "warps": 1}}):
+        for bias_grad in (False, True):
+            act_ops._launch_bwd(x, g, torch.zeros(2) if bias_grad else None, None,
+                                "squared_relu", False, 0.0, None, 1.0, 1.0, torch.float32,
+                                bias_grad)
+    assert grids[0] == (70000,)
+    assert len(grids[1]) == 2 and grids[1][1] <= 65535
 
 
 @pytest.mark.parametrize("op,options,scalars", [

@@ -1500,6 +1500,43 @@ def test_traceable_append_matches_the_reference(paged, s_new, fp8) -> None:
                                   block_table=table, **scales)
 
 
+@pytest.mark.parametrize("bad", ["long", "negative", "unmapped block", "zero scale"])
+def test_traceable_forms_assert_what_the_eager_call_checks(bad: str) -> None:
+    """What the eager call refuses (a length outside [0, capacity], a -1 block among those a
+    sequence's tokens lie in, an fp8 scale of 0), the traceable forms refuse too, at run
+    time (``torch._assert_async``: a RuntimeError); the eager call's ValueError on the
+    same inputs. Nothing is written into a block outside the sequence's own (a -1 block id
+    indexed the pool from its end)."""
+    from lmfuse.attention.reference import decode_attention_traceable, kv_cache_append_traceable
+
+    Hkv, D = 2, 8
+    k = torch.zeros(6, 4, Hkv, D, dtype=torch.float8_e4m3fn)
+    v = torch.zeros_like(k)
+    table = torch.tensor([[0, 1, -1], [2, 3, 4]], dtype=torch.int32)
+    lens = {"long": [13, 3], "negative": [-2, 3], "unmapped block": [9, 3],
+            "zero scale": [5, 3]}[bad]
+    scale = torch.tensor([1.0, 0.0 if bad == "zero scale" else 2.0])
+    q = torch.randn(2, 1, 4, D)
+    with pytest.raises(RuntimeError):
+        decode_attention_traceable(q, k, v, torch.tensor(lens), block_table=table,
+                                   k_scale=scale, v_scale=scale)
+    with pytest.raises(ValueError):
+        lmfuse.decode_attention(q, k, v, torch.tensor(lens), block_table=table,
+                                k_scale=scale, v_scale=scale, impl="torch")
+    append_lens = {"long": [11, 3], "negative": [-2, 3], "unmapped block": [7, 3],
+                   "zero scale": [5, 3]}[bad]
+    before = k.float().clone()
+    with pytest.raises(RuntimeError):
+        kv_cache_append_traceable(k, v, torch.ones(2, 2, Hkv, D), torch.ones(2, 2, Hkv, D),
+                                  torch.tensor(append_lens), block_table=table,
+                                  k_scale=scale, v_scale=scale)
+    with pytest.raises(ValueError):
+        lmfuse.kv_cache_append(k, v, torch.ones(2, 2, Hkv, D), torch.ones(2, 2, Hkv, D),
+                               torch.tensor(append_lens), block_table=table, k_scale=scale,
+                               v_scale=scale, impl="torch")
+    assert torch.equal(k.float()[5], before[5])  # the pool's last block: nobody's
+
+
 def test_compile_fullgraph_decode_with_gradients() -> None:
     """With gradients the torch path cannot be an opaque op (no autograd): under
     torch.compile it traces ``decode_attention_traceable`` in one graph, the eager outputs

@@ -193,8 +193,15 @@ def act_bwd_kernel(
     ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_W: tl.constexpr,
     HAS_CLAMP: tl.constexpr, BIAS_GRAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, STAGES: tl.constexpr = None, SCALARS: tl.constexpr = True,
+    FLAT: tl.constexpr = False,
 ):
-    pid_n, group = tl.program_id(0), tl.program_id(1)
+    # The grouped launch: a 2-D grid (column block, row group). The flat one (a group a row
+    # tile): one axis, column blocks fastest, as a grid's second axis holds 65535 at most.
+    if FLAT:
+        col_blocks = tl.cdiv(N, BLOCK_N)
+        pid_n, group = tl.program_id(0) % col_blocks, tl.program_id(0) // col_blocks
+    else:
+        pid_n, group = tl.program_id(0), tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     if HAS_BIAS:

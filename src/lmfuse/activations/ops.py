@@ -184,7 +184,8 @@ def _launch_bwd(x: torch.Tensor, g: torch.Tensor, bias: Optional[torch.Tensor],
         if db is not None:
             db.zero_()
     else:
-        _kernels().act_bwd_kernel[(col_blocks, groups)](
+        grid = (col_blocks * groups,) if flat is not None else (col_blocks, groups)
+        _kernels().act_bwd_kernel[grid](
             x, x.stride(0), g, g.stride(0), bias, weights, dx, dx.stride(0), db, dw, M, N,
             rows_per_group, float(linear_offset),
             None if clamp_value is None else float(clamp_value),
@@ -192,7 +193,8 @@ def _launch_bwd(x: torch.Tensor, g: torch.Tensor, bias: Optional[torch.Tensor],
             ACT=ACT_IDS[activation], GATED=gated, HAS_BIAS=bias is not None,
             HAS_W=weights is not None, HAS_CLAMP=clamp_value is not None, BIAS_GRAD=bias_grad,
             BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
-            SCALARS=_scalars(linear_offset, gate_multiplier, down_multiplier), num_warps=warps)
+            SCALARS=_scalars(linear_offset, gate_multiplier, down_multiplier),
+            FLAT=flat is not None, num_warps=warps)
     # (Two empties, not one: a custom op's outputs may not alias one another.)
     return (dx, db.sum(0) if db is not None else x.new_empty((0,), dtype=torch.float32),
             dw.sum(0) if dw is not None else x.new_empty((0,), dtype=torch.float32))

@@ -163,6 +163,8 @@ def decode_attention_traceable(
     Hkv = k_cache.shape[2]
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     scale = 1.0 / math.sqrt(D) if scale is None else scale
+    _assert_reads("decode_attention", cache_seqlens.long(), k_cache, block_table, k_scale,
+                  v_scale)
     if block_table is None:
         k, v = k_cache, v_cache
     else:
@@ -264,34 +266,81 @@ def kv_cache_append_reference(k_cache, v_cache, k_new, v_new, cache_seqlens, *,
         cache[index] = x.to(cache.dtype)
 
 
+def _scales_ok(*scales: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Whether every given fp8 scale is finite and > 0 (a bool tensor), None for none."""
+    ok = None
+    for sc in scales:
+        if sc is not None:
+            good = (torch.isfinite(sc) & (sc > 0)).all()
+            ok = good if ok is None else ok & good
+    return ok
+
+
+def _assert_reads(op: str, lengths: torch.Tensor, k_cache: torch.Tensor,
+                  block_table: Optional[torch.Tensor], k_scale, v_scale) -> None:
+    """The eager call's value checks of what a traced decode reads, as one run-time
+    assertion (``torch._assert_async``; a RuntimeError, not lmfuse's ValueError):
+    ``0 <= lengths[b] <= capacity``, the blocks holding each sequence's tokens in the
+    pool, fp8 scales finite and > 0."""
+    if block_table is None:
+        capacity = k_cache.shape[1]
+        ok = ((lengths >= 0) & (lengths <= capacity)).all()
+    else:
+        block_len, columns = k_cache.shape[1], block_table.shape[1]
+        capacity = block_len * columns
+        ok = ((lengths >= 0) & (lengths <= capacity)).all()
+        stop = (lengths.clamp(0, capacity) + block_len - 1) // block_len
+        covered = torch.arange(columns, device=lengths.device)[None, :] < stop[:, None]
+        ids = block_table.long()
+        ok &= ~(covered & ((ids < 0) | (ids >= k_cache.shape[0]))).any()
+    scales = _scales_ok(k_scale, v_scale)
+    if scales is not None:
+        ok &= scales
+    torch._assert_async(ok, f"{op}: a length outside [0, {capacity}], a block id outside the "
+                            f"pool among a sequence's blocks, or an fp8 scale not finite and "
+                            f"> 0 (the eager call names which)")
+
+
 def kv_cache_append_traceable(k_cache, v_cache, k_new, v_new, cache_seqlens, *,
                               block_table=None, k_scale=None, v_scale=None) -> None:
     """:func:`kv_cache_append_reference` without reading a length or an id on the host, for
     ``torch.compile`` to trace (with autograd, where the reference's checks break a full
     graph): the new rows scattered into each cache through a copy with one spare row, which
     a padding sequence's rows (block-table row all -1) are written to, then copied back in
-    place. A position outside the cache fails an assertion at run time
-    (``torch._assert_async``), not lmfuse's ``ValueError`` (the eager call raises that);
-    block ids are not checked."""
+    place (two copies of each cache a call: for the compiled reference path, not for
+    serving). What the eager call checks (a negative length, a position past the
+    capacity, a new row in a block outside the pool, an fp8 scale not finite and > 0)
+    fails one assertion at run time (``torch._assert_async``: a RuntimeError, not
+    lmfuse's ``ValueError``)."""
     B, s_new = k_new.shape[:2]
     if B * s_new == 0:
         return
     dev = k_new.device
-    pos = cache_seqlens.long()[:, None] + torch.arange(s_new, device=dev)[None, :]
+    lengths = cache_seqlens.long()
+    pos = lengths[:, None] + torch.arange(s_new, device=dev)[None, :]
     rows = k_cache.shape[0] * k_cache.shape[1]
+    ok = (lengths >= 0).all()
+    # A row the assertion refuses goes to the spare row too, whenever the assertion runs.
     if block_table is None:
         capacity = k_cache.shape[1]
-        flat = torch.arange(B, device=dev)[:, None] * capacity + pos
+        fits = (pos >= 0) & (pos < capacity)
+        ok &= fits.all()
+        flat = torch.where(fits, torch.arange(B, device=dev)[:, None] * capacity + pos, rows)
     else:
         block_len, columns = k_cache.shape[1], block_table.shape[1]
         capacity = block_len * columns
         live = ((block_table != -1).any(dim=1) if columns
-                else torch.zeros(B, dtype=torch.bool, device=dev))
+                else torch.zeros(B, dtype=torch.bool, device=dev))[:, None]
         blk = block_table.long().gather(1, (pos // block_len).clamp(0, max(columns - 1, 0)))
-        flat = torch.where(live[:, None], blk * block_len + pos % block_len, rows)
-        pos = torch.where(live[:, None], pos, 0)
-    torch._assert_async(((pos >= 0) & (pos < capacity)).all(),
-                        "kv_cache_append: a new row's position is outside the cache")
+        fits = (pos >= 0) & (pos < capacity) & (blk >= 0) & (blk < k_cache.shape[0])
+        ok &= (~live | fits).all()
+        flat = torch.where(live & fits, blk * block_len + pos % block_len, rows)
+    scales = _scales_ok(k_scale, v_scale)
+    if scales is not None:
+        ok &= scales
+    torch._assert_async(ok, f"kv_cache_append: a negative length, a new row past the capacity "
+                            f"of {capacity} or in a block outside the pool, or an fp8 scale "
+                            f"not finite and > 0 (the eager call names which)")
     for cache, new, s in ((k_cache, k_new, k_scale), (v_cache, v_new, v_scale)):
         x = new.to(torch.float32)
         if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
