@@ -335,6 +335,11 @@ def _dense_only_calls() -> dict:
                                                                weight=x),
         "linear_cross_entropy ce_weight": lambda x: lmfuse.linear_cross_entropy(
             torch.randn(4, 8), torch.randn(4, 8), target, ce_weight=x),
+        # (F.linear takes sparse operands: the CPU fast path asks for strided ones)
+        "linear_cross_entropy hidden": lambda x: lmfuse.linear_cross_entropy(
+            x, torch.randn(8, 4), target),
+        "linear_cross_entropy weight": lambda x: lmfuse.linear_cross_entropy(
+            torch.randn(4, 4), x, target),
     }
 
 

@@ -676,8 +676,8 @@ def linear_cross_entropy(
             and ce_weight is None and return_z_loss is False
             and return_token_accuracy is False and return_predicted_tokens is False
             and use_token_scaling is False and accum_dtype is None and cpu_fast(hidden)
-            and hidden.dim() == 2
-            and type(weight) in PLAIN_TENSORS and weight.is_cpu
+            and hidden.layout is _STRIDED and not hidden.is_nested and hidden.dim() == 2
+            and type(weight) in PLAIN_TENSORS and weight.layout is _STRIDED and weight.is_cpu
             and weight.dtype is torch.float32 and weight.dim() == 2
             and weight.shape[0] > 0 and weight.shape[1] == hidden.shape[1]
             and _native_fits(hidden.shape[0], weight.shape[0])):
@@ -694,6 +694,10 @@ def linear_cross_entropy(
                   return_token_accuracy=return_token_accuracy,
                   return_predicted_tokens=return_predicted_tokens,
                   use_token_scaling=use_token_scaling, accum_dtype=accum_dtype)
+
+
+# (F.linear takes sparse operands; the full path refuses them with lmfuse's TypeError)
+_STRIDED = torch.strided
 
 
 def _native_fits(n: int, vocab: int) -> bool:
