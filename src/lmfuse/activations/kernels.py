@@ -6,8 +6,9 @@ with the activation, bias, clamp, linear offset and per-token weights chosen by 
 flags, so each variant compiles to straight-line code. Math is float32. The multipliers
 (Falcon-H1's: ``act(g a) * lin * d``) and the linear offset are runtime float arguments: a
 new value compiles nothing. ``SCALARS`` off (the offset 0, the multipliers 1) leaves their
-operations out: exact either way, but on an H200 a forward that reads at the copy's rate
-has about 40 instructions an element to spend, and SwiGLU's took 3 of them.
+operations out: exact either way, but at an H200's copy rate about 48 instructions a thread
+and element fit a SwiGLU forward's time (computed from the clock, not profiled), and the
+three took 3 of its 29 PTX instructions an element.
 
 A pointer a variant does not read (``b_ptr``, ``w_ptr``, ``x8_ptr``, ``db_ptr``, ``dw_ptr``)
 and ``clamp`` without ``HAS_CLAMP`` come as None: Triton binds them as constants, fewer

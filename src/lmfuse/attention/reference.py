@@ -59,6 +59,21 @@ def logsumexp(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.where((x == math.inf).any(dim=dim), math.inf, torch.logsumexp(x, dim=dim))
 
 
+def _key_weights(s: torch.Tensor, sinks: Optional[torch.Tensor]):
+    """The softmax of scores ``s [..., Hq, keys]`` (masked keys at -inf) with the sinks
+    ``[Hq]`` in its denominator: ``(weights [..., Hq, keys], lse [..., Hq], undefined)``,
+    the weights 0 where the LSE is not finite, ``undefined`` where it is NaN or +inf (the
+    output is NaN there)."""
+    keys = s.shape[-1]
+    if sinks is not None:
+        s = torch.cat([s, sinks.to(s.dtype)[:, None].expand(*s.shape[:-1], 1)], dim=-1)
+    lse = logsumexp(s, dim=-1)
+    finite = torch.isfinite(lse)
+    prob = torch.exp(s - torch.where(finite, lse, 0.0)[..., None])
+    prob = torch.where(finite[..., None], prob, 0.0)[..., :keys]
+    return prob, lse, torch.isnan(lse) | (lse == math.inf)
+
+
 def decode_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -120,15 +135,9 @@ def decode_attention_reference(
             if softcap is not None:
                 s = softcap * torch.tanh(s / softcap)
             s = s.masked_fill(~seen[None, :], -math.inf)
-            if sinks is not None:
-                s = torch.cat([s, sinks.to(compute)[:, None]], dim=1)
-            row_lse = logsumexp(s, dim=1) if s.shape[1] else lse[b, i]
-            finite = torch.isfinite(row_lse)
-            prob = torch.exp(s - torch.where(finite, row_lse, 0.0)[:, None])
-            prob = torch.where(finite[:, None], prob, 0.0)[:, :L]
+            prob, row_lse, undefined = _key_weights(s, sinks)
             # 0 * NaN is NaN: the values of keys this token does not see are left out.
             row = torch.einsum("hl,lhd->hd", prob, torch.where(seen[:, None, None], v, 0.0))
-            undefined = torch.isnan(row_lse) | (row_lse == math.inf)
             out[b, i] = torch.where(undefined[:, None], math.nan, row)
             lse[b, i] = row_lse
     out = out.to(q.dtype)
@@ -190,14 +199,8 @@ def decode_attention_traceable(
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~seen[:, :, None, :], -math.inf)
-    if sinks is not None:
-        s = torch.cat([s, sinks.to(compute)[:, None].expand(B, s_active, Hq, 1)], dim=-1)
-    lse = logsumexp(s, dim=-1)  # [B, s_active, Hq]
-    finite = torch.isfinite(lse)
-    prob = torch.exp(s - torch.where(finite, lse, 0.0)[..., None])
-    prob = torch.where(finite[..., None], prob, 0.0)[..., :rows]
+    prob, lse, undefined = _key_weights(s, sinks)  # lse [B, s_active, Hq]
     out = torch.einsum("bihl,bilhd->bihd", prob, torch.where(mask, v[:, None], 0.0))
-    undefined = torch.isnan(lse) | (lse == math.inf)
     out = torch.where(undefined[..., None], math.nan, out).to(q.dtype)
     return (out, lse) if return_lse else out
 
